@@ -1,0 +1,1 @@
+"""Everything that knows about ranks and meshes. Imports nothing from the rest of `automodel`."""

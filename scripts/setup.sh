@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set up a working environment for automodel in ./.venv (created if missing).
+#
+# - Installs torch==2.13.0 only when no torch is importable: on our CPU machines that resolves to a
+#   local CPU build, and an unpinned `torch` would pull gigabytes of CUDA wheels. A torch that is
+#   already installed (e.g. a CUDA build on a GPU host) is left alone.
+# - Installs the package in editable mode with the `dev` extra (pytest, ruff).
+# - Idempotent and fast on a second run: a stamp records the hash of pyproject.toml.
+#
+# Use AUTOMODEL_VENV=/path to choose another venv, or AUTOMODEL_VENV=none to install into the
+# current interpreter (e.g. a GPU container that ships its own torch).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${AUTOMODEL_VENV:-$root/.venv}"
+
+if [ "$venv" = "none" ]; then
+  py="$(command -v python3 || command -v python)"
+else
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "[setup] creating virtual environment at $venv"
+    python3 -m venv "$venv"
+  fi
+  py="$venv/bin/python"
+fi
+
+stamp="$venv/.automodel-setup-stamp"
+[ "$venv" = "none" ] && stamp="$root/.setup-stamp"
+want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import torch, transformers, automodel" 2>/dev/null; then
+  echo "[setup] environment up to date ($py)"
+  exit 0
+fi
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! "$py" -c "import torch" 2>/dev/null; then
+  echo "[setup] no torch found: installing torch==2.13.0"
+  "$py" -m pip install --quiet "torch==2.13.0"
+else
+  echo "[setup] keeping installed torch $("$py" -c 'import torch; print(torch.__version__)')"
+fi
+echo "[setup] installing automodel (editable, with dev extras)"
+"$py" -m pip install --quiet -e "$root[dev]"
+echo "$want" > "$stamp"
+echo "[setup] done: $("$py" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"
