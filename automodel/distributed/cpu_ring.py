@@ -1,0 +1,281 @@
+"""Let torch's own ring attention run on CPU (gloo).
+
+torch 2.13's ``context_parallel`` dispatches SDPA on sequence-sharded DTensors to its ring attention
+(``_templated_ring_attention`` and its backward) only for the CUDA kernels (flash, efficient,
+cuDNN). On CPU, ``F.scaled_dot_product_attention`` lowers to
+``aten._scaled_dot_product_flash_attention_for_cpu``, which has no sharding strategy, so every
+CPU run dies in DTensor sharding propagation.
+
+This module registers that op and its backward with the *same* ring implementation:
+
+- a sharding strategy (all-replicate, or everything ``Shard(2)`` = the sequence dim) so DTensor
+  propagation accepts the sequence-sharded q/k/v that ``context_parallel`` produces;
+- a custom DTensor handler that unwraps the local shards and calls
+  ``_templated_ring_attention`` / ``_templated_ring_attention_backward`` with the CPU kernels.
+
+Nothing is copied from torch's ring: the math (head-tail load balancing, LSE merging, the kv and
+dkv rotation) is torch's. :func:`cpu_ring_attention` installs both pieces for the duration of a
+``with`` block and must be entered *before* torch's ``context_parallel`` (which snapshots the
+custom handlers on entry). :func:`automodel.distributed.cp_utils.create_context_parallel_ctx`
+does this automatically when the CP mesh is on CPU.
+
+Precision: torch's ring upcasts each partial output and LSE to fp32 before merging
+(``_cp_options.convert_to_f32``). That is right for bf16/fp16 but would silently *downcast* fp64
+inputs, so for fp64 q/k/v the handler merges in fp64 instead.
+
+This touches private torch symbols. They are feature-detected; when one is missing,
+:func:`check_cpu_ring_support` raises a ``RuntimeError`` naming the torch version and the symbol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["check_cpu_ring_support", "cpu_ring_attention", "cpu_ring_supported"]
+
+aten = torch.ops.aten
+
+_ATTN_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
+_RULES_MODULE = "torch.distributed.tensor.experimental._context_parallel._sharding_rules"
+_REQUIRED = {
+    _ATTN_MODULE: (
+        "_templated_ring_attention",
+        "_templated_ring_attention_backward",
+        "_cp_options",
+        "custom_ops",
+    ),
+    _RULES_MODULE: ("_op_strategy_context",),
+    "torch.distributed.tensor._ops.utils": ("expand_to_full_mesh_op_strategy",),
+    "torch.distributed.tensor._op_schema": ("OpSchema", "OpStrategy", "RuntimeSchemaInfo"),
+}
+_SEQ_DIM = 2  # [B, H, S, D]
+
+
+def _missing_symbols() -> list[str]:
+    missing = []
+    for module_name, names in _REQUIRED.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
+    for op in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+    ):
+        if not hasattr(aten, op):
+            missing.append(f"aten.{op}")
+    return missing
+
+
+def cpu_ring_supported() -> bool:
+    """True when this torch exposes every private symbol the CPU ring needs."""
+    return not _missing_symbols()
+
+
+def check_cpu_ring_support() -> None:
+    """Raise ``RuntimeError`` naming the torch version and the missing symbols, if any."""
+    missing = _missing_symbols()
+    if missing:
+        raise RuntimeError(
+            f"ring context parallelism on CPU needs private torch APIs that torch {torch.__version__} "
+            f"does not have: {', '.join(missing)}. automodel's CPU ring is tested with torch 2.13; "
+            "install torch==2.13.0, or run CP on CUDA, or use distributed.cp_method=ulysses"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# sharding strategies
+# ---------------------------------------------------------------------------------------------
+def _tensor_arg_count(op_schema: Any) -> int:
+    from torch.distributed.tensor._op_schema import OpStrategy
+
+    n = sum(isinstance(a, OpStrategy) for a in op_schema.args_schema)
+    return n + sum(isinstance(v, OpStrategy) for v in op_schema.kwargs_schema.values())
+
+
+def _forward_strategy(op_schema: Any) -> Any:
+    """Placements for ``(out, lse, q, k, v)``: all replicated, or all sharded on the sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    if _tensor_arg_count(op_schema) != 3:
+        raise NotImplementedError(_MASK_MESSAGE)
+    mesh = op_schema.get_mesh_from_args()
+    strategies = [
+        [Replicate()] * 5,
+        [Shard(_SEQ_DIM)] * 5,
+    ]
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=2)
+
+
+def _backward_strategy(op_schema: Any) -> Any:
+    """Placements for ``(dq, dk, dv, grad_out, q, k, v, out, lse)``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    if _tensor_arg_count(op_schema) != 6:
+        raise NotImplementedError(_MASK_MESSAGE)
+    mesh = op_schema.get_mesh_from_args(validate=False)
+    strategies = [
+        [Replicate()] * 9,
+        [Shard(_SEQ_DIM)] * 9,
+    ]
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3)
+
+
+_MASK_MESSAGE = (
+    "ring context parallelism got an explicit attention mask (attn_mask); the ring computes plain "
+    "causal attention only. Pass no attention_mask (padding at the end of a row with labels=-100 is "
+    "exact for causal attention), or use the packed THD path (use_te=True) or Ulysses CP "
+    "(distributed.cp_method=ulysses) for masks and packed documents"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# the DTensor handler: unwrap, run torch's ring with the CPU kernels, wrap
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _merge_precision(dtype: torch.dtype) -> Iterator[None]:
+    """Merge partial results in fp64 when the inputs are fp64 (torch's ring would use fp32)."""
+    attn = importlib.import_module(_ATTN_MODULE)
+    old = attn._cp_options.convert_to_f32
+    if dtype == torch.float64:
+        attn._cp_options.convert_to_f32 = False
+    try:
+        yield
+    finally:
+        attn._cp_options.convert_to_f32 = old
+
+
+def _ring_forward(
+    mesh: Any, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
+):
+    attn = importlib.import_module(_ATTN_MODULE)
+    if attn_mask is not None:
+        raise ValueError(_MASK_MESSAGE)
+    if dropout_p:
+        raise ValueError(
+            f"ring context parallelism got attention dropout_p={dropout_p}; set attention dropout to 0"
+        )
+    with _merge_precision(query.dtype):
+        return attn._templated_ring_attention(
+            mesh.get_group(),
+            _SEQ_DIM,
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            query=query,
+            key=key,
+            value=value,
+            is_causal=is_causal,
+            dropout_p=0.0,
+            scale=scale,
+        )
+
+
+def _ring_backward(
+    mesh: Any,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    dropout_p,
+    is_causal,
+    *,
+    attn_mask=None,
+    scale=None,
+):
+    attn = importlib.import_module(_ATTN_MODULE)
+    if attn_mask is not None:
+        raise ValueError(_MASK_MESSAGE)
+    with _merge_precision(query.dtype):
+        return attn._templated_ring_attention_backward(
+            mesh.get_group(),
+            _SEQ_DIM,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            grad_out=grad_out,
+            grad_out_name="grad_out",
+            query=query,
+            key=key,
+            value=value,
+            out=out,
+            logsumexp=logsumexp,
+            is_causal=is_causal,
+            dropout_p=0.0,
+            scale=scale,
+        )
+
+
+def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    output_sharding = op_info.output_sharding
+    if output_sharding is None or output_sharding.needs_redistribute:
+        raise RuntimeError(
+            f"ring context parallelism on CPU expected q/k/v sharded on the sequence dim for {op_call}; "
+            "got a layout that needs redistribution"
+        )
+    fn = (
+        _ring_forward
+        if op_call == aten._scaled_dot_product_flash_attention_for_cpu.default
+        else _ring_backward
+    )
+    local = fn(op_info.compute_mesh, *op_info.local_args, **op_info.local_kwargs)
+    return dispatcher.wrap(tuple(local), output_sharding.output_spec)
+
+
+@contextlib.contextmanager
+def cpu_ring_attention() -> Iterator[None]:
+    """Route CPU SDPA on sequence-sharded DTensors to torch's ring attention, inside this block.
+
+    Enter it *before* ``torch.distributed.tensor.experimental.context_parallel`` (which copies the
+    custom op handlers when it starts). Re-entrant: nested uses are no-ops. Mutates torch's private
+    CP handler table and DTensor's sharding-strategy registry, and restores both on exit.
+
+    Raises:
+        RuntimeError: this torch lacks a private symbol the CPU ring needs (see module docstring).
+    """
+    global _depth
+    check_cpu_ring_support()
+    if _depth:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+        return
+
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    attn = importlib.import_module(_ATTN_MODULE)
+    rules = importlib.import_module(_RULES_MODULE)
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(rules._op_strategy_context(fwd, _forward_strategy, RuntimeSchemaInfo(3)))
+        stack.enter_context(rules._op_strategy_context(bwd, _backward_strategy, RuntimeSchemaInfo(6)))
+        saved = {op: attn.custom_ops.get(op) for op in (fwd, bwd)}
+        attn.custom_ops.update({fwd: _handler, bwd: _handler})
+        _depth = 1
+        try:
+            yield
+        finally:
+            _depth = 0
+            for op, old in saved.items():
+                if old is None:
+                    attn.custom_ops.pop(op, None)
+                else:
+                    attn.custom_ops[op] = old
+
+
+_depth = 0

@@ -1,0 +1,172 @@
+"""Parallel sizes -> one named ``DeviceMesh``, validated in one place.
+
+:class:`ParallelDims` owns the rules (every size positive, ``dp_shard`` inferred when ``-1``, the
+product equal to the world size) and builds the mesh. The training loop only reads it.
+
+Mesh dims, outermost first: ``dp_replicate, dp_shard, cp, tp``. Flattened views, for the
+collectives that span several dims:
+
+- ``dp``          = ``dp_replicate x dp_shard``   (data loading: ranks that see different rows)
+- ``dp_shard_cp`` = ``dp_shard x cp``              (FSDP2 shards parameters over it)
+- ``dp_cp``       = ``dp_replicate x dp_shard x cp`` (loss / token-count all-reduce)
+
+Ranks of one ``cp`` group see the same rows and split each row's sequence.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelDims", "build_device_mesh", "init_distributed", "default_device_type", "default_backend"]
+
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+def default_device_type() -> str:
+    """``"cuda"`` when a CUDA device is usable, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_backend(device_type: str | None = None) -> str:
+    """``"nccl"`` for CUDA, ``"gloo"`` for CPU."""
+    return "nccl" if (device_type or default_device_type()) == "cuda" else "gloo"
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of each parallel dimension; ``dp_shard=-1`` means "whatever is left of the world".
+
+    Args:
+        dp_replicate: replicas (HSDP outer dim). >= 1.
+        dp_shard: FSDP shards; ``-1`` infers ``world_size // (dp_replicate * cp * tp)``.
+        cp: context-parallel size (ranks that split one sequence). >= 1.
+        tp: tensor-parallel size. >= 1.
+        world_size: total ranks; defaults to ``torch.distributed`` / ``$WORLD_SIZE`` / 1.
+
+    Raises:
+        ValueError: a size is not a positive int (``-1`` allowed for ``dp_shard``), or the sizes do
+            not multiply to the world size. The message names the sizes and the fix.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    world_size: int | None = None
+    _inferred: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size is None:
+            if dist.is_available() and dist.is_initialized():
+                self.world_size = dist.get_world_size()
+            else:
+                self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        for name in ("dp_replicate", "cp", "tp", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if (
+            not isinstance(self.dp_shard, int)
+            or isinstance(self.dp_shard, bool)
+            or (self.dp_shard < 1 and self.dp_shard != -1)
+        ):
+            raise ValueError(f"dp_shard={self.dp_shard!r} must be a positive integer, or -1 to infer it")
+        others = self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others != 0:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by dp_replicate*cp*tp = "
+                    f"{self.dp_replicate}*{self.cp}*{self.tp} = {others}; choose sizes whose product "
+                    f"divides the number of launched processes (torchrun --nproc-per-node)"
+                )
+            self.dp_shard = self.world_size // others
+            self._inferred = True
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp_replicate*dp_shard*cp*tp = {self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp} = "
+                f"{product} must equal the world size {self.world_size}; set dp_shard=-1 to infer it, "
+                f"or launch {product} processes"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that read different rows (``dp_replicate * dp_shard``)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """Build the 4-D mesh ``(dp_replicate, dp_shard, cp, tp)`` plus the flattened views.
+
+        ``torch.distributed`` must be initialised with ``world_size`` ranks. Size-1 dims are kept,
+        so ``mesh["cp"]`` always exists. Flattened views: ``mesh["dp"]``, ``mesh["dp_shard_cp"]``,
+        ``mesh["dp_cp"]``.
+        """
+        device_type = device_type or default_device_type()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "torch.distributed is not initialised; call init_distributed() (or "
+                "torch.distributed.init_process_group) before build_mesh()"
+            )
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims was built for world size {self.world_size} but torch.distributed has "
+                f"{dist.get_world_size()} ranks"
+            )
+        mesh = init_device_mesh(
+            device_type,
+            (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+            mesh_dim_names=MESH_DIM_NAMES,
+        )
+        mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+        mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+        return mesh
+
+
+def build_device_mesh(
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    cp: int = 1,
+    tp: int = 1,
+    device_type: str | None = None,
+) -> DeviceMesh:
+    """Shortcut: ``ParallelDims(dp_replicate, dp_shard, cp, tp).build_mesh(device_type)``."""
+    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp).build_mesh(device_type)
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int]:
+    """Initialise ``torch.distributed`` from torchrun's environment (single process when absent).
+
+    Returns ``(rank, world_size)``. Chooses NCCL on CUDA (and sets the local CUDA device), gloo on
+    CPU. Without ``$WORLD_SIZE`` it initialises a 1-rank group on 127.0.0.1 so the same code path
+    runs as a plain ``python`` process.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = backend or default_backend()
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()

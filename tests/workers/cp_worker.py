@@ -1,0 +1,204 @@
+"""Ring-CP parity checks run on every rank of one gloo group (see tests/test_cp_parity.py).
+
+Each check compares a CP run against the single-process computation of the same thing, done on the
+same rank, and returns error figures; the test module asserts on them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+from automodel.distributed.cp_utils import create_context_parallel_ctx, make_cp_batch_and_ctx
+
+
+def head_tail_index(seq_len: int, world: int, rank: int) -> torch.Tensor:
+    """Independent statement of the head-tail layout: chunks r and 2W-1-r of 2W equal chunks."""
+    c = seq_len // (2 * world)
+    return torch.cat(
+        [
+            torch.arange(rank * c, (rank + 1) * c),
+            torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c),
+        ]
+    )
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def sdpa_checks(mesh, rank: int, world: int) -> dict:
+    """Raw SDPA under create_context_parallel_ctx vs single-process SDPA: out, dq, dk, dv."""
+    results = {}
+    seq = 8 * world
+    for dtype in (torch.float32, torch.float64):
+        for method in ("allgather", "alltoall"):
+            for kv_heads in (4, 2):
+                g = torch.Generator().manual_seed(1234)
+                q = torch.randn(2, 4, seq, 16, dtype=dtype, generator=g)
+                k = torch.randn(2, kv_heads, seq, 16, dtype=dtype, generator=g)
+                v = torch.randn(2, kv_heads, seq, 16, dtype=dtype, generator=g)
+                dout = torch.randn(2, 4, seq, 16, dtype=dtype, generator=g)
+                gqa = kv_heads != 4
+                ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref = F.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=gqa)
+                ref.backward(dout)
+                bufs = [q.clone(), k.clone(), v.clone(), dout.clone()]
+                ctx = create_context_parallel_ctx(
+                    mesh, bufs, [2, 2, 2, 2], set(bufs), cp_rotate_method=method
+                )
+                with ctx:
+                    local = [t.detach().clone().requires_grad_() for t in bufs[:3]]
+                    out = F.scaled_dot_product_attention(*local, is_causal=True, enable_gqa=gqa)
+                    out.backward(bufs[3])
+                    full = context_parallel_unshard(
+                        mesh, [out.detach(), *(t.grad for t in local)], [2, 2, 2, 2]
+                    )
+                expected = [ref.detach(), *(t.grad for t in ref_in)]
+                key = f"{str(dtype).split('.')[-1]}-{method}-kv{kv_heads}"
+                results[key] = {
+                    name: _max_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), full, expected)
+                }
+                # the shard this rank held is exactly its head-tail chunks of the global q
+                results[key]["shard_ok"] = torch.equal(
+                    local[0].detach(), q[:, :, head_tail_index(seq, world, rank)]
+                )
+    return results
+
+
+def _tiny_model(family: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    config = LlamaConfig(**common) if family == "llama" else Qwen2Config(**common)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+def _token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def model_checks(mesh, rank: int, world: int, families=("llama", "qwen2"), dtypes=(torch.float32,)) -> dict:
+    """Tiny HF model through make_cp_batch_and_ctx vs single process: loss and every gradient."""
+    results = {}
+    seq = 16 * world
+    for family in families:
+        for dtype in dtypes:
+            model = _tiny_model(family, dtype)
+            g = torch.Generator().manual_seed(7)
+            input_ids = torch.randint(0, 128, (2, seq), generator=g)
+            labels = torch.randint(0, 128, (2, seq), generator=g)
+            labels[0, -5:] = -100  # right padding, excluded through labels only
+            labels[1, :3] = -100  # a masked prompt
+            count = int((labels != -100).sum())
+
+            ref_model = copy.deepcopy(model)
+            ref_logits = ref_model(input_ids=input_ids).logits
+            ref_loss = _token_loss_sum(ref_logits, labels) / count
+            ref_loss.backward()
+
+            batch = {
+                "input_ids": input_ids.clone(),
+                "labels": labels.clone(),
+                "attention_mask": torch.ones_like(input_ids),
+            }
+            train_ctx, cp_batch = make_cp_batch_and_ctx(mesh, batch)
+            with train_ctx():
+                shard_ok = torch.equal(cp_batch["input_ids"], input_ids[:, head_tail_index(seq, world, rank)])
+                logits = model(input_ids=cp_batch["input_ids"], position_ids=cp_batch["position_ids"]).logits
+                loss = _token_loss_sum(logits, cp_batch["labels"]) / count
+                loss.backward()
+            loss = loss.detach()
+            dist.all_reduce(loss)
+            grad_rel = {}
+            for (name, p), (_, p_ref) in zip(model.named_parameters(), ref_model.named_parameters()):
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                grad_rel[name] = (
+                    (grad - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp_min(1e-30)
+                ).item()
+            results[f"{family}-{str(dtype).split('.')[-1]}"] = {
+                "loss_rel": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                "grad_rel_max": max(grad_rel.values()),
+                "worst_param": max(grad_rel, key=grad_rel.get),
+                "n_params": len(grad_rel),
+                "shard_ok": shard_ok,
+                "user_batch_untouched": torch.equal(batch["input_ids"], input_ids)
+                and "position_ids" not in batch
+                and "attention_mask" in batch,
+            }
+    return results
+
+
+def buffer_checks(mesh, rank: int, world: int) -> dict:
+    """position_ids built when missing, mRoPE [3, B, S] sharded on dim 2, loss/padding masks sharded."""
+    seq = 8 * world
+    idx = head_tail_index(seq, world, rank)
+    input_ids = torch.arange(2 * seq).view(2, seq)
+    mrope = torch.arange(3 * 2 * seq).view(3, 2, seq)
+    loss_mask = torch.arange(2 * seq).view(2, seq) % 3 == 0
+    padding_mask = input_ids % 5 == 0
+    batch = {
+        "input_ids": input_ids.clone(),
+        "labels": input_ids.clone() + 1,
+        "padding_mask": padding_mask.clone(),
+    }
+    ctx, out = make_cp_batch_and_ctx(mesh, batch, loss_mask=loss_mask.clone())
+    with ctx():
+        built = out["position_ids"].clone()
+        sharded = {k: out[k].clone() for k in ("input_ids", "labels", "loss_mask", "padding_mask")}
+    batch3 = {"input_ids": input_ids.clone(), "labels": input_ids.clone(), "position_ids": mrope.clone()}
+    ctx3, out3 = make_cp_batch_and_ctx(mesh, batch3)
+    with ctx3():
+        mrope_local = out3["position_ids"].clone()
+    return {
+        "position_ids": torch.equal(built, idx.unsqueeze(0)),
+        "input_ids": torch.equal(sharded["input_ids"], input_ids[:, idx]),
+        "labels": torch.equal(sharded["labels"], input_ids[:, idx] + 1),
+        "loss_mask": torch.equal(sharded["loss_mask"], loss_mask[:, idx]),
+        "padding_mask": torch.equal(sharded["padding_mask"], padding_mask[:, idx]),
+        "mrope": torch.equal(mrope_local, mrope[:, :, idx]),
+    }
+
+
+def mesh_checks(rank: int, world: int) -> dict:
+    """ParallelDims meshes: dim sizes and flattened views; CP through the full 4-D mesh."""
+    from automodel.distributed.mesh import ParallelDims
+
+    sizes = {}
+    for cp in (1, world):
+        mesh = ParallelDims(cp=cp).build_mesh("cpu")
+        sizes[cp] = {
+            name: mesh[name].size()
+            for name in ("dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
+        }
+    full_mesh = ParallelDims(cp=world).build_mesh("cpu")
+    return {"sizes": sizes, "buffers_via_full_mesh": buffer_checks(full_mesh, rank, world)}
+
+
+def main(rank: int, world_size: int, model_families=("llama", "qwen2"), model_dtypes=("float32",)) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    dtypes = tuple(getattr(torch, d) for d in model_dtypes)
+    return {
+        "sdpa": sdpa_checks(mesh, rank, world_size),
+        "model": model_checks(mesh, rank, world_size, families=model_families, dtypes=dtypes),
+        "buffers": buffer_checks(mesh, rank, world_size),
+        "mesh": mesh_checks(rank, world_size),
+    }
