@@ -1,0 +1,175 @@
+#!/usr/bin/env python
+"""Benchmark ring CP on CPU: a tiny Llama forward+backward at growing sequence lengths, cp=1 vs cp=2.
+
+Every (cp, length) pair runs in fresh processes (one thread per rank, gloo on 127.0.0.1) so the
+memory figures do not inherit an earlier run's high-water mark. Printed per length:
+
+- step time (median over ``--steps`` timed steps after one warm-up; for cp=2 the slower rank);
+- parallel efficiency ``T(cp=1) / (2 * T(cp=2))`` (1.0 = perfect scaling over 2 ranks);
+- per-rank peak memory above the process baseline: the kernel's peak RSS (VmHWM, reset after the
+  warm-up step) during the timed steps minus the RSS just before them, i.e. what one training
+  step needs on top of the model, the batch and one-time costs; and its ratio cp=2 / cp=1.
+
+Targets (issue 2): efficiency >= 0.8 and memory ratio <= 0.6 at the longest length.
+
+    python scripts/bench_cp.py                       # 2k, 4k, 8k, 16k
+    python scripts/bench_cp.py --seq-lens 1024 2048 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mib() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _worker(rank: int, world: int, port: int, seq_len: int, steps: int, model_kw: dict, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        max_position_embeddings=seq_len, attn_implementation="sdpa", use_cache=False, **model_kw
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=g)
+    labels = torch.randint(0, config.vocab_size, (1, seq_len), generator=g)
+    count = int((labels != -100).sum())
+
+    def step() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        ctx, batch = make_cp_batch_and_ctx(
+            mesh if world > 1 else None, {"input_ids": input_ids, "labels": labels}
+        )
+        with ctx():
+            logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum") / count
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return elapsed.item()
+
+    step()  # warm-up: lazy imports, gloo buffers, allocator pools
+    gc.collect()
+    baseline = _rss_mib()
+    if not _reset_peak_rss():
+        baseline = _rss_mib()  # peak then includes the warm-up's one-time costs (conservative)
+    times = [step() for _ in range(steps)]
+    peak = _peak_rss_mib() - baseline
+    torch.save({"time": statistics.median(times), "peak_mib": peak}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def run(world: int, seq_len: int, steps: int, model_kw: dict, timeout: float) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, port, seq_len, steps, model_kw, out))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        if any(p.is_alive() for p in procs) or any(p.exitcode != 0 for p in procs):
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"cp={world} seq={seq_len}: workers failed or timed out after {timeout}s")
+        results = [torch.load(Path(out) / f"rank{r}.pt") for r in range(world)]
+    return {"time": max(r["time"] for r in results), "peak_mib": max(r["peak_mib"] for r in results)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args()
+    model_kw = dict(
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab_size,
+    )
+    print(f"tiny Llama {model_kw}, fp32, CPU, 1 thread per rank, torch {torch.__version__}", flush=True)
+    header = (
+        "| seq len | T(cp=1) s | T(cp=2) s | efficiency | peak MiB cp=1 | peak MiB/rank cp=2 | mem ratio |"
+    )
+    print(header)
+    print("|---|---|---|---|---|---|---|")
+    for seq_len in args.seq_lens:
+        one = run(1, seq_len, args.steps, model_kw, args.timeout)
+        two = run(2, seq_len, args.steps, model_kw, args.timeout)
+        eff = one["time"] / (2 * two["time"])
+        ratio = two["peak_mib"] / one["peak_mib"]
+        print(
+            f"| {seq_len} | {one['time']:.3f} | {two['time']:.3f} | {eff:.2f} | {one['peak_mib']:.0f} | "
+            f"{two['peak_mib']:.0f} | {ratio:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
