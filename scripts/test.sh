@@ -8,7 +8,7 @@ venv="${AUTOMODEL_VENV:-$root/.venv}"
 py="$venv/bin/python"; [ "$venv" = "none" ] && py="$(command -v python3)"
 cd "$root"
 echo "[test] ruff"
-"$py" -m ruff check automodel recipes scripts tests
+"$py" -m ruff check automodel recipes scripts tests examples
 echo "[test] pytest"
 set +e
 "$py" -m pytest "$@"
