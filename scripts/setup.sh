@@ -17,8 +17,14 @@ if [ "$venv" = "none" ]; then
   py="$(command -v python3 || command -v python)"
 else
   if [ ! -x "$venv/bin/python" ]; then
-    echo "[setup] creating virtual environment at $venv"
-    python3 -m venv "$venv"
+    if python3 -c "import torch" 2>/dev/null; then
+      # A GPU host's torch (often a CUDA build in the system or container Python): let the venv see it.
+      echo "[setup] creating virtual environment at $venv (sharing the system's torch)"
+      python3 -m venv --system-site-packages "$venv"
+    else
+      echo "[setup] creating virtual environment at $venv"
+      python3 -m venv "$venv"
+    fi
   fi
   py="$venv/bin/python"
 fi
