@@ -1,0 +1,165 @@
+"""All-to-all with autograd: trade a shard of one dimension for a shard of another.
+
+``all_to_all(x, group, scatter_dim, gather_dim)`` splits ``x`` along ``scatter_dim`` into ``W`` pieces
+(``W`` = the group's size), sends piece ``j`` to rank ``j``, and concatenates the pieces it receives
+along ``gather_dim`` in rank order. Ulysses attention uses it twice per layer: q/k/v go from
+sequence-sharded ``[B, H, S/W, D]`` to head-sharded ``[B, H/W, S, D]`` (scatter heads, gather sequence),
+and the output goes back (scatter sequence, gather heads).
+
+Sizes. A dimension of total size ``N`` is split near-evenly with the remainder on the first ranks
+(:func:`even_split_sizes`: 100 over 3 -> ``[34, 33, 33]``). The scatter side is split that way from
+``x.size(scatter_dim)``; the gather side is ``x.size(gather_dim)`` on every rank unless ``gather_size``
+(the total after gathering) says otherwise, in which case rank ``r`` must hold
+``even_split_sizes(gather_size, W)[r]`` elements along ``gather_dim``. When both sides are even the
+exchange is one ``all_to_all_single`` on a stacked tensor; otherwise it is one ``all_to_all_single``
+with per-rank split sizes on flattened pieces (gloo and NCCL both support uneven splits).
+
+Backward is the reverse all-to-all (scatter the gradient along ``gather_dim``, gather it along
+``scatter_dim``), which is the exact adjoint: all-to-all only moves values. At world size 1 the
+function returns its input unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["all_to_all", "even_split_sizes"]
+
+
+def even_split_sizes(total: int, world_size: int) -> list[int]:
+    """Near-even split of ``total`` items over ``world_size`` ranks, remainder on the first ranks.
+
+    ``even_split_sizes(100, 3) == [34, 33, 33]``; ``even_split_sizes(8, 2) == [4, 4]``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    base, rem = divmod(total, world_size)
+    return [base + 1 if r < rem else base for r in range(world_size)]
+
+
+def _world(group: ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _exchange(
+    x: torch.Tensor,
+    group: ProcessGroup | None,
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: list[int],
+    gather_sizes: list[int],
+    rank: int,
+) -> torch.Tensor:
+    """One all_to_all_single moving piece j of ``x`` (along scatter_dim) to rank j; no autograd."""
+    world = len(scatter_sizes)
+    if len(set(scatter_sizes)) == 1 and len(set(gather_sizes)) == 1:
+        # Aligned: stack the W pieces on a new leading dim; rank i's piece arrives at out[i].
+        send = torch.stack(x.split(scatter_sizes[0], dim=scatter_dim), dim=0).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return torch.cat(recv.unbind(0), dim=gather_dim)
+    # Uneven: flatten each piece; split sizes are element counts.
+    pieces = x.split(scatter_sizes, dim=scatter_dim)
+    send = torch.cat([p.contiguous().reshape(-1) for p in pieces])
+    in_splits = [p.numel() for p in pieces]
+    recv_shapes = []
+    for i in range(world):
+        shape = list(x.shape)
+        shape[scatter_dim] = scatter_sizes[rank]
+        shape[gather_dim] = gather_sizes[i]
+        recv_shapes.append(shape)
+    out_splits = [math.prod(s) for s in recv_shapes]
+    recv = x.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+    parts = [p.view(s) for p, s in zip(recv.split(out_splits), recv_shapes)]
+    return torch.cat(parts, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim, gather_size, world, rank):  # type: ignore[override]
+        scatter_sizes = even_split_sizes(x.size(scatter_dim), world)
+        if gather_size is None:
+            gather_sizes = [x.size(gather_dim)] * world
+        else:
+            gather_sizes = even_split_sizes(gather_size, world)
+            if gather_sizes[rank] != x.size(gather_dim):
+                raise ValueError(
+                    f"all_to_all: rank {rank} holds {x.size(gather_dim)} elements along gather_dim={gather_dim}, "
+                    f"but gather_size={gather_size} over {world} ranks gives it {gather_sizes[rank]} "
+                    f"(near-even split {gather_sizes}, remainder on the first ranks); shard the input with "
+                    "even_split_sizes or pass the right gather_size"
+                )
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        ctx.scatter_total, ctx.world, ctx.rank = x.size(scatter_dim), world, rank
+        return _exchange(x, group, scatter_dim, gather_dim, scatter_sizes, gather_sizes, rank)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        # Reverse exchange: scatter along the forward gather dim (its total splits back into the same
+        # near-even sizes), gather along the forward scatter dim to its original total.
+        grad_x = _AllToAll.apply(
+            grad.contiguous(),
+            ctx.group,
+            ctx.gather_dim,
+            ctx.scatter_dim,
+            ctx.scatter_total,
+            ctx.world,
+            ctx.rank,
+        )
+        return grad_x, None, None, None, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group: ProcessGroup | None,
+    scatter_dim: int,
+    gather_dim: int,
+    gather_size: int | None = None,
+) -> torch.Tensor:
+    """All-to-all over ``group`` with autograd: scatter ``x`` along ``scatter_dim``, gather along ``gather_dim``.
+
+    Args:
+        x: any-dtype tensor, the same shape on every rank except along ``gather_dim`` (when uneven).
+        group: the process group (``None`` = the default group). World size 1 (or torch.distributed
+            not initialised) returns ``x`` unchanged.
+        scatter_dim: dimension split into ``W`` near-even pieces (remainder on the first ranks); piece
+            ``j`` goes to rank ``j``.
+        gather_dim: dimension along which the received pieces are concatenated in rank order.
+        gather_size: total size along ``gather_dim`` after gathering; ``None`` means every rank holds
+            ``x.size(gather_dim)``. Rank ``r`` must hold ``even_split_sizes(gather_size, W)[r]``.
+
+    Returns:
+        A new tensor whose ``scatter_dim`` is rank ``r``'s piece and whose ``gather_dim`` is the total.
+        E.g. ``[B, H, S/W, D]`` with ``scatter_dim=1, gather_dim=2`` -> ``[B, H/W, S, D]``.
+        ``x`` is not mutated. Backward is the reverse all-to-all.
+
+    Raises:
+        ValueError: ``scatter_dim == gather_dim``, a dim out of range, or a local size that does not
+        match ``gather_size``.
+    """
+    ndim = x.dim()
+    for name, d in (("scatter_dim", scatter_dim), ("gather_dim", gather_dim)):
+        if not -ndim <= d < ndim:
+            raise ValueError(
+                f"all_to_all: {name}={d} is out of range for a {ndim}-d tensor of shape {tuple(x.shape)}"
+            )
+    scatter_dim, gather_dim = scatter_dim % ndim, gather_dim % ndim
+    if scatter_dim == gather_dim:
+        raise ValueError(f"all_to_all: scatter_dim and gather_dim must differ, both are {scatter_dim}")
+    world, rank = _world(group)
+    if world == 1:
+        if gather_size is not None and gather_size != x.size(gather_dim):
+            raise ValueError(
+                f"all_to_all: world size 1 but gather_size={gather_size} != x.size({gather_dim})={x.size(gather_dim)}"
+            )
+        return x
+    return _AllToAll.apply(x.contiguous(), group, scatter_dim, gather_dim, gather_size, world, rank)
