@@ -1,1 +1,28 @@
-"""automodel.models"""
+"""Hugging Face causal LMs for the recipe: config resolution and checks (``loader``), activation
+checkpointing and FSDP2 (``parallelize``)."""
+
+from automodel.models.loader import (
+    ResolvedModelConfig,
+    build_model,
+    check_model_for_run,
+    resolve_model_config,
+    torch_dtype,
+)
+from automodel.models.parallelize import (
+    apply_activation_checkpointing,
+    apply_fsdp2,
+    decoder_layers,
+    fsdp_mesh,
+)
+
+__all__ = [
+    "ResolvedModelConfig",
+    "apply_activation_checkpointing",
+    "apply_fsdp2",
+    "build_model",
+    "check_model_for_run",
+    "decoder_layers",
+    "fsdp_mesh",
+    "resolve_model_config",
+    "torch_dtype",
+]

@@ -1,0 +1,158 @@
+"""Rules across keys: combinations that type-check but cannot run (or would run wrongly).
+
+:func:`check_rules` returns a list of problems, each naming the keys, the values, the rule and
+the fix. It runs before the process group or any model is built, from the typed config and the
+world size alone.
+"""
+
+from __future__ import annotations
+
+from automodel.config.schema import RecipeConfig
+from automodel.training.cp_dispatch import CP_METHODS
+
+__all__ = ["check_rules", "parallel_sizes"]
+
+
+def parallel_sizes(cfg: RecipeConfig, world_size: int) -> tuple[dict[str, int], list[str]]:
+    """Resolve ``dp_shard=-1`` against ``world_size``; return the sizes and any problems.
+
+    Sizes: ``dp_replicate, dp_shard, cp, tp, dp`` (``dp = dp_replicate * dp_shard``).
+    """
+    d = cfg.distributed
+    problems: list[str] = []
+    for key in ("dp_replicate", "cp_size", "tp_size"):
+        if getattr(d, key) < 1:
+            problems.append(f"distributed.{key}={getattr(d, key)} must be >= 1")
+    if d.dp_shard < 1 and d.dp_shard != -1:
+        problems.append(f"distributed.dp_shard={d.dp_shard} must be >= 1, or -1 to use the rest of the world")
+    if problems:
+        return {}, problems
+    others = d.dp_replicate * d.cp_size * d.tp_size
+    dp_shard = d.dp_shard
+    if dp_shard == -1:
+        if world_size % others:
+            problems.append(
+                f"world size {world_size} (processes launched) is not divisible by "
+                f"distributed.dp_replicate * distributed.cp_size * distributed.tp_size = "
+                f"{d.dp_replicate}*{d.cp_size}*{d.tp_size} = {others}; launch a multiple of {others} "
+                f"processes (torchrun --nproc-per-node) or change those sizes"
+            )
+            return {}, problems
+        dp_shard = world_size // others
+    product = d.dp_replicate * dp_shard * d.cp_size * d.tp_size
+    if product != world_size:
+        problems.append(
+            f"distributed.dp_replicate * dp_shard * cp_size * tp_size = {d.dp_replicate}*{dp_shard}*"
+            f"{d.cp_size}*{d.tp_size} = {product} does not match the world size {world_size} "
+            f"(processes launched); set distributed.dp_shard=-1 to infer it, or launch {product} processes"
+        )
+    sizes = {"dp_replicate": d.dp_replicate, "dp_shard": dp_shard, "cp": d.cp_size, "tp": d.tp_size}
+    sizes["dp"] = d.dp_replicate * dp_shard
+    return sizes, problems
+
+
+def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None = None) -> list[str]:
+    """Every cross-key problem of ``cfg`` for a run on ``world_size`` ranks (empty list: fine)."""
+    problems: list[str] = []
+    d, data, sched, model = cfg.distributed, cfg.data, cfg.step_scheduler, cfg.model
+    sizes, size_problems = parallel_sizes(cfg, world_size)
+    problems += size_problems
+
+    if d.tp_size > 1:
+        problems.append(
+            f"distributed.tp_size={d.tp_size}: tensor parallelism is not implemented by this recipe; "
+            f"set distributed.tp_size=1 (use cp_size / dp_shard for the other ranks)"
+        )
+    if d.enable_loss_parallel and d.tp_size == 1:
+        problems.append(
+            "distributed.enable_loss_parallel=true needs a vocabulary sharded by tensor parallelism "
+            "(tp_size > 1); set distributed.enable_loss_parallel=false"
+        )
+    if d.backend == "nccl" and cuda_available is False:
+        problems.append(
+            "distributed.backend=nccl needs CUDA, which is not available here; set distributed.backend=auto"
+        )
+
+    method = CP_METHODS.get(d.cp_method)
+    if method is None:
+        problems.append(
+            f"distributed.cp_method={d.cp_method!r} is not one of {sorted(CP_METHODS)}; "
+            f"set distributed.cp_method={next(iter(CP_METHODS))}"
+        )
+
+    # --- sequence length vs the CP/TP split ------------------------------------------------
+    if data.seq_len < 1:
+        problems.append(f"data.seq_len={data.seq_len} must be >= 1")
+    if data.pad_to_multiple_of is not None and data.pad_to_multiple_of < 1:
+        problems.append(f"data.pad_to_multiple_of={data.pad_to_multiple_of} must be >= 1 (or null)")
+    split = d.cp_size * d.tp_size
+    if split > 1 and data.seq_len >= 1:
+        multiple = 2 * split
+        what = f"2*cp_size*tp_size = 2*{d.cp_size}*{d.tp_size} = {multiple}"
+        pad = data.pad_to_multiple_of
+        if pad is not None and pad >= 1:
+            if pad % multiple:
+                problems.append(
+                    f"data.pad_to_multiple_of={pad} is not a multiple of {what}; "
+                    f"set data.pad_to_multiple_of={multiple * max(1, round(pad / multiple))}"
+                )
+        elif data.seq_len % multiple:
+            up = -(-data.seq_len // multiple) * multiple
+            problems.append(
+                f"data.seq_len={data.seq_len} is not divisible by {what} (each rank gets 2 equal chunks of "
+                f"every row); set data.seq_len={up}, or data.pad_to_multiple_of={multiple} so the collator pads"
+            )
+
+    # --- the CP method's limits --------------------------------------------------------------
+    if method is not None and d.cp_size > 1:
+        attn = model.attn_implementation or "sdpa"
+        if method.attn_implementations is not None and attn not in method.attn_implementations:
+            problems.append(
+                f"distributed.cp_method={method.name} with cp_size={d.cp_size} needs model.attn_implementation "
+                f"in {list(method.attn_implementations)}, got {attn!r} (the ring replaces SDPA calls); set "
+                f"model.attn_implementation={method.attn_implementations[0]}, or distributed.cp_size=1"
+            )
+        for key in ("dataset", "validation_dataset"):
+            node = getattr(data, key)
+            if node is not None and node.get("pack") is True and not method.supports_packed:
+                problems.append(
+                    f"data.{key}.pack=true (several documents per row) with distributed.cp_method={method.name} "
+                    f"and cp_size={d.cp_size}: {method.name} attention is causal over the whole row and would "
+                    f"attend across documents; packed rows belong to the THD path. Set data.{key}.pack=false, "
+                    f"or distributed.cp_size=1"
+                )
+
+    # --- batch sizes ---------------------------------------------------------------------------
+    for key in ("global_batch_size", "local_batch_size", "max_steps"):
+        if getattr(sched, key) < 1:
+            problems.append(f"step_scheduler.{key}={getattr(sched, key)} must be >= 1")
+    for key in ("val_every_steps", "val_max_batches", "ckpt_every_steps"):
+        value = getattr(sched, key)
+        if value is not None and value < 1:
+            problems.append(f"step_scheduler.{key}={value} must be >= 1, or null to turn it off")
+    if sizes and sched.global_batch_size >= 1 and sched.local_batch_size >= 1:
+        per_micro = sched.local_batch_size * sizes["dp"]
+        if sched.global_batch_size % per_micro:
+            lo = max(per_micro, sched.global_batch_size // per_micro * per_micro)
+            problems.append(
+                f"step_scheduler.global_batch_size={sched.global_batch_size} is not divisible by "
+                f"local_batch_size * dp = {sched.local_batch_size}*{sizes['dp']} = {per_micro} "
+                f"(rows per micro-step over all data-parallel ranks); set "
+                f"step_scheduler.global_batch_size={lo} or change step_scheduler.local_batch_size"
+            )
+
+    # --- model -----------------------------------------------------------------------------------
+    if model.pretrained_model_name_or_path is None and model.config is None:
+        problems.append(
+            "model: set model.pretrained_model_name_or_path (local directory or hub id) or model.config "
+            "(e.g. {_target_: transformers.LlamaConfig, hidden_size: ...}) to build a model from scratch"
+        )
+    if cfg.clip_grad.max_norm is not None and cfg.clip_grad.max_norm <= 0:
+        problems.append(
+            f"clip_grad.max_norm={cfg.clip_grad.max_norm} must be > 0, or null to turn clipping off"
+        )
+    if cfg.checkpoint.keep_last is not None and cfg.checkpoint.keep_last < 1:
+        problems.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all")
+    if cfg.recipe.dry_run_world_size is not None and cfg.recipe.dry_run_world_size < 1:
+        problems.append(f"recipe.dry_run_world_size={cfg.recipe.dry_run_world_size} must be >= 1")
+    return problems

@@ -1,0 +1,208 @@
+"""The typed schema of a fine-tuning recipe config: one dataclass per top-level group.
+
+Every key a recipe YAML may contain is a field here, with its type and default. A composed config
+is checked against this schema by :func:`automodel.config.typecheck.to_dataclass` (unknown keys,
+wrong types, missing required values) and then by :mod:`automodel.config.rules` (combinations).
+
+Groups that name a class or function to build (``model.config``, ``data.dataset``,
+``optimizer``, ``lr_scheduler``) are :data:`TargetNode` s: a mapping with ``_target_`` (an import
+path) and that callable's keyword arguments, built with ``hydra.utils.instantiate``. Their keys
+are checked against the callable's signature, not against this file.
+
+The documentation of every key is docs/recipe.md; keep the two in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NewType
+
+__all__ = [
+    "TargetNode",
+    "RecipeSection",
+    "DistributedSection",
+    "ModelSection",
+    "FSDPSection",
+    "DataSection",
+    "StepSchedulerSection",
+    "ClipGradSection",
+    "CheckpointSection",
+    "ExportSection",
+    "LoggingSection",
+    "RecipeConfig",
+    "DTYPES",
+]
+
+# A mapping with a ``_target_`` import path plus keyword arguments for that callable.
+TargetNode = NewType("TargetNode", dict)
+
+DTYPES = ("float32", "bfloat16", "float16")
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class RecipeSection:
+    """What this run is called, where it writes, and whether it only plans (dry run)."""
+
+    name: str = "finetune"
+    output_root: str = "outputs"  # runs go to <output_root>/<name>/<timestamp> ...
+    output_dir: str | None = None  # ... unless this is set (then exactly here)
+    seed: int = 1234
+    dry_run: bool = False
+    dry_run_world_size: int | None = (
+        None  # world size a dry run plans for (default: $WORLD_SIZE or the minimum)
+    )
+    deterministic: bool = False  # torch.use_deterministic_algorithms(True)
+
+
+@dataclass
+class DistributedSection:
+    """Parallel sizes (their product is the world size) and the context-parallel method."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: world_size // (dp_replicate * cp_size * tp_size)
+    cp_size: int = 1
+    tp_size: int = 1
+    cp_method: str = "ring"  # one of automodel.training.cp_dispatch.CP_METHODS
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    enable_loss_parallel: bool = False
+    enable_compiled_autograd: bool = False
+
+
+@dataclass
+class ModelSection:
+    """Which model to train: pretrained weights, or a config built from scratch (``from_config``)."""
+
+    pretrained_model_name_or_path: str | None = None
+    config: TargetNode | None = None  # e.g. {_target_: transformers.LlamaConfig, hidden_size: 64, ...}
+    config_overrides: dict | None = (
+        None  # fields changed on the (pretrained or inline) config, e.g. rope_scaling
+    )
+    dtype: DType = "float32"  # dtype of the master weights
+    attn_implementation: str | None = None  # None: "sdpa" (required by ring CP)
+    activation_checkpointing: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+
+@dataclass
+class FSDPSection:
+    """FSDP2 (``fully_shard``) over the ``dp_shard_cp`` mesh, with a mixed-precision policy."""
+
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    reduce_dtype: DType = "float32"
+    reshard_after_forward: bool = True
+
+
+@dataclass
+class DataSection:
+    """Datasets and batching. ``seq_len``/``tokenizer`` are passed to the dataset targets."""
+
+    dataset: TargetNode = field(
+        default_factory=lambda: TargetNode({"_target_": "automodel.data.text_dataset.TextDataset"})
+    )
+    validation_dataset: TargetNode | None = None  # None: data.dataset with split=validation_split
+    train_split: str = "train"
+    validation_split: str | None = "validation"  # None: no validation
+    tokenizer: str | None = None  # None: the shipped tokenizer
+    seq_len: int = 512
+    pad_to_multiple_of: int | None = None  # None: 2*cp_size*tp_size (requires seq_len divisible by it)
+    shuffle: bool = True
+    drop_last: bool = True
+
+
+@dataclass
+class StepSchedulerSection:
+    """Batch sizes, step counts and how often to validate / checkpoint."""
+
+    global_batch_size: int = 8  # rows per optimizer step, over all data-parallel ranks
+    local_batch_size: int = 1  # rows per forward on one data-parallel rank
+    max_steps: int = 100
+    val_every_steps: int | None = None
+    val_max_batches: int | None = None  # global batches (of global_batch_size rows) per validation; None: all
+    ckpt_every_steps: int | None = None
+
+
+@dataclass
+class ClipGradSection:
+    max_norm: float | None = 1.0  # None: no clipping (the norm is still reported)
+    norm_type: float = 2.0
+
+
+@dataclass
+class CheckpointSection:
+    """Sharded checkpoints (torch.distributed.checkpoint) and resuming."""
+
+    enabled: bool = True
+    dir: str | None = None  # None: <run dir>/checkpoints
+    resume: bool | Literal["auto"] = False  # true: latest checkpoint must exist; auto: if any
+    resume_from: str | None = None  # a step_<N> directory; overrides the search
+    save_final: bool = True
+    save_on_sigterm: bool = True
+    keep_last: int | None = 2  # None: keep all
+
+
+@dataclass
+class ExportSection:
+    """A Hugging Face directory (``save_pretrained``, safetensors) written at the end."""
+
+    enabled: bool = True
+    dir: str | None = None  # None: <run dir>/hf_model
+    dtype: DType | None = None  # None: the training dtype (model.dtype)
+    save_tokenizer: bool = True
+
+
+@dataclass
+class LoggingSection:
+    progress_bar: bool = True
+    plot: bool = True
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+@dataclass
+class RecipeConfig:
+    """A whole fine-tuning config, after validation."""
+
+    recipe: RecipeSection = field(default_factory=RecipeSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    fsdp: FSDPSection = field(default_factory=FSDPSection)
+    data: DataSection = field(default_factory=DataSection)
+    step_scheduler: StepSchedulerSection = field(default_factory=StepSchedulerSection)
+    optimizer: TargetNode = field(
+        default_factory=lambda: TargetNode(
+            {"_target_": "torch.optim.AdamW", "lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.0}
+        )
+    )
+    lr_scheduler: TargetNode = field(
+        default_factory=lambda: TargetNode(
+            {
+                "_target_": "automodel.training.lr_schedule.warmup_cosine",
+                "warmup_steps": 0,
+                "min_lr_ratio": 0.1,
+            }
+        )
+    )
+    clip_grad: ClipGradSection = field(default_factory=ClipGradSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+
+# key path of a TargetNode -> keyword arguments the recipe passes when it instantiates it
+RECIPE_SUPPLIED_KWARGS: dict[str, tuple[str, ...]] = {
+    "model.config": (),
+    "data.dataset": ("tokenizer", "seq_len", "split"),
+    "data.validation_dataset": ("tokenizer", "seq_len", "split"),
+    "optimizer": ("params",),
+    "lr_scheduler": ("optimizer", "total_steps"),
+}
+# where the user sets what the recipe supplies (for the error message)
+RECIPE_SUPPLIED_SOURCE: dict[str, str] = {
+    "tokenizer": "data.tokenizer",
+    "seq_len": "data.seq_len",
+    "split": "data.train_split / data.validation_split",
+    "params": "(the model's parameters)",
+    "optimizer": "(the optimizer)",
+    "total_steps": "step_scheduler.max_steps",
+}

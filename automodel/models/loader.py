@@ -1,0 +1,302 @@
+"""Hugging Face causal LMs: resolve the config, check it against the run, build the model.
+
+Two sources, chosen by the ``model`` config group:
+
+- ``pretrained_model_name_or_path``: a local directory or a hub id; weights via
+  ``AutoModelForCausalLM.from_pretrained`` (``HF_HUB_OFFLINE=1`` is honoured by huggingface_hub;
+  a model that is neither local nor cached then fails with a message saying so).
+- ``config``: a ``_target_`` node (e.g. ``transformers.LlamaConfig`` with its fields), built with
+  ``AutoModelForCausalLM.from_config`` and initialised from ``recipe.seed`` (identical on every
+  rank, which FSDP2's sharding of the local full tensors relies on).
+
+When both are given, the inline config describes the pretrained one: a dry run without the
+weights uses it, and a real run checks that the fields written inline match the downloaded config.
+
+The attention implementation defaults to ``sdpa`` (what ring CP replaces with ring attention) and
+``use_cache`` is always off for training. :func:`check_model_for_run` runs on the config alone,
+before any weight is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from automodel.config.schema import ModelSection
+
+__all__ = [
+    "ResolvedModelConfig",
+    "resolve_model_config",
+    "check_model_for_run",
+    "build_model",
+    "torch_dtype",
+    "causal_lm_class",
+    "sliding_window_of",
+]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16`` (only the names in the schema)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}") from None
+
+
+@dataclass
+class ResolvedModelConfig:
+    """The HF config of the model to train and where it came from (``source``, for the logs)."""
+
+    config: Any  # transformers.PretrainedConfig
+    source: str
+    pretrained: bool  # weights come from pretrained_model_name_or_path
+
+
+def _check_override_keys(cls: type, overrides: dict) -> None:
+    from automodel.config.typecheck import _accepted_keys
+
+    accepted, _, _ = _accepted_keys(cls)
+    if accepted is None:
+        return
+    unknown = sorted(k for k in overrides if k not in accepted)
+    if unknown:
+        raise ValueError(
+            f"model.config_overrides: {unknown} are not fields of {cls.__name__}; fix the spelling "
+            f"(fields: {', '.join(sorted(accepted))})"
+        )
+
+
+def _instantiate_inline(node: dict, overrides: dict | None = None) -> Any:
+    from hydra.utils import get_object, instantiate
+    from transformers import PretrainedConfig
+
+    if overrides:
+        _check_override_keys(get_object(node["_target_"]), overrides)
+        node = {**node, **overrides}
+    config = instantiate(node, _convert_="all")
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(
+            f"model.config._target_={node.get('_target_')!r} built a {type(config).__name__}, not a "
+            f"transformers PretrainedConfig; use e.g. transformers.LlamaConfig"
+        )
+    return config
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def resolve_model_config(model_cfg: ModelSection, *, dry_run: bool = False) -> ResolvedModelConfig:
+    """Build (inline) or load (pretrained) the HF config, without any weights.
+
+    In a dry run the pretrained config is looked up in local files only; if it is absent the
+    inline ``model.config`` stands in (and the source says so). ``use_cache`` is set to False.
+
+    Raises:
+        ValueError: the pretrained config cannot be found (offline, not cached, no such directory)
+            and no inline config can stand in; or the inline config contradicts the pretrained one.
+    """
+    from transformers import AutoConfig
+
+    name = model_cfg.pretrained_model_name_or_path
+    overrides = dict(model_cfg.config_overrides or {})
+    inline = _instantiate_inline(model_cfg.config, overrides) if model_cfg.config is not None else None
+    if name is None:
+        if inline is None:
+            raise ValueError("set model.pretrained_model_name_or_path or model.config")
+        inline.use_cache = False
+        return ResolvedModelConfig(inline, f"model.config ({type(inline).__name__})", pretrained=False)
+
+    try:
+        loaded = AutoConfig.from_pretrained(
+            name,
+            revision=model_cfg.revision,
+            trust_remote_code=model_cfg.trust_remote_code,
+            local_files_only=dry_run or _offline(),
+        )
+    except (OSError, ValueError) as e:
+        if dry_run and inline is not None:
+            inline.use_cache = False
+            return ResolvedModelConfig(
+                inline,
+                f"model.config (stands in for {name!r}, whose config is not available locally)",
+                pretrained=True,
+            )
+        where = "local files and the hub cache" if (dry_run or _offline()) else "local files and the hub"
+        raise ValueError(
+            f"model.pretrained_model_name_or_path={name!r}: no config found in {where} "
+            f"({str(e).splitlines()[0]}). Give a local directory with config.json, download the model "
+            f"first (huggingface-cli download {name}), or unset HF_HUB_OFFLINE; for a dry run without "
+            f"weights add the architecture as model.config"
+        ) from None
+    if inline is not None:
+        _check_inline_matches(model_cfg.config, inline, loaded, name)
+    if overrides:
+        _check_override_keys(type(loaded), overrides)
+        loaded = AutoConfig.from_pretrained(
+            name,
+            revision=model_cfg.revision,
+            trust_remote_code=model_cfg.trust_remote_code,
+            local_files_only=dry_run or _offline(),
+            **overrides,
+        )
+    loaded.use_cache = False
+    return ResolvedModelConfig(loaded, f"{name} (config.json)", pretrained=True)
+
+
+def _check_inline_matches(node: dict, inline: Any, loaded: Any, name: str) -> None:
+    mismatched = []
+    for key in node:
+        if key.startswith("_") or key in ("use_cache", "dtype", "torch_dtype"):
+            continue
+        want, got = getattr(inline, key, None), getattr(loaded, key, None)
+        if want != got:
+            mismatched.append(f"{key}: model.config has {want!r}, {name} has {got!r}")
+    if type(inline) is not type(loaded):
+        mismatched.append(
+            f"class: model.config is {type(inline).__name__}, {name} is {type(loaded).__name__}"
+        )
+    if mismatched:
+        raise ValueError(
+            f"model.config does not describe {name}: "
+            + "; ".join(mismatched)
+            + ". Fix model.config to match "
+            "the pretrained config.json, or remove model.config"
+        )
+
+
+def causal_lm_class(config: Any) -> type | None:
+    """The ``AutoModelForCausalLM`` class for ``config`` (None for remote code / unknown)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def sliding_window_of(config: Any) -> int | None:
+    """The sliding attention window some layers of ``config`` use, or None if all attend globally."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_model_for_run(
+    config: Any,
+    *,
+    attn_implementation: str,
+    cp_size: int,
+    cp_method: str,
+    seq_len: int,
+    vocab_needed: int | None = None,
+    trust_remote_code: bool = False,
+) -> None:
+    """Check that a model with ``config`` can train this run; raise ``ValueError`` naming the fix.
+
+    Checks: the config is a causal LM; with CP, the model supports ``attn_implementation`` (SDPA
+    for ring) and no layer uses a sliding window shorter than ``seq_len`` (ring attention is plain
+    causal); the tokenizer's ``vocab_needed`` ids fit the embedding.
+    """
+    cls = causal_lm_class(config)
+    if cls is None and not trust_remote_code:
+        raise ValueError(
+            f"{type(config).__name__} (model_type={getattr(config, 'model_type', '?')!r}) is not a causal LM "
+            f"transformers knows; use a causal LM config, or model.trust_remote_code=true for custom code"
+        )
+    if cls is not None and attn_implementation == "sdpa" and not getattr(cls, "_supports_sdpa", False):
+        fix = (
+            "use a model family with SDPA support or distributed.cp_size=1 with another "
+            "model.attn_implementation (e.g. eager)"
+            if cp_size > 1
+            else "set model.attn_implementation=eager"
+        )
+        raise ValueError(
+            f"{cls.__name__} cannot run attn_implementation='sdpa'"
+            + (f", which distributed.cp_method={cp_method} needs" if cp_size > 1 else "")
+            + f"; {fix}"
+        )
+    if cp_size > 1:
+        window = sliding_window_of(config)
+        if window is not None and window < seq_len:
+            raise ValueError(
+                f"{type(config).__name__} uses sliding-window attention (window {window}) and data.seq_len="
+                f"{seq_len} is longer: {cp_method} CP computes full causal attention over the row, which would "
+                f"change the model. Set data.seq_len<={window}, or disable the window in model.config "
+                f"(sliding_window: null / use_sliding_window: false) if that is what you want"
+            )
+    if vocab_needed is not None and vocab_needed > int(getattr(config, "vocab_size", vocab_needed)):
+        raise ValueError(
+            f"the tokenizer has {vocab_needed} token ids but the model's vocab_size is {config.vocab_size}; "
+            f"use the model's own tokenizer (data.tokenizer) or raise model.config.vocab_size to >= {vocab_needed}"
+        )
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        logger.warning(
+            "data.seq_len=%d exceeds %s.max_position_embeddings=%d; positions past it are extrapolated",
+            seq_len,
+            type(config).__name__,
+            max_pos,
+        )
+
+
+def build_model(
+    model_cfg: ModelSection,
+    resolved: ResolvedModelConfig,
+    *,
+    attn_implementation: str,
+    seed: int,
+    device: torch.device | str = "cpu",
+    meta: bool = False,
+) -> torch.nn.Module:
+    """Build the model: from pretrained weights, or from the config initialised with ``seed``.
+
+    ``meta=True`` builds on the meta device (no memory, no weights read; for shape math).
+    The model is returned in ``model.dtype`` on ``device``, in train mode, with ``use_cache=False``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch_dtype(model_cfg.dtype)
+    config = resolved.config
+    config.use_cache = False
+    kwargs: dict[str, Any] = {
+        "attn_implementation": attn_implementation,
+        "trust_remote_code": model_cfg.trust_remote_code,
+    }
+    if meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        return model
+    if resolved.pretrained and model_cfg.pretrained_model_name_or_path is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_cfg.pretrained_model_name_or_path,
+            config=config,
+            dtype=dtype,
+            revision=model_cfg.revision,
+            local_files_only=_offline(),
+            **kwargs,
+        )
+    else:
+        # CPU init from a fixed seed: the same weights on every rank and every device type.
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    model.config.use_cache = False
+    model.to(device)
+    model.train()
+    return model

@@ -1,0 +1,187 @@
+"""``recipe.dry_run=true``: print the resolved config, the mesh layout and per-rank shapes; train nothing.
+
+No process group, no weights, no network: the mesh is computed from the sizes (the same row-major
+layout ``init_device_mesh`` uses), the model is built on the meta device from its config (the
+pretrained ``config.json`` if it is available locally, else the inline ``model.config``), and the
+shapes and memory figures are arithmetic. So a config for a 64-GPU cluster can be checked on a
+laptop: ``python recipes/finetune.py --config configs/X.yaml recipe.dry_run=true``
+(``recipe.dry_run_world_size=N`` plans for N ranks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from automodel.config import LoadedConfig, parallel_sizes
+
+__all__ = ["rank_layout", "head_tail_positions", "dry_run_report"]
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def rank_layout(sizes: dict[str, int]) -> list[dict[str, int]]:
+    """Per global rank: its coordinates on (dp_replicate, dp_shard, cp, tp), dp rank and FSDP index.
+
+    Row-major over ``(dp_replicate, dp_shard, cp, tp)`` like ``init_device_mesh``.
+    """
+    shape = (sizes["dp_replicate"], sizes["dp_shard"], sizes["cp"], sizes["tp"])
+    grid = np.arange(int(np.prod(shape))).reshape(shape)
+    out = []
+    for rank in range(grid.size):
+        rep, shard, cp, tp = (int(i) for i in np.argwhere(grid == rank)[0])
+        out.append(
+            {
+                "rank": rank,
+                "dp_replicate": rep,
+                "dp_shard": shard,
+                "cp": cp,
+                "tp": tp,
+                "dp_rank": rep * sizes["dp_shard"] + shard,
+                "fsdp_index": shard * sizes["cp"] + cp,  # index in the dp_shard_cp group
+            }
+        )
+    return out
+
+
+def head_tail_positions(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """Token ranges ``[start, end)`` of a row that CP rank ``cp_rank`` holds: chunks r and 2cp-1-r."""
+    if cp == 1:
+        return [(0, seq_len)]
+    c = seq_len // (2 * cp)
+    return [(cp_rank * c, (cp_rank + 1) * c), ((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)]
+
+
+def _gib(n_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
+def _tokenizer_vocab(name: str | None) -> tuple[int | None, str]:
+    """Vocabulary size of the tokenizer if it can be read locally (no network in a dry run)."""
+    if name not in (None, "default") and not Path(str(name)).expanduser().is_dir():
+        return None, f"{name} (hub id: not loaded in a dry run)"
+    from automodel.data import load_tokenizer
+
+    tok = load_tokenizer(name)
+    return len(tok), f"{name or 'shipped default'} ({len(tok)} ids)"
+
+
+def dry_run_report(loaded: LoadedConfig) -> str:
+    """The dry-run text. Raises ``ValueError`` for a model that cannot train this run."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from automodel.models.loader import build_model, check_model_for_run, resolve_model_config
+    from automodel.training.trainer import pad_multiple
+
+    cfg, world = loaded.cfg, loaded.world_size
+    sizes, problems = parallel_sizes(cfg, world)
+    assert not problems, problems  # validated before
+    d, sched, data = cfg.distributed, cfg.step_scheduler, cfg.data
+    out: list[str] = []
+    out.append(f"=== dry run: {loaded.path} ===")
+    out.append("--- resolved config (schema defaults included) ---")
+    out.append(OmegaConf.to_yaml(OmegaConf.create(loaded.effective)).rstrip())
+
+    # ---------------------------------------------------------------- layout
+    grad_acc = sched.global_batch_size // (sched.local_batch_size * sizes["dp"])
+    fsdp_size = sizes["dp_shard"] * sizes["cp"]
+    mult = pad_multiple(cfg)
+    seq = -(-data.seq_len // mult) * mult
+    local_seq = seq // sizes["cp"]
+    out.append("--- parallel layout ---")
+    out.append(
+        f"world size {world} = dp_replicate {sizes['dp_replicate']} x dp_shard {sizes['dp_shard']} x "
+        f"cp {sizes['cp']} x tp {sizes['tp']}; dp = {sizes['dp']}; FSDP shards over dp_shard_cp = {fsdp_size}"
+        + (f" (HSDP: replicated {sizes['dp_replicate']}x)" if sizes["dp_replicate"] > 1 else "")
+    )
+    out.append(
+        f"cp_method {d.cp_method}: each row of {seq} tokens is split into {2 * sizes['cp']} chunks (head-tail)"
+    )
+    out.append(
+        f"global batch {sched.global_batch_size} rows = local {sched.local_batch_size} x dp {sizes['dp']} x grad_acc "
+        f"{grad_acc}; {sched.global_batch_size * seq} tokens per optimizer step, {sched.max_steps} steps"
+    )
+    layout = rank_layout(sizes)
+    out.append("rank  dp_rep dp_shard cp tp | dp_rank fsdp_idx | token ranges of each row")
+    for r in layout[:64]:
+        ranges = ", ".join(f"[{a}, {b})" for a, b in head_tail_positions(seq, sizes["cp"], r["cp"]))
+        out.append(
+            f"{r['rank']:>4}  {r['dp_replicate']:>6} {r['dp_shard']:>8} {r['cp']:>2} {r['tp']:>2} | "
+            f"{r['dp_rank']:>7} {r['fsdp_index']:>8} | {ranges}"
+        )
+    if len(layout) > 64:
+        out.append(f"... ({len(layout) - 64} more ranks, same pattern)")
+
+    # ---------------------------------------------------------------- model
+    resolved = resolve_model_config(cfg.model, dry_run=True)
+    vocab_needed, tok_desc = _tokenizer_vocab(data.tokenizer)
+    attn = cfg.model.attn_implementation or "sdpa"
+    check_model_for_run(
+        resolved.config,
+        attn_implementation=attn,
+        cp_size=d.cp_size,
+        cp_method=d.cp_method,
+        seq_len=data.seq_len,
+        vocab_needed=vocab_needed,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
+    c = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    n_unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    master = _BYTES[cfg.model.dtype]
+    compute_name = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
+    compute = _BYTES[compute_name]
+    shard = n_unique / fsdp_size
+    out.append("--- model ---")
+    out.append(f"source: {resolved.source}")
+    out.append(
+        f"class: {type(model).__name__}, attn_implementation={attn}, activation_checkpointing="
+        f"{cfg.model.activation_checkpointing}"
+    )
+    out.append(f"tokenizer: {tok_desc}")
+    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    out.append(
+        f"layers {c.num_hidden_layers}, hidden {c.hidden_size}, heads {heads} (kv {kv}, head_dim {head_dim}), "
+        f"vocab {c.vocab_size}, parameters {n_unique / 1e6:.1f}M"
+        + (f" ({n_params / 1e6:.1f}M counting tied weights twice)" if n_params != n_unique else "")
+    )
+    out.append(
+        f"per rank (FSDP over {fsdp_size}): {shard / 1e6:.1f}M parameters = {_gib(shard * master)} master "
+        f"({cfg.model.dtype}) + {_gib(shard * master)} grads + {_gib(2 * shard * master)} AdamW states; "
+        f"compute dtype {cfg.fsdp.param_dtype}"
+        + (" (estimates assume bfloat16, i.e. CUDA)" if cfg.fsdp.param_dtype == "auto" else "")
+    )
+
+    # ---------------------------------------------------------------- shapes
+    b = sched.local_batch_size
+    out.append("--- per-rank shapes of one micro-batch (identical on every rank) ---")
+    out.append(f"input_ids, labels        [{b}, {seq}] int64 before CP -> [{b}, {local_seq}] on each rank")
+    out.append(
+        f"position_ids             [1, {seq}] -> [1, {local_seq}] (global positions of the rank's chunks)"
+    )
+    out.append(f"hidden states            [{b}, {local_seq}, {c.hidden_size}] {compute_name}")
+    out.append(
+        f"attention q / k,v        [{b}, {heads}, {local_seq}, {head_dim}] / [{b}, {kv}, {local_seq}, {head_dim}]"
+        + (f"; k,v rotate around the ring of {sizes['cp']}" if sizes["cp"] > 1 else "")
+    )
+    logits_bytes = b * local_seq * c.vocab_size * (compute + 4)
+    out.append(
+        f"logits                   [{b}, {local_seq}, {c.vocab_size}] {compute_name} + fp32 copy for the loss "
+        f"= {_gib(logits_bytes)}"
+    )
+    per_layer_act = b * local_seq * c.hidden_size * compute
+    out.append(
+        f"layer inputs kept for backward: {c.num_hidden_layers} x {_gib(per_layer_act)}"
+        + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
+    )
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    out.append("dry run: nothing was trained")
+    return "\n".join(out)

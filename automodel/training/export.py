@@ -1,0 +1,78 @@
+"""Export the trained model as a Hugging Face directory (``save_pretrained``, safetensors).
+
+The full state dict is gathered from the FSDP2 shards (a collective: every rank calls
+:func:`export_hf_model`), offloaded to CPU, and written by rank 0 through ``save_pretrained`` of a
+weightless (meta-device) instance of the model's *original* class — FSDP2 swaps the class of a
+sharded module to ``FSDP<Name>``, which must not leak into ``config.json``'s ``architectures``.
+The result loads with ``AutoModelForCausalLM.from_pretrained(dir)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["original_model_class", "export_hf_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def original_model_class(model: nn.Module) -> type:
+    """The HF class of ``model`` before ``fully_shard`` replaced it with ``FSDP<Class>``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if isinstance(model, FSDPModule):
+        for base in cls.__mro__[1:]:
+            if base is not FSDPModule and not issubclass(base, FSDPModule) and issubclass(base, nn.Module):
+                return base
+    return cls
+
+
+def export_hf_model(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    tokenizer: Any = None,
+) -> Path | None:
+    """Gather the full weights and write ``out_dir`` on rank 0. Collective; returns the path on rank 0.
+
+    Args:
+        model: the (FSDP2-sharded or plain) HF causal LM.
+        out_dir: target directory (created).
+        dtype: cast floating-point weights to this dtype (None: as trained); ``config.dtype`` follows.
+        tokenizer: saved alongside (``tokenizer.save_pretrained``) when given.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out: Path | None = None
+    if rank == 0:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if dtype is not None:
+            state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+        cls = original_model_class(model)
+        config = copy.deepcopy(model.config)
+        export_dtype = dtype or next(iter(v.dtype for v in state.values() if v.is_floating_point()), None)
+        with torch.device("meta"):
+            skeleton = cls(config)
+        if export_dtype is not None:
+            skeleton.config.dtype = export_dtype
+        if getattr(model, "generation_config", None) is not None:
+            skeleton.generation_config = model.generation_config
+        skeleton.save_pretrained(out, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        logger.info("exported Hugging Face model to %s", out)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return out

@@ -1,0 +1,547 @@
+"""The fine-tuning loop: build every component from a validated config, train, checkpoint, export.
+
+``FinetuneTrainer(loaded).run()`` is what ``recipes/finetune.py`` does after parsing the command
+line. Pieces live in their own modules (loss, step, optim, checkpoint, metrics, export, plot);
+this file wires them in order:
+
+1. process group, ``DeviceMesh`` (``ParallelDims``), one shared run directory, logging;
+2. tokenizer and model *config* (checked against the run before any weight is read);
+3. datasets and resumable dp loaders;
+4. model (pretrained or from config), activation checkpointing, FSDP2;
+5. optimizer, LR scheduler, checkpointer (and resume);
+6. the loop: ``grad_acc`` micro-batches per step, the loss normalised by the global number of
+   label tokens, gradient clipping, validation / checkpoints every N steps, SIGTERM handling;
+7. final checkpoint, Hugging Face export, loss plot, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from automodel.config import LoadedConfig
+from automodel.config.schema import RecipeConfig
+from automodel.distributed.mesh import ParallelDims, default_backend, init_distributed
+from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
+from automodel.training.cp_dispatch import get_cp_batch_fn
+from automodel.training.loss import count_label_tokens
+from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
+from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
+from automodel.training.step import prepare_batch, run_micro_batch
+
+__all__ = ["TrainHooks", "TrainResult", "FinetuneTrainer", "pad_multiple"]
+
+logger = logging.getLogger("automodel.training")
+
+
+@dataclass
+class TrainHooks:
+    """Callbacks for tests and tools. ``on_step_end(step, record)`` runs on every rank after each step."""
+
+    on_step_end: Callable[[int, dict[str, Any]], None] | None = None
+
+
+@dataclass
+class TrainResult:
+    """What a run did. Losses are keyed by optimizer step (1-based)."""
+
+    run_dir: Path
+    start_step: int
+    final_step: int
+    losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    stopped_by_sigterm: bool = False
+    last_checkpoint: Path | None = None
+    export_dir: Path | None = None
+    metrics_path: Path | None = None
+    plot_path: Path | None = None
+    wall_time_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+def pad_multiple(cfg: RecipeConfig) -> int:
+    """The collator's ``pad_to_multiple_of``: ``data.pad_to_multiple_of`` or ``2*cp_size*tp_size``."""
+    if cfg.data.pad_to_multiple_of is not None:
+        return cfg.data.pad_to_multiple_of
+    split = cfg.distributed.cp_size * cfg.distributed.tp_size
+    return 2 * split if split > 1 else 1
+
+
+class FinetuneTrainer:
+    """Owns every component of one fine-tuning run. Call :meth:`run` (or :meth:`setup` + :meth:`train`)."""
+
+    def __init__(self, loaded: LoadedConfig, hooks: TrainHooks | None = None):
+        self.loaded = loaded
+        self.cfg = loaded.cfg
+        self.hooks = hooks or TrainHooks()
+        self.step = 0
+
+    # ================================================================== setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        d = cfg.distributed
+        backend = None if d.backend == "auto" else d.backend
+        self.rank, self.world_size = init_distributed(backend)
+        if self.world_size != self.loaded.world_size:
+            raise ValueError(
+                f"the config was validated for world size {self.loaded.world_size} but the process group has "
+                f"{self.world_size} ranks"
+            )
+        be = backend or default_backend()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if be == "nccl" else torch.device("cpu")
+        )
+        self.dims = ParallelDims(
+            dp_replicate=d.dp_replicate,
+            dp_shard=d.dp_shard,
+            cp=d.cp_size,
+            tp=d.tp_size,
+            world_size=self.world_size,
+        )
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.dp_size = self.mesh["dp"].size()
+        self.dp_group = self.mesh["dp"].get_group()
+        self.dp_cp_group = self.mesh["dp_cp"].get_group()
+
+        self.run_dir = shared_run_dir(cfg.recipe, cfg.checkpoint)
+        from automodel.training.logs import setup_logging
+
+        setup_logging(self.run_dir, self.rank, cfg.logging.level)
+        if self.rank == 0:
+            from omegaconf import OmegaConf
+
+            (self.run_dir / "config.yaml").write_text(
+                OmegaConf.to_yaml(OmegaConf.create(self.loaded.effective))
+            )
+        logger.info("run directory: %s", self.run_dir)
+        logger.info(
+            "world %d on %s: dp_replicate=%d dp_shard=%d cp=%d tp=%d (cp_method=%s)",
+            self.world_size,
+            self.device.type,
+            self.dims.dp_replicate,
+            self.dims.dp_shard,
+            self.dims.cp,
+            self.dims.tp,
+            d.cp_method,
+        )
+        if cfg.recipe.deterministic:
+            torch.use_deterministic_algorithms(True)
+        seed = cfg.recipe.seed + self.rank  # dropout etc.; the model init uses recipe.seed on every rank
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+        self._build_data_and_model()
+        self._build_optimization()
+        self._maybe_resume()
+
+    def _build_data_and_model(self) -> None:
+        from hydra.utils import instantiate
+
+        from automodel.data import build_dataloader, load_tokenizer
+        from automodel.models.loader import (
+            build_model,
+            check_model_for_run,
+            resolve_model_config,
+            torch_dtype,
+        )
+        from automodel.models.parallelize import apply_activation_checkpointing, apply_fsdp2
+
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        resolved = resolve_model_config(cfg.model)
+        self.attn_implementation = cfg.model.attn_implementation or "sdpa"
+        check_model_for_run(
+            resolved.config,
+            attn_implementation=self.attn_implementation,
+            cp_size=cfg.distributed.cp_size,
+            cp_method=cfg.distributed.cp_method,
+            seq_len=cfg.data.seq_len,
+            vocab_needed=len(self.tokenizer),
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        logger.info("model config: %s", resolved.source)
+
+        # ---- data
+        common = {"tokenizer": self.tokenizer, "seq_len": cfg.data.seq_len}
+        self.train_dataset = instantiate(
+            cfg.data.dataset, split=cfg.data.train_split, **common, _convert_="all"
+        )
+        loader_kwargs = dict(
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            seed=cfg.recipe.seed,
+            pad_to_multiple_of=pad_multiple(cfg),
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        self.train_loader = build_dataloader(
+            self.train_dataset,
+            local_batch_size=cfg.step_scheduler.local_batch_size,
+            shuffle=cfg.data.shuffle,
+            drop_last=cfg.data.drop_last,
+            **loader_kwargs,
+        )
+        self.val_loader = None
+        if cfg.data.validation_split is not None and cfg.step_scheduler.val_every_steps:
+            node = cfg.data.validation_dataset or cfg.data.dataset
+            self.val_dataset = instantiate(node, split=cfg.data.validation_split, **common, _convert_="all")
+            self.val_loader = build_dataloader(
+                self.val_dataset,
+                local_batch_size=cfg.step_scheduler.local_batch_size,
+                shuffle=False,
+                drop_last=False,
+                **loader_kwargs,
+            )
+        sched = cfg.step_scheduler
+        self.grad_acc = sched.global_batch_size // (sched.local_batch_size * self.dp_size)
+        logger.info(
+            "data: %d train rows (%d per epoch-step grid), global batch %d = local %d x dp %d x grad_acc %d, seq_len %d",
+            len(self.train_dataset),
+            len(self.train_loader),
+            sched.global_batch_size,
+            sched.local_batch_size,
+            self.dp_size,
+            self.grad_acc,
+            cfg.data.seq_len,
+        )
+
+        # ---- model
+        self.model = build_model(
+            cfg.model,
+            resolved,
+            attn_implementation=self.attn_implementation,
+            seed=cfg.recipe.seed,
+            device=self.device,
+        )
+        n_params = sum(p.numel() for p in self.model.parameters())
+        logger.info(
+            "model: %s, %.2fM parameters, dtype %s",
+            type(self.model).__name__,
+            n_params / 1e6,
+            cfg.model.dtype,
+        )
+        if cfg.model.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        param_dtype = cfg.fsdp.param_dtype
+        if param_dtype == "auto":
+            param_dtype = "bfloat16" if self.device.type == "cuda" else None
+        apply_fsdp2(
+            self.model,
+            self.mesh,
+            param_dtype=torch_dtype(param_dtype) if param_dtype else None,
+            reduce_dtype=torch_dtype(cfg.fsdp.reduce_dtype),
+            reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        )
+
+    def _build_optimization(self) -> None:
+        from automodel.distributed.cp_utils import get_train_context
+        from automodel.training.optim import build_lr_scheduler, build_optimizer
+
+        cfg = self.cfg
+        self.optimizer = build_optimizer(cfg.optimizer, self.model)
+        self.scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.step_scheduler.max_steps)
+        self.cp_fn = get_cp_batch_fn(cfg.distributed.cp_method)
+        self.train_context = functools.partial(
+            get_train_context, cfg.distributed.enable_loss_parallel, cfg.distributed.enable_compiled_autograd
+        )
+        self.layout = CheckpointLayout(
+            world_size=self.world_size,
+            dp_replicate=self.dims.dp_replicate,
+            dp_shard=self.dims.dp_shard,
+            cp=self.dims.cp,
+            tp=self.dims.tp,
+        )
+        ckpt_dir = (
+            Path(cfg.checkpoint.dir).expanduser().resolve()
+            if cfg.checkpoint.dir
+            else self.run_dir / CHECKPOINT_SUBDIR
+        )
+        self.checkpointer = Checkpointer(ckpt_dir, self.layout, keep_last=cfg.checkpoint.keep_last)
+
+    def _maybe_resume(self) -> None:
+        ck = self.cfg.checkpoint
+        self.resumed_from: Path | None = None
+        if not ck.resume and not ck.resume_from:
+            return
+        path = (
+            Path(ck.resume_from).expanduser().resolve()
+            if ck.resume_from
+            else latest_checkpoint(self.checkpointer.root)
+        )
+        if path is None:
+            if ck.resume == "auto":
+                logger.info(
+                    "checkpoint.resume=auto: no checkpoint under %s, starting from step 0",
+                    self.checkpointer.root,
+                )
+                return
+            raise ValueError(
+                f"checkpoint.resume=true but there is no complete checkpoint under {self.checkpointer.root}; "
+                f"set checkpoint.resume=false to start fresh, checkpoint.resume=auto to resume only if one "
+                f"exists, or checkpoint.resume_from=<step_N directory>"
+            )
+        payload = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.train_loader)
+        self.step = int(payload["step"])
+        self.resumed_from = path
+        if self.step >= self.cfg.step_scheduler.max_steps:
+            logger.warning(
+                "checkpoint %s is at step %d >= step_scheduler.max_steps=%d: nothing left to train",
+                path,
+                self.step,
+                self.cfg.step_scheduler.max_steps,
+            )
+
+    # ================================================================== loop pieces
+    def _train_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            got = False
+            for batch in self.train_loader:
+                got = True
+                yield batch
+            if not got and len(self.train_loader) == 0:
+                raise RuntimeError("the training data loader yields no batches")
+
+    def _all_reduce(self, t: torch.Tensor, group: Any) -> torch.Tensor:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+        return t
+
+    def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """One optimizer step over ``grad_acc`` micro-batches; returns the step's metrics (all ranks)."""
+        t0 = time.perf_counter()
+        local = torch.zeros(3, dtype=torch.float64, device=self.device)  # label tokens, positions, -
+        prepared = []
+        for b in batches:
+            p = prepare_batch(b, self.device)
+            local[0] += count_label_tokens(p["labels"]).to(torch.float64)
+            local[1] += p["input_ids"].numel()
+            prepared.append(p)
+        self._all_reduce(local, self.dp_group)  # counted before CP sharding, over dp (CP peers share rows)
+        num_label_tokens = local[0].clamp(min=1.0).to(torch.float32)
+
+        ce_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in prepared:
+            ce_sum += run_micro_batch(
+                self.model,
+                p,
+                device_mesh=self.mesh,
+                cp_fn=self.cp_fn,
+                train_context=self.train_context,
+                num_label_tokens=num_label_tokens,
+            )
+        from automodel.training.optim import clip_grad_norm
+
+        grad_norm = clip_grad_norm(self.model, self.cfg.clip_grad.max_norm, self.cfg.clip_grad.norm_type)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._all_reduce(ce_sum, self.dp_cp_group)  # each CP rank holds a disjoint part of the tokens
+        loss = (ce_sum / num_label_tokens).item()
+        step_time = time.perf_counter() - t0
+        tokens = local[1].item()
+        mem, mem_kind = peak_memory_gib(self.device)
+        return {
+            "type": "train",
+            "step": self.step + 1,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "label_tokens": int(local[0].item()),
+            "tokens": int(tokens),
+            "tokens_per_s": tokens / step_time,
+            "tokens_per_s_per_device": tokens / step_time / self.world_size,
+            "step_time_s": step_time,
+            "peak_mem_gib": mem,
+            "mem_kind": mem_kind,
+            "epoch": self.train_loader.epoch,
+        }
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean CE per label token over the validation split (or its first ``val_max_batches`` global batches)."""
+        assert self.val_loader is not None
+        self.model.eval()
+        self.val_loader.set_epoch(0)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # val_max_batches counts global batches (global_batch_size rows): the same rows whatever dp is
+        limit = self.cfg.step_scheduler.val_max_batches
+        limit = None if limit is None else limit * self.grad_acc
+        for i, batch in enumerate(self.val_loader):
+            if limit is not None and i >= limit:
+                break
+            p = prepare_batch(batch, self.device)
+            totals[1] += count_label_tokens(p["labels"]).to(torch.float64)
+            ce = run_micro_batch(
+                self.model,
+                p,
+                device_mesh=self.mesh,
+                cp_fn=self.cp_fn,
+                train_context=self.train_context,
+                num_label_tokens=1.0,
+                backward=False,
+            )
+            totals[0] += ce.to(torch.float64)
+        self.model.train()
+        self._all_reduce(totals[:1], self.dp_cp_group)
+        self._all_reduce(totals[1:], self.dp_group)
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(
+            self.step, self.model, self.optimizer, self.scheduler, self.train_loader
+        )
+
+    # ================================================================== the loop
+    def train(self) -> TrainResult:
+        cfg, sched = self.cfg, self.cfg.step_scheduler
+        result = TrainResult(run_dir=self.run_dir, start_step=self.step, final_step=self.step)
+        metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
+        result.metrics_path = metrics.path
+        bar = None
+        if self.rank == 0 and cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=sched.max_steps, initial=self.step, desc="train", dynamic_ncols=True, file=sys.stderr
+            )
+        batches = self._train_batches()
+        t_start = time.perf_counter()
+        tok_rates: list[float] = []
+        last_saved_step = self.step if self.resumed_from is not None else -1
+        try:
+            with SigtermFlag() as sigterm:
+                while self.step < sched.max_steps:
+                    reset_peak_memory(self.device)
+                    step_batches = [next(batches) for _ in range(self.grad_acc)]
+                    record = self.train_step(step_batches)
+                    self.step += 1
+                    if not np.isfinite(record["loss"]):
+                        raise FloatingPointError(
+                            f"loss is {record['loss']} at step {self.step}; lower optimizer.lr, check the data, or "
+                            f"set clip_grad.max_norm"
+                        )
+                    result.losses[self.step] = record["loss"]
+                    result.grad_norms[self.step] = record["grad_norm"]
+                    if self.step > result.start_step + 1 or sched.max_steps - result.start_step == 1:
+                        tok_rates.append(record["tokens_per_s"])  # the first step includes warm-up
+                    metrics.write(record)
+                    if bar is not None:
+                        bar.set_postfix(
+                            loss=f"{record['loss']:.4f}",
+                            lr=f"{record['lr']:.2e}",
+                            tok_s=f"{record['tokens_per_s']:.0f}",
+                        )
+                        bar.update(1)
+                    if self.val_loader is not None and (
+                        self.step % sched.val_every_steps == 0 or self.step == sched.max_steps
+                    ):
+                        val = self.validate()
+                        result.val_losses[self.step] = val
+                        metrics.write({"type": "val", "step": self.step, "val_loss": val})
+                        logger.info("step %d: validation loss %.4f", self.step, val)
+                    if self.hooks.on_step_end is not None:
+                        self.hooks.on_step_end(self.step, record)
+                    if (
+                        cfg.checkpoint.enabled
+                        and sched.ckpt_every_steps
+                        and self.step % sched.ckpt_every_steps == 0
+                    ):
+                        result.last_checkpoint = self.save_checkpoint()
+                        last_saved_step = self.step
+                    if sigterm.should_stop(self.device):
+                        result.stopped_by_sigterm = True
+                        if (
+                            cfg.checkpoint.enabled
+                            and cfg.checkpoint.save_on_sigterm
+                            and last_saved_step != self.step
+                        ):
+                            result.last_checkpoint = self.save_checkpoint()
+                            last_saved_step = self.step
+                        logger.warning("stopped by SIGTERM after step %d", self.step)
+                        break
+        finally:
+            if bar is not None:
+                bar.close()
+        result.final_step = self.step
+        result.wall_time_s = time.perf_counter() - t_start
+        result.tokens_per_s = float(np.mean(tok_rates)) if tok_rates else 0.0
+
+        finished = not result.stopped_by_sigterm and self.step >= sched.max_steps
+        if finished and cfg.checkpoint.enabled and cfg.checkpoint.save_final and last_saved_step != self.step:
+            result.last_checkpoint = self.save_checkpoint()
+        if finished and cfg.export.enabled:
+            result.export_dir = self.export()
+        metrics.close()
+        if self.rank == 0:
+            if cfg.logging.plot and result.losses:
+                from automodel.training.plot import plot_loss_curve
+
+                result.plot_path = plot_loss_curve(
+                    self.run_dir / "metrics.jsonl", self.run_dir / "loss.png", title=cfg.recipe.name
+                )
+            self._write_summary(result)
+        return result
+
+    def export(self) -> Path | None:
+        from automodel.models.loader import torch_dtype
+        from automodel.training.export import export_hf_model
+
+        ex = self.cfg.export
+        out = Path(ex.dir).expanduser().resolve() if ex.dir else self.run_dir / "hf_model"
+        export_hf_model(
+            self.model,
+            out,
+            dtype=torch_dtype(ex.dtype) if ex.dtype else None,
+            tokenizer=self.tokenizer if ex.save_tokenizer else None,
+        )
+        return out
+
+    def _write_summary(self, result: TrainResult) -> None:
+        losses = result.losses
+        summary = {
+            "run_dir": str(result.run_dir),
+            "start_step": result.start_step,
+            "final_step": result.final_step,
+            "first_loss": losses[min(losses)] if losses else None,
+            "last_loss": losses[max(losses)] if losses else None,
+            "val_losses": result.val_losses,
+            "wall_time_s": result.wall_time_s,
+            "mean_tokens_per_s": result.tokens_per_s,
+            "world_size": self.world_size,
+            "stopped_by_sigterm": result.stopped_by_sigterm,
+            "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
+            "export_dir": str(result.export_dir) if result.export_dir else None,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+        }
+        (result.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if losses:
+            logger.info(
+                "done: steps %d..%d, loss %.4f -> %.4f, %.0f tokens/s (%.0f per device), %.1fs",
+                result.start_step + 1,
+                result.final_step,
+                summary["first_loss"],
+                summary["last_loss"],
+                result.tokens_per_s,
+                result.tokens_per_s / self.world_size,
+                result.wall_time_s,
+            )
+
+    def run(self) -> TrainResult:
+        """:meth:`setup` then :meth:`train`."""
+        self.setup()
+        return self.train()

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Fine-tune a Hugging Face causal LM with context parallelism.
+
+    torchrun --nproc-per-node 2 recipes/finetune.py --config configs/cp.yaml [key=value ...]
+
+Overrides use Hydra's grammar (``key=value``, ``+new.key=value``, ``~key``); every key is in
+docs/recipe.md. ``recipe.dry_run=true`` prints the resolved config, the mesh and the per-rank
+shapes, and exits without loading weights. Exit codes: 0 done, 2 invalid config or setup error,
+143 stopped by SIGTERM (a checkpoint was written; resume with checkpoint.resume=true).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from automodel.config import USAGE, ConfigError, load_config  # noqa: E402
+from automodel.config.compose import parse_argv  # noqa: E402
+
+EXIT_CONFIG_ERROR = 2
+EXIT_SIGTERM = 143
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if parse_argv(argv)[2]:
+            print(USAGE)
+            return 0
+        import torch
+
+        loaded = load_config(argv, cuda_available=torch.cuda.is_available())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+    if loaded.cfg.recipe.dry_run:
+        from automodel.training.dry_run import dry_run_report
+
+        try:
+            report = dry_run_report(loaded)
+            if os.environ.get("RANK", "0") == "0":  # under torchrun, one copy is enough
+                print(report)
+        except (ValueError, TypeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        return 0
+
+    import torch.distributed as dist
+
+    from automodel.training.trainer import FinetuneTrainer
+
+    trainer = FinetuneTrainer(loaded)
+    try:
+        trainer.setup()
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return EXIT_CONFIG_ERROR
+    try:
+        result = trainer.train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return EXIT_SIGTERM if result.stopped_by_sigterm else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The fine-tuning recipe end to end on gloo ranks (see tests/test_recipe_parity.py).
+
+Every run is ``configs/cp.yaml`` with the same tiny overrides (fp32, 8 steps, same seed and global
+batch), so runs with different dp / cp must produce the same losses and weights. One launched
+group runs several recipes one after the other; each returns what the tests assert on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from automodel.config import load_config
+from automodel.training.trainer import FinetuneTrainer, TrainHooks
+
+# Tiny and fast, but every piece is real: 2 decoder layers, GQA, tied embeddings, 8 steps of
+# AdamW with warmup + cosine, 4 micro-batches per step (grad accumulation), validation, clipping.
+TINY = [
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=2",
+    "model.dtype=float32",
+    "fsdp.param_dtype=float32",
+    "data.seq_len=128",
+    "step_scheduler.global_batch_size=8",
+    "step_scheduler.local_batch_size=2",
+    "step_scheduler.max_steps=8",
+    "step_scheduler.val_every_steps=4",
+    "step_scheduler.val_max_batches=2",
+    "step_scheduler.ckpt_every_steps=null",
+    "lr_scheduler.warmup_steps=2",
+    "checkpoint.save_final=false",
+    "export.enabled=false",
+    "logging.progress_bar=false",
+    "logging.plot=false",
+]
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _run(world: int, out: Path, name: str, overrides: list[str], hooks: TrainHooks | None = None):
+    argv = ["--config", "configs/cp.yaml", *TINY, f"recipe.output_dir={out / name}", *overrides]
+    trainer = FinetuneTrainer(load_config(argv, world_size=world), hooks)
+    result = trainer.run()
+    return trainer, result
+
+
+def _summary(trainer: FinetuneTrainer, result) -> dict:
+    state = _full_state(trainer.model)
+    return {
+        "losses": dict(result.losses),
+        "val_losses": dict(result.val_losses),
+        "grad_norms": dict(result.grad_norms),
+        "final_step": result.final_step,
+        "stopped_by_sigterm": result.stopped_by_sigterm,
+        "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
+        "run_dir": str(result.run_dir),
+        "state": state if trainer.rank == 0 else None,
+        "lr_last": trainer.optimizer.param_groups[0]["lr"],
+    }
+
+
+def single(rank: int, world_size: int, out: str, pretrained: str) -> dict:
+    """World 1: the reference (cp=1, dp=1), the same with activation checkpointing, and a run that
+    starts from the exported model of the cp=2 run (``pretrained``) with lr=0, so its final weights
+    must be exactly the exported ones."""
+    out_dir = Path(out)
+    ref = _summary(*_run(world_size, out_dir, "ref", ["distributed.cp_size=1"]))
+    ac = _summary(
+        *_run(world_size, out_dir, "ac", ["distributed.cp_size=1", "model.activation_checkpointing=true"])
+    )
+    from_pretrained = _summary(
+        *_run(
+            world_size,
+            out_dir,
+            "from_pretrained",
+            [
+                "distributed.cp_size=1",
+                f"model.pretrained_model_name_or_path={pretrained}",  # model.config stays: it must match
+                "optimizer.lr=0.0",
+                "step_scheduler.max_steps=1",
+                "step_scheduler.val_every_steps=null",
+            ],
+        )
+    )
+    return {"ref": ref, "ac": ac, "from_pretrained": from_pretrained}
+
+
+def _sigterm_at(step_to_stop: int) -> TrainHooks:
+    def hook(step: int, record: dict) -> None:
+        if step == step_to_stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return TrainHooks(on_step_end=hook)
+
+
+def pair(rank: int, world_size: int, out: str) -> dict:
+    """World 2: cp=2 (with plot, export, metrics), dp=2, and dp=2 stopped by SIGTERM at 4 + resumed."""
+    out_dir = Path(out)
+    results: dict = {}
+
+    # cp=2, dp=1 — also exports the model and writes metrics + plot
+    trainer, result = _run(
+        world_size,
+        out_dir,
+        "cp2",
+        ["distributed.cp_size=2", "export.enabled=true", "logging.plot=true", "checkpoint.save_final=true"],
+    )
+    results["cp2"] = _summary(trainer, result)
+    # the trained (FSDP, CP-trained) model and the exported HF directory must give the same logits
+    g = torch.Generator().manual_seed(7)
+    probe = torch.randint(0, 1024, (2, 48), generator=g)
+    with torch.no_grad():
+        trained_logits = trainer.model(input_ids=probe).logits.detach().clone()
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(str(result.export_dir))
+        with torch.no_grad():
+            exported_logits = loaded(input_ids=probe).logits
+        results["export"] = {
+            "dir": str(result.export_dir),
+            "class": type(loaded).__name__,
+            "max_abs_diff": (exported_logits - trained_logits).abs().max().item(),
+            "logits_scale": trained_logits.abs().max().item(),
+        }
+    del trainer
+
+    # cp=1, dp=2
+    results["dp2"] = _summary(*_run(world_size, out_dir, "dp2", ["distributed.cp_size=1"]))
+
+    # dp=2: SIGTERM after step 4 -> checkpoint + stop; then resume for steps 5..8
+    first = _summary(*_run(world_size, out_dir, "resume", ["distributed.cp_size=1"], hooks=_sigterm_at(4)))
+    second = _summary(
+        *_run(world_size, out_dir, "resume", ["distributed.cp_size=1", "checkpoint.resume=true"])
+    )
+    first.pop("state")
+    results["resume_first"] = first
+    results["resume_second"] = second
+    return results
