@@ -22,7 +22,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelDims", "build_device_mesh", "init_distributed", "default_device_type", "default_backend"]
+__all__ = [
+    "ParallelDims",
+    "build_device_mesh",
+    "default_backend",
+    "default_device_type",
+    "get_submesh",
+    "init_distributed",
+]
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -134,6 +141,38 @@ class ParallelDims:
         mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
         return mesh
+
+
+def get_submesh(device_mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """The sub-mesh of ``device_mesh`` over ``names``: mesh dims and/or flattened views.
+
+    ``get_submesh(mesh, "cp")`` is ``mesh["cp"]``; ``get_submesh(mesh, "dp")`` is the flattened
+    view built by :meth:`ParallelDims.build_mesh`; several names, e.g.
+    ``("dp_replicate", "dp_shard_cp")`` for HSDP, are concatenated in order. Unlike
+    ``mesh["dp"]`` this avoids torch's "slicing a flattened dim from root mesh" deprecation path.
+
+    Raises:
+        ValueError: a name is neither a mesh dim nor a flattened view of the root mesh.
+    """
+    if not names:
+        raise ValueError("get_submesh needs at least one mesh dim name, e.g. get_submesh(mesh, 'cp')")
+    root = device_mesh._get_root_mesh() if hasattr(device_mesh, "_get_root_mesh") else device_mesh
+    flattened = getattr(root, "_flatten_mapping", {})
+    dims = device_mesh.mesh_dim_names or ()
+    if all(n in dims for n in names):
+        return device_mesh[names[0]] if len(names) == 1 else device_mesh[names]
+    parts = []
+    for name in names:
+        if name in dims:
+            parts.append(device_mesh[name])
+        elif name in flattened:
+            parts.append(flattened[name])
+        else:
+            raise ValueError(
+                f"mesh dim {name!r} is neither a dim of the mesh {tuple(dims)} nor a flattened view "
+                f"{tuple(flattened)}; build the mesh with ParallelDims.build_mesh()"
+            )
+    return parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
 
 
 def build_device_mesh(

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from automodel.distributed.mesh import get_submesh
+
 __all__ = ["decoder_layers", "apply_activation_checkpointing", "fsdp_mesh", "apply_fsdp2"]
 
 logger = logging.getLogger(__name__)
@@ -56,8 +58,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards over: ``dp_shard_cp``, or ``(dp_replicate, dp_shard_cp)`` for HSDP."""
     if device_mesh["dp_replicate"].size() > 1:
-        return device_mesh["dp_replicate", "dp_shard_cp"]
-    return device_mesh["dp_shard_cp"]
+        return get_submesh(device_mesh, "dp_replicate", "dp_shard_cp")
+    return get_submesh(device_mesh, "dp_shard_cp")
 
 
 def apply_fsdp2(

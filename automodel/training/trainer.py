@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from automodel.config import LoadedConfig
 from automodel.config.schema import RecipeConfig
-from automodel.distributed.mesh import ParallelDims, default_backend, init_distributed
+from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
 from automodel.training.cp_dispatch import get_cp_batch_fn
 from automodel.training.loss import count_label_tokens
@@ -112,10 +112,11 @@ class FinetuneTrainer:
             world_size=self.world_size,
         )
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.dp_rank = self.mesh["dp"].get_local_rank()
-        self.dp_size = self.mesh["dp"].size()
-        self.dp_group = self.mesh["dp"].get_group()
-        self.dp_cp_group = self.mesh["dp_cp"].get_group()
+        dp_mesh = get_submesh(self.mesh, "dp")
+        self.dp_rank = dp_mesh.get_local_rank()
+        self.dp_size = dp_mesh.size()
+        self.dp_group = dp_mesh.get_group()
+        self.dp_cp_group = get_submesh(self.mesh, "dp_cp").get_group()
 
         self.run_dir = shared_run_dir(cfg.recipe, cfg.checkpoint)
         from automodel.training.logs import setup_logging

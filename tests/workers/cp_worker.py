@@ -180,17 +180,25 @@ def buffer_checks(mesh, rank: int, world: int) -> dict:
 
 def mesh_checks(rank: int, world: int) -> dict:
     """ParallelDims meshes: dim sizes and flattened views; CP through the full 4-D mesh."""
-    from automodel.distributed.mesh import ParallelDims
+    import warnings
+
+    from automodel.distributed.mesh import ParallelDims, get_submesh
 
     sizes = {}
-    for cp in (1, world):
-        mesh = ParallelDims(cp=cp).build_mesh("cpu")
-        sizes[cp] = {
-            name: mesh[name].size()
-            for name in ("dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
-        }
+    names = ("dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for cp in (1, world):
+            mesh = ParallelDims(cp=cp).build_mesh("cpu")
+            sizes[cp] = {name: get_submesh(mesh, name).size() for name in names}
+            hsdp = get_submesh(mesh, "dp_replicate", "dp_shard_cp")
+            sizes[cp]["hsdp"] = (hsdp.mesh_dim_names, tuple(hsdp.shape))
     full_mesh = ParallelDims(cp=world).build_mesh("cpu")
-    return {"sizes": sizes, "buffers_via_full_mesh": buffer_checks(full_mesh, rank, world)}
+    return {
+        "sizes": sizes,
+        "mesh_warnings": [str(w.message) for w in caught if "mesh" in str(w.message).lower()],
+        "buffers_via_full_mesh": buffer_checks(full_mesh, rank, world),
+    }
 
 
 def main(rank: int, world_size: int, model_families=("llama", "qwen2"), model_dtypes=("float32",)) -> dict:
