@@ -236,6 +236,7 @@ def make_cp_batch_and_ctx(
     padding_token_id: int = 0,
     num_chunks: int = 1,
     seq_lens_padding_value: int = -1000,
+    cp_rotate_method: str | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any]]:
     """Prepare ``batch`` for context parallelism over ``device_mesh["cp"]``.
 
@@ -249,6 +250,8 @@ def make_cp_batch_and_ctx(
         use_te: take the THD path (:func:`make_cp_batch_for_te`): the batch becomes flat THD
             tensors sharded with Transformer Engine's partition; the context is a no-op.
         padding_token_id, num_chunks, seq_lens_padding_value: THD path only.
+        cp_rotate_method: ring path: ``"allgather"`` (default) or ``"alltoall"`` (an addition to
+            the reference signature; see :func:`create_context_parallel_ctx`).
 
     Returns:
         ``(train_ctx, batch)``. Without CP (no mesh, no ``cp`` dim, cp size 1) and ``use_te=False``:
@@ -307,5 +310,6 @@ def make_cp_batch_and_ctx(
         cp_buffers=buffers,
         cp_seq_dims=seq_dims,
         cp_no_restore_buffers=set(buffers),
+        cp_rotate_method=cp_rotate_method,
     )
     return get_train_context(False, False, ctx), batch

@@ -1,8 +1,8 @@
 """Make stock Hugging Face models see plain causal attention under ring CP.
 
 The trap: with head-tail load balancing, rank 0 of a cp=2 group holds the position ids
-``0..7, 24..31`` of a 32-token row and rank 1 holds ``8..23``. transformers (>= 4.53, where mask
-creation moved to ``transformers.masking_utils``) reads any jump in ``position_ids`` as a
+``0..7, 24..31`` of a 32-token row and rank 1 holds ``8..23``. transformers (>= 4.54, which added
+packed-sequence detection to ``transformers.masking_utils``) reads any jump in ``position_ids`` as a
 boundary between *packed sequences* and builds a block-diagonal attention mask for it — on rank 0
 only. Ring attention computes plain causal attention over the whole (global) row and cannot take a
 mask, so that run dies in DTensor sharding propagation (or, on a kernel that accepted a mask, would
@@ -12,9 +12,10 @@ be silently wrong).
 rank builds no mask and SDPA runs with ``is_causal=True``. The jump in position ids is exactly what
 load balancing produces and the rotary embedding still sees the correct global positions.
 
-Covered: transformers 4.53 .. 5.x (``masking_utils.find_packed_sequence_indices``; checked on
+Covered: transformers 4.54 .. 5.x (``masking_utils.find_packed_sequence_indices``; tested on
 5.23). Older versions have no packed-sequence detection, so nothing needs patching and this is a
-no-op; so it is when transformers is not installed.
+no-op; so it is when transformers is not installed. If a future version renames the function, the
+ring parity test (tests/test_cp_parity.py) fails rather than the training silently changing.
 
 Packed multi-document rows are *not* supported by the ring path (``make_cp_batch_and_ctx``
 rejects them); use the THD path or Ulysses for those.

@@ -119,7 +119,8 @@ def model_checks(mesh, rank: int, world: int, families=("llama", "qwen2"), dtype
                 "labels": labels.clone(),
                 "attention_mask": torch.ones_like(input_ids),
             }
-            train_ctx, cp_batch = make_cp_batch_and_ctx(mesh, batch)
+            method = "alltoall" if family == "qwen2" else "allgather"
+            train_ctx, cp_batch = make_cp_batch_and_ctx(mesh, batch, cp_rotate_method=method)
             with train_ctx():
                 shard_ok = torch.equal(cp_batch["input_ids"], input_ids[:, head_tail_index(seq, world, rank)])
                 logits = model(input_ids=cp_batch["input_ids"], position_ids=cp_batch["position_ids"]).logits
