@@ -1,14 +1,18 @@
 """The fine-tuning recipe end to end: parity across dp / cp, resume, export, run outputs.
 
-Two launches for the whole module (module-scoped fixture): a 2-rank gloo group (cp=2 with export;
-dp=2; dp=2 stopped by SIGTERM after step 4 and resumed) and a 1-rank group (the single-device
-reference, the same run with activation checkpointing, and a run starting from the exported model). All runs are ``configs/cp.yaml`` with the tiny
-fp32 overrides of ``tests/workers/recipe_worker.py``: same seed, same global batch, 8 steps.
+Two launches for the whole module (module-scoped fixture): a 2-rank gloo group (ring cp=2 with
+export; dp=2; dp=2 stopped by SIGTERM after step 4 and resumed; Ulysses cp=2 on plain rows, and on
+packed rows with the eager kernel and activation checkpointing) and a 1-rank group (the
+single-device reference, the same run with activation checkpointing, a run starting from the
+exported model, and the packed-rows reference). All runs are ``configs/cp.yaml`` (Ulysses:
+``configs/cp_ulysses.yaml``) with the tiny fp32 overrides of ``tests/workers/recipe_worker.py``:
+same seed, same global batch, 8 steps.
 
 Tolerances (fp32, measured on CPU): cp=2 vs cp=1 differs by ~1e-7 relative in the loss and ~3e-6 in
 the final weights (ring attention merges the softmax of key blocks in a different order, and
-FSDP sums gradient shards in another order); dp=2 by ~1e-7 / ~2e-7. The bounds below (1e-5 relative
-on losses, 1e-4 absolute on weights) are the project's parity contract; resume and activation
+FSDP sums gradient shards in another order); dp=2 by ~1e-7 / ~2e-7; Ulysses cp=2 by ~8e-8 / ~2e-6
+(plain rows) and ~8e-8 / ~9e-7 (packed rows). The bounds below (1e-5 relative on losses, 1e-4
+absolute on weights) are the project's parity contract; resume and activation
 checkpointing redo exactly the same arithmetic and are held to 1e-6.
 """
 
@@ -59,9 +63,12 @@ def test_reference_trains(runs):
     assert sorted(ref["val_losses"]) == [4, 8]
 
 
-@pytest.mark.parametrize("name", ["cp2", "dp2"])
-def test_parallel_run_matches_single_device(runs, name):
-    ref, run = runs["ref"], runs[name]
+@pytest.mark.parametrize(
+    "name, ref_name",
+    [("cp2", "ref"), ("dp2", "ref"), ("ulysses_cp2", "ref"), ("ulysses_packed_cp2", "packed_ref")],
+)
+def test_parallel_run_matches_single_device(runs, name, ref_name):
+    ref, run = runs[ref_name], runs[name]
     assert _max_rel(run["losses"], ref["losses"]) <= LOSS_RTOL
     assert _max_rel(run["val_losses"], ref["val_losses"]) <= LOSS_RTOL
     assert _max_rel(run["grad_norms"], ref["grad_norms"]) <= 1e-4
@@ -74,8 +81,24 @@ def test_cp2_matches_cp1_at_same_world_size(runs):
     assert _max_weight_diff(runs["cp2"]["state"], runs["dp2"]["state"]) <= WEIGHT_ATOL
 
 
+def test_ulysses_runs_switched_the_model(runs):
+    for name, inner in (("ulysses_cp2", "sdpa"), ("ulysses_packed_cp2", "eager")):
+        run = runs[name]
+        assert (run["cp_method"], run["attn_impl"], run["inner_attn"]) == ("ulysses", "ulysses", inner)
+    # at cp_size=1 no CP method runs: the model keeps its own attention (the plain reference)
+    assert (runs["ref"]["attn_impl"], runs["ref"]["inner_attn"]) == ("sdpa", None)
+
+
+def test_packed_runs_pack_documents_and_differ_from_unpacked(runs):
+    # the packed reference really has several documents per row, and is another computation than
+    # the unpacked one (so matching it is not matching the plain run by accident)
+    assert runs["packed_ref"]["packed_docs"] > 8 and runs["ulysses_packed_cp2"]["packed_docs"] > 8
+    assert runs["ref"]["packed_docs"] is None
+    assert abs(runs["packed_ref"]["losses"][8] - runs["ref"]["losses"][8]) > 1e-3
+
+
 def test_ranks_agree(runs):
-    for name in ("cp2", "dp2", "resume_second"):
+    for name in ("cp2", "dp2", "resume_second", "ulysses_cp2", "ulysses_packed_cp2"):
         assert runs["pair_rank1"][name]["losses"] == runs[name]["losses"]
 
 

@@ -8,7 +8,7 @@ world size alone.
 from __future__ import annotations
 
 from automodel.config.schema import RecipeConfig
-from automodel.training.cp_dispatch import CP_METHODS
+from automodel.training.cp_dispatch import CP_METHODS, head_split_problem
 
 __all__ = ["check_rules", "parallel_sizes"]
 
@@ -51,6 +51,15 @@ def parallel_sizes(cfg: RecipeConfig, world_size: int) -> tuple[dict[str, int], 
     return sizes, problems
 
 
+def _methods_for_attn(attn: str) -> str:
+    names = [
+        m.name
+        for m in CP_METHODS.values()
+        if m.attn_implementations is None or attn in m.attn_implementations
+    ]
+    return "one of " + " | ".join(names) + f" works with {attn!r}" if names else f"none works with {attn!r}"
+
+
 def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None = None) -> list[str]:
     """Every cross-key problem of ``cfg`` for a run on ``world_size`` ranks (empty list: fine)."""
     problems: list[str] = []
@@ -73,11 +82,18 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
             "distributed.backend=nccl needs CUDA, which is not available here; set distributed.backend=auto"
         )
 
+    on_cpu = cuda_available is False or d.backend == "gloo"  # the trainer uses CUDA only with nccl
+    if model.attn_implementation == "flex_attention" and on_cpu:
+        problems.append(
+            "model.attn_implementation=flex_attention cannot train on CPU (torch has no FlexAttention backward "
+            "on CPU); set model.attn_implementation=sdpa (or eager), or train on CUDA (distributed.backend=auto)"
+        )
+
     method = CP_METHODS.get(d.cp_method)
     if method is None:
         problems.append(
             f"distributed.cp_method={d.cp_method!r} is not one of {sorted(CP_METHODS)}; "
-            f"set distributed.cp_method={next(iter(CP_METHODS))}"
+            f"set distributed.cp_method to one of {' | '.join(CP_METHODS)}"
         )
 
     # --- sequence length vs the CP/TP split ------------------------------------------------
@@ -87,8 +103,14 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"data.pad_to_multiple_of={data.pad_to_multiple_of} must be >= 1 (or null)")
     split = d.cp_size * d.tp_size
     if split > 1 and data.seq_len >= 1:
-        multiple = 2 * split
-        what = f"2*cp_size*tp_size = 2*{d.cp_size}*{d.tp_size} = {multiple}"
+        chunks = method.chunks_per_rank if method is not None else 2
+        multiple = chunks * split
+        if chunks == 1:
+            what = f"cp_size*tp_size = {d.cp_size}*{d.tp_size} = {multiple}"
+            why = "each rank gets an equal contiguous slice of every row"
+        else:
+            what = f"{chunks}*cp_size*tp_size = {chunks}*{d.cp_size}*{d.tp_size} = {multiple}"
+            why = f"each rank gets {chunks} equal chunks of every row"
         pad = data.pad_to_multiple_of
         if pad is not None and pad >= 1:
             if pad % multiple:
@@ -99,8 +121,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         elif data.seq_len % multiple:
             up = -(-data.seq_len // multiple) * multiple
             problems.append(
-                f"data.seq_len={data.seq_len} is not divisible by {what} (each rank gets 2 equal chunks of "
-                f"every row); set data.seq_len={up}, or data.pad_to_multiple_of={multiple} so the collator pads"
+                f"data.seq_len={data.seq_len} is not divisible by {what} ({why}); set data.seq_len={up}, "
+                f"or data.pad_to_multiple_of={multiple} so the collator pads"
             )
 
     # --- the CP method's limits --------------------------------------------------------------
@@ -109,18 +131,29 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         if method.attn_implementations is not None and attn not in method.attn_implementations:
             problems.append(
                 f"distributed.cp_method={method.name} with cp_size={d.cp_size} needs model.attn_implementation "
-                f"in {list(method.attn_implementations)}, got {attn!r} (the ring replaces SDPA calls); set "
-                f"model.attn_implementation={method.attn_implementations[0]}, or distributed.cp_size=1"
+                f"in {list(method.attn_implementations)}, got {attn!r}; set "
+                f"model.attn_implementation={method.attn_implementations[0]}, another distributed.cp_method "
+                f"({_methods_for_attn(attn)}), or distributed.cp_size=1"
             )
+        packers = [m.name for m in CP_METHODS.values() if m.supports_packed]
         for key in ("dataset", "validation_dataset"):
             node = getattr(data, key)
             if node is not None and node.get("pack") is True and not method.supports_packed:
                 problems.append(
                     f"data.{key}.pack=true (several documents per row) with distributed.cp_method={method.name} "
                     f"and cp_size={d.cp_size}: {method.name} attention is causal over the whole row and would "
-                    f"attend across documents; packed rows belong to the THD path. Set data.{key}.pack=false, "
-                    f"or distributed.cp_size=1"
+                    f"attend across documents; packed rows need a method that keeps document boundaries "
+                    f"(the THD path). Set distributed.cp_method to one of {' | '.join(packers) or '(none yet)'}, "
+                    f"data.{key}.pack=false, or distributed.cp_size=1"
                 )
+        if isinstance(model.config, dict):  # inline architecture (a pretrained config must match it)
+            heads = (model.config_overrides or {}).get(
+                "num_attention_heads", model.config.get("num_attention_heads")
+            )
+            if isinstance(heads, int) and heads >= 1:
+                problem = head_split_problem(method.name, heads, d.cp_size)
+                if problem is not None:
+                    problems.append(problem.replace("the model has", "model.config has", 1))
 
     # --- batch sizes ---------------------------------------------------------------------------
     for key in ("global_batch_size", "local_batch_size", "max_steps"):

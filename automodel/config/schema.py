@@ -63,7 +63,7 @@ class DistributedSection:
     dp_shard: int = -1  # -1: world_size // (dp_replicate * cp_size * tp_size)
     cp_size: int = 1
     tp_size: int = 1
-    cp_method: str = "ring"  # one of automodel.training.cp_dispatch.CP_METHODS
+    cp_method: str = "ring"  # ring | ulysses: a key of automodel.training.cp_dispatch.CP_METHODS
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     enable_loss_parallel: bool = False
     enable_compiled_autograd: bool = False
@@ -79,7 +79,7 @@ class ModelSection:
         None  # fields changed on the (pretrained or inline) config, e.g. rope_scaling
     )
     dtype: DType = "float32"  # dtype of the master weights
-    attn_implementation: str | None = None  # None: "sdpa" (required by ring CP)
+    attn_implementation: str | None = None  # None: "sdpa" (required by ring CP; ulysses: the inner kernel)
     activation_checkpointing: bool = False
     trust_remote_code: bool = False
     revision: str | None = None
@@ -106,7 +106,8 @@ class DataSection:
     validation_split: str | None = "validation"  # None: no validation
     tokenizer: str | None = None  # None: the shipped tokenizer
     seq_len: int = 512
-    pad_to_multiple_of: int | None = None  # None: 2*cp_size*tp_size (requires seq_len divisible by it)
+    pad_to_multiple_of: int | None = None  # None: 2*cp_size*tp_size (ring) or cp_size*tp_size (ulysses);
+    # then seq_len must be divisible by it
     shuffle: bool = True
     drop_last: bool = True
 

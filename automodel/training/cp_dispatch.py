@@ -6,18 +6,38 @@ Each method is a function with the signature of
     fn(device_mesh, batch) -> (train_ctx_factory, batch)
 
 that prepares a ``[B, S]`` batch (labels already shifted) for this rank and returns a factory of
-the context the forward, the loss and the backward run in. The recipe reads the capabilities
-below to validate a config before anything is built, so adding a method is one entry here (and
-its module): e.g. ``"ulysses": CPMethod("ulysses", "automodel.distributed.ulysses:<fn>", ...)``.
+the context the forward, the loss and the backward run in. A method may also need the model to be
+switched once before training (:attr:`CPMethod.switch_model`, e.g. Ulysses registers its own
+attention implementation); its batch function then receives the model's previous (inner) attention
+implementation as ``inner_attn=``. The recipe reads the capabilities below to validate a config
+before anything is built (:mod:`automodel.config.rules`), so adding a method (e.g. a packed-THD
+one) is one entry here plus its module.
+
+At ``cp_size == 1`` no method runs (:func:`bind_cp_method` returns :func:`no_cp_batch_and_ctx`):
+the model keeps ``model.attn_implementation`` and transformers' own masks, so every method's
+cp=1 run is the plain single-device computation, the reference its cp>1 runs are tested against.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
-__all__ = ["CPMethod", "CP_METHODS", "get_cp_batch_fn"]
+__all__ = [
+    "CPMethod",
+    "CP_METHODS",
+    "get_cp_method",
+    "get_cp_batch_fn",
+    "head_split_problem",
+    "check_model_config_for_cp",
+    "no_cp_batch_and_ctx",
+    "bind_cp_method",
+    "token_ranges",
+]
 
 
 @dataclass(frozen=True)
@@ -27,14 +47,30 @@ class CPMethod:
     Attributes:
         name: the value of ``distributed.cp_method``.
         function: ``"module:function"`` with the signature of ``make_cp_batch_and_ctx``.
-        attn_implementations: attention implementations the method works with (``None``: any).
-        supports_packed: whether rows may hold several documents (``data.packed_sequences``).
+        attn_implementations: ``model.attn_implementation`` values the method works with (``None``: any).
+        supports_packed: whether rows may hold several documents (``data.dataset.pack: true``) with
+            document boundaries respected.
+        chunks_per_rank: each rank holds this many equal chunks of every row, so the row length must
+            be a multiple of ``chunks_per_rank * cp_size * tp_size`` (ring: 2, head-tail load balancing).
+        layout: how a row is split over the CP ranks: ``"head_tail"`` (rank r gets chunks r and
+            2W-1-r of 2W) or ``"contiguous"`` (rank r gets the r-th of W contiguous slices).
+        splits_heads: attention heads are divided over the CP ranks, so ``num_attention_heads`` must
+            be divisible by ``cp_size``.
+        switch_model: ``"module:function"`` called once as ``fn(model, device_mesh) -> inner_attn``
+            before training (``None``: the model is used as built); the batch function is then
+            called with ``inner_attn=<that value>``.
+        summary: one line for logs and the dry run.
     """
 
     name: str
     function: str
     attn_implementations: tuple[str, ...] | None
     supports_packed: bool
+    chunks_per_rank: int = 2
+    layout: Literal["head_tail", "contiguous"] = "head_tail"
+    splits_heads: bool = False
+    switch_model: str | None = None
+    summary: str = ""
 
 
 CP_METHODS: dict[str, CPMethod] = {
@@ -43,20 +79,125 @@ CP_METHODS: dict[str, CPMethod] = {
         function="automodel.distributed.cp_utils:make_cp_batch_and_ctx",
         attn_implementations=("sdpa",),  # torch's context_parallel replaces SDPA with ring attention
         supports_packed=False,  # ring attention is causal over the whole row
+        chunks_per_rank=2,
+        layout="head_tail",
+        summary="torch ring attention: k/v shards rotate around the CP ranks (plain causal SDPA only)",
+    ),
+    "ulysses": CPMethod(
+        name="ulysses",
+        function="automodel.distributed.ulysses:make_ulysses_batch_and_ctx",
+        attn_implementations=("sdpa", "eager", "flex_attention"),  # the inner kernel, on the whole row
+        supports_packed=True,  # the global mask keeps document boundaries
+        chunks_per_rank=1,
+        layout="contiguous",
+        splits_heads=True,
+        switch_model="automodel.distributed.ulysses:set_ulysses_attention",
+        summary="all-to-all: each rank runs the unchanged attention kernel on the whole row for H/cp heads",
     ),
 }
 
 
-def get_cp_batch_fn(method: str) -> Callable:
-    """The batch/context function of ``method`` (imported on first use).
+def _import(path: str) -> Callable:
+    module_name, fn_name = path.split(":")
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
+def _allowed() -> str:
+    return " | ".join(CP_METHODS)
+
+
+def get_cp_method(method: str) -> CPMethod:
+    """The :class:`CPMethod` named ``method``.
 
     Raises:
-        ValueError: ``method`` is not in :data:`CP_METHODS`.
+        ValueError: ``method`` is not in :data:`CP_METHODS` (the message lists the allowed values).
     """
     if method not in CP_METHODS:
         raise ValueError(
             f"distributed.cp_method={method!r} is not one of {sorted(CP_METHODS)}; "
-            f"set distributed.cp_method={next(iter(CP_METHODS))}"
+            f"set distributed.cp_method to one of {_allowed()}"
         )
-    module_name, fn_name = CP_METHODS[method].function.split(":")
-    return getattr(importlib.import_module(module_name), fn_name)
+    return CP_METHODS[method]
+
+
+def get_cp_batch_fn(method: str) -> Callable:
+    """The batch/context function of ``method`` (imported on first use), unbound.
+
+    Raises:
+        ValueError: ``method`` is not in :data:`CP_METHODS`.
+    """
+    return _import(get_cp_method(method).function)
+
+
+def head_split_problem(method: str, num_attention_heads: int | None, cp_size: int) -> str | None:
+    """Why ``method`` cannot split ``num_attention_heads`` over ``cp_size`` ranks, or ``None`` if it can."""
+    m = get_cp_method(method)
+    if (
+        not m.splits_heads
+        or cp_size <= 1
+        or num_attention_heads is None
+        or num_attention_heads % cp_size == 0
+    ):
+        return None
+    divisors = [d for d in range(2, num_attention_heads + 1) if num_attention_heads % d == 0]
+    return (
+        f"distributed.cp_method={m.name} splits the attention heads over the CP ranks, but the model has "
+        f"num_attention_heads={num_attention_heads}, which is not divisible by distributed.cp_size={cp_size}; "
+        f"set distributed.cp_size to a divisor of {num_attention_heads} ({divisors}), or use "
+        f"distributed.cp_method=ring"
+    )
+
+
+def check_model_config_for_cp(method: str, model_config: Any, cp_size: int) -> None:
+    """Check a transformers config against the method's limits before any weight is loaded.
+
+    Raises:
+        ValueError: the method splits heads and ``num_attention_heads`` (of the text config) is not
+            divisible by ``cp_size``; the message names the heads, the CP size and the fix.
+    """
+    get_text = getattr(model_config, "get_text_config", None)
+    text = get_text() if callable(get_text) else model_config
+    problem = head_split_problem(method, getattr(text, "num_attention_heads", None), cp_size)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def no_cp_batch_and_ctx(device_mesh: Any, batch: dict[str, Any]) -> tuple[Callable[[], Any], dict[str, Any]]:
+    """The ``cp_size == 1`` batch function of every method: ``(contextlib.nullcontext, batch)``, untouched."""
+    return contextlib.nullcontext, batch
+
+
+def bind_cp_method(method: str, model: Any, device_mesh: Any, cp_size: int) -> tuple[Callable, str | None]:
+    """Prepare ``model`` for ``method`` (once) and return ``(cp_fn, inner_attn)``.
+
+    ``cp_fn(device_mesh, batch) -> (train_ctx_factory, batch)`` is what the loop calls for every
+    micro-batch (training and validation). At ``cp_size == 1`` it is :func:`no_cp_batch_and_ctx`
+    and the model is left as built. Otherwise, for a method with :attr:`CPMethod.switch_model`, the
+    model is switched (mutated: its attention implementation changes) and the batch function is
+    bound to ``inner_attn=<the previous implementation>``, which is returned (``None`` otherwise).
+    Call it after the model is built, before or after FSDP wrapping.
+    """
+    m = get_cp_method(method)
+    if cp_size <= 1:
+        return no_cp_batch_and_ctx, None
+    fn = _import(m.function)
+    if m.switch_model is None:
+        return fn, None
+    inner = _import(m.switch_model)(model, device_mesh)
+    return functools.partial(fn, inner_attn=inner), inner
+
+
+def token_ranges(method: str, seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
+    """Token ranges ``[start, end)`` of a ``seq_len`` row that CP rank ``cp_rank`` holds under ``method``."""
+    m = get_cp_method(method)
+    if cp_size <= 1:
+        return [(0, seq_len)]
+    if m.layout == "head_tail":
+        c = seq_len // (2 * cp_size)
+        return [
+            (cp_rank * c, (cp_rank + 1) * c),
+            ((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c),
+        ]
+    base, extra = divmod(seq_len, cp_size)  # near-even, remainder on the first ranks (even_split_sizes)
+    start = cp_rank * base + min(cp_rank, extra)
+    return [(start, start + base + (1 if cp_rank < extra else 0))]

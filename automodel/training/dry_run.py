@@ -10,6 +10,7 @@ laptop: ``python recipes/finetune.py --config configs/X.yaml recipe.dry_run=true
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     from omegaconf import OmegaConf
 
     from automodel.models.loader import build_model, check_model_for_run, resolve_model_config
+    from automodel.training.cp_dispatch import check_model_config_for_cp, get_cp_method, token_ranges
     from automodel.training.trainer import pad_multiple
 
     cfg, world = loaded.cfg, loaded.world_size
@@ -99,9 +101,21 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         f"cp {sizes['cp']} x tp {sizes['tp']}; dp = {sizes['dp']}; FSDP shards over dp_shard_cp = {fsdp_size}"
         + (f" (HSDP: replicated {sizes['dp_replicate']}x)" if sizes["dp_replicate"] > 1 else "")
     )
-    out.append(
-        f"cp_method {d.cp_method}: each row of {seq} tokens is split into {2 * sizes['cp']} chunks (head-tail)"
-    )
+    method = get_cp_method(d.cp_method)
+    if sizes["cp"] == 1:
+        out.append(
+            f"cp_method {method.name}: cp_size 1, no context parallelism (rows of {seq} tokens stay whole)"
+        )
+    elif method.layout == "head_tail":
+        out.append(
+            f"cp_method {method.name} ({method.summary}): each row of {seq} tokens is split into "
+            f"{2 * sizes['cp']} chunks (head-tail)"
+        )
+    else:
+        out.append(
+            f"cp_method {method.name} ({method.summary}): each row of {seq} tokens is split into "
+            f"{sizes['cp']} contiguous slices"
+        )
     out.append(
         f"global batch {sched.global_batch_size} rows = local {sched.local_batch_size} x dp {sizes['dp']} x grad_acc "
         f"{grad_acc}; {sched.global_batch_size * seq} tokens per optimizer step, {sched.max_steps} steps"
@@ -109,7 +123,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     layout = rank_layout(sizes)
     out.append("rank  dp_rep dp_shard cp tp | dp_rank fsdp_idx | token ranges of each row")
     for r in layout[:64]:
-        ranges = ", ".join(f"[{a}, {b})" for a, b in head_tail_positions(seq, sizes["cp"], r["cp"]))
+        ranges = ", ".join(f"[{a}, {b})" for a, b in token_ranges(d.cp_method, seq, sizes["cp"], r["cp"]))
         out.append(
             f"{r['rank']:>4}  {r['dp_replicate']:>6} {r['dp_shard']:>8} {r['cp']:>2} {r['tp']:>2} | "
             f"{r['dp_rank']:>7} {r['fsdp_index']:>8} | {ranges}"
@@ -130,6 +144,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         vocab_needed=vocab_needed,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+    check_model_config_for_cp(d.cp_method, resolved.config, d.cp_size)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
     c = model.config
     n_params = sum(p.numel() for p in model.parameters())
@@ -169,8 +184,19 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     out.append(f"hidden states            [{b}, {local_seq}, {c.hidden_size}] {compute_name}")
     out.append(
         f"attention q / k,v        [{b}, {heads}, {local_seq}, {head_dim}] / [{b}, {kv}, {local_seq}, {head_dim}]"
-        + (f"; k,v rotate around the ring of {sizes['cp']}" if sizes["cp"] > 1 else "")
+        + (
+            f"; k,v rotate around the ring of {sizes['cp']}"
+            if sizes["cp"] > 1 and method.name == "ring"
+            else ""
+        )
     )
+    if sizes["cp"] > 1 and method.splits_heads:
+        # kv heads are replicated cp/gcd(kv, cp) times when cp does not divide them
+        kv_sent = kv * (sizes["cp"] // math.gcd(kv, sizes["cp"]))
+        out.append(
+            f"  all-to-all (ulysses)   q / k,v -> [{b}, {heads // sizes['cp']}, {seq}, {head_dim}] / "
+            f"[{b}, {kv_sent // sizes['cp']}, {seq}, {head_dim}]: the inner kernel {attn!r} sees the whole row"
+        )
     logits_bytes = b * local_seq * c.vocab_size * (compute + 4)
     out.append(
         f"logits                   [{b}, {local_seq}, {c.vocab_size}] {compute_name} + fp32 copy for the loss "

@@ -7,7 +7,8 @@ this file wires them in order:
 1. process group, ``DeviceMesh`` (``ParallelDims``), one shared run directory, logging;
 2. tokenizer and model *config* (checked against the run before any weight is read);
 3. datasets and resumable dp loaders;
-4. model (pretrained or from config), activation checkpointing, FSDP2;
+4. model (pretrained or from config), the CP method's one-time switch (Ulysses attention; none at
+   cp_size=1), activation checkpointing, FSDP2;
 5. optimizer, LR scheduler, checkpointer (and resume);
 6. the loop: ``grad_acc`` micro-batches per step, the loss normalised by the global number of
    label tokens, gradient clipping, validation / checkpoints every N steps, SIGTERM handling;
@@ -35,7 +36,7 @@ from automodel.config import LoadedConfig
 from automodel.config.schema import RecipeConfig
 from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
-from automodel.training.cp_dispatch import get_cp_batch_fn
+from automodel.training.cp_dispatch import CP_METHODS, bind_cp_method, check_model_config_for_cp
 from automodel.training.loss import count_label_tokens
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
@@ -73,11 +74,15 @@ class TrainResult:
 
 
 def pad_multiple(cfg: RecipeConfig) -> int:
-    """The collator's ``pad_to_multiple_of``: ``data.pad_to_multiple_of`` or ``2*cp_size*tp_size``."""
+    """The collator's ``pad_to_multiple_of``: ``data.pad_to_multiple_of``, else ``k*cp_size*tp_size``.
+
+    ``k`` is the CP method's ``chunks_per_rank`` (ring: 2 head-tail chunks per rank; ulysses: 1
+    contiguous slice), so every rank gets an equal share of each row; 1 without CP/TP.
+    """
     if cfg.data.pad_to_multiple_of is not None:
         return cfg.data.pad_to_multiple_of
     split = cfg.distributed.cp_size * cfg.distributed.tp_size
-    return 2 * split if split > 1 else 1
+    return CP_METHODS[cfg.distributed.cp_method].chunks_per_rank * split if split > 1 else 1
 
 
 class FinetuneTrainer:
@@ -175,6 +180,8 @@ class FinetuneTrainer:
             vocab_needed=len(self.tokenizer),
             trust_remote_code=cfg.model.trust_remote_code,
         )
+        # e.g. Ulysses splits the heads over CP: checked on the config, before data or weights are loaded
+        check_model_config_for_cp(cfg.distributed.cp_method, resolved.config, cfg.distributed.cp_size)
         logger.info("model config: %s", resolved.source)
 
         # ---- data
@@ -235,6 +242,19 @@ class FinetuneTrainer:
             n_params / 1e6,
             cfg.model.dtype,
         )
+        # The CP method's batch/context function; a method may switch the model once (Ulysses: its own
+        # attention implementation around the inner kernel model.attn_implementation). At cp_size=1
+        # nothing is switched: the model is the plain single-device reference.
+        self.cp_fn, self.inner_attn = bind_cp_method(
+            cfg.distributed.cp_method, self.model, self.mesh, cfg.distributed.cp_size
+        )
+        if self.inner_attn is not None:
+            logger.info(
+                "cp_method=%s: model attention switched to %r around the inner kernel %r",
+                cfg.distributed.cp_method,
+                self.model.config._attn_implementation,
+                self.inner_attn,
+            )
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         param_dtype = cfg.fsdp.param_dtype
@@ -255,7 +275,6 @@ class FinetuneTrainer:
         cfg = self.cfg
         self.optimizer = build_optimizer(cfg.optimizer, self.model)
         self.scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.step_scheduler.max_steps)
-        self.cp_fn = get_cp_batch_fn(cfg.distributed.cp_method)
         self.train_context = functools.partial(
             get_train_context, cfg.distributed.enable_loss_parallel, cfg.distributed.enable_compiled_autograd
         )

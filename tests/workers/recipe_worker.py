@@ -47,8 +47,22 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _run(world: int, out: Path, name: str, overrides: list[str], hooks: TrainHooks | None = None):
-    argv = ["--config", "configs/cp.yaml", *TINY, f"recipe.output_dir={out / name}", *overrides]
+CP = "configs/cp.yaml"
+ULYSSES = "configs/cp_ulysses.yaml"  # cp.yaml with distributed.cp_method=ulysses
+# Whole documents packed per row (seq_lens / restarting position_ids; longer rows hold more of them),
+# with the eager kernel: Ulysses runs it as its inner kernel, so both inner kernels are covered.
+PACKED = ["+data.dataset.pack=true", "data.seq_len=256", "model.attn_implementation=eager"]
+
+
+def _run(
+    world: int,
+    out: Path,
+    name: str,
+    overrides: list[str],
+    hooks: TrainHooks | None = None,
+    config: str = CP,
+):
+    argv = ["--config", config, *TINY, f"recipe.output_dir={out / name}", *overrides]
     trainer = FinetuneTrainer(load_config(argv, world_size=world), hooks)
     result = trainer.run()
     return trainer, result
@@ -66,13 +80,24 @@ def _summary(trainer: FinetuneTrainer, result) -> dict:
         "run_dir": str(result.run_dir),
         "state": state if trainer.rank == 0 else None,
         "lr_last": trainer.optimizer.param_groups[0]["lr"],
+        "cp_method": trainer.cfg.distributed.cp_method,
+        "inner_attn": trainer.inner_attn,
+        "attn_impl": trainer.model.config._attn_implementation,
+        "packed_docs": _packed_docs(trainer.train_dataset),
     }
 
 
+def _packed_docs(dataset) -> int | None:
+    """Documents in the first 8 rows of a packed dataset (None: rows are not packed)."""
+    if not getattr(dataset, "packed", False):
+        return None
+    return sum(int(dataset[i]["seq_lens"].numel()) for i in range(min(8, len(dataset))))
+
+
 def single(rank: int, world_size: int, out: str, pretrained: str) -> dict:
-    """World 1: the reference (cp=1, dp=1), the same with activation checkpointing, and a run that
+    """World 1: the reference (cp=1, dp=1), the same with activation checkpointing, a run that
     starts from the exported model of the cp=2 run (``pretrained``) with lr=0, so its final weights
-    must be exactly the exported ones."""
+    must be exactly the exported ones, and the packed-rows reference."""
     out_dir = Path(out)
     ref = _summary(*_run(world_size, out_dir, "ref", ["distributed.cp_size=1"]))
     ac = _summary(
@@ -92,7 +117,9 @@ def single(rank: int, world_size: int, out: str, pretrained: str) -> dict:
             ],
         )
     )
-    return {"ref": ref, "ac": ac, "from_pretrained": from_pretrained}
+    # packed rows at cp=1: transformers masks documents from the restarting position_ids
+    packed_ref = _summary(*_run(world_size, out_dir, "packed_ref", ["distributed.cp_size=1", *PACKED]))
+    return {"ref": ref, "ac": ac, "from_pretrained": from_pretrained, "packed_ref": packed_ref}
 
 
 def _sigterm_at(step_to_stop: int) -> TrainHooks:
@@ -104,7 +131,8 @@ def _sigterm_at(step_to_stop: int) -> TrainHooks:
 
 
 def pair(rank: int, world_size: int, out: str) -> dict:
-    """World 2: cp=2 (with plot, export, metrics), dp=2, and dp=2 stopped by SIGTERM at 4 + resumed."""
+    """World 2: cp=2 (with plot, export, metrics), dp=2, dp=2 stopped by SIGTERM at 4 + resumed, and
+    Ulysses cp=2 on plain and on packed rows."""
     out_dir = Path(out)
     results: dict = {}
 
@@ -146,4 +174,19 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     first.pop("state")
     results["resume_first"] = first
     results["resume_second"] = second
+
+    # Ulysses cp=2 (configs/cp_ulysses.yaml), plain rows and packed rows
+    results["ulysses_cp2"] = _summary(
+        *_run(world_size, out_dir, "ulysses_cp2", ["distributed.cp_size=2"], config=ULYSSES)
+    )
+    results["ulysses_packed_cp2"] = _summary(
+        *_run(
+            world_size,
+            out_dir,
+            "ulysses_packed_cp2",
+            # also with activation checkpointing: attention is recomputed in backward, inside the context
+            ["distributed.cp_size=2", *PACKED, "model.activation_checkpointing=true"],
+            config=ULYSSES,
+        )
+    )
     return results
