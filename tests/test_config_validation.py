@@ -236,6 +236,15 @@ def test_sliding_window_shorter_than_sequence_is_rejected_for_ring_cp():
     _check(MistralConfig(num_hidden_layers=1), seq_len=8192, cp_size=1)
 
 
+def test_sliding_window_is_allowed_for_ulysses_which_applies_it():
+    from transformers import MistralConfig
+
+    from automodel.training.cp_dispatch import get_cp_method
+
+    assert get_cp_method("ulysses").applies_sliding_window and not get_cp_method("ring").applies_sliding_window
+    _check(MistralConfig(num_hidden_layers=1), seq_len=8192, cp_method="ulysses", cp_applies_sliding_window=True)
+
+
 def test_vocab_must_cover_the_tokenizer():
     from transformers import LlamaConfig
 

@@ -205,12 +205,14 @@ def check_model_for_run(
     seq_len: int,
     vocab_needed: int | None = None,
     trust_remote_code: bool = False,
+    cp_applies_sliding_window: bool = False,
 ) -> None:
     """Check that a model with ``config`` can train this run; raise ``ValueError`` naming the fix.
 
     Checks: the config is a causal LM; with CP, the model supports ``attn_implementation`` (SDPA
     for ring) and no layer uses a sliding window shorter than ``seq_len`` (ring attention is plain
-    causal); the tokenizer's ``vocab_needed`` ids fit the embedding.
+    causal) unless ``cp_applies_sliding_window`` (Ulysses builds the window mask exactly); the
+    tokenizer's ``vocab_needed`` ids fit the embedding.
     """
     cls = causal_lm_class(config)
     if cls is None and not trust_remote_code:
@@ -230,7 +232,7 @@ def check_model_for_run(
             + (f", which distributed.cp_method={cp_method} needs" if cp_size > 1 else "")
             + f"; {fix}"
         )
-    if cp_size > 1:
+    if cp_size > 1 and not cp_applies_sliding_window:
         window = sliding_window_of(config)
         if window is not None and window < seq_len:
             raise ValueError(

@@ -59,6 +59,9 @@ class CPMethod:
         switch_model: ``"module:function"`` called once as ``fn(model, device_mesh) -> inner_attn``
             before training (``None``: the model is used as built); the batch function is then
             called with ``inner_attn=<that value>``.
+        applies_sliding_window: the method computes each layer's sliding window exactly (the inner
+            kernel sees the window mask), so sliding-window models may train on rows longer than
+            the window. Ring attention is plain causal over the row and cannot.
         summary: one line for logs and the dry run.
     """
 
@@ -70,6 +73,7 @@ class CPMethod:
     layout: Literal["head_tail", "contiguous"] = "head_tail"
     splits_heads: bool = False
     switch_model: str | None = None
+    applies_sliding_window: bool = False
     summary: str = ""
 
 
@@ -92,6 +96,7 @@ CP_METHODS: dict[str, CPMethod] = {
         layout="contiguous",
         splits_heads=True,
         switch_model="automodel.distributed.ulysses:set_ulysses_attention",
+        applies_sliding_window=True,  # the global mask is built per layer kind, window included
         summary="all-to-all: each rank runs the unchanged attention kernel on the whole row for H/cp heads",
     ),
 }

@@ -143,6 +143,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         seq_len=data.seq_len,
         vocab_needed=vocab_needed,
         trust_remote_code=cfg.model.trust_remote_code,
+        cp_applies_sliding_window=get_cp_method(d.cp_method).applies_sliding_window,
     )
     check_model_config_for_cp(d.cp_method, resolved.config, d.cp_size)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)

@@ -36,7 +36,12 @@ from automodel.config import LoadedConfig
 from automodel.config.schema import RecipeConfig
 from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
-from automodel.training.cp_dispatch import CP_METHODS, bind_cp_method, check_model_config_for_cp
+from automodel.training.cp_dispatch import (
+    CP_METHODS,
+    bind_cp_method,
+    check_model_config_for_cp,
+    get_cp_method,
+)
 from automodel.training.loss import count_label_tokens
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
@@ -179,6 +184,7 @@ class FinetuneTrainer:
             seq_len=cfg.data.seq_len,
             vocab_needed=len(self.tokenizer),
             trust_remote_code=cfg.model.trust_remote_code,
+            cp_applies_sliding_window=get_cp_method(cfg.distributed.cp_method).applies_sliding_window,
         )
         # e.g. Ulysses splits the heads over CP: checked on the config, before data or weights are loaded
         check_model_config_for_cp(cfg.distributed.cp_method, resolved.config, cfg.distributed.cp_size)
