@@ -44,6 +44,7 @@ from automodel.training.cp_dispatch import (
 )
 from automodel.training.loss import count_label_tokens
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
+from automodel.training.optim import clip_grad_norm
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
 from automodel.training.step import prepare_batch, run_micro_batch
 
@@ -369,8 +370,6 @@ class FinetuneTrainer:
                 train_context=self.train_context,
                 num_label_tokens=num_label_tokens,
             )
-        from automodel.training.optim import clip_grad_norm
-
         grad_norm = clip_grad_norm(self.model, self.cfg.clip_grad.max_norm, self.cfg.clip_grad.norm_type)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
