@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from automodel.config.schema import CheckpointSection, RecipeSection
+from automodel.data.collator import label_token_count
 from automodel.training.checkpoint import latest_checkpoint, list_checkpoints
 from automodel.training.cp_dispatch import CP_METHODS, get_cp_batch_fn
 from automodel.training.dry_run import head_tail_positions, rank_layout
-from automodel.training.loss import count_label_tokens, token_cross_entropy_sum
+from automodel.training.loss import token_cross_entropy_sum
 from automodel.training.lr_schedule import warmup_cosine, warmup_cosine_factor
 from automodel.training.metrics import MetricsWriter, read_metrics
 from automodel.training.plot import plot_loss_curve
@@ -31,7 +32,7 @@ def test_token_cross_entropy_sum_matches_torch_and_ignores_minus_100():
     labels[0, :2] = -100
     want = F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100, reduction="sum")
     assert torch.allclose(token_cross_entropy_sum(logits, labels), want)
-    assert count_label_tokens(labels).item() == 8
+    assert label_token_count(labels).item() == 8
     assert token_cross_entropy_sum(logits, torch.full((2, 5), -100)).item() == 0.0
     assert token_cross_entropy_sum(logits.bfloat16(), labels).dtype == torch.float32
 
@@ -41,7 +42,7 @@ def test_sum_over_shards_divided_by_global_count_is_the_mean():
     g = torch.Generator().manual_seed(1)
     logits, labels = torch.randn(4, 8, 7, generator=g), torch.randint(0, 7, (4, 8), generator=g)
     labels[labels == 3] = -100
-    n = count_label_tokens(labels)
+    n = label_token_count(labels)
     parts = [
         token_cross_entropy_sum(logits[:, s], labels[:, s]) for s in (slice(0, 2), slice(2, 6), slice(6, 8))
     ]

@@ -34,7 +34,7 @@ import torch
 from automodel.data.examples import IGNORE_INDEX
 from automodel.data.packing import SEQ_LENS_PAD, round_up
 
-__all__ = ["Collator", "collate", "count_label_tokens", "empty_example", "PACKED_KEYS"]
+__all__ = ["Collator", "collate", "count_label_tokens", "empty_example", "label_token_count", "PACKED_KEYS"]
 
 PACKED_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 PLAIN_KEYS = ("input_ids", "labels")
@@ -50,9 +50,14 @@ def empty_example(packed: bool) -> dict[str, torch.Tensor]:
     return {k: torch.zeros(0, dtype=torch.int64) for k in keys}
 
 
+def label_token_count(labels: torch.Tensor) -> torch.Tensor:
+    """Number of label tokens (``labels != -100``) as a 0-dim int64 tensor on ``labels.device`` (no sync)."""
+    return (labels != IGNORE_INDEX).sum()
+
+
 def count_label_tokens(batch: Mapping[str, torch.Tensor]) -> int:
     """Number of positions that contribute to the loss: ``(batch["labels"] != -100).sum()`` as an int."""
-    return int((batch["labels"] != IGNORE_INDEX).sum().item())
+    return int(label_token_count(batch["labels"]).item())
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

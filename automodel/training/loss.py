@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "token_cross_entropy_sum", "count_label_tokens"]
+from automodel.data.examples import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "token_cross_entropy_sum"]
 
 
 def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -39,8 +39,3 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
-
-
-def count_label_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Number of label tokens (``labels != -100``) as a 0-dim int64 tensor on ``labels.device``."""
-    return (labels != IGNORE_INDEX).sum()

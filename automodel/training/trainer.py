@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from automodel.config import LoadedConfig
 from automodel.config.schema import RecipeConfig
+from automodel.data.collator import label_token_count
 from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
 from automodel.training.cp_dispatch import (
@@ -42,7 +43,6 @@ from automodel.training.cp_dispatch import (
     check_model_config_for_cp,
     get_cp_method,
 )
-from automodel.training.loss import count_label_tokens
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.optim import clip_grad_norm
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
@@ -354,7 +354,7 @@ class FinetuneTrainer:
         prepared = []
         for b in batches:
             p = prepare_batch(b, self.device)
-            local[0] += count_label_tokens(p["labels"]).to(torch.float64)
+            local[0] += label_token_count(p["labels"]).to(torch.float64)
             local[1] += p["input_ids"].numel()
             prepared.append(p)
         self._all_reduce(local, self.dp_group)  # counted before CP sharding, over dp (CP peers share rows)
@@ -410,7 +410,7 @@ class FinetuneTrainer:
             if limit is not None and i >= limit:
                 break
             p = prepare_batch(batch, self.device)
-            totals[1] += count_label_tokens(p["labels"]).to(torch.float64)
+            totals[1] += label_token_count(p["labels"]).to(torch.float64)
             ce = run_micro_batch(
                 self.model,
                 p,
