@@ -23,17 +23,16 @@ import argparse
 import gc
 import os
 import resource
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from automodel.distributed.launch import run_on_ranks  # noqa: E402
 
 
 def _rss_mib() -> float:
@@ -62,9 +61,7 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _worker(rank: int, world: int, port: int, seq_len: int, steps: int, model_kw: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, seq_len: int, steps: int, model_kw: dict) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -72,7 +69,6 @@ def _worker(rank: int, world: int, port: int, seq_len: int, steps: int, model_kw
 
     from automodel.distributed.cp_utils import make_cp_batch_and_ctx
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -106,30 +102,13 @@ def _worker(rank: int, world: int, port: int, seq_len: int, steps: int, model_kw
         baseline = _rss_mib()  # peak then includes the warm-up's one-time costs (conservative)
     times = [step() for _ in range(steps)]
     peak = _peak_rss_mib() - baseline
-    torch.save({"time": statistics.median(times), "peak_mib": peak}, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    return {"time": statistics.median(times), "peak_mib": peak}
 
 
 def run(world: int, seq_len: int, steps: int, model_kw: dict, timeout: float) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out:
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, port, seq_len, steps, model_kw, out))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        if any(p.is_alive() for p in procs) or any(p.exitcode != 0 for p in procs):
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"cp={world} seq={seq_len}: workers failed or timed out after {timeout}s")
-        results = [torch.load(Path(out) / f"rank{r}.pt") for r in range(world)]
+    results = run_on_ranks(
+        "scripts.bench_cp:_worker", world, timeout, seq_len=seq_len, steps=steps, model_kw=model_kw
+    )
     return {"time": max(r["time"] for r in results), "peak_mib": max(r["peak_mib"] for r in results)}
 
 

@@ -23,18 +23,16 @@ A sanity column gives ``|loss_ring - loss_ulysses| / loss`` (both must be exact 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from automodel.distributed.launch import run_on_ranks  # noqa: E402
 
 WORLD = 2
 
@@ -60,9 +58,7 @@ def _sent_bytes(prof, world: int) -> float:
     return total
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     import copy
 
     import torch.distributed as dist
@@ -73,7 +69,6 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
 
     from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
     seq = args.seq_len
     config = LlamaConfig(
@@ -180,9 +175,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         results["ring_layer"] = timed(ring_attention_step)
         results["ring_model"] = timed(ring_model_step)
 
-    torch.save(results, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -202,22 +195,7 @@ def main() -> None:
     if args.seq_len % (2 * WORLD):
         parser.error(f"--seq-len must be divisible by {2 * WORLD} (ring CP's load balancing)")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_worker, args=(r, port, args, out)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + args.timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        if any(p.is_alive() or p.exitcode != 0 for p in procs):
-            for p in procs:
-                p.kill()
-            raise SystemExit("benchmark workers failed or timed out")
-        res = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
+    res = run_on_ranks("scripts.bench_sp:_worker", WORLD, args.timeout, args=args)
 
     print(
         f"cp=2 on CPU (gloo, 1 thread/rank), torch {torch.__version__}; tiny Llama hidden={args.hidden_size} "

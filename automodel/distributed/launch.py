@@ -1,0 +1,108 @@
+"""Run a function on N local gloo ranks and collect what each rank returns.
+
+For tests and benchmarks on one machine (CPU, gloo on 127.0.0.1): one call starts ``world_size``
+spawned processes, initialises ``torch.distributed`` in each, calls the target, and returns the
+per-rank results. A failure on any rank, or a hang past ``timeout``, raises ``RuntimeError``
+carrying every failed rank's traceback, and every worker is killed so a hang never blocks.
+
+The target is named ``"package.module:function"`` (importable in the workers: they inherit the
+parent's ``sys.path``) and is called as ``function(rank, world_size, **kwargs)``; whatever it
+returns must be picklable (tensors are fine). Each worker runs with one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_on_ranks"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(target: str, rank: int, world_size: int, port: int, kwargs: dict, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        module_name, fn_name = target.split(":")
+        fn = getattr(importlib.import_module(module_name), fn_name)
+        result = fn(rank, world_size, **kwargs)
+        torch.save({"ok": True, "result": result}, out)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+
+
+def run_on_ranks(target: str, world_size: int = 2, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+    """Run ``target`` on ``world_size`` gloo ranks; return the list of per-rank results.
+
+    Raises:
+        RuntimeError: a rank failed (its traceback is in the message) or ``timeout`` seconds passed.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [
+            ctx.Process(target=_worker, args=(target, r, world_size, port, kwargs, out_dir))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                timed_out = True
+                break
+        if timed_out:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(10)
+        results, errors = [], []
+        for r in range(world_size):
+            f = Path(out_dir) / f"rank{r}.pt"
+            if not f.exists():
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                results.append(None)
+                continue
+            payload = torch.load(f, weights_only=False)
+            if payload["ok"]:
+                results.append(payload["result"])
+            else:
+                errors.append(f"rank {r}:\n{payload['error']}")
+                results.append(None)
+        if timed_out:
+            errors.insert(0, f"timed out after {timeout:.0f}s running {target} on {world_size} ranks")
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        return results
