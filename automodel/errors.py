@@ -1,0 +1,18 @@
+"""The one exception type for mistakes in what a user gave us.
+
+Raise :class:`UserInputError` (a ``ValueError``) for a problem in the config, a data file, the
+tokenizer, the model path or a checkpoint: the message names the value, the rule and the fix. The
+recipe prints it as one ``error: ...`` line from rank 0 and exits with code 2; any other exception
+is a programming error and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UserInputError"]
+
+
+class UserInputError(ValueError):
+    """A mistake in the user's input (config, data, tokenizer, model path, checkpoint).
+
+    The message is complete on its own: what is wrong, where (file, line, key) and how to fix it.
+    """
