@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import statistics
 import sys
 import time
@@ -33,32 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from automodel.distributed.launch import run_on_ranks  # noqa: E402
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_mib() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+from automodel.training.cpu_memory import MMAP_ENV, peak_rss_mib, reset_peak_rss, rss_mib  # noqa: E402
 
 
 def _worker(rank: int, world: int, seq_len: int, steps: int, model_kw: dict) -> dict:
@@ -97,11 +71,11 @@ def _worker(rank: int, world: int, seq_len: int, steps: int, model_kw: dict) -> 
 
     step()  # warm-up: lazy imports, gloo buffers, allocator pools
     gc.collect()
-    baseline = _rss_mib()
-    if not _reset_peak_rss():
-        baseline = _rss_mib()  # peak then includes the warm-up's one-time costs (conservative)
+    baseline = rss_mib()
+    if not reset_peak_rss():
+        baseline = rss_mib()  # peak then includes the warm-up's one-time costs (conservative)
     times = [step() for _ in range(steps)]
-    peak = _peak_rss_mib() - baseline
+    peak = peak_rss_mib() - baseline
     return {"time": statistics.median(times), "peak_mib": peak}
 
 
@@ -129,8 +103,8 @@ def main() -> None:
     # tensor above 64 KiB in its own mapping that free() returns to the OS, so RSS follows the live
     # tensors instead of glibc's retained heap (its adaptive threshold would otherwise keep freed
     # activations of the warm-up step in the baseline and make the peak figures noise).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1024 * 1024))
+    for key, value in MMAP_ENV.items():
+        os.environ.setdefault(key, value)
     model_kw = dict(
         hidden_size=args.hidden_size,
         intermediate_size=4 * args.hidden_size,
