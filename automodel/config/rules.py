@@ -77,6 +77,17 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
             "distributed.enable_loss_parallel=true needs a vocabulary sharded by tensor parallelism "
             "(tp_size > 1); set distributed.enable_loss_parallel=false"
         )
+    if cfg.loss.chunk_tokens is not None and cfg.loss.chunk_tokens < 1:
+        problems.append(
+            f"loss.chunk_tokens={cfg.loss.chunk_tokens} must be >= 1 (tokens whose logits are computed at once, "
+            "e.g. 1024), or null for the plain loss"
+        )
+    if cfg.loss.chunk_tokens is not None and d.enable_loss_parallel:
+        problems.append(
+            "loss.chunk_tokens with distributed.enable_loss_parallel=true: the chunked loss computes the logits "
+            "of the whole vocabulary chunk by chunk on each rank and does not take a vocabulary-sharded LM "
+            "head; set loss.chunk_tokens=null or distributed.enable_loss_parallel=false"
+        )
     if d.backend == "nccl" and cuda_available is False:
         problems.append(
             "distributed.backend=nccl needs CUDA, which is not available here; set distributed.backend=auto"

@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointSection",
     "ExportSection",
     "LoggingSection",
+    "LossSection",
     "RecipeConfig",
     "DTYPES",
 ]
@@ -106,8 +107,7 @@ class DataSection:
     validation_split: str | None = "validation"  # None: no validation
     tokenizer: str | None = None  # None: the shipped tokenizer
     seq_len: int = 512
-    pad_to_multiple_of: int | None = None  # None: 2*cp_size*tp_size (ring) or cp_size*tp_size (ulysses);
-    # then seq_len must be divisible by it
+    pad_to_multiple_of: int | None = None  # None: 2*cp_size*tp_size (ring) or cp_size*tp_size (ulysses)
     shuffle: bool = True
     drop_last: bool = True
 
@@ -161,6 +161,13 @@ class LoggingSection:
 
 
 @dataclass
+class LossSection:
+    """How the loss is computed (always: CE sum over label tokens / global label-token count)."""
+
+    chunk_tokens: int | None = None  # chunked linear CE: LM head + CE this many tokens at a time; None: off
+
+
+@dataclass
 class RecipeConfig:
     """A whole fine-tuning config, after validation."""
 
@@ -188,6 +195,7 @@ class RecipeConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     export: ExportSection = field(default_factory=ExportSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    loss: LossSection = field(default_factory=LossSection)
 
 
 # key path of a TargetNode -> keyword arguments the recipe passes when it instantiates it

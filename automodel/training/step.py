@@ -11,7 +11,12 @@ The contract with :mod:`automodel.distributed.cp_utils` (and every other CP meth
 3. forward, loss and backward all run inside
    ``get_train_context(enable_loss_parallel, enable_compiled_autograd, train_ctx_factory())``;
 4. ``labels`` are already shifted, so they are not passed to the model (it would shift again):
-   the model returns logits and :func:`token_cross_entropy_sum` computes the loss.
+   the model returns logits and :func:`token_cross_entropy_sum` computes the loss; or, with
+   ``chunk_tokens`` (``loss.chunk_tokens``), the model returns its final hidden states only (no
+   logits are computed: ``logits_to_keep`` is empty) and
+   :func:`automodel.training.chunked_loss.chunked_linear_cross_entropy_sum` applies the LM head and
+   the loss chunk by chunk. Training, validation and the CP self-check all go through here, so they
+   use the same loss.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.training.chunked_loss import chunked_linear_cross_entropy_sum
 from automodel.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
-__all__ = ["MODEL_INPUT_KEYS", "prepare_batch", "run_micro_batch"]
+__all__ = ["MODEL_INPUT_KEYS", "check_model_for_chunked_loss", "forward_loss_sum", "prepare_batch", "run_micro_batch"]
 
 # What the model sees. seq_lens / seq_lens_padded (packed rows) are metadata for the CP method;
 # at cp_size=1 transformers reads document boundaries from the restarting position_ids.
@@ -66,6 +72,53 @@ def prepare_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]
     return out
 
 
+def check_model_for_chunked_loss(model: nn.Module) -> None:
+    """``ValueError`` unless ``model`` can return hidden states without logits (``loss.chunk_tokens``).
+
+    Needs transformers' ``get_decoder()`` (the base model, whose first output is the final hidden
+    states), ``get_output_embeddings()`` (the LM head, a ``Linear``) and a ``logits_to_keep`` argument.
+    """
+    import inspect
+
+    name = type(model).__name__
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    if not isinstance(head, nn.Linear) or decoder is None or decoder is model or not takes_keep:
+        raise ValueError(
+            f"loss.chunk_tokens needs a causal LM with a Linear LM head (get_output_embeddings), a base model "
+            f"(get_decoder) and a logits_to_keep argument; {name} lacks one (head={type(head).__name__}, "
+            f"decoder={type(decoder).__name__}, logits_to_keep={takes_keep}); set loss.chunk_tokens=null"
+        )
+
+
+def forward_loss_sum(
+    model: nn.Module, inputs: dict[str, Any], labels: torch.Tensor, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """Forward ``model`` on ``inputs`` and return the CE sum over ``labels`` (``[B, S]``, shifted).
+
+    ``chunk_tokens=None``: the model's logits ``[B, S, V]`` and :func:`token_cross_entropy_sum`.
+    Otherwise the model is asked for no logits (``logits_to_keep`` empty), its final hidden states
+    ``[B, S, H]`` are taken from the base model's output, and the LM head and the loss run
+    ``chunk_tokens`` tokens at a time. The head's weight is read after the forward: under FSDP2 the
+    root's parameters are still unsharded then (gathered once per micro-batch, not per chunk).
+    """
+    if chunk_tokens is None:
+        return token_cross_entropy_sum(model(**inputs).logits, labels)
+    captured: list[torch.Tensor] = []
+
+    def keep_hidden(module: nn.Module, args: Any, output: Any) -> None:
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = model.get_decoder().register_forward_hook(keep_hidden)
+    try:
+        model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=labels.device))
+    finally:
+        handle.remove()
+    head = model.get_output_embeddings()
+    return chunked_linear_cross_entropy_sum(captured[-1], head.weight, labels, chunk_tokens, bias=head.bias)
+
+
 def run_micro_batch(
     model: nn.Module,
     batch: dict[str, Any],
@@ -75,6 +128,7 @@ def run_micro_batch(
     train_context: Callable[[Any], Callable[[], Any]],
     num_label_tokens: torch.Tensor | float,
     backward: bool = True,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Forward (and backward) one prepared micro-batch; return this rank's CE sum (detached, fp32).
 
@@ -87,6 +141,7 @@ def run_micro_batch(
         train_context: ``cp_ctx -> factory`` (``get_train_context`` with the run's flags bound).
         num_label_tokens: label tokens of the whole global batch (all micro-batches, all dp ranks).
         backward: back-propagate ``CE sum / num_label_tokens`` (False for validation: no graph).
+        chunk_tokens: ``loss.chunk_tokens`` (see :func:`forward_loss_sum`); None: the plain loss.
 
     Returns:
         0-dim fp32: sum of CE over this rank's label tokens (its CP shard of the rows).
@@ -96,8 +151,7 @@ def run_micro_batch(
     inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
     grad = torch.enable_grad() if backward else torch.no_grad()
     with grad, train_context(ctx_factory())():
-        logits = model(**inputs).logits
-        ce_sum = token_cross_entropy_sum(logits, labels)
+        ce_sum = forward_loss_sum(model, inputs, labels, chunk_tokens)
         if backward:
             (ce_sum / num_label_tokens).backward()
     return ce_sum.detach()

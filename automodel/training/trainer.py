@@ -46,7 +46,7 @@ from automodel.training.cp_dispatch import (
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.optim import clip_grad_norm
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
-from automodel.training.step import prepare_batch, run_micro_batch
+from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
 
 __all__ = ["TrainHooks", "TrainResult", "FinetuneTrainer", "pad_multiple"]
 
@@ -242,6 +242,8 @@ class FinetuneTrainer:
             seed=cfg.recipe.seed,
             device=self.device,
         )
+        if cfg.loss.chunk_tokens is not None:
+            check_model_for_chunked_loss(self.model)
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info(
             "model: %s, %.2fM parameters, dtype %s",
@@ -368,6 +370,7 @@ class FinetuneTrainer:
                 device_mesh=self.mesh,
                 cp_fn=self.cp_fn,
                 train_context=self.train_context,
+                chunk_tokens=self.cfg.loss.chunk_tokens,
                 num_label_tokens=num_label_tokens,
             )
         grad_norm = clip_grad_norm(self.model, self.cfg.clip_grad.max_norm, self.cfg.clip_grad.norm_type)
@@ -417,6 +420,7 @@ class FinetuneTrainer:
                 device_mesh=self.mesh,
                 cp_fn=self.cp_fn,
                 train_context=self.train_context,
+                chunk_tokens=self.cfg.loss.chunk_tokens,
                 num_label_tokens=1.0,
                 backward=False,
             )
