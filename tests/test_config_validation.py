@@ -362,3 +362,9 @@ def test_subprocess_dry_run(tmp_path):
     assert "0       0        0  0  0 |       0        0 | [0, 64), [192, 256)" in proc.stdout
     assert "[4, 256] int64 before CP -> [4, 128] on each rank" in proc.stdout
     assert not (tmp_path / "outputs").exists()
+
+
+def test_compiled_autograd_is_rejected_until_it_works():
+    msg = problems("distributed.enable_compiled_autograd=true")
+    assert "distributed.enable_compiled_autograd=true does not work in this recipe yet" in msg
+    assert "set distributed.enable_compiled_autograd=false" in msg
