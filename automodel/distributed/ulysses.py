@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from automodel.distributed.all_to_all import all_to_all, even_split_sizes
+from automodel.distributed.doc_block_attention import Segment, document_block_attention, document_segments
 
 __all__ = [
     "ULYSSES_ATTN_NAME",
@@ -208,6 +209,17 @@ class UlyssesContext:
             self._masks[key] = self._build_mask(is_causal, sliding_window, dtype, device, config)
         return self._masks[key]
 
+    def document_blocks(self) -> list[list[Segment]] | None:
+        """Per row, its document segments for block attention (cached); ``None``: plain causal rows (no
+        documents, no padding: the kernel's ``is_causal`` needs no mask) or a layout only a dense mask
+        expresses (see :mod:`automodel.distributed.doc_block_attention`)."""
+        if "blocks" not in self._masks:
+            blocks = None
+            if self.document_ids is not None or self.padding_mask is not None:
+                blocks = document_segments(self.document_ids, self.padding_mask, self.batch_size, self.seq_len)
+            self._masks["blocks"] = blocks
+        return self._masks["blocks"]
+
     def _build_mask(self, is_causal, sliding_window, dtype, device, config):
         from transformers.masking_utils import (
             ALL_MASK_ATTENTION_FUNCTIONS,
@@ -367,7 +379,13 @@ def ulysses_attention_forward(
         raise ValueError(f"query heads ({n_q}) must be a multiple of key/value heads ({n_kv})")
 
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if attention_mask is None:
+    # Packed / padded rows with sdpa or eager: one kernel call per document block, no [S, S] mask.
+    blocks = None
+    if attention_mask is None and kwargs.get("sliding_window") is None and ctx.inner_attn in ("sdpa", "eager"):
+        blocks = ctx.document_blocks()
+    if blocks is not None:
+        mask = None
+    elif attention_mask is None:
         mask = ctx.global_mask(
             is_causal=causal,
             sliding_window=kwargs.get("sliding_window"),
@@ -413,7 +431,23 @@ def ulysses_attention_forward(
     if is_causal is not None:
         kwargs["is_causal"] = is_causal
     inner = _inner_function(ctx.inner_attn, module)
-    out, _ = inner(inner_module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    if blocks is not None:
+        block_kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal", "position_ids")}
+        out = document_block_attention(
+            inner,
+            inner_module,
+            query,
+            key,
+            value,
+            blocks,
+            is_causal=causal,
+            needs_mask=ctx.inner_attn == "eager",
+            dropout=dropout,
+            scaling=scaling,
+            **block_kwargs,
+        )
+    else:
+        out, _ = inner(inner_module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     # out: [B, S, Hq/W, D] (HF attention functions return sequence-major outputs)
     if world > 1:
         out = all_to_all(out, ctx.group, scatter_dim=1, gather_dim=2)
