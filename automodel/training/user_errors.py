@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -153,7 +154,16 @@ def _distributed() -> bool:
 
 
 def _finish_collectively(group: dist.ProcessGroup | None) -> None:
-    """Let rank 0 print before any rank exits (torchrun stops the rest as soon as one exits)."""
+    """Let rank 0 print before any rank exits (torchrun stops the rest as soon as one exits).
+
+    From here on this rank ignores SIGTERM: torchrun sends it as soon as another rank has exited,
+    and this rank is about to exit 2 itself (a Python handler would not do: the interpreter resets
+    those to the default while it shuts down, and the rank would show up as -15 in torchrun's report).
+    """
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
     try:
         dist.barrier(group=group)
     except Exception:  # a broken group: exiting is all that is left
