@@ -228,12 +228,14 @@ def run_phase(
     return result
 
 
-def run_guarded(setup: Callable[[], None], train: Callable[[], T]) -> T:
+def run_guarded(
+    setup: Callable[[], None], train: Callable[[], T], *, train_timeout_s: float = TRAIN_AGREEMENT_TIMEOUT_S
+) -> T:
     """``setup()`` then ``train()`` on every rank, user errors reported once (see the module doc).
 
     Setup ends with an agreement on every rank; training agrees only on failure, on a gloo group
-    made after setup with a :data:`TRAIN_AGREEMENT_TIMEOUT_S` timeout. Raises :class:`RunAborted`.
+    made after setup with a ``train_timeout_s`` timeout. Raises :class:`RunAborted`.
     """
     run_phase(setup, name="setup")
-    train_group = agreement_group(TRAIN_AGREEMENT_TIMEOUT_S) if _distributed() else None
+    train_group = agreement_group(train_timeout_s) if _distributed() else None
     return run_phase(train, name="training", agree_on_success=False, group=train_group)
