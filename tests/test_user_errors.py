@@ -87,6 +87,13 @@ def test_user_error_is_found_through_hydra_instantiate(tmp_path):
     found = find_user_error(info.value)  # ... and the recipe still finds it
     assert isinstance(found, UserInputError) and "does not exist" in str(found)
     assert find_user_error(ValueError("a bug")) is None
+    try:
+        try:
+            raise UserInputError("bad line")
+        except UserInputError:
+            raise KeyError("a bug in the handler")  # noqa: B904 (implicit context on purpose)
+    except KeyError as bug:
+        assert find_user_error(bug) is None  # a bug while handling a user error stays a bug
 
 
 def test_run_phase_one_line_for_user_errors_and_tracebacks_for_bugs(capsys):

@@ -69,15 +69,18 @@ class RunAborted(Exception):
 
 
 def find_user_error(exc: BaseException) -> UserInputError | None:
-    """The :class:`UserInputError` that caused ``exc`` (``exc`` itself, or in its ``__cause__`` /
-    ``__context__`` chain, e.g. wrapped by Hydra's ``InstantiationException``), else None."""
+    """The :class:`UserInputError` that caused ``exc``: ``exc`` itself, or one in its ``__cause__``
+    chain (``raise ... from e``, e.g. Hydra's ``InstantiationException``), else None.
+
+    ``__context__`` is not followed: a bug raised while handling a user error is still a bug.
+    """
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, UserInputError):
             return cur
         seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
+        cur = cur.__cause__
     return None
 
 
