@@ -10,17 +10,22 @@ Here:
   setup every rank takes part in one agreement (:func:`agree_on_failure`: an ``all_gather_object``
   of "ok" / the error message on a gloo group), so a rank that failed early waits for the others
   instead of leaving them in a collective, and rank 0 prints the message of the lowest failed rank
-  once. Every rank then raises :class:`RunAborted` with exit code 2; the recipe returns it.
+  once (then any different message of another rank, once each). Every rank then raises
+  :class:`RunAborted` with exit code 2; the recipe returns it.
 - The full traceback goes to ``<run dir>/logs/rank_<r>.log`` through the ``automodel`` logger
   (:func:`automodel.training.logs.setup_logging`), never to the terminal.
 - Any other exception is a programming error: it propagates with its traceback at once (no
   agreement, so torchrun stops the other ranks as it always did).
 
-Errors during training: the data is read and checked in setup, so a user error during training
-(e.g. an export directory that cannot be written) is rare. When one happens on every rank (the
-usual case: every rank sees the same input) the same agreement runs on a group with a short
+Errors during training: today's datasets read and check all their data in setup, so no user
+error is raised during training; a lazily reading dataset could. When one happens on every rank
+(the usual case: every rank sees the same input) the same agreement runs on a group with a short
 timeout (:data:`TRAIN_AGREEMENT_TIMEOUT_S`); if the other ranks do not join in time (they are
 still training), the failing rank prints its own message, prefixed with its rank, and exits 2.
+
+What is left: a rank that fails in setup while the others wait for it inside a collective of the
+setup itself (only checkpoint loading has one, after every check that reads shared files) waits in
+the agreement until the process group's timeout. Checks therefore run before collectives.
 """
 
 from __future__ import annotations
