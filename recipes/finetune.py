@@ -5,8 +5,10 @@
 
 Overrides use Hydra's grammar (``key=value``, ``+new.key=value``, ``~key``); every key is in
 docs/recipe.md. ``recipe.dry_run=true`` prints the resolved config, the mesh and the per-rank
-shapes, and exits without loading weights. Exit codes: 0 done, 2 invalid config or setup error,
-143 stopped by SIGTERM (a checkpoint was written; resume with checkpoint.resume=true).
+shapes, and exits without loading weights. Exit codes: 0 done, 2 a mistake in the input (config,
+data, tokenizer, model path, checkpoint: one ``error:`` line from rank 0, the traceback in the run's
+logs/rank_<r>.log), 143 stopped by SIGTERM (a checkpoint was written; resume with
+checkpoint.resume=true).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
         loaded = load_config(argv, cuda_available=torch.cuda.is_available())
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank validates the same config: one copy
+            print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
     if loaded.cfg.recipe.dry_run:
@@ -47,24 +50,21 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("RANK", "0") == "0":  # under torchrun, one copy is enough
                 print(report)
         except (ValueError, TypeError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {e}", file=sys.stderr)
             return EXIT_CONFIG_ERROR
         return 0
 
     import torch.distributed as dist
 
     from automodel.training.trainer import FinetuneTrainer
+    from automodel.training.user_errors import RunAborted, run_guarded
 
     trainer = FinetuneTrainer(loaded)
-    try:
-        trainer.setup()
-    except (ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return EXIT_CONFIG_ERROR
-    try:
-        result = trainer.train()
+    try:  # a user error: one `error:` line from rank 0, exit 2 on every rank; others keep their traceback
+        result = run_guarded(trainer.setup, trainer.train)
+    except RunAborted as e:
+        return e.exit_code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

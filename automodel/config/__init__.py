@@ -59,7 +59,8 @@ def planned_world_size(cfg: RecipeConfig, env_world_size: int | None = None) -> 
     """The world size a run (or a dry run) of ``cfg`` is checked against.
 
     A real run: ``$WORLD_SIZE`` (1 without torchrun). A dry run: ``recipe.dry_run_world_size``,
-    else ``$WORLD_SIZE`` if launched by torchrun, else the smallest world the fixed sizes need.
+    else ``recipe.plan_nnodes * recipe.plan_nproc_per_node`` when both are set, else ``$WORLD_SIZE``
+    if launched by torchrun, else the smallest world the fixed sizes need.
     """
     if env_world_size is None and "WORLD_SIZE" in os.environ:
         env_world_size = int(os.environ["WORLD_SIZE"])
@@ -67,6 +68,8 @@ def planned_world_size(cfg: RecipeConfig, env_world_size: int | None = None) -> 
         return env_world_size or 1
     if cfg.recipe.dry_run_world_size is not None:
         return cfg.recipe.dry_run_world_size
+    if cfg.recipe.plan_nnodes is not None and cfg.recipe.plan_nproc_per_node is not None:
+        return cfg.recipe.plan_nnodes * cfg.recipe.plan_nproc_per_node
     if env_world_size is not None:
         return env_world_size
     d = cfg.distributed

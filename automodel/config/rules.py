@@ -199,4 +199,27 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all")
     if cfg.recipe.dry_run_world_size is not None and cfg.recipe.dry_run_world_size < 1:
         problems.append(f"recipe.dry_run_world_size={cfg.recipe.dry_run_world_size} must be >= 1")
+    problems += node_plan_problems(cfg, world_size)
+    return problems
+
+
+def node_plan_problems(cfg: RecipeConfig, world_size: int) -> list[str]:
+    """``recipe.plan_nnodes`` / ``recipe.plan_nproc_per_node`` (dry run only): >= 1 and they tile the world."""
+    r = cfg.recipe
+    n, p = r.plan_nnodes, r.plan_nproc_per_node
+    problems = [f"recipe.{k}={v} must be >= 1" for k, v in (("plan_nnodes", n), ("plan_nproc_per_node", p))
+                if v is not None and v < 1]  # fmt: skip
+    if problems or not r.dry_run:  # the keys only plan a dry run; a real run's nodes come from torchrun
+        return problems
+    if n is not None and p is not None and n * p != world_size:
+        problems.append(
+            f"recipe.plan_nnodes={n} x recipe.plan_nproc_per_node={p} = {n * p} ranks, but the dry run plans "
+            f"world size {world_size} (recipe.dry_run_world_size); make them agree or drop dry_run_world_size"
+        )
+    for key, v in (("plan_nnodes", n), ("plan_nproc_per_node", p)):
+        if v is not None and world_size % v != 0:
+            problems.append(
+                f"recipe.{key}={v} does not divide the planned world size {world_size}; every node runs the "
+                f"same number of processes, so set it to a divisor of {world_size}"
+            )
     return problems

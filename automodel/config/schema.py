@@ -54,6 +54,8 @@ class RecipeSection:
         None  # world size a dry run plans for (default: $WORLD_SIZE or the minimum)
     )
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
+    plan_nnodes: int | None = None  # dry run: nodes to plan for (ranks per node, cp/tp groups vs nodes)
+    plan_nproc_per_node: int | None = None  # dry run: processes per node (with plan_nnodes: the world size)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 
 from automodel.data.collator import Collator, empty_example
 from automodel.data.sampler import FILLER_INDEX, DistributedBatchSampler
+from automodel.errors import UserInputError
 
 __all__ = ["ResumableDataLoader", "build_dataloader"]
 
@@ -122,7 +123,7 @@ def build_dataloader(
             )
     m = getattr(dataset, "seq_pad_multiple", 1)
     if isinstance(pad_to_multiple_of, int) and pad_to_multiple_of >= 1 and pad_to_multiple_of % m != 0:
-        raise ValueError(
+        raise UserInputError(
             f"pad_to_multiple_of={pad_to_multiple_of} is not a multiple of the packed dataset's "
             f"seq_pad_multiple={m}: the row padding is added to the last document, which must stay a "
             f"multiple of {m}; set data.pad_to_multiple_of to a multiple of {m}"

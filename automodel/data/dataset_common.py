@@ -7,6 +7,7 @@ import os
 from transformers import PreTrainedTokenizerBase
 
 from automodel.data.tokenizer import ensure_pad_token, load_tokenizer
+from automodel.errors import UserInputError
 
 __all__ = ["resolve_tokenizer", "check_seq_len", "check_pack_args", "check_positive_int"]
 
@@ -29,7 +30,7 @@ def resolve_tokenizer(
             "pass automodel.data.load_tokenizer(...) or a tokenizer directory"
         )
     if tok.eos_token_id is None:
-        raise ValueError(
+        raise UserInputError(
             f"tokenizer {tok.name_or_path!r} has no EOS token; documents are separated/terminated with EOS. "
             "Set tokenizer.eos_token or use a tokenizer that defines one"
         )
@@ -39,7 +40,7 @@ def resolve_tokenizer(
 def check_positive_int(name: str, value: object, minimum: int = 1, fix: str = "") -> int:
     """Return ``value`` as int if it is an int >= ``minimum``; raise ``ValueError`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}" + (f"; {fix}" if fix else ""))
+        raise UserInputError(f"{name}={value!r} must be an integer >= {minimum}" + (f"; {fix}" if fix else ""))
     return int(value)
 
 
@@ -53,19 +54,19 @@ def check_seq_len(seq_len: object) -> int:
 def check_pack_args(pack: bool, seq_len: int, seq_pad_multiple: object) -> int:
     """Validate the packing arguments; returns ``seq_pad_multiple`` as an int (1 when not packing)."""
     if not isinstance(pack, bool):
-        raise ValueError(f"pack={pack!r} must be true or false")
+        raise UserInputError(f"pack={pack!r} must be true or false")
     m = check_positive_int(
         "seq_pad_multiple", seq_pad_multiple, 1, "use 1, or 2*cp_size for THD context parallelism"
     )
     if not pack:
         if m != 1:
-            raise ValueError(
+            raise UserInputError(
                 f"seq_pad_multiple={m} only applies to packed rows (pack=true); set pack=true or "
                 "seq_pad_multiple=1 (unpacked rows are padded by the collator's pad_to_multiple_of)"
             )
         return 1
     if seq_len % m != 0:
-        raise ValueError(
+        raise UserInputError(
             f"seq_len={seq_len} is not divisible by seq_pad_multiple={m}; packed rows hold documents "
             f"padded to multiples of {m}, so set seq_len to a multiple of {m} (e.g. {(seq_len // m + 1) * m})"
         )

@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from automodel.errors import UserInputError
+
 __all__ = ["resolve_files", "detect_format", "read_jsonl", "read_text_documents", "FILE_FORMATS"]
 
 FILE_FORMATS = ("auto", "jsonl", "text")
@@ -38,14 +40,14 @@ def resolve_files(path: PathLike | Sequence[PathLike]) -> list[Path]:
     elif isinstance(path, Sequence) and len(path) > 0:
         items = list(path)
     else:
-        raise ValueError(
+        raise UserInputError(
             f"data path {path!r} must be a file, a directory or a non-empty list of them; "
             "set data.path to your .jsonl/.txt file(s), or leave it null for the shipped default corpus"
         )
     files: list[Path] = []
     for item in items:
         if not isinstance(item, (str, os.PathLike)) or os.fspath(item) == "":
-            raise ValueError(
+            raise UserInputError(
                 f"data path entry {item!r} must be a non-empty path string; set data.path to your "
                 ".jsonl/.txt file(s) or directory, or leave it null for the shipped default data"
             )
@@ -57,13 +59,13 @@ def resolve_files(path: PathLike | Sequence[PathLike]) -> list[Path]:
                 f for f in p.iterdir() if f.is_file() and f.name.endswith(_JSONL_SUFFIXES + _TEXT_SUFFIXES)
             )
             if not found:
-                raise ValueError(
+                raise UserInputError(
                     f"data directory {str(p)!r} holds no *.jsonl, *.txt or *.md file (optionally .gz); "
                     "put your data files there or point data.path at the files themselves"
                 )
             files.extend(found)
         else:
-            raise ValueError(
+            raise UserInputError(
                 f"data path {str(p)!r} does not exist; set data.path to an existing .jsonl/.txt file or "
                 "directory (relative paths are resolved from the current working directory "
                 f"{os.getcwd()!r}), or leave it null for the shipped default corpus"
@@ -75,14 +77,14 @@ def detect_format(path: Path, file_format: str = "auto") -> str:
     """Return ``"jsonl"`` or ``"text"`` for ``path``: ``file_format`` unless it is ``"auto"``, in
     which case the suffix decides (``.jsonl[.gz]`` or ``.txt/.md[.gz]``)."""
     if file_format not in FILE_FORMATS:
-        raise ValueError(f"file_format={file_format!r} is not one of {FILE_FORMATS}; use 'jsonl' or 'text'")
+        raise UserInputError(f"file_format={file_format!r} is not one of {FILE_FORMATS}; use 'jsonl' or 'text'")
     if file_format != "auto":
         return file_format
     if path.name.endswith(_JSONL_SUFFIXES):
         return "jsonl"
     if path.name.endswith(_TEXT_SUFFIXES):
         return "text"
-    raise ValueError(
+    raise UserInputError(
         f"cannot tell the format of {str(path)!r} from its suffix (known: {_JSONL_SUFFIXES + _TEXT_SUFFIXES}); "
         "rename it or set data.file_format to 'jsonl' or 'text'"
     )
@@ -100,12 +102,12 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(
+                raise UserInputError(
                     f"{path}:{lineno} is not valid JSON ({exc.msg}); every line of a .jsonl file must be "
                     'one JSON object such as {"text": "..."}'
                 ) from exc
             if not isinstance(record, dict):
-                raise ValueError(
+                raise UserInputError(
                     f"{path}:{lineno} is a JSON {type(record).__name__}, not an object; every line must be "
                     'one JSON object such as {"text": "..."}'
                 )
@@ -122,7 +124,7 @@ def read_text_documents(path: Path, doc_separator: str | None = None) -> list[st
         parts = [text]
     else:
         if not isinstance(doc_separator, str) or doc_separator == "":
-            raise ValueError(
+            raise UserInputError(
                 f"doc_separator={doc_separator!r} must be a non-empty string (e.g. '\\n\\n') or null for "
                 "one document per file"
             )

@@ -43,6 +43,7 @@ from automodel.data.file_readers import detect_format, read_jsonl, resolve_files
 from automodel.data.packing import pack_examples
 from automodel.data.splits import select_split, validate_split
 from automodel.data.tokenizer import assets_dir
+from automodel.errors import UserInputError
 
 __all__ = ["InstructionDataset", "INSTRUCTION_FORMATS", "default_instructions_path", "render_chat_segments"]
 
@@ -76,7 +77,7 @@ def render_chat_segments(
             continue
         before, after = render(messages[:i], True), render(messages[: i + 1], False)
         if not (full.startswith(after) and after.startswith(before) and len(before) >= pos):
-            raise ValueError(
+            raise UserInputError(
                 f"{where}: the chat template of {tokenizer.name_or_path!r} is not prefix-stable (rendering the "
                 f"first {i} messages plus the generation prompt is not a prefix of the rendering with assistant "
                 f"message {i}, or that is not a prefix of the whole conversation), so the assistant tokens "
@@ -92,14 +93,14 @@ def render_chat_segments(
 
 def _check_messages(messages: object, where: str) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+        raise UserInputError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
     for j, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(
+            raise UserInputError(
                 f"{where}: message {j} is {m!r}; every message must be an object with string 'role' and 'content'"
             )
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(
+        raise UserInputError(
             f"{where}: no message has role 'assistant', so there is nothing to train on; every conversation "
             "needs at least one assistant turn"
         )
@@ -145,7 +146,7 @@ class InstructionDataset(Dataset):
         self.seq_len = check_seq_len(seq_len)
         self.seq_pad_multiple = check_pack_args(pack, self.seq_len, seq_pad_multiple)
         if format not in INSTRUCTION_FORMATS:
-            raise ValueError(
+            raise UserInputError(
                 f"format={format!r} is not one of {INSTRUCTION_FORMATS}; use 'prompt_response' for "
                 "{prompt, response} records or 'messages' for chat {messages: [{role, content}, ...]} records"
             )
@@ -156,7 +157,7 @@ class InstructionDataset(Dataset):
         self.tokenizer = resolve_tokenizer(tokenizer)
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         if format == "messages" and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
+            raise UserInputError(
                 f"format='messages' needs a chat template but tokenizer {self.tokenizer.name_or_path!r} has none; "
                 "use a tokenizer with a chat_template (the shipped default has one) or format='prompt_response'"
             )
@@ -167,7 +168,7 @@ class InstructionDataset(Dataset):
         # trained) always land on the same side: nothing in validation is also a training example.
         records = select_split([(w, r) for w, r, _ in read], [k for _, _, k in read], split, val_fraction)
         if not records:
-            raise ValueError(
+            raise UserInputError(
                 f"split {split!r} of {where} has no records (val_fraction={val_fraction}); add data, raise "
                 "val_fraction, or use split='all' with a separate validation file"
             )
@@ -202,7 +203,7 @@ class InstructionDataset(Dataset):
                 self.num_truncated += 1
                 toks, train = toks[: self.seq_len + 1], train[: self.seq_len + 1]
             if len(toks) < 2:
-                raise ValueError(
+                raise UserInputError(
                     f"an example of {where} has {len(toks)} token(s); with add_bos=False and add_eos=False an "
                     "empty prompt and response give nothing to train on. Remove empty records or enable add_eos"
                 )
@@ -235,7 +236,7 @@ class InstructionDataset(Dataset):
         out: list[tuple[str, dict[str, Any], str]] = []
         for f in files:
             if detect_format(f) != "jsonl":
-                raise ValueError(
+                raise UserInputError(
                     f"instruction data must be .jsonl (one JSON object per line), got {str(f)!r}; convert it to "
                     "JSON lines with prompt/response or messages fields"
                 )
@@ -244,7 +245,7 @@ class InstructionDataset(Dataset):
                 if fmt == "prompt_response":
                     for field in (prompt_field, response_field):
                         if not isinstance(rec.get(field), str):
-                            raise ValueError(
+                            raise UserInputError(
                                 f"{where}: field {field!r} is missing or not a string (fields: {sorted(rec)}); "
                                 "format='prompt_response' needs string prompt/response fields: set "
                                 "data.prompt_field/data.response_field, or use format='messages' for chat records"
@@ -252,7 +253,7 @@ class InstructionDataset(Dataset):
                     rec = {prompt_field: rec[prompt_field], response_field: rec[response_field]}
                 else:
                     if messages_field not in rec:
-                        raise ValueError(
+                        raise UserInputError(
                             f"{where}: no field {messages_field!r} (fields: {sorted(rec)}); format='messages' "
                             "needs a list of {role, content}: set data.messages_field, or use "
                             "format='prompt_response'"

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from automodel.errors import UserInputError
+
 __all__ = ["DistributedBatchSampler", "FILLER_INDEX"]
 
 FILLER_INDEX = -1
@@ -75,7 +77,7 @@ class DistributedBatchSampler:
         self.drop_last = bool(drop_last)
         self.global_batch_size = self.local_batch_size * self.dp_size
         if self.drop_last and self.num_rows < self.global_batch_size:
-            raise ValueError(
+            raise UserInputError(
                 f"the dataset has {self.num_rows} rows, fewer than one global batch of {self.global_batch_size} "
                 f"(local_batch_size={self.local_batch_size} x dp_size={self.dp_size}), so drop_last=True would "
                 "yield nothing; lower the batch size or seq_len, add data, or use drop_last=False"

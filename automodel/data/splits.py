@@ -12,6 +12,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import TypeVar
 
+from automodel.errors import UserInputError
+
 __all__ = ["SPLITS", "validate_split", "is_validation", "select_split"]
 
 SPLITS = ("train", "validation", "all")
@@ -21,12 +23,12 @@ T = TypeVar("T")
 def validate_split(split: str, val_fraction: float) -> None:
     """Raise ``ValueError`` unless ``split`` is one of :data:`SPLITS` and ``0 < val_fraction < 1``."""
     if split not in SPLITS:
-        raise ValueError(
+        raise UserInputError(
             f"split={split!r} is not one of {SPLITS}; use 'train' or 'validation' to hold out "
             "val_fraction of the documents, or 'all' to use every document (e.g. a separate validation file)"
         )
     if split != "all" and not (isinstance(val_fraction, (int, float)) and 0.0 < float(val_fraction) < 1.0):
-        raise ValueError(
+        raise UserInputError(
             f"val_fraction={val_fraction!r} must be a number strictly between 0 and 1 for split={split!r} "
             "(e.g. 0.05), or use split='all'"
         )

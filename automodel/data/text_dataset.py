@@ -29,6 +29,7 @@ from automodel.data.file_readers import detect_format, read_jsonl, read_text_doc
 from automodel.data.packing import pack_examples
 from automodel.data.splits import select_split, validate_split
 from automodel.data.tokenizer import assets_dir
+from automodel.errors import UserInputError
 
 __all__ = ["TextDataset", "default_corpus_path", "load_documents"]
 
@@ -59,13 +60,13 @@ def load_documents(
             continue
         for lineno, rec in read_jsonl(f):
             if text_field not in rec:
-                raise ValueError(
+                raise UserInputError(
                     f"{f}:{lineno} has no field {text_field!r} (fields: {sorted(rec)}); set "
                     "data.text_field to the field that holds the text"
                 )
             text = rec[text_field]
             if not isinstance(text, str):
-                raise ValueError(
+                raise UserInputError(
                     f"{f}:{lineno} field {text_field!r} is a {type(text).__name__}, not a string; "
                     "each record's text must be a string"
                 )
@@ -128,7 +129,7 @@ class TextDataset(Dataset):
         )
         docs = select_split(docs, docs, split, val_fraction)
         if not docs:
-            raise ValueError(
+            raise UserInputError(
                 f"split {split!r} of {where} has no documents (val_fraction={val_fraction}); add data, raise "
                 "val_fraction, or use split='all' with a separate validation file"
             )
@@ -142,7 +143,7 @@ class TextDataset(Dataset):
             )
             n_rows = len(stream) // (self.seq_len + 1)
             if n_rows == 0:
-                raise ValueError(
+                raise UserInputError(
                     f"split {split!r} of {where} has {len(stream)} tokens, fewer than one row of "
                     f"seq_len+1={self.seq_len + 1}; lower data.seq_len, raise val_fraction, or add data"
                 )
@@ -156,7 +157,7 @@ class TextDataset(Dataset):
                 x = np.asarray([*e, eos], dtype=np.int64)
                 pieces += [shift_example(x[s:t]) for s, t in split_long_sequence(len(x), self.seq_len)]
             if not pieces:
-                raise ValueError(f"split {split!r} of {where} has no document with at least 2 tokens")
+                raise UserInputError(f"split {split!r} of {where} has no document with at least 2 tokens")
             self._packed_rows = pack_examples(
                 pieces,
                 seq_len=self.seq_len,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from automodel.errors import UserInputError
+
 __all__ = ["load_tokenizer", "default_tokenizer_dir", "assets_dir", "ensure_pad_token"]
 
 DEFAULT_NAMES = (None, "default")
@@ -37,7 +39,7 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     """
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
-            raise ValueError(
+            raise UserInputError(
                 f"tokenizer {tokenizer.name_or_path!r} has no pad token and no EOS token; the data pipeline "
                 "needs an EOS token to separate documents. Use a tokenizer that defines eos_token, or set "
                 "tokenizer.eos_token before building datasets"
@@ -74,13 +76,13 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedT
     path = Path(name).expanduser()
     if path.is_dir():
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-            raise ValueError(
+            raise UserInputError(
                 f"tokenizer directory {str(path)!r} has no tokenizer.json / tokenizer_config.json; point "
                 "data.tokenizer at a directory written by tokenizer.save_pretrained(), or use 'default'"
             )
         return ensure_pad_token(AutoTokenizer.from_pretrained(str(path)))
     if path.exists() or _looks_like_path(name):
-        raise ValueError(
+        raise UserInputError(
             f"tokenizer path {name!r} is not a directory; it must be a directory holding tokenizer.json "
             "(as written by save_pretrained), a hub id such as 'gpt2', or 'default' for the shipped tokenizer"
         )
@@ -94,7 +96,7 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedT
             if offline
             else "check the hub id, or pass a local directory, or 'default' for the shipped tokenizer"
         )
-        raise ValueError(
+        raise UserInputError(
             f"could not load tokenizer {name!r}: {exc.__class__.__name__}: {str(exc).strip().rstrip('.')}. {hint}"
         ) from exc
     return ensure_pad_token(tok)

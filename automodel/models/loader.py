@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from automodel.config.schema import ModelSection
+from automodel.errors import UserInputError
 
 __all__ = [
     "ResolvedModelConfig",
@@ -68,7 +69,7 @@ def _check_override_keys(cls: type, overrides: dict) -> None:
         return
     unknown = sorted(k for k in overrides if k not in accepted)
     if unknown:
-        raise ValueError(
+        raise UserInputError(
             f"model.config_overrides: {unknown} are not fields of {cls.__name__}; fix the spelling "
             f"(fields: {', '.join(sorted(accepted))})"
         )
@@ -111,7 +112,7 @@ def resolve_model_config(model_cfg: ModelSection, *, dry_run: bool = False) -> R
     inline = _instantiate_inline(model_cfg.config, overrides) if model_cfg.config is not None else None
     if name is None:
         if inline is None:
-            raise ValueError("set model.pretrained_model_name_or_path or model.config")
+            raise UserInputError("set model.pretrained_model_name_or_path or model.config")
         inline.use_cache = False
         return ResolvedModelConfig(inline, f"model.config ({type(inline).__name__})", pretrained=False)
 
@@ -131,7 +132,7 @@ def resolve_model_config(model_cfg: ModelSection, *, dry_run: bool = False) -> R
                 pretrained=True,
             )
         where = "local files and the hub cache" if (dry_run or _offline()) else "local files and the hub"
-        raise ValueError(
+        raise UserInputError(
             f"model.pretrained_model_name_or_path={name!r}: no config found in {where} "
             f"({str(e).splitlines()[0]}). Give a local directory with config.json, download the model "
             f"first (huggingface-cli download {name}), or unset HF_HUB_OFFLINE; for a dry run without "
@@ -165,7 +166,7 @@ def _check_inline_matches(node: dict, inline: Any, loaded: Any, name: str) -> No
             f"class: model.config is {type(inline).__name__}, {name} is {type(loaded).__name__}"
         )
     if mismatched:
-        raise ValueError(
+        raise UserInputError(
             f"model.config does not describe {name}: "
             + "; ".join(mismatched)
             + ". Fix model.config to match "
@@ -216,7 +217,7 @@ def check_model_for_run(
     """
     cls = causal_lm_class(config)
     if cls is None and not trust_remote_code:
-        raise ValueError(
+        raise UserInputError(
             f"{type(config).__name__} (model_type={getattr(config, 'model_type', '?')!r}) is not a causal LM "
             f"transformers knows; use a causal LM config, or model.trust_remote_code=true for custom code"
         )
@@ -227,7 +228,7 @@ def check_model_for_run(
             if cp_size > 1
             else "set model.attn_implementation=eager"
         )
-        raise ValueError(
+        raise UserInputError(
             f"{cls.__name__} cannot run attn_implementation='sdpa'"
             + (f", which distributed.cp_method={cp_method} needs" if cp_size > 1 else "")
             + f"; {fix}"
@@ -235,14 +236,14 @@ def check_model_for_run(
     if cp_size > 1 and not cp_applies_sliding_window:
         window = sliding_window_of(config)
         if window is not None and window < seq_len:
-            raise ValueError(
+            raise UserInputError(
                 f"{type(config).__name__} uses sliding-window attention (window {window}) and data.seq_len="
                 f"{seq_len} is longer: {cp_method} CP computes full causal attention over the row, which would "
                 f"change the model. Set data.seq_len<={window}, or disable the window in model.config "
                 f"(sliding_window: null / use_sliding_window: false) if that is what you want"
             )
     if vocab_needed is not None and vocab_needed > int(getattr(config, "vocab_size", vocab_needed)):
-        raise ValueError(
+        raise UserInputError(
             f"the tokenizer has {vocab_needed} token ids but the model's vocab_size is {config.vocab_size}; "
             f"use the model's own tokenizer (data.tokenizer) or raise model.config.vocab_size to >= {vocab_needed}"
         )
@@ -284,14 +285,23 @@ def build_model(
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
         return model
     if resolved.pretrained and model_cfg.pretrained_model_name_or_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_cfg.pretrained_model_name_or_path,
-            config=config,
-            dtype=dtype,
-            revision=model_cfg.revision,
-            local_files_only=_offline(),
-            **kwargs,
-        )
+        name = model_cfg.pretrained_model_name_or_path
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                name,
+                config=config,
+                dtype=dtype,
+                revision=model_cfg.revision,
+                local_files_only=_offline(),
+                **kwargs,
+            )
+        except OSError as e:  # no weight files (or unreadable ones) where the config was found
+            raise UserInputError(
+                f"model.pretrained_model_name_or_path={name!r}: the weights cannot be loaded "
+                f"({str(e).strip().splitlines()[0]}). Put the model's *.safetensors (or pytorch_model.bin) "
+                f"next to its config.json, download the model first (hf download {name}), or use "
+                f"model.config without pretrained_model_name_or_path to train from scratch"
+            ) from e
     else:
         # CPU init from a fixed seed: the same weights on every rank and every device type.
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from automodel.distributed.mesh import get_submesh
+from automodel.errors import UserInputError
 
 __all__ = ["decoder_layers", "apply_activation_checkpointing", "fsdp_mesh", "apply_fsdp2"]
 
@@ -49,7 +50,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     unchanged (checkpoints and the HF export see the same keys).
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(
+        raise UserInputError(
             f"{type(model).__name__} does not support gradient checkpointing; set model.activation_checkpointing=false"
         )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

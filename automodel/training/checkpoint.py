@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from automodel.training.checkpoint_compat import check_model_signature, write_model_signature
+
 __all__ = [
     "CheckpointLayout",
     "Checkpointer",
@@ -153,6 +155,7 @@ class Checkpointer:
         )
         dist.barrier()
         if rank == 0:
+            write_model_signature(tmp, model)  # checked at load (checkpoint_compat): same model?
             meta = {"step": step, "layout": self.layout.__dict__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             if final.exists():
@@ -195,6 +198,7 @@ class Checkpointer:
                 f"step_<N> directory written by this recipe"
             )
         meta = json.loads(meta_file.read_text())
+        check_model_signature(path, model)  # a checkpoint of another model: UserInputError, before any read
         saved = CheckpointLayout(**meta["layout"])
         if saved != self.layout:
             raise ValueError(

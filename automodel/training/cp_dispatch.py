@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from automodel.errors import UserInputError
+
 __all__ = [
     "CPMethod",
     "CP_METHODS",
@@ -164,7 +166,7 @@ def check_model_config_for_cp(method: str, model_config: Any, cp_size: int) -> N
     text = get_text() if callable(get_text) else model_config
     problem = head_split_problem(method, getattr(text, "num_attention_heads", None), cp_size)
     if problem is not None:
-        raise ValueError(problem)
+        raise UserInputError(problem)
 
 
 def no_cp_batch_and_ctx(device_mesh: Any, batch: dict[str, Any]) -> tuple[Callable[[], Any], dict[str, Any]]:

@@ -5,7 +5,8 @@ layout ``init_device_mesh`` uses), the model is built on the meta device from it
 pretrained ``config.json`` if it is available locally, else the inline ``model.config``), and the
 shapes and memory figures are arithmetic. So a config for a 64-GPU cluster can be checked on a
 laptop: ``python recipes/finetune.py --config configs/X.yaml recipe.dry_run=true``
-(``recipe.dry_run_world_size=N`` plans for N ranks).
+(``recipe.dry_run_world_size=N`` plans for N ranks; ``recipe.plan_nnodes`` /
+``recipe.plan_nproc_per_node`` place them on nodes, see ``node_plan.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from automodel.config import LoadedConfig, parallel_sizes
+from automodel.training.node_plan import node_plan_lines, planned_nodes
 
 __all__ = ["rank_layout", "head_tail_positions", "dry_run_report"]
 
@@ -130,6 +132,9 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         )
     if len(layout) > 64:
         out.append(f"... ({len(layout) - 64} more ranks, same pattern)")
+    nodes = planned_nodes(cfg.recipe.plan_nnodes, cfg.recipe.plan_nproc_per_node, world)
+    if nodes is not None:  # recipe.plan_nnodes / plan_nproc_per_node: ranks per node, groups vs nodes
+        out.extend(node_plan_lines(sizes, *nodes))
 
     # ---------------------------------------------------------------- model
     resolved = resolve_model_config(cfg.model, dry_run=True)

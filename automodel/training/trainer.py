@@ -36,6 +36,7 @@ from automodel.config import LoadedConfig
 from automodel.config.schema import RecipeConfig
 from automodel.data.collator import label_token_count
 from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
+from automodel.errors import UserInputError
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
 from automodel.training.cp_dispatch import (
     CP_METHODS,
@@ -318,7 +319,7 @@ class FinetuneTrainer:
                     self.checkpointer.root,
                 )
                 return
-            raise ValueError(
+            raise UserInputError(
                 f"checkpoint.resume=true but there is no complete checkpoint under {self.checkpointer.root}; "
                 f"set checkpoint.resume=false to start fresh, checkpoint.resume=auto to resume only if one "
                 f"exists, or checkpoint.resume_from=<step_N directory>"

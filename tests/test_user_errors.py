@@ -1,0 +1,275 @@
+"""A mistake in the user's input ends a torchrun launch with one ``error:`` line from rank 0, exit 2.
+
+Unit tests (one process): the raise sites give :class:`UserInputError`, it is found through Hydra's
+``InstantiationException``, :func:`run_phase` prints one line and leaves programming errors alone,
+and checkpoint model signatures tell models apart.
+
+Launch tests (``torchrun --nproc-per-node 2 --tee 3``, the same command line a user types plus
+``--tee`` so every console line says which rank printed it): one launch per case, all run by one
+module-scoped fixture. Each case asserts exactly one ``error:`` line, printed by rank 0 (torchrun
+prefixes it ``[default0]:``); no traceback from a rank on the terminal (the only one left is
+torchrun's own ``ChildFailedError`` report, see README "Errors"); every rank's exit code 2 in that
+report; the traceback in ``<run dir>/logs/rank_<r>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from automodel.errors import UserInputError
+from automodel.training.checkpoint_compat import (
+    SIGNATURE_FILE,
+    check_model_signature,
+    model_signature,
+    signature_differences,
+    write_model_signature,
+)
+from automodel.training.user_errors import EXIT_USER_ERROR, RunAborted, find_user_error, run_phase
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "finetune.py"
+CONFIG = REPO / "configs" / "cp.yaml"
+TINY = [
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=1",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=2",
+    "data.seq_len=64",
+    "step_scheduler.global_batch_size=2",
+    "step_scheduler.local_batch_size=1",
+    "step_scheduler.max_steps=1",
+    "step_scheduler.val_every_steps=null",
+    "lr_scheduler.warmup_steps=0",
+    "export.enabled=false",
+    "logging.progress_bar=false",
+    "logging.plot=false",
+]
+
+
+# ------------------------------------------------------------------ unit tests (one process)
+
+
+def test_raise_sites_are_user_input_errors(tmp_path):
+    from automodel.config.schema import ModelSection
+    from automodel.data.file_readers import read_jsonl, resolve_files
+    from automodel.data.tokenizer import load_tokenizer
+    from automodel.models.loader import resolve_model_config
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": \n')
+    with pytest.raises(UserInputError, match=r"bad.jsonl:2 is not valid JSON"):
+        list(read_jsonl(bad))
+    with pytest.raises(UserInputError, match=r"does not exist"):
+        resolve_files(tmp_path / "nope.jsonl")
+    with pytest.raises(UserInputError, match=r"tokenizer path .* is not a directory"):
+        load_tokenizer(str(tmp_path / "no_tokenizer"))
+    (tmp_path / "model").mkdir()
+    with pytest.raises(UserInputError, match=r"no config found"):
+        resolve_model_config(ModelSection(pretrained_model_name_or_path=str(tmp_path / "model")), dry_run=True)
+
+
+def test_user_error_is_found_through_hydra_instantiate(tmp_path):
+    from hydra.utils import instantiate
+
+    node = {"_target_": "automodel.data.file_readers.resolve_files", "path": str(tmp_path / "missing")}
+    with pytest.raises(Exception) as info:
+        instantiate(node)
+    assert not isinstance(info.value, UserInputError)  # Hydra wraps it ...
+    found = find_user_error(info.value)  # ... and the recipe still finds it
+    assert isinstance(found, UserInputError) and "does not exist" in str(found)
+    assert find_user_error(ValueError("a bug")) is None
+    try:
+        try:
+            raise UserInputError("bad line")
+        except UserInputError:
+            raise KeyError("a bug in the handler")  # noqa: B904 (implicit context on purpose)
+    except KeyError as bug:
+        assert find_user_error(bug) is None  # a bug while handling a user error stays a bug
+
+
+def test_run_phase_one_line_for_user_errors_and_tracebacks_for_bugs(capsys):
+    def bad_input():
+        raise UserInputError("data.path 'x' does not exist; set data.path")
+
+    with pytest.raises(RunAborted) as info:
+        run_phase(bad_input)
+    assert info.value.exit_code == EXIT_USER_ERROR == 2
+    assert capsys.readouterr().err == "error: data.path 'x' does not exist; set data.path\n"
+
+    def bug():
+        raise ValueError("index out of range in the collator")
+
+    with pytest.raises(ValueError, match="collator"):  # a programming error is not swallowed
+        run_phase(bug)
+    assert capsys.readouterr().err == ""
+    assert run_phase(lambda: 7) == 7
+
+
+def _tiny_llama(hidden: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_model_signature_tells_models_apart(tmp_path):
+    a, b = _tiny_llama(32), _tiny_llama(64)
+    sig = model_signature(a)
+    assert sig["config_class"] == "LlamaConfig"
+    assert sig["params"]["model.embed_tokens.weight"] == [128, 32]
+    assert signature_differences(sig, model_signature(_tiny_llama(32))) == []
+    diff = signature_differences(sig, model_signature(b))
+    assert len(diff) == 1 and diff[0].startswith("parameter shapes differ: model.embed_tokens.weight: [128, 32]")
+    assert "more)" in diff[0]  # only the first few are listed
+
+    write_model_signature(tmp_path, a)
+    check_model_signature(tmp_path, _tiny_llama(32))  # the same model: fine
+    with pytest.raises(UserInputError, match=r"was written by a different model .* \[128, 32\] in the checkpoint, "
+                                             r"\[128, 64\] now"):  # fmt: skip
+        check_model_signature(tmp_path, b)
+    check_model_signature(tmp_path / "old_checkpoint_without_signature", b)  # nothing to compare: loads as before
+
+
+def test_signature_lists_missing_and_extra_parameters():
+    sig = {"config_class": "LlamaConfig", "params": {"a": [2], "b": [3]}}
+    now = {"config_class": "Qwen2Config", "params": {"a": [2], "c": [3]}}
+    diff = signature_differences(sig, now)
+    assert diff == [
+        "model config class LlamaConfig in the checkpoint, Qwen2Config now",
+        "parameters missing from the checkpoint: c",
+        "parameters in the checkpoint that the model lacks: b",
+    ]
+
+
+# ------------------------------------------------------------------ torchrun launches
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return env
+
+
+def _torchrun(tmp: Path, name: str, *overrides: str) -> dict:
+    run_dir = tmp / name / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
+           "--log-dir", str(tmp / name / "torchrun_logs"), str(RECIPE), "--config", str(CONFIG), *TINY,
+           f"recipe.output_dir={run_dir}", *overrides]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=300)
+    return {"rc": proc.returncode, "out": proc.stdout + proc.stderr, "run_dir": run_dir}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("user_errors")
+    data = tmp / "data"
+    data.mkdir()
+    (data / "malformed.jsonl").write_text('{"text": "one good line of text"}\n{"text": "cut off\n')
+    (data / "tiny.jsonl").write_text('{"text": "just one short document"}\n')
+    (data / "only_rank_0.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n"
+                                                     for i in range(40)))  # fmt: skip
+    (tmp / "model_without_config").mkdir()
+
+    # a checkpoint of a 64-wide model (world 1, plain python: also proves the recipe's own exit code)
+    ckpt_run = tmp / "ckpt" / "run"
+    ok = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(CONFIG), *TINY, "distributed.cp_size=1",
+         f"recipe.output_dir={ckpt_run}"],
+        cwd=tmp, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad_dir = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(CONFIG), *TINY, "distributed.cp_size=1",
+         f"recipe.output_dir={tmp / 'plain' / 'run'}", f"model.pretrained_model_name_or_path={tmp / 'nowhere'}",
+         "~model.config"],
+        cwd=tmp, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+    return {
+        "plain_python": {"rc": bad_dir.returncode, "out": bad_dir.stdout + bad_dir.stderr,
+                         "run_dir": tmp / "plain" / "run"},  # fmt: skip
+        "malformed_jsonl": _torchrun(tmp, "malformed", f"data.dataset.path={data / 'malformed.jsonl'}"),
+        "empty_split": _torchrun(
+            tmp, "empty", f"data.dataset.path={data / 'tiny.jsonl'}", "data.dataset.val_fraction=0.9999"
+        ),
+        # rank 1 looks for only_rank_1.jsonl, which does not exist: rank 0 prints rank 1's message
+        "missing_on_rank_1": _torchrun(
+            tmp, "missing", f"data.dataset.path={data}/only_rank_${{oc.env:LOCAL_RANK}}.jsonl"
+        ),
+        "missing_tokenizer": _torchrun(tmp, "tokenizer", f"data.tokenizer={tmp / 'no_such_tokenizer'}"),
+        "model_without_config": _torchrun(
+            tmp, "model", f"model.pretrained_model_name_or_path={tmp / 'model_without_config'}", "~model.config"
+        ),
+        "incompatible_checkpoint": _torchrun(
+            tmp, "resume", "model.config.hidden_size=32", f"checkpoint.resume_from={ckpt_run}/checkpoints/step_1"
+        ),
+    }
+
+
+CASES = {
+    "malformed_jsonl": (r"malformed\.jsonl:2 is not valid JSON .*every line of a \.jsonl file must be one JSON", 0),
+    "empty_split": (r"split 'train' of .*tiny\.jsonl.* has no documents .*add data, raise val_fraction", 0),
+    "missing_on_rank_1": (r"data path '.*only_rank_1\.jsonl' does not exist; set data\.path", 1),
+    "missing_tokenizer": (r"tokenizer path '.*no_such_tokenizer' is not a directory", 0),
+    "model_without_config": (r"model\.pretrained_model_name_or_path='.*model_without_config': no config found", 0),
+    "incompatible_checkpoint": (
+        r"checkpoint .*step_1 was written by a different model than this run builds: parameter shapes differ: "
+        r"model\.embed_tokens\.weight: \[1024, 64\] in the checkpoint, \[1024, 32\] now",
+        0,
+    ),
+}
+
+
+def _without_launcher_report(out: str) -> str:
+    """The console minus torchrun's own ChildFailedError traceback (from its first frame to the report's end)."""
+    start = out.find("Traceback (most recent call last):")
+    if start < 0:
+        return out
+    end = out.find("ChildFailedError", start)
+    assert end > 0, out  # the one traceback left on the console is torchrun's
+    return out[:start] + out[out.find("=" * 60 + "\n", out.rfind("Root Cause")) + 61 :]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_user_error_is_one_line_from_rank_0(launches, case):
+    pattern, failing_rank = CASES[case]
+    run = launches[case]
+    out = run["out"]
+    assert run["rc"] != 0, out
+    errors = [line for line in out.splitlines() if "error:" in line and "ChildFailedError" not in line]
+    assert len(errors) == 1, out
+    assert errors[0].startswith("[default0]:error: "), out  # printed by rank 0, once
+    assert re.search(pattern, errors[0]), errors[0]
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
+    assert codes and set(codes) == {"2"}, out  # every rank exited 2 (torchrun's report lists them)
+    rest = _without_launcher_report(out)
+    assert "Traceback" not in rest and "UserInputError" not in rest, out  # no rank traceback
+    log = (run["run_dir"] / "logs" / f"rank_{failing_rank}.log").read_text()
+    assert "Traceback (most recent call last)" in log and "automodel.errors.UserInputError" in log, log
+
+
+@pytest.mark.dist
+def test_plain_python_exits_2_with_one_line(launches):
+    run = launches["plain_python"]
+    assert run["rc"] == 2, run["out"]
+    assert run["out"].count("error: ") == 1 and "Traceback" not in run["out"], run["out"]
+    assert "nowhere" in run["out"] and "no config found" in run["out"]
+
+
+@pytest.mark.dist
+def test_checkpoint_holds_the_model_signature(launches):
+    sig_files = list((launches["incompatible_checkpoint"]["run_dir"].parents[1] / "ckpt").rglob(SIGNATURE_FILE))
+    assert len(sig_files) == 1
+    sig = json.loads(sig_files[0].read_text())
+    assert sig["config_class"] == "LlamaConfig" and sig["params"]["model.embed_tokens.weight"] == [1024, 64]
