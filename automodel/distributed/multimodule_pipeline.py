@@ -184,7 +184,7 @@ class MultiModulePipelineCommunicator:
         self._edges = self._all_edges()
         self._sent: dict[_Edge, deque] = {e: deque() for e in self._edges}  # forward shapes, FIFO per edge
         self._received: dict[_Edge, deque] = {e: deque() for e in self._edges}
-        self._mailbox: dict[tuple[_Edge, bool], deque] = {}
+        self._mailbox: dict[tuple[int], deque] = {}  # messages from this rank to itself, by message key
 
     # ------------------------------------------------------------------------------------------------
     # topology queries
@@ -265,7 +265,10 @@ class MultiModulePipelineCommunicator:
     def _key(self, edge: _Edge, backward: bool) -> int:
         return self._edges.index(edge) * 2 + int(backward)
 
-    def _build_send(self, edge: _Edge, backward: bool, x: torch.Tensor) -> list[tuple[int, Outgoing]]:
+    def _build_send(
+        self, edge: _Edge, backward: bool, x: torch.Tensor, commits: list
+    ) -> list[tuple[int, Outgoing]]:
+        """This rank's messages of ``x`` on ``edge``; appends to ``commits`` what to record once it is sent."""
         src, dst, ndim = self._ends(edge, backward)
         what = edge.label(backward)
         if not isinstance(x, torch.Tensor):
@@ -274,7 +277,8 @@ class MultiModulePipelineCommunicator:
         if backward:
             if not self._received[edge]:
                 raise ValueError(f"rank {self.rank}: send of the {what} without a matching forward receive")
-            _, local3, _, out_shape = self._received[edge].popleft()
+            _, local3, _, out_shape = self._received[edge][0]
+            commits.append(self._received[edge].popleft)
             if tuple(x.shape) == out_shape:
                 view = x.reshape(local3)  # else the header carries the wrong shape and the receiver rejects it
         if view.dim() < 2:
@@ -298,7 +302,7 @@ class MultiModulePipelineCommunicator:
                 payload = payload.detach().to(self.device)
             out.append((key * 100000 + i, Outgoing(d, header, payload, what)))
         if not backward and plan is not None:
-            self._sent[edge].append((gshape, x.dtype))
+            commits.append(lambda: self._sent[edge].append((gshape, x.dtype)))
         return out
 
     def _build_recv(self, edge: _Edge, backward: bool) -> tuple[list[tuple[int, Incoming]], Any, Any]:
@@ -382,11 +386,12 @@ class MultiModulePipelineCommunicator:
         Received tensors are new (no autograd history) on ``self.device``; inputs are not mutated.
         """
         outgoing: list[tuple[int, Outgoing]] = []
+        commits: list = []  # bookkeeping applied only when the exchange succeeds
         incoming: list[tuple[list[tuple[int, Incoming]], Any, Any, str, bool]] = []
         for backward, sends in ((False, send_forward or {}), (True, send_backward or {})):
             for name, x in sends.items():
                 for edge in self._send_edges(name, backward):
-                    outgoing += self._build_send(edge, backward, x)
+                    outgoing += self._build_send(edge, backward, x, commits)
         for backward, which in ((False, recv_forward), (True, recv_backward)):
             if which is False:
                 continue
@@ -433,6 +438,8 @@ class MultiModulePipelineCommunicator:
         exchange(
             [m for _, m in remote_out], flat_sorted, resolve_all, device=self.device, timeout=self.timeout
         )
+        for commit in commits:
+            commit()
         fwd: dict[str, torch.Tensor] = {}
         bwd: dict[str, torch.Tensor] = {}
         for msgs, _, assemble, out_name, backward in incoming:
