@@ -42,7 +42,7 @@ def test_gpipe_through_intra_module_pipeline_matches_one_process(results):
     r = [res["chain_gpipe"] for res in results]
     assert all(x["w_grad_err"] < EXACT for x in r)
     assert r[3]["loss_err"] < EXACT
-    assert [x["stage"] for x in r] == [1, 2, 3, 4] and r[0]["total"] == 4
+    assert [x["stage"] for x in r] == [x["stage_from_meshes"] for x in r] == [1, 2, 3, 4] and r[0]["total"] == 4
     assert [x["first"] for x in r] == [True, False, False, False]
     assert [x["last"] for x in r] == [False, False, False, True]
 
@@ -66,3 +66,9 @@ def test_mismatches_fail_fast_on_both_sides(results):
             assert "the receiver rejected activation enc[pp 0] -> llm[pp 0] to rank 2" in enc[key], enc[key]
         assert "has global shape [2, 8, 3] torch.float32, but the activation sent had [2, 8, 2]" in enc["bad_grad"]
         assert enc["round_trip_err"] == 0.0  # the group is still in step after every rejection
+
+
+def test_a_receive_without_a_sender_times_out(results):
+    r = results[1]["timeout"]
+    assert "rank 1: the pipeline header exchange with rank(s) [0] did not complete within 3s" in r["message"], r
+    assert 2.5 < r["waited"] < 60

@@ -112,6 +112,9 @@ class MultiModulePipelineCommunicator:
             else ``cpu``.
         rank: this process's global rank (default ``torch.distributed.get_rank()``); passing it allows
             inspecting the plan without processes.
+        group: the process group that carries the P2P messages (default: the default group; it must
+            contain every rank of every module). A dedicated group keeps pipeline traffic, and a
+            timeout's closed connections, apart from other collectives.
 
     Raises:
         ValueError: an invalid topology, an unknown module name in any argument, a bad ndim or
@@ -135,6 +138,7 @@ class MultiModulePipelineCommunicator:
         timeout: float = 300.0,
         device: torch.device | str | None = None,
         rank: int | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.grids: dict[str, ModuleGrid] = {}
         for name, grid in module_to_grid_map.items():
@@ -177,6 +181,8 @@ class MultiModulePipelineCommunicator:
                     m, held[m], self.grids[m].pp, d, c, t, tuple(self.upstream[m]), tuple(self.topology[m])
                 )
         self.timeout = float(timeout)
+        self.group = group
+        self._plans: dict[tuple, tuple] = {}
         if device is None:
             nccl = dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -262,6 +268,24 @@ class MultiModulePipelineCommunicator:
         a, b = self._layout(edge.src, edge.src_pp), self._layout(edge.dst, edge.dst_pp)
         return (b, a, self.module_output_ndim[edge.src]) if backward else (a, b, self.module_output_ndim[edge.src])
 
+    def _plan(self, edge: _Edge, backward: bool, rows: int, seq: int) -> list:
+        """``plan_transfers`` for ``edge`` at ``[rows, seq]`` (cached; ``ValueError`` if it does not fit)."""
+        key = (edge, backward, rows, seq)
+        if key not in self._plans:
+            src, dst, _ = self._ends(edge, backward)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = plan_transfers(src, dst, rows, seq)
+        return self._plans[key]
+
+    def _pairs(self, edge: _Edge, backward: bool) -> list[tuple[int, int]]:
+        """``peer_pairs`` for ``edge`` (cached)."""
+        key = (edge, backward)
+        if key not in self._plans:
+            src, dst, _ = self._ends(edge, backward)
+            self._plans[key] = peer_pairs(src, dst)
+        return self._plans[key]
+
     def _key(self, edge: _Edge, backward: bool) -> int:
         return self._edges.index(edge) * 2 + int(backward)
 
@@ -287,9 +311,9 @@ class MultiModulePipelineCommunicator:
         gshape = (rows, seq, *view.shape[2:])
         header = encode_header(gshape, x.dtype, x.dim())
         me = self.rank
-        pairs = [(i, s, d) for i, (s, d) in enumerate(peer_pairs(src, dst)) if s == me]
+        pairs = [(i, s, d) for i, (s, d) in enumerate(self._pairs(edge, backward)) if s == me]
         try:
-            plan = plan_transfers(src, dst, rows, seq)
+            plan = self._plan(edge, backward, rows, seq)
         except ValueError:
             plan = None  # the receivers reject the header with the reason; see exchange's acks
         key = self._key(edge, backward)
@@ -310,7 +334,7 @@ class MultiModulePipelineCommunicator:
         src, dst, ndim = self._ends(edge, backward)
         what = edge.label(backward)
         me = self.rank
-        pairs = [(i, s) for i, (s, d) in enumerate(peer_pairs(src, dst)) if d == me]
+        pairs = [(i, s) for i, (s, d) in enumerate(self._pairs(edge, backward)) if d == me]
         key = self._key(edge, backward)
         msgs = [(key * 100000 + i, Incoming(s, what)) for i, s in pairs]
         state: dict[str, Any] = {}
@@ -336,7 +360,7 @@ class MultiModulePipelineCommunicator:
                         f"{list(sent[0])} {sent[1]}; the gradient must match the activation it belongs to"
                     ], []
             try:
-                plan = plan_transfers(src, dst, gshape[0], gshape[1])
+                plan = self._plan(edge, backward, gshape[0], gshape[1])
             except ValueError as e:
                 return [f"the {what} cannot be laid out: {e}"], []
             state.update(gshape=gshape, dtype=dtype, orig_ndim=orig_ndim, plan=plan)
@@ -436,7 +460,12 @@ class MultiModulePipelineCommunicator:
         remote_out.sort(key=lambda km: km[0])
         flat_sorted = [m for _, m in sorted(flat_in, key=lambda km: km[0])]
         exchange(
-            [m for _, m in remote_out], flat_sorted, resolve_all, device=self.device, timeout=self.timeout
+            [m for _, m in remote_out],
+            flat_sorted,
+            resolve_all,
+            device=self.device,
+            timeout=self.timeout,
+            group=self.group,
         )
         for commit in commits:
             commit()

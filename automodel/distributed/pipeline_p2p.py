@@ -88,11 +88,11 @@ def _tags(peers: list[int]) -> list[int]:
     return tags
 
 
-def _run(ops: list[tuple], timeout: float, me: int, phase: str) -> None:
-    """Post (isend/irecv, tensor, peer, tag) ops as one batch and wait for all of them."""
+def _run(ops: list[tuple], timeout: float, me: int, phase: str, group: dist.ProcessGroup | None) -> None:
+    """Post (isend/irecv, tensor, global peer rank, tag) ops as one batch and wait for all of them."""
     if not ops:
         return
-    p2p = [dist.P2POp(fn, t, peer, tag=tag) for fn, t, peer, tag in ops]
+    p2p = [dist.P2POp(fn, t, peer, group=group, tag=tag) for fn, t, peer, tag in ops]
     works = dist.batch_isend_irecv(p2p)
     peers = sorted({peer for _, _, peer, _ in ops})
     try:
@@ -113,12 +113,14 @@ def exchange(
     *,
     device: torch.device,
     timeout: float,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Run the three phases for ``outgoing`` and ``incoming``; fills every ``Incoming.payload``.
 
     Mutates ``incoming`` (``header`` and ``payload``). Raises ``ValueError`` when ``resolve`` finds a
     problem (after rejecting the senders) or when a receiver rejected one of ``outgoing``; raises
-    ``TimeoutError`` when a phase does not finish in ``timeout`` seconds.
+    ``TimeoutError`` when a phase does not finish in ``timeout`` seconds. Peers are global ranks;
+    ``group`` (default: the default group) carries the messages.
     """
     me = dist.get_rank()
     if any(m.peer == me for m in outgoing):
@@ -135,7 +137,7 @@ def exchange(
         (dist.isend, torch.tensor(m.header, dtype=torch.int64, device=device), m.peer, tag)
         for m, tag in zip(remote_out, out_tags)
     ] + [(dist.irecv, buf, m.peer, tag) for m, buf, tag in zip(remote_in, hdr_bufs, in_tags)]
-    _run(ops, timeout, me, "header")
+    _run(ops, timeout, me, "header", group)
     for m, buf in zip(remote_in, hdr_bufs):
         m.header = [int(v) for v in buf.tolist()]
     problems, specs = resolve(incoming)
@@ -147,7 +149,7 @@ def exchange(
         (dist.isend, torch.full((1,), verdict, dtype=torch.int64, device=device), m.peer, tag)
         for m, tag in zip(remote_in, in_tags)
     ] + [(dist.irecv, buf, m.peer, tag) for m, buf, tag in zip(remote_out, ack_in, out_tags)]
-    _run(ops, timeout, me, "acknowledgement")
+    _run(ops, timeout, me, "acknowledgement", group)
     if problems:
         raise ValueError(f"rank {me} rejected what it received: " + "; ".join(problems))
     rejected = [m for m, a in zip(remote_out, ack_in) if int(a.item()) != 0]
@@ -164,7 +166,7 @@ def exchange(
     ops = [(dist.isend, m.payload.contiguous(), m.peer, tag) for m, tag in zip(remote_out, out_tags)] + [
         (dist.irecv, m.payload, m.peer, tag) for m, tag in zip(remote_in, in_tags)
     ]
-    _run(ops, timeout, me, "payload")
+    _run(ops, timeout, me, "payload", group)
     for m in local_in:
         if tuple(m.payload.shape) != tuple(m.local.shape):
             raise RuntimeError(

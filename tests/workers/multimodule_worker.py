@@ -8,13 +8,16 @@ the reference, so the test asserts on numbers. Error scenarios return the messag
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from automodel.distributed.multimodule_pipeline import MultiModulePipelineCommunicator
 from automodel.distributed.pipeline_bridge import cp_sequence_indices
 from automodel.distributed.pipeline_schedule import run_gpipe
-from automodel.distributed.pipeline_topology import ModuleGrid
+from automodel.distributed.pipeline_topology import ModuleGrid, compute_total_pipeline_stages
 
 D = torch.float64
 
@@ -125,9 +128,8 @@ def chain_gpipe(rank: int) -> dict:
         "llm": DeviceMesh("cpu", torch.tensor([[1], [2]]), mesh_dim_names=("pp", "dp")),
         "gen": DeviceMesh("cpu", torch.tensor([3]), mesh_dim_names=("dp",)),
     }
-    comm = MultiModulePipelineCommunicator(
-        meshes, {"enc": ["llm"], "llm": ["gen"], "gen": []}, module_output_ndim={"llm": 2}, timeout=120
-    )
+    topo = {"enc": ["llm"], "llm": ["gen"], "gen": []}
+    comm = MultiModulePipelineCommunicator(meshes, topo, module_output_ndim={"llm": 2}, timeout=120)
     w = ws[rank].clone().requires_grad_()
 
     def step(mb: int, inputs: dict) -> torch.Tensor:
@@ -144,6 +146,7 @@ def chain_gpipe(rank: int) -> dict:
     out = {
         "w_grad_err": _err(w.grad, ref[rank].grad),
         "stage": comm.current_stage,
+        "stage_from_meshes": compute_total_pipeline_stages(topo, meshes, rank=rank),
         "total": comm.total_stages,
         "first": comm.is_pp_first_stage,
         "last": comm.is_pp_last_stage,
@@ -212,6 +215,24 @@ def errors(rank: int) -> dict:
     return out
 
 
+def timeout(rank: int) -> dict:
+    """A receive whose sender never sends raises TimeoutError after the communicator's timeout.
+
+    On its own process group: with gloo a timeout closes that group's connections.
+    """
+    group = dist.new_group(list(range(4)))
+    grids = {"enc": ModuleGrid.from_sizes(0), "llm": ModuleGrid.from_sizes(1, dp=3)}
+    comm = MultiModulePipelineCommunicator(grids, {"enc": ["llm"], "llm": []}, timeout=3, group=group)
+    if rank != 1:
+        return {}
+    start = time.monotonic()
+    try:
+        comm.recv_forward()
+    except TimeoutError as e:
+        return {"message": str(e), "waited": time.monotonic() - start}
+    return {"message": "<no error>"}
+
+
 def main(rank: int, world_size: int) -> dict:
     assert world_size == 4
     return {
@@ -220,4 +241,5 @@ def main(rank: int, world_size: int) -> dict:
         "chain_gpipe": chain_gpipe(rank),
         "one_f_one_b": one_f_one_b(rank),
         "errors": errors(rank),
+        "timeout": timeout(rank),
     }
