@@ -28,7 +28,7 @@ def _randn(seed: int, *shape) -> torch.Tensor:
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
-    return float((a - b).abs().max())
+    return float((a - b).detach().abs().max())
 
 
 def _ht(x: torch.Tensor, cp: int, c: int, dim: int = 1) -> torch.Tensor:
@@ -235,11 +235,10 @@ def timeout(rank: int) -> dict:
 
 def main(rank: int, world_size: int) -> dict:
     assert world_size == 4
-    return {
-        "fan_in_cp": fan_in_cp(rank),
-        "fan_out_dp": fan_out_dp(rank),
-        "chain_gpipe": chain_gpipe(rank),
-        "one_f_one_b": one_f_one_b(rank),
-        "errors": errors(rank),
-        "timeout": timeout(rank),
-    }
+    out, seconds = {}, {}
+    for fn in (fan_in_cp, fan_out_dp, chain_gpipe, one_f_one_b, errors, timeout):
+        start = time.monotonic()
+        out[fn.__name__] = fn(rank)
+        seconds[fn.__name__] = round(time.monotonic() - start, 2)
+    out["seconds"] = seconds
+    return out
