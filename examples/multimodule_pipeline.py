@@ -1,5 +1,6 @@
-# A tiny image encoder on rank 0 feeds a tiny HF Llama split into 2 pipeline stages on ranks 1-2.
-# Run: torchrun --standalone --nproc-per-node 3 examples/multimodule_pipeline.py [--steps 3] [--dtype float64]
+# A tiny image encoder on rank 0 feeds a tiny HF Llama on ranks 1-2: 2 pipeline stages (--llm pp), or
+# the whole model with ring context parallelism over both ranks (--llm cp).
+# Run: torchrun --standalone --nproc-per-node 3 examples/multimodule_pipeline.py [--llm cp] [--dtype float64]
 # Every rank also trains the same modules in one process, in sequence, and the script prints how far
 # the pipeline's losses and gradients are from that reference (exit code 1 past loss 1e-5 / grad 1e-4).
 import argparse
@@ -12,28 +13,34 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from automodel.distributed.cp_utils import create_context_parallel_ctx
 from automodel.distributed.multimodule_pipeline import MultiModulePipelineCommunicator
+from automodel.distributed.pipeline_bridge import cp_sequence_indices
 from automodel.distributed.pipeline_schedule import run_gpipe
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--microbatches", type=int, default=2)
 parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+parser.add_argument("--llm", default="pp", choices=["pp", "cp"], help="the llm at pp=2 or at cp=2 (ring)")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 if dist.get_world_size() != 3:
-    raise SystemExit("error: run with 3 processes (torchrun --nproc-per-node 3): encoder on 0, Llama pp=2 on 1-2")
+    raise SystemExit("error: run with 3 processes (torchrun --nproc-per-node 3): encoder on 0, Llama on 1-2")
 torch.set_default_dtype(getattr(torch, args.dtype))
 
 # one mesh per module, built on every rank
 meshes = {
     "vision": DeviceMesh("cpu", torch.tensor([0]), mesh_dim_names=("dp",)),
-    "llm": DeviceMesh("cpu", torch.tensor([[1], [2]]), mesh_dim_names=("pp", "dp")),
+    "llm": DeviceMesh("cpu", torch.tensor([[1], [2]] if args.llm == "pp" else [[1, 2]]), mesh_dim_names=("pp", "cp")),
 }
-comm = MultiModulePipelineCommunicator(meshes, {"vision": ["llm"], "llm": []})
-stage = comm.current_stage - 1  # 0: vision, 1: llm layers 0..1 + embeddings, 2: llm layer 2..3 + head
+comm = MultiModulePipelineCommunicator(meshes, {"vision": ["llm"], "llm": []}, cp_layout={"llm": "head_tail"})
+# pp: 0 vision, 1 llm embeddings + layers 0-1, 2 llm layers 2-3 + head; cp: 0 vision, 1 the whole llm
+stage = comm.current_stage - 1
+CP = args.llm == "cp"
+cp_mesh = meshes["llm"]["cp"] if CP and rank > 0 else None
 
 
 class TinyImageEncoder(torch.nn.Module):
@@ -67,8 +74,8 @@ def loss_of(logits, labels):  # summed CE over the micro-batch / label tokens of
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum") / n_label_tokens
 
 
-def run_layers(layers, h):
-    pos = torch.arange(h.size(1)).expand(h.size(0), -1)
+def run_layers(layers, h, pos=None):
+    pos = (torch.arange(h.size(1)) if pos is None else pos).expand(h.size(0), -1)
     cos_sin = llm.model.rotary_emb(h, pos)
     for layer in layers:
         out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
@@ -77,13 +84,28 @@ def run_layers(layers, h):
 
 
 half = config.num_hidden_layers // 2
+
+
+def ring_context():  # SDPA as ring attention over the llm's cp ranks; our tensors are sharded already
+    placeholder = torch.zeros(1, 4)  # torch's context_parallel wants one buffer to shard
+    return create_context_parallel_ctx(cp_mesh, [placeholder], [1], {placeholder})
+
 M, b = args.microbatches, B // args.microbatches
 
 
 def forward_step(pixels, text, labels, mb, inputs):  # this rank's stage on micro-batch mb
     rows = slice(mb * b, (mb + 1) * b)
+    if stage == 0 and CP:  # the image tokens at their positions of the llm's sequence: [b, 32, hidden]
+        return F.pad(encoder(pixels[rows]), (0, 0, 0, TEXT))  # the bridge sends each cp rank its shard
     if stage == 0:
         return encoder(pixels[rows])  # [b, 16, hidden], sent to the llm's first stage
+    if CP:  # this cp rank's head-tail shard of the 32 positions; SDPA runs as ring attention
+        pos = cp_sequence_indices(16 + TEXT, 2, cp_mesh.get_local_rank(), "head_tail")
+        ids = torch.cat([torch.zeros_like(text[rows, :16]), text[rows]], dim=1)[:, pos]
+        is_image = (pos < 16)[None, :, None]
+        h = torch.where(is_image, inputs["vision"], llm.model.embed_tokens(ids))
+        h = run_layers(llm.model.layers, h, pos)
+        return loss_of(llm.lm_head(llm.model.norm(h)), labels[rows][:, pos])
     if stage == 1:
         h = torch.cat([inputs["vision"], llm.model.embed_tokens(text[rows])], dim=1)
         return run_layers(llm.model.layers[:half], h)  # [b, 32, hidden], sent to the next stage
@@ -93,13 +115,14 @@ def forward_step(pixels, text, labels, mb, inputs):  # this rank's stage on micr
 
 owned = {  # this rank's parameters, named as in the reference modules
     0: {f"encoder.{n}": p for n, p in encoder.named_parameters()},
+    -1: {f"llm.{n}": p for n, p in llm.named_parameters()},  # cp: the whole llm on each cp rank
     1: {f"llm.model.embed_tokens.{n}": p for n, p in llm.model.embed_tokens.named_parameters()}
     | {f"llm.model.layers.{i}.{n}": p for i in range(half) for n, p in llm.model.layers[i].named_parameters()},
     2: {f"llm.model.layers.{i}.{n}": p for i in range(half, config.num_hidden_layers)
         for n, p in llm.model.layers[i].named_parameters()}
     | {f"llm.model.norm.{n}": p for n, p in llm.model.norm.named_parameters()}
     | {f"llm.lm_head.{n}": p for n, p in llm.lm_head.named_parameters()},
-}[stage]
+}[-1 if CP and stage == 1 else stage]
 ref_params = {f"encoder.{n}": p for n, p in ref_encoder.named_parameters()}
 ref_params |= {f"llm.{n}": p for n, p in ref_llm.named_parameters()}
 opt = torch.optim.AdamW(owned.values(), lr=1e-3)
@@ -118,11 +141,17 @@ for step, (pixels, text, labels) in enumerate(steps_data):
 
     # the pipeline: GPipe over the micro-batches, activations and gradients through the communicator
     opt.zero_grad()
-    losses = run_gpipe(comm, functools.partial(forward_step, pixels, text, labels), M)
+    ring = ring_context if cp_mesh is not None else None
+    losses = run_gpipe(comm, functools.partial(forward_step, pixels, text, labels), M, stage_context=ring)
+    if cp_mesh is not None:  # each cp rank holds its tokens' share of the loss and of every gradient
+        losses = [sum(losses)]
+        dist.all_reduce(losses[0], group=cp_mesh.get_group())
+        for p in owned.values():
+            dist.all_reduce(p.grad, group=cp_mesh.get_group())
     for name, p in owned.items():
         ref_g = ref_params[name].grad
         worst_grad = max(worst_grad, float((p.grad - ref_g).norm() / ref_g.norm().clamp_min(1e-30)))
-    if stage == 2:
+    if stage == 2 or (CP and rank == 1):
         pipe_loss = float(sum(losses))
         worst_loss = max(worst_loss, abs(pipe_loss - ref_loss) / abs(ref_loss))
         print(f"step {step} loss {pipe_loss:.6f} one-process {ref_loss:.6f}", flush=True)
@@ -132,7 +161,8 @@ for step, (pixels, text, labels) in enumerate(steps_data):
 errs = torch.tensor([worst_loss, worst_grad], dtype=torch.float64)
 dist.all_reduce(errs, op=dist.ReduceOp.MAX)
 if rank == 0:
-    print(f"max loss rel err {errs[0].item():.3e} max grad rel err {errs[1].item():.3e} ({args.dtype})", flush=True)
+    print(f"max loss rel err {errs[0].item():.3e} max grad rel err {errs[1].item():.3e} ({args.dtype}, llm {args.llm}=2)",
+          flush=True)
 dist.barrier()
 dist.destroy_process_group()
 raise SystemExit(0 if errs[0] <= 1e-5 and errs[1] <= 1e-4 else 1)

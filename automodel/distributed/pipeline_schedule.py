@@ -11,6 +11,7 @@ schedule drives the communicator directly.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,7 @@ def run_gpipe(
     comm,
     forward_step: Callable[[int, dict[str, torch.Tensor]], torch.Tensor],
     num_microbatches: int,
+    stage_context: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> list[torch.Tensor]:
     """Run ``num_microbatches`` forwards, then their backwards, on this rank's stage.
 
@@ -32,6 +34,8 @@ def run_gpipe(
             floating-point tensors; the result is this stage's output, or on a terminal stage the
             scalar loss of the micro-batch (scale it so the micro-batch losses sum to the objective).
         num_microbatches: >= 1.
+        stage_context: a factory of the context every forward step and every backward runs in
+            (e.g. a fresh ring-attention context per call for a cp > 1 module); ``None``: none.
 
     Returns:
         the detached micro-batch losses on a terminal stage, else ``[]``. Parameter ``.grad`` s
@@ -49,11 +53,13 @@ def run_gpipe(
             "batch the colocated modules' sends and receives with comm.communicate(...)"
         )
     name, info = next(iter(comm.modules.items()))
+    ctx = stage_context or contextlib.nullcontext
     stash, losses = [], []
     for mb in range(num_microbatches):
         inputs = comm.recv_forward(name)
         inputs = {k: v.requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
-        out = forward_step(mb, inputs)
+        with ctx():
+            out = forward_step(mb, inputs)
         if info.is_terminal_stage:
             if out.numel() != 1:
                 raise ValueError(f"the terminal stage's forward_step must return a scalar loss, got {tuple(out.shape)}")
@@ -64,10 +70,8 @@ def run_gpipe(
     for mb in range(num_microbatches):
         inputs, out = stash[mb]
         stash[mb] = None
-        if info.is_terminal_stage:
-            out.backward()
-        else:
-            grad = comm.recv_backward(name)[name]
+        grad = None if info.is_terminal_stage else comm.recv_backward(name)[name]
+        with ctx():
             torch.autograd.backward(out, grad)
         if inputs:
             comm.send_backward(
