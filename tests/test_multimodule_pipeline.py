@@ -53,6 +53,15 @@ def test_combined_1f1b_calls(results):
     assert all(x["recv_err"] < EXACT for x in r[1:])
 
 
+def test_colocated_modules_in_one_exchange(results):
+    r = [res["colocated"] for res in results]
+    assert [x["modules"] for x in r] == [["audio", "image", "llm"]] * 2 + [["llm"]] * 2
+    assert all(x["recv_err"] < EXACT for x in r)
+    for w in ("wi", "wa"):
+        total = r[0][f"{w}_grad"] + r[1][f"{w}_grad"]
+        assert float((total - r[0][f"{w}_ref"]).abs().max()) < EXACT
+
+
 def test_mismatches_fail_fast_on_both_sides(results):
     r = [res["errors"] for res in results]
     for llm in r[2:]:

@@ -181,6 +181,46 @@ def one_f_one_b(rank: int) -> dict:
     return {"recv_err": _err(x1, (x @ w)[3 + d : 4 + d])}
 
 
+def colocated(rank: int) -> dict:
+    """image (dp=2) and audio (cp=2, contiguous) colocated on ranks 0-1 -> llm at cp=4 head_tail on ranks 0-3.
+
+    Ranks 0-1 send both encoders' outputs and receive their llm shard in one exchange; the part of an
+    encoder's output that stays on the same rank goes through the communicator's local mailbox.
+    """
+    B, S, H = 2, 8, 3
+    xi, wi, xa, wa, tgt = _randn(51, B, S, H), _randn(52, H, H), _randn(53, B, S, H), _randn(54, H, H), _randn(55, B, S, H)
+    ref = {k: v.clone().requires_grad_() for k, v in dict(wi=wi, wa=wa).items()}
+    (torch.tanh(xi @ ref["wi"] + xa @ ref["wa"]) * tgt).sum().backward()
+    grids = {
+        "image": ModuleGrid.from_sizes(0, dp=2),
+        "audio": ModuleGrid.from_sizes(0, cp=2),
+        "llm": ModuleGrid.from_sizes(0, cp=4),
+    }
+    topo = {"image": ["llm"], "audio": ["llm"], "llm": []}
+    comm = MultiModulePipelineCommunicator(grids, topo, cp_layout={"audio": "contiguous"}, timeout=120)
+    out: dict = {"modules": list(comm.modules)}
+    w_i, w_a = wi.clone().requires_grad_(), wa.clone().requires_grad_()
+    if rank < 2:
+        yi = xi[rank : rank + 1] @ w_i  # dp rank `rank`: one row
+        ya = xa[:, rank * 4 : (rank + 1) * 4] @ w_a  # cp rank `rank`: contiguous half
+        got = comm.communicate(send_forward={"image": yi, "audio": ya}, recv_forward="llm")[0]
+    else:
+        got = comm.recv_forward("llm")
+    i, a = got["image"].requires_grad_(), got["audio"].requires_grad_()
+    idx = cp_sequence_indices(S, 4, rank, "head_tail")
+    out["recv_err"] = max(_err(i, (xi @ wi)[:, idx]), _err(a, (xa @ wa)[:, idx]))
+    (torch.tanh(i + a) * tgt[:, idx]).sum().backward()
+    if rank < 2:
+        g = comm.communicate(send_backward={"image": i.grad, "audio": a.grad}, recv_backward=["image", "audio"])[1]
+        yi.backward(g["image"])
+        ya.backward(g["audio"])
+        out["wi_grad"], out["wa_grad"] = w_i.grad, w_a.grad  # the test sums the two ranks' shares
+        out["wi_ref"], out["wa_ref"] = ref["wi"].grad, ref["wa"].grad
+    else:
+        comm.send_backward({"image": i.grad, "audio": a.grad})
+    return out
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -236,7 +276,7 @@ def timeout(rank: int) -> dict:
 def main(rank: int, world_size: int) -> dict:
     assert world_size == 4
     out, seconds = {}, {}
-    for fn in (fan_in_cp, fan_out_dp, chain_gpipe, one_f_one_b, errors, timeout):
+    for fn in (fan_in_cp, fan_out_dp, chain_gpipe, one_f_one_b, colocated, errors, timeout):
         start = time.monotonic()
         out[fn.__name__] = fn(rank)
         seconds[fn.__name__] = round(time.monotonic() - start, 2)
