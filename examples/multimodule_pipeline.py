@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel.distributed.cp_utils import create_context_parallel_ctx
 from automodel.distributed.multimodule_pipeline import MultiModulePipelineCommunicator
-from automodel.distributed.pipeline_bridge import cp_sequence_indices
-from automodel.distributed.pipeline_schedule import run_gpipe
+from automodel.distributed.pipeline.bridge import cp_sequence_indices
+from automodel.distributed.pipeline.schedule import run_gpipe
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)

@@ -7,7 +7,7 @@ stages, and moves activation and gradient dicts keyed by module name:
 
 * between the pipeline stages of one module: the same dp/cp/tp coordinates, stage to stage;
 * across a module edge (a **bridge**): the sender's dp/cp/tp shards are redistributed into the
-  receiver's layout (:mod:`automodel.distributed.pipeline_bridge`), including a different cp size
+  receiver's layout (:mod:`automodel.distributed.pipeline.bridge`), including a different cp size
   and cp sequence layout (``"head_tail"`` for ring CP, ``"contiguous"`` for Ulysses), so a cp=1
   encoder can feed a cp=2 LLM;
 * fan-in (two encoders into one LLM: ``recv_forward`` returns both, ``send_backward`` takes both)
@@ -15,7 +15,7 @@ stages, and moves activation and gradient dicts keyed by module name:
   gradients).
 
 Every message carries a shape header that the receiver validates before the payload moves, and
-every wait has a timeout (:mod:`automodel.distributed.pipeline_p2p`). The P2P ops are
+every wait has a timeout (:mod:`automodel.distributed.pipeline.p2p`). The P2P ops are
 ``batch_isend_irecv`` on the default group: gloo for CPU tensors, NCCL for CUDA tensors.
 
 Megatron's ``MultiModulePipelineCommunicator`` is the model for the names; its bridge requires
@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from automodel.distributed.pipeline_bridge import CP_LAYOUTS, StageLayout, peer_pairs, plan_transfers
-from automodel.distributed.pipeline_p2p import Incoming, Outgoing, decode_header, encode_header, exchange
-from automodel.distributed.pipeline_topology import (
+from automodel.distributed.pipeline.bridge import CP_LAYOUTS, StageLayout, peer_pairs, plan_transfers
+from automodel.distributed.pipeline.p2p import Incoming, Outgoing, decode_header, encode_header, exchange
+from automodel.distributed.pipeline.schedule import run_gpipe
+from automodel.distributed.pipeline.topology import (
     ModuleGrid,
     compute_total_pipeline_stages,
     rank_modules,
@@ -43,7 +44,13 @@ from automodel.distributed.pipeline_topology import (
     validate_topology,
 )
 
-__all__ = ["MultiModulePipelineCommunicator", "RankModuleInfo", "compute_total_pipeline_stages"]
+__all__ = [
+    "ModuleGrid",
+    "MultiModulePipelineCommunicator",
+    "RankModuleInfo",
+    "compute_total_pipeline_stages",
+    "run_gpipe",
+]
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from automodel.distributed.multimodule_pipeline import MultiModulePipelineCommunicator
-from automodel.distributed.pipeline_bridge import cp_sequence_indices
-from automodel.distributed.pipeline_schedule import run_gpipe
-from automodel.distributed.pipeline_topology import ModuleGrid, compute_total_pipeline_stages
+from automodel.distributed.pipeline.bridge import cp_sequence_indices
+from automodel.distributed.pipeline.schedule import run_gpipe
+from automodel.distributed.pipeline.topology import ModuleGrid, compute_total_pipeline_stages
 
 D = torch.float64
 
