@@ -1,0 +1,83 @@
+"""Multi-module pipeline communicator on 4 gloo ranks: fan-in, fan-out, bridges, schedules, errors.
+
+ONE launched group (tests/workers/multimodule_worker.py) runs every scenario; each rank compares
+with the float64 single-process reference itself and returns the differences.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import run_distributed
+
+pytestmark = pytest.mark.dist
+EXACT = 1e-12
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed("tests.workers.multimodule_worker:main", world_size=4, timeout=420)
+
+
+def test_fan_in_with_cp1_to_cp2_bridge_is_exact(results):
+    r = [res["fan_in_cp"] for res in results]
+    for llm in r[2:]:
+        assert llm["keys"] == ["audio", "image"]
+        assert llm["shapes"] == {"image": (2, 4, 4), "audio": (4, 4)}  # head-tail halves; audio stays 2-D
+        assert llm["image_err"] < EXACT and llm["audio_err"] < EXACT
+    wl = r[2]["wl_grad"] + r[3]["wl_grad"]
+    assert float((wl - r[2]["wl_ref"]).abs().max()) < EXACT
+    for enc in r[:2]:
+        assert enc["out_grad_err"] < EXACT and enc["w_grad_err"] < EXACT
+    assert [x["current_stage"] for x in r] == [1, 1, 2, 2] and r[0]["total_stages"] == 2
+
+
+def test_fan_out_moves_rows_and_sums_gradients(results):
+    r = [res["fan_out_dp"] for res in results]
+    assert all(x["recv_err"] < EXACT for x in r[1:])
+    assert r[0]["out_grad_err"] < EXACT and r[0]["w_grad_err"] < EXACT
+
+
+def test_gpipe_through_intra_module_pipeline_matches_one_process(results):
+    r = [res["chain_gpipe"] for res in results]
+    assert all(x["w_grad_err"] < EXACT for x in r)
+    assert r[3]["loss_err"] < EXACT
+    assert [x["stage"] for x in r] == [x["stage_from_meshes"] for x in r] == [1, 2, 3, 4] and r[0]["total"] == 4
+    assert [x["first"] for x in r] == [True, False, False, False]
+    assert [x["last"] for x in r] == [False, False, False, True]
+
+
+def test_combined_1f1b_calls(results):
+    r = [res["one_f_one_b"] for res in results]
+    assert r[0]["w_grad_err"] < EXACT
+    assert all(x["recv_err"] < EXACT for x in r[1:])
+
+
+def test_colocated_modules_in_one_exchange(results):
+    r = [res["colocated"] for res in results]
+    assert [x["modules"] for x in r] == [["audio", "image", "llm"]] * 2 + [["llm"]] * 2
+    assert all(x["recv_err"] < EXACT for x in r)
+    for w in ("wi", "wa"):
+        total = r[0][f"{w}_grad"] + r[1][f"{w}_grad"]
+        assert float((total - r[0][f"{w}_ref"]).abs().max()) < EXACT
+
+
+def test_mismatches_fail_fast_on_both_sides(results):
+    r = [res["errors"] for res in results]
+    for llm in r[2:]:
+        assert "the senders of the activation enc[pp 0] -> llm[pp 0] disagree on its global shape" in llm["disagree"]
+        assert "rank 0: (2, 8, 2); rank 1: (2, 6, 2)" in llm["disagree"]
+        assert "sequence length 6 is not divisible by 4 (head_tail layout, cp=2)" in llm["indivisible"]
+        assert "has 2 dims, but module_output_ndim['enc'] is 3" in llm["ndim"]
+        assert "the receiver rejected gradient llm[pp 0] -> enc[pp 0]" in llm["bad_grad"]
+    for enc in r[:2]:
+        for key in ("disagree", "indivisible", "ndim"):
+            assert "the receiver rejected activation enc[pp 0] -> llm[pp 0] to rank 2" in enc[key], enc[key]
+        assert "has global shape [2, 8, 3] torch.float32, but the activation sent had [2, 8, 2]" in enc["bad_grad"]
+        assert enc["round_trip_err"] == 0.0  # the group is still in step after every rejection
+
+
+def test_a_receive_without_a_sender_times_out(results):
+    r = results[1]["timeout"]
+    assert "rank 1: the pipeline header exchange with rank(s) [0] did not complete within 3s" in r["message"], r
+    assert 2.5 < r["waited"] < 60
