@@ -172,16 +172,16 @@ def test_ulysses_takes_eager_flex_and_packed_rows_ring_does_not():
     assert "another distributed.cp_method (one of ulysses works with 'eager')" in msg
 
 
-def test_sequence_length_rule_is_one_contiguous_slice_per_rank():
+def test_rows_are_padded_to_one_contiguous_slice_per_rank():
     from automodel.training.trainer import pad_multiple
 
-    msg = problems("data.seq_len=129")
-    assert "data.seq_len=129 is not divisible by cp_size*tp_size = 2*1 = 2" in msg
-    assert "set data.seq_len=130, or data.pad_to_multiple_of=2" in msg
-    cfg = load("data.seq_len=130").cfg  # not a multiple of 2*cp: fine for Ulysses, not for ring
-    assert pad_multiple(cfg) == 2
-    assert "2*cp_size*tp_size = 2*2*1 = 4" in problems("data.seq_len=130", config="configs/cp.yaml")
+    # any data.seq_len validates: the collator pads every row (labels -100) to the method's multiple
+    assert pad_multiple(load("data.seq_len=129").cfg) == 2  # Ulysses: cp_size*tp_size
+    assert pad_multiple(load("data.seq_len=130", config="configs/cp.yaml").cfg) == 4  # ring: 2*cp_size*tp_size
     assert pad_multiple(load("data.seq_len=129", "data.pad_to_multiple_of=2").cfg) == 2
+    assert "data.pad_to_multiple_of=3 is not a multiple of cp_size*tp_size = 2*1 = 2" in problems(
+        "data.pad_to_multiple_of=3"
+    )
 
 
 def test_dry_run_prints_the_method_and_the_contiguous_layout():
