@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointSection",
     "ExportSection",
     "LoggingSection",
+    "PeftSection",
     "RecipeConfig",
     "DTYPES",
 ]
@@ -151,6 +152,7 @@ class ExportSection:
     dir: str | None = None  # None: <run dir>/hf_model
     dtype: DType | None = None  # None: the training dtype (model.dtype)
     save_tokenizer: bool = True
+    merge_lora: bool = False  # with peft: also write <dir>/merged, the model with the adapters merged in
 
 
 @dataclass
@@ -158,6 +160,17 @@ class LoggingSection:
     progress_bar: bool = True
     plot: bool = True
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+@dataclass
+class PeftSection:
+    """Parameter-efficient fine-tuning with the ``peft`` library (automodel.models.lora); absent/null: off."""
+
+    method: Literal["lora"] = "lora"
+    r: int = 8  # LoRA rank
+    alpha: int = 16  # lora_alpha: the update is scaled by alpha / r
+    dropout: float = 0.0  # lora_dropout on the adapter input
+    target_modules: list[str] | str = "all-linear"  # module names (suffix match), a regex, or all-linear
 
 
 @dataclass
@@ -188,6 +201,7 @@ class RecipeConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     export: ExportSection = field(default_factory=ExportSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    peft: PeftSection | None = None
 
 
 # key path of a TargetNode -> keyword arguments the recipe passes when it instantiates it

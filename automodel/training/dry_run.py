@@ -147,6 +147,10 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     )
     check_model_config_for_cp(d.cp_method, resolved.config, d.cp_size)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
+    if cfg.peft is not None:  # peft.target_modules must select modules of this model
+        from automodel.models.lora import check_lora_targets
+
+        check_lora_targets(model, cfg.peft)
     c = model.config
     n_params = sum(p.numel() for p in model.parameters())
     n_unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
