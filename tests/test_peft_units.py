@@ -165,3 +165,12 @@ def test_resuming_a_full_checkpoint_into_a_peft_run_is_refused(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"step": 2, "layout": layout.__dict__}))
     with pytest.raises(ValueError, match=r"holds the whole model but this run saves adapters only"):
         Checkpointer(tmp_path.parent, layout, trainable_only=True).load(tmp_path, None, None, None, None)
+
+
+def test_dry_run_counts_the_adapters():
+    from automodel.training.dry_run import dry_run_report
+
+    report = dry_run_report(load_config(["--config", LORA, "recipe.dry_run=true"]))
+    # r * (in + out) per adapted linear; cp.yaml: hidden 128, k/v out 64 (2 kv heads x 32), mlp 384, 4 layers
+    per_layer = 8 * ((128 + 128) + (128 + 64) + (128 + 64) + (128 + 128) + 2 * (128 + 384) + (384 + 128))
+    assert f"peft lora r=8: {4 * per_layer / 1e6:.3f}M of them are trainable adapters" in report

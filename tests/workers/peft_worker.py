@@ -46,8 +46,24 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def write_corpus(out: Path, docs: int = 400) -> Path:
+    """The first ``docs`` documents of the shipped corpus as jsonl (enough rows for 6 steps, and
+    every run tokenizes a tenth of the whole corpus)."""
+    import gzip
+
+    from automodel.data.text_dataset import __file__ as data_file
+
+    src = Path(data_file).parent / "assets" / "corpus" / "default_corpus.jsonl.gz"
+    with gzip.open(src, "rt") as f:
+        lines = [next(f) for _ in range(docs)]
+    path = out / "corpus.jsonl"
+    path.write_text("".join(lines))
+    return path
+
+
 def _trainer(world: int, out: Path, name: str, overrides: list[str], hooks: TrainHooks | None = None):
-    argv = ["--config", CONFIG, *TINY, f"recipe.output_dir={out / name}", *overrides]
+    corpus = f"data.dataset.path={out / 'corpus.jsonl'}"
+    argv = ["--config", CONFIG, *TINY, corpus, f"recipe.output_dir={out / name}", *overrides]
     trainer = FinetuneTrainer(load_config(argv, world_size=world), hooks)
     trainer.setup()
     return trainer
