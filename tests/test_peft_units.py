@@ -119,7 +119,9 @@ def test_trainer_check_runs_on_a_weightless_model():
 
     cfg = load("peft.target_modules=[q_proj,v_prj]").cfg
     with pytest.raises(UserInputError, match=r"\['v_prj'\] match no module"):
-        check_lora_for_model_config(cfg.model, resolve_model_config(cfg.model), cfg.peft, attn_implementation="sdpa")
+        check_lora_for_model_config(
+            cfg.model, resolve_model_config(cfg.model), cfg.peft, attn_implementation="sdpa"
+        )
 
 
 def test_recipe_dry_run_prints_one_error_line(capsys):
@@ -174,3 +176,40 @@ def test_dry_run_counts_the_adapters():
     # r * (in + out) per adapted linear; cp.yaml: hidden 128, k/v out 64 (2 kv heads x 32), mlp 384, 4 layers
     per_layer = 8 * ((128 + 128) + (128 + 64) + (128 + 64) + (128 + 128) + 2 * (128 + 384) + (384 + 128))
     assert f"peft lora r=8: {4 * per_layer / 1e6:.3f}M of them are trainable adapters" in report
+
+
+def test_export_of_an_adapter_on_a_pretrained_base(tmp_path):
+    """A pretrained base (a local directory): adapter/ only, pointing at it (no base/, no merged/)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from automodel.models.lora import export_lora
+
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base_model"
+    tiny().save_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    lora = section(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    apply_lora(model, lora, seed=3)
+    with torch.no_grad():  # stand-in for training: non-zero adapters
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.5)
+    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = model(input_ids=probe).logits
+    out = export_lora(model, lora, tmp_path / "export", base_model_name_or_path=str(base_dir))
+    assert sorted(p.name for p in out.iterdir()) == ["adapter"]
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (
+        4,
+        8,
+        ["down_proj", "q_proj", "v_proj"],
+    )
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        base_logits = base(input_ids=probe).logits
+        reloaded = PeftModel.from_pretrained(base, str(out / "adapter"))
+        assert torch.equal(reloaded(input_ids=probe).logits, trained)
+    assert (base_logits - trained).abs().max() > 1e-2  # the adapters matter

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"  # PEFT's default adapter name (its key segment in parameter names)
 _PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the wrapped model's parameters
+# LoRA's parameters in PEFT's names: lora_A / lora_B (Linear), lora_embedding_A / _B (Embedding)
+_ADAPTER_PARAM = re.compile(r"\.lora_(A|B|embedding_A|embedding_B)\.")
 
 
 def lora_config(section: Any) -> Any:
@@ -97,18 +100,14 @@ def check_lora_targets(model: nn.Module, section: Any) -> None:
         f"linear layer but the output head"
     )
     if isinstance(targets, str):
-        if targets != "all-linear" and not any(
-            check_target_module_exists(LoraConfig(target_modules=targets), n) for n in names
-        ):
+        regex = LoraConfig(target_modules=targets)
+        if targets != "all-linear" and not any(check_target_module_exists(regex, n) for n in names):
             raise UserInputError(
                 f"peft.target_modules={targets!r} matches no module of {cls}; fix peft.target_modules ({hint})"
             )
     else:
-        missing = [
-            t
-            for t in targets
-            if not any(check_target_module_exists(LoraConfig(target_modules=[t]), n) for n in names)
-        ]
+        one_each = {t: LoraConfig(target_modules=[t]) for t in targets}
+        missing = [t for t in targets if not any(check_target_module_exists(one_each[t], n) for n in names)]
         if missing:
             raise UserInputError(
                 f"peft.target_modules: {missing} match no module of {cls}; fix or remove "
@@ -173,7 +172,7 @@ def adapter_parameter_names(model: nn.Module) -> set[str]:
         RuntimeError: a trainable parameter is not a LoRA adapter, or there is none.
     """
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    stray = sorted(n for n in names if ".lora_A." not in n and ".lora_B." not in n)
+    stray = sorted(n for n in names if not _ADAPTER_PARAM.search(n))
     if stray or not names:
         raise RuntimeError(f"expected only LoRA adapters to be trainable; trainable: {sorted(names)[:8]}")
     return names
