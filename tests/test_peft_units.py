@@ -113,6 +113,11 @@ def test_a_module_lora_cannot_adapt_is_rejected():
         check_lora_targets(tiny("meta"), section(target_modules=["input_layernorm"]))
 
 
+def test_lora_on_a_tied_output_head_is_rejected():
+    with pytest.raises(UserInputError, match=r"selects the output head 'lm_head', whose weight is tied"):
+        check_lora_targets(tiny("meta"), section(target_modules=["q_proj", "lm_head"]))
+
+
 def test_trainer_check_runs_on_a_weightless_model():
     from automodel.models.loader import resolve_model_config
     from automodel.models.lora import check_lora_for_model_config

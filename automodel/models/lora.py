@@ -113,8 +113,30 @@ def check_lora_targets(model: nn.Module, section: Any) -> None:
                 f"peft.target_modules: {missing} match no module of {cls}; fix or remove "
                 f"{'it' if len(missing) == 1 else 'them'} ({hint})"
             )
+    _check_tied_head(model, section)
     if _is_meta(model):  # what PEFT itself refuses (a module type LoRA cannot adapt), on a weightless copy
         _inject(copy.deepcopy(model), section)
+
+
+def _check_tied_head(model: nn.Module, section: Any) -> None:
+    """Refuse LoRA on an output head whose weight is the input embedding (tie_word_embeddings):
+    merging ``B @ A`` into the shared weight would change the input embeddings too."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = getattr(model, "config", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if config is None or get_head is None or not getattr(config, "tie_word_embeddings", False):
+        return
+    head = get_head()
+    if head is None or section.target_modules == "all-linear":  # all-linear leaves the head out
+        return
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if name is not None and check_target_module_exists(lora_config(section), name):
+        raise UserInputError(
+            f"peft.target_modules={section.target_modules!r} selects the output head {name!r}, whose weight is "
+            f"tied to the input embeddings (tie_word_embeddings=true): the merged model would change the input "
+            f"embeddings too. Remove {name} from peft.target_modules"
+        )
 
 
 def _inject(model: nn.Module, section: Any) -> None:
