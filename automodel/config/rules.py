@@ -7,6 +7,7 @@ world size alone.
 
 from __future__ import annotations
 
+from automodel.config.peft_rules import peft_problems
 from automodel.config.schema import RecipeConfig
 from automodel.training.cp_dispatch import CP_METHODS, head_split_problem
 
@@ -199,6 +200,7 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all")
     if cfg.recipe.dry_run_world_size is not None and cfg.recipe.dry_run_world_size < 1:
         problems.append(f"recipe.dry_run_world_size={cfg.recipe.dry_run_world_size} must be >= 1")
+    problems += peft_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
     return problems
 

@@ -30,6 +30,7 @@ __all__ = [
     "ExportSection",
     "LoggingSection",
     "LossSection",
+    "PeftSection",
     "RecipeConfig",
     "DTYPES",
 ]
@@ -153,6 +154,7 @@ class ExportSection:
     dir: str | None = None  # None: <run dir>/hf_model
     dtype: DType | None = None  # None: the training dtype (model.dtype)
     save_tokenizer: bool = True
+    merge_lora: bool = False  # with peft: also write <dir>/merged, the model with the adapters merged in
 
 
 @dataclass
@@ -167,6 +169,17 @@ class LossSection:
     """How the loss is computed (always: CE sum over label tokens / global label-token count)."""
 
     chunk_tokens: int | None = None  # chunked linear CE: LM head + CE this many tokens at a time; None: off
+
+
+@dataclass
+class PeftSection:
+    """Parameter-efficient fine-tuning with the ``peft`` library (automodel.models.lora); absent/null: off."""
+
+    method: Literal["lora"] = "lora"
+    r: int = 8  # LoRA rank
+    alpha: int = 16  # lora_alpha: the update is scaled by alpha / r
+    dropout: float = 0.0  # lora_dropout on the adapter input
+    target_modules: list[str] | str = "all-linear"  # module names (suffix match), a regex, or all-linear
 
 
 @dataclass
@@ -198,6 +211,7 @@ class RecipeConfig:
     export: ExportSection = field(default_factory=ExportSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     loss: LossSection = field(default_factory=LossSection)
+    peft: PeftSection | None = None
 
 
 # key path of a TargetNode -> keyword arguments the recipe passes when it instantiates it

@@ -110,13 +110,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Save / load sharded checkpoints under ``root`` (a directory shared by all ranks).
 
-    All methods are collective: every rank calls them with its own objects.
+    All methods are collective: every rank calls them with its own objects. ``trainable_only``
+    (PEFT adapters): model state holds only parameters with ``requires_grad``; the frozen ones are
+    rebuilt from the model's source on resume.
     """
 
-    def __init__(self, root: str | Path, layout: CheckpointLayout, keep_last: int | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        layout: CheckpointLayout,
+        keep_last: int | None = None,
+        trainable_only: bool = False,
+    ):
         self.root = Path(root)
         self.layout = layout
         self.keep_last = keep_last
+        self.trainable_only = trainable_only
+
+    def _sd_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # not strict with adapters only: the frozen weights are absent from the state dict on purpose
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
+
+    def _state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._sd_options())
+        if self.trainable_only:  # ignore_frozen_params keeps the second name of a tied frozen weight
+            frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
+        return model_sd, optim_sd
 
     # ------------------------------------------------------------------ save
     def save(
@@ -130,7 +154,6 @@ class Checkpointer:
     ) -> Path:
         """Write checkpoint ``step_<step>``; return its path. Collective."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         rank = dist.get_rank()
         final = self.root / f"step_{step}"
@@ -141,7 +164,7 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = self._state_dicts(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         torch.save(
             {
@@ -157,6 +180,7 @@ class Checkpointer:
         if rank == 0:
             write_model_signature(tmp, model)  # checked at load (checkpoint_compat): same model?
             meta = {"step": step, "layout": self.layout.__dict__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            meta["trainable_only"] = self.trainable_only
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             if final.exists():
                 shutil.rmtree(final)
@@ -188,7 +212,7 @@ class Checkpointer:
                 parallel layout.
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = Path(path)
         meta_file = path / "meta.json"
@@ -206,11 +230,23 @@ class Checkpointer:
                 f"{self.layout.describe()}; resume with the same distributed sizes and number of processes "
                 f"(the data position and RNG state are per rank)"
             )
+        if bool(meta.get("trainable_only", False)) != self.trainable_only:
+            what = {True: "adapters only (a peft run)", False: "the whole model"}
+            raise ValueError(
+                f"checkpoint {path} holds {what[bool(meta.get('trainable_only', False))]} but this run saves "
+                f"{what[self.trainable_only]}; resume with the peft section the checkpoint was written with"
+            )
         rank = dist.get_rank()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = self._state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self._sd_options(),
+        )
         payload = torch.load(path / f"rank_{rank}.pt", weights_only=False)
         scheduler.load_state_dict(payload["scheduler"])
         if payload["dataloader"] is not None and hasattr(dataloader, "load_state_dict"):

@@ -152,6 +152,10 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     )
     check_model_config_for_cp(d.cp_method, resolved.config, d.cp_size)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
+    if cfg.peft is not None:  # peft.target_modules must select modules of this model
+        from automodel.models.lora import apply_lora
+
+        apply_lora(model, cfg.peft, seed=cfg.recipe.seed)  # checks the targets; meta: nothing allocated
     c = model.config
     n_params = sum(p.numel() for p in model.parameters())
     n_unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -179,6 +183,13 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         f"compute dtype {cfg.fsdp.param_dtype}"
         + (" (estimates assume bfloat16, i.e. CUDA)" if cfg.fsdp.param_dtype == "auto" else "")
     )
+    if cfg.peft is not None:
+        n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        out.append(
+            f"peft {cfg.peft.method} r={cfg.peft.r}: {n_lora / 1e6:.3f}M of them are trainable adapters; grads "
+            f"and AdamW states exist only for these: {_gib(3 * n_lora / fsdp_size * master)} per rank, not the "
+            f"figures above"
+        )
 
     # ---------------------------------------------------------------- shapes
     b = sched.local_batch_size

@@ -190,6 +190,12 @@ class FinetuneTrainer:
         )
         # e.g. Ulysses splits the heads over CP: checked on the config, before data or weights are loaded
         check_model_config_for_cp(cfg.distributed.cp_method, resolved.config, cfg.distributed.cp_size)
+        if cfg.peft is not None:  # peft.target_modules against a weightless model, before data or weights
+            from automodel.models.lora import check_lora_for_model_config
+
+            check_lora_for_model_config(
+                cfg.model, resolved, cfg.peft, attn_implementation=self.attn_implementation
+            )
         logger.info("model config: %s", resolved.source)
 
         # ---- data
@@ -265,6 +271,10 @@ class FinetuneTrainer:
                 self.model.config._attn_implementation,
                 self.inner_attn,
             )
+        if cfg.peft is not None:  # LoRA adapters in place; everything else frozen (automodel.models.lora)
+            from automodel.models.lora import apply_lora
+
+            apply_lora(self.model, cfg.peft, seed=cfg.recipe.seed)
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         param_dtype = cfg.fsdp.param_dtype
@@ -300,7 +310,9 @@ class FinetuneTrainer:
             if cfg.checkpoint.dir
             else self.run_dir / CHECKPOINT_SUBDIR
         )
-        self.checkpointer = Checkpointer(ckpt_dir, self.layout, keep_last=cfg.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(
+            ckpt_dir, self.layout, keep_last=cfg.checkpoint.keep_last, trainable_only=cfg.peft is not None
+        )
 
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
@@ -533,6 +545,19 @@ class FinetuneTrainer:
 
         ex = self.cfg.export
         out = Path(ex.dir).expanduser().resolve() if ex.dir else self.run_dir / "hf_model"
+        if self.cfg.peft is not None:  # adapter/ (PEFT format), base/ or merged/ as needed
+            from automodel.models.lora import export_lora
+
+            export_lora(
+                self.model,
+                self.cfg.peft,
+                out,
+                base_model_name_or_path=self.cfg.model.pretrained_model_name_or_path,
+                merge=ex.merge_lora,
+                dtype=torch_dtype(ex.dtype) if ex.dtype else None,
+                tokenizer=self.tokenizer if ex.save_tokenizer else None,
+            )
+            return out
         export_hf_model(
             self.model,
             out,
