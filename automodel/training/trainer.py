@@ -36,6 +36,7 @@ from automodel.config import LoadedConfig
 from automodel.config.schema import RecipeConfig
 from automodel.data.collator import label_token_count
 from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
+from automodel.errors import UserInputError
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
 from automodel.training.cp_dispatch import (
     CP_METHODS,
@@ -43,6 +44,7 @@ from automodel.training.cp_dispatch import (
     check_model_config_for_cp,
     get_cp_method,
 )
+from automodel.training.elastic import reseed_for_step
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.optim import clip_grad_norm
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
@@ -297,7 +299,12 @@ class FinetuneTrainer:
             if cfg.checkpoint.dir
             else self.run_dir / CHECKPOINT_SUBDIR
         )
-        self.checkpointer = Checkpointer(ckpt_dir, self.layout, keep_last=cfg.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(
+            ckpt_dir,
+            self.layout,
+            keep_last=cfg.checkpoint.keep_last,
+            global_batch_size=cfg.step_scheduler.global_batch_size,
+        )
 
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
@@ -316,7 +323,7 @@ class FinetuneTrainer:
                     self.checkpointer.root,
                 )
                 return
-            raise ValueError(
+            raise UserInputError(
                 f"checkpoint.resume=true but there is no complete checkpoint under {self.checkpointer.root}; "
                 f"set checkpoint.resume=false to start fresh, checkpoint.resume=auto to resume only if one "
                 f"exists, or checkpoint.resume_from=<step_N directory>"
@@ -452,6 +459,7 @@ class FinetuneTrainer:
             with SigtermFlag() as sigterm:
                 while self.step < sched.max_steps:
                     reset_peak_memory(self.device)
+                    reseed_for_step(cfg.recipe.seed, self.step, self.rank)  # exact resume at any layout
                     step_batches = [next(batches) for _ in range(self.grad_acc)]
                     record = self.train_step(step_batches)
                     self.step += 1
