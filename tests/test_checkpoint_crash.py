@@ -8,8 +8,9 @@ overrides of ``tests/workers/recipe_worker.py``, 6 steps, a checkpoint every 2, 
    checks the half-written ``step_4.tmp`` and SIGKILLs rank 1; torchrun tears the job down;
 2. ``step_2`` is still complete (``keep_last=1`` did not prune it for an incomplete successor) and
    ``checkpoint.resume=auto`` resumes from it, ignoring ``step_4.tmp``; steps 3 and 4 repeat the
-   first launch's losses exactly (same layout, same state); the next complete save deletes the
-   stale temp directory, and pruning leaves only the newest complete checkpoint.
+   first launch's losses exactly (same layout, same state). It checkpoints every 3 steps, so its
+   first save (step 3, another step) must delete the stale ``step_4.tmp``; pruning leaves only the
+   newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def crash(tmp_path_factory):
         "entries": sorted(p.name for p in ckpts.iterdir()),
         "losses": _train_losses(run_dir),
     }
-    resumed = _launch(run_dir, ["checkpoint.resume=auto"], {})
+    resumed = _launch(run_dir, ["checkpoint.resume=auto", "step_scheduler.ckpt_every_steps=3"], {})
     second_log = resumed.communicate(timeout=500)[0]
     return {
         "during": during,
@@ -100,6 +101,7 @@ def crash(tmp_path_factory):
         "losses": _train_losses(run_dir),
         "summary": json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {},
         "ckpts": ckpts,
+        "rank0_log": (run_dir / "logs" / "rank_0.log").read_text(),
     }
 
 
@@ -132,6 +134,9 @@ def test_resume_auto_picks_the_complete_one_and_continues_exactly(crash):
 
 
 def test_next_save_cleans_the_temp_dir_and_prunes_after_completion(crash):
+    log = crash["rank0_log"]
+    deleted = log.index("step_4.tmp: an interrupted checkpoint save")
+    assert deleted < log.index("checkpoints/step_3 in") < log.index("checkpoints/step_6 in")
     assert crash["entries_end"] == ["step_6"]  # step_4.tmp deleted, keep_last=1 kept the newest
     assert latest_checkpoint(crash["ckpts"]).name == "step_6"
     meta = json.loads((crash["ckpts"] / "step_6" / "meta.json").read_text())

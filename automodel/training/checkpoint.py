@@ -286,8 +286,9 @@ class Checkpointer:
         """Restore everything from checkpoint directory ``path``; return the payload it restored.
 
         The layout may differ from the one the checkpoint was written with (elastic resume, see
-        the module docstring); the checks that can refuse run before any weight is read. Mutates
-        ``model``, ``optimizer``, ``scheduler``, ``dataloader`` and, at the same layout, the RNGs.
+        the module docstring); the checks that can refuse run before the checkpoint's weights are
+        read. Mutates ``model``, ``optimizer``, ``scheduler``, ``dataloader`` and, at the same
+        layout, the RNGs.
 
         Raises:
             UserInputError: ``path`` is not a complete checkpoint, or it cannot continue the run

@@ -26,7 +26,8 @@ it equals no single-layout run. That is allowed (no single-layout reference exis
 :func:`warn_if_dropout` logs it at resume.
 
 Anything else (another seed, dataset, shuffle or drop_last) is refused with a
-:class:`~automodel.errors.UserInputError` that names both layouts and the fix, before any weight is read.
+:class:`~automodel.errors.UserInputError` that names both layouts and the fix, before the
+checkpoint's weights are read.
 """
 
 from __future__ import annotations
