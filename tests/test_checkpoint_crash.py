@@ -99,7 +99,7 @@ def crash(tmp_path_factory):
         "second_log": second_log,
         "entries_end": sorted(p.name for p in ckpts.iterdir()),
         "losses": _train_losses(run_dir),
-        "summary": json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {},
+        "summary": json.loads(summary.read_text()) if (summary := run_dir / "summary.json").exists() else {},
         "ckpts": ckpts,
         "rank0_log": (run_dir / "logs" / "rank_0.log").read_text(),
     }

@@ -68,7 +68,9 @@ def test_reseed_makes_step_randomness_independent_of_history():
 def test_dropout_settings_finds_config_fields_and_modules():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    cfg = dict(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     assert dropout_settings(LlamaForCausalLM(LlamaConfig(**cfg))) == {}
     assert dropout_settings(LlamaForCausalLM(LlamaConfig(**cfg, attention_dropout=0.1))) == {
         "config.attention_dropout": 0.1
@@ -80,6 +82,9 @@ def test_changed_global_batch_size_is_refused_with_the_fix():
     meta = {"global_batch_size": 8}
     check_resume_compatible("ck", meta, "world_size=2 (...)", "world_size=1 (...)", 8)
     check_resume_compatible("ck", {}, "A", "B", 8)  # checkpoints from before the field: not checked
-    with pytest.raises(UserInputError, match=r"global_batch_size=8 \(world_size=2 .*global_batch_size=16 "
-                                             r"\(world_size=1.*resume with step_scheduler.global_batch_size=8"):  # fmt: skip
+    expected = (
+        r"global_batch_size=8 \(world_size=2 .*global_batch_size=16 \(world_size=1.*"
+        r"resume with step_scheduler.global_batch_size=8"
+    )
+    with pytest.raises(UserInputError, match=expected):
         check_resume_compatible("ck", meta, "world_size=2 (...)", "world_size=1 (...)", 16)

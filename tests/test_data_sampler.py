@@ -192,7 +192,8 @@ def test_errors_name_the_value_and_the_fix():
         loader(local_batch_size=5).load_state_dict(state)
     ld = loader()
     take(ld, 1)  # 6 rows consumed: not a whole number of batches of 4
-    with pytest.raises(ValueError, match=r"6 rows of the epoch are consumed.*local_batch_size \* dp_size = 6"):
+    msg = r"6 rows of the epoch are consumed.*local_batch_size \* dp_size = 6"
+    with pytest.raises(ValueError, match=msg):
         loader(local_batch_size=2).load_state_dict(ld.state_dict())
     with pytest.raises(ValueError, match=r"num_rows: checkpoint 50 != now 60"):
         loader(n=60).load_state_dict(state)

@@ -51,7 +51,8 @@ def _segment(world: int, out: Path, layout: str, resume_from: str | None, stop_a
     overrides = list(LAYOUTS[layout])
     if resume_from:
         overrides.append(f"checkpoint.resume_from={resume_from}")
-    return _run(world, out, f"{layout}_from_{Path(resume_from).name if resume_from else 'start'}", overrides, stop_at)
+    name = f"{layout}_from_{Path(resume_from).name if resume_from else 'start'}"
+    return _run(world, out, name, overrides, stop_at)
 
 
 def _user_error(world: int, out: Path, name: str, overrides: list[str]) -> str | None:
@@ -84,12 +85,9 @@ def third(rank: int, world_size: int, out: str, ckpt: str) -> dict:
     """World 2: dp=2 steps 5-6 from the world-1 checkpoint (checkpoint at 6), and two refusals."""
     o = Path(out)
     res = {"dp2": _segment(world_size, o, "dp2", ckpt, stop_at=6)}
-    res["gbs_error"] = _user_error(
-        world_size, o, "gbs", [*LAYOUTS["dp2"], f"checkpoint.resume_from={ckpt}", "step_scheduler.global_batch_size=16"]
-    )
-    res["seed_error"] = _user_error(
-        world_size, o, "seed", [*LAYOUTS["dp2"], f"checkpoint.resume_from={ckpt}", "recipe.seed=99"]
-    )
+    resume = [*LAYOUTS["dp2"], f"checkpoint.resume_from={ckpt}"]
+    res["gbs_error"] = _user_error(world_size, o, "gbs", [*resume, "step_scheduler.global_batch_size=16"])
+    res["seed_error"] = _user_error(world_size, o, "seed", [*resume, "recipe.seed=99"])
     return res
 
 
