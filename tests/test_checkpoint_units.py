@@ -88,3 +88,20 @@ def test_changed_global_batch_size_is_refused_with_the_fix():
     )
     with pytest.raises(UserInputError, match=expected):
         check_resume_compatible("ck", meta, "world_size=2 (...)", "world_size=1 (...)", 16)
+
+
+def test_prune_keeps_the_checkpoint_just_written_and_cleanup_takes_only_tmp_dirs(tmp_path, caplog):
+    from automodel.training.checkpoint import Checkpointer, CheckpointLayout
+
+    layout = CheckpointLayout(world_size=1, dp_replicate=1, dp_shard=1, cp=1, tp=1)
+    ck = Checkpointer(tmp_path, layout, keep_last=1)
+    for name in ("step_4", "step_8", "step_6"):  # resumed from step_4 after step_8 was written
+        _ckpt(tmp_path, name)
+    _ckpt(tmp_path, "step_7.tmp", complete=False)
+    _ckpt(tmp_path, "step_9.replaced.tmp")
+    (tmp_path / "notes.tmp").mkdir()  # not ours
+    ck._clean_incomplete()
+    with caplog.at_level("WARNING"):
+        ck._prune(keep=tmp_path / "step_6")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", "step_6", "step_8"]
+    assert "later steps than step_6 (step_8" in caplog.text

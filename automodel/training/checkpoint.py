@@ -255,7 +255,7 @@ class Checkpointer:
             tmp.rename(final)
             _fsync_dir(self.root)
             self._clean_incomplete()
-            self._prune()
+            self._prune(keep=final)
         dist.barrier()
         logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
         return final
@@ -267,12 +267,25 @@ class Checkpointer:
                 logger.info("deleting %s: an interrupted checkpoint save", p)
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _prune(self) -> None:
-        """Keep the ``keep_last`` newest complete checkpoints (called after the new one is complete)."""
+    def _prune(self, keep: Path) -> None:
+        """Keep the ``keep_last`` highest-step complete checkpoints, and always ``keep`` (the one just
+        written; called after it is complete)."""
+        found = list_checkpoints(self.root)
+        keep_step = int(_STEP_DIR.match(keep.name).group(1))
+        later = [p.name for step, p in found if step > keep_step]
+        if later:
+            logger.warning(
+                "%s holds checkpoints of later steps than %s (%s, from before this run resumed an older one); "
+                "checkpoint.resume=true|auto picks the highest step: delete them to continue from this run",
+                self.root,
+                keep.name,
+                ", ".join(later),
+            )
         if self.keep_last is None:
             return
-        for _, path in list_checkpoints(self.root)[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+        for _, path in found[: -self.keep_last]:
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def load(
