@@ -275,8 +275,8 @@ class Checkpointer:
         later = [p.name for step, p in found if step > keep_step]
         if later:
             logger.warning(
-                "%s holds checkpoints of later steps than %s (%s, from before this run resumed an older one); "
-                "checkpoint.resume=true|auto picks the highest step: delete them to continue from this run",
+                "%s holds checkpoints of later steps than %s (%s, from before this run resumed an older "
+                "one); checkpoint.resume=true|auto picks the highest step: delete them to continue from this run",
                 self.root,
                 keep.name,
                 ", ".join(later),
