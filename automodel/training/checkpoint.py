@@ -276,7 +276,8 @@ class Checkpointer:
         if later:
             logger.warning(
                 "%s holds checkpoints of later steps than %s (%s, from before this run resumed an older "
-                "one); checkpoint.resume=true|auto picks the highest step: delete them to continue from this run",
+                "one); checkpoint.resume=true|auto picks the highest step: delete them to continue from "
+                "this run",
                 self.root,
                 keep.name,
                 ", ".join(later),
