@@ -153,6 +153,26 @@ def test_a_new_iterator_makes_the_old_one_stale():
         next(old)
 
 
+@pytest.mark.parametrize("stop_at", [2, 8, 10])
+def test_resume_with_another_global_batch_maps_the_position_exactly(stop_at):
+    # 48 rows: 8 batches of 6 or 12 batches of 4 per epoch (the same 48 rows); after an even number
+    # of 6-row batches (a multiple of 12 rows) the 4-row loader continues where a 4-row run would be
+    n, rows = 48, stop_at * 6
+    ref = loader(n=n, local_batch_size=2, dp_size=2)
+    expected = []
+    while len(expected) < rows // 4 + 10:
+        expected += take(ref, 99)
+    first = loader(n=n, local_batch_size=3, dp_size=2)
+    for _ in range(stop_at):
+        take(first, 1)
+    resumed = loader(n=n, local_batch_size=2, dp_size=2)
+    resumed.load_state_dict(first.state_dict())
+    got = []
+    while len(got) < 10:
+        got += take(resumed, 10 - len(got))
+    assert got == expected[rows // 4 : rows // 4 + 10]
+
+
 def test_errors_name_the_value_and_the_fix():
     with pytest.raises(ValueError, match=r"dp_rank=2 must be < dp_size=2.*not its global rank"):
         loader(dp_rank=2)
@@ -167,8 +187,14 @@ def test_errors_name_the_value_and_the_fix():
     state = loader(seed=7).state_dict()
     with pytest.raises(ValueError, match=r"seed: checkpoint 7 != now 8.*same data, seq_len, seed"):
         loader(seed=8).load_state_dict(state)
-    with pytest.raises(ValueError, match=r"global_batch_size: checkpoint 6 != now 4"):
-        loader(local_batch_size=2).load_state_dict(state)
+    # 50 rows: an epoch spans 48 rows in batches of 6 but 50 in batches of 10
+    with pytest.raises(ValueError, match=r"global_batch_size: checkpoint 6 != now 10 .*spans 48 rows.*50"):
+        loader(local_batch_size=5).load_state_dict(state)
+    ld = loader()
+    take(ld, 1)  # 6 rows consumed: not a whole number of batches of 4
+    msg = r"6 rows of the epoch are consumed.*local_batch_size \* dp_size = 6"
+    with pytest.raises(ValueError, match=msg):
+        loader(local_batch_size=2).load_state_dict(ld.state_dict())
     with pytest.raises(ValueError, match=r"num_rows: checkpoint 50 != now 60"):
         loader(n=60).load_state_dict(state)
 

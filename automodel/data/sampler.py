@@ -10,6 +10,11 @@ takes the contiguous slice ``[r*B : (r+1)*B]`` of it (``B = local_batch_size``).
 - the *global* batch at each step depends only on ``(seed, epoch, step, G)``, not on how ``G`` is
   split across ranks, so ``dp_size=2, B=2`` sees the same rows per step as ``dp_size=1, B=4``, and
   a run may resume with another ``dp_size`` as long as ``G`` is unchanged;
+- a run may even resume with another ``G`` (elastic resume: ``dp_size`` changed, grad accumulation
+  absorbs it) when the position maps exactly: an epoch spans the same rows at both ``G``
+  (``batches_per_epoch * G`` equal) and the rows consumed in the current epoch are a whole number
+  of new batches. Then the sampler is exactly where an uninterrupted run with the new ``G`` would
+  be, since both consumed the same rows of the same per-epoch permutations;
 - ``drop_last=True`` drops the last incomplete global batch of each epoch; ``drop_last=False``
   completes it with filler index ``-1`` (an empty example whose labels are all -100, so every
   row is seen exactly once per epoch and every rank runs the same number of steps).
@@ -158,9 +163,10 @@ class DistributedBatchSampler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``'s position. Raises ``ValueError`` if the seed, dataset length, global
-        batch size, shuffle or drop_last differ (the resumed rows would silently differ); ``dp_size``
-        may differ (the global batches do not depend on it)."""
+        """Resume at ``state``'s position. Raises ``ValueError`` if the seed, dataset length, shuffle
+        or drop_last differ (the resumed rows would silently differ); ``dp_size`` may differ (the
+        global batches do not depend on it), and so may ``G`` where :meth:`map_step` maps the
+        position exactly."""
         if state.get("version") != _STATE_VERSION:
             raise ValueError(
                 f"unknown sampler state version {state.get('version')!r}; expected {_STATE_VERSION}"
@@ -168,7 +174,7 @@ class DistributedBatchSampler:
         mine = self.state_dict()
         bad = [
             f"{k}: checkpoint {state.get(k)!r} != now {mine[k]!r}"
-            for k in ("seed", "num_rows", "global_batch_size", "shuffle", "drop_last")
+            for k in ("seed", "num_rows", "shuffle", "drop_last")
             if state.get(k) != mine[k]
         ]
         if bad:
@@ -177,7 +183,37 @@ class DistributedBatchSampler:
                 "seq_len, seed and global batch size (local_batch_size * dp_size), or start a fresh run"
             )
         epoch, step = _int("epoch", state["epoch"], 0, ""), _int("step", state["step"], 0, "")
+        step = self.map_step(step, _int("global_batch_size", state["global_batch_size"], 1, ""))
         if step >= self.batches_per_epoch:
             raise ValueError(f"checkpoint step {step} >= batches_per_epoch {self.batches_per_epoch}")
         self.epoch, self.step = epoch, step
         self._generation += 1  # invalidate live iterators
+
+    def map_step(self, step: int, saved_global_batch_size: int) -> int:
+        """Step in the current epoch at this sampler's ``G`` that equals ``step`` batches of
+        ``saved_global_batch_size`` rows (the identity when ``G`` is unchanged).
+
+        Raises ``ValueError`` when no step is exact: an epoch would span other rows (``drop_last``
+        cuts ``num_rows`` to a multiple of ``G``), or the rows consumed so far in the epoch are not
+        a whole number of new global batches.
+        """
+        g_old, g_new = saved_global_batch_size, self.global_batch_size
+        if g_old == g_new:
+            return step
+        n = self.num_rows
+        span_old = (n // g_old if self.drop_last else -(-n // g_old)) * g_old
+        span_new = self.batches_per_epoch * g_new
+        rows = step * g_old
+        if span_old != span_new or rows % g_new:
+            why = (
+                f"an epoch spans {span_old} rows at {g_old} rows per batch but {span_new} at {g_new}"
+                if span_old != span_new
+                else f"{rows} rows of the epoch are consumed, not a whole number of batches of {g_new}"
+            )
+            raise ValueError(
+                f"global_batch_size: checkpoint {g_old} != now {g_new} rows per data-loader batch "
+                f"(local_batch_size * dp_size) and the data position cannot be mapped exactly: {why}. "
+                f"Resume with local_batch_size * dp_size = {g_old} (grad accumulation absorbs the dp "
+                f"change), or start a fresh run"
+            )
+        return rows // g_new

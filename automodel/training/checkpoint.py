@@ -4,13 +4,23 @@ Layout of one checkpoint ``<checkpoint dir>/step_<N>/``:
 
 - ``.metadata`` + ``__*.distcp``: model and optimizer state, sharded by
   ``torch.distributed.checkpoint`` (each rank writes its FSDP shards; loads reshard).
-- ``rank_<r>.pt``: what differs per rank: dataloader position, RNG states, and the LR scheduler
-  and step counter (identical on all ranks, kept with each for simplicity).
-- ``meta.json``: step and the parallel layout. Written last: a directory without it is incomplete.
+- ``rank_<r>.pt``: the LR scheduler, step counter and dataloader position (identical on all
+  ranks, kept with each for simplicity) and this rank's RNG states.
+- ``meta.json``: step, the parallel layout and the global batch size. The completion marker:
+  written (and fsynced) last, after every rank has finished its files.
 
-A checkpoint is written to ``step_<N>.tmp`` and renamed by rank 0 after every rank has finished,
-so a crash mid-save never leaves a directory that looks complete. The per-rank state requires
-resuming with the same layout (world size, dp, cp); the error says so.
+Crash safety: a checkpoint is written to ``step_<N>.tmp``; after every rank has finished, rank 0
+writes ``meta.json`` into it and renames it to ``step_<N>`` (an atomic rename on one file system),
+then fsyncs the directory. A process killed at any point (SIGKILL mid-write included) leaves at most
+a ``*.tmp`` directory, which :func:`list_checkpoints` ignores and the next successful save deletes;
+``keep_last`` pruning runs only after the new checkpoint is complete, so the newest complete
+checkpoint is never deleted before its successor exists.
+
+Elastic resume: a checkpoint resumes at another layout (world size, dp, cp): the model and
+optimizer are resharded by ``torch.distributed.checkpoint``, the scheduler and data position come
+from rank 0's file (the data position mapped to the new batch split or refused), and the RNG is
+reseeded per step by the trainer (see :mod:`automodel.training.elastic`). At the same layout each
+rank also restores its own RNG states.
 
 :class:`SigtermFlag` turns SIGTERM (sent by torchrun / SLURM on preemption) into a flag that the
 loop checks after each step, on all ranks at once, to save a checkpoint and stop cleanly.
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -33,13 +44,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from automodel.errors import UserInputError
 from automodel.training.checkpoint_compat import check_model_signature, write_model_signature
+from automodel.training.elastic import check_resume_compatible, warn_if_dropout
 
 __all__ = [
     "CheckpointLayout",
     "Checkpointer",
     "list_checkpoints",
     "latest_checkpoint",
+    "read_meta",
+    "PAUSE_ENV",
     "get_rng_state",
     "set_rng_state",
     "SigtermFlag",
@@ -48,11 +63,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_SUFFIX = ".tmp"
+# Test-only: "<step>:<rank>:<marker file>" makes that rank, while saving that step, write its pid to
+# the marker file after its model/optimizer shards and before its rank file, then sleep (the crash
+# test SIGKILLs it there).
+PAUSE_ENV = "AUTOMODEL_TEST_PAUSE_IN_CHECKPOINT_SAVE"
 
 
 @dataclass(frozen=True)
 class CheckpointLayout:
-    """The parallel layout a checkpoint was written with (resume needs the same one)."""
+    """The parallel layout a checkpoint was written with (another one may resume it: elastic)."""
 
     world_size: int
     dp_replicate: int
@@ -84,6 +104,57 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under ``root``, or None."""
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _maybe_pause_for_test(step: int, rank: int) -> None:
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    at_step, at_rank, marker = spec.split(":", 2)
+    if int(at_step) == step and int(at_rank) == rank:
+        Path(marker).write_text(str(os.getpid()))
+        logger.warning("%s: paused in the save of step %d (pid %d)", PAUSE_ENV, step, os.getpid())
+        time.sleep(600)
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """``meta.json`` of a complete checkpoint directory.
+
+    Raises:
+        UserInputError: ``path`` is missing or not a complete checkpoint (no ``meta.json``: an
+            interrupted save, or not a checkpoint at all).
+    """
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        found = latest_checkpoint(path.parent) if path.parent.is_dir() else None
+        hint = f" (the newest complete one there is {found})" if found is not None else ""
+        raise UserInputError(
+            f"{path} is not a complete checkpoint (no meta.json: missing, or a save that was interrupted)"
+            f"{hint}; point checkpoint.resume_from at a step_<N> directory written by this recipe, or use "
+            f"checkpoint.resume=auto to pick the newest complete one"
+        )
+    return json.loads(meta_file.read_text())
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -121,11 +192,13 @@ class Checkpointer:
         layout: CheckpointLayout,
         keep_last: int | None = None,
         trainable_only: bool = False,
+        global_batch_size: int | None = None,
     ):
         self.root = Path(root)
         self.layout = layout
         self.keep_last = keep_last
         self.trainable_only = trainable_only
+        self.global_batch_size = global_batch_size  # recorded; a resume must keep it
 
     def _sd_options(self) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -152,12 +225,15 @@ class Checkpointer:
         dataloader: Any,
         extra: dict[str, Any] | None = None,
     ) -> Path:
-        """Write checkpoint ``step_<step>``; return its path. Collective."""
+        """Write checkpoint ``step_<step>`` crash-safely (see the module docstring); return its path.
+
+        Collective. On success, stale ``*.tmp`` directories of interrupted saves are deleted and
+        ``keep_last`` is applied."""
         import torch.distributed.checkpoint as dcp
 
         rank = dist.get_rank()
         final = self.root / f"step_{step}"
-        tmp = self.root / f"step_{step}.tmp"
+        tmp = self.root / f"step_{step}{_TMP_SUFFIX}"
         t0 = time.perf_counter()
         if rank == 0:
             if tmp.exists():
@@ -166,6 +242,8 @@ class Checkpointer:
         dist.barrier()
         model_sd, optim_sd = self._state_dicts(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        _maybe_pause_for_test(step, rank)
+        rank_file = tmp / f"rank_{rank}.pt"
         torch.save(
             {
                 "step": step,
@@ -174,27 +252,62 @@ class Checkpointer:
                 "rng": get_rng_state(),
                 "extra": extra or {},
             },
-            tmp / f"rank_{rank}.pt",
+            rank_file,
         )
+        with open(rank_file, "rb") as fh:
+            os.fsync(fh.fileno())
         dist.barrier()
         if rank == 0:
             write_model_signature(tmp, model)  # checked at load (checkpoint_compat): same model?
-            meta = {"step": step, "layout": self.layout.__dict__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-            meta["trainable_only"] = self.trainable_only
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-            if final.exists():
-                shutil.rmtree(final)
+            meta = {
+                "step": step,
+                "layout": self.layout.__dict__,
+                "global_batch_size": self.global_batch_size,
+                "trainable_only": self.trainable_only,
+                "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            }
+            _write_synced(tmp / "meta.json", json.dumps(meta, indent=2))  # the completion marker
+            _fsync_dir(tmp)
+            if final.exists():  # the same step saved again (resumed from an older one): swap, then delete
+                aside = self.root / f"step_{step}.replaced{_TMP_SUFFIX}"
+                if aside.exists():
+                    shutil.rmtree(aside)
+                final.rename(aside)
             tmp.rename(final)
-            self._prune()
+            _fsync_dir(self.root)
+            self._clean_incomplete()
+            self._prune(keep=final)
         dist.barrier()
         logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
         return final
 
-    def _prune(self) -> None:
+    def _clean_incomplete(self) -> None:
+        """Delete ``*.tmp`` directories: saves interrupted by a crash (called after a complete save)."""
+        for p in self.root.iterdir():
+            if p.name.endswith(_TMP_SUFFIX) and p.name.startswith("step_") and p.is_dir():
+                logger.info("deleting %s: an interrupted checkpoint save", p)
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _prune(self, keep: Path) -> None:
+        """Keep the ``keep_last`` highest-step complete checkpoints, and always ``keep`` (the one just
+        written; called after it is complete)."""
+        found = list_checkpoints(self.root)
+        keep_step = int(_STEP_DIR.match(keep.name).group(1))
+        later = [p.name for step, p in found if step > keep_step]
+        if later:
+            logger.warning(
+                "%s holds checkpoints of later steps than %s (%s, from before this run resumed an older "
+                "one); checkpoint.resume=true|auto picks the highest step: delete them to continue from "
+                "this run",
+                self.root,
+                keep.name,
+                ", ".join(later),
+            )
         if self.keep_last is None:
             return
-        for _, path in list_checkpoints(self.root)[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+        for _, path in found[: -self.keep_last]:
+            if path != keep:
+                shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def load(
@@ -205,41 +318,48 @@ class Checkpointer:
         scheduler: Any,
         dataloader: Any,
     ) -> dict[str, Any]:
-        """Restore everything from checkpoint directory ``path``; return its per-rank payload.
+        """Restore everything from checkpoint directory ``path``; return the payload it restored.
+
+        The layout may differ from the one the checkpoint was written with (elastic resume, see
+        the module docstring); the checks that can refuse run before the checkpoint's weights are
+        read. Mutates ``model``, ``optimizer``, ``scheduler``, ``dataloader`` and, at the same
+        layout, the RNGs.
 
         Raises:
-            ValueError: ``path`` is not a complete checkpoint, or it was written with another
-                parallel layout.
+            UserInputError: ``path`` is not a complete checkpoint, or it cannot continue the run
+                exactly at this layout (another global batch size, seed or data; a data position
+                that does not map to the new batch split). The message names both layouts.
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         path = Path(path)
-        meta_file = path / "meta.json"
-        if not meta_file.is_file():
-            raise ValueError(
-                f"{path} is not a complete checkpoint (no meta.json); point checkpoint.resume_from at a "
-                f"step_<N> directory written by this recipe"
-            )
-        meta = json.loads(meta_file.read_text())
+        meta = read_meta(path)
         check_model_signature(path, model)  # a checkpoint of another model: UserInputError, before any read
         saved = CheckpointLayout(**meta["layout"])
-        if saved != self.layout:
-            raise ValueError(
-                f"checkpoint {path} was written with {saved.describe()} but this run has "
-                f"{self.layout.describe()}; resume with the same distributed sizes and number of processes "
-                f"(the data position and RNG state are per rank)"
-            )
+        same_layout = saved == self.layout
+        check_resume_compatible(path, meta, saved.describe(), self.layout.describe(), self.global_batch_size)
         if bool(meta.get("trainable_only", False)) != self.trainable_only:
             what = {True: "adapters only (a peft run)", False: "the whole model"}
-            raise ValueError(
+            raise UserInputError(
                 f"checkpoint {path} holds {what[bool(meta.get('trainable_only', False))]} but this run saves "
                 f"{what[self.trainable_only]}; resume with the peft section the checkpoint was written with"
             )
         rank = dist.get_rank()
+        # per-rank RNG states only mean something at the same layout; the rest is the same on every rank
+        payload = torch.load(path / f"rank_{rank if same_layout else 0}.pt", weights_only=False)
+        if payload["dataloader"] is not None and hasattr(dataloader, "load_state_dict"):
+            try:
+                dataloader.load_state_dict(payload["dataloader"])
+            except ValueError as e:
+                raise UserInputError(
+                    f"checkpoint {path} ({saved.describe()}) cannot be resumed exactly with "
+                    f"{self.layout.describe()}: {e}"
+                ) from e
+        scheduler.load_state_dict(payload["scheduler"])
         model_sd, optim_sd = self._state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path))  # reshards to this layout
         set_state_dict(
             model,
             optimizer,
@@ -247,13 +367,20 @@ class Checkpointer:
             optim_state_dict=state["optim"],
             options=self._sd_options(),
         )
-        payload = torch.load(path / f"rank_{rank}.pt", weights_only=False)
-        scheduler.load_state_dict(payload["scheduler"])
-        if payload["dataloader"] is not None and hasattr(dataloader, "load_state_dict"):
-            dataloader.load_state_dict(payload["dataloader"])
-        set_rng_state(payload["rng"])
+        if same_layout:
+            set_rng_state(payload["rng"])
         dist.barrier()
-        logger.info("resumed from %s (step %d)", path, payload["step"])
+        if same_layout:
+            logger.info("resumed from %s (step %d)", path, payload["step"])
+        else:
+            logger.info(
+                "resumed from %s (step %d) written with %s, now %s (elastic resume)",
+                path,
+                payload["step"],
+                saved.describe(),
+                self.layout.describe(),
+            )
+            warn_if_dropout(model, saved.describe(), self.layout.describe())
         return payload
 
 

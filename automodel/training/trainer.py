@@ -44,6 +44,7 @@ from automodel.training.cp_dispatch import (
     check_model_config_for_cp,
     get_cp_method,
 )
+from automodel.training.elastic import reseed_for_step
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.optim import clip_grad_norm
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
@@ -311,7 +312,11 @@ class FinetuneTrainer:
             else self.run_dir / CHECKPOINT_SUBDIR
         )
         self.checkpointer = Checkpointer(
-            ckpt_dir, self.layout, keep_last=cfg.checkpoint.keep_last, trainable_only=cfg.peft is not None
+            ckpt_dir,
+            self.layout,
+            keep_last=cfg.checkpoint.keep_last,
+            trainable_only=cfg.peft is not None,
+            global_batch_size=cfg.step_scheduler.global_batch_size,
         )
 
     def _maybe_resume(self) -> None:
@@ -469,6 +474,7 @@ class FinetuneTrainer:
             with SigtermFlag() as sigterm:
                 while self.step < sched.max_steps:
                     reset_peak_memory(self.device)
+                    reseed_for_step(cfg.recipe.seed, self.step, self.rank)  # exact resume at any layout
                     step_batches = [next(batches) for _ in range(self.grad_acc)]
                     record = self.train_step(step_batches)
                     self.step += 1
