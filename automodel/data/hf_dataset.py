@@ -97,7 +97,9 @@ def choose_format(fmt: str, column_names: list[str], columns: dict[str, str], wh
                 "(text); set data.dataset.format and the matching *_column key (text_column, prompt_column, "
                 "completion_column, messages_column)"
             )
-    key = {"text": "text_column", "prompt_completion": "prompt_column/completion_column"}.get(fmt, "messages_column")
+    key = {"text": "text_column", "prompt_completion": "prompt_column/completion_column"}.get(
+        fmt, "messages_column"
+    )
     for c in required_columns(fmt, columns):
         if c not in column_names:
             raise UserInputError(
@@ -177,7 +179,9 @@ class HFDataset(Dataset):
         self.seq_len = check_seq_len(seq_len)
         self.seq_pad_multiple = check_pack_args(pack, self.seq_len, seq_pad_multiple)
         validate_split(split, val_fraction)
-        if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
+        if num_proc is not None and (
+            isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1
+        ):
             raise UserInputError(f"data.dataset.num_proc={num_proc!r} must be null or an integer >= 1")
         self.packed = pack
         self.split = split
@@ -201,7 +205,9 @@ class HFDataset(Dataset):
                     f"format='messages' needs a chat template but tokenizer {self.tokenizer.name_or_path!r} has "
                     "none; use a tokenizer with a chat_template (the shipped default has one)"
                 )
-            return fmt, self._tokenize(src, fmt, split, val_fraction, add_bos, add_eos, num_proc, map_batch_size, cache_dir)
+            return fmt, self._tokenize(
+                src, fmt, split, val_fraction, add_bos, add_eos, num_proc, map_batch_size, cache_dir
+            )
 
         self.format, tok = run_local_rank0_first(prepare, "tokenizing " + self.where)
         self._tok = tok
@@ -212,7 +218,9 @@ class HFDataset(Dataset):
                 "val_fraction, or use split='all' with a separate validation file"
             )
         lengths = tok.data.column("n").to_numpy().astype(np.int64)
-        self.num_truncated = 0 if self.format == "text" and not pack else int(np.sum(tok.data.column("truncated")))
+        self.num_truncated = (
+            0 if self.format == "text" and not pack else int(np.sum(tok.data.column("truncated")))
+        )
         if self.format == "text" and not pack:
             self._doc_ends = np.cumsum(lengths)
             self.num_tokens = int(self._doc_ends[-1])
@@ -282,12 +290,12 @@ class HFDataset(Dataset):
         os.makedirs(folder, exist_ok=True)
         self.cache_file = os.path.join(folder, f"automodel-tokenized-{fp}.arrow")
         stem = self.cache_file[: -len(".arrow")]
-        expected = (
-            [self.cache_file]
-            if num_proc == 1
-            else [f"{stem}_{r:05d}_of_{num_proc:05d}.arrow" for r in range(num_proc)]
-        )
-        self.tokenized_from_cache = all(os.path.isfile(f) for f in expected)
+        # datasets reuses a complete set of shards written with any num_proc (or the single file)
+        shards: dict[int, int] = {}
+        for f in glob.glob(glob.escape(stem) + "_*_of_*.arrow"):
+            n = f[: -len(".arrow")].rsplit("_of_", 1)[1]
+            shards[int(n)] = shards.get(int(n), 0) + 1
+        self.tokenized_from_cache = os.path.isfile(self.cache_file) or any(c == n for n, c in shards.items())
         logger.info(
             "%s %s (%d rows, format=%s) %s %s",
             "opening cached tokenized" if self.tokenized_from_cache else "tokenizing",
@@ -295,11 +303,8 @@ class HFDataset(Dataset):
             len(src),
             fmt,
             "from" if self.tokenized_from_cache else f"with num_proc={num_proc} into",
-            self.cache_file if num_proc == 1 else stem + "_*",
+            stem + ("*" if shards or num_proc > 1 else "") + ".arrow",
         )
-        if not self.tokenized_from_cache:
-            for stale in glob.glob(glob.escape(stem) + "*.arrow"):  # e.g. another num_proc's shards
-                logger.debug("tokenized cache %s is from another num_proc; rebuilding", stale)
         return src.map(
             tokenize_rows,
             batched=True,

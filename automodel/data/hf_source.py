@@ -167,7 +167,9 @@ def load_hf_source(
             if kind == "disk":
                 folder = os.path.expanduser(_as_list(path)[0])
                 if not os.path.isdir(folder):
-                    raise UserInputError(f"save_to_disk folder {folder!r} does not exist; fix data.dataset.path")
+                    raise UserInputError(
+                        f"save_to_disk folder {folder!r} does not exist; fix data.dataset.path"
+                    )
                 ds = datasets.load_from_disk(folder)
                 if isinstance(ds, datasets.DatasetDict):
                     if hf_split not in ds:
@@ -188,7 +190,7 @@ def load_hf_source(
                         "machine with network access and the same HF_DATASETS_CACHE: "
                         f"python -c \"import datasets; datasets.load_dataset('{hub_id}'"
                         + (f", '{name}'" if name else "")
-                        + ")\", or save it with save_to_disk and point data.dataset.path at that folder"
+                        + ')", or save it with save_to_disk and point data.dataset.path at that folder'
                         if offline
                         else "check the id and your network, or use a local copy"
                     )
@@ -200,7 +202,11 @@ def load_hf_source(
             files = _expand_files(_as_list(path))
             try:
                 return datasets.load_dataset(
-                    kind, data_files={hf_split: files}, split=hf_split, streaming=streaming, cache_dir=cache_dir
+                    kind,
+                    data_files={hf_split: files},
+                    split=hf_split,
+                    streaming=streaming,
+                    cache_dir=cache_dir,
                 )
             except datasets.exceptions.DatasetGenerationError as exc:
                 cause = exc.__cause__ or exc

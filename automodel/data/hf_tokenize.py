@@ -129,7 +129,9 @@ def tokenize_rows(
             row[columns["messages"]] = clean_messages(row[columns["messages"]], where)
         if fmt == "text" and not row[columns["text"]].strip():
             continue
-        if split != "all" and is_validation(_split_key(fmt, row, columns), val_fraction) != (split == "validation"):
+        if split != "all" and is_validation(_split_key(fmt, row, columns), val_fraction) != (
+            split == "validation"
+        ):
             continue
         keep.append((where, row))
 

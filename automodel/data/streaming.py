@@ -112,7 +112,13 @@ class StreamingHFDataset(IterableDataset):
         }
         where = f"data source {path!r}"
         self.raw = load_hf_source(
-            path, source=source, hf_split=hf_split, name=name, offline=offline, cache_dir=cache_dir, streaming=True
+            path,
+            source=source,
+            hf_split=hf_split,
+            name=name,
+            offline=offline,
+            cache_dir=cache_dir,
+            streaming=True,
         )
         columns = self.raw.column_names
         if columns is None:  # json streams know their columns only once read
@@ -360,7 +366,9 @@ class StreamingDataLoader:
         ]
         if bad:
             raise UserInputError(
-                "cannot resume the streaming loader exactly: " + "; ".join(bad) + ". Resume with the same data "
+                "cannot resume the streaming loader exactly: "
+                + "; ".join(bad)
+                + ". Resume with the same data "
                 "files and dataset arguments, dp size and batch size, or start a fresh run"
             )
         self.epoch, self.step_in_epoch = int(s["epoch"]), int(s["step"])
@@ -389,7 +397,11 @@ def build_streaming_dataloader(
             "position; set data.shuffle=false and shuffle the files beforehand (or use HFDataset, which "
             "memory-maps the data and shuffles exactly)"
         )
-    for name, v, lo in (("local_batch_size", local_batch_size, 1), ("dp_size", dp_size, 1), ("dp_rank", dp_rank, 0)):
+    for name, v, lo in (
+        ("local_batch_size", local_batch_size, 1),
+        ("dp_size", dp_size, 1),
+        ("dp_rank", dp_rank, 0),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
     if dp_rank >= dp_size:
@@ -401,7 +413,9 @@ def build_streaming_dataloader(
             f"seq_pad_multiple={m}; set data.pad_to_multiple_of to a multiple of {m}"
         )
     collator = Collator(
-        dataset.pad_token_id if pad_token_id is None else pad_token_id, pad_to_multiple_of, emit_attention_mask
+        dataset.pad_token_id if pad_token_id is None else pad_token_id,
+        pad_to_multiple_of,
+        emit_attention_mask,
     )
     return StreamingDataLoader(
         dataset,
