@@ -103,10 +103,11 @@ def test_text_rows_equal_text_dataset(data, tok):
             jsonl, tok, seq_len=32, format="text", pack=pack, seq_pad_multiple=m, cache_dir=data["cache"]
         )
         _same(got, ref)
-    val = HFDataset(
-        jsonl, tok, seq_len=32, format="text", split="validation", val_fraction=0.2, cache_dir=data["cache"]
-    )
+    # map_batch_size=1: most map batches hold only rows of the other split and come out empty
+    kw = dict(seq_len=32, format="text", split="validation", val_fraction=0.2, cache_dir=data["cache"])
+    val = HFDataset(jsonl, tok, map_batch_size=1, **kw)
     _same(val, TextDataset(jsonl, tok, seq_len=32, split="validation", val_fraction=0.2))
+    _same(list(StreamingHFDataset(jsonl, tok, **kw)), val)
 
 
 def test_prompt_completion_and_messages_equal_instruction_dataset(data, tok, tmp_path):

@@ -137,8 +137,9 @@ def tokenize_rows(
 
     eos = int(tokenizer.eos_token_id)
     if fmt == "text":
-        enc = tokenizer([r[columns["text"]] for _, r in keep], add_special_tokens=False, verbose=False)
-        docs = [[*ids, eos] for ids in enc["input_ids"]]
+        texts = [r[columns["text"]] for _, r in keep]
+        enc = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+        docs = [[*ids, eos] for ids in enc]
         if not pieces:
             return {"ids": docs, "n": [len(d) for d in docs]}
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "n": [], "truncated": []}
