@@ -106,12 +106,15 @@ def offline_mode(offline: bool) -> Iterator[None]:
     import datasets.config as dconfig
     import huggingface_hub.constants as hconst
 
-    saved = dconfig.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE
-    dconfig.HF_HUB_OFFLINE = hconst.HF_HUB_OFFLINE = True
+    flags = [(m, a) for m in (dconfig, hconst) for a in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if hasattr(m, a)]
+    saved = [getattr(m, a) for m, a in flags]
+    for m, a in flags:
+        setattr(m, a, True)
     try:
         yield
     finally:
-        dconfig.HF_HUB_OFFLINE, hconst.HF_HUB_OFFLINE = saved
+        for (m, a), v in zip(flags, saved, strict=True):
+            setattr(m, a, v)
 
 
 def _expand_files(paths: list[str]) -> list[str]:
