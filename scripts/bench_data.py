@@ -35,7 +35,7 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-MODES = ("readers", "hf-cold", "hf-warm", "stream")
+MODES = ("hf-cold", "hf-warm", "readers", "stream")
 
 
 def make_jsonl(path: Path, mb: int) -> int:
@@ -57,6 +57,14 @@ def make_jsonl(path: Path, mb: int) -> int:
     return size
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its finished children (tokenizer workers)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def rank_main(rank: int, world_size: int, mode: str, path: str, cache: str, seq_len: int) -> dict:
     import resource
 
@@ -66,7 +74,7 @@ def rank_main(rank: int, world_size: int, mode: str, path: str, cache: str, seq_
 
     tok = load_tokenizer(None)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_s()
     if mode == "readers":
         ds = TextDataset(path, tok, seq_len=seq_len)
     elif mode in ("hf-cold", "hf-warm"):
@@ -82,6 +90,7 @@ def rank_main(rank: int, world_size: int, mode: str, path: str, cache: str, seq_
     return {
         "build_s": t1 - t0,
         "first_step_s": t2 - t0,
+        "cpu_s": _cpu_s() - c0,
         "rss_before_mb": rss0,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "children_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
@@ -108,7 +117,10 @@ def main() -> None:
     size = make_jsonl(path, args.mb)
     cache = out / "hf_cache"
     print(f"data: {path} ({size / 1e6:.1f} MB), world 2, seq_len {args.seq_len}, cpus {os.cpu_count()}")
-    print(f"{'mode':8s} {'rank':>4s} {'build s':>8s} {'1st step s':>10s} {'RSS MB':>8s} {'(start)':>8s} {'children MB':>11s}")
+    print(
+        f"{'mode':8s} {'rank':>4s} {'build s':>8s} {'1st step s':>10s} {'CPU s':>7s} {'RSS MB':>8s} "
+        f"{'(start)':>8s} {'children MB':>11s}"
+    )
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; choose from {MODES}")
@@ -125,7 +137,8 @@ def main() -> None:
         )
         for r, x in enumerate(res):
             print(
-                f"{mode:8s} {r:4d} {x['build_s']:8.1f} {x['first_step_s']:10.1f} {x['peak_rss_mb']:8.0f} "
+                f"{mode:8s} {r:4d} {x['build_s']:8.1f} {x['first_step_s']:10.1f} {x['cpu_s']:7.1f} "
+                f"{x['peak_rss_mb']:8.0f} "
                 f"{x['rss_before_mb']:8.0f} {x['children_peak_rss_mb']:11.0f}"
                 + (f"  rows={x['rows']}" if x["rows"] else "")
                 + (f" from_cache={x['from_cache']}" if x["from_cache"] is not None else ""),
