@@ -143,8 +143,8 @@ class HFDataset(Dataset):
             process may use (at most 16).
         map_batch_size: rows per ``tokenize_rows`` call.
         cache_dir: ``datasets``' cache for converted sources and the tokenized file (default
-            ``HF_DATASETS_CACHE``; a ``save_to_disk`` folder's tokenized file goes next to its data
-            unless this is set).
+            ``HF_DATASETS_CACHE``; the tokenized file goes next to the source's arrow files, or, when
+            that folder is not writable, to ``HF_DATASETS_CACHE/automodel_tokenized``).
 
     Items: ``input_ids``/``labels`` ``[n]`` int64 (``[seq_len]`` for text rows), or packed rows
     (``position_ids``, ``seq_lens``, ``seq_lens_padded``). Attributes: ``pad_token_id``,
@@ -283,8 +283,8 @@ class HFDataset(Dataset):
         num_proc = max(1, min(num_proc, len(src)))
         if cache_dir is not None:
             folder = os.path.expanduser(cache_dir)
-        elif src.cache_files:
-            folder = os.path.dirname(src.cache_files[0]["filename"])
+        elif src.cache_files and os.access(os.path.dirname(src.cache_files[0]["filename"]), os.W_OK):
+            folder = os.path.dirname(src.cache_files[0]["filename"])  # read-only sources: see below
         else:
             folder = os.path.join(dconfig.HF_DATASETS_CACHE, "automodel_tokenized")
         os.makedirs(folder, exist_ok=True)
