@@ -260,7 +260,10 @@ def test_streaming_shards_by_dp_rank(data, tok, tmp_path):
             [tuple(b["input_ids"][0][b["input_ids"][0] != tok.pad_token_id].tolist()) for b in loader]
         )
     assert len(seen[0]) == len(seen[1]) == N // 2 and not set(seen[0]) & set(seen[1])
-    whole = [tuple(x["input_ids"].tolist()) for x in StreamingHFDataset(files, tok, seq_len=512, split="all")]
+    whole = [
+        tuple(x["input_ids"].tolist())
+        for x in StreamingHFDataset(files, tok, seq_len=512, split="all", cache_dir=str(tmp_path / "c"))
+    ]
     assert sorted(seen[0] + seen[1]) == sorted(whole) and len(whole) == N
 
 
