@@ -96,7 +96,8 @@ def build_dataloader(
     """Build the loader for one dp rank.
 
     Args:
-        dataset: a map-style dataset of example dicts (``TextDataset``, ``InstructionDataset``, ...).
+        dataset: a map-style dataset of example dicts (``TextDataset``, ``InstructionDataset``,
+            ``HFDataset``, ...); a ``StreamingHFDataset`` gets a ``StreamingDataLoader`` instead.
         local_batch_size: rows per step on this rank.
         dp_rank, dp_size: data-parallel coordinate; context/tensor-parallel peers must pass the same
             ``dp_rank`` so they see the same rows (never the global rank).
@@ -115,6 +116,14 @@ def build_dataloader(
         ValueError: bad sizes/ranks, a dataset smaller than one global batch with ``drop_last``, or a
             ``pad_to_multiple_of`` incompatible with a packed dataset.
     """
+    if getattr(dataset, "streaming", False):  # a StreamingHFDataset: no length, read in order
+        from automodel.data.streaming import build_streaming_dataloader
+
+        return build_streaming_dataloader(  # type: ignore[return-value]
+            dataset, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+            pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id, shuffle=shuffle,
+            drop_last=drop_last, emit_attention_mask=emit_attention_mask,
+        )  # fmt: skip
     if pad_token_id is None:
         pad_token_id = getattr(dataset, "pad_token_id", None)
         if pad_token_id is None:

@@ -233,8 +233,8 @@ class FinetuneTrainer:
         self.grad_acc = sched.global_batch_size // (sched.local_batch_size * self.dp_size)
         logger.info(
             "data: %d train rows (%d per epoch-step grid), global batch %d = local %d x dp %d x grad_acc %d, seq_len %d",
-            len(self.train_dataset),
-            len(self.train_loader),
+            len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else -1,  # -1: streaming
+            len(self.train_loader) if hasattr(self.train_loader, "__len__") else -1,
             sched.global_batch_size,
             sched.local_batch_size,
             self.dp_size,
