@@ -62,6 +62,14 @@ def test_colocated_modules_in_one_exchange(results):
         assert float((total - r[0][f"{w}_ref"]).abs().max()) < EXACT
 
 
+def test_tensor_parallel_replicas_receive_and_tp_rank_0_sends(results):
+    r = [res["tensor_parallel"] for res in results]
+    assert r[0]["grad_err"] < EXACT  # tp rank 1's corrupted gradient never left it
+    assert r[1]["recv_err"] < EXACT and r[2]["recv_err"] < EXACT
+    assert r[1]["grad_err"] < EXACT and r[2]["grad_err"] < EXACT
+    assert r[3]["recv_err"] < EXACT  # tp rank 1's corrupted activation never left it
+
+
 def test_mismatches_fail_fast_on_both_sides(results):
     r = [res["errors"] for res in results]
     for llm in r[2:]:
