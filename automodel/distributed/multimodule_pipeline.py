@@ -87,6 +87,11 @@ class RankModuleInfo:
         return self.is_last_stage and not self.downstream
 
 
+def _whole(rows: tuple[int, int], pos: torch.Tensor, n_rows: int, n_pos: int) -> bool:
+    """True when a piece is all ``n_rows`` rows and all ``n_pos`` positions in order."""
+    return rows == (0, n_rows) and len(pos) == n_pos and bool((pos == torch.arange(n_pos)).all())
+
+
 @dataclass(frozen=True)
 class _Edge:
     """One hop of a tensor: from (module, pp stage) to (module, pp stage), forward direction."""
@@ -329,8 +334,11 @@ class MultiModulePipelineCommunicator:
             payload = None
             if plan is not None:
                 t = plan[i]
-                payload = view[t.src_rows[0] : t.src_rows[1]].index_select(1, t.src_pos.to(view.device))
-                payload = payload.detach().to(self.device)
+                if _whole(t.src_rows, t.src_pos, view.size(0), view.size(1)):
+                    payload = view.detach().to(self.device)  # the whole tensor, in order: no gather copy
+                else:
+                    payload = view[t.src_rows[0] : t.src_rows[1]].index_select(1, t.src_pos.to(view.device))
+                    payload = payload.detach().to(self.device)
             out.append((key * 100000 + i, Outgoing(d, header, payload, what)))
         if not backward and plan is not None:
             commits.append(lambda: self._sent[edge].append((gshape, x.dtype)))
@@ -377,10 +385,14 @@ class MultiModulePipelineCommunicator:
         def assemble(incoming: list[Incoming]) -> torch.Tensor:
             gshape, plan = state["gshape"], state["plan"]
             b, s = dst.local_shape(gshape[0], gshape[1])
-            buf = torch.empty((b, s, *gshape[2:]), dtype=state["dtype"], device=self.device)
-            for (i, _), m in zip(pairs, incoming):
-                t = plan[i]
-                buf[t.dst_rows[0] : t.dst_rows[1], t.dst_pos.to(self.device)] = m.payload
+            first = plan[pairs[0][0]]
+            if len(pairs) == 1 and _whole(first.dst_rows, first.dst_pos, b, s):
+                buf = incoming[0].payload  # one message holding everything, in order: no scatter copy
+            else:
+                buf = torch.empty((b, s, *gshape[2:]), dtype=state["dtype"], device=self.device)
+                for (i, _), m in zip(pairs, incoming):
+                    t = plan[i]
+                    buf[t.dst_rows[0] : t.dst_rows[1], t.dst_pos.to(self.device)] = m.payload
             local3 = tuple(buf.shape)
             out = buf.reshape(b * s, *gshape[2:]) if state["orig_ndim"] == 2 else buf
             if backward:
