@@ -83,6 +83,11 @@ def test_mismatches_fail_fast_on_both_sides(results):
             assert "the receiver rejected activation enc[pp 0] -> llm[pp 0] to rank 2" in enc[key], enc[key]
         assert "has global shape [2, 8, 3] torch.float32, but the activation sent had [2, 8, 2]" in enc["bad_grad"]
         assert enc["round_trip_err"] == 0.0  # the group is still in step after every rejection
+        assert enc["steady_err"] == 0.0 and enc["longer_err"] == 0.0
+        assert "has global shape [2, 16, 2] torch.float32, but the activation sent had [2, 8, 2]" in enc["stale_grad"]
+    for llm in r[2:]:
+        assert llm["longer_shape"] == (2, 8, 2)
+        assert llm["stale_grad"] == "<no error>"  # an unchanged header is not acknowledged: only the receiver raises
 
 
 def test_a_receive_without_a_sender_times_out(results):

@@ -202,7 +202,9 @@ class MultiModulePipelineCommunicator:
         self._edges = self._all_edges()
         self._sent: dict[_Edge, deque] = {e: deque() for e in self._edges}  # forward shapes, FIFO per edge
         self._received: dict[_Edge, deque] = {e: deque() for e in self._edges}
-        self._mailbox: dict[tuple[int], deque] = {}  # messages from this rank to itself, by message key
+        self._mailbox: dict[tuple[int], deque] = {}
+        self._known_out: dict[int, list[int]] = {}  # message key -> header the receiver accepted
+        self._known_in: dict[int, tuple[list[int], tuple]] = {}  # message key -> (header, payload spec)  # messages from this rank to itself, by message key
 
     # ------------------------------------------------------------------------------------------------
     # topology queries
@@ -314,7 +316,7 @@ class MultiModulePipelineCommunicator:
             if not self._received[edge]:
                 raise ValueError(f"rank {self.rank}: send of the {what} without a matching forward receive")
             _, local3, _, out_shape = self._received[edge][0]
-            commits.append(self._received[edge].popleft)
+            commits.append(("always", self._received[edge].popleft))  # this micro-batch is done either way
             if tuple(x.shape) == out_shape:
                 view = x.reshape(local3)  # else the header carries the wrong shape and the receiver rejects it
         if view.dim() < 2:
@@ -341,7 +343,7 @@ class MultiModulePipelineCommunicator:
                     payload = payload.detach().to(self.device)
             out.append((key * 100000 + i, Outgoing(d, header, payload, what)))
         if not backward and plan is not None:
-            commits.append(lambda: self._sent[edge].append((gshape, x.dtype)))
+            commits.append(("success", lambda: self._sent[edge].append((gshape, x.dtype))))
         return out
 
     def _build_recv(self, edge: _Edge, backward: bool) -> tuple[list[tuple[int, Incoming]], Any, Any]:
@@ -429,8 +431,8 @@ class MultiModulePipelineCommunicator:
         Received tensors are new (no autograd history) on ``self.device``; inputs are not mutated.
         """
         outgoing: list[tuple[int, Outgoing]] = []
-        commits: list = []  # bookkeeping applied only when the exchange succeeds
-        incoming: list[tuple[list[tuple[int, Incoming]], Any, Any, str, bool]] = []
+        commits: list = []  # ("success" | "always", bookkeeping to apply after the exchange)
+        incoming: list[tuple[list[tuple[int, Incoming]], Any, Any, str, bool, _Edge]] = []
         for backward, sends in ((False, send_forward or {}), (True, send_backward or {})):
             for name, x in sends.items():
                 for edge in self._send_edges(name, backward):
@@ -443,7 +445,7 @@ class MultiModulePipelineCommunicator:
                 for edge in edges:
                     msgs, resolve, assemble = self._build_recv(edge, backward)
                     out_name = module if (backward or edge.src == edge.dst) else edge.src
-                    incoming.append((msgs, resolve, assemble, out_name, backward))
+                    incoming.append((msgs, resolve, assemble, out_name, backward, edge))
 
         # messages to this rank itself go through the mailbox
         remote_out = []
@@ -474,23 +476,46 @@ class MultiModulePipelineCommunicator:
                     by_msg.update({key: spec for (key, _), spec in zip(msgs, specs)})
             if problems:
                 return problems, []
-            return [], [by_msg[k] for k, _ in sorted(flat_in, key=lambda km: km[0])]
+            return [], [by_msg[k] for k, _ in flat_in]
 
         remote_out.sort(key=lambda km: km[0])
-        flat_sorted = [m for _, m in sorted(flat_in, key=lambda km: km[0])]
-        exchange(
-            [m for _, m in remote_out],
-            flat_sorted,
-            resolve_all,
-            device=self.device,
-            timeout=self.timeout,
-            group=self.group,
-        )
-        for commit in commits:
-            commit()
+        flat_in.sort(key=lambda km: km[0])
+        for key, m in remote_out:
+            m.known = self._known_out.get(key)
+        for key, m in flat_in:
+            m.known, m.known_spec = self._known_in.get(key, (None, None))
+        try:
+            exchange(
+                [m for _, m in remote_out],
+                [m for _, m in flat_in],
+                resolve_all,
+                device=self.device,
+                timeout=self.timeout,
+                group=self.group,
+            )
+        except ValueError:
+            # a rejected micro-batch is over on both ends: a gradient receiver forgets the activation
+            # it sent, as the gradient sender forgets the one it received ("always" commits below)
+            for msgs, _, _, _, backward, edge in incoming:
+                if backward and msgs and self._sent[edge]:
+                    self._sent[edge].popleft()
+            raise
+        finally:  # remember what both ends of each delivered message agreed on
+            for when, commit in commits:
+                if when == "always":
+                    commit()
+            for key, m in remote_out:
+                if m.delivered:
+                    self._known_out[key] = m.header
+            for key, m in flat_in:
+                if m.delivered:
+                    self._known_in[key] = (m.header, (tuple(m.payload.shape), m.payload.dtype))
+        for when, commit in commits:
+            if when == "success":
+                commit()
         fwd: dict[str, torch.Tensor] = {}
         bwd: dict[str, torch.Tensor] = {}
-        for msgs, _, assemble, out_name, backward in incoming:
+        for msgs, _, assemble, out_name, backward, _ in incoming:
             if not msgs:
                 continue
             t = assemble([m for _, m in msgs])

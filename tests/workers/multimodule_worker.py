@@ -274,6 +274,16 @@ def errors(rank: int) -> dict:
         comm.send_forward({"enc": y})
         g = comm.recv_backward()["enc"]
         out["round_trip_err"] = _err(g, 2 * y)
+        # the same shapes again: headers equal the accepted ones, no acknowledgement round
+        comm.send_forward({"enc": y + 1})
+        out["steady_err"] = _err(comm.recv_backward()["enc"], 2 * (y + 1))
+        # a new sequence length on a remembered edge is validated again and works
+        y16 = torch.full((1, 16, 2), float(rank))
+        comm.send_forward({"enc": y16})
+        out["longer_err"] = _err(comm.recv_backward()["enc"], 2 * y16)
+        # a stale gradient shape that matches the remembered header: the receiver still rejects it
+        comm.send_forward({"enc": y})
+        out["stale_grad"] = _error(lambda: comm.recv_backward())
     else:
         for key in ("disagree", "indivisible", "ndim"):
             out[key] = _error(lambda: comm.recv_forward())
@@ -281,6 +291,12 @@ def errors(rank: int) -> dict:
         out["bad_grad"] = _error(lambda: comm.send_backward({"enc": torch.ones(2, 4, 3)}))
         x = comm.recv_forward()["enc"]
         comm.send_backward({"enc": 2 * x})
+        for _ in range(2):
+            x = comm.recv_forward()["enc"]
+            comm.send_backward({"enc": 2 * x})
+        out["longer_shape"] = tuple(x.shape)
+        comm.recv_forward()
+        out["stale_grad"] = _error(lambda: comm.send_backward({"enc": torch.ones(2, 8, 2)}))  # [2, 4, 2] now
     return out
 
 
