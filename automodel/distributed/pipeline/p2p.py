@@ -1,6 +1,6 @@
 """One batched point-to-point exchange with shape headers, acknowledgements and a timeout.
 
-Every message travels in three phases, each one ``batch_isend_irecv`` over all of this rank's peers:
+Every message travels in (up to) three phases, each one ``batch_isend_irecv`` over all of this rank's peers:
 
 1. **headers**: a fixed-size int64 header (dtype, the activation's global shape, its original ndim);
 2. **acks**: each receiver validates every header it got (``resolve``) and answers 0 (accept) or 1
@@ -124,7 +124,7 @@ def exchange(
     timeout: float,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Run the three phases for ``outgoing`` and ``incoming``; fills every ``Incoming.payload``.
+    """Run the phases for ``outgoing`` and ``incoming``; fills every ``Incoming.payload``.
 
     Mutates ``incoming`` (``header`` and ``payload``). Raises ``ValueError`` when ``resolve`` finds a
     problem (after rejecting the senders) or when a receiver rejected one of ``outgoing``; raises
