@@ -126,7 +126,7 @@ def exchange(
 ) -> None:
     """Run the phases for ``outgoing`` and ``incoming``; fills every ``Incoming.payload``.
 
-    Mutates ``incoming`` (``header`` and ``payload``). Raises ``ValueError`` when ``resolve`` finds a
+    Mutates ``incoming`` (``header``, ``payload``) and sets ``delivered`` on every message that moved. Raises ``ValueError`` when ``resolve`` finds a
     problem (after rejecting the senders) or when a receiver rejected one of ``outgoing``; raises
     ``TimeoutError`` when a phase does not finish in ``timeout`` seconds. Peers are global ranks;
     ``group`` (default: the default group) carries the messages.
