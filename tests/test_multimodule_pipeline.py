@@ -62,6 +62,14 @@ def test_colocated_modules_in_one_exchange(results):
         assert float((total - r[0][f"{w}_ref"]).abs().max()) < EXACT
 
 
+def test_tensor_parallel_replicas_receive_and_tp_rank_0_sends(results):
+    r = [res["tensor_parallel"] for res in results]
+    assert r[0]["grad_err"] < EXACT  # tp rank 1's corrupted gradient never left it
+    assert r[1]["recv_err"] < EXACT and r[2]["recv_err"] < EXACT
+    assert r[1]["grad_err"] < EXACT and r[2]["grad_err"] < EXACT
+    assert r[3]["recv_err"] < EXACT  # tp rank 1's corrupted activation never left it
+
+
 def test_mismatches_fail_fast_on_both_sides(results):
     r = [res["errors"] for res in results]
     for llm in r[2:]:
@@ -75,6 +83,11 @@ def test_mismatches_fail_fast_on_both_sides(results):
             assert "the receiver rejected activation enc[pp 0] -> llm[pp 0] to rank 2" in enc[key], enc[key]
         assert "has global shape [2, 8, 3] torch.float32, but the activation sent had [2, 8, 2]" in enc["bad_grad"]
         assert enc["round_trip_err"] == 0.0  # the group is still in step after every rejection
+        assert enc["steady_err"] == 0.0 and enc["longer_err"] == 0.0
+        assert "has global shape [2, 16, 2] torch.float32, but the activation sent had [2, 8, 2]" in enc["stale_grad"]
+    for llm in r[2:]:
+        assert llm["longer_shape"] == (2, 8, 2)
+        assert llm["stale_grad"] == "<no error>"  # an unchanged header is not acknowledged: only the receiver raises
 
 
 def test_a_receive_without_a_sender_times_out(results):

@@ -87,6 +87,11 @@ class RankModuleInfo:
         return self.is_last_stage and not self.downstream
 
 
+def _whole(rows: tuple[int, int], pos: torch.Tensor, n_rows: int, n_pos: int) -> bool:
+    """True when a piece is all ``n_rows`` rows and all ``n_pos`` positions in order."""
+    return rows == (0, n_rows) and len(pos) == n_pos and bool((pos == torch.arange(n_pos)).all())
+
+
 @dataclass(frozen=True)
 class _Edge:
     """One hop of a tensor: from (module, pp stage) to (module, pp stage), forward direction."""
@@ -197,7 +202,9 @@ class MultiModulePipelineCommunicator:
         self._edges = self._all_edges()
         self._sent: dict[_Edge, deque] = {e: deque() for e in self._edges}  # forward shapes, FIFO per edge
         self._received: dict[_Edge, deque] = {e: deque() for e in self._edges}
-        self._mailbox: dict[tuple[int], deque] = {}  # messages from this rank to itself, by message key
+        self._mailbox: dict[tuple[int], deque] = {}
+        self._known_out: dict[int, list[int]] = {}  # message key -> header the receiver accepted
+        self._known_in: dict[int, tuple[list[int], tuple]] = {}  # message key -> (header, payload spec)  # messages from this rank to itself, by message key
 
     # ------------------------------------------------------------------------------------------------
     # topology queries
@@ -309,7 +316,7 @@ class MultiModulePipelineCommunicator:
             if not self._received[edge]:
                 raise ValueError(f"rank {self.rank}: send of the {what} without a matching forward receive")
             _, local3, _, out_shape = self._received[edge][0]
-            commits.append(self._received[edge].popleft)
+            commits.append(("always", self._received[edge].popleft))  # this micro-batch is done either way
             if tuple(x.shape) == out_shape:
                 view = x.reshape(local3)  # else the header carries the wrong shape and the receiver rejects it
         if view.dim() < 2:
@@ -329,11 +336,14 @@ class MultiModulePipelineCommunicator:
             payload = None
             if plan is not None:
                 t = plan[i]
-                payload = view[t.src_rows[0] : t.src_rows[1]].index_select(1, t.src_pos.to(view.device))
-                payload = payload.detach().to(self.device)
+                if _whole(t.src_rows, t.src_pos, view.size(0), view.size(1)):
+                    payload = view.detach().to(self.device)  # the whole tensor, in order: no gather copy
+                else:
+                    payload = view[t.src_rows[0] : t.src_rows[1]].index_select(1, t.src_pos.to(view.device))
+                    payload = payload.detach().to(self.device)
             out.append((key * 100000 + i, Outgoing(d, header, payload, what)))
         if not backward and plan is not None:
-            commits.append(lambda: self._sent[edge].append((gshape, x.dtype)))
+            commits.append(("success", lambda: self._sent[edge].append((gshape, x.dtype))))
         return out
 
     def _build_recv(self, edge: _Edge, backward: bool) -> tuple[list[tuple[int, Incoming]], Any, Any]:
@@ -377,10 +387,14 @@ class MultiModulePipelineCommunicator:
         def assemble(incoming: list[Incoming]) -> torch.Tensor:
             gshape, plan = state["gshape"], state["plan"]
             b, s = dst.local_shape(gshape[0], gshape[1])
-            buf = torch.empty((b, s, *gshape[2:]), dtype=state["dtype"], device=self.device)
-            for (i, _), m in zip(pairs, incoming):
-                t = plan[i]
-                buf[t.dst_rows[0] : t.dst_rows[1], t.dst_pos.to(self.device)] = m.payload
+            first = plan[pairs[0][0]]
+            if len(pairs) == 1 and _whole(first.dst_rows, first.dst_pos, b, s):
+                buf = incoming[0].payload  # one message holding everything, in order: no scatter copy
+            else:
+                buf = torch.empty((b, s, *gshape[2:]), dtype=state["dtype"], device=self.device)
+                for (i, _), m in zip(pairs, incoming):
+                    t = plan[i]
+                    buf[t.dst_rows[0] : t.dst_rows[1], t.dst_pos.to(self.device)] = m.payload
             local3 = tuple(buf.shape)
             out = buf.reshape(b * s, *gshape[2:]) if state["orig_ndim"] == 2 else buf
             if backward:
@@ -417,8 +431,8 @@ class MultiModulePipelineCommunicator:
         Received tensors are new (no autograd history) on ``self.device``; inputs are not mutated.
         """
         outgoing: list[tuple[int, Outgoing]] = []
-        commits: list = []  # bookkeeping applied only when the exchange succeeds
-        incoming: list[tuple[list[tuple[int, Incoming]], Any, Any, str, bool]] = []
+        commits: list = []  # ("success" | "always", bookkeeping to apply after the exchange)
+        incoming: list[tuple[list[tuple[int, Incoming]], Any, Any, str, bool, _Edge]] = []
         for backward, sends in ((False, send_forward or {}), (True, send_backward or {})):
             for name, x in sends.items():
                 for edge in self._send_edges(name, backward):
@@ -431,7 +445,7 @@ class MultiModulePipelineCommunicator:
                 for edge in edges:
                     msgs, resolve, assemble = self._build_recv(edge, backward)
                     out_name = module if (backward or edge.src == edge.dst) else edge.src
-                    incoming.append((msgs, resolve, assemble, out_name, backward))
+                    incoming.append((msgs, resolve, assemble, out_name, backward, edge))
 
         # messages to this rank itself go through the mailbox
         remote_out = []
@@ -462,23 +476,46 @@ class MultiModulePipelineCommunicator:
                     by_msg.update({key: spec for (key, _), spec in zip(msgs, specs)})
             if problems:
                 return problems, []
-            return [], [by_msg[k] for k, _ in sorted(flat_in, key=lambda km: km[0])]
+            return [], [by_msg[k] for k, _ in flat_in]
 
         remote_out.sort(key=lambda km: km[0])
-        flat_sorted = [m for _, m in sorted(flat_in, key=lambda km: km[0])]
-        exchange(
-            [m for _, m in remote_out],
-            flat_sorted,
-            resolve_all,
-            device=self.device,
-            timeout=self.timeout,
-            group=self.group,
-        )
-        for commit in commits:
-            commit()
+        flat_in.sort(key=lambda km: km[0])
+        for key, m in remote_out:
+            m.known = self._known_out.get(key)
+        for key, m in flat_in:
+            m.known, m.known_spec = self._known_in.get(key, (None, None))
+        try:
+            exchange(
+                [m for _, m in remote_out],
+                [m for _, m in flat_in],
+                resolve_all,
+                device=self.device,
+                timeout=self.timeout,
+                group=self.group,
+            )
+        except ValueError:
+            # a rejected micro-batch is over on both ends: a gradient receiver forgets the activation
+            # it sent, as the gradient sender forgets the one it received ("always" commits below)
+            for msgs, _, _, _, backward, edge in incoming:
+                if backward and msgs and self._sent[edge]:
+                    self._sent[edge].popleft()
+            raise
+        finally:  # remember what both ends of each delivered message agreed on
+            for when, commit in commits:
+                if when == "always":
+                    commit()
+            for key, m in remote_out:
+                if m.delivered:
+                    self._known_out[key] = m.header
+            for key, m in flat_in:
+                if m.delivered:
+                    self._known_in[key] = (m.header, (tuple(m.payload.shape), m.payload.dtype))
+        for when, commit in commits:
+            if when == "success":
+                commit()
         fwd: dict[str, torch.Tensor] = {}
         bwd: dict[str, torch.Tensor] = {}
-        for msgs, _, assemble, out_name, backward in incoming:
+        for msgs, _, assemble, out_name, backward, _ in incoming:
             if not msgs:
                 continue
             t = assemble([m for _, m in msgs])

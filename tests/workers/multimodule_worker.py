@@ -221,6 +221,35 @@ def colocated(rank: int) -> dict:
     return out
 
 
+def tensor_parallel(rank: int) -> dict:
+    """enc (rank 0) -> llm at tp=2 (ranks 1-2, replicated activations) -> gen (rank 3).
+
+    Both tp ranks receive the activation; only tp rank 0 sends it on and the gradient back; both tp
+    ranks receive the gradient from gen.
+    """
+    B, S, H = 2, 4, 3
+    x, w, t = _randn(61, B, S, H), _randn(62, H, H), _randn(63, B, S, H)
+    grids = {"enc": ModuleGrid.from_sizes(0), "llm": ModuleGrid.from_sizes(1, tp=2), "gen": ModuleGrid.from_sizes(3)}
+    comm = MultiModulePipelineCommunicator(grids, {"enc": ["llm"], "llm": ["gen"], "gen": []}, timeout=120)
+    y = x @ w
+    if rank == 0:
+        comm.send_forward({"enc": y})
+        return {"grad_err": _err(comm.recv_backward()["enc"], 2 * t * torch.cos(y))}
+    if rank in (1, 2):
+        h = comm.recv_forward()["enc"].requires_grad_()
+        z = torch.sin(h)
+        # tp rank 1 sends a wrong activation: it must not reach gen (only tp rank 0's copy is sent)
+        comm.send_forward({"llm": z if rank == 1 else z + 1})
+        g = comm.recv_backward()["llm"]
+        z.backward(g)
+        comm.send_backward({"enc": h.grad if rank == 1 else h.grad + 1})
+        return {"recv_err": _err(h, y), "grad_err": _err(g, 2 * t)}
+    got = comm.recv_forward()["llm"].requires_grad_()
+    (2 * got * t).sum().backward()
+    comm.send_backward({"llm": got.grad})
+    return {"recv_err": _err(got, torch.sin(y))}
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -245,6 +274,16 @@ def errors(rank: int) -> dict:
         comm.send_forward({"enc": y})
         g = comm.recv_backward()["enc"]
         out["round_trip_err"] = _err(g, 2 * y)
+        # the same shapes again: headers equal the accepted ones, no acknowledgement round
+        comm.send_forward({"enc": y + 1})
+        out["steady_err"] = _err(comm.recv_backward()["enc"], 2 * (y + 1))
+        # a new sequence length on a remembered edge is validated again and works
+        y16 = torch.full((1, 16, 2), float(rank))
+        comm.send_forward({"enc": y16})
+        out["longer_err"] = _err(comm.recv_backward()["enc"], 2 * y16)
+        # a stale gradient shape that matches the remembered header: the receiver still rejects it
+        comm.send_forward({"enc": y})
+        out["stale_grad"] = _error(lambda: comm.recv_backward())
     else:
         for key in ("disagree", "indivisible", "ndim"):
             out[key] = _error(lambda: comm.recv_forward())
@@ -252,6 +291,12 @@ def errors(rank: int) -> dict:
         out["bad_grad"] = _error(lambda: comm.send_backward({"enc": torch.ones(2, 4, 3)}))
         x = comm.recv_forward()["enc"]
         comm.send_backward({"enc": 2 * x})
+        for _ in range(2):
+            x = comm.recv_forward()["enc"]
+            comm.send_backward({"enc": 2 * x})
+        out["longer_shape"] = tuple(x.shape)
+        comm.recv_forward()
+        out["stale_grad"] = _error(lambda: comm.send_backward({"enc": torch.ones(2, 8, 2)}))  # [2, 4, 2] now
     return out
 
 
@@ -276,7 +321,7 @@ def timeout(rank: int) -> dict:
 def main(rank: int, world_size: int) -> dict:
     assert world_size == 4
     out, seconds = {}, {}
-    for fn in (fan_in_cp, fan_out_dp, chain_gpipe, one_f_one_b, colocated, errors, timeout):
+    for fn in (fan_in_cp, fan_out_dp, chain_gpipe, one_f_one_b, colocated, tensor_parallel, errors, timeout):
         start = time.monotonic()
         out[fn.__name__] = fn(rank)
         seconds[fn.__name__] = round(time.monotonic() - start, 2)

@@ -1,13 +1,17 @@
 """One batched point-to-point exchange with shape headers, acknowledgements and a timeout.
 
-Every message travels in three phases, each one ``batch_isend_irecv`` over all of this rank's peers:
+Every message travels in (up to) three phases, each one ``batch_isend_irecv`` over all of this rank's peers:
 
 1. **headers**: a fixed-size int64 header (dtype, the activation's global shape, its original ndim);
 2. **acks**: each receiver validates every header it got (``resolve``) and answers 0 (accept) or 1
    (reject) to each sender; a rejecting receiver raises ``ValueError`` with the reason, and each of its
    senders raises ``ValueError`` naming the receiver, so a mismatch fails fast on both sides
-   instead of hanging in a receive of the wrong size;
+   instead of hanging in a receive of the wrong size. A message whose header equals the one both
+   ends remember accepting (``known``, kept by the caller from ``delivered`` messages) skips this
+   round: in the steady state of a training loop an exchange is two rounds, not three;
 3. **payloads**: the tensors themselves, sized by the plan both sides computed from the header.
+   A rank that raises still sends what was accepted and drains what it could not refuse, so no
+   peer is left waiting.
 
 Every wait has a timeout (``TimeoutError`` names the peers). Messages to oneself never reach this
 function's wire: the caller pre-fills their header and ``local`` tensor.
@@ -61,6 +65,8 @@ class Outgoing:
     header: list[int]
     payload: torch.Tensor | None
     what: str  # e.g. "activation of 'vision' -> 'llm'", for error messages
+    known: list[int] | None = None  # the header this peer accepted for this message last time
+    delivered: bool = False  # set once the payload has gone
 
 
 @dataclass
@@ -72,6 +78,9 @@ class Incoming:
     header: list[int] | None = None
     payload: torch.Tensor | None = None
     local: torch.Tensor | None = None  # a message from this rank to itself: pre-filled header and tensor
+    known: list[int] | None = None  # the header accepted for this message last time ...
+    known_spec: tuple[tuple[int, ...], torch.dtype] | None = None  # ... and its payload shape and dtype
+    delivered: bool = False  # set once the payload has arrived
 
 
 #: ``resolve(incoming)`` checks the received headers and returns ``(problems, payload_specs)``:
@@ -115,9 +124,9 @@ def exchange(
     timeout: float,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Run the three phases for ``outgoing`` and ``incoming``; fills every ``Incoming.payload``.
+    """Run the phases for ``outgoing`` and ``incoming``; fills every ``Incoming.payload``.
 
-    Mutates ``incoming`` (``header`` and ``payload``). Raises ``ValueError`` when ``resolve`` finds a
+    Mutates ``incoming`` (``header``, ``payload``) and sets ``delivered`` on every message that moved. Raises ``ValueError`` when ``resolve`` finds a
     problem (after rejecting the senders) or when a receiver rejected one of ``outgoing``; raises
     ``TimeoutError`` when a phase does not finish in ``timeout`` seconds. Peers are global ranks;
     ``group`` (default: the default group) carries the messages.
@@ -142,31 +151,50 @@ def exchange(
         m.header = [int(v) for v in buf.tolist()]
     problems, specs = resolve(incoming)
 
-    # phase 2: acks (0 = accepted, 1 = rejected)
+    # phase 2: acks (0 = accepted, 1 = rejected), only for messages whose header differs from the one
+    # accepted last time; both ends of a message see the same header and the same memory of it
+    fast_out = [m.known is not None and m.header == m.known for m in remote_out]
+    fast_in = [m.known is not None and m.header == m.known for m in remote_in]
+    slow_out = [m for m, f in zip(remote_out, fast_out) if not f]
+    slow_in = [m for m, f in zip(remote_in, fast_in) if not f]
     verdict = 1 if problems else 0
-    ack_in = [torch.zeros(1, dtype=torch.int64, device=device) for _ in remote_out]
+    ack_in = [torch.zeros(1, dtype=torch.int64, device=device) for _ in slow_out]
+    ack_out_tags, ack_in_tags = _tags([m.peer for m in slow_in]), _tags([m.peer for m in slow_out])
     ops = [
         (dist.isend, torch.full((1,), verdict, dtype=torch.int64, device=device), m.peer, tag)
-        for m, tag in zip(remote_in, in_tags)
-    ] + [(dist.irecv, buf, m.peer, tag) for m, buf, tag in zip(remote_out, ack_in, out_tags)]
+        for m, tag in zip(slow_in, ack_out_tags)
+    ] + [(dist.irecv, buf, m.peer, tag) for m, buf, tag in zip(slow_out, ack_in, ack_in_tags)]
     _run(ops, timeout, me, "acknowledgement", group)
+    acks = iter(ack_in)
+    send_ok = [True if f else int(next(acks).item()) == 0 for f in fast_out]
+    rejected = [m for m, ok in zip(remote_out, send_ok) if not ok]
+
+    # phase 3: payloads; on a problem, still send what was accepted and drain what cannot be refused
+    # (an unchanged header is never acknowledged), so no peer is left waiting
+    if not problems:
+        for m, (shape, dtype) in zip(incoming, specs):
+            m.payload = torch.empty(shape, dtype=dtype, device=device)
+    recv_ok = [not problems or f for f in fast_in]
+    for m, ok in zip(remote_in, recv_ok):
+        if ok and m.payload is None:
+            shape, dtype = m.known_spec  # type: ignore[misc]
+            m.payload = torch.empty(shape, dtype=dtype, device=device)
+    sends = [(m, tag) for m, tag, ok in zip(remote_out, out_tags, send_ok) if ok]
+    missing = [m.what for m, _ in sends if m.payload is None]
+    if missing:
+        raise RuntimeError(f"rank {me}: receivers accepted {missing} but there is no payload to send")
+    recvs = [(m, tag) for m, tag, ok in zip(remote_in, in_tags, recv_ok) if ok]
+    ops = [(dist.isend, m.payload.contiguous(), m.peer, tag) for m, tag in sends] + [
+        (dist.irecv, m.payload, m.peer, tag) for m, tag in recvs
+    ]
+    _run(ops, timeout, me, "payload", group)
+    for m, _ in sends + recvs:  # type: ignore[operator]
+        m.delivered = True
     if problems:
         raise ValueError(f"rank {me} rejected what it received: " + "; ".join(problems))
-    rejected = [m for m, a in zip(remote_out, ack_in) if int(a.item()) != 0]
     if rejected:
         shapes = ", ".join(f"{m.what} to rank {m.peer} (global shape {decode_header(m.header)[0]})" for m in rejected)
         raise ValueError(f"rank {me}: the receiver rejected {shapes}; the receiving rank's error names the reason")
-    missing = [m.what for m in outgoing if m.payload is None]
-    if missing:
-        raise RuntimeError(f"rank {me}: receivers accepted {missing} but there is no payload to send")
-
-    # phase 3: payloads
-    for m, (shape, dtype) in zip(incoming, specs):
-        m.payload = torch.empty(shape, dtype=dtype, device=device)
-    ops = [(dist.isend, m.payload.contiguous(), m.peer, tag) for m, tag in zip(remote_out, out_tags)] + [
-        (dist.irecv, m.payload, m.peer, tag) for m, tag in zip(remote_in, in_tags)
-    ]
-    _run(ops, timeout, me, "payload", group)
     for m in local_in:
         if tuple(m.payload.shape) != tuple(m.local.shape):
             raise RuntimeError(
