@@ -28,6 +28,9 @@ def cp4():
         timeout=400,
         model_families=("llama",),
         model_dtypes=("float64",),
+        pad_seq_lens=(61,),
+        pad_dtype="float64",
+        pad_embeds=False,
     )
 
 
@@ -106,3 +109,28 @@ def test_parallel_dims_mesh_views_cp2(cp2):
         assert res["mesh"]["sizes"][1]["hsdp"] == (("dp_replicate", "dp_shard_cp"), (1, 2))
         assert res["mesh"]["mesh_warnings"] == []
         assert all(res["mesh"]["buffers_via_full_mesh"].values())
+
+
+def _check_pad(results, expected, tol):
+    for rank, res in enumerate(results):
+        assert set(res["pad"]) == set(expected), res["pad"].keys()
+        for key, r in res["pad"].items():
+            padded_len, shard_len = expected[key]
+            assert (r["padded_len"], r["shard_len"]) == (padded_len, shard_len), f"rank {rank} {key}: {r}"
+            assert r["pads_ok"], f"rank {rank} {key}: pad values are not -100 / continuing positions / pad id"
+            assert r["caller_untouched"], f"rank {rank} {key}: the caller's batch was modified"
+            assert r["loss_rel"] <= tol, f"rank {rank} {key}: loss rel err {r['loss_rel']:.3g}"
+            assert r["grad_rel_max"] <= 10 * tol, (
+                f"rank {rank} {key}: grad rel err {r['grad_rel_max']:.3g} at {r['worst_param']}"
+            )
+
+
+def test_auto_padding_matches_unpadded_single_process_cp2(cp2):
+    """S=29 and S=30 at cp=2 are padded to 32 (8 tokens per rank); input_ids and inputs_embeds."""
+    expected = {f"S{s}-{v}": (32, 16) for s in (29, 30) for v in ("input_ids", "inputs_embeds")}
+    _check_pad(cp2, expected, 1e-5)
+
+
+def test_auto_padding_matches_unpadded_single_process_cp4_fp64(cp4):
+    """S=61 at cp=4 is padded to 64 (16 tokens per rank), fp64."""
+    _check_pad(cp4, {"S61-input_ids": (64, 16)}, 1e-10)

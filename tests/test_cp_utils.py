@@ -31,6 +31,9 @@ class StubMesh:
     def size(self, dim=None):
         return self._size
 
+    def get_local_rank(self):
+        return 0
+
     def __getitem__(self, name):
         assert name in self.mesh_dim_names
         return StubMesh(("cp",), self._size, self.device_type)
@@ -62,12 +65,73 @@ def test_get_cp_mesh():
 
 
 # ------------------------------------------------------------------ validation errors
-def test_sequence_not_divisible_names_the_fix():
-    with pytest.raises(
-        ValueError,
-        match=r"sequence length 1004 is not divisible by 2\*cp_size=8; set data.pad_to_multiple_of=8",
-    ):
-        make_cp_batch_and_ctx(StubMesh(size=4), _batch(seq=1004))
+def test_sequence_not_divisible_is_padded_exactly():
+    """S=1004 at cp=4 -> 1008: every key gets its documented fill; the caller's batch is untouched."""
+    ids = torch.arange(2 * 1004).view(2, 1004)
+    batch = {
+        "input_ids": ids,
+        "labels": ids + 1,
+        "position_ids": torch.arange(1004).unsqueeze(0) + 5,
+        "loss_mask": torch.ones(2, 1004),
+        "padding_mask": torch.zeros(2, 1004, dtype=torch.bool),
+    }
+    before = {k: v.clone() for k, v in batch.items()}
+    _, out = make_cp_batch_and_ctx(StubMesh(size=4), batch, padding_token_id=7)
+    assert cp_utils.cp_padded_seq_len(1004, 4) == 1008
+    assert all(out[k].shape[-1] == 1008 for k in before)
+    assert torch.equal(out["input_ids"][:, :1004], ids) and (out["input_ids"][:, 1004:] == 7).all()
+    assert (out["labels"][:, 1004:] == -100).all()
+    assert torch.equal(out["position_ids"], torch.arange(1008).unsqueeze(0) + 5)  # continuing
+    assert (out["loss_mask"][:, 1004:] == 0).all() and out["loss_mask"].dtype == torch.float32
+    assert out["padding_mask"][:, 1004:].all() and not out["padding_mask"][:, :1004].any()
+    assert all(torch.equal(batch[k], before[k]) and batch[k].shape[-1] == 1004 for k in before)
+
+
+def test_padding_continues_mrope_and_per_row_positions():
+    batch = _batch(seq=6)
+    batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8]])
+    _, out = make_cp_batch_and_ctx(StubMesh(size=2), batch)
+    assert torch.equal(out["position_ids"][:, 6:], torch.tensor([[6, 7], [9, 10]]))
+    mrope = torch.arange(3 * 2 * 6).view(3, 2, 6)
+    batch = {**_batch(seq=6), "position_ids": mrope}
+    _, out = make_cp_batch_and_ctx(StubMesh(size=2), batch)
+    assert out["position_ids"].shape == (3, 2, 8)
+    assert torch.equal(out["position_ids"][..., 6:], mrope[..., 5:] + torch.tensor([1, 2]))
+
+
+def test_divisible_sequence_is_copied_not_padded():
+    batch = _batch(seq=16)
+    _, out = make_cp_batch_and_ctx(StubMesh(size=2), batch)
+    assert out is not batch and out["input_ids"].shape == (2, 16)
+    assert out["input_ids"] is not batch["input_ids"] and torch.equal(out["input_ids"], batch["input_ids"])
+
+
+def test_inputs_embeds_is_padded_with_zeros_and_keeps_its_graph():
+    emb = torch.randn(2, 5, 3, requires_grad=True)
+    out = make_cp_batch_and_ctx(StubMesh(size=2), {"inputs_embeds": emb, "labels": torch.zeros(2, 5).long()})[1]
+    assert out["inputs_embeds"].shape == (2, 8, 3) and (out["inputs_embeds"][:, 5:] == 0).all()
+    assert torch.equal(out["position_ids"], torch.arange(8).unsqueeze(0))
+    out["inputs_embeds"].sum().backward()
+    assert torch.equal(emb.grad, torch.ones_like(emb))
+
+
+@pytest.mark.parametrize("mesh", [StubMesh(size=2), None])
+def test_both_or_neither_input_ids_and_inputs_embeds_is_an_error(mesh):
+    both = {**_batch(), "inputs_embeds": torch.zeros(2, 16, 4)}
+    with pytest.raises(ValueError, match="both 'input_ids' and 'inputs_embeds'; give exactly one"):
+        make_cp_batch_and_ctx(mesh, both)
+    with pytest.raises(ValueError, match="neither 'input_ids' nor 'inputs_embeds'"):
+        make_cp_batch_and_ctx(mesh, {"labels": torch.zeros(2, 16).long()})
+    if mesh is not None:
+        with pytest.raises(ValueError, match=r"inputs_embeds'\] must be a \[B, S, H\] tensor"):
+            make_cp_batch_and_ctx(mesh, {"inputs_embeds": torch.zeros(2, 16), "labels": torch.zeros(2, 16)})
+
+
+def test_mismatched_label_shape_is_rejected():
+    batch = _batch()
+    batch["labels"] = batch["labels"][:, :-1]
+    with pytest.raises(ValueError, match=r"batch\['labels'\] has shape \(2, 15\); expected \[B, S\] = \(2, 16\)"):
+        make_cp_batch_and_ctx(StubMesh(), batch)
 
 
 def test_attention_mask_with_zeros_is_rejected():
@@ -116,14 +180,16 @@ def test_create_context_parallel_ctx_errors():
 
 
 # ------------------------------------------------------------------ helpers
-def test_build_position_ids_adds_arange_when_missing():
+def test_build_position_ids_adds_arange_when_missing_and_returns_the_batch():
     batch = _batch(seq=6)
-    pos = _build_position_ids(batch, "cpu")
+    assert _build_position_ids(batch, "cpu") is batch  # NeMo: batch = _build_position_ids(batch, device)
+    pos = batch["position_ids"]
     assert pos.shape == (1, 6) and pos.dtype == torch.long
     assert torch.equal(pos, torch.arange(6).unsqueeze(0))
-    assert batch["position_ids"] is pos
     given = torch.arange(12).view(2, 6)
-    assert _build_position_ids({"input_ids": batch["input_ids"], "position_ids": given}, "cpu") is given
+    assert _build_position_ids({"input_ids": batch["input_ids"], "position_ids": given}, "cpu")["position_ids"] is given
+    embeds_only = _build_position_ids({"inputs_embeds": torch.zeros(1, 4, 2)}, "cpu")
+    assert torch.equal(embeds_only["position_ids"], torch.arange(4).unsqueeze(0))
 
 
 def test_get_train_context_enters_cp_context_once():

@@ -105,12 +105,10 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
     if split > 1 and data.seq_len >= 1:
         chunks = method.chunks_per_rank if method is not None else 2
         multiple = chunks * split
-        if chunks == 1:
+        if chunks == 1:  # each rank gets an equal contiguous slice of every row
             what = f"cp_size*tp_size = {d.cp_size}*{d.tp_size} = {multiple}"
-            why = "each rank gets an equal contiguous slice of every row"
-        else:
+        else:  # each rank gets `chunks` equal chunks of every row
             what = f"{chunks}*cp_size*tp_size = {chunks}*{d.cp_size}*{d.tp_size} = {multiple}"
-            why = f"each rank gets {chunks} equal chunks of every row"
         pad = data.pad_to_multiple_of
         if pad is not None and pad >= 1:
             if pad % multiple:
@@ -118,12 +116,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                     f"data.pad_to_multiple_of={pad} is not a multiple of {what}; "
                     f"set data.pad_to_multiple_of={multiple * max(1, round(pad / multiple))}"
                 )
-        elif data.seq_len % multiple:
-            up = -(-data.seq_len // multiple) * multiple
-            problems.append(
-                f"data.seq_len={data.seq_len} is not divisible by {what} ({why}); set data.seq_len={up}, "
-                f"or data.pad_to_multiple_of={multiple} so the collator pads"
-            )
+        # data.pad_to_multiple_of=null: the collator pads every row to a multiple of `multiple` (labels
+        # -100 at the end), exact for causal attention, so any data.seq_len works.
 
     # --- the CP method's limits --------------------------------------------------------------
     if method is not None and d.cp_size > 1:

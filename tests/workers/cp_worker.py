@@ -179,6 +179,74 @@ def buffer_checks(mesh, rank: int, world: int) -> dict:
     }
 
 
+def _grad_rel(model, ref_model) -> dict[str, float]:
+    """Per-parameter max relative error of the CP gradient (summed over ranks) against the reference."""
+    rel = {}
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref_model.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        rel[name] = ((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp_min(1e-30)).item()
+    return rel
+
+
+def pad_checks(mesh, rank: int, world: int, seq_lens=(29, 30), dtype=torch.float32, embeds=True) -> dict:
+    """Auto-padding: a length not divisible by 2*cp, through make_cp_batch_and_ctx, against one process on
+    the UNPADDED batch (loss and every gradient). With ``embeds``, the same through ``inputs_embeds``
+    (computed from the embedding inside the graph, so the embedding's gradient flows through the shard)
+    with mRoPE-free [B, S] position_ids given by the caller."""
+    results = {}
+    for seq in seq_lens:
+        model = _tiny_model("llama", dtype)
+        g = torch.Generator().manual_seed(11 + seq)
+        input_ids = torch.randint(1, 128, (2, seq), generator=g)
+        labels = torch.randint(0, 128, (2, seq), generator=g)
+        labels[1, :4] = -100
+        count = int((labels != -100).sum())
+        ref_model = copy.deepcopy(model)
+        ref_loss = _token_loss_sum(ref_model(input_ids=input_ids).logits, labels) / count
+        ref_loss.backward()
+        variants = ("input_ids", "inputs_embeds") if embeds else ("input_ids",)
+        for variant in variants:
+            model.zero_grad(set_to_none=True)
+            if variant == "input_ids":
+                batch = {"input_ids": input_ids, "labels": labels}
+            else:
+                batch = {
+                    "inputs_embeds": model.get_input_embeddings()(input_ids),
+                    "labels": labels,
+                    "position_ids": torch.arange(seq).unsqueeze(0).expand(2, seq),
+                }
+            ctx, out = make_cp_batch_and_ctx(mesh, batch, padding_token_id=0)
+            padded_len = out[variant].shape[1]
+            pads_ok = bool(
+                (out["labels"][:, seq:] == -100).all()
+                and (out["position_ids"][..., seq:] == torch.arange(seq, padded_len)).all()
+                and (variant != "input_ids" or (out["input_ids"][:, seq:] == 0).all())
+            )
+            with ctx():
+                shard_len = out[variant].shape[1]
+                kwargs = {variant: out[variant], "position_ids": out["position_ids"]}
+                loss = _token_loss_sum(model(**kwargs).logits, out["labels"]) / count
+                loss.backward()
+            loss = loss.detach()
+            dist.all_reduce(loss)
+            rel = _grad_rel(model, ref_model)
+            results[f"S{seq}-{variant}"] = {
+                "padded_len": padded_len,
+                "shard_len": shard_len,
+                "pads_ok": pads_ok,
+                "caller_untouched": batch["labels"] is labels
+                and labels.shape[1] == seq
+                and batch[variant].shape[1] == seq
+                and (variant == "inputs_embeds") == ("position_ids" in batch)
+                and batch.get("position_ids", labels).shape[-1] == seq,
+                "loss_rel": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                "grad_rel_max": max(rel.values()),
+                "worst_param": max(rel, key=rel.get),
+            }
+    return results
+
+
 def mesh_checks(rank: int, world: int) -> dict:
     """ParallelDims meshes: dim sizes and flattened views; CP through the full 4-D mesh."""
     import warnings
@@ -202,10 +270,19 @@ def mesh_checks(rank: int, world: int) -> dict:
     }
 
 
-def main(rank: int, world_size: int, model_families=("llama", "qwen2"), model_dtypes=("float32",)) -> dict:
+def main(
+    rank: int,
+    world_size: int,
+    model_families=("llama", "qwen2"),
+    model_dtypes=("float32",),
+    pad_seq_lens=(29, 30),
+    pad_dtype="float32",
+    pad_embeds=True,
+) -> dict:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     dtypes = tuple(getattr(torch, d) for d in model_dtypes)
     return {
+        "pad": pad_checks(mesh, rank, world_size, pad_seq_lens, getattr(torch, pad_dtype), pad_embeds),
         "sdpa": sdpa_checks(mesh, rank, world_size),
         "model": model_checks(mesh, rank, world_size, families=model_families, dtypes=dtypes),
         "buffers": buffer_checks(mesh, rank, world_size),
