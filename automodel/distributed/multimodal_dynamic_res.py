@@ -40,6 +40,7 @@ __all__ = [
     "split_to_context_parallel_ranks_dynamic_res",
     "gather_from_context_parallel_ranks_dynamic_res",
     "balanced_split_points",
+    "check_grid",
     "_compute_tubelet_aware_split_points",
     "_split_num_frames",
 ]
@@ -204,7 +205,12 @@ class DynamicResSplit:
         return [p // self.rows_per_output for p in self.padded_patches_per_rank]
 
 
-def _check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, m: int) -> list[tuple[int, int, int]]:
+def check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, m: int) -> list[tuple[int, int, int]]:
+    """Validate ``pixel_values [P, D]`` against ``grid_thw [N, 3]`` and the merge size ``m``; return the grids.
+
+    Raises ``ValueError`` naming the medium when ``P != sum(t*h*w)``, a size is not positive, or ``h``/``w``
+    is not a multiple of ``m``.
+    """
     if grid_thw.dim() != 2 or grid_thw.size(1) != 3 or grid_thw.size(0) < 1:
         raise ValueError(f"grid_thw must be [N, 3] (t, h, w per medium) with N >= 1, got shape {tuple(grid_thw.shape)}")
     if pixel_values.dim() != 2:
@@ -272,7 +278,7 @@ def split_to_context_parallel_ranks_dynamic_res(
     m = int(spatial_merge_size)
     if m < 1 or temporal_patch_size < 1:
         raise ValueError(f"spatial_merge_size and temporal_patch_size must be >= 1, got {m}, {temporal_patch_size}")
-    grids = _check_grid(pixel_values, grid_thw, m)
+    grids = check_grid(pixel_values, grid_thw, m)
 
     # units and their patch boundaries
     unit_sizes: list[int] = []

@@ -46,6 +46,7 @@ from automodel.distributed.multimodal_cp import (
     resolve_group,
     split_to_context_parallel_ranks_dynamic_res,
 )
+from automodel.distributed.multimodal_dynamic_res import check_grid
 
 __all__ = [
     "VLM_MODEL_TYPES",
@@ -141,6 +142,7 @@ def vision_embeddings_cp(
     visual = parts.visual
     group, world, _ = resolve_group(device_mesh) if device_mesh is not None else (None, 1, 0)
     if world == 1:
+        check_grid(pixel_values, grid_thw, parts.spatial_merge_size)
         return _pooled(visual(pixel_values.to(visual.dtype), grid_thw=grid_thw))
     local, split = split_to_context_parallel_ranks_dynamic_res(
         pixel_values, grid_thw, group, spatial_merge_size=parts.spatial_merge_size

@@ -74,7 +74,8 @@ def make_batch(kind: str, multiple: int, dtype: torch.dtype = torch.float32) -> 
 
 
 def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
