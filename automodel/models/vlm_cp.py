@@ -58,6 +58,11 @@ __all__ = [
     "build_vlm_inputs",
     "make_vlm_cp_batch_and_ctx",
     "VLM_BATCH_KEYS",
+    "vlm_fsdp_units",
+    "init_fsdp_root",
+    "bind_vlm_cp",
+    "vlm_model_class",
+    "auto_model_class",
 ]
 
 #: HF ``model_type`` values this path supports (the Qwen2-VL layout: packed patches + grid_thw).
@@ -90,6 +95,22 @@ def is_vlm(model_or_config: Any) -> bool:
     """Whether a model (or its config) is one of :data:`VLM_MODEL_TYPES`."""
     config = getattr(model_or_config, "config", model_or_config)
     return getattr(config, "model_type", None) in VLM_MODEL_TYPES
+
+
+def vlm_model_class(config: Any) -> type | None:
+    """The ``AutoModelForImageTextToText`` class of a supported VLM config, else ``None``."""
+    if not is_vlm(config):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
+
+
+def auto_model_class(config: Any) -> type:
+    """``AutoModelForImageTextToText`` for a supported VLM config, ``AutoModelForCausalLM`` otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vlm(config) else AutoModelForCausalLM
 
 
 def vlm_parts(model: torch.nn.Module) -> VLMParts:
@@ -251,3 +272,64 @@ def make_vlm_cp_batch_and_ctx(
 
         return make_cp_batch_and_ctx(device_mesh, lm_batch)
     raise ValueError(f"cp_method={cp_method!r} is not supported for VLMs; use 'ring' or 'ulysses'")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP2 and the recipe
+
+
+def vlm_fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules of a VLM that must be their own FSDP2 units (after the blocks, before the root).
+
+    The vision tower and the token embedding run OUTSIDE the root's forward (before the CP context is
+    entered). As their own units they unshard themselves in their own forward and reduce their
+    gradients at the end of the backward; left to the root, their gradients would be reduced when
+    the gradient reaches ``inputs_embeds``, before the vision backward has produced them.
+    Returns ``[]`` for models that are not VLMs.
+    """
+    if not is_vlm(model):
+        return []
+    parts = vlm_parts(model)
+    return [parts.visual, parts.embed_tokens]
+
+
+def init_fsdp_root(model: torch.nn.Module) -> None:
+    """Make the FSDP2 root initialise before a sub-unit runs outside the root's forward (no-op otherwise).
+
+    FSDP2 picks as root the first unit that runs forward; the VLM step runs the vision tower and the
+    embedding first, so the root model's lazy initialisation is triggered here explicitly.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return
+    state = model._get_fsdp_state()
+    if not hasattr(state, "_lazy_init"):
+        raise RuntimeError(
+            "this torch's FSDP2 has no FSDPState._lazy_init, which the VLM CP step needs to run the vision "
+            "tower before the root forward; use the torch version pinned in pyproject.toml"
+        )
+    state._lazy_init()
+
+
+def bind_vlm_cp(
+    model: torch.nn.Module, device_mesh: Any, cp_method: str, cp_size: int, inner_attn: str = "sdpa"
+) -> Callable[[Any, dict[str, Any]], tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any]]]:
+    """The recipe's ``cp_fn(device_mesh, batch) -> (ctx_factory, local_batch)`` for a VLM.
+
+    Switches the text model's attention once for Ulysses (``cp_size > 1``). The returned function
+    runs the vision tower on this rank's share (the whole batch at ``cp_size == 1``), merges, computes
+    mRoPE on the whole sequence and shards for CP; ``local_batch`` holds ``inputs_embeds``,
+    ``position_ids`` and ``labels`` (read ``inputs_embeds`` inside the context: ring replaces it by
+    its shard on entry).
+    """
+    if cp_size > 1:
+        prepare_vlm_for_cp(model, device_mesh, cp_method)
+
+    def cp_fn(mesh: Any, batch: dict[str, Any]):
+        init_fsdp_root(model)
+        return make_vlm_cp_batch_and_ctx(
+            model, mesh if cp_size > 1 else None, batch, cp_method=cp_method, inner_attn=inner_attn
+        )
+
+    return cp_fn

@@ -147,7 +147,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     )
     check_model_config_for_cp(d.cp_method, resolved.config, d.cp_size)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
-    c = model.config
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     n_params = sum(p.numel() for p in model.parameters())
     n_unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     master = _BYTES[cfg.model.dtype]

@@ -28,7 +28,7 @@ __all__ = ["MODEL_INPUT_KEYS", "prepare_batch", "run_micro_batch"]
 
 # What the model sees. seq_lens / seq_lens_padded (packed rows) are metadata for the CP method;
 # at cp_size=1 transformers reads document boundaries from the restarting position_ids.
-MODEL_INPUT_KEYS = ("input_ids", "position_ids", "attention_mask")
+MODEL_INPUT_KEYS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
 
 
 def prepare_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -93,9 +93,9 @@ def run_micro_batch(
     """
     ctx_factory, batch = cp_fn(device_mesh, batch)
     labels = batch.pop("labels")  # the same tensor object the CP context shards in place
-    inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
     grad = torch.enable_grad() if backward else torch.no_grad()
     with grad, train_context(ctx_factory())():
+        inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}  # after the shard
         logits = model(**inputs).logits
         ce_sum = token_cross_entropy_sum(logits, labels)
         if backward:
