@@ -63,6 +63,7 @@ __all__ = [
     "bind_vlm_cp",
     "vlm_model_class",
     "auto_model_class",
+    "check_data_for_model",
 ]
 
 #: HF ``model_type`` values this path supports (the Qwen2-VL layout: packed patches + grid_thw).
@@ -333,3 +334,21 @@ def bind_vlm_cp(
         )
 
     return cp_fn
+
+
+def check_data_for_model(dataset: Any, model_config: Any) -> None:
+    """Refuse image-text data for a model that cannot see images (it would silently train on text only).
+
+    Raises:
+        automodel.errors.UserInputError: ``dataset`` yields images (it has ``image_token_id``) but
+            ``model_config`` is not a supported VLM.
+    """
+    if getattr(dataset, "image_token_id", None) is not None and not is_vlm(model_config):
+        from automodel.errors import UserInputError
+
+        raise UserInputError(
+            f"data.dataset ({type(dataset).__name__}) yields images, but the model "
+            f"({type(model_config).__name__}, model_type={getattr(model_config, 'model_type', None)!r}) is not a "
+            f"VLM this recipe supports ({', '.join(VLM_MODEL_TYPES)}); its images would be dropped. Use a VLM "
+            "config (configs/vlm_cp.yaml) or a text dataset"
+        )

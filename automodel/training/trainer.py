@@ -196,6 +196,9 @@ class FinetuneTrainer:
         self.train_dataset = instantiate(
             cfg.data.dataset, split=cfg.data.train_split, **common, _convert_="all"
         )
+        from automodel.models.vlm_cp import check_data_for_model
+
+        check_data_for_model(self.train_dataset, resolved.config)  # images need a VLM
         loader_kwargs = dict(
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
