@@ -17,16 +17,19 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.models.vlm_cp import make_vlm_cp_batch_and_ctx, prepare_vlm_for_cp
-from automodel.models.vlm_tiny import tiny_qwen2_vl_config
+from automodel.models.vlm_tiny import tiny_qwen2_5_vl_config, tiny_qwen2_vl_config
 
 PATCH_DIM = 3 * 2 * 4 * 4  # channels * temporal_patch_size * patch_size**2
 IMAGE, VIDEO, VSTART, VEND = 250, 251, 248, 249
 
 
-def tiny_model(dtype: torch.dtype = torch.float32):
-    from transformers import Qwen2VLForConditionalGeneration
+def tiny_model(dtype: torch.dtype = torch.float32, family: str = "qwen2_vl"):
+    """A tiny Qwen2-VL (``family="qwen2_vl"``) or Qwen2.5-VL (``"qwen2_5_vl"``, window attention)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(1234)
+    if family == "qwen2_5_vl":
+        return Qwen2_5_VLForConditionalGeneration._from_config(tiny_qwen2_5_vl_config(), dtype=dtype)
     return Qwen2VLForConditionalGeneration._from_config(tiny_qwen2_vl_config(), dtype=dtype)
 
 
@@ -82,10 +85,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _case(mesh, world, cp_method, kind, dtype):
+def _case(mesh, world, cp_method, kind, dtype, family="qwen2_vl"):
     batch = make_batch(kind, 2 * world, dtype)
     count = int((batch["labels"] != -100).sum())
-    ref = tiny_model(dtype)
+    ref = tiny_model(dtype, family)
     model = copy.deepcopy(ref)
     kwargs = {k: v for k, v in batch.items() if k != "labels"}
     ref_loss = ce_sum(ref(**kwargs, use_cache=False).logits, batch["labels"]) / count
@@ -122,9 +125,11 @@ def _case(mesh, world, cp_method, kind, dtype):
     }
 
 
-def run(rank: int, world_size: int, cases: list[tuple[str, str, str]]) -> dict:
+def run(rank: int, world_size: int, cases: list[tuple[str, ...]]) -> dict:
+    """``cases``: ``(cp_method, batch kind, dtype name[, family])``; returns the results keyed by case."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     out = {}
-    for cp_method, kind, dtype_name in cases:
-        out[(cp_method, kind, dtype_name)] = _case(mesh, world_size, cp_method, kind, getattr(torch, dtype_name))
+    for case in cases:
+        cp_method, kind, dtype_name, *family = case
+        out[case] = _case(mesh, world_size, cp_method, kind, getattr(torch, dtype_name), *family)
     return out
