@@ -329,9 +329,11 @@ def bind_vlm_cp(
 
     def cp_fn(mesh: Any, batch: dict[str, Any]):
         init_fsdp_root(model)
-        return make_vlm_cp_batch_and_ctx(
-            model, mesh if cp_size > 1 else None, batch, cp_method=cp_method, inner_attn=inner_attn
-        )
+        # evaluation (model.eval()): no graph through the vision tower and the embedding
+        with contextlib.nullcontext() if model.training else torch.no_grad():
+            return make_vlm_cp_batch_and_ctx(
+                model, mesh if cp_size > 1 else None, batch, cp_method=cp_method, inner_attn=inner_attn
+            )
 
     return cp_fn
 
