@@ -137,7 +137,10 @@ def build_dataloader(
             f"seq_pad_multiple={m}: the row padding is added to the last document, which must stay a "
             f"multiple of {m}; set data.pad_to_multiple_of to a multiple of {m}"
         )
-    collator = Collator(pad_token_id, pad_to_multiple_of, emit_attention_mask)
+    if hasattr(dataset, "make_collator"):  # e.g. image-text data (automodel.data.vlm_dataset)
+        collator = dataset.make_collator(pad_token_id, pad_to_multiple_of)
+    else:
+        collator = Collator(pad_token_id, pad_to_multiple_of, emit_attention_mask)
     sampler = DistributedBatchSampler(
         len(dataset),
         local_batch_size=local_batch_size,

@@ -540,6 +540,32 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
     return previous
 
 
+def _primary_sequence_tensor(batch: dict[str, Any]) -> torch.Tensor:
+    """``input_ids [B, S]`` or ``inputs_embeds [B, S, H]``: exactly one must be given."""
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    if (ids is None) == (embeds is None):
+        given = "both" if ids is not None else "neither"
+        raise ValueError(
+            f"the batch has {given} of 'input_ids' and 'inputs_embeds'; give exactly one: input_ids [B, S], or "
+            "inputs_embeds [B, S, H] for a model fed embeddings (e.g. a VLM with vision embeddings merged in)"
+        )
+    if ids is not None and ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(ids.shape)}")
+    if embeds is not None and embeds.dim() != 3:
+        raise ValueError(f"inputs_embeds must be [B, S, H], got shape {tuple(embeds.shape)}")
+    return ids if ids is not None else embeds
+
+
+def _check_mrope_position_ids(position_ids: torch.Tensor, bsz: int, seq_len: int) -> torch.Tensor:
+    """mRoPE positions ``[3, B|1, S]`` (temporal, height, width) -> ``[3, B, S]`` int64."""
+    if position_ids.size(0) != 3 or position_ids.size(2) != seq_len or position_ids.size(1) not in (1, bsz):
+        raise ValueError(
+            f"3-D position_ids must be mRoPE positions [3, B, S] = [3, {bsz}, {seq_len}], got shape "
+            f"{tuple(position_ids.shape)}; compute them on the whole sequence (e.g. the model's get_rope_index)"
+        )
+    return position_ids.long().expand(3, bsz, seq_len)
+
+
 def make_ulysses_batch_and_ctx(
     device_mesh: Any,
     batch: dict[str, Any],
@@ -550,9 +576,12 @@ def make_ulysses_batch_and_ctx(
     Args:
         device_mesh: a DeviceMesh with a ``"cp"`` dim, a 1-D CP mesh, a CP ``ProcessGroup``, or ``None``
             (no CP: nothing is sharded, attention runs the inner kernel on the whole sequence).
-        batch: dict of ``[B, S]`` tensors, identical on every CP rank: ``input_ids`` (required), ``labels``
-            (already shifted, -100 = ignore), optional ``position_ids`` (default ``arange(S)``; a reset to
-            a non-consecutive value starts a new document, as in transformers), ``attention_mask``
+        batch: dict of ``[B, S]`` tensors, identical on every CP rank: exactly one of ``input_ids``
+            ``[B, S]`` and ``inputs_embeds`` ``[B, S, H]`` (e.g. text embeddings with vision embeddings
+            merged in; sharded on dim 1 with autograd, so its gradient flows back to whatever produced
+            it), ``labels`` (already shifted, -100 = ignore), optional ``position_ids`` (default
+            ``arange(S)``; a reset to a non-consecutive value starts a new document, as in transformers;
+            or mRoPE ``[3, B, S]``, sharded on dim 2, which never marks documents), ``attention_mask``
             (padding, 1 = keep), ``loss_mask``; packed rows may add ``seq_lens_padded`` / ``seq_lens``
             (``[B, P]``, ``-1000`` = no document) or ``cu_seqlens`` (``[P+1]``, only for ``B == 1``),
             which define document boundaries and take precedence over ``position_ids``.
@@ -567,20 +596,23 @@ def make_ulysses_batch_and_ctx(
         :func:`set_ulysses_attention` computes exact whole-sequence attention.
 
     Raises:
-        ValueError: missing ``input_ids``, inconsistent shapes, ``S`` smaller than the CP size, or
+        ValueError: not exactly one of ``input_ids`` / ``inputs_embeds``, inconsistent shapes, ``S`` smaller than the CP size, or
         an unsupported ``inner_attn``.
     """
-    if "input_ids" not in batch:
-        raise ValueError(f"the batch needs 'input_ids' ([B, S]); it has keys {sorted(batch)}")
-    input_ids = batch["input_ids"]
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-    bsz, seq_len = input_ids.shape
-    device = input_ids.device
+    primary = _primary_sequence_tensor(batch)
+    bsz, seq_len = primary.shape[:2]
+    device = primary.device
     group, world, rank = _resolve_cp(device_mesh)
 
+    position_ids = batch.get("position_ids")
+    mrope_position_ids = None
+    if position_ids is not None and position_ids.dim() == 3:
+        mrope_position_ids = _check_mrope_position_ids(position_ids, bsz, seq_len)
+        position_ids = None  # 3-D positions never mark documents (as in transformers' Qwen2-VL)
     for k, v in batch.items():
         if k in ("labels", "position_ids", "attention_mask", "loss_mask") and v is not None:
+            if k == "position_ids" and mrope_position_ids is not None:
+                continue
             if tuple(v.shape[:2]) != (bsz, seq_len) and not (
                 k == "position_ids" and tuple(v.shape) == (1, seq_len)
             ):
@@ -588,7 +620,6 @@ def make_ulysses_batch_and_ctx(
                     f"batch[{k!r}] has shape {tuple(v.shape)}, expected [B, S] = [{bsz}, {seq_len}]"
                 )
 
-    position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
     position_ids = position_ids.long().expand(bsz, seq_len)
@@ -607,8 +638,10 @@ def make_ulysses_batch_and_ctx(
                 f"cu_seqlens describes one packed row but the batch has B={bsz} rows; pass seq_lens [B, P] instead"
             )
         document_ids = document_ids_from_cu_seqlens(batch["cu_seqlens"], seq_len)
-    else:
+    elif mrope_position_ids is None:
         document_ids = _document_ids_from_position_ids(position_ids)
+    else:
+        document_ids = None
 
     ctx = UlyssesContext(
         group=group,
@@ -630,7 +663,10 @@ def make_ulysses_batch_and_ctx(
             local[k] = ctx.shard(v, 1).contiguous()
         else:
             local[k] = v
-    local["position_ids"] = ctx.shard(position_ids, 1).contiguous()
+    if mrope_position_ids is None:
+        local["position_ids"] = ctx.shard(position_ids, 1).contiguous()
+    else:
+        local["position_ids"] = ctx.shard(mrope_position_ids, 2).contiguous()
 
     def ctx_factory() -> contextlib.AbstractContextManager[UlyssesContext]:
         return ulysses_context(ctx)

@@ -181,7 +181,9 @@ def causal_lm_class(config: Any) -> type | None:
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
-        return None
+        from automodel.models.vlm_cp import vlm_model_class  # a VLM trained as a causal LM (Qwen2-VL)
+
+        return vlm_model_class(config)
 
 
 def sliding_window_of(config: Any) -> int | None:
@@ -271,10 +273,11 @@ def build_model(
     ``meta=True`` builds on the meta device (no memory, no weights read; for shape math).
     The model is returned in ``model.dtype`` on ``device``, in train mode, with ``use_cache=False``.
     """
-    from transformers import AutoModelForCausalLM
+    from automodel.models.vlm_cp import auto_model_class
 
     dtype = torch_dtype(model_cfg.dtype)
     config = resolved.config
+    AutoModelForCausalLM = auto_model_class(config)  # noqa: N806 - AutoModelForImageTextToText for VLMs
     config.use_cache = False
     kwargs: dict[str, Any] = {
         "attn_implementation": attn_implementation,

@@ -90,6 +90,10 @@ def apply_fsdp2(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    from automodel.models.vlm_cp import vlm_fsdp_units
+
+    for unit in vlm_fsdp_units(model):  # VLMs: vision tower and embedding run outside the root forward
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     for module in model.modules():
         if isinstance(module, FSDPModule):

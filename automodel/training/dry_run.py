@@ -156,7 +156,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         from automodel.models.lora import apply_lora
 
         apply_lora(model, cfg.peft, seed=cfg.recipe.seed)  # checks the targets; meta: nothing allocated
-    c = model.config
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     n_params = sum(p.numel() for p in model.parameters())
     n_unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     master = _BYTES[cfg.model.dtype]

@@ -34,7 +34,7 @@ __all__ = ["MODEL_INPUT_KEYS", "check_model_for_chunked_loss", "forward_loss_sum
 
 # What the model sees. seq_lens / seq_lens_padded (packed rows) are metadata for the CP method;
 # at cp_size=1 transformers reads document boundaries from the restarting position_ids.
-MODEL_INPUT_KEYS = ("input_ids", "position_ids", "attention_mask")
+MODEL_INPUT_KEYS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
 
 
 def prepare_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -148,9 +148,9 @@ def run_micro_batch(
     """
     ctx_factory, batch = cp_fn(device_mesh, batch)
     labels = batch.pop("labels")  # the same tensor object the CP context shards in place
-    inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}
     grad = torch.enable_grad() if backward else torch.no_grad()
     with grad, train_context(ctx_factory())():
+        inputs = {k: batch[k] for k in MODEL_INPUT_KEYS if batch.get(k) is not None}  # after the shard
         ce_sum = forward_loss_sum(model, inputs, labels, chunk_tokens)
         if backward:
             (ce_sum / num_label_tokens).backward()

@@ -204,6 +204,9 @@ class FinetuneTrainer:
         self.train_dataset = instantiate(
             cfg.data.dataset, split=cfg.data.train_split, **common, _convert_="all"
         )
+        from automodel.models.vlm_cp import check_data_for_model
+
+        check_data_for_model(self.train_dataset, resolved.config)  # images need a VLM
         loader_kwargs = dict(
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
@@ -262,9 +265,16 @@ class FinetuneTrainer:
         # The CP method's batch/context function; a method may switch the model once (Ulysses: its own
         # attention implementation around the inner kernel model.attn_implementation). At cp_size=1
         # nothing is switched: the model is the plain single-device reference.
-        self.cp_fn, self.inner_attn = bind_cp_method(
-            cfg.distributed.cp_method, self.model, self.mesh, cfg.distributed.cp_size
-        )
+        from automodel.models.vlm_cp import bind_vlm_cp, is_vlm
+
+        if is_vlm(self.model):  # vision on each rank's share, then the text model under CP
+            self.cp_fn, self.inner_attn = bind_vlm_cp(
+                self.model, self.mesh, cfg.distributed.cp_method, cfg.distributed.cp_size, self.attn_implementation
+            ), None
+        else:
+            self.cp_fn, self.inner_attn = bind_cp_method(
+                cfg.distributed.cp_method, self.model, self.mesh, cfg.distributed.cp_size
+            )
         if self.inner_attn is not None:
             logger.info(
                 "cp_method=%s: model attention switched to %r around the inner kernel %r",
