@@ -53,6 +53,8 @@ class RecipeSection:
         None  # world size a dry run plans for (default: $WORLD_SIZE or the minimum)
     )
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
+    cp_self_check: bool = False  # one step with CP and without it compared before training
+    cp_self_check_tokens: int = 512  # tokens per row of the self-check's slice of the training data
 
 
 @dataclass
