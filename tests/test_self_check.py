@@ -4,7 +4,8 @@ broken normaliser, and leaves the run untouched.
 One 2-rank gloo group runs every case (tests/workers/self_check_worker.py): configs/cp.yaml (ring),
 configs/cp_ulysses.yaml on plain and on packed rows, each with the tiny fp32 overrides of the recipe
 tests and a 60-token slice of 128/256-token rows; and configs/cp.yaml with the loss normaliser
-monkeypatched to a per-rank mean (the classic CP scaling bug).
+monkeypatched to a per-rank mean (the classic CP scaling bug), and with a validation loss that
+comes out ``cp_size`` times too large under CP.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def test_self_check_passes_on_every_shipped_method(results):
             assert r["tokens"] == 60  # rows of 128 (packed: 256) tokens cut to the configured slice
             assert r["label_tokens_cp"] == r["label_tokens_ref"] > 0
             assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-4  # the parity bar, fp32
+            assert r["val_loss_rel"] <= 1e-5
+            assert r["val_loss_cp"] == pytest.approx(r["loss_cp"], rel=1e-5)  # same slice, same weights
             assert 5.0 < r["loss_cp"] < 8.0 and r["grad_norm_cp"] > 0.1  # a real loss of a fresh model
 
 
@@ -64,6 +67,15 @@ def test_broken_normaliser_aborts_with_the_figures(results):
         assert msg.startswith("recipe.cp_self_check: one step with distributed.cp_method=ring over cp_size=2")
         assert "loss " in msg and "grad norm " in msg and "rel 1 > 0.0001" in msg
         assert "recipe.cp_self_check=false" in msg
+
+
+@pytest.mark.dist
+def test_eval_loss_bug_aborts(results):
+    for res in results:
+        bug = res["eval_bug"]
+        assert bug["raised"] == CPSelfCheckError.__name__
+        assert "validation loss " in bug["message"] and "rel 1 > 0.0001" in bug["message"]
+        assert "grad norm" not in bug["message"]  # training itself is right: only the eval figure differs
 
 
 def test_truncate_batch_plain_rows():

@@ -18,7 +18,10 @@ before the first training step:
    The sums over the CP ranks (FSDP2's gradient reduce-scatter, the CE all-reduce) then count that
    identical computation ``cp_size`` times, so the reference loss and grad norm are the reported
    figures divided by ``cp_size``;
-4. compare the loss, the grad norm (before clipping) and the label-token count, log the figures
+4. the same for :meth:`FinetuneTrainer.validate` on the slice (forward only, the eval loss's own
+   reduction), with CP and without;
+5. compare the loss, the validation loss, the grad norm (before clipping) and the label-token
+   count, log the figures
    (and write them to ``<run dir>/cp_self_check.json`` on rank 0), and raise
    :class:`CPSelfCheckError` if they differ beyond the tolerance of the compute dtype.
 
@@ -148,6 +151,29 @@ def _slice_batches(trainer: Any, tokens: int) -> tuple[list[dict[str, Any]], int
     return batches, min(row, batches[0]["input_ids"].shape[1])
 
 
+class _SliceLoader:
+    """Stands in for the trainer's validation loader: the self-check's micro-batches, every epoch."""
+
+    def __init__(self, batches: list[dict[str, Any]]):
+        self._batches = batches
+
+    def set_epoch(self, epoch: int) -> None:
+        return None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter([dict(b) for b in self._batches])
+
+
+@contextlib.contextmanager
+def _validating_on(trainer: Any, batches: list[dict[str, Any]]) -> Iterator[None]:
+    val_loader = trainer.val_loader
+    trainer.val_loader = _SliceLoader(batches)
+    try:
+        yield
+    finally:
+        trainer.val_loader = val_loader
+
+
 class _NoStepOptimizer:
     """The trainer's optimizer with ``step`` a no-op (``zero_grad`` and ``param_groups`` are the real ones)."""
 
@@ -167,9 +193,18 @@ class _NoStepScheduler:
         return None
 
 
+def _reshard(model: torch.nn.Module) -> None:
+    """Free FSDP2's unsharded parameters (an eval forward without ``reshard_after_forward`` keeps them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 @contextlib.contextmanager
 def _frozen_run_state(trainer: Any) -> Iterator[None]:
-    """No optimizer/scheduler step, RNG states restored, gradients ``None`` afterwards."""
+    """No optimizer/scheduler step; afterwards RNG states restored, gradients ``None``, parameters resharded."""
     optimizer, scheduler = trainer.optimizer, trainer.scheduler
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
@@ -179,6 +214,7 @@ def _frozen_run_state(trainer: Any) -> Iterator[None]:
     finally:
         trainer.optimizer, trainer.scheduler = optimizer, scheduler
         trainer.model.zero_grad(set_to_none=True)
+        _reshard(trainer.model)
         random.setstate(rng[0])
         np.random.set_state(rng[1])
         torch.set_rng_state(rng[2])
@@ -217,14 +253,14 @@ def _compute_dtype(trainer: Any) -> torch.dtype:
 def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
     """Run the CP self-check on a set-up :class:`~automodel.training.trainer.FinetuneTrainer` (all ranks).
 
-    Returns the figures (``loss_cp``, ``loss_ref``, ``loss_rel``, ``grad_norm_cp``,
+    Returns the figures (``loss_cp``, ``loss_ref``, ``loss_rel``, ``val_loss_*``, ``grad_norm_cp``,
     ``grad_norm_ref``, ``grad_norm_rel``, ``label_tokens_cp``, ``label_tokens_ref``, tolerances,
     ``tokens`` per row, ``micro_batches``, ``rows``, ``seconds``, ``passed``), or ``None`` when
     ``cp_size == 1`` (nothing to compare). Mutates nothing of the run (see the module docstring).
 
     Raises:
-        CPSelfCheckError: the loss or the grad norm differ beyond :data:`SELF_CHECK_RTOL` for the
-            compute dtype, the label-token counts differ, or a figure is not finite; the message
+        CPSelfCheckError: the loss, the validation loss or the grad norm differ beyond
+            :data:`SELF_CHECK_RTOL` for the compute dtype, the label-token counts differ, or a figure is not finite; the message
             gives the figures and what to do.
     """
     cfg = trainer.cfg
@@ -235,11 +271,13 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
         return None
     t0 = time.perf_counter()
     batches, row = _slice_batches(trainer, cfg.recipe.cp_self_check_tokens)
-    with _frozen_run_state(trainer):
+    with _frozen_run_state(trainer), _validating_on(trainer, batches):
         with_cp = trainer.train_step([dict(b) for b in batches])
         trainer.model.zero_grad(set_to_none=True)
+        val_cp = trainer.validate()
         with _without_cp(trainer):
             ref = trainer.train_step([dict(b) for b in batches])
+            val_ref = trainer.validate()
     dtype = _compute_dtype(trainer)
     loss_tol, norm_tol = SELF_CHECK_RTOL.get(dtype, SELF_CHECK_RTOL[torch.float32])
     report: dict[str, Any] = {
@@ -253,6 +291,8 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
         "loss_ref": ref["loss"] / cp,  # every CP rank computed the whole slice: summed cp times
         "grad_norm_cp": with_cp["grad_norm"],
         "grad_norm_ref": ref["grad_norm"] / cp,
+        "val_loss_cp": val_cp,
+        "val_loss_ref": val_ref / cp,  # the CE sum is all-reduced over dp x cp, the label count over dp
         "label_tokens_cp": with_cp["label_tokens"],
         "label_tokens_ref": ref["label_tokens"],
         "loss_rtol": loss_tol,
@@ -260,6 +300,7 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
     }
     report["loss_rel"] = _rel(report["loss_cp"], report["loss_ref"])
     report["grad_norm_rel"] = _rel(report["grad_norm_cp"], report["grad_norm_ref"])
+    report["val_loss_rel"] = _rel(report["val_loss_cp"], report["val_loss_ref"])
     problems = []
     if report["label_tokens_cp"] != report["label_tokens_ref"]:
         problems.append(
@@ -269,6 +310,11 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
         problems.append(
             f"loss {report['loss_cp']:.8g} with CP vs {report['loss_ref']:.8g} without "
             f"(rel {report['loss_rel']:.3g} > {loss_tol:g})"
+        )
+    if not report["val_loss_rel"] <= loss_tol:
+        problems.append(
+            f"validation loss {report['val_loss_cp']:.8g} with CP vs {report['val_loss_ref']:.8g} without "
+            f"(rel {report['val_loss_rel']:.3g} > {loss_tol:g})"
         )
     if not report["grad_norm_rel"] <= norm_tol:
         problems.append(
@@ -280,7 +326,8 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
     summary = (
         f"cp self-check (cp_method={method}, cp_size={cp}, {dtype}, {report['micro_batches']} micro-batches, "
         f"{report['rows']} rows x {row} tokens): loss {report['loss_cp']:.6f} vs {report['loss_ref']:.6f} "
-        f"(rel {report['loss_rel']:.2g}), grad norm {report['grad_norm_cp']:.6f} vs "
+        f"(rel {report['loss_rel']:.2g}), validation loss {report['val_loss_cp']:.6f} vs {report['val_loss_ref']:.6f} "
+        f"(rel {report['val_loss_rel']:.2g}), grad norm {report['grad_norm_cp']:.6f} vs "
         f"{report['grad_norm_ref']:.6f} (rel {report['grad_norm_rel']:.2g}), label tokens "
         f"{report['label_tokens_cp']} vs {report['label_tokens_ref']}: "
         f"{'passed' if not problems else 'FAILED'} in {report['seconds']:.1f}s"

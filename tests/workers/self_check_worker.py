@@ -42,6 +42,16 @@ def _mean_normalised_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     )
 
 
+class _EvalLossTimesCP(FinetuneTrainer):
+    """The 'eval loss x cp_size' bug: each CP rank's shard mean is summed over the CP group in validation."""
+
+    def validate(self) -> float:
+        from automodel.training.cp_dispatch import no_cp_batch_and_ctx
+
+        loss = super().validate()
+        return loss if self.cp_fn is no_cp_batch_and_ctx else loss * self.cfg.distributed.cp_size
+
+
 def main(rank: int, world_size: int, out: str) -> dict:
     out_dir = Path(out)
     results: dict = {}
@@ -72,6 +82,14 @@ def main(rank: int, world_size: int, out: str) -> dict:
         results[name]["attn_after"] = trainer.model.config._attn_implementation
         del trainer
 
+    # a broken validation reduction makes the check abort before training
+    argv = ["--config", CP, *TINY, *TWO_STEPS, f"recipe.output_dir={out_dir / 'eval_bug'}", *CHECK]
+    try:
+        _EvalLossTimesCP(load_config(argv, world_size=world_size)).setup()
+        results["eval_bug"] = {"raised": None}
+    except Exception as e:  # noqa: BLE001 - the test asserts on the type and the message
+        results["eval_bug"] = {"raised": type(e).__name__, "message": str(e)}
+
     # a broken normaliser makes the check abort before training
     import automodel.training.step as step
 
@@ -83,7 +101,11 @@ def main(rank: int, world_size: int, out: str) -> dict:
             broken.setup()
             results["broken"] = {"raised": None}
         except Exception as e:  # noqa: BLE001 - the test asserts on the type and the message
-            results["broken"] = {"raised": type(e).__name__, "message": str(e), "is_value_error": isinstance(e, ValueError)}
+            results["broken"] = {
+                "raised": type(e).__name__,
+                "message": str(e),
+                "is_value_error": isinstance(e, ValueError),
+            }
     finally:
         step.token_cross_entropy_sum = original
     return results
