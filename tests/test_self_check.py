@@ -70,6 +70,15 @@ def test_broken_normaliser_aborts_with_the_figures(results):
 
 
 @pytest.mark.dist
+def test_recipe_reports_the_abort_as_one_error_line(results):
+    rec = results[0]["recipe"]  # rank 0: recipes/finetune.py main() with the broken normaliser
+    assert rec["exit_code"] == 2
+    lines = [ln for ln in rec["printed"].splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: recipe.cp_self_check: one step with")
+    assert "Traceback" not in rec["printed"]
+
+
+@pytest.mark.dist
 def test_eval_loss_bug_aborts(results):
     for res in results:
         bug = res["eval_bug"]

@@ -106,6 +106,31 @@ def main(rank: int, world_size: int, out: str) -> dict:
                 "message": str(e),
                 "is_value_error": isinstance(e, ValueError),
             }
+        results["recipe"] = _recipe_exit(out_dir)
     finally:
         step.token_cross_entropy_sum = original
     return results
+
+
+def _recipe_exit(out_dir: Path) -> dict:
+    """``recipes/finetune.py``'s ``main`` on the broken normaliser: its exit code and what it printed."""
+    import contextlib
+    import importlib.util
+    import io
+
+    import torch.distributed as dist
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "finetune.py"
+    spec = importlib.util.spec_from_file_location("finetune_recipe", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    argv = ["--config", CP, *TINY, *TWO_STEPS, f"recipe.output_dir={out_dir / 'recipe'}", *CHECK]
+    printed = io.StringIO()
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda *a, **k: None  # the test harness still needs the group
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            code = recipe.main(argv)
+    finally:
+        dist.destroy_process_group = destroy
+    return {"exit_code": code, "printed": printed.getvalue()}
