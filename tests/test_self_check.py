@@ -119,3 +119,12 @@ def test_truncate_batch_packed_rows_keeps_boundaries():
     out = truncate_batch(batch, 3)  # cut inside the first document's padding-free part
     assert out["seq_lens_padded"].tolist() == [[3, pad, pad], [3, pad, pad]]
     assert out["seq_lens"].tolist() == [[3, pad, pad], [3, pad, pad]]
+
+
+def test_self_check_tokens_validated_before_anything_loads():
+    from automodel.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"recipe.cp_self_check_tokens=0 must be >= 1"):
+        load_config(["--config", "configs/cp.yaml", "recipe.cp_self_check_tokens=0"], world_size=2)
+    cfg = load_config(["--config", "configs/cp.yaml"], world_size=2).cfg
+    assert (cfg.recipe.cp_self_check, cfg.recipe.cp_self_check_tokens) == (False, 512)
