@@ -260,8 +260,8 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
 
     Raises:
         CPSelfCheckError: the loss, the validation loss or the grad norm differ beyond
-            :data:`SELF_CHECK_RTOL` for the compute dtype, the label-token counts differ, or a figure is not finite; the message
-            gives the figures and what to do.
+            :data:`SELF_CHECK_RTOL` for the compute dtype, the label-token counts differ, or a
+            figure is not finite; the message gives the figures and what to do.
     """
     cfg = trainer.cfg
     cp = cfg.distributed.cp_size
@@ -324,7 +324,7 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
     report["passed"] = not problems
     report["seconds"] = time.perf_counter() - t0
     summary = (
-        f"cp self-check (cp_method={method}, cp_size={cp}, {dtype}, {report['micro_batches']} micro-batches, "
+        f"cp self-check (cp_method={method}, cp_size={cp}, {report['compute_dtype']}, {report['micro_batches']} micro-batches, "
         f"{report['rows']} rows x {row} tokens): loss {report['loss_cp']:.6f} vs {report['loss_ref']:.6f} "
         f"(rel {report['loss_rel']:.2g}), validation loss {report['val_loss_cp']:.6f} vs {report['val_loss_ref']:.6f} "
         f"(rel {report['val_loss_rel']:.2g}), grad norm {report['grad_norm_cp']:.6f} vs "
