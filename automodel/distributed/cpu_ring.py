@@ -39,8 +39,9 @@ is ever in flight while any other code runs, so no buffer can be freed, reused o
 collective completes. The math is unchanged (the same k/v block arrives at every ring step as with
 either of torch's rotaters, for both ``set_rotate_method`` values). The cost is the lost overlap of
 communication and compute: ``scripts/bench_ring_rotation.py`` (both rotations interleaved step by
-step, 2 gloo ranks, ``[1, 8, S, 64]`` fp32 fwd+bwd) measured sync / torch = 1.14 at S=2048 and 1.02
-at S=8192 of the attention time alone, on a heavily shared 2-core machine (issue 7's note).
+step, 2 gloo ranks, ``[1, 8, S, 64]`` fp32 fwd+bwd, attention alone) measured sync / torch =
+1.02-1.14 at S=2048, 1.04 at S=4096 and 1.02 at S=8192 on a heavily shared 2-core machine (load
+17-45; issue 7's note); a training step also spends time outside attention, so costs less.
 
 Precision: torch's ring upcasts each partial output and LSE to fp32 before merging
 (``_cp_options.convert_to_f32``). That is right for bf16/fp16 but would silently *downcast* fp64
