@@ -200,6 +200,11 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all")
     if cfg.recipe.dry_run_world_size is not None and cfg.recipe.dry_run_world_size < 1:
         problems.append(f"recipe.dry_run_world_size={cfg.recipe.dry_run_world_size} must be >= 1")
+    if cfg.recipe.cp_self_check_tokens < 1:
+        problems.append(
+            f"recipe.cp_self_check_tokens={cfg.recipe.cp_self_check_tokens} must be >= 1 (tokens per row of "
+            f"the CP self-check's slice; default 512)"
+        )
     problems += peft_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
     return problems

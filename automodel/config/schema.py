@@ -57,6 +57,8 @@ class RecipeSection:
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
     plan_nnodes: int | None = None  # dry run: nodes to plan for (ranks per node, cp/tp groups vs nodes)
     plan_nproc_per_node: int | None = None  # dry run: processes per node (with plan_nnodes: the world size)
+    cp_self_check: bool = False  # one step with CP and without it compared before training
+    cp_self_check_tokens: int = 512  # tokens per row of the self-check's slice of the training data
 
 
 @dataclass

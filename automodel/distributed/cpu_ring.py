@@ -19,6 +19,30 @@ dkv rotation) is torch's. :func:`cpu_ring_attention` installs both pieces for th
 custom handlers on entry). :func:`automodel.distributed.cp_utils.create_context_parallel_ctx`
 does this automatically when the CP mesh is on CPU.
 
+Communication: inside the ``with`` block the k/v and dk/dv rotation is *synchronous*. torch's
+rotaters (``_AllGatherRotater`` / ``_AllToAllRotater``) issue asynchronous functional collectives
+(``_c10d_functional.all_gather_into_tensor`` / ``all_to_all_single``, waited later through
+``wait_tensor``), and the ring backward keeps two of them in flight at once on the same gloo group
+(the k/v all-gather and the dk/dv all-to-all), each running on a gloo worker thread while the
+Python thread allocates, computes and frees tensors. The buffers are owned by the gloo work objects
+and the functional-collective registry, not by the ring's code, so whether every one of them stays
+alive and untouched until its collective completes depends on that machinery; one run of the
+default recipe in 18 died in the ring backward with ``malloc(): unaligned tcache chunk detected``
+(issue 7). ``scripts/soak.sh`` reproduced it with torch's rotaters (1 of 21 runs under heavy load,
+glibc malloc checks on): glibc found its heap already corrupted when ``_AllToAllRotater
+.exchange_buffers`` (``permute_tensor`` -> ``_c10d_functional.all_to_all_single``) allocated in the
+ring backward, i.e. memory had been written after it was freed while collectives were in flight.
+:class:`_SyncRotater` removes the question: ``exchange_buffers`` runs a blocking
+``dist.all_to_all_single`` (send to rank+1, receive from rank-1) whose input and output are Python
+locals held by the call itself, and returns only after gloo has finished with both; no collective
+is ever in flight while any other code runs, so no buffer can be freed, reused or read before its
+collective completes. The math is unchanged (the same k/v block arrives at every ring step as with
+either of torch's rotaters, for both ``set_rotate_method`` values). The cost is the lost overlap of
+communication and compute: ``scripts/bench_ring_rotation.py`` (both rotations interleaved step by
+step, 2 gloo ranks, ``[1, 8, S, 64]`` fp32 fwd+bwd, attention alone) measured sync / torch =
+1.02-1.14 at S=2048, 1.04 at S=4096 and 1.02 at S=8192 on a heavily shared 2-core machine (load
+17-45; issue 7's note); a training step also spends time outside attention, so costs less.
+
 Precision: torch's ring upcasts each partial output and LSE to fp32 before merging
 (``_cp_options.convert_to_f32``). That is right for bf16/fp16 but would silently *downcast* fp64
 inputs, so for fp64 q/k/v the handler merges in fp64 instead.
@@ -48,6 +72,7 @@ _REQUIRED = {
         "_templated_ring_attention_backward",
         "_cp_options",
         "custom_ops",
+        "_create_rotater",
     ),
     _RULES_MODULE: ("_op_strategy_context",),
     "torch.distributed.tensor._ops.utils": ("expand_to_full_mesh_op_strategy",),
@@ -213,6 +238,57 @@ def _ring_backward(
         )
 
 
+class _SyncRotater:
+    """Blocking ring rotation: each call of :meth:`exchange_buffers` sends to rank+1, receives from rank-1.
+
+    The protocol of torch's ``_RingRotater``: ``exchange_buffers(buf)`` hands this rank's flat
+    buffer (k and v, or dk and dv, concatenated) to the next rank, ``next_buffer()`` returns the
+    previous rank's. Here ``exchange_buffers`` completes the exchange before it returns
+    (``dist.all_to_all_single`` with ``async_op=False``; on gloo/CPU its ``wait`` returns once the
+    data is in ``recv``), so:
+
+    - the send buffer is a local of this call, referenced until after the collective completed;
+    - the receive buffer is allocated here and handed out only by :meth:`next_buffer`, after the
+      collective completed (it is then owned by the caller, never touched again by this object);
+    - nothing is in flight between calls, so freeing or reusing any tensor afterwards is safe.
+    """
+
+    def __init__(self, pg: Any, seq_dim: int) -> None:
+        import torch.distributed as dist
+
+        self._pg = pg
+        self._seq_dim = seq_dim
+        self._rank = dist.get_rank(pg)
+        self._size = dist.get_world_size(pg)
+        self._received: torch.Tensor | None = None
+
+    def exchange_buffers(self, curr_buffer: torch.Tensor) -> None:
+        """Send ``curr_buffer`` (flat, any dtype) to rank+1 and receive rank-1's into a new tensor. Blocks."""
+        import torch.distributed as dist
+
+        send = curr_buffer.contiguous()
+        recv = torch.empty_like(send)
+        n = send.numel()
+        in_splits = [0] * self._size
+        out_splits = [0] * self._size
+        in_splits[(self._rank + 1) % self._size] = n
+        out_splits[(self._rank - 1) % self._size] = n
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self._pg, async_op=False)
+        self._received = recv
+
+    def next_buffer(self) -> torch.Tensor:
+        """The buffer received by the last :meth:`exchange_buffers` (complete; owned by the caller)."""
+        if self._received is None:
+            raise RuntimeError("ring rotation: next_buffer() called before exchange_buffers()")
+        received, self._received = self._received, None
+        return received
+
+
+def _sync_create_rotater(pg: Any, seq_dim: int, method: Any = None) -> _SyncRotater:
+    """Stands in for torch's ``_create_rotater`` inside :func:`cpu_ring_attention` (any ``method``)."""
+    return _SyncRotater(pg, seq_dim)
+
+
 def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     from torch.distributed.tensor import DTensor
 
@@ -240,7 +316,8 @@ def cpu_ring_attention() -> Iterator[None]:
 
     Enter it *before* ``torch.distributed.tensor.experimental.context_parallel`` (which copies the
     custom op handlers when it starts). Re-entrant: nested uses are no-ops. Mutates torch's private
-    CP handler table and DTensor's sharding-strategy registry, and restores both on exit.
+    CP handler table, DTensor's sharding-strategy registry and the ring's rotater factory
+    (``_create_rotater``: synchronous rotation, see the module docstring); restores all three on exit.
 
     Raises:
         RuntimeError: this torch lacks a private symbol the CPU ring needs (see module docstring).
@@ -266,11 +343,14 @@ def cpu_ring_attention() -> Iterator[None]:
         stack.enter_context(rules._op_strategy_context(bwd, _backward_strategy, RuntimeSchemaInfo(6)))
         saved = {op: attn.custom_ops.get(op) for op in (fwd, bwd)}
         attn.custom_ops.update({fwd: _handler, bwd: _handler})
+        saved_rotater = attn._create_rotater
+        attn._create_rotater = _sync_create_rotater  # see "Communication" in the module docstring
         _depth = 1
         try:
             yield
         finally:
             _depth = 0
+            attn._create_rotater = saved_rotater
             for op, old in saved.items():
                 if old is None:
                     attn.custom_ops.pop(op, None)

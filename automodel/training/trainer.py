@@ -162,6 +162,10 @@ class FinetuneTrainer:
         self._build_data_and_model()
         self._build_optimization()
         self._maybe_resume()
+        if cfg.recipe.cp_self_check:  # one step with CP and without, compared (weights untouched)
+            from automodel.training.self_check import run_cp_self_check
+
+            self.cp_self_check_report = run_cp_self_check(self)
 
     def _build_data_and_model(self) -> None:
         from hydra.utils import instantiate
