@@ -224,21 +224,21 @@ def _frozen_run_state(trainer: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _without_cp(trainer: Any) -> Iterator[None]:
-    """The trainer's ``cp_size == 1`` pipeline: no CP batch function, the model's own attention."""
-    from automodel.training.cp_dispatch import no_cp_batch_and_ctx
-
+    """The trainer's ``cp_size == 1`` pipeline: its ``no_cp_fn`` (a VLM still encodes its images) and the
+    model's own attention back where the CP method switched it (``cp_attn_switch``)."""
     cp_fn = trainer.cp_fn
-    switched = trainer.inner_attn is not None
-    current = trainer.model.config._attn_implementation
-    trainer.cp_fn = no_cp_batch_and_ctx
-    if switched:
-        trainer.model.set_attn_implementation(trainer.inner_attn)
+    switch = trainer.cp_attn_switch
+    trainer.cp_fn = trainer.no_cp_fn
+    if switch is not None:
+        module, inner = switch
+        current = module.config._attn_implementation
+        module.set_attn_implementation(inner)
     try:
         yield
     finally:
         trainer.cp_fn = cp_fn
-        if switched:
-            trainer.model.set_attn_implementation(current)
+        if switch is not None:
+            module.set_attn_implementation(current)
 
 
 def _compute_dtype(trainer: Any) -> torch.dtype:

@@ -43,6 +43,7 @@ from automodel.training.cp_dispatch import (
     bind_cp_method,
     check_model_config_for_cp,
     get_cp_method,
+    no_cp_batch_and_ctx,
 )
 from automodel.training.elastic import reseed_for_step
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
@@ -269,16 +270,23 @@ class FinetuneTrainer:
         # The CP method's batch/context function; a method may switch the model once (Ulysses: its own
         # attention implementation around the inner kernel model.attn_implementation). At cp_size=1
         # nothing is switched: the model is the plain single-device reference.
-        from automodel.models.vlm_cp import bind_vlm_cp, is_vlm
+        # ``no_cp_fn`` and ``cp_attn_switch`` (the module whose attention the method switched, and its
+        # previous implementation) give the same pipeline without CP: the CP self-check's reference.
+        from automodel.models.vlm_cp import bind_vlm_cp, is_vlm, vlm_parts
 
+        d = cfg.distributed
         if is_vlm(self.model):  # vision on each rank's share, then the text model under CP
-            self.cp_fn, self.inner_attn = bind_vlm_cp(
-                self.model, self.mesh, cfg.distributed.cp_method, cfg.distributed.cp_size, self.attn_implementation
-            ), None
-        else:
-            self.cp_fn, self.inner_attn = bind_cp_method(
-                cfg.distributed.cp_method, self.model, self.mesh, cfg.distributed.cp_size
+            self.cp_fn = bind_vlm_cp(self.model, self.mesh, d.cp_method, d.cp_size, self.attn_implementation)
+            self.no_cp_fn = bind_vlm_cp(self.model, self.mesh, d.cp_method, 1, self.attn_implementation)
+            self.inner_attn = None
+            switched = d.cp_size > 1 and d.cp_method == "ulysses"  # Ulysses on the text model only
+            self.cp_attn_switch = (
+                (vlm_parts(self.model).language_model, self.attn_implementation) if switched else None
             )
+        else:
+            self.cp_fn, self.inner_attn = bind_cp_method(d.cp_method, self.model, self.mesh, d.cp_size)
+            self.no_cp_fn = no_cp_batch_and_ctx
+            self.cp_attn_switch = (self.model, self.inner_attn) if self.inner_attn is not None else None
         if self.inner_attn is not None:
             logger.info(
                 "cp_method=%s: model attention switched to %r around the inner kernel %r",

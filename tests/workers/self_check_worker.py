@@ -82,6 +82,22 @@ def main(rank: int, world_size: int, out: str) -> dict:
         results[name]["attn_after"] = trainer.model.config._attn_implementation
         del trainer
 
+    # the other shipped CPU configs: LoRA (ring) and the VLM (its own tiny model; ring and Ulysses, where the
+    # reference must still encode the images and give the text model its own attention back)
+    vlm = ["configs/vlm_cp.yaml", *TWO_STEPS, "recipe.cp_self_check=true", "checkpoint.enabled=false",
+           "export.enabled=false", "logging.progress_bar=false", "logging.plot=false"]  # fmt: skip
+    for name, argv in (
+        ("lora", ["configs/cp_lora.yaml", *TINY, *TWO_STEPS, *CHECK]),
+        ("vlm_ring", vlm),
+        ("vlm_ulysses", [*vlm, "distributed.cp_method=ulysses"]),
+    ):
+        trainer = FinetuneTrainer(
+            load_config(["--config", *argv, f"recipe.output_dir={out_dir / name}"], world_size=world_size)
+        )
+        trainer.setup()
+        results[name] = dict(trainer.cp_self_check_report)
+        del trainer
+
     # a broken validation reduction makes the check abort before training
     argv = ["--config", CP, *TINY, *TWO_STEPS, f"recipe.output_dir={out_dir / 'eval_bug'}", *CHECK]
     try:
