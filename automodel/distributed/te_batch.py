@@ -165,8 +165,9 @@ def shard_thd_chunk(
             raise ValueError(
                 f"packed sequence {i} has padded length {int(lengths[i])}, not divisible by "
                 f"2*cp_size={divisor}; THD context parallelism splits every sequence into {divisor} equal "
-                f"chunks. Pad each packed sequence to a multiple of {divisor} (set "
-                f"data.pad_to_multiple_of={divisor} so that seq_lens_padded are multiples of {divisor})"
+                f"chunks. Pad each packed sequence to a multiple of {divisor}: packed rows "
+                f"data.dataset.seq_pad_multiple={divisor} (automatic with distributed.cp_method=thd), unpacked rows "
+                f"data.pad_to_multiple_of={divisor}"
             )
         index = get_thd_partitioned_indices(cu.to(torch.int32), total, cp_size, cp_rank).long()
         tokens = {
