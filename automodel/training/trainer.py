@@ -47,6 +47,7 @@ from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_pea
 from automodel.training.optim import clip_grad_norm
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
 from automodel.training.step import prepare_batch, run_micro_batch
+from automodel.training.thd_recipe import thd_batch_kwargs, thd_dataset_kwargs
 
 __all__ = ["TrainHooks", "TrainResult", "FinetuneTrainer", "pad_multiple"]
 
@@ -194,7 +195,11 @@ class FinetuneTrainer:
         # ---- data
         common = {"tokenizer": self.tokenizer, "seq_len": cfg.data.seq_len}
         self.train_dataset = instantiate(
-            cfg.data.dataset, split=cfg.data.train_split, **common, _convert_="all"
+            cfg.data.dataset,
+            split=cfg.data.train_split,
+            **common,
+            **thd_dataset_kwargs(cfg, cfg.data.dataset),
+            _convert_="all",
         )
         loader_kwargs = dict(
             dp_rank=self.dp_rank,
@@ -213,7 +218,9 @@ class FinetuneTrainer:
         self.val_loader = None
         if cfg.data.validation_split is not None and cfg.step_scheduler.val_every_steps:
             node = cfg.data.validation_dataset or cfg.data.dataset
-            self.val_dataset = instantiate(node, split=cfg.data.validation_split, **common, _convert_="all")
+            self.val_dataset = instantiate(
+                node, split=cfg.data.validation_split, **common, **thd_dataset_kwargs(cfg, node), _convert_="all"
+            )
             self.val_loader = build_dataloader(
                 self.val_dataset,
                 local_batch_size=cfg.step_scheduler.local_batch_size,
@@ -253,7 +260,7 @@ class FinetuneTrainer:
         # attention implementation around the inner kernel model.attn_implementation). At cp_size=1
         # nothing is switched: the model is the plain single-device reference.
         self.cp_fn, self.inner_attn = bind_cp_method(
-            cfg.distributed.cp_method, self.model, self.mesh, cfg.distributed.cp_size
+            cfg.distributed.cp_method, self.model, self.mesh, cfg.distributed.cp_size, **thd_batch_kwargs(cfg)
         )
         if self.inner_attn is not None:
             logger.info(
