@@ -129,7 +129,9 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
     vocab = model_kw["vocab_size"]
     lens = documents(seq_len)
     torch.manual_seed(0)
-    config = LlamaConfig(max_position_embeddings=seq_len, attn_implementation="sdpa", use_cache=False, **model_kw)
+    config = LlamaConfig(
+        max_position_embeddings=seq_len, attn_implementation="sdpa", use_cache=False, **model_kw
+    )
     model = AutoModelForCausalLM.from_config(config)
     counter = _SentCounter(world)
     if method == "ring":
@@ -161,9 +163,12 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
         ctx, local = fn(mesh, dict(batch))
         with ctx():
             logits = model(input_ids=local["input_ids"], position_ids=local.get("position_ids")).logits
-            loss = F.cross_entropy(
-                logits.flatten(0, 1), local["labels"].flatten(), ignore_index=-100, reduction="sum"
-            ) / count
+            loss = (
+                F.cross_entropy(
+                    logits.flatten(0, 1), local["labels"].flatten(), ignore_index=-100, reduction="sum"
+                )
+                / count
+            )
             loss.backward()
         model.zero_grad(set_to_none=True)
         elapsed = torch.tensor(time.perf_counter() - start)
@@ -199,7 +204,13 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
 
 def run(method: str, world: int, seq_len: int, steps: int, model_kw: dict, timeout: float) -> dict:
     res = run_on_ranks(
-        "scripts.bench_packed:_worker", world, timeout, method=method, seq_len=seq_len, steps=steps, model_kw=model_kw
+        "scripts.bench_packed:_worker",
+        world,
+        timeout,
+        method=method,
+        seq_len=seq_len,
+        steps=steps,
+        model_kw=model_kw,
     )
     out = dict(res[0])
     out["time"] = max(r["time"] for r in res)
@@ -209,7 +220,9 @@ def run(method: str, world: int, seq_len: int, steps: int, model_kw: dict, timeo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--methods", nargs="+", default=["thd1", "thd", "ulysses", "ring"])
     parser.add_argument("--steps", type=int, default=2)

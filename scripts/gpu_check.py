@@ -78,7 +78,9 @@ def check_kernels(rank: int, world: int) -> bool:
     dout = grad_full[:, :, idx].to(device)
 
     def run(kernel: str, dtype: torch.dtype):
-        plan = THDPlan(dist.group.WORLD if world > 1 else None, world, rank, cu_p, cu, max(padded), kernel=kernel)
+        plan = THDPlan(
+            dist.group.WORLD if world > 1 else None, world, rank, cu_p, cu, max(padded), kernel=kernel
+        )
         q, k, v = (t.to(dtype).detach().requires_grad_() for t in local)
         out = thd_attention(q, k, v, plan)
         out.backward(dout.to(out.dtype))
@@ -103,7 +105,9 @@ def check_kernels(rank: int, world: int) -> bool:
         ok &= good
         if rank == 0:
             names = "out, dq, dk, dv"
-            print(f"kernel {kernel} vs portable (cp={world}, bf16): rel err [{names}] = {errs}: {'OK' if good else 'FAIL'}")
+            print(
+                f"kernel {kernel} vs portable (cp={world}, bf16): rel err [{names}] = {errs}: {'OK' if good else 'FAIL'}"
+            )
     return ok
 
 

@@ -30,7 +30,10 @@ def _sdpa_per_document(q, k, v, cu):
     return torch.cat(
         [
             torch.nn.functional.scaled_dot_product_attention(
-                q[:, :, a:b], k[:, :, a:b].repeat_interleave(g, 1), v[:, :, a:b].repeat_interleave(g, 1), is_causal=True
+                q[:, :, a:b],
+                k[:, :, a:b].repeat_interleave(g, 1),
+                v[:, :, a:b].repeat_interleave(g, 1),
+                is_causal=True,
             )
             for a, b in zip(cu[:-1], cu[1:])
         ],
@@ -61,9 +64,12 @@ def test_batch_without_cp_is_the_flat_thd_batch():
     assert local["input_ids"].shape == (1, 8) and local["position_ids"].tolist() == [[0, 1, 2, 3] * 2]
     assert local["cu_seqlens"].tolist() == [0, 3, 6] and local["cu_seqlens_padded"].tolist() == [0, 4, 8]
     # unpacked rows: each row is one document
-    _, plain = make_thd_batch_and_ctx(None, {"input_ids": torch.ones(2, 6, dtype=torch.long),
-                                             "labels": torch.ones(2, 6, dtype=torch.long)})
-    assert plain["cu_seqlens_padded"].tolist() == [0, 6, 12] and plain["position_ids"].tolist() == [list(range(6)) * 2]
+    _, plain = make_thd_batch_and_ctx(
+        None, {"input_ids": torch.ones(2, 6, dtype=torch.long), "labels": torch.ones(2, 6, dtype=torch.long)}
+    )
+    assert plain["cu_seqlens_padded"].tolist() == [0, 6, 12] and plain["position_ids"].tolist() == [
+        list(range(6)) * 2
+    ]
 
 
 def test_bad_input_errors():
@@ -75,7 +81,9 @@ def test_bad_input_errors():
     assert model.config._attn_implementation == "thd"
     with pytest.raises(ValueError, match=r"Linear is not a transformers PreTrainedModel.*cannot be swapped"):
         set_thd_attention(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match=r"distributed.thd_kernel=flash_attn needs CUDA tensors, but the run is on cpu"):
+    with pytest.raises(
+        ValueError, match=r"distributed.thd_kernel=flash_attn needs CUDA tensors, but the run is on cpu"
+    ):
         check_thd_kernel("flash_attn", "cpu")
     with pytest.raises(ValueError, match=r"THD kernel 'bogus' is not one of"):
         check_thd_kernel("bogus", "cpu")
@@ -86,8 +94,9 @@ def test_bad_input_errors():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
     # a model that never calls THD attention inside the context
     plain = tiny_llama(2, torch.float32)
-    ctx, local = make_thd_batch_and_ctx(None, {"input_ids": torch.ones(1, 4, dtype=torch.long),
-                                               "labels": torch.ones(1, 4, dtype=torch.long)})
+    ctx, local = make_thd_batch_and_ctx(
+        None, {"input_ids": torch.ones(1, 4, dtype=torch.long), "labels": torch.ones(1, 4, dtype=torch.long)}
+    )
     with pytest.raises(RuntimeError, match="no THD attention ran inside the THD context"):
         with ctx():
             plain(input_ids=local["input_ids"], position_ids=local["position_ids"])

@@ -95,10 +95,14 @@ def test_bad_packed_batches():
             return 0
 
     # a document not padded to a multiple of 2*cp
-    with pytest.raises(ValueError, match=r"padded length 6, not divisible by 2\*cp_size=4.*seq_pad_multiple=4"):
+    with pytest.raises(
+        ValueError, match=r"padded length 6, not divisible by 2\*cp_size=4.*seq_pad_multiple=4"
+    ):
         make_cp_batch_for_te(Fake(), _packed([3, 2], [6, 2]))
     # inconsistent seq_lens / seq_lens_padded
-    with pytest.raises(ValueError, match=r"seq_lens=5, seq_lens_padded=4; need 0 <= seq_lens <= seq_lens_padded"):
+    with pytest.raises(
+        ValueError, match=r"seq_lens=5, seq_lens_padded=4; need 0 <= seq_lens <= seq_lens_padded"
+    ):
         make_cp_batch_for_te(Fake(), _packed([5, 2], [4, 4]))
     with pytest.raises(ValueError, match="disagree on which entries are the padding sentinel"):
         make_cp_batch_for_te(Fake(), _packed([3, -1000], [4, 4]))
@@ -121,7 +125,9 @@ def test_model_whose_attention_cannot_be_swapped():
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("thd_recipe")
     pair = run_distributed("tests.workers.thd_recipe_worker:pair", world_size=2, timeout=600, out=str(out))
-    (single,) = run_distributed("tests.workers.thd_recipe_worker:single", world_size=1, timeout=600, out=str(out))
+    (single,) = run_distributed(
+        "tests.workers.thd_recipe_worker:single", world_size=1, timeout=600, out=str(out)
+    )
     return {**single, **pair[0]}
 
 
@@ -157,6 +163,8 @@ def test_readme_thd_example_is_the_example_file():
     from tests.dist_harness import REPO_ROOT
 
     readme = (REPO_ROOT / "README.md").read_text()
-    block = re.search(r"<!-- own_loop_thd:start -->\n```python\n(.*?)```\n<!-- own_loop_thd:end -->", readme, re.S)
+    block = re.search(
+        r"<!-- own_loop_thd:start -->\n```python\n(.*?)```\n<!-- own_loop_thd:end -->", readme, re.S
+    )
     assert block, "README has no own_loop_thd block"
     assert block.group(1) == (REPO_ROOT / "examples" / "own_loop_thd.py").read_text()

@@ -150,7 +150,9 @@ def shard_thd_chunk(
     tokens = {k: chunk[k] for k in SHARDED_KEYS if chunk.get(k) is not None}
     if "padding_mask" not in tokens:
         real_end = torch.repeat_interleave(cu[:-1] + real_lengths, lengths, output_size=total)
-        tokens["padding_mask"] = (torch.arange(total, device=cu.device) >= real_end).to(chunk[primary[0]].device)
+        tokens["padding_mask"] = (torch.arange(total, device=cu.device) >= real_end).to(
+            chunk[primary[0]].device
+        )
     if "position_ids" not in tokens:
         raise KeyError("THD chunk is missing 'position_ids' (process_input_for_thd always provides them)")
     for key, t in tokens.items():
@@ -304,6 +306,7 @@ def make_cp_batch_for_te(
 
     if num_chunks == 1:
         return shard(thd)
+
     def mrope(key: str, v: torch.Tensor) -> bool:  # [n_rope, num_chunks, T_c] position ids
         return key == "position_ids" and v.dim() == 3
 

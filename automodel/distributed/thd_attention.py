@@ -197,7 +197,8 @@ class THDPlan:
         if key not in self._index:
             cu = torch.tensor(self.cu_seqlens_padded, dtype=torch.int64)
             parts = [
-                thd_partition_indices(cu, self.total, self.world_size, r).long() for r in range(self.world_size)
+                thd_partition_indices(cu, self.total, self.world_size, r).long()
+                for r in range(self.world_size)
             ]
             to_ranks = torch.cat(parts)
             to_global = torch.empty_like(to_ranks)
@@ -266,7 +267,9 @@ def _math_scores(q, k, causal: bool, scale: float | None):
     hkv, d = k.shape[1], q.shape[-1]
     dtype = torch.promote_types(q.dtype, torch.float32)
     qg = q.reshape(1, hkv, q.shape[1] // hkv, q.shape[2], d).to(dtype)
-    s = torch.matmul(qg, k.to(dtype).unsqueeze(2).transpose(-1, -2)) * (scale if scale is not None else d**-0.5)
+    s = torch.matmul(qg, k.to(dtype).unsqueeze(2).transpose(-1, -2)) * (
+        scale if scale is not None else d**-0.5
+    )
     if causal:  # square diagonal block: upper-left == lower-right
         n = q.shape[2]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
@@ -311,9 +314,9 @@ def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float | None):
 
 def _merge(out_a, lse_a, out_b, lse_b):
     lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1).to(out_a.dtype) + out_b * torch.exp(lse_b - lse).unsqueeze(
-        -1
-    ).to(out_b.dtype)
+    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1).to(out_a.dtype) + out_b * torch.exp(
+        lse_b - lse
+    ).unsqueeze(-1).to(out_b.dtype)
     return out, lse
 
 
@@ -464,7 +467,9 @@ def _te_thd(q, k, v, plan: THDPlan, scale):
         )
         if plan.world_size > 1:
             ranks = dist.get_process_group_ranks(plan.group)
-            attn.set_context_parallel_group(plan.group, ranks, torch.cuda.Stream(), cp_comm_type=plan.cp_comm_type)
+            attn.set_context_parallel_group(
+                plan.group, ranks, torch.cuda.Stream(), cp_comm_type=plan.cp_comm_type
+            )
         _TE_MODULES[key] = attn
     dev = q.device
     cu = torch.tensor(plan.cu_seqlens, dtype=torch.int32, device=dev)
@@ -507,7 +512,9 @@ def thd_attention(
             f"got query {tuple(query.shape)}; feed the model the batch returned by make_thd_batch_and_ctx"
         )
     if query.shape[1] % key.shape[1]:
-        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
+        )
     if plan.kernel == "flash_attn":
         return _flash_attn_thd(query, key, value, plan, scale)
     if plan.kernel == "te":
@@ -551,7 +558,9 @@ def thd_attention_forward(
             "attention_dropout to 0"
         )
     if is_causal is False or getattr(module, "is_causal", True) is False:
-        raise ValueError(f"{type(module).__name__} is not causal; THD attention computes causal attention only")
+        raise ValueError(
+            f"{type(module).__name__} is not causal; THD attention computes causal attention only"
+        )
     if kwargs.get("sliding_window") is not None and kwargs["sliding_window"] < plan.max_seqlen:
         raise ValueError(
             f"{type(module).__name__} uses a sliding window of {kwargs['sliding_window']} tokens, shorter than the "
@@ -564,7 +573,9 @@ def thd_attention_forward(
             "use distributed.cp_method=ulysses for this model"
         )
     if kwargs.get("softcap") is not None:
-        raise ValueError(f"{type(module).__name__} uses logit softcapping, which THD attention does not apply")
+        raise ValueError(
+            f"{type(module).__name__} uses logit softcapping, which THD attention does not apply"
+        )
     out = thd_attention(query, key, value, plan, scaling)
     return out.transpose(1, 2), None
 
@@ -672,9 +683,7 @@ def make_thd_batch_and_ctx(
             "a packed batch needs both 'seq_lens' and 'seq_lens_padded' [B, P]; got only "
             f"{'seq_lens' if bshd.get('seq_lens') is not None else 'seq_lens_padded'}"
         )
-    shard = make_cp_batch_for_te(
-        _CPSize(world, rank), bshd, seq_lens_padding_value=seq_lens_padding_value
-    )
+    shard = make_cp_batch_for_te(_CPSize(world, rank), bshd, seq_lens_padding_value=seq_lens_padding_value)
     cu_p = shard["cu_seqlens_padded"]
     cu = shard["cu_seqlens"]
     plan = THDPlan(

@@ -251,7 +251,13 @@ def process_input_for_thd(
         embeds = key == "inputs_embeds" or (key == "input_ids" and t.dim() == 3)
         want_dim = 3 if embeds else 2
         if t.dim() != want_dim or tuple(t.shape[:2]) != (bsz, seq_len):
-            what = "[B, S, H]" if embeds else "[B, S] (or mRoPE [n_rope, B, S])" if key == "position_ids" else "[B, S]"
+            what = (
+                "[B, S, H]"
+                if embeds
+                else "[B, S] (or mRoPE [n_rope, B, S])"
+                if key == "position_ids"
+                else "[B, S]"
+            )
             raise ValueError(
                 f"batch[{key!r}] must be {what} with B={bsz}, S={seq_len} (from {primary}), "
                 f"got shape {tuple(t.shape)}"
@@ -336,7 +342,11 @@ def split_batch_into_thd_chunks(
     chunks = []
     for i in range(num_chunks):
         sub = {
-            k: (v[:, i * rows : (i + 1) * rows] if k == "position_ids" and v.dim() == 3 else v[i * rows : (i + 1) * rows])
+            k: (
+                v[:, i * rows : (i + 1) * rows]
+                if k == "position_ids" and v.dim() == 3
+                else v[i * rows : (i + 1) * rows]
+            )
             for k, v in batch.items()
             if k in row_keys and isinstance(v, torch.Tensor)
         }

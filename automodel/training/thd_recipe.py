@@ -12,7 +12,13 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-__all__ = ["thd_batch_kwargs", "thd_dataset_kwargs", "thd_config_problems", "THD_KERNELS", "THD_CP_COMM_TYPES"]
+__all__ = [
+    "thd_batch_kwargs",
+    "thd_dataset_kwargs",
+    "thd_config_problems",
+    "THD_KERNELS",
+    "THD_CP_COMM_TYPES",
+]
 
 # Mirrors automodel.distributed.thd_attention (kept import-free: the config layer must not import torch.distributed)
 THD_KERNELS = ("portable", "flash_attn", "te")
@@ -32,7 +38,12 @@ def thd_batch_kwargs(cfg: Any) -> dict[str, Any]:
 
 def thd_dataset_kwargs(cfg: Any, node: Any) -> dict[str, Any]:
     """``{"seq_pad_multiple": 2*cp*tp}`` for a packed dataset node under thd CP without its own value, else {}."""
-    if not _uses_thd(cfg) or node is None or node.get("pack") is not True or node.get("seq_pad_multiple") is not None:
+    if (
+        not _uses_thd(cfg)
+        or node is None
+        or node.get("pack") is not True
+        or node.get("seq_pad_multiple") is not None
+    ):
         return {}
     return {"seq_pad_multiple": 2 * cfg.distributed.cp_size * cfg.distributed.tp_size}
 

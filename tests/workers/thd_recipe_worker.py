@@ -26,10 +26,14 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     out_dir = Path(out)
     return {
         "thd_packed_cp2": _with_padding(
-            *_run(world_size, out_dir, "thd_packed_cp2", ["distributed.cp_size=2", *PACKED], config=PACKED_CFG)
+            *_run(
+                world_size, out_dir, "thd_packed_cp2", ["distributed.cp_size=2", *PACKED], config=PACKED_CFG
+            )
         ),
         "thd_plain_cp2": _with_padding(
-            *_run(world_size, out_dir, "thd_plain_cp2", ["distributed.cp_size=2", *UNPACKED], config=PACKED_CFG)
+            *_run(
+                world_size, out_dir, "thd_plain_cp2", ["distributed.cp_size=2", *UNPACKED], config=PACKED_CFG
+            )
         ),
     }
 
