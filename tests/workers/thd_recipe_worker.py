@@ -47,3 +47,26 @@ def single(rank: int, world_size: int, out: str) -> dict:
             *_run(world_size, out_dir, "plain_ref", ["distributed.cp_size=1", *UNPACKED], config=PACKED_CFG)
         ),
     }
+
+
+def packed_cp(rank: int, world_size: int, out: str) -> dict:
+    """Manual runs (not in CI): thd at cp=world_size on packed rows (automatic padding to 2*cp)."""
+    name = f"thd_packed_cp{world_size}"
+    return {
+        name: _with_padding(
+            *_run(
+                world_size, Path(out), name, [f"distributed.cp_size={world_size}", *PACKED], config=PACKED_CFG
+            )
+        )
+    }
+
+
+def packed_ref(rank: int, world_size: int, out: str, multiple: int) -> dict:
+    """Manual runs (not in CI): the cp=1 reference with documents padded to ``multiple`` by hand."""
+    pad = [f"+data.dataset.seq_pad_multiple={multiple}", f"data.pad_to_multiple_of={multiple}"]
+    name = f"packed_ref{multiple}"
+    return {
+        name: _with_padding(
+            *_run(world_size, Path(out), name, ["distributed.cp_size=1", *PACKED, *pad], config=PACKED_CFG)
+        )
+    }
