@@ -19,7 +19,16 @@ from tests.dist_harness import run_distributed
 from tests.workers.thd_worker import make_packed_batch
 
 SENTINEL = -1000
-BASE_KEYS = {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "qkv_format", "padding_mask"}
+BASE_KEYS = {
+    "input_ids",
+    "labels",
+    "position_ids",
+    "cu_seqlens",
+    "cu_seqlens_padded",
+    "max_seqlen",
+    "qkv_format",
+    "padding_mask",
+}
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask", "loss_mask")
 
 
@@ -53,15 +62,16 @@ def assert_round_trip(per_rank: list[dict], thd: dict, num_chunks: int, keys=TOK
     cp = len(per_rank)
     for r, out in enumerate(per_rank):
         assert out["cp_size"] == cp and out["cp_rank"] == r and out["qkv_format"] == "thd"
-        assert torch.equal(out["cu_seqlens"], thd["cu_seqlens"]) and out["cu_seqlens"].dtype == torch.int32
+        for name in ("cu_seqlens", "cu_seqlens_padded"):
+            assert torch.equal(out[name], thd[name]) and out[name].dtype == torch.int32
         assert torch.equal(out["max_seqlen"], thd["max_seqlen"]) and out["max_seqlen"].dtype == torch.int32
     for key in keys:
         if num_chunks == 1:
-            got = unshard([o[key] for o in per_rank], thd["cu_seqlens"])
+            got = unshard([o[key] for o in per_rank], thd["cu_seqlens_padded"])
             assert got.dtype == thd[key].dtype and torch.equal(got, thd[key]), key
         else:
             for i in range(num_chunks):
-                got = unshard([o[key][i] for o in per_rank], thd["cu_seqlens"][i])
+                got = unshard([o[key][i] for o in per_rank], thd["cu_seqlens_padded"][i])
                 assert torch.equal(got, thd[key][i]), (key, i)
 
 
@@ -84,6 +94,7 @@ def test_no_cp_returns_the_thd_batch(mesh):
         "padding_mask",
         "loss_mask",
         "cu_seqlens",
+        "cu_seqlens_padded",
         "max_seqlen",
     ):
         assert torch.equal(out[key], thd[key]), key
@@ -165,7 +176,7 @@ def test_shard_embeddings_and_mesh_wrapper(rank):
         for k in core
     )
     assert core["inputs_embeds"].dtype == torch.float64 and core["inputs_embeds"].shape == (8, 4)
-    idx = thd_partition_indices(thd["cu_seqlens"], 24, 3, rank).long()
+    idx = thd_partition_indices(thd["cu_seqlens_padded"], 24, 3, rank).long()
     assert torch.equal(core["inputs_embeds"], emb.reshape(24, 4)[idx])
     # padding from the layout: exactly the label-less slack slots of this rank
     assert torch.equal(core["padding_mask"], thd["padding_mask"][idx])
@@ -272,8 +283,14 @@ def test_shard_bad_size_rank(cp_size, cp_rank, match):
 
 def test_shard_bad_chunks():
     thd = process_input_for_thd(make_packed_batch(seed=0, batch_size=2, seq_len=8, multiple=4))
+    bad = dict(thd, cu_seqlens_padded=torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_padded must run from 0 to the chunk's token count 16"):
+        shard_thd_chunk(bad, 2, 0)
     bad = dict(thd, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
-    with pytest.raises(ValueError, match="cu_seqlens must run from 0 to the chunk's token count 16"):
+    with pytest.raises(ValueError, match="describe the same number of sequences"):
+        shard_thd_chunk(bad, 2, 0)
+    bad = dict(thd, cu_seqlens=thd["cu_seqlens_padded"] + torch.tensor([0, 1, 1, 1, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"packed sequence 0 has real length 5 > padded length 4"):
         shard_thd_chunk(bad, 2, 0)
     bad = dict(thd, labels=thd["labels"][:8])
     with pytest.raises(ValueError, match=r"chunk\['labels'\] has 8 tokens but input_ids has 16"):
@@ -305,3 +322,52 @@ def test_real_mesh_matches_fake_mesh_and_round_trips(real_mesh_results):
             for k, v in fake.items():
                 assert torch.equal(out[k], v) if isinstance(v, torch.Tensor) else out[k] == v, (name, r, k)
         assert_round_trip(per_rank, split_batch_into_thd_chunks(batch, num_chunks), num_chunks)
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 12: real vs padded offsets, layout padding, loss_mask and mRoPE travel with the tokens
+# ------------------------------------------------------------------------------------------------
+
+
+def test_real_and_padded_offsets_and_layout_padding_example():
+    # one row, two documents: 3 real tokens padded to 4, 5 real padded to 8 (cp=2: multiples of 4)
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 0, 0, 0, 8, 9, 10, 11, 0, 0, 0]]),  # token 0 is a real token at slot 4
+        "labels": torch.tensor([[6, 7, -100, -100, 8, 9, 10, 11, 12, -100, -100, -100]]),
+        "loss_mask": torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0]]),
+        "seq_lens": torch.tensor([[3, 5]]),
+        "seq_lens_padded": torch.tensor([[4, 8]]),
+    }
+    outs = [make_cp_batch_for_te(FakeMesh(2, r), batch) for r in range(2)]
+    for out in outs:
+        assert out["cu_seqlens"].tolist() == [0, 3, 8] and out["cu_seqlens"].dtype == torch.int32
+        assert out["cu_seqlens_padded"].tolist() == [0, 4, 12] and out["cu_seqlens_padded"].dtype == torch.int32
+        assert int(out["max_seqlen"]) == 8
+    # rank 0: doc 0 chunks 0,3 (slots 0, 3); doc 1 (c=2) chunks 0,3 (slots 4,5,10,11)
+    assert outs[0]["padding_mask"].tolist() == [False, True, False, False, True, True]
+    assert outs[0]["loss_mask"].tolist() == [1, 0, 1, 1, 0, 0]
+    # the real token with id 0 at slot 4 is not padding; the pad slots are, whatever their ids
+    assert outs[0]["input_ids"].tolist() == [5, 0, 0, 8, 0, 0]
+    # rank 1: slots 1, 2 of doc 0; slots 6, 7, 8, 9 of doc 1
+    assert outs[1]["padding_mask"].tolist() == [False, False, False, False, False, True]
+
+
+def test_mrope_position_ids_sharded_on_the_token_dim():
+    batch = make_packed_batch(seed=8, batch_size=2, seq_len=8, multiple=4)
+    mrope = torch.stack([batch["position_ids"] if "position_ids" in batch else torch.arange(8).expand(2, 8)] * 3)
+    mrope = mrope + torch.arange(3).view(3, 1, 1) * 100
+    batch["position_ids"] = mrope
+    thd = process_input_for_thd(batch)
+    for num_chunks in (1, 2):
+        per_rank = [make_cp_batch_for_te(FakeMesh(2, r), batch, num_chunks=num_chunks) for r in range(2)]
+        for r, out in enumerate(per_rank):
+            if num_chunks == 1:
+                assert out["position_ids"].shape == (3, 8)
+                idx = thd_partition_indices(thd["cu_seqlens_padded"], 16, 2, r).long()
+                assert torch.equal(out["position_ids"], thd["position_ids"][:, idx])
+            else:
+                assert out["position_ids"].shape == (3, 2, 4)
+                split = split_batch_into_thd_chunks(batch, 2)
+                for i in range(2):
+                    idx = thd_partition_indices(split["cu_seqlens_padded"][i], 8, 2, r).long()
+                    assert torch.equal(out["position_ids"][:, i], split["position_ids"][:, i, idx])

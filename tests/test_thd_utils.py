@@ -49,8 +49,9 @@ def test_process_example_exact_values():
     assert out["labels"].tolist() == [2, 3, -100, -100, 5, -100, 7, 8, 9, 10, 11, -100]
     assert out["loss_mask"].tolist() == [1, 1, 0, 0, 1, 0, 1, 1, 1, 1, 1, 0]
     assert out["attention_mask"].tolist() == [1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1]
-    assert out["cu_seqlens"].dtype == torch.int32
-    assert out["cu_seqlens"].tolist() == [0, 4, 6, 12]
+    assert out["cu_seqlens"].dtype == out["cu_seqlens_padded"].dtype == torch.int32
+    assert out["cu_seqlens"].tolist() == [0, 3, 5, 11]  # real lengths 3, 2, 6
+    assert out["cu_seqlens_padded"].tolist() == [0, 4, 6, 12]  # padded lengths 4, 2, 6
     assert out["max_seqlen"].dtype == torch.int32 and out["max_seqlen"].dim() == 0
     assert int(out["max_seqlen"]) == 6
     assert out["padding_mask"].dtype == torch.bool
@@ -68,12 +69,27 @@ def test_process_example_exact_values():
     assert set(batch) == set(before)
 
 
-def test_process_keeps_given_position_ids_and_padding_token_id():
+def test_process_keeps_given_position_ids_and_padding_mask_ignores_token_ids():
     batch = example_batch()
     batch["position_ids"] = torch.arange(12).reshape(2, 6) * 10
     out = process_input_for_thd(batch, padding_token_id=9)
     assert out["position_ids"].tolist() == (torch.arange(12) * 10).tolist()
-    assert out["padding_mask"].nonzero().flatten().tolist() == [9]
+    # token 9 is a real token (row 1), token 0 sits in the pad slot: the layout decides, not the ids
+    assert out["padding_mask"].nonzero().flatten().tolist() == [3]
+    batch["input_ids"][0, 3] = 77  # a pad slot holding a non-pad id is still padding
+    assert process_input_for_thd(batch)["padding_mask"].nonzero().flatten().tolist() == [3]
+
+
+def test_process_mrope_position_ids():
+    batch = example_batch()
+    mrope = torch.arange(36).reshape(3, 2, 6)
+    batch["position_ids"] = mrope
+    out = process_input_for_thd(batch)
+    assert out["position_ids"].shape == (3, 12)
+    assert torch.equal(out["position_ids"], mrope.reshape(3, 12))
+    batch["position_ids"] = torch.zeros(3, 2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"mRoPE batch\['position_ids'\] must be \[n_rope, B, S\]"):
+        process_input_for_thd(batch)
 
 
 def test_process_position_ids_none_is_generated():
@@ -90,7 +106,7 @@ def test_process_custom_sentinel_and_zero_length_sequence():
         "seq_lens_padded": torch.tensor([[2, 0, 2, -1]]),
     }
     out = process_input_for_thd(batch, seq_lens_padding_value=-1)
-    assert out["cu_seqlens"].tolist() == [0, 2, 2, 4]
+    assert out["cu_seqlens"].tolist() == out["cu_seqlens_padded"].tolist() == [0, 2, 2, 4]
     assert out["position_ids"].tolist() == [0, 1, 0, 1]
 
 
@@ -105,11 +121,11 @@ def test_process_embeddings(key):
     assert torch.equal(out[key], emb.reshape(12, 5))
     # no token ids to compare: padding is the layout's slack (slot 3 of row 0 is past seq_lens=3)
     assert out["padding_mask"].tolist() == [False] * 3 + [True] + [False] * 8
-    assert out["cu_seqlens"].tolist() == [0, 4, 6, 12]
-    if key == "inputs_embeds":  # ids next to embeddings: the ids decide padding_mask
+    assert out["cu_seqlens_padded"].tolist() == [0, 4, 6, 12]
+    if key == "inputs_embeds":  # ids next to embeddings: still the layout decides padding_mask
         batch["input_ids"] = ids
         both = process_input_for_thd(batch, padding_token_id=7)
-        assert both["padding_mask"].nonzero().flatten().tolist() == [7]
+        assert both["padding_mask"].nonzero().flatten().tolist() == [3]
         assert both["inputs_embeds"].shape == (12, 5) and both["input_ids"].shape == (12,)
 
 
@@ -184,9 +200,9 @@ def _bad(**changes):
         ),
         (_bad(labels=torch.zeros(2, 5, dtype=torch.long)), ValueError, r"batch\['labels'\] must be \[B, S\]"),
         (
-            _bad(position_ids=torch.zeros(3, 2, 6, dtype=torch.long)),
+            _bad(position_ids=torch.zeros(12, dtype=torch.long)),
             ValueError,
-            r"mRoPE \[n_rope, B, S\] position_ids are not supported",
+            r"batch\['position_ids'\] must be \[B, S\] \(or mRoPE \[n_rope, B, S\]\)",
         ),
         (
             _bad(input_ids=torch.zeros(12, dtype=torch.long)),
@@ -248,8 +264,9 @@ def test_split_chunks_match_per_chunk_conversion():
             assert torch.equal(out[k][i], ref[k]), (i, k)
         n = ref["cu_seqlens"].numel()
         widths.append(n)
-        assert torch.equal(out["cu_seqlens"][i, :n], ref["cu_seqlens"])
-        assert (out["cu_seqlens"][i, n:] == S).all()
+        for name in ("cu_seqlens", "cu_seqlens_padded"):
+            assert torch.equal(out[name][i, :n], ref[name])
+            assert (out[name][i, n:] == S).all()
         assert out["max_seqlen"][i] == ref["max_seqlen"]
     assert out["cu_seqlens"].shape == (3, max(widths)) and out["cu_seqlens"].dtype == torch.int32
     assert len(set(widths)) > 1  # the seed gives chunks with different sequence counts: padding exercised
@@ -264,7 +281,8 @@ def test_split_example_cu_seqlens_padded_with_sentinel():
         "seq_lens_padded": torch.tensor([[4, 2, S], [6, S, S], [6, S, S], [3, 3, S]]),
     }
     out = split_batch_into_thd_chunks(batch, num_chunks=4, seq_lens_padding_value=S)
-    assert out["cu_seqlens"].tolist() == [[0, 4, 6], [0, 6, S], [0, 6, S], [0, 3, 6]]
+    assert out["cu_seqlens_padded"].tolist() == [[0, 4, 6], [0, 6, S], [0, 6, S], [0, 3, 6]]
+    assert out["cu_seqlens"].tolist() == [[0, 3, 5], [0, 6, S], [0, 4, S], [0, 2, 5]]
     assert out["max_seqlen"].tolist() == [4, 6, 6, 3]
     assert out["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from automodel.config.peft_rules import peft_problems
 from automodel.config.schema import RecipeConfig
 from automodel.training.cp_dispatch import CP_METHODS, head_split_problem
+from automodel.training.thd_recipe import thd_config_problems
 
 __all__ = ["check_rules", "parallel_sizes"]
 
@@ -166,6 +167,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                 problem = head_split_problem(method.name, heads, d.cp_size)
                 if problem is not None:
                     problems.append(problem.replace("the model has", "model.config has", 1))
+
+    problems += thd_config_problems(cfg, cuda_available)  # distributed.cp_method=thd: kernel, padding
 
     # --- batch sizes ---------------------------------------------------------------------------
     for key in ("global_batch_size", "local_batch_size", "max_steps"):

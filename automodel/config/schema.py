@@ -69,10 +69,12 @@ class DistributedSection:
     dp_shard: int = -1  # -1: world_size // (dp_replicate * cp_size * tp_size)
     cp_size: int = 1
     tp_size: int = 1
-    cp_method: str = "ring"  # ring | ulysses: a key of automodel.training.cp_dispatch.CP_METHODS
+    cp_method: str = "ring"  # ring | ulysses | thd: a key of automodel.training.cp_dispatch.CP_METHODS
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     enable_loss_parallel: bool = False
     enable_compiled_autograd: bool = False
+    thd_kernel: str = "portable"  # cp_method=thd: portable (exact, any device) | flash_attn | te (CUDA)
+    thd_cp_comm_type: str = "p2p"  # cp_method=thd with thd_kernel=te: p2p | all_gather | a2a | a2a+p2p
 
 
 @dataclass

@@ -6,6 +6,11 @@ from the reference, on purpose:
 
 - the same keys come back with and without CP (``cp_size``/``cp_rank`` included when ``cp_mesh`` is
   None), and ``loss_mask`` is sharded and kept when the batch has one;
+- both ``cu_seqlens`` (real lengths) and ``cu_seqlens_padded`` (padded offsets) are returned, int32
+  and global, and ``padding_mask`` comes from the packing layout, not from the token ids (older
+  reference releases returned the padded offsets under ``cu_seqlens`` and
+  ``padding_mask = input_ids == padding_token_id``, which marks a real token that has the pad id);
+- mRoPE ``position_ids`` ``[n_rope, B, S]`` become ``[n_rope, T/cp]`` (sharded on the token dim);
 - the partition is computed by :func:`automodel.distributed.thd_utils.get_thd_partitioned_indices`
   (TE's kernel on CUDA when TE is installed, an exact pure-torch equivalent elsewhere), so this runs
   on CPU without TE;
@@ -73,26 +78,29 @@ def shard_thd_chunk(
 
     Args:
         chunk: one THD chunk as made by :func:`~automodel.distributed.thd_utils.process_input_for_thd`:
-            token tensors ``[T(, H)]`` and ``cu_seqlens`` ``[N+1]`` (right-padding with
-            ``seq_lens_padding_value`` allowed). Not mutated.
+            token tensors ``[T(, H)]`` (mRoPE ``position_ids`` ``[n_rope, T]``), ``cu_seqlens_padded``
+            ``[N+1]`` and ``cu_seqlens`` ``[N+1]`` (right-padding with ``seq_lens_padding_value``
+            allowed). A chunk with only ``cu_seqlens`` (the older convention) is read as padded
+            offsets with no padding. Not mutated.
         cp_size / cp_rank: CP group size and this rank's index in it. ``cp_size == 1`` shards nothing.
         qkv_format: must be ``"thd"``.
-        seq_lens_padding_value: sentinel padding of ``cu_seqlens``.
-        padding_token_id: used only when the chunk has no ``padding_mask`` (then
-            ``input_ids == padding_token_id``).
+        seq_lens_padding_value: sentinel padding of ``cu_seqlens``/``cu_seqlens_padded``.
+        padding_token_id: accepted for the reference's signature and ignored; a missing
+            ``padding_mask`` is derived from ``cu_seqlens`` vs ``cu_seqlens_padded``.
 
     Returns:
         ``input_ids`` (and/or ``inputs_embeds``), ``labels``, ``position_ids``, ``padding_mask`` and, if
-        present, ``loss_mask``: this rank's ``[T / cp_size(, H)]`` tokens, in TE's order (for each
-        sequence, chunks ``cp_rank`` and ``2*cp_size-1-cp_rank`` of ``2*cp_size``); integer
-        ``input_ids``/``labels``/``position_ids`` as int64. Global: ``cu_seqlens`` (int32, as given,
-        sentinel padding kept) and ``max_seqlen`` (0-d int32, largest padded sequence length): TE's CP
-        attention takes the boundaries of the whole unsharded chunk. Plus ``qkv_format``, ``cp_size``,
-        ``cp_rank``.
+        present, ``loss_mask``: this rank's ``[T / cp_size(, H)]`` tokens (``[n_rope, T / cp_size]`` for
+        mRoPE positions), in TE's order (for each sequence, chunks ``cp_rank`` and
+        ``2*cp_size-1-cp_rank`` of ``2*cp_size``); integer ``input_ids``/``labels``/``position_ids`` as
+        int64. Global: ``cu_seqlens`` and ``cu_seqlens_padded`` (int32, sentinel padding kept) and
+        ``max_seqlen`` (0-d int32, largest padded sequence length): TE's CP attention takes the
+        boundaries of the whole unsharded chunk. Plus ``qkv_format``, ``cp_size``, ``cp_rank``.
 
     Raises:
         ValueError: ``qkv_format != "thd"``, bad ``cp_size``/``cp_rank``, missing keys, a padded sequence
-            length not divisible by ``2*cp_size``, ``cu_seqlens`` not ending at ``T``.
+            length not divisible by ``2*cp_size``, ``cu_seqlens_padded`` not ending at ``T``, a real
+            length larger than its padded length.
     """
     if qkv_format != "thd":
         raise ValueError(f"only qkv_format='thd' is supported, got {qkv_format!r}")
@@ -107,30 +115,50 @@ def shard_thd_chunk(
     if not primary:
         raise KeyError("THD chunk has neither 'input_ids' nor 'inputs_embeds'")
     total = int(chunk[primary[0]].shape[0])
-
-    tokens = {k: chunk[k] for k in SHARDED_KEYS if chunk.get(k) is not None}
-    if "padding_mask" not in tokens:
-        ids = chunk.get("input_ids")
-        if ids is None or ids.dim() != 1:
-            raise KeyError("THD chunk has no 'padding_mask' and no [T] 'input_ids' to derive it from")
-        tokens["padding_mask"] = ids == padding_token_id
-    if "position_ids" not in tokens:
-        raise KeyError("THD chunk is missing 'position_ids' (process_input_for_thd always provides them)")
-    for key, t in tokens.items():
-        if t.shape[0] != total:
-            raise ValueError(f"chunk[{key!r}] has {t.shape[0]} tokens but {primary[0]} has {total}")
+    del padding_token_id  # the layout decides padding, not the token ids
 
     cu_seqlens = chunk["cu_seqlens"]
-    if cu_seqlens.dim() != 1:
-        raise ValueError(f"cu_seqlens of one chunk must be 1-D, got shape {tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens[cu_seqlens != seq_lens_padding_value].to(torch.int64)
+    cu_seqlens_padded = chunk.get("cu_seqlens_padded")
+    if cu_seqlens_padded is None:
+        cu_seqlens_padded = cu_seqlens
+    for name, c in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
+        if c.dim() != 1:
+            raise ValueError(f"{name} of one chunk must be 1-D, got shape {tuple(c.shape)}")
+    cu = cu_seqlens_padded[cu_seqlens_padded != seq_lens_padding_value].to(torch.int64)
     if cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != total:
         raise ValueError(
-            f"cu_seqlens must run from 0 to the chunk's token count {total}, got {cu_seqlens.tolist()}"
+            f"cu_seqlens_padded must run from 0 to the chunk's token count {total}, got "
+            f"{cu_seqlens_padded.tolist()}"
         )
     lengths = cu[1:] - cu[:-1]
     if bool((lengths < 0).any()):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
+        raise ValueError(f"cu_seqlens_padded must be non-decreasing, got {cu_seqlens_padded.tolist()}")
+    cu_real = cu_seqlens[cu_seqlens != seq_lens_padding_value].to(device=cu.device, dtype=torch.int64)
+    real_lengths = cu_real[1:] - cu_real[:-1]
+    if cu_real.numel() != cu.numel() or int(cu_real[0]) != 0 or bool((real_lengths < 0).any()):
+        raise ValueError(
+            f"cu_seqlens {cu_seqlens.tolist()} and cu_seqlens_padded {cu_seqlens_padded.tolist()} must both "
+            "start at 0, be non-decreasing and describe the same number of sequences"
+        )
+    if bool((real_lengths > lengths).any()):
+        i = int((real_lengths > lengths).nonzero()[0, 0])
+        raise ValueError(
+            f"packed sequence {i} has real length {int(real_lengths[i])} > padded length {int(lengths[i])}; "
+            "seq_lens must be <= seq_lens_padded for every sequence"
+        )
+
+    tokens = {k: chunk[k] for k in SHARDED_KEYS if chunk.get(k) is not None}
+    if "padding_mask" not in tokens:
+        real_end = torch.repeat_interleave(cu[:-1] + real_lengths, lengths, output_size=total)
+        tokens["padding_mask"] = (torch.arange(total, device=cu.device) >= real_end).to(
+            chunk[primary[0]].device
+        )
+    if "position_ids" not in tokens:
+        raise KeyError("THD chunk is missing 'position_ids' (process_input_for_thd always provides them)")
+    for key, t in tokens.items():
+        n = t.shape[1] if (key == "position_ids" and t.dim() == 2) else t.shape[0]
+        if n != total:
+            raise ValueError(f"chunk[{key!r}] has {n} tokens but {primary[0]} has {total}")
     divisor = 2 * cp_size
     if cp_size > 1:
         bad = (lengths % divisor) != 0
@@ -139,11 +167,15 @@ def shard_thd_chunk(
             raise ValueError(
                 f"packed sequence {i} has padded length {int(lengths[i])}, not divisible by "
                 f"2*cp_size={divisor}; THD context parallelism splits every sequence into {divisor} equal "
-                f"chunks. Pad each packed sequence to a multiple of {divisor} (set "
-                f"data.pad_to_multiple_of={divisor} so that seq_lens_padded are multiples of {divisor})"
+                f"chunks. Pad each packed sequence to a multiple of {divisor}: packed rows "
+                f"data.dataset.seq_pad_multiple={divisor} (automatic with distributed.cp_method=thd), unpacked rows "
+                f"data.pad_to_multiple_of={divisor}"
             )
         index = get_thd_partitioned_indices(cu.to(torch.int32), total, cp_size, cp_rank).long()
-        tokens = {k: t.index_select(0, index.to(t.device)) for k, t in tokens.items()}
+        tokens = {
+            k: t.index_select(1 if (k == "position_ids" and t.dim() == 2) else 0, index.to(t.device))
+            for k, t in tokens.items()
+        }
 
     out: dict[str, Any] = {}
     for key in SHARDED_KEYS:
@@ -155,6 +187,7 @@ def shard_thd_chunk(
                 t = t.bool()
             out[key] = t.contiguous()
     out["cu_seqlens"] = cu_seqlens.to(torch.int32).contiguous()
+    out["cu_seqlens_padded"] = cu_seqlens_padded.to(torch.int32).contiguous()
     max_len = lengths.max() if lengths.numel() else torch.zeros((), dtype=torch.int64, device=cu.device)
     out["max_seqlen"] = max_len.to(torch.int32)
     out["qkv_format"] = qkv_format
@@ -216,27 +249,31 @@ def make_cp_batch_for_te(
             ``cp_rank=0``).
         batch: packed BSHD batch: ``input_ids`` ``[B, S]`` (or ``[B, S, H]`` embeddings, or
             ``inputs_embeds``), ``labels``, ``seq_lens``/``seq_lens_padded`` ``[B, P]``, optional
-            ``position_ids`` (generated per packed sequence when missing), ``loss_mask``,
+            ``position_ids`` (``[B, S]`` or mRoPE ``[n_rope, B, S]``; generated per packed sequence
+            when missing), ``loss_mask``,
             ``attention_mask`` (checked to hide only sequence padding, then dropped), ``padding_mask``
             (replaced). Non-tensor entries are ignored; any other tensor key raises.
         qkv_format: must be ``"thd"``.
-        padding_token_id: ``padding_mask = input_ids == padding_token_id`` for token ids.
+        padding_token_id: accepted for the reference's signature; ``padding_mask`` comes from the
+            packing layout (each sequence's slots ``[seq_len, seq_len_padded)``), not the token ids.
         num_chunks: row groups (must divide ``B``); > 1 adds a leading ``[num_chunks]`` dim to every
             tensor below.
         seq_lens_padding_value: sentinel of unused ``seq_lens`` entries and of ``cu_seqlens`` padding.
 
     Returns:
         Exactly the keys ``input_ids`` (``inputs_embeds`` instead when the batch has embeddings under
-        that key), ``labels``, ``position_ids``, ``cu_seqlens``, ``max_seqlen``, ``qkv_format``,
+        that key), ``labels``, ``position_ids``, ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen``, ``qkv_format``,
         ``padding_mask``, ``cp_size``, ``cp_rank``, plus ``loss_mask`` when the batch has one.
 
         - Sharded (this rank's ``T / cp_size`` tokens, TE's load-balanced order): ``input_ids``,
           ``labels``, ``position_ids``, ``padding_mask``, ``loss_mask``: ``[T/cp]`` or
-          ``[num_chunks, T_c/cp]`` (``[..., H]`` for embeddings); integer ids/labels/positions int64,
-          ``padding_mask`` bool.
+          ``[num_chunks, T_c/cp]`` (``[..., H]`` for embeddings; mRoPE positions ``[n_rope, T/cp]`` or
+          ``[n_rope, num_chunks, T_c/cp]``); integer ids/labels/positions int64, ``padding_mask`` bool.
         - Global (describe the whole unsharded packed batch, as TE's CP attention expects):
-          ``cu_seqlens`` ``[N+1]`` int32 (``[num_chunks, N_max+1]``, right-padded with
-          ``seq_lens_padding_value``) and ``max_seqlen`` 0-d int32 (``[num_chunks]``).
+          ``cu_seqlens`` (offsets of the real lengths ``seq_lens``) and ``cu_seqlens_padded`` (offsets of
+          the padded lengths ``seq_lens_padded``, where each sequence starts in the token stream), both
+          ``[N+1]`` int32 (``[num_chunks, N_max+1]``, right-padded with ``seq_lens_padding_value``), and
+          ``max_seqlen`` 0-d int32 (``[num_chunks]``): the largest padded sequence length.
         - ``qkv_format`` str, ``cp_size`` / ``cp_rank`` python ints.
 
     Raises:
@@ -269,10 +306,19 @@ def make_cp_batch_for_te(
 
     if num_chunks == 1:
         return shard(thd)
+
+    def mrope(key: str, v: torch.Tensor) -> bool:  # [n_rope, num_chunks, T_c] position ids
+        return key == "position_ids" and v.dim() == 3
+
     shards = [
-        shard({k: v[i] for k, v in thd.items() if isinstance(v, torch.Tensor)}) for i in range(num_chunks)
+        shard({k: (v[:, i] if mrope(k, v) else v[i]) for k, v in thd.items() if isinstance(v, torch.Tensor)})
+        for i in range(num_chunks)
     ]
     out: dict[str, Any] = {}
     for key, value in shards[0].items():
-        out[key] = torch.stack([s[key] for s in shards]) if isinstance(value, torch.Tensor) else value
+        if isinstance(value, torch.Tensor):
+            dim = 1 if key == "position_ids" and value.dim() == 2 else 0
+            out[key] = torch.stack([s[key] for s in shards], dim=dim)
+        else:
+            out[key] = value
     return out

@@ -8,15 +8,24 @@ whose real lengths are ``seq_lens[b]`` and whose slot widths (real tokens + padd
 entries. The padded slots of a row must cover the row exactly (``sum == S``).
 
 The THD form flattens the batch to ``T = B*S`` tokens and describes the document boundaries with
-``cu_seqlens`` (int32, cumulative *padded* lengths), which is what Transformer Engine's THD
-attention and its context-parallel partitioning take.
+two int32 offset tensors, as Transformer Engine's THD attention takes them: ``cu_seqlens_padded``
+(cumulative *padded* lengths: where each document starts in the token stream, what the
+context-parallel partition uses) and ``cu_seqlens`` (cumulative *real* lengths, from
+``seq_lens``). ``padding_mask`` comes from the packing layout (each document's pad slots), never
+from comparing token ids with a pad id (a real token may carry the pad id).
+
+Difference from older NVIDIA NeMo AutoModel releases: they returned a single ``cu_seqlens`` that
+held the *padded* offsets and derived ``padding_mask`` from ``input_ids == padding_token_id``;
+here ``cu_seqlens`` holds the real offsets and ``cu_seqlens_padded`` the padded ones (the newer
+reference's and TE's convention), and ``padding_token_id`` is accepted but unused.
 
 Public names follow NVIDIA NeMo AutoModel's ``thd_utils`` (``process_input_for_thd``,
 ``split_batch_into_thd_chunks``) with these deliberate differences:
 
 - bad input raises (a row not covered by its sequences, mismatched shapes, a batch size that
   ``num_chunks`` does not divide) instead of producing misaligned ``cu_seqlens`` or dropping rows;
-- a missing ``position_ids`` is generated (restarting at 0 at every packed sequence);
+- a missing ``position_ids`` is generated (restarting at 0 at every packed sequence); mRoPE
+  ``position_ids`` ``[n_rope, B, S]`` (e.g. Qwen2-VL's ``[3, B, S]``) become ``[n_rope, T]``;
 - ``max_seqlen`` is always returned.
 
 :func:`thd_partition_indices` is a vectorized pure-torch equivalent of Transformer Engine's
@@ -50,7 +59,7 @@ THD_TOKEN_KEYS: tuple[str, ...] = (
     "attention_mask",
 )
 _CONSUMED_KEYS = ("seq_lens", "seq_lens_padded")
-_PRODUCED_KEYS = ("cu_seqlens", "max_seqlen", "padding_mask")
+_PRODUCED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "padding_mask")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,31 +179,38 @@ def process_input_for_thd(
             - ``input_ids``: ``[B, S]`` int token ids, or ``[B, S, H]`` embeddings (the reference's
               pipeline-parallel convention); alternatively ``inputs_embeds`` ``[B, S, H]``.
             - ``labels``: ``[B, S]`` (already shifted, ``-100`` = ignore). Required.
-            - ``position_ids``: ``[B, S]``, optional; when missing (or None) positions are generated
-              that restart at 0 at every packed sequence (from ``seq_lens_padded``).
+            - ``position_ids``: ``[B, S]`` or mRoPE ``[n_rope, B, S]``, optional; when missing (or
+              None) positions are generated that restart at 0 at every packed sequence (from
+              ``seq_lens_padded``).
             - ``loss_mask``, ``attention_mask``: ``[B, S]``, optional, flattened like the others.
             - ``seq_lens`` / ``seq_lens_padded``: ``[B, P]`` int, real / padded length of each packed
               sequence of each row; ``seq_lens_padding_value`` marks unused entries. Required.
               Each row's padded lengths must sum to ``S``.
         seq_lens_padding_value: sentinel for unused ``seq_lens`` entries (default ``-1000``).
-        padding_token_id: ``padding_mask = input_ids == padding_token_id`` for token ids.
+        padding_token_id: accepted for the reference's signature and ignored: ``padding_mask``
+            comes from the packing layout (a real token may carry the pad id).
 
     Returns:
         A new dict with
 
         - every key of :data:`THD_TOKEN_KEYS` present in ``batch`` flattened to ``[T]`` (``[T, H]``
-          for embeddings), ``T = B*S``, dtype unchanged; ``position_ids`` always present (int64
-          when generated);
-        - ``cu_seqlens``: ``[N+1] int32``, ``[0] + cumsum(valid seq_lens_padded)`` row-major over the
-          ``N`` sequences of the batch (e.g. ``[[4, 2], [6, -1000]] -> [0, 4, 6, 12]``). Padded
-          lengths are used, so each sequence's slack tokens belong to it (they come after its real
-          tokens, so causal attention of real tokens is unaffected; labels/loss_mask ignore them);
-        - ``max_seqlen``: 0-d ``int32`` tensor (as in the reference), the largest padded sequence
-          length (0 for an empty batch);
-        - ``padding_mask``: ``[T] bool``, ``input_ids == padding_token_id`` for token ids; for
-          embeddings (no ids to compare) True on each sequence's slack slots
-          ``[seq_len, seq_len_padded)`` derived from the layout. An incoming ``padding_mask``,
-          ``cu_seqlens`` or ``max_seqlen`` is replaced;
+          for embeddings, ``[n_rope, T]`` for mRoPE ``position_ids``), ``T = B*S``, dtype unchanged;
+          ``position_ids`` always present (int64 when generated);
+        - ``cu_seqlens_padded``: ``[N+1] int32``, ``[0] + cumsum(valid seq_lens_padded)`` row-major over
+          the ``N`` sequences of the batch (e.g. ``[[4, 2], [6, -1000]] -> [0, 4, 6, 12]``): where each
+          sequence starts in the token stream. Its slack tokens ``[seq_len, seq_len_padded)`` belong
+          to it and come after its real tokens (causal attention of real tokens is unaffected;
+          labels/loss_mask ignore them);
+        - ``cu_seqlens``: ``[N+1] int32``, ``[0] + cumsum(valid seq_lens)``: the real lengths (e.g.
+          ``seq_lens [[3, 2], [5, -1000]] -> [0, 3, 5, 10]``). Together with ``cu_seqlens_padded`` this
+          is TE's THD-with-padding convention (``cu_seqlens_q`` / ``cu_seqlens_q_padded``);
+        - ``max_seqlen``: 0-d ``int32`` tensor (as in the reference): the largest *padded* sequence
+          length ``max(diff(cu_seqlens_padded))`` (0 for an empty batch), an upper bound for the real
+          lengths as kernels need it;
+        - ``padding_mask``: ``[T] bool``, True on each sequence's slack slots
+          ``[start + seq_len, start + seq_len_padded)``, from the layout alone (the row's trailing
+          padding is the last sequence's slack). An incoming ``padding_mask``, ``cu_seqlens``,
+          ``cu_seqlens_padded`` or ``max_seqlen`` is replaced;
         - every other key (non-tensor, or a tensor this function does not know) copied unchanged;
           ``seq_lens`` / ``seq_lens_padded`` are consumed.
 
@@ -203,6 +219,7 @@ def process_input_for_thd(
             ``inputs_embeds`` missing.
         ValueError / TypeError: shapes that disagree with ``[B, S]``, an invalid packing layout.
     """
+    del padding_token_id  # the layout decides padding, not the token ids
     primary = _primary_key(batch)
     x = batch[primary]
     if not isinstance(x, torch.Tensor):
@@ -224,22 +241,33 @@ def process_input_for_thd(
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"batch[{key!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if key == "position_ids" and t.dim() == 3:
+            if tuple(t.shape[1:]) != (bsz, seq_len):
+                raise ValueError(
+                    f"mRoPE batch['position_ids'] must be [n_rope, B, S] with B={bsz}, S={seq_len} "
+                    f"(from {primary}), got shape {tuple(t.shape)}"
+                )
+            continue
         embeds = key == "inputs_embeds" or (key == "input_ids" and t.dim() == 3)
         want_dim = 3 if embeds else 2
         if t.dim() != want_dim or tuple(t.shape[:2]) != (bsz, seq_len):
-            what = "[B, S, H]" if embeds else "[B, S]"
-            hint = (
-                " (mRoPE [n_rope, B, S] position_ids are not supported in THD)"
+            what = (
+                "[B, S, H]"
+                if embeds
+                else "[B, S] (or mRoPE [n_rope, B, S])"
                 if key == "position_ids"
-                else ""
+                else "[B, S]"
             )
             raise ValueError(
                 f"batch[{key!r}] must be {what} with B={bsz}, S={seq_len} (from {primary}), "
-                f"got shape {tuple(t.shape)}{hint}"
+                f"got shape {tuple(t.shape)}"
             )
 
     padded = _valid_padded_lengths(seq_lens, seq_lens_padded, bsz, seq_len, seq_lens_padding_value)
-    cu_seqlens = _cu_seqlens(padded)
+    cu_seqlens_padded = _cu_seqlens(padded)
+    valid = seq_lens_padded != seq_lens_padding_value
+    real = seq_lens.to(valid.device, torch.int64)[valid]
+    cu_seqlens = _cu_seqlens(real)
     if padded.numel() > 0:
         max_seqlen = padded.max().to(torch.int32)
     else:
@@ -249,21 +277,19 @@ def process_input_for_thd(
     for key, value in batch.items():
         if key in _CONSUMED_KEYS or key in _PRODUCED_KEYS:
             continue
-        if key in THD_TOKEN_KEYS and isinstance(value, torch.Tensor):
+        if key == "position_ids" and isinstance(value, torch.Tensor) and value.dim() == 3:
+            result[key] = value.reshape(value.shape[0], total)  # mRoPE [n_rope, B, S] -> [n_rope, T]
+        elif key in THD_TOKEN_KEYS and isinstance(value, torch.Tensor):
             result[key] = value.reshape(total, *value.shape[2:])
         else:
             result[key] = value
     if result.get("position_ids") is None:
-        result["position_ids"] = _positions_from_cu(cu_seqlens, total, device)
+        result["position_ids"] = _positions_from_cu(cu_seqlens_padded, total, device)
 
-    ids = batch.get("input_ids")
-    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-        padding_mask = ids.reshape(total) == padding_token_id
-    else:
-        padding_mask = packed_padding_mask(seq_lens, seq_lens_padded, seq_lens_padding_value).to(device)
     result["cu_seqlens"] = cu_seqlens
+    result["cu_seqlens_padded"] = cu_seqlens_padded
     result["max_seqlen"] = max_seqlen
-    result["padding_mask"] = padding_mask
+    result["padding_mask"] = packed_padding_mask(seq_lens, seq_lens_padded, seq_lens_padding_value).to(device)
     return result
 
 
@@ -289,7 +315,8 @@ def split_batch_into_thd_chunks(
 
     Returns:
         For ``num_chunks > 1``: token tensors ``[num_chunks, T_c(, H)]`` with ``T_c = (B/num_chunks)*S``
-        (``position_ids`` and ``padding_mask`` always present); ``cu_seqlens``
+        (``position_ids`` and ``padding_mask`` always present; mRoPE ``position_ids``
+        ``[n_rope, num_chunks, T_c]``); ``cu_seqlens`` and ``cu_seqlens_padded``
         ``[num_chunks, N_max+1] int32`` (per chunk, starting at 0, right-padded with
         ``seq_lens_padding_value``); ``max_seqlen`` ``[num_chunks] int32``. Non-tensor keys, and tensors
         this module does not know, are copied unchanged (not split).
@@ -315,7 +342,11 @@ def split_batch_into_thd_chunks(
     chunks = []
     for i in range(num_chunks):
         sub = {
-            k: v[i * rows : (i + 1) * rows]
+            k: (
+                v[:, i * rows : (i + 1) * rows]
+                if k == "position_ids" and v.dim() == 3
+                else v[i * rows : (i + 1) * rows]
+            )
             for k, v in batch.items()
             if k in row_keys and isinstance(v, torch.Tensor)
         }
@@ -329,15 +360,18 @@ def split_batch_into_thd_chunks(
         and not (k in row_keys and isinstance(v, torch.Tensor))
     }
     for key in chunks[0]:
-        if key in ("cu_seqlens", "max_seqlen"):
+        if key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen"):
             continue
-        result[key] = torch.stack([c[key] for c in chunks])
-    width = max(int(c["cu_seqlens"].numel()) for c in chunks)
-    cu = chunks[0]["cu_seqlens"]
-    stacked_cu = torch.full((num_chunks, width), seq_lens_padding_value, dtype=cu.dtype, device=cu.device)
-    for i, c in enumerate(chunks):
-        stacked_cu[i, : c["cu_seqlens"].numel()] = c["cu_seqlens"]
-    result["cu_seqlens"] = stacked_cu
+        # mRoPE [n_rope, T_c] position ids stack on the token dim's left: [n_rope, num_chunks, T_c]
+        dim = 1 if key == "position_ids" and chunks[0][key].dim() == 2 else 0
+        result[key] = torch.stack([c[key] for c in chunks], dim=dim)
+    width = max(int(c["cu_seqlens_padded"].numel()) for c in chunks)
+    for name in ("cu_seqlens", "cu_seqlens_padded"):
+        cu = chunks[0][name]
+        stacked = torch.full((num_chunks, width), seq_lens_padding_value, dtype=cu.dtype, device=cu.device)
+        for i, c in enumerate(chunks):
+            stacked[i, : c[name].numel()] = c[name]
+        result[name] = stacked
     result["max_seqlen"] = torch.stack([c["max_seqlen"] for c in chunks])
     return result
 

@@ -101,6 +101,16 @@ CP_METHODS: dict[str, CPMethod] = {
         applies_sliding_window=True,  # the global mask is built per layer kind, window included
         summary="all-to-all: each rank runs the unchanged attention kernel on the whole row for H/cp heads",
     ),
+    "thd": CPMethod(
+        name="thd",
+        function="automodel.distributed.thd_attention:make_thd_batch_and_ctx",
+        attn_implementations=("sdpa", "eager"),  # the cp=1 reference; at cp>1 the model runs THD attention
+        supports_packed=True,  # per-document causal attention from seq_lens_padded
+        chunks_per_rank=2,  # TE's partition: chunks r and 2W-1-r of EVERY document (padded to 2*cp)
+        layout="head_tail",
+        switch_model="automodel.distributed.thd_attention:set_thd_attention",
+        summary="packed documents (TE partition per document), K/V all-gathered, exact per-document causal attention",
+    ),
 }
 
 
@@ -174,7 +184,9 @@ def no_cp_batch_and_ctx(device_mesh: Any, batch: dict[str, Any]) -> tuple[Callab
     return contextlib.nullcontext, batch
 
 
-def bind_cp_method(method: str, model: Any, device_mesh: Any, cp_size: int) -> tuple[Callable, str | None]:
+def bind_cp_method(
+    method: str, model: Any, device_mesh: Any, cp_size: int, **batch_kwargs: Any
+) -> tuple[Callable, str | None]:
     """Prepare ``model`` for ``method`` (once) and return ``(cp_fn, inner_attn)``.
 
     ``cp_fn(device_mesh, batch) -> (train_ctx_factory, batch)`` is what the loop calls for every
@@ -182,12 +194,15 @@ def bind_cp_method(method: str, model: Any, device_mesh: Any, cp_size: int) -> t
     and the model is left as built. Otherwise, for a method with :attr:`CPMethod.switch_model`, the
     model is switched (mutated: its attention implementation changes) and the batch function is
     bound to ``inner_attn=<the previous implementation>``, which is returned (``None`` otherwise).
-    Call it after the model is built, before or after FSDP wrapping.
+    Call it after the model is built, before or after FSDP wrapping. ``batch_kwargs`` (e.g. THD's
+    ``kernel=``) are bound to the batch function.
     """
     m = get_cp_method(method)
     if cp_size <= 1:
         return no_cp_batch_and_ctx, None
     fn = _import(m.function)
+    if batch_kwargs:
+        fn = functools.partial(fn, **batch_kwargs)
     if m.switch_model is None:
         return fn, None
     inner = _import(m.switch_model)(model, device_mesh)

@@ -50,6 +50,7 @@ from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_pea
 from automodel.training.optim import clip_grad_norm
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
 from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
+from automodel.training.thd_recipe import thd_batch_kwargs, thd_dataset_kwargs
 
 __all__ = ["TrainHooks", "TrainResult", "FinetuneTrainer", "pad_multiple"]
 
@@ -207,7 +208,11 @@ class FinetuneTrainer:
         # ---- data
         common = {"tokenizer": self.tokenizer, "seq_len": cfg.data.seq_len}
         self.train_dataset = instantiate(
-            cfg.data.dataset, split=cfg.data.train_split, **common, _convert_="all"
+            cfg.data.dataset,
+            split=cfg.data.train_split,
+            **common,
+            **thd_dataset_kwargs(cfg, cfg.data.dataset),
+            _convert_="all",
         )
         from automodel.models.vlm_cp import check_data_for_model
 
@@ -229,7 +234,9 @@ class FinetuneTrainer:
         self.val_loader = None
         if cfg.data.validation_split is not None and cfg.step_scheduler.val_every_steps:
             node = cfg.data.validation_dataset or cfg.data.dataset
-            self.val_dataset = instantiate(node, split=cfg.data.validation_split, **common, _convert_="all")
+            self.val_dataset = instantiate(
+                node, split=cfg.data.validation_split, **common, **thd_dataset_kwargs(cfg, node), _convert_="all"
+            )
             self.val_loader = build_dataloader(
                 self.val_dataset,
                 local_batch_size=cfg.step_scheduler.local_batch_size,
@@ -284,7 +291,9 @@ class FinetuneTrainer:
                 (vlm_parts(self.model).language_model, self.attn_implementation) if switched else None
             )
         else:
-            self.cp_fn, self.inner_attn = bind_cp_method(d.cp_method, self.model, self.mesh, d.cp_size)
+            self.cp_fn, self.inner_attn = bind_cp_method(
+                d.cp_method, self.model, self.mesh, d.cp_size, **thd_batch_kwargs(cfg)
+            )
             self.no_cp_fn = no_cp_batch_and_ctx
             self.cp_attn_switch = (self.model, self.inner_attn) if self.inner_attn is not None else None
         if self.inner_attn is not None:

@@ -1,0 +1,72 @@
+"""configs/cp_packed.yaml (cp_method=thd) in the recipe on gloo ranks (see tests/test_thd_recipe.py).
+
+``pair`` (2 ranks): thd cp=2 on packed rows (documents padded to 2*cp=4 automatically) and on
+unpacked rows. ``single`` (1 rank): the same runs at cp=1 (the packed one with seq_pad_multiple=4
+set by hand, so the rows are the same). Every run: the tiny fp32 overrides of recipe_worker, 8 steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.workers.recipe_worker import _run, _summary
+
+PACKED_CFG = "configs/cp_packed.yaml"
+PACKED = ["data.seq_len=256"]
+UNPACKED = ["data.dataset.pack=false", "data.seq_len=128"]
+
+
+def _with_padding(trainer, result) -> dict:
+    out = _summary(trainer, result)
+    out["seq_pad_multiple"] = getattr(trainer.train_dataset, "seq_pad_multiple", None)
+    return out
+
+
+def pair(rank: int, world_size: int, out: str) -> dict:
+    out_dir = Path(out)
+    return {
+        "thd_packed_cp2": _with_padding(
+            *_run(
+                world_size, out_dir, "thd_packed_cp2", ["distributed.cp_size=2", *PACKED], config=PACKED_CFG
+            )
+        ),
+        "thd_plain_cp2": _with_padding(
+            *_run(
+                world_size, out_dir, "thd_plain_cp2", ["distributed.cp_size=2", *UNPACKED], config=PACKED_CFG
+            )
+        ),
+    }
+
+
+def single(rank: int, world_size: int, out: str) -> dict:
+    out_dir = Path(out)
+    ref = ["distributed.cp_size=1", *PACKED, "+data.dataset.seq_pad_multiple=4", "data.pad_to_multiple_of=4"]
+    return {
+        "packed_ref": _with_padding(*_run(world_size, out_dir, "packed_ref", ref, config=PACKED_CFG)),
+        "plain_ref": _with_padding(
+            *_run(world_size, out_dir, "plain_ref", ["distributed.cp_size=1", *UNPACKED], config=PACKED_CFG)
+        ),
+    }
+
+
+def packed_cp(rank: int, world_size: int, out: str) -> dict:
+    """Manual runs (not in CI): thd at cp=world_size on packed rows (automatic padding to 2*cp)."""
+    name = f"thd_packed_cp{world_size}"
+    return {
+        name: _with_padding(
+            *_run(
+                world_size, Path(out), name, [f"distributed.cp_size={world_size}", *PACKED], config=PACKED_CFG
+            )
+        )
+    }
+
+
+def packed_ref(rank: int, world_size: int, out: str, multiple: int) -> dict:
+    """Manual runs (not in CI): the cp=1 reference with documents padded to ``multiple`` by hand."""
+    pad = [f"+data.dataset.seq_pad_multiple={multiple}", f"data.pad_to_multiple_of={multiple}"]
+    name = f"packed_ref{multiple}"
+    return {
+        name: _with_padding(
+            *_run(world_size, Path(out), name, ["distributed.cp_size=1", *PACKED, *pad], config=PACKED_CFG)
+        )
+    }
