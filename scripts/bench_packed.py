@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from automodel.distributed.launch import run_on_ranks  # noqa: E402
-from scripts.bench_cp import _peak_rss_mib, _reset_peak_rss, _rss_mib  # noqa: E402
+from automodel.training.cpu_memory import MMAP_ENV, peak_rss_mib, reset_peak_rss, rss_mib  # noqa: E402
 from scripts.bench_sp import _sent_bytes  # noqa: E402
 
 
@@ -188,10 +188,10 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
         step()
         sent = counter.bytes
     gc.collect()
-    baseline = _rss_mib()
-    _reset_peak_rss()
+    baseline = rss_mib()
+    reset_peak_rss()
     times = [step() for _ in range(steps)]
-    peak = _peak_rss_mib() - baseline
+    peak = peak_rss_mib() - baseline
     return {
         "time": statistics.median(times),
         "peak_mib": peak,
@@ -233,8 +233,8 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args()
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1024 * 1024))
+    for key, value in MMAP_ENV.items():  # RSS follows the live tensors (see bench_cp.py)
+        os.environ.setdefault(key, value)
     model_kw = dict(
         hidden_size=args.hidden_size,
         intermediate_size=4 * args.hidden_size,
