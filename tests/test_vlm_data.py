@@ -66,3 +66,16 @@ def test_errors(dataset):
 
     with pytest.raises(UserInputError, match="yields images, but the model .*LlamaConfig.* is not a VLM"):
         check_data_for_model(dataset, LlamaConfig())
+
+
+def test_vlm_with_a_method_it_cannot_run_is_rejected_before_weights():
+    from transformers import Qwen2VLConfig
+
+    from automodel.errors import UserInputError
+    from automodel.training.cp_dispatch import check_model_config_for_cp
+
+    config = Qwen2VLConfig()
+    with pytest.raises(UserInputError, match="cp_method=thd does not run VLMs.*set distributed.cp_method=ring"):
+        check_model_config_for_cp("thd", config, 2)
+    check_model_config_for_cp("ring", config, 2)  # supported
+    check_model_config_for_cp("thd", config, 1)  # no CP: no method runs

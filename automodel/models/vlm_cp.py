@@ -49,6 +49,7 @@ from automodel.distributed.multimodal_cp import (
 from automodel.distributed.multimodal_dynamic_res import check_grid
 
 __all__ = [
+    "VLM_CP_METHODS",
     "VLM_MODEL_TYPES",
     "VLMParts",
     "is_vlm",
@@ -132,6 +133,10 @@ def vlm_parts(model: torch.nn.Module) -> VLMParts:
         video_token_id=int(cfg.video_token_id),
         spatial_merge_size=int(cfg.vision_config.spatial_merge_size),
     )
+
+
+# the CP methods whose batch function takes the merged ``inputs_embeds`` of a VLM
+VLM_CP_METHODS = ("ring", "ulysses")
 
 
 def prepare_vlm_for_cp(model: torch.nn.Module, device_mesh: Any, cp_method: str) -> None:

@@ -170,8 +170,17 @@ def check_model_config_for_cp(method: str, model_config: Any, cp_size: int) -> N
 
     Raises:
         ValueError: the method splits heads and ``num_attention_heads`` (of the text config) is not
-            divisible by ``cp_size``; the message names the heads, the CP size and the fix.
+            divisible by ``cp_size``; the message names the heads, the CP size and the fix. A VLM with a
+            method its vision path does not support (``thd``).
     """
+    from automodel.models.vlm_cp import VLM_CP_METHODS, is_vlm
+
+    if cp_size > 1 and is_vlm(model_config) and method not in VLM_CP_METHODS:
+        raise UserInputError(
+            f"distributed.cp_method={method} does not run VLMs ({getattr(model_config, 'model_type', None)}): "
+            f"their images are encoded on each rank's share and merged before the text model, which only "
+            f"{' and '.join(VLM_CP_METHODS)} take; set distributed.cp_method={VLM_CP_METHODS[0]}"
+        )
     get_text = getattr(model_config, "get_text_config", None)
     text = get_text() if callable(get_text) else model_config
     problem = head_split_problem(method, getattr(text, "num_attention_heads", None), cp_size)
