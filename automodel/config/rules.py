@@ -200,6 +200,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1, or null to keep all")
     if cfg.recipe.dry_run_world_size is not None and cfg.recipe.dry_run_world_size < 1:
         problems.append(f"recipe.dry_run_world_size={cfg.recipe.dry_run_world_size} must be >= 1")
+    if cfg.recipe.memory_budget_gib is not None and not cfg.recipe.memory_budget_gib > 0:
+        problems.append(f"recipe.memory_budget_gib={cfg.recipe.memory_budget_gib} must be > 0 (GiB per rank), or null")
     problems += peft_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
     return problems

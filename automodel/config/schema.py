@@ -57,6 +57,7 @@ class RecipeSection:
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
     plan_nnodes: int | None = None  # dry run: nodes to plan for (ranks per node, cp/tp groups vs nodes)
     plan_nproc_per_node: int | None = None  # dry run: processes per node (with plan_nnodes: the world size)
+    memory_budget_gib: float | None = None  # dry run: per-rank memory budget; suggests the cheapest change that fits
 
 
 @dataclass
