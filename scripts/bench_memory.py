@@ -97,3 +97,121 @@ def measure_worker(rank: int, world: int, cases: list[dict], model_kw: dict, war
         t = step(case["seq"], case.get("chunk"), bool(case.get("ac")))
         out.append({"peak_mib": peak_rss_mib() - base, "time": t})
     return out
+
+
+SETTINGS = [  # (label, chunk_tokens, activation checkpointing)
+    ("plain", None, False),
+    ("plain+AC", None, True),
+    ("chunked", 256, False),
+    ("chunked+AC", 256, True),
+]
+
+
+def _dims(model_kw: dict):  # noqa: ANN202
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from automodel.training.memory_plan import model_dims
+
+    with torch.device("meta"):
+        return model_dims(AutoModelForCausalLM.from_config(LlamaConfig(use_cache=False, **model_kw)))
+
+
+def _shape(seq: int, cp: int, chunk: int | None, ac: bool):  # noqa: ANN202
+    from automodel.training.memory_plan import RunShape
+
+    return RunShape(local_batch=1, seq=seq, cp=cp, chunk_tokens=chunk, activation_checkpointing=ac)
+
+
+def longest_planned(dims, cp: int, chunk: int | None, ac: bool, budget: float, cap: int) -> int:  # noqa: ANN001
+    """Longest multiple of 256 (<= ``cap``) whose planned persistent state + step peak fits ``budget`` bytes."""
+    from automodel.training.memory_plan import plan_memory
+
+    lo, hi = 0, cap // 256
+    while lo < hi:  # the plan grows monotonically with the sequence length
+        mid = (lo + hi + 1) // 2
+        if plan_memory(dims, _shape(mid * 256, cp, chunk, ac)).total_bytes <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
+    parser.add_argument("--cps", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--budget-gib", type=float, default=2.0, help="per-rank budget of the longest-sequence search")
+    parser.add_argument("--search-cap", type=int, default=1 << 20, help="longest sequence the search considers")
+    parser.add_argument("--verify-max", type=int, default=8192, help="measure the found length only up to this")
+    parser.add_argument("--no-search", action="store_true")
+    parser.add_argument("--timeout", type=float, default=3600)
+    args = parser.parse_args()
+    for key, value in MMAP_ENV.items():  # read by the spawned interpreters' glibc at start-up
+        os.environ.setdefault(key, value)
+    from automodel.training.memory_plan import plan_memory
+
+    h = args.hidden_size
+    print(
+        f"Llama-shaped: hidden {h}, MLP {4 * h}, {args.layers} layers, {h // 16} heads / {h // 32} KV heads, fp32, "
+        f"AdamW, ring CP, CPU, 1 thread per rank, torch {torch.__version__}; chunked = loss.chunk_tokens=256",
+        flush=True,
+    )
+    print("| vocab | cp | setting | seq len | step peak MiB/rank measured | planned | error | step s |")
+    print("|---|---|---|---|---|---|---|---|")
+    longest: list[str] = []
+    for vocab in args.vocabs:
+        model_kw = dict(
+            hidden_size=h,
+            intermediate_size=4 * h,
+            num_hidden_layers=args.layers,
+            num_attention_heads=h // 16,
+            num_key_value_heads=h // 32,
+            vocab_size=vocab,
+        )
+        dims = _dims(model_kw)
+        for cp in args.cps:
+            cases = [{"seq": s, "chunk": c, "ac": a} for _, c, a in SETTINGS for s in args.seq_lens]
+            found = {}
+            if not args.no_search:
+                for label, c, a in SETTINGS:
+                    found[label] = longest_planned(dims, cp, c, a, args.budget_gib * 2**30, args.search_cap)
+                    if 0 < found[label] <= args.verify_max:
+                        cases.append({"seq": found[label], "chunk": c, "ac": a, "verify": label})
+            ranks = run_on_ranks(
+                "scripts.bench_memory:measure_worker", cp, args.timeout, cases=cases, model_kw=model_kw
+            )
+            verified = {}
+            for i, case in enumerate(cases):
+                peak = max(r[i]["peak_mib"] for r in ranks)
+                t = max(r[i]["time"] for r in ranks)
+                plan = plan_memory(dims, _shape(case["seq"], cp, case["chunk"], case["ac"]))
+                if "verify" in case:
+                    verified[case["verify"]] = (peak + plan.persistent_bytes / 2**20, t)
+                    continue
+                label = next(lb for lb, c, a in SETTINGS if (c, a) == (case["chunk"], case["ac"]))
+                pred = plan.step_peak_bytes / 2**20
+                print(
+                    f"| {vocab} | {cp} | {label} | {case['seq']} | {peak:.0f} | {pred:.0f} | "
+                    f"{(pred - peak) / peak:+.0%} | {t:.2f} |",
+                    flush=True,
+                )
+            for label, _, _ in SETTINGS:
+                if label not in found:
+                    continue
+                v = verified.get(label)
+                check = (
+                    f"measured {v[0]:.0f} MiB, {v[1]:.2f} s/step" if v else f"not measured (> {args.verify_max} tokens)"
+                )
+                longest.append(f"| {vocab} | {cp} | {label} | {found[label]} | {check} |")
+    if longest:
+        print(f"\nLongest sequence (multiple of 256) whose planned per-rank total fits {args.budget_gib:g} GiB:")
+        print("| vocab | cp | setting | longest seq | verification (step peak + persistent state) |")
+        print("|---|---|---|---|---|")
+        print("\n".join(longest), flush=True)
+
+
+if __name__ == "__main__":
+    main()

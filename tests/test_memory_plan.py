@@ -12,7 +12,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel.training.cpu_memory import MMAP_ENV
-from automodel.training.memory_plan import RunShape, memory_plan_lines, model_dims, plan_memory, suggest_changes
+from automodel.training.memory_plan import (
+    RunShape,
+    memory_plan_lines,
+    model_dims,
+    plan_memory,
+    suggest_changes,
+)
 from tests.dist_harness import run_distributed
 
 # the measured model: small hidden size, 2 layers, fp32 (attention dominates the time, so keep h small)

@@ -23,8 +23,8 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
 * gradients: ``trainable / fsdp`` in the master dtype (FSDP2 keeps sharded gradients).
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
   tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
-  outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as the attention kernel saves
-  them (2 h: CPU and ring kernels save them repeated to all heads), the attention output and its
+  outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention kernel
+  saves them (2 h: CPU and ring kernels repeat them to all heads; 0 without GQA), the attention output and its
   transposed copy (2 h), the residual (h), and gate, up, silu(gate), silu(gate) * up (4 I); plus
   ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B).
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
@@ -39,7 +39,7 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
   gradient alive together in backward, ``3 N V 4``, plus the hidden-state gradient ``N h c``.
-  Chunked (``loss.chunk_tokens = n``): ``3 n V 4`` for one chunk, the fp32 LM-head gradient
+  Chunked (``loss.chunk_tokens = n``): ``2 n V 4`` for one chunk (its logits and their softmax), the fp32 LM-head gradient
   accumulator ``V h 4`` (plus its cast for a non-fp32 weight) and ``N h c``.
 * communication buffers (FSDP2, when ``fsdp > 1`` or the compute dtype differs from the master
   dtype): the root module (embeddings, final norm, LM head) stays gathered from forward to
@@ -198,7 +198,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     """(saved activations, extra of one recomputed layer in backward, note), bytes per rank."""
     n, c = r.local_tokens, r.compute_bytes
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
-    layer = (10 * h + 2 * kv + 4 * i) * c + d.heads * 4 / r.tp  # + the kernel's fp32 LSE
+    repeated = 2 * h if d.kv_heads < d.heads else 0  # GQA: the kernel saves K/V repeated to all heads
+    layer = (8 * h + repeated + 2 * kv + 4 * i) * c + d.heads * 4 / r.tp  # + the kernel's fp32 LSE
     outside = 4 * h * c + 24
     s2 = 0.0
     if r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
@@ -235,7 +236,7 @@ def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
         return 3 * n * v * 4 + grad_h, f"plain: [{n}, {v}] fp32 log-probs, their gradient and the logits gradient"
     rows = min(r.chunk_tokens, n)
     acc = v * h * 4 + (v * h * r.compute_bytes if r.compute_bytes != 4 else 0)
-    return 3 * rows * v * 4 + acc + grad_h, f"chunked: [{rows}, {v}] per chunk + the fp32 LM-head gradient"
+    return 2 * rows * v * 4 + acc + grad_h, f"chunked: [{rows}, {v}] per chunk + the fp32 LM-head gradient"
 
 
 def _comm_buffers(d: ModelDims, r: RunShape) -> tuple[float, str]:
