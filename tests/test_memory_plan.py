@@ -147,5 +147,6 @@ def test_predicted_step_peak_within_20_percent_of_measured(measured, cp, case):
     c = CASES[case]
     meas = measured[cp][case]
     pred = plan_memory(_dims(), RunShape(local_batch=1, seq=c["seq"], cp=cp, chunk_tokens=c["chunk"]))
-    rel = (pred.step_peak_bytes / MIB - meas) / meas
-    assert abs(rel) <= 0.2, f"cp {cp} {c}: predicted {pred.step_peak_bytes / MIB:.1f} MiB, measured {meas:.1f} MiB"
+    # the measured ranks hold a replicated model (gradients all-reduced, no FSDP2): no gathered parameters
+    planned = (pred.step_peak_bytes - pred.phases[pred.peak_phase]["communication buffers"]) / MIB
+    assert abs(planned - meas) / meas <= 0.2, f"cp {cp} {c}: predicted {planned:.1f} MiB, measured {meas:.1f} MiB"
