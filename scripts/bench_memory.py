@@ -214,7 +214,7 @@ def main() -> None:
                 )
                 longest.append(f"| {vocab} | {cp} | {label} | {found[label]} | {check} |")
     if longest:
-        print(f"\nLongest sequence (multiple of 256) whose planned per-rank total fits {args.budget_gib:g} GiB:")
+        print(f"\nLongest sequence (multiple of 256) whose planned per-rank total fits {args.budget_gib:g} GiB:\n")
         print("| vocab | cp | setting | longest seq | verification (step peak + persistent state) |")
         print("|---|---|---|---|---|")
         print("\n".join(longest), flush=True)
