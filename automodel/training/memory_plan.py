@@ -23,15 +23,16 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
 * gradients: ``trainable / fsdp`` in the master dtype (FSDP2 keeps sharded gradients).
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
   tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
-  outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention kernel
-  saves them (2 h: CPU and ring kernels repeat them to all heads; 0 without GQA), the attention output and its
-  transposed copy (2 h), the residual (h), and gate, up, silu(gate), silu(gate) * up (4 I); plus
+  outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
+  kernel saves them (2 h: CPU and ring kernels repeat them to all heads; 0 without GQA), the
+  attention output and its transposed copy (2 h), the residual (h), and gate, up, silu(gate),
+  silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
   ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B).
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
   layer at a time and holds its activations plus the gradients at its output and input (``2 h c``;
   its other backward temporaries replace saved tensors it has already freed).
   Activations divide by ``cp`` (the local tokens) and ``tp`` (sequence-parallel TP; TP is not yet
-  available). Calibration (``scripts/bench_memory.py``, CPU, fp32): see docs/recipe.md.
+  available).
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the all-to-all buffers of q, k, v and
@@ -40,8 +41,9 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
   gradient alive together in backward, ``3 N V 4``, plus the hidden-state gradient ``N h c``.
   Chunked (``loss.chunk_tokens = n``): ``3 n V 4`` (a chunk's logits and their softmax, and the
-  previous chunk's, which the loop frees only when it reassigns them; ``2 n V 4`` for a single chunk), the fp32 LM-head gradient
-  accumulator ``V h 4`` (plus its cast for a non-fp32 weight) and ``N h c``.
+  previous chunk's, which the loop frees only when it reassigns them; ``2 n V 4`` for a single
+  chunk), the fp32 LM-head gradient accumulator ``V h 4`` (plus its cast for a non-fp32 weight)
+  and ``N h c``.
 * communication buffers (FSDP2, when ``fsdp > 1`` or the compute dtype differs from the master
   dtype): the root module (embeddings, final norm, LM head) stays gathered from forward to
   backward (``reshard_after_forward=False``), two decoder layers gathered at a time (the current one
