@@ -208,6 +208,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
             f"recipe.cp_self_check_tokens={cfg.recipe.cp_self_check_tokens} must be >= 1 (tokens per row of "
             f"the CP self-check's slice; default 512)"
         )
+    if cfg.recipe.memory_budget_gib is not None and not cfg.recipe.memory_budget_gib > 0:
+        problems.append(f"recipe.memory_budget_gib={cfg.recipe.memory_budget_gib} must be > 0 (GiB per rank), or null")
     problems += peft_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
     return problems

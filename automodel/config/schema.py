@@ -59,6 +59,7 @@ class RecipeSection:
     plan_nproc_per_node: int | None = None  # dry run: processes per node (with plan_nnodes: the world size)
     cp_self_check: bool = False  # one step with CP and without it compared before training
     cp_self_check_tokens: int = 512  # tokens per row of the self-check's slice of the training data
+    memory_budget_gib: float | None = None  # dry run: per-rank memory budget; suggests the cheapest change that fits
 
 
 @dataclass

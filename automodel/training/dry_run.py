@@ -224,6 +224,10 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         f"layer inputs kept for backward: {c.num_hidden_layers} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
     )
+    from automodel.training.memory_plan import memory_plan_lines, model_dims, run_shape_from_config
+
+    shape = run_shape_from_config(cfg, sizes, seq, grad_acc)  # predicted per-rank peak, term by term
+    out.extend(memory_plan_lines(model_dims(model), shape, budget_gib=cfg.recipe.memory_budget_gib, world=world))
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     out.append("dry run: nothing was trained")
