@@ -46,6 +46,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 continue
             logits = _chunk_logits(hidden[start : start + chunk_tokens], weight, bias)
             total += F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+            del logits  # free this chunk's logits before the next chunk's are computed
         ctx.save_for_backward(hidden, weight, bias, labels)
         ctx.chunk_tokens = chunk_tokens
         return total
@@ -77,6 +78,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 grad_w += (g_low.t() @ h).to(acc)
             if need_b:
                 grad_b += g.sum(0)
+            del g, g_low  # at most one chunk's [N, V] softmax (and its cast) alive at a time
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),

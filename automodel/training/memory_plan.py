@@ -40,9 +40,8 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
   gradient alive together in backward, ``3 N V 4``, plus the hidden-state gradient ``N h c``.
-  Chunked (``loss.chunk_tokens = n``): ``3 n V 4`` (a chunk's logits and their softmax, and the
-  previous chunk's, which the loop frees only when it reassigns them; ``2 n V 4`` for a single
-  chunk), the fp32 LM-head gradient accumulator ``V h 4`` (plus its cast for a non-fp32 weight)
+  Chunked (``loss.chunk_tokens = n``): ``2 n V 4`` (one chunk's logits and their softmax; the loop
+  frees each chunk before the next), the fp32 LM-head gradient accumulator ``V h 4`` (plus its cast for a non-fp32 weight)
   and ``N h c``.
 * communication buffers (FSDP2, when ``fsdp > 1`` or the compute dtype differs from the master
   dtype): the root module (embeddings, final norm, LM head) stays gathered from forward to
@@ -238,7 +237,7 @@ def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
     if r.chunk_tokens is None:
         return 3 * n * v * 4 + grad_h, f"plain: [{n}, {v}] fp32 log-probs, their gradient and the logits gradient"
     rows = min(r.chunk_tokens, n)
-    live = 3 if n > rows else 2  # a chunk's logits and softmax, plus the previous chunk's until reassigned
+    live = 2  # one chunk's logits and their softmax (each chunk is freed before the next)
     acc = v * h * 4 + (v * h * r.compute_bytes if r.compute_bytes != 4 else 0)
     return live * rows * v * 4 + acc + grad_h, f"chunked: [{rows}, {v}] per chunk + the fp32 LM-head gradient"
 
