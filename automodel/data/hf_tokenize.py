@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from automodel.data.examples import IGNORE_INDEX, split_long_sequence
-from automodel.data.instruction_dataset import render_chat_segments
+from automodel.data.instruction_dataset import join_segments, render_chat_segments
 from automodel.data.splits import is_validation
 from automodel.errors import UserInputError
 
@@ -169,18 +169,10 @@ def tokenize_rows(
     out = {"input_ids": [], "labels": [], "n": [], "truncated": []}
     k = 0
     for (where, _), segs in zip(keep, seg_lists, strict=True):
-        toks: list[int] = []
-        train: list[bool] = []
-        if fmt == "prompt_completion" and add_bos and bos is not None:
-            toks.append(int(bos))
-            train.append(False)
-        for _, trainable in segs:
-            toks += flat_ids[k]
-            train += [trainable] * len(flat_ids[k])
-            k += 1
-        if fmt == "prompt_completion" and add_eos:
-            toks.append(eos)
-            train.append(True)
+        wrap = fmt == "prompt_completion"  # chat templates bring their own special tokens
+        toks, train, k = join_segments(
+            segs, flat_ids, k, bos=bos, eos=eos, add_bos=wrap and add_bos, add_eos=wrap and add_eos
+        )
         if len(toks) < 2:
             raise UserInputError(
                 f"{where}: the example has {len(toks)} token(s); an empty prompt and completion give nothing "

@@ -45,7 +45,13 @@ from automodel.data.splits import select_split, validate_split
 from automodel.data.tokenizer import assets_dir
 from automodel.errors import UserInputError
 
-__all__ = ["InstructionDataset", "INSTRUCTION_FORMATS", "default_instructions_path", "render_chat_segments"]
+__all__ = [
+    "InstructionDataset",
+    "INSTRUCTION_FORMATS",
+    "default_instructions_path",
+    "join_segments",
+    "render_chat_segments",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,43 @@ INSTRUCTION_FORMATS = ("prompt_response", "messages")
 def default_instructions_path() -> str:
     """Path of the shipped synthetic instruction set (``prompt``, ``response`` and ``messages`` fields)."""
     return str(assets_dir() / "corpus" / "default_instructions.jsonl.gz")
+
+
+def join_segments(
+    segments: Sequence[tuple[Any, bool]],
+    token_ids: Sequence[list[int]],
+    start: int,
+    *,
+    bos: int | None,
+    eos: int,
+    add_bos: bool,
+    add_eos: bool,
+) -> tuple[list[int], list[bool], int]:
+    """One example's tokens and trainable flags from its tokenized segments.
+
+    Args:
+        segments: ``(text, trainable)`` per segment of the example, in order.
+        token_ids: the token ids of ALL segments of a batch, flat; this example's start at ``start``.
+        bos, eos: the tokenizer's ids; ``add_bos`` puts ``bos`` (not trained) first when it exists,
+            ``add_eos`` puts ``eos`` (trained) last.
+
+    Returns:
+        ``(tokens, trainable, next_start)``: ``len(tokens) == len(trainable)``; nothing is mutated.
+    """
+    toks: list[int] = []
+    train: list[bool] = []
+    if add_bos and bos is not None:
+        toks.append(int(bos))
+        train.append(False)
+    k = start
+    for _, trainable in segments:
+        toks += token_ids[k]
+        train += [trainable] * len(token_ids[k])
+        k += 1
+    if add_eos:
+        toks.append(int(eos))
+        train.append(True)
+    return toks, train, k
 
 
 def render_chat_segments(
@@ -186,19 +229,11 @@ class InstructionDataset(Dataset):
         bos, eos = self.tokenizer.bos_token_id, int(self.tokenizer.eos_token_id)
         examples, k = [], 0
         self.num_truncated = self.num_without_labels = 0
+        wrap = format == "prompt_response"  # chat templates bring their own special tokens
         for segs in seg_lists:
-            toks: list[int] = []
-            train: list[bool] = []
-            if format == "prompt_response" and add_bos and bos is not None:
-                toks.append(int(bos))
-                train.append(False)
-            for _, trainable in segs:
-                toks += flat_ids[k]
-                train += [trainable] * len(flat_ids[k])
-                k += 1
-            if format == "prompt_response" and add_eos:
-                toks.append(eos)
-                train.append(True)
+            toks, train, k = join_segments(
+                segs, flat_ids, k, bos=bos, eos=eos, add_bos=wrap and add_bos, add_eos=wrap and add_eos
+            )
             if len(toks) > self.seq_len + 1:
                 self.num_truncated += 1
                 toks, train = toks[: self.seq_len + 1], train[: self.seq_len + 1]
