@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import UserInputError
+from automodel.models.hf_save import save_hf_state
 
 __all__ = [
     "ADAPTER_NAME",
@@ -261,7 +262,7 @@ def export_lora(
         if base_model_name_or_path is None:
             base_dir = out / "base"
             base_state = {_hf_name(k): v for k, v in state.items() if k not in adapters}
-            _save_hf(cls, config, base_state, base_dir, dtype, model, tokenizer)
+            save_hf_state(cls, config, base_state, base_dir, dtype=dtype, source_model=model, tokenizer=tokenizer)
             base_ref = str(base_dir.resolve())
         peft_model = _peft_skeleton(cls, config, section)
         result = peft_model.load_state_dict(
@@ -282,7 +283,9 @@ def export_lora(
             still_meta = sorted(k for k, v in merged_state.items() if v.device.type == "meta")
             if still_meta:
                 raise RuntimeError(f"merged export: weights not gathered: {still_meta[:4]}")
-            _save_hf(cls, config, merged_state, out / "merged", dtype, model, tokenizer)
+            save_hf_state(
+                cls, config, merged_state, out / "merged", dtype=dtype, source_model=model, tokenizer=tokenizer
+            )
         logger.info(
             "exported LoRA adapter to %s%s%s",
             out / "adapter",
@@ -301,30 +304,6 @@ def _peft_skeleton(cls: type, config: Any, section: Any) -> Any:
     with torch.device("meta"):
         skeleton = cls(copy.deepcopy(config))
     return get_peft_model(skeleton, lora_config(section), adapter_name=ADAPTER_NAME)
-
-
-def _save_hf(
-    cls: type,
-    config: Any,
-    state: dict[str, torch.Tensor],
-    out: Path,
-    dtype: torch.dtype | None,
-    model: nn.Module,
-    tokenizer: Any,
-) -> None:
-    """``save_pretrained`` of a meta skeleton of ``cls`` with ``state`` (as ``export_hf_model`` does)."""
-    if dtype is not None:
-        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-    with torch.device("meta"):
-        skeleton = cls(copy.deepcopy(config))
-    export_dtype = dtype or next(iter(v.dtype for v in state.values() if v.is_floating_point()), None)
-    if export_dtype is not None:
-        skeleton.config.dtype = export_dtype
-    if getattr(model, "generation_config", None) is not None:
-        skeleton.generation_config = model.generation_config
-    skeleton.save_pretrained(out, state_dict=state)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
 
 
 def check_lora_for_model_config(

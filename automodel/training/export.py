@@ -9,7 +9,6 @@ The result loads with ``AutoModelForCausalLM.from_pretrained(dir)``.
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from automodel.models.hf_save import save_hf_state
 
 __all__ = ["original_model_class", "export_hf_model"]
 
@@ -58,20 +59,9 @@ def export_hf_model(
     if rank == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        if dtype is not None:
-            state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-        cls = original_model_class(model)
-        config = copy.deepcopy(model.config)
-        export_dtype = dtype or next(iter(v.dtype for v in state.values() if v.is_floating_point()), None)
-        with torch.device("meta"):
-            skeleton = cls(config)
-        if export_dtype is not None:
-            skeleton.config.dtype = export_dtype
-        if getattr(model, "generation_config", None) is not None:
-            skeleton.generation_config = model.generation_config
-        skeleton.save_pretrained(out, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
+        save_hf_state(
+            original_model_class(model), model.config, state, out, dtype=dtype, source_model=model, tokenizer=tokenizer
+        )
         logger.info("exported Hugging Face model to %s", out)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
