@@ -79,6 +79,36 @@ def _worker(rank: int, world: int, seq_len: int, steps: int, model_kw: dict) -> 
     return {"time": statistics.median(times), "peak_mib": peak}
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The tiny Llama's size options shared by the CPU benchmarks."""
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+
+
+def model_kwargs(args: argparse.Namespace) -> dict:
+    """``LlamaConfig`` keyword arguments from :func:`add_model_args`' options (MLP = 4 x hidden)."""
+    return dict(
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab_size,
+    )
+
+
+def use_mmap_env() -> None:
+    """Workers are fresh interpreters that read these at start-up. A fixed mmap threshold puts every
+    tensor above 64 KiB in its own mapping that free() returns to the OS, so RSS follows the live
+    tensors instead of glibc's retained heap (its adaptive threshold would otherwise keep freed
+    activations of the warm-up step in the baseline and make the peak figures noise)."""
+    for key, value in MMAP_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def run(world: int, seq_len: int, steps: int, model_kw: dict, timeout: float) -> dict:
     results = run_on_ranks(
         "scripts.bench_cp:_worker", world, timeout, seq_len=seq_len, steps=steps, model_kw=model_kw
@@ -92,27 +122,11 @@ def main() -> None:
     )
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    add_model_args(parser)
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
-    # Workers are fresh interpreters that read these at start-up. A fixed mmap threshold puts every
-    # tensor above 64 KiB in its own mapping that free() returns to the OS, so RSS follows the live
-    # tensors instead of glibc's retained heap (its adaptive threshold would otherwise keep freed
-    # activations of the warm-up step in the baseline and make the peak figures noise).
-    for key, value in MMAP_ENV.items():
-        os.environ.setdefault(key, value)
-    model_kw = dict(
-        hidden_size=args.hidden_size,
-        intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=args.vocab_size,
-    )
+    use_mmap_env()
+    model_kw = model_kwargs(args)
     print(f"tiny Llama {model_kw}, fp32, CPU, 1 thread per rank, torch {torch.__version__}", flush=True)
     header = (
         "| seq len | T(cp=1) s | T(cp=2) s | efficiency | peak MiB cp=1 | peak MiB/rank cp=2 | mem ratio |"

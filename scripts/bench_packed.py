@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import statistics
 import sys
@@ -44,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from automodel.distributed.launch import run_on_ranks  # noqa: E402
-from automodel.training.cpu_memory import MMAP_ENV, peak_rss_mib, reset_peak_rss, rss_mib  # noqa: E402
+from automodel.training.cpu_memory import peak_rss_mib, reset_peak_rss, rss_mib  # noqa: E402
+from scripts.bench_cp import add_model_args, model_kwargs, use_mmap_env  # noqa: E402
 from scripts.bench_sp import _sent_bytes  # noqa: E402
 
 
@@ -226,23 +226,11 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--methods", nargs="+", default=["thd1", "thd", "ulysses", "ring"])
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    add_model_args(parser)
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args()
-    for key, value in MMAP_ENV.items():  # RSS follows the live tensors (see bench_cp.py)
-        os.environ.setdefault(key, value)
-    model_kw = dict(
-        hidden_size=args.hidden_size,
-        intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=args.vocab_size,
-    )
+    use_mmap_env()
+    model_kw = model_kwargs(args)
     print(f"tiny Llama {model_kw}, fp32, CPU, 1 thread per rank, torch {torch.__version__}", flush=True)
     print("| S | method | cp | docs | tokens/s | pad % | MiB sent/rank/step | peak MiB/rank | vs thd cp=1 |")
     print("|---|---|---|---|---|---|---|---|---|")
