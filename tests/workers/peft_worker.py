@@ -14,36 +14,18 @@ import torch
 
 from automodel.config import load_config
 from automodel.training.trainer import FinetuneTrainer, TrainHooks
+from tests.workers.recipe_worker import TINY as RECIPE_TINY
+from tests.workers.recipe_worker import _full_state
 
 CONFIG = "configs/cp_lora.yaml"
 STEPS = 6
-TINY = [
-    "model.config.hidden_size=64",
-    "model.config.intermediate_size=128",
-    "model.config.num_hidden_layers=2",
-    "model.config.num_attention_heads=4",
-    "model.config.num_key_value_heads=2",
-    "model.dtype=float32",
-    "fsdp.param_dtype=float32",
-    "data.seq_len=128",
-    "step_scheduler.global_batch_size=8",
-    "step_scheduler.local_batch_size=2",
-    f"step_scheduler.max_steps={STEPS}",
-    "step_scheduler.val_every_steps=3",
-    "step_scheduler.val_max_batches=1",
-    "step_scheduler.ckpt_every_steps=null",
-    "lr_scheduler.warmup_steps=2",
-    "checkpoint.save_final=false",
-    "export.enabled=false",
-    "logging.progress_bar=false",
-    "logging.plot=false",
-]
-
-
-def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+# tests/workers/recipe_worker.py's tiny overrides, with this module's step count and validation cadence
+_OWN = {
+    "step_scheduler.max_steps": str(STEPS),
+    "step_scheduler.val_every_steps": "3",
+    "step_scheduler.val_max_batches": "1",
+}
+TINY = [o for o in RECIPE_TINY if o.split("=", 1)[0] not in _OWN] + [f"{k}={v}" for k, v in _OWN.items()]
 
 
 def write_corpus(out: Path, docs: int = 400) -> Path:
