@@ -187,10 +187,7 @@ def test_global_batch_not_divisible():
     assert "step_scheduler.global_batch_size=12 is not divisible by local_batch_size * dp = 4*2 = 8" in msg
 
 
-def test_tensor_parallel_and_loss_parallel_are_rejected():
-    assert "distributed.tp_size=2: tensor parallelism is not implemented" in problems(
-        "distributed.tp_size=2", "distributed.cp_size=1"
-    )
+def test_loss_parallel_needs_tensor_parallel():  # the TP rules: tests/test_tp_validation.py
     assert "enable_loss_parallel=true needs a vocabulary sharded" in problems(
         "distributed.enable_loss_parallel=true"
     )

@@ -43,7 +43,10 @@ def test_reference_learns(runs):
     ("overrides", "message"),
     [
         (["loss.chunk_tokens=0"], "loss.chunk_tokens=0 must be >= 1"),
-        (["loss.chunk_tokens=64", "distributed.enable_loss_parallel=true"], "does not take a vocabulary-sharded"),
+        (
+            ["loss.chunk_tokens=64", "distributed.cp_size=1", "distributed.tp_size=2"],
+            "multiplies each chunk by the whole LM head",
+        ),
     ],
 )
 def test_bad_chunk_settings_are_rejected_before_work(overrides, message):

@@ -69,16 +69,7 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
     sizes, size_problems = parallel_sizes(cfg, world_size)
     problems += size_problems
 
-    if d.tp_size > 1:
-        problems.append(
-            f"distributed.tp_size={d.tp_size}: tensor parallelism is not implemented by this recipe; "
-            f"set distributed.tp_size=1 (use cp_size / dp_shard for the other ranks)"
-        )
-    if d.enable_loss_parallel and d.tp_size == 1:
-        problems.append(
-            "distributed.enable_loss_parallel=true needs a vocabulary sharded by tensor parallelism "
-            "(tp_size > 1); set distributed.enable_loss_parallel=false"
-        )
+    problems += tp_problems(cfg)
     if d.enable_compiled_autograd:
         problems.append(
             "distributed.enable_compiled_autograd=true does not work in this recipe yet: on torch 2.13 the "
@@ -89,12 +80,6 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(
             f"loss.chunk_tokens={cfg.loss.chunk_tokens} must be >= 1 (tokens whose logits are computed at once, "
             "e.g. 1024), or null for the plain loss"
-        )
-    if cfg.loss.chunk_tokens is not None and d.enable_loss_parallel:
-        problems.append(
-            "loss.chunk_tokens with distributed.enable_loss_parallel=true: the chunked loss computes the logits "
-            "of the whole vocabulary chunk by chunk on each rank and does not take a vocabulary-sharded LM "
-            "head; set loss.chunk_tokens=null or distributed.enable_loss_parallel=false"
         )
     if d.backend == "nccl" and cuda_available is False:
         problems.append(
@@ -164,7 +149,7 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                 "num_attention_heads", model.config.get("num_attention_heads")
             )
             if isinstance(heads, int) and heads >= 1:
-                problem = head_split_problem(method.name, heads, d.cp_size)
+                problem = head_split_problem(method.name, heads, d.cp_size, d.tp_size)
                 if problem is not None:
                     problems.append(problem.replace("the model has", "model.config has", 1))
 
@@ -212,6 +197,55 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"recipe.memory_budget_gib={cfg.recipe.memory_budget_gib} must be > 0 (GiB per rank), or null")
     problems += peft_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
+    return problems
+
+
+def tp_problems(cfg: RecipeConfig) -> list[str]:
+    """Tensor-parallel keys: what needs ``tp_size > 1``, what TP does not compose with, and (for an inline
+    ``model.config``) the sizes TP splits. A pretrained config is checked the same way once it is read,
+    before any weight loads (:func:`automodel.distributed.tensor_parallel.tp_config_problems`)."""
+    d, problems = cfg.distributed, []
+    if d.enable_loss_parallel and d.tp_size == 1:
+        problems.append(
+            "distributed.enable_loss_parallel=true needs a vocabulary sharded by tensor parallelism "
+            "(tp_size > 1); set distributed.enable_loss_parallel=false, or distributed.tp_size=2 (or more)"
+        )
+    if d.sequence_parallel and d.tp_size == 1:
+        problems.append(
+            "distributed.sequence_parallel=true splits the tokens over the tensor-parallel ranks, but "
+            "distributed.tp_size=1; set distributed.sequence_parallel=false, or distributed.tp_size=2 (or more)"
+        )
+    if d.tp_size <= 1:
+        return problems
+    if cfg.loss.chunk_tokens is not None:
+        problems.append(
+            f"loss.chunk_tokens={cfg.loss.chunk_tokens} with distributed.tp_size={d.tp_size}: the chunked loss "
+            "multiplies each chunk by the whole LM head on every rank, which tensor parallelism shards on the "
+            "vocabulary; set loss.chunk_tokens=null and distributed.enable_loss_parallel=true (the "
+            "vocabulary-sharded loss: each rank holds 1/tp_size of the logits), or distributed.tp_size=1"
+        )
+    if cfg.peft is not None:
+        problems.append(
+            f"peft with distributed.tp_size={d.tp_size}: LoRA wraps the projections that the TP plan shards "
+            "(the adapters would need a plan of their own); set distributed.tp_size=1 (LoRA trains under "
+            "every CP method and FSDP2)"
+        )
+    if isinstance(cfg.model.config, dict):  # inline architecture: the sizes TP splits
+        inline = {**cfg.model.config, **(cfg.model.config_overrides or {})}
+        why = {
+            "num_attention_heads": "each TP rank computes num_attention_heads / tp_size query heads",
+            "num_key_value_heads": "each TP rank holds num_key_value_heads / tp_size key/value heads",
+            "intermediate_size": "the MLP is split column/row-wise",
+            "vocab_size": "the embedding and the LM head are split on the vocabulary",
+        }
+        for key, reason in why.items():
+            value = inline.get(key)
+            if isinstance(value, int) and value >= 1 and value % d.tp_size:
+                divisors = [x for x in range(2, value + 1) if value % x == 0][:8]
+                problems.append(
+                    f"model.config.{key}={value} is not divisible by distributed.tp_size={d.tp_size} ({reason}); "
+                    f"set distributed.tp_size to a divisor of {value} ({divisors}), or tp_size=1"
+                )
     return problems
 
 

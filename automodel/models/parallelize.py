@@ -14,6 +14,7 @@ whatever dp and cp are.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +23,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from automodel.distributed.mesh import get_submesh
 from automodel.errors import UserInputError
 
-__all__ = ["decoder_layers", "apply_activation_checkpointing", "fsdp_mesh", "apply_fsdp2"]
+__all__ = [
+    "decoder_layers",
+    "apply_activation_checkpointing",
+    "check_model_config_for_tp",
+    "apply_tp",
+    "fsdp_mesh",
+    "apply_fsdp2",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,45 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
             f"{type(model).__name__} does not support gradient checkpointing; set model.activation_checkpointing=false"
         )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def check_model_config_for_tp(model_config: Any, tp_size: int, *, sequence_parallel: bool = False) -> None:
+    """Check a transformers config against tensor parallelism over ``tp_size`` ranks, before weights load.
+
+    Raises:
+        UserInputError: a VLM (its vision tower and projector have no TP plan), an architecture without
+            a plan, or a head / KV-head / MLP / vocabulary size not divisible by ``tp_size``.
+    """
+    if tp_size <= 1:
+        return
+    from automodel.distributed.tensor_parallel import tp_config_problems
+    from automodel.models.vlm_cp import is_vlm
+
+    if is_vlm(model_config):
+        raise UserInputError(
+            f"distributed.tp_size={tp_size} with a vision-language model ({getattr(model_config, 'model_type', None)}): "
+            f"the vision tower and projector have no tensor-parallel plan; set distributed.tp_size=1 (VLMs train "
+            f"under ring or ulysses CP with FSDP2)"
+        )
+    problems = tp_config_problems(model_config, tp_size, sequence_parallel=sequence_parallel)
+    if problems:
+        raise UserInputError("; ".join(problems))
+
+
+def apply_tp(model: nn.Module, device_mesh: DeviceMesh, *, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """Tensor-parallel ``model`` in place over ``device_mesh["tp"]`` (no-op at tp size 1).
+
+    Call after the CP method's attention switch and before activation checkpointing and FSDP2 (which
+    then shards the TP ``DTensor`` parameters again over ``dp_shard_cp``: 2-D FSDP2 x TP). See
+    :mod:`automodel.distributed.tensor_parallel` for the plan.
+    """
+    if device_mesh["tp"].size() <= 1:
+        return
+    from automodel.distributed.tensor_parallel import apply_tensor_parallel
+
+    apply_tensor_parallel(
+        model, device_mesh["tp"], loss_parallel=loss_parallel, sequence_parallel=sequence_parallel
+    )
 
 
 def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:

@@ -146,16 +146,34 @@ def get_cp_batch_fn(method: str) -> Callable:
     return _import(get_cp_method(method).function)
 
 
-def head_split_problem(method: str, num_attention_heads: int | None, cp_size: int) -> str | None:
-    """Why ``method`` cannot split ``num_attention_heads`` over ``cp_size`` ranks, or ``None`` if it can."""
+def head_split_problem(method: str, num_attention_heads: int | None, cp_size: int, tp_size: int = 1) -> str | None:
+    """Why ``method`` cannot split ``num_attention_heads`` over ``cp_size`` ranks, or ``None`` if it can.
+
+    With tensor parallelism each TP rank already holds ``num_attention_heads / tp_size`` heads, and a
+    head-splitting method divides those again over CP: ``num_attention_heads % (tp_size * cp_size) == 0``.
+    (A head count not divisible by ``tp_size`` is TP's own problem, reported by
+    :func:`automodel.distributed.tensor_parallel.tp_config_problems`.)
+    """
     m = get_cp_method(method)
+    tp_size = max(1, tp_size)
     if (
         not m.splits_heads
         or cp_size <= 1
         or num_attention_heads is None
-        or num_attention_heads % cp_size == 0
+        or num_attention_heads % tp_size
+        or (num_attention_heads // tp_size) % cp_size == 0
     ):
         return None
+    if tp_size > 1:
+        local = num_attention_heads // tp_size
+        divisors = [d for d in range(2, local + 1) if local % d == 0]
+        return (
+            f"distributed.cp_method={m.name} splits the attention heads over the CP ranks after tensor "
+            f"parallelism has split them over distributed.tp_size={tp_size}: the model has "
+            f"num_attention_heads={num_attention_heads}, {local} per TP rank, which is not divisible by "
+            f"distributed.cp_size={cp_size}; set distributed.cp_size to a divisor of {local} ({divisors}), "
+            f"a smaller distributed.tp_size, or distributed.cp_method=ring"
+        )
     divisors = [d for d in range(2, num_attention_heads + 1) if num_attention_heads % d == 0]
     return (
         f"distributed.cp_method={m.name} splits the attention heads over the CP ranks, but the model has "
@@ -165,7 +183,7 @@ def head_split_problem(method: str, num_attention_heads: int | None, cp_size: in
     )
 
 
-def check_model_config_for_cp(method: str, model_config: Any, cp_size: int) -> None:
+def check_model_config_for_cp(method: str, model_config: Any, cp_size: int, tp_size: int = 1) -> None:
     """Check a transformers config against the method's limits before any weight is loaded.
 
     Raises:
@@ -183,7 +201,7 @@ def check_model_config_for_cp(method: str, model_config: Any, cp_size: int) -> N
         )
     get_text = getattr(model_config, "get_text_config", None)
     text = get_text() if callable(get_text) else model_config
-    problem = head_split_problem(method, getattr(text, "num_attention_heads", None), cp_size)
+    problem = head_split_problem(method, getattr(text, "num_attention_heads", None), cp_size, tp_size)
     if problem is not None:
         raise UserInputError(problem)
 

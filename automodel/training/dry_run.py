@@ -79,6 +79,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     from omegaconf import OmegaConf
 
     from automodel.models.loader import build_model, check_model_for_run, resolve_model_config
+    from automodel.models.parallelize import check_model_config_for_tp
     from automodel.training.cp_dispatch import check_model_config_for_cp, get_cp_method, token_ranges
     from automodel.training.trainer import pad_multiple
 
@@ -150,7 +151,8 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         trust_remote_code=cfg.model.trust_remote_code,
         cp_applies_sliding_window=get_cp_method(d.cp_method).applies_sliding_window,
     )
-    check_model_config_for_cp(d.cp_method, resolved.config, d.cp_size)
+    check_model_config_for_cp(d.cp_method, resolved.config, d.cp_size, d.tp_size)
+    check_model_config_for_tp(resolved.config, d.tp_size, sequence_parallel=d.sequence_parallel)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
     if cfg.peft is not None:  # peft.target_modules must select modules of this model
         from automodel.models.lora import apply_lora

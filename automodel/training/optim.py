@@ -33,17 +33,27 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None, norm_type: float = 
     Works on FSDP2's ``DTensor`` gradients: the norm is computed from the local shards and
     reduced over the mesh, so every rank gets the same full norm. Returns it as a float (may be
     ``inf``/``nan``; clipping is then skipped, and the caller decides).
+
+    With tensor parallelism the gradients live on different meshes and placements (2-D
+    ``(dp_shard_cp, tp)`` for TP-sharded weights, 1-D ``dp_shard_cp`` for the norms), which one
+    foreach norm cannot mix: each (mesh, placements) group is reduced on its own, and the group norms
+    are combined (``(sum n_g^p)^(1/p)``, or their max for ``inf``).
     """
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
         return 0.0
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    groups: dict = {}
+    for p in params:
+        key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type=norm_type, foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type=norm_type)
     if max_norm is not None and math.isfinite(total.item()):
-        torch.nn.utils.clip_grads_with_norm_(
-            [p for p in model.parameters() if p.grad is not None], max_norm, total, foreach=True
-        )
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total, foreach=True)
     return float(total.item())

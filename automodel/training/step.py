@@ -104,7 +104,10 @@ def forward_loss_sum(
     root's parameters are still unsharded then (gathered once per micro-batch, not per chunk).
     """
     if chunk_tokens is None:
-        return token_cross_entropy_sum(model(**inputs).logits, labels)
+        ce = token_cross_entropy_sum(model(**inputs).logits, labels)
+        # loss parallel (TP): the logits were a vocabulary-sharded DTensor and the CE sum is a replicated
+        # 0-dim DTensor; its local value is the full sum (differentiable back into the sharded logits)
+        return ce.to_local() if hasattr(ce, "to_local") else ce
     captured: list[torch.Tensor] = []
 
     def keep_hidden(module: nn.Module, args: Any, output: Any) -> None:

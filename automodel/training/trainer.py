@@ -179,7 +179,12 @@ class FinetuneTrainer:
             resolve_model_config,
             torch_dtype,
         )
-        from automodel.models.parallelize import apply_activation_checkpointing, apply_fsdp2
+        from automodel.models.parallelize import (
+            apply_activation_checkpointing,
+            apply_fsdp2,
+            apply_tp,
+            check_model_config_for_tp,
+        )
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -196,7 +201,12 @@ class FinetuneTrainer:
             cp_applies_sliding_window=get_cp_method(cfg.distributed.cp_method).applies_sliding_window,
         )
         # e.g. Ulysses splits the heads over CP: checked on the config, before data or weights are loaded
-        check_model_config_for_cp(cfg.distributed.cp_method, resolved.config, cfg.distributed.cp_size)
+        check_model_config_for_cp(
+            cfg.distributed.cp_method, resolved.config, cfg.distributed.cp_size, cfg.distributed.tp_size
+        )
+        check_model_config_for_tp(
+            resolved.config, cfg.distributed.tp_size, sequence_parallel=cfg.distributed.sequence_parallel
+        )
         if cfg.peft is not None:  # peft.target_modules against a weightless model, before data or weights
             from automodel.models.lora import check_lora_for_model_config
 
@@ -307,6 +317,13 @@ class FinetuneTrainer:
             from automodel.models.lora import apply_lora
 
             apply_lora(self.model, cfg.peft, seed=cfg.recipe.seed)
+        # TP inside (the tp mesh dim), then FSDP2 over dp_shard_cp: 2-D parameters
+        apply_tp(
+            self.model,
+            self.mesh,
+            loss_parallel=d.enable_loss_parallel,
+            sequence_parallel=d.sequence_parallel,
+        )
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         param_dtype = cfg.fsdp.param_dtype

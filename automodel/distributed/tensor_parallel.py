@@ -1,0 +1,274 @@
+"""Tensor parallelism (DTensor) for stock Hugging Face decoder LMs, with loss parallel and sequence parallel.
+
+One module owns the plans. :func:`tp_plan` starts from transformers' own per-architecture plan
+(``config.base_model_tp_plan``: column-parallel ``q/k/v/gate/up``, row-parallel ``o/down``, and for
+Qwen3 ``replicated_with_grad_allreduce`` on the per-head ``q_norm``/``k_norm``) and goes further where
+the training recipe needs it:
+
+- **Embedding**: vocabulary-sharded (``RowwiseParallel`` on ``embed_tokens``: each rank looks up the
+  ids of its vocabulary slice, the partial results are all-reduced). transformers leaves it replicated.
+- **LM head**: with ``loss_parallel`` the head is column-parallel and returns the logits as a
+  ``DTensor`` sharded on the vocabulary (``Shard(-1)``, never gathered); the cross-entropy then runs
+  under ``torch.distributed.tensor.parallel.loss_parallel()``, so no rank holds the ``[tokens, vocab]``
+  logits. Without it the sharded head gathers its output (transformers' ``colwise_gather_output``).
+  Tied embeddings (``tie_word_embeddings``) keep one weight: the embedding and the head both shard it
+  on the vocabulary dim (``Shard(0)``).
+- **Per-head norms** (Qwen3 ``q_norm``/``k_norm``): their input holds this rank's heads only, so the
+  weight gradient is partial over TP; the weight becomes a replicated ``DTensor`` whose input is marked
+  ``Shard(2)`` (heads), and the gradient is all-reduced over TP (by FSDP2 when it redistributes the
+  gradient to the weight's placement, or by DTensor's autograd without FSDP2).
+- **Sequence parallel** (``sequence_parallel=True``): the RMSNorms and the residual stream between
+  blocks hold ``1/tp`` of this rank's tokens (``Shard(1)``); column-parallel layers all-gather their
+  input, row-parallel layers reduce-scatter their output. The rank's sequence (``S/cp`` under CP) must
+  then be divisible by ``tp`` (:func:`automodel.distributed.padding.get_padding_multiple`).
+
+Attention heads (and KV heads) are split over TP by the column-parallel ``q/k/v`` projections; the HF
+attention code infers the local head count from the projection's output (``view(..., -1, head_dim)``),
+so the attention kernel, and every CP method around it (ring: sequence over CP; Ulysses: local heads
+split again over CP), runs unchanged on ``H/tp`` heads.
+
+Parameters that no plan entry names (RMSNorm weights without sequence parallel) stay plain tensors:
+their input and gradient are identical on every TP rank, so each rank computes the full gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = [
+    "TP_MODEL_TYPES",
+    "ReplicatedWithGradAllReduce",
+    "apply_tensor_parallel",
+    "tp_config_problems",
+    "tp_plan",
+]
+
+#: ``model_type`` values whose decoder layout the plans below are written for (and tested on).
+TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+# transformers' plan vocabulary that this module maps to torch parallel styles
+_HF_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+
+
+def _text_config(config: Any) -> Any:
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def tp_config_problems(
+    config: Any,
+    tp_size: int,
+    *,
+    sequence_parallel: bool = False,
+    key_prefix: str = "model.config",
+) -> list[str]:
+    """Why a model with this (transformers) ``config`` cannot be tensor-parallel over ``tp_size`` ranks.
+
+    Checked before any weight is loaded: the architecture is one of :data:`TP_MODEL_TYPES`; the
+    attention heads, KV heads, MLP width and vocabulary are divisible by ``tp_size`` (the column- and
+    row-parallel layers and the vocabulary-sharded embedding/LM head split them evenly). Returns an
+    empty list at ``tp_size <= 1``. Each message names the value, the rule and the fix.
+    """
+    if tp_size <= 1:
+        return []
+    text = _text_config(config)
+    model_type = getattr(text, "model_type", None)
+    if model_type not in TP_MODEL_TYPES:
+        return [
+            f"distributed.tp_size={tp_size}: tensor parallelism supports model_type in {list(TP_MODEL_TYPES)} "
+            f"(their layer layout is what the TP plan shards), got {model_type!r}; set distributed.tp_size=1 "
+            f"and use distributed.dp_shard / cp_size for the other ranks"
+        ]
+    problems = []
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    sizes = (
+        ("num_attention_heads", heads, "each TP rank computes num_attention_heads / tp_size query heads"),
+        ("num_key_value_heads", kv, "each TP rank holds num_key_value_heads / tp_size key/value heads"),
+        ("intermediate_size", getattr(text, "intermediate_size", None), "the MLP is split column/row-wise"),
+        ("vocab_size", getattr(text, "vocab_size", None), "the embedding and the LM head are split on the vocabulary"),
+    )
+    for name, value, why in sizes:
+        if isinstance(value, int) and value % tp_size:
+            problems.append(
+                f"{key_prefix}.{name}={value} is not divisible by distributed.tp_size={tp_size} ({why}); "
+                f"set distributed.tp_size to a divisor of {value} ({_divisors(value)[:8]}), or tp_size=1"
+            )
+    if sequence_parallel and getattr(text, "hidden_act", None) is None:  # pragma: no cover - all listed have it
+        problems.append(f"distributed.sequence_parallel needs a standard decoder; {model_type} is not")
+    return problems
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """A TP style for a module whose parameters are replicated but whose input is sharded on ``input_dim``.
+
+    transformers' ``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm``/``k_norm``): each
+    rank applies the module to its own heads, so the parameter gradient is a partial sum that must be
+    all-reduced over TP. The parameters become ``Replicate()`` DTensors, the input is wrapped as a
+    ``Shard(input_dim)`` DTensor and the output handed back as this rank's local tensor; DTensor's
+    autograd then produces the partial gradient and reduces it to the parameter's placement.
+    """
+
+    def __init__(self, input_dim: int = 2) -> None:
+        super().__init__()
+        self.input_dim = input_dim
+
+    def __repr__(self) -> str:
+        return f"ReplicatedWithGradAllReduce(input_dim={self.input_dim})"
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+
+        dim = self.input_dim
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(
+                    pname, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]), param.requires_grad)
+                )
+
+        def input_fn(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(
+                DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        def output_fn(mod: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, partition, input_fn, output_fn)
+
+
+def _decoder_prefix(model: nn.Module) -> str:
+    """``"model."``: where the decoder (``embed_tokens``, ``layers``, ``norm``) sits in the causal LM."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    base = getattr(model, prefix, None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
+        raise ValueError(
+            f"{type(model).__name__} has no decoder at .{prefix} with .embed_tokens and .layers; tensor "
+            f"parallelism supports causal LMs of model_type {list(TP_MODEL_TYPES)}"
+        )
+    return prefix + "."
+
+
+def tp_plan(model: nn.Module, *, loss_parallel: bool, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The ``parallelize_module`` plan for ``model``: fully-qualified module pattern -> torch ``ParallelStyle``.
+
+    Built from ``model.config.base_model_tp_plan`` (transformers' plan: ``colwise``, ``rowwise``,
+    ``replicated_with_grad_allreduce``) plus the embedding, the final norm and the LM head (see the module
+    docstring). With ``sequence_parallel`` the column-parallel layers take a ``Shard(1)`` input, the
+    row-parallel ones return ``Shard(1)``, and every RMSNorm is ``SequenceParallel``.
+
+    Raises:
+        ValueError: the config has no TP plan, or names a style this module does not map.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    text = _text_config(model.config)
+    hf_plan = dict(getattr(text, "base_model_tp_plan", None) or {})
+    if not hf_plan:
+        raise ValueError(
+            f"{type(model).__name__} ({getattr(text, 'model_type', None)}) has no base_model_tp_plan in its config; "
+            f"tensor parallelism supports model_type in {list(TP_MODEL_TYPES)}"
+        )
+    prefix = _decoder_prefix(model)
+    seq = Shard(1)
+    plan: dict[str, Any] = {}
+    for pattern, kind in hf_plan.items():
+        if kind not in _HF_STYLES:
+            raise ValueError(
+                f"transformers' TP plan of {type(model).__name__} uses {kind!r} for {pattern!r}, which this recipe "
+                f"does not map (it maps {list(_HF_STYLES)}); set distributed.tp_size=1"
+            )
+        if kind == "colwise":
+            style = ColwiseParallel(input_layouts=seq) if sequence_parallel else ColwiseParallel()
+        elif kind == "rowwise":
+            style = (
+                RowwiseParallel(output_layouts=seq, use_local_output=False)
+                if sequence_parallel
+                else RowwiseParallel()
+            )
+        else:
+            style = ReplicatedWithGradAllReduce(input_dim=2)
+        plan[prefix + pattern] = style
+    # with sequence parallel the residual stream stays a Shard(1) DTensor between blocks, so that the
+    # model code sees the rank's whole sequence length in .shape (positions, masks, head reshapes)
+    plan[prefix + "embed_tokens"] = RowwiseParallel(
+        input_layouts=Replicate(),
+        output_layouts=seq if sequence_parallel else Replicate(),
+        use_local_output=not sequence_parallel,
+    )
+    if sequence_parallel:
+        plan[prefix + "layers.*.input_layernorm"] = SequenceParallel()
+        plan[prefix + "layers.*.post_attention_layernorm"] = SequenceParallel()
+        plan[prefix + "norm"] = SequenceParallel()
+    head_input = seq if sequence_parallel else Replicate()
+    if loss_parallel:
+        plan["lm_head"] = ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1), use_local_output=False)
+    else:
+        plan["lm_head"] = ColwiseParallel(input_layouts=head_input, output_layouts=Replicate())
+    return plan
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    loss_parallel: bool,
+    sequence_parallel: bool = False,
+) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` with :func:`tp_plan`; returns ``model``.
+
+    Call on the built model (identical on every rank, e.g. from one seed), after any attention switch
+    of the CP method and before activation checkpointing and FSDP2. Mutates ``model``: the planned
+    parameters become ``DTensor`` s on ``tp_mesh`` (``Shard(0)`` for column-parallel weights and the
+    vocabulary, ``Shard(1)`` for row-parallel weights), and forward hooks redistribute activations.
+    With tied embeddings the LM head is re-tied to the sharded embedding weight.
+
+    After this, with ``loss_parallel`` the model's ``logits`` are a ``[B, S, V]`` DTensor with local
+    shape ``[B, S, V / tp]``: compute the loss under ``loss_parallel()``.
+
+    Raises:
+        ValueError: ``tp_mesh`` is not 1-D, or the model is not a supported architecture.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs a 1-D tp mesh, got {tp_mesh.ndim}-D {tp_mesh}")
+    text = _text_config(model.config)
+    problems = tp_config_problems(model.config, tp_mesh.size(), sequence_parallel=sequence_parallel)
+    if problems:
+        raise ValueError("; ".join(problems))
+    tied = bool(getattr(text, "tie_word_embeddings", False)) and (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    )
+    plan = tp_plan(model, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
+    if tied:  # one parameter, sharded once (by the embedding); the head re-uses it below
+        head_style = plan.pop("lm_head")
+        parallelize_module(model, tp_mesh, plan)
+        head = model.get_output_embeddings()
+        shared = model.get_input_embeddings().weight
+        del head.weight  # so that the style does not distribute it a second time
+        head.register_parameter("weight", None)
+        parallelize_module(head, tp_mesh, head_style)
+        head.weight = shared
+    else:
+        parallelize_module(model, tp_mesh, plan)
+    model._automodel_tp = {  # read by the export and the loss (a plain attribute; not a parameter)
+        "tp_size": tp_mesh.size(),
+        "loss_parallel": loss_parallel,
+        "sequence_parallel": sequence_parallel,
+    }
+    return model

@@ -1,0 +1,101 @@
+"""Tensor parallelism through the recipe on gloo ranks (see tests/test_tp_recipe.py).
+
+Every run is ``configs/cp.yaml`` with recipe_worker's tiny fp32 overrides (tied embeddings, GQA,
+grad accumulation, validation, clipping) for :data:`STEPS` steps, so runs at any dp / cp / tp must
+reproduce the single-device losses and weights. Three launched groups: ``single`` (the world-1
+reference), ``pair`` (world 2: tp=2 with and without loss parallel, with sequence parallel, resume
+from a TP checkpoint, export) and ``quad`` (world 4: tp x cp with ring and Ulysses, dp x tp).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from automodel.config import load_config
+from automodel.training.trainer import FinetuneTrainer, TrainHooks
+from tests.workers.recipe_worker import CP, TINY, _sigterm_at, _summary
+
+STEPS = 6
+# recipe_worker's TINY, shortened to STEPS steps with validation at step 3 and 6
+TP_TINY = [*TINY, f"step_scheduler.max_steps={STEPS}", "step_scheduler.val_every_steps=3"]
+LP = ["distributed.enable_loss_parallel=true"]
+
+
+def _run(world: int, out: Path, name: str, overrides: list[str], hooks: TrainHooks | None = None):
+    argv = ["--config", CP, *TP_TINY, f"recipe.output_dir={out / name}", *overrides]
+    trainer = FinetuneTrainer(load_config(argv, world_size=world), hooks)
+    trainer.setup()
+    seen: list[tuple] = []  # (local shape, is DTensor) of the LM head's output in every training forward
+
+    def record(module, args, output) -> None:
+        local = output.to_local() if hasattr(output, "to_local") else output
+        seen.append((tuple(local.shape), hasattr(output, "to_local")))
+
+    handle = trainer.model.get_output_embeddings().register_forward_hook(record)
+    result = trainer.train()
+    handle.remove()
+    summary = _summary(trainer, result)
+    summary["head_outputs"] = sorted(set(seen))
+    return trainer, result, summary
+
+
+def _logits(model: torch.nn.Module, probe: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=probe).logits
+    return (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).detach().clone()
+
+
+def single(rank: int, world_size: int, out: str) -> dict:
+    """World 1: the reference (dp = cp = tp = 1)."""
+    _, _, ref = _run(world_size, Path(out), "ref", ["distributed.cp_size=1"])
+    return {"ref": ref}
+
+
+def pair(rank: int, world_size: int, out: str) -> dict:
+    """World 2: tp=2 (gathered logits), tp=2 + loss parallel (+ export, checkpoint), tp=2 + loss parallel
+    + sequence parallel, and tp=2 + loss parallel stopped by SIGTERM after step 3 and resumed."""
+    out_dir = Path(out)
+    tp2 = ["distributed.cp_size=1", "distributed.tp_size=2"]
+    results: dict = {}
+    results["tp2"] = _run(world_size, out_dir, "tp2", tp2)[2]
+
+    trainer, result, summary = _run(
+        world_size, out_dir, "tp2_lp", [*tp2, *LP, "export.enabled=true", "checkpoint.save_final=true"]
+    )
+    results["tp2_lp"] = summary
+    # the exported HF directory must give the TP-trained model's logits
+    probe = torch.randint(0, 1024, (2, 48), generator=torch.Generator().manual_seed(7))
+    trained = _logits(trainer.model, probe)
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(str(result.export_dir))
+        results["export"] = {
+            "max_abs_diff": (_logits(loaded, probe) - trained).abs().max().item(),
+            "scale": trained.abs().max().item(),
+            "tied": loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight,
+        }
+    del trainer
+
+    results["tp2_lp_sp"] = _run(world_size, out_dir, "tp2_lp_sp", [*tp2, *LP, "distributed.sequence_parallel=true"])[2]
+
+    first = _run(world_size, out_dir, "resume", [*tp2, *LP], hooks=_sigterm_at(3))[2]
+    first.pop("state")
+    results["resume_first"] = first
+    results["resume_second"] = _run(world_size, out_dir, "resume", [*tp2, *LP, "checkpoint.resume=true"])[2]
+    return results
+
+
+def quad(rank: int, world_size: int, out: str) -> dict:
+    """World 4: tp=2 x cp=2 with loss parallel under ring and under Ulysses, and dp=2 x tp=2."""
+    out_dir = Path(out)
+    tp2cp2 = ["distributed.cp_size=2", "distributed.tp_size=2", *LP]
+    return {
+        "tp2_cp2_ring": _run(world_size, out_dir, "tp2_cp2_ring", tp2cp2)[2],
+        "tp2_cp2_ulysses": _run(
+            world_size, out_dir, "tp2_cp2_ulysses", [*tp2cp2, "distributed.cp_method=ulysses"]
+        )[2],
+        "dp2_tp2": _run(world_size, out_dir, "dp2_tp2", ["distributed.cp_size=1", "distributed.tp_size=2"])[2],
+    }
