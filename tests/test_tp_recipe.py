@@ -3,7 +3,8 @@
 Three launched groups (module-scoped fixture; tests/workers/tp_recipe_worker.py): the world-1
 reference, world 2 (tp=2 with gathered logits; tp=2 with loss parallel, exported; tp=2 with loss and
 sequence parallel; tp=2 with loss parallel stopped by SIGTERM after step 3 and resumed) and world 4
-(tp=2 x cp=2 with loss parallel under ring and under Ulysses; dp=2 x tp=2). Every run is
+(tp=2 x cp=2 with loss parallel under ring, under Ulysses and, on packed rows, under THD against the
+packed-rows reference; dp=2 x tp=2). Every run is
 ``configs/cp.yaml`` with the tiny fp32 overrides (tied embeddings, GQA, grad accumulation,
 validation, clipping), 6 steps.
 
@@ -29,7 +30,9 @@ VOCAB, TP = 1024, 2  # configs/cp.yaml's vocabulary; the TP size of every run
 
 PAIR = ("tp2", "tp2_lp", "tp2_lp_sp")
 QUAD = ("tp2_cp2_ring", "tp2_cp2_ulysses", "dp2_tp2")
-LOSS_PARALLEL = ("tp2_lp", "tp2_lp_sp", "tp2_cp2_ring", "tp2_cp2_ulysses", "resume_first", "resume_second")
+LOSS_PARALLEL = (
+    "tp2_lp", "tp2_lp_sp", "tp2_cp2_ring", "tp2_cp2_ulysses", "tp2_cp2_thd", "resume_first", "resume_second",
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,14 @@ def test_tp_matches_single_device(runs, name):
     assert _max_rel(run["losses"], ref["losses"]) <= LOSS_RTOL
     assert _max_rel(run["val_losses"], ref["val_losses"]) <= LOSS_RTOL
     assert _max_rel(run["grad_norms"], ref["grad_norms"]) <= 1e-4
+    assert _max_weight_diff(run["state"], ref["state"]) <= WEIGHT_ATOL
+
+
+def test_tp_with_thd_matches_packed_documents_on_one_device(runs):
+    # packed rows, every document padded to 2*cp*tp = 8 in both runs (so the rows hold the same documents)
+    ref, run = runs["packed_ref"], runs["tp2_cp2_thd"]
+    assert _max_rel(run["losses"], ref["losses"]) <= LOSS_RTOL
+    assert _max_rel(run["val_losses"], ref["val_losses"]) <= LOSS_RTOL
     assert _max_weight_diff(run["state"], ref["state"]) <= WEIGHT_ATOL
 
 

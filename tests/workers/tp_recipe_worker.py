@@ -3,8 +3,9 @@
 Every run is ``configs/cp.yaml`` with recipe_worker's tiny fp32 overrides (tied embeddings, GQA,
 grad accumulation, validation, clipping) for :data:`STEPS` steps, so runs at any dp / cp / tp must
 reproduce the single-device losses and weights. Three launched groups: ``single`` (the world-1
-reference), ``pair`` (world 2: tp=2 with and without loss parallel, with sequence parallel, resume
-from a TP checkpoint, export) and ``quad`` (world 4: tp x cp with ring and Ulysses, dp x tp).
+reference and the packed-rows reference), ``pair`` (world 2: tp=2 with and without loss parallel,
+with sequence parallel, resume from a TP checkpoint, export) and ``quad`` (world 4: tp x cp with
+ring, Ulysses and THD, dp x tp).
 """
 
 from __future__ import annotations
@@ -21,10 +22,19 @@ STEPS = 6
 # recipe_worker's TINY, shortened to STEPS steps with validation at step 3 and 6
 TP_TINY = [*TINY, f"step_scheduler.max_steps={STEPS}", "step_scheduler.val_every_steps=3"]
 LP = ["distributed.enable_loss_parallel=true"]
+PACKED = "configs/cp_packed.yaml"  # cp.yaml with whole documents packed per row and cp_method=thd
+PACKED_TINY = ["data.seq_len=256"]
 
 
-def _run(world: int, out: Path, name: str, overrides: list[str], hooks: TrainHooks | None = None):
-    argv = ["--config", CP, *TP_TINY, f"recipe.output_dir={out / name}", *overrides]
+def _run(
+    world: int,
+    out: Path,
+    name: str,
+    overrides: list[str],
+    hooks: TrainHooks | None = None,
+    config: str = CP,
+):
+    argv = ["--config", config, *TP_TINY, f"recipe.output_dir={out / name}", *overrides]
     trainer = FinetuneTrainer(load_config(argv, world_size=world), hooks)
     trainer.setup()
     seen: list[tuple] = []  # (local shape, is DTensor) of the LM head's output in every training forward
@@ -50,7 +60,13 @@ def _logits(model: torch.nn.Module, probe: torch.Tensor) -> torch.Tensor:
 def single(rank: int, world_size: int, out: str) -> dict:
     """World 1: the reference (dp = cp = tp = 1)."""
     _, _, ref = _run(world_size, Path(out), "ref", ["distributed.cp_size=1"])
-    return {"ref": ref}
+    # packed rows at cp=1 (transformers masks documents from the restarting position_ids), every
+    # document padded to 2*cp*tp = 8 as the THD run pads it, so that the rows hold the same documents
+    pad = ["+data.dataset.seq_pad_multiple=8", "data.pad_to_multiple_of=8"]
+    _, _, packed = _run(
+        world_size, Path(out), "packed_ref", ["distributed.cp_size=1", *PACKED_TINY, *pad], config=PACKED
+    )
+    return {"ref": ref, "packed_ref": packed}
 
 
 def pair(rank: int, world_size: int, out: str) -> dict:
@@ -89,13 +105,16 @@ def pair(rank: int, world_size: int, out: str) -> dict:
 
 
 def quad(rank: int, world_size: int, out: str) -> dict:
-    """World 4: tp=2 x cp=2 with loss parallel under ring and under Ulysses, and dp=2 x tp=2."""
+    """World 4: tp=2 x cp=2 with loss parallel under ring, Ulysses and THD (packed rows), and dp=2 x tp=2."""
     out_dir = Path(out)
     tp2cp2 = ["distributed.cp_size=2", "distributed.tp_size=2", *LP]
     return {
         "tp2_cp2_ring": _run(world_size, out_dir, "tp2_cp2_ring", tp2cp2)[2],
         "tp2_cp2_ulysses": _run(
             world_size, out_dir, "tp2_cp2_ulysses", [*tp2cp2, "distributed.cp_method=ulysses"]
+        )[2],
+        "tp2_cp2_thd": _run(
+            world_size, out_dir, "tp2_cp2_thd", [*tp2cp2, *PACKED_TINY], config=PACKED
         )[2],
         "dp2_tp2": _run(world_size, out_dir, "dp2_tp2", ["distributed.cp_size=1", "distributed.tp_size=2"])[2],
     }
