@@ -2,8 +2,9 @@
 
 Three launched groups (module-scoped fixture; tests/workers/tp_recipe_worker.py): the world-1
 reference, world 2 (tp=2 with gathered logits; tp=2 with loss parallel, exported; tp=2 with loss and
-sequence parallel; tp=2 with loss parallel stopped by SIGTERM after step 3 and resumed) and world 4
-(tp=2 x cp=2 with loss parallel under ring, under Ulysses and, on packed rows, under THD against the
+sequence parallel and activation checkpointing; tp=2 with loss parallel stopped by SIGTERM after
+step 3 and resumed) and world 4 (that step-3 checkpoint resumed at dp=2 x tp=2; tp=2 x cp=2 with
+loss parallel under ring (after the CP self-check), under Ulysses and, on packed rows, under THD against the
 packed-rows reference; dp=2 x tp=2). Every run is
 ``configs/cp.yaml`` with the tiny fp32 overrides (tied embeddings, GQA, grad accumulation,
 validation, clipping), 6 steps.
@@ -28,10 +29,11 @@ EXACT = 1e-6
 STEPS = 6
 VOCAB, TP = 1024, 2  # configs/cp.yaml's vocabulary; the TP size of every run
 
-PAIR = ("tp2", "tp2_lp", "tp2_lp_sp")
+PAIR = ("tp2", "tp2_lp", "tp2_lp_sp_ac")
 QUAD = ("tp2_cp2_ring", "tp2_cp2_ulysses", "dp2_tp2")
 LOSS_PARALLEL = (
-    "tp2_lp", "tp2_lp_sp", "tp2_cp2_ring", "tp2_cp2_ulysses", "tp2_cp2_thd", "resume_first", "resume_second",
+    "tp2_lp", "tp2_lp_sp_ac", "tp2_cp2_ring", "tp2_cp2_ulysses", "tp2_cp2_thd", "resume_first", "resume_second",
+    "elastic_dp2_tp2",
 )
 
 
@@ -94,6 +96,19 @@ def test_resume_from_a_tp_checkpoint_continues_exactly(runs):
     assert sorted(second["losses"]) == [4, 5, 6]
     assert _max_rel({**first["losses"], **second["losses"]}, whole["losses"]) <= EXACT
     assert _max_weight_diff(second["state"], whole["state"]) <= EXACT
+
+
+def test_tp_checkpoint_resumes_at_another_layout(runs):
+    # written at tp=2 (world 2) after step 3, resumed at dp=2 x tp=2 (world 4): DCP reshards the 2-D weights
+    elastic, whole = runs["elastic_dp2_tp2"], runs["tp2_lp"]
+    assert sorted(elastic["losses"]) == [4, 5, 6]
+    assert _max_rel(elastic["losses"], {k: whole["losses"][k] for k in (4, 5, 6)}) <= LOSS_RTOL
+    assert _max_weight_diff(elastic["state"], whole["state"]) <= WEIGHT_ATOL
+
+
+def test_cp_self_check_passes_under_tp(runs):
+    report = runs["tp2_cp2_ring"]["self_check"]
+    assert report["passed"] and report["loss_rel"] <= LOSS_RTOL and report["cp_size"] == 2
 
 
 def test_export_of_tp_weights_round_trips(runs):

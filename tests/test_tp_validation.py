@@ -73,8 +73,8 @@ def test_inline_model_sizes_must_divide_by_tp(key, value):
 def test_ulysses_splits_the_heads_tp_left():
     # 4 heads: tp=2 leaves 2 per rank, which cp=4 cannot split (world 8)
     msg = problems("distributed.tp_size=2", "distributed.cp_size=4", "distributed.cp_method=ulysses", world=8)
-    assert "num_attention_heads=4, 2 per TP rank, which is not divisible by distributed.cp_size=4" in msg
-    with pytest.raises(UserInputError, match="2 per TP rank, which is not divisible by distributed.cp_size=4"):
+    assert "num_attention_heads=4, 2 per TP rank (distributed.tp_size=2), which is not divisible by distributed.cp_size=4" in msg
+    with pytest.raises(UserInputError, match=r"2 per TP rank \(distributed.tp_size=2\), which is not divisible by distributed.cp_size=4"):
         check_model_config_for_cp("ulysses", LlamaConfig(num_attention_heads=4), 4, tp_size=2)
     check_model_config_for_cp("ulysses", LlamaConfig(num_attention_heads=8), 4, tp_size=2)  # 4 per TP rank
     check_model_config_for_cp("ring", LlamaConfig(num_attention_heads=4), 4, tp_size=2)  # ring splits tokens

@@ -164,22 +164,15 @@ def head_split_problem(method: str, num_attention_heads: int | None, cp_size: in
         or (num_attention_heads // tp_size) % cp_size == 0
     ):
         return None
-    if tp_size > 1:
-        local = num_attention_heads // tp_size
-        divisors = [d for d in range(2, local + 1) if local % d == 0]
-        return (
-            f"distributed.cp_method={m.name} splits the attention heads over the CP ranks after tensor "
-            f"parallelism has split them over distributed.tp_size={tp_size}: the model has "
-            f"num_attention_heads={num_attention_heads}, {local} per TP rank, which is not divisible by "
-            f"distributed.cp_size={cp_size}; set distributed.cp_size to a divisor of {local} ({divisors}), "
-            f"a smaller distributed.tp_size, or distributed.cp_method=ring"
-        )
-    divisors = [d for d in range(2, num_attention_heads + 1) if num_attention_heads % d == 0]
+    local = num_attention_heads // tp_size  # the heads one TP rank holds
+    divisors = [d for d in range(2, local + 1) if local % d == 0]
+    per_tp = f", {local} per TP rank (distributed.tp_size={tp_size})," if tp_size > 1 else ","
     return (
         f"distributed.cp_method={m.name} splits the attention heads over the CP ranks, but the model has "
-        f"num_attention_heads={num_attention_heads}, which is not divisible by distributed.cp_size={cp_size}; "
-        f"set distributed.cp_size to a divisor of {num_attention_heads} ({divisors}), or use "
-        f"distributed.cp_method=ring"
+        f"num_attention_heads={num_attention_heads}{per_tp} which is not divisible by "
+        f"distributed.cp_size={cp_size}; set distributed.cp_size to a divisor of {local} ({divisors}), "
+        + ("a smaller distributed.tp_size, " if tp_size > 1 else "")
+        + "or use distributed.cp_method=ring"
     )
 
 

@@ -48,6 +48,7 @@ def _run(
     handle.remove()
     summary = _summary(trainer, result)
     summary["head_outputs"] = sorted(set(seen))
+    summary["self_check"] = getattr(trainer, "cp_self_check_report", None)
     return trainer, result, summary
 
 
@@ -95,7 +96,12 @@ def pair(rank: int, world_size: int, out: str) -> dict:
         }
     del trainer
 
-    results["tp2_lp_sp"] = _run(world_size, out_dir, "tp2_lp_sp", [*tp2, *LP, "distributed.sequence_parallel=true"])[2]
+    results["tp2_lp_sp_ac"] = _run(
+        world_size,
+        out_dir,
+        "tp2_lp_sp_ac",
+        [*tp2, *LP, "distributed.sequence_parallel=true", "model.activation_checkpointing=true"],
+    )[2]
 
     first = _run(world_size, out_dir, "resume", [*tp2, *LP], hooks=_sigterm_at(3))[2]
     first.pop("state")
@@ -108,8 +114,15 @@ def quad(rank: int, world_size: int, out: str) -> dict:
     """World 4: tp=2 x cp=2 with loss parallel under ring, Ulysses and THD (packed rows), and dp=2 x tp=2."""
     out_dir = Path(out)
     tp2cp2 = ["distributed.cp_size=2", "distributed.tp_size=2", *LP]
+    # the tp=2 checkpoint of `pair` (step 3 of 6) resumed at dp=2 x tp=2: DCP reshards the 2-D parameters
+    step3 = out_dir / "resume" / "checkpoints" / "step_3"
+    elastic = ["distributed.cp_size=1", "distributed.tp_size=2", *LP, f"checkpoint.resume_from={step3}"]
     return {
-        "tp2_cp2_ring": _run(world_size, out_dir, "tp2_cp2_ring", tp2cp2)[2],
+        "elastic_dp2_tp2": _run(world_size, out_dir, "elastic_dp2_tp2", elastic)[2],
+        # with the CP self-check (one step with CP and without it, same TP ranks) before training
+        "tp2_cp2_ring": _run(
+            world_size, out_dir, "tp2_cp2_ring", [*tp2cp2, "recipe.cp_self_check=true", "recipe.cp_self_check_tokens=64"]
+        )[2],
         "tp2_cp2_ulysses": _run(
             world_size, out_dir, "tp2_cp2_ulysses", [*tp2cp2, "distributed.cp_method=ulysses"]
         )[2],
