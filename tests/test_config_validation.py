@@ -156,7 +156,7 @@ def test_sequence_length_not_divisible_by_2_cp_tp_is_padded_by_the_collator():
 
 def test_pad_to_multiple_of_must_be_a_multiple_of_2_cp_tp():
     msg = problems("data.pad_to_multiple_of=6", world=2)
-    assert "data.pad_to_multiple_of=6 is not a multiple of 2*cp_size*tp_size = 2*2*1 = 4" in msg
+    assert "data.pad_to_multiple_of=6 is not a multiple of 2*cp_size = 2*2 = 4" in msg
 
 
 def test_ring_cp_needs_sdpa():

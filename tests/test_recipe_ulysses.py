@@ -176,10 +176,10 @@ def test_rows_are_padded_to_one_contiguous_slice_per_rank():
     from automodel.training.trainer import pad_multiple
 
     # any data.seq_len validates: the collator pads every row (labels -100) to the method's multiple
-    assert pad_multiple(load("data.seq_len=129").cfg) == 2  # Ulysses: cp_size*tp_size
-    assert pad_multiple(load("data.seq_len=130", config="configs/cp.yaml").cfg) == 4  # ring: 2*cp_size*tp_size
+    assert pad_multiple(load("data.seq_len=129").cfg) == 2  # Ulysses: cp_size
+    assert pad_multiple(load("data.seq_len=130", config="configs/cp.yaml").cfg) == 4  # ring: 2*cp_size
     assert pad_multiple(load("data.seq_len=129", "data.pad_to_multiple_of=2").cfg) == 2
-    assert "data.pad_to_multiple_of=3 is not a multiple of cp_size*tp_size = 2*1 = 2" in problems(
+    assert "data.pad_to_multiple_of=3 is not a multiple of cp_size = 2" in problems(
         "data.pad_to_multiple_of=3"
     )
 

@@ -46,7 +46,7 @@ def test_config_loads_and_rules():
     msg = problems("distributed.thd_kernel=bogus")
     assert "distributed.thd_kernel='bogus' is not one of portable | flash_attn | te" in msg
     msg = problems("+data.dataset.seq_pad_multiple=2")
-    assert "data.dataset.seq_pad_multiple=2 is not a multiple of 2*cp_size*tp_size=4" in msg
+    assert "data.dataset.seq_pad_multiple=2 is not a multiple of 2*cp_size = 2*2 = 4" in msg
     msg = problems("distributed.thd_kernel=flash_attn", "distributed.backend=gloo")
     assert "distributed.thd_kernel=flash_attn needs CUDA, but this run is on CPU" in msg
     msg = problems("distributed.thd_cp_comm_type=ring")

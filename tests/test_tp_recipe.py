@@ -72,7 +72,7 @@ def test_tp_matches_single_device(runs, name):
 
 
 def test_tp_with_thd_matches_packed_documents_on_one_device(runs):
-    # packed rows, every document padded to 2*cp*tp = 8 in both runs (so the rows hold the same documents)
+    # packed rows, every document padded to 2*cp = 4 in both runs (so the rows hold the same documents)
     ref, run = runs["packed_ref"], runs["tp2_cp2_thd"]
     assert _max_rel(run["losses"], ref["losses"]) <= LOSS_RTOL
     assert _max_rel(run["val_losses"], ref["val_losses"]) <= LOSS_RTOL

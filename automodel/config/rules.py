@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from automodel.config.peft_rules import peft_problems
 from automodel.config.schema import RecipeConfig
-from automodel.training.cp_dispatch import CP_METHODS, head_split_problem
+from automodel.training.cp_dispatch import CP_METHODS, head_split_problem, row_multiple
 from automodel.training.thd_recipe import thd_config_problems
 
 __all__ = ["check_rules", "parallel_sizes"]
@@ -105,14 +105,11 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"data.seq_len={data.seq_len} must be >= 1")
     if data.pad_to_multiple_of is not None and data.pad_to_multiple_of < 1:
         problems.append(f"data.pad_to_multiple_of={data.pad_to_multiple_of} must be >= 1 (or null)")
-    split = d.cp_size * d.tp_size
-    if split > 1 and data.seq_len >= 1:
-        chunks = method.chunks_per_rank if method is not None else 2
-        multiple = chunks * split
-        if chunks == 1:  # each rank gets an equal contiguous slice of every row
-            what = f"cp_size*tp_size = {d.cp_size}*{d.tp_size} = {multiple}"
-        else:  # each rank gets `chunks` equal chunks of every row
-            what = f"{chunks}*cp_size*tp_size = {chunks}*{d.cp_size}*{d.tp_size} = {multiple}"
+    if data.seq_len >= 1:
+        # ring/thd: 2 equal chunks per CP rank; ulysses: 1 slice; sequence parallel: split again over TP
+        multiple, what = row_multiple(
+            method.name if method is not None else "ring", d.cp_size, d.tp_size, d.sequence_parallel
+        )
         pad = data.pad_to_multiple_of
         if pad is not None and pad >= 1:
             if pad % multiple:

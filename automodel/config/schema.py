@@ -116,7 +116,7 @@ class DataSection:
     validation_split: str | None = "validation"  # None: no validation
     tokenizer: str | None = None  # None: the shipped tokenizer
     seq_len: int = 512
-    pad_to_multiple_of: int | None = None  # None: 2*cp_size*tp_size (ring) or cp_size*tp_size (ulysses)
+    pad_to_multiple_of: int | None = None  # None: 2*cp_size (ring, thd) or cp_size (ulysses), *tp_size with sequence_parallel
     shuffle: bool = True
     drop_last: bool = True
 

@@ -79,7 +79,7 @@ def collate(
         examples: non-empty list; all plain (``input_ids``, ``labels``) or all packed (plus
             ``position_ids``, ``seq_lens``, ``seq_lens_padded``). Not mutated.
         pad_token_id: token written into padding positions (never read by a real position).
-        pad_to_multiple_of: ``S`` is rounded up to this (e.g. ``2 * cp_size * tp_size``).
+        pad_to_multiple_of: ``S`` is rounded up to this (e.g. ``2 * cp_size`` for ring CP).
         emit_attention_mask: also return ``attention_mask`` when some row is padded (plain rows only).
 
     Returns:

@@ -102,7 +102,7 @@ def build_dataloader(
         dp_rank, dp_size: data-parallel coordinate; context/tensor-parallel peers must pass the same
             ``dp_rank`` so they see the same rows (never the global rank).
         seed: seed of the per-epoch shuffles (int >= 0).
-        pad_to_multiple_of: batch sequence length is rounded up to this; use ``2 * cp_size * tp_size``
+        pad_to_multiple_of: batch sequence length is rounded up to this; use ``2 * cp_size``
             (ring CP's load balancing splits a sequence into ``2 * cp_size`` chunks). For packed
             datasets it must be a multiple of the dataset's ``seq_pad_multiple``.
         pad_token_id: padding token; None = ``dataset.pad_token_id``.

@@ -39,6 +39,7 @@ __all__ = [
     "no_cp_batch_and_ctx",
     "bind_cp_method",
     "token_ranges",
+    "row_multiple",
 ]
 
 
@@ -243,3 +244,34 @@ def token_ranges(method: str, seq_len: int, cp_size: int, cp_rank: int) -> list[
     base, extra = divmod(seq_len, cp_size)  # near-even, remainder on the first ranks (even_split_sizes)
     start = cp_rank * base + min(cp_rank, extra)
     return [(start, start + base + (1 if cp_rank < extra else 0))]
+
+
+def row_multiple(method: str, cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> tuple[int, str]:
+    """The multiple a row's length must be so that ``method`` splits it evenly, and the rule in words.
+
+    Every CP rank gets ``chunks_per_rank`` equal chunks of each row (ring and thd: 2, head-tail;
+    ulysses: 1 contiguous slice); with TP sequence parallelism each TP rank gets an equal share of
+    those tokens too. TP without sequence parallelism puts no constraint on the length (every TP rank
+    holds all of the rank's tokens). For head-tail methods this is
+    :func:`automodel.distributed.padding.get_padding_multiple` ``(cp_size, tp_size, has_sp)``.
+
+    Returns:
+        ``(multiple, description)``, e.g. ``(8, "2*cp_size*tp_size = 2*2*2 = 8 (sequence parallel)")``.
+    """
+    m = get_cp_method(method)
+    chunks = m.chunks_per_rank if cp_size > 1 else 1
+    sp = sequence_parallel and tp_size > 1
+    factors = [(chunks, str(chunks))] if chunks > 1 else []
+    if cp_size > 1:
+        factors.append((cp_size, "cp_size"))
+    if sp:
+        factors.append((tp_size, "tp_size"))
+    multiple = 1
+    for value, _ in factors:
+        multiple *= value
+    if not factors:
+        return 1, "1"
+    names = "*".join(name for _, name in factors)
+    values = "*".join(str(value) for value, _ in factors)
+    what = f"{names} = {multiple}" if len(factors) == 1 else f"{names} = {values} = {multiple}"
+    return multiple, what + (" (sequence parallel)" if sp else "")

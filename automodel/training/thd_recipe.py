@@ -2,7 +2,7 @@
 
 - :func:`thd_batch_kwargs`: ``distributed.thd_kernel`` / ``thd_cp_comm_type`` for the batch function;
 - :func:`thd_dataset_kwargs`: a packed dataset (``pack: true``) pads every document to a multiple of
-  ``2*cp_size*tp_size`` (TE's partition splits every document into ``2*cp`` chunks) unless the config
+  ``2*cp_size`` (TE's partition splits every document into ``2*cp`` chunks; ``*tp_size`` with sequence parallelism) unless the config
   sets ``seq_pad_multiple`` itself;
 - :func:`thd_config_problems`: the config rules (called from :mod:`automodel.config.rules`).
 """
@@ -37,7 +37,7 @@ def thd_batch_kwargs(cfg: Any) -> dict[str, Any]:
 
 
 def thd_dataset_kwargs(cfg: Any, node: Any) -> dict[str, Any]:
-    """``{"seq_pad_multiple": 2*cp*tp}`` for a packed dataset node under thd CP without its own value, else {}."""
+    """``{"seq_pad_multiple": 2*cp}`` (``2*cp*tp`` with sequence parallelism) for a packed dataset node under thd CP without its own value, else {}."""
     if (
         not _uses_thd(cfg)
         or node is None
@@ -45,7 +45,16 @@ def thd_dataset_kwargs(cfg: Any, node: Any) -> dict[str, Any]:
         or node.get("seq_pad_multiple") is not None
     ):
         return {}
-    return {"seq_pad_multiple": 2 * cfg.distributed.cp_size * cfg.distributed.tp_size}
+    return {"seq_pad_multiple": _document_multiple(cfg)[0]}
+
+
+def _document_multiple(cfg: Any) -> tuple[int, str]:
+    """What every packed document is padded to under thd: ``2*cp_size`` (TE's partition), ``*tp_size``
+    with sequence parallelism (each TP rank an equal share of the rank's tokens)."""
+    from automodel.training.cp_dispatch import row_multiple
+
+    d = cfg.distributed
+    return row_multiple("thd", d.cp_size, d.tp_size, d.sequence_parallel)
 
 
 def thd_config_problems(cfg: Any, cuda_available: bool | None) -> list[str]:
@@ -72,7 +81,7 @@ def thd_config_problems(cfg: Any, cuda_available: bool | None) -> list[str]:
                 f"distributed.thd_kernel={d.thd_kernel} needs the {package!r} package, which is not installed; "
                 "install it or set distributed.thd_kernel=portable"
             )
-    multiple = 2 * d.cp_size * d.tp_size
+    multiple, what = _document_multiple(cfg)
     for key in ("dataset", "validation_dataset"):
         node = getattr(cfg.data, key)
         if node is None or node.get("pack") is not True:
@@ -80,7 +89,7 @@ def thd_config_problems(cfg: Any, cuda_available: bool | None) -> list[str]:
         m = node.get("seq_pad_multiple")
         if isinstance(m, int) and m % multiple:
             problems.append(
-                f"data.{key}.seq_pad_multiple={m} is not a multiple of 2*cp_size*tp_size={multiple}: "
+                f"data.{key}.seq_pad_multiple={m} is not a multiple of {what}: "
                 f"distributed.cp_method=thd splits every packed document into {multiple} equal chunks; "
                 f"remove data.{key}.seq_pad_multiple (thd then pads to {multiple}) or set it to a multiple of {multiple}"
             )

@@ -39,11 +39,11 @@ from automodel.distributed.mesh import ParallelDims, default_backend, get_submes
 from automodel.errors import UserInputError
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
 from automodel.training.cp_dispatch import (
-    CP_METHODS,
     bind_cp_method,
     check_model_config_for_cp,
     get_cp_method,
     no_cp_batch_and_ctx,
+    row_multiple,
 )
 from automodel.training.elastic import reseed_for_step
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
@@ -84,15 +84,16 @@ class TrainResult:
 
 
 def pad_multiple(cfg: RecipeConfig) -> int:
-    """The collator's ``pad_to_multiple_of``: ``data.pad_to_multiple_of``, else ``k*cp_size*tp_size``.
+    """The collator's ``pad_to_multiple_of``: ``data.pad_to_multiple_of``, else the method's row multiple.
 
-    ``k`` is the CP method's ``chunks_per_rank`` (ring: 2 head-tail chunks per rank; ulysses: 1
-    contiguous slice), so every rank gets an equal share of each row; 1 without CP/TP.
+    :func:`automodel.training.cp_dispatch.row_multiple`: ``k*cp_size`` with ``k`` the CP method's
+    ``chunks_per_rank`` (ring: 2 head-tail chunks per rank; ulysses: 1 contiguous slice), times
+    ``tp_size`` with sequence parallelism, so every rank gets an equal share of each row; 1 without.
     """
     if cfg.data.pad_to_multiple_of is not None:
         return cfg.data.pad_to_multiple_of
-    split = cfg.distributed.cp_size * cfg.distributed.tp_size
-    return CP_METHODS[cfg.distributed.cp_method].chunks_per_rank * split if split > 1 else 1
+    d = cfg.distributed
+    return row_multiple(d.cp_method, d.cp_size, d.tp_size, d.sequence_parallel)[0]
 
 
 class FinetuneTrainer:

@@ -62,8 +62,8 @@ def single(rank: int, world_size: int, out: str) -> dict:
     """World 1: the reference (dp = cp = tp = 1)."""
     _, _, ref = _run(world_size, Path(out), "ref", ["distributed.cp_size=1"])
     # packed rows at cp=1 (transformers masks documents from the restarting position_ids), every
-    # document padded to 2*cp*tp = 8 as the THD run pads it, so that the rows hold the same documents
-    pad = ["+data.dataset.seq_pad_multiple=8", "data.pad_to_multiple_of=8"]
+    # document padded to 2*cp = 4 as the tp=2 x cp=2 THD run pads it, so that the rows hold the same documents
+    pad = ["+data.dataset.seq_pad_multiple=4", "data.pad_to_multiple_of=4"]
     _, _, packed = _run(
         world_size, Path(out), "packed_ref", ["distributed.cp_size=1", *PACKED_TINY, *pad], config=PACKED
     )
