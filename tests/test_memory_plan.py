@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from automodel.training.cpu_memory import MMAP_ENV
 from automodel.training.memory_plan import (
     RunShape,
+    _fmt,
     memory_plan_lines,
     model_dims,
     plan_memory,
@@ -96,7 +97,7 @@ def test_dominant_term_and_cheapest_change_for_a_long_llama():
     lines = suggest_changes(d, shape, budget, world=4)
     assert "does NOT fit" in lines[0]
     assert lines[1].startswith("cheapest change that fits: loss.chunk_tokens=1024")
-    assert "not available yet" in lines[-1]
+    assert len(lines) == 2 and not any("tp_size" in line for line in lines)  # a fix cheaper than TP exists
     fixed = plan_memory(d, dataclasses.replace(shape, chunk_tokens=1024))
     assert fixed.total_bytes <= budget
     # no AC, no chunked loss, a budget only cp can meet: the suggestion raises cp_size
@@ -150,3 +151,99 @@ def test_predicted_step_peak_within_20_percent_of_measured(measured, cp, case):
     # the measured ranks hold a replicated model (gradients all-reduced, no FSDP2): no gathered parameters
     planned = (pred.step_peak_bytes - pred.phases[pred.peak_phase]["communication buffers"]) / MIB
     assert abs(planned - meas) / meas <= 0.2, f"cp {cp} {c}: predicted {planned:.1f} MiB, measured {meas:.1f} MiB"
+
+
+# ------------------------------------------------------------------ tensor parallelism (issue 8)
+
+
+def test_tp_sharded_parameters_are_the_projections_embedding_and_head():
+    for tied in (False, True):
+        d = _dims(tie_word_embeddings=tied)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(use_cache=False, **(TINY | {"tie_word_embeddings": tied})))
+        unique = {id(p): p for p in model.parameters()}
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+        norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+        assert d.tp_params == sum(unique[i].numel() for i in linear) == d.params - norms
+        assert d.tp_layer_params == d.layer_params - 2 * 32  # two RMSNorm weights per layer stay whole
+        assert d.tp_root_params == d.root_params - 32  # the final norm stays whole
+        assert d.tp_capable
+
+
+def test_tp_divides_sharded_parameters_but_not_norms():
+    d = _dims()
+    one = plan_memory(d, RunShape(local_batch=1, seq=4096))
+    two = plan_memory(d, RunShape(local_batch=1, seq=4096, tp=2, loss_parallel=True))
+    norms = d.params - d.tp_params
+    assert two.persistent[0].bytes == (d.tp_params / 2 + norms) * 4
+    assert one.persistent[0].bytes / 2 < two.persistent[0].bytes < one.persistent[0].bytes
+    assert two.terms["gradients"].bytes == two.persistent[0].bytes  # everything trainable
+    assert two.persistent[1].bytes == 2 * two.persistent[0].bytes
+    # FSDP2 over dp_shard * cp divides the TP-local parameters (norms included) once more
+    fsdp = plan_memory(d, RunShape(local_batch=1, seq=4096, tp=2, cp=2, loss_parallel=True))
+    assert fsdp.persistent_bytes == pytest.approx(two.persistent_bytes / 2)
+
+
+def test_loss_parallel_divides_the_logits_term_by_tp_exactly():
+    d = _dims()
+    n = 1 * 16384 // 2  # local tokens at cp 2: the same on both TP ranks
+    grad_h = n * 32 * 4
+    one = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2)).terms["logits and loss"].bytes
+    for tp in (2, 4):
+        lp = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2, tp=tp, loss_parallel=True))
+        gathered = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2, tp=tp))
+        assert lp.terms["logits and loss"].bytes - grad_h == 3 * n * (2048 // tp) * 4
+        assert (one - grad_h) / (lp.terms["logits and loss"].bytes - grad_h) == tp
+        assert gathered.terms["logits and loss"].bytes == one  # without loss parallel: [N, V] on every rank
+
+
+def test_tp_activations_split_heads_and_mlp_but_not_the_residual_stream_unless_sequence_parallel():
+    d = _dims(hidden_size=64, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    n, h, i, c = 4096, 64, 256, 4
+    kv = 2 * 16
+    shape = RunShape(local_batch=1, seq=n)
+    one, two, sp = (
+        plan_memory(d, dataclasses.replace(shape, **kw)).terms["activations"].bytes
+        for kw in ({}, {"tp": 2, "loss_parallel": True}, {"tp": 2, "loss_parallel": True, "sequence_parallel": True})
+    )
+    split_per_layer = (h + 2 * h + 2 * kv + 2 * h + 4 * i) * c + 4 * 4  # q, repeated K/V, k/v, attn out x2, MLP; LSE
+    assert one - two == pytest.approx(n * 2 * split_per_layer / 2)  # only the split half is gone
+    stream = 2 * 5 * h * c + 4 * h * c  # two layers' norms + residual, embedding output + final norm
+    gathered = 2 * 5 * h * c + h * c  # q, k, v, gate, up each gather their input; the LM head too
+    assert sp - two == pytest.approx(n * (gathered - stream / 2))
+
+
+def test_tp_suggestions_turn_on_loss_parallel_and_never_the_chunked_loss():
+    d = _dims(**LLAMA_1B)
+    shape = RunShape(local_batch=1, seq=32768, cp=2, tp=2, compute_bytes=2, activation_checkpointing=True)
+    plan = plan_memory(d, shape)
+    assert plan.dominant == "logits and loss"
+    fixed = plan_memory(d, dataclasses.replace(shape, loss_parallel=True))
+    lines = suggest_changes(d, shape, (plan.total_bytes + fixed.total_bytes) / 2, world=4)
+    assert lines[1].startswith("cheapest change that fits: distributed.enable_loss_parallel=true"), lines
+    lines = suggest_changes(d, shape, fixed.total_bytes * 0.8, world=4)
+    assert "loss.chunk_tokens=1024" not in lines[1] and "distributed.enable_loss_parallel=true" in lines[1], lines
+    # cp at its cap (64): only tp_size can split further, on more ranks, and it turns off the chunked loss
+    base = RunShape(local_batch=1, seq=65536, cp=64, compute_bytes=2, activation_checkpointing=True, chunk_tokens=1024)
+    tp2 = dataclasses.replace(base, tp=2, chunk_tokens=None, loss_parallel=True)
+    assert plan_memory(d, tp2).persistent_bytes < plan_memory(d, base).persistent_bytes
+    lines = suggest_changes(d, base, plan_memory(d, tp2).total_bytes * 1.001, world=64)
+    assert lines[1].startswith(
+        "cheapest change that fits: distributed.tp_size=2 distributed.enable_loss_parallel=true loss.chunk_tokens=null"
+    ), lines
+    assert "128 ranks instead of 64" in lines[1]
+    odd = _dims(**(LLAMA_1B | {"num_key_value_heads": 1}))  # 1 KV head: tp cannot split it
+    assert "tp_size" not in "\n".join(suggest_changes(odd, base, 1.0, world=64))
+
+
+def test_tp_lines_show_the_logits_with_and_without_loss_parallel():
+    d = _dims(**LLAMA_1B)
+    shape = RunShape(local_batch=1, seq=32768, cp=4, tp=2, compute_bytes=2, loss_parallel=True)
+    text = "\n".join(memory_plan_lines(d, shape))
+    n = 32768 // 4
+    with_lp = 3 * n * (128256 // 2) * 4 + n * 2048 * 2
+    without = 3 * n * 128256 * 4 + n * 2048 * 2
+    assert f"with loss parallel ([{n}, 64128] per rank)" in text and f"without ([{n}, 128256] gathered)" in text
+    assert f"{_fmt(with_lp)} with loss parallel" in text and f"{_fmt(without)} without" in text
+    one = plan_memory(d, dataclasses.replace(shape, tp=1, loss_parallel=False)).persistent[0].bytes
+    two = plan_memory(d, shape).persistent[0].bytes
+    assert two < one and f"parameters {_fmt(two)} per rank instead of {_fmt(one)} at tp 1" in text
