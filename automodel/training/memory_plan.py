@@ -311,17 +311,27 @@ def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, str]:
 
 
 def _plain_logits(d: ModelDims, r: RunShape, loss_parallel: bool) -> float:
-    """The plain loss's peak: ``3 N V' 4`` (log-probs, their gradient, the logits gradient) + ``N h c``,
-    ``V' = V / tp`` with loss parallel (vocabulary-sharded), else ``V`` (TP gathers the logits)."""
-    v = d.vocab / r.tp if (loss_parallel and r.tp > 1) else d.vocab
-    return 3 * r.local_tokens * v * 4 + r.local_tokens * d.hidden * r.compute_bytes
+    """The plain loss's peak, bytes per rank, plus the hidden-state gradient ``N h c``.
+
+    Without loss parallel (tp 1, or TP gathering the logits): ``3 N V 4``, the fp32 log-probs, their
+    gradient and the logits gradient alive together in backward. With loss parallel each rank holds
+    ``V' = V / tp`` columns, but torch's vocabulary-parallel backward (``loss_parallel()``: one fused
+    NLL + log-softmax backward, which avoids a gather) holds four ``[N, V']`` fp32 tensors at once: the
+    saved log-probs, the one-hot target update, ``update + exp(log-probs)`` and its product with the
+    incoming gradient: ``4 N V' 4`` (measured, ``scripts/bench_tp.py``). So loss parallel divides the
+    term by ``3 tp / 4`` (tp 2: by 1.5), not by tp.
+    """
+    n = r.local_tokens
+    if loss_parallel and r.tp > 1:
+        return 4 * n * (d.vocab / r.tp) * 4 + n * d.hidden * r.compute_bytes
+    return 3 * n * d.vocab * 4 + n * d.hidden * r.compute_bytes
 
 
 def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
     n, v, h = r.local_tokens, d.vocab, d.hidden
     if r.chunk_tokens is None:
         if r.tp > 1 and r.loss_parallel:
-            return _plain_logits(d, r, True), f"loss parallel: [{n}, {v // r.tp}] fp32 log-probs (V / tp {r.tp}), their gradient and the logits gradient"
+            return _plain_logits(d, r, True), f"loss parallel: 4 x [{n}, {v // r.tp}] fp32 (V / tp {r.tp}) in torch's vocabulary-parallel backward"
         gathered = f" (tp {r.tp} gathers the logits)" if r.tp > 1 else ""
         return _plain_logits(d, r, False), f"plain: [{n}, {v}] fp32 log-probs, their gradient and the logits gradient{gathered}"
     rows = min(r.chunk_tokens, n)
