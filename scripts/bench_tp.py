@@ -49,6 +49,27 @@ SETTINGS = [
 ]
 
 
+def _train_step(model, optimizer, train_ctx, g: torch.Generator, vocab: int, world: int, n: int) -> float:  # noqa: ANN001
+    """One forward + loss + backward + AdamW step on a random ``[1, n]`` row; the slowest rank's seconds."""
+    import torch.distributed as dist
+
+    from automodel.training.step import forward_loss_sum
+
+    ids = torch.randint(0, vocab, (1, n), generator=g)
+    labels = torch.randint(0, vocab, (1, n), generator=g)
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    with train_ctx():
+        (forward_loss_sum(model, {"input_ids": ids}, labels) / n).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    elapsed = torch.tensor(time.perf_counter() - start)
+    if world > 1:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
 def measure_worker(
     rank: int, world: int, settings: list[dict], seq: int, steps: int, model_kw: dict, warmup_seq: int = 256
 ) -> list[dict]:
@@ -62,13 +83,11 @@ def measure_worker(
         Per setting ``{"param_mib": local parameter MiB, "peak_mib": step peak above the pre-step RSS
         of the first measured step, "time": median step seconds (slowest rank)}``.
     """
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from automodel.distributed.cp_utils import get_train_context
     from automodel.distributed.tensor_parallel import apply_tensor_parallel
-    from automodel.training.step import forward_loss_sum
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)) if world > 1 else None
@@ -87,29 +106,16 @@ def measure_worker(
         train_ctx = get_train_context(setting["lp"], False)
         g = torch.Generator().manual_seed(1)  # the same ids on every rank: one TP group, one batch
 
-        def step(n: int) -> float:
-            ids = torch.randint(0, config.vocab_size, (1, n), generator=g)
-            labels = torch.randint(0, config.vocab_size, (1, n), generator=g)
-            if world > 1:
-                dist.barrier()
-            start = time.perf_counter()
-            with train_ctx():
-                (forward_loss_sum(model, {"input_ids": ids}, labels) / n).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            elapsed = torch.tensor(time.perf_counter() - start)
-            if world > 1:
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            return elapsed.item()
-
         model.train()
-        step(warmup_seq)
+        args = (model, optimizer, train_ctx, g, config.vocab_size, world)
+        _train_step(*args, warmup_seq)
         gc.collect()
         base = rss_mib()
         reset_peak_rss()
-        times = [step(seq)]
+        times = [_train_step(*args, seq)]
         peak = peak_rss_mib() - base
-        times += [step(seq) for _ in range(steps - 1)]
+        times += [_train_step(*args, seq) for _ in range(steps - 1)]
+        del args
         out.append({"param_mib": param_mib / MIB, "peak_mib": peak, "time": statistics.median(times)})
         del model, optimizer
         gc.collect()

@@ -249,3 +249,33 @@ def test_tp_lines_show_the_logits_with_and_without_loss_parallel():
     one = plan_memory(d, dataclasses.replace(shape, tp=1, loss_parallel=False)).persistent[0].bytes
     two = plan_memory(d, shape).persistent[0].bytes
     assert two < one and f"parameters {_fmt(two)} per rank instead of {_fmt(one)} at tp 1" in text
+
+
+TP_TINY = TINY | {"num_attention_heads": 4, "num_key_value_heads": 2}  # heads and KV heads split over tp 2
+
+
+@pytest.mark.dist
+def test_tp2_parameters_exact_and_step_peak_within_20_percent_of_measured():
+    """tp=2 on two gloo ranks (scripts/bench_tp.py's worker: the recipe's TP plan and loss, AdamW, no
+    FSDP2), logits gathered and loss parallel: the local parameter bytes equal the plan's, the
+    measured step peak is within 20% of the plan's, and loss parallel measurably lowers it."""
+    from scripts.bench_tp import planned
+
+    settings = [{"lp": False, "sp": False}, {"lp": True, "sp": False}]
+    saved = {k: os.environ.get(k) for k in MMAP_ENV}
+    os.environ.update(MMAP_ENV)
+    try:
+        ranks = run_distributed(
+            "scripts.bench_tp:measure_worker", 2, 600, settings=settings, seq=4096, steps=1, model_kw=TP_TINY
+        )
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    peaks = []
+    for i, s in enumerate(settings):
+        plan = planned(TP_TINY, 4096, 2, s["lp"], s["sp"])
+        assert all(r[i]["param_mib"] * MIB == pytest.approx(plan.persistent[0].bytes, rel=1e-9) for r in ranks)
+        meas, pred = max(r[i]["peak_mib"] for r in ranks), plan.step_peak_bytes / MIB
+        assert abs(pred - meas) / meas <= 0.2, f"{s}: predicted {pred:.1f} MiB, measured {meas:.1f} MiB"
+        peaks.append(meas)
+    assert peaks[1] < 0.85 * peaks[0], peaks  # plan: loss parallel holds 4 x [N, V/2] instead of 3 x [N, V]

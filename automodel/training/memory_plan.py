@@ -15,12 +15,16 @@ prediction against measurement. Two figures, reported separately because they ar
     inputs, one layer's recomputed activations and its backward temporaries, the gradients, buffers;
   - ``optimizer``: all gradients, the FSDP2 buffers and the optimizer's temporaries.
 
-Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``,
-``h`` hidden, ``I`` MLP width, ``kv`` = kv_heads * head_dim, ``V`` vocab, ``c`` compute-dtype bytes):
+Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
+same on every rank of a TP group; ``h`` hidden, ``I`` MLP width, ``kv`` = kv_heads * head_dim, ``V``
+vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
 
-* parameters, AdamW states: ``params / fsdp`` and ``2 * trainable / fsdp`` master-dtype values, where
-  ``fsdp = dp_shard * cp`` (FSDP2 shards over ``dp_shard_cp``, see ``automodel.models.parallelize``).
-* gradients: ``trainable / fsdp`` in the master dtype (FSDP2 keeps sharded gradients).
+* parameters, AdamW states: ``P / fsdp`` and ``2 * P_trainable / fsdp`` master-dtype values, where
+  ``fsdp = dp_shard * cp`` (FSDP2 shards over ``dp_shard_cp``, see ``automodel.models.parallelize``)
+  and ``P`` is what one TP rank holds: the parameters the TP plan shards (q/k/v/o, gate/up/down,
+  embedding, LM head: :func:`automodel.distributed.tensor_parallel.tp_plan`) ``/ tp``, the rest
+  (RMSNorm weights, a row-parallel bias) whole. FSDP2 then shards all of it over ``dp_shard_cp``.
+* gradients: ``P_trainable / fsdp`` in the master dtype (FSDP2 keeps sharded gradients).
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
   tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
   outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
@@ -31,8 +35,13 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
   layer at a time and holds its activations plus the gradients at its output and input (``2 h c``;
   its other backward temporaries replace saved tensors it has already freed).
-  Activations divide by ``cp`` (the local tokens) and ``tp`` (sequence-parallel TP; TP is not yet
-  available).
+  Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
+  ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
+  by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
+  and final norm, the layer inputs kept under checkpointing) stays whole on every TP rank unless
+  ``distributed.sequence_parallel`` splits it ``/ tp`` too; then each column-parallel projection
+  (q, k, v, gate, up, and the LM head) all-gathers its input itself and saves the gathered
+  ``[N, h]``: ``+ 5 h c`` per layer and ``+ h c`` outside (measured: SP saves no memory at tp 2).
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the all-to-all buffers of q, k, v and
@@ -40,6 +49,10 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
   gradient alive together in backward, ``3 N V 4``, plus the hidden-state gradient ``N h c``.
+  Under TP without loss parallel the LM head's output is gathered: the same ``3 N V 4`` on every TP
+  rank. With ``distributed.enable_loss_parallel`` each rank holds ``[N, V / tp]``, and torch's fused
+  vocabulary-parallel backward keeps four of them: ``4 N (V / tp) 4`` (see :func:`_plain_logits`).
+  The chunked loss does not compose with TP (rejected by the config rules).
   Chunked (``loss.chunk_tokens = n``): ``2 n V 4`` (one chunk's logits and their softmax; the loop
   frees each chunk before the next), the fp32 LM-head gradient accumulator ``V h 4`` (plus its cast for a non-fp32 weight)
   and ``N h c``.
@@ -47,7 +60,8 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
   dtype): the root module (embeddings, final norm, LM head) stays gathered from forward to
   backward (``reshard_after_forward=False``), two decoder layers gathered at a time (the current one
   and the prefetched next; all of them when ``fsdp.reshard_after_forward=false``) and one layer's
-  unsharded gradient before its reduce-scatter.
+  unsharded gradient before its reduce-scatter; under TP each of them is the rank's TP shard.
+* attention workspace under TP: the same terms on ``heads / tp`` heads (``h / tp``, ``kv / tp``).
 """
 
 from __future__ import annotations
