@@ -279,3 +279,25 @@ def test_tp2_parameters_exact_and_step_peak_within_20_percent_of_measured():
         assert abs(pred - meas) / meas <= 0.2, f"{s}: predicted {pred:.1f} MiB, measured {meas:.1f} MiB"
         peaks.append(meas)
     assert peaks[1] < 0.85 * peaks[0], peaks  # plan: loss parallel holds 4 x [N, V/2] instead of 3 x [N, V]
+
+
+def test_dry_run_reports_tp_parameters_logits_and_sequence_parallel_shapes():
+    from automodel.config import load_config
+    from automodel.training.dry_run import dry_run_report
+
+    tp = ["distributed.cp_size=1", "distributed.tp_size=2", "recipe.dry_run_world_size=2", "recipe.dry_run=true"]
+    report = dry_run_report(
+        load_config(["--config", "configs/cp.yaml", *tp, "distributed.enable_loss_parallel=true",
+                     "distributed.sequence_parallel=true"])  # fmt: skip
+    )
+    # configs/cp.yaml: 4 layers, hidden 128, 4 heads (2 KV), vocab 1024, batch 4 x 256 tokens
+    assert "per rank (TP over 2: 0.9M sharded, norms whole; then FSDP over 1): 0.5M parameters" in report
+    assert "hidden states            [4, 128, 128] bfloat16 between blocks (sequence parallel" in report
+    assert "attention q / k,v        [4, 2, 256, 32] / [4, 1, 256, 32] (tp 2" in report
+    assert "logits                   [4, 256, 512] bfloat16" in report
+    lp = 4 * 1024 * 512 * 4 + 1024 * 128 * 2
+    assert f"{_fmt(lp)} with loss parallel ([1024, 512] per rank)" in report
+    gathered = dry_run_report(load_config(["--config", "configs/cp.yaml", *tp]))
+    plain = 3 * 1024 * 1024 * 4 + 1024 * 128 * 2  # [1024, 1024] gathered on each TP rank
+    assert "distributed.enable_loss_parallel is off" in gathered
+    assert f"{'logits and loss':<24}{_fmt(plain):>12}  plain: [1024, 1024]" in gathered
