@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from automodel.training.cpu_memory import MMAP_ENV
 from automodel.training.memory_plan import (
     RunShape,
+    _changes,
     _fmt,
     memory_plan_lines,
     model_dims,
@@ -235,6 +236,15 @@ def test_tp_suggestions_turn_on_loss_parallel_and_never_the_chunked_loss():
     assert "128 ranks instead of 64" in lines[1]
     odd = _dims(**(LLAMA_1B | {"num_key_value_heads": 1}))  # 1 KV head: tp cannot split it
     assert "tp_size" not in "\n".join(suggest_changes(odd, base, 1.0, world=64))
+
+
+def test_suggested_tp_and_cp_sizes_keep_ulysses_head_split_valid():
+    d = _dims(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8)
+    shape = RunShape(local_batch=1, seq=4096, cp=2, cp_method="ulysses")
+    sizes = {(s.cp, s.tp) for _, s, _ in _changes(d, shape, world=2)}
+    # ulysses splits each TP rank's 8 / tp heads over cp again: (cp, tp) with (8 / tp) % cp == 0 only
+    assert {(2, 1), (2, 2), (2, 4), (4, 1), (8, 1)} <= sizes
+    assert all((8 // tp) % cp == 0 for cp, tp in sizes) and (2, 8) not in sizes and (16, 1) not in sizes
 
 
 def test_tp_lines_show_the_logits_with_and_without_loss_parallel():

@@ -423,11 +423,19 @@ def _fmt(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
+def _heads_split_ok(d: ModelDims, r: RunShape, cp: int, tp: int) -> bool:
+    """Ulysses splits each TP rank's ``heads / tp`` heads again over ``cp`` (``head_split_problem``)."""
+    return r.cp_method != "ulysses" or (d.heads // tp) % cp == 0
+
+
 def _tp_sizes_ok(d: ModelDims, r: RunShape, tp: int) -> bool:
-    """Whether ``tp`` divides what the TP plan splits and the padded row (``2 cp tp`` ring, ``cp tp`` ulysses)."""
-    split = (2 if r.cp_method == "ring" else 1) * r.cp * tp
+    """Whether ``tp`` divides what the TP plan splits, the row (``cp tp`` ulysses, else ``2 cp tp``) and,
+    under Ulysses, leaves each TP rank a head count that ``cp`` divides."""
+    split = (1 if r.cp_method == "ulysses" else 2) * r.cp * tp
     sizes = (d.heads, d.kv_heads, d.intermediate, d.vocab)
-    return d.tp_capable and all(x % tp == 0 for x in sizes) and r.seq % split == 0
+    return (
+        d.tp_capable and all(x % tp == 0 for x in sizes) and r.seq % split == 0 and _heads_split_ok(d, r, r.cp, tp)
+    )
 
 
 def _local_changes(r: RunShape) -> list[tuple[str, dict, str]]:
@@ -460,7 +468,7 @@ def _changes(d: ModelDims, r: RunShape, world: int) -> list[tuple[str, RunShape,
     while r.cp * factor <= 64 or r.tp * factor <= 8:
         for dim in ("cp", "tp"):
             size = getattr(r, dim) * factor
-            if dim == "cp" and (size > 64 or r.seq % (2 * size * r.tp) != 0):
+            if dim == "cp" and (size > 64 or r.seq % (2 * size * r.tp) != 0 or not _heads_split_ok(d, r, size, r.tp)):
                 continue
             if dim == "tp" and (size > 8 or not _tp_sizes_ok(d, r, size)):
                 continue
