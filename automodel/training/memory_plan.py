@@ -1,6 +1,7 @@
 """Predicted per-rank memory of a training run, term by term, and the cheapest change that fits a budget.
 
-``recipe.dry_run=true`` prints :func:`memory_plan_lines`; ``scripts/bench_memory.py`` checks the
+``recipe.dry_run=true`` prints :func:`memory_plan_lines`; ``scripts/bench_memory.py`` (CP, chunked
+loss, checkpointing) and ``scripts/bench_tp.py`` (tensor parallelism, loss parallel) check the
 prediction against measurement. Two figures, reported separately because they are measured separately:
 
 * **persistent state**: what lives between optimizer steps on each rank: the FSDP2 shard of the
