@@ -15,10 +15,13 @@ with loss parallel and sequence parallel. The model is sharded by the recipe's o
   just before it (:mod:`automodel.training.cpu_memory`; glibc's mmap threshold fixed so freed tensors
   leave the RSS), the slower rank's, next to the plan's step peak
   (:func:`automodel.training.memory_plan.plan_memory`, what ``recipe.dry_run=true`` prints);
-- the step time (median of ``--steps``, the slower rank). Two cores are shared here, so tp=2's time
-  is the time of two ranks on two cores; it shows the communication overhead, not a speed-up.
+- the step time (median of ``--steps``, the slower rank) and the CPU time the slower rank's process
+  spent in it (``time.process_time``). On a machine whose cores are shared with other work the wall
+  time varies several-fold from run to run; the CPU time much less (it counts this process's work,
+  gloo's waits included, not the time spent waiting for a core). With one core per rank, tp=2's
+  CPU time per rank against tp=1's shows what TP saves per rank and what its collectives cost.
 
-    nice python scripts/bench_tp.py                          # the README table (~3 min on 2 cores)
+    nice python scripts/bench_tp.py                          # the README table (3-6 min on 2 busy cores)
     nice python scripts/bench_tp.py --seq-len 2048 --steps 1 # quick
 """
 
@@ -49,8 +52,14 @@ SETTINGS = [
 ]
 
 
-def _train_step(model, optimizer, train_ctx, g: torch.Generator, vocab: int, world: int, n: int) -> float:  # noqa: ANN001
-    """One forward + loss + backward + AdamW step on a random ``[1, n]`` row; the slowest rank's seconds."""
+def _train_step(  # noqa: ANN202
+    model, optimizer, train_ctx, g: torch.Generator, vocab: int, world: int, n: int  # noqa: ANN001
+) -> tuple[float, float]:
+    """One forward + loss + backward + AdamW step on a random ``[1, n]`` row.
+
+    Returns:
+        (wall seconds, CPU seconds of this process), each the slowest rank's.
+    """
     import torch.distributed as dist
 
     from automodel.training.step import forward_loss_sum
@@ -59,15 +68,15 @@ def _train_step(model, optimizer, train_ctx, g: torch.Generator, vocab: int, wor
     labels = torch.randint(0, vocab, (1, n), generator=g)
     if world > 1:
         dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with train_ctx():
         (forward_loss_sum(model, {"input_ids": ids}, labels) / n).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    elapsed = torch.tensor(time.perf_counter() - start)
+    elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu_start])
     if world > 1:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    return elapsed[0].item(), elapsed[1].item()
 
 
 def measure_worker(
@@ -116,7 +125,14 @@ def measure_worker(
         peak = peak_rss_mib() - base
         times += [_train_step(*args, seq) for _ in range(steps - 1)]
         del args
-        out.append({"param_mib": param_mib / MIB, "peak_mib": peak, "time": statistics.median(times)})
+        out.append(
+            {
+                "param_mib": param_mib / MIB,
+                "peak_mib": peak,
+                "time": statistics.median(t for t, _ in times),
+                "cpu": statistics.median(c for _, c in times),
+            }
+        )
         del model, optimizer
         gc.collect()
     return out
@@ -161,19 +177,19 @@ def main() -> None:
             model_kw=model_kw,
         )
         for i, (label, *_) in enumerate(mine):
-            results[label] = {k: max(r[i][k] for r in ranks) for k in ("param_mib", "peak_mib", "time")}
+            results[label] = {k: max(r[i][k] for r in ranks) for k in ("param_mib", "peak_mib", "time", "cpu")}
     print(
         "| setting | params MiB/rank (plan) | step peak MiB/rank measured | planned | error "
-        "| logits+loss term planned MiB | step s |"
+        "| logits+loss term planned MiB | step s | step CPU s/rank |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for label, tp, lp, sp in SETTINGS:
         r, plan = results[label], planned(model_kw, args.seq_len, tp, lp, sp)
         pred = plan.step_peak_bytes / MIB  # no FSDP2 and compute = master dtype: no communication buffers
         print(
             f"| {label} | {r['param_mib']:.1f} ({plan.persistent[0].bytes / MIB:.1f}) | {r['peak_mib']:.0f} | "
             f"{pred:.0f} | {(pred - r['peak_mib']) / r['peak_mib']:+.0%} | "
-            f"{plan.terms['logits and loss'].bytes / MIB:.0f} | {r['time']:.2f} |",
+            f"{plan.terms['logits and loss'].bytes / MIB:.0f} | {r['time']:.2f} | {r['cpu']:.2f} |",
             flush=True,
         )
 
