@@ -313,6 +313,17 @@ def test_missing_pretrained_model_offline(monkeypatch):
             16,
             ["dp_shard 2 x cp 8", "[1, 65536] int64 before CP -> [1, 8192]"],
         ),
+        (
+            "configs/llama3_1_8b_tp2_cp4.yaml",
+            16,
+            [
+                "dp_shard 2 x cp 4 x tp 2",
+                "[1, 65536] int64 before CP -> [1, 16384]",
+                "[1, 16, 16384, 128] / [1, 4, 16384, 128]",  # 16 of 32 heads, 4 of 8 KV heads per TP rank
+                "with loss parallel ([16384, 64128] per rank) vs",
+                "without ([16384, 128256] gathered); distributed.enable_loss_parallel is on",
+            ],
+        ),
     ],
 )
 def test_real_model_configs_dry_run_without_weights(config, world, expect, monkeypatch):

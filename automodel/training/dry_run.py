@@ -164,7 +164,11 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     master = _BYTES[cfg.model.dtype]
     compute_name = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
     compute = _BYTES[compute_name]
-    shard = n_unique / fsdp_size
+    from automodel.training.memory_plan import model_dims
+
+    dims = model_dims(model)
+    tp = sizes["tp"]
+    shard = dims.local_params(tp) / fsdp_size  # TP-sharded weights / tp, norms whole; then FSDP2
     out.append("--- model ---")
     out.append(f"source: {resolved.source}")
     out.append(
@@ -179,8 +183,11 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         f"vocab {c.vocab_size}, parameters {n_unique / 1e6:.1f}M"
         + (f" ({n_params / 1e6:.1f}M counting tied weights twice)" if n_params != n_unique else "")
     )
+    over = f"FSDP over {fsdp_size}"
+    if tp > 1:
+        over = f"TP over {tp}: {dims.tp_params / 1e6:.1f}M sharded, norms whole; then {over}"
     out.append(
-        f"per rank (FSDP over {fsdp_size}): {shard / 1e6:.1f}M parameters = {_gib(shard * master)} master "
+        f"per rank ({over}): {shard / 1e6:.1f}M parameters = {_gib(shard * master)} master "
         f"({cfg.model.dtype}) + {_gib(shard * master)} grads + {_gib(2 * shard * master)} AdamW states; "
         f"compute dtype {cfg.fsdp.param_dtype}"
         + (" (estimates assume bfloat16, i.e. CUDA)" if cfg.fsdp.param_dtype == "auto" else "")
@@ -200,9 +207,14 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     out.append(
         f"position_ids             [1, {seq}] -> [1, {local_seq}] (global positions of the rank's chunks)"
     )
-    out.append(f"hidden states            [{b}, {local_seq}, {c.hidden_size}] {compute_name}")
+    sp = d.sequence_parallel and tp > 1
     out.append(
-        f"attention q / k,v        [{b}, {heads}, {local_seq}, {head_dim}] / [{b}, {kv}, {local_seq}, {head_dim}]"
+        f"hidden states            [{b}, {local_seq // tp if sp else local_seq}, {c.hidden_size}] {compute_name}"
+        + (f" between blocks (sequence parallel: 1/{tp} of the rank's tokens; gathered for the projections)" if sp else "")
+    )
+    out.append(
+        f"attention q / k,v        [{b}, {heads // tp}, {local_seq}, {head_dim}] / [{b}, {kv // tp}, {local_seq}, {head_dim}]"
+        + (f" (tp {tp}: {heads // tp} of {heads} heads, {kv // tp} of {kv} kv heads)" if tp > 1 else "")
         + (
             f"; k,v rotate around the ring of {sizes['cp']}"
             if sizes["cp"] > 1 and method.name == "ring"
@@ -211,25 +223,34 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     )
     if sizes["cp"] > 1 and method.splits_heads:
         # kv heads are replicated cp/gcd(kv, cp) times when cp does not divide them
-        kv_sent = kv * (sizes["cp"] // math.gcd(kv, sizes["cp"]))
+        kv_sent = kv // tp * (sizes["cp"] // math.gcd(kv // tp, sizes["cp"]))
         out.append(
-            f"  all-to-all (ulysses)   q / k,v -> [{b}, {heads // sizes['cp']}, {seq}, {head_dim}] / "
+            f"  all-to-all (ulysses)   q / k,v -> [{b}, {heads // tp // sizes['cp']}, {seq}, {head_dim}] / "
             f"[{b}, {kv_sent // sizes['cp']}, {seq}, {head_dim}]: the inner kernel {attn!r} sees the whole row"
         )
     logits_bytes = b * local_seq * c.vocab_size * (compute + 4)
-    out.append(
-        f"logits                   [{b}, {local_seq}, {c.vocab_size}] {compute_name} + fp32 copy for the loss "
-        f"= {_gib(logits_bytes)}"
-    )
-    per_layer_act = b * local_seq * c.hidden_size * compute
+    if tp > 1:  # loss parallel: the rank's vocabulary shard only; else the head's output is gathered
+        lp = d.enable_loss_parallel
+        out.append(
+            f"logits                   [{b}, {local_seq}, {c.vocab_size // tp if lp else c.vocab_size}] {compute_name}"
+            f" + fp32 copy for the loss = {_gib(logits_bytes / tp if lp else logits_bytes)} "
+            + (f"(loss parallel: V / tp {tp}; gathered it would be {_gib(logits_bytes)})" if lp else
+               f"(gathered over tp; with distributed.enable_loss_parallel=true {_gib(logits_bytes / tp)})")
+        )
+    else:
+        out.append(
+            f"logits                   [{b}, {local_seq}, {c.vocab_size}] {compute_name} + fp32 copy for the loss "
+            f"= {_gib(logits_bytes)}"
+        )
+    per_layer_act = b * (local_seq // tp if sp else local_seq) * c.hidden_size * compute
     out.append(
         f"layer inputs kept for backward: {c.num_hidden_layers} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
     )
-    from automodel.training.memory_plan import memory_plan_lines, model_dims, run_shape_from_config
+    from automodel.training.memory_plan import memory_plan_lines, run_shape_from_config
 
     shape = run_shape_from_config(cfg, sizes, seq, grad_acc)  # predicted per-rank peak, term by term
-    out.extend(memory_plan_lines(model_dims(model), shape, budget_gib=cfg.recipe.memory_budget_gib, world=world))
+    out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=world))
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     out.append("dry run: nothing was trained")

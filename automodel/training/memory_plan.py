@@ -1,6 +1,7 @@
 """Predicted per-rank memory of a training run, term by term, and the cheapest change that fits a budget.
 
-``recipe.dry_run=true`` prints :func:`memory_plan_lines`; ``scripts/bench_memory.py`` checks the
+``recipe.dry_run=true`` prints :func:`memory_plan_lines`; ``scripts/bench_memory.py`` (CP, chunked
+loss, checkpointing) and ``scripts/bench_tp.py`` (tensor parallelism, loss parallel) check the
 prediction against measurement. Two figures, reported separately because they are measured separately:
 
 * **persistent state**: what lives between optimizer steps on each rank: the FSDP2 shard of the
@@ -15,12 +16,16 @@ prediction against measurement. Two figures, reported separately because they ar
     inputs, one layer's recomputed activations and its backward temporaries, the gradients, buffers;
   - ``optimizer``: all gradients, the FSDP2 buffers and the optimizer's temporaries.
 
-Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``,
-``h`` hidden, ``I`` MLP width, ``kv`` = kv_heads * head_dim, ``V`` vocab, ``c`` compute-dtype bytes):
+Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
+same on every rank of a TP group; ``h`` hidden, ``I`` MLP width, ``kv`` = kv_heads * head_dim, ``V``
+vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
 
-* parameters, AdamW states: ``params / fsdp`` and ``2 * trainable / fsdp`` master-dtype values, where
-  ``fsdp = dp_shard * cp`` (FSDP2 shards over ``dp_shard_cp``, see ``automodel.models.parallelize``).
-* gradients: ``trainable / fsdp`` in the master dtype (FSDP2 keeps sharded gradients).
+* parameters, AdamW states: ``P / fsdp`` and ``2 * P_trainable / fsdp`` master-dtype values, where
+  ``fsdp = dp_shard * cp`` (FSDP2 shards over ``dp_shard_cp``, see ``automodel.models.parallelize``)
+  and ``P`` is what one TP rank holds: the parameters the TP plan shards (q/k/v/o, gate/up/down,
+  embedding, LM head: :func:`automodel.distributed.tensor_parallel.tp_plan`) ``/ tp``, the rest
+  (RMSNorm weights, a row-parallel bias) whole. FSDP2 then shards all of it over ``dp_shard_cp``.
+* gradients: ``P_trainable / fsdp`` in the master dtype (FSDP2 keeps sharded gradients).
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
   tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
   outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
@@ -31,8 +36,13 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
   layer at a time and holds its activations plus the gradients at its output and input (``2 h c``;
   its other backward temporaries replace saved tensors it has already freed).
-  Activations divide by ``cp`` (the local tokens) and ``tp`` (sequence-parallel TP; TP is not yet
-  available).
+  Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
+  ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
+  by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
+  and final norm, the layer inputs kept under checkpointing) stays whole on every TP rank unless
+  ``distributed.sequence_parallel`` splits it ``/ tp`` too; then each column-parallel projection
+  (q, k, v, gate, up, and the LM head) all-gathers its input itself and saves the gathered
+  ``[N, h]``: ``+ 5 h c`` per layer and ``+ h c`` outside (measured: SP saves no memory at tp 2).
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the all-to-all buffers of q, k, v and
@@ -40,6 +50,10 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
   gradient alive together in backward, ``3 N V 4``, plus the hidden-state gradient ``N h c``.
+  Under TP without loss parallel the LM head's output is gathered: the same ``3 N V 4`` on every TP
+  rank. With ``distributed.enable_loss_parallel`` each rank holds ``[N, V / tp]``, and torch's fused
+  vocabulary-parallel backward keeps four of them: ``4 N (V / tp) 4`` (see :func:`_plain_logits`).
+  The chunked loss does not compose with TP (rejected by the config rules).
   Chunked (``loss.chunk_tokens = n``): ``2 n V 4`` (one chunk's logits and their softmax; the loop
   frees each chunk before the next), the fp32 LM-head gradient accumulator ``V h 4`` (plus its cast for a non-fp32 weight)
   and ``N h c``.
@@ -47,7 +61,8 @@ Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_s
   dtype): the root module (embeddings, final norm, LM head) stays gathered from forward to
   backward (``reshard_after_forward=False``), two decoder layers gathered at a time (the current one
   and the prefetched next; all of them when ``fsdp.reshard_after_forward=false``) and one layer's
-  unsharded gradient before its reduce-scatter.
+  unsharded gradient before its reduce-scatter; under TP each of them is the rank's TP shard.
+* attention workspace under TP: the same terms on ``heads / tp`` heads (``h / tp``, ``kv / tp``).
 """
 
 from __future__ import annotations
@@ -65,6 +80,7 @@ __all__ = [
     "plan_memory",
     "suggest_changes",
     "memory_plan_lines",
+    "tp_lines",
     "run_shape_from_config",
     "DEFAULT_CHUNK_TOKENS",
 ]
@@ -88,6 +104,23 @@ class ModelDims:
     trainable: int  # parameters with requires_grad (LoRA: the adapters)
     layer_params: int  # parameters of the largest decoder layer
     root_params: int  # parameters outside the decoder layers (embeddings, final norm, LM head)
+    # of the above, those the tensor-parallel plan shards over tp (0: the model has no TP plan)
+    tp_params: int = 0
+    tp_trainable: int = 0
+    tp_layer_params: int = 0  # of the largest decoder layer
+    tp_root_params: int = 0
+
+    @property
+    def tp_capable(self) -> bool:
+        """Whether ``distributed.tp_size > 1`` can shard this model (a TP plan exists, no LoRA)."""
+        return self.tp_params > 0 and self.trainable == self.params
+
+    def local_params(self, tp: int) -> float:
+        """Unique parameters one TP rank holds before FSDP2: the TP-sharded ones ``/ tp``, the rest whole."""
+        return self.params - self.tp_params + self.tp_params / tp
+
+    def local_trainable(self, tp: int) -> float:
+        return self.trainable - self.tp_trainable + self.tp_trainable / tp
 
 
 @dataclass(frozen=True)
@@ -108,6 +141,8 @@ class RunShape:
     reduce_bytes: int = 4
     grad_acc: int = 1
     reshard_after_forward: bool = True
+    loss_parallel: bool = False  # distributed.enable_loss_parallel (tp > 1): logits stay [N, V / tp]
+    sequence_parallel: bool = False  # distributed.sequence_parallel (tp > 1): residual stream [N / tp, h]
 
     @property
     def fsdp(self) -> int:
@@ -115,7 +150,14 @@ class RunShape:
 
     @property
     def local_tokens(self) -> int:
-        return self.local_batch * self.seq // (self.cp * self.tp)
+        """Tokens of one micro-batch on this rank: ``local_batch * seq / cp`` (every TP rank of a group
+        processes the same tokens; sequence parallel splits only the residual stream between them)."""
+        return self.local_batch * self.seq // self.cp
+
+    @property
+    def stream_split(self) -> int:
+        """What the residual stream (norms, layer inputs, embedding output) is divided by: tp under SP, else 1."""
+        return self.tp if self.sequence_parallel else 1
 
 
 @dataclass(frozen=True)
@@ -181,6 +223,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     except ValueError:  # a model that does not name its blocks: every parameter counts as root
         layers = []
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    sharded = _tp_sharded_params(model)
+    tp_unique = [p for p in unique if id(p) in sharded]
     return ModelDims(
         layers=c.num_hidden_layers,
         hidden=c.hidden_size,
@@ -193,52 +237,122 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         trainable=sum(p.numel() for p in unique if p.requires_grad),
         layer_params=max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
         root_params=sum(p.numel() for p in unique if id(p) not in in_layers),
+        tp_params=sum(p.numel() for p in tp_unique),
+        tp_trainable=sum(p.numel() for p in tp_unique if p.requires_grad),
+        tp_layer_params=max(
+            (sum(p.numel() for p in layer.parameters() if id(p) in sharded) for layer in layers), default=0
+        ),
+        tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
     )
+
+
+def _tp_sharded_params(model) -> set[int]:  # noqa: ANN001
+    """``id`` s of the parameters that :func:`automodel.distributed.tensor_parallel.tp_plan` shards over tp.
+
+    Column-parallel modules shard every parameter (weight and bias, ``Shard(0)``); row-parallel ones
+    shard the weight only (``Shard(1)``; a bias stays replicated), and so does the vocabulary-sharded
+    embedding. Norms (``SequenceParallel``, per-head ``q_norm``/``k_norm``) stay whole. Empty for a
+    model that tensor parallelism does not support (not one of ``TP_MODEL_TYPES``, no plan).
+    """
+    import fnmatch
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from automodel.distributed.tensor_parallel import TP_MODEL_TYPES, tp_plan
+
+    if getattr(model.config, "model_type", None) not in TP_MODEL_TYPES:  # VLMs included: no plan
+        return set()
+    try:
+        plan = tp_plan(model, loss_parallel=True)
+    except ValueError:
+        return set()
+    out: set[int] = set()
+    for name, module in model.named_modules():
+        styles = [s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)]
+        if any(isinstance(s, ColwiseParallel) for s in styles):
+            out.update(id(p) for p in module.parameters(recurse=False))
+        elif any(isinstance(s, RowwiseParallel) for s in styles) and getattr(module, "weight", None) is not None:
+            out.add(id(module.weight))
+    return out
 
 
 def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     """(saved activations, extra of one recomputed layer in backward, note), bytes per rank."""
-    n, c = r.local_tokens, r.compute_bytes
+    n, c, tp, s = r.local_tokens, r.compute_bytes, r.tp, r.stream_split
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     repeated = 2 * h if d.kv_heads < d.heads else 0  # GQA: the kernel saves K/V repeated to all heads
-    layer = (8 * h + repeated + 2 * kv + 4 * i) * c + d.heads * 4 / r.tp  # + the kernel's fp32 LSE
-    outside = 4 * h * c + 24
+    # the residual stream: two RMSNorms (input, output: 4 h) and the residual (h); whole on every TP
+    # rank unless sequence parallel splits it; then each column-parallel projection (q, k, v, gate,
+    # up) all-gathers its input separately and saves the gathered [N, h] for its weight gradient
+    stream = 5 * h / s
+    gathered = 5 * h if r.sequence_parallel and tp > 1 else 0
+    # per head / MLP column, split over TP: q, k, v, the repeated K/V, the attention output and its
+    # transposed copy, gate, up, silu(gate), silu(gate) * up; plus the kernel's fp32 LSE
+    split = (h + repeated + 2 * kv + 2 * h + 4 * i) / tp
+    layer = (stream + split + gathered) * c + d.heads * 4 / tp
+    # outside the layers: embedding output and final norm (4 h, split by SP; with SP the LM head
+    # gathers its input: h), ids/labels/positions (24 B, every TP rank holds them)
+    outside = 4 * h * c / s + (h * c if gathered else 0) + 24
     s2 = 0.0
     if r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
-        heads_local = d.heads // (r.cp if r.cp_method == "ulysses" else 1)
+        heads_local = d.heads // tp // (r.cp if r.cp_method == "ulysses" else 1)
         s_q = r.seq if r.cp_method == "ulysses" else r.local_tokens // r.local_batch
         s2 = 2 * r.local_batch * heads_local * s_q * r.seq * c
     if r.activation_checkpointing:
-        saved = n * (d.layers * h * c + outside)
-        recompute = n * (layer + 2 * h * c) + s2
+        saved = n * (d.layers * h * c / s + outside)
+        recompute = n * (layer + 2 * h * c / s) + s2
         note = f"{d.layers} layer inputs kept; one layer recomputed in backward: {_fmt(recompute)}"
         return saved, recompute, note
     saved = n * (d.layers * layer + outside) + d.layers * s2
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (eager: an S^2 term per layer)" if s2 else "")
+    if tp > 1:
+        note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
     return saved, 0.0, note
 
 
 def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, str]:
-    n, c = r.local_tokens, r.compute_bytes
-    h, kv = d.hidden, d.kv_heads * d.head_dim
+    """Per rank; TP divides the heads (``h / tp``, ``kv / tp``, ``heads / tp``) the kernels see."""
+    n, c, tp = r.local_tokens, r.compute_bytes, r.tp
+    h, kv = d.hidden / tp, d.kv_heads * d.head_dim / tp
     if r.cp == 1:
         return 0.0, "no CP"
     if r.cp_method == "ulysses":
-        kv_sent = d.kv_heads * (r.cp // math.gcd(d.kv_heads, r.cp)) * d.head_dim
+        kv_local = d.kv_heads // tp
+        kv_sent = kv_local * (r.cp // math.gcd(kv_local, r.cp)) * d.head_dim
         return 2 * (2 * h + 2 * kv_sent) * c * n, "ulysses all-to-all buffers of q, k, v and the output"
-    fwd = 4 * kv * c + 2 * (h + d.heads) * 4
+    fwd = 4 * kv * c + 2 * (h + d.heads / tp) * 4
     bwd = 4 * kv * c + 4 * kv * 4 + (h + 2 * kv) * 4
     return n * max(fwd, bwd), "ring: K/V blocks in flight, fp32 partial outputs and dK/dV rotation"
 
 
+def _plain_logits(d: ModelDims, r: RunShape, loss_parallel: bool) -> float:
+    """The plain loss's peak, bytes per rank, plus the hidden-state gradient ``N h c``.
+
+    Without loss parallel (tp 1, or TP gathering the logits): ``3 N V 4``, the fp32 log-probs, their
+    gradient and the logits gradient alive together in backward. With loss parallel each rank holds
+    ``V' = V / tp`` columns, but torch's vocabulary-parallel backward (``loss_parallel()``: one fused
+    NLL + log-softmax backward, which avoids a gather) holds four ``[N, V']`` fp32 tensors at once: the
+    saved log-probs, the one-hot target update, ``update + exp(log-probs)`` and its product with the
+    incoming gradient: ``4 N V' 4`` (measured, ``scripts/bench_tp.py``). So loss parallel divides the
+    term by ``3 tp / 4`` (tp 2: by 1.5), not by tp.
+    """
+    n = r.local_tokens
+    if loss_parallel and r.tp > 1:
+        return 4 * n * (d.vocab / r.tp) * 4 + n * d.hidden * r.compute_bytes
+    return 3 * n * d.vocab * 4 + n * d.hidden * r.compute_bytes
+
+
 def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
-    n, c, v, h = r.local_tokens, r.compute_bytes, d.vocab, d.hidden
-    grad_h = n * h * c
+    n, v, h = r.local_tokens, d.vocab, d.hidden
     if r.chunk_tokens is None:
-        return 3 * n * v * 4 + grad_h, f"plain: [{n}, {v}] fp32 log-probs, their gradient and the logits gradient"
+        if r.tp > 1 and r.loss_parallel:
+            return _plain_logits(d, r, True), f"loss parallel: 4 x [{n}, {v // r.tp}] fp32 (V / tp {r.tp}) in torch's vocabulary-parallel backward"
+        gathered = f" (tp {r.tp} gathers the logits)" if r.tp > 1 else ""
+        return _plain_logits(d, r, False), f"plain: [{n}, {v}] fp32 log-probs, their gradient and the logits gradient{gathered}"
     rows = min(r.chunk_tokens, n)
     live = 2  # one chunk's logits and their softmax (each chunk is freed before the next)
     acc = v * h * 4 + (v * h * r.compute_bytes if r.compute_bytes != 4 else 0)
+    grad_h = n * h * r.compute_bytes
     return live * rows * v * 4 + acc + grad_h, f"chunked: [{rows}, {v}] per chunk + the fp32 LM-head gradient"
 
 
@@ -246,7 +360,9 @@ def _comm_buffers(d: ModelDims, r: RunShape) -> tuple[float, str]:
     if r.fsdp == 1 and r.compute_bytes == r.master_bytes:
         return 0.0, "no FSDP sharding (fsdp size 1)"
     gathered_layers = 2 if r.reshard_after_forward else d.layers
-    b = d.root_params * r.compute_bytes + d.layer_params * (gathered_layers * r.compute_bytes + r.reduce_bytes)
+    root = d.root_params - d.tp_root_params + d.tp_root_params / r.tp  # FSDP2 gathers the TP-local shards
+    layer = d.layer_params - d.tp_layer_params + d.tp_layer_params / r.tp
+    b = root * r.compute_bytes + layer * (gathered_layers * r.compute_bytes + r.reduce_bytes)
     return b, f"root gathered fwd->bwd, {gathered_layers} layers gathered, one layer's gradient before reduce-scatter"
 
 
@@ -257,17 +373,21 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         A :class:`MemoryPlan`; nothing is mutated and nothing is allocated.
     """
     shard = 1 / r.fsdp
+    params, trainable = d.local_params(r.tp), d.local_trainable(r.tp)
+    where = f"1/{r.fsdp} of {d.params / 1e6:.1f}M"
+    if r.tp > 1:
+        where = f"1/{r.fsdp} of {params / 1e6:.1f}M (tp {r.tp}: {d.tp_params / 1e6:.1f}M sharded /tp, the rest whole)"
     persistent = [
-        MemoryTerm("parameters", d.params * shard * r.master_bytes, f"1/{r.fsdp} of {d.params / 1e6:.1f}M"),
-        MemoryTerm("optimizer states", 2 * d.trainable * shard * r.master_bytes, "AdamW exp_avg, exp_avg_sq"),
+        MemoryTerm("parameters", params * shard * r.master_bytes, where),
+        MemoryTerm("optimizer states", 2 * trainable * shard * r.master_bytes, "AdamW exp_avg, exp_avg_sq"),
     ]
-    grads = d.trainable * shard * r.master_bytes
+    grads = trainable * shard * r.master_bytes
     saved, recompute, act_note = _activation_terms(d, r)
     attn, attn_note = _attention_workspace(d, r)
     loss, loss_note = _loss_term(d, r)
     comm, comm_note = _comm_buffers(d, r)
     terms = {
-        "gradients": MemoryTerm("gradients", grads, f"1/{r.fsdp} of {d.trainable / 1e6:.1f}M trainable"),
+        "gradients": MemoryTerm("gradients", grads, f"1/{r.fsdp} of {trainable / 1e6:.1f}M trainable"),
         "activations": MemoryTerm("activations", saved + recompute, act_note),
         "attention workspace": MemoryTerm("attention workspace", attn, attn_note),
         "logits and loss": MemoryTerm("logits and loss", loss, loss_note),
@@ -304,33 +424,70 @@ def _fmt(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def _changes(r: RunShape, world: int) -> list[tuple[str, RunShape, str]]:
-    """Candidate changes, cheapest first: (config overrides, new shape, its price)."""
-    out: list[tuple[str, RunShape, str]] = []
+def _heads_split_ok(d: ModelDims, r: RunShape, cp: int, tp: int) -> bool:
+    """Ulysses splits each TP rank's ``heads / tp`` heads again over ``cp`` (``head_split_problem``)."""
+    return r.cp_method != "ulysses" or (d.heads // tp) % cp == 0
+
+
+def _tp_sizes_ok(d: ModelDims, r: RunShape, tp: int) -> bool:
+    """Whether ``tp`` divides what the TP plan splits, the row (``cp tp`` ulysses, else ``2 cp tp``) and,
+    under Ulysses, leaves each TP rank a head count that ``cp`` divides."""
+    split = (1 if r.cp_method == "ulysses" else 2) * r.cp * tp
+    sizes = (d.heads, d.kv_heads, d.intermediate, d.vocab)
+    return (
+        d.tp_capable and all(x % tp == 0 for x in sizes) and r.seq % split == 0 and _heads_split_ok(d, r, r.cp, tp)
+    )
+
+
+def _local_changes(r: RunShape) -> list[tuple[str, dict, str]]:
+    """Changes on the same ranks and sizes, cheapest first: (config overrides, RunShape fields, price)."""
     chunk = {"chunk_tokens": DEFAULT_CHUNK_TOKENS}
     ac = {"activation_checkpointing": True}
-    local = []
-    if r.chunk_tokens is None:
-        local.append((f"loss.chunk_tokens={DEFAULT_CHUNK_TOKENS}", chunk, "one more LM-head matmul per token"))
+    out = []
+    if r.tp > 1 and not r.loss_parallel:
+        out.append(("distributed.enable_loss_parallel=true", {"loss_parallel": True},
+                    "none: the loss runs on each rank's vocabulary shard"))  # fmt: skip
+    if r.chunk_tokens is None and r.tp == 1:  # the chunked loss does not compose with TP (config rules)
+        out.append((f"loss.chunk_tokens={DEFAULT_CHUNK_TOKENS}", chunk, "one more LM-head matmul per token"))
     if not r.activation_checkpointing:
-        local.append(("model.activation_checkpointing=true", ac, "one more forward of every layer (~+30% time)"))
-    if r.chunk_tokens is None and not r.activation_checkpointing:
-        local.append((f"loss.chunk_tokens={DEFAULT_CHUNK_TOKENS} model.activation_checkpointing=true", chunk | ac,
-                      "both recomputations"))  # fmt: skip
-    for keys, kw, price in local:
-        out.append((keys, dataclasses.replace(r, **kw), price))
+        out.append(("model.activation_checkpointing=true", ac, "one more forward of every layer (~+30% time)"))
+    if r.chunk_tokens is None and r.tp == 1 and not r.activation_checkpointing:
+        out.append((f"loss.chunk_tokens={DEFAULT_CHUNK_TOKENS} model.activation_checkpointing=true", chunk | ac,
+                    "both recomputations"))  # fmt: skip
+    return out
+
+
+def _changes(d: ModelDims, r: RunShape, world: int) -> list[tuple[str, RunShape, str]]:
+    """Candidate changes, cheapest first: (config overrides, new shape, its price).
+
+    The local changes, then for each factor 2, 4, ...: ``cp_size x factor`` and (a model with a TP
+    plan; tp up to 8) ``tp_size x factor`` with loss parallel and the plain loss, each alone and with
+    the local changes still open for it.
+    """
+    out = [(keys, dataclasses.replace(r, **kw), price) for keys, kw, price in _local_changes(r)]
     factor = 2
-    while r.cp * factor <= 64 and r.seq % (2 * r.cp * factor) == 0:
-        cp = r.cp * factor
-        if r.dp_shard % factor == 0:
-            where = f"same {world} ranks: dp_shard {r.dp_shard} -> {r.dp_shard // factor}, grad_acc x{factor}"
-            shape = dataclasses.replace(r, cp=cp, dp_shard=r.dp_shard // factor, grad_acc=r.grad_acc * factor)
-        else:
-            where = f"{world * factor} ranks instead of {world}"
-            shape = dataclasses.replace(r, cp=cp)
-        out.append((f"distributed.cp_size={cp}", shape, where))
-        for keys, kw, price in local:
-            out.append((f"distributed.cp_size={cp} {keys}", dataclasses.replace(shape, **kw), f"{where}; {price}"))
+    while r.cp * factor <= 64 or r.tp * factor <= 8:
+        for dim in ("cp", "tp"):
+            size = getattr(r, dim) * factor
+            if dim == "cp" and (size > 64 or r.seq % (2 * size * r.tp) != 0 or not _heads_split_ok(d, r, size, r.tp)):
+                continue
+            if dim == "tp" and (size > 8 or not _tp_sizes_ok(d, r, size)):
+                continue
+            kw: dict = {dim: size}
+            keys, price = f"distributed.{dim}_size={size}", ""
+            if dim == "tp":  # TP needs the plain loss; loss parallel keeps the logits sharded
+                kw |= {"chunk_tokens": None, "loss_parallel": True}
+                keys += " distributed.enable_loss_parallel=true" + (" loss.chunk_tokens=null" if r.chunk_tokens else "")
+                price = "; two all-reduces of [tokens, hidden] per layer (keep tp within a node)"
+            if r.dp_shard % factor == 0:
+                price = f"same {world} ranks: dp_shard {r.dp_shard} -> {r.dp_shard // factor}, grad_acc x{factor}" + price
+                kw |= {"dp_shard": r.dp_shard // factor, "grad_acc": r.grad_acc * factor}
+            else:
+                price = f"{world * factor} ranks instead of {world}" + price
+            shape = dataclasses.replace(r, **kw)
+            out.append((keys, shape, price))
+            for more, kw2, more_price in _local_changes(shape):
+                out.append((f"{keys} {more}", dataclasses.replace(shape, **kw2), f"{price}; {more_price}"))
         factor *= 2
     return out
 
@@ -338,27 +495,47 @@ def _changes(r: RunShape, world: int) -> list[tuple[str, RunShape, str]]:
 def suggest_changes(d: ModelDims, r: RunShape, budget_bytes: float, world: int) -> list[str]:
     """Lines saying whether ``r`` fits ``budget_bytes`` per rank and, if not, the cheapest change that does.
 
-    Changes are tried cheapest first: the chunked loss, activation checkpointing, both, then doubling
-    ``cp_size`` (on the same ranks when ``dp_shard`` allows, else on more ranks), alone and with the
-    cheaper changes. Tensor parallelism is not available yet (``distributed.tp_size > 1`` is rejected).
+    Changes are tried cheapest first: loss parallel (under TP), the chunked loss (without TP: the two do
+    not compose), activation checkpointing, both, then doubling ``cp_size`` and (for a model with a TP
+    plan, up to 8, where the heads, MLP and vocabulary divide) ``tp_size`` with loss parallel, on the same
+    ranks when ``dp_shard`` allows, else on more ranks, alone and with the cheaper changes.
     """
     plan = plan_memory(d, r)
     head = f"budget {_fmt(budget_bytes)} per rank (recipe.memory_budget_gib): predicted {_fmt(plan.total_bytes)}"
     if plan.total_bytes <= budget_bytes:
         return [head + " -> fits"]
     lines = [head + f" -> does NOT fit (over by {_fmt(plan.total_bytes - budget_bytes)})"]
-    for keys, shape, price in _changes(r, world):
+    changes = _changes(d, r, world)
+    for keys, shape, price in changes:
         p = plan_memory(d, shape)
         if p.total_bytes <= budget_bytes:
             lines.append(f"cheapest change that fits: {keys} -> {_fmt(p.total_bytes)} per rank ({price})")
             break
     else:
+        tried = "chunked loss, activation checkpointing, cp_size up to 64" + (
+            ", tp_size up to 8" if any("tp_size" in keys for keys, _, _ in changes) else ""
+        )
         lines.append(
-            "no change tried fits (chunked loss, activation checkpointing, cp_size up to 64): the persistent "
+            f"no change tried fits ({tried}): the persistent "
             f"state alone is {_fmt(plan.persistent_bytes)}; shard it over more ranks (dp_shard) or shorten data.seq_len"
         )
-    lines.append("tensor parallelism (distributed.tp_size > 1) would divide activations too, but is not available yet")
     return lines
+
+
+def tp_lines(d: ModelDims, r: RunShape) -> list[str]:
+    """What tensor parallelism does to this rank's memory: its parameters, and the logits with and without
+    loss parallel (the figure ``distributed.enable_loss_parallel`` saves)."""
+    whole = d.params * r.master_bytes / r.fsdp
+    mine = d.local_params(r.tp) * r.master_bytes / r.fsdp
+    with_lp, without = _plain_logits(d, r, True), _plain_logits(d, r, False)
+    current = "on" if r.loss_parallel else "off"
+    n = r.local_tokens
+    return [
+        f"tensor parallel tp {r.tp}: parameters {_fmt(mine)} per rank instead of {_fmt(whole)} at tp 1 "
+        f"({d.tp_params / 1e6:.1f}M of {d.params / 1e6:.1f}M are TP-sharded; norms stay whole), then FSDP2 /{r.fsdp}",
+        f"tensor parallel logits and loss: {_fmt(with_lp)} with loss parallel ([{n}, {d.vocab // r.tp}] per rank) vs "
+        f"{_fmt(without)} without ([{n}, {d.vocab}] gathered); distributed.enable_loss_parallel is {current}",
+    ]
 
 
 def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = None, world: int = 1) -> list[str]:
@@ -367,11 +544,14 @@ def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = N
     out = ["--- predicted memory per rank (automodel.training.memory_plan; CPU-calibrated) ---"]
     out.append(
         f"local tokens per micro-batch {r.local_tokens} (= {r.local_batch} x {r.seq} / cp {r.cp}"
-        + (f" / tp {r.tp}" if r.tp > 1 else "") + f"); compute {r.compute_bytes} B, master {r.master_bytes} B"
+        + (f"; the same on each of the tp {r.tp} ranks" if r.tp > 1 else "")
+        + f"); compute {r.compute_bytes} B, master {r.master_bytes} B"
     )
     out.append(f"persistent between steps: {_fmt(plan.persistent_bytes)}")
     for t in plan.persistent:
         out.append(f"  {t.name:<24}{_fmt(t.bytes):>12}  {t.note}")
+    if r.tp > 1:
+        out.extend(tp_lines(d, r))
     out.append("step terms:")
     for name in TERMS:
         t = plan.terms[name]
@@ -411,4 +591,6 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -
         reduce_bytes=nbytes[cfg.fsdp.reduce_dtype],
         grad_acc=grad_acc,
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        loss_parallel=cfg.distributed.enable_loss_parallel,
+        sequence_parallel=cfg.distributed.sequence_parallel,
     )
