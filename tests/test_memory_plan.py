@@ -210,8 +210,9 @@ def test_tp_activations_split_heads_and_mlp_but_not_the_residual_stream_unless_s
     split_per_layer = (h + 2 * h + 2 * kv + 2 * h + 4 * i) * c + 4 * 4  # q, repeated K/V, k/v, attn out x2, MLP; LSE
     assert one - two == pytest.approx(n * 2 * split_per_layer / 2)  # only the split half is gone
     stream = 2 * 5 * h * c + 4 * h * c  # two layers' norms + residual, embedding output + final norm
-    gathered = 2 * 5 * h * c + h * c  # q, k, v, gate, up each gather their input; the LM head too
+    gathered = 2 * 2 * h * c + h * c  # the attention and the MLP block gather their input once; the LM head too
     assert sp - two == pytest.approx(n * (gathered - stream / 2))
+    assert sp < two  # sequence parallel saves memory: the stream is split, and gathered only twice per layer
 
 
 def test_tp_suggestions_turn_on_loss_parallel_and_never_the_chunked_loss():

@@ -18,7 +18,7 @@ the training recipe needs it:
   ``Shard(2)`` (heads), and the gradient is all-reduced over TP (by FSDP2 when it redistributes the
   gradient to the weight's placement, or by DTensor's autograd without FSDP2).
 - **Sequence parallel** (``sequence_parallel=True``): the RMSNorms and the residual stream between
-  blocks hold ``1/tp`` of this rank's tokens (``Shard(1)``); column-parallel layers all-gather their
+  blocks hold ``1/tp`` of this rank's tokens (``Shard(1)``); each attention / MLP block all-gathers its
   input, row-parallel layers reduce-scatter their output. The rank's sequence (``S/cp`` under CP) must
   then be divisible by ``tp`` (:func:`automodel.distributed.padding.get_padding_multiple`).
 
@@ -167,14 +167,20 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool, sequence_parallel: bool = 
 
     Built from ``model.config.base_model_tp_plan`` (transformers' plan: ``colwise``, ``rowwise``,
     ``replicated_with_grad_allreduce``) plus the embedding, the final norm and the LM head (see the module
-    docstring). With ``sequence_parallel`` the column-parallel layers take a ``Shard(1)`` input, the
-    row-parallel ones return ``Shard(1)``, and every RMSNorm is ``SequenceParallel``.
+    docstring). With ``sequence_parallel`` every RMSNorm is ``SequenceParallel``, each attention and MLP
+    block all-gathers its ``Shard(1)`` input once (``PrepareModuleInput``) for its column-parallel
+    projections, and the row-parallel ones return ``Shard(1)`` (reduce-scatter).
 
     Raises:
         ValueError: the config has no TP plan, or names a style this module does not map.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     text = _text_config(model.config)
     hf_plan = dict(getattr(text, "base_model_tp_plan", None) or {})
@@ -193,7 +199,7 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool, sequence_parallel: bool = 
                 f"does not map (it maps {list(_HF_STYLES)}); set distributed.tp_size=1"
             )
         if kind == "colwise":
-            style = ColwiseParallel(input_layouts=seq) if sequence_parallel else ColwiseParallel()
+            style = ColwiseParallel()  # under sequence parallel its block's input is gathered once, below
         elif kind == "rowwise":
             style = (
                 RowwiseParallel(output_layouts=seq, use_local_output=False)
@@ -211,6 +217,16 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool, sequence_parallel: bool = 
         use_local_output=not sequence_parallel,
     )
     if sequence_parallel:
+        # all-gather the sequence once per block (not once per projection: q, k and v, gate and up would
+        # each gather and save their own [N, h] copy for the weight gradient)
+        plan[prefix + "layers.*.self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=False,
+        )
+        plan[prefix + "layers.*.mlp"] = PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
         plan[prefix + "layers.*.input_layernorm"] = SequenceParallel()
         plan[prefix + "layers.*.post_attention_layernorm"] = SequenceParallel()
         plan[prefix + "norm"] = SequenceParallel()

@@ -40,9 +40,9 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
   and final norm, the layer inputs kept under checkpointing) stays whole on every TP rank unless
-  ``distributed.sequence_parallel`` splits it ``/ tp`` too; then each column-parallel projection
-  (q, k, v, gate, up, and the LM head) all-gathers its input itself and saves the gathered
-  ``[N, h]``: ``+ 5 h c`` per layer and ``+ h c`` outside (measured: SP saves no memory at tp 2).
+  ``distributed.sequence_parallel`` splits it ``/ tp`` too; then the attention block and the MLP
+  block each all-gather their input once and the projections save that gathered ``[N, h]``:
+  ``+ 2 h c`` per layer, and the LM head's gathered input ``+ h c`` outside.
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the all-to-all buffers of q, k, v and
@@ -282,10 +282,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     repeated = 2 * h if d.kv_heads < d.heads else 0  # GQA: the kernel saves K/V repeated to all heads
     # the residual stream: two RMSNorms (input, output: 4 h) and the residual (h); whole on every TP
-    # rank unless sequence parallel splits it; then each column-parallel projection (q, k, v, gate,
-    # up) all-gathers its input separately and saves the gathered [N, h] for its weight gradient
+    # rank unless sequence parallel splits it; then the attention and the MLP block each all-gather
+    # their input once, and their projections save that gathered [N, h] for the weight gradients
     stream = 5 * h / s
-    gathered = 5 * h if r.sequence_parallel and tp > 1 else 0
+    gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
     # per head / MLP column, split over TP: q, k, v, the repeated K/V, the attention output and its
     # transposed copy, gate, up, silu(gate), silu(gate) * up; plus the kernel's fp32 LSE
     split = (h + repeated + 2 * kv + 2 * h + 4 * i) / tp
