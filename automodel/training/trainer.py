@@ -309,6 +309,15 @@ class FinetuneTrainer:
             apply_lora(self.model, cfg.peft, seed=cfg.recipe.seed)
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
+        if cfg.model.compile:  # per decoder block, after the CP method switched the attention
+            from automodel.models.compile import compile_decoder_blocks
+
+            compile_decoder_blocks(self.model, cfg.model.compile_backend)
+        if not cfg.fsdp.enabled:  # replicated: gradients summed over dp x cp after the backward
+            from automodel.distributed.replicate import broadcast_parameters
+
+            broadcast_parameters(self.model, self.dp_cp_group)
+            return
         param_dtype = cfg.fsdp.param_dtype
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else None
@@ -328,8 +337,15 @@ class FinetuneTrainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.model)
         self.scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.step_scheduler.max_steps)
         self.train_context = functools.partial(
-            get_train_context, cfg.distributed.enable_loss_parallel, cfg.distributed.enable_compiled_autograd
+            get_train_context,
+            cfg.distributed.enable_loss_parallel,
+            cfg.distributed.enable_compiled_autograd,
+            compiled_autograd_backend=cfg.model.compile_backend,
         )
+        from automodel.training.compile_stats import CompileClock
+
+        self.compile_clock = CompileClock()
+        self.compile_time_s = 0.0
         self.layout = CheckpointLayout(
             world_size=self.world_size,
             dp_replicate=self.dims.dp_replicate,
@@ -404,7 +420,7 @@ class FinetuneTrainer:
         local = torch.zeros(3, dtype=torch.float64, device=self.device)  # label tokens, positions, -
         prepared = []
         for b in batches:
-            p = prepare_batch(b, self.device)
+            p = self._fixed_length(prepare_batch(b, self.device))
             local[0] += label_token_count(p["labels"]).to(torch.float64)
             local[1] += p["input_ids"].numel()
             prepared.append(p)
@@ -422,6 +438,10 @@ class FinetuneTrainer:
                 chunk_tokens=self.cfg.loss.chunk_tokens,
                 num_label_tokens=num_label_tokens,
             )
+        if not self.cfg.fsdp.enabled:  # replicated model: sum the gradients over dp x cp
+            from automodel.distributed.replicate import all_reduce_gradients
+
+            all_reduce_gradients(self.model, self.dp_cp_group)
         grad_norm = clip_grad_norm(self.model, self.cfg.clip_grad.max_norm, self.cfg.clip_grad.norm_type)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -429,7 +449,9 @@ class FinetuneTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._all_reduce(ce_sum, self.dp_cp_group)  # each CP rank holds a disjoint part of the tokens
         loss = (ce_sum / num_label_tokens).item()
-        step_time = time.perf_counter() - t0
+        compiled = self.compile_clock.delta()  # compile time is reported apart from the step time
+        self.compile_time_s += compiled.seconds
+        step_time = max(time.perf_counter() - t0 - compiled.seconds, 1e-9)
         tokens = local[1].item()
         mem, mem_kind = peak_memory_gib(self.device)
         return {
@@ -443,6 +465,8 @@ class FinetuneTrainer:
             "tokens_per_s": tokens / step_time,
             "tokens_per_s_per_device": tokens / step_time / self.world_size,
             "step_time_s": step_time,
+            "compile_time_s": compiled.seconds,
+            "graphs_compiled": compiled.graphs,
             "peak_mem_gib": mem,
             "mem_kind": mem_kind,
             "epoch": self.train_loader.epoch,
@@ -461,7 +485,7 @@ class FinetuneTrainer:
         for i, batch in enumerate(self.val_loader):
             if limit is not None and i >= limit:
                 break
-            p = prepare_batch(batch, self.device)
+            p = self._fixed_length(prepare_batch(batch, self.device))
             totals[1] += label_token_count(p["labels"]).to(torch.float64)
             ce = run_micro_batch(
                 self.model,
@@ -478,6 +502,17 @@ class FinetuneTrainer:
         self._all_reduce(totals[:1], self.dp_cp_group)
         self._all_reduce(totals[1:], self.dp_group)
         return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def _fixed_length(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With ``model.compile`` / compiled autograd: ``batch`` right-padded to one length (no recompiles)."""
+        cfg = self.cfg
+        if not (cfg.model.compile or cfg.distributed.enable_compiled_autograd) or cfg.distributed.cp_method == "thd":
+            return batch
+        from automodel.training.compile_stats import pad_batch_to_length
+
+        multiple = pad_multiple(cfg)
+        length = max(-(-cfg.data.seq_len // multiple) * multiple, batch["input_ids"].shape[1])
+        return pad_batch_to_length(batch, length, self.tokenizer.pad_token_id or 0)
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(
@@ -524,6 +559,7 @@ class FinetuneTrainer:
                             loss=f"{record['loss']:.4f}",
                             lr=f"{record['lr']:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"compile_s": f"{self.compile_time_s:.1f}"} if self.compile_time_s else {}),
                         )
                         bar.update(1)
                     if self.val_loader is not None and (

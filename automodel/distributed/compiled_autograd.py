@@ -1,0 +1,77 @@
+"""Compiled autograd for the train context, with the compile settings that are exact on torch 2.13.
+
+:func:`compiled_autograd` is what :func:`automodel.distributed.cp_utils.get_train_context` enters
+when ``enable_compiled_autograd`` is set: every ``loss.backward()`` inside it is captured by
+``torch._dynamo.compiled_autograd`` into one FX graph of the whole backward and compiled with
+``torch.compile``. Measured on torch 2.13 (CPU, tiny Llama), the choices below are what works:
+
+- ``fullgraph=False``: ring attention's backward dispatches DTensor ops
+  (``torch._C._DTensor_compute_global_tensor_info``) and Ulysses' backward runs c10d
+  all-to-all; dynamo cannot trace either, so the backward graph is split there (graph breaks)
+  and those pieces run eagerly. With ``fullgraph=True`` the first CP backward raises
+  ``torch._dynamo.exc.Unsupported``.
+- ``dynamic=False`` (both for the captured graph and for ``torch.compile``): with dynamic shapes
+  inductor fails to lower the captured backward of an HF Llama (``LoweringException``); static
+  shapes match the eager backward to fp32 round-off. The recipe pads every batch to one length,
+  so the graph is compiled once (plus once for the last micro-batch of another shape).
+- FSDP2's hooks are all ``torch._dynamo.disable``-d on torch 2.13; under compiled autograd its
+  post-backward reduce-scatter does not run, and gradients come back unsharded and unreduced. So
+  compiled autograd is only allowed with replicated data parallelism
+  (:mod:`automodel.distributed.replicate`), which reduces gradients after the backward instead;
+  the recipe rejects it with FSDP2 (``automodel.config.rules``).
+
+The backend is ``"inductor"`` (the system C++ compiler on CPU, triton on CUDA), ``"aot_eager"``
+(AOT autograd without code generation: cheap, exact, for tests) or ``"eager"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["COMPILE_BACKENDS", "compiled_autograd", "compiled_autograd_compiles", "check_compile_backend"]
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+_COUNTER = "automodel_compiled_autograd"
+
+
+def check_compile_backend(backend: str) -> None:
+    """``ValueError`` unless ``backend`` is one of :data:`COMPILE_BACKENDS`."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(
+            f"compile backend {backend!r} is not one of {COMPILE_BACKENDS}; use inductor (generated code), "
+            f"aot_eager (no code generation, fast to compile) or eager"
+        )
+
+
+def compiled_autograd_compiles() -> int:
+    """How many backward graphs compiled autograd has compiled in this process (recompiles included)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters[_COUNTER]["compiles"])
+
+
+@contextlib.contextmanager
+def compiled_autograd(backend: str = "inductor") -> Iterator[None]:
+    """Run every ``.backward()`` inside the block through compiled autograd, compiled with ``backend``.
+
+    Args:
+        backend: one of :data:`COMPILE_BACKENDS`.
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    check_compile_backend(backend)
+    from torch._dynamo import compiled_autograd as ca
+    from torch._dynamo.utils import counters
+
+    def compiler_fn(gm: torch.fx.GraphModule) -> Any:
+        counters[_COUNTER]["compiles"] += 1
+        return torch.compile(gm, backend=backend, fullgraph=False, dynamic=False)
+
+    with ca._enable(compiler_fn, dynamic=False):
+        yield

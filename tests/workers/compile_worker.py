@@ -1,0 +1,68 @@
+"""Compiled autograd and ``model.compile`` through the recipe on gloo ranks (see tests/test_compile_recipe.py).
+
+Every run is ``configs/cp.yaml`` with the tiny fp32 overrides of :mod:`tests.workers.recipe_worker`,
+shortened to 6 steps without validation, and ``fsdp.enabled=false`` (replicated data parallelism)
+wherever compiled autograd is on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from automodel.training.trainer import TrainHooks
+from tests.workers.recipe_worker import CP, ULYSSES, _run
+
+STEPS = 6
+SHORT = [
+    f"step_scheduler.max_steps={STEPS}",
+    "step_scheduler.val_every_steps=null",
+    "data.seq_len=64",
+]
+CA = ["distributed.enable_compiled_autograd=true", "fsdp.enabled=false"]
+
+
+def _records() -> tuple[list[dict], TrainHooks]:
+    records: list[dict] = []
+    return records, TrainHooks(on_step_end=lambda step, record: records.append(dict(record)))
+
+
+def _grad_info(model) -> dict:
+    """Type and placement of every gradient, and their values (full tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            out[name] = None
+            continue
+        out[name] = {
+            "type": type(g).__name__,
+            "placements": [str(x) for x in g.placements] if isinstance(g, DTensor) else None,
+            "full": (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone(),
+        }
+    return out
+
+
+def _go(world: int, out: Path, name: str, overrides: list[str], config: str = CP) -> dict:
+    records, hooks = _records()
+    trainer, result = _run(world, out, name, [*SHORT, *overrides], hooks=hooks, config=config)
+    return {
+        "losses": dict(result.losses),
+        "compile_time_s": [r["compile_time_s"] for r in records],
+        "graphs_compiled": [r["graphs_compiled"] for r in records],
+        "step_time_s": [r["step_time_s"] for r in records],
+    }
+
+
+def experiment(rank: int, world_size: int, out: str, runs: list) -> dict:
+    """Run each ``(name, overrides, config)`` of ``runs``; a failure is returned as its message."""
+    import traceback
+
+    results = {}
+    for name, overrides, config in runs:
+        try:
+            results[name] = _go(world_size, Path(out), name, overrides, config)
+        except Exception as e:  # noqa: BLE001 - experiments report the failure
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000], "tb": traceback.format_exc()[-3000:]}
+    return results
