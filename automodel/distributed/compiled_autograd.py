@@ -75,3 +75,42 @@ def compiled_autograd(backend: str = "inductor") -> Iterator[None]:
 
     with ca._enable(compiler_fn, dynamic=False):
         yield
+
+
+class _EagerBackward(torch.autograd.Function):
+    """``fn(*args)`` as one autograd node whose backward runs eagerly, outside compiled autograd.
+
+    The forward records ``fn``'s own autograd graph on detached copies of the inputs; the backward
+    replays it with ``torch.autograd.grad`` with compiled autograd switched off and dynamo
+    disabled. Compiled autograd sees one opaque node (a deliberate graph break), so the CP
+    collectives inside ``fn``'s backward (ring attention's DTensor dispatch and k/v rotation) run
+    exactly as in an eager backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, fn: Any, n_tensors: int, *args: Any) -> torch.Tensor:  # type: ignore[override]
+        tensors = list(args[:n_tensors])
+        rest = args[n_tensors:]
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        with torch.enable_grad():
+            out = fn(*leaves, *rest)
+        ctx.leaves, ctx.out, ctx.n_tensors, ctx.n_rest = leaves, out, n_tensors, len(rest)
+        return out.detach()
+
+    @staticmethod
+    @torch._dynamo.disable(reason="automodel: the CP attention backward runs eagerly")
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        from torch._dynamo import compiled_autograd as ca
+
+        wanted = [t for t in ctx.leaves if t.requires_grad]
+        with ca._disable():
+            grads = torch.autograd.grad(ctx.out, wanted, grad_out, allow_unused=True)
+        it = iter(grads)
+        per_input = [next(it) if t.requires_grad else None for t in ctx.leaves]
+        ctx.leaves = ctx.out = None  # free the inner graph
+        return (None, None, *per_input, *([None] * ctx.n_rest))
+
+
+def eager_backward(fn: Any, tensors: tuple[torch.Tensor, ...], *rest: Any) -> torch.Tensor:
+    """``fn(*tensors, *rest)`` (one output tensor) with its backward run eagerly under compiled autograd."""
+    return _EagerBackward.apply(fn, len(tensors), *tensors, *rest)

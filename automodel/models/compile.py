@@ -18,8 +18,10 @@ training (and once more for validation, which runs without grad).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from torch import nn
 from automodel.distributed.compiled_autograd import check_compile_backend
 from automodel.models.parallelize import decoder_layers
 
-__all__ = ["compile_decoder_blocks", "attention_outside_graph"]
+__all__ = ["compile_decoder_blocks", "attention_outside_graph", "attention_backward_eager"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,3 +100,44 @@ def compile_decoder_blocks(model: nn.Module, backend: str = "inductor") -> int:
         attn,
     )
     return len(layers)
+
+
+@contextlib.contextmanager
+def attention_backward_eager(model: nn.Module) -> Iterator[None]:
+    """Inside the block, ``model``'s attention kernel is one node whose backward runs eagerly.
+
+    For compiled autograd with CP: the attention implementation named by the model's config is
+    replaced in transformers' ``ALL_ATTENTION_FUNCTIONS`` by a wrapper that runs it through
+    :func:`automodel.distributed.compiled_autograd.eager_backward` (q/k/v in, attention output out),
+    so the ring's DTensor dispatch and the CP collectives of its backward are a deliberate graph
+    break of the compiled backward. Restored on exit.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from automodel.distributed.compiled_autograd import eager_backward
+
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    name = config._attn_implementation
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"compiled autograd with CP isolates the attention kernel by name, but {name!r} is not a registered "
+            f"attention implementation; use model.attn_implementation=sdpa with cp_method ring or ulysses"
+        )
+    had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
+    previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(name)
+    inner = ALL_ATTENTION_FUNCTIONS[name]
+
+    def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):  # noqa: ANN001, ANN202
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return inner(module, q, k, v, attention_mask, **kwargs)[0]
+
+        return eager_backward(run, (query, key, value)), None
+
+    ALL_ATTENTION_FUNCTIONS[name] = attention
+    try:
+        yield
+    finally:
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS[name] = previous
+        else:
+            del ALL_ATTENTION_FUNCTIONS[name]

@@ -95,6 +95,25 @@ def pad_multiple(cfg: RecipeConfig) -> int:
     return CP_METHODS[cfg.distributed.cp_method].chunks_per_rank * split if split > 1 else 1
 
 
+def _with_eager_attention_backward(cp_fn: Callable, model: torch.nn.Module) -> Callable:
+    """``cp_fn`` whose context also runs the attention backward eagerly (compiled autograd + ring CP)."""
+    import contextlib
+
+    from automodel.models.compile import attention_backward_eager
+
+    def fn(device_mesh: Any, batch: dict[str, Any]) -> tuple[Callable, dict[str, Any]]:
+        factory, batch = cp_fn(device_mesh, batch)
+
+        @contextlib.contextmanager
+        def context() -> Iterator[Any]:
+            with attention_backward_eager(model), factory() as value:
+                yield value
+
+        return context, batch
+
+    return fn
+
+
 class FinetuneTrainer:
     """Owns every component of one fine-tuning run. Call :meth:`run` (or :meth:`setup` + :meth:`train`)."""
 
@@ -303,6 +322,8 @@ class FinetuneTrainer:
                 self.model.config._attn_implementation,
                 self.inner_attn,
             )
+        if d.enable_compiled_autograd and d.cp_size > 1 and d.cp_method == "ring":
+            self.cp_fn = _with_eager_attention_backward(self.cp_fn, self.model)
         if cfg.peft is not None:  # LoRA adapters in place; everything else frozen (automodel.models.lora)
             from automodel.models.lora import apply_lora
 
