@@ -330,6 +330,8 @@ class FinetuneTrainer:
             apply_lora(self.model, cfg.peft, seed=cfg.recipe.seed)
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
+        if cfg.model.compile or d.enable_compiled_autograd:
+            torch._dynamo.reset()  # a fresh compile cache per run: no graphs of an earlier run in this process
         if cfg.model.compile:  # per decoder block, after the CP method switched the attention
             from automodel.models.compile import compile_decoder_blocks
 
