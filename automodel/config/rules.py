@@ -7,8 +7,8 @@ world size alone.
 
 from __future__ import annotations
 
-from automodel.config.peft_rules import peft_problems
 from automodel.config.compile_rules import compile_problems
+from automodel.config.peft_rules import peft_problems
 from automodel.config.schema import RecipeConfig
 from automodel.training.cp_dispatch import CP_METHODS, head_split_problem
 from automodel.training.thd_recipe import thd_config_problems

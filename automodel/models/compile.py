@@ -67,7 +67,7 @@ def _break_at_attention(model: nn.Module) -> str:
         mod = sys.modules.get(type(module).__module__)
         fn = getattr(mod, "eager_attention_forward", None)
         if fn is not None and not getattr(fn, _MARK, False):
-            setattr(mod, "eager_attention_forward", attention_outside_graph(fn))
+            mod.eager_attention_forward = attention_outside_graph(fn)
     return name
 
 

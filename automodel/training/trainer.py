@@ -96,7 +96,7 @@ def pad_multiple(cfg: RecipeConfig) -> int:
 
 
 def _with_eager_attention_backward(cp_fn: Callable, model: torch.nn.Module) -> Callable:
-    """``cp_fn`` whose context also runs the attention backward eagerly (compiled autograd + ring CP)."""
+    """``cp_fn`` whose context also runs the attention backward eagerly (compiled autograd with CP)."""
     import contextlib
 
     from automodel.models.compile import attention_backward_eager
@@ -322,7 +322,7 @@ class FinetuneTrainer:
                 self.model.config._attn_implementation,
                 self.inner_attn,
             )
-        if d.enable_compiled_autograd and d.cp_size > 1 and d.cp_method == "ring":
+        if d.enable_compiled_autograd and d.cp_size > 1:  # the CP attention backward runs eagerly
             self.cp_fn = _with_eager_attention_backward(self.cp_fn, self.model)
         if cfg.peft is not None:  # LoRA adapters in place; everything else frozen (automodel.models.lora)
             from automodel.models.lora import apply_lora
@@ -529,7 +529,7 @@ class FinetuneTrainer:
     def _fixed_length(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With ``model.compile`` / compiled autograd: ``batch`` right-padded to one length (no recompiles)."""
         cfg = self.cfg
-        if not (cfg.model.compile or cfg.distributed.enable_compiled_autograd) or cfg.distributed.cp_method == "thd":
+        if not (cfg.model.compile or cfg.distributed.enable_compiled_autograd):
             return batch
         from automodel.training.compile_stats import pad_batch_to_length
 

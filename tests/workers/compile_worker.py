@@ -55,6 +55,85 @@ def _go(world: int, out: Path, name: str, overrides: list[str], config: str = CP
     }
 
 
+def _one_backward(trainer, batch, compiled_autograd: bool) -> dict:
+    """Gradients (type, placement, full values) after one micro-batch's backward, eager or compiled."""
+    import functools
+
+    from automodel.distributed.cp_utils import get_train_context
+    from automodel.training.step import prepare_batch, run_micro_batch
+    from automodel.training.trainer import _with_eager_attention_backward
+
+    trainer.model.zero_grad(set_to_none=True)
+    ctx = functools.partial(
+        get_train_context, False, compiled_autograd, compiled_autograd_backend=trainer.cfg.model.compile_backend
+    )
+    cp_fn = trainer.cp_fn
+    if compiled_autograd and trainer.cfg.distributed.cp_size > 1 and not trainer.cfg.distributed.enable_compiled_autograd:
+        cp_fn = _with_eager_attention_backward(cp_fn, trainer.model)
+    p = trainer._fixed_length(prepare_batch(batch, trainer.device))
+    run_micro_batch(trainer.model, p, device_mesh=trainer.mesh, cp_fn=cp_fn, train_context=ctx, num_label_tokens=100.0)
+    return _grad_info(trainer.model)
+
+
+def gradients(rank: int, world_size: int, out: str) -> dict:
+    """Ring cp=2, one micro-batch: the gradients of compiled runs next to the eager ones.
+
+    - FSDP2 eager vs FSDP2 with ``model.compile`` (DTensor gradients, same placements);
+    - replicated eager vs replicated under compiled autograd (plain tensors);
+    - replicated eager vs FSDP2 eager (the values agree across the two data-parallel modes);
+    - ``all_reduce_gradients`` refuses FSDP2's sharded gradients (TypeError).
+    """
+    from automodel.config import load_config
+    from automodel.distributed.replicate import all_reduce_gradients
+    from automodel.training.trainer import FinetuneTrainer
+    from tests.workers.recipe_worker import TINY
+
+    def trainer_for(name: str, overrides: list[str]) -> FinetuneTrainer:
+        argv = ["--config", CP, *TINY, *SHORT, f"recipe.output_dir={Path(out) / name}", "distributed.cp_size=2",
+                "model.compile_backend=aot_eager", *overrides]  # fmt: skip
+        trainer = FinetuneTrainer(load_config(argv, world_size=world_size))
+        trainer.setup()
+        return trainer
+
+    fsdp = trainer_for("g_fsdp", [])
+    batch = next(fsdp._train_batches())
+    res = {"fsdp_eager": _one_backward(fsdp, batch, False)}
+    try:
+        all_reduce_gradients(fsdp.model, fsdp.dp_cp_group)
+        res["refused"] = None
+    except TypeError as e:
+        res["refused"] = str(e)
+    res["fsdp_compiled"] = _one_backward(trainer_for("g_fsdp_mc", ["model.compile=true"]), batch, False)
+    rep = trainer_for("g_rep", ["fsdp.enabled=false"])
+    res["rep_eager"] = _one_backward(rep, batch, False)
+    res["rep_ca"] = _one_backward(rep, batch, True)
+    both = trainer_for("g_rep_both", ["fsdp.enabled=false", "model.compile=true"])
+    res["rep_both"] = _one_backward(both, batch, True)
+    return res
+
+
+def single(rank: int, world_size: int, out: str) -> dict:
+    """World 1: the eager cp=1 reference over 10 steps."""
+    return {"ref": _go(world_size, Path(out), "ref", ["distributed.cp_size=1", "step_scheduler.max_steps=10"])}
+
+
+def pair(rank: int, world_size: int, out: str) -> dict:
+    """World 2, cp=2: compiled autograd (ring, ulysses), model.compile (ring, ulysses; FSDP2), both
+    together (ring, 10 steps: the recompile count), and the gradient checks of :func:`gradients`."""
+    out_dir = Path(out)
+    aot = ["distributed.cp_size=2", "model.compile_backend=aot_eager"]
+    runs = {
+        "ring_ca": (CP, [*aot, *CA]),
+        "ulysses_ca": (ULYSSES, [*aot, *CA]),
+        "ring_compile": (CP, [*aot, "model.compile=true"]),
+        "ulysses_compile": (ULYSSES, [*aot, "model.compile=true"]),
+        "ring_both": (CP, [*aot, *CA, "model.compile=true", "step_scheduler.max_steps=10"]),
+    }
+    results = {name: _go(world_size, out_dir, name, overrides, config) for name, (config, overrides) in runs.items()}
+    results["gradients"] = gradients(rank, world_size, out)
+    return results
+
+
 def experiment(rank: int, world_size: int, out: str, runs: list) -> dict:
     """Run each ``(name, overrides, config)`` of ``runs``; a failure is returned as its message."""
     import traceback
@@ -71,8 +150,6 @@ def experiment(rank: int, world_size: int, out: str, runs: list) -> dict:
 def debug_grads(rank: int, world_size: int, out: str, overrides: list, config: str = CP, n: int = 3, island: bool = True) -> dict:
     """Backward of the first ``n`` micro-batches eagerly and compiled; max gradient difference of each."""
     import functools
-
-    import torch
 
     from automodel.config import load_config
     from automodel.distributed.cp_utils import get_train_context
