@@ -50,6 +50,12 @@ def test_compiled_autograd_with_fsdp2_is_rejected_with_the_reason_and_the_fix():
     assert "set fsdp.enabled=false" in msg and "distributed.enable_compiled_autograd=false" in msg
 
 
+def test_compiled_autograd_with_activation_checkpointing_is_rejected():
+    msg = problems("distributed.enable_compiled_autograd=true", "fsdp.enabled=false", "model.activation_checkpointing=true")
+    assert "distributed.enable_compiled_autograd=true with model.activation_checkpointing=true" in msg
+    assert "set model.activation_checkpointing=false" in msg and "model.compile=true" in msg
+
+
 def test_unknown_compile_backend_is_rejected():
     msg = problems("model.compile_backend=tensorrt")
     assert "model.compile_backend" in msg and "tensorrt" in msg

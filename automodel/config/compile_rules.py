@@ -23,4 +23,12 @@ def compile_problems(cfg: RecipeConfig) -> list[str]:
             "dp x cp after the backward; the model must fit on one device) or "
             "distributed.enable_compiled_autograd=false"
         )
+    if d.enable_compiled_autograd and cfg.model.activation_checkpointing:
+        problems.append(
+            "distributed.enable_compiled_autograd=true with model.activation_checkpointing=true: the non-reentrant "
+            "recomputation runs inside compiled autograd's capture of the backward, and on torch 2.13 (CPU) a "
+            "3-step tiny run did not finish in minutes (with ring CP at cp_size=2 it never completed); set "
+            "model.activation_checkpointing=false, or distributed.enable_compiled_autograd=false and use "
+            "model.compile=true (which composes with activation checkpointing)"
+        )
     return problems
