@@ -113,24 +113,30 @@ def gradients(rank: int, world_size: int, out: str) -> dict:
 
 
 def single(rank: int, world_size: int, out: str) -> dict:
-    """World 1: the eager cp=1 reference over 10 steps."""
-    return {"ref": _go(world_size, Path(out), "ref", ["distributed.cp_size=1", "step_scheduler.max_steps=10"])}
+    """World 1: the eager cp=1 references over 6 and over 10 steps (the LR schedule spans max_steps)."""
+    return {
+        "ref": _go(world_size, Path(out), "ref", ["distributed.cp_size=1"]),
+        "ref10": _go(world_size, Path(out), "ref10", ["distributed.cp_size=1", "step_scheduler.max_steps=10"]),
+    }
 
 
 def pair(rank: int, world_size: int, out: str) -> dict:
     """World 2, cp=2: compiled autograd (ring, ulysses), model.compile (ring, ulysses; FSDP2), both
-    together (ring, 10 steps: the recompile count), and the gradient checks of :func:`gradients`."""
+    together (ring, 10 steps: the recompile count), the gradient checks of :func:`gradients`, and a
+    replicated run's checkpoint, resume and export (:func:`replicated_checkpoint`)."""
     out_dir = Path(out)
     aot = ["distributed.cp_size=2", "model.compile_backend=aot_eager"]
     runs = {
         "ring_ca": (CP, [*aot, *CA]),
         "ulysses_ca": (ULYSSES, [*aot, *CA]),
         "ring_compile": (CP, [*aot, "model.compile=true"]),
-        "ulysses_compile": (ULYSSES, [*aot, "model.compile=true"]),
+        # with activation checkpointing: the compiled block forward is recomputed in the backward
+        "ulysses_compile": (ULYSSES, [*aot, "model.compile=true", "model.activation_checkpointing=true"]),
         "ring_both": (CP, [*aot, *CA, "model.compile=true", "step_scheduler.max_steps=10"]),
     }
     results = {name: _go(world_size, out_dir, name, overrides, config) for name, (config, overrides) in runs.items()}
     results["gradients"] = gradients(rank, world_size, out)
+    results["replicated_checkpoint"] = replicated_checkpoint(rank, world_size, out)
     return results
 
 
@@ -176,3 +182,20 @@ def debug_grads(rank: int, world_size: int, out: str, overrides: list, config: s
         e, c = grads
         diffs.append({k: (e[k] - c[k]).abs().max().item() if k in c else "missing" for k in e})
     return {"diffs": diffs}
+
+
+def replicated_checkpoint(rank: int, world_size: int, out: str) -> dict:
+    """``fsdp.enabled=false`` at cp=2: 4 steps with a checkpoint at 2 and the export, then resume from 2."""
+    out_dir = Path(out)
+    common = [*SHORT, "distributed.cp_size=2", "fsdp.enabled=false", "step_scheduler.max_steps=4",
+              "step_scheduler.ckpt_every_steps=2", "checkpoint.keep_last=null"]  # fmt: skip
+    _, full = _run(world_size, out_dir, "rep_ckpt", [*common, "export.enabled=true", "checkpoint.save_final=true"])
+    _, resumed = _run(
+        world_size, out_dir, "rep_resume",
+        [*common, f"checkpoint.resume_from={full.run_dir}/checkpoints/step_2"],
+    )  # fmt: skip
+    return {
+        "losses": dict(full.losses),
+        "resumed": dict(resumed.losses),
+        "export": str(full.export_dir) if full.export_dir else None,
+    }
