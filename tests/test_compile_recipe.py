@@ -2,15 +2,16 @@
 
 Two launches for the module: a 2-rank gloo group (tests/workers/compile_worker.py:pair: cp=2 with
 compiled autograd under ring and Ulysses, ``model.compile`` under ring and Ulysses (with activation
-checkpointing) with FSDP2, both together under ring for 10 steps, one-micro-batch gradient checks,
+checkpointing) and thd (packed documents) with FSDP2, both together under ring for 10 steps, one-micro-batch gradient checks,
 and ``fsdp.enabled=false``'s checkpoint / resume / export) and a 1-rank group (the eager
 cp=1 reference, 10 steps). Every run is ``configs/cp.yaml`` (Ulysses: ``configs/cp_ulysses.yaml``)
 with the tiny fp32 overrides, ``data.seq_len=64``, no validation, backend ``aot_eager`` (inductor is
 exercised by scripts/bench_compile.py). Compiled autograd runs with ``fsdp.enabled=false``: FSDP2's
 hooks do not run under it on torch 2.13 (the config rejects that; tests/test_compile_config.py).
 
-Measured on CPU (fp32): every compiled run's losses equal the eager cp=2 ones to ~1e-7 relative;
-the bound is the project's parity contract, 1e-5 relative to the eager cp=1 run.
+Measured on CPU (fp32): every compiled run's losses equal the eager cp=1 ones to <= ~1.5e-7
+relative; the bound is the project's parity contract, 1e-5 relative. Compiled autograd with thd
+matches too (1.5e-7) but compiles for ~60-80 s, so it is a manual run (docs/recipe.md#compilation).
 """
 
 from __future__ import annotations
@@ -40,16 +41,19 @@ def _max_rel(run: dict, ref: dict) -> float:
     return max(abs(run[k] - ref[k]) / abs(ref[k]) for k in run)
 
 
-@pytest.mark.parametrize("name", ["ring_ca", "ulysses_ca", "ring_compile", "ulysses_compile", "ring_both"])
+ALL = ["ring_ca", "ulysses_ca", "ring_compile", "ulysses_compile", "ring_both", "thd_compile"]
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_compiled_run_matches_eager_single_device(runs, name):
     run = runs[name]["losses"]
-    ref = runs["ref10" if len(run) == 10 else "ref"]["losses"]
+    ref = runs["packed_ref" if name.startswith("thd") else "ref10" if len(run) == 10 else "ref"]["losses"]
     assert sorted(run) == sorted(ref) and len(run) >= 6
     assert ref[6] < ref[1] - 0.3  # it learns: parity is not about a frozen model
     assert _max_rel(run, ref) <= LOSS_RTOL
 
 
-@pytest.mark.parametrize("name", ["ring_ca", "ulysses_ca", "ring_compile", "ulysses_compile", "ring_both"])
+@pytest.mark.parametrize("name", ALL)
 def test_compile_time_is_reported_apart_and_first_step_only(runs, name):
     run = runs[name]
     assert run["graphs_compiled"][0] > 0 and run["compile_time_s"][0] > 0

@@ -19,6 +19,8 @@ SHORT = [
     "data.seq_len=64",
 ]
 CA = ["distributed.enable_compiled_autograd=true", "fsdp.enabled=false"]
+PACKED_CFG = "configs/cp_packed.yaml"  # cp_method=thd, packed documents
+PACKED_REF = ["+data.dataset.seq_pad_multiple=4", "data.pad_to_multiple_of=4"]
 
 
 def _records() -> tuple[list[dict], TrainHooks]:
@@ -117,6 +119,8 @@ def single(rank: int, world_size: int, out: str) -> dict:
     return {
         "ref": _go(world_size, Path(out), "ref", ["distributed.cp_size=1"]),
         "ref10": _go(world_size, Path(out), "ref10", ["distributed.cp_size=1", "step_scheduler.max_steps=10"]),
+        # the same packed rows as thd at cp=2 (documents padded to 2*cp by hand)
+        "packed_ref": _go(world_size, Path(out), "packed_ref", ["distributed.cp_size=1", *PACKED_REF], PACKED_CFG),
     }
 
 
@@ -133,6 +137,7 @@ def pair(rank: int, world_size: int, out: str) -> dict:
         # with activation checkpointing: the compiled block forward is recomputed in the backward
         "ulysses_compile": (ULYSSES, [*aot, "model.compile=true", "model.activation_checkpointing=true"]),
         "ring_both": (CP, [*aot, *CA, "model.compile=true", "step_scheduler.max_steps=10"]),
+        "thd_compile": (PACKED_CFG, [*aot, "model.compile=true"]),  # packed documents, FSDP2
     }
     results = {name: _go(world_size, out_dir, name, overrides, config) for name, (config, overrides) in runs.items()}
     results["gradients"] = gradients(rank, world_size, out)
