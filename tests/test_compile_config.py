@@ -83,3 +83,13 @@ def test_backend_check_and_fixed_length_padding_units():
     with pytest.raises(ValueError, match="longer than the fixed compile length 2"):
         pad_batch_to_length(batch, 2)
 
+
+
+def test_memory_plan_of_a_replicated_run_is_unsharded():
+    from automodel.config.rules import parallel_sizes
+    from automodel.training.memory_plan import run_shape_from_config
+
+    cfg = load("distributed.cp_size=1", "fsdp.enabled=false", "distributed.enable_compiled_autograd=true")
+    sizes, _ = parallel_sizes(cfg, 2)
+    shape = run_shape_from_config(cfg, sizes, seq=256, grad_acc=1)
+    assert shape.fsdp == 1 and shape.dp_shard == 2

@@ -108,10 +108,11 @@ class RunShape:
     reduce_bytes: int = 4
     grad_acc: int = 1
     reshard_after_forward: bool = True
+    fsdp_enabled: bool = True  # fsdp.enabled=false: every rank holds the whole model (replicated)
 
     @property
     def fsdp(self) -> int:
-        return self.dp_shard * self.cp
+        return self.dp_shard * self.cp if self.fsdp_enabled else 1
 
     @property
     def local_tokens(self) -> int:
@@ -243,6 +244,8 @@ def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
 
 
 def _comm_buffers(d: ModelDims, r: RunShape) -> tuple[float, str]:
+    if not r.fsdp_enabled:  # automodel.distributed.replicate: one flat buffer of every gradient
+        return d.trainable * r.master_bytes, "replicated: flat gradient all-reduce buffer"
     if r.fsdp == 1 and r.compute_bytes == r.master_bytes:
         return 0.0, "no FSDP sharding (fsdp size 1)"
     gathered_layers = 2 if r.reshard_after_forward else d.layers
@@ -407,8 +410,9 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -
         activation_checkpointing=cfg.model.activation_checkpointing,
         chunk_tokens=cfg.loss.chunk_tokens,
         master_bytes=nbytes[cfg.model.dtype],
-        compute_bytes=nbytes[compute],
+        compute_bytes=nbytes[compute] if cfg.fsdp.enabled else nbytes[cfg.model.dtype],
         reduce_bytes=nbytes[cfg.fsdp.reduce_dtype],
         grad_acc=grad_acc,
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        fsdp_enabled=cfg.fsdp.enabled,
     )
