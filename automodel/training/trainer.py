@@ -369,6 +369,7 @@ class FinetuneTrainer:
 
         self.compile_clock = CompileClock()
         self.compile_time_s = 0.0
+        self._stepped = False
         self.layout = CheckpointLayout(
             world_size=self.world_size,
             dp_replicate=self.dims.dp_replicate,
@@ -474,16 +475,17 @@ class FinetuneTrainer:
         loss = (ce_sum / num_label_tokens).item()
         compiled = self.compile_clock.delta()  # compile time is reported apart from the step time
         self.compile_time_s += compiled.seconds
-        if compiled.graphs:  # step 1: the startup cost; any later step: a recompile
+        if compiled.graphs:  # this process's first step: the startup cost; any later step: a recompile
             logger.info(
                 "step %d: %d graph(s) compiled in %.1fs%s (compile total %.1fs)",
                 self.step + 1,
                 compiled.graphs,
                 compiled.seconds,
-                "" if self.step == 0 else ", a RECOMPILE",
+                "" if not self._stepped else ", a RECOMPILE",
                 self.compile_time_s,
             )
         step_time = max(time.perf_counter() - t0 - compiled.seconds, 1e-9)
+        self._stepped = True
         tokens = local[1].item()
         mem, mem_kind = peak_memory_gib(self.device)
         return {
