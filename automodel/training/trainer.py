@@ -533,6 +533,10 @@ class FinetuneTrainer:
             )
             totals[0] += ce.to(torch.float64)
         self.model.train()
+        compiled = self.compile_clock.delta()  # no-grad forward graphs: not counted against the next step
+        self.compile_time_s += compiled.seconds
+        if compiled.graphs:
+            logger.info("validation: %d graph(s) compiled in %.1fs", compiled.graphs, compiled.seconds)
         self._all_reduce(totals[:1], self.dp_cp_group)
         self._all_reduce(totals[1:], self.dp_group)
         return (totals[0] / totals[1].clamp(min=1.0)).item()
