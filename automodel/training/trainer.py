@@ -336,21 +336,21 @@ class FinetuneTrainer:
             from automodel.models.compile import compile_decoder_blocks
 
             compile_decoder_blocks(self.model, cfg.model.compile_backend)
-        if not cfg.fsdp.enabled:  # replicated: gradients summed over dp x cp after the backward
-            from automodel.distributed.replicate import broadcast_parameters
-
-            broadcast_parameters(self.model, self.dp_cp_group)
-            return
         param_dtype = cfg.fsdp.param_dtype
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else None
-        apply_fsdp2(
-            self.model,
-            self.mesh,
-            param_dtype=torch_dtype(param_dtype) if param_dtype else None,
-            reduce_dtype=torch_dtype(cfg.fsdp.reduce_dtype),
-            reshard_after_forward=cfg.fsdp.reshard_after_forward,
-        )
+        if cfg.fsdp.enabled:
+            apply_fsdp2(
+                self.model,
+                self.mesh,
+                param_dtype=torch_dtype(param_dtype) if param_dtype else None,
+                reduce_dtype=torch_dtype(cfg.fsdp.reduce_dtype),
+                reshard_after_forward=cfg.fsdp.reshard_after_forward,
+            )
+        else:  # replicated: gradients summed over dp x cp after the backward (automodel.distributed.replicate)
+            from automodel.distributed.replicate import broadcast_parameters
+
+            broadcast_parameters(self.model, self.dp_cp_group)
 
     def _build_optimization(self) -> None:
         from automodel.distributed.cp_utils import get_train_context
