@@ -158,37 +158,6 @@ def experiment(rank: int, world_size: int, out: str, runs: list) -> dict:
     return results
 
 
-def debug_grads(rank: int, world_size: int, out: str, overrides: list, config: str = CP, n: int = 3, island: bool = True) -> dict:
-    """Backward of the first ``n`` micro-batches eagerly and compiled; max gradient difference of each."""
-    import functools
-
-    from automodel.config import load_config
-    from automodel.distributed.cp_utils import get_train_context
-    from automodel.training.step import prepare_batch, run_micro_batch
-    from automodel.training.trainer import FinetuneTrainer, _with_eager_attention_backward
-    from tests.workers.recipe_worker import TINY
-
-    argv = ["--config", config, *TINY, *SHORT, f"recipe.output_dir={Path(out) / 'dbg'}", *overrides]
-    trainer = FinetuneTrainer(load_config(argv, world_size=world_size))
-    trainer.setup()
-    batches = trainer._train_batches()
-    diffs = []
-    for _ in range(n):
-        b = next(batches)
-        grads = []
-        for ca in (False, True):
-            trainer.model.zero_grad(set_to_none=True)
-            ctx = functools.partial(get_train_context, False, ca, compiled_autograd_backend=trainer.cfg.model.compile_backend)
-            p = trainer._fixed_length(prepare_batch(b, trainer.device))
-            cp_fn = _with_eager_attention_backward(trainer.cp_fn, trainer.model) if ca and island else trainer.cp_fn
-            run_micro_batch(trainer.model, p, device_mesh=trainer.mesh, cp_fn=cp_fn, train_context=ctx,
-                            num_label_tokens=100.0)  # fmt: skip
-            grads.append({k: q.grad.clone() for k, q in trainer.model.named_parameters() if q.grad is not None})
-        e, c = grads
-        diffs.append({k: (e[k] - c[k]).abs().max().item() if k in c else "missing" for k in e})
-    return {"diffs": diffs}
-
-
 def replicated_checkpoint(rank: int, world_size: int, out: str) -> dict:
     """``fsdp.enabled=false`` at cp=2: 4 steps with a checkpoint at 2 and the export, then resume from 2."""
     out_dir = Path(out)
