@@ -8,12 +8,14 @@ when ``enable_compiled_autograd`` is set: every ``loss.backward()`` inside it is
 - ``fullgraph=False``: ring attention's backward dispatches DTensor ops
   (``torch._C._DTensor_compute_global_tensor_info``) and Ulysses' backward runs c10d
   all-to-all; dynamo cannot trace either, so the backward graph is split there (graph breaks)
-  and those pieces run eagerly. With ``fullgraph=True`` the first CP backward raises
-  ``torch._dynamo.exc.Unsupported``.
+  and those pieces run eagerly.
 - ``dynamic=False`` (both for the captured graph and for ``torch.compile``): with dynamic shapes
-  inductor fails to lower the captured backward of an HF Llama (``LoweringException``); static
-  shapes match the eager backward to fp32 round-off. The recipe pads every batch to one length,
-  so the graph is compiled once (plus once for the last micro-batch of another shape).
+  inductor was reported (issue 13, not re-measured) to fail lowering the captured backward of an HF
+  Llama (``LoweringException``); static shapes match the eager backward to fp32 round-off.
+- With CP the trainer makes the attention one node whose backward runs eagerly
+  (:func:`eager_backward`, via :func:`automodel.models.compile.attention_backward_eager`): traced
+  into the compiled backward, the ring's DTensor dispatch gave garbage gradients.
+- Shapes: the recipe pads every batch to one length, so the backward is compiled once.
 - FSDP2's hooks are all ``torch._dynamo.disable``-d on torch 2.13; under compiled autograd its
   post-backward reduce-scatter does not run, and gradients come back unsharded and unreduced. So
   compiled autograd is only allowed with replicated data parallelism
