@@ -138,6 +138,8 @@ def pair(rank: int, world_size: int, out: str) -> dict:
         "ulysses_compile": (ULYSSES, [*aot, "model.compile=true", "model.activation_checkpointing=true"]),
         "ring_both": (CP, [*aot, *CA, "model.compile=true", "step_scheduler.max_steps=10"]),
         "thd_compile": (PACKED_CFG, [*aot, "model.compile=true"]),  # packed documents, FSDP2
+        # the one inductor run (C++ code generated on CPU): ~15-25 s of compilation on 2 cores
+        "ulysses_compile_inductor": (ULYSSES, ["distributed.cp_size=2", "model.compile=true"]),
     }
     results = {name: _go(world_size, out_dir, name, overrides, config) for name, (config, overrides) in runs.items()}
     results["gradients"] = gradients(rank, world_size, out)
