@@ -372,7 +372,8 @@ def test_subprocess_dry_run(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_compiled_autograd_is_rejected_until_it_works():
+def test_compiled_autograd_with_fsdp2_is_rejected():
+    # the narrower rule that replaced "rejected until it works": see tests/test_compile_config.py
     msg = problems("distributed.enable_compiled_autograd=true")
-    assert "distributed.enable_compiled_autograd=true does not work in this recipe yet" in msg
-    assert "set distributed.enable_compiled_autograd=false" in msg
+    assert "distributed.enable_compiled_autograd=true with fsdp.enabled=true" in msg
+    assert "set fsdp.enabled=false" in msg

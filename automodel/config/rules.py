@@ -7,6 +7,7 @@ world size alone.
 
 from __future__ import annotations
 
+from automodel.config.compile_rules import compile_problems
 from automodel.config.peft_rules import peft_problems
 from automodel.config.schema import RecipeConfig
 from automodel.training.cp_dispatch import CP_METHODS, head_split_problem, row_multiple
@@ -70,12 +71,7 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
     problems += size_problems
 
     problems += tp_problems(cfg)
-    if d.enable_compiled_autograd:
-        problems.append(
-            "distributed.enable_compiled_autograd=true does not work in this recipe yet: on torch 2.13 the "
-            "compiled backward fails on FSDP2's hooks and on the ring's DTensor dispatch, and without "
-            "fullgraph it would skip FSDP2's gradient reduce-scatter; set distributed.enable_compiled_autograd=false"
-        )
+    problems += compile_problems(cfg)  # compiled autograd / model.compile vs FSDP2 and the CP method
     if cfg.loss.chunk_tokens is not None and cfg.loss.chunk_tokens < 1:
         problems.append(
             f"loss.chunk_tokens={cfg.loss.chunk_tokens} must be >= 1 (tokens whose logits are computed at once, "

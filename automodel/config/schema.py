@@ -91,6 +91,8 @@ class ModelSection:
     dtype: DType = "float32"  # dtype of the master weights
     attn_implementation: str | None = None  # None: "sdpa" (required by ring CP; ulysses: the inner kernel)
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder block (static shapes; CP attention outside the graph)
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # model.compile and compiled autograd
     trust_remote_code: bool = False
     revision: str | None = None
 
@@ -99,6 +101,7 @@ class ModelSection:
 class FSDPSection:
     """FSDP2 (``fully_shard``) over the ``dp_shard_cp`` mesh, with a mixed-precision policy."""
 
+    enabled: bool = True  # false: replicated parameters, gradients all-reduced (sum) over dp x cp after backward
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     reduce_dtype: DType = "float32"
     reshard_after_forward: bool = True

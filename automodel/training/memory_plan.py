@@ -143,10 +143,11 @@ class RunShape:
     reshard_after_forward: bool = True
     loss_parallel: bool = False  # distributed.enable_loss_parallel (tp > 1): logits stay [N, V / tp]
     sequence_parallel: bool = False  # distributed.sequence_parallel (tp > 1): residual stream [N / tp, h]
+    fsdp_enabled: bool = True  # fsdp.enabled=false: every rank holds the whole model (replicated)
 
     @property
     def fsdp(self) -> int:
-        return self.dp_shard * self.cp
+        return self.dp_shard * self.cp if self.fsdp_enabled else 1
 
     @property
     def local_tokens(self) -> int:
@@ -357,6 +358,8 @@ def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
 
 
 def _comm_buffers(d: ModelDims, r: RunShape) -> tuple[float, str]:
+    if not r.fsdp_enabled:  # automodel.distributed.replicate: one flat buffer of every gradient
+        return d.trainable * r.master_bytes, "replicated: flat gradient all-reduce buffer"
     if r.fsdp == 1 and r.compute_bytes == r.master_bytes:
         return 0.0, "no FSDP sharding (fsdp size 1)"
     gathered_layers = 2 if r.reshard_after_forward else d.layers
@@ -587,10 +590,11 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -
         activation_checkpointing=cfg.model.activation_checkpointing,
         chunk_tokens=cfg.loss.chunk_tokens,
         master_bytes=nbytes[cfg.model.dtype],
-        compute_bytes=nbytes[compute],
+        compute_bytes=nbytes[compute] if cfg.fsdp.enabled else nbytes[cfg.model.dtype],
         reduce_bytes=nbytes[cfg.fsdp.reduce_dtype],
         grad_acc=grad_acc,
         reshard_after_forward=cfg.fsdp.reshard_after_forward,
         loss_parallel=cfg.distributed.enable_loss_parallel,
         sequence_parallel=cfg.distributed.sequence_parallel,
+        fsdp_enabled=cfg.fsdp.enabled,
     )

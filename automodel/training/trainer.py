@@ -96,6 +96,25 @@ def pad_multiple(cfg: RecipeConfig) -> int:
     return row_multiple(d.cp_method, d.cp_size, d.tp_size, d.sequence_parallel)[0]
 
 
+def _with_eager_attention_backward(cp_fn: Callable, model: torch.nn.Module) -> Callable:
+    """``cp_fn`` whose context also runs the attention backward eagerly (compiled autograd with CP)."""
+    import contextlib
+
+    from automodel.models.compile import attention_backward_eager
+
+    def fn(device_mesh: Any, batch: dict[str, Any]) -> tuple[Callable, dict[str, Any]]:
+        factory, batch = cp_fn(device_mesh, batch)
+
+        @contextlib.contextmanager
+        def context() -> Iterator[Any]:
+            with attention_backward_eager(model), factory() as value:
+                yield value
+
+        return context, batch
+
+    return fn
+
+
 class FinetuneTrainer:
     """Owns every component of one fine-tuning run. Call :meth:`run` (or :meth:`setup` + :meth:`train`)."""
 
@@ -314,6 +333,8 @@ class FinetuneTrainer:
                 self.model.config._attn_implementation,
                 self.inner_attn,
             )
+        if d.enable_compiled_autograd and d.cp_size > 1:  # the CP attention backward runs eagerly
+            self.cp_fn = _with_eager_attention_backward(self.cp_fn, self.model)
         if cfg.peft is not None:  # LoRA adapters in place; everything else frozen (automodel.models.lora)
             from automodel.models.lora import apply_lora
 
@@ -327,16 +348,27 @@ class FinetuneTrainer:
         )
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
+        if cfg.model.compile or d.enable_compiled_autograd:
+            torch._dynamo.reset()  # a fresh compile cache per run: no graphs of an earlier run in this process
+        if cfg.model.compile:  # per decoder block, after the CP method switched the attention
+            from automodel.models.compile import compile_decoder_blocks
+
+            compile_decoder_blocks(self.model, cfg.model.compile_backend)
         param_dtype = cfg.fsdp.param_dtype
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else None
-        apply_fsdp2(
-            self.model,
-            self.mesh,
-            param_dtype=torch_dtype(param_dtype) if param_dtype else None,
-            reduce_dtype=torch_dtype(cfg.fsdp.reduce_dtype),
-            reshard_after_forward=cfg.fsdp.reshard_after_forward,
-        )
+        if cfg.fsdp.enabled:
+            apply_fsdp2(
+                self.model,
+                self.mesh,
+                param_dtype=torch_dtype(param_dtype) if param_dtype else None,
+                reduce_dtype=torch_dtype(cfg.fsdp.reduce_dtype),
+                reshard_after_forward=cfg.fsdp.reshard_after_forward,
+            )
+        else:  # replicated: gradients summed over dp x cp after the backward (automodel.distributed.replicate)
+            from automodel.distributed.replicate import broadcast_parameters
+
+            broadcast_parameters(self.model, self.dp_cp_group)
 
     def _build_optimization(self) -> None:
         from automodel.distributed.cp_utils import get_train_context
@@ -346,8 +378,16 @@ class FinetuneTrainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.model)
         self.scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.step_scheduler.max_steps)
         self.train_context = functools.partial(
-            get_train_context, cfg.distributed.enable_loss_parallel, cfg.distributed.enable_compiled_autograd
+            get_train_context,
+            cfg.distributed.enable_loss_parallel,
+            cfg.distributed.enable_compiled_autograd,
+            compiled_autograd_backend=cfg.model.compile_backend,
         )
+        from automodel.training.compile_stats import CompileClock
+
+        self.compile_clock = CompileClock()
+        self.compile_time_s = 0.0
+        self._stepped = False
         self.layout = CheckpointLayout(
             world_size=self.world_size,
             dp_replicate=self.dims.dp_replicate,
@@ -422,7 +462,7 @@ class FinetuneTrainer:
         local = torch.zeros(3, dtype=torch.float64, device=self.device)  # label tokens, positions, -
         prepared = []
         for b in batches:
-            p = prepare_batch(b, self.device)
+            p = self._fixed_length(prepare_batch(b, self.device))
             local[0] += label_token_count(p["labels"]).to(torch.float64)
             local[1] += p["input_ids"].numel()
             prepared.append(p)
@@ -440,6 +480,10 @@ class FinetuneTrainer:
                 chunk_tokens=self.cfg.loss.chunk_tokens,
                 num_label_tokens=num_label_tokens,
             )
+        if not self.cfg.fsdp.enabled:  # replicated model: sum the gradients over dp x cp
+            from automodel.distributed.replicate import all_reduce_gradients
+
+            all_reduce_gradients(self.model, self.dp_cp_group)
         grad_norm = clip_grad_norm(self.model, self.cfg.clip_grad.max_norm, self.cfg.clip_grad.norm_type)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -447,7 +491,19 @@ class FinetuneTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._all_reduce(ce_sum, self.dp_cp_group)  # each CP rank holds a disjoint part of the tokens
         loss = (ce_sum / num_label_tokens).item()
-        step_time = time.perf_counter() - t0
+        compiled = self.compile_clock.delta()  # compile time is reported apart from the step time
+        self.compile_time_s += compiled.seconds
+        if compiled.graphs:  # this process's first step: the startup cost; any later step: a recompile
+            logger.info(
+                "step %d: %d graph(s) compiled in %.1fs%s (compile total %.1fs)",
+                self.step + 1,
+                compiled.graphs,
+                compiled.seconds,
+                "" if not self._stepped else ", a RECOMPILE",
+                self.compile_time_s,
+            )
+        step_time = max(time.perf_counter() - t0 - compiled.seconds, 1e-9)
+        self._stepped = True
         tokens = local[1].item()
         mem, mem_kind = peak_memory_gib(self.device)
         return {
@@ -461,6 +517,8 @@ class FinetuneTrainer:
             "tokens_per_s": tokens / step_time,
             "tokens_per_s_per_device": tokens / step_time / self.world_size,
             "step_time_s": step_time,
+            "compile_time_s": compiled.seconds,
+            "graphs_compiled": compiled.graphs,
             "peak_mem_gib": mem,
             "mem_kind": mem_kind,
             "epoch": self.train_loader.epoch,
@@ -479,7 +537,7 @@ class FinetuneTrainer:
         for i, batch in enumerate(self.val_loader):
             if limit is not None and i >= limit:
                 break
-            p = prepare_batch(batch, self.device)
+            p = self._fixed_length(prepare_batch(batch, self.device))
             totals[1] += label_token_count(p["labels"]).to(torch.float64)
             ce = run_micro_batch(
                 self.model,
@@ -493,9 +551,24 @@ class FinetuneTrainer:
             )
             totals[0] += ce.to(torch.float64)
         self.model.train()
+        compiled = self.compile_clock.delta()  # no-grad forward graphs: not counted against the next step
+        self.compile_time_s += compiled.seconds
+        if compiled.graphs:
+            logger.info("validation: %d graph(s) compiled in %.1fs", compiled.graphs, compiled.seconds)
         self._all_reduce(totals[:1], self.dp_cp_group)
         self._all_reduce(totals[1:], self.dp_group)
         return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def _fixed_length(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With ``model.compile`` / compiled autograd: ``batch`` right-padded to one length (no recompiles)."""
+        cfg = self.cfg
+        if not (cfg.model.compile or cfg.distributed.enable_compiled_autograd):
+            return batch
+        from automodel.training.compile_stats import pad_batch_to_length
+
+        multiple = pad_multiple(cfg)
+        length = max(-(-cfg.data.seq_len // multiple) * multiple, batch["input_ids"].shape[1])
+        return pad_batch_to_length(batch, length, self.tokenizer.pad_token_id or 0)
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(
@@ -542,6 +615,7 @@ class FinetuneTrainer:
                             loss=f"{record['loss']:.4f}",
                             lr=f"{record['lr']:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"compile_s": f"{self.compile_time_s:.1f}"} if self.compile_time_s else {}),
                         )
                         bar.update(1)
                     if self.val_loader is not None and (
