@@ -52,6 +52,15 @@ def test_chunked_loss_with_tp_is_rejected():
     assert "set loss.chunk_tokens=null and distributed.enable_loss_parallel=true" in msg
 
 
+def test_compile_and_the_replicated_mode_with_tp_are_rejected():
+    msg = problems(*TP2, "model.compile=true")
+    assert "model.compile=true with distributed.tp_size=2: on torch 2.13 the compiled decoder blocks" in msg
+    msg = problems(*TP2, "fsdp.enabled=false")
+    assert "fsdp.enabled=false with distributed.tp_size=2: the replicated mode sums whole, plain gradients" in msg
+    msg = problems(*TP2, "fsdp.enabled=false", "distributed.enable_compiled_autograd=true")
+    assert "distributed.enable_compiled_autograd=true with distributed.tp_size=2: compiled autograd runs only" in msg
+
+
 def test_peft_with_tp_is_rejected():
     msg = problems(*TP2, "+peft.method=lora")
     assert "peft with distributed.tp_size=2: LoRA wraps the projections that the TP plan shards" in msg
