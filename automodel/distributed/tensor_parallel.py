@@ -77,6 +77,8 @@ def tp_config_problems(
     attention heads, KV heads, MLP width and vocabulary are divisible by ``tp_size`` (the column- and
     row-parallel layers and the vocabulary-sharded embedding/LM head split them evenly). Returns an
     empty list at ``tp_size <= 1``. Each message names the value, the rule and the fix.
+    ``sequence_parallel`` is accepted for symmetry with :func:`apply_tensor_parallel`; it needs nothing
+    of the config (the collator pads the rows so that the tokens split over TP).
     """
     if tp_size <= 1:
         return []
@@ -103,8 +105,7 @@ def tp_config_problems(
                 f"{key_prefix}.{name}={value} is not divisible by distributed.tp_size={tp_size} ({why}); "
                 f"set distributed.tp_size to a divisor of {value} ({_divisors(value)[:8]}), or tp_size=1"
             )
-    if sequence_parallel and getattr(text, "hidden_act", None) is None:  # pragma: no cover - all listed have it
-        problems.append(f"distributed.sequence_parallel needs a standard decoder; {model_type} is not")
+    # sequence_parallel adds no constraint on the config: the row length is padded for it (row_multiple)
     return problems
 
 
