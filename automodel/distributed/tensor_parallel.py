@@ -283,9 +283,4 @@ def apply_tensor_parallel(
         head.weight = shared
     else:
         parallelize_module(model, tp_mesh, plan)
-    model._automodel_tp = {  # read by the export and the loss (a plain attribute; not a parameter)
-        "tp_size": tp_mesh.size(),
-        "loss_parallel": loss_parallel,
-        "sequence_parallel": sequence_parallel,
-    }
     return model
