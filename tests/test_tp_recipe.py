@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_harness import run_distributed
+from tests.test_recipe_parity import _max_rel, _max_weight_diff  # the recipe parity measures
 
 pytestmark = pytest.mark.dist
 
@@ -44,16 +45,6 @@ def runs(tmp_path_factory):
     pair = run_distributed("tests.workers.tp_recipe_worker:pair", world_size=2, timeout=600, out=str(out))
     quad = run_distributed("tests.workers.tp_recipe_worker:quad", world_size=4, timeout=600, out=str(out))
     return {**single, **pair[0], **quad[0]}
-
-
-def _max_rel(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    return max(abs(a[k] - b[k]) / abs(b[k]) for k in b)
-
-
-def _max_weight_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
 def test_reference_trains(runs):
