@@ -10,6 +10,7 @@ from __future__ import annotations
 from automodel.config.compile_rules import compile_problems
 from automodel.config.peft_rules import peft_problems
 from automodel.config.schema import RecipeConfig
+from automodel.distributed.tensor_parallel import tp_size_problems
 from automodel.training.cp_dispatch import CP_METHODS, head_split_problem, row_multiple
 from automodel.training.thd_recipe import thd_config_problems
 
@@ -245,20 +246,7 @@ def tp_problems(cfg: RecipeConfig) -> list[str]:
         )
     if isinstance(cfg.model.config, dict):  # inline architecture: the sizes TP splits
         inline = {**cfg.model.config, **(cfg.model.config_overrides or {})}
-        why = {
-            "num_attention_heads": "each TP rank computes num_attention_heads / tp_size query heads",
-            "num_key_value_heads": "each TP rank holds num_key_value_heads / tp_size key/value heads",
-            "intermediate_size": "the MLP is split column/row-wise",
-            "vocab_size": "the embedding and the LM head are split on the vocabulary",
-        }
-        for key, reason in why.items():
-            value = inline.get(key)
-            if isinstance(value, int) and value >= 1 and value % d.tp_size:
-                divisors = [x for x in range(2, value + 1) if value % x == 0][:8]
-                problems.append(
-                    f"model.config.{key}={value} is not divisible by distributed.tp_size={d.tp_size} ({reason}); "
-                    f"set distributed.tp_size to a divisor of {value} ({divisors}), or tp_size=1"
-                )
+        problems += tp_size_problems(inline, d.tp_size)
     return problems
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "ReplicatedWithGradAllReduce",
     "apply_tensor_parallel",
     "tp_config_problems",
+    "tp_size_problems",
     "tp_plan",
 ]
 
@@ -62,6 +63,28 @@ def _text_config(config: Any) -> Any:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
+
+
+# the config sizes TP splits, and why each must divide by tp_size
+_TP_SPLIT_SIZES = {
+    "num_attention_heads": "each TP rank computes num_attention_heads / tp_size query heads",
+    "num_key_value_heads": "each TP rank holds num_key_value_heads / tp_size key/value heads",
+    "intermediate_size": "the MLP is split column/row-wise",
+    "vocab_size": "the embedding and the LM head are split on the vocabulary",
+}
+
+
+def tp_size_problems(sizes: dict[str, Any], tp_size: int, *, key_prefix: str = "model.config") -> list[str]:
+    """Which of ``sizes`` (config key -> value; missing or non-int values skipped) ``tp_size`` does not divide."""
+    problems = []
+    for name, why in _TP_SPLIT_SIZES.items():
+        value = sizes.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value % tp_size:
+            problems.append(
+                f"{key_prefix}.{name}={value} is not divisible by distributed.tp_size={tp_size} ({why}); "
+                f"set distributed.tp_size to a divisor of {value} ({_divisors(value)[:8]}), or tp_size=1"
+            )
+    return problems
 
 
 def tp_config_problems(
@@ -90,21 +113,10 @@ def tp_config_problems(
             f"(their layer layout is what the TP plan shards), got {model_type!r}; set distributed.tp_size=1 "
             f"and use distributed.dp_shard / cp_size for the other ranks"
         ]
-    problems = []
     heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    sizes = (
-        ("num_attention_heads", heads, "each TP rank computes num_attention_heads / tp_size query heads"),
-        ("num_key_value_heads", kv, "each TP rank holds num_key_value_heads / tp_size key/value heads"),
-        ("intermediate_size", getattr(text, "intermediate_size", None), "the MLP is split column/row-wise"),
-        ("vocab_size", getattr(text, "vocab_size", None), "the embedding and the LM head are split on the vocabulary"),
-    )
-    for name, value, why in sizes:
-        if isinstance(value, int) and value % tp_size:
-            problems.append(
-                f"{key_prefix}.{name}={value} is not divisible by distributed.tp_size={tp_size} ({why}); "
-                f"set distributed.tp_size to a divisor of {value} ({_divisors(value)[:8]}), or tp_size=1"
-            )
+    sizes = {name: getattr(text, name, None) for name in _TP_SPLIT_SIZES}
+    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or heads
+    problems = tp_size_problems(sizes, tp_size, key_prefix=key_prefix)
     # sequence_parallel adds no constraint on the config: the row length is padded for it (row_multiple)
     return problems
 
