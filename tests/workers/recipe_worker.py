@@ -54,6 +54,19 @@ ULYSSES = "configs/cp_ulysses.yaml"  # cp.yaml with distributed.cp_method=ulysse
 PACKED = ["+data.dataset.pack=true", "data.seq_len=256", "model.attn_implementation=eager"]
 
 
+def _trainer(
+    world: int,
+    out: Path,
+    name: str,
+    overrides: list[str],
+    hooks: TrainHooks | None = None,
+    config: str = CP,
+) -> FinetuneTrainer:
+    """The trainer of ``config`` with the tiny overrides, writing to ``out/name`` (not set up yet)."""
+    argv = ["--config", config, *TINY, f"recipe.output_dir={out / name}", *overrides]
+    return FinetuneTrainer(load_config(argv, world_size=world), hooks)
+
+
 def _run(
     world: int,
     out: Path,
@@ -62,8 +75,7 @@ def _run(
     hooks: TrainHooks | None = None,
     config: str = CP,
 ):
-    argv = ["--config", config, *TINY, f"recipe.output_dir={out / name}", *overrides]
-    trainer = FinetuneTrainer(load_config(argv, world_size=world), hooks)
+    trainer = _trainer(world, out, name, overrides, hooks, config)
     result = trainer.run()
     return trainer, result
 

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import torch
 
-from automodel.config import load_config
-from automodel.training.trainer import FinetuneTrainer, TrainHooks
-from tests.workers.recipe_worker import CP, TINY, _sigterm_at, _summary
+from automodel.training.trainer import TrainHooks
+from tests.workers.recipe_worker import CP, _sigterm_at, _summary, _trainer
 
 STEPS = 6
-# recipe_worker's TINY, shortened to STEPS steps with validation at step 3 and 6
-TP_TINY = [*TINY, f"step_scheduler.max_steps={STEPS}", "step_scheduler.val_every_steps=3"]
+# on top of recipe_worker's TINY: STEPS steps with validation at step 3 and 6
+TP_STEPS = [f"step_scheduler.max_steps={STEPS}", "step_scheduler.val_every_steps=3"]
 LP = ["distributed.enable_loss_parallel=true"]
 PACKED = "configs/cp_packed.yaml"  # cp.yaml with whole documents packed per row and cp_method=thd
 PACKED_TINY = ["data.seq_len=256"]
@@ -34,8 +33,7 @@ def _run(
     hooks: TrainHooks | None = None,
     config: str = CP,
 ):
-    argv = ["--config", config, *TP_TINY, f"recipe.output_dir={out / name}", *overrides]
-    trainer = FinetuneTrainer(load_config(argv, world_size=world), hooks)
+    trainer = _trainer(world, out, name, [*TP_STEPS, *overrides], hooks, config)
     trainer.setup()
     seen: list[tuple] = []  # (local shape, is DTensor) of the LM head's output in every training forward
 
