@@ -9,7 +9,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["save_hf_state"]
+__all__ = ["original_model_class", "save_hf_state"]
+
+
+def original_model_class(model: nn.Module) -> type:
+    """The HF class of ``model`` before ``fully_shard`` replaced it with ``FSDP<Class>``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if isinstance(model, FSDPModule):
+        for base in cls.__mro__[1:]:
+            if base is not FSDPModule and not issubclass(base, FSDPModule) and issubclass(base, nn.Module):
+                return base
+    return cls
 
 
 def save_hf_state(

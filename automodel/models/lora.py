@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.errors import UserInputError
-from automodel.models.hf_save import save_hf_state
+from automodel.models.hf_save import original_model_class, save_hf_state
 
 __all__ = [
     "ADAPTER_NAME",
@@ -239,8 +239,6 @@ def export_lora(
         ``out_dir`` on rank 0, None on the others.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from automodel.training.export import original_model_class
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     need_base = merge or base_model_name_or_path is None

@@ -17,23 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel.models.hf_save import save_hf_state
+from automodel.models.hf_save import original_model_class, save_hf_state
 
+# original_model_class lives in automodel.models.hf_save (models/lora.py needs it too); re-exported here
 __all__ = ["original_model_class", "export_hf_model"]
 
 logger = logging.getLogger(__name__)
-
-
-def original_model_class(model: nn.Module) -> type:
-    """The HF class of ``model`` before ``fully_shard`` replaced it with ``FSDP<Class>``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(model)
-    if isinstance(model, FSDPModule):
-        for base in cls.__mro__[1:]:
-            if base is not FSDPModule and not issubclass(base, FSDPModule) and issubclass(base, nn.Module):
-                return base
-    return cls
 
 
 def export_hf_model(
