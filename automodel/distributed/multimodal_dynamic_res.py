@@ -35,6 +35,9 @@ from typing import Any
 
 import torch
 
+from automodel.distributed.multimodal_comm import GatherFromContextParallelRanks, resolve_group
+from automodel.distributed.padding import get_padding_multiple
+
 __all__ = [
     "DynamicResSplit",
     "split_to_context_parallel_ranks_dynamic_res",
@@ -271,9 +274,6 @@ def split_to_context_parallel_ranks_dynamic_res(
         ValueError: ``pixel_values`` inconsistent with ``grid_thw``, a grid not divisible by ``m``, a
         tubelet-incompatible frame count, or a caller-supplied split that cuts a unit.
     """
-    from automodel.distributed.multimodal_cp import resolve_group
-    from automodel.distributed.padding import get_padding_multiple
-
     _, world, rank = resolve_group(group)
     m = int(spatial_merge_size)
     if m < 1 or temporal_patch_size < 1:
@@ -379,8 +379,6 @@ def gather_from_context_parallel_ranks_dynamic_res(
         on the whole batch. Backward: each rank receives the group's summed gradient of its own rows
         (reduce-scatter); dummy and padding rows get zero.
     """
-    from automodel.distributed.multimodal_cp import GatherFromContextParallelRanks, resolve_group
-
     pg, world, rank = resolve_group(group)
     if world != split.world_size or rank != split.rank:
         raise ValueError(

@@ -1,0 +1,94 @@
+"""The collectives of multimodal CP: which group a helper runs on, and the gather with its backward.
+
+Used by :mod:`automodel.distributed.multimodal_cp` (fixed-size samples) and
+:mod:`automodel.distributed.multimodal_dynamic_res` (dynamic resolution); it lives apart so that
+neither of those imports the other's internals (``multimodal_cp`` re-exports the dynamic-resolution
+API, so ``multimodal_dynamic_res`` must not import ``multimodal_cp``). The public import path of
+:func:`resolve_group` and :class:`GatherFromContextParallelRanks` stays
+:mod:`automodel.distributed.multimodal_cp`, which re-exports them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["resolve_group", "GatherFromContextParallelRanks"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# groups
+
+
+def resolve_group(group: Any = None) -> tuple[ProcessGroup | None, int, int]:
+    """``(group, world_size, rank)`` of a ProcessGroup, a DeviceMesh (its ``"cp"`` dim) or ``None``.
+
+    ``None`` means the default group when ``torch.distributed`` is initialised, else a group of one.
+    """
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0
+        return None, dist.get_world_size(), dist.get_rank()
+    if isinstance(group, ProcessGroup):
+        return group, dist.get_world_size(group), dist.get_rank(group)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(group, DeviceMesh):
+        raise TypeError(
+            f"expected a ProcessGroup, a DeviceMesh (with a 'cp' dim, or 1-D) or None; got {type(group).__name__}"
+        )
+    names = tuple(group.mesh_dim_names or ())
+    if "cp" in names:
+        mesh = group["cp"] if group.ndim > 1 else group
+    elif group.ndim == 1:
+        mesh = group
+    else:
+        raise ValueError(f"the device mesh has dims {names} and none is named 'cp'; pass the CP mesh or group")
+    pg = mesh.get_group()
+    return pg, dist.get_world_size(pg), dist.get_rank(pg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gather
+
+
+def _reduce_scatter_dim(grad: torch.Tensor, dim: int, group: ProcessGroup | None, world: int, rank: int):
+    front = grad.movedim(dim, 0).contiguous()
+    n = front.size(0) // world
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: all-reduce then keep our block
+        dist.all_reduce(front, group=group)
+        out = front.narrow(0, rank * n, n).clone()
+    else:
+        out = front.new_empty((n, *front.shape[1:]))
+        dist.reduce_scatter_tensor(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+class GatherFromContextParallelRanks(torch.autograd.Function):
+    """All-gather along ``dim`` in the forward; reduce-scatter (sum) in the backward.
+
+    ``apply(local_t, group, dim)``: every rank gives an equally shaped ``local_t``; the result is the
+    rank-ordered concatenation along ``dim``. The backward sums the incoming gradients over the group
+    and returns each rank its own block: exact when each rank's loss uses the gathered tensor only
+    through its own tokens and the objective is the sum of the ranks' losses (the CP objective).
+    """
+
+    @staticmethod
+    def forward(ctx, local_t: torch.Tensor, group: ProcessGroup | None = None, dim: int = 0):  # type: ignore[override]
+        world = dist.get_world_size(group)
+        ctx.group, ctx.dim, ctx.world, ctx.rank = group, dim, world, dist.get_rank(group)
+        if world == 1:
+            return local_t.clone()
+        front = local_t.movedim(dim, 0).contiguous()
+        out = front.new_empty((world * front.size(0), *front.shape[1:]))
+        dist.all_gather_single(out, front, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.world == 1:
+            return grad, None, None
+        return _reduce_scatter_dim(grad, ctx.dim, ctx.group, ctx.world, ctx.rank), None, None
