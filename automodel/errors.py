@@ -8,11 +8,20 @@ is a programming error and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["UserInputError"]
+__all__ = ["CPUnsupportedError", "UserInputError"]
 
 
 class UserInputError(ValueError):
     """A mistake in the user's input (config, data, tokenizer, model path, checkpoint).
 
     The message is complete on its own: what is wrong, where (file, line, key) and how to fix it.
+    """
+
+
+class CPUnsupportedError(UserInputError):
+    """A model has a layer kind the chosen CP method does not compute exactly (it would train wrong).
+
+    Raised before any weight loads in the recipe, and when the model is prepared (or at the latest at
+    its first forward inside the CP context) in the own-loop API. The message names the layer kind, the
+    layer indices, the method, and the methods that would run the model exactly.
     """

@@ -147,7 +147,7 @@ def test_world_size_does_not_match_product():
 
 
 def test_sequence_length_not_divisible_by_2_cp_tp_is_padded_by_the_collator():
-    from automodel.training.trainer import pad_multiple
+    from automodel.training.row_padding import pad_multiple
 
     loaded = load("distributed.cp_size=4", "data.seq_len=100", world=4)  # no longer an error
     assert pad_multiple(loaded.cfg) == 8  # rows are right-padded to 104 with labels -100: exact
@@ -169,15 +169,15 @@ def test_ring_cp_needs_sdpa():
 def test_ring_cp_rejects_packed_rows():
     msg = problems("+data.dataset.pack=true")
     assert "data.dataset.pack=true (several documents per row) with distributed.cp_method=ring" in msg
-    assert "THD path" in msg
+    assert "Set distributed.cp_method to one of ulysses | thd" in msg
     assert load("+data.dataset.pack=true", "distributed.cp_size=1")
 
 
 def test_unknown_cp_method():
-    from automodel.training.cp_dispatch import CP_METHODS
+    from automodel.distributed.cp import cp_methods
 
     msg = problems("distributed.cp_method=allgather_magic")
-    assert f"distributed.cp_method='allgather_magic' is not one of {sorted(CP_METHODS)}" in msg
+    assert f"distributed.cp_method='allgather_magic' is not one of {sorted(cp_methods())}" in msg
 
 
 def test_global_batch_not_divisible():
@@ -224,22 +224,24 @@ def test_model_without_sdpa_is_rejected_for_ring_cp():
         _check(Gemma2Config(num_hidden_layers=1))
 
 
-def test_sliding_window_shorter_than_sequence_is_rejected_for_ring_cp():
+def test_sliding_window_shorter_than_the_row_is_refused_for_ring_and_thd_not_ulysses():
     from transformers import MistralConfig
 
-    with pytest.raises(ValueError, match=r"sliding-window attention \(window 4096\) and data.seq_len=8192"):
-        _check(MistralConfig(num_hidden_layers=1), seq_len=8192)
-    _check(MistralConfig(num_hidden_layers=1), seq_len=4096)
-    _check(MistralConfig(num_hidden_layers=1), seq_len=8192, cp_size=1)
+    from automodel.distributed.cp import check_model_config_for_cp
+    from automodel.errors import CPUnsupportedError
 
-
-def test_sliding_window_is_allowed_for_ulysses_which_applies_it():
-    from transformers import MistralConfig
-
-    from automodel.training.cp_dispatch import get_cp_method
-
-    assert get_cp_method("ulysses").applies_sliding_window and not get_cp_method("ring").applies_sliding_window
-    _check(MistralConfig(num_hidden_layers=1), seq_len=8192, cp_method="ulysses", cp_applies_sliding_window=True)
+    config = MistralConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    for method in ("ring", "thd"):
+        with pytest.raises(
+            CPUnsupportedError,
+            match=rf"distributed.cp_method={method} does not compute MistralForCausalLM \(model_type=mistral\) "
+            r"exactly: layer 0: sliding-window attention \(window 4096\) is shorter than the rows \(8192 tokens\)"
+            r".*methods that run this model exactly: ulysses",
+        ):
+            check_model_config_for_cp(method, config, 2, seq_len=8192)
+        check_model_config_for_cp(method, config, 2, seq_len=4096)  # the window covers the row: full attention
+        check_model_config_for_cp(method, config, 1, seq_len=8192)  # no CP
+    check_model_config_for_cp("ulysses", config, 2, seq_len=8192)  # Ulysses applies the window
 
 
 def test_vocab_must_cover_the_tokenizer():

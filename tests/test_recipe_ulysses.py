@@ -19,14 +19,10 @@ import pytest
 import torch
 
 from automodel.config import ConfigError, load_config
-from automodel.training.cp_dispatch import (
-    CP_METHODS,
-    bind_cp_method,
+from automodel.distributed.cp import (
     check_model_config_for_cp,
-    get_cp_batch_fn,
+    cp_methods,
     get_cp_method,
-    no_cp_batch_and_ctx,
-    token_ranges,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,11 +54,11 @@ def _recipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_registry_entries():
     from automodel.distributed.ulysses import make_ulysses_batch_and_ctx
 
-    u = CP_METHODS["ulysses"]
-    assert get_cp_batch_fn("ulysses") is make_ulysses_batch_and_ctx
+    u = get_cp_method("ulysses")
+    assert u.batch_function() is make_ulysses_batch_and_ctx
     assert u.attn_implementations == ("sdpa", "eager", "flex_attention") and u.supports_packed
     assert u.splits_heads and u.chunks_per_rank == 1 and u.layout == "contiguous"
-    assert not CP_METHODS["ring"].splits_heads and CP_METHODS["ring"].chunks_per_rank == 2
+    assert not get_cp_method("ring").splits_heads and get_cp_method("ring").chunks_per_rank == 2
     with pytest.raises(
         ValueError, match=r"distributed.cp_method='bogus' is not one of \['ring', 'thd', 'ulysses'\]"
     ):
@@ -73,9 +69,11 @@ def test_no_method_runs_at_cp1():
     class NotAModel:  # would fail if anything tried to switch it
         pass
 
-    for name in CP_METHODS:
-        fn, inner = bind_cp_method(name, NotAModel(), None, cp_size=1)
-        assert fn is no_cp_batch_and_ctx and inner is None
+    from automodel.distributed.cp.bind import bind_cp_method, no_cp_batch_and_ctx
+
+    for name in cp_methods():
+        fn, prepared = bind_cp_method(name, NotAModel(), None, cp_size=1)
+        assert fn is no_cp_batch_and_ctx and not prepared.switched and prepared.previous_attn is None
     batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
     factory, out = no_cp_batch_and_ctx(None, batch)
     assert out is batch
@@ -87,11 +85,11 @@ def test_no_method_runs_at_cp1():
 def test_token_ranges_contiguous_match_the_ulysses_shards(seq, cp):
     from automodel.distributed.all_to_all import even_split_sizes
 
-    ranges = [token_ranges("ulysses", seq, cp, r) for r in range(cp)]
+    ranges = [get_cp_method("ulysses").token_ranges(seq, cp, r) for r in range(cp)]
     assert [b - a for ((a, b),) in ranges] == even_split_sizes(seq, cp)
     assert ranges[0][0][0] == 0 and ranges[-1][0][1] == seq
     assert all(ranges[r][0][1] == ranges[r + 1][0][0] for r in range(cp - 1))
-    assert token_ranges("ring", 16, 2, 0) == [(0, 4), (12, 16)]
+    assert get_cp_method("ring").token_ranges(16, 2, 0) == [(0, 4), (12, 16)]
 
 
 # ------------------------------------------------------------------ config validation
@@ -123,7 +121,7 @@ def test_heads_not_divisible_by_cp_is_rejected_from_the_inline_config():
         "distributed.cp_method=ulysses splits the attention heads over the CP ranks, but model.config has "
         "num_attention_heads=6, which is not divisible by distributed.cp_size=4" in msg
     )
-    assert "set distributed.cp_size to a divisor of 6 ([2, 3, 6]), or use distributed.cp_method=ring" in msg
+    assert "set distributed.cp_size to a divisor of 6 ([2, 3, 6]), or use a method that does not split heads" in msg
     # config_overrides win over the inline value; ring does not split heads
     assert load("distributed.cp_size=4", "+model.config_overrides.num_attention_heads=8", world=4)
     assert load("distributed.cp_size=4", "model.config.num_attention_heads=6", "model.config.num_key_value_heads=2",
@@ -173,7 +171,7 @@ def test_ulysses_takes_eager_flex_and_packed_rows_ring_does_not():
 
 
 def test_rows_are_padded_to_one_contiguous_slice_per_rank():
-    from automodel.training.trainer import pad_multiple
+    from automodel.training.row_padding import pad_multiple
 
     # any data.seq_len validates: the collator pads every row (labels -100) to the method's multiple
     assert pad_multiple(load("data.seq_len=129").cfg) == 2  # Ulysses: cp_size

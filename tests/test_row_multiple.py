@@ -10,8 +10,12 @@ import itertools
 
 import pytest
 
+from automodel.distributed.cp import get_cp_method
 from automodel.distributed.padding import get_padding_multiple
-from automodel.training.cp_dispatch import row_multiple
+
+
+def row_multiple(method: str, cp: int, tp: int, sp: bool) -> tuple[int, str]:
+    return get_cp_method(method).row_multiple(cp, tp, sp)
 
 
 @pytest.mark.parametrize(("cp", "tp", "sp"), itertools.product((1, 2, 4), (1, 2, 8), (False, True)))

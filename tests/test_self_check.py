@@ -139,4 +139,4 @@ def test_self_check_tokens_validated_before_anything_loads():
     with pytest.raises(ConfigError, match=r"recipe.cp_self_check_tokens=0 must be >= 1"):
         load_config(["--config", "configs/cp.yaml", "recipe.cp_self_check_tokens=0"], world_size=2)
     cfg = load_config(["--config", "configs/cp.yaml"], world_size=2).cfg
-    assert (cfg.recipe.cp_self_check, cfg.recipe.cp_self_check_tokens) == (False, 512)
+    assert (cfg.recipe.cp_self_check, cfg.recipe.cp_self_check_tokens) == (True, 512)  # on by default

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from automodel.config import ConfigError, load_config
-from automodel.training.cp_dispatch import CP_METHODS, get_cp_batch_fn
+from automodel.distributed.cp import get_cp_method
 from tests.dist_harness import run_distributed
 
 LOSS_RTOL = 1e-5
@@ -32,11 +32,10 @@ def problems(*overrides: str, world: int = 2, config: str = PACKED) -> str:
 def test_registry_entry():
     from automodel.distributed.thd_attention import make_thd_batch_and_ctx
 
-    m = CP_METHODS["thd"]
-    assert get_cp_batch_fn("thd") is make_thd_batch_and_ctx
+    m = get_cp_method("thd")
+    assert m.batch_function() is make_thd_batch_and_ctx
     assert m.supports_packed and m.chunks_per_rank == 2 and m.layout == "head_tail" and not m.splits_heads
     assert m.attn_implementations == ("sdpa", "eager")
-    assert m.switch_model == "automodel.distributed.thd_attention:set_thd_attention"
 
 
 def test_config_loads_and_rules():
@@ -60,7 +59,7 @@ def test_ring_with_packed_rows_is_still_refused():
 
 
 def test_dataset_padding_is_automatic():
-    from automodel.training.thd_recipe import thd_dataset_kwargs
+    thd_dataset_kwargs = get_cp_method("thd").dataset_options
 
     cfg = load_config(["--config", PACKED, "distributed.cp_size=4"], world_size=4).cfg
     assert thd_dataset_kwargs(cfg, cfg.data.dataset) == {"seq_pad_multiple": 8}

@@ -11,10 +11,10 @@ import pytest
 from transformers import GPT2Config, LlamaConfig, Qwen2VLConfig, Qwen3Config
 
 from automodel.config import ConfigError, load_config
+from automodel.distributed.cp import check_model_config_for_cp
 from automodel.distributed.tensor_parallel import TP_MODEL_TYPES, tp_config_problems, tp_plan
 from automodel.errors import UserInputError
 from automodel.models.parallelize import check_model_config_for_tp
-from automodel.training.cp_dispatch import check_model_config_for_cp
 
 
 def load(*overrides: str, world: int = 2):

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from automodel.config.schema import CheckpointSection, RecipeSection
 from automodel.data.collator import label_token_count
+from automodel.distributed.cp import get_cp_method
 from automodel.training.checkpoint import latest_checkpoint, list_checkpoints
-from automodel.training.cp_dispatch import CP_METHODS, get_cp_batch_fn
 from automodel.training.dry_run import head_tail_positions, rank_layout
 from automodel.training.loss import token_cross_entropy_sum
 from automodel.training.lr_schedule import warmup_cosine, warmup_cosine_factor
@@ -123,10 +123,11 @@ def test_prepare_batch_folds_loss_mask_into_labels():
 def test_cp_dispatch():
     from automodel.distributed.cp_utils import make_cp_batch_and_ctx
 
-    assert get_cp_batch_fn("ring") is make_cp_batch_and_ctx
-    assert CP_METHODS["ring"].attn_implementations == ("sdpa",) and not CP_METHODS["ring"].supports_packed
+    assert get_cp_method("ring").batch_function() is make_cp_batch_and_ctx
+    ring = get_cp_method("ring")
+    assert ring.attn_implementations == ("sdpa",) and not ring.supports_packed
     with pytest.raises(ValueError, match="distributed.cp_method='nope' is not one of"):
-        get_cp_batch_fn("nope")
+        get_cp_method("nope")
 
 
 # ------------------------------------------------------------------ dry-run arithmetic

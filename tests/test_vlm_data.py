@@ -71,8 +71,8 @@ def test_errors(dataset):
 def test_vlm_with_a_method_it_cannot_run_is_rejected_before_weights():
     from transformers import Qwen2VLConfig
 
+    from automodel.distributed.cp import check_model_config_for_cp
     from automodel.errors import UserInputError
-    from automodel.training.cp_dispatch import check_model_config_for_cp
 
     config = Qwen2VLConfig()
     with pytest.raises(UserInputError, match="cp_method=thd does not run VLMs.*set distributed.cp_method=ring"):

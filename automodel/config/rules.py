@@ -10,9 +10,8 @@ from __future__ import annotations
 from automodel.config.compile_rules import compile_problems
 from automodel.config.peft_rules import peft_problems
 from automodel.config.schema import RecipeConfig
+from automodel.distributed.cp import cp_methods
 from automodel.distributed.tensor_parallel import tp_size_problems
-from automodel.training.cp_dispatch import CP_METHODS, head_split_problem, row_multiple
-from automodel.training.thd_recipe import thd_config_problems
 
 __all__ = ["check_rules", "parallel_sizes"]
 
@@ -58,7 +57,7 @@ def parallel_sizes(cfg: RecipeConfig, world_size: int) -> tuple[dict[str, int], 
 def _methods_for_attn(attn: str) -> str:
     names = [
         m.name
-        for m in CP_METHODS.values()
+        for m in cp_methods().values()
         if m.attn_implementations is None or attn in m.attn_implementations
     ]
     return "one of " + " | ".join(names) + f" works with {attn!r}" if names else f"none works with {attn!r}"
@@ -90,11 +89,12 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
             "on CPU); set model.attn_implementation=sdpa (or eager), or train on CUDA (distributed.backend=auto)"
         )
 
-    method = CP_METHODS.get(d.cp_method)
+    methods = cp_methods()
+    method = methods.get(d.cp_method)
     if method is None:
         problems.append(
-            f"distributed.cp_method={d.cp_method!r} is not one of {sorted(CP_METHODS)}; "
-            f"set distributed.cp_method to one of {' | '.join(CP_METHODS)}"
+            f"distributed.cp_method={d.cp_method!r} is not one of {sorted(methods)}; "
+            f"set distributed.cp_method to one of {' | '.join(methods)}"
         )
 
     # --- sequence length vs the CP/TP split ------------------------------------------------
@@ -104,9 +104,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"data.pad_to_multiple_of={data.pad_to_multiple_of} must be >= 1 (or null)")
     if data.seq_len >= 1:
         # ring/thd: 2 equal chunks per CP rank; ulysses: 1 slice; sequence parallel: split again over TP
-        multiple, what = row_multiple(
-            method.name if method is not None else "ring", d.cp_size, d.tp_size, d.sequence_parallel
-        )
+        splitter = method if method is not None else methods["ring"]
+        multiple, what = splitter.row_multiple(d.cp_size, d.tp_size, d.sequence_parallel)
         pad = data.pad_to_multiple_of
         if pad is not None and pad >= 1:
             if pad % multiple:
@@ -127,15 +126,14 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                 f"model.attn_implementation={method.attn_implementations[0]}, another distributed.cp_method "
                 f"({_methods_for_attn(attn)}), or distributed.cp_size=1"
             )
-        packers = [m.name for m in CP_METHODS.values() if m.supports_packed]
+        packers = [m.name for m in methods.values() if m.supports_packed]
         for key in ("dataset", "validation_dataset"):
             node = getattr(data, key)
             if node is not None and node.get("pack") is True and not method.supports_packed:
                 problems.append(
                     f"data.{key}.pack=true (several documents per row) with distributed.cp_method={method.name} "
                     f"and cp_size={d.cp_size}: {method.name} attention is causal over the whole row and would "
-                    f"attend across documents; packed rows need a method that keeps document boundaries "
-                    f"(the THD path). Set distributed.cp_method to one of {' | '.join(packers) or '(none yet)'}, "
+                    f"attend across documents; packed rows need a method that keeps document boundaries. Set distributed.cp_method to one of {' | '.join(packers) or '(none yet)'}, "
                     f"data.{key}.pack=false, or distributed.cp_size=1"
                 )
         if isinstance(model.config, dict):  # inline architecture (a pretrained config must match it)
@@ -143,11 +141,14 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                 "num_attention_heads", model.config.get("num_attention_heads")
             )
             if isinstance(heads, int) and heads >= 1:
-                problem = head_split_problem(method.name, heads, d.cp_size, d.tp_size)
+                problem = method.head_split_problem(heads, d.cp_size, d.tp_size)
                 if problem is not None:
                     problems.append(problem.replace("the model has", "model.config has", 1))
 
-    problems += thd_config_problems(cfg, cuda_available)  # distributed.cp_method=thd: kernel, padding
+    for m in methods.values():  # each method's own keys (e.g. distributed.thd_kernel), whatever is selected
+        problems += m.key_problems(cfg)
+    if method is not None:  # what the selected method needs of the rest of the config
+        problems += method.config_problems(cfg, cuda_available)
 
     # --- batch sizes ---------------------------------------------------------------------------
     for key in ("global_batch_size", "local_batch_size", "max_steps"):

@@ -57,7 +57,7 @@ class RecipeSection:
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
     plan_nnodes: int | None = None  # dry run: nodes to plan for (ranks per node, cp/tp groups vs nodes)
     plan_nproc_per_node: int | None = None  # dry run: processes per node (with plan_nnodes: the world size)
-    cp_self_check: bool = False  # one step with CP and without it compared before training
+    cp_self_check: bool = True  # at cp_size > 1: one step with CP and without it compared before training
     cp_self_check_tokens: int = 512  # tokens per row of the self-check's slice of the training data
     memory_budget_gib: float | None = None  # dry run: per-rank memory budget; suggests the cheapest change that fits
 
@@ -70,7 +70,7 @@ class DistributedSection:
     dp_shard: int = -1  # -1: world_size // (dp_replicate * cp_size * tp_size)
     cp_size: int = 1
     tp_size: int = 1
-    cp_method: str = "ring"  # ring | ulysses | thd: a key of automodel.training.cp_dispatch.CP_METHODS
+    cp_method: str = "ring"  # ring | ulysses | thd: a method registered in automodel.distributed.cp
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     enable_loss_parallel: bool = False  # tp_size > 1: vocabulary-sharded logits and loss (loss_parallel())
     sequence_parallel: bool = False  # tp_size > 1: norms and the residual stream hold 1/tp of the tokens

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from automodel.distributed.cp.group import get_cp_mesh as _get_cp_mesh
+from automodel.distributed.cp.guard import check_on_first_forward
 from automodel.distributed.cpu_ring import check_cpu_ring_support, cpu_ring_attention
 from automodel.distributed.hf_causal_mask import no_packed_sequence_detection
 from automodel.distributed.sp_split_gather import load_balanced_indices
@@ -61,12 +63,19 @@ _RING_SHARDED_KEYS = ("input_ids", "labels", "position_ids", "loss_mask", "paddi
 
 def get_cp_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The ``cp`` sub-mesh of ``device_mesh``, or ``None`` if there is no mesh or no ``cp`` dim."""
-    if device_mesh is None:
-        return None
-    names = device_mesh.mesh_dim_names or ()
-    if "cp" not in names:
-        return None
-    return device_mesh["cp"] if len(names) > 1 else device_mesh
+    return _get_cp_mesh(device_mesh)
+
+
+@contextlib.contextmanager
+def _refuse_inexact_models(cp_context: contextlib.AbstractContextManager, seq_len: int) -> Iterator[None]:
+    """``cp_context``, plus the ring method's exactness check at the model's first forward inside it
+    (:mod:`automodel.distributed.cp.guard`): an eager or flex model, a sliding window or chunk shorter
+    than the ``seq_len``-token row, sinks, MLA value heads or a linear mixer raise
+    :class:`~automodel.errors.CPUnsupportedError` instead of attending within each rank's shard."""
+    from automodel.distributed.cp.registry import check_model_for_cp
+
+    with check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len)), cp_context:
+        yield
 
 
 def _build_position_ids(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
@@ -437,4 +446,4 @@ def make_cp_batch_and_ctx(
     if primary_key == "inputs_embeds":
         index = load_balanced_indices(padded_len, cp_size, cp_mesh.get_local_rank(), device=device)
         ctx = _shard_embeds_on_entry(ctx, batch, index)
-    return get_train_context(False, False, ctx), batch
+    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len)), batch

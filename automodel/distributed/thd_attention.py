@@ -53,9 +53,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.cp.group import resolve_cp_group as _resolve_cp
 from automodel.distributed.te_batch import make_cp_batch_for_te
 from automodel.distributed.thd_utils import thd_partition_indices
-from automodel.distributed.ulysses import _resolve_cp
+from automodel.errors import CPUnsupportedError
 
 __all__ = [
     "THD_ATTN_NAME",
@@ -562,19 +563,20 @@ def thd_attention_forward(
             f"{type(module).__name__} is not causal; THD attention computes causal attention only"
         )
     if kwargs.get("sliding_window") is not None and kwargs["sliding_window"] < plan.max_seqlen:
-        raise ValueError(
-            f"{type(module).__name__} uses a sliding window of {kwargs['sliding_window']} tokens, shorter than the "
-            f"longest document ({plan.max_seqlen}); THD attention does not apply windows: use "
-            "distributed.cp_method=ulysses for this model"
+        raise CPUnsupportedError(
+            f"distributed.cp_method=thd: {type(module).__name__} uses a sliding window of {kwargs['sliding_window']} "
+            f"tokens, shorter than the longest document ({plan.max_seqlen}); THD attention does not apply windows: "
+            "use distributed.cp_method=ulysses for this model (docs/support_matrix.md)"
         )
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None or hasattr(module, "sinks"):
-        raise ValueError(
-            f"{type(module).__name__} uses attention biases or sinks, which THD attention does not apply; "
-            "use distributed.cp_method=ulysses for this model"
+        raise CPUnsupportedError(
+            f"distributed.cp_method=thd: {type(module).__name__} uses attention biases or sinks, which THD "
+            "attention does not apply (docs/support_matrix.md)"
         )
     if kwargs.get("softcap") is not None:
-        raise ValueError(
-            f"{type(module).__name__} uses logit softcapping, which THD attention does not apply"
+        raise CPUnsupportedError(
+            f"distributed.cp_method=thd: {type(module).__name__} uses logit softcapping, which THD attention does "
+            "not apply; use distributed.cp_method=ulysses with model.attn_implementation=eager"
         )
     out = thd_attention(query, key, value, plan, scaling)
     return out.transpose(1, 2), None
@@ -599,6 +601,8 @@ def set_thd_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
     """Switch an HF model to THD attention (mutates the model); returns the previous implementation name.
 
     Raises:
+        CPUnsupportedError: a layer kind THD attention does not compute exactly (the message names the
+            layers and the methods that would); a sliding window is checked at the first attention call.
         ValueError: the model's attention cannot be swapped (not a transformers ``PreTrainedModel``, or it
             does not dispatch attention through ``AttentionInterface``); the message names the model class.
     """
@@ -609,6 +613,12 @@ def set_thd_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
             f"THD attention ({THD_ATTN_NAME!r} in transformers' AttentionInterface); use a transformers causal LM, "
             "or call automodel.distributed.thd_attention.thd_attention from your own attention module"
         )
+    # exact or refused: every layer kind of the model against what THD computes (a sliding window is
+    # judged against the longest document at the first attention call)
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.registry import check_model_for_cp
+
+    check_model_for_cp("thd", cached_profile(model), seq_len=None)
     previous = model.config._attn_implementation
     register_thd_attention()
     try:

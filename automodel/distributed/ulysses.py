@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from automodel.distributed.all_to_all import all_to_all, even_split_sizes
+from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.doc_block_attention import Segment, document_block_attention, document_segments
+from automodel.errors import CPUnsupportedError
 
 __all__ = [
     "ULYSSES_ATTN_NAME",
@@ -366,9 +367,9 @@ def ulysses_attention_forward(
             "batch returned by make_ulysses_batch_and_ctx"
         )
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None or hasattr(module, "sinks"):
-        raise ValueError(
-            f"{type(module).__name__} uses per-head attention biases or sinks, which Ulysses would have to shard "
-            "by head; this is not supported: use ring CP for this model"
+        raise CPUnsupportedError(
+            f"distributed.cp_method=ulysses: {type(module).__name__} uses per-head attention biases or sinks, which "
+            "Ulysses would have to shard by head; it does not, so this model is refused (docs/support_matrix.md)"
         )
     if n_q % world != 0:
         raise ValueError(
@@ -475,32 +476,7 @@ def register_ulysses_attention(name: str = ULYSSES_ATTN_NAME) -> str:
 
 def _resolve_cp(device_mesh: Any) -> tuple[ProcessGroup | None, int, int]:
     """(group, world_size, rank) of the CP dimension of a DeviceMesh / 1-D mesh / ProcessGroup / None."""
-    if device_mesh is None:
-        return None, 1, 0
-    if isinstance(device_mesh, ProcessGroup):
-        group = device_mesh
-    else:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        if not isinstance(device_mesh, DeviceMesh):
-            raise TypeError(
-                f"expected a DeviceMesh with a 'cp' dim, a 1-D CP mesh, a ProcessGroup or None; got "
-                f"{type(device_mesh).__name__}"
-            )
-        names = tuple(device_mesh.mesh_dim_names or ())
-        if "cp" in names:
-            mesh = device_mesh["cp"] if device_mesh.ndim > 1 else device_mesh
-        elif device_mesh.ndim == 1 and not names:
-            mesh = device_mesh  # an unnamed 1-D mesh is taken as the CP mesh
-        else:
-            raise ValueError(
-                f"the device mesh has dims {names} and none is named 'cp'; pass a mesh with a 'cp' dim "
-                "(automodel.distributed.mesh) or the 1-D CP mesh itself"
-            )
-        group = mesh.get_group()
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    return (group if world > 1 else None), world, rank
+    return resolve_cp_group(device_mesh)
 
 
 def _text_config(config: Any) -> Any:
@@ -513,7 +489,9 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
 
     Registers the implementation if needed and calls ``model.set_attn_implementation("ulysses")``
     (transformers >= 5; sub-models follow). With ``device_mesh`` given, checks up front that the
-    attention heads split over the CP size. The inner kernel is chosen per step in
+    attention heads split over the CP size. Raises
+    :class:`~automodel.errors.CPUnsupportedError` for a model with a layer kind Ulysses does not compute
+    exactly (chunked attention, sinks, linear / state-space mixers: :mod:`automodel.distributed.cp`). The inner kernel is chosen per step in
     :func:`make_ulysses_batch_and_ctx`.
     """
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
@@ -529,6 +507,12 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
                 f"Ulysses CP splits attention heads across the CP group: num_attention_heads={heads} is not "
                 f"divisible by cp_size={world}; choose a cp_size that divides {heads}, or use ring CP"
             )
+    # exact or refused: every layer kind of the model against what Ulysses computes (sliding windows are
+    # exact; a chunk is refused here, as the row length is not known yet)
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.registry import check_model_for_cp
+
+    check_model_for_cp("ulysses", cached_profile(model), seq_len=None)
     previous = model.config._attn_implementation
     register_ulysses_attention()
     model.set_attn_implementation(ULYSSES_ATTN_NAME)

@@ -36,7 +36,6 @@ __all__ = [
     "build_model",
     "torch_dtype",
     "causal_lm_class",
-    "sliding_window_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -186,19 +185,6 @@ def causal_lm_class(config: Any) -> type | None:
         return vlm_model_class(config)
 
 
-def sliding_window_of(config: Any) -> int | None:
-    """The sliding attention window some layers of ``config`` use, or None if all attend globally."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
-
-
 def check_model_for_run(
     config: Any,
     *,
@@ -208,14 +194,12 @@ def check_model_for_run(
     seq_len: int,
     vocab_needed: int | None = None,
     trust_remote_code: bool = False,
-    cp_applies_sliding_window: bool = False,
 ) -> None:
     """Check that a model with ``config`` can train this run; raise ``ValueError`` naming the fix.
 
-    Checks: the config is a causal LM; with CP, the model supports ``attn_implementation`` (SDPA
-    for ring) and no layer uses a sliding window shorter than ``seq_len`` (ring attention is plain
-    causal) unless ``cp_applies_sliding_window`` (Ulysses builds the window mask exactly); the
-    tokenizer's ``vocab_needed`` ids fit the embedding.
+    Checks: the config is a causal LM; the model supports ``attn_implementation``; the tokenizer's
+    ``vocab_needed`` ids fit the embedding. Whether the CP method computes every layer kind exactly
+    (windows, chunks, sinks, linear mixers ...) is :func:`automodel.models.cp_check.check_model_for_cp_run`.
     """
     cls = causal_lm_class(config)
     if cls is None and not trust_remote_code:
@@ -235,15 +219,6 @@ def check_model_for_run(
             + (f", which distributed.cp_method={cp_method} needs" if cp_size > 1 else "")
             + f"; {fix}"
         )
-    if cp_size > 1 and not cp_applies_sliding_window:
-        window = sliding_window_of(config)
-        if window is not None and window < seq_len:
-            raise UserInputError(
-                f"{type(config).__name__} uses sliding-window attention (window {window}) and data.seq_len="
-                f"{seq_len} is longer: {cp_method} CP computes full causal attention over the row, which would "
-                f"change the model. Set data.seq_len<={window}, or disable the window in model.config "
-                f"(sliding_window: null / use_sliding_window: false) if that is what you want"
-            )
     if vocab_needed is not None and vocab_needed > int(getattr(config, "vocab_size", vocab_needed)):
         raise UserInputError(
             f"the tokenizer has {vocab_needed} token ids but the model's vocab_size is {config.vocab_size}; "

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from automodel.distributed.cp import CPMethod, PreparedModel, cp_methods, get_cp_method
 from automodel.distributed.multimodal_cp import (
     gather_from_context_parallel_ranks_dynamic_res,
     resolve_group,
@@ -49,7 +50,6 @@ from automodel.distributed.multimodal_cp import (
 from automodel.distributed.multimodal_dynamic_res import check_grid
 
 __all__ = [
-    "VLM_CP_METHODS",
     "VLM_MODEL_TYPES",
     "VLMParts",
     "is_vlm",
@@ -133,21 +133,6 @@ def vlm_parts(model: torch.nn.Module) -> VLMParts:
         video_token_id=int(cfg.video_token_id),
         spatial_merge_size=int(cfg.vision_config.spatial_merge_size),
     )
-
-
-# the CP methods whose batch function takes the merged ``inputs_embeds`` of a VLM
-VLM_CP_METHODS = ("ring", "ulysses")
-
-
-def prepare_vlm_for_cp(model: torch.nn.Module, device_mesh: Any, cp_method: str) -> None:
-    """One-time switch before CP steps: Ulysses attention on the TEXT model only (the vision tower
-    keeps its own kernel); ring needs nothing (the ring context is entered after the vision tower)."""
-    if cp_method == "ulysses":
-        from automodel.distributed.ulysses import set_ulysses_attention
-
-        set_ulysses_attention(vlm_parts(model).language_model, device_mesh)
-    elif cp_method != "ring":
-        raise ValueError(f"cp_method={cp_method!r} is not supported for VLMs; use 'ring' or 'ulysses'")
 
 
 def vision_embeddings_cp(
@@ -246,38 +231,49 @@ def build_vlm_inputs(model: torch.nn.Module, batch: dict[str, Any], device_mesh:
     return out
 
 
+def prepare_vlm_for_cp(model: torch.nn.Module, device_mesh: Any, cp_method: str | CPMethod) -> PreparedModel:
+    """One-time preparation before CP steps, on the TEXT model only (the vision tower keeps its own
+    kernel): e.g. Ulysses switches the text attention; ring needs nothing (its context is entered after
+    the vision tower). Returns what was done, to undo it (the CP self-check). Mutates the model."""
+    return _vlm_method(cp_method).prepare_model(vlm_parts(model).language_model, device_mesh)
+
+
 def make_vlm_cp_batch_and_ctx(
     model: torch.nn.Module,
     device_mesh: Any,
     batch: dict[str, Any],
-    cp_method: str = "ring",
+    cp_method: str | CPMethod = "ring",
     inner_attn: str = "sdpa",
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any]]:
     """Vision on this rank's share, gather + merge, mRoPE on the whole sequence, then shard for CP.
 
     Args:
-        model: a Qwen2-VL-style model (``prepare_vlm_for_cp`` already called for Ulysses).
+        model: a Qwen2-VL-style model (:func:`prepare_vlm_for_cp` already called).
         device_mesh: a DeviceMesh with a ``"cp"`` dim (or ``None``: no CP, the whole sequence).
         batch: as for :func:`build_vlm_inputs`.
-        cp_method: ``"ring"`` or ``"ulysses"``; inner_attn: Ulysses' inner kernel.
+        cp_method: a CP method that takes merged ``inputs_embeds`` (``supports_vlm``: ring, ulysses) or its
+            name; inner_attn: the text model's own attention implementation (the inner kernel of a method
+            that switched it, e.g. Ulysses).
 
     Returns:
         ``(ctx_factory, local)``: ``local`` holds this rank's ``inputs_embeds [B, S_r, H]`` (autograd
         back to the vision tower and the embedding), ``position_ids [3, B, S_r]`` and ``labels``; run
         ``model(inputs_embeds=..., position_ids=..., use_cache=False)`` inside ``ctx_factory()``.
     """
+    method = _vlm_method(cp_method)
     lm_batch = build_vlm_inputs(model, batch, device_mesh)
     if device_mesh is None:
         return contextlib.nullcontext, lm_batch
-    if cp_method == "ulysses":
-        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx
+    prepared = PreparedModel(module=vlm_parts(model).language_model, previous_attn=inner_attn)
+    return method.batch_function(prepared)(device_mesh, lm_batch)
 
-        return make_ulysses_batch_and_ctx(device_mesh, lm_batch, inner_attn=inner_attn)
-    if cp_method == "ring":
-        from automodel.distributed.cp_utils import make_cp_batch_and_ctx
 
-        return make_cp_batch_and_ctx(device_mesh, lm_batch)
-    raise ValueError(f"cp_method={cp_method!r} is not supported for VLMs; use 'ring' or 'ulysses'")
+def _vlm_method(cp_method: str | CPMethod) -> CPMethod:
+    method = get_cp_method(cp_method)
+    if not method.supports_vlm:
+        vlm = [name for name, m in cp_methods().items() if m.supports_vlm]
+        raise ValueError(f"cp_method={method.name!r} is not supported for VLMs; use one of {vlm}")
+    return method
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -319,18 +315,17 @@ def init_fsdp_root(model: torch.nn.Module) -> None:
 
 
 def bind_vlm_cp(
-    model: torch.nn.Module, device_mesh: Any, cp_method: str, cp_size: int, inner_attn: str = "sdpa"
-) -> Callable[[Any, dict[str, Any]], tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any]]]:
-    """The recipe's ``cp_fn(device_mesh, batch) -> (ctx_factory, local_batch)`` for a VLM.
+    model: torch.nn.Module, device_mesh: Any, cp_method: str | CPMethod, cp_size: int, inner_attn: str = "sdpa"
+) -> tuple[Callable[[Any, dict[str, Any]], tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any]]], PreparedModel]:
+    """The recipe's ``(cp_fn, prepared)`` for a VLM: ``cp_fn(device_mesh, batch) -> (ctx_factory, local_batch)``.
 
-    Switches the text model's attention once for Ulysses (``cp_size > 1``). The returned function
-    runs the vision tower on this rank's share (the whole batch at ``cp_size == 1``), merges, computes
-    mRoPE on the whole sequence and shards for CP; ``local_batch`` holds ``inputs_embeds``,
-    ``position_ids`` and ``labels`` (read ``inputs_embeds`` inside the context: ring replaces it by
-    its shard on entry).
+    Prepares the text model once for the method (``cp_size > 1``; e.g. Ulysses switches its attention).
+    The returned function runs the vision tower on this rank's share (the whole batch at ``cp_size ==
+    1``), merges, computes mRoPE on the whole sequence and shards for CP; ``local_batch`` holds
+    ``inputs_embeds``, ``position_ids`` and ``labels`` (read ``inputs_embeds`` inside the context: ring
+    replaces it by its shard on entry). ``prepared`` undoes the preparation (the CP self-check).
     """
-    if cp_size > 1:
-        prepare_vlm_for_cp(model, device_mesh, cp_method)
+    prepared = prepare_vlm_for_cp(model, device_mesh, cp_method) if cp_size > 1 else PreparedModel()
 
     def cp_fn(mesh: Any, batch: dict[str, Any]):
         init_fsdp_root(model)
@@ -340,7 +335,7 @@ def bind_vlm_cp(
                 model, mesh if cp_size > 1 else None, batch, cp_method=cp_method, inner_attn=inner_attn
             )
 
-    return cp_fn
+    return cp_fn, prepared
 
 
 def check_data_for_model(dataset: Any, model_config: Any) -> None:

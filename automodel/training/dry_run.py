@@ -11,7 +11,6 @@ laptop: ``python recipes/finetune.py --config configs/X.yaml recipe.dry_run=true
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -78,10 +77,11 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     import torch
     from omegaconf import OmegaConf
 
+    from automodel.distributed.cp import get_cp_method
+    from automodel.models.cp_check import check_model_for_cp_run
     from automodel.models.loader import build_model, check_model_for_run, resolve_model_config
     from automodel.models.parallelize import check_model_config_for_tp
-    from automodel.training.cp_dispatch import check_model_config_for_cp, get_cp_method, token_ranges
-    from automodel.training.trainer import pad_multiple
+    from automodel.training.row_padding import pad_multiple
 
     cfg, world = loaded.cfg, loaded.world_size
     sizes, problems = parallel_sizes(cfg, world)
@@ -105,20 +105,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         + (f" (HSDP: replicated {sizes['dp_replicate']}x)" if sizes["dp_replicate"] > 1 else "")
     )
     method = get_cp_method(d.cp_method)
-    if sizes["cp"] == 1:
-        out.append(
-            f"cp_method {method.name}: cp_size 1, no context parallelism (rows of {seq} tokens stay whole)"
-        )
-    elif method.layout == "head_tail":
-        out.append(
-            f"cp_method {method.name} ({method.summary}): each row of {seq} tokens is split into "
-            f"{2 * sizes['cp']} chunks (head-tail)"
-        )
-    else:
-        out.append(
-            f"cp_method {method.name} ({method.summary}): each row of {seq} tokens is split into "
-            f"{sizes['cp']} contiguous slices"
-        )
+    out.append(method.describe(seq, sizes["cp"]))
     out.append(
         f"global batch {sched.global_batch_size} rows = local {sched.local_batch_size} x dp {sizes['dp']} x grad_acc "
         f"{grad_acc}; {sched.global_batch_size * seq} tokens per optimizer step, {sched.max_steps} steps"
@@ -126,7 +113,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     layout = rank_layout(sizes)
     out.append("rank  dp_rep dp_shard cp tp | dp_rank fsdp_idx | token ranges of each row")
     for r in layout[:64]:
-        ranges = ", ".join(f"[{a}, {b})" for a, b in token_ranges(d.cp_method, seq, sizes["cp"], r["cp"]))
+        ranges = ", ".join(f"[{a}, {b})" for a, b in method.token_ranges(seq, sizes["cp"], r["cp"]))
         out.append(
             f"{r['rank']:>4}  {r['dp_replicate']:>6} {r['dp_shard']:>8} {r['cp']:>2} {r['tp']:>2} | "
             f"{r['dp_rank']:>7} {r['fsdp_index']:>8} | {ranges}"
@@ -149,9 +136,8 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         seq_len=data.seq_len,
         vocab_needed=vocab_needed,
         trust_remote_code=cfg.model.trust_remote_code,
-        cp_applies_sliding_window=get_cp_method(d.cp_method).applies_sliding_window,
     )
-    check_model_config_for_cp(d.cp_method, resolved.config, d.cp_size, d.tp_size)
+    profile = check_model_for_cp_run(cfg, resolved, attn)  # exact or refused, per layer kind
     check_model_config_for_tp(resolved.config, d.tp_size, sequence_parallel=d.sequence_parallel)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
     if cfg.peft is not None:  # peft.target_modules must select modules of this model
@@ -175,6 +161,8 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         f"class: {type(model).__name__}, attn_implementation={attn}, activation_checkpointing="
         f"{cfg.model.activation_checkpointing}"
     )
+    if profile is not None:
+        out.append(f"layer kinds: {profile.summary()}; exact under cp_method {method.name}")
     out.append(f"tokenizer: {tok_desc}")
     heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -215,19 +203,9 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     out.append(
         f"attention q / k,v        [{b}, {heads // tp}, {local_seq}, {head_dim}] / [{b}, {kv // tp}, {local_seq}, {head_dim}]"
         + (f" (tp {tp}: {heads // tp} of {heads} heads, {kv // tp} of {kv} kv heads)" if tp > 1 else "")
-        + (
-            f"; k,v rotate around the ring of {sizes['cp']}"
-            if sizes["cp"] > 1 and method.name == "ring"
-            else ""
-        )
     )
-    if sizes["cp"] > 1 and method.splits_heads:
-        # kv heads are replicated cp/gcd(kv, cp) times when cp does not divide them
-        kv_sent = kv // tp * (sizes["cp"] // math.gcd(kv // tp, sizes["cp"]))
-        out.append(
-            f"  all-to-all (ulysses)   q / k,v -> [{b}, {heads // tp // sizes['cp']}, {seq}, {head_dim}] / "
-            f"[{b}, {kv_sent // sizes['cp']}, {seq}, {head_dim}]: the inner kernel {attn!r} sees the whole row"
-        )
+    if sizes["cp"] > 1:  # the method's own exchange (ring rotation, Ulysses all-to-all, thd all-gather)
+        out.extend(method.describe_attention(b, heads // tp, kv // tp, head_dim, seq, sizes["cp"], attn))
     logits_bytes = b * local_seq * c.vocab_size * (compute + 4)
     if tp > 1:  # loss parallel: the rank's vocabulary shard only; else the head's output is gathered
         lp = d.enable_loss_parallel

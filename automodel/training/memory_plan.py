@@ -68,7 +68,6 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -132,7 +131,7 @@ class RunShape:
     cp: int = 1
     tp: int = 1
     dp_shard: int = 1
-    cp_method: str = "ring"  # ring | ulysses
+    cp_method: str = "ring"  # a registered CP method (its memory terms: automodel.distributed.cp)
     attn: str = "sdpa"
     activation_checkpointing: bool = False
     chunk_tokens: int | None = None
@@ -296,9 +295,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     outside = 4 * h * c / s + (h * c if gathered else 0) + 24
     s2 = 0.0
     if r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
-        heads_local = d.heads // tp // (r.cp if r.cp_method == "ulysses" else 1)
-        s_q = r.seq if r.cp_method == "ulysses" else r.local_tokens // r.local_batch
-        s2 = 2 * r.local_batch * heads_local * s_q * r.seq * c
+        heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
+        s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
     if r.activation_checkpointing:
         saved = n * (d.layers * h * c / s + outside)
         recompute = n * (layer + 2 * h * c / s) + s2
@@ -312,18 +310,16 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
 
 
 def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, str]:
-    """Per rank; TP divides the heads (``h / tp``, ``kv / tp``, ``heads / tp``) the kernels see."""
-    n, c, tp = r.local_tokens, r.compute_bytes, r.tp
-    h, kv = d.hidden / tp, d.kv_heads * d.head_dim / tp
+    """Per rank, the CP method's own term (TP divides the heads its kernels see)."""
     if r.cp == 1:
         return 0.0, "no CP"
-    if r.cp_method == "ulysses":
-        kv_local = d.kv_heads // tp
-        kv_sent = kv_local * (r.cp // math.gcd(kv_local, r.cp)) * d.head_dim
-        return 2 * (2 * h + 2 * kv_sent) * c * n, "ulysses all-to-all buffers of q, k, v and the output"
-    fwd = 4 * kv * c + 2 * (h + d.heads / tp) * 4
-    bwd = 4 * kv * c + 4 * kv * 4 + (h + 2 * kv) * 4
-    return n * max(fwd, bwd), "ring: K/V blocks in flight, fp32 partial outputs and dK/dV rotation"
+    return _method(r).attention_workspace(d, r)
+
+
+def _method(r: RunShape):  # noqa: ANN202 - a CPMethod
+    from automodel.distributed.cp import get_cp_method
+
+    return get_cp_method(r.cp_method)
 
 
 def _plain_logits(d: ModelDims, r: RunShape, loss_parallel: bool) -> float:
@@ -428,14 +424,14 @@ def _fmt(n_bytes: float) -> str:
 
 
 def _heads_split_ok(d: ModelDims, r: RunShape, cp: int, tp: int) -> bool:
-    """Ulysses splits each TP rank's ``heads / tp`` heads again over ``cp`` (``head_split_problem``)."""
-    return r.cp_method != "ulysses" or (d.heads // tp) % cp == 0
+    """A head-splitting method (Ulysses) divides each TP rank's ``heads / tp`` heads again over ``cp``."""
+    return _method(r).head_split_problem(d.heads, cp, tp) is None
 
 
 def _tp_sizes_ok(d: ModelDims, r: RunShape, tp: int) -> bool:
     """Whether ``tp`` divides what the TP plan splits, the row (``cp tp`` ulysses, else ``2 cp tp``) and,
     under Ulysses, leaves each TP rank a head count that ``cp`` divides."""
-    split = (1 if r.cp_method == "ulysses" else 2) * r.cp * tp
+    split = _method(r).chunks_per_rank * r.cp * tp
     sizes = (d.heads, d.kv_heads, d.intermediate, d.vocab)
     return (
         d.tp_capable and all(x % tp == 0 for x in sizes) and r.seq % split == 0 and _heads_split_ok(d, r, r.cp, tp)

@@ -124,7 +124,7 @@ def truncate_batch(batch: dict[str, Any], tokens: int) -> dict[str, Any]:
 def _slice_batches(trainer: Any, tokens: int) -> tuple[list[dict[str, Any]], int]:
     """The self-check's micro-batches from a fresh loader over the training set, and the row length used."""
     from automodel.data import build_dataloader
-    from automodel.training.trainer import pad_multiple
+    from automodel.training.row_padding import pad_multiple
 
     cfg = trainer.cfg
     multiple = pad_multiple(cfg)
@@ -225,20 +225,24 @@ def _frozen_run_state(trainer: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _without_cp(trainer: Any) -> Iterator[None]:
     """The trainer's ``cp_size == 1`` pipeline: its ``no_cp_fn`` (a VLM still encodes its images) and the
-    model's own attention back where the CP method switched it (``cp_attn_switch``)."""
+    model's own attention back where the CP method prepared it (``trainer.cp_prepared.undo()``)."""
     cp_fn = trainer.cp_fn
-    switch = trainer.cp_attn_switch
     trainer.cp_fn = trainer.no_cp_fn
-    if switch is not None:
-        module, inner = switch
-        current = module.config._attn_implementation
-        module.set_attn_implementation(inner)
+    trainer.cp_prepared.undo()
     try:
         yield
     finally:
         trainer.cp_fn = cp_fn
-        if switch is not None:
-            module.set_attn_implementation(current)
+        trainer.cp_prepared.redo()
+
+
+def _other_methods(trainer: Any, method: str) -> str:
+    """The other registered methods that the model's profile allows (all others without a profile)."""
+    from automodel.distributed.cp import cp_methods, methods_that_run
+
+    profile = getattr(trainer, "model_profile", None)
+    names = methods_that_run(profile, trainer.cfg.data.seq_len) if profile is not None else list(cp_methods())
+    return " | ".join(n for n in names if n != method) or "none runs this model exactly"
 
 
 def _compute_dtype(trainer: Any) -> torch.dtype:
@@ -340,7 +344,7 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
             f"recipe.cp_self_check: one step with distributed.cp_method={method} over cp_size={cp} does not "
             f"match the same step without CP on the same {report['rows']} rows x {row} tokens: "
             f"{'; '.join(problems)}. This config would train on wrong losses or gradients. Try "
-            f"distributed.cp_method={'ulysses' if method == 'ring' else 'ring'} or a different "
+            f"another distributed.cp_method ({_other_methods(trainer, method)}) or a different "
             f"model.attn_implementation, check data packing against the method's limits (docs/recipe.md), "
             f"and report it with {trainer.run_dir / 'cp_self_check.json'}; recipe.cp_self_check=false skips "
             f"the check"

@@ -33,24 +33,18 @@ import torch
 import torch.distributed as dist
 
 from automodel.config import LoadedConfig
-from automodel.config.schema import RecipeConfig
 from automodel.data.collator import label_token_count
+from automodel.distributed.cp import get_cp_method
+from automodel.distributed.cp.bind import bind_cp_method, no_cp_batch_and_ctx
 from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
 from automodel.errors import UserInputError
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
-from automodel.training.cp_dispatch import (
-    bind_cp_method,
-    check_model_config_for_cp,
-    get_cp_method,
-    no_cp_batch_and_ctx,
-    row_multiple,
-)
 from automodel.training.elastic import reseed_for_step
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.optim import clip_grad_norm
+from automodel.training.row_padding import pad_multiple
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
 from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
-from automodel.training.thd_recipe import thd_batch_kwargs, thd_dataset_kwargs
 
 __all__ = ["TrainHooks", "TrainResult", "FinetuneTrainer", "pad_multiple"]
 
@@ -81,19 +75,6 @@ class TrainResult:
     plot_path: Path | None = None
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
-
-
-def pad_multiple(cfg: RecipeConfig) -> int:
-    """The collator's ``pad_to_multiple_of``: ``data.pad_to_multiple_of``, else the method's row multiple.
-
-    :func:`automodel.training.cp_dispatch.row_multiple`: ``k*cp_size`` with ``k`` the CP method's
-    ``chunks_per_rank`` (ring: 2 head-tail chunks per rank; ulysses: 1 contiguous slice), times
-    ``tp_size`` with sequence parallelism, so every rank gets an equal share of each row; 1 without.
-    """
-    if cfg.data.pad_to_multiple_of is not None:
-        return cfg.data.pad_to_multiple_of
-    d = cfg.distributed
-    return row_multiple(d.cp_method, d.cp_size, d.tp_size, d.sequence_parallel)[0]
 
 
 def _with_eager_attention_backward(cp_fn: Callable, model: torch.nn.Module) -> Callable:
@@ -147,6 +128,7 @@ class FinetuneTrainer:
             world_size=self.world_size,
         )
         self.mesh = self.dims.build_mesh(self.device.type)
+        self.cp_method = get_cp_method(d.cp_method)  # the strategy: nothing below branches on its name
         dp_mesh = get_submesh(self.mesh, "dp")
         self.dp_rank = dp_mesh.get_local_rank()
         self.dp_size = dp_mesh.size()
@@ -193,6 +175,7 @@ class FinetuneTrainer:
         from hydra.utils import instantiate
 
         from automodel.data import build_dataloader, load_tokenizer
+        from automodel.models.cp_check import check_model_for_cp_run
         from automodel.models.loader import (
             build_model,
             check_model_for_run,
@@ -218,12 +201,10 @@ class FinetuneTrainer:
             seq_len=cfg.data.seq_len,
             vocab_needed=len(self.tokenizer),
             trust_remote_code=cfg.model.trust_remote_code,
-            cp_applies_sliding_window=get_cp_method(cfg.distributed.cp_method).applies_sliding_window,
         )
-        # e.g. Ulysses splits the heads over CP: checked on the config, before data or weights are loaded
-        check_model_config_for_cp(
-            cfg.distributed.cp_method, resolved.config, cfg.distributed.cp_size, cfg.distributed.tp_size
-        )
+        # exact or refused, before data or weights load: every layer kind of the model (profiled on the meta
+        # device), its heads against the method's split, VLM or not (automodel.distributed.cp)
+        self.model_profile = check_model_for_cp_run(cfg, resolved, self.attn_implementation)
         check_model_config_for_tp(
             resolved.config, cfg.distributed.tp_size, sequence_parallel=cfg.distributed.sequence_parallel
         )
@@ -241,7 +222,7 @@ class FinetuneTrainer:
             cfg.data.dataset,
             split=cfg.data.train_split,
             **common,
-            **thd_dataset_kwargs(cfg, cfg.data.dataset),
+            **self.cp_method.dataset_options(cfg, cfg.data.dataset),
             _convert_="all",
         )
         from automodel.models.vlm_cp import check_data_for_model
@@ -265,7 +246,8 @@ class FinetuneTrainer:
         if cfg.data.validation_split is not None and cfg.step_scheduler.val_every_steps:
             node = cfg.data.validation_dataset or cfg.data.dataset
             self.val_dataset = instantiate(
-                node, split=cfg.data.validation_split, **common, **thd_dataset_kwargs(cfg, node), _convert_="all"
+                node, split=cfg.data.validation_split, **common, **self.cp_method.dataset_options(cfg, node),
+                _convert_="all",
             )
             self.val_loader = build_dataloader(
                 self.val_dataset,
@@ -304,33 +286,30 @@ class FinetuneTrainer:
             n_params / 1e6,
             cfg.model.dtype,
         )
-        # The CP method's batch/context function; a method may switch the model once (Ulysses: its own
-        # attention implementation around the inner kernel model.attn_implementation). At cp_size=1
-        # nothing is switched: the model is the plain single-device reference.
-        # ``no_cp_fn`` and ``cp_attn_switch`` (the module whose attention the method switched, and its
-        # previous implementation) give the same pipeline without CP: the CP self-check's reference.
-        from automodel.models.vlm_cp import bind_vlm_cp, is_vlm, vlm_parts
+        # The CP method's batch/context function; a method may prepare the model once (Ulysses, thd: their
+        # own attention implementation around the inner kernel model.attn_implementation). At cp_size=1
+        # nothing is prepared: the model is the plain single-device reference. ``no_cp_fn`` and
+        # ``cp_prepared`` (what the method did, and how to undo it) give the same pipeline without CP: the
+        # CP self-check's reference.
+        from automodel.models.vlm_cp import bind_vlm_cp, is_vlm
 
         d = cfg.distributed
         if is_vlm(self.model):  # vision on each rank's share, then the text model under CP
-            self.cp_fn = bind_vlm_cp(self.model, self.mesh, d.cp_method, d.cp_size, self.attn_implementation)
-            self.no_cp_fn = bind_vlm_cp(self.model, self.mesh, d.cp_method, 1, self.attn_implementation)
-            self.inner_attn = None
-            switched = d.cp_size > 1 and d.cp_method == "ulysses"  # Ulysses on the text model only
-            self.cp_attn_switch = (
-                (vlm_parts(self.model).language_model, self.attn_implementation) if switched else None
+            self.cp_fn, self.cp_prepared = bind_vlm_cp(
+                self.model, self.mesh, self.cp_method, d.cp_size, self.attn_implementation
             )
+            self.no_cp_fn, _ = bind_vlm_cp(self.model, self.mesh, self.cp_method, 1, self.attn_implementation)
         else:
-            self.cp_fn, self.inner_attn = bind_cp_method(
-                d.cp_method, self.model, self.mesh, d.cp_size, **thd_batch_kwargs(cfg)
+            self.cp_fn, self.cp_prepared = bind_cp_method(
+                self.cp_method, self.model, self.mesh, d.cp_size, **self.cp_method.recipe_batch_options(cfg)
             )
             self.no_cp_fn = no_cp_batch_and_ctx
-            self.cp_attn_switch = (self.model, self.inner_attn) if self.inner_attn is not None else None
-        if self.inner_attn is not None:
+        self.inner_attn = self.cp_prepared.previous_attn
+        if self.cp_prepared.switched:
             logger.info(
                 "cp_method=%s: model attention switched to %r around the inner kernel %r",
                 cfg.distributed.cp_method,
-                self.model.config._attn_implementation,
+                self.cp_prepared.current_attn,
                 self.inner_attn,
             )
         if d.enable_compiled_autograd and d.cp_size > 1:  # the CP attention backward runs eagerly

@@ -46,7 +46,7 @@ class _EvalLossTimesCP(FinetuneTrainer):
     """The 'eval loss x cp_size' bug: each CP rank's shard mean is summed over the CP group in validation."""
 
     def validate(self) -> float:
-        from automodel.training.cp_dispatch import no_cp_batch_and_ctx
+        from automodel.distributed.cp.bind import no_cp_batch_and_ctx
 
         loss = super().validate()
         return loss if self.cp_fn is no_cp_batch_and_ctx else loss * self.cfg.distributed.cp_size

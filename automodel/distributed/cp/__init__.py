@@ -1,0 +1,48 @@
+"""Context-parallel methods as strategies, their registry, and the model profile they read.
+
+- :mod:`.method`: the interface a method declares (:class:`CPMethod`);
+- :mod:`.registry`: name -> method (:func:`get_cp_method`, :func:`register_cp_method`) and the one
+  exactness check (:func:`check_model_for_cp`);
+- :mod:`.profile`: :func:`profile_model`, each decoder layer's mixer kind;
+- :mod:`.ring`, :mod:`.ulysses`, :mod:`.thd`: the built-in methods (registered here);
+- :mod:`.bind`: prepare a model for a method and get its batch function (the recipe's one call);
+- :mod:`.group`: the one place the CP process group is resolved;
+- :mod:`.guard`: the own-loop check at a model's first forward inside a CP context.
+
+Importing this package imports neither torch.distributed nor transformers: the config rules read it.
+"""
+
+from automodel.distributed.cp.method import CPMethod, PreparedModel, profile_problems
+from automodel.distributed.cp.profile import LayerSpec, ModelProfile, profile_model
+from automodel.distributed.cp.registry import (
+    check_model_config_for_cp,
+    check_model_for_cp,
+    cp_methods,
+    get_cp_method,
+    methods_that_run,
+    register_cp_method,
+    unregister_cp_method,
+)
+from automodel.distributed.cp.ring import RingMethod
+from automodel.distributed.cp.thd import ThdMethod
+from automodel.distributed.cp.ulysses import UlyssesMethod
+
+for _method in (RingMethod(), UlyssesMethod(), ThdMethod()):
+    if _method.name not in cp_methods():
+        register_cp_method(_method)
+
+__all__ = [
+    "CPMethod",
+    "PreparedModel",
+    "LayerSpec",
+    "ModelProfile",
+    "profile_model",
+    "profile_problems",
+    "check_model_for_cp",
+    "check_model_config_for_cp",
+    "cp_methods",
+    "get_cp_method",
+    "methods_that_run",
+    "register_cp_method",
+    "unregister_cp_method",
+]

@@ -1,0 +1,312 @@
+"""The CP method interface: what a method declares, and the defaults most methods share.
+
+A CP method is a strategy. The trainer, the config rules, the self-check, the dry run, the memory
+planner and the VLM path call this interface and never branch on a method's name; adding a method
+is one module defining a :class:`CPMethod` subclass plus one :func:`~automodel.distributed.cp.registry.register_cp_method`
+call (``automodel/distributed/cp/__init__.py`` registers the built-in ones).
+
+What a method declares:
+
+- **exactness per layer kind**: :meth:`CPMethod.layer_problem` says why a layer of the
+  :class:`~automodel.distributed.cp.profile.ModelProfile` is not computed exactly (``None``: it is), and
+  :attr:`CPMethod.attn_implementations` which attention implementations it runs;
+- **batch layout**: :attr:`layout`, :attr:`chunks_per_rank`, :meth:`token_ranges`,
+  :meth:`row_multiple`, :attr:`supports_packed`, :attr:`splits_heads`;
+- **preparing a model** (and undoing it, for the self-check): :meth:`prepare_model` returns a
+  :class:`PreparedModel`;
+- **sharding a batch**: :meth:`batch_function` returns ``fn(device_mesh, batch) -> (ctx_factory, batch)``;
+- **memory terms** for the planner: :meth:`attention_workspace` and :meth:`attention_extent`;
+- **its dry-run description**: :meth:`describe`;
+- **its config problems**: :meth:`config_problems` (and :meth:`dataset_options` /
+  :meth:`recipe_batch_options` for the keys only it reads).
+
+The config, memory-plan and dry-run objects are passed in duck-typed (``cfg.distributed``, ``d.heads``,
+``r.local_tokens`` ...): ``distributed`` sits below ``config`` and ``training`` and imports neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from automodel.distributed.cp.profile import LayerSpec, ModelProfile
+
+__all__ = ["CPMethod", "PreparedModel", "BatchFn"]
+
+BatchFn = Callable[[Any, dict[str, Any]], tuple[Callable[[], Any], dict[str, Any]]]
+
+
+@dataclass
+class PreparedModel:
+    """What :meth:`CPMethod.prepare_model` did to a model, and how to undo it.
+
+    Attributes:
+        module: the module whose attention was switched (``None``: nothing was switched).
+        previous_attn: its attention implementation before the switch (the inner kernel).
+        current_attn: the implementation the method installed.
+    """
+
+    module: Any = None
+    previous_attn: str | None = None
+    current_attn: str | None = None
+
+    @property
+    def switched(self) -> bool:
+        return self.module is not None
+
+    def undo(self) -> None:
+        """Put the model's own attention back (the self-check's reference run). Mutates the model."""
+        if self.module is not None:
+            self.module.set_attn_implementation(self.previous_attn)
+
+    def redo(self) -> None:
+        """Switch the method's attention in again after :meth:`undo`. Mutates the model."""
+        if self.module is not None:
+            self.module.set_attn_implementation(self.current_attn)
+
+
+class CPMethod:
+    """Base class of a context-parallel method (see the module docstring for the interface).
+
+    Subclasses set the class attributes and override what differs; instances are stateless.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    #: ``model.attn_implementation`` values the method runs (``None``: any)
+    attn_implementations: ClassVar[tuple[str, ...] | None] = None
+    #: rows may hold several documents (``data.dataset.pack: true``) with boundaries respected
+    supports_packed: ClassVar[bool] = False
+    #: runs a VLM's text model on merged ``inputs_embeds`` (vision encoded on each rank's share)
+    supports_vlm: ClassVar[bool] = False
+    #: every CP rank holds this many equal chunks of every row
+    chunks_per_rank: ClassVar[int] = 2
+    #: ``"head_tail"``: rank r gets chunks r and 2W-1-r of 2W; ``"contiguous"``: the r-th of W slices
+    layout: ClassVar[Literal["head_tail", "contiguous"]] = "head_tail"
+    #: attention heads are divided over the CP ranks (``num_attention_heads % cp_size == 0``)
+    splits_heads: ClassVar[bool] = False
+
+    # ------------------------------------------------------------------ exactness
+    def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
+        """Why this method does not compute ``layer`` exactly on rows of ``seq_len`` tokens (``None``:
+        it does). ``seq_len=None``: the row length is not known yet (a window is then judged at the
+        first attention call, against the real row)."""
+        raise NotImplementedError
+
+    def attn_problem(self, attn_implementation: str | None) -> str | None:
+        """Why the method cannot run a model whose attention implementation is ``attn_implementation``."""
+        if self.attn_implementations is None or attn_implementation is None:
+            return None
+        if attn_implementation in self.attn_implementations:
+            return None
+        return (
+            f"its attention implementation is {attn_implementation!r} and {self.name} runs only "
+            f"{' / '.join(self.attn_implementations)} (set model.attn_implementation / "
+            f"attn_implementation={self.attn_implementations[0]!r} when building the model)"
+        )
+
+    # ------------------------------------------------------------------ layout
+    def token_ranges(self, seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
+        """Token ranges ``[start, end)`` of a ``seq_len`` row that CP rank ``cp_rank`` holds."""
+        if cp_size <= 1:
+            return [(0, seq_len)]
+        if self.layout == "head_tail":
+            c = seq_len // (2 * cp_size)
+            return [
+                (cp_rank * c, (cp_rank + 1) * c),
+                ((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c),
+            ]
+        base, extra = divmod(seq_len, cp_size)  # near-even, remainder on the first ranks
+        start = cp_rank * base + min(cp_rank, extra)
+        return [(start, start + base + (1 if cp_rank < extra else 0))]
+
+    def row_multiple(self, cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> tuple[int, str]:
+        """The multiple a row's length must be for an even split, and the rule in words.
+
+        ``chunks_per_rank * cp_size``, times ``tp_size`` with sequence parallelism; 1 at ``cp_size == 1``
+        without it. E.g. ``(8, "2*cp_size*tp_size = 2*2*2 = 8 (sequence parallel)")``.
+        """
+        chunks = self.chunks_per_rank if cp_size > 1 else 1
+        sp = sequence_parallel and tp_size > 1
+        factors = [(chunks, str(chunks))] if chunks > 1 else []
+        if cp_size > 1:
+            factors.append((cp_size, "cp_size"))
+        if sp:
+            factors.append((tp_size, "tp_size"))
+        if not factors:
+            return 1, "1"
+        multiple = math.prod(value for value, _ in factors)
+        names = "*".join(name for _, name in factors)
+        values = "*".join(str(value) for value, _ in factors)
+        what = f"{names} = {multiple}" if len(factors) == 1 else f"{names} = {values} = {multiple}"
+        return multiple, what + (" (sequence parallel)" if sp else "")
+
+    def head_split_problem(self, num_attention_heads: int | None, cp_size: int, tp_size: int = 1) -> str | None:
+        """Why the method cannot split ``num_attention_heads`` over ``cp_size`` ranks (``None``: it can)."""
+        tp_size = max(1, tp_size)
+        if (
+            not self.splits_heads
+            or cp_size <= 1
+            or num_attention_heads is None
+            or num_attention_heads % tp_size
+            or (num_attention_heads // tp_size) % cp_size == 0
+        ):
+            return None
+        local = num_attention_heads // tp_size
+        divisors = [d for d in range(2, local + 1) if local % d == 0]
+        per_tp = f", {local} per TP rank (distributed.tp_size={tp_size})," if tp_size > 1 else ","
+        return (
+            f"distributed.cp_method={self.name} splits the attention heads over the CP ranks, but the model has "
+            f"num_attention_heads={num_attention_heads}{per_tp} which is not divisible by "
+            f"distributed.cp_size={cp_size}; set distributed.cp_size to a divisor of {local} ({divisors}), "
+            + ("a smaller distributed.tp_size, " if tp_size > 1 else "")
+            + "or use a method that does not split heads (distributed.cp_method=ring or thd)"
+        )
+
+    # ------------------------------------------------------------------ model and batch
+    def prepare_model(self, model: Any, device_mesh: Any) -> PreparedModel:
+        """Prepare ``model`` once before CP steps (mutates it); default: nothing to do."""
+        return PreparedModel()
+
+    def batch_function(self, prepared: PreparedModel | None = None, **options: Any) -> BatchFn:
+        """``fn(device_mesh, batch) -> (ctx_factory, local_batch)`` for every micro-batch."""
+        fn = self._batch_function()
+        if options:
+            fn = functools.partial(fn, **options)
+        return fn
+
+    def _batch_function(self) -> BatchFn:
+        raise NotImplementedError
+
+    def recipe_batch_options(self, cfg: Any) -> dict[str, Any]:
+        """Keyword options the recipe binds to the batch function from the config (default: none)."""
+        return {}
+
+    def dataset_options(self, cfg: Any, node: Any) -> dict[str, Any]:
+        """Extra keyword arguments for a dataset node under this method (default: none)."""
+        return {}
+
+    # ------------------------------------------------------------------ config
+    def key_problems(self, cfg: Any) -> list[str]:
+        """Bad values of the keys only this method reads, checked whichever method is selected (a typo is
+        reported even while another method runs). Default: none. ``cfg`` is a RecipeConfig."""
+        return []
+
+    def config_problems(self, cfg: Any, cuda_available: bool | None) -> list[str]:
+        """What this method, when selected, needs of the rest of the config (default: nothing)."""
+        return []
+
+    # ------------------------------------------------------------------ memory plan and dry run
+    def attention_extent(self, d: Any, r: Any) -> tuple[int, int, int]:
+        """``(heads, query tokens, key tokens)`` one rank's attention kernel sees per row (the eager
+        ``S_q x S_k`` term); ``d``: ModelDims, ``r``: RunShape of the memory planner."""
+        return d.heads // r.tp, r.local_tokens // r.local_batch, r.seq
+
+    def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
+        """Bytes per rank the CP attention holds beyond the layer's own activations, and a note."""
+        raise NotImplementedError
+
+    def describe(self, seq: int, cp_size: int) -> str:
+        """The dry run's line on how a row of ``seq`` tokens is split."""
+        if cp_size == 1:
+            return f"cp_method {self.name}: cp_size 1, no context parallelism (rows of {seq} tokens stay whole)"
+        if self.layout == "head_tail":
+            return (
+                f"cp_method {self.name} ({self.summary}): each row of {seq} tokens is split into "
+                f"{2 * cp_size} chunks (head-tail)"
+            )
+        return (
+            f"cp_method {self.name} ({self.summary}): each row of {seq} tokens is split into "
+            f"{cp_size} contiguous slices"
+        )
+
+    def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
+        """Extra dry-run shape lines for the attention under CP (default: none)."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"<CP method {self.name!r}>"
+
+
+def profile_problems(method: CPMethod, profile: ModelProfile, seq_len: int | None) -> list[str]:
+    """Every reason ``method`` does not run ``profile``'s model exactly, grouped by reason."""
+    by_reason: dict[str, list[int]] = {}
+    for layer in profile.layers:
+        reason = method.layer_problem(layer, seq_len)
+        if reason is not None:
+            by_reason.setdefault(reason, []).append(layer.index)
+    problems = []
+    attn = method.attn_problem(profile.attn_implementation)
+    if attn is not None:
+        problems.append(attn)
+    for reason, indices in by_reason.items():
+        which = "layer" if len(indices) == 1 else "layers"
+        problems.append(f"{which} {_ranges(indices)}: {reason}")
+    return problems
+
+
+def _ranges(indices: list[int]) -> str:
+    out, start, prev = [], indices[0], indices[0]
+    for i in indices[1:] + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)
+
+
+def standard_problem(
+    method: str,
+    layer: LayerSpec,
+    seq_len: int | None,
+    *,
+    windows: bool = False,
+    chunks: bool = False,
+    sinks: bool = False,
+    softcap: bool = False,
+    mla: bool = False,
+    windows_checked_at_call: bool = False,
+) -> str | None:
+    """The reason shared by the built-in methods for a layer they do not compute exactly (``None``: exact).
+
+    The keyword flags say what the method's kernel applies exactly: sliding ``windows``, attention
+    ``chunks``, ``sinks``, logit ``softcap`` and ``mla`` (value heads of another size). Linear /
+    state-space mixers, unrecognised layers and position-scaled queries are refused by every built-in
+    method; ``mlp_only`` layers are exact under every split.
+    """
+    from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, UNKNOWN
+
+    if layer.kind == MLP_ONLY:
+        return None
+    if layer.kind == LINEAR:
+        return (
+            f"{layer.describe()} carries a state along the sequence, which {method} splits over the ranks "
+            "without passing the state on"
+        )
+    if layer.kind == UNKNOWN:
+        return f"{layer.describe()} is not known to be exact under {method}"
+    deferred = seq_len is None and windows_checked_at_call and layer.kind == "sliding_window"
+    if not layer.attends_like_full(seq_len) and not deferred:
+        if (layer.kind == "sliding_window" and not windows) or (layer.kind == "chunked_attention" and not chunks):
+            rows = f"the rows ({seq_len} tokens)" if seq_len else "the rows (their length is not known yet)"
+            return f"{layer.describe()} is shorter than {rows}: {method} computes full causal attention over the row"
+    if layer.sinks and not sinks:
+        return f"attention sinks (a per-head sink logit in every softmax), which {method} does not apply"
+    if layer.softcap and not softcap:
+        return f"attention logit softcapping ({layer.softcap:g}), which {method}'s kernel does not apply"
+    if layer.mla and not mla:
+        return (
+            f"value heads of size {layer.v_head_dim} and query/key heads of size {layer.qk_head_dim} (MLA), which "
+            f"{method}'s kernel does not take"
+        )
+    if layer.position_scaled:
+        return (
+            "queries scaled by their absolute position (Llama 4's attention temperature on NoPE layers), read "
+            "from cache_position, which each CP rank would compute from its own shard"
+        )
+    return None

@@ -1,0 +1,359 @@
+"""The model profile: what context parallelism needs to know about a model, read once.
+
+:func:`profile_model` inspects an HF causal LM (or VLM) from its config and, when given the model
+itself (real or on the meta device: no weights are needed), its modules. It lists every decoder
+layer's token mixer, which is what decides whether a CP method computes the layer exactly:
+
+- ``full_attention``: causal softmax attention over the whole row;
+- ``sliding_window``: causal attention limited to the last ``window`` tokens;
+- ``chunked_attention``: causal attention inside fixed chunks of ``chunk`` tokens (Llama 4);
+- ``linear_mixer``: linear attention or a state-space / convolution mixer (Gated DeltaNet, Mamba,
+  short convolutions): a state carried along the sequence, not a softmax over keys;
+- ``mlp_only``: no token mixer at all (a layer of MLP / MoE only): exact under every split;
+- ``unknown``: a layer this profile does not recognise (refused by every method).
+
+Per attention layer it also records attention sinks (gpt-oss), logit softcapping (Gemma 2), the
+query/key and value head sizes (MLA: DeepSeek-V3 has ``v_head_dim != qk_head_dim``), RoPE or NoPE,
+and whether the layer scales its queries by the absolute position (Llama 4's attention temperature
+on NoPE layers, which reads ``cache_position``). For the model: heads, KV heads, head size, VLM or
+not, and the attention implementation.
+
+Every check that depends on the model (the CP methods' exactness, head splitting, the dry run, the
+memory plan) reads this profile instead of re-deriving it from the config. It lives in
+``distributed`` (not ``models``) because the own-loop API checks a model against a method when the
+model is prepared, and ``distributed`` may not import ``models``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "FULL",
+    "SLIDING",
+    "CHUNKED",
+    "LINEAR",
+    "MLP_ONLY",
+    "UNKNOWN",
+    "LayerSpec",
+    "ModelProfile",
+    "profile_model",
+    "text_config",
+]
+
+FULL = "full_attention"
+SLIDING = "sliding_window"
+CHUNKED = "chunked_attention"
+LINEAR = "linear_mixer"
+MLP_ONLY = "mlp_only"
+UNKNOWN = "unknown"
+
+# transformers' config.layer_types values -> our kinds (a value not listed here is UNKNOWN)
+_CONFIG_LAYER_TYPES = {
+    "full_attention": FULL,
+    "attention": FULL,
+    "sliding_attention": SLIDING,
+    "chunked_attention": CHUNKED,
+    "linear_attention": LINEAR,
+    "mamba": LINEAR,
+    "conv": LINEAR,
+    "hybrid": LINEAR,  # attention + a linear/state-space mixer in one layer (Falcon-H1, Zamba2)
+    "hybrid_sliding": LINEAR,
+    "moe": MLP_ONLY,
+    "dense": MLP_ONLY,
+    "sparse": MLP_ONLY,
+}
+# class names of token mixers that carry a state along the sequence
+_LINEAR_MIXER = re.compile(r"DeltaNet|Mamba|SSM|ShortConv|LinearAttention|Lightning|Rwkv|Retention|Hyena|Mixer$")
+
+
+def text_config(config: Any) -> Any:
+    """The text (decoder) config of ``config``: ``config.get_text_config()`` where it exists, else ``config``."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer's token mixer.
+
+    Attributes:
+        index: the layer's index in the decoder stack.
+        kind: one of ``FULL``, ``SLIDING``, ``CHUNKED``, ``LINEAR``, ``MLP_ONLY``, ``UNKNOWN``.
+        window: the sliding window in tokens (``SLIDING``).
+        chunk: the attention chunk in tokens (``CHUNKED``).
+        sinks: the attention has per-head sink logits (gpt-oss).
+        softcap: the attention logits are soft-capped at this value (Gemma 2), else ``None``.
+        qk_head_dim, v_head_dim: head sizes of queries/keys and of values (they differ under MLA).
+        rope: the layer rotates q/k by position (``False``: NoPE).
+        position_scaled: the layer scales its queries by a function of the absolute position read from
+            ``cache_position`` (Llama 4's attention temperature on NoPE layers).
+        mixer: class name of the layer's linear/state-space mixer (``LINEAR``) or of what was not
+            recognised (``UNKNOWN``).
+        hybrid_attention: a ``LINEAR`` layer that also runs attention (Falcon-H1).
+    """
+
+    index: int
+    kind: str
+    window: int | None = None
+    chunk: int | None = None
+    sinks: bool = False
+    softcap: float | None = None
+    qk_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope: bool = True
+    position_scaled: bool = False
+    mixer: str = ""
+    hybrid_attention: bool = False
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind in (FULL, SLIDING, CHUNKED)
+
+    @property
+    def mla(self) -> bool:
+        """Value heads of another size than query/key heads (DeepSeek-V3's MLA)."""
+        return (
+            self.qk_head_dim is not None and self.v_head_dim is not None and self.qk_head_dim != self.v_head_dim
+        )
+
+    def attends_like_full(self, seq_len: int | None) -> bool:
+        """Whether the layer is plain causal attention over rows of ``seq_len`` tokens: a window or chunk
+        at least as long as the row never cuts anything (``None``: the row length is not known)."""
+        if self.kind == FULL:
+            return True
+        limit = self.window if self.kind == SLIDING else self.chunk if self.kind == CHUNKED else None
+        return limit is not None and seq_len is not None and limit >= seq_len
+
+    def describe(self) -> str:
+        """The layer kind in words, e.g. ``"sliding-window attention (window 16)"``."""
+        if self.kind == SLIDING:
+            text = f"sliding-window attention (window {self.window})"
+        elif self.kind == CHUNKED:
+            text = f"chunked attention (chunk {self.chunk})"
+        elif self.kind == LINEAR:
+            text = f"a linear-attention / state-space mixer ({self.mixer or 'recurrent state'})"
+        elif self.kind == MLP_ONLY:
+            text = "no token mixer"
+        elif self.kind == UNKNOWN:
+            text = f"an unrecognised token mixer ({self.mixer or '?'})"
+        else:
+            text = "full causal attention"
+        return text
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What CP needs to know about a model (:func:`profile_model`)."""
+
+    model_type: str
+    architecture: str
+    layers: tuple[LayerSpec, ...]
+    num_attention_heads: int | None
+    num_key_value_heads: int | None
+    head_dim: int | None
+    is_vlm: bool
+    attn_implementation: str | None
+    from_modules: bool  # the layers were read from the modules (else from the config alone)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def kinds(self) -> set[str]:
+        return {layer.kind for layer in self.layers}
+
+    def summary(self) -> str:
+        """One line for logs and the dry run, e.g. ``"4 layers: 2 full_attention, 2 sliding_window (16)"``."""
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            key = layer.kind
+            if layer.kind == SLIDING:
+                key += f" ({layer.window})"
+            elif layer.kind == CHUNKED:
+                key += f" ({layer.chunk})"
+            counts[key] = counts.get(key, 0) + 1
+        extras = []
+        if any(layer.sinks for layer in self.layers):
+            extras.append("sinks")
+        if any(layer.softcap for layer in self.layers):
+            extras.append("softcapping")
+        if any(layer.mla for layer in self.layers):
+            extras.append("MLA")
+        if any(not layer.rope for layer in self.layers if layer.is_attention):
+            extras.append("NoPE layers")
+        parts = ", ".join(f"{n} {k}" for k, n in counts.items())
+        return (
+            f"{len(self.layers)} layers: {parts}"
+            + (f"; {', '.join(extras)}" if extras else "")
+            + f"; heads {self.num_attention_heads} (kv {self.num_key_value_heads}); "
+            f"attn_implementation={self.attn_implementation}" + ("; VLM" if self.is_vlm else "")
+        )
+
+
+def _is_module(obj: Any) -> bool:
+    return hasattr(obj, "named_modules") and hasattr(obj, "config")
+
+
+def _decoder_layers(model: Any, n_layers: int) -> list[Any] | None:
+    """The decoder stack: the ``ModuleList`` of ``n_layers`` layers (the language model's, for a VLM)."""
+    import torch.nn as nn
+
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) != n_layers or n_layers == 0:
+            continue
+        if any(part in name.lower() for part in ("vision", "visual", "audio", "encoder")):
+            continue
+        first = type(module[0]).__name__
+        score = 2 if "Decoder" in first else 1 if ("Layer" in first or "Block" in first) else 0
+        if best is None or score > best[0]:
+            best = (score, list(module))
+    return best[1] if best is not None else None
+
+
+def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
+    """Refine ``base`` (from the config) with what the layer's modules show."""
+    import torch.nn as nn
+
+    attention, linear = None, None
+    for _, sub in layer.named_modules():
+        cls = type(sub).__name__
+        if sub is layer:
+            continue
+        if _LINEAR_MIXER.search(cls) and "MoE" not in cls and "Moe" not in cls and linear is None:
+            linear = cls
+        elif isinstance(sub, nn.Conv1d) and linear is None:
+            linear = f"{cls} (a convolution along the sequence)"
+        elif cls.endswith("Attention") and attention is None:
+            attention = sub
+    spec = dict(base.__dict__)
+    if linear is not None:
+        spec.update(kind=LINEAR, mixer=linear, hybrid_attention=attention is not None)
+        return LayerSpec(**spec)
+    if attention is None:
+        if base.kind in (MLP_ONLY, LINEAR, UNKNOWN):
+            return base
+        spec.update(kind=UNKNOWN, mixer=type(layer).__name__ + " (no attention module found)")
+        return LayerSpec(**spec)
+    if base.kind in (LINEAR, MLP_ONLY, UNKNOWN):  # the config said otherwise, the modules show attention
+        spec.update(kind=UNKNOWN, mixer=f"{type(attention).__name__} (config layer type {base.kind})")
+        return LayerSpec(**spec)
+    if isinstance(getattr(attention, "sinks", None), nn.Parameter):
+        spec["sinks"] = True
+    softcap = getattr(attention, "attn_logit_softcapping", None) or getattr(attention, "softcap", None)
+    if isinstance(softcap, (int, float)) and softcap:
+        spec["softcap"] = float(softcap)
+    qk = getattr(attention, "qk_head_dim", None) or getattr(attention, "head_dim", None)
+    v = getattr(attention, "v_head_dim", None) or qk
+    if isinstance(qk, int):
+        spec["qk_head_dim"] = qk
+    if isinstance(v, int):
+        spec["v_head_dim"] = v
+    return LayerSpec(**spec)
+
+
+def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
+    layer_types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    window = int(window) if isinstance(window, int) and window > 0 else None
+    if getattr(text, "use_sliding_window", True) is False:
+        window = None
+    chunk = getattr(text, "attention_chunk_size", None)
+    no_rope = getattr(text, "no_rope_layers", None)  # 1 = RoPE, 0 = NoPE (Llama 4, SmolLM3)
+    temperature = bool(getattr(text, "attn_temperature_tuning", False))
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (
+        text.hidden_size // heads if heads and getattr(text, "hidden_size", None) else None
+    )
+    qk = getattr(text, "qk_head_dim", None)
+    if qk is None and getattr(text, "qk_nope_head_dim", None) is not None:
+        qk = text.qk_nope_head_dim + getattr(text, "qk_rope_head_dim", 0)
+    v = getattr(text, "v_head_dim", None)
+    layers = []
+    for i in range(n_layers):
+        if layer_types is not None and i < len(layer_types):
+            kind = _CONFIG_LAYER_TYPES.get(layer_types[i], UNKNOWN)
+            mixer = layer_types[i] if kind in (UNKNOWN, LINEAR) else ""
+        else:
+            kind, mixer = (SLIDING if window is not None else FULL), ""
+        if kind == SLIDING and window is None:
+            kind = FULL
+        if kind == CHUNKED and not chunk:
+            kind = FULL
+        rope = bool(no_rope[i]) if isinstance(no_rope, (list, tuple)) and i < len(no_rope) else True
+        layers.append(
+            LayerSpec(
+                index=i,
+                kind=kind,
+                window=window if kind == SLIDING else None,
+                chunk=int(chunk) if kind == CHUNKED else None,
+                softcap=float(softcap) if softcap else None,
+                qk_head_dim=qk or head_dim,
+                v_head_dim=v or qk or head_dim,
+                rope=rope,
+                position_scaled=temperature and not rope,
+                mixer=mixer,
+            )
+        )
+    return layers
+
+
+def _architecture_of(config: Any) -> str:
+    """The model class a config builds: ``config.architectures[0]``, else transformers' causal-LM class."""
+    architectures = getattr(config, "architectures", None) or []
+    if architectures:
+        return str(architectures[0])
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers always has it
+        return type(config).__name__
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None), type(config).__name__)
+
+
+def profile_model(model_or_config: Any, attn_implementation: str | None = None) -> ModelProfile:
+    """Profile an HF model (preferred: its modules are read too; the meta device is fine) or its config.
+
+    Args:
+        model_or_config: a ``PreTrainedModel`` (any device, meta included; an FSDP2/TP-wrapped one too)
+            or a ``PretrainedConfig``.
+        attn_implementation: the implementation the run uses; default: the config's
+            ``_attn_implementation``.
+
+    Returns:
+        the :class:`ModelProfile`. Nothing is mutated.
+    """
+    is_model = _is_module(model_or_config)
+    config = model_or_config.config if is_model else model_or_config
+    text = text_config(config)
+    n_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    layers = _layers_from_config(text, n_layers)
+    notes: list[str] = []
+    from_modules = False
+    if is_model:
+        stack = _decoder_layers(model_or_config, n_layers)
+        if stack is None:
+            notes.append(f"no decoder stack of {n_layers} layers found; layer kinds read from the config")
+        else:
+            layers = [_layer_from_modules(layer, spec) for layer, spec in zip(stack, layers)]
+            from_modules = True
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (
+        text.hidden_size // heads if heads and getattr(text, "hidden_size", None) else None
+    )
+    attn = attn_implementation or getattr(config, "_attn_implementation", None)
+    architecture = type(model_or_config).__name__ if is_model else _architecture_of(config)
+    return ModelProfile(
+        model_type=str(getattr(config, "model_type", "?")),
+        architecture=architecture,
+        layers=tuple(layers),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        is_vlm=getattr(config, "vision_config", None) is not None,
+        attn_implementation=attn,
+        from_modules=from_modules,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,46 @@
+"""``distributed.cp_method: ring``: torch's ring attention (``context_parallel``) around SDPA.
+
+Rows are split head-tail (rank r holds chunks r and 2W-1-r of 2W); q stays, K/V shards rotate around
+the CP ranks and the partial outputs merge by log-sum-exp. Exact for plain causal attention over the
+whole row with ``sdpa`` (on CPU through :mod:`automodel.distributed.cpu_ring`): full-attention layers,
+and windows or chunks at least as long as the row. Refused: shorter sliding windows and chunks, sinks,
+softcapping, MLA value heads, linear / state-space mixers, eager or flex attention (ring replaces only
+SDPA: another kernel would attend within each rank's shard), packed rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from automodel.distributed.cp.method import BatchFn, CPMethod, standard_problem
+from automodel.distributed.cp.profile import LayerSpec
+
+__all__ = ["RingMethod"]
+
+
+class RingMethod(CPMethod):
+    name = "ring"
+    summary = "torch ring attention: k/v shards rotate around the CP ranks (plain causal SDPA only)"
+    attn_implementations = ("sdpa",)  # torch's context_parallel replaces SDPA with ring attention
+    supports_packed = False  # ring attention is causal over the whole row
+    supports_vlm = True
+    chunks_per_rank = 2
+    layout = "head_tail"
+
+    def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
+        return standard_problem(self.name, layer, seq_len)
+
+    def _batch_function(self) -> BatchFn:
+        from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+
+        return make_cp_batch_and_ctx
+
+    def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
+        n, c, tp = r.local_tokens, r.compute_bytes, r.tp
+        h, kv = d.hidden / tp, d.kv_heads * d.head_dim / tp
+        fwd = 4 * kv * c + 2 * (h + d.heads / tp) * 4
+        bwd = 4 * kv * c + 4 * kv * 4 + (h + 2 * kv) * 4
+        return n * max(fwd, bwd), "ring: K/V blocks in flight, fp32 partial outputs and dK/dV rotation"
+
+    def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
+        return [f"  ring attention           k,v rotate around the ring of {cp_size} (cp_size - 1 exchanges per layer)"]

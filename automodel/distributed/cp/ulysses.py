@@ -1,0 +1,66 @@
+"""``distributed.cp_method: ulysses``: all-to-all around the model's own attention kernel.
+
+Each rank holds a contiguous slice of every row; an all-to-all before attention trades it for all
+tokens of ``H / cp`` heads, the unchanged inner kernel (sdpa, eager, flex) runs on the whole row with
+the global mask (causal, padding, documents, the layer's sliding window), and a second all-to-all
+trades back. Exact for full and sliding-window attention, softcapping (eager), MLA head sizes and
+packed documents. Refused: chunked attention shorter than the row, sinks (they would have to be
+sharded with the heads), linear / state-space mixers. Needs ``num_attention_heads % cp_size == 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel, standard_problem
+from automodel.distributed.cp.profile import LayerSpec
+
+__all__ = ["UlyssesMethod"]
+
+
+class UlyssesMethod(CPMethod):
+    name = "ulysses"
+    summary = "all-to-all: each rank runs the unchanged attention kernel on the whole row for H/cp heads"
+    attn_implementations = ("sdpa", "eager", "flex_attention")  # the inner kernel, on the whole row
+    supports_packed = True  # the global mask keeps document boundaries
+    supports_vlm = True
+    chunks_per_rank = 1
+    layout = "contiguous"
+    splits_heads = True
+
+    def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
+        return standard_problem(self.name, layer, seq_len, windows=True, softcap=True, mla=True)
+
+    def prepare_model(self, model: Any, device_mesh: Any) -> PreparedModel:
+        from automodel.distributed.ulysses import ULYSSES_ATTN_NAME, set_ulysses_attention
+
+        previous = set_ulysses_attention(model, device_mesh)
+        return PreparedModel(module=model, previous_attn=previous, current_attn=ULYSSES_ATTN_NAME)
+
+    def batch_function(self, prepared: PreparedModel | None = None, **options: Any) -> BatchFn:
+        if prepared is not None and prepared.switched:
+            options = {"inner_attn": prepared.previous_attn, **options}
+        return super().batch_function(prepared, **options)
+
+    def _batch_function(self) -> BatchFn:
+        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx
+
+        return make_ulysses_batch_and_ctx
+
+    def attention_extent(self, d: Any, r: Any) -> tuple[int, int, int]:
+        return d.heads // r.tp // r.cp, r.seq, r.seq  # H/cp heads over the whole row
+
+    def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
+        n, c, tp = r.local_tokens, r.compute_bytes, r.tp
+        h = d.hidden / tp
+        kv_local = d.kv_heads // tp
+        kv_sent = kv_local * (r.cp // math.gcd(kv_local, r.cp)) * d.head_dim
+        return 2 * (2 * h + 2 * kv_sent) * c * n, "ulysses all-to-all buffers of q, k, v and the output"
+
+    def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
+        kv_sent = kv * (cp_size // math.gcd(kv, cp_size))  # kv heads are replicated when cp does not divide them
+        return [
+            f"  all-to-all (ulysses)   q / k,v -> [{b}, {heads // cp_size}, {seq}, {head_dim}] / "
+            f"[{b}, {kv_sent // cp_size}, {seq}, {head_dim}]: the inner kernel {attn!r} sees the whole row"
+        ]

@@ -1,0 +1,50 @@
+"""The recipe's exactness check of a model against its CP method, before any weight loads.
+
+The model is built on the meta device (no memory, no weights read), profiled
+(:func:`automodel.distributed.cp.profile_model`: every decoder layer's mixer kind, sinks, MLA head
+sizes, heads) and checked against ``distributed.cp_method`` for rows of ``data.seq_len`` tokens. The
+trainer and the dry run both call :func:`check_model_for_cp_run`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from automodel.distributed.cp import ModelProfile, check_model_config_for_cp, profile_model
+
+__all__ = ["check_model_for_cp_run", "profile_for_run"]
+
+
+def profile_for_run(cfg: Any, resolved: Any, attn_implementation: str) -> ModelProfile:
+    """The :class:`~automodel.distributed.cp.ModelProfile` of the run's model, built on the meta device.
+
+    ``cfg``: a RecipeConfig; ``resolved``: :func:`automodel.models.loader.resolve_model_config`'s result.
+    """
+    import torch
+
+    from automodel.models.loader import build_model
+
+    model = build_model(cfg.model, resolved, attn_implementation=attn_implementation, seed=cfg.recipe.seed, meta=True)
+    try:
+        return profile_model(model, attn_implementation=attn_implementation)
+    finally:
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def check_model_for_cp_run(cfg: Any, resolved: Any, attn_implementation: str) -> ModelProfile | None:
+    """Refuse a model the run's CP method does not compute exactly; return its profile (``None`` at cp_size 1).
+
+    Raises:
+        automodel.errors.CPUnsupportedError: a layer kind the method does not compute exactly on rows of
+            ``data.seq_len`` tokens; the message names the layers, the method and the methods that would.
+        automodel.errors.UserInputError: heads the method cannot split over ``cp_size``; a VLM with a
+            method that takes no merged embeddings.
+    """
+    d = cfg.distributed
+    if d.cp_size <= 1:
+        return None
+    profile = profile_for_run(cfg, resolved, attn_implementation)
+    check_model_config_for_cp(d.cp_method, profile, d.cp_size, d.tp_size, seq_len=cfg.data.seq_len)
+    return profile
