@@ -19,6 +19,7 @@ checkpointing redo exactly the same arithmetic and are held to 1e-6.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,7 +66,13 @@ def test_reference_trains(runs):
 
 @pytest.mark.parametrize(
     "name, ref_name",
-    [("cp2", "ref"), ("dp2", "ref"), ("ulysses_cp2", "ref"), ("ulysses_packed_cp2", "packed_ref")],
+    [
+        ("cp2", "ref"),
+        ("dp2", "ref"),
+        ("ulysses_cp2", "ref"),
+        ("ulysses_packed_cp2", "packed_ref"),
+        ("toy_cp2", "ref"),  # a method registered by the test (tests/toy_cp_method.py)
+    ],
 )
 def test_parallel_run_matches_single_device(runs, name, ref_name):
     ref, run = runs[ref_name], runs[name]
@@ -165,3 +172,15 @@ def test_run_directory_contents(runs):
     assert summary["final_step"] == 8 and summary["last_loss"] == pytest.approx(runs["cp2"]["losses"][8])
     assert (run_dir / "checkpoints" / "step_8" / "meta.json").is_file()  # checkpoint.save_final=true
     assert torch.load(run_dir / "checkpoints" / "step_8" / "rank_1.pt", weights_only=False)["step"] == 8
+
+
+def test_a_registered_toy_method_runs_through_the_recipe(runs):
+    """A new method is one module plus one registry entry: the recipe, its self-check (on by default at
+    cp_size > 1) and the dry run take it with no other edit."""
+    toy = runs["toy_cp2"]
+    assert toy["cp_method"] == "toy_ring_a2a"
+    self_check = json.loads((Path(toy["run_dir"]) / "cp_self_check.json").read_text())
+    assert self_check["cp_method"] == "toy_ring_a2a" and self_check["passed"]
+    dry = runs["toy_dry_run"]
+    assert "cp_method toy_ring_a2a (toy: ring attention with all-to-all K/V rotation)" in dry
+    assert "toy: K/V blocks in flight" in dry  # its memory term

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.cp.group import resolve_cp_group
+
 __all__ = ["resolve_group", "GatherFromContextParallelRanks"]
 
 
@@ -24,31 +26,10 @@ __all__ = ["resolve_group", "GatherFromContextParallelRanks"]
 
 
 def resolve_group(group: Any = None) -> tuple[ProcessGroup | None, int, int]:
-    """``(group, world_size, rank)`` of a ProcessGroup, a DeviceMesh (its ``"cp"`` dim) or ``None``.
-
-    ``None`` means the default group when ``torch.distributed`` is initialised, else a group of one.
-    """
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1, 0
-        return None, dist.get_world_size(), dist.get_rank()
-    if isinstance(group, ProcessGroup):
-        return group, dist.get_world_size(group), dist.get_rank(group)
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(group, DeviceMesh):
-        raise TypeError(
-            f"expected a ProcessGroup, a DeviceMesh (with a 'cp' dim, or 1-D) or None; got {type(group).__name__}"
-        )
-    names = tuple(group.mesh_dim_names or ())
-    if "cp" in names:
-        mesh = group["cp"] if group.ndim > 1 else group
-    elif group.ndim == 1:
-        mesh = group
-    else:
-        raise ValueError(f"the device mesh has dims {names} and none is named 'cp'; pass the CP mesh or group")
-    pg = mesh.get_group()
-    return pg, dist.get_world_size(pg), dist.get_rank(pg)
+    """``(group, world_size, rank)`` of a ProcessGroup, a DeviceMesh (its ``"cp"`` dim, or any 1-D mesh) or
+    ``None`` (the default group when ``torch.distributed`` is initialised, else a group of one).
+    :func:`automodel.distributed.cp.group.resolve_cp_group` with the multimodal primitives' conventions."""
+    return resolve_cp_group(group, default_world=True, keep_single=True, any_1d_mesh=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

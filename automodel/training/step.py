@@ -1,7 +1,7 @@
 """One micro-batch: prepare the batch, CP-shard it, forward + loss + backward inside the train context.
 
 The contract with :mod:`automodel.distributed.cp_utils` (and every other CP method of
-:mod:`automodel.training.cp_dispatch`):
+:mod:`automodel.distributed.cp`):
 
 1. the label tokens are counted on the whole, unsharded batch (the caller does this for all
    micro-batches of a step and all-reduces over dp, giving ``num_label_tokens``);
@@ -140,7 +140,7 @@ def run_micro_batch(
         batch: from :func:`prepare_batch`: ``input_ids``/``labels`` ``[B, S]`` int64, optional
             ``position_ids``, packed-row metadata. Consumed (the CP method may shard it in place).
         device_mesh: the full mesh (the CP method uses its ``cp`` dim).
-        cp_fn: the method's batch/context function (:func:`automodel.training.cp_dispatch.get_cp_batch_fn`).
+        cp_fn: the method's batch/context function (:meth:`automodel.distributed.cp.CPMethod.batch_function`).
         train_context: ``cp_ctx -> factory`` (``get_train_context`` with the run's flags bound).
         num_label_tokens: label tokens of the whole global batch (all micro-batches, all dp ranks).
         backward: back-propagate ``CE sum / num_label_tokens`` (False for validation: no graph).

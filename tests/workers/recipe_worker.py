@@ -187,6 +187,17 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     results["resume_first"] = first
     results["resume_second"] = second
 
+    # A toy method registered here (tests/toy_cp_method.py), run by the recipe with no other edit; the
+    # dry run plans it too (its memory terms and description come from the interface)
+    from automodel.training.dry_run import dry_run_report
+    from tests.toy_cp_method import NAME, register
+
+    register()
+    toy = ["distributed.cp_size=2", f"distributed.cp_method={NAME}"]
+    results["toy_cp2"] = _summary(*_run(world_size, out_dir, "toy_cp2", toy))
+    argv = ["--config", CP, *TINY, f"recipe.output_dir={out_dir / 'toy_dry'}", *toy, "recipe.dry_run=true"]
+    results["toy_dry_run"] = dry_run_report(load_config(argv, world_size=world_size)) if rank == 0 else None
+
     # Ulysses cp=2 (configs/cp_ulysses.yaml), plain rows and packed rows
     results["ulysses_cp2"] = _summary(
         *_run(world_size, out_dir, "ulysses_cp2", ["distributed.cp_size=2"], config=ULYSSES)

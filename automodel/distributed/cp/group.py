@@ -19,16 +19,21 @@ def get_cp_mesh(device_mesh: Any) -> Any:
     return device_mesh["cp"] if len(names) > 1 else device_mesh
 
 
-def resolve_cp_group(device_mesh: Any, *, default_world: bool = False) -> tuple[Any, int, int]:
+def resolve_cp_group(
+    device_mesh: Any, *, default_world: bool = False, keep_single: bool = False, any_1d_mesh: bool = False
+) -> tuple[Any, int, int]:
     """``(group, world_size, rank)`` of the CP group given as a mesh, a process group or ``None``.
 
     Args:
         device_mesh: a ``DeviceMesh`` with a ``"cp"`` dim, an unnamed 1-D (CP) mesh, a ``ProcessGroup``, or ``None``.
         default_world: with ``None``, take the default group's size and rank (the group is still
             returned as ``None``); otherwise ``None`` means no CP: ``(None, 1, 0)``.
+        keep_single: return the group even when its size is 1 (the multimodal primitives' convention).
+        any_1d_mesh: take any 1-D mesh as the CP mesh, whatever its dim name (else only an unnamed one).
 
     Returns:
-        ``group`` is ``None`` when the CP size is 1 (nothing to communicate) or ``device_mesh`` is ``None``.
+        ``group`` is ``None`` when ``device_mesh`` is ``None``, and when the CP size is 1 (nothing to
+        communicate) unless ``keep_single``.
 
     Raises:
         TypeError: not a mesh, a process group or ``None``.
@@ -47,7 +52,7 @@ def resolve_cp_group(device_mesh: Any, *, default_world: bool = False) -> tuple[
         names = tuple(device_mesh.mesh_dim_names or ())
         if "cp" in names:
             mesh = device_mesh["cp"] if device_mesh.ndim > 1 else device_mesh
-        elif device_mesh.ndim == 1 and not names:
+        elif device_mesh.ndim == 1 and (not names or any_1d_mesh):
             mesh = device_mesh  # an unnamed 1-D mesh is taken as the CP mesh
         else:
             raise ValueError(
@@ -61,4 +66,4 @@ def resolve_cp_group(device_mesh: Any, *, default_world: bool = False) -> tuple[
             f"{type(device_mesh).__name__}"
         )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    return (group if world > 1 else None), world, rank
+    return (group if world > 1 or keep_single else None), world, rank
