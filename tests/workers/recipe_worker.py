@@ -38,6 +38,7 @@ TINY = [
     "export.enabled=false",
     "logging.progress_bar=false",
     "logging.plot=false",
+    "recipe.cp_self_check=false",  # on by default at cp > 1; its own tests (and the toy method's run) turn it on
 ]
 
 
@@ -193,7 +194,7 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     from tests.toy_cp_method import NAME, register
 
     register()
-    toy = ["distributed.cp_size=2", f"distributed.cp_method={NAME}"]
+    toy = ["distributed.cp_size=2", f"distributed.cp_method={NAME}", "recipe.cp_self_check=true"]
     results["toy_cp2"] = _summary(*_run(world_size, out_dir, "toy_cp2", toy))
     argv = ["--config", CP, *TINY, f"recipe.output_dir={out_dir / 'toy_dry'}", *toy, "recipe.dry_run=true"]
     results["toy_dry_run"] = dry_run_report(load_config(argv, world_size=world_size)) if rank == 0 else None
