@@ -20,6 +20,7 @@ unmatched collective behind) the mesh is rebuilt with fresh groups before the ne
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import traceback
 from datetime import timedelta
@@ -213,6 +214,8 @@ def main(rank: int, world_size: int, families: list[str] | None = None, methods=
     import transformers
 
     transformers.logging.set_verbosity_error()
+    # a crashing cell's DTensor op logs its whole traceback from fake-tensor propagation; the cell records it
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     t_start = time.perf_counter()
     agree_group = dist.new_group(backend="gloo")  # outcomes travel here, never on a possibly broken CP group
     row = make_row()
