@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Run the CP family x method matrix and write docs/support_matrix.md.
+
+Launches tests/workers/family_matrix_worker.py on 2 local gloo ranks (CPU), the same run as
+tests/test_family_matrix.py: every family of tests/family_matrix.py, each CP method (ring, ulysses,
+thd) at cp=2 against one process. Writes the table and exits 1 when any cell is wrong or crashes
+(printing those cells); 0 when every cell is exact or refused.
+
+    PYTHONPATH=. python scripts/support_table.py                  # rewrite docs/support_matrix.md
+    PYTHONPATH=. python scripts/support_table.py --check          # only compare the table with the file
+    PYTHONPATH=. python scripts/support_table.py --families llama,mistral --out /tmp/m.md --traceback
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.dist_harness import run_distributed  # noqa: E402
+from tests.family_matrix import (  # noqa: E402
+    DOC_PATH,
+    REGENERATE,
+    TABLE_END,
+    TABLE_START,
+    failures,
+    render_markdown,
+    table_section,
+)
+
+WORKER = "tests.workers.family_matrix_worker:main"
+
+
+def run_matrix(families: list[str] | None = None, timeout: float = 600.0) -> dict:
+    """Rank 0's result of one launch of the matrix worker (2 gloo ranks)."""
+    return run_distributed(WORKER, world_size=2, timeout=timeout, families=families)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / DOC_PATH), help="where to write the markdown")
+    parser.add_argument("--families", default=None, help="comma-separated family names (default: all)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the launch is killed")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file's table is stale")
+    parser.add_argument("--traceback", action="store_true", help="print the traceback of every crashed cell")
+    args = parser.parse_args(argv)
+
+    families = args.families.split(",") if args.families else None
+    t0 = time.perf_counter()
+    result = run_matrix(families, args.timeout)
+    print(f"matrix: {len(result['cells'])} families x {len(result['methods'])} methods, worker "
+          f"{result['seconds']:.1f} s, launch {time.perf_counter() - t0:.1f} s")
+    markdown = render_markdown(result)
+    out = Path(args.out)
+    if args.check:
+        current = out.read_text() if out.exists() else ""
+        has_table = TABLE_START in current and TABLE_END in current
+        if not has_table or table_section(current) != table_section(markdown):
+            print(f"{out} is out of date; regenerate it with: {REGENERATE}")
+            return 1
+        print(f"{out} is up to date")
+    else:
+        out.write_text(markdown)
+        print(f"wrote {out}")
+    bad = failures(result)
+    for family, method, cell in bad:
+        print(f"{cell['status'].upper():6s} {family} / {method}: {cell['detail']}")
+        if args.traceback and cell.get("traceback"):
+            print(cell["traceback"])
+    if bad:
+        print(f"{len(bad)} cells are wrong or crash (must be exact or refused)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,476 @@
+"""The causal-LM families of the CP support matrix (tests/test_family_matrix.py, scripts/support_table.py).
+
+Each :class:`Family` builds a tiny fp32 config of one transformers ``model_type`` (hidden 64, 4 query /
+2 KV heads of 16 where the family has those knobs, 2-4 layers, vocab 128) whose layers exercise the
+kinds named in its ``kinds`` tag, with windows and chunks of :data:`WINDOW` tokens so that a row of
+:data:`SEQ` tokens split over 2 ranks crosses them. ``attn`` is the attention implementation the family
+really trains with: ``sdpa`` where the model class supports it, otherwise transformers' default
+(``eager``); the worker checks that against the class.
+
+Layer-kind tags (joined with ``+``): ``full`` dense causal attention, ``sliding`` sliding-window
+layers, ``chunked`` chunked attention, ``nope`` layers without RoPE, ``softcap`` attention logit
+soft-capping, ``sinks`` attention sinks, ``mla`` multi-head latent attention (V head dim != QK head
+dim), ``moe`` mixture-of-experts MLPs, ``alibi`` ALiBi position bias, ``abspos`` learned absolute
+positions, ``linear`` linear-attention mixers (Gated DeltaNet and relatives), ``mamba`` Mamba/SSM
+mixers, ``conv`` short-convolution mixers.
+
+:data:`UNBUILDABLE` lists families considered and left out, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SEQ = 64  # tokens per row (a multiple of 2*cp for ring/thd at cp=2; 4 windows long)
+WINDOW = 16  # sliding window / attention chunk, in tokens
+VOCAB = 128
+CP = 2
+
+__all__ = ["CP", "FAMILIES", "SEQ", "UNBUILDABLE", "VOCAB", "WINDOW", "Family", "family_by_name"]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_type: str
+    config_kwargs: dict[str, Any]
+    kinds: str
+    attn: str = "sdpa"
+    train_mode: bool = True  # False only where training mode is random by design (noted in `note`)
+    note: str = ""
+
+    def build_config(self):
+        """A tiny fp32 config of this family (no download), every dropout probability set to 0."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(self.model_type, **self.config_kwargs)
+        for key, value in list(vars(config).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
+                setattr(config, key, 0.0)
+        return config
+
+    def build_model(self, seed: int = 0):
+        """The model from :meth:`build_config` with ``attn`` and weights drawn from ``seed``, in train mode."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            self.build_config(), attn_implementation=self.attn, dtype=torch.float32
+        )
+        return model.train(self.train_mode)
+
+
+_DENSE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _kw(*, drop: tuple[str, ...] = (), **over: Any) -> dict[str, Any]:
+    kw = {k: v for k, v in _DENSE.items() if k not in drop}
+    kw.update(over)
+    return kw
+
+
+def _alternate(n: int, a: str, b: str) -> list[str]:
+    return [a if i % 2 == 0 else b for i in range(n)]
+
+
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+               mamba_expand=2, mamba_chunk_size=16)
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=8)
+_GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4)
+
+FAMILIES: list[Family] = [
+    # --- dense full causal attention
+    Family("llama", "llama", _kw(), "full"),
+    Family("qwen2", "qwen2", _kw(), "full"),
+    Family("qwen3", "qwen3", _kw(), "full"),
+    Family("gemma", "gemma", _kw(), "full"),
+    Family("olmo", "olmo", _kw(), "full"),
+    Family("olmo2", "olmo2", _kw(), "full"),
+    Family("granite", "granite", _kw(drop=("head_dim",)), "full"),
+    Family("glm", "glm", _kw(), "full"),
+    Family("glm4", "glm4", _kw(), "full"),
+    Family("phi", "phi", _kw(drop=("head_dim",), resid_pdrop=0.0, embd_pdrop=0.0), "full"),
+    Family("stablelm", "stablelm", _kw(drop=("head_dim",), hidden_dropout=0.0), "full"),
+    Family("helium", "helium", _kw(), "full"),
+    Family("cohere", "cohere", _kw(drop=("head_dim",)), "full"),
+    Family("ernie4_5", "ernie4_5", _kw(), "full"),
+    Family("seed_oss", "seed_oss", _kw(), "full"),
+    Family("apertus", "apertus", _kw(), "full"),
+    Family("nemotron", "nemotron", _kw(), "full"),
+    Family("arcee", "arcee", _kw(), "full"),
+    Family("internlm3", "internlm3", _kw(), "full"),
+    Family("exaone", "exaone", _kw(), "full"),
+    Family("hunyuan_v1_dense", "hunyuan_v1_dense", _kw(), "full"),
+    Family("jais2", "jais2", _kw(), "full"),
+    Family("nanochat", "nanochat", _kw(), "full"),
+    Family("bitnet", "bitnet", _kw(), "full"),
+    Family("persimmon", "persimmon", _kw(drop=("head_dim",), hidden_dropout=0.0), "full"),
+    Family("diffllama", "diffllama", _kw(), "full+differential"),
+    Family("doge", "doge", _kw(), "full+dynamic-mask"),
+    Family("falcon", "falcon", _kw(drop=("head_dim",), new_decoder_architecture=True, num_kv_heads=2, alibi=False),
+           "full"),
+    Family("gptj", "gptj", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
+                                tie_word_embeddings=False), "full"),
+    Family("codegen", "codegen", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                      rotary_dim=8, tie_word_embeddings=False), "full"),
+    Family("gpt_neox", "gpt_neox", _kw(drop=("head_dim", "num_key_value_heads"), hidden_dropout=0.0), "full"),
+    Family("gpt2", "gpt2", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False),
+           "full+abspos"),
+    Family("gpt_bigcode", "gpt_bigcode", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                              multi_query=True, tie_word_embeddings=False), "full+abspos"),
+    Family("opt", "opt", _kw(drop=("head_dim", "num_key_value_heads"), ffn_dim=128, word_embed_proj_dim=64),
+           "full+abspos"),
+    Family("bloom", "bloom", dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
+                                  attention_dropout=0.0, tie_word_embeddings=False), "full+alibi", attn="eager"),
+    Family("mpt", "mpt", dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=256,
+                              expansion_ratio=2, tie_word_embeddings=False), "full+alibi", attn="eager"),
+    # --- sliding windows
+    Family("mistral", "mistral", _kw(sliding_window=WINDOW), "sliding"),
+    Family("ministral", "ministral", _kw(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+           "sliding+full"),
+    Family("gemma2", "gemma2", _kw(sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                   layer_types=["sliding_attention", "full_attention"]),
+           "sliding+full+softcap", attn="eager"),
+    Family("gemma3_text", "gemma3_text", _kw(sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                             layer_types=["sliding_attention", "full_attention"]),
+           "sliding+full"),
+    Family("phi3", "phi3", _kw(drop=("head_dim",), sliding_window=WINDOW, resid_pdrop=0.0, embd_pdrop=0.0),
+           "sliding"),
+    Family("smollm3", "smollm3", _kw(use_sliding_window=True, sliding_window=WINDOW, num_hidden_layers=4,
+                                     no_rope_layer_interval=2,
+                                     layer_types=["sliding_attention", "full_attention"] * 2),
+           "sliding+full+nope"),
+    Family("cohere2", "cohere2", _kw(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+           "sliding+full"),
+    Family("starcoder2", "starcoder2", _kw(drop=("head_dim",), sliding_window=WINDOW, residual_dropout=0.0,
+                                           embedding_dropout=0.0), "sliding"),
+    Family("exaone4", "exaone4", _kw(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+           "sliding+full"),
+    Family("vaultgemma", "vaultgemma", _kw(sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                           layer_types=["sliding_attention", "full_attention"]),
+           "sliding+full+softcap", attn="eager"),
+    Family("granite_swa", "granite_swa", _kw(drop=("head_dim",), sliding_window=WINDOW,
+                                             layer_types=["sliding_attention", "full_attention"]), "sliding+full",
+           attn="eager"),
+    Family("olmo3", "olmo3", _kw(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+           "sliding+full"),
+    Family("cwm", "cwm", _kw(sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"]),
+           "sliding+full"),
+    Family("gemma3n_text", "gemma3n_text", _kw(sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                               layer_types=["sliding_attention", "full_attention"],
+                                               hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                                               laurel_rank=8, altup_num_inputs=2, num_kv_shared_layers=0,
+                                               activation_sparsity_pattern=[0.0, 0.0], intermediate_size=[128, 128]),
+           "sliding+full"),
+    Family("gemma4_text", "gemma4_text", _kw(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                             vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
+           "sliding+full"),
+    Family("gpt_neo", "gpt_neo", dict(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                                      attention_types=[[["global", "local"], 1]], window_size=WINDOW,
+                                      max_position_embeddings=256, tie_word_embeddings=False),
+           "sliding+full+abspos", attn="eager"),
+    # --- mixture of experts (some with windows)
+    Family("mixtral", "mixtral", _kw(sliding_window=WINDOW, **_MOE), "sliding+moe"),
+    Family("qwen2_moe", "qwen2_moe", _kw(shared_expert_intermediate_size=64, **_QWEN_MOE), "full+moe"),
+    Family("qwen3_moe", "qwen3_moe", _kw(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0,
+                                         **_QWEN_MOE), "sliding+moe"),
+    Family("olmoe", "olmoe", _kw(num_experts=4, num_experts_per_tok=2), "full+moe"),
+    Family("phimoe", "phimoe", _kw(drop=("head_dim",), sliding_window=WINDOW, router_jitter_noise=0.0,
+                                   input_jitter_noise=0.0, **_MOE), "sliding+moe", train_mode=False,
+           note="run in eval mode: in training mode its router (sparsemixer) draws random numbers per token"),
+    Family("glm4_moe", "glm4_moe", _kw(drop=("head_dim",), n_routed_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, first_k_dense_replace=1), "full+moe"),
+    Family("cohere2_moe", "cohere2_moe", _kw(sliding_window=WINDOW, num_experts=4, num_experts_per_tok=2,
+                                             layer_types=["sliding_attention", "full_attention"]), "sliding+full+moe"),
+    Family("jetmoe", "jetmoe", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                                    kv_channels=16, intermediate_size=64, num_local_experts=4,
+                                    num_experts_per_tok=2, tie_word_embeddings=False), "full+moe"),
+    Family("dbrx", "dbrx", dict(vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
+                                attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                                ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}),
+           "full+moe"),
+    Family("minimax_m2", "minimax_m2", _kw(**_MOE), "full+moe"),
+    Family("hunyuan_v1_moe", "hunyuan_v1_moe", _kw(num_experts=4, moe_topk=2), "full+moe"),
+    Family("ernie4_5_moe", "ernie4_5_moe", _kw(moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+                                               moe_layer_start_index=1), "full+moe"),
+    Family("dots1", "dots1", _kw(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, first_k_dense_replace=1, sliding_window=WINDOW,
+                                 layer_types=["sliding_attention", "full_attention"]), "sliding+full+moe"),
+    Family("afmoe", "afmoe", _kw(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1,
+                                 sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+           "sliding+full+moe"),
+    Family("granitemoe", "granitemoe", _kw(drop=("head_dim",), **_MOE), "full+moe"),
+    # --- multi-head latent attention
+    Family("deepseek_v3", "deepseek_v3", _kw(drop=("head_dim",), num_key_value_heads=4, kv_lora_rank=32,
+                                             q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                             v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                             n_group=2, topk_group=1, moe_intermediate_size=32,
+                                             first_k_dense_replace=1, rope_interleave=True),
+           "mla+moe"),
+    Family("deepseek_v2", "deepseek_v2", _kw(drop=("head_dim",), num_key_value_heads=4, kv_lora_rank=32,
+                                             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                             v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, n_shared_experts=1,
+                                             first_k_dense_replace=1), "mla+moe"),
+    Family("minicpm3", "minicpm3", _kw(drop=("head_dim",), num_key_value_heads=4, kv_lora_rank=32,
+                                       q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8),
+           "mla"),
+    Family("longcat_flash", "longcat_flash", _kw(drop=("num_hidden_layers",), num_layers=1, num_key_value_heads=4,
+                                                 kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+                                                 qk_nope_head_dim=16, head_dim=8, v_head_dim=8, n_routed_experts=4,
+                                                 moe_topk=2, expert_ffn_hidden_size=32, ffn_hidden_size=64,
+                                                 zero_expert_num=2), "mla+moe"),
+    Family("glm4_moe_lite", "glm4_moe_lite", _kw(drop=("head_dim",), n_routed_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, first_k_dense_replace=1, **_MLA), "mla+moe"),
+    Family("youtu", "youtu", _kw(drop=("head_dim",), **_MLA), "mla"),
+    # --- sparse attention picked by an indexer (DeepSeek sparse attention)
+    Family("deepseek_v32", "deepseek_v32", _kw(drop=("head_dim",), num_key_value_heads=4, kv_lora_rank=32,
+                                               q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                               v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                               topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                                               index_n_heads=2, index_head_dim=16, index_topk=WINDOW),
+           "dsa+mla+moe"),
+    Family("glm_moe_dsa", "glm_moe_dsa", _kw(drop=("head_dim",), num_key_value_heads=4, kv_lora_rank=32,
+                                             q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+                                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             first_k_dense_replace=1, index_n_heads=2, index_head_dim=16,
+                                             index_topk=WINDOW), "dsa+mla+moe"),
+    # --- attention sinks, chunked attention
+    Family("gpt_oss", "gpt_oss", _kw(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_MOE),
+           "sinks+sliding+full+moe", attn="eager"),
+    Family("llama4_text", "llama4_text", _kw(num_hidden_layers=2, attention_chunk_size=WINDOW,
+                                             intermediate_size_mlp=128, num_local_experts=2,
+                                             num_experts_per_tok=1, no_rope_layers=[1, 0],
+                                             layer_types=["chunked_attention", "full_attention"],
+                                             attn_temperature_tuning=False),
+           "chunked+full+nope+moe"),
+    # --- hybrids: linear attention, state-space and convolution mixers
+    Family("qwen3_next", "qwen3_next", _kw(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                           shared_expert_intermediate_size=64, **_QWEN_MOE, **_GDN),
+           "linear+full+moe"),
+    Family("qwen3_5_moe_text", "qwen3_5_moe_text", _kw(num_hidden_layers=2,
+                                                       layer_types=["linear_attention", "full_attention"],
+                                                       shared_expert_intermediate_size=64, **_QWEN_MOE, **_GDN),
+           "linear+full+moe"),
+    Family("qwen3_5_text", "qwen3_5_text", _kw(num_hidden_layers=2,
+                                               layer_types=["linear_attention", "full_attention"], **_GDN),
+           "linear+full"),
+    Family("olmo_hybrid", "olmo_hybrid", _kw(drop=("head_dim",), num_hidden_layers=2,
+                                             layer_types=["linear_attention", "full_attention"],
+                                             linear_num_key_heads=4, linear_num_value_heads=4,
+                                             linear_key_head_dim=16, linear_value_head_dim=16),
+           "linear+full"),
+    Family("falcon_h1", "falcon_h1", _kw(drop=("head_dim",), mamba_d_ssm=128, **_MAMBA2), "mamba+full"),
+    Family("bamba", "bamba", _kw(drop=("head_dim",), attn_layer_indices=[1], **_MAMBA2), "mamba+full"),
+    Family("granitemoehybrid", "granitemoehybrid", _kw(drop=("head_dim",), shared_intermediate_size=64,
+                                                       layer_types=["mamba", "attention"], **_MOE, **_MAMBA2),
+           "mamba+full+moe"),
+    Family("jamba", "jamba", _kw(drop=("head_dim",), num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+                                 expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                                 use_mamba_kernels=False, mamba_d_state=8, mamba_dt_rank=8),
+           "mamba+full+moe"),
+    Family("minimax", "minimax", _kw(layer_types=["linear_attention", "full_attention"], block_size=16, **_MOE),
+           "linear+full+moe"),
+    Family("kimi_linear", "kimi_linear", _kw(drop=("head_dim",), num_key_value_heads=4, kv_lora_rank=32,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+                                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             layer_types=["linear_attention", "full_attention"],
+                                             linear_head_dim=16, linear_num_heads=4), "linear+mla+moe"),
+    Family("zamba2", "zamba2", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                    layers_block_type=["mamba", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
+                                    chunk_size=16, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=4, use_mamba_kernels=False, tie_word_embeddings=False),
+           "mamba+full"),
+    Family("zamba", "zamba", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, attn_layer_period=2,
+                                  attn_layer_offset=1, num_attention_heads=4, num_key_value_heads=4, mamba_d_state=8,
+                                  n_mamba_heads=2, intermediate_size=128, use_mamba_kernels=False,
+                                  tie_word_embeddings=False), "mamba+full"),
+    Family("nemotron_h", "nemotron_h", _kw(layers_block_type=["mamba", "attention"], ssm_state_size=16,
+                                           mamba_num_heads=8, mamba_head_dim=16, n_groups=1, chunk_size=16,
+                                           use_mamba_kernels=False), "mamba+full"),
+    Family("recurrent_gemma", "recurrent_gemma", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      num_key_value_heads=2, attention_window_size=WINDOW,
+                                                      block_types=["recurrent", "attention"],
+                                                      tie_word_embeddings=False), "rglru+sliding"),
+    Family("mamba", "mamba", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8,
+                                  use_mambapy=True, tie_word_embeddings=False), "mamba", attn="eager"),
+    Family("mamba2", "mamba2", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                                    state_size=16, n_groups=1, chunk_size=16), "mamba", attn="eager"),
+    Family("falcon_mamba", "falcon_mamba", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8,
+                                                use_mambapy=True, tie_word_embeddings=False), "mamba", attn="eager"),
+    Family("rwkv", "rwkv", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, context_length=256,
+                                attention_hidden_size=64, tie_word_embeddings=False), "rwkv", attn="eager"),
+    Family("xlstm", "xlstm", dict(vocab_size=VOCAB, hidden_size=64, embedding_dim=64, num_heads=4, num_blocks=2,
+                                  mode="train", chunk_size=WINDOW, tie_word_embeddings=False), "xlstm", attn="eager"),
+    Family("lfm2_moe", "lfm2_moe", _kw(drop=("head_dim",), layer_types=["conv", "full_attention"], num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1),
+           "conv+full+moe"),
+    Family("lfm2", "lfm2", _kw(drop=("head_dim",), layer_types=["conv", "full_attention"],
+                               block_auto_adjust_ff_dim=False), "conv+full"),
+]
+
+UNBUILDABLE: dict[str, str] = {}
+
+
+def family_by_name(name: str) -> Family:
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the published table (docs/support_matrix.md), rendered from the worker's result
+
+METHODS = ("ring", "ulysses", "thd")
+DOC_PATH = "docs/support_matrix.md"
+REGENERATE = "PYTHONPATH=. python scripts/support_table.py"
+TABLE_START, TABLE_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+KIND_LEGEND = {
+    "full": "dense causal attention",
+    "sliding": "sliding-window attention (window 16)",
+    "chunked": "chunked attention (chunks of 16)",
+    "nope": "layers without RoPE",
+    "softcap": "attention logit soft-capping",
+    "sinks": "attention sinks",
+    "mla": "multi-head latent attention (V head dim != QK head dim)",
+    "dsa": "sparse attention chosen by an indexer (DeepSeek sparse attention)",
+    "differential": "differential attention",
+    "dynamic-mask": "dynamic mask attention (Doge)",
+    "moe": "mixture-of-experts MLPs",
+    "alibi": "ALiBi position bias",
+    "abspos": "learned absolute positions",
+    "linear": "linear-attention mixers (Gated DeltaNet, lightning attention, ...)",
+    "mamba": "Mamba / Mamba-2 state-space mixers",
+    "conv": "short-convolution mixers",
+    "rglru": "RG-LRU recurrent blocks",
+    "rwkv": "RWKV time mixing",
+    "xlstm": "mLSTM blocks",
+}
+
+
+def _md(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def short_reason(message: str, limit: int = 110) -> str:
+    """The start of a refusal message, cut at a word boundary."""
+    text = _md(message)
+    if len(text) <= limit:
+        return text
+    return text[: text.rfind(" ", 0, limit)].rstrip(",;:") + " ..."
+
+
+def cell_text(cell: dict) -> str:
+    status = cell["status"]
+    if status == "exact":
+        return "exact"
+    if status == "refused":
+        return f"refused: {short_reason(cell['detail'])}"
+    if status == "crash":
+        head = cell["detail"].split(":", 1)[0] if not cell["detail"].startswith("ranks disagree") else "ranks disagree"
+        return f"**crash** ({_md(head)})"
+    return f"**{status}**"
+
+
+def render_table(result: dict) -> str:
+    """The family x method table, exactly as the docs hold it between the markers."""
+    lines = ["| family | model_type | layer kinds | attn | " + " | ".join(METHODS) + " |",
+             "|---|---|---|---|" + "---|" * len(METHODS)]
+    for name, cells in result["cells"].items():
+        meta = result["meta"][name]
+        attn = meta["attn"] + ("" if meta.get("train_mode", True) else ", eval mode")
+        row = [f"`{name}`", f"`{meta['model_type']}`", meta["kinds"], attn]
+        row += [cell_text(cells[m]) for m in METHODS]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def table_section(markdown: str) -> str:
+    """What lies between the table markers of a rendered document."""
+    start, end = markdown.index(TABLE_START) + len(TABLE_START), markdown.index(TABLE_END)
+    return markdown[start:end].strip()
+
+
+def failures(result: dict) -> list[tuple[str, str, dict]]:
+    """Every (family, method, cell) that is neither exact nor refused."""
+    return [(f, m, c) for f, cells in result["cells"].items() for m, c in cells.items()
+            if c["status"] not in ("exact", "refused")]
+
+
+def render_markdown(result: dict) -> str:
+    counts: dict[str, int] = {}
+    for cells in result["cells"].values():
+        for cell in cells.values():
+            counts[cell["status"]] = counts.get(cell["status"], 0) + 1
+    summary = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("exact", "refused", "wrong", "crash"))
+    out = [
+        "# CP support matrix: model families x CP methods",
+        "",
+        f"Generated by `scripts/support_table.py`; do not edit by hand. Regenerate with `{REGENERATE}`",
+        "(about half a minute on 2 CPU cores; it rewrites this file and exits 1 when a cell is wrong or crashes).",
+        "`tests/test_family_matrix.py` runs the same matrix and checks that the table below is current.",
+        "",
+        f"Each family of the installed transformers is built from a tiny fp32 config ({len(result['cells'])} families;",
+        "hidden size 64, 4 query / 2 KV heads of 16 where the family has those knobs, 2-4 layers mixing its layer",
+        f"kinds, vocab {VOCAB}, windows and attention chunks of {WINDOW} tokens), with the attention implementation",
+        "it trains with (`sdpa` where the model supports it, else transformers' default). One row of",
+        f"{SEQ} tokens trains one step at cp={CP} (2 gloo processes on CPU) with each CP method's own-loop API",
+        "(README \"Use CP in your own loop\", [ulysses.md](ulysses.md), [thd.md](thd.md)), and the loss and gradients",
+        "are compared with the same step in one process:",
+        "",
+        "- **exact**: loss relative error <= 1e-5 and, for every parameter, max abs gradient difference / max abs",
+        "  reference gradient <= 1e-4 (the denominator floored at 1e-3 x the model's largest gradient entry, for",
+        "  gradients that are zero in exact arithmetic), and every parameter with a reference gradient has one;",
+        "- **refused**: the method raised `automodel.errors.UserInputError` (the start of its message is shown);",
+        "- **wrong**: it ran and computed different numbers, the silent failure the library must never allow;",
+        "- **crash**: any other exception (its type is shown; the details are below the table).",
+        "",
+        f"Result: {summary}.",
+        "",
+        TABLE_START,
+        render_table(result),
+        TABLE_END,
+        "",
+        "Layer kinds: " + "; ".join(f"`{k}` {v}" for k, v in KIND_LEGEND.items()) + ".",
+    ]
+    notes = [(n, m["note"]) for n, m in result["meta"].items() if m.get("note")]
+    if notes:
+        out += ["", "Notes: " + "; ".join(f"`{n}`: {_md(t)}" for n, t in notes) + "."]
+    bad = failures(result)
+    if bad:
+        out += ["", "## Cells that are wrong or crash", "",
+                "| family | method | status | detail |", "|---|---|---|---|"]
+        out += [f"| `{f}` | {m} | {c['status']} | {_md(c['detail'])} |" for f, m, c in bad]
+    out += ["", "## Families not in the matrix", ""]
+    if UNBUILDABLE:
+        out += ["| family | why |", "|---|---|"] + [f"| `{n}` | {_md(r)} |" for n, r in UNBUILDABLE.items()]
+    else:
+        out += ["None: every family tried builds from a tiny config and runs its forward and backward on CPU at cp=1."]
+    out += ["", "The matrix does not cover every `model_type` of transformers' causal-LM mapping: encoder and",
+            "encoder-decoder models with an LM head, multimodal wrappers (their text models are covered where",
+            "listed) and some recent decoder families are not in it yet; add an entry to `tests/family_matrix.py`."]
+    return "\n".join(out) + "\n"

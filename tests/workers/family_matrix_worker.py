@@ -1,0 +1,279 @@
+"""The CP family x method matrix, run on every rank of one gloo group of 2 (tests/test_family_matrix.py).
+
+For every family of :mod:`tests.family_matrix`: build the tiny model (same seed, so the same weights on
+every rank), compute the single-process reference on the whole row (loss = sum CE / label count, every
+parameter's gradient), then run each CP method at cp=2 on a deep copy through its own-loop API (README
+"Use CP in your own loop", docs/ulysses.md, docs/thd.md): forward on this rank's tokens, loss = sum CE of
+the local tokens / the global label count, backward, gradients and loss SUM-all-reduced over the CP group.
+
+A cell is ``exact`` (loss rel err <= 1e-5, every gradient's max abs diff / max abs reference <= 1e-4, and
+every parameter with a reference gradient has one), ``refused`` (an ``automodel.errors.UserInputError``;
+the detail is its message), ``wrong`` (ran, numbers differ; the detail holds the errors) or ``crash`` (any
+other exception; the detail is its type and first line).
+
+Deadlocks: a cell that raises on one rank only can leave the other inside a collective. The CP group
+gets a short timeout (``cell_timeout_s``) so that rank fails too; after every cell the ranks agree on
+the outcome over a separate group, and when the ranks' outcomes differ (one rank may have left an
+unmatched collective behind) the mesh is rebuilt with fresh groups before the next cell.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from automodel.distributed.mesh import ParallelDims
+from automodel.errors import UserInputError
+from tests.family_matrix import FAMILIES, SEQ, VOCAB
+
+METHODS = ("ring", "ulysses", "thd")
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+GRAD_FLOOR = 1e-3  # see compare()
+ROW_SEED = 1234
+MODEL_SEED = 0
+
+
+def make_row() -> dict[str, torch.Tensor]:
+    """One fixed row of SEQ tokens (ids >= 3: no pad/bos/eos ids), labels already shifted."""
+    ids = torch.randint(3, VOCAB, (1, SEQ + 1), generator=torch.Generator().manual_seed(ROW_SEED))
+    return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone(),
+            "position_ids": torch.arange(SEQ).unsqueeze(0)}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _sum_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def reference(model: torch.nn.Module, row: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The single-process loss and gradients on the whole row."""
+    count = int((row["labels"] != -100).sum())
+    logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
+    loss = _sum_ce(logits, row["labels"]) / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def _local_step(model, local: dict, ctx_factory, count: int) -> torch.Tensor:
+    with ctx_factory():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        loss = _sum_ce(logits, local["labels"]) / count
+        loss.backward()
+    return loss.detach()
+
+
+def run_method(method: str, model: torch.nn.Module, row: dict, mesh) -> torch.Tensor:
+    """One own-loop step of ``method`` on this rank's share of ``row``; returns the local loss (grads set)."""
+    count = int((row["labels"] != -100).sum())  # global label count, before sharding
+    batch = {k: v.clone() for k, v in row.items()}
+    if method == "ring":
+        from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+
+        ctx, local = make_cp_batch_and_ctx(mesh, batch)  # entering ctx() shards `local` in place
+        return _local_step(model, local, ctx, count)
+    if method == "ulysses":
+        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+
+        inner = set_ulysses_attention(model, mesh)
+        ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner)
+        return _local_step(model, local, ctx, count)
+    if method == "thd":
+        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+
+        set_thd_attention(model, mesh)
+        ctx, local = make_thd_batch_and_ctx(mesh, batch)
+        return _local_step(model, local, ctx, count)
+    if method == "_asymmetric":  # the harness's self-test: rank 1 fails, rank 0 is left inside a collective
+        group = mesh["cp"].get_group()
+        if dist.get_rank(group) == 1:
+            raise RuntimeError("self-test: rank 1 fails before the collective")
+        dist.all_reduce(torch.zeros(1), group=group)  # waits until the CP group's timeout
+        return torch.zeros(())
+    raise KeyError(method)
+
+
+def _reduce_grads(model: torch.nn.Module, loss: torch.Tensor, group) -> tuple[float, dict, set[str]]:
+    """SUM the loss and every parameter's gradient over the CP group (one flat all-reduce).
+
+    A rank without a gradient for a parameter (e.g. an expert none of its tokens chose) contributes
+    zeros, so the collective is the same on every rank; the returned set names the parameters that
+    had a gradient on at least one rank.
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    flags = torch.tensor([float(p.grad is not None) for _, p in params] + [0.0])
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
+                      for _, p in params] + [loss.double().reshape(1)])
+    dist.all_reduce(flat, group=group)
+    dist.all_reduce(flags, group=group)
+    grads, at = {}, 0
+    for (name, p), flag in zip(params, flags.tolist()):
+        if flag > 0:
+            grads[name] = flat[at : at + p.numel()].view_as(p).to(p.dtype)
+        at += p.numel()
+    return flat[-1].item(), grads, {n for (n, _), f in zip(params, flags.tolist()) if f > 0}
+
+
+def compare(ref_loss: float, ref_grads: dict, loss: float, grads: dict) -> dict:
+    """Loss rel err and the worst gradient rel err: max abs diff / max abs reference, per parameter.
+
+    The denominator is floored at GRAD_FLOOR x the model's largest reference gradient entry: a gradient
+    that is zero in exact arithmetic (OPT's key bias, which softmax ignores: no RoPE, so it shifts every
+    score of a query by the same amount) is round-off in both runs, and round-off over round-off says
+    nothing. A wrong result moves gradients by O(1) of their size, far above the floor.
+    """
+    loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    missing = sorted(set(ref_grads) - set(grads))
+    floor = GRAD_FLOOR * max((g.abs().max().item() for g in ref_grads.values()), default=0.0)
+    worst, worst_name = 0.0, None
+    for name, ref in ref_grads.items():
+        if name not in grads:
+            continue
+        scale = max(ref.abs().max().item(), floor)
+        diff = (grads[name] - ref).abs().max().item()
+        rel = diff / scale if scale > 0 else diff
+        if rel > worst or worst_name is None:
+            worst, worst_name = rel, name
+    ok = loss_rel <= LOSS_TOL and worst <= GRAD_TOL and not missing
+    detail = f"loss rel {loss_rel:.2e}, worst grad rel {worst:.2e} ({worst_name})"
+    if missing:
+        detail += f", {len(missing)} parameters without a gradient (e.g. {missing[0]})"
+    return {"status": "exact" if ok else "wrong", "detail": detail, "loss_rel": loss_rel,
+            "grad_rel": worst, "worst_param": worst_name, "missing": missing}
+
+
+def _global_state() -> tuple:
+    return (torch._C._len_torch_function_stack(), F.scaled_dot_product_attention)
+
+
+def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: float, ref_grads: dict) -> dict:
+    before = _global_state()
+    t0 = time.perf_counter()
+    try:
+        model = copy.deepcopy(base)
+        loss = run_method(method, model, row, mesh)
+        total, grads, _ = _reduce_grads(model, loss, mesh["cp"].get_group())
+        out = compare(ref_loss, ref_grads, total, grads)
+    except UserInputError as err:
+        out = {"status": "refused", "detail": str(err).strip()}
+    except Exception as err:  # noqa: BLE001 - every other exception is the cell's result
+        out = {"status": "crash", "detail": _first_line(err), "traceback": traceback.format_exc()}
+    if _global_state() != before:
+        out = {"status": "crash", "detail": f"left global state behind (torch function modes / SDPA) after "
+                                            f"{out['status']}: {out['detail']}"}
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def _agree(outcomes: list[dict]) -> tuple[dict, bool]:
+    """The cell's outcome from every rank's; ``True`` when the ranks disagreed."""
+    statuses = {o["status"] for o in outcomes}
+    if len(statuses) == 1 and (statuses != {"crash"} or len({o["detail"] for o in outcomes}) == 1):
+        worst = max(outcomes, key=lambda o: (o.get("grad_rel", 0.0), o.get("loss_rel", 0.0)))
+        return dict(worst), False
+    detail = "ranks disagree: " + "; ".join(f"rank {r} {o['status']}: {o['detail']}" for r, o in enumerate(outcomes))
+    return {"status": "crash", "detail": detail, "per_rank": outcomes}, True
+
+
+def _build_mesh(world_size: int, cell_timeout_s: float):
+    """A fresh 1-D ``"cp"`` mesh over all ranks, on a new gloo group with a short timeout.
+
+    ``ParallelDims(cp=world_size).build_mesh()["cp"]`` is the same 1-D mesh, but at cp = world size its
+    group IS the default group, which a timed-out collective would break for good (and the launcher
+    needs it at the end); a group of our own can be dropped and replaced.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ParallelDims(cp=world_size)  # the sizes a user would give: checks cp == world size
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cell_timeout_s))
+    return DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
+
+
+def main(rank: int, world_size: int, families: list[str] | None = None, methods=METHODS,
+         cell_timeout_s: float = 30.0, selftest_timeout_s: float = 0.0) -> dict:
+    """Run the matrix; every rank returns ``{"cells": {family: {method: outcome}}, "meta": {...}}``.
+
+    ``families`` restricts the run to those names; ``selftest_timeout_s > 0`` first runs a cell that fails
+    on rank 1 only while rank 0 waits in a collective (CP group timeout ``selftest_timeout_s``) and returns
+    what became of it under ``"selftest"``.
+    """
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    # a crashing cell's DTensor op logs its whole traceback from fake-tensor propagation; the cell records it
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    t_start = time.perf_counter()
+    agree_group = dist.new_group(backend="gloo")  # outcomes travel here, never on a possibly broken CP group
+    row = make_row()
+    cells: dict[str, dict] = {}
+    meta: dict[str, dict] = {}
+    rebuilt = 0
+    selftest_result = None
+    if selftest_timeout_s:  # prove that a one-rank failure inside a collective neither hangs nor poisons
+        mesh = _build_mesh(world_size, selftest_timeout_s)
+        old_group = mesh["cp"].get_group()
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, run_cell("_asymmetric", torch.nn.Linear(1, 1), row, mesh, 0.0, {}),
+                               group=agree_group)
+        selftest_result, disagreed = _agree(gathered)
+        mesh = _build_mesh(world_size, cell_timeout_s)
+        probe = torch.ones(1)
+        dist.all_reduce(probe, group=mesh["cp"].get_group())
+        selftest_result.update(disagreed=disagreed, fresh_group=mesh["cp"].get_group() is not old_group,
+                               fresh_group_works=probe.item() == world_size)
+    else:
+        mesh = _build_mesh(world_size, cell_timeout_s)
+    for fam in FAMILIES:
+        if families is not None and fam.name not in families:
+            continue
+        t0 = time.perf_counter()
+        info = {"model_type": fam.model_type, "kinds": fam.kinds, "attn": fam.attn, "note": fam.note}
+        try:
+            base = fam.build_model(MODEL_SEED)
+            info.update(
+                model_class=type(base).__name__,
+                supports_sdpa=bool(getattr(type(base), "_supports_sdpa", False)),
+                attn_used=base.config._attn_implementation,
+                layer_types=list(getattr(base.config, "layer_types", None) or []),
+                n_params=sum(p.numel() for p in base.parameters()),
+            )
+            pristine = copy.deepcopy(base)  # before any forward: some models cache tensors on the way
+            ref_loss, ref_grads = reference(base, row)
+            again_loss, again_grads = reference(base, row)  # a random model (dropout, sampling router) can't compare
+            deterministic = again_loss == ref_loss and again_grads.keys() == ref_grads.keys() and all(
+                torch.equal(again_grads[n], g) for n, g in ref_grads.items()
+            )
+            info.update(ref_loss=ref_loss, n_ref_grads=len(ref_grads), deterministic=deterministic,
+                        train_mode=base.training)
+            build_err = None
+        except Exception as err:  # noqa: BLE001 - a family that cannot build fails all its cells
+            build_err = {"status": "crash", "detail": f"building or the cp=1 reference failed: {_first_line(err)}",
+                         "traceback": traceback.format_exc()}
+        cells[fam.name] = {}
+        for method in methods:
+            local = dict(build_err) if build_err else run_cell(method, pristine, row, mesh, ref_loss, ref_grads)
+            gathered: list[Any] = [None] * world_size
+            dist.all_gather_object(gathered, local, group=agree_group)
+            outcome, disagreed = _agree(gathered)
+            cells[fam.name][method] = outcome
+            if disagreed:  # a rank may have left an unmatched collective on the CP group: start afresh
+                mesh = _build_mesh(world_size, cell_timeout_s)
+                rebuilt += 1
+        info["seconds"] = round(time.perf_counter() - t0, 3)
+        meta[fam.name] = info
+    return {"cells": cells, "meta": meta, "seconds": round(time.perf_counter() - t_start, 2),
+            "mesh_rebuilds": rebuilt, "methods": list(methods), "selftest": selftest_result}
