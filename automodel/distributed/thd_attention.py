@@ -624,13 +624,13 @@ def set_thd_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
     try:
         model.set_attn_implementation(THD_ATTN_NAME)
     except (ValueError, TypeError, KeyError, NotImplementedError) as err:
-        raise ValueError(
-            f"{type(model).__name__} refused attn_implementation={THD_ATTN_NAME!r} ({err}); its attention cannot be "
+        raise CPUnsupportedError(
+            f"distributed.cp_method=thd: {type(model).__name__} refused attn_implementation={THD_ATTN_NAME!r} ({err}); its attention cannot be "
             "swapped, so distributed.cp_method=thd cannot run it: use distributed.cp_method=ring (unpacked rows)"
         ) from err
     if model.config._attn_implementation != THD_ATTN_NAME:
-        raise ValueError(
-            f"{type(model).__name__} did not accept attn_implementation={THD_ATTN_NAME!r} (its attention is not "
+        raise CPUnsupportedError(
+            f"distributed.cp_method=thd: {type(model).__name__} did not accept attn_implementation={THD_ATTN_NAME!r} (its attention is not "
             "dispatched through transformers' AttentionInterface); distributed.cp_method=thd cannot run it"
         )
     return previous

@@ -517,8 +517,8 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
     register_ulysses_attention()
     model.set_attn_implementation(ULYSSES_ATTN_NAME)
     if model.config._attn_implementation != ULYSSES_ATTN_NAME:
-        raise RuntimeError(
-            f"{type(model).__name__} did not accept attn_implementation={ULYSSES_ATTN_NAME!r} (it does not "
+        raise CPUnsupportedError(
+            f"distributed.cp_method=ulysses: {type(model).__name__} did not accept attn_implementation={ULYSSES_ATTN_NAME!r} (it does not "
             "dispatch attention through transformers' AttentionInterface)"
         )
     return previous

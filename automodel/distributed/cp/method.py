@@ -290,7 +290,14 @@ def standard_problem(
         )
     if layer.kind == UNKNOWN:
         return f"{layer.describe()} is not known to be exact under {method}"
-    deferred = seq_len is None and windows_checked_at_call and layer.kind == "sliding_window"
+    deferred = (
+        seq_len is None and windows_checked_at_call and layer.kind == "sliding_window" and not layer.window_in_mask_only
+    )
+    if windows and layer.window_in_mask_only and not layer.attends_like_full(seq_len):
+        return (
+            f"{layer.describe()} reaches only transformers' mask, not the attention function, and {method} builds "
+            "its own mask"
+        )
     if not layer.attends_like_full(seq_len) and not deferred:
         if (layer.kind == "sliding_window" and not windows) or (layer.kind == "chunked_attention" and not chunks):
             rows = f"the rows ({seq_len} tokens)" if seq_len else "the rows (their length is not known yet)"

@@ -26,6 +26,8 @@ model is prepared, and ``distributed`` may not import ``models``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +71,15 @@ _CONFIG_LAYER_TYPES = {
 _LINEAR_MIXER = re.compile(r"DeltaNet|Mamba|SSM|ShortConv|LinearAttention|Lightning|Rwkv|Retention|Hyena|Mixer$")
 
 
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr`` that also survives transformers' per-layer attributes (Gemma 4's ``head_dim`` raises on
+    global access: the layers then say it themselves)."""
+    try:
+        return getattr(obj, name, default)
+    except Exception:  # noqa: BLE001 - e.g. AmbiguousGlobalPerLayerAttributeError
+        return default
+
+
 def text_config(config: Any) -> Any:
     """The text (decoder) config of ``config``: ``config.get_text_config()`` where it exists, else ``config``."""
     get = getattr(config, "get_text_config", None)
@@ -93,6 +104,8 @@ class LayerSpec:
         mixer: class name of the layer's linear/state-space mixer (``LINEAR``) or of what was not
             recognised (``UNKNOWN``).
         hybrid_attention: a ``LINEAR`` layer that also runs attention (Falcon-H1).
+        window_in_mask_only: a ``SLIDING`` layer whose window reaches only transformers' mask, not the
+            attention function (PhiMoE): a method that builds its own mask cannot see it.
     """
 
     index: int
@@ -107,6 +120,7 @@ class LayerSpec:
     position_scaled: bool = False
     mixer: str = ""
     hybrid_attention: bool = False
+    window_in_mask_only: bool = False
 
     @property
     def is_attention(self) -> bool:
@@ -212,6 +226,33 @@ def _decoder_layers(model: Any, n_layers: int) -> list[Any] | None:
     return best[1] if best is not None else None
 
 
+# attention modules whose mask is computed from the layer's own inputs (on a CP rank: from its shard only)
+_SHARD_MASKED_ATTENTION = {
+    "DogeAttention": "dynamic mask attention (a learned key mask computed from the values)",
+}
+
+
+@functools.cache
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _dispatches_attention(cls: type) -> bool:
+    """The attention module calls its kernel through transformers' ``AttentionInterface`` (so a CP method
+    can see and replace it), rather than computing scores, masks or SDPA itself."""
+    source = _forward_source(cls)
+    return not source or "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+def _passes_window(cls: type) -> bool:
+    """The attention module hands its window to the kernel (``sliding_window=``), not only to the mask."""
+    source = _forward_source(cls)
+    return not source or "sliding_window" in source
+
+
 def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
     """Refine ``base`` (from the config) with what the layer's modules show."""
     import torch.nn as nn
@@ -239,6 +280,19 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
     if base.kind in (LINEAR, MLP_ONLY, UNKNOWN):  # the config said otherwise, the modules show attention
         spec.update(kind=UNKNOWN, mixer=f"{type(attention).__name__} (config layer type {base.kind})")
         return LayerSpec(**spec)
+    cls = type(attention)
+    if cls.__name__ in _SHARD_MASKED_ATTENTION:
+        spec.update(kind=UNKNOWN, mixer=f"{cls.__name__}: {_SHARD_MASKED_ATTENTION[cls.__name__]}")
+        return LayerSpec(**spec)
+    if not _dispatches_attention(cls):
+        spec.update(
+            kind=UNKNOWN,
+            mixer=f"{cls.__name__}, which computes its own attention and mask instead of dispatching through "
+            "transformers' AttentionInterface",
+        )
+        return LayerSpec(**spec)
+    if base.kind == SLIDING and not _passes_window(cls):
+        spec["window_in_mask_only"] = True
     if isinstance(getattr(attention, "sinks", None), nn.Parameter):
         spec["sinks"] = True
     softcap = getattr(attention, "attn_logit_softcapping", None) or getattr(attention, "softcap", None)
@@ -254,23 +308,23 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
 
 
 def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
-    layer_types = getattr(text, "layer_types", None)
-    window = getattr(text, "sliding_window", None)
+    layer_types = _get(text, "layer_types", None)
+    window = _get(text, "sliding_window", None)
     window = int(window) if isinstance(window, int) and window > 0 else None
-    if getattr(text, "use_sliding_window", True) is False:
+    if _get(text, "use_sliding_window", True) is False:
         window = None
-    chunk = getattr(text, "attention_chunk_size", None)
-    no_rope = getattr(text, "no_rope_layers", None)  # 1 = RoPE, 0 = NoPE (Llama 4, SmolLM3)
-    temperature = bool(getattr(text, "attn_temperature_tuning", False))
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (
-        text.hidden_size // heads if heads and getattr(text, "hidden_size", None) else None
+    chunk = _get(text, "attention_chunk_size", None)
+    no_rope = _get(text, "no_rope_layers", None)  # 1 = RoPE, 0 = NoPE (Llama 4, SmolLM3)
+    temperature = bool(_get(text, "attn_temperature_tuning", False))
+    softcap = _get(text, "attn_logit_softcapping", None)
+    heads = _get(text, "num_attention_heads", None)
+    head_dim = _get(text, "head_dim", None) or (
+        _get(text, "hidden_size") // heads if heads and _get(text, "hidden_size", None) else None
     )
-    qk = getattr(text, "qk_head_dim", None)
-    if qk is None and getattr(text, "qk_nope_head_dim", None) is not None:
-        qk = text.qk_nope_head_dim + getattr(text, "qk_rope_head_dim", 0)
-    v = getattr(text, "v_head_dim", None)
+    qk = _get(text, "qk_head_dim", None)
+    if qk is None and _get(text, "qk_nope_head_dim", None) is not None:
+        qk = _get(text, "qk_nope_head_dim") + (_get(text, "qk_rope_head_dim", 0) or 0)
+    v = _get(text, "v_head_dim", None)
     layers = []
     for i in range(n_layers):
         if layer_types is not None and i < len(layer_types):
@@ -327,21 +381,25 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     is_model = _is_module(model_or_config)
     config = model_or_config.config if is_model else model_or_config
     text = text_config(config)
-    n_layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    n_layers = int(_get(text, "num_hidden_layers", 0) or 0)
     layers = _layers_from_config(text, n_layers)
     notes: list[str] = []
     from_modules = False
     if is_model:
         stack = _decoder_layers(model_or_config, n_layers)
-        if stack is None:
-            notes.append(f"no decoder stack of {n_layers} layers found; layer kinds read from the config")
+        if stack is None:  # the modules cannot confirm what the config says: nothing is assumed exact
+            notes.append(f"no decoder stack of {n_layers} layers found")
+            layers = [
+                LayerSpec(index=i, kind=UNKNOWN, mixer=f"no decoder stack of {n_layers} layers found")
+                for i in range(max(n_layers, 1))
+            ]
         else:
             layers = [_layer_from_modules(layer, spec) for layer, spec in zip(stack, layers)]
             from_modules = True
-    heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (
-        text.hidden_size // heads if heads and getattr(text, "hidden_size", None) else None
+    heads = _get(text, "num_attention_heads", None)
+    kv = _get(text, "num_key_value_heads", None) or heads
+    head_dim = _get(text, "head_dim", None) or (
+        _get(text, "hidden_size") // heads if heads and _get(text, "hidden_size", None) else None
     )
     attn = attn_implementation or getattr(config, "_attn_implementation", None)
     architecture = type(model_or_config).__name__ if is_model else _architecture_of(config)
