@@ -19,7 +19,6 @@ and the ratio sync / torch.
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
 import time
@@ -30,8 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from automodel.distributed.launch import run_on_ranks  # noqa: E402
-
-_ATTN = "torch.distributed.tensor.experimental._context_parallel._attention"
+from automodel.distributed.torch_internals import cp_attention_module  # noqa: E402
 
 
 def _worker(rank: int, world: int, seq_lens: list[int], steps: int, heads: int, head_dim: int) -> dict:
@@ -42,7 +40,7 @@ def _worker(rank: int, world: int, seq_lens: list[int], steps: int, heads: int, 
     from automodel.distributed.mesh import ParallelDims
 
     torch.set_num_threads(1)
-    attn = importlib.import_module(_ATTN)
+    attn = cp_attention_module()
     torch_rotater = attn._create_rotater  # torch's own, before cpu_ring replaces it inside the context
     mesh = ParallelDims(cp=world, world_size=world).build_mesh("cpu")
     out: dict = {}

@@ -3,7 +3,9 @@
 #
 # - Installs torch==2.13.0 only when no torch is importable: on our CPU machines that resolves to a
 #   local CPU build, and an unpinned `torch` would pull gigabytes of CUDA wheels. A torch that is
-#   already installed (e.g. a CUDA build on a GPU host) is left alone.
+#   already installed (e.g. a CUDA build on a GPU host) is left alone; one outside the tested range
+#   (torch>=2.13,<2.16, pyproject.toml) is an error rather than replaced. Other tested releases:
+#   scripts/compat.sh.
 # - Installs the package in editable mode with the `dev` extra (pytest, ruff).
 # - Idempotent and fast on a second run: a stamp records the hash of pyproject.toml.
 #
@@ -42,7 +44,16 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   echo "[setup] no torch found: installing torch==2.13.0"
   "$py" -m pip install --quiet "torch==2.13.0"
 else
-  echo "[setup] keeping installed torch $("$py" -c 'import torch; print(torch.__version__)')"
+  have="$("$py" -c 'import torch; print(torch.__version__)')"
+  # pyproject.toml allows torch>=2.13,<2.16 (the tested releases); outside it, pip would replace the
+  # installed build (e.g. a GPU host's CUDA torch) with another: stop and say so instead.
+  if ! "$py" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(not (2, 13) <= v < (2, 16))'; then
+    echo "[setup] error: torch $have is installed, outside automodel's tested range torch>=2.13,<2.16" >&2
+    echo "[setup] (2.13.0, 2.14.1, 2.15.0); pip would replace it. Install one of those, or try this" >&2
+    echo "[setup] one anyway with: $py -m pip install --no-deps -e '$root[dev]'" >&2
+    exit 1
+  fi
+  echo "[setup] keeping installed torch $have"
 fi
 echo "[setup] installing automodel (editable, with dev extras)"
 "$py" -m pip install --quiet -e "$root[dev]"

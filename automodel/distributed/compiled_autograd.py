@@ -34,6 +34,12 @@ from typing import Any
 
 import torch
 
+from automodel.distributed.torch_internals import (
+    compiled_autograd_disable,
+    compiled_autograd_enable,
+    dynamo_counters,
+)
+
 __all__ = ["COMPILE_BACKENDS", "compiled_autograd", "compiled_autograd_compiles", "check_compile_backend"]
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -52,9 +58,7 @@ def check_compile_backend(backend: str) -> None:
 
 def compiled_autograd_compiles() -> int:
     """How many backward graphs compiled autograd has compiled in this process (recompiles included)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters[_COUNTER]["compiles"])
+    return int(dynamo_counters()[_COUNTER]["compiles"])
 
 
 @contextlib.contextmanager
@@ -68,14 +72,13 @@ def compiled_autograd(backend: str = "inductor") -> Iterator[None]:
         ValueError: unknown backend.
     """
     check_compile_backend(backend)
-    from torch._dynamo import compiled_autograd as ca
-    from torch._dynamo.utils import counters
+    counters = dynamo_counters()
 
     def compiler_fn(gm: torch.fx.GraphModule) -> Any:
         counters[_COUNTER]["compiles"] += 1
         return torch.compile(gm, backend=backend, fullgraph=False, dynamic=False)
 
-    with ca._enable(compiler_fn, dynamic=False):
+    with compiled_autograd_enable(compiler_fn, dynamic=False):
         yield
 
 
@@ -102,10 +105,8 @@ class _EagerBackward(torch.autograd.Function):
     @staticmethod
     @torch._dynamo.disable(reason="automodel: the CP attention backward runs eagerly")
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        from torch._dynamo import compiled_autograd as ca
-
         wanted = [t for t in ctx.leaves if t.requires_grad]
-        with ca._disable():
+        with compiled_autograd_disable():
             grads = torch.autograd.grad(ctx.out, wanted, grad_out, allow_unused=True)
         it = iter(grads)
         per_input = [next(it) if t.requires_grad else None for t in ctx.leaves]

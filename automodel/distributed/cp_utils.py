@@ -204,7 +204,10 @@ def create_context_parallel_ctx(
             divisible by ``2 * cp_size`` (torch would silently disable load balancing).
     """
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+    from automodel.distributed.torch_internals import cp_options, set_rotate_method
+
+    _cp_options = cp_options()
 
     method = cp_rotate_method or "allgather"
     if method not in ROTATE_METHODS:

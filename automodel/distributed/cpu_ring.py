@@ -1,8 +1,8 @@
 """Let torch's own ring attention run on CPU (gloo).
 
-torch 2.13's ``context_parallel`` dispatches SDPA on sequence-sharded DTensors to its ring attention
-(``_templated_ring_attention`` and its backward) only for the CUDA kernels (flash, efficient,
-cuDNN). On CPU, ``F.scaled_dot_product_attention`` lowers to
+torch's ``context_parallel`` (2.13 .. 2.15) dispatches SDPA on sequence-sharded DTensors to its
+ring attention (``_templated_ring_attention`` and its backward) only for the CUDA kernels (flash,
+efficient, cuDNN). On CPU, ``F.scaled_dot_product_attention`` lowers to
 ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no sharding strategy, so every
 CPU run dies in DTensor sharding propagation.
 
@@ -47,114 +47,53 @@ Precision: torch's ring upcasts each partial output and LSE to fp32 before mergi
 (``_cp_options.convert_to_f32``). That is right for bf16/fp16 but would silently *downcast* fp64
 inputs, so for fp64 q/k/v the handler merges in fp64 instead.
 
-This touches private torch symbols. They are feature-detected; when one is missing,
-:func:`check_cpu_ring_support` raises a ``RuntimeError`` naming the torch version and the symbol.
+This touches private torch symbols. They are resolved, per torch version, in
+:mod:`automodel.distributed.torch_internals` (torch 2.13 registers the sharding rule as an op
+strategy, 2.14+ as a single-dim strategy; the placements and the ring calls are the same); when one
+is missing, :func:`check_cpu_ring_support` raises a ``RuntimeError`` naming the torch version and
+the symbol.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from automodel.distributed.torch_internals import (
+    cp_attention_module,
+    cp_options,
+    cpu_flash_attention_ops,
+    dtensor_op_dispatcher,
+    missing_torch_internals,
+    require,
+    seq_shard_strategy_context,
+    templated_ring_attention,
+    templated_ring_attention_backward,
+)
+
 __all__ = ["check_cpu_ring_support", "cpu_ring_attention", "cpu_ring_supported"]
 
-aten = torch.ops.aten
-
-_ATTN_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
-_RULES_MODULE = "torch.distributed.tensor.experimental._context_parallel._sharding_rules"
-_REQUIRED = {
-    _ATTN_MODULE: (
-        "_templated_ring_attention",
-        "_templated_ring_attention_backward",
-        "_cp_options",
-        "custom_ops",
-        "_create_rotater",
-    ),
-    _RULES_MODULE: ("_op_strategy_context",),
-    "torch.distributed.tensor._ops.utils": ("expand_to_full_mesh_op_strategy",),
-    "torch.distributed.tensor._op_schema": ("OpSchema", "OpStrategy", "RuntimeSchemaInfo"),
-}
+_FEATURE = "ring context parallelism on CPU"
 _SEQ_DIM = 2  # [B, H, S, D]
-
-
-def _missing_symbols() -> list[str]:
-    missing = []
-    for module_name, names in _REQUIRED.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            missing.append(module_name)
-            continue
-        missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
-    for op in (
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention_for_cpu_backward",
-    ):
-        if not hasattr(aten, op):
-            missing.append(f"aten.{op}")
-    return missing
 
 
 def cpu_ring_supported() -> bool:
     """True when this torch exposes every private symbol the CPU ring needs."""
-    return not _missing_symbols()
+    return not missing_torch_internals(_FEATURE)
 
 
 def check_cpu_ring_support() -> None:
     """Raise ``RuntimeError`` naming the torch version and the missing symbols, if any."""
-    missing = _missing_symbols()
-    if missing:
-        raise RuntimeError(
-            f"ring context parallelism on CPU needs private torch APIs that torch {torch.__version__} "
-            f"does not have: {', '.join(missing)}. automodel's CPU ring is tested with torch 2.13; "
-            "install torch==2.13.0, or run CP on CUDA, or use distributed.cp_method=ulysses"
-        )
+    require(_FEATURE)
 
 
 # ---------------------------------------------------------------------------------------------
-# sharding strategies
+# sharding strategies: (out, lse, q, k, v) and (dq, dk, dv, grad_out, q, k, v, out, lse) are all
+# replicated or all sharded on the sequence (torch_internals.seq_shard_strategy_context)
 # ---------------------------------------------------------------------------------------------
-def _tensor_arg_count(op_schema: Any) -> int:
-    from torch.distributed.tensor._op_schema import OpStrategy
-
-    n = sum(isinstance(a, OpStrategy) for a in op_schema.args_schema)
-    return n + sum(isinstance(v, OpStrategy) for v in op_schema.kwargs_schema.values())
-
-
-def _forward_strategy(op_schema: Any) -> Any:
-    """Placements for ``(out, lse, q, k, v)``: all replicated, or all sharded on the sequence."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-
-    if _tensor_arg_count(op_schema) != 3:
-        raise NotImplementedError(_MASK_MESSAGE)
-    mesh = op_schema.get_mesh_from_args()
-    strategies = [
-        [Replicate()] * 5,
-        [Shard(_SEQ_DIM)] * 5,
-    ]
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=2)
-
-
-def _backward_strategy(op_schema: Any) -> Any:
-    """Placements for ``(dq, dk, dv, grad_out, q, k, v, out, lse)``."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-
-    if _tensor_arg_count(op_schema) != 6:
-        raise NotImplementedError(_MASK_MESSAGE)
-    mesh = op_schema.get_mesh_from_args(validate=False)
-    strategies = [
-        [Replicate()] * 9,
-        [Shard(_SEQ_DIM)] * 9,
-    ]
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3)
-
-
 _MASK_MESSAGE = (
     "ring context parallelism got an explicit attention mask (attn_mask); the ring computes plain "
     "causal attention only. Pass no attention_mask (padding at the end of a row with labels=-100 is "
@@ -169,20 +108,19 @@ _MASK_MESSAGE = (
 @contextlib.contextmanager
 def _merge_precision(dtype: torch.dtype) -> Iterator[None]:
     """Merge partial results in fp64 when the inputs are fp64 (torch's ring would use fp32)."""
-    attn = importlib.import_module(_ATTN_MODULE)
-    old = attn._cp_options.convert_to_f32
+    options = cp_options()
+    old = options.convert_to_f32
     if dtype == torch.float64:
-        attn._cp_options.convert_to_f32 = False
+        options.convert_to_f32 = False
     try:
         yield
     finally:
-        attn._cp_options.convert_to_f32 = old
+        options.convert_to_f32 = old
 
 
 def _ring_forward(
     mesh: Any, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
 ):
-    attn = importlib.import_module(_ATTN_MODULE)
     if attn_mask is not None:
         raise ValueError(_MASK_MESSAGE)
     if dropout_p:
@@ -190,10 +128,10 @@ def _ring_forward(
             f"ring context parallelism got attention dropout_p={dropout_p}; set attention dropout to 0"
         )
     with _merge_precision(query.dtype):
-        return attn._templated_ring_attention(
+        return templated_ring_attention()(
             mesh.get_group(),
             _SEQ_DIM,
-            aten._scaled_dot_product_flash_attention_for_cpu,
+            cpu_flash_attention_ops()[0],
             query=query,
             key=key,
             value=value,
@@ -217,14 +155,13 @@ def _ring_backward(
     attn_mask=None,
     scale=None,
 ):
-    attn = importlib.import_module(_ATTN_MODULE)
     if attn_mask is not None:
         raise ValueError(_MASK_MESSAGE)
     with _merge_precision(query.dtype):
-        return attn._templated_ring_attention_backward(
+        return templated_ring_attention_backward()(
             mesh.get_group(),
             _SEQ_DIM,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            cpu_flash_attention_ops()[1].default,
             grad_out=grad_out,
             grad_out_name="grad_out",
             query=query,
@@ -290,9 +227,7 @@ def _sync_create_rotater(pg: Any, seq_dim: int, method: Any = None) -> _SyncRota
 
 
 def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    dispatcher = DTensor._op_dispatcher
+    dispatcher = dtensor_op_dispatcher()
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
     output_sharding = op_info.output_sharding
@@ -301,11 +236,7 @@ def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
             f"ring context parallelism on CPU expected q/k/v sharded on the sequence dim for {op_call}; "
             "got a layout that needs redistribution"
         )
-    fn = (
-        _ring_forward
-        if op_call == aten._scaled_dot_product_flash_attention_for_cpu.default
-        else _ring_backward
-    )
+    fn = _ring_forward if op_call == cpu_flash_attention_ops()[0].default else _ring_backward
     local = fn(op_info.compute_mesh, *op_info.local_args, **op_info.local_kwargs)
     return dispatcher.wrap(tuple(local), output_sharding.output_spec)
 
@@ -332,15 +263,36 @@ def cpu_ring_attention() -> Iterator[None]:
             _depth -= 1
         return
 
-    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    attn = cp_attention_module()
+    fwd, bwd = (packet.default for packet in cpu_flash_attention_ops())
 
-    attn = importlib.import_module(_ATTN_MODULE)
-    rules = importlib.import_module(_RULES_MODULE)
-    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
-    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    def mask_error() -> Exception:
+        return NotImplementedError(_MASK_MESSAGE)
+
     with contextlib.ExitStack() as stack:
-        stack.enter_context(rules._op_strategy_context(fwd, _forward_strategy, RuntimeSchemaInfo(3)))
-        stack.enter_context(rules._op_strategy_context(bwd, _backward_strategy, RuntimeSchemaInfo(6)))
+        # (out, lse) from (q, k, v); dropout_p onwards is in the sharding cache key
+        stack.enter_context(
+            seq_shard_strategy_context(
+                fwd,
+                seq_dim=_SEQ_DIM,
+                num_outputs=2,
+                num_tensor_inputs=3,
+                static_argnum=3,
+                arity_error=mask_error,
+            )
+        )
+        # (dq, dk, dv) from (grad_out, q, k, v, out, lse)
+        stack.enter_context(
+            seq_shard_strategy_context(
+                bwd,
+                seq_dim=_SEQ_DIM,
+                num_outputs=3,
+                num_tensor_inputs=6,
+                static_argnum=6,
+                arity_error=mask_error,
+                validate_mesh=False,
+            )
+        )
         saved = {op: attn.custom_ops.get(op) for op in (fwd, bwd)}
         attn.custom_ops.update({fwd: _handler, bwd: _handler})
         saved_rotater = attn._create_rotater

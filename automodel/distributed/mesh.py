@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from automodel.distributed.torch_internals import concatenate_meshes, flatten_mesh, mesh_flattened_views
+
 __all__ = [
     "ParallelDims",
     "build_device_mesh",
@@ -137,9 +139,9 @@ class ParallelDims:
             (self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=MESH_DIM_NAMES,
         )
-        mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
-        mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
+        flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        flatten_mesh(mesh["dp_shard", "cp"], "dp_shard_cp")
+        flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
         return mesh
 
 
@@ -156,8 +158,7 @@ def get_submesh(device_mesh: DeviceMesh, *names: str) -> DeviceMesh:
     """
     if not names:
         raise ValueError("get_submesh needs at least one mesh dim name, e.g. get_submesh(mesh, 'cp')")
-    root = device_mesh._get_root_mesh() if hasattr(device_mesh, "_get_root_mesh") else device_mesh
-    flattened = getattr(root, "_flatten_mapping", {})
+    flattened = mesh_flattened_views(device_mesh)
     dims = device_mesh.mesh_dim_names or ()
     if all(n in dims for n in names):
         return device_mesh[names[0]] if len(names) == 1 else device_mesh[names]
@@ -172,7 +173,7 @@ def get_submesh(device_mesh: DeviceMesh, *names: str) -> DeviceMesh:
                 f"mesh dim {name!r} is neither a dim of the mesh {tuple(dims)} nor a flattened view "
                 f"{tuple(flattened)}; build the mesh with ParallelDims.build_mesh()"
             )
-    return parts[0] if len(parts) == 1 else DeviceMesh._concatenate(parts)
+    return parts[0] if len(parts) == 1 else concatenate_meshes(parts)
 
 
 def build_device_mesh(

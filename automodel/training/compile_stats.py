@@ -34,12 +34,11 @@ class CompileClock:
 
     @staticmethod
     def read() -> CompileReading:
-        from torch._dynamo.utils import calculate_time_spent, counters
-
         from automodel.distributed.compiled_autograd import compiled_autograd_compiles
+        from automodel.distributed.torch_internals import dynamo_calculate_time_spent, dynamo_counters
 
-        spent = calculate_time_spent()
-        graphs = int(counters["stats"]["unique_graphs"]) + compiled_autograd_compiles()
+        spent = dynamo_calculate_time_spent()
+        graphs = int(dynamo_counters()["stats"]["unique_graphs"]) + compiled_autograd_compiles()
         return CompileReading(seconds=float(spent.get("total_wall_time", 0.0)), graphs=graphs)
 
     def delta(self) -> CompileReading:

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
 from automodel.distributed.cp_utils import create_context_parallel_ctx, make_cp_batch_and_ctx
+from automodel.distributed.torch_internals import context_parallel_unshard
 
 
 def head_tail_index(seq_len: int, world: int, rank: int) -> torch.Tensor:

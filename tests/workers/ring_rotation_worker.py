@@ -7,23 +7,19 @@ collectives torch's ring would issue, and comparing with the single-process resu
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
-
-_ATTN = "torch.distributed.tensor.experimental._context_parallel._attention"
 
 
 def main(rank: int, world_size: int) -> dict:
     import torch.distributed._functional_collectives as ft_c
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
     from automodel.distributed import cpu_ring
     from automodel.distributed.cp_utils import create_context_parallel_ctx
     from automodel.distributed.mesh import ParallelDims
+    from automodel.distributed.torch_internals import context_parallel_unshard, cp_attention_module
 
-    attn = importlib.import_module(_ATTN)
+    attn = cp_attention_module()
     torch_rotater = attn._create_rotater
     mesh = ParallelDims(cp=world_size, world_size=world_size).build_mesh("cpu")["cp"]
     calls = {"permute_tensor": 0, "all_gather_single": 0}

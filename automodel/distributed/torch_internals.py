@@ -1,0 +1,398 @@
+"""Every private torch API that automodel uses, resolved in one place, per torch version.
+
+automodel is tested with torch 2.13.0, 2.14.1 and 2.15.0 (``pyproject.toml``: ``torch>=2.13,<2.16``;
+``scripts/compat.sh VERSION`` runs the parity subset on any of them). torch's context-parallel
+internals are private and move between releases, so no other module imports them: each one is
+resolved here by feature detection, and a missing one is a ``RuntimeError`` naming the torch
+version, the symbol and the fix (:func:`require`), never an ``AttributeError`` deep in a run.
+``python -m automodel.distributed.torch_internals`` prints what resolves on the installed torch
+(exit status 1 if anything is missing; ``tests/test_torch_internals.py`` asserts the same).
+
+What moved (checked by reading and running each release; CUDA paths import-checked only):
+
+- **2.13 -> 2.14**: ``_context_parallel._sharding_rules._op_strategy_context`` (register an
+  *op strategy*: ``register_op_strategy`` + ``expand_to_full_mesh_op_strategy`` over ``OpStrategy``
+  args) is gone; its successor ``_single_dim_strategy_context`` registers a *single-dim strategy*
+  (``register_single_dim_strategy``: placements over one mesh dim, ``_ShardingPlaceholder`` for a
+  shard, ``TensorMeta`` args, the all-``Replicate`` rule implied). :func:`seq_shard_strategy_context`
+  hides the difference; the placements it registers are the same on every version. torch's ring
+  itself changed only inside (``max_q``/``max_k`` per step for the CUDA flash kernel, an assertion),
+  not in the signatures automodel calls.
+- **2.14 -> 2.15**: nothing automodel uses changed (``BLOCK_SIZE`` plumbing of the flex-attention
+  CP path, which automodel does not use).
+
+The private torch symbols, where automodel uses them:
+
+====================================================================  ===============================
+``torch.distributed.tensor.experimental._context_parallel._attention``
+  ``_templated_ring_attention``, ``_templated_ring_attention_backward``  cpu_ring (the ring math)
+  ``custom_ops`` (the CP dispatcher's handler table)                  cpu_ring
+  ``_create_rotater`` (patched: synchronous rotation)                 cpu_ring
+  ``_cp_options`` (``convert_to_f32``, ``rotate_method``)             cpu_ring, cp_utils
+  ``set_rotate_method``, ``context_parallel_unshard``                 cp_utils, tests
+``..._context_parallel._sharding_rules``
+  ``_op_strategy_context`` (2.13) / ``_single_dim_strategy_context`` (2.14+)  cpu_ring
+``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy`` (2.13)  cpu_ring
+``torch.distributed.tensor._ops.single_dim_strategy._ShardingPlaceholder`` (2.14+)  cpu_ring
+``torch.distributed.tensor._op_schema``: ``OpStrategy``, ``RuntimeSchemaInfo``  cpu_ring
+``torch.distributed.tensor._dtensor_spec.TensorMeta`` (2.14+)         cpu_ring
+``DTensor._op_dispatcher`` (``unwrap_to_op_info``, ``sharding_propagator``, ``wrap``)  cpu_ring
+``DeviceMesh._flatten``, ``._get_root_mesh``, ``._flatten_mapping``, ``._concatenate``  mesh
+``torch._dynamo.compiled_autograd._enable`` / ``._disable``          compiled_autograd
+``torch._dynamo.utils.counters``, ``.calculate_time_spent``          compiled_autograd, compile_stats
+``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``)  cpu_ring, thd_attention
+====================================================================  ===============================
+
+Not moved here (documented aliases of public APIs, same on 2.13 .. 2.15): ``torch._dynamo.disable``
+(= ``torch.compiler.disable``; models/compile.py, compiled_autograd.py) and ``torch._dynamo.reset``
+(= ``torch.compiler.reset``; training/trainer.py). thd_attention.py calls the two ``aten`` CPU flash
+ops directly (op names, checked by :func:`missing_torch_internals`). ``torch.compile``,
+``torch.distributed.tensor.experimental.context_parallel``, ``torch.distributed.tensor.parallel`` and
+``DTensor`` itself are public.
+
+The private *transformers* internals automodel uses (tested with transformers 5.23-5.24; not moved
+here because they are used as values or monkeypatched module globals, not only imported):
+
+- ``transformers.masking_utils.find_packed_sequence_indices``: replaced (module global) by
+  distributed/hf_causal_mask.py and called by distributed/ulysses.py;
+- ``transformers.masking_utils``: ``ALL_MASK_ATTENTION_FUNCTIONS`` (ulysses.py, thd_attention.py),
+  ``and_masks``, ``causal_mask_function``, ``bidirectional_mask_function``,
+  ``sliding_window_overlay`` (ulysses.py);
+- ``transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS`` (ulysses.py, models/compile.py);
+- ``transformers.models.auto.modeling_auto``: ``MODEL_FOR_CAUSAL_LM_MAPPING`` (models/loader.py),
+  ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING`` (models/vlm_cp.py);
+- ``transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil``
+  (data/vlm_dataset.py);
+- ``config._attn_implementation`` (read/written in ulysses.py, thd_attention.py, models/compile.py,
+  models/vlm_tiny.py, training/self_check.py, training/trainer.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TESTED_TORCH_VERSIONS",
+    "TORCH_REQUIREMENT",
+    "compiled_autograd_disable",
+    "compiled_autograd_enable",
+    "concatenate_meshes",
+    "context_parallel_unshard",
+    "cp_attention_module",
+    "cp_options",
+    "cpu_flash_attention_ops",
+    "dtensor_op_dispatcher",
+    "dynamo_calculate_time_spent",
+    "dynamo_counters",
+    "flatten_mesh",
+    "mesh_flattened_views",
+    "missing_torch_internals",
+    "require",
+    "seq_shard_strategy_context",
+    "set_rotate_method",
+    "sharding_rule_api",
+    "templated_ring_attention",
+    "templated_ring_attention_backward",
+]
+
+#: The torch releases the parity subset passes on (``scripts/compat.sh``).
+TESTED_TORCH_VERSIONS = ("2.13.0", "2.14.1", "2.15.0")
+#: The range ``pyproject.toml`` allows.
+TORCH_REQUIREMENT = "torch>=2.13,<2.16"
+
+CP_ATTENTION = "torch.distributed.tensor.experimental._context_parallel._attention"
+CP_SHARDING_RULES = "torch.distributed.tensor.experimental._context_parallel._sharding_rules"
+_OPS_UTILS = "torch.distributed.tensor._ops.utils"
+_SINGLE_DIM = "torch.distributed.tensor._ops.single_dim_strategy"
+_OP_SCHEMA = "torch.distributed.tensor._op_schema"
+_DTENSOR_SPEC = "torch.distributed.tensor._dtensor_spec"
+
+#: Symbols the CPU ring needs on every version, as ``module:attribute``.
+_RING_COMMON = (
+    f"{CP_ATTENTION}:_templated_ring_attention",
+    f"{CP_ATTENTION}:_templated_ring_attention_backward",
+    f"{CP_ATTENTION}:_cp_options",
+    f"{CP_ATTENTION}:custom_ops",
+    f"{CP_ATTENTION}:_create_rotater",
+    f"{_OP_SCHEMA}:RuntimeSchemaInfo",
+    "torch.distributed.tensor:DTensor._op_dispatcher",
+)
+#: The two ways torch has had of installing a temporary DTensor sharding rule (newest first).
+_SHARDING_RULE_APIS = {
+    "single_dim": (  # torch 2.14, 2.15
+        f"{CP_SHARDING_RULES}:_single_dim_strategy_context",
+        f"{_SINGLE_DIM}:_ShardingPlaceholder",
+        f"{_DTENSOR_SPEC}:TensorMeta",
+    ),
+    "op_strategy": (  # torch 2.13
+        f"{CP_SHARDING_RULES}:_op_strategy_context",
+        f"{_OPS_UTILS}:expand_to_full_mesh_op_strategy",
+        f"{_OP_SCHEMA}:OpStrategy",
+    ),
+}
+_CPU_FLASH_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
+#: Feature -> symbols it needs on every version (the CPU ring's sharding rule is checked separately).
+_FEATURES = {
+    "ring context parallelism on CPU": _RING_COMMON,
+    "ring context parallelism": (
+        "torch.distributed.tensor.experimental:context_parallel",
+        f"{CP_ATTENTION}:_cp_options",
+        f"{CP_ATTENTION}:set_rotate_method",
+        f"{CP_ATTENTION}:context_parallel_unshard",
+    ),
+    "the device mesh's flattened views": (
+        "torch.distributed.device_mesh:DeviceMesh._flatten",
+        "torch.distributed.device_mesh:DeviceMesh._concatenate",
+    ),
+    "compiled autograd": (
+        "torch._dynamo.compiled_autograd:_enable",
+        "torch._dynamo.compiled_autograd:_disable",
+        "torch._dynamo.utils:counters",
+        "torch._dynamo.utils:calculate_time_spent",
+    ),
+}
+_FIXES = {
+    "ring context parallelism on CPU": "run CP on CUDA, or use distributed.cp_method=ulysses",
+    "ring context parallelism": "use distributed.cp_method=ulysses or thd",
+    "compiled autograd": "set distributed.enable_compiled_autograd=false",
+}
+
+
+def _lookup(spec: str) -> Any:
+    """The object named ``module:attr[.attr]``; ``AttributeError`` / ``ImportError`` if it is missing."""
+    module_name, _, path = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _has(spec: str) -> bool:
+    try:
+        _lookup(spec)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def _dotted(spec: str) -> str:
+    return spec.replace(":", ".")
+
+
+def _cpu_flash_missing() -> list[str]:
+    return [f"torch.ops.aten.{op}" for op in _CPU_FLASH_OPS if not hasattr(torch.ops.aten, op)]
+
+
+def sharding_rule_api() -> str | None:
+    """``"single_dim"`` (torch 2.14+), ``"op_strategy"`` (torch 2.13) or ``None`` (neither complete)."""
+    for name, specs in _SHARDING_RULE_APIS.items():
+        if all(_has(s) for s in specs):
+            return name
+    return None
+
+
+def missing_torch_internals(feature: str | None = None) -> list[str]:
+    """The private torch symbols ``feature`` needs that this torch lacks (all features when ``None``)."""
+    features = [feature] if feature is not None else list(_FEATURES)
+    missing: list[str] = []
+    for name in features:
+        missing += [_dotted(s) for s in _FEATURES[name] if not _has(s) and _dotted(s) not in missing]
+        if name == "ring context parallelism on CPU":
+            if sharding_rule_api() is None:
+                missing.append(
+                    " or ".join(
+                        f"{', '.join(_dotted(s) for s in specs if not _has(s))} ({version})"
+                        for specs, version in zip(_SHARDING_RULE_APIS.values(), ("torch 2.14+", "torch 2.13"))
+                    )
+                )
+            missing += _cpu_flash_missing()
+    return missing
+
+
+def _error(feature: str, missing: list[str], fix: str | None) -> RuntimeError:
+    fix = fix or _FIXES.get(feature, "")
+    return RuntimeError(
+        f"{feature} needs private torch APIs that torch {torch.__version__} does not have: "
+        f"{', '.join(missing)}. automodel is tested with torch {', '.join(TESTED_TORCH_VERSIONS)} "
+        f"({TORCH_REQUIREMENT}); install one of them (e.g. pip install torch==2.13.0)"
+        + (f", or {fix}" if fix else "")
+    )
+
+
+def require(feature: str, fix: str | None = None) -> None:
+    """Raise ``RuntimeError`` naming the torch version, the missing symbols and the fix, if any is missing."""
+    missing = missing_torch_internals(feature)
+    if missing:
+        raise _error(feature, missing, fix)
+
+
+def _resolve(spec: str, feature: str) -> Any:
+    try:
+        return _lookup(spec)
+    except (ImportError, AttributeError):
+        raise _error(feature, [_dotted(spec)], None) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's ring attention (experimental context parallelism)
+# ---------------------------------------------------------------------------------------------
+def cp_attention_module() -> Any:
+    """torch's CP attention module (``custom_ops`` and ``_create_rotater`` are looked up on it at call time)."""
+    return importlib.import_module(CP_ATTENTION)
+
+
+def templated_ring_attention() -> Callable[..., Any]:
+    """torch's ``_templated_ring_attention(group, seq_dim, op, query=, key=, value=, is_causal=, **kwargs)``."""
+    return _resolve(f"{CP_ATTENTION}:_templated_ring_attention", "ring context parallelism on CPU")
+
+
+def templated_ring_attention_backward() -> Callable[..., Any]:
+    """torch's ``_templated_ring_attention_backward(group, seq_dim, op, grad_out=, grad_out_name=, ...)``."""
+    return _resolve(f"{CP_ATTENTION}:_templated_ring_attention_backward", "ring context parallelism on CPU")
+
+
+def cp_options() -> Any:
+    """torch's ``_cp_options`` (``convert_to_f32``, ``enable_load_balance``, ``rotate_method``); mutable."""
+    return _resolve(f"{CP_ATTENTION}:_cp_options", "ring context parallelism")
+
+
+def set_rotate_method(method: str) -> None:
+    """torch's ``set_rotate_method`` (``"allgather"`` or ``"alltoall"``)."""
+    _resolve(f"{CP_ATTENTION}:set_rotate_method", "ring context parallelism")(method)
+
+
+def context_parallel_unshard(mesh: Any, buffers: list[torch.Tensor], seq_dims: list[int]) -> list[torch.Tensor]:
+    """torch's ``context_parallel_unshard``: the full tensors back from head-tail sequence shards."""
+    return _resolve(f"{CP_ATTENTION}:context_parallel_unshard", "ring context parallelism")(mesh, buffers, seq_dims)
+
+
+def cpu_flash_attention_ops() -> tuple[Any, Any]:
+    """``(aten._scaled_dot_product_flash_attention_for_cpu, ..._backward)`` (``OpOverloadPacket`` s)."""
+    missing = _cpu_flash_missing()
+    if missing:
+        raise _error("ring context parallelism on CPU", missing, None)
+    return tuple(getattr(torch.ops.aten, op) for op in _CPU_FLASH_OPS)  # type: ignore[return-value]
+
+
+def dtensor_op_dispatcher() -> Any:
+    """``DTensor._op_dispatcher`` (``unwrap_to_op_info``, ``sharding_propagator.propagate``, ``wrap``)."""
+    return _resolve("torch.distributed.tensor:DTensor._op_dispatcher", "ring context parallelism on CPU")
+
+
+def seq_shard_strategy_context(
+    op: Any,
+    *,
+    seq_dim: int,
+    num_outputs: int,
+    num_tensor_inputs: int,
+    static_argnum: int,
+    arity_error: Callable[[], Exception],
+    validate_mesh: bool = True,
+) -> contextlib.AbstractContextManager:
+    """Install, for the ``with`` block, a DTensor sharding rule for ``op``: every tensor (its
+    ``num_outputs`` outputs, then its tensor inputs) is ``Replicate()``, or every one is
+    ``Shard(seq_dim)`` — on each mesh dim. A call with a number of tensor inputs other than
+    ``num_tensor_inputs`` raises ``arity_error()`` during sharding propagation. ``static_argnum``:
+    the first positional argument that is part of the sharding cache key (``RuntimeSchemaInfo``).
+
+    torch 2.13 registers this as an op strategy (``_op_strategy_context``), torch 2.14+ as a
+    single-dim strategy (``_single_dim_strategy_context``; the all-Replicate rule is implied there);
+    the placements are the same. Restores whatever rule ``op`` had on exit.
+    """
+    feature = "ring context parallelism on CPU"
+    api = sharding_rule_api()
+    if api is None:
+        require(feature)
+    schema_info = _resolve(f"{_OP_SCHEMA}:RuntimeSchemaInfo", feature)(static_argnum)
+
+    if api == "single_dim":
+        placeholder = _lookup(f"{_SINGLE_DIM}:_ShardingPlaceholder")
+        tensor_meta = _lookup(f"{_DTENSOR_SPEC}:TensorMeta")
+
+        def single_dim_strategy(op_overload: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
+            args = (*args_schema, *kwargs_schema.values())
+            if sum(isinstance(a, tensor_meta) for a in args) != num_tensor_inputs:
+                raise arity_error()
+            return [[placeholder(seq_dim)] * (num_outputs + num_tensor_inputs)]
+
+        return _lookup(f"{CP_SHARDING_RULES}:_single_dim_strategy_context")(op, single_dim_strategy, schema_info)
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    op_strategy = _lookup(f"{_OP_SCHEMA}:OpStrategy")
+    expand = _lookup(f"{_OPS_UTILS}:expand_to_full_mesh_op_strategy")
+
+    def strategy(op_schema: Any) -> Any:
+        args = (*op_schema.args_schema, *op_schema.kwargs_schema.values())
+        if sum(isinstance(a, op_strategy) for a in args) != num_tensor_inputs:
+            raise arity_error()
+        mesh = op_schema.get_mesh_from_args(validate=validate_mesh)
+        n = num_outputs + num_tensor_inputs
+        return expand(mesh, op_schema, [[Replicate()] * n, [Shard(seq_dim)] * n], input_index=num_outputs)
+
+    return _lookup(f"{CP_SHARDING_RULES}:_op_strategy_context")(op, strategy, schema_info)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeviceMesh: flattened views
+# ---------------------------------------------------------------------------------------------
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh._flatten(mesh_dim_name=name)``: a 1-D view of ``mesh`` reachable from its root as ``name``."""
+    return _resolve("torch.distributed.device_mesh:DeviceMesh._flatten", "the device mesh's flattened views")(
+        mesh, mesh_dim_name=name
+    )
+
+
+def mesh_flattened_views(mesh: Any) -> dict[str, Any]:
+    """The flattened views of ``mesh``'s root mesh (``{}`` if this torch keeps none)."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    return dict(getattr(root, "_flatten_mapping", {}))
+
+
+def concatenate_meshes(parts: list[Any]) -> Any:
+    """``DeviceMesh._concatenate(parts)``: one mesh over the dims of ``parts`` (sub-meshes of one root)."""
+    return _resolve("torch.distributed.device_mesh:DeviceMesh._concatenate", "the device mesh's flattened views")(
+        parts
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# dynamo: compiled autograd and counters
+# ---------------------------------------------------------------------------------------------
+def compiled_autograd_enable(compiler_fn: Callable[..., Any], *, dynamic: bool) -> contextlib.AbstractContextManager:
+    """``torch._dynamo.compiled_autograd._enable(compiler_fn, dynamic=...)``."""
+    return _resolve("torch._dynamo.compiled_autograd:_enable", "compiled autograd")(compiler_fn, dynamic=dynamic)
+
+
+def compiled_autograd_disable() -> contextlib.AbstractContextManager:
+    """``torch._dynamo.compiled_autograd._disable()``: compiled autograd off inside the block."""
+    return _resolve("torch._dynamo.compiled_autograd:_disable", "compiled autograd")()
+
+
+def dynamo_counters() -> Any:
+    """``torch._dynamo.utils.counters`` (a ``defaultdict`` of ``Counter`` s)."""
+    return _resolve("torch._dynamo.utils:counters", "compiled autograd")
+
+
+def dynamo_calculate_time_spent() -> dict[str, float]:
+    """``torch._dynamo.utils.calculate_time_spent()``: compile seconds by phase (``total_wall_time``)."""
+    return _resolve("torch._dynamo.utils:calculate_time_spent", "compiled autograd")()
+
+
+def _main() -> int:
+    print(f"torch {torch.__version__}; sharding-rule API: {sharding_rule_api()}")
+    bad = 0
+    for feature in _FEATURES:
+        missing = missing_torch_internals(feature)
+        bad += bool(missing)
+        print(f"  {feature}: {'ok' if not missing else 'MISSING ' + ', '.join(missing)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

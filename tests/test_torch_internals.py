@@ -1,0 +1,76 @@
+"""Every private torch API automodel uses resolves on the installed torch (2.13, 2.14 or 2.15).
+
+``scripts/compat.sh VERSION`` runs this with the parity subset on each tested release; the CUDA
+ring's imports are checked here too (its kernels cannot run without a GPU).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from automodel.distributed import torch_internals
+
+
+def _version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_every_private_torch_symbol_resolves():
+    assert torch_internals.missing_torch_internals() == []
+
+
+def test_sharding_rule_api_matches_the_torch_release():
+    expected = "op_strategy" if _version() < (2, 14) else "single_dim"
+    assert torch_internals.sharding_rule_api() == expected
+
+
+def test_accessors_return_torch_objects():
+    attn = torch_internals.cp_attention_module()
+    assert torch_internals.templated_ring_attention() is attn._templated_ring_attention
+    assert torch_internals.templated_ring_attention_backward() is attn._templated_ring_attention_backward
+    assert torch_internals.cp_options() is attn._cp_options
+    fwd, bwd = torch_internals.cpu_flash_attention_ops()
+    assert fwd is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    assert bwd is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    from torch.distributed.tensor import DTensor
+
+    assert torch_internals.dtensor_op_dispatcher() is DTensor._op_dispatcher
+    assert callable(torch_internals.dynamo_calculate_time_spent)
+    assert torch_internals.dynamo_counters() is not None
+
+
+def test_cuda_ring_imports_resolve():
+    """What torch's own (CUDA) ring needs: context_parallel and its CP attention module."""
+    from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+
+    attn = torch_internals.cp_attention_module()
+    for name in ("custom_ops", "_create_rotater", "_cp_options", "set_rotate_method", "context_parallel_unshard"):
+        assert hasattr(attn, name), name
+    for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"):
+        assert getattr(torch.ops.aten, op).default in attn.custom_ops, op
+
+
+def test_missing_symbol_is_a_clear_error(monkeypatch):
+    attn = torch_internals.cp_attention_module()
+    monkeypatch.delattr(attn, "_cp_options")
+    with pytest.raises(RuntimeError) as err:
+        torch_internals.cp_options()
+    message = str(err.value)
+    assert f"torch {torch.__version__} does not have" in message
+    assert f"{torch_internals.CP_ATTENTION}._cp_options" in message
+    assert re.search(r"tested with torch 2\.13\.0, 2\.14\.1, 2\.15\.0 \(torch>=2\.13,<2\.16\)", message)
+
+
+def test_missing_sharding_rule_api_names_both_versions(monkeypatch):
+    import importlib
+
+    rules = importlib.import_module(torch_internals.CP_SHARDING_RULES)
+    for name in ("_op_strategy_context", "_single_dim_strategy_context"):
+        monkeypatch.delattr(rules, name, raising=False)
+    assert torch_internals.sharding_rule_api() is None
+    with pytest.raises(RuntimeError, match=r"_single_dim_strategy_context \(torch 2\.14\+\) or .*_op_strategy_context \(torch 2\.13\)"):
+        torch_internals.require("ring context parallelism on CPU")
