@@ -312,3 +312,30 @@ def test_dry_run_reports_tp_parameters_logits_and_sequence_parallel_shapes():
     plain = 3 * 1024 * 1024 * 4 + 1024 * 128 * 2  # [1024, 1024] gathered on each TP rank
     assert "distributed.enable_loss_parallel is off" in gathered
     assert f"{'logits and loss':<24}{_fmt(plain):>12}  plain: [1024, 1024]" in gathered
+
+
+def test_thd_workspace_is_the_whole_rows_kv_gathered_per_layer():
+    """thd all-gathers the K/V of the whole row in every layer (and again, with dK/dV, in the backward):
+    its workspace does not shrink with cp, where ring's K/V blocks do (issue 18, item 8)."""
+    d = _dims(**LLAMA_1B)
+
+    def workspace(method: str, cp: int) -> float:
+        shape = RunShape(local_batch=1, seq=32768, cp=cp, cp_method=method, compute_bytes=2)
+        return plan_memory(d, shape).terms["attention workspace"]
+
+    thd4, thd8, ring4, ring8 = workspace("thd", 4), workspace("thd", 8), workspace("ring", 4), workspace("ring", 8)
+    kv_row = 2 * d.kv_heads * d.head_dim * 32768 * 2  # K and V of the whole row, bf16
+    assert thd4.bytes >= 4 * kv_row and thd8.bytes >= 4 * kv_row  # K/V + dK/dV and their reorder copies
+    assert thd8.bytes > 0.85 * thd4.bytes  # the gathered row does not shrink with cp (only the fp32 partials do)
+    assert ring8.bytes == pytest.approx(ring4.bytes / 2)  # ring holds S/cp-token blocks
+    assert thd4.bytes > ring4.bytes and "all-gathered per layer" in thd4.note
+
+
+def test_dry_run_describes_the_thd_exchange_and_the_layer_kinds(capsys):
+    from recipes.finetune import main
+
+    assert main(["--config", "configs/cp_packed.yaml", "recipe.dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "cp_method thd (packed documents" in out
+    assert "all-gather (thd)" in out and "thd: K/V of the whole row" in out
+    assert "layer kinds: 4 layers: 4 full_attention" in out and "exact under cp_method thd" in out

@@ -168,7 +168,10 @@ class FinetuneTrainer:
         self._maybe_resume()
         if cfg.recipe.cp_self_check:  # one step with CP and without, compared (weights untouched)
             from automodel.training.self_check import run_cp_self_check
+            from automodel.training.user_errors import agree_before_collectives
 
+            if d.cp_size > 1:  # a rank whose setup failed (a data file missing on one node) waits in the
+                agree_before_collectives()  # setup agreement: meet it there before the check's collectives
             self.cp_self_check_report = run_cp_self_check(self)
 
     def _build_data_and_model(self) -> None:

@@ -55,6 +55,7 @@ __all__ = [
     "agreement_group",
     "run_phase",
     "run_guarded",
+    "agree_before_collectives",
 ]
 
 logger = logging.getLogger("automodel.user_errors")
@@ -205,6 +206,8 @@ def run_phase(
     """
     try:
         result = fn()
+    except RunAborted:  # agreed and reported inside the phase (agree_before_collectives)
+        raise
     except BaseException as exc:
         user = find_user_error(exc)
         if user is None:
@@ -234,6 +237,26 @@ def run_phase(
             _finish_collectively(g)
             raise aborted
     return result
+
+
+def agree_before_collectives() -> None:
+    """Meet every rank in an agreement before a step of a phase that runs collectives of its own.
+
+    Called inside a phase run by :func:`run_phase` (e.g. the trainer's setup, before the CP self-check
+    runs forward/backward collectives): a rank that failed earlier in the phase is in
+    :func:`run_phase`'s failure agreement, and this call is the same agreement on the ranks that did
+    not fail, so no rank is left alone in a mismatched collective. Raises :class:`RunAborted` (after
+    rank 0 printed the error) when any rank failed; a no-op without a process group. Every rank of the
+    phase must call it at the same point.
+    """
+    if not _distributed():
+        return
+    g = agreement_group()
+    messages = agree_on_failure(None, g)
+    if any(m is not None for m in messages):
+        aborted = _report(messages)
+        _finish_collectively(g)
+        raise aborted
 
 
 def run_guarded(

@@ -1,0 +1,122 @@
+"""The model profile and the exactness check of automodel.distributed.cp, without processes.
+
+The family matrix (tests/test_family_matrix.py) proves each verdict against one process; this module
+pins what the profile reads from a model and what the refusal says.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from automodel.distributed.cp import (
+    check_model_config_for_cp,
+    check_model_for_cp,
+    cp_methods,
+    get_cp_method,
+    methods_that_run,
+    profile_model,
+    register_cp_method,
+    unregister_cp_method,
+)
+from automodel.distributed.cp.profile import CHUNKED, FULL, LINEAR, SLIDING, UNKNOWN
+from automodel.errors import CPUnsupportedError, UserInputError
+
+SMALL = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+
+def _meta(model_type: str, **kw):
+    config = AutoConfig.for_model(model_type, **(SMALL | kw))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_profile_reads_each_layer_kind_from_the_modules():
+    gemma2 = profile_model(_meta("gemma2", num_hidden_layers=4, sliding_window=16, head_dim=16))
+    assert [layer.kind for layer in gemma2.layers] == [SLIDING, FULL, SLIDING, FULL]
+    assert gemma2.layers[0].window == 16 and gemma2.layers[1].window is None
+    assert all(layer.softcap == 50.0 for layer in gemma2.layers) and gemma2.attn_implementation == "eager"
+
+    oss = profile_model(_meta("gpt_oss", num_hidden_layers=2, sliding_window=16, head_dim=16, num_local_experts=4))
+    assert all(layer.sinks for layer in oss.layers)
+
+    llama4 = profile_model(_meta("llama4_text", num_hidden_layers=4, attention_chunk_size=16, head_dim=16))
+    assert [layer.kind for layer in llama4.layers] == [CHUNKED, CHUNKED, CHUNKED, FULL]
+    assert llama4.layers[3].position_scaled and not llama4.layers[3].rope  # NoPE + attention temperature
+
+    nxt = profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16))
+    assert [layer.kind for layer in nxt.layers] == [LINEAR, LINEAR, LINEAR, FULL]
+    assert "GatedDeltaNet" in nxt.layers[0].mixer
+
+    mla = profile_model(_meta("deepseek_v3", num_hidden_layers=1, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                              v_head_dim=16, kv_lora_rank=16, q_lora_rank=16))  # fmt: skip
+    assert mla.layers[0].mla and (mla.layers[0].qk_head_dim, mla.layers[0].v_head_dim) == (24, 16)
+
+
+def test_profile_from_a_config_alone_and_an_unrecognised_stack():
+    from transformers import MistralConfig
+
+    config = MistralConfig(num_hidden_layers=2, sliding_window=32, **SMALL)
+    profile = profile_model(config)
+    assert not profile.from_modules and profile.architecture == "MistralForCausalLM"
+    assert [layer.kind for layer in profile.layers] == [SLIDING, SLIDING]
+
+    class Opaque(torch.nn.Module):  # a model whose decoder stack the profile cannot find
+        def __init__(self):
+            super().__init__()
+            self.config = config
+
+    opaque = profile_model(Opaque())
+    assert {layer.kind for layer in opaque.layers} == {UNKNOWN}  # nothing is assumed exact
+    assert methods_that_run(opaque, 64) == []
+
+
+def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
+    profile = profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16))
+    with pytest.raises(CPUnsupportedError) as err:
+        check_model_for_cp("ring", profile, seq_len=64)
+    msg = str(err.value)
+    assert msg.startswith("distributed.cp_method=ring does not compute Qwen3NextForCausalLM (model_type=qwen3_next)")
+    assert "layers 0-2: a linear-attention / state-space mixer (Qwen3NextGatedDeltaNet)" in msg
+    assert "no CP method runs this model exactly yet: train it with distributed.cp_size=1" in msg
+    assert isinstance(err.value, UserInputError)  # the recipe prints it as one error: line
+
+    mistral = profile_model(_meta("mistral", num_hidden_layers=2, sliding_window=16))
+    with pytest.raises(CPUnsupportedError, match=r"layers 0-1: sliding-window attention \(window 16\) is shorter "
+                                                 r"than the rows \(64 tokens\).*methods that run this model "
+                                                 r"exactly: ulysses"):  # fmt: skip
+        check_model_for_cp("thd", mistral, seq_len=64)
+    check_model_for_cp("thd", mistral, seq_len=16)  # the window covers the row
+    assert methods_that_run(mistral, 64) == ["ulysses"]
+
+
+def test_heads_and_vlm_checks_read_the_profile():
+    llama = profile_model(_meta("llama", num_hidden_layers=1))
+    with pytest.raises(UserInputError, match="num_attention_heads=4, which is not divisible by distributed.cp_size=3"):
+        check_model_config_for_cp("ulysses", llama, 3)
+    assert check_model_config_for_cp("ring", llama, 3, seq_len=96) is llama
+    assert check_model_config_for_cp("ulysses", llama, 1) is None  # no CP: nothing to check
+
+
+def test_a_registered_method_is_selectable_and_listed():
+    from automodel.distributed.cp import CPMethod
+    from automodel.distributed.cp.method import standard_problem
+
+    class Everything(CPMethod):
+        name = "test_everything"
+
+        def layer_problem(self, layer, seq_len):
+            return standard_problem(self.name, layer, seq_len, windows=True, chunks=True, sinks=True,
+                                    softcap=True, mla=True)  # fmt: skip
+
+    register_cp_method(Everything())
+    try:
+        assert get_cp_method("test_everything").name in cp_methods()
+        with pytest.raises(ValueError, match="already registered"):
+            register_cp_method(Everything())
+        mistral = profile_model(_meta("mistral", num_hidden_layers=1, sliding_window=16))
+        assert methods_that_run(mistral, 64) == ["ulysses", "test_everything"]
+    finally:
+        unregister_cp_method("test_everything")
+    assert "test_everything" not in cp_methods()
