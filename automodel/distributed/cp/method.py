@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal
 
 from automodel.distributed.cp.profile import LayerSpec, ModelProfile
 
-__all__ = ["CPMethod", "PreparedModel", "BatchFn"]
+__all__ = ["AttentionSwitchingMethod", "CPMethod", "PreparedModel", "BatchFn"]
 
 BatchFn = Callable[[Any, dict[str, Any]], tuple[Callable[[], Any], dict[str, Any]]]
 
@@ -229,6 +229,27 @@ class CPMethod:
 
     def __repr__(self) -> str:
         return f"<CP method {self.name!r}>"
+
+
+class AttentionSwitchingMethod(CPMethod):
+    """A method that runs its own attention implementation around the model's kernel (Ulysses, thd).
+
+    :meth:`prepare_model` switches the model to it (``_switch() -> (set_fn, name)``, ``set_fn(model,
+    mesh) -> previous implementation``); the batch function then gets ``inner_attn=<previous>``.
+    """
+
+    def _switch(self) -> tuple[Callable[[Any, Any], str], str]:
+        raise NotImplementedError
+
+    def prepare_model(self, model: Any, device_mesh: Any) -> PreparedModel:
+        set_attention, name = self._switch()
+        previous = set_attention(model, device_mesh)
+        return PreparedModel(module=model, previous_attn=previous, current_attn=name)
+
+    def batch_function(self, prepared: PreparedModel | None = None, **options: Any) -> BatchFn:
+        if prepared is not None and prepared.switched:
+            options = {"inner_attn": prepared.previous_attn, **options}
+        return super().batch_function(prepared, **options)
 
 
 def profile_problems(method: CPMethod, profile: ModelProfile, seq_len: int | None) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel, standard_problem
+from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 
 __all__ = ["ThdMethod", "THD_KERNELS", "THD_CP_COMM_TYPES"]
@@ -23,7 +23,7 @@ THD_KERNELS = ("portable", "flash_attn", "te")
 THD_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
-class ThdMethod(CPMethod):
+class ThdMethod(AttentionSwitchingMethod):
     name = "thd"
     summary = "packed documents (TE partition per document), K/V all-gathered, exact per-document causal attention"
     attn_implementations = ("sdpa", "eager")  # the cp=1 reference; at cp>1 the model runs THD attention
@@ -35,16 +35,10 @@ class ThdMethod(CPMethod):
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(self.name, layer, seq_len, windows_checked_at_call=True)
 
-    def prepare_model(self, model: Any, device_mesh: Any) -> PreparedModel:
+    def _switch(self) -> tuple[Any, str]:
         from automodel.distributed.thd_attention import THD_ATTN_NAME, set_thd_attention
 
-        previous = set_thd_attention(model, device_mesh)
-        return PreparedModel(module=model, previous_attn=previous, current_attn=THD_ATTN_NAME)
-
-    def batch_function(self, prepared: PreparedModel | None = None, **options: Any) -> BatchFn:
-        if prepared is not None and prepared.switched:
-            options = {"inner_attn": prepared.previous_attn, **options}
-        return super().batch_function(prepared, **options)
+        return set_thd_attention, THD_ATTN_NAME
 
     def _batch_function(self) -> BatchFn:
         from automodel.distributed.thd_attention import make_thd_batch_and_ctx

@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel, standard_problem
+from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 
 __all__ = ["UlyssesMethod"]
 
 
-class UlyssesMethod(CPMethod):
+class UlyssesMethod(AttentionSwitchingMethod):
     name = "ulysses"
     summary = "all-to-all: each rank runs the unchanged attention kernel on the whole row for H/cp heads"
     attn_implementations = ("sdpa", "eager", "flex_attention")  # the inner kernel, on the whole row
@@ -32,16 +32,10 @@ class UlyssesMethod(CPMethod):
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(self.name, layer, seq_len, windows=True, softcap=True, mla=True)
 
-    def prepare_model(self, model: Any, device_mesh: Any) -> PreparedModel:
+    def _switch(self) -> tuple[Any, str]:
         from automodel.distributed.ulysses import ULYSSES_ATTN_NAME, set_ulysses_attention
 
-        previous = set_ulysses_attention(model, device_mesh)
-        return PreparedModel(module=model, previous_attn=previous, current_attn=ULYSSES_ATTN_NAME)
-
-    def batch_function(self, prepared: PreparedModel | None = None, **options: Any) -> BatchFn:
-        if prepared is not None and prepared.switched:
-            options = {"inner_attn": prepared.previous_attn, **options}
-        return super().batch_function(prepared, **options)
+        return set_ulysses_attention, ULYSSES_ATTN_NAME
 
     def _batch_function(self) -> BatchFn:
         from automodel.distributed.ulysses import make_ulysses_batch_and_ctx
