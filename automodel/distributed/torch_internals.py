@@ -21,27 +21,27 @@ What moved (checked by reading and running each release; CUDA paths import-check
 - **2.14 -> 2.15**: nothing automodel uses changed (``BLOCK_SIZE`` plumbing of the flex-attention
   CP path, which automodel does not use).
 
-The private torch symbols, where automodel uses them:
+The private torch symbols, and where automodel uses them:
 
-====================================================================  ===============================
-``torch.distributed.tensor.experimental._context_parallel._attention``
-  ``_templated_ring_attention``, ``_templated_ring_attention_backward``  cpu_ring (the ring math)
-  ``custom_ops`` (the CP dispatcher's handler table)                  cpu_ring
-  ``_create_rotater`` (patched: synchronous rotation)                 cpu_ring
-  ``_cp_options`` (``convert_to_f32``, ``rotate_method``)             cpu_ring, cp_utils
-  ``set_rotate_method``, ``context_parallel_unshard``                 cp_utils, tests
-``..._context_parallel._sharding_rules``
-  ``_op_strategy_context`` (2.13) / ``_single_dim_strategy_context`` (2.14+)  cpu_ring
-``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy`` (2.13)  cpu_ring
-``torch.distributed.tensor._ops.single_dim_strategy._ShardingPlaceholder`` (2.14+)  cpu_ring
-``torch.distributed.tensor._op_schema``: ``OpStrategy``, ``RuntimeSchemaInfo``  cpu_ring
-``torch.distributed.tensor._dtensor_spec.TensorMeta`` (2.14+)         cpu_ring
-``DTensor._op_dispatcher`` (``unwrap_to_op_info``, ``sharding_propagator``, ``wrap``)  cpu_ring
-``DeviceMesh._flatten``, ``._get_root_mesh``, ``._flatten_mapping``, ``._concatenate``  mesh
-``torch._dynamo.compiled_autograd._enable`` / ``._disable``          compiled_autograd
-``torch._dynamo.utils.counters``, ``.calculate_time_spent``          compiled_autograd, compile_stats
-``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``)  cpu_ring, thd_attention
-====================================================================  ===============================
+- ``torch.distributed.tensor.experimental._context_parallel._attention``:
+  ``_templated_ring_attention`` and ``_templated_ring_attention_backward`` (the ring math),
+  ``custom_ops`` (the CP dispatcher's handler table), ``_create_rotater`` (patched: synchronous
+  rotation) — cpu_ring; ``_cp_options`` (``convert_to_f32``, ``rotate_method``) — cpu_ring,
+  cp_utils; ``set_rotate_method`` — cp_utils; ``context_parallel_unshard`` — tests;
+- ``..._context_parallel._sharding_rules``: ``_op_strategy_context`` (2.13) or
+  ``_single_dim_strategy_context`` (2.14+) — cpu_ring;
+- ``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy`` and
+  ``torch.distributed.tensor._op_schema.OpStrategy`` (2.13), ``torch.distributed.tensor._ops
+  .single_dim_strategy._ShardingPlaceholder`` and ``torch.distributed.tensor._dtensor_spec.TensorMeta``
+  (2.14+), ``torch.distributed.tensor._op_schema.RuntimeSchemaInfo`` (all) — cpu_ring;
+- ``DTensor._op_dispatcher`` (``unwrap_to_op_info``, ``sharding_propagator.propagate``, ``wrap``)
+  — cpu_ring;
+- ``DeviceMesh._flatten``, ``._get_root_mesh``, ``._flatten_mapping``, ``._concatenate`` — mesh;
+- ``torch._dynamo.compiled_autograd._enable`` / ``._disable`` — compiled_autograd;
+  ``torch._dynamo.utils.counters`` — compiled_autograd, training/compile_stats;
+  ``torch._dynamo.utils.calculate_time_spent`` — training/compile_stats;
+- ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` — cpu_ring
+  (through :func:`cpu_flash_attention_ops`) and thd_attention (directly).
 
 Not moved here (documented aliases of public APIs, same on 2.13 .. 2.15): ``torch._dynamo.disable``
 (= ``torch.compiler.disable``; models/compile.py, compiled_autograd.py) and ``torch._dynamo.reset``
