@@ -74,3 +74,35 @@ def test_missing_sharding_rule_api_names_both_versions(monkeypatch):
     assert torch_internals.sharding_rule_api() is None
     with pytest.raises(RuntimeError, match=r"_single_dim_strategy_context \(torch 2\.14\+\) or .*_op_strategy_context \(torch 2\.13\)"):
         torch_internals.require("ring context parallelism on CPU")
+
+
+def test_transformers_internals_resolve_to_transformers_objects():
+    import importlib
+
+    assert torch_internals.missing_transformers_internals() == []
+    for name, module_name in torch_internals._TRANSFORMERS.items():
+        assert getattr(torch_internals, name) is getattr(importlib.import_module(module_name), name), name
+
+
+def test_transformers_internal_is_looked_up_afresh(monkeypatch):
+    """A patched module global (hf_causal_mask's) is what an import from torch_internals sees."""
+    import transformers.masking_utils as masking_utils
+
+    def patched(position_ids):
+        return None
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", patched)
+    from automodel.distributed.torch_internals import find_packed_sequence_indices
+
+    assert find_packed_sequence_indices is patched
+
+
+def test_missing_transformers_internal_is_a_clear_import_error(monkeypatch):
+    import transformers
+    import transformers.masking_utils as masking_utils
+
+    monkeypatch.delattr(masking_utils, "and_masks")
+    with pytest.raises(ImportError, match=rf"transformers\.masking_utils\.and_masks, which transformers {re.escape(transformers.__version__)}"):
+        from automodel.distributed.torch_internals import and_masks  # noqa: F401
+    with pytest.raises(AttributeError):
+        torch_internals.no_such_name  # noqa: B018

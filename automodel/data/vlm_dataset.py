@@ -110,7 +110,7 @@ class SyntheticImageTextDataset:
         vision_end_token_id: int | None = None,
         seed: int = 0,
     ) -> None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from automodel.distributed.torch_internals import Qwen2VLImageProcessorPil
 
         if split not in _SPLIT_OFFSET:
             raise UserInputError(f"data.dataset split={split!r} is not one of {sorted(_SPLIT_OFFSET)}")

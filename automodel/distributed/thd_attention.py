@@ -589,7 +589,8 @@ def register_thd_attention(name: str = THD_ATTN_NAME) -> str:
     and passes ``attention_mask=None``. Returns ``name``.
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from automodel.distributed.torch_internals import ALL_MASK_ATTENTION_FUNCTIONS
 
     if name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         raise ValueError(f"{name!r} is a mask implementation name in transformers; pick another name")

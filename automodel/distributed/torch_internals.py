@@ -1,12 +1,13 @@
-"""Every private torch API that automodel uses, resolved in one place, per torch version.
+"""Every private torch API that automodel uses, resolved in one place, per torch version (and the
+private transformers internals it uses, at the end).
 
 automodel is tested with torch 2.13.0, 2.14.1 and 2.15.0 (``pyproject.toml``: ``torch>=2.13,<2.16``;
 ``scripts/compat.sh VERSION`` runs the parity subset on any of them). torch's context-parallel
 internals are private and move between releases, so no other module imports them: each one is
 resolved here by feature detection, and a missing one is a ``RuntimeError`` naming the torch
 version, the symbol and the fix (:func:`require`), never an ``AttributeError`` deep in a run.
-``python -m automodel.distributed.torch_internals`` prints what resolves on the installed torch
-(exit status 1 if anything is missing; ``tests/test_torch_internals.py`` asserts the same).
+``python -m automodel.distributed.torch_internals`` prints what resolves on the installed torch and
+transformers (exit status 1 if anything is missing; ``tests/test_torch_internals.py`` asserts the same).
 
 What moved (checked by reading and running each release; CUDA paths import-checked only):
 
@@ -21,27 +22,27 @@ What moved (checked by reading and running each release; CUDA paths import-check
 - **2.14 -> 2.15**: nothing automodel uses changed (``BLOCK_SIZE`` plumbing of the flex-attention
   CP path, which automodel does not use).
 
-The private torch symbols, where automodel uses them:
+The private torch symbols, and where automodel uses them:
 
-====================================================================  ===============================
-``torch.distributed.tensor.experimental._context_parallel._attention``
-  ``_templated_ring_attention``, ``_templated_ring_attention_backward``  cpu_ring (the ring math)
-  ``custom_ops`` (the CP dispatcher's handler table)                  cpu_ring
-  ``_create_rotater`` (patched: synchronous rotation)                 cpu_ring
-  ``_cp_options`` (``convert_to_f32``, ``rotate_method``)             cpu_ring, cp_utils
-  ``set_rotate_method``, ``context_parallel_unshard``                 cp_utils, tests
-``..._context_parallel._sharding_rules``
-  ``_op_strategy_context`` (2.13) / ``_single_dim_strategy_context`` (2.14+)  cpu_ring
-``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy`` (2.13)  cpu_ring
-``torch.distributed.tensor._ops.single_dim_strategy._ShardingPlaceholder`` (2.14+)  cpu_ring
-``torch.distributed.tensor._op_schema``: ``OpStrategy``, ``RuntimeSchemaInfo``  cpu_ring
-``torch.distributed.tensor._dtensor_spec.TensorMeta`` (2.14+)         cpu_ring
-``DTensor._op_dispatcher`` (``unwrap_to_op_info``, ``sharding_propagator``, ``wrap``)  cpu_ring
-``DeviceMesh._flatten``, ``._get_root_mesh``, ``._flatten_mapping``, ``._concatenate``  mesh
-``torch._dynamo.compiled_autograd._enable`` / ``._disable``          compiled_autograd
-``torch._dynamo.utils.counters``, ``.calculate_time_spent``          compiled_autograd, compile_stats
-``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``)  cpu_ring, thd_attention
-====================================================================  ===============================
+- ``torch.distributed.tensor.experimental._context_parallel._attention``:
+  ``_templated_ring_attention`` and ``_templated_ring_attention_backward`` (the ring math),
+  ``custom_ops`` (the CP dispatcher's handler table), ``_create_rotater`` (patched: synchronous
+  rotation) — cpu_ring; ``_cp_options`` (``convert_to_f32``, ``rotate_method``) — cpu_ring,
+  cp_utils; ``set_rotate_method`` — cp_utils; ``context_parallel_unshard`` — tests;
+- ``..._context_parallel._sharding_rules``: ``_op_strategy_context`` (2.13) or
+  ``_single_dim_strategy_context`` (2.14+) — cpu_ring;
+- ``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy`` and
+  ``torch.distributed.tensor._op_schema.OpStrategy`` (2.13), ``torch.distributed.tensor._ops
+  .single_dim_strategy._ShardingPlaceholder`` and ``torch.distributed.tensor._dtensor_spec.TensorMeta``
+  (2.14+), ``torch.distributed.tensor._op_schema.RuntimeSchemaInfo`` (all) — cpu_ring;
+- ``DTensor._op_dispatcher`` (``unwrap_to_op_info``, ``sharding_propagator.propagate``, ``wrap``)
+  — cpu_ring;
+- ``DeviceMesh._flatten``, ``._get_root_mesh``, ``._flatten_mapping``, ``._concatenate`` — mesh;
+- ``torch._dynamo.compiled_autograd._enable`` / ``._disable`` — compiled_autograd;
+  ``torch._dynamo.utils.counters`` — compiled_autograd, training/compile_stats;
+  ``torch._dynamo.utils.calculate_time_spent`` — training/compile_stats;
+- ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` — cpu_ring
+  (through :func:`cpu_flash_attention_ops`) and thd_attention (directly).
 
 Not moved here (documented aliases of public APIs, same on 2.13 .. 2.15): ``torch._dynamo.disable``
 (= ``torch.compiler.disable``; models/compile.py, compiled_autograd.py) and ``torch._dynamo.reset``
@@ -50,21 +51,28 @@ ops directly (op names, checked by :func:`missing_torch_internals`). ``torch.com
 ``torch.distributed.tensor.experimental.context_parallel``, ``torch.distributed.tensor.parallel`` and
 ``DTensor`` itself are public.
 
-The private *transformers* internals automodel uses (tested with transformers 5.23-5.24; not moved
-here because they are used as values or monkeypatched module globals, not only imported):
+The private *transformers* internals automodel uses (tested with transformers 5.23-5.24) are
+lazy attributes of this module too (``from automodel.distributed.torch_internals import and_masks``
+inside a function imports transformers then; a missing one is an ``ImportError`` naming the
+transformers version and the symbol). Each is looked up afresh on every import, so a patched module
+global is seen patched:
 
-- ``transformers.masking_utils.find_packed_sequence_indices``: replaced (module global) by
-  distributed/hf_causal_mask.py and called by distributed/ulysses.py;
-- ``transformers.masking_utils``: ``ALL_MASK_ATTENTION_FUNCTIONS`` (ulysses.py, thd_attention.py),
-  ``and_masks``, ``causal_mask_function``, ``bidirectional_mask_function``,
-  ``sliding_window_overlay`` (ulysses.py);
-- ``transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS`` (ulysses.py, models/compile.py);
+- ``transformers.masking_utils``: ``find_packed_sequence_indices`` (distributed/ulysses.py; also
+  replaced, as a module global, by distributed/hf_causal_mask.py, which imports the module itself
+  and is a no-op where transformers has no such function), ``ALL_MASK_ATTENTION_FUNCTIONS`` (and its
+  private ``_global_mapping``; ulysses.py, thd_attention.py), ``and_masks``,
+  ``causal_mask_function``, ``bidirectional_mask_function``, ``sliding_window_overlay``
+  (ulysses.py);
+- ``transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS`` (ulysses.py, models/compile.py, which
+  also replaces entries in it);
 - ``transformers.models.auto.modeling_auto``: ``MODEL_FOR_CAUSAL_LM_MAPPING`` (models/loader.py),
   ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING`` (models/vlm_cp.py);
 - ``transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil``
-  (data/vlm_dataset.py);
-- ``config._attn_implementation`` (read/written in ulysses.py, thd_attention.py, models/compile.py,
-  models/vlm_tiny.py, training/self_check.py, training/trainer.py).
+  (data/vlm_dataset.py).
+
+Not movable by an import line: ``config._attn_implementation``, read or written in ulysses.py,
+thd_attention.py, models/compile.py, models/vlm_tiny.py, training/self_check.py and
+training/trainer.py; and hf_causal_mask.py's patch of ``masking_utils.find_packed_sequence_indices``.
 """
 
 from __future__ import annotations
@@ -92,6 +100,7 @@ __all__ = [
     "flatten_mesh",
     "mesh_flattened_views",
     "missing_torch_internals",
+    "missing_transformers_internals",
     "require",
     "seq_shard_strategy_context",
     "set_rotate_method",
@@ -384,6 +393,50 @@ def dynamo_calculate_time_spent() -> dict[str, float]:
     return _resolve("torch._dynamo.utils:calculate_time_spent", "compiled autograd")()
 
 
+# ---------------------------------------------------------------------------------------------
+# transformers internals: lazy module attributes (PEP 562), looked up on every import
+# ---------------------------------------------------------------------------------------------
+_TRANSFORMERS = {
+    "find_packed_sequence_indices": "transformers.masking_utils",
+    "ALL_MASK_ATTENTION_FUNCTIONS": "transformers.masking_utils",
+    "and_masks": "transformers.masking_utils",
+    "bidirectional_mask_function": "transformers.masking_utils",
+    "causal_mask_function": "transformers.masking_utils",
+    "sliding_window_overlay": "transformers.masking_utils",
+    "ALL_ATTENTION_FUNCTIONS": "transformers.modeling_utils",
+    "MODEL_FOR_CAUSAL_LM_MAPPING": "transformers.models.auto.modeling_auto",
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING": "transformers.models.auto.modeling_auto",
+    "Qwen2VLImageProcessorPil": "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+}
+
+
+def missing_transformers_internals() -> list[str]:
+    """The transformers internals (``module.name``) this transformers lacks."""
+    missing = []
+    for name, module_name in _TRANSFORMERS.items():
+        if not _has(f"{module_name}:{name}"):
+            missing.append(f"{module_name}.{name}")
+    return missing
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _TRANSFORMERS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        try:
+            version = importlib.import_module("transformers").__version__
+        except ImportError:
+            raise ImportError(f"automodel needs transformers (>=5.0,<6) for {module_name}.{name}") from None
+        raise ImportError(
+            f"automodel needs the transformers internal {module_name}.{name}, which transformers {version} "
+            "does not have; automodel is tested with transformers 5.23-5.24 (transformers>=5.0,<6): install "
+            "one of those"
+        ) from None
+
+
 def _main() -> int:
     print(f"torch {torch.__version__}; sharding-rule API: {sharding_rule_api()}")
     bad = 0
@@ -391,6 +444,9 @@ def _main() -> int:
         missing = missing_torch_internals(feature)
         bad += bool(missing)
         print(f"  {feature}: {'ok' if not missing else 'MISSING ' + ', '.join(missing)}")
+    missing = missing_transformers_internals()
+    bad += bool(missing)
+    print(f"  transformers internals: {'ok' if not missing else 'MISSING ' + ', '.join(missing)}")
     return 1 if bad else 0
 
 

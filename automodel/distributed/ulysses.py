@@ -112,7 +112,7 @@ def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torc
 def _document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     # transformers' own rule (a new document wherever position_ids does not increase by exactly 1), so the
     # boundaries are the ones the single-process HF model infers.
-    from transformers.masking_utils import find_packed_sequence_indices
+    from automodel.distributed.torch_internals import find_packed_sequence_indices
 
     return find_packed_sequence_indices(position_ids)
 
@@ -222,7 +222,7 @@ class UlyssesContext:
         return self._masks["blocks"]
 
     def _build_mask(self, is_causal, sliding_window, dtype, device, config):
-        from transformers.masking_utils import (
+        from automodel.distributed.torch_internals import (
             ALL_MASK_ATTENTION_FUNCTIONS,
             and_masks,
             bidirectional_mask_function,
@@ -318,7 +318,7 @@ def _inner_function(name: str, module: torch.nn.Module) -> Callable:
                 "use inner_attn='sdpa'"
             )
         return fn
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[name]
 
@@ -462,7 +462,8 @@ def register_ulysses_attention(name: str = ULYSSES_ATTN_NAME) -> str:
     wrong) mask and passes ``attention_mask=None``. Returns ``name``.
     """
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from automodel.distributed.torch_internals import ALL_MASK_ATTENTION_FUNCTIONS
 
     if name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         raise ValueError(f"{name!r} is a mask implementation name in transformers; pick another name")

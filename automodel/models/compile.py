@@ -56,7 +56,7 @@ def _break_at_attention(model: nn.Module) -> str:
     """
     import sys
 
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
 
     config = getattr(model.config, "get_text_config", lambda: model.config)()
     name = config._attn_implementation
@@ -112,9 +112,8 @@ def attention_backward_eager(model: nn.Module) -> Iterator[None]:
     so the ring's DTensor dispatch and the CP collectives of its backward are a deliberate graph
     break of the compiled backward. Restored on exit.
     """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     from automodel.distributed.compiled_autograd import eager_backward
+    from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
 
     config = getattr(model.config, "get_text_config", lambda: model.config)()
     name = config._attn_implementation

@@ -175,7 +175,7 @@ def _check_inline_matches(node: dict, inline: Any, loaded: Any, name: str) -> No
 
 def causal_lm_class(config: Any) -> type | None:
     """The ``AutoModelForCausalLM`` class for ``config`` (None for remote code / unknown)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from automodel.distributed.torch_internals import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]

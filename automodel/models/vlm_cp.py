@@ -103,7 +103,7 @@ def vlm_model_class(config: Any) -> type | None:
     """The ``AutoModelForImageTextToText`` class of a supported VLM config, else ``None``."""
     if not is_vlm(config):
         return None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    from automodel.distributed.torch_internals import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
 
