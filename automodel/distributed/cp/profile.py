@@ -359,11 +359,12 @@ def _architecture_of(config: Any) -> str:
     architectures = getattr(config, "architectures", None) or []
     if architectures:
         return str(architectures[0])
+    from automodel.distributed.torch_internals import MODEL_FOR_CAUSAL_LM_MAPPING
+
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except ImportError:  # pragma: no cover - transformers always has it
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__
+    except (KeyError, ValueError):
         return type(config).__name__
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None), type(config).__name__)
 
 
 def profile_model(model_or_config: Any, attn_implementation: str | None = None) -> ModelProfile:
