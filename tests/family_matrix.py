@@ -19,6 +19,7 @@ mixers, ``conv`` short-convolution mixers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -376,9 +377,14 @@ def _md(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+_REFUSAL_HEAD = re.compile(r"^distributed\.cp_method=\S+ does not compute \S+ \(model_type=\S+\) exactly: ")
+_REFUSAL_TAIL = re.compile(r"\. It would train with losses and gradients that differ.*$")
+
+
 def short_reason(message: str, limit: int = 110) -> str:
-    """The start of a refusal message, cut at a word boundary."""
-    text = _md(message)
+    """The reason of a refusal message (without the method/model preamble and the advice), cut at a word
+    boundary."""
+    text = _REFUSAL_TAIL.sub("", _REFUSAL_HEAD.sub("", _md(message)))
     if len(text) <= limit:
         return text
     return text[: text.rfind(" ", 0, limit)].rstrip(",;:") + " ..."
