@@ -133,7 +133,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                 problems.append(
                     f"data.{key}.pack=true (several documents per row) with distributed.cp_method={method.name} "
                     f"and cp_size={d.cp_size}: {method.name} attention is causal over the whole row and would "
-                    f"attend across documents; packed rows need a method that keeps document boundaries. Set distributed.cp_method to one of {' | '.join(packers) or '(none yet)'}, "
+                    f"attend across documents; packed rows need a method that keeps document boundaries. Set "
+                    f"distributed.cp_method to one of {' | '.join(packers) or '(none yet)'}, "
                     f"data.{key}.pack=false, or distributed.cp_size=1"
                 )
         if isinstance(model.config, dict):  # inline architecture (a pretrained config must match it)

@@ -15,26 +15,27 @@ from automodel.distributed.cp import ModelProfile, check_model_config_for_cp, pr
 __all__ = ["check_model_for_cp_run", "profile_for_run"]
 
 
-def profile_for_run(cfg: Any, resolved: Any, attn_implementation: str) -> ModelProfile:
-    """The :class:`~automodel.distributed.cp.ModelProfile` of the run's model, built on the meta device.
+def profile_for_run(cfg: Any, resolved: Any, attn_implementation: str, model: Any = None) -> ModelProfile:
+    """The :class:`~automodel.distributed.cp.ModelProfile` of the run's model.
 
-    ``cfg``: a RecipeConfig; ``resolved``: :func:`automodel.models.loader.resolve_model_config`'s result.
+    ``cfg``: a RecipeConfig; ``resolved``: :func:`automodel.models.loader.resolve_model_config`'s result;
+    ``model``: the run's model already built on the meta device (the dry run's), else one is built here.
     """
-    import torch
+    if model is None:
+        from automodel.models.loader import build_model
 
-    from automodel.models.loader import build_model
-
-    model = build_model(cfg.model, resolved, attn_implementation=attn_implementation, seed=cfg.recipe.seed, meta=True)
-    try:
-        return profile_model(model, attn_implementation=attn_implementation)
-    finally:
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        model = build_model(
+            cfg.model, resolved, attn_implementation=attn_implementation, seed=cfg.recipe.seed, meta=True
+        )
+    return profile_model(model, attn_implementation=attn_implementation)
 
 
-def check_model_for_cp_run(cfg: Any, resolved: Any, attn_implementation: str) -> ModelProfile | None:
+def check_model_for_cp_run(
+    cfg: Any, resolved: Any, attn_implementation: str, model: Any = None
+) -> ModelProfile | None:
     """Refuse a model the run's CP method does not compute exactly; return its profile (``None`` at cp_size 1).
+
+    ``model``: as for :func:`profile_for_run`.
 
     Raises:
         automodel.errors.CPUnsupportedError: a layer kind the method does not compute exactly on rows of
@@ -45,6 +46,6 @@ def check_model_for_cp_run(cfg: Any, resolved: Any, attn_implementation: str) ->
     d = cfg.distributed
     if d.cp_size <= 1:
         return None
-    profile = profile_for_run(cfg, resolved, attn_implementation)
+    profile = profile_for_run(cfg, resolved, attn_implementation, model)
     check_model_config_for_cp(d.cp_method, profile, d.cp_size, d.tp_size, seq_len=cfg.data.seq_len)
     return profile

@@ -137,9 +137,9 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         vocab_needed=vocab_needed,
         trust_remote_code=cfg.model.trust_remote_code,
     )
-    profile = check_model_for_cp_run(cfg, resolved, attn)  # exact or refused, per layer kind
     check_model_config_for_tp(resolved.config, d.tp_size, sequence_parallel=d.sequence_parallel)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
+    profile = check_model_for_cp_run(cfg, resolved, attn, model)  # exact or refused, per layer kind
     if cfg.peft is not None:  # peft.target_modules must select modules of this model
         from automodel.models.lora import apply_lora
 

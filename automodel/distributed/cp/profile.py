@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -171,7 +171,6 @@ class ModelProfile:
     is_vlm: bool
     attn_implementation: str | None
     from_modules: bool  # the layers were read from the modules (else from the config alone)
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def kinds(self) -> set[str]:
@@ -384,12 +383,10 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     text = text_config(config)
     n_layers = int(_get(text, "num_hidden_layers", 0) or 0)
     layers = _layers_from_config(text, n_layers)
-    notes: list[str] = []
     from_modules = False
     if is_model:
         stack = _decoder_layers(model_or_config, n_layers)
         if stack is None:  # the modules cannot confirm what the config says: nothing is assumed exact
-            notes.append(f"no decoder stack of {n_layers} layers found")
             layers = [
                 LayerSpec(index=i, kind=UNKNOWN, mixer=f"no decoder stack of {n_layers} layers found")
                 for i in range(max(n_layers, 1))
@@ -414,5 +411,4 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
         is_vlm=getattr(config, "vision_config", None) is not None,
         attn_implementation=attn,
         from_modules=from_modules,
-        notes=tuple(notes),
     )
