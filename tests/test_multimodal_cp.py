@@ -22,7 +22,7 @@ from automodel.distributed.multimodal_cp import (
     split_to_context_parallel_ranks,
     split_to_context_parallel_ranks_dynamic_res,
 )
-from automodel.distributed.multimodal_dynamic_res import balanced_split_points
+from automodel.distributed.multimodal_dynamic_res import balanced_split_points, tubelet_balanced_split_points
 from tests.dist_harness import run_distributed
 
 # ------------------------------------------------------------------------------------------------
@@ -31,7 +31,8 @@ from tests.dist_harness import run_distributed
 
 def test_get_padding_is_the_shared_rule():
     assert get_padding is padding.get_padding
-    assert get_padding(99, cp_size=2, fp8_enabled=True) == 29
+    assert get_padding(99, cp_size=2, fp8_enabled=True) == 1  # Megatron's single rule
+    assert padding.get_padding_lcm(99, cp_size=2, fp8_enabled=True) == 29
 
 
 def test_packed_seq_params():
@@ -52,15 +53,25 @@ def test_packed_seq_params():
 def test_tubelet_split_points_megatron_examples():
     assert _compute_tubelet_aware_split_points([16], 4, 4, 16) == [0, 4, 8, 12, 16]
     assert _compute_tubelet_aware_split_points([4, 2], 4, 2, 6) == [0, 4, 6]
-    assert _compute_tubelet_aware_split_points([1, 8, 1], 2, 3, 10) == [0, 3, 7, 10]  # never cut a tubelet
+    # Megatron's rule: the nearest tubelet boundary to the even target (int(10/3)=3 -> 3, int(20/3)=6 -> 5)
+    assert _compute_tubelet_aware_split_points([1, 8, 1], 2, 3, 10) == [0, 3, 5, 10]
+    assert tubelet_balanced_split_points([1, 8, 1], 2, 3, 10) == [0, 3, 7, 10]  # ours: smallest largest part
     assert _compute_tubelet_aware_split_points([4], 4, 2, 4) == [0, 4, 4]  # fewer units than ranks
 
 
-def test_tubelet_incompatible_frame_count_is_rejected():
+def test_tubelet_split_points_tolerate_partial_tubelets():
+    # a 6-frame video with tubelets of 4: Megatron's points stay monotonic (its last tubelet is short)
+    assert _compute_tubelet_aware_split_points([4, 6], 4, 2, 10) == [0, 8, 10]
+    for frames in ([3, 5, 7], [6], [1, 1, 9, 2]):
+        for cp in (1, 2, 3, 5):
+            pts = _compute_tubelet_aware_split_points(frames, 4, cp, sum(frames))
+            assert len(pts) == cp + 1 and pts[0] == 0 and pts[-1] == sum(frames)
+            assert all(a <= b for a, b in zip(pts, pts[1:])), (frames, cp, pts)
+    # our balance rule cuts only whole tubelets, so it refuses them with the fix
     with pytest.raises(ValueError, match="medium 1 has 6 frames, not a multiple of temporal_patch_size=4"):
-        _compute_tubelet_aware_split_points([4, 6], 4, 2, 10)
+        tubelet_balanced_split_points([4, 6], 4, 2, 10)
     with pytest.raises(ValueError, match="total_frames=7 but num_frames"):
-        _compute_tubelet_aware_split_points([4, 2], 4, 2, 7)
+        tubelet_balanced_split_points([4, 2], 4, 2, 7)
     grid = torch.tensor([[6, 2, 2]])
     with pytest.raises(ValueError, match=r"video 0 \(grid_thw \(6, 2, 2\)\) has 6 frames.*Pad the video to 8"):
         split_to_context_parallel_ranks_dynamic_res(torch.zeros(24, 3), grid, temporal_patch_size=4)
@@ -70,8 +81,9 @@ def test_split_num_frames():
     assert _split_num_frames([4, 2], 2, 6) == [2, 2]
     assert _split_num_frames([16], 4, 8) == [4]
     assert _split_num_frames([4, 2], 4, 4) == []
-    with pytest.raises(ValueError, match=r"frame range \[4, 9\)"):
-        _split_num_frames([4, 2], 4, 9)
+    assert _split_num_frames([4, 2], 4, 9) == [2]  # clipped: a range past the end is no error
+    assert _split_num_frames([4, 2], 7, 9) == []
+    assert _split_num_frames([], 0, 3) == []
 
 
 def test_balance_is_by_patches_not_images():

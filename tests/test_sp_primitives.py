@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from automodel.distributed.all_to_all import all_to_all, even_split_sizes
-from automodel.distributed.padding import get_padding, get_padding_multiple
+from automodel.distributed.padding import get_padding, get_padding_lcm, get_padding_multiple
 from automodel.distributed.sp_sharding import ShardingValidator, sp_gather, sp_shard, sp_shard_with_padding
 from automodel.distributed.sp_split_gather import (
     gather_forward_split_backward,
@@ -84,6 +84,9 @@ def test_get_padding_examples():
     assert get_padding(99) == 0
     assert get_padding(99, tp_size=4, has_sp=True) == 1  # tp = 4
     assert get_padding(99, tp_size=4, has_sp=False) == 0  # TP without SP does not split the sequence
+    # Megatron's single rule: FP8 alignment is dropped under CP; the lcm rule keeps it
+    assert get_padding(99, 2, 1, False, fp8_enabled=True) == 1
+    assert get_padding_lcm(99, 2, 1, False, fp8_enabled=True) == 29
 
 
 def test_get_padding_combines_by_lcm():
@@ -94,22 +97,22 @@ def test_get_padding_combines_by_lcm():
     for cp, tp, sp, fp8 in [(2, 2, True, True), (4, 1, False, True), (3, 4, True, False)]:
         m = get_padding_multiple(cp, tp, sp, fp8)
         for s in range(1, 200, 7):
-            padded = s + get_padding(s, cp, tp, sp, fp8_enabled=fp8)
+            padded = s + get_padding_lcm(s, cp, tp, sp, fp8_enabled=fp8)
             assert padded % m == 0 and padded - s < m
             assert padded % (2 * cp) == 0
 
 
 def test_get_padding_errors():
     with pytest.raises(ValueError, match="cp_size must be an int >= 1, got 0"):
-        get_padding(10, cp_size=0)
+        get_padding_lcm(10, cp_size=0)
     with pytest.raises(ValueError, match="fp8_recipe must be one of"):
-        get_padding(10, fp8_enabled=True, fp8_recipe="fp4")
+        get_padding_lcm(10, fp8_enabled=True, fp8_recipe="fp4")
     with pytest.raises(ValueError, match="needs decoder_seq_len"):
-        get_padding(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True)
+        get_padding_lcm(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True)
     with pytest.raises(ValueError, match="decoder_seq_len=20 is not divisible by 8"):
-        get_padding(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True, decoder_seq_len=20)
+        get_padding_lcm(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True, decoder_seq_len=20)
     assert (
-        get_padding(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True, decoder_seq_len=24)
+        get_padding_lcm(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True, decoder_seq_len=24)
         == 14
     )
 

@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["all_to_all", "even_split_sizes"]
+__all__ = [
+    "adjust_tensor_dimensions",
+    "all_to_all",
+    "cal_split_sizes",
+    "cal_split_sizes_multi",
+    "even_split_sizes",
+    "unadjust_tensor_dimensions",
+]
 
 
 def even_split_sizes(total: int, world_size: int) -> list[int]:
@@ -41,6 +48,51 @@ def even_split_sizes(total: int, world_size: int) -> list[int]:
         raise ValueError(f"total must be >= 0, got {total}")
     base, rem = divmod(total, world_size)
     return [base + 1 if r < rem else base for r in range(world_size)]
+
+
+def cal_split_sizes(dim_size: int, world_size: int) -> list[int]:
+    """MindSpeed-MM's name for :func:`even_split_sizes`: ``cal_split_sizes(10, 3) == [4, 3, 3]``."""
+    return even_split_sizes(int(dim_size), int(world_size))
+
+
+def cal_split_sizes_multi(sizes: list[int] | tuple[int, ...] | torch.Tensor, world_size: int) -> torch.Tensor:
+    """Near-even split of several sizes at once: ``[world_size, len(sizes)]`` int64, row ``r`` = rank ``r``'s share.
+
+    ``cal_split_sizes_multi([10, 15], 3)`` is ``tensor([[4, 5], [3, 5], [3, 5]])`` (MindSpeed-MM's example).
+    Column ``j`` is :func:`cal_split_sizes` of ``sizes[j]``.
+    """
+    values = [int(v) for v in (sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes)]
+    cols = [even_split_sizes(v, int(world_size)) for v in values]
+    if not cols:
+        return torch.zeros((int(world_size), 0), dtype=torch.int64)
+    return torch.tensor(cols, dtype=torch.int64).T
+
+
+def adjust_tensor_dimensions(tensor: torch.Tensor, scatter_idx: int, gather_idx: int) -> tuple[torch.Tensor, list[int]]:
+    """Permute ``tensor`` so that ``scatter_idx`` becomes dim 0 and ``gather_idx`` dim 1 (MindSpeed-MM's helper).
+
+    Two transpositions: dim 0 <-> the scatter dim, then dim 1 <-> wherever the gather dim now is; the
+    other dims keep their places except the ones swapped out. Returns ``(contiguous permuted tensor,
+    dims)`` with ``dims`` the permutation (``permuted = tensor.permute(dims)``); undo it with
+    :func:`unadjust_tensor_dimensions`. E.g. a 4-D tensor with ``(scatter_idx=2, gather_idx=0)`` gives
+    ``dims == [2, 0, 1, 3]``.
+    """
+    if scatter_idx == gather_idx:
+        raise ValueError(f"scatter_idx and gather_idx must differ, both are {scatter_idx}")
+    dims = list(range(tensor.dim()))
+    p = dims.index(scatter_idx % tensor.dim())
+    dims[0], dims[p] = dims[p], dims[0]
+    q = dims.index(gather_idx % tensor.dim())
+    dims[1], dims[q] = dims[q], dims[1]
+    return tensor.permute(dims).contiguous(), dims
+
+
+def unadjust_tensor_dimensions(tensor: torch.Tensor, adjusted_dims: list[int]) -> torch.Tensor:
+    """Inverse of :func:`adjust_tensor_dimensions`: permute back to the original dim order (contiguous)."""
+    inverse = [0] * len(adjusted_dims)
+    for new_pos, old_pos in enumerate(adjusted_dims):
+        inverse[old_pos] = new_pos
+    return tensor.permute(inverse).contiguous()
 
 
 def _world(group: ProcessGroup | None) -> tuple[int, int]:
@@ -119,18 +171,21 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all(
-    x: torch.Tensor,
-    group: ProcessGroup | None,
-    scatter_dim: int,
-    gather_dim: int,
+    input_: torch.Tensor,
+    process_group: ProcessGroup | None,
+    scatter_dim: int = 2,
+    gather_dim: int = 1,
     gather_size: int | None = None,
 ) -> torch.Tensor:
-    """All-to-all over ``group`` with autograd: scatter ``x`` along ``scatter_dim``, gather along ``gather_dim``.
+    """All-to-all over ``process_group`` with autograd: scatter along ``scatter_dim``, gather along ``gather_dim``.
+
+    MindSpeed-MM's signature and defaults (``scatter_dim=2, gather_dim=1``: ``[B, S/W, H, D]`` ->
+    ``[B, S, H/W, D]``, the Ulysses exchange in the BSHD layout).
 
     Args:
-        x: any-dtype tensor, the same shape on every rank except along ``gather_dim`` (when uneven).
-        group: the process group (``None`` = the default group). World size 1 (or torch.distributed
-            not initialised) returns ``x`` unchanged.
+        input_: any-dtype tensor, the same shape on every rank except along ``gather_dim`` (when uneven).
+        process_group: the process group (``None`` = the default group). World size 1 (or
+            torch.distributed not initialised) returns ``input_`` unchanged.
         scatter_dim: dimension split into ``W`` near-even pieces (remainder on the first ranks); piece
             ``j`` goes to rank ``j``.
         gather_dim: dimension along which the received pieces are concatenated in rank order.
@@ -146,6 +201,7 @@ def all_to_all(
         ValueError: ``scatter_dim == gather_dim``, a dim out of range, or a local size that does not
         match ``gather_size``.
     """
+    x, group = input_, process_group
     ndim = x.dim()
     for name, d in (("scatter_dim", scatter_dim), ("gather_dim", gather_dim)):
         if not -ndim <= d < ndim:

@@ -51,14 +51,15 @@ def _reduce_scatter_dim(grad: torch.Tensor, dim: int, group: ProcessGroup | None
 class GatherFromContextParallelRanks(torch.autograd.Function):
     """All-gather along ``dim`` in the forward; reduce-scatter (sum) in the backward.
 
-    ``apply(local_t, group, dim)``: every rank gives an equally shaped ``local_t``; the result is the
+    ``apply(local_t, group=None, dim=1)``: Megatron's ``apply(local_t)`` gathers along the second dim
+    (its vision embeddings are ``[tokens, images, H]``), hence ``dim=1`` by default. Every rank gives an equally shaped ``local_t``; the result is the
     rank-ordered concatenation along ``dim``. The backward sums the incoming gradients over the group
     and returns each rank its own block: exact when each rank's loss uses the gathered tensor only
     through its own tokens and the objective is the sum of the ranks' losses (the CP objective).
     """
 
     @staticmethod
-    def forward(ctx, local_t: torch.Tensor, group: ProcessGroup | None = None, dim: int = 0):  # type: ignore[override]
+    def forward(ctx, local_t: torch.Tensor, group: ProcessGroup | None = None, dim: int = 1):  # type: ignore[override]
         world = dist.get_world_size(group)
         ctx.group, ctx.dim, ctx.world, ctx.rank = group, dim, world, dist.get_rank(group)
         if world == 1:

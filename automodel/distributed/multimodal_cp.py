@@ -161,18 +161,22 @@ def split_to_context_parallel_ranks(
 
 
 def gather_from_context_parallel_ranks(
-    local_t: torch.Tensor, global_pad: int, group: Any = None, dim: int = 0
+    local_t: torch.Tensor, global_pad: int, group: Any = None, dim: int = 1
 ) -> torch.Tensor:
     """Inverse of :func:`split_to_context_parallel_ranks` (with autograd): all blocks, padding dropped.
 
+    Megatron gathers along the SECOND dim (its encoders emit ``[tokens, k, H]`` for ``k`` samples), so
+    ``dim=1`` is the default here too; pass ``dim=0`` for a tensor that keeps the samples first.
+
     Args:
-        local_t: ``[k, ...]`` this rank's block (or any tensor computed from it sample by sample, e.g.
-            ``[k, T, H]`` embeddings), equally shaped on every rank.
+        local_t: this rank's ``k`` samples along ``dim`` (any tensor computed from its block sample by
+            sample, e.g. ``[T, k, H]`` embeddings), equally shaped on every rank.
         global_pad: the padding samples at the end, as returned by the split.
-        group: as in the split; dim: the sample dim (0 unless the tensor was permuted).
+        group: as in the split; dim: the sample dim.
 
     Returns:
-        ``[k*W - global_pad, ...]``. Backward: reduce-scatter (see :class:`GatherFromContextParallelRanks`).
+        ``k*W - global_pad`` samples along ``dim``. Backward: reduce-scatter (see
+        :class:`GatherFromContextParallelRanks`).
     """
     pg, world, _ = resolve_group(group)
     if world == 1:

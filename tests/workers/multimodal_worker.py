@@ -123,7 +123,7 @@ def _fixed_case(rank, world, n_samples, dtype):
     ref_rows = encode(ref, images).reshape(-1, H)
     (ref_rows * weights).sum().backward()
     local, global_pad = split_to_context_parallel_ranks(images, pad_value=0.0)
-    rows = gather_from_context_parallel_ranks(encode(enc, local), global_pad).reshape(-1, H)
+    rows = gather_from_context_parallel_ranks(encode(enc, local), global_pad, dim=0).reshape(-1, H)
     _cp_loss(rows, weights, world, rank).backward()
     grads = _grads(enc, reduce=True)
     return {

@@ -110,6 +110,29 @@ class ModuleGrid:
             )
         return cls(ranks.permute(*order, *rest).reshape(*sizes))
 
+    @classmethod
+    def from_hyper_comm_grid(cls, grid: Any) -> ModuleGrid:
+        """Read a Megatron ``HyperCommGrid`` (``shape``, ``dim_names``, ``rank_offset``): the FIRST dim name
+        varies fastest, ranks ``rank_offset .. rank_offset + prod(shape) - 1``.
+
+        Raises ``ValueError`` for a dim of size > 1 that is not one of ``pp``, ``dp``, ``cp``, ``tp``.
+        """
+        names, shape = list(grid.dim_names), [int(v) for v in grid.shape]
+        if len(names) != len(shape):
+            raise ValueError(f"HyperCommGrid dim_names {names} and shape {shape} differ in length")
+        big = [n for n, v in zip(names, shape) if n not in LOGICAL_DIMS and v > 1]
+        if big:
+            raise ValueError(f"HyperCommGrid dims {big} (size > 1) are not among {LOGICAL_DIMS}")
+        size = 1
+        for v in shape:
+            size *= v
+        ranks = torch.arange(int(grid.rank_offset), int(grid.rank_offset) + size).reshape(shape[::-1])
+        rev = names[::-1]
+        order = [rev.index(d) for d in LOGICAL_DIMS if d in rev]
+        rest = [i for i, n in enumerate(rev) if n not in LOGICAL_DIMS]
+        sizes = [shape[names.index(d)] if d in names else 1 for d in LOGICAL_DIMS]
+        return cls(ranks.permute(*order, *rest).reshape(*sizes))
+
     @property
     def pp(self) -> int:
         return self.ranks.size(0)
@@ -149,6 +172,8 @@ def _as_grid(name: str, grid: Any, dim_mapping=None) -> ModuleGrid | int:
         return grid
     if hasattr(grid, "mesh") and hasattr(grid, "mesh_dim_names"):
         return ModuleGrid.from_mesh(grid, dim_mapping)
+    if all(hasattr(grid, a) for a in ("shape", "dim_names", "rank_offset")):
+        return ModuleGrid.from_hyper_comm_grid(grid)
     raise TypeError(
         f"module {name!r}: the grid must be an int (pipeline size), a ModuleGrid or a DeviceMesh, "
         f"got {type(grid).__name__}"
@@ -250,7 +275,8 @@ def compute_total_pipeline_stages(
             a ``DeviceMesh``.
         rank: when given, count only up to this rank's stage: the longest path into its module plus
             ``pp_rank + 1``. Needs real grids (not ints) for the modules.
-        module_name: chooses among modules colocated on ``rank``; without ``rank``, counts up to the
+        module_name: chooses among modules colocated on ``rank`` (without it, the largest count of
+            the modules holding ``rank``, as Megatron documents); without ``rank``, counts up to the
             end of this module's pipeline.
         dim_mapping: passed to :meth:`ModuleGrid.from_mesh` for meshes.
 
@@ -263,8 +289,7 @@ def compute_total_pipeline_stages(
 
     Raises:
         ValueError: an invalid topology (see :func:`validate_topology`), an unknown ``module_name``,
-            a ``rank`` in no module, a ``rank`` in several modules without ``module_name``, or a
-            ``module_name`` that does not hold ``rank``.
+            a ``rank`` in no module, or a ``module_name`` that does not hold ``rank``.
     """
     grids = _grids(module_to_grid_map, dim_mapping)
     graph = validate_topology(topology, list(grids))
@@ -283,9 +308,7 @@ def compute_total_pipeline_stages(
     if not holders:
         raise ValueError(f"rank {rank} is in no module's grid ({_describe(grids)}); give it a module or launch fewer ranks")
     if module_name is None:
-        if len(holders) > 1:
-            raise ValueError(f"rank {rank} holds colocated modules {sorted(holders)}; pass module_name= to choose one")
-        module_name = next(iter(holders))
+        return max(before[m] + p + 1 for m, p in holders.items())
     if module_name not in holders:
         raise ValueError(f"module {module_name!r} does not hold rank {rank}; rank {rank} holds {sorted(holders)}")
     return before[module_name] + holders[module_name] + 1
