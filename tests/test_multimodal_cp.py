@@ -179,3 +179,22 @@ def test_caller_split_that_cuts_an_image_is_rejected(dist_results):
     msg = dist_results[0]["bad_split"]
     assert msg is not None and "split point 8 cuts medium 0 (grid_thw (1, 4, 4), patches [0, 16))" in msg
     assert "Allowed split points: [0, 16, 24]" in msg
+
+
+@pytest.mark.dist
+def test_megatron_forms(dist_results):
+    r0, r1 = dist_results[0]["megatron_forms"], dist_results[1]["megatron_forms"]
+    assert r0["full_ok"] and r1["full_ok"]  # gathered along dim 1 by default, the padding sample dropped
+    # backward: the group's sum (1 + 2) for the real samples, nothing for rank 1's padding sample
+    assert r0["grad"] == [[[3.0] * 4, [3.0] * 4]] and r1["grad"] == [[[3.0] * 4, [0.0] * 4]]
+    assert r0["both"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]] and r0["rows_grad"] == [[2.0, 2.0]]
+    assert r1["rows_grad"] == [[2.0, 2.0], [2.0, 2.0]]
+    assert r0["first"] == r1["first"] == [[0.0, 0.0]]  # rank 1's block dropped
+
+
+def test_megatron_dynamic_res_split_inputs_raise_naming_the_difference():
+    class PackedSeqParams:  # Megatron's: per-image sequence lengths
+        cu_seqlens_q = torch.tensor([0, 4, 8])
+
+    with pytest.raises(TypeError, match="balances the ranks by patches instead of by image count"):
+        split_to_context_parallel_ranks_dynamic_res(torch.zeros(1, 8, 6), torch.tensor([[2, 2], [2, 2]]), PackedSeqParams())

@@ -148,8 +148,29 @@ def _gather_dim1(rank, world, dtype):
     }
 
 
+def _megatron_forms(rank, world):
+    """Megatron's calls with only the import changed: gather along dim 1 by default; the dynamic-resolution
+    gather with an int (rows of every rank, the last num_padded_imgs ranks dropped)."""
+    x = torch.arange(12.0).reshape(3, 4)  # [samples, H] identical on every rank
+    local, pad = split_to_context_parallel_ranks(x)  # ceil(3/2) = 2 samples per rank, 1 pad
+    emb = local.unsqueeze(0).requires_grad_(True)  # [1, k, H]: samples on dim 1, as Megatron's encoders
+    full = gather_from_context_parallel_ranks(emb, pad)
+    full.backward(torch.ones_like(full) * (rank + 1))
+    rows = torch.full((rank + 1, 2), float(rank)).requires_grad_(True)  # rank r encodes r + 1 rows
+    both = gather_from_context_parallel_ranks_dynamic_res(rows)
+    both.backward(torch.ones_like(both))
+    first = gather_from_context_parallel_ranks_dynamic_res(rows.detach(), num_padded_imgs=1)
+    return {
+        "full_ok": bool(torch.equal(full.detach()[0], x)),
+        "grad": emb.grad.tolist(),
+        "both": both.detach().tolist(),
+        "rows_grad": rows.grad.tolist(),
+        "first": first.tolist(),
+    }
+
+
 def run(rank: int, world_size: int) -> dict:
-    out = {}
+    out = {"megatron_forms": _megatron_forms(rank, world_size)}
     for dtype in (torch.float32, torch.float64):
         tag = str(dtype).split(".")[-1]
         out[f"fixed_uneven_{tag}"] = _fixed_case(rank, world_size, 3, dtype)
