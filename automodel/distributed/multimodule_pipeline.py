@@ -297,6 +297,11 @@ class MultiModulePipelineCommunicator:
         self._known_in: dict[int, tuple[list[int], tuple]] = {}  # message key -> (header, payload spec)
 
     @property
+    def bridge_comms(self) -> list[_Edge]:
+        """Every edge between two modules (Megatron builds one BridgeCommunicator per such edge)."""
+        return [e for e in self._edges if e.src != e.dst]
+
+    @property
     def rank_module_map(self) -> dict[str, RankModuleInfo]:
         """Module -> this rank's :class:`RankModuleInfo`, for every module it holds (Megatron's name)."""
         return self.modules

@@ -173,6 +173,7 @@ def split_forward_gather_backward(
     dim: int,
     split_sizes: list[int] | None = None,
     grad_scale: str | None = "down",
+    shift: bool = False,
 ) -> torch.Tensor:
     """Keep this rank's contiguous piece of ``input_`` along ``dim``; backward all-gathers the gradient.
 
@@ -189,12 +190,20 @@ def split_forward_gather_backward(
             first ranks; equal pieces when ``W`` divides the size). A string here is taken as
             ``grad_scale`` (the argument order of MindSpeed-MM's older ``communications.py``).
         grad_scale: ``"down"`` (/ W, default), ``"up"`` (x W) or ``None`` on the gradient.
+        shift: MindSpeed-MM's older option (subtract the previous piece's last element); refused
+            with ``ValueError``: its backward ignores the subtraction, so the gradient would be wrong.
 
     Returns:
         rank ``r``'s piece, a new tensor of size ``split_sizes[r]`` along ``dim``; ``input_`` is not mutated.
         Unlike the reference, the backward of an uneven default split gathers the uneven pieces correctly.
     """
     split_sizes, grad_scale = _positional_scale(split_sizes, grad_scale, "down")
+    if shift:
+        raise ValueError(
+            "split_forward_gather_backward(shift=True) is not supported: MindSpeed-MM's shift subtracts the previous "
+            "piece's last element in the forward but not in the backward, so its gradient is wrong; subtract it "
+            "yourself after the split"
+        )
     x, group = input_, process_group
     _check_scale(grad_scale)
     world, rank = _world(group)
