@@ -112,6 +112,13 @@ def test_vision_encoder_2d_output_fans_out_to_llm_dp(results, dp):
         assert r[0]["modules"] == ["vision", "llm"] and r[0]["stage"] == 0  # the map's first module
 
 
+def test_vision_encoder_2d_output_fans_in_from_dp2(results):
+    r = [res["vision_2d_fan_out"]["fan_in"] for res in results]
+    assert r[2]["recv_err"] < EXACT and r[2]["wl_grad_err"] < EXACT
+    assert r[0]["out_grad_err"] < EXACT and r[1]["out_grad_err"] < EXACT
+    assert float((r[0]["we_grad"] + r[1]["we_grad"] - r[0]["we_ref"]).abs().max()) < EXACT  # SUM over dp
+
+
 def test_megatron_call_forms(results):
     r = [res["megatron_call_forms"] for res in results]
     assert r[0]["early_grad_err"] < EXACT and r[0]["grad_err"] < EXACT  # a gradient before any activation

@@ -357,6 +357,28 @@ def vision_2d_fan_out(rank: int) -> dict:
             res["idle"] = (comm.recv_forward(), comm.recv_backward())
         res["wl_ref"] = ref["wl"].grad
         out[f"dp{dp}"] = res
+    # fan-in: the encoder at dp=2 (ranks 0, 1; 2-D token blocks) into an LLM at dp=1 (rank 2)
+    grids = {"vision": ModuleGrid.from_sizes(0, dp=2), "llm": ModuleGrid.from_sizes(2)}
+    comm = MultiModulePipelineCommunicator(grids, {"vision": ["llm"], "llm": []}, module_output_ndim={"vision": 2}, timeout=120)
+    res = {}
+    if rank < 2:
+        rows = slice(rank * B // 2, (rank + 1) * B // 2)
+        w0 = we.clone().requires_grad_()
+        y0 = (x[rows] @ w0).reshape(-1, H)
+        comm.send_forward({"vision": y0})
+        g = comm.recv_backward()["vision"]
+        y0.backward(g)
+        res["out_grad_err"] = _err(g, y.grad[rows.start * S : rows.stop * S])
+        res["we_grad"] = w0.grad
+    elif rank == 2:
+        got = comm.recv_forward()["vision"].requires_grad_()
+        res["recv_err"] = _err(got, y.detach())
+        w1 = wl.clone().requires_grad_()
+        (torch.tanh(got.reshape(B, S, H) @ w1) * tgt).sum().backward()
+        res["wl_grad_err"] = _err(w1.grad, ref["wl"].grad)
+        comm.send_backward({"vision": got.grad})
+    res["we_ref"] = ref["we"].grad
+    out["fan_in"] = res
     return out
 
 
