@@ -401,3 +401,7 @@ def test_vllm_omni_documented_usage(results):
         torch.testing.assert_close(results[r]["vo/with_grad"]["y"], full, **TOL)
         torch.testing.assert_close(results[r]["vo/with_grad"]["grad"], gg[:, 3 * r : 3 * r + 3], **TOL)
     assert "'leaked' sharded 1x without a matching gather" in results[0]["vo/validator_error"]
+    hs = inputs("vo_doc", 0, (2, 6, 3), same_on_all_ranks=True)
+    for r in range(W):
+        torch.testing.assert_close(results[r]["vo/doc"]["shard"], hs[:, 2 * r : 2 * r + 2], **TOL)
+        torch.testing.assert_close(results[r]["vo/doc"]["y"], hs + 1, **TOL)

@@ -159,7 +159,7 @@ def _positional_scale(split_sizes, grad_scale, default):
     """MindSpeed-MM's older ``communications.py`` put ``grad_scale`` 4th and the sizes 5th: a string in the
     sizes slot is a ``grad_scale`` (a size list never is a string), so those calls port unchanged."""
     if isinstance(split_sizes, str):
-        if grad_scale is not default:
+        if grad_scale != default:
             raise TypeError(
                 f"got grad_scale twice: {split_sizes!r} in the sizes position and grad_scale={grad_scale!r}"
             )

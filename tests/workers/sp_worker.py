@@ -234,6 +234,12 @@ def seed_examples(rank: int, world_size: int) -> dict:
     g = inputs("vo_chunk_g", 0, tuple(y.shape), same_on_all_ranks=True)
     (y * g).sum().backward()
     out["vo/chunk"] = {"shard": s.detach(), "y": y.detach(), "grad": x.grad}
+    # the docstring examples: "In model forward" / "At end of model forward"
+    hidden_states = inputs("vo_doc", rank, (2, 6, 3), same_on_all_ranks=True)
+    hidden_states = sp_shard(hidden_states, dim=1)
+    output = hidden_states + 1
+    output = sp_gather(output, dim=1)
+    out["vo/doc"] = {"shard": hidden_states, "y": output}
     # the documented usage: with validator.track(): validator.shard / validator.gather; validate()
     validator = get_sharding_validator()
     hidden_states = inputs("vo_val", rank, (2, 6, 3), same_on_all_ranks=True)
