@@ -14,6 +14,7 @@ import torch
 
 from automodel.distributed import padding
 from automodel.distributed.multimodal_cp import (
+    PackedSeqParams,
     _compute_tubelet_aware_split_points,
     _split_num_frames,
     gather_from_context_parallel_ranks,
@@ -192,9 +193,39 @@ def test_megatron_forms(dist_results):
     assert r0["first"] == r1["first"] == [[0.0, 0.0]]  # rank 1's block dropped
 
 
-def test_megatron_dynamic_res_split_inputs_raise_naming_the_difference():
-    class PackedSeqParams:  # Megatron's: per-image sequence lengths
-        cu_seqlens_q = torch.tensor([0, 4, 8])
+def test_megatron_dynamic_res_split_single_process():
+    cu = torch.tensor([0, 4, 10, 12], dtype=torch.int32)
+    params = PackedSeqParams(cu, cu, None, None, 6, 6, "thd")
+    g = torch.randn(1, 12, 768)
+    local_t, sizes, p, has_pad, padded, frames = split_to_context_parallel_ranks_dynamic_res(
+        g, torch.tensor([[16, 16]] * 3), params, fp8_enabled=True
+    )
+    assert torch.equal(local_t[:, :12], g) and not local_t[:, 12:].any() and local_t.shape == (1, 16, 768)
+    assert p.cu_seqlens_q.tolist() == [0, 4, 10, 12, 16] and int(p.max_seqlen_q) == 6 and p.qkv_format == "thd"
+    assert sizes.tolist() == [[16, 16]] * 3 + [[16, 64]] and has_pad and padded == 0 and frames is None
+    with pytest.raises(ValueError, match="num_frames is required"):
+        split_to_context_parallel_ranks_dynamic_res(g, torch.tensor([[16, 16]] * 3), params, temporal_patch_size=2)
+    with pytest.raises(TypeError, match="belong to Megatron's form"):
+        split_to_context_parallel_ranks_dynamic_res(torch.zeros(4, 3), torch.tensor([[1, 2, 2]]), num_frames=[1])
 
-    with pytest.raises(TypeError, match="balances the ranks by patches instead of by image count"):
-        split_to_context_parallel_ranks_dynamic_res(torch.zeros(1, 8, 6), torch.tensor([[2, 2], [2, 2]]), PackedSeqParams())
+
+@pytest.mark.dist
+def test_megatron_dynamic_res_split_two_ranks(dist_results):
+    d0, d1 = dist_results[0]["megatron_forms"]["dyn"], dist_results[1]["megatron_forms"]["dyn"]
+    tokens = lambda a, b: torch.arange(a * 8, b * 8, dtype=torch.float64).reshape(1, b - a, 8).tolist()  # noqa: E731
+    # 3 images of 4, 6, 2 tokens: n // W = 1 image on rank 0, the rest on the last rank
+    assert d0["images"]["local_t"] == tokens(0, 4) and d0["images"]["cu"] == [0, 4]
+    assert d1["images"]["local_t"] == tokens(4, 12) and d1["images"]["cu"] == [0, 6, 8]
+    # one image: rank 1 encodes a dummy of int(4*4*3/8) = 6 zero tokens, dropped by the gather
+    assert d1["one_image"]["local_t"] == [[[0.0] * 8] * 6] and d1["one_image"]["padded"] == 1
+    # tubelets of 2 frames: media of 4 and 2 frames cut at frame 2 (nearest tubelet boundary to 3)
+    assert d0["tubelets"]["frames"] == [2] and d1["tubelets"]["frames"] == [2, 2]
+    assert d0["tubelets"]["local_t"] == tokens(0, 4) and d1["tubelets"]["local_t"] == tokens(4, 12)
+    for name, n in (("images", 12), ("one_image", 4), ("tubelets", 12)):
+        g = torch.arange(n * 8, dtype=torch.float64).reshape(1, n, 8).requires_grad_(True)
+        rows = g[0] * 2
+        w = torch.linspace(-1, 1, rows.numel(), dtype=torch.float64).reshape(rows.shape)
+        (rows * w).sum().backward()
+        for d in (d0, d1):
+            torch.testing.assert_close(d[name]["rows"], rows.detach())
+        torch.testing.assert_close(d0[name]["grad"] + d1[name]["grad"], g.grad)  # SUM over ranks

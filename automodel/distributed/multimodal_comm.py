@@ -10,6 +10,7 @@ API, so ``multimodal_dynamic_res`` must not import ``multimodal_cp``). The publi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,32 @@ from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp.group import resolve_cp_group
 
-__all__ = ["resolve_group", "GatherFromContextParallelRanks"]
+__all__ = ["resolve_group", "GatherFromContextParallelRanks", "PackedSeqParams"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packed sequence parameters
+
+
+@dataclass
+class PackedSeqParams:
+    """Sequence boundaries for a THD / padded attention kernel (Megatron's field names).
+
+    Attributes:
+        cu_seqlens_q, cu_seqlens_kv: ``[B+1]`` int32 offsets of the REAL tokens of every row.
+        cu_seqlens_q_padded, cu_seqlens_kv_padded: ``[B+1]`` int32 offsets of the padded rows, or
+            ``None`` when no padding needs describing.
+        max_seqlen_q, max_seqlen_kv: the padded row length.
+        qkv_format: ``"sbhd"`` (plain rows) or ``"thd"`` (needed when CP meets padding or packing).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    cu_seqlens_q_padded: torch.Tensor | None
+    cu_seqlens_kv_padded: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    qkv_format: str
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -36,6 +36,11 @@ from typing import Any
 import torch
 
 from automodel.distributed.multimodal_comm import GatherFromContextParallelRanks, resolve_group
+from automodel.distributed.multimodal_megatron_split import (
+    _compute_tubelet_aware_split_points,
+    _split_num_frames,
+    megatron_split_dynamic_res,
+)
 from automodel.distributed.padding import get_padding_multiple
 
 __all__ = [
@@ -144,63 +149,6 @@ def tubelet_balanced_split_points(
     return balanced_split_points(units, cp_size)
 
 
-def _compute_tubelet_aware_split_points(
-    num_frames: list[int], temporal_patch_size: int, cp_size: int, total_frames: int
-) -> list[int]:
-    """Megatron's split points: each cut moved from the even frame target to the nearest allowed boundary.
-
-    For ``k = 1 .. cp_size-1`` the target is ``int(k * total_frames / cp_size)``; inside a medium of at
-    most one tubelet the cut goes to the nearer media boundary (the end on a tie); inside a longer
-    video to the nearest tubelet boundary (Python ``round``), at least one tubelet from either end and
-    never past the medium's end. Cuts never go backwards, so the result is monotonic for any frame
-    count, including videos whose frame count is not a multiple of ``temporal_patch_size`` (their last
-    tubelet is short). Examples: ``([16], 4, 4, 16) -> [0, 4, 8, 12, 16]``,
-    ``([4, 2], 4, 2, 6) -> [0, 4, 6]``, ``([1, 8, 1], 2, 3, 10) -> [0, 3, 5, 10]``.
-
-    Unlike Megatron, an empty ``num_frames`` or ``cp_size < 1`` raises ``ValueError`` (Megatron fails
-    with an ``IndexError``). Our balance rule is :func:`tubelet_balanced_split_points`.
-    """
-    if not num_frames or cp_size < 1 or temporal_patch_size < 1:
-        raise ValueError(
-            f"need media (got num_frames={list(num_frames)}), cp_size >= 1 and temporal_patch_size >= 1 "
-            f"(got {cp_size}, {temporal_patch_size})"
-        )
-    t = temporal_patch_size
-    bounds = [0]
-    for n in num_frames:
-        bounds.append(bounds[-1] + int(n))
-    points = [0]
-    for k in range(1, cp_size):
-        target = int(k * (total_frames / cp_size))
-        i = next((j for j in range(len(num_frames)) if bounds[j + 1] > target), len(num_frames) - 1)
-        start, end = bounds[i], bounds[i + 1]
-        tubelets = math.ceil(int(num_frames[i]) / t)
-        if tubelets <= 1:
-            point = start if target - start < end - target else end
-        else:
-            idx = max(1, min(round((target - start) / t), tubelets - 1))
-            point = min(start + idx * t, end)
-        points.append(max(point, points[-1]))
-    points.append(total_frames)
-    return points
-
-
-def _split_num_frames(num_frames: list[int], lb: int, ub: int) -> list[int]:
-    """Per-media frame counts clipped to the frame range ``[lb, ub)``; media outside it are left out.
-
-    E.g. ``([4, 2], 2, 6) -> [2, 2]``, ``([16], 4, 8) -> [4]``, ``([4, 2], 4, 9) -> [2]`` (a range past
-    the end is clipped), ``([4, 2], 4, 4) -> []`` and ``([], 0, 3) -> []``.
-    """
-    out, start = [], 0
-    for n in num_frames:
-        end = start + int(n)
-        piece = min(ub, end) - max(lb, start)
-        if piece > 0:
-            out.append(piece)
-        start = end
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the split
 
@@ -297,12 +245,12 @@ def split_to_context_parallel_ranks_dynamic_res(
 ) -> tuple[torch.Tensor, DynamicResSplit]:
     """This rank's whole images (and video tubelets) out of a packed dynamic-resolution batch.
 
-    Megatron's parameter names and order; automodel's inputs are the HF processor's layout
+    Megatron's parameter names and order, two forms. automodel's: the HF processor's layout
     (``global_t`` = ``pixel_values [P, D]``, ``global_imgs_sizes`` = ``grid_thw [N, 3]``), from which the
     per-image sequence lengths and frame counts follow, so ``global_packed_seq_params``, ``patch_dim``
-    and ``num_frames`` stay unset. Called with Megatron's inputs (a ``PackedSeqParams`` third) it raises
-    ``TypeError`` naming the difference: Megatron's split balances images by count (equal numbers per
-    rank) and returns a 6-tuple, ours balances by patches and returns ``(local, DynamicResSplit)``.
+    and ``num_frames`` stay unset; balanced by patches, returns ``(local, DynamicResSplit)``. Megatron's:
+    a ``PackedSeqParams`` third selects Megatron's split (by image count, dummies, FP8 pad), returning its
+    6-tuple; see :mod:`automodel.distributed.multimodal_megatron_split`.
 
     Args:
         global_t: ``[P, D]`` packed patches of all media (``pixel_values``), identical on every rank.
@@ -326,16 +274,18 @@ def split_to_context_parallel_ranks_dynamic_res(
     Raises:
         ValueError: ``pixel_values`` inconsistent with ``grid_thw``, a grid not divisible by ``m``, a
         tubelet-incompatible frame count, or a caller-supplied split that cuts a unit.
-        TypeError: Megatron's inputs (see above).
+        TypeError: Megatron-only arguments without a ``PackedSeqParams``.
     """
+    if hasattr(global_packed_seq_params, "cu_seqlens_q"):
+        return megatron_split_dynamic_res(  # type: ignore[return-value]
+            global_t, global_imgs_sizes, global_packed_seq_params, fp8_enabled, patch_dim, num_frames,
+            temporal_patch_size, group,
+        )
     if global_packed_seq_params is not None or num_frames is not None or patch_dim != 16:
-        what = "a PackedSeqParams" if hasattr(global_packed_seq_params, "cu_seqlens_q") else "Megatron's inputs"
         raise TypeError(
-            f"split_to_context_parallel_ranks_dynamic_res got {what} (global_packed_seq_params, patch_dim or "
-            "num_frames): automodel's version takes the processor's pixel_values [P, D] and grid_thw [N, 3] "
-            "(which carry the sequence lengths and frame counts), balances the ranks by patches instead of by "
-            "image count, and returns (local_pixel_values, DynamicResSplit) instead of Megatron's 6-tuple; "
-            "pass the group as group=. See docs/seed_api.md"
+            "split_to_context_parallel_ranks_dynamic_res: global_packed_seq_params, patch_dim and num_frames belong "
+            "to Megatron's form (global_packed_seq_params must then have cu_seqlens_q); automodel's form takes "
+            "pixel_values [P, D] and grid_thw [N, 3] and the group as group=. See docs/seed_api.md"
         )
     pixel_values, grid_thw = global_t, global_imgs_sizes
     _, world, rank = resolve_group(group)
