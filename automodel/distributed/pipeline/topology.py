@@ -195,9 +195,8 @@ def validate_topology(topology: Mapping[str, Sequence[str]], modules: Sequence[s
     """Check ``topology`` against the known ``modules``; return it with every module as a key.
 
     Raises:
-        ValueError: an unknown module name (in keys or targets), a module in no edge of a
-            multi-module graph, a self-loop or repeated edge, no sink, or a cycle (the message
-            names the modules).
+        ValueError: an unknown module name (in keys or targets), a module with a grid that the
+            topology never names, a repeated edge, no sink, or a cycle (the message names the modules).
     """
     known = set(modules)
     unknown = sorted({m for m in topology} - known | {d for ds in topology.values() for d in ds} - known)
@@ -211,10 +210,15 @@ def validate_topology(topology: Mapping[str, Sequence[str]], modules: Sequence[s
         if len(set(ds)) != len(ds):
             raise ValueError(f"topology: module {m!r} lists a downstream module twice: {ds}")
     if len(graph) > 1:
-        linked = {m for m, ds in graph.items() if ds} | {d for ds in graph.values() for d in ds}
+        # a module named in the topology with no edge ({"d": []}) runs on its own, as Megatron allows;
+        # one with a grid that the topology never names is most likely a typo
+        linked = {m for m, ds in graph.items() if ds} | {d for ds in graph.values() for d in ds} | set(topology)
         lonely = sorted(known - linked)
         if lonely:
-            raise ValueError(f"module(s) {lonely} have grids but no edge in the topology; connect or remove them")
+            raise ValueError(
+                f"module(s) {lonely} have grids but the topology never names them; connect them, list them as "
+                "'name': [] to run them on their own, or remove their grids"
+            )
     if not any(not ds for ds in graph.values()):
         raise ValueError(
             f"topology has no sink: every module has a downstream module ({graph}); the last module "
