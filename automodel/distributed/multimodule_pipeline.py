@@ -385,6 +385,8 @@ class MultiModulePipelineCommunicator:
 
     def _one(self, module_name: str | None) -> str:
         if module_name is None:
+            if not self.modules:
+                raise ValueError(f"rank {self.rank} holds no module (it idles); there is no stage or module to name")
             if len(self.modules) > 1:
                 raise ValueError(
                     f"rank {self.rank} holds colocated modules {list(self.modules)}; pass module_name= to choose"
