@@ -310,8 +310,8 @@ def sp_gather(
     world, _ = _world(group)
     sizes = None
     if validate and world > 1:
-        mine = torch.tensor([x.size(dim)], dtype=torch.int64)
-        every = torch.empty(world, dtype=torch.int64)
+        mine = torch.tensor([x.size(dim)], dtype=torch.int64, device=x.device)  # NCCL needs it on the GPU
+        every = torch.empty(world, dtype=torch.int64, device=x.device)
         dist.all_gather_single(every, mine, group=group)
         sizes = every.tolist()
     return gather_forward_split_backward(x, group, dim, sizes, grad_scale=grad_scale)
