@@ -38,7 +38,7 @@ meshes = {
 }
 comm = MultiModulePipelineCommunicator(meshes, {"vision": ["llm"], "llm": []}, cp_layout={"llm": "head_tail"})
 # pp: 0 vision, 1 llm embeddings + layers 0-1, 2 llm layers 2-3 + head; cp: 0 vision, 1 the whole llm
-stage = comm.current_stage - 1
+stage = comm.current_stage
 CP = args.llm == "cp"
 cp_mesh = meshes["llm"]["cp"] if CP and rank > 0 else None
 

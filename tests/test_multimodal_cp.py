@@ -14,6 +14,7 @@ import torch
 
 from automodel.distributed import padding
 from automodel.distributed.multimodal_cp import (
+    PackedSeqParams,
     _compute_tubelet_aware_split_points,
     _split_num_frames,
     gather_from_context_parallel_ranks,
@@ -22,7 +23,7 @@ from automodel.distributed.multimodal_cp import (
     split_to_context_parallel_ranks,
     split_to_context_parallel_ranks_dynamic_res,
 )
-from automodel.distributed.multimodal_dynamic_res import balanced_split_points
+from automodel.distributed.multimodal_dynamic_res import balanced_split_points, tubelet_balanced_split_points
 from tests.dist_harness import run_distributed
 
 # ------------------------------------------------------------------------------------------------
@@ -31,7 +32,8 @@ from tests.dist_harness import run_distributed
 
 def test_get_padding_is_the_shared_rule():
     assert get_padding is padding.get_padding
-    assert get_padding(99, cp_size=2, fp8_enabled=True) == 29
+    assert get_padding(99, cp_size=2, fp8_enabled=True) == 1  # Megatron's single rule
+    assert padding.get_padding_lcm(99, cp_size=2, fp8_enabled=True) == 29
 
 
 def test_packed_seq_params():
@@ -52,15 +54,25 @@ def test_packed_seq_params():
 def test_tubelet_split_points_megatron_examples():
     assert _compute_tubelet_aware_split_points([16], 4, 4, 16) == [0, 4, 8, 12, 16]
     assert _compute_tubelet_aware_split_points([4, 2], 4, 2, 6) == [0, 4, 6]
-    assert _compute_tubelet_aware_split_points([1, 8, 1], 2, 3, 10) == [0, 3, 7, 10]  # never cut a tubelet
+    # Megatron's rule: the nearest tubelet boundary to the even target (int(10/3)=3 -> 3, int(20/3)=6 -> 5)
+    assert _compute_tubelet_aware_split_points([1, 8, 1], 2, 3, 10) == [0, 3, 5, 10]
+    assert tubelet_balanced_split_points([1, 8, 1], 2, 3, 10) == [0, 3, 7, 10]  # ours: smallest largest part
     assert _compute_tubelet_aware_split_points([4], 4, 2, 4) == [0, 4, 4]  # fewer units than ranks
 
 
-def test_tubelet_incompatible_frame_count_is_rejected():
+def test_tubelet_split_points_tolerate_partial_tubelets():
+    # a 6-frame video with tubelets of 4: Megatron's points stay monotonic (its last tubelet is short)
+    assert _compute_tubelet_aware_split_points([4, 6], 4, 2, 10) == [0, 8, 10]
+    for frames in ([3, 5, 7], [6], [1, 1, 9, 2]):
+        for cp in (1, 2, 3, 5):
+            pts = _compute_tubelet_aware_split_points(frames, 4, cp, sum(frames))
+            assert len(pts) == cp + 1 and pts[0] == 0 and pts[-1] == sum(frames)
+            assert all(a <= b for a, b in zip(pts, pts[1:])), (frames, cp, pts)
+    # our balance rule cuts only whole tubelets, so it refuses them with the fix
     with pytest.raises(ValueError, match="medium 1 has 6 frames, not a multiple of temporal_patch_size=4"):
-        _compute_tubelet_aware_split_points([4, 6], 4, 2, 10)
+        tubelet_balanced_split_points([4, 6], 4, 2, 10)
     with pytest.raises(ValueError, match="total_frames=7 but num_frames"):
-        _compute_tubelet_aware_split_points([4, 2], 4, 2, 7)
+        tubelet_balanced_split_points([4, 2], 4, 2, 7)
     grid = torch.tensor([[6, 2, 2]])
     with pytest.raises(ValueError, match=r"video 0 \(grid_thw \(6, 2, 2\)\) has 6 frames.*Pad the video to 8"):
         split_to_context_parallel_ranks_dynamic_res(torch.zeros(24, 3), grid, temporal_patch_size=4)
@@ -70,8 +82,9 @@ def test_split_num_frames():
     assert _split_num_frames([4, 2], 2, 6) == [2, 2]
     assert _split_num_frames([16], 4, 8) == [4]
     assert _split_num_frames([4, 2], 4, 4) == []
-    with pytest.raises(ValueError, match=r"frame range \[4, 9\)"):
-        _split_num_frames([4, 2], 4, 9)
+    assert _split_num_frames([4, 2], 4, 9) == [2]  # clipped: a range past the end is no error
+    assert _split_num_frames([4, 2], 7, 9) == []
+    assert _split_num_frames([], 0, 3) == []
 
 
 def test_balance_is_by_patches_not_images():
@@ -167,3 +180,52 @@ def test_caller_split_that_cuts_an_image_is_rejected(dist_results):
     msg = dist_results[0]["bad_split"]
     assert msg is not None and "split point 8 cuts medium 0 (grid_thw (1, 4, 4), patches [0, 16))" in msg
     assert "Allowed split points: [0, 16, 24]" in msg
+
+
+@pytest.mark.dist
+def test_megatron_forms(dist_results):
+    r0, r1 = dist_results[0]["megatron_forms"], dist_results[1]["megatron_forms"]
+    assert r0["full_ok"] and r1["full_ok"]  # gathered along dim 1 by default, the padding sample dropped
+    # backward: the group's sum (1 + 2) for the real samples, nothing for rank 1's padding sample
+    assert r0["grad"] == [[[3.0] * 4, [3.0] * 4]] and r1["grad"] == [[[3.0] * 4, [0.0] * 4]]
+    assert r0["both"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]] and r0["rows_grad"] == [[2.0, 2.0]]
+    assert r1["rows_grad"] == [[2.0, 2.0], [2.0, 2.0]]
+    assert r0["first"] == r1["first"] == [[0.0, 0.0]]  # rank 1's block dropped
+
+
+def test_megatron_dynamic_res_split_single_process():
+    cu = torch.tensor([0, 4, 10, 12], dtype=torch.int32)
+    params = PackedSeqParams(cu, cu, None, None, 6, 6, "thd")
+    g = torch.randn(1, 12, 768)
+    local_t, sizes, p, has_pad, padded, frames = split_to_context_parallel_ranks_dynamic_res(
+        g, torch.tensor([[16, 16]] * 3), params, fp8_enabled=True
+    )
+    assert torch.equal(local_t[:, :12], g) and not local_t[:, 12:].any() and local_t.shape == (1, 16, 768)
+    assert p.cu_seqlens_q.tolist() == [0, 4, 10, 12, 16] and int(p.max_seqlen_q) == 6 and p.qkv_format == "thd"
+    assert sizes.tolist() == [[16, 16]] * 3 + [[16, 64]] and has_pad and padded == 0 and frames is None
+    with pytest.raises(ValueError, match="num_frames is required"):
+        split_to_context_parallel_ranks_dynamic_res(g, torch.tensor([[16, 16]] * 3), params, temporal_patch_size=2)
+    with pytest.raises(TypeError, match="belong to Megatron's form"):
+        split_to_context_parallel_ranks_dynamic_res(torch.zeros(4, 3), torch.tensor([[1, 2, 2]]), num_frames=[1])
+
+
+@pytest.mark.dist
+def test_megatron_dynamic_res_split_two_ranks(dist_results):
+    d0, d1 = dist_results[0]["megatron_forms"]["dyn"], dist_results[1]["megatron_forms"]["dyn"]
+    tokens = lambda a, b: torch.arange(a * 8, b * 8, dtype=torch.float64).reshape(1, b - a, 8).tolist()  # noqa: E731
+    # 3 images of 4, 6, 2 tokens: n // W = 1 image on rank 0, the rest on the last rank
+    assert d0["images"]["local_t"] == tokens(0, 4) and d0["images"]["cu"] == [0, 4]
+    assert d1["images"]["local_t"] == tokens(4, 12) and d1["images"]["cu"] == [0, 6, 8]
+    # one image: rank 1 encodes a dummy of int(4*4*3/8) = 6 zero tokens, dropped by the gather
+    assert d1["one_image"]["local_t"] == [[[0.0] * 8] * 6] and d1["one_image"]["padded"] == 1
+    # tubelets of 2 frames: media of 4 and 2 frames cut at frame 2 (nearest tubelet boundary to 3)
+    assert d0["tubelets"]["frames"] == [2] and d1["tubelets"]["frames"] == [2, 2]
+    assert d0["tubelets"]["local_t"] == tokens(0, 4) and d1["tubelets"]["local_t"] == tokens(4, 12)
+    for name, n in (("images", 12), ("one_image", 4), ("tubelets", 12)):
+        g = torch.arange(n * 8, dtype=torch.float64).reshape(1, n, 8).requires_grad_(True)
+        rows = g[0] * 2
+        w = torch.linspace(-1, 1, rows.numel(), dtype=torch.float64).reshape(rows.shape)
+        (rows * w).sum().backward()
+        for d in (d0, d1):
+            torch.testing.assert_close(d[name]["rows"], rows.detach())
+        torch.testing.assert_close(d0[name]["grad"] + d1[name]["grad"], g.grad)  # SUM over ranks

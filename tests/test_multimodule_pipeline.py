@@ -29,7 +29,7 @@ def test_fan_in_with_cp1_to_cp2_bridge_is_exact(results):
     assert float((wl - r[2]["wl_ref"]).abs().max()) < EXACT
     for enc in r[:2]:
         assert enc["out_grad_err"] < EXACT and enc["w_grad_err"] < EXACT
-    assert [x["current_stage"] for x in r] == [1, 1, 2, 2] and r[0]["total_stages"] == 2
+    assert [x["current_stage"] for x in r] == [0, 0, 1, 1] and r[0]["total_stages"] == 2  # 0-indexed
 
 
 def test_fan_out_moves_rows_and_sums_gradients(results):
@@ -42,7 +42,7 @@ def test_gpipe_through_intra_module_pipeline_matches_one_process(results):
     r = [res["chain_gpipe"] for res in results]
     assert all(x["w_grad_err"] < EXACT for x in r)
     assert r[3]["loss_err"] < EXACT
-    assert [x["stage"] for x in r] == [x["stage_from_meshes"] for x in r] == [1, 2, 3, 4] and r[0]["total"] == 4
+    assert [x["stage"] + 1 for x in r] == [x["stage_from_meshes"] for x in r] == [1, 2, 3, 4] and r[0]["total"] == 4
     assert [x["first"] for x in r] == [True, False, False, False]
     assert [x["last"] for x in r] == [False, False, False, True]
 
@@ -55,7 +55,7 @@ def test_combined_1f1b_calls(results):
 
 def test_colocated_modules_in_one_exchange(results):
     r = [res["colocated"] for res in results]
-    assert [x["modules"] for x in r] == [["audio", "image", "llm"]] * 2 + [["llm"]] * 2
+    assert [x["modules"] for x in r] == [["image", "audio", "llm"]] * 2 + [["llm"]] * 2  # the map's order
     assert all(x["recv_err"] < EXACT for x in r)
     for w in ("wi", "wa"):
         total = r[0][f"{w}_grad"] + r[1][f"{w}_grad"]
@@ -94,3 +94,44 @@ def test_a_receive_without_a_sender_times_out(results):
     r = results[1]["timeout"]
     assert "rank 1: the pipeline header exchange with rank(s) [0] did not complete within 3s" in r["message"], r
     assert 2.5 < r["waited"] < 60
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_vision_encoder_2d_output_fans_out_to_llm_dp(results, dp):
+    """[B*S, H] from a dp=1 encoder into an LLM at dp=2 (rank 3 idles) and dp=4: tokens split by rows."""
+    r = [res["vision_2d_fan_out"][f"dp{dp}"] for res in results]
+    llm = [x for x in r if "recv_err" in x]
+    assert len(llm) == dp and all(x["recv_err"] < EXACT for x in llm)
+    wl = sum(x["wl_grad"] for x in llm)  # parameter gradients SUM over the LLM's dp ranks
+    assert float((wl - r[0]["wl_ref"]).abs().max()) < EXACT
+    assert r[0]["out_grad_err"] < EXACT and r[0]["we_grad_err"] < EXACT
+    if dp == 2:
+        assert r[3]["modules"] == [] and r[3]["idle"] == ({}, {}) and r[3]["stage"] == 0
+        assert [x["stage"] for x in r[:3]] == [0, 1, 1]
+    else:
+        assert r[0]["modules"] == ["vision", "llm"] and r[0]["stage"] == 0  # the map's first module
+
+
+def test_vision_encoder_2d_output_fans_in_from_dp2(results):
+    r = [res["vision_2d_fan_out"]["fan_in"] for res in results]
+    assert r[2]["recv_err"] < EXACT and r[2]["wl_grad_err"] < EXACT
+    assert r[0]["out_grad_err"] < EXACT and r[1]["out_grad_err"] < EXACT
+    assert float((r[0]["we_grad"] + r[1]["we_grad"] - r[0]["we_ref"]).abs().max()) < EXACT  # SUM over dp
+
+
+def test_megatron_call_forms(results):
+    r = [res["megatron_call_forms"] for res in results]
+    assert r[0]["early_grad_err"] < EXACT and r[0]["grad_err"] < EXACT  # a gradient before any activation
+    assert r[1]["recv_err"] < EXACT and r[2]["recv_err"] < EXACT  # [S, B, H] split along b
+    assert [x["stage"] for x in r] == [0, 1, 1, 0] and [x["in_enc_grid"] for x in r] == [True, False, False, False]
+
+
+@pytest.mark.parametrize("kind", ["bshd", "packed"])
+@pytest.mark.parametrize("scale", ["down", "up", None])
+def test_hybrid_ring_x_ulysses_against_one_process(results, kind, scale):
+    for rank, res in enumerate(results):
+        h = res["hybrid_cp"]
+        assert h["sizes"] == (2, 2) and h["ranks"] == (rank // 2, rank % 2)
+        errs = h[f"{kind}/{scale}"]
+        assert max(errs.values()) < EXACT, errs
+    assert "sequence length 10 along dim 1 is not a multiple of 2 * ring_size = 4" in results[0]["hybrid_cp"]["error"]

@@ -51,11 +51,10 @@ def test_rank_aware_count():
         compute_total_pipeline_stages(MEGATRON, {"image": 1, "audio": 1, "llm": 1, "generator": 1}, rank=0)
 
 
-def test_colocated_modules_need_module_name():
+def test_colocated_modules_count_the_largest_without_module_name():
     grids = _megatron_grids()
     grids["audio"] = ModuleGrid(torch.tensor([0, 1]).reshape(1, 2, 1, 1))  # audio on the image's ranks, dp=2
-    with pytest.raises(ValueError, match=r"rank 1 holds colocated modules \['audio', 'image'\]"):
-        compute_total_pipeline_stages(MEGATRON, grids, rank=1)
+    assert compute_total_pipeline_stages(MEGATRON, grids, rank=1) == 2  # max over image (2) and audio (1)
     assert compute_total_pipeline_stages(MEGATRON, grids, rank=1, module_name="image") == 2
     assert compute_total_pipeline_stages(MEGATRON, grids, rank=1, module_name="audio") == 1
     with pytest.raises(ValueError, match=r"module 'llm' does not hold rank 1"):
@@ -63,8 +62,8 @@ def test_colocated_modules_need_module_name():
     with pytest.raises(ValueError, match=r"unknown module_name 'vision'"):
         compute_total_pipeline_stages(MEGATRON, grids, rank=1, module_name="vision")
     comm = MultiModulePipelineCommunicator(grids, MEGATRON, rank=1)
-    assert list(comm.modules) == ["audio", "image"]
-    assert comm.current_stage == 2 and comm.is_pp_first_stage and not comm.is_pp_last_stage
+    assert list(comm.modules) == ["image", "audio"]  # the map's order
+    assert comm.current_stage == 1 and comm.is_pp_first_stage and not comm.is_pp_last_stage  # image's, 0-based
     with pytest.raises(ValueError, match="pass module_name"):
         comm.stage_of()
 
@@ -77,8 +76,9 @@ def test_cycles_missing_sinks_and_unknown_modules():
         compute_total_pipeline_stages({"a": ["b"], "b": ["a"]}, {"a": 1, "b": 1})
     with pytest.raises(ValueError, match=r"unknown module\(s\) \['x'\]"):
         compute_total_pipeline_stages({"a": ["x"]}, {"a": 1})
-    with pytest.raises(ValueError, match=r"\['d'\] have grids but no edge"):
+    with pytest.raises(ValueError, match=r"\['d'\] have grids but the topology never names them"):
         compute_total_pipeline_stages({"a": ["b"], "b": ["c"]}, sizes)
+    assert compute_total_pipeline_stages({"a": ["b"], "b": ["c"], "d": []}, sizes) == 4  # d on its own, as Megatron
     with pytest.raises(ValueError, match="pipeline size 0"):
         compute_total_pipeline_stages({"a": []}, {"a": 0})
 
@@ -103,9 +103,10 @@ def test_communicator_plan_without_processes():
     comm = MultiModulePipelineCommunicator(grids, topo, rank=2)
     info = comm.modules["llm"]
     assert (info.pp_rank, info.cp_rank, info.upstream, info.is_terminal_stage) == (0, 1, ("vision",), True)
-    assert comm.total_stages == 2 and comm.current_stage == 2 and comm.is_pp_last_stage
-    with pytest.raises(ValueError, match=r"rank 3 is in no module's grid \(vision: \[0\], llm: \[1, 2\]\)"):
-        MultiModulePipelineCommunicator(grids, topo, rank=3)
+    assert comm.total_stages == 2 and comm.current_stage == 1 and comm.is_pp_last_stage
+    idle = MultiModulePipelineCommunicator(grids, topo, rank=3)  # in no module: idles, as in Megatron
+    assert idle.modules == {} and idle.current_stage == 0 and not idle.is_pp_first_stage
+    assert idle.recv_forward() == {} and idle.send_forward({"llm": torch.ones(1)}) is None
     with pytest.raises(ValueError, match=r"module_output_ndim: unknown module 'audio'"):
         MultiModulePipelineCommunicator(grids, topo, module_output_ndim={"audio": 2}, rank=0)
     with pytest.raises(ValueError, match=r"module_output_ndim\['llm'\]=4"):

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automodel.distributed.all_to_all import all_to_all, even_split_sizes
-from automodel.distributed.padding import get_padding, get_padding_multiple
+from automodel.distributed.all_to_all import all_to_all, cal_split_sizes_multi, even_split_sizes
+from automodel.distributed.padding import get_padding, get_padding_lcm, get_padding_multiple
+from automodel.distributed.sp_hybrid import packed_split_indices
 from automodel.distributed.sp_sharding import ShardingValidator, sp_gather, sp_shard, sp_shard_with_padding
 from automodel.distributed.sp_split_gather import (
     gather_forward_split_backward,
@@ -19,7 +20,7 @@ from automodel.distributed.sp_split_gather import (
     split_forward_gather_backward,
 )
 from tests.dist_harness import run_distributed
-from tests.workers.sp_worker import A2A_CASES, PACKED_CU, inputs
+from tests.workers.sp_worker import A2A_CASES, PACKED_CU, PACKED_LENS, inputs
 
 W = 3
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -84,6 +85,9 @@ def test_get_padding_examples():
     assert get_padding(99) == 0
     assert get_padding(99, tp_size=4, has_sp=True) == 1  # tp = 4
     assert get_padding(99, tp_size=4, has_sp=False) == 0  # TP without SP does not split the sequence
+    # Megatron's single rule: FP8 alignment is dropped under CP; the lcm rule keeps it
+    assert get_padding(99, 2, 1, False, fp8_enabled=True) == 1
+    assert get_padding_lcm(99, 2, 1, False, fp8_enabled=True) == 29
 
 
 def test_get_padding_combines_by_lcm():
@@ -94,22 +98,22 @@ def test_get_padding_combines_by_lcm():
     for cp, tp, sp, fp8 in [(2, 2, True, True), (4, 1, False, True), (3, 4, True, False)]:
         m = get_padding_multiple(cp, tp, sp, fp8)
         for s in range(1, 200, 7):
-            padded = s + get_padding(s, cp, tp, sp, fp8_enabled=fp8)
+            padded = s + get_padding_lcm(s, cp, tp, sp, fp8_enabled=fp8)
             assert padded % m == 0 and padded - s < m
             assert padded % (2 * cp) == 0
 
 
 def test_get_padding_errors():
     with pytest.raises(ValueError, match="cp_size must be an int >= 1, got 0"):
-        get_padding(10, cp_size=0)
+        get_padding_lcm(10, cp_size=0)
     with pytest.raises(ValueError, match="fp8_recipe must be one of"):
-        get_padding(10, fp8_enabled=True, fp8_recipe="fp4")
+        get_padding_lcm(10, fp8_enabled=True, fp8_recipe="fp4")
     with pytest.raises(ValueError, match="needs decoder_seq_len"):
-        get_padding(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True)
+        get_padding_lcm(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True)
     with pytest.raises(ValueError, match="decoder_seq_len=20 is not divisible by 8"):
-        get_padding(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True, decoder_seq_len=20)
+        get_padding_lcm(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True, decoder_seq_len=20)
     assert (
-        get_padding(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True, decoder_seq_len=24)
+        get_padding_lcm(10, cp_size=2, tp_size=2, has_sp=True, decoder_tp_comm_overlap=True, decoder_seq_len=24)
         == 14
     )
 
@@ -176,7 +180,7 @@ def test_all_to_all_uneven_shapes_and_round_trip(results):
         torch.testing.assert_close(rt["back"], rt["x"], rtol=0, atol=0)
     assert tuple(results[0]["a2a/both_uneven"]["y"].shape) == (3, 100, 2)
     assert tuple(results[2]["a2a/both_uneven"]["y"].shape) == (2, 100, 2)
-    assert "gather_size=100 over 3 ranks gives it 34" in results[0]["a2a/error"]
+    assert "(gather_size=100 split near-evenly, remainder first), which gives it 34" in results[0]["a2a/error"]
 
 
 @pytest.mark.dist
@@ -208,12 +212,12 @@ def test_split_and_gather_uneven(results):
     g = inputs("gather_uneven_g", 0, (2, 12, 3), same_on_all_ranks=True)
     for r in range(W):
         torch.testing.assert_close(results[r]["split/uneven"]["y"], x[:, offs[r] : offs[r] + sizes[r]], **TOL)
-        torch.testing.assert_close(results[r]["split/uneven"]["grad"], grad, **TOL)
+        torch.testing.assert_close(results[r]["split/uneven"]["grad"], grad / W, **TOL)  # default "down"
         torch.testing.assert_close(results[r]["gather/uneven"]["y"], full, **TOL)
-        torch.testing.assert_close(
-            results[r]["gather/uneven"]["grad"], g[:, offs[r] : offs[r] + sizes[r]], **TOL
+        torch.testing.assert_close(  # default "up"
+            results[r]["gather/uneven"]["grad"], g[:, offs[r] : offs[r] + sizes[r]] * W, **TOL
         )
-    assert "size 7 along the split dim is not divisible by the world size 3" in results[0]["split/error"]
+    assert "sizes [3, 3, 3] sum to 9, but the tensor has 7 along the split dim" in results[0]["split/error"]
 
 
 @pytest.mark.dist
@@ -300,3 +304,104 @@ def test_sharding_errors_and_validator(results):
     msg = results[0]["validator/error"]
     assert "'kept_sharded' sharded 1x without a matching gather" in msg
     assert "'ok'" not in msg
+
+
+# ------------------------------------------------------------------------------------------------
+# the seeds' documented calls (tests/workers/sp_worker.py:seed_examples), against one process
+
+SCALE = {"down": 1.0 / W, "up": float(W), None: 1.0, "positional": float(W)}
+
+
+def _assemble(pieces, indices, total, dim=0):
+    shape = list(pieces[0].shape)
+    shape[dim] = total
+    full = torch.zeros(shape, dtype=pieces[0].dtype)
+    for p, i in zip(pieces, indices):
+        full.index_copy_(dim, i, p)
+    return full
+
+
+@pytest.mark.dist
+def test_mindspeed_all_to_all_defaults(results):
+    xs = [inputs("ms_a2a", r, (2, 4, 6, 3)).requires_grad_(True) for r in range(W)]
+    ys = _sim_a2a(xs, 2, 1)  # the documented defaults: scatter_dim=2, gather_dim=1
+    sum((y * inputs("ms_a2a_g", r, tuple(y.shape))).sum() for r, y in enumerate(ys)).backward()
+    for r in range(W):
+        got = results[r]["ms/a2a_default"]
+        assert tuple(got["y"].shape) == (2, 12, 2, 3)
+        torch.testing.assert_close(got["y"], ys[r].detach(), **TOL)
+        torch.testing.assert_close(got["grad"], xs[r].grad, **TOL)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("scale", ["down", "up", None, "positional"])
+def test_mindspeed_uneven_default_split_every_grad_scale(results, scale):
+    x = inputs("ms_split", 0, (7, 2), same_on_all_ranks=True)
+    sizes, offs = [3, 2, 2], [0, 3, 5]
+    grad = torch.cat([inputs("ms_split_g", r, (sizes[r], 2)) for r in range(W)]) * SCALE[scale]
+    for r in range(W):
+        got = results[r][f"ms/split_uneven/{scale}"]
+        torch.testing.assert_close(got["y"], x[offs[r] : offs[r] + sizes[r]], **TOL)
+        torch.testing.assert_close(got["grad"], grad, **TOL)
+
+
+@pytest.mark.dist
+def test_mindspeed_load_balanced_names(results):
+    idx = [load_balanced_indices(12, W, r) for r in range(W)]
+    x = inputs("ms_lb", 0, (12, 2), same_on_all_ranks=True)
+    grad = _assemble([inputs("ms_lb_g", r, (4, 2)) for r in range(W)], idx, 12) / W  # fixed "down"
+    full = _assemble([inputs("ms_lbg", r, (4, 2)) for r in range(W)], idx, 12)
+    gl = inputs("ms_lbg_g", 0, (12, 2), same_on_all_ranks=True)
+    for r in range(W):
+        got = results[r]["ms/lb"]
+        torch.testing.assert_close(got["y"], x[idx[r]], **TOL)
+        torch.testing.assert_close(got["grad"], grad, **TOL)
+        torch.testing.assert_close(got["gy"], full, **TOL)
+        torch.testing.assert_close(got["ggrad"], gl[idx[r]] * W, **TOL)  # fixed "up"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("scale", ["down", "up", None])
+def test_mindspeed_packed_data_every_grad_scale(results, scale):
+    lens = PACKED_LENS
+    split = cal_split_sizes_multi(lens, W)
+    assert split.tolist() == [[2, 3, 1], [2, 2, 1], [1, 2, 0]]
+    idx = packed_split_indices(split)
+    assert idx[1].tolist() == [2, 3, 8, 9, 13]  # rank 1: the 2nd piece of every sequence, in order
+    n = sum(lens)
+    x = inputs("ms_packed", 0, (n, 2), same_on_all_ranks=True)
+    grad = _assemble([inputs("ms_packed_g", r, (len(idx[r]), 2)) for r in range(W)], idx, n)
+    full = _assemble([inputs("ms_packed_l", r, (len(idx[r]), 2)) for r in range(W)], idx, n)
+    gl = inputs("ms_packed_lg", 0, (n, 2), same_on_all_ranks=True)
+    for r in range(W):
+        got = results[r][f"ms/packed/{scale}"]
+        torch.testing.assert_close(got["y"], x[idx[r]], **TOL)
+        torch.testing.assert_close(got["grad"], grad * SCALE[scale], **TOL)
+        torch.testing.assert_close(got["gy"], full, **TOL)
+        torch.testing.assert_close(got["ggrad"], gl[idx[r]] * SCALE[scale], **TOL)
+    assert "sequence lengths [4, 4] (sum 8)" in results[0]["ms/packed_error"]
+
+
+@pytest.mark.dist
+def test_vllm_omni_documented_usage(results):
+    x = inputs("vo_chunk", 0, (2, 17), same_on_all_ranks=True)
+    g = inputs("vo_chunk_g", 0, (2, 17), same_on_all_ranks=True)
+    offs, sizes = [0, 6, 12], [6, 6, 5]  # torch.chunk of 17 over 3
+    for r in range(W):
+        got = results[r]["vo/chunk"]
+        torch.testing.assert_close(got["shard"], x[:, offs[r] : offs[r] + sizes[r]], **TOL)
+        torch.testing.assert_close(got["y"], torch.sin(x), **TOL)
+        torch.testing.assert_close(got["grad"], torch.cos(x) * g, **TOL)  # one process's gradient
+        hs = inputs("vo_val", 0, (2, 6, 3), same_on_all_ranks=True)
+        torch.testing.assert_close(results[r]["vo/validator"]["y"], hs * 2, **TOL)
+        assert results[r]["vo/padding"]["pad"] == 2
+        torch.testing.assert_close(results[r]["vo/padding"]["y"], inputs("vo_pad", 0, (2, 7), same_on_all_ranks=True))
+        full = torch.cat([inputs("vo_grad", q, (2, 3)) for q in range(W)], dim=1)
+        gg = inputs("vo_grad_g", 0, (2, 9), same_on_all_ranks=True)
+        torch.testing.assert_close(results[r]["vo/with_grad"]["y"], full, **TOL)
+        torch.testing.assert_close(results[r]["vo/with_grad"]["grad"], gg[:, 3 * r : 3 * r + 3], **TOL)
+    assert "'leaked' sharded 1x without a matching gather" in results[0]["vo/validator_error"]
+    hs = inputs("vo_doc", 0, (2, 6, 3), same_on_all_ranks=True)
+    for r in range(W):
+        torch.testing.assert_close(results[r]["vo/doc"]["shard"], hs[:, 2 * r : 2 * r + 2], **TOL)
+        torch.testing.assert_close(results[r]["vo/doc"]["y"], hs + 1, **TOL)

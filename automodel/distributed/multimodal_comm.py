@@ -10,6 +10,7 @@ API, so ``multimodal_dynamic_res`` must not import ``multimodal_cp``). The publi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,32 @@ from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp.group import resolve_cp_group
 
-__all__ = ["resolve_group", "GatherFromContextParallelRanks"]
+__all__ = ["resolve_group", "GatherFromContextParallelRanks", "PackedSeqParams"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packed sequence parameters
+
+
+@dataclass
+class PackedSeqParams:
+    """Sequence boundaries for a THD / padded attention kernel (Megatron's field names).
+
+    Attributes:
+        cu_seqlens_q, cu_seqlens_kv: ``[B+1]`` int32 offsets of the REAL tokens of every row.
+        cu_seqlens_q_padded, cu_seqlens_kv_padded: ``[B+1]`` int32 offsets of the padded rows, or
+            ``None`` when no padding needs describing.
+        max_seqlen_q, max_seqlen_kv: the padded row length.
+        qkv_format: ``"sbhd"`` (plain rows) or ``"thd"`` (needed when CP meets padding or packing).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    cu_seqlens_q_padded: torch.Tensor | None
+    cu_seqlens_kv_padded: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    qkv_format: str
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -51,14 +77,15 @@ def _reduce_scatter_dim(grad: torch.Tensor, dim: int, group: ProcessGroup | None
 class GatherFromContextParallelRanks(torch.autograd.Function):
     """All-gather along ``dim`` in the forward; reduce-scatter (sum) in the backward.
 
-    ``apply(local_t, group, dim)``: every rank gives an equally shaped ``local_t``; the result is the
+    ``apply(local_t, group=None, dim=1)``: Megatron's ``apply(local_t)`` gathers along the second dim
+    (its vision embeddings are ``[tokens, images, H]``), hence ``dim=1`` by default. Every rank gives an equally shaped ``local_t``; the result is the
     rank-ordered concatenation along ``dim``. The backward sums the incoming gradients over the group
     and returns each rank its own block: exact when each rank's loss uses the gathered tensor only
     through its own tokens and the objective is the sum of the ranks' losses (the CP objective).
     """
 
     @staticmethod
-    def forward(ctx, local_t: torch.Tensor, group: ProcessGroup | None = None, dim: int = 0):  # type: ignore[override]
+    def forward(ctx, local_t: torch.Tensor, group: ProcessGroup | None = None, dim: int = 1):  # type: ignore[override]
         world = dist.get_world_size(group)
         ctx.group, ctx.dim, ctx.world, ctx.rank = group, dim, world, dist.get_rank(group)
         if world == 1:

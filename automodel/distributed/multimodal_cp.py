@@ -23,13 +23,16 @@ Dynamic resolution (see :mod:`automodel.distributed.multimodal_dynamic_res`) is 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 # the shared collectives and the dynamic-resolution API are part of this module's API (re-exported)
-from automodel.distributed.multimodal_comm import GatherFromContextParallelRanks, resolve_group
+from automodel.distributed.multimodal_comm import (
+    GatherFromContextParallelRanks,
+    PackedSeqParams,
+    resolve_group,
+)
 from automodel.distributed.multimodal_dynamic_res import (
     DynamicResSplit,
     _compute_tubelet_aware_split_points,
@@ -57,27 +60,6 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------------------
 # packed sequence parameters
-
-
-@dataclass
-class PackedSeqParams:
-    """Sequence boundaries for a THD / padded attention kernel (Megatron's field names).
-
-    Attributes:
-        cu_seqlens_q, cu_seqlens_kv: ``[B+1]`` int32 offsets of the REAL tokens of every row.
-        cu_seqlens_q_padded, cu_seqlens_kv_padded: ``[B+1]`` int32 offsets of the padded rows, or
-            ``None`` when no padding needs describing.
-        max_seqlen_q, max_seqlen_kv: the padded row length.
-        qkv_format: ``"sbhd"`` (plain rows) or ``"thd"`` (needed when CP meets padding or packing).
-    """
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_kv: torch.Tensor
-    cu_seqlens_q_padded: torch.Tensor | None
-    cu_seqlens_kv_padded: torch.Tensor | None
-    max_seqlen_q: int
-    max_seqlen_kv: int
-    qkv_format: str
 
 
 def get_packed_seq_params(
@@ -161,18 +143,22 @@ def split_to_context_parallel_ranks(
 
 
 def gather_from_context_parallel_ranks(
-    local_t: torch.Tensor, global_pad: int, group: Any = None, dim: int = 0
+    local_t: torch.Tensor, global_pad: int, group: Any = None, dim: int = 1
 ) -> torch.Tensor:
     """Inverse of :func:`split_to_context_parallel_ranks` (with autograd): all blocks, padding dropped.
 
+    Megatron gathers along the SECOND dim (its encoders emit ``[tokens, k, H]`` for ``k`` samples), so
+    ``dim=1`` is the default here too; pass ``dim=0`` for a tensor that keeps the samples first.
+
     Args:
-        local_t: ``[k, ...]`` this rank's block (or any tensor computed from it sample by sample, e.g.
-            ``[k, T, H]`` embeddings), equally shaped on every rank.
+        local_t: this rank's ``k`` samples along ``dim`` (any tensor computed from its block sample by
+            sample, e.g. ``[T, k, H]`` embeddings), equally shaped on every rank.
         global_pad: the padding samples at the end, as returned by the split.
-        group: as in the split; dim: the sample dim (0 unless the tensor was permuted).
+        group: as in the split; dim: the sample dim.
 
     Returns:
-        ``[k*W - global_pad, ...]``. Backward: reduce-scatter (see :class:`GatherFromContextParallelRanks`).
+        ``k*W - global_pad`` samples along ``dim``. Backward: reduce-scatter (see
+        :class:`GatherFromContextParallelRanks`).
     """
     pg, world, _ = resolve_group(group)
     if world == 1:

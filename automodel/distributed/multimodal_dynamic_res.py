@@ -36,6 +36,11 @@ from typing import Any
 import torch
 
 from automodel.distributed.multimodal_comm import GatherFromContextParallelRanks, resolve_group
+from automodel.distributed.multimodal_megatron_split import (
+    _compute_tubelet_aware_split_points,
+    _split_num_frames,
+    megatron_split_dynamic_res,
+)
 from automodel.distributed.padding import get_padding_multiple
 
 __all__ = [
@@ -44,6 +49,7 @@ __all__ = [
     "gather_from_context_parallel_ranks_dynamic_res",
     "balanced_split_points",
     "check_grid",
+    "tubelet_balanced_split_points",
     "_compute_tubelet_aware_split_points",
     "_split_num_frames",
 ]
@@ -114,10 +120,10 @@ def _tubelet_units(frames: int, temporal_patch_size: int, what: str) -> list[int
     return [temporal_patch_size] * (frames // temporal_patch_size)
 
 
-def _compute_tubelet_aware_split_points(
+def tubelet_balanced_split_points(
     num_frames: list[int], temporal_patch_size: int, cp_size: int, total_frames: int
 ) -> list[int]:
-    """``cp_size + 1`` frame indices that cut the media only at media or tubelet boundaries.
+    """``cp_size + 1`` frame indices cutting the media only at media or tubelet boundaries, by our balance rule.
 
     Args:
         num_frames: frames of each medium, in order (an image counts 1).
@@ -126,8 +132,9 @@ def _compute_tubelet_aware_split_points(
         total_frames: ``sum(num_frames)`` (checked).
 
     Returns:
-        Non-decreasing ``[0, ..., total_frames]``, balanced by frames (module docstring), e.g.
-        ``([16], 4, 4, 16) -> [0, 4, 8, 12, 16]`` and ``([4, 2], 4, 2, 6) -> [0, 4, 6]``.
+        Non-decreasing ``[0, ..., total_frames]`` with the smallest largest part (module docstring), e.g.
+        ``([1, 8, 1], 2, 3, 10) -> [0, 3, 7, 10]``. Megatron's rule is
+        :func:`_compute_tubelet_aware_split_points`.
 
     Raises:
         ValueError: a frame count that would cut a tubelet, or ``total_frames != sum(num_frames)``.
@@ -140,23 +147,6 @@ def _compute_tubelet_aware_split_points(
     for i, n in enumerate(num_frames):
         units += _tubelet_units(int(n), temporal_patch_size, f"medium {i}")
     return balanced_split_points(units, cp_size)
-
-
-def _split_num_frames(num_frames: list[int], lb: int, ub: int) -> list[int]:
-    """Frames of each medium that fall in the frame range ``[lb, ub)``; media outside it are left out.
-
-    E.g. ``([4, 2], 2, 6) -> [2, 2]``, ``([16], 4, 8) -> [4]``, ``([4, 2], 4, 4) -> []``.
-    """
-    if not 0 <= lb <= ub <= sum(num_frames):
-        raise ValueError(f"frame range [{lb}, {ub}) is not inside [0, {sum(num_frames)}]")
-    out, start = [], 0
-    for n in num_frames:
-        end = start + n
-        piece = min(ub, end) - max(lb, start)
-        if piece > 0:
-            out.append(piece)
-        start = end
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -238,23 +228,34 @@ def check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, m: int) -> li
 
 
 def split_to_context_parallel_ranks_dynamic_res(
-    pixel_values: torch.Tensor,
-    grid_thw: torch.Tensor,
-    group: Any = None,
-    *,
-    spatial_merge_size: int = 1,
+    global_t: torch.Tensor,
+    global_imgs_sizes: torch.Tensor,
+    global_packed_seq_params: Any = None,
+    fp8_enabled: bool = False,
+    patch_dim: int = 16,
+    num_frames: Any = None,
     temporal_patch_size: int = 1,
+    *,
+    group: Any = None,
+    spatial_merge_size: int = 1,
     split_videos: bool = True,
     split_points: list[int] | None = None,
-    fp8_enabled: bool = False,
     fp8_recipe: str | None = None,
     dummy_value: float = 0.0,
 ) -> tuple[torch.Tensor, DynamicResSplit]:
     """This rank's whole images (and video tubelets) out of a packed dynamic-resolution batch.
 
+    Megatron's parameter names and order, two forms. automodel's: the HF processor's layout
+    (``global_t`` = ``pixel_values [P, D]``, ``global_imgs_sizes`` = ``grid_thw [N, 3]``), from which the
+    per-image sequence lengths and frame counts follow, so ``global_packed_seq_params``, ``patch_dim``
+    and ``num_frames`` stay unset; balanced by patches, returns ``(local, DynamicResSplit)``. Megatron's:
+    a ``PackedSeqParams`` third selects Megatron's split (by image count, dummies, FP8 pad), returning its
+    6-tuple; see :mod:`automodel.distributed.multimodal_megatron_split`.
+
     Args:
-        pixel_values: ``[P, D]`` packed patches of all media, identical on every rank of ``group``.
-        grid_thw: ``[N, 3]`` int ``(t, h, w)`` per medium, ``P == sum(t*h*w)``.
+        global_t: ``[P, D]`` packed patches of all media (``pixel_values``), identical on every rank.
+        global_imgs_sizes: ``[N, 3]`` int ``(t, h, w)`` per medium (``grid_thw``), ``P == sum(t*h*w)``.
+        global_packed_seq_params, patch_dim, num_frames: Megatron's inputs; must stay at their defaults.
         group: ProcessGroup, DeviceMesh (its ``"cp"`` dim) or ``None`` (default group).
         spatial_merge_size: ``m``: the encoder merges ``m x m`` patches into one output row.
         temporal_patch_size: frames per tubelet in ``t`` (1 for Qwen2-VL's layout, see module docs).
@@ -273,7 +274,20 @@ def split_to_context_parallel_ranks_dynamic_res(
     Raises:
         ValueError: ``pixel_values`` inconsistent with ``grid_thw``, a grid not divisible by ``m``, a
         tubelet-incompatible frame count, or a caller-supplied split that cuts a unit.
+        TypeError: Megatron-only arguments without a ``PackedSeqParams``.
     """
+    if hasattr(global_packed_seq_params, "cu_seqlens_q"):
+        return megatron_split_dynamic_res(  # type: ignore[return-value]
+            global_t, global_imgs_sizes, global_packed_seq_params, fp8_enabled, patch_dim, num_frames,
+            temporal_patch_size, group,
+        )
+    if global_packed_seq_params is not None or num_frames is not None or patch_dim != 16:
+        raise TypeError(
+            "split_to_context_parallel_ranks_dynamic_res: global_packed_seq_params, patch_dim and num_frames belong "
+            "to Megatron's form (global_packed_seq_params must then have cu_seqlens_q); automodel's form takes "
+            "pixel_values [P, D] and grid_thw [N, 3] and the group as group=. See docs/seed_api.md"
+        )
+    pixel_values, grid_thw = global_t, global_imgs_sizes
     _, world, rank = resolve_group(group)
     m = int(spatial_merge_size)
     if m < 1 or temporal_patch_size < 1:
@@ -365,20 +379,26 @@ def split_to_context_parallel_ranks_dynamic_res(
 
 
 def gather_from_context_parallel_ranks_dynamic_res(
-    local_embeds: torch.Tensor, split: DynamicResSplit, group: Any = None
+    local_t: torch.Tensor, num_padded_imgs: DynamicResSplit | int = 0, group: Any = None
 ) -> torch.Tensor:
     """Every rank's real encoder output rows, in global media order, with autograd.
 
     Args:
-        local_embeds: ``[split.padded_tokens_per_rank[rank], ...]`` the encoder's output for the local
+        local_t: ``[split.padded_tokens_per_rank[rank], ...]`` the encoder's output for the local
             pixel values (one row per ``m*m`` patches; dummy and padding rows last).
-        split: from :func:`split_to_context_parallel_ranks_dynamic_res` on the same group.
+        num_padded_imgs: the :class:`DynamicResSplit` from :func:`split_to_context_parallel_ranks_dynamic_res`
+            on the same group; or, Megatron's form, an int: every rank's ``local_t`` (any number of rows,
+            other dims equal) is gathered along dim 0 in rank order and the blocks of the last
+            ``num_padded_imgs`` ranks (those that encoded only a dummy) are dropped.
 
     Returns:
         ``[sum(split.tokens_per_rank), ...]``, identical on every rank: the rows the encoder would give
         on the whole batch. Backward: each rank receives the group's summed gradient of its own rows
         (reduce-scatter); dummy and padding rows get zero.
     """
+    if not isinstance(num_padded_imgs, DynamicResSplit):
+        return _gather_rows_dropping_last_ranks(local_t, int(num_padded_imgs), group)
+    local_embeds, split = local_t, num_padded_imgs
     pg, world, rank = resolve_group(group)
     if world != split.world_size or rank != split.rank:
         raise ValueError(
@@ -400,3 +420,23 @@ def gather_from_context_parallel_ranks_dynamic_res(
     full = GatherFromContextParallelRanks.apply(x, pg, 0)
     parts = [full.narrow(0, r * biggest, n) for r, n in enumerate(split.tokens_per_rank) if n > 0]
     return torch.cat(parts, dim=0)
+
+
+def _gather_rows_dropping_last_ranks(local_t: torch.Tensor, num_padded: int, group: Any) -> torch.Tensor:
+    """Megatron's dynamic-resolution gather: rows of every rank (sizes exchanged), last ``num_padded`` dropped."""
+    pg, world, _ = resolve_group(group)
+    if not 0 <= num_padded < world or num_padded and world == 1:
+        raise ValueError(f"num_padded_imgs={num_padded} must be in [0, {world}) (ranks in the group)")
+    if world == 1:
+        return local_t
+    mine = torch.tensor([local_t.size(0)], dtype=torch.int64, device=local_t.device)
+    every = torch.empty(world, dtype=torch.int64, device=local_t.device)
+    torch.distributed.all_gather_single(every, mine, group=pg)
+    rows = every.tolist()
+    biggest = max(rows)
+    x = local_t
+    if x.size(0) < biggest:
+        x = torch.cat([x, x.new_zeros((biggest - x.size(0), *x.shape[1:]))], dim=0)
+    full = GatherFromContextParallelRanks.apply(x, pg, 0)
+    keep = world - num_padded
+    return torch.cat([full.narrow(0, r * biggest, rows[r]) for r in range(keep)], dim=0)

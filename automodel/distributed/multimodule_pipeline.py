@@ -24,6 +24,8 @@ cp=1 on both sides, this one does not.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,10 +46,15 @@ from automodel.distributed.pipeline.topology import (
     validate_topology,
 )
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "ModuleGrid",
     "MultiModulePipelineCommunicator",
     "RankModuleInfo",
+    "Shape",
+    "_prepare_tensor_for_comm",
+    "_restore_tensor_from_comm",
     "compute_total_pipeline_stages",
     "run_gpipe",
 ]
@@ -55,20 +62,27 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RankModuleInfo:
-    """Where this rank sits in one module it holds.
+    """Where this rank sits in one module it holds (Megatron's fields first, then ours).
 
     ``is_source_stage``: first stage of a module with no upstream module (it receives nothing).
     ``is_terminal_stage``: last stage of a module with no downstream module (it computes the loss).
+    ``p2p_communicator`` is always ``None`` here (one communicator moves every message); the bridge
+    lists hold the module edges this rank sends on (``src``) and receives on (``dest``).
     """
 
-    name: str
     pp_rank: int
     pp_size: int
-    dp_rank: int
-    cp_rank: int
-    tp_rank: int
-    upstream: tuple[str, ...]
-    downstream: tuple[str, ...]
+    p2p_communicator: Any = None
+    bridge_comms_as_src_module: list | None = None
+    bridge_comms_as_dest_module: list | None = None
+    is_source_stage: bool = True
+    is_terminal_stage: bool = True
+    name: str = ""
+    dp_rank: int = 0
+    cp_rank: int = 0
+    tp_rank: int = 0
+    upstream: tuple[str, ...] = ()
+    downstream: tuple[str, ...] = ()
 
     @property
     def is_first_stage(self) -> bool:
@@ -78,13 +92,61 @@ class RankModuleInfo:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    @property
-    def is_source_stage(self) -> bool:
-        return self.is_first_stage and not self.upstream
 
-    @property
-    def is_terminal_stage(self) -> bool:
-        return self.is_last_stage and not self.downstream
+#: a tensor shape, as Megatron's communicator types it
+Shape = list[int] | torch.Size
+
+
+def _prepare_tensor_for_comm(tensor: torch.Tensor | list | None) -> torch.Tensor | list | None:
+    """Megatron's 2-D -> 3-D adapter: ``[a, b]`` becomes ``[a, b, 1]``; 3-D passes; lists map; ``None`` stays.
+
+    Raises ``ValueError`` for a 3-D tensor whose last dim is 1 (the receiver could not tell it from an
+    adapted 2-D tensor; Megatron asserts). The communicator itself does not need it: every message's
+    header carries the sender's number of dims.
+    """
+    if tensor is None:
+        return None
+    if isinstance(tensor, list):
+        return [_prepare_tensor_for_comm(t) for t in tensor]
+    if isinstance(tensor, torch.Tensor):
+        if tensor.dim() == 2:
+            return tensor.unsqueeze(-1)
+        if tensor.dim() == 3 and tensor.size(-1) == 1:
+            raise ValueError(
+                f"a 3-D tensor with a last dim of 1 {tuple(tensor.shape)} cannot be told apart from an adapted "
+                "2-D tensor after communication; send it 2-D or with a last dim > 1"
+            )
+    return tensor
+
+
+def _restore_tensor_from_comm(tensor: torch.Tensor | list | None) -> torch.Tensor | list | None:
+    """Inverse of :func:`_prepare_tensor_for_comm`: a 3-D tensor with a last dim of 1 loses it."""
+    if tensor is None:
+        return None
+    if isinstance(tensor, list):
+        return [_restore_tensor_from_comm(t) for t in tensor]
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == 3 and tensor.size(-1) == 1:
+        return tensor.squeeze(-1)
+    return tensor
+
+
+def _is_module_names(value: Any) -> bool:
+    """True for a module name or a list/tuple of names (our ``module_name``), False for a shape."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+def _tensor_layout(dim_mapping: Mapping[str, Any] | None) -> tuple[int, int, int] | None:
+    """Megatron's ``{'s': 0, 'b': 1, 'h': 2}`` -> the permutation to ``[b, s, h]``; ``None`` for our mesh mapping."""
+    if not dim_mapping or not set(dim_mapping) <= {"s", "b", "h"}:
+        return None
+    if set(dim_mapping) != {"s", "b", "h"} or sorted(int(v) for v in dim_mapping.values()) != [0, 1, 2]:
+        raise ValueError(
+            f"dim_mapping {dict(dim_mapping)} looks like Megatron's activation layout: it needs 's', 'b' and 'h' "
+            "mapped to the dims 0, 1, 2"
+        )
+    return int(dim_mapping["b"]), int(dim_mapping["s"]), int(dim_mapping["h"])
 
 
 def _whole(rows: tuple[int, int], pos: torch.Tensor, n_rows: int, n_pos: int) -> bool:
@@ -111,12 +173,20 @@ class MultiModulePipelineCommunicator:
 
     Args:
         module_to_grid_map: module name -> ``DeviceMesh`` over its ranks (dims named ``pp``, ``dp``,
-            ``cp``, ``tp``, or renamed with ``dim_mapping``) or a :class:`ModuleGrid`. Build every mesh on
-            every rank, in the same order.
+            ``cp``, ``tp``, or renamed with ``dim_mapping``), a :class:`ModuleGrid`, or a Megatron
+            ``HyperCommGrid`` (anything with ``shape``, ``dim_names`` and ``rank_offset``). Build every
+            mesh on every rank, in the same order.
         topology: ``{module: [downstream modules]}``; a DAG with at least one sink.
-        dim_mapping: logical dim -> mesh dim name(s), see :meth:`ModuleGrid.from_mesh`.
-        module_output_ndim: module -> 3 (``[B, S, H...]``, default) or 2 (``[B*S, H]``, viewed as one packed
-            row ``[1, N, H]`` per rank).
+        config: Megatron's ``ModelParallelConfig`` (third, as in Megatron); kept as ``self.config`` and
+            not read: tensors travel in their own dtype, shapes in message headers.
+        dim_mapping: either logical dim -> mesh dim name(s) (see :meth:`ModuleGrid.from_mesh`), or
+            Megatron's activation layout ``{'s': .., 'b': .., 'h': ..}``: 3-D activations are then
+            ``dim_mapping``-ordered (``{'s': 0, 'b': 1, 'h': 2}`` = ``[S, B, H]``) and dp splits ``b``,
+            cp splits ``s``. Default: ``[B, S, H]``.
+        module_output_ndim: module -> 3 (``[B, S, H...]``, default) or 2 (``[B*S, H]``). A 2-D activation
+            is split along its tokens: dp ranks hold contiguous blocks of ``N / dp`` tokens, and with cp a
+            dp block is cut again by the cp layout; so a ``[B*S, H]`` vision encoder at dp=1 feeds an
+            LLM at dp=2 or dp=4 (each dp rank gets its rows' tokens).
         cp_layout: module -> ``"head_tail"`` (ring CP, default) or ``"contiguous"`` (Ulysses): how that
             module's cp ranks hold the sequence.
         timeout: seconds any receive may wait before ``TimeoutError``.
@@ -130,20 +200,28 @@ class MultiModulePipelineCommunicator:
 
     Raises:
         ValueError: an invalid topology, an unknown module name in any argument, a bad ndim or
-            layout, overlapping or missing ranks, or this rank in no module.
+            layout, overlapping ranks, or a 2-D edge whose dp/cp layouts cannot both hold its tokens.
+
+    A rank in no module's grid idles (as in Megatron): it logs one line, ``current_stage`` is 0 and every
+    exchange returns ``{}`` without communicating.
 
     Call pattern (one module per rank): ``x = recv_forward()``, compute, ``send_forward({name: y})``;
     backward: ``g = recv_backward()``, backprop, ``send_backward({upstream: x.grad, ...})``. Both sides
     of a pair must make matching calls (``send_forward`` <-> ``recv_forward``,
     ``send_forward_recv_backward`` <-> ``send_backward_recv_forward``). A rank holding colocated modules
-    passes dicts with all of them, or ``module_name=``.
+    passes dicts with all of them, or ``module_name=``. The Megatron arguments ``tensor_shape`` and
+    ``is_first_stage`` / ``is_last_stage`` are accepted and not needed (headers carry the shapes, the
+    topology the stage roles); a module name (or list of names) in the ``tensor_shape`` position is
+    taken as ``module_name``. A gradient may be exchanged on an edge before any activation (Megatron's
+    own send-backward tests do): its global shape then comes from the sender alone.
     """
 
     def __init__(
         self,
         module_to_grid_map: Mapping[str, Any],
         topology: Mapping[str, Sequence[str]],
-        dim_mapping: Mapping[str, str | Sequence[str]] | None = None,
+        config: Any = None,
+        dim_mapping: Mapping[str, Any] | None = None,
         module_output_ndim: Mapping[str, int] | None = None,
         *,
         cp_layout: Mapping[str, str] | None = None,
@@ -152,15 +230,23 @@ class MultiModulePipelineCommunicator:
         rank: int | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        self.config = config
+        self.module_to_grid_map = module_to_grid_map
+        self.tensor_layout = _tensor_layout(dim_mapping)
+        mesh_mapping = None if self.tensor_layout is not None else dim_mapping
+        self.dim_mapping = dim_mapping
         self.grids: dict[str, ModuleGrid] = {}
         for name, grid in module_to_grid_map.items():
             if isinstance(grid, ModuleGrid):
                 self.grids[name] = grid
             elif hasattr(grid, "mesh") and hasattr(grid, "mesh_dim_names"):
-                self.grids[name] = ModuleGrid.from_mesh(grid, dim_mapping)
+                self.grids[name] = ModuleGrid.from_mesh(grid, mesh_mapping)
+            elif all(hasattr(grid, a) for a in ("shape", "dim_names", "rank_offset")):
+                self.grids[name] = ModuleGrid.from_hyper_comm_grid(grid)
             else:
                 raise TypeError(
-                    f"module {name!r}: the communicator needs a DeviceMesh or ModuleGrid, got {type(grid).__name__}"
+                    f"module {name!r}: the communicator needs a DeviceMesh, ModuleGrid or HyperCommGrid, "
+                    f"got {type(grid).__name__}"
                 )
         self.topology = validate_topology(topology, list(self.grids))
         self.order = topological_order(self.topology)
@@ -177,21 +263,11 @@ class MultiModulePipelineCommunicator:
             if lay not in CP_LAYOUTS:
                 raise ValueError(f"cp_layout[{m!r}]={lay!r}: must be one of {CP_LAYOUTS}")
             self.cp_layout[m] = lay
-        self.rank = dist.get_rank() if rank is None else int(rank)
+        self.current_rank = self.rank = dist.get_rank() if rank is None else int(rank)
         held = rank_modules(self.grids, self.rank)
         if not held:
             where = ", ".join(f"{n}: {g.rank_list()}" for n, g in self.grids.items())
-            raise ValueError(
-                f"rank {self.rank} is in no module's grid ({where}); every launched rank must hold a module: "
-                "cover it with a mesh or launch fewer processes"
-            )
-        self.modules: dict[str, RankModuleInfo] = {}
-        for m in self.order:
-            if m in held:
-                _, d, c, t = self.grids[m].coordinate(self.rank)  # type: ignore[misc]
-                self.modules[m] = RankModuleInfo(
-                    m, held[m], self.grids[m].pp, d, c, t, tuple(self.upstream[m]), tuple(self.topology[m])
-                )
+            logger.info("rank %d is in no module's grid (%s): it idles in the multi-module pipeline", self.rank, where)
         self.timeout = float(timeout)
         self.group = group
         self._plans: dict[tuple, tuple] = {}
@@ -200,11 +276,58 @@ class MultiModulePipelineCommunicator:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
         self._edges = self._all_edges()
+        self._rows2d = {e: self._edge_rows_2d(e) for e in self._edges if self.module_output_ndim[e.src] == 2}
+        self.modules: dict[str, RankModuleInfo] = {}
+        for m in self.grids:  # the map's order: current_stage reads the first module, as Megatron does
+            if m in held:
+                _, d, c, t = self.grids[m].coordinate(self.rank)  # type: ignore[misc]
+                pp, pp_size = held[m], self.grids[m].pp
+                ups, downs = tuple(self.upstream[m]), tuple(self.topology[m])
+                self.modules[m] = RankModuleInfo(
+                    pp, pp_size, None,
+                    [e for e in self._edges if e.src == m and e.src_pp == pp and e.dst != m],
+                    [e for e in self._edges if e.dst == m and e.dst_pp == pp and e.src != m],
+                    pp == 0 and not ups, pp == pp_size - 1 and not downs,
+                    m, d, c, t, ups, downs,
+                )
         self._sent: dict[_Edge, deque] = {e: deque() for e in self._edges}  # forward shapes, FIFO per edge
         self._received: dict[_Edge, deque] = {e: deque() for e in self._edges}
-        self._mailbox: dict[tuple[int], deque] = {}
+        self._mailbox: dict[tuple[int], deque] = {}  # messages from this rank to itself, by message key
         self._known_out: dict[int, list[int]] = {}  # message key -> header the receiver accepted
-        self._known_in: dict[int, tuple[list[int], tuple]] = {}  # message key -> (header, payload spec)  # messages from this rank to itself, by message key
+        self._known_in: dict[int, tuple[list[int], tuple]] = {}  # message key -> (header, payload spec)
+
+    @property
+    def bridge_comms(self) -> list[_Edge]:
+        """Every edge between two modules (Megatron builds one BridgeCommunicator per such edge)."""
+        return [e for e in self._edges if e.src != e.dst]
+
+    @property
+    def rank_module_map(self) -> dict[str, RankModuleInfo]:
+        """Module -> this rank's :class:`RankModuleInfo`, for every module it holds (Megatron's name)."""
+        return self.modules
+
+    def is_current_rank_in_grid(self, grid: Any) -> bool:
+        """Whether this rank is in ``grid`` (a ModuleGrid, DeviceMesh or HyperCommGrid)."""
+        if not isinstance(grid, ModuleGrid):
+            if hasattr(grid, "mesh") and hasattr(grid, "mesh_dim_names"):
+                return self.rank in torch.as_tensor(grid.mesh).flatten().tolist()
+            grid = ModuleGrid.from_hyper_comm_grid(grid)
+        return grid.coordinate(self.rank) is not None
+
+    def _edge_rows_2d(self, edge: _Edge) -> int:
+        """Rows ``R`` of the ``[R, N/R, H]`` view of a 2-D activation on ``edge`` (see the class docstring)."""
+        a, b = self._layout(edge.src, edge.src_pp), self._layout(edge.dst, edge.dst_pp)
+        with_cp = [lay for lay in (a, b) if lay.cp > 1]
+        if not with_cp:
+            return math.lcm(a.dp, b.dp)
+        rows = with_cp[0].dp
+        if any(lay.dp != rows for lay in with_cp) or any(rows % lay.dp for lay in (a, b)):
+            raise ValueError(
+                f"the 2-D activation {edge.label(False)} cannot be laid out on both sides: {edge.src} has dp={a.dp}, "
+                f"cp={a.cp} and {edge.dst} has dp={b.dp}, cp={b.cp}; with cp > 1 on a side, the dp of every side "
+                "with cp > 1 must be equal and a multiple of the other side's dp. Send it 3-D ([B, S, H]) instead"
+            )
+        return rows
 
     # ------------------------------------------------------------------------------------------------
     # topology queries
@@ -231,8 +354,24 @@ class MultiModulePipelineCommunicator:
 
     @property
     def current_stage(self) -> int:
-        """This rank's global stage, 1-based (the latest one when it holds colocated modules)."""
-        return max(self.stage_of(m) for m in self.modules)
+        """This rank's global pipeline stage, 0-indexed (Megatron's convention).
+
+        For colocated modules, the stage of the first one in ``module_to_grid_map``'s order (as Megatron);
+        ``stage_of(name) - 1`` gives any other. An idle rank is at stage 0.
+        """
+        if not self.modules:
+            return 0
+        return self.stage_of(next(iter(self.modules))) - 1
+
+    @staticmethod
+    def compute_total_pipeline_stages(
+        topology: Mapping[str, Sequence[str]],
+        module_to_grid_map: Mapping[str, Any],
+        rank: int | None = None,
+        module_name: str | None = None,
+    ) -> int:
+        """Megatron's static method: :func:`automodel.distributed.pipeline.topology.compute_total_pipeline_stages`."""
+        return compute_total_pipeline_stages(topology, module_to_grid_map, rank, module_name)
 
     @property
     def is_pp_first_stage(self) -> bool:
@@ -246,6 +385,8 @@ class MultiModulePipelineCommunicator:
 
     def _one(self, module_name: str | None) -> str:
         if module_name is None:
+            if not self.modules:
+                raise ValueError(f"rank {self.rank} holds no module (it idles); there is no stage or module to name")
             if len(self.modules) > 1:
                 raise ValueError(
                     f"rank {self.rank} holds colocated modules {list(self.modules)}; pass module_name= to choose"
@@ -303,6 +444,19 @@ class MultiModulePipelineCommunicator:
     def _key(self, edge: _Edge, backward: bool) -> int:
         return self._edges.index(edge) * 2 + int(backward)
 
+    def _canonical(self, edge: _Edge, sending: StageLayout, x: torch.Tensor, ndim: int) -> torch.Tensor:
+        """``x`` as the ``[rows, seq, ...]`` view the plans use, on the sending side's layout."""
+        if x.dim() == 2:
+            if ndim != 2:
+                return x.unsqueeze(0)  # the header's ndim makes the receiver reject it
+            k = self._rows2d[edge] // sending.dp
+            if x.size(0) % k:
+                return x.unsqueeze(0)  # does not fit the layout: the receivers reject the header with the reason
+            return x.reshape(k, x.size(0) // k, *x.shape[1:])
+        if x.dim() == 3 and self.tensor_layout is not None:
+            return x.permute(*self.tensor_layout)
+        return x
+
     def _build_send(
         self, edge: _Edge, backward: bool, x: torch.Tensor, commits: list
     ) -> list[tuple[int, Outgoing]]:
@@ -311,14 +465,9 @@ class MultiModulePipelineCommunicator:
         what = edge.label(backward)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"rank {self.rank}: the {what} must be a tensor, got {type(x).__name__}")
-        view = x.unsqueeze(0) if x.dim() == 2 else x
-        if backward:
-            if not self._received[edge]:
-                raise ValueError(f"rank {self.rank}: send of the {what} without a matching forward receive")
-            _, local3, _, out_shape = self._received[edge][0]
+        view = self._canonical(edge, src, x, ndim)
+        if backward and self._received[edge]:  # else a gradient before any activation: the header decides
             commits.append(("always", self._received[edge].popleft))  # this micro-batch is done either way
-            if tuple(x.shape) == out_shape:
-                view = x.reshape(local3)  # else the header carries the wrong shape and the receiver rejects it
         if view.dim() < 2:
             view = view.reshape(1, -1)
         rows, seq = src.global_shape(view.size(0), view.size(1))
@@ -369,9 +518,7 @@ class MultiModulePipelineCommunicator:
                 ], []
             if backward:
                 sent = self._sent[edge][0] if self._sent[edge] else None
-                if sent is None:
-                    return [f"got a {what} but sent no activation on that edge"], []
-                if sent != (gshape, dtype):
+                if sent is not None and sent != (gshape, dtype):
                     return [
                         f"the {what} has global shape {list(gshape)} {dtype}, but the activation sent had "
                         f"{list(sent[0])} {sent[1]}; the gradient must match the activation it belongs to"
@@ -397,8 +544,14 @@ class MultiModulePipelineCommunicator:
                     buf[t.dst_rows[0] : t.dst_rows[1], t.dst_pos.to(self.device)] = m.payload
             local3 = tuple(buf.shape)
             out = buf.reshape(b * s, *gshape[2:]) if state["orig_ndim"] == 2 else buf
+            if state["orig_ndim"] == 3 and self.tensor_layout is not None:
+                inverse = [0, 0, 0]
+                for i, d in enumerate(self.tensor_layout):
+                    inverse[d] = i
+                out = out.permute(*inverse)
             if backward:
-                self._sent[edge].popleft()
+                if self._sent[edge]:
+                    self._sent[edge].popleft()
             else:
                 self._received[edge].append((gshape, local3, state["dtype"], tuple(out.shape)))
             return out
@@ -429,7 +582,10 @@ class MultiModulePipelineCommunicator:
                 fan-out), ``{}`` for terminal stages.
 
         Received tensors are new (no autograd history) on ``self.device``; inputs are not mutated.
+        An idle rank (no module) returns ``({}, {})`` at once.
         """
+        if not self.modules:
+            return {}, {}
         outgoing: list[tuple[int, Outgoing]] = []
         commits: list = []  # ("success" | "always", bookkeeping to apply after the exchange)
         incoming: list[tuple[list[tuple[int, Incoming]], Any, Any, str, bool, _Edge]] = []
@@ -543,32 +699,70 @@ class MultiModulePipelineCommunicator:
     # ------------------------------------------------------------------------------------------------
     # Megatron-style names
 
-    def recv_forward(self, module_name: str | Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        """Receive this stage's inputs: ``{upstream: x}`` at a module's first stage, ``{module: x}`` later."""
-        return self.communicate(recv_forward=module_name)[0]
+    def recv_forward(
+        self,
+        tensor_shape: Shape | str | Sequence[str] | None = None,
+        is_first_stage: bool = False,
+        *,
+        module_name: str | Sequence[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Receive this stage's inputs: ``{upstream: x}`` at a module's first stage, ``{module: x}`` later.
 
-    def send_forward(self, outputs: Mapping[str, torch.Tensor]) -> None:
+        ``tensor_shape`` / ``is_first_stage``: Megatron's arguments, not needed (a module name there is
+        ``module_name``).
+        """
+        return self.communicate(recv_forward=_modules_arg(tensor_shape, module_name))[0]
+
+    def send_forward(self, output_dict: Mapping[str, torch.Tensor], is_last_stage: bool = False) -> None:
         """Send ``{module: output}`` to the next stage, or to every downstream module (fan-out)."""
-        self.communicate(send_forward=outputs)
+        self.communicate(send_forward=output_dict)
 
-    def recv_backward(self, module_name: str | Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        """Receive ``{module: grad of its output}`` (summed over downstream modules); ``{}`` at a terminal stage."""
-        return self.communicate(recv_backward=module_name)[1]
+    def recv_backward(
+        self,
+        tensor_shape: Shape | str | Sequence[str] | None = None,
+        is_last_stage: bool = False,
+        *,
+        module_name: str | Sequence[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Receive ``{module: grad of its output}`` (summed over downstream modules); ``{}`` at a terminal stage.
 
-    def send_backward(self, grads: Mapping[str, torch.Tensor]) -> None:
+        Megatron keeps only the last downstream module's gradient on a fan-out edge; the sum is exact.
+        """
+        return self.communicate(recv_backward=_modules_arg(tensor_shape, module_name))[1]
+
+    def send_backward(self, grad_dict: Mapping[str, torch.Tensor], is_first_stage: bool = False) -> None:
         """Send the gradients of the received inputs back, keyed like :meth:`recv_forward`'s result."""
-        self.communicate(send_backward=grads)
+        self.communicate(send_backward=grad_dict)
 
     def send_forward_recv_backward(
-        self, outputs: Mapping[str, torch.Tensor], module_name: str | Sequence[str] | None = None
+        self,
+        output_dict: Mapping[str, torch.Tensor],
+        tensor_shape: Shape | str | Sequence[str] | None = None,
+        is_last_stage: bool = False,
+        *,
+        module_name: str | Sequence[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         """:meth:`send_forward` and :meth:`recv_backward` in one exchange (pairs with the peer's
         :meth:`send_backward_recv_forward`)."""
-        return self.communicate(send_forward=outputs, recv_backward=module_name)[1]
+        return self.communicate(send_forward=output_dict, recv_backward=_modules_arg(tensor_shape, module_name))[1]
 
     def send_backward_recv_forward(
-        self, grads: Mapping[str, torch.Tensor], module_name: str | Sequence[str] | None = None
+        self,
+        grad_dict: Mapping[str, torch.Tensor],
+        tensor_shape: Shape | str | Sequence[str] | None = None,
+        is_first_stage: bool = False,
+        *,
+        module_name: str | Sequence[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         """:meth:`send_backward` and :meth:`recv_forward` in one exchange (pairs with the peer's
         :meth:`send_forward_recv_backward`)."""
-        return self.communicate(send_backward=grads, recv_forward=module_name)[0]
+        return self.communicate(send_backward=grad_dict, recv_forward=_modules_arg(tensor_shape, module_name))[0]
+
+
+def _modules_arg(tensor_shape: Any, module_name: Any) -> Any:
+    """``module_name``, or a module name given in Megatron's ``tensor_shape`` position (a shape is ignored)."""
+    if _is_module_names(tensor_shape):
+        if module_name is not None:
+            raise TypeError(f"got module names twice: {tensor_shape!r} and module_name={module_name!r}")
+        return tensor_shape
+    return module_name

@@ -13,7 +13,9 @@ Each enabled feature puts a divisibility constraint on the (padded) sequence len
 
 The constraints are combined by **least common multiple**, so every one of them holds at once (a
 product would over-pad, and picking one rule, as some references do, silently drops the others, e.g.
-FP8 alignment under CP). Examples: ``(S=99, cp=2, tp=2, sp)`` -> multiple 8, padding 5;
+FP8 alignment under CP). :func:`get_padding_lcm` applies this rule; :func:`get_padding` keeps Megatron's
+name, signature and values (ONE rule, the first that applies: CP+SP, CP, SP, FP8), so ported code
+pads exactly as before. Examples of the lcm rule: ``(S=99, cp=2, tp=2, sp)`` -> multiple 8, padding 5;
 ``(S=99, cp=2)`` -> multiple 4, padding 1; ``(S=99, fp8)`` -> multiple 16, padding 13;
 ``(S=99, cp=2, fp8)`` -> lcm(4, 32) = 32, padding 29.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["get_padding", "get_padding_multiple", "FP8_RECIPES"]
+__all__ = ["get_padding", "get_padding_lcm", "get_padding_multiple", "FP8_RECIPES"]
 
 #: FP8 recipe names accepted by :func:`get_padding` (``None`` = the default recipe).
 FP8_RECIPES = (None, "delayed", "tensorwise", "blockwise", "mxfp8")
@@ -68,7 +70,58 @@ def get_padding(
     fp8_enabled: bool = False,
     fp8_recipe: str | None = None,
 ) -> int:
-    """Number of padding tokens to append to a sequence of ``seq_len`` tokens (see the module docstring).
+    """Megatron's ``get_padding``: padding for SP, CP, TP comm overlap or FP8, by the first rule that applies.
+
+    The padded length is a multiple of ``2*cp*tp`` (CP with SP), else ``2*cp`` (CP), else ``tp`` (SP),
+    else 16 (FP8; 32 for ``"mxfp8"``). With ``has_sp and decoder_tp_comm_overlap`` it is
+    ``decoder_seq_len - seq_len``. ``cp_size``, ``tp_size`` and ``has_sp`` are required in Megatron and
+    default to 1/1/False here.
+
+    Difference (why :func:`get_padding_lcm` exists): the rules are exclusive, so FP8 alignment is
+    dropped under CP or SP (``get_padding(99, 2, 1, False, fp8_enabled=True) == 1``: 50 tokens per
+    rank, not a multiple of 16, and FP8 GEMMs reject them). Use :func:`get_padding_lcm` to meet every
+    constraint at once (29 there).
+
+    Raises:
+        ValueError: a negative ``seq_len``, a size < 1, a missing ``decoder_seq_len`` with comm overlap,
+        or a ``decoder_seq_len`` shorter than ``seq_len`` (negative padding).
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+    cp_size = _positive_int("cp_size", cp_size)
+    tp_size = _positive_int("tp_size", tp_size)
+    if has_sp and decoder_tp_comm_overlap:
+        if decoder_seq_len is None:
+            raise ValueError(
+                "decoder_tp_comm_overlap=True needs decoder_seq_len (the fixed padded decoder length); pass it"
+            )
+        if decoder_seq_len < seq_len:
+            raise ValueError(f"decoder_seq_len={decoder_seq_len} is shorter than seq_len={seq_len}")
+        return decoder_seq_len - seq_len
+    if has_sp and cp_size > 1:
+        factor = tp_size * cp_size * 2
+    elif cp_size > 1:
+        factor = cp_size * 2
+    elif has_sp:
+        factor = tp_size
+    elif fp8_enabled:
+        factor = 32 if fp8_recipe == "mxfp8" else 16
+    else:
+        factor = 1
+    return (-seq_len) % factor
+
+
+def get_padding_lcm(
+    seq_len: int,
+    cp_size: int = 1,
+    tp_size: int = 1,
+    has_sp: bool = False,
+    decoder_tp_comm_overlap: bool = False,
+    decoder_seq_len: int | None = None,
+    fp8_enabled: bool = False,
+    fp8_recipe: str | None = None,
+) -> int:
+    """Padding that meets EVERY constraint (CP, SP, FP8) at once: the lcm rule of the module docstring.
 
     Args:
         seq_len: unpadded sequence length (>= 0).

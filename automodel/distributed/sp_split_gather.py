@@ -18,9 +18,13 @@ Three ways to cut the dimension:
   ``[S+r*c, S+(r+1)*c)`` then ``[S+(2W-1-r)*c, S+(2W-r)*c)``, sequences in order (exactly TE's
   ``thd_get_partitioned_indices``).
 
-Gradient scale (``grad_scale``), applied to the gradient in backward only:
+Gradient scale (``grad_scale``), applied to the gradient in backward only. The MindSpeed-MM names
+keep MindSpeed-MM's defaults: ``split_forward_gather_backward`` and
+``load_balanced_split_forward_gather_backward`` scale ``"down"``, ``gather_forward_split_backward`` and
+``load_balanced_gather_forward_split_backward`` scale ``"up"``. Our own names (``*_load_balanced``,
+``*_per_sequence``, and ``sp_shard``/``sp_gather``) default to ``None``:
 
-* ``None`` (default): the gradient is passed on unchanged. Correct when the objective is the SUM over
+* ``None``: the gradient is passed on unchanged. Correct when the objective is the SUM over
   ranks of each rank's loss and each term appears exactly once, e.g. a split whose pieces feed
   disjoint loss terms (tokens of the shard) with the global loss normalised by the GLOBAL token
   count, or a gather followed by a loss that every rank computes identically and only one copy of
@@ -41,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.all_to_all import even_split_sizes
+
 __all__ = [
     "split_forward_gather_backward",
     "gather_forward_split_backward",
@@ -48,7 +54,11 @@ __all__ = [
     "gather_forward_split_backward_load_balanced",
     "split_forward_gather_backward_per_sequence",
     "gather_forward_split_backward_per_sequence",
+    "load_balanced_split_forward_gather_backward",
+    "load_balanced_gather_forward_split_backward",
     "load_balanced_indices",
+    "split_forward_gather_backward_by_indices",
+    "gather_forward_split_backward_by_indices",
     "per_sequence_indices",
 ]
 
@@ -145,63 +155,102 @@ class _GatherContiguous(torch.autograd.Function):
         return _scale(piece, ctx.grad_scale, ctx.world).contiguous(), None, None, None, None, None, None
 
 
+def _positional_scale(split_sizes, grad_scale, default):
+    """MindSpeed-MM's older ``communications.py`` put ``grad_scale`` 4th and the sizes 5th: a string in the
+    sizes slot is a ``grad_scale`` (a size list never is a string), so those calls port unchanged."""
+    if isinstance(split_sizes, str):
+        if grad_scale != default:
+            raise TypeError(
+                f"got grad_scale twice: {split_sizes!r} in the sizes position and grad_scale={grad_scale!r}"
+            )
+        return None, split_sizes
+    return split_sizes, grad_scale
+
+
 def split_forward_gather_backward(
-    x: torch.Tensor,
-    group: ProcessGroup | None,
+    input_: torch.Tensor,
+    process_group: ProcessGroup | None,
     dim: int,
-    sizes: list[int] | None = None,
-    grad_scale: str | None = None,
+    split_sizes: list[int] | None = None,
+    grad_scale: str | None = "down",
+    shift: bool = False,
 ) -> torch.Tensor:
-    """Keep this rank's contiguous piece of ``x`` along ``dim``; backward all-gathers the gradient.
+    """Keep this rank's contiguous piece of ``input_`` along ``dim``; backward all-gathers the gradient.
+
+    MindSpeed-MM's signature and default: ``grad_scale="down"`` (the gathered gradient is divided by
+    ``W``). Pass ``grad_scale=None`` for the plain adjoint (see the module docstring for which one a
+    loss convention needs); :func:`automodel.distributed.sp_sharding.sp_shard` defaults to ``None``.
 
     Args:
-        x: the full tensor (identical on every rank), any shape/dtype.
-        group: process group (``None`` = default group).
+        input_: the full tensor (identical on every rank), any shape/dtype.
+        process_group: process group (``None`` = default group).
         dim: dimension to split.
-        sizes: per-rank piece sizes in rank order (sum = ``x.size(dim)``); ``None`` = ``W`` equal pieces
-            (``ValueError`` if ``x.size(dim)`` is not divisible by ``W``).
-        grad_scale: ``None``, ``"up"`` (x W) or ``"down"`` (/ W) on the gradient; see the module docstring.
+        split_sizes: per-rank piece sizes in rank order (sum = ``input_.size(dim)``); ``None`` = the
+            near-even split of :func:`automodel.distributed.all_to_all.cal_split_sizes` (remainder on the
+            first ranks; equal pieces when ``W`` divides the size). A string here is taken as
+            ``grad_scale`` (the argument order of MindSpeed-MM's older ``communications.py``).
+        grad_scale: ``"down"`` (/ W, default), ``"up"`` (x W) or ``None`` on the gradient.
+        shift: MindSpeed-MM's older option (subtract the previous piece's last element); refused
+            with ``ValueError``: its backward ignores the subtraction, so the gradient would be wrong.
 
     Returns:
-        rank ``r``'s piece, a new tensor of size ``sizes[r]`` along ``dim``; ``x`` is not mutated.
+        rank ``r``'s piece, a new tensor of size ``split_sizes[r]`` along ``dim``; ``input_`` is not mutated.
+        Unlike the reference, the backward of an uneven default split gathers the uneven pieces correctly.
     """
+    split_sizes, grad_scale = _positional_scale(split_sizes, grad_scale, "down")
+    if shift:
+        raise ValueError(
+            "split_forward_gather_backward(shift=True) is not supported: MindSpeed-MM's shift subtracts the previous "
+            "piece's last element in the forward but not in the backward, so its gradient is wrong; subtract it "
+            "yourself after the split"
+        )
+    x, group = input_, process_group
     _check_scale(grad_scale)
     world, rank = _world(group)
     dim = dim % x.dim()
-    sizes = _resolve_sizes(x.size(dim), None, sizes, world, "split_forward_gather_backward")
+    if split_sizes is None:
+        split_sizes = even_split_sizes(x.size(dim), world)
+    sizes = _resolve_sizes(x.size(dim), None, split_sizes, world, "split_forward_gather_backward")
     if world == 1:
         return x
     return _SplitContiguous.apply(x, group, dim, sizes, grad_scale, world, rank)
 
 
 def gather_forward_split_backward(
-    x: torch.Tensor,
-    group: ProcessGroup | None,
+    input_: torch.Tensor,
+    process_group: ProcessGroup | None,
     dim: int,
-    sizes: list[int] | None = None,
-    grad_scale: str | None = None,
+    gather_sizes: list[int] | None = None,
+    grad_scale: str | None = "up",
 ) -> torch.Tensor:
     """All-gather every rank's piece along ``dim`` (rank order); backward keeps this rank's gradient piece.
 
+    MindSpeed-MM's signature and default: ``grad_scale="up"`` (the gradient piece is multiplied by
+    ``W``). Pass ``grad_scale=None`` for the plain adjoint; :func:`automodel.distributed.sp_sharding.sp_gather`
+    defaults to ``None``.
+
     Args:
-        x: this rank's piece; every other dimension equal across ranks.
-        group: process group (``None`` = default group).
+        input_: this rank's piece; every other dimension equal across ranks.
+        process_group: process group (``None`` = default group).
         dim: dimension to concatenate along.
-        sizes: every rank's piece size along ``dim`` (``sizes[rank]`` must equal ``x.size(dim)``);
-            ``None`` = all ranks hold ``x.size(dim)``.
-        grad_scale: ``None``, ``"up"`` or ``"down"``; see the module docstring.
+        gather_sizes: every rank's piece size along ``dim`` (``gather_sizes[rank]`` must equal
+            ``input_.size(dim)``); ``None`` = all ranks hold ``input_.size(dim)``. A string here is taken as
+            ``grad_scale`` (the older MindSpeed-MM argument order).
+        grad_scale: ``"up"`` (x W, default), ``"down"`` (/ W) or ``None``.
 
     Returns:
-        the full tensor (size ``sum(sizes)`` along ``dim``), identical on every rank.
+        the full tensor (size ``sum(gather_sizes)`` along ``dim``), identical on every rank.
     """
+    gather_sizes, grad_scale = _positional_scale(gather_sizes, grad_scale, "up")
+    x, group = input_, process_group
     _check_scale(grad_scale)
     world, rank = _world(group)
     dim = dim % x.dim()
-    sizes = _resolve_sizes(None, x.size(dim), sizes, world, "gather_forward_split_backward")
+    sizes = _resolve_sizes(None, x.size(dim), gather_sizes, world, "gather_forward_split_backward")
     if sizes[rank] != x.size(dim):
         raise ValueError(
             f"gather_forward_split_backward: rank {rank} holds {x.size(dim)} elements along dim {dim}, "
-            f"but sizes={sizes} says {sizes[rank]}"
+            f"but gather_sizes={sizes} says {sizes[rank]}"
         )
     if world == 1:
         return x
@@ -375,3 +424,85 @@ def gather_forward_split_backward_per_sequence(
     return _gather_indexed(
         x, cu_seqlens_padded, group, dim, grad_scale, "gather_forward_split_backward_per_sequence"
     )
+
+
+def load_balanced_split_forward_gather_backward(
+    input_: torch.Tensor,
+    process_group: ProcessGroup | None,
+    dim: int = 0,
+    *,
+    grad_scale: str | None = "down",
+) -> torch.Tensor:
+    """MindSpeed-MM's name: keep chunks ``r`` and ``2W-1-r`` of ``2W`` along ``dim``; backward all-gathers / ``W``.
+
+    The reference always divides the gathered gradient by ``W`` (``grad_scale="down"``, the default here);
+    :func:`split_forward_gather_backward_load_balanced` is the same split with ``grad_scale=None``.
+    """
+    return split_forward_gather_backward_load_balanced(input_, process_group, dim, grad_scale=grad_scale)
+
+
+def load_balanced_gather_forward_split_backward(
+    input_: torch.Tensor,
+    process_group: ProcessGroup | None,
+    dim: int = 0,
+    *,
+    grad_scale: str | None = "up",
+) -> torch.Tensor:
+    """MindSpeed-MM's name: rebuild the full tensor from the head-tail pieces; backward keeps ours x ``W``.
+
+    The reference always multiplies the gradient piece by ``W`` (``grad_scale="up"``, the default here);
+    :func:`gather_forward_split_backward_load_balanced` is the same gather with ``grad_scale=None``.
+    """
+    return gather_forward_split_backward_load_balanced(input_, process_group, dim, grad_scale=grad_scale)
+
+
+def split_forward_gather_backward_by_indices(
+    x: torch.Tensor,
+    group: ProcessGroup | None,
+    dim: int,
+    indices: list[torch.Tensor],
+    grad_scale: str | None = None,
+) -> torch.Tensor:
+    """Keep ``x.index_select(dim, indices[rank])``; backward all-gathers every rank's gradient into place.
+
+    ``indices``: one int64 tensor per rank, together a partition of ``range(x.size(dim))`` (each index
+    exactly once). The general form behind the load-balanced, per-sequence and packed splits.
+    """
+    _check_scale(grad_scale)
+    world, rank = _world(group)
+    dim = dim % x.dim()
+    _check_partition(indices, x.size(dim), world, "split_forward_gather_backward_by_indices")
+    if world == 1:
+        return x
+    return _SplitIndexed.apply(x, group, dim, indices, grad_scale, world, rank)
+
+
+def gather_forward_split_backward_by_indices(
+    x: torch.Tensor,
+    group: ProcessGroup | None,
+    dim: int,
+    indices: list[torch.Tensor],
+    grad_scale: str | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`split_forward_gather_backward_by_indices`: rank ``r``'s ``x`` lands at ``indices[r]``."""
+    _check_scale(grad_scale)
+    world, rank = _world(group)
+    dim = dim % x.dim()
+    total = sum(len(i) for i in indices)
+    _check_partition(indices, total, world, "gather_forward_split_backward_by_indices")
+    if len(indices[rank]) != x.size(dim):
+        raise ValueError(
+            f"gather_forward_split_backward_by_indices: rank {rank} holds {x.size(dim)} elements along dim {dim}, "
+            f"but its indices list {len(indices[rank])}"
+        )
+    if world == 1:
+        return x
+    return _GatherIndexed.apply(x, group, dim, indices, grad_scale, world, rank)
+
+
+def _check_partition(indices: list[torch.Tensor], total: int, world: int, what: str) -> None:
+    if len(indices) != world:
+        raise ValueError(f"{what}: need one index tensor per rank ({world}), got {len(indices)}")
+    flat = torch.cat([torch.as_tensor(i, dtype=torch.int64).reshape(-1).cpu() for i in indices])
+    if flat.numel() != total or not torch.equal(flat.sort().values, torch.arange(total)):
+        raise ValueError(f"{what}: the per-rank indices must cover 0..{total - 1} exactly once")

@@ -157,7 +157,7 @@ def vision_embeddings_cp(
         check_grid(pixel_values, grid_thw, parts.spatial_merge_size)
         return _pooled(visual(pixel_values.to(visual.dtype), grid_thw=grid_thw))
     local, split = split_to_context_parallel_ranks_dynamic_res(
-        pixel_values, grid_thw, group, spatial_merge_size=parts.spatial_merge_size
+        pixel_values, grid_thw, group=group, spatial_merge_size=parts.spatial_merge_size
     )
     embeds = _pooled(visual(local.to(visual.dtype), grid_thw=split.local_grid_thw))
     return gather_from_context_parallel_ranks_dynamic_res(embeds, split, group)

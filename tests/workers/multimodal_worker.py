@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from automodel.distributed.multimodal_cp import (
     GatherFromContextParallelRanks,
+    PackedSeqParams,
     gather_from_context_parallel_ranks,
     gather_from_context_parallel_ranks_dynamic_res,
     split_to_context_parallel_ranks,
@@ -123,7 +124,7 @@ def _fixed_case(rank, world, n_samples, dtype):
     ref_rows = encode(ref, images).reshape(-1, H)
     (ref_rows * weights).sum().backward()
     local, global_pad = split_to_context_parallel_ranks(images, pad_value=0.0)
-    rows = gather_from_context_parallel_ranks(encode(enc, local), global_pad).reshape(-1, H)
+    rows = gather_from_context_parallel_ranks(encode(enc, local), global_pad, dim=0).reshape(-1, H)
     _cp_loss(rows, weights, world, rank).backward()
     grads = _grads(enc, reduce=True)
     return {
@@ -148,8 +149,52 @@ def _gather_dim1(rank, world, dtype):
     }
 
 
+def _megatron_forms(rank, world):
+    """Megatron's calls with only the import changed: gather along dim 1 by default; the dynamic-resolution
+    gather with an int (rows of every rank, the last num_padded_imgs ranks dropped)."""
+    x = torch.arange(12.0).reshape(3, 4)  # [samples, H] identical on every rank
+    local, pad = split_to_context_parallel_ranks(x)  # ceil(3/2) = 2 samples per rank, 1 pad
+    emb = local.unsqueeze(0).requires_grad_(True)  # [1, k, H]: samples on dim 1, as Megatron's encoders
+    full = gather_from_context_parallel_ranks(emb, pad)
+    full.backward(torch.ones_like(full) * (rank + 1))
+    rows = torch.full((rank + 1, 2), float(rank)).requires_grad_(True)  # rank r encodes r + 1 rows
+    both = gather_from_context_parallel_ranks_dynamic_res(rows)
+    both.backward(torch.ones_like(both))
+    first = gather_from_context_parallel_ranks_dynamic_res(rows.detach(), num_padded_imgs=1)
+    # Megatron's dynamic-resolution split -> encode -> gather, with the CP loss (rank r: rows r, r+W, ...)
+    dyn = {}
+    for name, lens, kwargs in (
+        ("images", [4, 6, 2], {}),
+        ("one_image", [4], {}),
+        ("tubelets", [2] * 6, {"num_frames": torch.tensor([4, 2]), "temporal_patch_size": 2}),
+    ):
+        cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        params = PackedSeqParams(cu, cu, None, None, max(lens), max(lens), "thd")
+        g = torch.arange(sum(lens) * 8, dtype=torch.float64).reshape(1, sum(lens), 8).requires_grad_(True)
+        sizes = torch.tensor([[4, 4]] * len(lens))
+        local_t, local_sizes, local_params, has_pad, padded, frames = split_to_context_parallel_ranks_dynamic_res(
+            g, sizes, params, patch_dim=4, **kwargs
+        )
+        out_rows = gather_from_context_parallel_ranks_dynamic_res((local_t[0] * 2).contiguous(), padded)
+        w = torch.linspace(-1, 1, out_rows.numel(), dtype=torch.float64).reshape(out_rows.shape)
+        (out_rows * w)[rank::world].sum().backward()
+        dyn[name] = {
+            "local_t": local_t.detach().tolist(), "cu": local_params.cu_seqlens_q.tolist(), "padded": padded,
+            "has_pad": has_pad, "frames": None if frames is None else frames.tolist(), "sizes": local_sizes.tolist(),
+            "rows": out_rows.detach(), "grad": g.grad,
+        }
+    return {
+        "dyn": dyn,
+        "full_ok": bool(torch.equal(full.detach()[0], x)),
+        "grad": emb.grad.tolist(),
+        "both": both.detach().tolist(),
+        "rows_grad": rows.grad.tolist(),
+        "first": first.tolist(),
+    }
+
+
 def run(rank: int, world_size: int) -> dict:
-    out = {}
+    out = {"megatron_forms": _megatron_forms(rank, world_size)}
     for dtype in (torch.float32, torch.float64):
         tag = str(dtype).split(".")[-1]
         out[f"fixed_uneven_{tag}"] = _fixed_case(rank, world_size, 3, dtype)

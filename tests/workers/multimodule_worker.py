@@ -1,5 +1,7 @@
 """Multi-module pipeline communicator on 4 gloo ranks (run once by tests/test_multimodule_pipeline.py).
 
+The same launch also checks the ring x Ulysses primitives (``hybrid_cp``), which need 4 ranks too.
+
 Every scenario builds its own communicator over all 4 ranks; every rank also computes the
 single-process reference (float64, the modules run in sequence on the whole batch) from the same
 seeds, and returns the largest absolute differences between what it received / its gradients and
@@ -318,10 +320,168 @@ def timeout(rank: int) -> dict:
     return {"message": "<no error>"}
 
 
+def vision_2d_fan_out(rank: int) -> dict:
+    """A vision encoder emitting [B*S, H] at dp=1 feeds an LLM at dp=2 (rank 3 idles), then at dp=4 (4 ranks,
+    the encoder colocated on rank 0); every gradient against one process."""
+    B, S, DIN, H = 4, 3, 2, 5
+    x, we, wl, tgt = _randn(81, B, S, DIN), _randn(82, DIN, H), _randn(83, H, H), _randn(84, B, S, H)
+    ref = {k: v.clone().requires_grad_() for k, v in dict(we=we, wl=wl).items()}
+    y = (x @ ref["we"]).reshape(B * S, H)
+    y.retain_grad()
+    (torch.tanh(y.reshape(B, S, H) @ ref["wl"]) * tgt).sum().backward()
+    out: dict = {}
+    for dp, first in ((2, 1), (4, 0)):
+        grids = {"vision": ModuleGrid.from_sizes(0), "llm": ModuleGrid.from_sizes(first, dp=dp)}
+        comm = MultiModulePipelineCommunicator(
+            grids, {"vision": ["llm"], "llm": []}, module_output_ndim={"vision": 2}, timeout=120
+        )
+        res: dict = {"stage": comm.current_stage, "modules": list(comm.modules)}
+        if rank == 0:
+            w0 = we.clone().requires_grad_()
+            y0 = (x @ w0).reshape(B * S, H)
+            comm.send_forward({"vision": y0})
+        if "llm" in comm.modules:
+            d = rank - first
+            got = comm.recv_forward(module_name="llm")["vision"].requires_grad_()
+            rows = slice(d * B // dp, (d + 1) * B // dp)
+            res["recv_err"] = _err(got, y.detach()[rows.start * S : rows.stop * S])
+            w1 = wl.clone().requires_grad_()
+            (torch.tanh(got.reshape(-1, S, H) @ w1) * tgt[rows]).sum().backward()
+            res["wl_grad"] = w1.grad
+            comm.send_backward({"vision": got.grad})
+        if rank == 0:
+            g = comm.recv_backward(module_name="vision")["vision"]
+            y0.backward(g)
+            res["out_grad_err"], res["we_grad_err"] = _err(g, y.grad), _err(w0.grad, ref["we"].grad)
+        if not comm.modules:
+            res["idle"] = (comm.recv_forward(), comm.recv_backward())
+        res["wl_ref"] = ref["wl"].grad
+        out[f"dp{dp}"] = res
+    # fan-in: the encoder at dp=2 (ranks 0, 1; 2-D token blocks) into an LLM at dp=1 (rank 2)
+    grids = {"vision": ModuleGrid.from_sizes(0, dp=2), "llm": ModuleGrid.from_sizes(2)}
+    comm = MultiModulePipelineCommunicator(grids, {"vision": ["llm"], "llm": []}, module_output_ndim={"vision": 2}, timeout=120)
+    res = {}
+    if rank < 2:
+        rows = slice(rank * B // 2, (rank + 1) * B // 2)
+        w0 = we.clone().requires_grad_()
+        y0 = (x[rows] @ w0).reshape(-1, H)
+        comm.send_forward({"vision": y0})
+        g = comm.recv_backward()["vision"]
+        y0.backward(g)
+        res["out_grad_err"] = _err(g, y.grad[rows.start * S : rows.stop * S])
+        res["we_grad"] = w0.grad
+    elif rank == 2:
+        got = comm.recv_forward()["vision"].requires_grad_()
+        res["recv_err"] = _err(got, y.detach())
+        w1 = wl.clone().requires_grad_()
+        (torch.tanh(got.reshape(B, S, H) @ w1) * tgt).sum().backward()
+        res["wl_grad_err"] = _err(w1.grad, ref["wl"].grad)
+        comm.send_backward({"vision": got.grad})
+    res["we_ref"] = ref["we"].grad
+    out["fan_in"] = res
+    return out
+
+
+class _HyperCommGrid:
+    """The attributes of Megatron's HyperCommGrid the communicator reads (first dim name varies fastest)."""
+
+    def __init__(self, shape, dim_names, rank_offset=0):
+        self.shape, self.dim_names, self.rank_offset = shape, dim_names, rank_offset
+        self.size = int(torch.tensor(shape).prod())
+
+
+def megatron_call_forms(rank: int) -> dict:
+    """Megatron's constructor (grids, topology, config, dim_mapping), [S, B, H] activations, tensor_shape
+    arguments, a gradient sent before any activation on its edge; rank 3 idles."""
+    S, B, H = 4, 2, 3
+    grids = {"enc": _HyperCommGrid([1, 1, 1, 1], ["tp", "cp", "dp", "pp"]), "llm": _HyperCommGrid([1, 1, 2, 1], ["tp", "cp", "dp", "pp"], 1)}
+    comm = MultiModulePipelineCommunicator(grids, {"enc": ["llm"], "llm": []}, object(), {"s": 0, "b": 1, "h": 2}, timeout=120)
+    y, tgt = _randn(91, S, B, H), _randn(92, S, B, H)
+    out: dict = {"stage": comm.current_stage, "in_enc_grid": comm.is_current_rank_in_grid(grids["enc"])}
+    if rank == 0:
+        gb = comm.recv_backward([S, B, H])["enc"]  # before any forward on the edge
+        out["early_grad_err"] = _err(gb, 3 * tgt)
+        comm.send_forward({"enc": y})
+        out["grad_err"] = _err(comm.recv_backward([S, B, H])["enc"], tgt)
+    elif rank in (1, 2):
+        cols = slice(rank - 1, rank)
+        comm.send_backward({"enc": 3 * tgt[:, cols]})
+        got = comm.recv_forward([S, 1, H])["enc"]
+        out["recv_err"] = _err(got, y[:, cols])
+        comm.send_backward({"enc": tgt[:, cols]})
+    return out
+
+
+def hybrid_cp(rank: int) -> dict:
+    """Ring 2 x Ulysses 2 split/gather primitives (bshd and packed) on 4 ranks, every grad_scale, against
+    one process: rank r = ring_rank * 2 + ulysses_rank."""
+    from automodel.distributed.all_to_all import cal_split_sizes, cal_split_sizes_multi
+    from automodel.distributed.sp_hybrid import (
+        gather_forward_split_backward_with_cp,
+        new_hybrid_cp_groups,
+        packed_data_gather_forward_split_backward_with_cp,
+        packed_data_split_forward_gather_backward_with_cp,
+        packed_split_indices,
+        split_forward_gather_backward_with_cp,
+    )
+    from automodel.distributed.sp_split_gather import load_balanced_indices
+
+    groups = new_hybrid_cp_groups(2)
+    out: dict = {"sizes": (groups.get_ring_group_size(), groups.get_ulysses_group_size()),
+                 "ranks": (groups.get_ring_rank(), groups.get_ulysses_rank())}
+    S, lens = 12, [5, 7, 3]
+
+    def piece(idx: torch.Tensor, u: int) -> torch.Tensor:
+        sizes = cal_split_sizes(len(idx), 2)
+        return idx[sum(sizes[:u]) : sum(sizes[:u]) + sizes[u]]
+
+    bshd = [piece(load_balanced_indices(S, 2, c // 2), c % 2) for c in range(4)]
+    ring_packed = packed_split_indices(cal_split_sizes_multi(lens, 2))
+    packed = [piece(ring_packed[c // 2], c % 2) for c in range(4)]
+    factor = {"down": 0.25, "up": 4.0, None: 1.0}
+    for kind, idx, n, dim in (("bshd", bshd, S, 1), ("packed", packed, sum(lens), 0)):
+        shape = (2, n, 3) if dim == 1 else (n, 3)
+        x = _randn(100, *shape)
+        for scale in ("down", "up", None):
+            xr = x.clone().requires_grad_()
+            if kind == "bshd":
+                y = split_forward_gather_backward_with_cp(xr, dim, grad_scale=scale)
+            else:
+                y = packed_data_split_forward_gather_backward_with_cp(xr, dim, lens, grad_scale=scale)
+            gs = [_randn(110 + c, *(shape[:dim] + (len(idx[c]),) + shape[dim + 1 :])) for c in range(4)]
+            (y * gs[rank]).sum().backward()
+            full_g = torch.zeros(shape, dtype=D)
+            for c in range(4):
+                full_g.index_copy_(dim, idx[c], gs[c])
+            err = {"y": _err(y, x.index_select(dim, idx[rank])), "grad": _err(xr.grad, full_g * factor[scale])}
+            # the gather twin: every rank's piece back in order; a replicated loss gives this rank its slice
+            mine = x.index_select(dim, idx[rank]).clone().requires_grad_()
+            if kind == "bshd":
+                z = gather_forward_split_backward_with_cp(mine, dim, S, grad_scale=scale)
+            else:
+                z = packed_data_gather_forward_split_backward_with_cp(mine, dim, lens, grad_scale=scale)
+            gz = _randn(120, *shape)
+            (z * gz).sum().backward()
+            err["gather"] = _err(z, x)
+            err["gather_grad"] = _err(mine.grad, gz.index_select(dim, idx[rank]) * factor[scale])
+            out[f"{kind}/{scale}"] = err
+    try:
+        split_forward_gather_backward_with_cp(torch.zeros(1, 10, 1), 1)
+    except ValueError as e:
+        out["error"] = str(e)
+    from automodel.distributed.sp_hybrid import HybridCPGroups, set_hybrid_cp_groups
+
+    set_hybrid_cp_groups(HybridCPGroups())
+    return out
+
+
 def main(rank: int, world_size: int) -> dict:
     assert world_size == 4
     out, seconds = {}, {}
-    for fn in (fan_in_cp, fan_out_dp, chain_gpipe, one_f_one_b, colocated, tensor_parallel, errors, timeout):
+    for fn in (
+        fan_in_cp, fan_out_dp, chain_gpipe, one_f_one_b, colocated, tensor_parallel, errors,
+        vision_2d_fan_out, megatron_call_forms, hybrid_cp, timeout,
+    ):
         start = time.monotonic()
         out[fn.__name__] = fn(rank)
         seconds[fn.__name__] = round(time.monotonic() - start, 2)

@@ -10,10 +10,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from automodel.distributed.all_to_all import all_to_all
+from automodel.distributed.all_to_all import all_to_all, cal_split_sizes_multi
+from automodel.distributed.sp_hybrid import (
+    packed_data_gather_forward_split_backward,
+    packed_data_split_forward_gather_backward,
+)
 from automodel.distributed.sp_sharding import (
     ShardingValidator,
+    get_sharding_validator,
     sp_gather,
+    sp_gather_with_grad,
     sp_gather_with_padding,
     sp_shard,
     sp_shard_with_padding,
@@ -22,6 +28,8 @@ from automodel.distributed.sp_split_gather import (
     gather_forward_split_backward,
     gather_forward_split_backward_load_balanced,
     gather_forward_split_backward_per_sequence,
+    load_balanced_gather_forward_split_backward,
+    load_balanced_split_forward_gather_backward,
     per_sequence_indices,
     split_forward_gather_backward,
     split_forward_gather_backward_load_balanced,
@@ -38,6 +46,7 @@ A2A_CASES = {
 }
 
 PACKED_CU = [0, 6, 18, 24]  # sequence lengths 6, 12, 6: each divisible by 2*3
+PACKED_LENS = [5, 7, 2]  # MindSpeed-MM's packed split: any lengths, each cut near-evenly
 
 
 def inputs(case: str, rank: int, shape: tuple[int, ...], *, same_on_all_ranks: bool = False) -> torch.Tensor:
@@ -88,17 +97,17 @@ def main(rank: int, world_size: int) -> dict:
 
     sizes = [5, 3, 4]
     x = inputs("split_uneven", rank, full_shape, same_on_all_ranks=True).requires_grad_(True)
-    y = split_forward_gather_backward(x, None, 1, sizes=sizes)
+    y = split_forward_gather_backward(x, None, 1, sizes)  # default grad_scale: "down" (MindSpeed-MM)
     g = inputs("split_uneven_g", rank, tuple(y.shape))
     (y * g).sum().backward()
     out["split/uneven"] = {"y": y.detach(), "grad": x.grad}
 
     x = inputs("gather_uneven", rank, (2, sizes[rank], 3)).requires_grad_(True)
-    y = gather_forward_split_backward(x, None, 1, sizes=sizes)
+    y = gather_forward_split_backward(x, None, 1, gather_sizes=sizes)  # default grad_scale: "up"
     g = inputs("gather_uneven_g", rank, tuple(y.shape), same_on_all_ranks=True)
     (y * g).sum().backward()
     out["gather/uneven"] = {"y": y.detach(), "grad": x.grad}
-    out["split/error"] = _check_error(lambda: split_forward_gather_backward(torch.zeros(2, 7), None, 1))
+    out["split/error"] = _check_error(lambda: split_forward_gather_backward(torch.zeros(2, 7), None, 1, [3, 3, 3]))
 
     # --- load-balanced and per-sequence
     x = inputs("lb", rank, full_shape, same_on_all_ranks=True).requires_grad_(True)
@@ -167,4 +176,91 @@ def main(rank: int, world_size: int) -> dict:
         sp_shard(torch.zeros(2, 6), 1, name="kept_sharded")
         sp_gather(sp_shard(torch.zeros(2, 6), 1, name="ok"), 1, name="ok")
     out["validator/error"] = _check_error(validator.validate)
+    out.update(seed_examples(rank, world_size))
+    return out
+
+
+def seed_examples(rank: int, world_size: int) -> dict:
+    """The seeds' documented calls, ported with only the import changed (MindSpeed-MM, vllm-omni)."""
+    out: dict = {}
+    # MindSpeed-MM all_to_all defaults: scatter_dim=2, gather_dim=1 ([B, S/W, H, D] -> [B, S, H/W, D])
+    x = inputs("ms_a2a", rank, (2, 4, 6, 3)).requires_grad_(True)
+    y = all_to_all(x, None)
+    g = inputs("ms_a2a_g", rank, tuple(y.shape))
+    (y * g).sum().backward()
+    out["ms/a2a_default"] = {"y": y.detach(), "grad": x.grad}
+    # split without split_sizes: near-even (7 over 3 -> [3, 2, 2]), every grad_scale; the older argument
+    # order (grad_scale 4th) ports too
+    for scale in ("down", "up", None, "positional"):
+        x = inputs("ms_split", rank, (7, 2), same_on_all_ranks=True).requires_grad_(True)
+        if scale == "positional":
+            y = split_forward_gather_backward(x, None, 0, "up")
+        elif scale == "down":
+            y = split_forward_gather_backward(x, None, 0)
+        else:
+            y = split_forward_gather_backward(x, None, 0, grad_scale=scale)
+        g = inputs("ms_split_g", rank, tuple(y.shape))
+        (y * g).sum().backward()
+        out[f"ms/split_uneven/{scale}"] = {"y": y.detach(), "grad": x.grad}
+    # the load-balanced names: reference scales fixed ("down" split, "up" gather)
+    x = inputs("ms_lb", rank, (12, 2), same_on_all_ranks=True).requires_grad_(True)
+    y = load_balanced_split_forward_gather_backward(x, None)
+    g = inputs("ms_lb_g", rank, tuple(y.shape))
+    (y * g).sum().backward()
+    xl = inputs("ms_lbg", rank, (4, 2)).requires_grad_(True)
+    yl = load_balanced_gather_forward_split_backward(xl, None)
+    gl = inputs("ms_lbg_g", 0, tuple(yl.shape), same_on_all_ranks=True)
+    (yl * gl).sum().backward()
+    out["ms/lb"] = {"y": y.detach(), "grad": x.grad, "gy": yl.detach(), "ggrad": xl.grad}
+    # packed sequences of uneven lengths, each cut near-evenly; every grad_scale
+    lens = PACKED_LENS
+    for scale in ("down", "up", None):
+        x = inputs("ms_packed", rank, (sum(lens), 2), same_on_all_ranks=True).requires_grad_(True)
+        y = packed_data_split_forward_gather_backward(x, None, lens, 0, grad_scale=scale)
+        g = inputs("ms_packed_g", rank, tuple(y.shape))
+        (y * g).sum().backward()
+        split = cal_split_sizes_multi(lens, world_size)
+        xl = inputs("ms_packed_l", rank, (int(split[rank].sum()), 2)).requires_grad_(True)
+        yl = packed_data_gather_forward_split_backward(xl, split, None, 0, grad_scale=scale)
+        gl = inputs("ms_packed_lg", 0, tuple(yl.shape), same_on_all_ranks=True)
+        (yl * gl).sum().backward()
+        out[f"ms/packed/{scale}"] = {"y": y.detach(), "grad": x.grad, "gy": yl.detach(), "ggrad": xl.grad}
+    out["ms/packed_error"] = _check_error(lambda: packed_data_split_forward_gather_backward(torch.zeros(9, 1), None, [4, 4]))
+
+    # vllm-omni: sp_shard(validate=False) gives torch.chunk pieces; sp_gather puts them back
+    x = inputs("vo_chunk", rank, (2, 17), same_on_all_ranks=True).requires_grad_(True)
+    s = sp_shard(x, 1, validate=False)
+    y = sp_gather(torch.sin(s), dim=1)
+    g = inputs("vo_chunk_g", 0, tuple(y.shape), same_on_all_ranks=True)
+    (y * g).sum().backward()
+    out["vo/chunk"] = {"shard": s.detach(), "y": y.detach(), "grad": x.grad}
+    # the docstring examples: "In model forward" / "At end of model forward"
+    hidden_states = inputs("vo_doc", rank, (2, 6, 3), same_on_all_ranks=True)
+    hidden_states = sp_shard(hidden_states, dim=1)
+    output = hidden_states + 1
+    output = sp_gather(output, dim=1)
+    out["vo/doc"] = {"shard": hidden_states, "y": output}
+    # the documented usage: with validator.track(): validator.shard / validator.gather; validate()
+    validator = get_sharding_validator()
+    hidden_states = inputs("vo_val", rank, (2, 6, 3), same_on_all_ranks=True)
+    with validator.track():
+        hidden_states = validator.shard(hidden_states, "hidden_states", dim=1)
+        output = validator.gather(hidden_states * 2, "hidden_states", dim=1)
+    validator.validate()
+    out["vo/validator"] = {"y": output}
+    with validator.track():  # track() starts afresh, as vllm-omni's does
+        validator.shard(torch.zeros(2, 6), "leaked", dim=1)
+    out["vo/validator_error"] = _check_error(validator.validate)
+    # docstring examples: shard with padding, gather, trim the padding at the end
+    hidden_states = inputs("vo_pad", rank, (2, 7), same_on_all_ranks=True)
+    sharded, pad_size = sp_shard_with_padding(hidden_states, dim=1)
+    output = sp_gather(sharded, dim=1)
+    if pad_size > 0:
+        output = output[..., :-pad_size]  # Remove padding
+    out["vo/padding"] = {"y": output, "pad": pad_size}
+    x = inputs("vo_grad", rank, (2, 3)).requires_grad_(True)
+    y = sp_gather_with_grad(x, dim=1)
+    g = inputs("vo_grad_g", 0, tuple(y.shape), same_on_all_ranks=True)
+    (y * g).sum().backward()
+    out["vo/with_grad"] = {"y": y.detach(), "grad": x.grad}
     return out

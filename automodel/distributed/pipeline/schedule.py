@@ -56,7 +56,7 @@ def run_gpipe(
     ctx = stage_context or contextlib.nullcontext
     stash, losses = [], []
     for mb in range(num_microbatches):
-        inputs = comm.recv_forward(name)
+        inputs = comm.recv_forward(module_name=name)
         inputs = {k: v.requires_grad_() if v.is_floating_point() else v for k, v in inputs.items()}
         with ctx():
             out = forward_step(mb, inputs)
@@ -70,7 +70,7 @@ def run_gpipe(
     for mb in range(num_microbatches):
         inputs, out = stash[mb]
         stash[mb] = None
-        grad = None if info.is_terminal_stage else comm.recv_backward(name)[name]
+        grad = None if info.is_terminal_stage else comm.recv_backward(module_name=name)[name]
         with ctx():
             torch.autograd.backward(out, grad)
         if inputs:

@@ -110,6 +110,29 @@ class ModuleGrid:
             )
         return cls(ranks.permute(*order, *rest).reshape(*sizes))
 
+    @classmethod
+    def from_hyper_comm_grid(cls, grid: Any) -> ModuleGrid:
+        """Read a Megatron ``HyperCommGrid`` (``shape``, ``dim_names``, ``rank_offset``): the FIRST dim name
+        varies fastest, ranks ``rank_offset .. rank_offset + prod(shape) - 1``.
+
+        Raises ``ValueError`` for a dim of size > 1 that is not one of ``pp``, ``dp``, ``cp``, ``tp``.
+        """
+        names, shape = list(grid.dim_names), [int(v) for v in grid.shape]
+        if len(names) != len(shape):
+            raise ValueError(f"HyperCommGrid dim_names {names} and shape {shape} differ in length")
+        big = [n for n, v in zip(names, shape) if n not in LOGICAL_DIMS and v > 1]
+        if big:
+            raise ValueError(f"HyperCommGrid dims {big} (size > 1) are not among {LOGICAL_DIMS}")
+        size = 1
+        for v in shape:
+            size *= v
+        ranks = torch.arange(int(grid.rank_offset), int(grid.rank_offset) + size).reshape(shape[::-1])
+        rev = names[::-1]
+        order = [rev.index(d) for d in LOGICAL_DIMS if d in rev]
+        rest = [i for i, n in enumerate(rev) if n not in LOGICAL_DIMS]
+        sizes = [shape[names.index(d)] if d in names else 1 for d in LOGICAL_DIMS]
+        return cls(ranks.permute(*order, *rest).reshape(*sizes))
+
     @property
     def pp(self) -> int:
         return self.ranks.size(0)
@@ -149,6 +172,8 @@ def _as_grid(name: str, grid: Any, dim_mapping=None) -> ModuleGrid | int:
         return grid
     if hasattr(grid, "mesh") and hasattr(grid, "mesh_dim_names"):
         return ModuleGrid.from_mesh(grid, dim_mapping)
+    if all(hasattr(grid, a) for a in ("shape", "dim_names", "rank_offset")):
+        return ModuleGrid.from_hyper_comm_grid(grid)
     raise TypeError(
         f"module {name!r}: the grid must be an int (pipeline size), a ModuleGrid or a DeviceMesh, "
         f"got {type(grid).__name__}"
@@ -170,9 +195,8 @@ def validate_topology(topology: Mapping[str, Sequence[str]], modules: Sequence[s
     """Check ``topology`` against the known ``modules``; return it with every module as a key.
 
     Raises:
-        ValueError: an unknown module name (in keys or targets), a module in no edge of a
-            multi-module graph, a self-loop or repeated edge, no sink, or a cycle (the message
-            names the modules).
+        ValueError: an unknown module name (in keys or targets), a module with a grid that the
+            topology never names, a repeated edge, no sink, or a cycle (the message names the modules).
     """
     known = set(modules)
     unknown = sorted({m for m in topology} - known | {d for ds in topology.values() for d in ds} - known)
@@ -186,10 +210,15 @@ def validate_topology(topology: Mapping[str, Sequence[str]], modules: Sequence[s
         if len(set(ds)) != len(ds):
             raise ValueError(f"topology: module {m!r} lists a downstream module twice: {ds}")
     if len(graph) > 1:
-        linked = {m for m, ds in graph.items() if ds} | {d for ds in graph.values() for d in ds}
+        # a module named in the topology with no edge ({"d": []}) runs on its own, as Megatron allows;
+        # one with a grid that the topology never names is most likely a typo
+        linked = {m for m, ds in graph.items() if ds} | {d for ds in graph.values() for d in ds} | set(topology)
         lonely = sorted(known - linked)
         if lonely:
-            raise ValueError(f"module(s) {lonely} have grids but no edge in the topology; connect or remove them")
+            raise ValueError(
+                f"module(s) {lonely} have grids but the topology never names them; connect them, list them as "
+                "'name': [] to run them on their own, or remove their grids"
+            )
     if not any(not ds for ds in graph.values()):
         raise ValueError(
             f"topology has no sink: every module has a downstream module ({graph}); the last module "
@@ -250,7 +279,8 @@ def compute_total_pipeline_stages(
             a ``DeviceMesh``.
         rank: when given, count only up to this rank's stage: the longest path into its module plus
             ``pp_rank + 1``. Needs real grids (not ints) for the modules.
-        module_name: chooses among modules colocated on ``rank``; without ``rank``, counts up to the
+        module_name: chooses among modules colocated on ``rank`` (without it, the largest count of
+            the modules holding ``rank``, as Megatron documents); without ``rank``, counts up to the
             end of this module's pipeline.
         dim_mapping: passed to :meth:`ModuleGrid.from_mesh` for meshes.
 
@@ -263,8 +293,7 @@ def compute_total_pipeline_stages(
 
     Raises:
         ValueError: an invalid topology (see :func:`validate_topology`), an unknown ``module_name``,
-            a ``rank`` in no module, a ``rank`` in several modules without ``module_name``, or a
-            ``module_name`` that does not hold ``rank``.
+            a ``rank`` in no module, or a ``module_name`` that does not hold ``rank``.
     """
     grids = _grids(module_to_grid_map, dim_mapping)
     graph = validate_topology(topology, list(grids))
@@ -283,9 +312,7 @@ def compute_total_pipeline_stages(
     if not holders:
         raise ValueError(f"rank {rank} is in no module's grid ({_describe(grids)}); give it a module or launch fewer ranks")
     if module_name is None:
-        if len(holders) > 1:
-            raise ValueError(f"rank {rank} holds colocated modules {sorted(holders)}; pass module_name= to choose one")
-        module_name = next(iter(holders))
+        return max(before[m] + p + 1 for m, p in holders.items())
     if module_name not in holders:
         raise ValueError(f"module {module_name!r} does not hold rank {rank}; rank {rank} holds {sorted(holders)}")
     return before[module_name] + holders[module_name] + 1
