@@ -17,11 +17,11 @@ this file wires them in order:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -73,6 +73,7 @@ class TrainResult:
     export_dir: Path | None = None
     metrics_path: Path | None = None
     plot_path: Path | None = None
+    samples_path: Path | None = None
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
 
@@ -563,13 +564,15 @@ class FinetuneTrainer:
         result = TrainResult(run_dir=self.run_dir, start_step=self.step, final_step=self.step)
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
         result.metrics_path = metrics.path
-        bar = None
-        if self.rank == 0 and cfg.logging.progress_bar:
-            from tqdm import tqdm
+        from automodel.training.step_log import format_step_line, progress_bar, should_log_step
+        from automodel.training.trackers import Trackers
 
-            bar = tqdm(
-                total=sched.max_steps, initial=self.step, desc="train", dynamic_ncols=True, file=sys.stderr
-            )
+        display = contextlib.ExitStack()  # the bar (a terminal only) and the trackers, closed in `finally`
+        bar = display.enter_context(
+            progress_bar(self.rank == 0 and cfg.logging.progress_bar, sched.max_steps, self.step)
+        )
+        trackers = Trackers(cfg.logging, self.run_dir, cfg.recipe.name, self.loaded.effective, self.rank == 0)
+        display.callback(trackers.close)
         batches = self._train_batches()
         t_start = time.perf_counter()
         tok_rates: list[float] = []
@@ -592,6 +595,11 @@ class FinetuneTrainer:
                     if self.step > result.start_step + 1 or sched.max_steps - result.start_step == 1:
                         tok_rates.append(record["tokens_per_s"])  # the first step includes warm-up
                     metrics.write(record)
+                    trackers.log(record)
+                    if self.rank == 0 and should_log_step(
+                        self.step, cfg.logging.log_every_steps, result.start_step, sched.max_steps
+                    ):
+                        logger.info("%s", format_step_line(record, sched.max_steps))
                     if bar is not None:
                         bar.set_postfix(
                             loss=f"{record['loss']:.4f}",
@@ -606,6 +614,7 @@ class FinetuneTrainer:
                         val = self.validate()
                         result.val_losses[self.step] = val
                         metrics.write({"type": "val", "step": self.step, "val_loss": val})
+                        trackers.log({"type": "val", "step": self.step, "val_loss": val})
                         logger.info("step %d: validation loss %.4f", self.step, val)
                     if self.hooks.on_step_end is not None:
                         self.hooks.on_step_end(self.step, record)
@@ -628,8 +637,7 @@ class FinetuneTrainer:
                         logger.warning("stopped by SIGTERM after step %d", self.step)
                         break
         finally:
-            if bar is not None:
-                bar.close()
+            display.close()
         result.final_step = self.step
         result.wall_time_s = time.perf_counter() - t_start
         result.tokens_per_s = float(np.mean(tok_rates)) if tok_rates else 0.0
@@ -639,6 +647,8 @@ class FinetuneTrainer:
             result.last_checkpoint = self.save_checkpoint()
         if finished and cfg.export.enabled:
             result.export_dir = self.export()
+            if cfg.recipe.sample_prompts and self.rank == 0:
+                result.samples_path = self.sample(result.export_dir)
         metrics.close()
         if self.rank == 0:
             if cfg.logging.plot and result.losses:
@@ -666,16 +676,29 @@ class FinetuneTrainer:
                 base_model_name_or_path=self.cfg.model.pretrained_model_name_or_path,
                 merge=ex.merge_lora,
                 dtype=torch_dtype(ex.dtype) if ex.dtype else None,
-                tokenizer=self.tokenizer if ex.save_tokenizer else None,
+                tokenizer=self.tokenizer,  # its special-token ids go into the exported configs
+                save_tokenizer=ex.save_tokenizer,
             )
             return out
         export_hf_model(
             self.model,
             out,
             dtype=torch_dtype(ex.dtype) if ex.dtype else None,
-            tokenizer=self.tokenizer if ex.save_tokenizer else None,
+            tokenizer=self.tokenizer,  # its special-token ids go into the exported configs
+            save_tokenizer=ex.save_tokenizer,
+            processor=getattr(self.train_dataset, "image_processor", None),  # a VLM's, for the export
         )
         return out
+
+    def sample(self, export_dir: Path) -> Path:
+        """Rank 0: ``recipe.sample_prompts`` completed by the exported model -> ``<run dir>/samples.jsonl``."""
+        from automodel.models.hf_save import original_model_class
+        from automodel.training.samples import generate_samples, load_exported_model, write_samples
+
+        r = self.cfg.recipe
+        model = load_exported_model(export_dir, original_model_class(self.model), self.device)
+        samples = generate_samples(model, self.tokenizer, list(r.sample_prompts), r.sample_max_new_tokens, self.device)
+        return write_samples(samples, self.run_dir / "samples.jsonl")
 
     def _write_summary(self, result: TrainResult) -> None:
         losses = result.losses
