@@ -15,6 +15,7 @@ __all__ = ["TRACKER_PACKAGES", "logging_problems", "missing_tracker_package"]
 
 # config key -> (module imported, pyproject extra)
 TRACKER_PACKAGES = {"logging.tensorboard": ("tensorboard", "tensorboard"), "logging.wandb": ("wandb", "wandb")}
+_OFF = {"logging.tensorboard": "logging.tensorboard=false", "logging.wandb": "logging.wandb=null"}
 
 
 def missing_tracker_package(key: str) -> str | None:
@@ -24,7 +25,7 @@ def missing_tracker_package(key: str) -> str | None:
         return None
     return (
         f"{key} needs the {module!r} package, which is not installed; install the extra with "
-        f"pip install 'automodel[{extra}]' (or pip install {module}), or turn {key} off"
+        f"pip install 'automodel[{extra}]' (or pip install {module}), or set {_OFF[key]}"
     )
 
 

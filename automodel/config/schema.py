@@ -151,11 +151,12 @@ class CheckpointSection:
 
     enabled: bool = True
     dir: str | None = None  # None: <run dir>/checkpoints
-    resume: bool | Literal["auto"] = False  # true: latest checkpoint must exist; auto: if any
+    resume: bool | Literal["auto"] = False  # true: latest checkpoint must exist; auto: if any (same config hash)
     resume_from: str | None = None  # a step_<N> directory; overrides the search
     save_final: bool = True
     save_on_sigterm: bool = True
     keep_last: int | None = 2  # None: keep all
+    allow_schedule_change: bool = False  # resume with another max_steps / optimizer.lr / lr_scheduler (else refused)
 
 
 @dataclass

@@ -42,6 +42,13 @@ from automodel.training.checkpoint import Checkpointer, CheckpointLayout, Sigter
 from automodel.training.elastic import reseed_for_step
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.optim import clip_grad_norm
+from automodel.training.resume_policy import (
+    apply_schedule,
+    check_resume_schedule,
+    run_identity,
+    schedule_of,
+    write_run_identity,
+)
 from automodel.training.row_padding import pad_multiple
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
 from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
@@ -136,16 +143,20 @@ class FinetuneTrainer:
         self.dp_group = dp_mesh.get_group()
         self.dp_cp_group = get_submesh(self.mesh, "dp_cp").get_group()
 
-        self.run_dir = shared_run_dir(cfg.recipe, cfg.checkpoint)
+        identity, run_notes = run_identity(self.loaded.effective), []  # resume=auto: a run of this config only
+        self.run_dir = shared_run_dir(cfg.recipe, cfg.checkpoint, identity, run_notes)
         from automodel.training.logs import setup_logging
 
         setup_logging(self.run_dir, self.rank, cfg.logging.level)
+        for level, note in run_notes:
+            logger.log(level, note)
         if self.rank == 0:
             from omegaconf import OmegaConf
 
             (self.run_dir / "config.yaml").write_text(
                 OmegaConf.to_yaml(OmegaConf.create(self.loaded.effective))
             )
+            write_run_identity(self.run_dir, identity)
         logger.info("run directory: %s", self.run_dir)
         logger.info(
             "world %d on %s: dp_replicate=%d dp_shard=%d cp=%d tp=%d (cp_method=%s)",
@@ -389,6 +400,7 @@ class FinetuneTrainer:
             keep_last=cfg.checkpoint.keep_last,
             trainable_only=cfg.peft is not None,
             global_batch_size=cfg.step_scheduler.global_batch_size,
+            schedule=schedule_of(self.loaded.effective),
         )
 
     def _maybe_resume(self) -> None:
@@ -413,8 +425,15 @@ class FinetuneTrainer:
                 f"set checkpoint.resume=false to start fresh, checkpoint.resume=auto to resume only if one "
                 f"exists, or checkpoint.resume_from=<step_N directory>"
             )
+        changes = check_resume_schedule(path, self.loaded.effective, self.scheduler, ck.allow_schedule_change)
         payload = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.train_loader)
         self.step = int(payload["step"])
+        if changes:  # allowed: this run's schedule from here on (the checkpoint restored the old base lr)
+            apply_schedule(self.optimizer, self.scheduler, self.cfg.optimizer.get("lr"))
+            logger.warning(
+                "checkpoint.allow_schedule_change=true: resuming %s with a changed LR schedule (%s); step %d "
+                "trains at lr %.4g", path, "; ".join(changes), self.step + 1, self.optimizer.param_groups[0]["lr"],
+            )  # fmt: skip
         self.resumed_from = path
         if self.step >= self.cfg.step_scheduler.max_steps:
             logger.warning(
