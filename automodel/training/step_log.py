@@ -6,8 +6,9 @@
       step 40/120 | loss 3.2145 | lr 2.71e-03 | grad norm 0.812 | 51234 tokens/s (25617/device) | 0.32 s/step | peak mem 1.20 GiB (cpu_peak_rss)
 
 - The tqdm bar (``logging.progress_bar``) runs only when stderr is a terminal: under a scheduler or a
-  pipe, tqdm's ``\\r`` frames would be glued to the log lines. While the bar is shown, console log
-  lines are written through tqdm (``logging_redirect_tqdm``), so a line never lands inside a frame.
+  pipe, tqdm's ``\\r`` frames would be glued to the log lines. While the bar is shown, the console
+  handlers of the ``automodel`` logger write through ``tqdm.write`` (the bar is cleared first, then
+  redrawn), so a line never lands inside a frame.
 """
 
 from __future__ import annotations
@@ -55,11 +56,39 @@ def progress_bar(enabled: bool, total: int, initial: int, stream: Any = None) ->
         yield None
         return
     from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
 
+    log = logging.getLogger("automodel")
+    consoles = [h for h in log.handlers if type(h) is logging.StreamHandler]  # not the FileHandlers
+    wrapped = [_ThroughTqdm(h) for h in consoles]
     bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, file=stream)
+    for old, new in zip(consoles, wrapped, strict=True):
+        log.removeHandler(old)
+        log.addHandler(new)
     try:
-        with logging_redirect_tqdm(loggers=[logging.getLogger("automodel")]):
-            yield bar
+        yield bar
     finally:
+        for old, new in zip(consoles, wrapped, strict=True):
+            log.removeHandler(new)
+            log.addHandler(old)
         bar.close()
+
+
+class _ThroughTqdm(logging.Handler):
+    """A console handler's records written with ``tqdm.write``: the bar is cleared, the line written on
+    a line of its own, the bar redrawn below it."""
+
+    def __init__(self, inner: logging.StreamHandler) -> None:
+        super().__init__(inner.level)
+        self.inner = inner
+        self.setFormatter(inner.formatter)
+        for f in inner.filters:
+            self.addFilter(f)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.inner.stream)
+            self.inner.flush()
+        except Exception:  # noqa: BLE001 - logging must not raise
+            self.handleError(record)

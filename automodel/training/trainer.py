@@ -273,16 +273,19 @@ class FinetuneTrainer:
             )
         sched = cfg.step_scheduler
         self.grad_acc = sched.global_batch_size // (sched.local_batch_size * self.dp_size)
-        logger.info(
-            "data: %d train rows (%d per epoch-step grid), global batch %d = local %d x dp %d x grad_acc %d, seq_len %d",
-            len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else -1,  # -1: streaming
-            len(self.train_loader) if hasattr(self.train_loader, "__len__") else -1,
-            sched.global_batch_size,
-            sched.local_batch_size,
-            self.dp_size,
-            self.grad_acc,
-            cfg.data.seq_len,
+        from automodel.data.epoch_plan import epoch_plan
+
+        plan = epoch_plan(
+            len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,  # None: streaming
+            global_batch_size=sched.global_batch_size,
+            local_batch_size=sched.local_batch_size,
+            dp_size=self.dp_size,
+            drop_last=cfg.data.drop_last,
+            seq_len=cfg.data.seq_len,
         )
+        logger.info("%s", plan.line)
+        if plan.warning:
+            logger.warning("%s", plan.warning)
 
         # ---- model
         self.model = build_model(
