@@ -589,12 +589,12 @@ class FinetuneTrainer:
         from automodel.training.step_log import format_step_line, progress_bar, should_log_step
         from automodel.training.trackers import Trackers
 
-        display = contextlib.ExitStack()  # the bar (a terminal only) and the trackers, closed in `finally`
+        trackers = Trackers(cfg.logging, self.run_dir, cfg.recipe.name, self.loaded.effective, self.rank == 0)
+        display = contextlib.ExitStack()  # the trackers and the bar (a terminal only), closed in `finally`
+        display.callback(trackers.close)
         bar = display.enter_context(
             progress_bar(self.rank == 0 and cfg.logging.progress_bar, sched.max_steps, self.step)
         )
-        trackers = Trackers(cfg.logging, self.run_dir, cfg.recipe.name, self.loaded.effective, self.rank == 0)
-        display.callback(trackers.close)
         batches = self._train_batches()
         t_start = time.perf_counter()
         tok_rates: list[float] = []
