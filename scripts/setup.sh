@@ -6,7 +6,8 @@
 #   already installed (e.g. a CUDA build on a GPU host) is left alone; one outside the tested range
 #   (torch>=2.13,<2.16, pyproject.toml) is an error rather than replaced. Other tested releases:
 #   scripts/compat.sh.
-# - Installs the package in editable mode with the `dev` extra (pytest, ruff).
+# - Installs the package in editable mode with the `dev` extra (pytest, ruff) and the tracker extras
+#   (`tensorboard`, `wandb`: logging.tensorboard / logging.wandb, which the tests exercise).
 # - Idempotent and fast on a second run: a stamp records the hash of pyproject.toml.
 #
 # Use AUTOMODEL_VENV=/path to choose another venv, or AUTOMODEL_VENV=none to install into the
@@ -55,7 +56,7 @@ else
   fi
   echo "[setup] keeping installed torch $have"
 fi
-echo "[setup] installing automodel (editable, with dev extras)"
-"$py" -m pip install --quiet -e "$root[dev]"
+echo "[setup] installing automodel (editable, with the dev, tensorboard and wandb extras)"
+"$py" -m pip install --quiet -e "$root[dev,tensorboard,wandb]"
 echo "$want" > "$stamp"
 echo "[setup] done: $("$py" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"

@@ -190,6 +190,19 @@ def test_cache_built_once_and_reused(data, tok, tmp_path):
     _same(again, first)
 
 
+def test_train_and_validation_share_one_tokenization(data, tok, tmp_path):
+    kw = dict(seq_len=32, format="text", cache_dir=str(tmp_path / "c"), num_proc=1)
+    before = TOKENIZE_CALLS["rows"]
+    train = HFDataset(data["jsonl"], tok, split="train", val_fraction=0.2, **kw)
+    assert not train.tokenized_from_cache and TOKENIZE_CALLS["rows"] - before == N
+    mid = TOKENIZE_CALLS["rows"]
+    for split, frac in (("validation", 0.2), ("train", 0.5), ("all", 0.05)):  # any split or fraction: no work
+        other = HFDataset(data["jsonl"], tok, split=split, val_fraction=frac, **kw)
+        assert other.tokenized_from_cache and other.cache_file == train.cache_file
+        _same(other, TextDataset(data["jsonl"], tok, seq_len=32, split=split, val_fraction=frac))
+    assert TOKENIZE_CALLS["rows"] == mid
+
+
 def test_packing_and_collator_unchanged_on_top(data, tok):
     kw = dict(seq_len=64, pack=True, seq_pad_multiple=4)
     ref = InstructionDataset(data["jsonl"], tok, format="messages", **kw)

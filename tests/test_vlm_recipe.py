@@ -58,6 +58,8 @@ def test_only_the_text_model_runs_ulysses(runs):
 def test_export_loads_with_from_pretrained(runs):
     assert runs["loaded_class"] == "Qwen2VLForConditionalGeneration"
     assert "config.json" in runs["export_files"] and "model.safetensors" in runs["export_files"]
+    assert runs["processor"]["image_processor_type"].startswith("Qwen2VLImageProcessor")  # the dataset's, saved
+    assert (runs["processor"]["patch_size"], runs["processor"]["merge_size"]) == (4, 2)
     trained, loaded = runs["ring"]["state"], runs["loaded_state"]
     assert sorted(trained) == sorted(loaded)
     assert max((trained[k] - loaded[k]).abs().max().item() for k in trained) == 0.0

@@ -8,7 +8,9 @@ world size alone.
 from __future__ import annotations
 
 from automodel.config.compile_rules import compile_problems
+from automodel.config.logging_rules import logging_problems
 from automodel.config.peft_rules import peft_problems
+from automodel.config.sample_rules import sample_problems
 from automodel.config.schema import RecipeConfig
 from automodel.distributed.cp import cp_methods
 from automodel.distributed.tensor_parallel import tp_size_problems
@@ -192,6 +194,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
     if cfg.recipe.memory_budget_gib is not None and not cfg.recipe.memory_budget_gib > 0:
         problems.append(f"recipe.memory_budget_gib={cfg.recipe.memory_budget_gib} must be > 0 (GiB per rank), or null")
     problems += peft_problems(cfg)
+    problems += logging_problems(cfg)
+    problems += sample_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
     return problems
 

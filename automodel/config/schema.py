@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointSection",
     "ExportSection",
     "LoggingSection",
+    "WandbSection",
     "LossSection",
     "PeftSection",
     "RecipeConfig",
@@ -60,6 +61,8 @@ class RecipeSection:
     cp_self_check: bool = True  # at cp_size > 1: one step with CP and without it compared before training
     cp_self_check_tokens: int = 512  # tokens per row of the self-check's slice of the training data
     memory_budget_gib: float | None = None  # dry run: per-rank memory budget; suggests the cheapest change that fits
+    sample_prompts: list[str] | None = None  # at the end: greedy completions of the exported model -> samples.jsonl
+    sample_max_new_tokens: int = 32  # new tokens per sample at most (generation stops at the tokenizer's EOS)
 
 
 @dataclass
@@ -148,11 +151,12 @@ class CheckpointSection:
 
     enabled: bool = True
     dir: str | None = None  # None: <run dir>/checkpoints
-    resume: bool | Literal["auto"] = False  # true: latest checkpoint must exist; auto: if any
+    resume: bool | Literal["auto"] = False  # true: latest checkpoint must exist; auto: if any (same config hash)
     resume_from: str | None = None  # a step_<N> directory; overrides the search
     save_final: bool = True
     save_on_sigterm: bool = True
     keep_last: int | None = 2  # None: keep all
+    allow_schedule_change: bool = False  # resume with another max_steps / optimizer.lr / lr_scheduler (else refused)
 
 
 @dataclass
@@ -167,10 +171,23 @@ class ExportSection:
 
 
 @dataclass
+class WandbSection:
+    """Weights & Biases tracking (the ``wandb`` extra); absent/null: off."""
+
+    project: str = "automodel"
+    mode: Literal["offline", "online"] = "offline"  # offline: files under <run dir>/wandb, `wandb sync` later
+    name: str | None = None  # None: recipe.name
+    entity: str | None = None
+
+
+@dataclass
 class LoggingSection:
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar, only when stderr is a terminal
     plot: bool = True
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_every_steps: int | None = 10  # a plain step line (loss, lr, tokens/s, grad norm, memory); null: off
+    tensorboard: bool = False  # event files in <run dir>/tensorboard (the tensorboard extra)
+    wandb: WandbSection | None = None  # e.g. {project: my-proj, mode: offline}
 
 
 @dataclass

@@ -12,7 +12,9 @@ Steps, on local rank 0 of each node while the node's other ranks wait (``node_fi
    to arrow once and caches that too);
 2. ``Dataset.map(tokenize_rows, batched=True, num_proc=...)`` into an arrow file named by a
    fingerprint of (the source's fingerprint, the tokenizer's vocabulary/merges/chat template/special
-   tokens, every argument that changes the examples, a format version). A second run with the same
+   tokens, every argument that changes the examples, a format version). The file holds both splits:
+   each row carries its record's content-hash place ``split_u``, so the train and validation datasets
+   of a run (and any ``val_fraction``) share one tokenization; each selects its rows by ``split_u``. A second run with the same
    inputs finds the file and tokenizes nothing (``tokenized_from_cache`` is True); any change gives
    a new fingerprint and a new file.
 
@@ -51,7 +53,7 @@ __all__ = ["HFDataset", "TOKENIZED_FORMAT_VERSION", "choose_format", "tokenizer_
 logger = logging.getLogger(__name__)
 
 # Bump when tokenize_rows changes what it writes: old caches then stop matching.
-TOKENIZED_FORMAT_VERSION = 1
+TOKENIZED_FORMAT_VERSION = 2  # 2: one file for both splits (split_u column)
 AUTO_NUM_PROC_MIN_ROWS = 20_000
 
 
@@ -210,6 +212,12 @@ class HFDataset(Dataset):
             )
 
         self.format, tok = run_local_rank0_first(prepare, "tokenizing " + self.where)
+        # one tokenized file for both splits: this split's rows are selected by their split_u column
+        rows = np.arange(len(tok), dtype=np.int64)
+        if split != "all":
+            u = tok.data.column("split_u").to_numpy()
+            rows = np.nonzero((u < float(val_fraction)) == (split == "validation"))[0]
+            tok = tok.select(rows) if len(rows) != len(u) else tok
         self._tok = tok
         self.num_examples = len(tok)
         if self.num_examples == 0:
@@ -217,9 +225,10 @@ class HFDataset(Dataset):
                 f"split {split!r} of {self.where} has no rows (val_fraction={val_fraction}); add data, raise "
                 "val_fraction, or use split='all' with a separate validation file"
             )
-        lengths = tok.data.column("n").to_numpy().astype(np.int64)
+        # tok.data is the whole file (a select() only adds an index mapping): take this split's rows
+        lengths = tok.data.column("n").to_numpy().astype(np.int64)[rows]
         self.num_truncated = (
-            0 if self.format == "text" and not pack else int(np.sum(tok.data.column("truncated")))
+            0 if self.format == "text" and not pack else int(np.sum(tok.data.column("truncated").to_numpy()[rows]))
         )
         if self.format == "text" and not pack:
             self._doc_ends = np.cumsum(lengths)
@@ -263,11 +272,12 @@ class HFDataset(Dataset):
             fmt=fmt,
             columns=self.columns,
             seq_len=self.seq_len,
-            split=split,
-            val_fraction=float(val_fraction),
+            split="all",  # both splits in one file (split_u), whichever split this instance reads
+            val_fraction=0.5,  # unused with split="all"
             pieces=pieces,
             add_bos=add_bos,
             add_eos=add_eos,
+            split_column=True,
         )
         fp = Hasher.hash(
             [

@@ -26,7 +26,7 @@ import numpy as np
 
 from automodel.data.examples import IGNORE_INDEX, split_long_sequence
 from automodel.data.instruction_dataset import join_segments, render_chat_segments
-from automodel.data.splits import is_validation
+from automodel.data.splits import is_validation, split_fraction
 from automodel.errors import UserInputError
 
 __all__ = ["HF_FORMATS", "TOKENIZE_CALLS", "tokenize_rows", "clean_messages", "required_columns"]
@@ -106,12 +106,15 @@ def tokenize_rows(
     pieces: bool = False,
     add_bos: bool = True,
     add_eos: bool = True,
+    split_column: bool = False,
 ) -> dict[str, list[Any]]:
     """Tokenize a batch of rows (``{column: [values]}``) into examples (``{field: [values]}``).
 
     ``indices`` are the rows' indices in the source (for error messages). Rows of the other split
     (``split`` = ``train``/``validation`` by content hash, or ``all``) and blank documents are dropped,
-    so the output may have fewer (``text`` pieces: more) rows than the input.
+    so the output may have fewer (``text`` pieces: more) rows than the input. ``split_column`` (with
+    ``split="all"``): every output row also gets ``split_u``, its record's
+    :func:`~automodel.data.splits.split_fraction` (float64), so one tokenized file serves both splits.
     """
     n_rows = len(indices)
     TOKENIZE_CALLS["rows"] += n_rows
@@ -134,6 +137,7 @@ def tokenize_rows(
         ):
             continue
         keep.append((where, row))
+    fractions = [split_fraction(_split_key(fmt, r, columns)) for _, r in keep] if split_column else None
 
     eos = int(tokenizer.eos_token_id)
     if fmt == "text":
@@ -141,16 +145,20 @@ def tokenize_rows(
         enc = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
         docs = [[*ids, eos] for ids in enc]
         if not pieces:
-            return {"ids": docs, "n": [len(d) for d in docs]}
+            out = {"ids": docs, "n": [len(d) for d in docs]}
+            return out if fractions is None else {**out, "split_u": fractions}
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "n": [], "truncated": []}
-        for d in docs:
+        piece_fractions = []
+        for j, d in enumerate(docs):
             for s, t in split_long_sequence(len(d), seq_len):
                 x = d[s:t]
                 out["input_ids"].append(x[:-1])
                 out["labels"].append(x[1:])
                 out["n"].append(len(x) - 1)
                 out["truncated"].append(False)
-        return out
+                if fractions is not None:
+                    piece_fractions.append(fractions[j])
+        return out if fractions is None else {**out, "split_u": piece_fractions}
 
     seg_lists: list[list[tuple[str, bool]]] = []
     for where, row in keep:
@@ -183,7 +191,7 @@ def tokenize_rows(
         out["labels"].append(labels)
         out["n"].append(len(ids))
         out["truncated"].append(truncated)
-    return out
+    return out if fractions is None else {**out, "split_u": fractions}
 
 
 def example_arrays(ex: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:

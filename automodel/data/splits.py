@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from automodel.errors import UserInputError
 
-__all__ = ["SPLITS", "validate_split", "is_validation", "select_split"]
+__all__ = ["SPLITS", "validate_split", "split_fraction", "is_validation", "select_split"]
 
 SPLITS = ("train", "validation", "all")
 T = TypeVar("T")
@@ -34,10 +34,16 @@ def validate_split(split: str, val_fraction: float) -> None:
         )
 
 
+def split_fraction(key: str) -> float:
+    """The item's place in [0, 1): the first 8 bytes of ``blake2b(key)`` as a fraction of 2**64. The item is
+    in the validation split iff this is below ``val_fraction``."""
+    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big")
+    return h / 2.0**64
+
+
 def is_validation(key: str, val_fraction: float) -> bool:
     """True iff the item whose content is ``key`` belongs to the validation split."""
-    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big")
-    return h / 2.0**64 < val_fraction
+    return split_fraction(key) < val_fraction
 
 
 def select_split(items: Sequence[T], keys: Sequence[str], split: str, val_fraction: float) -> list[T]:

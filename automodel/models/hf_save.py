@@ -1,15 +1,30 @@
-"""Write a Hugging Face model directory from a state dict, without a second copy of the weights."""
+"""Write a Hugging Face model directory from a state dict, without a second copy of the weights.
+
+What is written is fit for generation, not a copy of the training settings:
+
+- the special-token ids (``bos``/``eos``/``pad``) of ``config.json`` and ``generation_config.json`` come
+  from the run's tokenizer (a model built from ``LlamaConfig`` otherwise keeps its defaults 1 and 2,
+  which need not be the tokenizer's);
+- ``use_cache`` is true in both (training turns it off);
+- a tied-embeddings flag is written only when the saved input and output embeddings are equal;
+- a VLM's image processor is saved beside the tokenizer (``preprocessor_config.json``).
+"""
 
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["original_model_class", "save_hf_state"]
+__all__ = ["original_model_class", "save_hf_state", "special_token_ids", "embeddings_equal"]
+
+logger = logging.getLogger(__name__)
+
+_SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def original_model_class(model: nn.Module) -> type:
@@ -24,6 +39,55 @@ def original_model_class(model: nn.Module) -> type:
     return cls
 
 
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """``{bos_token_id, eos_token_id, pad_token_id}`` that ``tokenizer`` defines (None ones left out)."""
+    ids = {k: getattr(tokenizer, k, None) for k in _SPECIAL}
+    return {k: int(v) for k, v in ids.items() if isinstance(v, int)}
+
+
+def embeddings_equal(model: nn.Module, state: dict[str, torch.Tensor]) -> bool | None:
+    """Whether ``state`` holds equal input and output embeddings of ``model`` (None: not both in it).
+
+    The parameter names come from ``model``'s embedding modules (any device, meta included)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if get_in is None or get_out is None or get_in() is None or get_out() is None:
+        return None
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}  # modules stay distinct when
+    in_name, out_name = (f"{names.get(id(m))}.weight" for m in (get_in(), get_out()))  # weights are tied
+    if in_name not in state or out_name not in state:
+        return None
+    a, b = state[in_name], state[out_name]
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _set_generation_ids(config: Any, ids: dict[str, int]) -> None:
+    """Put ``ids`` on a model config (and its text config, for VLMs). Mutates ``config``."""
+    targets = [config]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        targets.append(text)
+    for c in targets:
+        for key, value in ids.items():
+            setattr(c, key, value)
+        c.use_cache = True
+
+
+def _generation_config(source: Any, config: Any, ids: dict[str, int]) -> Any:
+    """The generation config to write: ``source``'s (or one from ``config``) with the tokenizer's ids and
+    ``use_cache=True``. An eos list that already holds the tokenizer's EOS (e.g. an end-of-turn id
+    beside it) is kept."""
+    from transformers import GenerationConfig
+
+    gen = copy.deepcopy(source) if source is not None else GenerationConfig.from_model_config(config)
+    for key, value in ids.items():
+        current = getattr(gen, key, None)
+        if key == "eos_token_id" and isinstance(current, list) and value in current:
+            continue
+        setattr(gen, key, value)
+    gen.use_cache = True
+    return gen
+
+
 def save_hf_state(
     cls: type,
     config: Any,
@@ -33,27 +97,44 @@ def save_hf_state(
     dtype: torch.dtype | None = None,
     source_model: nn.Module | None = None,
     tokenizer: Any = None,
+    save_tokenizer: bool = True,
+    processor: Any = None,
 ) -> None:
     """``save_pretrained`` of a weightless (meta-device) ``cls(config)`` with ``state`` as its weights.
 
     Args:
         cls: the ``PreTrainedModel`` class to write (``from_pretrained`` loads it back).
-        config: its config (deep-copied; ``config.dtype`` is set to the saved dtype).
+        config: its config (deep-copied; ``config.dtype`` is set to the saved dtype, ``use_cache`` to true,
+            the special-token ids to the tokenizer's, ``tie_word_embeddings`` to false when the saved input
+            and output embeddings differ).
         state: full (unsharded) tensors by parameter name.
         out: the directory written (safetensors, config, generation config).
         dtype: cast floating-point tensors to this dtype (None: as they are).
-        source_model: its ``generation_config`` is saved too, when it has one.
-        tokenizer: saved alongside (``tokenizer.save_pretrained``) when given.
+        source_model: its ``generation_config`` is the starting point of the one saved, when it has one.
+        tokenizer: gives the special-token ids; saved alongside (``tokenizer.save_pretrained``) when
+            ``save_tokenizer``.
+        processor: an image processor (VLMs), saved alongside (``preprocessor_config.json``) when given.
     """
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    config = copy.deepcopy(config)
+    ids = special_token_ids(tokenizer) if tokenizer is not None else {}
+    _set_generation_ids(config, ids)
     with torch.device("meta"):
-        skeleton = cls(copy.deepcopy(config))
+        skeleton = cls(config)
+    if getattr(config, "tie_word_embeddings", False) and embeddings_equal(skeleton, state) is False:
+        logger.info("export: the input and output embeddings differ, so tie_word_embeddings=false is written")
+        config.tie_word_embeddings = False
+        with torch.device("meta"):
+            skeleton = cls(config)
     export_dtype = dtype or next(iter(v.dtype for v in state.values() if v.is_floating_point()), None)
     if export_dtype is not None:
         skeleton.config.dtype = export_dtype
-    if getattr(source_model, "generation_config", None) is not None:
-        skeleton.generation_config = source_model.generation_config
+    skeleton.generation_config = _generation_config(
+        getattr(source_model, "generation_config", None), skeleton.config, ids
+    )
     skeleton.save_pretrained(out, state_dict=state)
-    if tokenizer is not None:
+    if tokenizer is not None and save_tokenizer:
         tokenizer.save_pretrained(out)
+    if processor is not None:
+        processor.save_pretrained(out)

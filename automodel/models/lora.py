@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,7 @@ def export_lora(
     merge: bool = False,
     dtype: torch.dtype | None = None,
     tokenizer: Any = None,
+    save_tokenizer: bool = True,
 ) -> Path | None:
     """Write the trained adapter (and optionally the merged model) under ``out_dir``. Collective.
 
@@ -233,7 +235,8 @@ def export_lora(
         section: its ``peft:`` section.
         dtype: cast floating-point weights of ``base/`` and ``merged/`` to this dtype after the merge
             (which runs in the training dtype); the adapter stays in the training dtype. None: as trained.
-        tokenizer: saved into each written directory when given.
+        tokenizer: gives the special-token ids of ``base/`` and ``merged/``; saved into each written
+            directory when given and ``save_tokenizer``.
 
     Returns:
         ``out_dir`` on rank 0, None on the others.
@@ -260,7 +263,8 @@ def export_lora(
         if base_model_name_or_path is None:
             base_dir = out / "base"
             base_state = {_hf_name(k): v for k, v in state.items() if k not in adapters}
-            save_hf_state(cls, config, base_state, base_dir, dtype=dtype, source_model=model, tokenizer=tokenizer)
+            save_hf_state(cls, config, base_state, base_dir, dtype=dtype, source_model=model, tokenizer=tokenizer,
+                          save_tokenizer=save_tokenizer)  # fmt: skip
             base_ref = str(base_dir.resolve())
         peft_model = _peft_skeleton(cls, config, section)
         result = peft_model.load_state_dict(
@@ -274,15 +278,18 @@ def export_lora(
             )
         peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = base_ref
         peft_model.save_pretrained(out / "adapter")
-        if tokenizer is not None:
+        if tokenizer is not None and save_tokenizer:
             tokenizer.save_pretrained(out / "adapter")
         if merge:
-            merged_state = peft_model.merge_and_unload().state_dict()
+            with warnings.catch_warnings():  # PEFT says "no longer tied" because assign=True loaded two
+                warnings.filterwarnings("ignore", "Input and output embeddings are no longer tied")  # tensors;
+                merged_state = peft_model.merge_and_unload().state_dict()  # save_hf_state compares their values
             still_meta = sorted(k for k, v in merged_state.items() if v.device.type == "meta")
             if still_meta:
                 raise RuntimeError(f"merged export: weights not gathered: {still_meta[:4]}")
             save_hf_state(
-                cls, config, merged_state, out / "merged", dtype=dtype, source_model=model, tokenizer=tokenizer
+                cls, config, merged_state, out / "merged", dtype=dtype, source_model=model, tokenizer=tokenizer,
+                save_tokenizer=save_tokenizer,
             )
         logger.info(
             "exported LoRA adapter to %s%s%s",

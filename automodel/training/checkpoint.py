@@ -6,7 +6,7 @@ Layout of one checkpoint ``<checkpoint dir>/step_<N>/``:
   ``torch.distributed.checkpoint`` (each rank writes its FSDP shards; loads reshard).
 - ``rank_<r>.pt``: the LR scheduler, step counter and dataloader position (identical on all
   ranks, kept with each for simplicity) and this rank's RNG states.
-- ``meta.json``: step, the parallel layout and the global batch size. The completion marker:
+- ``meta.json``: step, the parallel layout, the global batch size and the LR schedule. The completion marker:
   written (and fsynced) last, after every rank has finished its files.
 
 Crash safety: a checkpoint is written to ``step_<N>.tmp``; after every rank has finished, rank 0
@@ -193,7 +193,9 @@ class Checkpointer:
         keep_last: int | None = None,
         trainable_only: bool = False,
         global_batch_size: int | None = None,
+        schedule: dict[str, Any] | None = None,
     ):
+        self.schedule = schedule  # recorded in meta.json: a resume compares it (training.resume_policy)
         self.root = Path(root)
         self.layout = layout
         self.keep_last = keep_last
@@ -264,6 +266,7 @@ class Checkpointer:
                 "layout": self.layout.__dict__,
                 "global_batch_size": self.global_batch_size,
                 "trainable_only": self.trainable_only,
+                "schedule": self.schedule,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             }
             _write_synced(tmp / "meta.json", json.dumps(meta, indent=2))  # the completion marker

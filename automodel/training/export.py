@@ -31,6 +31,8 @@ def export_hf_model(
     *,
     dtype: torch.dtype | None = None,
     tokenizer: Any = None,
+    save_tokenizer: bool = True,
+    processor: Any = None,
 ) -> Path | None:
     """Gather the full weights and write ``out_dir`` on rank 0. Collective; returns the path on rank 0.
 
@@ -38,7 +40,9 @@ def export_hf_model(
         model: the (FSDP2-sharded or plain) HF causal LM.
         out_dir: target directory (created).
         dtype: cast floating-point weights to this dtype (None: as trained); ``config.dtype`` follows.
-        tokenizer: saved alongside (``tokenizer.save_pretrained``) when given.
+        tokenizer: gives the special-token ids of the config and generation config; saved alongside
+            (``tokenizer.save_pretrained``) when ``save_tokenizer``.
+        processor: a VLM's image processor, saved alongside when given.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -49,8 +53,9 @@ def export_hf_model(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         save_hf_state(
-            original_model_class(model), model.config, state, out, dtype=dtype, source_model=model, tokenizer=tokenizer
-        )
+            original_model_class(model), model.config, state, out, dtype=dtype, source_model=model,
+            tokenizer=tokenizer, save_tokenizer=save_tokenizer, processor=processor,
+        )  # fmt: skip
         logger.info("exported Hugging Face model to %s", out)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

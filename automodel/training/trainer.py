@@ -17,11 +17,11 @@ this file wires them in order:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +42,13 @@ from automodel.training.checkpoint import Checkpointer, CheckpointLayout, Sigter
 from automodel.training.elastic import reseed_for_step
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.optim import clip_grad_norm
+from automodel.training.resume_policy import (
+    apply_schedule,
+    check_resume_schedule,
+    run_identity,
+    schedule_of,
+    write_run_identity,
+)
 from automodel.training.row_padding import pad_multiple
 from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
 from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
@@ -73,6 +80,7 @@ class TrainResult:
     export_dir: Path | None = None
     metrics_path: Path | None = None
     plot_path: Path | None = None
+    samples_path: Path | None = None
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
 
@@ -135,16 +143,20 @@ class FinetuneTrainer:
         self.dp_group = dp_mesh.get_group()
         self.dp_cp_group = get_submesh(self.mesh, "dp_cp").get_group()
 
-        self.run_dir = shared_run_dir(cfg.recipe, cfg.checkpoint)
+        identity, run_notes = run_identity(self.loaded.effective), []  # resume=auto: a run of this config only
+        self.run_dir = shared_run_dir(cfg.recipe, cfg.checkpoint, identity, run_notes)
         from automodel.training.logs import setup_logging
 
         setup_logging(self.run_dir, self.rank, cfg.logging.level)
+        for level, note in run_notes:
+            logger.log(level, note)
         if self.rank == 0:
             from omegaconf import OmegaConf
 
             (self.run_dir / "config.yaml").write_text(
                 OmegaConf.to_yaml(OmegaConf.create(self.loaded.effective))
             )
+            write_run_identity(self.run_dir, identity)
         logger.info("run directory: %s", self.run_dir)
         logger.info(
             "world %d on %s: dp_replicate=%d dp_shard=%d cp=%d tp=%d (cp_method=%s)",
@@ -261,16 +273,19 @@ class FinetuneTrainer:
             )
         sched = cfg.step_scheduler
         self.grad_acc = sched.global_batch_size // (sched.local_batch_size * self.dp_size)
-        logger.info(
-            "data: %d train rows (%d per epoch-step grid), global batch %d = local %d x dp %d x grad_acc %d, seq_len %d",
-            len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else -1,  # -1: streaming
-            len(self.train_loader) if hasattr(self.train_loader, "__len__") else -1,
-            sched.global_batch_size,
-            sched.local_batch_size,
-            self.dp_size,
-            self.grad_acc,
-            cfg.data.seq_len,
+        from automodel.data.epoch_plan import epoch_plan
+
+        plan = epoch_plan(
+            len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,  # None: streaming
+            global_batch_size=sched.global_batch_size,
+            local_batch_size=sched.local_batch_size,
+            dp_size=self.dp_size,
+            drop_last=cfg.data.drop_last,
+            seq_len=cfg.data.seq_len,
         )
+        logger.info("%s", plan.line)
+        if plan.warning:
+            logger.warning("%s", plan.warning)
 
         # ---- model
         self.model = build_model(
@@ -388,6 +403,7 @@ class FinetuneTrainer:
             keep_last=cfg.checkpoint.keep_last,
             trainable_only=cfg.peft is not None,
             global_batch_size=cfg.step_scheduler.global_batch_size,
+            schedule=schedule_of(self.loaded.effective),
         )
 
     def _maybe_resume(self) -> None:
@@ -412,8 +428,15 @@ class FinetuneTrainer:
                 f"set checkpoint.resume=false to start fresh, checkpoint.resume=auto to resume only if one "
                 f"exists, or checkpoint.resume_from=<step_N directory>"
             )
+        changes = check_resume_schedule(path, self.loaded.effective, self.scheduler, ck.allow_schedule_change)
         payload = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler, self.train_loader)
         self.step = int(payload["step"])
+        if changes:  # allowed: this run's schedule from here on (the checkpoint restored the old base lr)
+            apply_schedule(self.optimizer, self.scheduler, self.cfg.optimizer.get("lr"))
+            logger.warning(
+                "checkpoint.allow_schedule_change=true: resuming %s with a changed LR schedule (%s); step %d "
+                "trains at lr %.4g", path, "; ".join(changes), self.step + 1, self.optimizer.param_groups[0]["lr"],
+            )  # fmt: skip
         self.resumed_from = path
         if self.step >= self.cfg.step_scheduler.max_steps:
             logger.warning(
@@ -563,13 +586,15 @@ class FinetuneTrainer:
         result = TrainResult(run_dir=self.run_dir, start_step=self.step, final_step=self.step)
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
         result.metrics_path = metrics.path
-        bar = None
-        if self.rank == 0 and cfg.logging.progress_bar:
-            from tqdm import tqdm
+        from automodel.training.step_log import format_step_line, progress_bar, should_log_step
+        from automodel.training.trackers import Trackers
 
-            bar = tqdm(
-                total=sched.max_steps, initial=self.step, desc="train", dynamic_ncols=True, file=sys.stderr
-            )
+        trackers = Trackers(cfg.logging, self.run_dir, cfg.recipe.name, self.loaded.effective, self.rank == 0)
+        display = contextlib.ExitStack()  # the trackers and the bar (a terminal only), closed in `finally`
+        display.callback(trackers.close)
+        bar = display.enter_context(
+            progress_bar(self.rank == 0 and cfg.logging.progress_bar, sched.max_steps, self.step)
+        )
         batches = self._train_batches()
         t_start = time.perf_counter()
         tok_rates: list[float] = []
@@ -592,6 +617,11 @@ class FinetuneTrainer:
                     if self.step > result.start_step + 1 or sched.max_steps - result.start_step == 1:
                         tok_rates.append(record["tokens_per_s"])  # the first step includes warm-up
                     metrics.write(record)
+                    trackers.log(record)
+                    if self.rank == 0 and should_log_step(
+                        self.step, cfg.logging.log_every_steps, result.start_step, sched.max_steps
+                    ):
+                        logger.info("%s", format_step_line(record, sched.max_steps))
                     if bar is not None:
                         bar.set_postfix(
                             loss=f"{record['loss']:.4f}",
@@ -606,6 +636,7 @@ class FinetuneTrainer:
                         val = self.validate()
                         result.val_losses[self.step] = val
                         metrics.write({"type": "val", "step": self.step, "val_loss": val})
+                        trackers.log({"type": "val", "step": self.step, "val_loss": val})
                         logger.info("step %d: validation loss %.4f", self.step, val)
                     if self.hooks.on_step_end is not None:
                         self.hooks.on_step_end(self.step, record)
@@ -628,8 +659,7 @@ class FinetuneTrainer:
                         logger.warning("stopped by SIGTERM after step %d", self.step)
                         break
         finally:
-            if bar is not None:
-                bar.close()
+            display.close()
         result.final_step = self.step
         result.wall_time_s = time.perf_counter() - t_start
         result.tokens_per_s = float(np.mean(tok_rates)) if tok_rates else 0.0
@@ -639,6 +669,8 @@ class FinetuneTrainer:
             result.last_checkpoint = self.save_checkpoint()
         if finished and cfg.export.enabled:
             result.export_dir = self.export()
+            if cfg.recipe.sample_prompts and self.rank == 0:
+                result.samples_path = self.sample(result.export_dir)
         metrics.close()
         if self.rank == 0:
             if cfg.logging.plot and result.losses:
@@ -666,16 +698,29 @@ class FinetuneTrainer:
                 base_model_name_or_path=self.cfg.model.pretrained_model_name_or_path,
                 merge=ex.merge_lora,
                 dtype=torch_dtype(ex.dtype) if ex.dtype else None,
-                tokenizer=self.tokenizer if ex.save_tokenizer else None,
+                tokenizer=self.tokenizer,  # its special-token ids go into the exported configs
+                save_tokenizer=ex.save_tokenizer,
             )
             return out
         export_hf_model(
             self.model,
             out,
             dtype=torch_dtype(ex.dtype) if ex.dtype else None,
-            tokenizer=self.tokenizer if ex.save_tokenizer else None,
+            tokenizer=self.tokenizer,  # its special-token ids go into the exported configs
+            save_tokenizer=ex.save_tokenizer,
+            processor=getattr(self.train_dataset, "image_processor", None),  # a VLM's, for the export
         )
         return out
+
+    def sample(self, export_dir: Path) -> Path:
+        """Rank 0: ``recipe.sample_prompts`` completed by the exported model -> ``<run dir>/samples.jsonl``."""
+        from automodel.models.hf_save import original_model_class
+        from automodel.training.samples import generate_samples, load_exported_model, write_samples
+
+        r = self.cfg.recipe
+        model = load_exported_model(export_dir, original_model_class(self.model), self.device)
+        samples = generate_samples(model, self.tokenizer, list(r.sample_prompts), r.sample_max_new_tokens, self.device)
+        return write_samples(samples, self.run_dir / "samples.jsonl")
 
     def _write_summary(self, result: TrainResult) -> None:
         losses = result.losses

@@ -53,7 +53,7 @@ def pair(rank: int, world_size: int, out: str) -> dict:
 
 def single(rank: int, world_size: int, out: str, export: str) -> dict:
     """World 1: the cp=1 reference, and the ring run's export loaded with from_pretrained."""
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     ref = _run(world_size, Path(out), "ref", ["distributed.cp_size=1"])
     loaded = AutoModelForImageTextToText.from_pretrained(export)
@@ -63,4 +63,5 @@ def single(rank: int, world_size: int, out: str, export: str) -> dict:
         "loaded_state": {k: v.detach().clone() for k, v in loaded.state_dict().items()},
         "loaded_dtype": str(next(loaded.parameters()).dtype),
         "export_files": sorted(p.name for p in Path(export).iterdir()),
+        "processor": AutoImageProcessor.from_pretrained(export).to_dict(),  # the export includes the processor
     }

@@ -1,0 +1,75 @@
+"""A few completions from the trained model at the end of a run (``recipe.sample_prompts``).
+
+Rank 0 loads the model the run just exported (so what is sampled is what a user gets:
+``from_pretrained`` of ``hf_model/``, or of ``merged/`` / base + ``adapter/`` for a LoRA run) and
+decodes each prompt greedily with the exported generation config (KV cache on, stopping at the
+tokenizer's EOS), at most ``recipe.sample_max_new_tokens`` new tokens. The completions go to
+``<run dir>/samples.jsonl`` (one ``{prompt, completion, new_tokens, stopped_at_eos}`` per line) and
+to the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["load_exported_model", "generate_samples", "write_samples"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_exported_model(export_dir: Path, cls: type, device: torch.device) -> Any:
+    """The model of an export directory, in eval mode on ``device``.
+
+    ``export_dir`` is an :func:`~automodel.training.export.export_hf_model` directory, or a LoRA export
+    (``merged/`` when written, else the adapter on its base).
+    """
+    if (export_dir / "adapter").is_dir():
+        if (export_dir / "merged").is_dir():
+            model = cls.from_pretrained(str(export_dir / "merged"))
+        else:
+            from peft import PeftConfig, PeftModel
+
+            base_ref = PeftConfig.from_pretrained(str(export_dir / "adapter")).base_model_name_or_path
+            model = PeftModel.from_pretrained(cls.from_pretrained(base_ref), str(export_dir / "adapter"))
+    else:
+        model = cls.from_pretrained(str(export_dir))
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def generate_samples(
+    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, device: torch.device
+) -> list[dict[str, Any]]:
+    """Greedy completions of ``prompts`` (one at a time, no padding), with the model's generation config."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)  # [1, P] int64
+        gen = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+        new = gen[0, ids.shape[1] :].tolist()
+        stopped = eos is not None and len(new) > 0 and new[-1] == eos
+        out.append(
+            {
+                "prompt": prompt,
+                "completion": tokenizer.decode(new, skip_special_tokens=True),
+                "new_tokens": len(new),
+                "stopped_at_eos": stopped,
+            }
+        )
+    return out
+
+
+def write_samples(samples: list[dict[str, Any]], path: Path) -> Path:
+    """``samples`` as JSON lines at ``path``; each also logged. Returns ``path``."""
+    with path.open("w", encoding="utf-8") as fh:
+        for s in samples:
+            fh.write(json.dumps(s, ensure_ascii=False) + "\n")
+            logger.info("sample: %r -> %r%s", s["prompt"], s["completion"], " [EOS]" if s["stopped_at_eos"] else "")
+    return path

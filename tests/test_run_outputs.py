@@ -1,0 +1,149 @@
+"""What a run leaves for its user, through the recipe (one world-1 launch: tests/workers/run_outputs_worker.py).
+
+- step lines every ``logging.log_every_steps`` on stdout and in ``logs/rank_0.log``; no tqdm frames
+  without a terminal;
+- TensorBoard event files and an offline Weights & Biases run, read back: the per-step losses equal
+  ``metrics.jsonl``;
+- ``recipe.sample_prompts`` -> ``samples.jsonl``;
+- ``checkpoint.resume=auto`` passes over a run of another config (naming the key), finds the run of the
+  same config, refuses a changed ``max_steps`` and continues with it once
+  ``checkpoint.allow_schedule_change=true``.
+
+The trackers are extras (``pip install -e '.[tensorboard,wandb]'``, which scripts/setup.sh installs):
+outside CI (``CI`` or ``AUTOMODEL_REQUIRE_EXTRAS`` unset) the module is skipped without them; in CI a
+missing one fails.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from automodel.training.lr_schedule import warmup_cosine_factor
+from automodel.training.metrics import read_metrics
+from tests.dist_harness import run_distributed
+
+pytestmark = pytest.mark.dist
+PROMPT = "the model of a small"
+
+
+def _require(module: str):
+    if os.environ.get("CI") or os.environ.get("AUTOMODEL_REQUIRE_EXTRAS"):
+        return importlib.import_module(module)  # CI installs the extras: a missing one is a failure
+    return pytest.importorskip(module, reason=f"the {module} extra is not installed")
+
+
+_require("tensorboard")
+_require("wandb")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run_outputs")
+    (res,) = run_distributed(
+        "tests.workers.run_outputs_worker:main", world_size=1, timeout=500, out=str(out), prompt=PROMPT
+    )
+    return res
+
+
+def _train_losses(run_dir: str) -> dict[int, float]:
+    """Run A's steps 1-4 from metrics.jsonl (run D later appends its steps 5, 6 to the same file)."""
+    records = read_metrics(Path(run_dir) / "metrics.jsonl")
+    return {r["step"]: r["loss"] for r in records if r["type"] == "train" and r["step"] <= 4}
+
+
+def test_step_lines_on_stdout_and_in_the_rank0_log(runs):
+    a = runs["a"]
+    for text in (a["stdout"], a["rank0_log"]):
+        lines = [ln for ln in text.splitlines() if " step " in ln and " | loss " in ln]
+        assert [ln.split(" step ")[1].split(" |")[0] for ln in lines] == ["1/4", "2/4", "4/4"]
+        for key in ("| lr ", "| grad norm ", " tokens/s (", "/device)", " s/step", "| peak mem "):
+            assert all(key in ln for ln in lines), key
+        assert f"loss {a['losses'][2]:.4f}" in lines[1]
+    assert "\r" not in a["stdout"] and "train:" not in a["stdout"]  # no tqdm frame without a terminal
+
+
+def test_tensorboard_events_hold_the_per_step_losses(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = Path(runs["a"]["run_dir"])
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    got = {e.step: e.value for e in acc.Scalars("train/loss")}
+    want = _train_losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4] and all(math.isclose(got[s], want[s], rel_tol=1e-6) for s in want)
+    assert sorted(e.step for e in acc.Scalars("val/loss")) == [2, 4]
+
+
+def _wandb_records(path: str) -> list[bytes]:
+    """The records of a ``.wandb`` file (a LevelDB-style log: 7-byte file header, 32 KiB blocks of
+    ``crc32 | length u16 | type u8`` chunks; type 1 full, 2 first, 3 middle, 4 last)."""
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, block, out, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and n == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        if kind == 1:
+            out.append(chunk)
+        elif kind == 2:
+            buf = chunk
+        elif kind == 3:
+            buf += chunk
+        elif kind == 4:
+            out.append(buf + chunk)
+    return out
+
+
+def test_wandb_offline_run_holds_the_per_step_losses(runs):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    run_dir = Path(runs["a"]["run_dir"])
+    path = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))[0]  # A's (D's is later)
+    got = {}
+    for raw in _wandb_records(path):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            if "train/loss" in items:
+                got[items["_step"]] = items["train/loss"]
+    want = _train_losses(run_dir)
+    assert sorted(got) == [1, 2, 3, 4] and all(math.isclose(got[s], want[s], rel_tol=1e-9) for s in want)
+
+
+def test_samples_written_from_the_exported_model(runs):
+    (line,) = [json.loads(x) for x in Path(runs["a"]["samples_path"]).read_text().splitlines()]
+    assert line["prompt"] == PROMPT and 1 <= line["new_tokens"] <= 5 and isinstance(line["completion"], str)
+    assert line["stopped_at_eos"] == (line["new_tokens"] < 5)
+
+
+def test_resume_auto_passes_over_another_config_and_says_why(runs):
+    a, b = runs["a"], runs["b"]
+    assert b["run_dir"] != a["run_dir"] and b["start_step"] == 0
+    assert Path(a["run_dir"]).name in b["stdout"] and "data.seq_len: 128 -> 64" in b["stdout"]
+
+
+def test_schedule_change_on_resume_is_refused_then_explicit(runs):
+    err = runs["c_error"]
+    assert err is not None and "step_scheduler.max_steps: 4 -> 6" in err and "step 4" in err
+    assert "checkpoint.allow_schedule_change=true" in err and "step 5 would train at lr" in err
+    d = runs["d"]
+    assert d["run_dir"] == runs["a"]["run_dir"] and d["start_step"] == 4 and sorted(d["losses"]) == [5, 6]
+    assert "allow_schedule_change=true: resuming" in d["stdout"] and "step_scheduler.max_steps: 4 -> 6" in d["stdout"]
+    # the last step (6, 0-based 5) ran at the new schedule's lr; lr_last is the lr after it (0-based 6)
+    assert d["lr_last"] == pytest.approx(3e-3 * warmup_cosine_factor(6, 6, 2, 0.1))
