@@ -10,6 +10,8 @@ NVLink: the dry run warns about it. Pure arithmetic: no process group.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = ["MESH_DIMS", "mesh_groups", "cp_sub_group_ranks", "node_of", "NodePlan", "plan_nodes", "planned_nodes", "node_plan_lines"]
@@ -165,6 +167,12 @@ def node_plan_lines(
                 if block > nproc_per_node
                 else f"make {what} (now {block}) divide the processes per node ({nproc_per_node})"
             )
+            inner = math.gcd(sizes["cp"], max(1, nproc_per_node // sizes["tp"]))
+            if name == "cp" and inner > 1:
+                fix += (
+                    f"; or distributed.cp_method=usp with distributed.ulysses_size={inner} (all-to-all inside each "
+                    "node, only its ring crosses nodes)"
+                )
             out.append(
                 f"warning: {len(bad)} of {total} {name} group(s) of {size} ranks span nodes (e.g. ranks "
                 f"{_ranks(bad[0])} on nodes {sorted({node_of(r, nproc_per_node) for r in bad[0]})}): their "
