@@ -2,7 +2,8 @@
 "node" (``--node-rank n``) with a static rendezvous on 127.0.0.1, as a cluster's job script would.
 
 Every launch runs in its own session; if one exits non-zero or the deadline passes, all of them are
-killed (their whole process groups) at once, so a failed node never leaves the others waiting for it.
+stopped at once (SIGTERM: torchrun stops its workers; SIGKILL after 10 s), so a failed node never
+leaves the others waiting for it.
 """
 
 from __future__ import annotations
@@ -19,15 +20,26 @@ from tests.dist_harness import REPO_ROOT, free_port
 __all__ = ["launch_nodes"]
 
 
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _kill(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.wait(10)
+    """Stop every launch still running: SIGTERM first (torchrun then stops its workers, which run in
+    sessions of their own), SIGKILL to what is left after 10 s."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for p in running:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal(p, signal.SIGKILL)
+            p.wait(10)
 
 
 def launch_nodes(module: str, args: list[str], nnodes: int, nproc_per_node: int, timeout: float, log_dir: Path) -> None:

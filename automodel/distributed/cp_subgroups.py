@@ -68,7 +68,8 @@ class UspGroups:
     ring_rank: int
 
 
-_CACHE: dict[tuple[tuple[int, ...], int], UspGroups] = {}
+# (CP ranks, U) -> (the default group they were built under, the groups): rebuilt after a new init_process_group
+_CACHE: dict[tuple[tuple[int, ...], int], tuple[Any, UspGroups]] = {}
 
 
 def usp_process_groups(cp_group: Any, cp_size: int, cp_rank: int, ulysses_size: int) -> UspGroups:
@@ -92,7 +93,8 @@ def usp_process_groups(cp_group: Any, cp_size: int, cp_rank: int, ulysses_size: 
         return UspGroups(None, 1, 0, None, 1, 0)
     ranks = tuple(dist.get_process_group_ranks(cp_group))
     key = (ranks, ulysses_size)
-    if key not in _CACHE:
+    world_group = dist.group.WORLD
+    if key not in _CACHE or _CACHE[key][0] is not world_group:
         ulysses, ring = usp_rank_groups(ranks, ulysses_size)
         if ulysses_size == 1:
             u_group, r_group = None, cp_group
@@ -101,5 +103,5 @@ def usp_process_groups(cp_group: Any, cp_size: int, cp_rank: int, ulysses_size: 
         else:
             u_group = dist.new_group(ulysses[ring_rank], use_local_synchronization=True)
             r_group = dist.new_group(ring[ulysses_rank], use_local_synchronization=True)
-        _CACHE[key] = UspGroups(u_group, ulysses_size, ulysses_rank, r_group, ring_size, ring_rank)
-    return _CACHE[key]
+        _CACHE[key] = (world_group, UspGroups(u_group, ulysses_size, ulysses_rank, r_group, ring_size, ring_rank))
+    return _CACHE[key][1]

@@ -10,7 +10,7 @@ Checks, in one launched group:
   sub-group across both nodes;
 - **library parity** against one process: every document run alone through the unswitched model
   (tests/workers/thd_attention_worker.py's reference), loss and every gradient, in fp64 and fp32, on
-  packed rows and on plain rows, for 6 query heads (Ulysses alone cannot split them over cp=4) with 2 KV
+  packed rows and on plain rows (fp64), for 6 query heads (Ulysses alone cannot split them over cp=4) with 2 KV
   heads, and 4 query heads with 1 KV head (replicated over the Ulysses sub-group);
 - a negative control: the unswitched model on the local tokens is far from the reference.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -110,8 +111,7 @@ def check(rank: int, world_size: int, node: int | None = None) -> dict:
         ("packed", torch.float64, 6, 2),
         ("plain", torch.float64, 6, 2),
         ("packed", torch.float64, 4, 1),  # 1 KV head < ulysses_size 2: replicated
-        ("packed", torch.float32, 6, 2),
-        ("plain", torch.float32, 6, 2),
+        ("packed", torch.float32, 6, 2),  # fp32 is also held by the recipe runs (tests/workers/usp_recipe_worker.py)
     ]
     for kind, dtype, heads, kv in cases:
         rows = docs(PACKED_DOCS if kind == "packed" else PLAIN_DOCS, seed=heads + kv)
@@ -158,7 +158,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     path = Path(args.out) / f"rank{rank}.pt"
     try:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=90))  # an orphaned rank gives up
         node = int(os.environ["GROUP_RANK"])  # torchrun's node rank (--node-rank)
         result = check(rank, dist.get_world_size(), node=node)
         torch.save({"ok": True, "result": result}, path)
