@@ -1,10 +1,11 @@
 """configs/cp_packed.yaml with ``cp_method: usp`` in the recipe on gloo ranks (see tests/test_usp.py).
 
-``quad`` (4 ranks): usp cp=4 = ulysses 2 x ring 2 on packed rows (documents padded to 2*cp=8
+``quad`` (4 ranks; run inside the simulated two-node launch of tests/workers/usp_worker.py): usp
+cp=4 = ulysses 2 x ring 2 on packed rows (documents padded to 2*cp=8
 automatically, with the CP self-check) and on plain rows, plus the dry run's report for 2 nodes x 2.
 ``single`` (1 rank): the same runs at cp=1 (packed documents padded to 8 by hand, so the rows are the
 same). The model has 6 query heads (Ulysses alone cannot split them over cp=4) and 3 KV heads (not
-divisible by ulysses_size 2: replicated). Every run: recipe_worker's tiny fp32 overrides, 4 steps of 4 rows.
+divisible by ulysses_size 2: replicated). Every run: recipe_worker's tiny fp32 overrides, 2 steps of 4 rows.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ MODEL = [
     "model.config.hidden_size=48",
     "model.config.num_attention_heads=6",
     "model.config.num_key_value_heads=3",
-    "step_scheduler.max_steps=4",
-    "step_scheduler.val_every_steps=4",
+    "step_scheduler.max_steps=2",
+    "step_scheduler.val_every_steps=2",
     "step_scheduler.val_max_batches=1",
     "step_scheduler.global_batch_size=4",  # grad_acc 2 at dp 1: half the micro-steps of recipe_worker's runs
 ]

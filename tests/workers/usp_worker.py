@@ -1,7 +1,8 @@
 """USP (hybrid Ulysses x ring) on 4 ranks = cp 4 = ulysses 2 x ring 2 (tests/test_usp.py).
 
 Run as a simulated two-node launch (``torchrun --nnodes 2 --nproc-per-node 2`` twice, static rendezvous
-on 127.0.0.1; ``python -m tests.workers.usp_worker --out DIR``): every rank writes ``rank<R>.pt``.
+on 127.0.0.1; ``python -m tests.workers.usp_worker --out DIR [--recipe-out DIR]``): every rank writes
+``rank<R>.pt``.
 
 Checks, in one launched group:
 
@@ -12,7 +13,8 @@ Checks, in one launched group:
   (tests/workers/thd_attention_worker.py's reference), loss and every gradient, in fp64 and fp32, on
   packed rows and on plain rows (fp64), for 6 query heads (Ulysses alone cannot split them over cp=4) with 2 KV
   heads, and 4 query heads with 1 KV head (replicated over the Ulysses sub-group);
-- a negative control: the unswitched model on the local tokens is far from the reference.
+- a negative control: the unswitched model on the local tokens is far from the reference;
+- with ``--recipe-out``: the recipe runs of tests/workers/usp_recipe_worker.py (``quad``) on the same nodes.
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--recipe-out", default=None, help="also run the recipe checks, writing runs here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -161,6 +164,10 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=timedelta(seconds=90))  # an orphaned rank gives up
         node = int(os.environ["GROUP_RANK"])  # torchrun's node rank (--node-rank)
         result = check(rank, dist.get_world_size(), node=node)
+        if args.recipe_out:  # the recipe at cp=4 = 2 x 2 on the same two nodes (tests/workers/usp_recipe_worker.py)
+            from tests.workers.usp_recipe_worker import quad
+
+            result["recipe"] = quad(rank, dist.get_world_size(), args.recipe_out)
         torch.save({"ok": True, "result": result}, path)
         dist.barrier()
         dist.destroy_process_group()
