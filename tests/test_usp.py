@@ -195,6 +195,7 @@ def test_two_node_run_matches_one_process(two_nodes, case, tol):
         assert got["loss_rel"] <= tol and got["grad_rel"] <= 10 * tol, (case, got)
         assert got["local_tokens"] * 4 == got["total_tokens"]
     assert ranks[0]["negative_control_grad_rel"] > 1e-2  # the comparison can fail
+    assert all("no USP attention ran inside the USP context" in r["forgotten_switch"] for r in ranks)
 
 
 # ------------------------------------------------------------------ recipe parity at cp=4 = 2 x 2

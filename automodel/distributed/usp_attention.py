@@ -96,13 +96,19 @@ def current_usp_context() -> UspContext | None:
 def usp_context(ctx: UspContext, thd: contextlib.AbstractContextManager) -> Iterator[UspContext]:
     """Make ``ctx`` (and the ring's THD context ``thd``) active; a block that ran no USP attention call
     raises ``RuntimeError`` on exit (the model was not switched with :func:`set_usp_attention`)."""
-    start = ctx.calls
-    with thd:
-        _STACK.append(ctx)
-        try:
-            yield ctx
-        finally:
-            _STACK.remove(ctx)
+    start, body_done = ctx.calls, False
+    try:
+        with thd:
+            _STACK.append(ctx)
+            try:
+                yield ctx
+            finally:
+                _STACK.remove(ctx)
+            body_done = True
+    except RuntimeError:
+        if not (body_done and ctx.calls == start):
+            raise
+        # the THD context's own no-attention error: reported as USP's below
     if ctx.calls == start:
         raise RuntimeError(
             "no USP attention ran inside the USP context: the model still uses another attention implementation, "

@@ -104,7 +104,7 @@ def placement(mesh, node: int) -> dict:
 
 def check(rank: int, world_size: int, node: int | None = None) -> dict:
     from automodel.distributed.mesh import ParallelDims
-    from automodel.distributed.usp_attention import set_usp_attention
+    from automodel.distributed.usp_attention import make_usp_batch_and_ctx, set_usp_attention
 
     assert world_size == 4, world_size
     mesh = ParallelDims(cp=4, world_size=world_size).build_mesh("cpu")
@@ -146,6 +146,13 @@ def check(rank: int, world_size: int, node: int | None = None) -> dict:
             for g in wrong_grads.values():
                 dist.all_reduce(g)
             out["negative_control_grad_rel"] = max(rel(wrong_grads[n], ref_grads[n]) for n in ref_grads)
+            # and the USP context notices a model that was not switched
+            ctx, local = make_usp_batch_and_ctx(mesh, batch, ulysses_size=ULYSSES)
+            try:
+                with ctx(), torch.no_grad():
+                    ref_model(input_ids=local["input_ids"], position_ids=local["position_ids"])
+            except RuntimeError as err:
+                out["forgotten_switch"] = str(err)
     return out
 
 
