@@ -144,7 +144,8 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                 "num_attention_heads", model.config.get("num_attention_heads")
             )
             if isinstance(heads, int) and heads >= 1:
-                problem = method.head_split_problem(heads, d.cp_size, d.tp_size)
+                configured = method.configured(cfg) if not method.key_problems(cfg) else method
+                problem = configured.head_split_problem(heads, d.cp_size, d.tp_size)
                 if problem is not None:
                     problems.append(problem.replace("the model has", "model.config has", 1))
 

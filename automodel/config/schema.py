@@ -73,13 +73,14 @@ class DistributedSection:
     dp_shard: int = -1  # -1: world_size // (dp_replicate * cp_size * tp_size)
     cp_size: int = 1
     tp_size: int = 1
-    cp_method: str = "ring"  # ring | ulysses | thd: a method registered in automodel.distributed.cp
+    cp_method: str = "ring"  # ring | ulysses | thd | usp: a method registered in automodel.distributed.cp
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     enable_loss_parallel: bool = False  # tp_size > 1: vocabulary-sharded logits and loss (loss_parallel())
     sequence_parallel: bool = False  # tp_size > 1: norms and the residual stream hold 1/tp of the tokens
     enable_compiled_autograd: bool = False
     thd_kernel: str = "portable"  # cp_method=thd: portable (exact, any device) | flash_attn | te (CUDA)
     thd_cp_comm_type: str = "p2p"  # cp_method=thd with thd_kernel=te: p2p | all_gather | a2a | a2a+p2p
+    ulysses_size: int | None = None  # cp_method=usp: Ulysses sub-group size (divides cp_size; ring = cp_size / it)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from automodel.distributed.cp import ModelProfile, check_model_config_for_cp, profile_model
+from automodel.distributed.cp import ModelProfile, check_model_config_for_cp, get_cp_method, profile_model
 
 __all__ = ["check_model_for_cp_run", "profile_for_run"]
 
@@ -47,5 +47,6 @@ def check_model_for_cp_run(
     if d.cp_size <= 1:
         return None
     profile = profile_for_run(cfg, resolved, attn_implementation, model)
-    check_model_config_for_cp(d.cp_method, profile, d.cp_size, d.tp_size, seq_len=cfg.data.seq_len)
+    method = get_cp_method(d.cp_method).configured(cfg)  # its options bound (usp: the heads over ulysses_size)
+    check_model_config_for_cp(method, profile, d.cp_size, d.tp_size, seq_len=cfg.data.seq_len)
     return profile

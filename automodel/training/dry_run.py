@@ -104,7 +104,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         f"cp {sizes['cp']} x tp {sizes['tp']}; dp = {sizes['dp']}; FSDP shards over dp_shard_cp = {fsdp_size}"
         + (f" (HSDP: replicated {sizes['dp_replicate']}x)" if sizes["dp_replicate"] > 1 else "")
     )
-    method = get_cp_method(d.cp_method)
+    method = get_cp_method(d.cp_method).configured(cfg)  # with its options bound (usp: ulysses_size)
     out.append(method.describe(seq, sizes["cp"]))
     out.append(
         f"global batch {sched.global_batch_size} rows = local {sched.local_batch_size} x dp {sizes['dp']} x grad_acc "
@@ -122,7 +122,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         out.append(f"... ({len(layout) - 64} more ranks, same pattern)")
     nodes = planned_nodes(cfg.recipe.plan_nnodes, cfg.recipe.plan_nproc_per_node, world)
     if nodes is not None:  # recipe.plan_nnodes / plan_nproc_per_node: ranks per node, groups vs nodes
-        out.extend(node_plan_lines(sizes, *nodes))
+        out.extend(node_plan_lines(sizes, *nodes, cp_sub_groups=method.cp_sub_groups(sizes["cp"])))
 
     # ---------------------------------------------------------------- model
     resolved = resolve_model_config(cfg.model, dry_run=True)

@@ -10,9 +10,11 @@ NVLink: the dry run warns about it. Pure arithmetic: no process group.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-__all__ = ["MESH_DIMS", "mesh_groups", "node_of", "NodePlan", "plan_nodes", "planned_nodes", "node_plan_lines"]
+__all__ = ["MESH_DIMS", "mesh_groups", "cp_sub_group_ranks", "node_of", "NodePlan", "plan_nodes", "planned_nodes", "node_plan_lines"]
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -92,11 +94,53 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def node_plan_lines(sizes: dict[str, int], nnodes: int, nproc_per_node: int) -> list[str]:
+def cp_sub_group_ranks(sizes: dict[str, int], cp_sub_groups: list[tuple[str, int, bool]]) -> list[list[list[int]]]:
+    """Per CP sub-group kind (innermost first, as :meth:`CPMethod.cp_sub_groups` lists them), its groups of
+    global ranks: the innermost kind holds consecutive CP ranks, the next kind ranks that many apart, ...
+    E.g. cp 4 = ulysses 2 x ring 2 on 4 ranks: ``[[[0, 1], [2, 3]], [[0, 2], [1, 3]]]``."""
+    out: list[list[list[int]]] = [[] for _ in cp_sub_groups]
+    shape = [size for _, size, _ in reversed(cp_sub_groups)]  # outermost first: CP rank = row-major index
+    for group in mesh_groups(sizes, ("cp",)):
+        grid = np.array(group).reshape(shape)
+        for i in range(len(cp_sub_groups)):
+            axis = len(shape) - 1 - i
+            rows = np.moveaxis(grid, axis, -1).reshape(-1, shape[axis])
+            out[i].extend(sorted(int(r) for r in row) for row in rows)
+    return out
+
+
+def _cp_sub_group_lines(
+    sizes: dict[str, int], nproc_per_node: int, cp_sub_groups: list[tuple[str, int, bool]]
+) -> list[str]:
+    out = []
+    for (name, size, warn), groups in zip(cp_sub_groups, cp_sub_group_ranks(sizes, cp_sub_groups), strict=True):
+        if size == 1:
+            continue
+        bad = [g for g in groups if len({node_of(r, nproc_per_node) for r in g}) > 1]
+        if not bad:
+            out.append(f"{name}: {len(groups)} group(s) of {size} ranks, each within one node")
+        elif warn:
+            out.append(
+                f"warning: {len(bad)} of {len(groups)} {name} group(s) of {size} ranks span nodes (e.g. ranks "
+                f"{_ranks(bad[0])} on nodes {sorted({node_of(r, nproc_per_node) for r in bad[0]})}): their per-layer "
+                f"traffic crosses the network. Keep {name} inside a node: make its size times tp_size (now "
+                f"{size * sizes['tp']}) divide the processes per node ({nproc_per_node})"
+            )
+        else:
+            out.append(f"{name}: {len(bad)} of {len(groups)} group(s) of {size} ranks cross nodes (by design)")
+    return out
+
+
+def node_plan_lines(
+    sizes: dict[str, int], nnodes: int, nproc_per_node: int, cp_sub_groups: list[tuple[str, int, bool]] | None = None
+) -> list[str]:
     """The dry run's "nodes" section: ranks per node, and per group kind whether it stays in a node.
 
     A cp or tp group that spans nodes gives a ``warning:`` line with the fix; FSDP spanning nodes
-    is reported as a fact (it is the usual multi-node layout; HSDP keeps it inside a node).
+    is reported as a fact (it is the usual multi-node layout; HSDP keeps it inside a node). With
+    ``cp_sub_groups`` (the CP method's factoring of the CP group, e.g. usp's ulysses x ring) each
+    sub-group kind is reported instead of the whole CP group: a warning when one flagged to stay
+    inside a node spans nodes.
     """
     plan = plan_nodes(sizes, nnodes, nproc_per_node)
     out = [f"--- nodes: {nnodes} x {nproc_per_node} processes (torchrun --nnodes {nnodes} "
@@ -110,7 +154,9 @@ def node_plan_lines(sizes: dict[str, int], nnodes: int, nproc_per_node: int) -> 
         if size == 1:
             continue
         bad, total = plan.spanning[name], plan.counts[name]
-        if not bad:
+        if name == "cp" and cp_sub_groups:
+            out.extend(_cp_sub_group_lines(sizes, nproc_per_node, cp_sub_groups))
+        elif not bad:
             out.append(f"{name}: {total} group(s) of {size} ranks, each within one node")
         elif name in ("tp", "cp"):
             block = sizes["tp"] if name == "tp" else sizes["cp"] * sizes["tp"]  # consecutive ranks it covers
@@ -121,6 +167,12 @@ def node_plan_lines(sizes: dict[str, int], nnodes: int, nproc_per_node: int) -> 
                 if block > nproc_per_node
                 else f"make {what} (now {block}) divide the processes per node ({nproc_per_node})"
             )
+            inner = math.gcd(sizes["cp"], max(1, nproc_per_node // sizes["tp"]))
+            if name == "cp" and inner > 1:
+                fix += (
+                    f"; or distributed.cp_method=usp with distributed.ulysses_size={inner} (all-to-all inside each "
+                    "node, only its ring crosses nodes)"
+                )
             out.append(
                 f"warning: {len(bad)} of {total} {name} group(s) of {size} ranks span nodes (e.g. ranks "
                 f"{_ranks(bad[0])} on nodes {sorted({node_of(r, nproc_per_node) for r in bad[0]})}): their "

@@ -190,6 +190,17 @@ class CPMethod:
         return {}
 
     # ------------------------------------------------------------------ config
+    def configured(self, cfg: Any) -> CPMethod:
+        """This method with the options of ``cfg`` (a RecipeConfig) bound, for the checks and the dry run
+        that depend on them (e.g. usp's ``distributed.ulysses_size``). Default: ``self``. Call it only on
+        a config whose :meth:`key_problems` are empty."""
+        return self
+
+    def cp_sub_groups(self, cp_size: int) -> list[tuple[str, int, bool]]:
+        """The sub-groups the CP group is factored into, innermost (consecutive CP ranks) first: ``(name,
+        size, warn_if_it_spans_nodes)``; the dry run's node plan reports each. Default: none (one CP group)."""
+        return []
+
     def key_problems(self, cfg: Any) -> list[str]:
         """Bad values of the keys only this method reads, checked whichever method is selected (a typo is
         reported even while another method runs). Default: none. ``cfg`` is a RecipeConfig."""

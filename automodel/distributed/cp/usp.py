@@ -1,0 +1,175 @@
+"""``distributed.cp_method: usp``: hybrid Ulysses x ring CP (``distributed.ulysses_size`` x ``cp_size / ulysses_size``).
+
+The CP group is factored into Ulysses sub-groups of ``U = distributed.ulysses_size`` consecutive CP ranks
+(the innermost dimension: one node) and ring sub-groups of ``R = cp_size / U`` ranks (across nodes).
+Documents are placed across the ring sub-group as ``cp_method: thd`` places them across the CP group
+(head-tail per document), each ring rank's share cut into ``U`` contiguous slices; attention trades
+heads for tokens with an all-to-all inside the Ulysses sub-group and runs THD attention (K/V
+all-gathered, exact per-document causal) across the ring sub-group for ``H/U`` heads
+(:mod:`automodel.distributed.usp_attention`). The heads need only ``num_attention_heads % U == 0``,
+not ``% cp_size`` as with Ulysses; fewer KV heads than ``U`` are replicated.
+
+Exact for what thd computes exactly (full causal attention; windows and chunks at least as long as the
+longest document; packed rows). Refused like thd: shorter windows, sinks, softcapping, MLA value heads,
+linear / state-space mixers. Every packed document is padded to a multiple of ``2 * cp_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel
+from automodel.distributed.cp.thd import ThdMethod
+
+__all__ = ["UspMethod"]
+
+
+def _ulysses_size_problem(ulysses_size: Any, cp_size: int) -> str | None:
+    from automodel.distributed.cp_subgroups import ulysses_size_problem
+
+    return ulysses_size_problem(ulysses_size, cp_size)
+
+
+class UspMethod(ThdMethod):
+    """USP; ``ulysses_size`` bound by :meth:`configured` (the registered instance has none)."""
+
+    name = "usp"
+    summary = "Ulysses all-to-all inside a node x thd K/V all-gather across nodes, packed documents"
+
+    def __init__(self, ulysses_size: int | None = None) -> None:
+        self.ulysses_size = ulysses_size
+
+    # ------------------------------------------------------------------ model and batch
+    def _switch(self) -> tuple[Any, str]:
+        from automodel.distributed.usp_attention import USP_ATTN_NAME, set_usp_attention
+
+        return set_usp_attention, USP_ATTN_NAME
+
+    def _batch_function(self) -> BatchFn:
+        from automodel.distributed.usp_attention import make_usp_batch_and_ctx
+
+        return make_usp_batch_and_ctx
+
+    def batch_function(self, prepared: PreparedModel | None = None, **options: Any) -> BatchFn:
+        if self.ulysses_size is not None:
+            options = {"ulysses_size": self.ulysses_size, **options}
+        return super().batch_function(prepared, **options)
+
+    def recipe_batch_options(self, cfg: Any) -> dict[str, Any]:
+        return {**super().recipe_batch_options(cfg), "ulysses_size": cfg.distributed.ulysses_size}
+
+    # ------------------------------------------------------------------ config
+    def configured(self, cfg: Any) -> CPMethod:
+        d = cfg.distributed
+        if _ulysses_size_problem(d.ulysses_size, d.cp_size) is not None:
+            return self
+        return UspMethod(d.ulysses_size)
+
+    def key_problems(self, cfg: Any) -> list[str]:
+        d = cfg.distributed
+        if d.ulysses_size is None:
+            return []
+        if d.cp_method != self.name:
+            return [
+                f"distributed.ulysses_size={d.ulysses_size} is read only by distributed.cp_method=usp (hybrid Ulysses x "
+                f"ring), but distributed.cp_method={d.cp_method}; remove distributed.ulysses_size or set "
+                "distributed.cp_method=usp"
+            ]
+        problem = _ulysses_size_problem(d.ulysses_size, max(1, d.cp_size))
+        return [problem] if problem is not None else []
+
+    def config_problems(self, cfg: Any, cuda_available: bool | None) -> list[str]:
+        d = cfg.distributed
+        problems = [
+            p.replace("distributed.cp_method=thd", f"distributed.cp_method={self.name}")
+            for p in super().config_problems(cfg, cuda_available)
+        ]
+        if d.ulysses_size is None and d.cp_size > 1:
+            divisors = [k for k in range(1, d.cp_size + 1) if d.cp_size % k == 0]
+            problems.append(
+                f"distributed.cp_method=usp needs distributed.ulysses_size, the size of the Ulysses sub-group (a "
+                f"divisor of distributed.cp_size={d.cp_size}: one of {divisors}; usually the processes per node, "
+                "so that the all-to-all stays inside a node and only the ring crosses nodes)"
+            )
+        return problems
+
+    def head_split_problem(self, num_attention_heads: int | None, cp_size: int, tp_size: int = 1) -> str | None:
+        u, tp_size = self.ulysses_size, max(1, tp_size)
+        if u is None or u <= 1 or cp_size <= 1 or num_attention_heads is None or num_attention_heads % tp_size:
+            return None
+        local = num_attention_heads // tp_size
+        if local % u == 0:
+            return None
+        fits = [k for k in range(1, cp_size + 1) if cp_size % k == 0 and local % k == 0]
+        per_tp = f", {local} per TP rank (distributed.tp_size={tp_size})," if tp_size > 1 else ","
+        return (
+            f"distributed.cp_method=usp splits the attention heads over the Ulysses sub-group, but the model has "
+            f"num_attention_heads={num_attention_heads}{per_tp} which is not divisible by distributed.ulysses_size={u}; "
+            f"set distributed.ulysses_size to one of {fits} (divisors of both cp_size={cp_size} and the heads)"
+        )
+
+    # ------------------------------------------------------------------ layout, memory plan and dry run
+    def token_ranges(self, seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
+        """The ring rank's head-tail chunks (``2R`` per row), then the Ulysses rank's contiguous ``1/U`` of them."""
+        u = self.ulysses_size
+        if u is None or u <= 1 or cp_size <= 1 or cp_size % u:
+            return super().token_ranges(seq_len, cp_size, cp_rank)
+        ring_rank, uly_rank = divmod(cp_rank, u)
+        share = CPMethod.token_ranges(self, seq_len, cp_size // u, ring_rank)
+        n = sum(b - a for a, b in share) // u
+        lo, hi, out, seen = uly_rank * n, (uly_rank + 1) * n, [], 0
+        for a, b in share:  # cut [lo, hi) of the concatenated share into ranges of the row
+            s, e = max(lo, seen), min(hi, seen + b - a)
+            if s < e:
+                out.append((a + s - seen, a + e - seen))
+            seen += b - a
+        return out
+
+    def cp_sub_groups(self, cp_size: int) -> list[tuple[str, int, bool]]:
+        u = self.ulysses_size
+        if u is None or cp_size <= 1 or cp_size % u:
+            return []
+        return [("cp ulysses (all-to-all)", u, True), ("cp ring (K/V all-gather)", cp_size // u, False)]
+
+    def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
+        """thd's terms for ``H/U`` heads (each rank gathers K/V of the whole row for its heads), plus the
+        all-to-all buffers of q, k, v and the output. Without a bound ``ulysses_size`` (the memory planner
+        reads only the method's name) ``U = 1`` is taken for the gather: an upper bound."""
+        u = self.ulysses_size or 1
+        c, tp, n = r.compute_bytes, r.tp, r.local_tokens
+        kv_local = max(1, d.kv_heads // tp)
+        kv_heads = kv_local * (u // math.gcd(kv_local, u)) / u  # after replication, per Ulysses rank
+        row_tokens = r.local_batch * r.seq
+        gather = 8 * kv_heads * d.head_dim * c * row_tokens  # backward: K/V again + dK/dV
+        partial = r.local_tokens * (d.hidden / tp + d.heads / tp) * 4
+        a2a = 2 * (2 * d.hidden / tp + 2 * kv_local * (u // math.gcd(kv_local, u)) * d.head_dim) * c * n
+        what = f"ulysses {u} x ring" if self.ulysses_size else "ulysses x ring (upper bound: ulysses_size 1)"
+        return gather + partial + a2a, (
+            f"usp ({what}): all-to-all buffers of q, k, v and the output; K/V of the whole row for H/U heads "
+            "all-gathered per layer, dK/dV before the reduce-scatter"
+        )
+
+    def describe(self, seq: int, cp_size: int) -> str:
+        u = self.ulysses_size
+        if cp_size <= 1 or u is None or cp_size % u:
+            return super().describe(seq, cp_size)
+        ring = cp_size // u
+        return (
+            f"cp_method usp ({self.summary}): cp_size {cp_size} = ulysses_size {u} x ring {ring}; each document of a "
+            f"row of {seq} tokens is split into {2 * ring} chunks (head-tail) over the ring, each ring rank's share "
+            f"into {u} contiguous slices over its Ulysses sub-group"
+        )
+
+    def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
+        u = self.ulysses_size
+        if u is None or cp_size % u:
+            return super().describe_attention(b, heads, kv, head_dim, seq, cp_size, attn)
+        ring = cp_size // u
+        kv_sent = kv * (u // math.gcd(kv, u))
+        return [
+            f"  all-to-all (ulysses {u}) q / k,v -> [1, {heads // u}, {b * seq // ring}, {head_dim}] / "
+            f"[1, {kv_sent // u}, {b * seq // ring}, {head_dim}]: the ring rank's share for H/{u} heads",
+            f"  all-gather (ring {ring})   k,v -> [{b * seq}, {kv_sent // u}, {head_dim}] per layer (dK/dV "
+            "reduce-scattered in backward); each query attends within its document",
+        ]

@@ -1,0 +1,241 @@
+"""``distributed.cp_method: usp`` (hybrid Ulysses x ring): config rules, layout, node plan, refusals, parity.
+
+Two launches for the module:
+
+- a simulated two-node launch (``torchrun --nnodes 2 --nproc-per-node 2`` twice, static rendezvous on
+  127.0.0.1; tests/workers/usp_worker.py): the Ulysses sub-groups sit within a node and the ring crosses
+  nodes; library parity at cp=4 = ulysses 2 x ring 2 against every document run alone in one process, fp64
+  (packed and plain rows) and fp32 (packed), 6 query heads (Ulysses alone cannot split them over 4) and 1 KV head
+  (replicated over the Ulysses sub-group); then the recipe at cp=4 = 2 x 2 on the same nodes
+  (tests/workers/usp_recipe_worker.py: packed rows with the CP self-check, plain rows, the dry run's node plan),
+  fp32, 6 query / 3 KV heads;
+- the recipe at cp=1 (1 rank), the reference of those runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from automodel.config import ConfigError, load_config
+from automodel.distributed.cp import get_cp_method, profile_problems
+from tests.dist_harness import run_distributed
+
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-4
+PACKED = "configs/cp_packed.yaml"
+USP = ["distributed.cp_method=usp", "distributed.cp_size=4"]
+
+
+def problems(*overrides: str, world: int = 4, config: str = PACKED) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(["--config", config, *overrides], world_size=world)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------ registry, config rules
+
+
+def test_registry_and_binding():
+    from automodel.distributed.usp_attention import make_usp_batch_and_ctx
+
+    m = get_cp_method("usp")
+    assert m.supports_packed and m.ulysses_size is None and not m.splits_heads
+    assert m.batch_function() is make_usp_batch_and_ctx
+    cfg = load_config(["--config", PACKED, *USP, "distributed.ulysses_size=2"], world_size=4).cfg
+    bound = m.configured(cfg)
+    assert bound.ulysses_size == 2 and m.ulysses_size is None  # the registered instance stays unbound
+    assert m.recipe_batch_options(cfg) == {"kernel": "portable", "cp_comm_type": "p2p", "ulysses_size": 2}
+    assert bound.batch_function().keywords == {"ulysses_size": 2}
+    assert get_cp_method("thd").configured(cfg) is get_cp_method("thd")  # the default: itself
+
+
+def test_config_rules():
+    msg = problems(*USP)
+    assert "distributed.cp_method=usp needs distributed.ulysses_size" in msg and "one of [1, 2, 4]" in msg
+    msg = problems(*USP, "distributed.ulysses_size=3")
+    assert "distributed.ulysses_size=3 does not divide distributed.cp_size=4" in msg
+    msg = problems(*USP, "distributed.ulysses_size=0")
+    assert "distributed.ulysses_size=0 must be a positive integer" in msg
+    msg = problems("distributed.cp_size=4", "distributed.ulysses_size=2")  # thd selected
+    assert "distributed.ulysses_size=2 is read only by distributed.cp_method=usp" in msg
+    msg = problems(*USP, "distributed.ulysses_size=2", "+data.dataset.seq_pad_multiple=4")
+    assert "seq_pad_multiple=4 is not a multiple of 2*cp_size = 2*4 = 8: distributed.cp_method=usp" in msg
+    msg = problems(*USP, "distributed.ulysses_size=2", "data.pad_to_multiple_of=4")  # the row multiple
+    assert "data.pad_to_multiple_of=4 is not a multiple of 2*cp_size = 2*4 = 8" in msg
+    msg = problems(*USP, "distributed.ulysses_size=2", world=6)  # the world size
+    assert "world size 6" in msg and "not divisible" in msg
+
+
+def test_heads_are_checked_against_ulysses_size_before_any_model_loads():
+    six = ["model.config.hidden_size=48", "model.config.num_attention_heads=6", "model.config.num_key_value_heads=3"]
+    # Ulysses alone cannot split 6 heads over cp=4; usp 2 x 2 can
+    msg = problems("distributed.cp_method=ulysses", "distributed.cp_size=4", "data.dataset.pack=false", *six)
+    assert "num_attention_heads=6" in msg and "not divisible by distributed.cp_size=4" in msg
+    load_config(["--config", PACKED, *USP, "distributed.ulysses_size=2", *six], world_size=4)
+    msg = problems(*USP, "distributed.ulysses_size=4", *six)
+    assert "num_attention_heads=6, which is not divisible by distributed.ulysses_size=4" in msg
+    assert "set distributed.ulysses_size to one of [1, 2]" in msg
+    # a pretrained config is checked on the meta model (the recipe's and the dry run's check)
+    from automodel.models.cp_check import check_model_for_cp_run
+    from automodel.models.loader import resolve_model_config
+
+    cfg = load_config(["--config", PACKED, *USP, "distributed.ulysses_size=4"], world_size=4).cfg
+    from automodel.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="not divisible by distributed.ulysses_size=4"):
+        from transformers import LlamaConfig
+
+        resolved = resolve_model_config(cfg.model)
+        resolved.config = LlamaConfig(**{**resolved.config.to_dict(), "num_attention_heads": 6, "hidden_size": 48})
+        check_model_for_cp_run(cfg, resolved, "sdpa")
+
+
+def test_token_ranges_cover_the_row_once():
+    from automodel.distributed.cp.usp import UspMethod
+
+    m = UspMethod(2)
+    assert [m.token_ranges(256, 4, r) for r in range(4)] == [[(0, 64)], [(192, 256)], [(64, 128)], [(128, 192)]]
+    for u, cp, seq in ((1, 4, 64), (2, 4, 64), (4, 4, 64), (2, 8, 128), (4, 8, 128)):
+        m = UspMethod(u)
+        tokens = sorted(t for r in range(cp) for a, b in m.token_ranges(seq, cp, r) for t in range(a, b))
+        assert tokens == list(range(seq)), (u, cp)
+        assert all(sum(b - a for a, b in m.token_ranges(seq, cp, r)) == seq // cp for r in range(cp))
+    assert UspMethod(1).token_ranges(64, 4, 1) == get_cp_method("thd").token_ranges(64, 4, 1)
+
+
+def test_node_plan_shows_which_sub_group_crosses_nodes():
+    from automodel.distributed.cp.usp import UspMethod
+    from automodel.distributed.cp_subgroups import usp_rank_groups
+    from automodel.training.node_plan import cp_sub_group_ranks, node_plan_lines
+
+    assert usp_rank_groups([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    sizes = {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}
+    sub = UspMethod(2).cp_sub_groups(4)
+    text = "\n".join(node_plan_lines(sizes, 2, 2, cp_sub_groups=sub))
+    assert "cp ulysses (all-to-all): 2 group(s) of 2 ranks, each within one node" in text
+    assert "cp ring (K/V all-gather): 2 of 2 group(s) of 2 ranks cross nodes (by design)" in text
+    assert "warning" not in text
+    text = "\n".join(node_plan_lines(sizes, 4, 1, cp_sub_groups=sub))  # one process per node: Ulysses spans
+    assert "warning: 2 of 2 cp ulysses (all-to-all) group(s) of 2 ranks span nodes" in text
+    # with tp inside cp: the Ulysses sub-group is 2 cp ranks = ranks tp apart
+    sizes = {"dp_replicate": 1, "dp_shard": 2, "cp": 4, "tp": 2}
+    ulysses, ring = cp_sub_group_ranks(sizes, sub)
+    assert [0, 2] in ulysses and [0, 4] in ring and len(ulysses) == len(ring) == 8
+    assert "warning" not in "\n".join(node_plan_lines(sizes, 4, 4, cp_sub_groups=sub))
+
+
+def test_usp_refuses_every_layer_kind_thd_refuses():
+    """usp runs thd's kernel across the ring: on every family of the support matrix it refuses (at least) what
+    thd refuses, with its own name, and is refused for nothing thd runs."""
+    from automodel.distributed.cp import profile_model
+    from tests.family_matrix import FAMILIES, SEQ
+
+    usp, thd = get_cp_method("usp"), get_cp_method("thd")
+    refused = 0
+    for family in FAMILIES:
+        profile = profile_model(family.build_config())
+        want = [p.replace("thd", "usp") for p in profile_problems(thd, profile, SEQ)]
+        got = profile_problems(usp, profile, SEQ)
+        assert got == want, family.name
+        refused += bool(got)
+    assert refused >= 5  # windows, sinks, MLA, linear / state-space mixers are in the matrix
+
+
+# ------------------------------------------------------------------ simulated two nodes: placement + library parity
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    from tests.two_node_launch import launch_nodes
+
+    out = tmp_path_factory.mktemp("usp_two_nodes")
+    recipe_out = tmp_path_factory.mktemp("usp_recipe")
+    t0 = time.perf_counter()
+    # the timeout stops both nodes; the launch runs the library checks and the recipe runs (one startup)
+    args = ["--out", str(out), "--recipe-out", str(recipe_out)]
+    launch_nodes("tests.workers.usp_worker", args, nnodes=2, nproc_per_node=2, timeout=240, log_dir=out)
+    seconds = time.perf_counter() - t0
+    print(f"simulated two-node launch: {seconds:.1f} s")
+    ranks = []
+    for r in range(4):
+        saved = torch.load(out / f"rank{r}.pt", weights_only=False)
+        assert saved["ok"], saved.get("error")
+        ranks.append(saved["result"])
+    return ranks, seconds
+
+
+@pytest.mark.dist
+def test_two_node_launch_places_ulysses_within_a_node_and_ring_across(two_nodes):
+    ranks, _ = two_nodes
+    for r, result in enumerate(ranks):
+        p = result["placement"]
+        assert p["node"] == r // 2  # torchrun's --node-rank, as launched
+        assert p["ulysses"]["ranks"] == [2 * (r // 2), 2 * (r // 2) + 1]
+        assert p["ulysses"]["nodes"] == [r // 2] * 2  # one node
+        assert p["ring"]["ranks"] == [r % 2, r % 2 + 2] and p["ring"]["nodes"] == [0, 1]  # across nodes
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "case, tol",
+    [
+        (("packed", "float64", 6, 2), 1e-12),
+        (("plain", "float64", 6, 2), 1e-12),
+        (("packed", "float64", 4, 1), 1e-12),
+        (("packed", "float32", 6, 2), 1e-5),
+    ],
+)
+def test_two_node_run_matches_one_process(two_nodes, case, tol):
+    ranks, _ = two_nodes
+    for result in ranks:
+        got = result[case]
+        assert got["loss_rel"] <= tol and got["grad_rel"] <= 10 * tol, (case, got)
+        assert got["local_tokens"] * 4 == got["total_tokens"]
+    assert ranks[0]["negative_control_grad_rel"] > 1e-2  # the comparison can fail
+    assert all("no USP attention ran inside the USP context" in r["forgotten_switch"] for r in ranks)
+
+
+# ------------------------------------------------------------------ recipe parity at cp=4 = 2 x 2
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(two_nodes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("usp_recipe_ref")
+    (single,) = run_distributed("tests.workers.usp_recipe_worker:single", world_size=1, timeout=600, out=str(out))
+    return {**single, **two_nodes[0][0]["recipe"]}
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max(abs(a[k] - b[k]) / abs(b[k]) for k in b)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name, ref", [("usp_packed", "packed_ref"), ("usp_plain", "plain_ref")])
+def test_recipe_parity_cp4_ulysses2_ring2(recipe_runs, name, ref):
+    got, want = recipe_runs[name], recipe_runs[ref]
+    assert got["cp_method"] == "usp" and got["attn_impl"] == "usp" and want["attn_impl"] == "sdpa"
+    assert len(got["losses"]) == 2
+    assert _max_rel(got["losses"], want["losses"]) <= LOSS_RTOL
+    assert _max_rel(got["val_losses"], want["val_losses"]) <= LOSS_RTOL
+    diff = max((got["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+    assert diff <= WEIGHT_ATOL
+
+
+@pytest.mark.dist
+def test_recipe_packs_pads_self_checks_and_plans_nodes(recipe_runs):
+    import json
+    from pathlib import Path
+
+    packed = recipe_runs["usp_packed"]
+    assert packed["seq_pad_multiple"] == 8 and packed["packed_docs"] > 8  # automatic 2*cp, several docs per row
+    report = json.loads((Path(packed["run_dir"]) / "cp_self_check.json").read_text())
+    assert report["cp_method"] == "usp" and report["passed"]
+    dry = recipe_runs["dry_run"]
+    assert "cp_size 4 = ulysses_size 2 x ring 2" in dry
+    assert "cp ulysses (all-to-all): 2 group(s) of 2 ranks, each within one node" in dry
+    assert "cp ring (K/V all-gather): 2 of 2 group(s) of 2 ranks cross nodes" in dry
+    assert "all-to-all (ulysses 2)" in dry and "exact under cp_method usp" in dry
