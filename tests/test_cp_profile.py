@@ -79,7 +79,7 @@ def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
     msg = str(err.value)
     assert msg.startswith("distributed.cp_method=ring does not compute Qwen3NextForCausalLM (model_type=qwen3_next)")
     assert "layers 0-2: a linear-attention / state-space mixer (Qwen3NextGatedDeltaNet)" in msg
-    assert "no CP method runs this model exactly yet: train it with distributed.cp_size=1" in msg
+    assert "methods that run this model exactly: ulysses | thd" in msg  # the Gated DeltaNet kernels
     assert isinstance(err.value, UserInputError)  # the recipe prints it as one error: line
 
     mistral = profile_model(_meta("mistral", num_hidden_layers=2, sliding_window=16))

@@ -305,10 +305,9 @@ def standard_problem(
     if layer.kind == MLP_ONLY:
         return None
     if layer.kind == LINEAR:
-        return (
-            f"{layer.describe()} carries a state along the sequence, which {method} splits over the ranks "
-            "without passing the state on"
-        )
+        from automodel.distributed.cp.linear_support import linear_mixer_problem
+
+        return linear_mixer_problem(method, layer)
     if layer.kind == UNKNOWN:
         return f"{layer.describe()} is not known to be exact under {method}"
     deferred = (
