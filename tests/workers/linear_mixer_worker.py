@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 VOCAB = 128
-DOCS = (37, 70, 21)  # real lengths; each is padded to a multiple of 2*cp for thd
+DOCS = (21, 45, 10)  # real lengths; each is padded to a multiple of 2*cp for thd
 
 
 def build_model(dtype: torch.dtype, k_heads: int):
@@ -125,31 +125,39 @@ def compare(ref_loss, ref_grads, loss, grads) -> dict:
             "missing": sorted(set(ref_grads) - {n for n, g in grads.items() if g.abs().max() > 0})}
 
 
-def main(rank: int, world_size: int, cases=(("float64", "fp64"), ("float64", "hf"), ("float32", "hf"))) -> dict:
-    import transformers
-
+def run_cases(group, cp: int, cases) -> dict:
+    """Every case at CP size ``cp`` on ``group``: ``{(dtype, rule, method): comparison}``."""
     from automodel.distributed.cp import gated_deltanet as gd
 
-    transformers.logging.set_verbosity_error()
-    group = dist.new_group(backend="gloo")
-    out: dict = {"local_tokens": {}}
+    out: dict = {}
     for dtype_name, rule in cases:
-        dtype = getattr(torch, dtype_name)
-        base = build_model(dtype, k_heads=world_size)
+        base = build_model(getattr(torch, dtype_name), k_heads=cp)
         modeling = sys.modules[type(base).__module__]
         original = modeling.torch_chunk_gated_delta_rule
         if rule == "fp64":
             modeling.torch_chunk_gated_delta_rule = gd.recurrent_gated_delta_rule
             gd.RULE_OVERRIDE = gd.recurrent_gated_delta_rule
         try:
-            docs, row = documents(world_size)
+            docs, row = documents(cp)
             ref_loss, ref_grads = reference(copy.deepcopy(base), docs)
             for method in ("thd", "ulysses"):
                 loss, grads, n_local = cp_step(method, copy.deepcopy(base), row, group)
                 out[(dtype_name, rule, method)] = compare(ref_loss, ref_grads, loss, grads)
-                out["local_tokens"][method] = n_local
+                out[("local_tokens", method)] = n_local
         finally:
             modeling.torch_chunk_gated_delta_rule = original
             gd.RULE_OVERRIDE = None
-    out["row_tokens"] = int(documents(world_size)[1]["input_ids"].shape[1])
+    out["row_tokens"] = int(documents(cp)[1]["input_ids"].shape[1])
     return out
+
+
+def main(rank: int, world_size: int, cases=(("float64", "fp64"), ("float32", "hf"))) -> dict:
+    """cp=2 on ranks {0, 1} and {2, 3} at once, then cp=4 on all four: ``{cp: run_cases(...)}``."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    pairs = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, world_size, 2)]
+    results = {2: run_cases(pairs[rank // 2], 2, cases)}
+    if world_size == 4:
+        results[4] = run_cases(dist.new_group(backend="gloo"), 4, cases)
+    return results
