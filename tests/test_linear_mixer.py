@@ -28,6 +28,8 @@ def _mixer(model_type: str, dtype=torch.float64):
               linear_num_value_heads=4)
     if model_type == "qwen3_next":
         kw.update(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if model_type == "olmo_hybrid":
+        kw.update(linear_allow_neg_eigval=True, pad_token_id=0)  # beta in [0, 2]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=dtype)
     mixer = model.model.layers[0].linear_attn
@@ -48,7 +50,7 @@ def _chained(mixer, hidden, cuts):
     return gd.finish(mixer, torch.cat(outs, dim=1), z)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "olmo_hybrid"])
 def test_a_row_cut_into_pieces_and_chained_is_the_whole_row(model_type, monkeypatch):
     mixer = _mixer(model_type)
     hidden = torch.randn(2, 150, 32, dtype=torch.float64)
@@ -89,11 +91,11 @@ def test_only_the_implemented_mixers_and_methods_are_exact():
     def layer(mixer, hybrid=False):
         return LayerSpec(index=0, kind=LINEAR, mixer=mixer, hybrid_attention=hybrid)
 
-    for name in ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"):
+    for name in ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"):
         assert linear_mixer_problem("ulysses", layer(name)) is None
         assert linear_mixer_problem("thd", layer(name)) is None
         assert "ring splits over the ranks without passing the state on" in linear_mixer_problem("ring", layer(name))
-    for other in ("OlmoHybridGatedDeltaNet", "MambaMixer", "Lfm2ShortConv", "Conv1d (a convolution along the sequence)"):
+    for other in ("MiniMaxLightningAttention", "MambaMixer", "Lfm2ShortConv", "Conv1d (a convolution along the sequence)"):
         for method in ("ring", "ulysses", "thd"):
             reason = linear_mixer_problem(method, layer(other))
             assert reason and other in reason and "CP kernels exist for" in reason, reason

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3-Next, Qwen3.5) split into pieces that CP can run: projections, the sequence core, output.
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo-Hybrid) split into pieces that CP can run: projections, the sequence core, output.
 
 transformers' ``Qwen3NextGatedDeltaNet.forward`` (and Qwen3.5's) is, on a row of tokens:
 
@@ -59,7 +59,12 @@ def project(mixer: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor,
     ``hidden``'s dtype; the q | k | v channel order is the one the conv weight is laid out in.
     """
     bsz, n = hidden.shape[:2]
-    if GATED_DELTANET_MIXERS[type(mixer).__name__] == "qkvz":
+    layout = GATED_DELTANET_MIXERS[type(mixer).__name__]
+    if layout == "olmo":
+        mixed = torch.cat([mixer.q_proj(hidden), mixer.k_proj(hidden), mixer.v_proj(hidden)], dim=-1)
+        z = mixer.g_proj(hidden).reshape(bsz, n, -1, mixer.head_v_dim)
+        return mixed, z, mixer.b_proj(hidden), mixer.a_proj(hidden)
+    if layout == "qkvz":
         q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(hidden), mixer.in_proj_ba(hidden))
         mixed = torch.cat([x.reshape(bsz, n, -1) for x in (q, k, v)], dim=-1)
         return mixed, z, b, a
@@ -70,8 +75,10 @@ def project(mixer: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor,
 def finish(mixer: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """The gated norm and output projection: ``core, z [B, n, Hv, dv]`` -> ``[B, n, D]``."""
     bsz, n = core.shape[:2]
-    out = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-    return mixer.out_proj(out.reshape(bsz, n, -1))
+    olmo = GATED_DELTANET_MIXERS[type(mixer).__name__] == "olmo"
+    norm, proj = (mixer.o_norm, mixer.o_proj) if olmo else (mixer.norm, mixer.out_proj)
+    out = norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+    return proj(out.reshape(bsz, n, -1))
 
 
 class CoreParams:
@@ -90,6 +97,7 @@ class CoreParams:
         self.key_dim, self.value_dim = key_dim, value_dim
         self.dk, self.dv = mixer.head_k_dim, mixer.head_v_dim
         self.kernel = mixer.conv_kernel_size
+        self.beta_scale = 2.0 if getattr(mixer, "allow_neg_eigval", False) else None  # OLMo-Hybrid: beta in [0, 2]
 
     @property
     def channels(self) -> int:
@@ -152,6 +160,8 @@ def run_core(
     k = k.reshape(bsz, n, -1, p.dk)
     v = v.reshape(bsz, n, -1, p.dv)
     beta = b.sigmoid()
+    if p.beta_scale is not None:
+        beta = beta * p.beta_scale
     g = -p.A_log.float().exp() * F.softplus(a.float() + p.dt_bias)
     rule = RULE_OVERRIDE or module.torch_chunk_gated_delta_rule
     out, final = rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)

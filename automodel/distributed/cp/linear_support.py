@@ -18,11 +18,13 @@ from typing import Any
 __all__ = ["GATED_DELTANET_MIXERS", "LINEAR_METHODS", "linear_mixer_problem"]
 
 #: mixer class name -> how its projections are laid out (``"qkvz"``: Qwen3-Next's interleaved
-#: ``in_proj_qkvz`` / ``in_proj_ba``; ``"split"``: Qwen3.5's ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``)
+#: ``in_proj_qkvz`` / ``in_proj_ba``; ``"split"``: Qwen3.5's ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``;
+#: ``"olmo"``: OLMo-Hybrid's ``q/k/v/a/b/g_proj``, ``o_norm`` / ``o_proj`` and beta in [0, 2])
 GATED_DELTANET_MIXERS = {
     "Qwen3NextGatedDeltaNet": "qkvz",
     "Qwen3_5GatedDeltaNet": "split",
     "Qwen3_5MoeGatedDeltaNet": "split",
+    "OlmoHybridGatedDeltaNet": "olmo",
 }
 
 #: method name -> how it runs a supported mixer
