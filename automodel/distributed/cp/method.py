@@ -297,7 +297,8 @@ def standard_problem(
 
     The keyword flags say what the method's kernel applies exactly: sliding ``windows``, attention
     ``chunks``, ``sinks``, logit ``softcap`` and ``mla`` (value heads of another size). Linear /
-    state-space mixers, unrecognised layers and position-scaled queries are refused by every built-in
+    state-space mixers are exact where :mod:`~automodel.distributed.cp.linear_support` lists a kernel for
+    the mixer and the method; unrecognised layers and position-scaled queries are refused by every built-in
     method; ``mlp_only`` layers are exact under every split.
     """
     from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, UNKNOWN
