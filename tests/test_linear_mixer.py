@@ -163,3 +163,11 @@ def test_packed_qwen3_next_matches_each_document_alone(dist_results, cp, method)
         assert fp32["loss_rel"] <= FP32[0] and not fp32["missing"], fp32
         worst = max(fp32["grad_rel"].items(), key=lambda kv: kv[1])
         assert worst[1] <= FP32[1], worst
+
+
+@pytest.mark.dist
+def test_the_chain_survives_activation_checkpointing(dist_results):
+    for rank_result in dist_results:
+        res = rank_result[2][("float32", "hf", "thd+checkpointing")]
+        assert res["loss_rel"] <= FP32[0] and not res["missing"], res
+        assert max(res["grad_rel"].values()) <= FP32[1], res

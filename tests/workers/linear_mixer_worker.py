@@ -6,7 +6,8 @@ every parameter's gradient with each document run ALONE through the unmodified m
 thd at cp = world size through the own-loop API (set_*_attention + make_*_batch_and_ctx) on the packed
 row; loss and gradients are SUM-all-reduced over the group and compared.
 
-Cases: ``(dtype, rule)``; rule ``"hf"`` is transformers' torch kernel (fp32 inside, whatever the dtype),
+At cp=2 thd also runs with activation checkpointing (non-reentrant, as the recipe), whose recompute runs
+the state chain again inside the backward. Cases: ``(dtype, rule)``; rule ``"hf"`` is transformers' torch kernel (fp32 inside, whatever the dtype),
 ``"fp64"`` substitutes :func:`~automodel.distributed.cp.gated_deltanet.recurrent_gated_delta_rule` in
 BOTH runs (the model module's function and the CP kernel), so that the chaining is proven to fp64
 round-off.
@@ -144,6 +145,11 @@ def run_cases(group, cp: int, cases) -> dict:
                 loss, grads, n_local = cp_step(method, copy.deepcopy(base), row, group)
                 out[(dtype_name, rule, method)] = compare(ref_loss, ref_grads, loss, grads)
                 out[("local_tokens", method)] = n_local
+            if cp == 2 and rule == "hf":  # activation checkpointing recomputes the chain inside the backward
+                model = copy.deepcopy(base)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                loss, grads, _ = cp_step("thd", model, row, group)
+                out[(dtype_name, rule, "thd+checkpointing")] = compare(ref_loss, ref_grads, loss, grads)
         finally:
             modeling.torch_chunk_gated_delta_rule = original
             gd.RULE_OVERRIDE = None

@@ -218,7 +218,9 @@ class _ChainedCore(torch.autograd.Function):
     def forward(ctx, mixed, b, a, weight, A_log, dt_bias, mixer, plan, docs):  # type: ignore[override]
         world, rank = plan.world_size, plan.rank
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in (mixed, b, a, weight, A_log, dt_bias)]
-        with torch.enable_grad():
+        # The inner graph keeps its own tensors: activation checkpointing's hooks must not see them, or its
+        # recompute could stop inside this function on one rank and leave the peer waiting for a message.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             m, bb, aa, w, al, dt = leaves
             params = CoreParams(mixer, w.squeeze(1), mixer.conv1d.bias, al, dt, mixer.key_dim, mixer.value_dim)
             n_docs = len(docs)
@@ -311,6 +313,10 @@ class _ChainedCore(torch.autograd.Function):
             _send(plan, [_or_zeros(got[0], head_in[0]), _or_zeros(got[1], head_in[1])], rank - 1)
         result = [totals.get(id(t)) if t.requires_grad else None for t in leaves]
         return (*result, None, None, None)
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
