@@ -171,3 +171,26 @@ def test_the_chain_survives_activation_checkpointing(dist_results):
         res = rank_result[2][("float32", "hf", "thd+checkpointing")]
         assert res["loss_rel"] <= FP32[0] and not res["missing"], res
         assert max(res["grad_rel"].values()) <= FP32[1], res
+
+
+def test_outside_cp_packed_rows_restart_at_every_document():
+    """The self-check's reference (the prepared model outside a CP context) computes what CP computes on
+    packed rows: each document from zeros; transformers' own forward carries the state across them."""
+    from transformers import AutoModelForCausalLM
+
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.linear_mixer import install_linear_mixers, uninstall_linear_mixers
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_mixer_config(), dtype=torch.float64)
+    ids = torch.randint(3, 64, (1, 30))
+    packed = torch.cat([torch.arange(12), torch.arange(18)])[None]
+    alone = torch.cat([model(input_ids=ids[:, :12], use_cache=False).logits, model(input_ids=ids[:, 12:], use_cache=False).logits], dim=1)
+    leaky = model(input_ids=ids, position_ids=packed, use_cache=False).logits
+    plain = model(input_ids=ids, use_cache=False).logits
+    assert (leaky - alone).abs().max() > 1e-3  # transformers' torch kernel: the state crosses the boundary
+    install_linear_mixers(model, cached_profile(model), "thd", lambda: None)
+    assert torch.allclose(model(input_ids=ids, position_ids=packed, use_cache=False).logits, alone, rtol=1e-6, atol=1e-7)
+    assert torch.equal(model(input_ids=ids, use_cache=False).logits, plain)  # one document per row: the class's own forward
+    uninstall_linear_mixers(model)
+    assert torch.equal(model(input_ids=ids, position_ids=packed, use_cache=False).logits, leaky)

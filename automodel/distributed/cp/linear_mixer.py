@@ -2,8 +2,11 @@
 
 :func:`install_linear_mixers` (called by ``set_ulysses_attention`` / ``set_thd_attention``, hence by the
 methods' ``prepare_model``) gives every Gated DeltaNet layer the model profile lists a forward that looks
-at the active CP context on every call and otherwise runs the layer's own forward unchanged (so the
-self-check's reference run, cp=1 and generation are untouched; :func:`uninstall_linear_mixers` removes it).
+at the active CP context on every call (:func:`uninstall_linear_mixers` removes it). Outside a CP context
+(the self-check's reference run, generation) it runs the layer's own forward, except on packed rows (the
+model's ``position_ids`` restart): there it restarts the state and the conv at every document, as the CP
+kernels do. transformers' torch kernel ignores document boundaries, so a model without this forward
+carries the state from one packed document into the next.
 The layer is split as :mod:`automodel.distributed.cp.gated_deltanet` describes: token-local projections, a
 sequence core (causal conv + gated delta rule), token-local output.
 
@@ -56,6 +59,7 @@ from automodel.errors import CPUnsupportedError
 __all__ = ["install_linear_mixers", "uninstall_linear_mixers", "linear_mixer_forward"]
 
 _MARK = "_automodel_cp_linear_mixer"
+_HOLDER = "_automodel_cp_positions"
 #: method -> ``current()`` returning its active context (registered by set_ulysses_attention / set_thd_attention)
 _SOURCES: dict[str, Callable[[], Any]] = {}
 
@@ -67,6 +71,11 @@ def install_linear_mixers(model: torch.nn.Module, profile: Any, method: str, cur
     if method not in ("ulysses", "thd"):
         raise ValueError(f"no linear-mixer kernel for cp_method {method!r}; kernels: ulysses, thd")
     _SOURCES[method] = current
+    holder = getattr(model, _HOLDER, None)
+    if holder is None:
+        holder = _Positions()
+        holder.hook = model.register_forward_pre_hook(_record_positions, with_kwargs=True)
+        setattr(model, _HOLDER, holder)
     wanted = {layer.mixer for layer in profile.layers if layer.kind == LINEAR and layer.mixer in GATED_DELTANET_MIXERS}
     count = 0
     for module in model.modules():
@@ -74,6 +83,8 @@ def install_linear_mixers(model: torch.nn.Module, profile: Any, method: str, cur
             if not getattr(module, _MARK, False):
                 module.forward = types.MethodType(linear_mixer_forward, module)
                 setattr(module, _MARK, True)
+            if module is not model:
+                setattr(module, _HOLDER, holder)
             count += 1
     return count
 
@@ -84,6 +95,9 @@ def uninstall_linear_mixers(model: torch.nn.Module) -> None:
         if getattr(module, _MARK, False):
             del module.forward
             delattr(module, _MARK)
+        holder = vars(module).pop(_HOLDER, None)
+        if holder is not None and module is model:
+            holder.hook.remove()
 
 
 def _active() -> tuple[str, Any] | None:
@@ -101,7 +115,10 @@ def linear_mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, cac
     the class's own forward. ``hidden_states [B, n, D]`` -> ``[B, n, D]``."""
     active = _active()
     if active is None:
-        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        documents = _packed_documents(self, hidden_states) if cache is None else None
+        if documents is None:
+            return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        return _per_document_forward(self, hidden_states, attention_mask, documents)
     method, ctx = active
     if cache is not None:
         raise CPUnsupportedError(
@@ -113,6 +130,59 @@ def linear_mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, cac
     if method == "ulysses":
         return _ulysses_forward(self, hidden_states, ctx)
     return _thd_forward(self, hidden_states, ctx)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one process: packed rows restart the state at every document, as under CP
+
+class _Positions:
+    """The ``position_ids`` ``[B, S]`` of the latest forward of the model that carries the CP forward (kept
+    until its next forward, so that activation checkpointing's recompute sees the same rows)."""
+
+    value: torch.Tensor | None = None
+    hook: Any = None
+
+
+def _record_positions(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    positions = kwargs.get("position_ids")
+    holder = getattr(module, _HOLDER)
+    holder.value = positions if isinstance(positions, torch.Tensor) and positions.dim() == 2 else None
+
+
+def _packed_documents(mixer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """``[B, S]`` document ids of packed rows from the model's ``position_ids`` (transformers' rule: a new
+    document wherever the position does not grow by 1), ``None`` for rows of one document each."""
+    holder = getattr(mixer, _HOLDER, None)
+    positions = None if holder is None else holder.value
+    if positions is None or positions.shape[-1] != hidden.shape[1]:
+        return None
+    from automodel.distributed.torch_internals import find_packed_sequence_indices
+
+    return find_packed_sequence_indices(positions.expand(hidden.shape[0], -1))
+
+
+def _per_document_forward(mixer: torch.nn.Module, hidden: torch.Tensor, attention_mask: Any,
+                          documents: torch.Tensor) -> torch.Tensor:
+    """The mixer on one process with the state and conv restarted at every document of packed rows (what
+    the CP kernels compute; transformers' torch kernel ignores the boundaries and carries the state on)."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == hidden.shape[:2]:
+        hidden = hidden * attention_mask[..., None].to(hidden.dtype)
+    mixed, z, b, a = project(mixer, hidden)
+    return finish(mixer, _documents_core(core_params(mixer), mixed, b, a, documents), z)
+
+
+def _documents_core(params: CoreParams, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                    documents: torch.Tensor | None) -> torch.Tensor:
+    """The core on whole rows ``[B, S, ...]``, from zeros at every document (``documents [B, S]`` ids; ``None``:
+    one document per row)."""
+    if documents is None:
+        return run_core(params, mixed, b, a, None, None)[0]
+    rows = []
+    for i in range(mixed.shape[0]):
+        pieces = [run_core(params, mixed[i : i + 1, s:e], b[i : i + 1, s:e], a[i : i + 1, s:e], None, None)[0]
+                  for s, e in _segments(documents, i, mixed.shape[1])]
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -150,16 +220,7 @@ def _ulysses_forward(mixer: torch.nn.Module, hidden: torch.Tensor, ctx: Any) -> 
     mixed = torch.cat([x.flatten(2) for x in (q, k, v)], dim=-1)  # [B, S, C/W]
     lk, lv = hk // world, hv // world
     params = core_params(mixer, slice(rank * lk, (rank + 1) * lk), slice(rank * lv, (rank + 1) * lv))
-    docs = ctx.document_ids
-    if docs is None:
-        out = run_core(params, mixed, b, a, None, None)[0]
-    else:
-        rows = []
-        for i in range(bsz):
-            pieces = [run_core(params, mixed[i : i + 1, s:e], b[i : i + 1, s:e], a[i : i + 1, s:e], None, None)[0]
-                      for s, e in _segments(docs, i, seq)]
-            rows.append(torch.cat(pieces, dim=1))
-        out = torch.cat(rows, dim=0)  # [B, S, Hv/W, dv]
+    out = _documents_core(params, mixed, b, a, ctx.document_ids)  # [B, S, Hv/W, dv]
     out = all_to_all(out, group, scatter_dim=1, gather_dim=2)  # [B, S/W, Hv, dv]
     return finish(mixer, out, z)
 
