@@ -3,7 +3,8 @@
 Single process: a row cut into pieces and chained (conv halo + state) gives the whole-row mixer; the
 fp64 reference rule agrees with transformers' kernel. One 4-rank gloo launch: Qwen3-Next on a packed row
 of three documents under thd and Ulysses at cp=2 (two groups at once) and cp=4, loss and every gradient
-against each document run alone, fp64 (with the fp64 rule in both runs) and fp32 (transformers' kernel).
+against each document run alone, and two unpacked rows under ring against one process; fp64 (with the
+fp64 rule in both runs) and fp32 (transformers' kernel).
 """
 
 from __future__ import annotations
@@ -163,6 +164,18 @@ def test_packed_qwen3_next_matches_each_document_alone(dist_results, cp, method)
         assert fp32["loss_rel"] <= FP32[0] and not fp32["missing"], fp32
         worst = max(fp32["grad_rel"].items(), key=lambda kv: kv[1])
         assert worst[1] <= FP32[1], worst
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_rows_match_one_process(dist_results, cp):
+    for rank_result in dist_results:
+        exact = rank_result[cp][("float64", "fp64", "ring")]
+        assert exact["loss_rel"] <= 1e-12 and not exact["missing"], exact
+        for name, rel in exact["grad_rel"].items():
+            assert rel <= (FP64_LINEAR if "linear_attn" in name and "A_log" not in name else FP64_MODEL), (name, rel)
+        fp32 = rank_result[cp][("float32", "hf", "ring")]
+        assert fp32["loss_rel"] <= FP32[0] and max(fp32["grad_rel"].values()) <= FP32[1], fp32
 
 
 @pytest.mark.dist

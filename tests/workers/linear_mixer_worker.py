@@ -4,7 +4,8 @@ On every rank: a tiny Qwen3-Next (one Gated DeltaNet layer, one gated full-atten
 packed row of several documents, and the single-process reference: the loss (sum CE / label count) and
 every parameter's gradient with each document run ALONE through the unmodified model. Then Ulysses and
 thd at cp = world size through the own-loop API (set_*_attention + make_*_batch_and_ctx) on the packed
-row; loss and gradients are SUM-all-reduced over the group and compared.
+row; loss and gradients are SUM-all-reduced over the group and compared. Ring (no packed rows) runs two
+unpacked rows against the single-process batch.
 
 At cp=2 thd also runs with activation checkpointing (non-reentrant, as the recipe), whose recompute runs
 the state chain again inside the backward. Cases: ``(dtype, rule)``; rule ``"hf"`` is transformers' torch kernel (fp32 inside, whatever the dtype),
@@ -107,6 +108,40 @@ def cp_step(method: str, model, row, group) -> tuple[float, dict, int]:
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         loss = _ce(logits, local["labels"]) / count
         loss.backward()
+    return (*_reduce(model, loss, group), local["input_ids"].shape[1])
+
+
+def ring_rows(cp: int) -> dict[str, torch.Tensor]:
+    """Two unpacked rows (ring takes no packed rows) of 40 tokens: 2*cp chunks of 10 (cp=2) or 5 (cp=4)."""
+    ids = torch.randint(3, VOCAB, (2, 41), generator=torch.Generator().manual_seed(11))
+    return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone()}
+
+
+def ring_reference(model, rows) -> tuple[float, dict]:
+    count = int((rows["labels"] != -100).sum())
+    loss = _ce(model(input_ids=rows["input_ids"], use_cache=False).logits, rows["labels"]) / count
+    loss.backward()
+    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def ring_step(model, rows, group) -> tuple[float, dict]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+
+    count = int((rows["labels"] != -100).sum())
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
+    ctx, local = make_cp_batch_and_ctx(mesh, {k: v.clone() for k, v in rows.items()})
+    with ctx():  # entering shards `local` in place
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        loss = _ce(logits, local["labels"]) / count
+        loss.backward()
+    return _reduce(model, loss, group)
+
+
+def _reduce(model, loss, group) -> tuple[float, dict]:
     params = [(n, p) for n, p in model.named_parameters()]
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten() for _, p in params]
                      + [loss.detach().double().reshape(1)])
@@ -115,7 +150,7 @@ def cp_step(method: str, model, row, group) -> tuple[float, dict, int]:
     for n, p in params:
         grads[n] = flat[at : at + p.numel()].view(p.shape)
         at += p.numel()
-    return flat[-1].item(), grads, local["input_ids"].shape[1]
+    return flat[-1].item(), grads
 
 
 def compare(ref_loss, ref_grads, loss, grads) -> dict:
@@ -145,6 +180,9 @@ def run_cases(group, cp: int, cases) -> dict:
                 loss, grads, n_local = cp_step(method, copy.deepcopy(base), row, group)
                 out[(dtype_name, rule, method)] = compare(ref_loss, ref_grads, loss, grads)
                 out[("local_tokens", method)] = n_local
+            rows = ring_rows(cp)
+            ring_ref = ring_reference(copy.deepcopy(base), rows)
+            out[(dtype_name, rule, "ring")] = compare(*ring_ref, *ring_step(copy.deepcopy(base), rows, group))
             if cp == 2 and rule == "hf":  # activation checkpointing recomputes the chain inside the backward
                 model = copy.deepcopy(base)
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

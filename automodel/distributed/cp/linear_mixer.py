@@ -43,8 +43,10 @@ function (:class:`_ChainedCore`) so that its sends and receives happen in a fixe
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,7 +58,14 @@ from automodel.distributed.cp.linear_support import GATED_DELTANET_MIXERS
 from automodel.distributed.cp.profile import LINEAR
 from automodel.errors import CPUnsupportedError
 
-__all__ = ["install_linear_mixers", "uninstall_linear_mixers", "linear_mixer_forward"]
+__all__ = [
+    "RingLayout",
+    "current_ring_layout",
+    "install_linear_mixers",
+    "linear_mixer_forward",
+    "ring_layout",
+    "uninstall_linear_mixers",
+]
 
 _MARK = "_automodel_cp_linear_mixer"
 _HOLDER = "_automodel_cp_positions"
@@ -68,8 +77,8 @@ def install_linear_mixers(model: torch.nn.Module, profile: Any, method: str, cur
     """Give every supported linear mixer of ``profile``'s ``linear_mixer`` layers the CP forward (mutates
     ``model``; idempotent) and register ``current()`` (the active context of ``method``: a ``UlyssesContext``
     or a ``THDPlan``, ``None`` outside it) as where the forward looks. Returns how many modules carry it."""
-    if method not in ("ulysses", "thd"):
-        raise ValueError(f"no linear-mixer kernel for cp_method {method!r}; kernels: ulysses, thd")
+    if method not in ("ulysses", "thd", "ring"):
+        raise ValueError(f"no linear-mixer kernel for cp_method {method!r}; kernels: ulysses, thd, ring")
     _SOURCES[method] = current
     holder = getattr(model, _HOLDER, None)
     if holder is None:
@@ -129,6 +138,8 @@ def linear_mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, cac
         hidden_states = hidden_states * attention_mask[..., None].to(hidden_states.dtype)
     if method == "ulysses":
         return _ulysses_forward(self, hidden_states, ctx)
+    if method == "ring":
+        return _ring_forward(self, hidden_states, ctx)
     return _thd_forward(self, hidden_states, ctx)
 
 
@@ -251,6 +262,49 @@ def _thd_forward(mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any) -> tor
     return finish(mixer, out, z)
 
 
+@dataclass
+class RingLayout:
+    """What the chain needs under ring CP: every row ``[B, S]`` is cut into ``2W`` chunks and rank r holds
+    chunks r and 2W-1-r (``[B, 2S/(2W)]``), each row one document."""
+
+    group: Any
+    world_size: int
+    rank: int
+
+
+_RING: list[RingLayout] = []
+
+
+def current_ring_layout() -> RingLayout | None:
+    """The innermost active :class:`RingLayout`, or ``None``."""
+    return _RING[-1] if _RING else None
+
+
+@contextlib.contextmanager
+def ring_layout(cp_mesh: Any) -> Iterator[RingLayout]:
+    """Make ``cp_mesh``'s ring layout active for the Gated DeltaNet layers inside the block."""
+    layout = RingLayout(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
+    _RING.append(layout)
+    try:
+        yield layout
+    finally:
+        _RING.remove(layout)
+
+
+def _ring_forward(mixer: torch.nn.Module, hidden: torch.Tensor, layout: RingLayout) -> torch.Tensor:
+    if mixer.conv1d.bias is not None:
+        raise CPUnsupportedError(
+            f"distributed.cp_method=ring: {type(mixer).__name__} has a conv bias, which the chained kernel does "
+            "not differentiate; use distributed.cp_method=ulysses"
+        )
+    if hidden.shape[1] % 2:
+        raise ValueError(f"ring CP holds two equal chunks per rank, got {hidden.shape[1]} local tokens")
+    mixed, z, b, a = project(mixer, hidden)
+    docs = [(0, hidden.shape[1] // 2)]
+    out = _ChainedCore.apply(mixed, b, a, mixer.conv1d.weight, mixer.A_log, mixer.dt_bias, mixer, layout, docs)
+    return finish(mixer, out, z)
+
+
 def _peer(plan: Any, rank: int) -> int:
     return dist.get_global_rank(plan.group, rank)
 
@@ -270,9 +324,10 @@ def _recv(plan: Any, like: list[tuple[tuple[int, ...], torch.dtype]], rank: int,
 class _ChainedCore(torch.autograd.Function):
     """The sequence core of every local chunk, chained across the ranks in sequence order (module docstring).
 
-    Inputs: ``mixed [1, T/W, C]``, ``b``, ``a`` ``[1, T/W, Hv]``, the conv weight ``[C, 1, K]``, ``A_log`` and
+    Inputs: ``mixed [B, T/W, C]``, ``b``, ``a`` ``[B, T/W, Hv]``, the conv weight ``[C, 1, K]``, ``A_log`` and
     ``dt_bias`` ``[Hv]``; ``docs``: ``(local_offset, chunk)`` per document (this rank's chunk r at
-    ``[off, off+c)``, chunk 2W-1-r at ``[off+c, off+2c)``). Output ``[1, T/W, Hv, dv]``.
+    ``[off, off+c)``, chunk 2W-1-r at ``[off+c, off+2c)``; thd: B = 1 and one entry per packed document; ring: B rows of one document each).
+    Output ``[B, T/W, Hv, dv]``; messages hold ``[n_docs * B, ...]``, documents major.
     """
 
     @staticmethod
@@ -284,10 +339,9 @@ class _ChainedCore(torch.autograd.Function):
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             m, bb, aa, w, al, dt = leaves
             params = CoreParams(mixer, w.squeeze(1), mixer.conv1d.bias, al, dt, mixer.key_dim, mixer.value_dim)
-            n_docs = len(docs)
-            halo_shape = (1, params.channels, params.kernel - 1)
-            state_shape = (1, mixer.num_v_heads, params.dk, params.dv)
-            like = [((n_docs, *halo_shape[1:]), m.dtype), ((n_docs, *state_shape[1:]), torch.float64)]
+            n_docs, rows = len(docs), m.shape[0]
+            like = [((n_docs * rows, params.channels, params.kernel - 1), m.dtype),
+                    ((n_docs * rows, mixer.num_v_heads, params.dk, params.dv), torch.float64)]
 
             def stage(offsets, inits):
                 outs, halos, states = [], [], []
@@ -300,7 +354,7 @@ class _ChainedCore(torch.autograd.Function):
 
             def received(src):
                 halo, state = (t.requires_grad_(True) for t in _recv(plan, like, src, m.device))
-                return halo, state, [(halo[i : i + 1], state[i : i + 1]) for i in range(n_docs)]
+                return halo, state, list(zip(_per_doc(halo, n_docs), _per_doc(state, n_docs)))
 
             head_in = None
             if rank > 0:
@@ -352,7 +406,7 @@ class _ChainedCore(torch.autograd.Function):
         tail_grads = [None] * (2 * n_docs)
         if rank > 0:  # the gradient of the tail state this rank sent to rank - 1
             g_halo, g_state = _recv(plan, like, rank - 1, device)
-            tail_grads = [g_halo[i : i + 1] for i in range(n_docs)] + [g_state[i : i + 1] for i in range(n_docs)]
+            tail_grads = _per_doc(g_halo, n_docs) + _per_doc(g_state, n_docs)
         tail_outputs = tail_out + (tail_halo + tail_state if rank > 0 else [])
         tail_grad_list = grad_slices(tail_offsets) + (tail_grads if rank > 0 else [])
         if rank < world - 1:
@@ -361,10 +415,7 @@ class _ChainedCore(torch.autograd.Function):
             _send(plan, [_or_zeros(g_halo, tail_in[0]), _or_zeros(g_state, tail_in[1])], rank + 1)
             g_halo, g_state = _recv(plan, like, rank + 1, device)
             head_outputs = head_out + head_halo + head_state
-            head_grad_list = (
-                grad_slices(head_offsets) + [g_halo[i : i + 1] for i in range(n_docs)]
-                + [g_state[i : i + 1] for i in range(n_docs)]
-            )
+            head_grad_list = grad_slices(head_offsets) + _per_doc(g_halo, n_docs) + _per_doc(g_state, n_docs)
         else:  # the last rank: head and tail are one graph
             head_outputs = head_out + tail_outputs
             head_grad_list = grad_slices(head_offsets) + tail_grad_list
@@ -374,6 +425,11 @@ class _ChainedCore(torch.autograd.Function):
             _send(plan, [_or_zeros(got[0], head_in[0]), _or_zeros(got[1], head_in[1])], rank - 1)
         result = [totals.get(id(t)) if t.requires_grad else None for t in leaves]
         return (*result, None, None, None)
+
+
+def _per_doc(t: torch.Tensor, n_docs: int) -> list[torch.Tensor]:
+    """``[n_docs * B, ...]`` (documents major) -> one ``[B, ...]`` per document."""
+    return list(t.chunk(n_docs, dim=0)) if n_docs else []
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:

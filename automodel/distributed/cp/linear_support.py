@@ -8,7 +8,8 @@ and every method without a kernel, stays refused.
   unchanged recurrence on the whole row for its heads;
 - ``thd``: the conv halo and the recurrent state are chained across the ranks in sequence order, reset at
   every document;
-- ``ring``: refused (its batch function hands the model no layout the chain could follow).
+- ``ring``: the same chain over the head-tail chunks of every row (installed at the model's first forward
+  inside the ring context).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ GATED_DELTANET_MIXERS = {
 LINEAR_METHODS = {
     "ulysses": "head-sharded with an all-to-all: each rank runs the recurrence on the whole row for its heads",
     "thd": "the conv halo and the recurrent state chained across the ranks in sequence order",
+    "ring": "the conv halo and the recurrent state chained across the ranks in sequence order (rows)",
 }
 
 
