@@ -1,7 +1,8 @@
-"""Linear-attention mixers under CP: Gated DeltaNet exact under Ulysses and thd.
+"""Linear-attention mixers under CP: Gated DeltaNet exact under Ulysses, thd and ring.
 
 :func:`install_linear_mixers` (called by ``set_ulysses_attention`` / ``set_thd_attention``, hence by the
-methods' ``prepare_model``) gives every Gated DeltaNet layer the model profile lists a forward that looks
+methods' ``prepare_model``, and for ring at the model's first forward inside ``make_cp_batch_and_ctx``'s
+context, which also makes a :class:`RingLayout` active) gives every Gated DeltaNet layer the model profile lists a forward that looks
 at the active CP context on every call (:func:`uninstall_linear_mixers` removes it). Outside a CP context
 (the self-check's reference run, generation) it runs the layer's own forward, except on packed rows (the
 model's ``position_ids`` restart): there it restarts the state and the conv at every document, as the CP
@@ -19,8 +20,8 @@ document (``document_ids`` of the context: packed lengths or ``position_ids`` re
 with one more all-to-all, and the gated norm and ``out_proj`` run on the slice. Needs
 ``linear_num_key_heads % cp_size == 0``.
 
-**thd** (a :class:`~automodel.distributed.thd_attention.THDPlan` is active): rank r holds chunks r and
-2W-1-r of every document. The state is passed as a **chain** in sequence order, not as a scan of per-shard
+**thd** (a :class:`~automodel.distributed.thd_attention.THDPlan` is active) and **ring** (a
+:class:`RingLayout`): rank r holds chunks r and 2W-1-r of every document (thd) or of every row (ring). The state is passed as a **chain** in sequence order, not as a scan of per-shard
 transition summaries: the delta rule's state update is affine in the state, but its summary over a shard
 is a ``dk x dk`` matrix per head that transformers' kernel does not produce; a scan would need a second
 kernel and a second pass over every shard, while the chain runs the unchanged kernel once per shard and
