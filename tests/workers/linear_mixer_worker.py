@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 VOCAB = 128
-DOCS = (21, 45, 10)  # real lengths; each is padded to a multiple of 2*cp for thd
+DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp for thd
 
 
 def build_model(dtype: torch.dtype, k_heads: int):
@@ -112,8 +112,8 @@ def cp_step(method: str, model, row, group) -> tuple[float, dict, int]:
 
 
 def ring_rows(cp: int) -> dict[str, torch.Tensor]:
-    """Two unpacked rows (ring takes no packed rows) of 40 tokens: 2*cp chunks of 10 (cp=2) or 5 (cp=4)."""
-    ids = torch.randint(3, VOCAB, (2, 41), generator=torch.Generator().manual_seed(11))
+    """Two unpacked rows (ring takes no packed rows) of 24 tokens: 2*cp chunks of 6 (cp=2) or 3 (cp=4)."""
+    ids = torch.randint(3, VOCAB, (2, 25), generator=torch.Generator().manual_seed(11))
     return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone()}
 
 
