@@ -187,12 +187,12 @@ def test_the_chain_survives_activation_checkpointing(dist_results):
 
 
 def test_outside_cp_packed_rows_restart_at_every_document():
-    """The self-check's reference (the prepared model outside a CP context) computes what CP computes on
-    packed rows: each document from zeros; transformers' own forward carries the state across them."""
+    """cp_size=1 (and the self-check's reference: the prepared model outside a CP context) computes what CP
+    computes on packed rows: each document from zeros; transformers' own forward carries the state across."""
     from transformers import AutoModelForCausalLM
 
-    from automodel.distributed.cp.guard import cached_profile
-    from automodel.distributed.cp.linear_mixer import install_linear_mixers, uninstall_linear_mixers
+    from automodel.distributed.cp.bind import bind_cp_method
+    from automodel.distributed.cp.linear_mixer import uninstall_linear_mixers
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_mixer_config(), dtype=torch.float64)
@@ -202,7 +202,7 @@ def test_outside_cp_packed_rows_restart_at_every_document():
     leaky = model(input_ids=ids, position_ids=packed, use_cache=False).logits
     plain = model(input_ids=ids, use_cache=False).logits
     assert (leaky - alone).abs().max() > 1e-3  # transformers' torch kernel: the state crosses the boundary
-    install_linear_mixers(model, cached_profile(model), "thd", lambda: None)
+    bind_cp_method("thd", model, None, 1)  # cp_size 1: the recipe's single-device run
     assert torch.allclose(model(input_ids=ids, position_ids=packed, use_cache=False).logits, alone, rtol=1e-6, atol=1e-7)
     assert torch.equal(model(input_ids=ids, use_cache=False).logits, plain)  # one document per row: the class's own forward
     uninstall_linear_mixers(model)

@@ -74,13 +74,17 @@ _HOLDER = "_automodel_cp_positions"
 _SOURCES: dict[str, Callable[[], Any]] = {}
 
 
-def install_linear_mixers(model: torch.nn.Module, profile: Any, method: str, current: Callable[[], Any]) -> int:
+def install_linear_mixers(
+    model: torch.nn.Module, profile: Any, method: str | None = None, current: Callable[[], Any] | None = None
+) -> int:
     """Give every supported linear mixer of ``profile``'s ``linear_mixer`` layers the CP forward (mutates
-    ``model``; idempotent) and register ``current()`` (the active context of ``method``: a ``UlyssesContext``
-    or a ``THDPlan``, ``None`` outside it) as where the forward looks. Returns how many modules carry it."""
-    if method not in ("ulysses", "thd", "ring"):
-        raise ValueError(f"no linear-mixer kernel for cp_method {method!r}; kernels: ulysses, thd, ring")
-    _SOURCES[method] = current
+    ``model``; idempotent) and register ``current()`` (the active context of ``method``: a ``UlyssesContext``,
+    ``THDPlan`` or ``RingLayout``, ``None`` outside it) as where the forward looks. ``method=None`` (cp_size 1):
+    no CP, only the per-document restart on packed rows. Returns how many modules carry the forward."""
+    if method is not None:
+        if method not in ("ulysses", "thd", "ring") or current is None:
+            raise ValueError(f"no linear-mixer kernel for cp_method {method!r}; kernels: ulysses, thd, ring")
+        _SOURCES[method] = current
     holder = getattr(model, _HOLDER, None)
     if holder is None:
         holder = _Positions()
