@@ -20,6 +20,15 @@ from automodel.distributed.cp.profile import LINEAR, LayerSpec
 from tests.dist_harness import run_distributed
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread is fastest and does not fight the other processes for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _mixer(model_type: str, dtype=torch.float64):
     from transformers import AutoConfig, AutoModelForCausalLM
 
