@@ -73,13 +73,15 @@ def test_profile_from_a_config_alone_and_an_unrecognised_stack():
 
 
 def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
-    profile = profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16))
+    types = ["linear_attention"] * 3 + ["full_attention"]
+    profile = profile_model(_meta("minimax", num_hidden_layers=4, head_dim=16, layer_types=types))
     with pytest.raises(CPUnsupportedError) as err:
         check_model_for_cp("ring", profile, seq_len=64)
     msg = str(err.value)
-    assert msg.startswith("distributed.cp_method=ring does not compute Qwen3NextForCausalLM (model_type=qwen3_next)")
-    assert "layers 0-2: a linear-attention / state-space mixer (Qwen3NextGatedDeltaNet)" in msg
+    assert msg.startswith("distributed.cp_method=ring does not compute MiniMaxForCausalLM (model_type=minimax)")
+    assert "layers 0-2: a linear-attention / state-space mixer (MiniMaxLightningAttention)" in msg
     assert "no CP method runs this model exactly yet: train it with distributed.cp_size=1" in msg
+    check_model_for_cp("ring", profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16)), seq_len=64)
     assert isinstance(err.value, UserInputError)  # the recipe prints it as one error: line
 
     mistral = profile_model(_meta("mistral", num_hidden_layers=2, sliding_window=16))

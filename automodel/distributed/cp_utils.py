@@ -67,14 +67,21 @@ def get_cp_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 
 @contextlib.contextmanager
-def _refuse_inexact_models(cp_context: contextlib.AbstractContextManager, seq_len: int) -> Iterator[None]:
+def _refuse_inexact_models(
+    cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: Any = None
+) -> Iterator[None]:
     """``cp_context``, plus the ring method's exactness check at the model's first forward inside it
     (:mod:`automodel.distributed.cp.guard`): an eager or flex model, a sliding window or chunk shorter
     than the ``seq_len``-token row, sinks, MLA value heads or a linear mixer raise
     :class:`~automodel.errors.CPUnsupportedError` instead of attending within each rank's shard."""
+    from automodel.distributed.cp.linear_mixer import current_ring_layout, install_linear_mixers, ring_layout
     from automodel.distributed.cp.registry import check_model_for_cp
 
-    with check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len)), cp_context:
+    def install(model: Any, profile: Any) -> None:  # Gated DeltaNet: the state chain (docs/linear_mixers.md)
+        install_linear_mixers(model, profile, "ring", current_ring_layout)
+
+    layout = ring_layout(cp_mesh) if cp_mesh is not None else contextlib.nullcontext()
+    with check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len), install), layout, cp_context:
         yield
 
 
@@ -449,4 +456,4 @@ def make_cp_batch_and_ctx(
     if primary_key == "inputs_embeds":
         index = load_balanced_indices(padded_len, cp_size, cp_mesh.get_local_rank(), device=device)
         ctx = _shard_embeds_on_entry(ctx, batch, index)
-    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len)), batch
+    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len, cp_mesh)), batch

@@ -514,6 +514,9 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
     from automodel.distributed.cp.registry import check_model_for_cp
 
     check_model_for_cp("ulysses", cached_profile(model), seq_len=None)
+    from automodel.distributed.cp.linear_mixer import install_linear_mixers
+
+    install_linear_mixers(model, cached_profile(model), "ulysses", current_ulysses_context)  # docs/linear_mixers.md
     previous = model.config._attn_implementation
     register_ulysses_attention()
     model.set_attn_implementation(ULYSSES_ATTN_NAME)

@@ -32,10 +32,16 @@ def bind_cp_method(
     ``(cp_fn, prepared)``; ``batch_options`` (e.g. thd's ``kernel=``) are bound to the batch function.
 
     At ``cp_size == 1``: :func:`no_cp_batch_and_ctx` and an empty :class:`PreparedModel`; the model is
-    left as built.
+    left as built, except that Gated DeltaNet layers restart their state at every packed document, as
+    under CP (transformers' torch kernel would carry it from one document into the next).
     """
     m = get_cp_method(method)
     if cp_size <= 1:
+        if hasattr(model, "config") and hasattr(model, "set_attn_implementation"):
+            from automodel.distributed.cp.guard import cached_profile
+            from automodel.distributed.cp.linear_mixer import install_linear_mixers
+
+            install_linear_mixers(model, cached_profile(model))
         return no_cp_batch_and_ctx, PreparedModel()
     prepared = m.prepare_model(model, device_mesh)
     return m.batch_function(prepared, **batch_options), prepared

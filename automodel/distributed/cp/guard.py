@@ -41,10 +41,13 @@ def cached_profile(model: Any) -> ModelProfile:
 
 
 @contextlib.contextmanager
-def check_on_first_forward(check: Callable[[ModelProfile], None]) -> Iterator[None]:
+def check_on_first_forward(
+    check: Callable[[ModelProfile], None], prepare: Callable[[Any, ModelProfile], None] | None = None
+) -> Iterator[None]:
     """Inside the block, call ``check(profile)`` at the first forward of a transformers model.
 
-    ``check`` raises to refuse the model; the forward then never starts.
+    ``check`` raises to refuse the model; the forward then never starts. ``prepare(model, profile)``, if
+    given, runs after a passing check (e.g. installs the ring's linear-mixer kernels; mutates the model).
     """
     from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -57,7 +60,10 @@ def check_on_first_forward(check: Callable[[ModelProfile], None]) -> Iterator[No
         if handle is not None:
             handle.remove()
             handle = None
-        check(cached_profile(module))
+        profile = cached_profile(module)
+        check(profile)
+        if prepare is not None:
+            prepare(module, profile)
 
     handle = register_module_forward_pre_hook(hook)
     try:

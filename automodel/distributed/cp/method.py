@@ -308,7 +308,8 @@ def standard_problem(
 
     The keyword flags say what the method's kernel applies exactly: sliding ``windows``, attention
     ``chunks``, ``sinks``, logit ``softcap`` and ``mla`` (value heads of another size). Linear /
-    state-space mixers, unrecognised layers and position-scaled queries are refused by every built-in
+    state-space mixers are exact where :mod:`~automodel.distributed.cp.linear_support` lists a kernel for
+    the mixer and the method; unrecognised layers and position-scaled queries are refused by every built-in
     method; ``mlp_only`` layers are exact under every split.
     """
     from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, UNKNOWN
@@ -316,10 +317,9 @@ def standard_problem(
     if layer.kind == MLP_ONLY:
         return None
     if layer.kind == LINEAR:
-        return (
-            f"{layer.describe()} carries a state along the sequence, which {method} splits over the ranks "
-            "without passing the state on"
-        )
+        from automodel.distributed.cp.linear_support import linear_mixer_problem
+
+        return linear_mixer_problem(method, layer)
     if layer.kind == UNKNOWN:
         return f"{layer.describe()} is not known to be exact under {method}"
     deferred = (

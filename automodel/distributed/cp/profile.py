@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from automodel.distributed.cp.linear_support import GATED_DELTANET_MIXERS
+
 __all__ = [
     "FULL",
     "SLIDING",
@@ -261,7 +263,8 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
         cls = type(sub).__name__
         if sub is layer:
             continue
-        if _LINEAR_MIXER.search(cls) and "MoE" not in cls and "Moe" not in cls and linear is None:
+        moe = ("MoE" in cls or "Moe" in cls) and cls not in GATED_DELTANET_MIXERS  # Qwen3_5MoeGatedDeltaNet is one
+        if _LINEAR_MIXER.search(cls) and not moe and linear is None:
             linear = cls
         elif isinstance(sub, nn.Conv1d) and linear is None:
             linear = f"{cls} (a convolution along the sequence)"

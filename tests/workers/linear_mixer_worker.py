@@ -1,0 +1,207 @@
+"""Gated DeltaNet under CP (tests/test_linear_mixer.py): Qwen3-Next, packed documents, against each document alone.
+
+On every rank: a tiny Qwen3-Next (one Gated DeltaNet layer, one gated full-attention layer, MoE MLPs), a
+packed row of several documents, and the single-process reference: the loss (sum CE / label count) and
+every parameter's gradient with each document run ALONE through the unmodified model. Then Ulysses and
+thd at cp = world size through the own-loop API (set_*_attention + make_*_batch_and_ctx) on the packed
+row; loss and gradients are SUM-all-reduced over the group and compared. Ring (no packed rows) runs two
+unpacked rows against the single-process batch.
+
+At cp=2 thd also runs with activation checkpointing (non-reentrant, as the recipe), whose recompute runs
+the state chain again inside the backward. Cases: ``(dtype, rule)``; rule ``"hf"`` is transformers' torch kernel (fp32 inside, whatever the dtype),
+``"fp64"`` substitutes :func:`~automodel.distributed.cp.gated_deltanet.recurrent_gated_delta_rule` in
+BOTH runs (the model module's function and the CP kernel), so that the chaining is proven to fp64
+round-off.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB = 128
+DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp for thd
+
+
+def build_model(dtype: torch.dtype, k_heads: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_next", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=k_heads,
+        linear_num_value_heads=2 * k_heads, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, tie_word_embeddings=False, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=dtype, experts_implementation="eager"  # grouped_mm: no fp64
+    )
+    with torch.no_grad():  # non-trivial decay / gate parameters (the init is all ones / one value)
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.dt_bias.uniform_(-1.0, 1.0)
+                layer.linear_attn.A_log.uniform_(-2.0, 1.0)
+                layer.linear_attn.norm.weight.uniform_(0.5, 1.5)
+    return model.train()
+
+
+def documents(world: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The documents (ids of length L+1, the last is the next-token label) and the packed row."""
+    gen = torch.Generator().manual_seed(7)
+    docs = [torch.randint(3, VOCAB, (n + 1,), generator=gen) for n in DOCS]
+    multiple = 2 * world
+    ids, labels, pos, lens, padded = [], [], [], [], []
+    for d in docs:
+        n = len(d) - 1
+        p = -(-n // multiple) * multiple
+        ids.append(torch.cat([d[:-1], torch.zeros(p - n, dtype=torch.long)]))
+        labels.append(torch.cat([d[1:], torch.full((p - n,), -100)]))
+        pos.append(torch.arange(p))
+        lens.append(n)
+        padded.append(p)
+    row = {
+        "input_ids": torch.cat(ids)[None],
+        "labels": torch.cat(labels)[None],
+        "position_ids": torch.cat(pos)[None],
+        "seq_lens": torch.tensor([lens]),
+        "seq_lens_padded": torch.tensor([padded]),
+    }
+    return docs, row
+
+
+def _ce(logits, labels):
+    return F.cross_entropy(logits.double().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def reference(model, docs) -> tuple[float, dict]:
+    count = sum(len(d) - 1 for d in docs)
+    total = 0.0
+    for d in docs:
+        logits = model(input_ids=d[None, :-1], position_ids=torch.arange(len(d) - 1)[None], use_cache=False).logits
+        loss = _ce(logits, d[None, 1:]) / count
+        loss.backward()
+        total += loss.item()
+    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+def cp_step(method: str, model, row, group) -> tuple[float, dict, int]:
+    count = int((row["labels"] != -100).sum())
+    batch = {k: v.clone() for k, v in row.items()}
+    if method == "ulysses":
+        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+
+        inner = set_ulysses_attention(model, group)
+        ctx, local = make_ulysses_batch_and_ctx(group, batch, inner_attn=inner)
+    else:
+        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+
+        set_thd_attention(model, group)
+        ctx, local = make_thd_batch_and_ctx(group, batch)
+    with ctx():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        loss = _ce(logits, local["labels"]) / count
+        loss.backward()
+    return (*_reduce(model, loss, group), local["input_ids"].shape[1])
+
+
+def ring_rows(cp: int) -> dict[str, torch.Tensor]:
+    """Two unpacked rows (ring takes no packed rows) of 24 tokens: 2*cp chunks of 6 (cp=2) or 3 (cp=4)."""
+    ids = torch.randint(3, VOCAB, (2, 25), generator=torch.Generator().manual_seed(11))
+    return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone()}
+
+
+def ring_reference(model, rows) -> tuple[float, dict]:
+    count = int((rows["labels"] != -100).sum())
+    loss = _ce(model(input_ids=rows["input_ids"], use_cache=False).logits, rows["labels"]) / count
+    loss.backward()
+    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def ring_step(model, rows, group) -> tuple[float, dict]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+
+    count = int((rows["labels"] != -100).sum())
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
+    ctx, local = make_cp_batch_and_ctx(mesh, {k: v.clone() for k, v in rows.items()})
+    with ctx():  # entering shards `local` in place
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        loss = _ce(logits, local["labels"]) / count
+        loss.backward()
+    return _reduce(model, loss, group)
+
+
+def _reduce(model, loss, group) -> tuple[float, dict]:
+    params = [(n, p) for n, p in model.named_parameters()]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten() for _, p in params]
+                     + [loss.detach().double().reshape(1)])
+    dist.all_reduce(flat, group=group)
+    grads, at = {}, 0
+    for n, p in params:
+        grads[n] = flat[at : at + p.numel()].view(p.shape)
+        at += p.numel()
+    return flat[-1].item(), grads
+
+
+def compare(ref_loss, ref_grads, loss, grads) -> dict:
+    rel = {}
+    for name, ref in ref_grads.items():
+        rel[name] = ((grads[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": rel,
+            "missing": sorted(set(ref_grads) - {n for n, g in grads.items() if g.abs().max() > 0})}
+
+
+def run_cases(group, cp: int, cases) -> dict:
+    """Every case at CP size ``cp`` on ``group``: ``{(dtype, rule, method): comparison}``."""
+    from automodel.distributed.cp import gated_deltanet as gd
+
+    out: dict = {}
+    for dtype_name, rule in cases:
+        base = build_model(getattr(torch, dtype_name), k_heads=cp)
+        modeling = sys.modules[type(base).__module__]
+        original = modeling.torch_chunk_gated_delta_rule
+        if rule == "fp64":
+            modeling.torch_chunk_gated_delta_rule = gd.recurrent_gated_delta_rule
+            gd.RULE_OVERRIDE = gd.recurrent_gated_delta_rule
+        try:
+            docs, row = documents(cp)
+            ref_loss, ref_grads = reference(copy.deepcopy(base), docs)
+            for method in ("thd", "ulysses"):
+                loss, grads, n_local = cp_step(method, copy.deepcopy(base), row, group)
+                out[(dtype_name, rule, method)] = compare(ref_loss, ref_grads, loss, grads)
+                out[("local_tokens", method)] = n_local
+            rows = ring_rows(cp)
+            ring_ref = ring_reference(copy.deepcopy(base), rows)
+            out[(dtype_name, rule, "ring")] = compare(*ring_ref, *ring_step(copy.deepcopy(base), rows, group))
+            if cp == 2 and rule == "hf":  # activation checkpointing recomputes the chain inside the backward
+                model = copy.deepcopy(base)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                loss, grads, _ = cp_step("thd", model, row, group)
+                out[(dtype_name, rule, "thd+checkpointing")] = compare(ref_loss, ref_grads, loss, grads)
+        finally:
+            modeling.torch_chunk_gated_delta_rule = original
+            gd.RULE_OVERRIDE = None
+    out["row_tokens"] = int(documents(cp)[1]["input_ids"].shape[1])
+    return out
+
+
+def main(rank: int, world_size: int, cases=(("float64", "fp64"), ("float32", "hf"))) -> dict:
+    """cp=2 on ranks {0, 1} and {2, 3} at once, then cp=4 on all four: ``{cp: run_cases(...)}``."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    pairs = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, world_size, 2)]
+    results = {2: run_cases(pairs[rank // 2], 2, cases)}
+    if world_size == 4:
+        results[4] = run_cases(dist.new_group(backend="gloo"), 4, cases)
+    return results
