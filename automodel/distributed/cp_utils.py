@@ -67,14 +67,22 @@ def get_cp_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 
 @contextlib.contextmanager
-def _refuse_inexact_models(cp_context: contextlib.AbstractContextManager, seq_len: int) -> Iterator[None]:
+def _refuse_inexact_models(
+    cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: DeviceMesh
+) -> Iterator[None]:
     """``cp_context``, plus the ring method's exactness check at the model's first forward inside it
-    (:mod:`automodel.distributed.cp.guard`): an eager or flex model, a sliding window or chunk shorter
-    than the ``seq_len``-token row, sinks, MLA value heads or a linear mixer raise
-    :class:`~automodel.errors.CPUnsupportedError` instead of attending within each rank's shard."""
+    (:mod:`automodel.distributed.cp.guard`): an eager or flex model, a layer kind ring does not compute
+    (a linear mixer, softcapping, a window only the mask sees) raise
+    :class:`~automodel.errors.CPUnsupportedError` instead of attending within each rank's shard; and
+    each layer's kernel (:mod:`automodel.distributed.cp.kernels.ring_layers`: windows, chunks, sinks, MLA)."""
+    from automodel.distributed.cp.kernels.ring_layers import ring_layer_kernels
     from automodel.distributed.cp.registry import check_model_for_cp
 
-    with check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len)), cp_context:
+    with (
+        check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len)),
+        ring_layer_kernels(cp_mesh, seq_len),
+        cp_context,
+    ):
         yield
 
 
@@ -449,4 +457,4 @@ def make_cp_batch_and_ctx(
     if primary_key == "inputs_embeds":
         index = load_balanced_indices(padded_len, cp_size, cp_mesh.get_local_rank(), device=device)
         ctx = _shard_embeds_on_entry(ctx, batch, index)
-    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len)), batch
+    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len, cp_mesh)), batch
