@@ -575,20 +575,16 @@ def thd_attention_forward(
             f"distributed.cp_method=thd: {type(module).__name__} uses attention biases, which THD "
             "attention does not apply (docs/support_matrix.md)"
         )
-    if kwargs.get("softcap") is not None:
-        raise CPUnsupportedError(
-            f"distributed.cp_method=thd: {type(module).__name__} uses logit softcapping, which THD attention does "
-            "not apply; use distributed.cp_method=ulysses with model.attn_implementation=eager"
-        )
     from automodel.distributed.cp.kernels.strategy import run_layer
 
     def native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         return thd_attention(q, k, v, plan, scale).transpose(1, 2)
 
-    # per layer: windows, chunks and sinks run the halo kernel, MLA runs on padded V (cp/kernels/strategy.py)
+    # per layer: windows, chunks, sinks and softcapping run the halo kernel, MLA runs on padded V
+    # (cp/kernels/strategy.py); transformers passes softcap only where the model applies it (sdpa refuses it)
     out = run_layer(
         module, query, key, value, kwargs, layout=plan.token_layout(), native=native, method="thd",
-        scaling=scaling, dropout=dropout,
+        scaling=scaling, dropout=dropout, apply_softcap=True,
     )
     return out, None
 

@@ -5,10 +5,11 @@ chunks; rank r holds chunks r and 2W-1-r of every document. Each attention layer
 the whole row and computes exact per-document causal attention (the portable kernel on any device;
 flash-attn varlen or Transformer Engine on CUDA); the backward re-gathers K/V and reduce-scatters
 dK/dV. Exact for full causal attention; each layer picks its kernel (:mod:`automodel.distributed.cp.kernels`):
-sliding windows and attention chunks shorter than the longest document, and sinks, run the halo kernel
+sliding windows and attention chunks shorter than the longest document, sinks and logit softcapping
+(transformers hands the kernel ``softcap`` only where the model applies it) run the halo kernel
 (only the K/V each layer reaches is exchanged, never across a document); MLA value heads run on
 zero-padded V; Llama 4's query temperature is taken at the in-document position. Refused:
-softcapping, linear / state-space mixers.
+linear / state-space mixers.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class ThdMethod(AttentionSwitchingMethod):
 
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(
-            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, mla=True, position_scaled=True,
-            windows_checked_at_call=True,
+            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
+            position_scaled=True, windows_checked_at_call=True,
         )
 
     def _switch(self) -> tuple[Any, str]:

@@ -70,7 +70,7 @@ def halo_attention(
         block: queries per block (memory: see the module docstring).
 
     Returns:
-        ``[B, n, Hq, Dv]`` (transformers' attention-function layout), differentiable w.r.t. query, key,
+        ``[B, n, Hq, Dv]`` contiguous (transformers' attention-function layout), differentiable w.r.t. query, key,
         value and sinks; the halo's dK/dV return to the ranks that hold those tokens.
     """
     b, hq, n, d = query.shape
@@ -96,4 +96,4 @@ def halo_attention(
         checkpoint(_block, query[:, :, q0:q1], kbuf, vbuf, sinks, key_index, allowed, scale, softcap, use_reentrant=False)
         for q0, q1, key_index, allowed in blocks
     ]
-    return torch.cat(outs, dim=2).transpose(1, 2)
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()

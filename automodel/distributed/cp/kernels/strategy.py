@@ -31,13 +31,22 @@ from automodel.distributed.cp.kernels.masked_attention import halo_attention
 from automodel.distributed.cp.kernels.token_layout import TokenLayout
 from automodel.distributed.cp.profile import CHUNKED, FULL, SLIDING, LayerSpec
 
-__all__ = ["HALO", "NATIVE", "PAD_V", "call_spec", "choose_kernel", "correct_query_temperature", "run_layer"]
+__all__ = [
+    "HALO",
+    "NATIVE",
+    "PAD_V",
+    "call_spec",
+    "choose_kernel",
+    "config_chunk",
+    "correct_query_temperature",
+    "run_layer",
+]
 
 NATIVE, PAD_V, HALO = "native", "pad_v", "halo"
 Native = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def _config_chunk(module: Any) -> int | None:
+def config_chunk(module: Any) -> int | None:
     """The attention chunk of ``module``'s layer from its config (``layer_types`` / ``attention_chunk_size``)."""
     config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
     chunk = getattr(config, "attention_chunk_size", None)
@@ -50,7 +59,7 @@ def _config_chunk(module: Any) -> int | None:
 def call_spec(module: Any, query: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]) -> tuple[LayerSpec, Any]:
     """The :class:`LayerSpec` of the layer being called, and its sink logits (``[Hq]`` or ``None``)."""
     window = kwargs.get("sliding_window")
-    chunk = _config_chunk(module) if window is None else None
+    chunk = config_chunk(module) if window is None else None
     sinks = kwargs.get("s_aux")
     if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
         sinks = module.sinks
@@ -91,7 +100,7 @@ def pad_value_heads(
     dqk, dv = query.shape[-1], value.shape[-1]
     size = max(dqk, dv)
     out = native(_pad_last(query, size), _pad_last(key, size), _pad_last(value, size), scale)
-    return out[..., :dv]
+    return out[..., :dv].contiguous()
 
 
 def _temperature(module: Any, positions: torch.Tensor) -> torch.Tensor:
@@ -99,12 +108,12 @@ def _temperature(module: Any, positions: torch.Tensor) -> torch.Tensor:
 
 
 def correct_query_temperature(module: Any, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Llama 4's NoPE query temperature at ``positions`` (``[n]`` int64, in-document) instead of the local
-    index transformers used: ``query [B, H, n, D]`` times ``t(positions) / t(arange(n))``."""
+    """Llama 4's NoPE query temperature at ``positions`` (``[n]`` or ``[B, n]`` int64, in-document) instead
+    of the local index transformers used: ``query [B, H, n, D]`` times ``t(positions) / t(arange(n))``."""
     n = query.shape[2]
     local = torch.arange(n, device=positions.device)
     ratio = (_temperature(module, positions) / _temperature(module, local)).to(query.device, query.dtype)
-    return query * ratio.view(1, 1, n, 1)
+    return query * ratio.reshape(-1, 1, n, 1)
 
 
 def run_layer(
@@ -140,6 +149,13 @@ def run_layer(
         return native(query, key, value, scale)
     if kernel == PAD_V:
         return pad_value_heads(native, query, key, value, scale)
+    if spec.softcap and not apply_softcap:
+        from automodel.errors import CPUnsupportedError
+
+        raise CPUnsupportedError(
+            f"distributed.cp_method={method}: {type(module).__name__} soft-caps its attention logits, which "
+            f"{method} does not apply; use distributed.cp_method=ulysses or thd with model.attn_implementation=eager"
+        )
     if dropout:
         raise ValueError(
             f"distributed.cp_method={method}: attention dropout ({dropout}) is not implemented by the "
