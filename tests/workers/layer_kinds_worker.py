@@ -174,9 +174,10 @@ def model_case(case: dict, mesh, world: int) -> dict:
 
 
 def main(rank: int, world_size: int, kernel_cases: dict, model_cases: dict | None = None) -> dict:
-    import transformers
+    if model_cases:
+        import transformers
 
-    transformers.logging.set_verbosity_error()
+        transformers.logging.set_verbosity_error()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     group = mesh.get_group()
     out: dict = {}

@@ -22,24 +22,30 @@ DEFAULT_BLOCK = 256
 
 
 def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: float | None):
-    """``[B, Hq, nq, Dv]`` attention of one query block; ``kbuf``/``vbuf`` ``[B, Hkv, n + h, D]``."""
+    """``[B, Hq, nq, Dv]`` attention of one query block; ``kbuf``/``vbuf`` ``[B, Hkv, n + h, D]``.
+
+    The query heads of a KV head are stacked along the rows (``[B*Hkv, g*nq, D]``), so both products are
+    plain batched matmuls with no copy of K/V per query head.
+    """
     b, hq, nq, d = q.shape
     hkv = kbuf.shape[1]
+    g = hq // hkv
     dtype = torch.promote_types(q.dtype, torch.float32)
-    k = kbuf.index_select(2, key_index).to(dtype)
+    k = kbuf.index_select(2, key_index).to(dtype).reshape(b * hkv, -1, d)
     v = vbuf.index_select(2, key_index).to(dtype)
-    qg = q.reshape(b, hkv, hq // hkv, nq, d).to(dtype)
-    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale
+    dv = v.shape[-1]
+    v = v.reshape(b * hkv, -1, dv)
+    s = torch.bmm(q.to(dtype).reshape(b * hkv, g * nq, d), k.transpose(1, 2)) * scale
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~allowed, float("-inf"))
+    s = s.view(b * hkv, g, nq, -1).masked_fill(~allowed, float("-inf"))
     logits = s
     if sinks is not None:
-        sink = sinks.to(dtype).reshape(1, hkv, hq // hkv, 1, 1).expand(b, hkv, hq // hkv, nq, 1)
+        sink = sinks.to(dtype).reshape(1, hkv, g, 1, 1).expand(b, hkv, g, nq, 1).reshape(b * hkv, g, nq, 1)
         logits = torch.cat([s, sink], dim=-1)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    out = torch.matmul(torch.exp(s - lse), v.unsqueeze(2))
-    return out.reshape(b, hq, nq, v.shape[-1]).to(q.dtype)
+    out = torch.bmm(torch.exp(s - lse).view(b * hkv, g * nq, -1), v)
+    return out.view(b, hq, nq, dv).to(q.dtype)
 
 
 def halo_attention(
