@@ -19,6 +19,7 @@ pytestmark = pytest.mark.dist
 KERNEL_CP2 = {
     "ring_w16_f64": dict(seq=64, window=16, dtype="float64"),
     "ring_w16_f32": dict(seq=64, window=16, dtype="float32"),
+    "ring_w16_math": dict(seq=64, window=16, dtype="float64", force_math=True),  # not the CPU flash blocks
     "ring_w5_block3": dict(seq=64, window=5, dtype="float64", block=3),
     "ring_w40": dict(seq=64, window=40, dtype="float64"),  # W > a chunk: keys from two chunks back
     "ring_w64": dict(seq=64, window=64, dtype="float64"),  # W >= S: full causal attention

@@ -73,7 +73,13 @@ def kernel_case(case: dict, rank: int, world: int, group) -> dict:
     ids = layout.ids
     local = [x.index_select(2, ids).clone().requires_grad_(True) for x in (q, k, v)]
     s_loc = sinks.clone().requires_grad_(True) if sinks is not None else None
-    out = halo_attention(*local, layout, sinks=s_loc, scale=scale, block=case.get("block", 256), **opts)
+    import automodel.distributed.cp.kernels.masked_attention as kernel
+
+    kernel.FORCE_MATH = bool(case.get("force_math"))  # the math blocks off-CPU kernels run
+    try:
+        out = halo_attention(*local, layout, sinks=s_loc, scale=scale, block=case.get("block", 256), **opts)
+    finally:
+        kernel.FORCE_MATH = False
     loss = (out.transpose(1, 2) * w.index_select(2, ids)).sum()
     loss.backward()
     total = loss.detach().clone()

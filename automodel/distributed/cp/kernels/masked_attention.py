@@ -2,9 +2,11 @@
 
 One softmax per query over every key it may see (the local keys and the halo, selected per query block),
 so a per-head sink logit joins each query's softmax exactly once and no partial results are merged.
+On CPU, blocks without sinks or softcapping and with equal head sizes run torch's blocked flash kernel
+with the block's mask; the others (and every block off CPU) run exact math with scores in fp32.
 The query blocks are recomputed in the backward (activation checkpointing), so the memory held per
 layer is the inputs plus, transiently, one block's ``[B, H, block, block + W]`` scores: O(W) per query,
-not O(S). Scores are computed in fp32 (fp64 for fp64 inputs).
+not O(S). Math scores are computed in fp32 (fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -19,6 +21,21 @@ __all__ = ["DEFAULT_BLOCK", "halo_attention"]
 
 #: queries per block: bounds the transient score matrix at ``block x (block + W)`` per head
 DEFAULT_BLOCK = 256
+#: use the exact math blocks also where the CPU flash kernel would run (tests set it)
+FORCE_MATH = False
+
+
+def _flash_block(q, kbuf, vbuf, key_index, allowed, scale: float):
+    """torch's blocked CPU flash kernel with the block's mask (no sinks / softcap; equal head sizes)."""
+    g = q.shape[1] // kbuf.shape[1]
+    k = kbuf.index_select(2, key_index)
+    v = vbuf.index_select(2, key_index)
+    if g > 1:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.contiguous(), k, v, 0.0, False, attn_mask=mask, scale=scale
+    )[0]
 
 
 def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: float | None):
@@ -30,6 +47,8 @@ def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: floa
     b, hq, nq, d = q.shape
     hkv = kbuf.shape[1]
     g = hq // hkv
+    if q.device.type == "cpu" and sinks is None and not softcap and vbuf.shape[-1] == d and not FORCE_MATH:
+        return _flash_block(q, kbuf, vbuf, key_index, allowed, scale)
     dtype = torch.promote_types(q.dtype, torch.float32)
     k = kbuf.index_select(2, key_index).to(dtype).reshape(b * hkv, -1, d)
     v = vbuf.index_select(2, key_index).to(dtype)
