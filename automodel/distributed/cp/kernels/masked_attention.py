@@ -38,7 +38,7 @@ def _flash_block(q, kbuf, vbuf, key_index, allowed, scale: float):
     )[0]
 
 
-def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: float | None):
+def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: float | None, flash: bool):
     """``[B, Hq, nq, Dv]`` attention of one query block; ``kbuf``/``vbuf`` ``[B, Hkv, n + h, D]``.
 
     The query heads of a KV head are stacked along the rows (``[B*Hkv, g*nq, D]``), so both products are
@@ -47,7 +47,7 @@ def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: floa
     b, hq, nq, d = q.shape
     hkv = kbuf.shape[1]
     g = hq // hkv
-    if q.device.type == "cpu" and sinks is None and not softcap and vbuf.shape[-1] == d and not FORCE_MATH:
+    if flash:
         return _flash_block(q, kbuf, vbuf, key_index, allowed, scale)
     dtype = torch.promote_types(q.dtype, torch.float32)
     k = kbuf.index_select(2, key_index).to(dtype).reshape(b * hkv, -1, d)
@@ -117,8 +117,13 @@ def halo_attention(
     vbuf = torch.cat([value, v_halo], dim=2)
     scale = scale if scale is not None else d**-0.5
     _, blocks = plan.on(query.device)
+    # decided here, not in the block: the backward recomputes each block the same way
+    flash = query.device.type == "cpu" and sinks is None and not softcap and dv == d and not FORCE_MATH
     outs = [
-        checkpoint(_block, query[:, :, q0:q1], kbuf, vbuf, sinks, key_index, allowed, scale, softcap, use_reentrant=False)
+        checkpoint(
+            _block, query[:, :, q0:q1], kbuf, vbuf, sinks, key_index, allowed, scale, softcap, flash,
+            use_reentrant=False,
+        )
         for q0, q1, key_index, allowed in blocks
     ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()

@@ -65,7 +65,7 @@ def call_spec(module: Any, query: torch.Tensor, value: torch.Tensor, kwargs: dic
         sinks = module.sinks
     kind = SLIDING if window else CHUNKED if chunk else FULL
     spec = LayerSpec(
-        index=int(getattr(module, "layer_idx", -1) or 0),
+        index=int(getattr(module, "layer_idx", None) or 0),
         kind=kind,
         window=int(window) if window else None,
         chunk=chunk,
