@@ -447,6 +447,9 @@ def make_cp_batch_and_ctx(
         seen.add(id(tensor))
         buffers.append(tensor)
         seq_dims.append(2 if (key == "position_ids" and tensor.ndim == 3) else 1)
+    from automodel.distributed.cp.kernels.ring_layers import install_ring_router
+
+    install_ring_router()  # now, before a trainer wraps the attention (ring_layers.py)
     ctx = create_context_parallel_ctx(
         cp_mesh=cp_mesh,
         cp_buffers=buffers,

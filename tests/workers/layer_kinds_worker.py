@@ -11,6 +11,7 @@ run alone.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -123,11 +124,36 @@ def _reference(model, docs, n_labels):
 
 
 def _cp_step(method, model, batch, mesh, n_labels):
-    model.zero_grad(set_to_none=True)
-    if method == "ring":
-        from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+    try:
+        return _cp_step_inner(method, model, batch, mesh, n_labels)
+    finally:
+        if method == "ring_graph_break":  # put transformers' registry back for the next cases
+            from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
 
+            ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
+
+
+def _cp_step_inner(method, model, batch, mesh, n_labels):
+    model.zero_grad(set_to_none=True)
+    if method.startswith("ring"):
+        from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+        from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
+
+        if method == "ring_graph_break":  # as models/compile.py breaks the compiled graph at the attention
+            from automodel.models.compile import attention_outside_graph
+
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = attention_outside_graph(ALL_ATTENTION_FUNCTIONS["sdpa"])
         ctx, local = make_cp_batch_and_ctx(mesh, batch)
+        if method == "ring_eager_backward":  # as the trainer wraps it for compiled autograd
+            from automodel.models.compile import attention_backward_eager
+
+            inner_ctx = ctx
+
+            def ctx():
+                stack = contextlib.ExitStack()
+                stack.enter_context(attention_backward_eager(model))
+                stack.enter_context(inner_ctx())
+                return stack
     elif method == "thd":
         from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
 
@@ -164,7 +190,7 @@ def model_case(case: dict, mesh, world: int) -> dict:
     docs = _docs(case["docs"], VOCAB)
     n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
     ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
-    if case["method"] == "ring":  # one document, one whole row
+    if case["method"].startswith("ring"):  # one document, one whole row
         batch = {"input_ids": docs[0]["input_ids"][None].clone(), "labels": docs[0]["labels"][None].clone()}
     else:
         batch = pack([docs], 2 * world)
