@@ -224,24 +224,22 @@ def test_model_without_sdpa_is_rejected_for_ring_cp():
         _check(Gemma2Config(num_hidden_layers=1))
 
 
-def test_sliding_window_shorter_than_the_row_is_refused_for_ring_and_thd_not_ulysses():
-    from transformers import MistralConfig
+def test_sliding_window_shorter_than_the_row_runs_under_every_method_softcap_not_under_ring():
+    from transformers import Gemma2Config, MistralConfig
 
     from automodel.distributed.cp import check_model_config_for_cp
     from automodel.errors import CPUnsupportedError
 
     config = MistralConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    for method in ("ring", "thd"):
-        with pytest.raises(
-            CPUnsupportedError,
-            match=rf"distributed.cp_method={method} does not compute MistralForCausalLM \(model_type=mistral\) "
-            r"exactly: layer 0: sliding-window attention \(window 4096\) is shorter than the rows \(8192 tokens\)"
-            r".*methods that run this model exactly: ulysses",
-        ):
-            check_model_config_for_cp(method, config, 2, seq_len=8192)
-        check_model_config_for_cp(method, config, 2, seq_len=4096)  # the window covers the row: full attention
-        check_model_config_for_cp(method, config, 1, seq_len=8192)  # no CP
-    check_model_config_for_cp("ulysses", config, 2, seq_len=8192)  # Ulysses applies the window
+    for method in ("ring", "ulysses", "thd"):  # windows run the halo kernel (ring, thd) or the global mask
+        check_model_config_for_cp(method, config, 2, seq_len=8192)
+    gemma2 = Gemma2Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(
+        CPUnsupportedError,
+        match=r"distributed.cp_method=ring does not compute Gemma2ForCausalLM \(model_type=gemma2\) exactly: "
+        r"layer 0: attention logit softcapping \(50\).*methods that run this model exactly: ulysses \| thd",
+    ):
+        check_model_config_for_cp("ring", gemma2, 2, seq_len=8192)
 
 
 def test_vocab_must_cover_the_tokenizer():

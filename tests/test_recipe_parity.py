@@ -72,6 +72,7 @@ def test_reference_trains(runs):
         ("ulysses_cp2", "ref"),
         ("ulysses_packed_cp2", "packed_ref"),
         ("toy_cp2", "ref"),  # a method registered by the test (tests/toy_cp_method.py)
+        ("sliding_cp2", "sliding_ref"),  # Mistral, window 16 < the row: ring's halo kernel
     ],
 )
 def test_parallel_run_matches_single_device(runs, name, ref_name):

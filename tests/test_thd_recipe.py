@@ -136,7 +136,14 @@ def _max_rel(a: dict, b: dict) -> float:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name, ref", [("thd_packed_cp2", "packed_ref"), ("thd_plain_cp2", "plain_ref")])
+@pytest.mark.parametrize(
+    "name, ref",
+    [
+        ("thd_packed_cp2", "packed_ref"),
+        ("thd_plain_cp2", "plain_ref"),
+        ("thd_sliding_packed_cp2", "sliding_packed_ref"),  # Mistral, window 16: the halo kernel
+    ],
+)
 def test_recipe_parity_cp2(runs, name, ref):
     got, want = runs[name], runs[ref]
     assert got["cp_method"] == "thd" and got["attn_impl"] == "thd"

@@ -68,20 +68,28 @@ def get_cp_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 @contextlib.contextmanager
 def _refuse_inexact_models(
-    cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: Any = None
+    cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: DeviceMesh
 ) -> Iterator[None]:
     """``cp_context``, plus the ring method's exactness check at the model's first forward inside it
-    (:mod:`automodel.distributed.cp.guard`): an eager or flex model, a sliding window or chunk shorter
-    than the ``seq_len``-token row, sinks, MLA value heads or a linear mixer raise
-    :class:`~automodel.errors.CPUnsupportedError` instead of attending within each rank's shard."""
+    (:mod:`automodel.distributed.cp.guard`): an eager or flex model, a layer kind ring does not compute
+    (an unsupported linear mixer, softcapping, a window only the mask sees) raise
+    :class:`~automodel.errors.CPUnsupportedError` instead of attending within each rank's shard; and
+    each layer's kernel (:mod:`automodel.distributed.cp.kernels.ring_layers`: windows, chunks, sinks, MLA;
+    :mod:`automodel.distributed.cp.linear_mixer`: Gated DeltaNet's state chain, installed at that
+    first forward)."""
+    from automodel.distributed.cp.kernels.ring_layers import ring_layer_kernels
     from automodel.distributed.cp.linear_mixer import current_ring_layout, install_linear_mixers, ring_layout
     from automodel.distributed.cp.registry import check_model_for_cp
 
     def install(model: Any, profile: Any) -> None:  # Gated DeltaNet: the state chain (docs/linear_mixers.md)
         install_linear_mixers(model, profile, "ring", current_ring_layout)
 
-    layout = ring_layout(cp_mesh) if cp_mesh is not None else contextlib.nullcontext()
-    with check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len), install), layout, cp_context:
+    with (
+        check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len), install),
+        ring_layout(cp_mesh),
+        ring_layer_kernels(cp_mesh, seq_len),
+        cp_context,
+    ):
         yield
 
 
@@ -446,6 +454,9 @@ def make_cp_batch_and_ctx(
         seen.add(id(tensor))
         buffers.append(tensor)
         seq_dims.append(2 if (key == "position_ids" and tensor.ndim == 3) else 1)
+    from automodel.distributed.cp.kernels.ring_layers import install_ring_router
+
+    install_ring_router()  # now, before a trainer wraps the attention (ring_layers.py)
     ctx = create_context_parallel_ctx(
         cp_mesh=cp_mesh,
         cp_buffers=buffers,

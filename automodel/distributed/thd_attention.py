@@ -208,6 +208,14 @@ class THDPlan:
             self._index[("to_global", str(device))] = to_global.to(device)
         return self._index[key]
 
+    def token_layout(self):
+        """This step's :class:`~automodel.distributed.cp.kernels.token_layout.TokenLayout` (cached)."""
+        if "layout" not in self._index:
+            from automodel.distributed.cp.kernels.token_layout import thd_layout
+
+            self._index["layout"] = thd_layout(self.cu_seqlens_padded, self.group, self.world_size, self.rank)
+        return self._index["layout"]
+
     # --- communication: token-major [n, H, D] tensors
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """All-gather local ``[T/W, H, D]`` to global-order ``[T, H, D]`` (no autograd)."""
@@ -562,24 +570,23 @@ def thd_attention_forward(
         raise ValueError(
             f"{type(module).__name__} is not causal; THD attention computes causal attention only"
         )
-    if kwargs.get("sliding_window") is not None and kwargs["sliding_window"] < plan.max_seqlen:
+    if kwargs.get("position_bias") is not None:
         raise CPUnsupportedError(
-            f"distributed.cp_method=thd: {type(module).__name__} uses a sliding window of {kwargs['sliding_window']} "
-            f"tokens, shorter than the longest document ({plan.max_seqlen}); THD attention does not apply windows: "
-            "use distributed.cp_method=ulysses for this model (docs/support_matrix.md)"
-        )
-    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None or hasattr(module, "sinks"):
-        raise CPUnsupportedError(
-            f"distributed.cp_method=thd: {type(module).__name__} uses attention biases or sinks, which THD "
+            f"distributed.cp_method=thd: {type(module).__name__} uses attention biases, which THD "
             "attention does not apply (docs/support_matrix.md)"
         )
-    if kwargs.get("softcap") is not None:
-        raise CPUnsupportedError(
-            f"distributed.cp_method=thd: {type(module).__name__} uses logit softcapping, which THD attention does "
-            "not apply; use distributed.cp_method=ulysses with model.attn_implementation=eager"
-        )
-    out = thd_attention(query, key, value, plan, scaling)
-    return out.transpose(1, 2), None
+    from automodel.distributed.cp.kernels.strategy import run_layer
+
+    def native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return thd_attention(q, k, v, plan, scale).transpose(1, 2)
+
+    # per layer: windows, chunks, sinks and softcapping run the halo kernel, MLA runs on padded V
+    # (cp/kernels/strategy.py); transformers passes softcap only where the model applies it (sdpa refuses it)
+    out = run_layer(
+        module, query, key, value, kwargs, layout=plan.token_layout(), native=native, method="thd",
+        scaling=scaling, dropout=dropout, apply_softcap=True,
+    )
+    return out, None
 
 
 def register_thd_attention(name: str = THD_ATTN_NAME) -> str:

@@ -47,6 +47,7 @@ from torch.distributed import ProcessGroup
 
 from automodel.distributed.all_to_all import all_to_all, even_split_sizes
 from automodel.distributed.cp.group import resolve_cp_group
+from automodel.distributed.cp.kernels.strategy import call_spec, config_chunk, correct_query_temperature
 from automodel.distributed.doc_block_attention import Segment, document_block_attention, document_segments
 from automodel.errors import CPUnsupportedError
 
@@ -199,16 +200,27 @@ class UlyssesContext:
         dtype: torch.dtype,
         device: torch.device,
         config: Any = None,
+        chunk: int | None = None,
     ) -> Any:
         """The inner implementation's mask for the whole sequence (cached per layer kind).
 
         ``sdpa``: ``[B, 1, S, S]`` bool or ``None`` (plain causal, no padding: the kernel's ``is_causal``);
         ``eager``: ``[B, 1, S, S]`` float additive; ``flex_attention``: a ``BlockMask``.
         """
-        key = (is_causal, sliding_window, dtype, str(device))
+        key = (is_causal, sliding_window, chunk, dtype, str(device))
         if key not in self._masks:
-            self._masks[key] = self._build_mask(is_causal, sliding_window, dtype, device, config)
+            self._masks[key] = self._build_mask(is_causal, sliding_window, dtype, device, config, chunk)
         return self._masks[key]
+
+    def document_positions(self) -> torch.Tensor:
+        """``[B, S]`` int64: each token's index inside its document (its row index without documents)."""
+        index = torch.arange(self.seq_len).expand(self.batch_size, -1)
+        if self.document_ids is None:
+            return index
+        ids = self.document_ids.cpu()
+        first = torch.ones_like(ids, dtype=torch.bool)
+        first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        return index - (index * first).cummax(dim=1).values
 
     def document_blocks(self) -> list[list[Segment]] | None:
         """Per row, its document segments for block attention (cached); ``None``: plain causal rows (no
@@ -221,7 +233,7 @@ class UlyssesContext:
             self._masks["blocks"] = blocks
         return self._masks["blocks"]
 
-    def _build_mask(self, is_causal, sliding_window, dtype, device, config):
+    def _build_mask(self, is_causal, sliding_window, dtype, device, config, chunk=None):
         from automodel.distributed.torch_internals import (
             ALL_MASK_ATTENTION_FUNCTIONS,
             and_masks,
@@ -234,6 +246,15 @@ class UlyssesContext:
         plain = True
         if sliding_window is not None:
             mask_fn = and_masks(sliding_window_overlay(sliding_window), mask_fn)
+            plain = False
+        if chunk is not None:  # attention chunks counted from each document's start
+            start = (torch.arange(self.seq_len) - self.document_positions()).to(device)
+
+            def same_chunk(batch_idx, head_idx, q_idx, kv_idx):
+                first = start[batch_idx, q_idx]
+                return (kv_idx - first) // chunk == (q_idx - first) // chunk
+
+            mask_fn = and_masks(same_chunk, mask_fn)
             plain = False
         if self.document_ids is not None:
             docs = self.document_ids.to(device)
@@ -298,11 +319,14 @@ def ulysses_context(ctx: UlyssesContext, *, require_attention: bool = True) -> I
 
 
 class _KVGroupsOverride:
-    """Attribute proxy for an attention module with a different ``num_key_value_groups``."""
+    """Attribute proxy for an attention module with a different ``num_key_value_groups`` (and, for a
+    module with per-head sinks, this rank's share of them)."""
 
-    def __init__(self, module: torch.nn.Module, num_key_value_groups: int) -> None:
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int, **overrides: Any) -> None:
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "num_key_value_groups", num_key_value_groups)
+        for name, value in overrides.items():
+            object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_module"), name)
@@ -366,9 +390,9 @@ def ulysses_attention_forward(
             f"[B={ctx.batch_size}, S_local={expected}] (global S={seq_len} over {world} ranks); feed the model the "
             "batch returned by make_ulysses_batch_and_ctx"
         )
-    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None or hasattr(module, "sinks"):
+    if kwargs.get("position_bias") is not None:
         raise CPUnsupportedError(
-            f"distributed.cp_method=ulysses: {type(module).__name__} uses per-head attention biases or sinks, which "
+            f"distributed.cp_method=ulysses: {type(module).__name__} uses per-head attention biases, which "
             "Ulysses would have to shard by head; it does not, so this model is refused (docs/support_matrix.md)"
         )
     if n_q % world != 0:
@@ -380,9 +404,18 @@ def ulysses_attention_forward(
         raise ValueError(f"query heads ({n_q}) must be a multiple of key/value heads ({n_kv})")
 
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    chunk = config_chunk(module) if kwargs.get("sliding_window") is None else None
+    spec, sinks = call_spec(module, query, value, kwargs)
+    if spec.position_scaled:  # Llama 4's temperature at the tokens' in-document positions
+        query = correct_query_temperature(module, query, ctx.shard(ctx.document_positions(), dim=1))
     # Packed / padded rows with sdpa or eager: one kernel call per document block, no [S, S] mask.
     blocks = None
-    if attention_mask is None and kwargs.get("sliding_window") is None and ctx.inner_attn in ("sdpa", "eager"):
+    if (
+        attention_mask is None
+        and kwargs.get("sliding_window") is None
+        and chunk is None
+        and ctx.inner_attn in ("sdpa", "eager")
+    ):
         blocks = ctx.document_blocks()
     if blocks is not None:
         mask = None
@@ -390,6 +423,7 @@ def ulysses_attention_forward(
         mask = ctx.global_mask(
             is_causal=causal,
             sliding_window=kwargs.get("sliding_window"),
+            chunk=chunk,
             dtype=query.dtype,
             device=query.device,
             config=getattr(module, "config", None),
@@ -425,7 +459,13 @@ def ulysses_attention_forward(
         value = all_to_all(value, group, scatter_dim=1, gather_dim=2, gather_size=seq_len)
 
     inner_module = module
-    if getattr(module, "num_key_value_groups", groups) != groups:
+    if sinks is not None and world > 1:  # per-head sinks are sharded with the heads
+        local_heads = n_q // world
+        sinks = sinks[ctx.rank * local_heads : (ctx.rank + 1) * local_heads]
+        if kwargs.get("s_aux") is not None:
+            kwargs["s_aux"] = sinks
+        inner_module = _KVGroupsOverride(module, groups, **({"sinks": sinks} if hasattr(module, "sinks") else {}))
+    elif getattr(module, "num_key_value_groups", groups) != groups:
         inner_module = _KVGroupsOverride(module, groups)
     if "position_ids" in kwargs:
         kwargs["position_ids"] = ctx.position_ids.to(query.device)

@@ -53,6 +53,8 @@ ULYSSES = "configs/cp_ulysses.yaml"  # cp.yaml with distributed.cp_method=ulysse
 # Whole documents packed per row (seq_lens / restarting position_ids; longer rows hold more of them),
 # with the eager kernel: Ulysses runs it as its inner kernel, so both inner kernels are covered.
 PACKED = ["+data.dataset.pack=true", "data.seq_len=256", "model.attn_implementation=eager"]
+# a sliding-window model (Mistral, window 16 < the 128-token rows): ring runs its windowed layers on the halo kernel
+SLIDING = ["model.config._target_=transformers.MistralConfig", "+model.config.sliding_window=16"]
 
 
 def _trainer(
@@ -132,7 +134,10 @@ def single(rank: int, world_size: int, out: str, pretrained: str) -> dict:
     )
     # packed rows at cp=1: transformers masks documents from the restarting position_ids
     packed_ref = _summary(*_run(world_size, out_dir, "packed_ref", ["distributed.cp_size=1", *PACKED]))
-    return {"ref": ref, "ac": ac, "from_pretrained": from_pretrained, "packed_ref": packed_ref}
+    sliding_ref = _summary(*_run(world_size, out_dir, "sliding_ref", ["distributed.cp_size=1", *SLIDING]))
+    return {
+        "ref": ref, "ac": ac, "from_pretrained": from_pretrained, "packed_ref": packed_ref, "sliding_ref": sliding_ref
+    }
 
 
 def _sigterm_at(step_to_stop: int) -> TrainHooks:
@@ -175,6 +180,9 @@ def pair(rank: int, world_size: int, out: str) -> dict:
             "logits_scale": trained_logits.abs().max().item(),
         }
     del trainer
+
+    # ring cp=2 on a sliding-window model
+    results["sliding_cp2"] = _summary(*_run(world_size, out_dir, "sliding_cp2", ["distributed.cp_size=2", *SLIDING]))
 
     # cp=1, dp=2
     results["dp2"] = _summary(*_run(world_size, out_dir, "dp2", ["distributed.cp_size=1"]))

@@ -14,6 +14,8 @@ from tests.workers.recipe_worker import _run, _summary
 PACKED_CFG = "configs/cp_packed.yaml"
 PACKED = ["data.seq_len=256"]
 UNPACKED = ["data.dataset.pack=false", "data.seq_len=128"]
+# a sliding-window model (Mistral, window 16 < the documents): windowed layers run the halo kernel
+SLIDING = ["model.config._target_=transformers.MistralConfig", "+model.config.sliding_window=16"]
 
 
 def _with_padding(trainer, result) -> dict:
@@ -35,6 +37,12 @@ def pair(rank: int, world_size: int, out: str) -> dict:
                 world_size, out_dir, "thd_plain_cp2", ["distributed.cp_size=2", *UNPACKED], config=PACKED_CFG
             )
         ),
+        "thd_sliding_packed_cp2": _with_padding(
+            *_run(
+                world_size, out_dir, "thd_sliding_packed_cp2", ["distributed.cp_size=2", *PACKED, *SLIDING],
+                config=PACKED_CFG,
+            )
+        ),
     }
 
 
@@ -45,6 +53,9 @@ def single(rank: int, world_size: int, out: str) -> dict:
         "packed_ref": _with_padding(*_run(world_size, out_dir, "packed_ref", ref, config=PACKED_CFG)),
         "plain_ref": _with_padding(
             *_run(world_size, out_dir, "plain_ref", ["distributed.cp_size=1", *UNPACKED], config=PACKED_CFG)
+        ),
+        "sliding_packed_ref": _with_padding(
+            *_run(world_size, out_dir, "sliding_packed_ref", [*ref, *SLIDING], config=PACKED_CFG)
         ),
     }
 

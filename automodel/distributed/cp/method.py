@@ -302,15 +302,17 @@ def standard_problem(
     sinks: bool = False,
     softcap: bool = False,
     mla: bool = False,
+    position_scaled: bool = False,
     windows_checked_at_call: bool = False,
 ) -> str | None:
     """The reason shared by the built-in methods for a layer they do not compute exactly (``None``: exact).
 
     The keyword flags say what the method's kernel applies exactly: sliding ``windows``, attention
-    ``chunks``, ``sinks``, logit ``softcap`` and ``mla`` (value heads of another size). Linear /
+    ``chunks``, ``sinks``, logit ``softcap``, ``mla`` (value heads of another size) and
+    ``position_scaled`` queries (Llama 4's temperature, corrected to the global position). Linear /
     state-space mixers are exact where :mod:`~automodel.distributed.cp.linear_support` lists a kernel for
-    the mixer and the method; unrecognised layers and position-scaled queries are refused by every built-in
-    method; ``mlp_only`` layers are exact under every split.
+    the mixer and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
+    layers are exact under every split.
     """
     from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, UNKNOWN
 
@@ -343,7 +345,7 @@ def standard_problem(
             f"value heads of size {layer.v_head_dim} and query/key heads of size {layer.qk_head_dim} (MLA), which "
             f"{method}'s kernel does not take"
         )
-    if layer.position_scaled:
+    if layer.position_scaled and not position_scaled:
         return (
             "queries scaled by their absolute position (Llama 4's attention temperature on NoPE layers), read "
             "from cache_position, which each CP rank would compute from its own shard"

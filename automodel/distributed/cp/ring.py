@@ -20,7 +20,7 @@ __all__ = ["RingMethod"]
 
 class RingMethod(CPMethod):
     name = "ring"
-    summary = "torch ring attention: k/v shards rotate around the CP ranks (plain causal SDPA only)"
+    summary = "torch ring attention: k/v shards rotate around the CP ranks (SDPA); windowed layers exchange halos"
     attn_implementations = ("sdpa",)  # torch's context_parallel replaces SDPA with ring attention
     supports_packed = False  # ring attention is causal over the whole row
     supports_vlm = True
@@ -28,7 +28,9 @@ class RingMethod(CPMethod):
     layout = "head_tail"
 
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
-        return standard_problem(self.name, layer, seq_len)
+        return standard_problem(
+            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, mla=True, position_scaled=True
+        )
 
     def _batch_function(self) -> BatchFn:
         from automodel.distributed.cp_utils import make_cp_batch_and_ctx

@@ -4,8 +4,12 @@ Every document of a packed row is padded to a multiple of ``2*cp_size`` and spli
 chunks; rank r holds chunks r and 2W-1-r of every document. Each attention layer all-gathers K/V of
 the whole row and computes exact per-document causal attention (the portable kernel on any device;
 flash-attn varlen or Transformer Engine on CUDA); the backward re-gathers K/V and reduce-scatters
-dK/dV. Exact for full causal attention, and windows or chunks at least as long as the row. Refused:
-shorter sliding windows and chunks, sinks, softcapping, MLA value heads, linear / state-space mixers.
+dK/dV. Exact for full causal attention; each layer picks its kernel (:mod:`automodel.distributed.cp.kernels`):
+sliding windows and attention chunks shorter than the longest document, sinks and logit softcapping
+(transformers hands the kernel ``softcap`` only where the model applies it) run the halo kernel
+(only the K/V each layer reaches is exchanged, never across a document); MLA value heads run on
+zero-padded V; Llama 4's query temperature is taken at the in-document position. Refused:
+linear / state-space mixers.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ class ThdMethod(AttentionSwitchingMethod):
     layout = "head_tail"
 
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
-        return standard_problem(self.name, layer, seq_len, windows_checked_at_call=True)
+        return standard_problem(
+            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
+            position_scaled=True, windows_checked_at_call=True,
+        )
 
     def _switch(self) -> tuple[Any, str]:
         from automodel.distributed.thd_attention import THD_ATTN_NAME, set_thd_attention

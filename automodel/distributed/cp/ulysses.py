@@ -3,9 +3,10 @@
 Each rank holds a contiguous slice of every row; an all-to-all before attention trades it for all
 tokens of ``H / cp`` heads, the unchanged inner kernel (sdpa, eager, flex) runs on the whole row with
 the global mask (causal, padding, documents, the layer's sliding window), and a second all-to-all
-trades back. Exact for full and sliding-window attention, softcapping (eager), MLA head sizes and
-packed documents. Refused: chunked attention shorter than the row, sinks (they would have to be
-sharded with the heads), linear / state-space mixers. Needs ``num_attention_heads % cp_size == 0``.
+trades back. Exact for full and sliding-window attention, chunked attention (the global mask, chunks
+counted from each document's start), per-head sinks (sharded with the heads), softcapping (eager),
+MLA head sizes, Llama 4's query temperature (at the global position) and packed documents. Refused:
+linear / state-space mixers. Needs ``num_attention_heads % cp_size == 0``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class UlyssesMethod(AttentionSwitchingMethod):
     splits_heads = True
 
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
-        return standard_problem(self.name, layer, seq_len, windows=True, softcap=True, mla=True)
+        return standard_problem(
+            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
+            position_scaled=True,
+        )
 
     def _switch(self) -> tuple[Any, str]:
         from automodel.distributed.ulysses import ULYSSES_ATTN_NAME, set_ulysses_attention

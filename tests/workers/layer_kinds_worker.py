@@ -1,0 +1,220 @@
+"""Parity of the per-layer-kind CP kernels (tests/test_layer_kinds.py), on every rank of one gloo group.
+
+Kernel level: :func:`halo_attention` on this rank's tokens of a ring or thd layout against a dense
+single-process reference on the whole stream (its own mask code: documents, window, chunk, sinks,
+softcap); loss = sum(out * w), and the gradients of q, k, v and the sinks are assembled over the ranks.
+
+Model level: tiny models of tests/family_matrix.py in fp32 and fp64 through the own-loop APIs: ring on
+one whole row against the row in one process; thd and Ulysses on packed rows against every document
+run alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from automodel.distributed.cp.kernels.masked_attention import halo_attention
+from automodel.distributed.cp.kernels.token_layout import ring_layout, thd_layout
+from tests.workers.thd_attention_worker import _ce, pack
+
+SENTINEL = -1000
+
+
+# ------------------------------------------------------------------------------------------- kernel level
+def dense_reference(q, k, v, doc_start, window, chunk, sinks, softcap, scale):
+    """``[B, Hq, T, Dv]`` attention over the whole stream, with its own dense mask."""
+    t = q.shape[2]
+    i = torch.arange(t).unsqueeze(1)
+    j = torch.arange(t).unsqueeze(0)
+    ds = doc_start
+    allowed = (j <= i) & (ds[j] == ds[i])
+    if window is not None:
+        allowed &= i - j < window
+    if chunk is not None:
+        allowed &= (i - ds[i]) // chunk == (j - ds[j]) // chunk
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(s.shape[0], -1, t, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :t]
+    return p @ vv
+
+
+def kernel_case(case: dict, rank: int, world: int, group) -> dict:
+    dtype = getattr(torch, case["dtype"])
+    if "cu" in case:
+        layout = thd_layout(case["cu"], group, world, rank)
+    else:
+        layout = ring_layout(case["seq"], group, world, rank)
+    t, b, hq, hkv = layout.total, 2, 4, case.get("hkv", 2)
+    dqk, dv = case.get("dqk", 8), case.get("dv", 8)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(b, hq, t, dqk, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(b, hkv, t, dqk, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, hkv, t, dv, generator=g, dtype=torch.float64).to(dtype)
+    sinks = torch.randn(hq, generator=g, dtype=torch.float64).to(dtype) if case.get("sinks") else None
+    w = torch.randn(b, hq, t, dv, generator=g, dtype=torch.float64).to(dtype)
+    scale = dqk**-0.5
+    opts = dict(window=case.get("window"), chunk=case.get("chunk"), softcap=case.get("softcap"))
+
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    s_ref = sinks.clone().requires_grad_(True) if sinks is not None else None
+    ref = dense_reference(*leaves, layout.doc_start, sinks=s_ref, scale=scale, **opts)
+    (ref * w).sum().backward()
+
+    ids = layout.ids
+    local = [x.index_select(2, ids).clone().requires_grad_(True) for x in (q, k, v)]
+    s_loc = sinks.clone().requires_grad_(True) if sinks is not None else None
+    import automodel.distributed.cp.kernels.masked_attention as kernel
+
+    kernel.FORCE_MATH = bool(case.get("force_math"))  # the math blocks off-CPU kernels run
+    try:
+        out = halo_attention(*local, layout, sinks=s_loc, scale=scale, block=case.get("block", 256), **opts)
+    finally:
+        kernel.FORCE_MATH = False
+    loss = (out.transpose(1, 2) * w.index_select(2, ids)).sum()
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    errs = {"loss": abs(float(total) - float((ref * w).sum())) / abs(float((ref * w).sum()))}
+    for name, leaf, full in zip("qkv", local, leaves):
+        grad = torch.zeros_like(full).index_copy(2, ids, leaf.grad)
+        dist.all_reduce(grad, group=group)
+        errs[f"d{name}"] = float((grad - full.grad).abs().max() / full.grad.abs().max())
+    if sinks is not None:
+        gs = s_loc.grad.clone()
+        dist.all_reduce(gs, group=group)
+        errs["dsinks"] = float((gs - s_ref.grad).abs().max() / s_ref.grad.abs().max())
+    plan = layout.halo_plan(opts["window"], opts["chunk"], case.get("block", 256))
+    return {"errors": errs, "halo_ids": plan.halo_ids.tolist(), "sent": plan.sent_tokens,
+            "out_shape": tuple(out.shape)}
+
+
+# -------------------------------------------------------------------------------------------- model level
+def _docs(lengths: list[int], vocab: int, seed: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for n in lengths:
+        ids = torch.randint(3, vocab, (n,), generator=g)
+        labels = torch.randint(3, vocab, (n,), generator=g)
+        labels[torch.rand(n, generator=g) < 0.2] = -100
+        docs.append({"input_ids": ids, "labels": labels})
+    return docs
+
+
+def _reference(model, docs, n_labels):
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for d in docs:
+        logits = model(input_ids=d["input_ids"][None], position_ids=torch.arange(d["input_ids"].numel())[None],
+                       use_cache=False).logits
+        ce = _ce(logits[0], d["labels"])
+        (ce / n_labels).backward()
+        total += float(ce.detach())
+    return total / n_labels, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _cp_step(method, model, batch, mesh, n_labels):
+    try:
+        return _cp_step_inner(method, model, batch, mesh, n_labels)
+    finally:
+        if method == "ring_graph_break":  # put transformers' registry back for the next cases
+            from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
+
+            ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
+
+
+def _cp_step_inner(method, model, batch, mesh, n_labels):
+    model.zero_grad(set_to_none=True)
+    if method.startswith("ring"):
+        from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+        from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
+
+        if method == "ring_graph_break":  # as models/compile.py breaks the compiled graph at the attention
+            from automodel.models.compile import attention_outside_graph
+
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = attention_outside_graph(ALL_ATTENTION_FUNCTIONS["sdpa"])
+        ctx, local = make_cp_batch_and_ctx(mesh, batch)
+        if method == "ring_eager_backward":  # as the trainer wraps it for compiled autograd
+            from automodel.models.compile import attention_backward_eager
+
+            inner_ctx = ctx
+
+            def ctx():
+                stack = contextlib.ExitStack()
+                stack.enter_context(attention_backward_eager(model))
+                stack.enter_context(inner_ctx())
+                return stack
+    elif method == "thd":
+        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+
+        set_thd_attention(model, mesh)
+        ctx, local = make_thd_batch_and_ctx(mesh, batch)
+    else:
+        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+
+        inner = set_ulysses_attention(model, mesh)
+        ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner)
+    with ctx():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        ce = _ce(logits.flatten(0, 1), local["labels"].flatten())
+        (ce / n_labels).backward()
+    group = mesh.get_group()
+    loss = ce.detach().clone()
+    dist.all_reduce(loss, group=group)
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        grads[n] = g
+    return float(loss) / n_labels, grads
+
+
+def model_case(case: dict, mesh, world: int) -> dict:
+    from tests.family_matrix import VOCAB, family_by_name
+
+    dtype = getattr(torch, case["dtype"])
+    base = family_by_name(case["family"]).build_model(0)
+    if dtype == torch.float64 and hasattr(base, "set_experts_implementation"):
+        base.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
+    base = base.to(dtype)
+    docs = _docs(case["docs"], VOCAB)
+    n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
+    ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
+    if case["method"].startswith("ring"):  # one document, one whole row
+        batch = {"input_ids": docs[0]["input_ids"][None].clone(), "labels": docs[0]["labels"][None].clone()}
+    else:
+        batch = pack([docs], 2 * world)
+        if case["method"] == "ulysses":
+            batch = {k: v for k, v in batch.items()}
+    loss, grads = _cp_step(case["method"], copy.deepcopy(base), batch, mesh, n_labels)
+    worst = max(
+        float((grads[n] - g).abs().max() / max(g.abs().max().item(), 1e-30)) for n, g in ref_grads.items()
+    )
+    missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
+    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing,
+            "n_params": len(ref_grads)}
+
+
+def main(rank: int, world_size: int, kernel_cases: dict, model_cases: dict | None = None) -> dict:
+    if model_cases:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    group = mesh.get_group()
+    out: dict = {}
+    for name, case in kernel_cases.items():
+        out[name] = kernel_case(case, rank, world_size, group)
+    for name, case in (model_cases or {}).items():
+        out[name] = model_case(case, mesh, world_size)
+    return out
