@@ -127,21 +127,27 @@ def test_node_plan_shows_which_sub_group_crosses_nodes():
     assert "warning" not in "\n".join(node_plan_lines(sizes, 4, 4, cp_sub_groups=sub))
 
 
-def test_usp_refuses_every_layer_kind_thd_refuses():
-    """usp runs thd's kernel across the ring: on every family of the support matrix it refuses (at least) what
-    thd refuses, with its own name, and is refused for nothing thd runs."""
+def test_usp_runs_only_what_thd_runs_and_refuses_the_unproven_kinds():
+    """usp runs thd's kernel across the ring with the heads split over the Ulysses sub-group: on every family of
+    the support matrix it refuses (at least) what thd refuses, with its own name, and it refuses the layer kinds
+    whose thd kernels are not proven under usp (short windows, sinks, MLA) and linear mixers."""
     from automodel.distributed.cp import profile_model
     from tests.family_matrix import FAMILIES, SEQ
 
     usp, thd = get_cp_method("usp"), get_cp_method("thd")
-    refused = 0
+    refused, refused_by_usp_only = 0, set()
     for family in FAMILIES:
         profile = profile_model(family.build_config())
-        want = [p.replace("thd", "usp") for p in profile_problems(thd, profile, SEQ)]
         got = profile_problems(usp, profile, SEQ)
-        assert got == want, family.name
+        if profile_problems(thd, profile, SEQ):
+            assert got, family.name  # nothing thd refuses runs under usp
+        elif got:
+            refused_by_usp_only.add(family.name)
+        assert all("usp" in p for p in got), (family.name, got)
         refused += bool(got)
-    assert refused >= 5  # windows, sinks, MLA, linear / state-space mixers are in the matrix
+    assert refused >= 5
+    # the kinds thd now runs with its per-layer kernels stay refused under usp
+    assert {"mistral", "gpt_oss", "deepseek_v3"} <= refused_by_usp_only, sorted(refused_by_usp_only)
 
 
 # ------------------------------------------------------------------ simulated two nodes: placement + library parity

@@ -9,9 +9,9 @@ all-gathered, exact per-document causal) across the ring sub-group for ``H/U`` h
 (:mod:`automodel.distributed.usp_attention`). The heads need only ``num_attention_heads % U == 0``,
 not ``% cp_size`` as with Ulysses; fewer KV heads than ``U`` are replicated.
 
-Exact for what thd computes exactly (full causal attention; windows and chunks at least as long as the
-longest document; packed rows). Refused like thd: shorter windows, sinks, softcapping, MLA value heads,
-linear / state-space mixers. Every packed document is padded to a multiple of ``2 * cp_size``.
+Exact for full causal attention (and windows and chunks at least as long as the longest document;
+packed rows). Refused: shorter windows and chunks, sinks, softcapping, MLA value heads (thd runs them
+with per-layer kernels that are not proven under usp's head split), linear / state-space mixers. Every packed document is padded to a multiple of ``2 * cp_size``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel
+from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel, standard_problem
+from automodel.distributed.cp.profile import LayerSpec
 from automodel.distributed.cp.thd import ThdMethod
 
 __all__ = ["UspMethod"]
@@ -39,6 +40,14 @@ class UspMethod(ThdMethod):
 
     def __init__(self, ulysses_size: int | None = None) -> None:
         self.ulysses_size = ulysses_size
+
+    # ------------------------------------------------------------------ exactness
+    def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
+        """Full causal attention only (and windows / chunks at least as long as the row, judged at the call):
+        thd's per-layer kernels (halo windows and chunks, sinks, softcapping, MLA) are not proven across a
+        ring sub-group with the heads split over the Ulysses sub-group, and linear mixers have no usp kernel,
+        so those layers are refused rather than run unproven."""
+        return standard_problem(self.name, layer, seq_len, windows_checked_at_call=True)
 
     # ------------------------------------------------------------------ model and batch
     def _switch(self) -> tuple[Any, str]:
