@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         loaded = load_config(argv, cuda_available=torch.cuda.is_available())
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank validates the same config: one copy
-            print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    except ConfigError as e:  # every rank validates the same config: one copy, printed before any rank exits
+        from automodel.training.user_errors import report_error_before_setup
+
+        return report_error_before_setup(str(e))
 
     if loaded.cfg.recipe.dry_run:
         from automodel.training.dry_run import dry_run_report
@@ -57,15 +57,24 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from automodel.training.console_hold import hold_stdout
     from automodel.training.trainer import FinetuneTrainer
     from automodel.training.user_errors import RunAborted, run_guarded
 
     trainer = FinetuneTrainer(loaded)
+    console = hold_stdout()  # the setup's lines show once it worked (or after a few seconds), not before an error
+
+    def train():
+        console.release()
+        return trainer.train()
+
     try:  # a user error: one `error:` line from rank 0, exit 2 on every rank; others keep their traceback
-        result = run_guarded(trainer.setup, trainer.train)
+        result = run_guarded(trainer.setup, train)
     except RunAborted as e:
+        console.discard()
         return e.exit_code
     finally:
+        console.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_SIGTERM if result.stopped_by_sigterm else 0

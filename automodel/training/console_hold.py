@@ -1,0 +1,87 @@
+"""Hold rank 0's setup lines back until the setup is agreed to have worked (or for a few seconds).
+
+A mistake in the input is reported as one ``error:`` line (:mod:`automodel.training.user_errors`).
+The setup logs a few lines on rank 0's stdout before it reads the data (run directory, world, model
+config); when the data then turns out to be broken those lines would precede the error line. So
+during the setup rank 0's stdout is a :class:`HeldStream`: lines written to it are kept, and
+
+- written out when the setup succeeded (:meth:`HeldStream.release`), or after ``hold_s`` seconds
+  (a long setup, e.g. loading big weights, shows its progress after that delay);
+- dropped when the run stops on a user error (:meth:`HeldStream.discard`): they are in
+  ``<run dir>/logs/rank_0.log`` anyway.
+
+After the first release or discard the stream writes straight through.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TextIO
+
+__all__ = ["HOLD_S", "HeldStream", "hold_stdout"]
+
+HOLD_S = 10.0
+
+
+class HeldStream:
+    """A text stream that keeps what is written until :meth:`release` / :meth:`discard` (thread safe)."""
+
+    def __init__(self, target: TextIO, hold_s: float | None = HOLD_S):
+        self.target = target
+        self._held: list[str] | None = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        if hold_s is not None:
+            self._timer = threading.Timer(hold_s, self.release)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            if self._held is not None:
+                self._held.append(text)
+                return len(text)
+        return self.target.write(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._held is not None:
+                return
+        self.target.flush()
+
+    def _end(self, keep: bool) -> None:
+        with self._lock:
+            held, self._held = self._held, None
+            if self._timer is not None:
+                self._timer.cancel()
+            if held and keep:
+                self.target.write("".join(held))
+                self.target.flush()
+
+    def release(self) -> None:
+        """Write out what was held; from now on write straight through."""
+        self._end(keep=True)
+
+    def discard(self) -> None:
+        """Drop what was held; from now on write straight through."""
+        self._end(keep=False)
+
+    def isatty(self) -> bool:
+        return self.target.isatty()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+    def __getattr__(self, name: str):  # encoding, errors, ... of the real stream
+        return getattr(self.target, name)
+
+
+def hold_stdout(hold_s: float | None = HOLD_S) -> HeldStream:
+    """Replace ``sys.stdout`` with a :class:`HeldStream` over it and return it (mutates ``sys.stdout``).
+
+    Install it before the setup creates its log handlers: a handler keeps the stream it was given.
+    """
+    held = HeldStream(sys.stdout, hold_s)
+    sys.stdout = held  # type: ignore[assignment]
+    return held
