@@ -95,6 +95,7 @@ class ModelSection:
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # model.compile and compiled autograd
     trust_remote_code: bool = False
     revision: str | None = None
+    allow_download: bool = False  # false: hub ids (model and data.tokenizer) from the local cache only
 
 
 @dataclass
