@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from automodel.config.compile_rules import compile_problems
 from automodel.config.peft_rules import peft_problems
+from automodel.config.schedule_rules import schedule_problems
 from automodel.config.schema import RecipeConfig
 from automodel.distributed.cp import cp_methods
 from automodel.distributed.tensor_parallel import tp_size_problems
@@ -109,9 +110,10 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         pad = data.pad_to_multiple_of
         if pad is not None and pad >= 1:
             if pad % multiple:
+                lower = multiple * max(1, pad // multiple)
                 problems.append(
-                    f"data.pad_to_multiple_of={pad} is not a multiple of {what}; "
-                    f"set data.pad_to_multiple_of={multiple * max(1, round(pad / multiple))}"
+                    f"data.pad_to_multiple_of={pad} is not a multiple of {what}; set it to a multiple of "
+                    f"{multiple} (e.g. {lower} or {lower + multiple}), or to null (then {multiple})"
                 )
         # data.pad_to_multiple_of=null: the collator pads every row to a multiple of `multiple` (labels
         # -100 at the end), exact for causal attention, so any data.seq_len works.
@@ -193,6 +195,7 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"recipe.memory_budget_gib={cfg.recipe.memory_budget_gib} must be > 0 (GiB per rank), or null")
     problems += peft_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
+    problems += schedule_problems(cfg)
     return problems
 
 
