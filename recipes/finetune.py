@@ -57,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from automodel.training.console_hold import hold_stdout
+    from automodel.training.console_hold import hold_console
     from automodel.training.trainer import FinetuneTrainer
     from automodel.training.user_errors import RunAborted, run_guarded
 
     trainer = FinetuneTrainer(loaded)
-    console = hold_stdout()  # the setup's lines show once it worked (or after a few seconds), not before an error
+    console = hold_console()  # the setup's output shows once it worked (or after a few seconds), not around an error
 
     def train():
         console.release()
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         console.discard()
         return e.exit_code
     finally:
-        console.release()
+        console.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_SIGTERM if result.stopped_by_sigterm else 0

@@ -6,7 +6,8 @@
 #   already installed (e.g. a CUDA build on a GPU host) is left alone; one outside the tested range
 #   (torch>=2.13,<2.16, pyproject.toml) is an error rather than replaced. Other tested releases:
 #   scripts/compat.sh.
-# - Installs the package in editable mode with the `dev` extra (pytest, ruff).
+# - Installs the package in editable mode with the `dev` extra (pytest, ruff), which puts the
+#   `automodel` console command (automodel/cli.py) into the venv's bin/.
 # - Idempotent and fast on a second run: a stamp records the hash of pyproject.toml.
 #
 # Use AUTOMODEL_VENV=/path to choose another venv, or AUTOMODEL_VENV=none to install into the
@@ -34,7 +35,9 @@ fi
 stamp="$venv/.automodel-setup-stamp"
 [ "$venv" = "none" ] && stamp="$root/.setup-stamp"
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import torch, transformers, automodel" 2>/dev/null; then
+cmd_ok=1  # the `automodel` console command (scripts/run.sh uses it) is installed with the package
+[ "$venv" != "none" ] && [ ! -x "$venv/bin/automodel" ] && cmd_ok=0
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$cmd_ok" = 1 ] && "$py" -c "import torch, transformers, automodel" 2>/dev/null; then
   echo "[setup] environment up to date ($py)"
   exit 0
 fi

@@ -1,9 +1,10 @@
-"""Hold rank 0's setup lines back until the setup is agreed to have worked (or for a few seconds).
+"""Hold the setup's console lines back until the setup is agreed to have worked (or for a few seconds).
 
 A mistake in the input is reported as one ``error:`` line (:mod:`automodel.training.user_errors`).
 The setup logs a few lines on rank 0's stdout before it reads the data (run directory, world, model
-config); when the data then turns out to be broken those lines would precede the error line. So
-during the setup rank 0's stdout is a :class:`HeldStream`: lines written to it are kept, and
+config), and libraries print progress bars and warnings on stderr (``datasets``); when the data then
+turns out to be broken those lines would surround the error line. So during the setup stdout and
+stderr are :class:`HeldStream` s: what is written to them is kept, and
 
 - written out when the setup succeeded (:meth:`HeldStream.release`), or after ``hold_s`` seconds
   (a long setup, e.g. loading big weights, shows its progress after that delay);
@@ -19,7 +20,7 @@ import sys
 import threading
 from typing import TextIO
 
-__all__ = ["HOLD_S", "HeldStream", "hold_stdout"]
+__all__ = ["HOLD_S", "HeldConsole", "HeldStream", "hold_console"]
 
 HOLD_S = 10.0
 
@@ -43,6 +44,12 @@ class HeldStream:
                 self._held.append(text)
                 return len(text)
         return self.target.write(text)
+
+    def write_through(self, text: str) -> int:
+        """Write ``text`` at once, past what is held (the ``error:`` line)."""
+        n = self.target.write(text)
+        self.target.flush()
+        return n
 
     def flush(self) -> None:
         with self._lock:
@@ -77,11 +84,33 @@ class HeldStream:
         return getattr(self.target, name)
 
 
-def hold_stdout(hold_s: float | None = HOLD_S) -> HeldStream:
-    """Replace ``sys.stdout`` with a :class:`HeldStream` over it and return it (mutates ``sys.stdout``).
+class HeldConsole:
+    """``sys.stdout`` and ``sys.stderr`` held together (see :func:`hold_console`)."""
+
+    def __init__(self, hold_s: float | None = HOLD_S):
+        self._originals = (sys.stdout, sys.stderr)
+        self.streams = (HeldStream(sys.stdout, hold_s), HeldStream(sys.stderr, hold_s))
+        sys.stdout, sys.stderr = self.streams  # type: ignore[assignment]
+
+    def restore(self) -> None:
+        """Release what is still held and put the original streams back into ``sys`` (mutates it)."""
+        self.release()
+        if (sys.stdout, sys.stderr) == self.streams:
+            sys.stdout, sys.stderr = self._originals
+
+    def release(self) -> None:
+        for s in self.streams:
+            s.release()
+
+    def discard(self) -> None:
+        for s in self.streams:
+            s.discard()
+
+
+def hold_console(hold_s: float | None = HOLD_S) -> HeldConsole:
+    """Replace ``sys.stdout`` and ``sys.stderr`` with :class:`HeldStream` s over them (mutates both).
 
     Install it before the setup creates its log handlers: a handler keeps the stream it was given.
+    The ``error:`` line of a user error goes past the hold (:meth:`HeldStream.write_through`).
     """
-    held = HeldStream(sys.stdout, hold_s)
-    sys.stdout = held  # type: ignore[assignment]
-    return held
+    return HeldConsole(hold_s)
