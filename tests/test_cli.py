@@ -141,3 +141,10 @@ def test_quick_start_uses_the_console_command():
     assert 'bash "$root/scripts/setup.sh"' in run_sh and '"$automodel" finetune' in run_sh
     setup = (REPO / "scripts" / "setup.sh").read_text()
     assert "pip install --quiet -e" in setup and "$venv/bin/automodel" in setup
+
+
+def test_target_keys_are_added_without_plus_and_typos_get_no_plus_advice():
+    from automodel.config.compose import compose_config
+
+    raw = compose_config(REPO / "configs/cp.yaml", ["optimizer.foreach=false"])  # an AdamW argument the YAML lacks
+    assert raw["optimizer"]["foreach"] is False

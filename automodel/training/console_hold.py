@@ -45,7 +45,7 @@ class HeldStream:
                 return len(text)
         return self.target.write(text)
 
-    def write_through(self, text: str) -> int:
+    def write_past_hold(self, text: str) -> int:
         """Write ``text`` at once, past what is held (the ``error:`` line)."""
         n = self.target.write(text)
         self.target.flush()
@@ -111,6 +111,6 @@ def hold_console(hold_s: float | None = HOLD_S) -> HeldConsole:
     """Replace ``sys.stdout`` and ``sys.stderr`` with :class:`HeldStream` s over them (mutates both).
 
     Install it before the setup creates its log handlers: a handler keeps the stream it was given.
-    The ``error:`` line of a user error goes past the hold (:meth:`HeldStream.write_through`).
+    The ``error:`` line of a user error goes past the hold (:meth:`HeldStream.write_past_hold`).
     """
     return HeldConsole(hold_s)

@@ -102,7 +102,7 @@ def print_user_error(message: str, rank_prefix: int | None = None) -> None:
     """Print ``error: <message>`` to stderr (flushed). ``rank_prefix`` adds ``[rank r]``."""
     where = f"[rank {rank_prefix}] " if rank_prefix is not None else ""
     stream = sys.stderr  # while the setup's output is held (console_hold.HeldStream), the error goes through
-    getattr(stream, "write_through", stream.write)(f"error: {where}{message}\n")
+    getattr(stream, "write_past_hold", stream.write)(f"error: {where}{message}\n")
     stream.flush()
 
 
