@@ -95,8 +95,9 @@ def main() -> int:
             if not ok:
                 print(f"--- launch {i + 1}: exit code {p.returncode}, {len(lines)} lines:\n{text}---", flush=True)
             print(f"launch {i + 1}/{args.n}: exit {p.returncode}, {len(lines)} line(s), {times[-1]:.1f}s", flush=True)
+    rule = "exactly the error line, exit 2" if args.launcher == "cli" else "the error line, no rank killed"
     print(
-        f"{args.case} via {args.launcher}: {clean}/{args.n} launches clean (exactly the error line, exit 2); "
+        f"{args.case} via {args.launcher}: {clean}/{args.n} launches clean ({rule}); "
         f"{lost} without an error line; {signalled} with a rank killed by a signal; "
         f"median {sorted(times)[len(times) // 2]:.1f}s per launch"
     )

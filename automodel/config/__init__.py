@@ -60,7 +60,8 @@ def planned_world_size(cfg: RecipeConfig, env_world_size: int | None = None) -> 
 
     A real run: ``$WORLD_SIZE`` (1 without torchrun). A dry run: ``recipe.dry_run_world_size``,
     else ``recipe.plan_nnodes * recipe.plan_nproc_per_node`` when both are set, else ``$WORLD_SIZE``
-    if launched by torchrun, else the smallest world the fixed sizes need.
+    if launched by torchrun, else ``recipe.gpus`` (the GPUs the config is written for), else the
+    smallest world the fixed sizes need.
     """
     if env_world_size is None and "WORLD_SIZE" in os.environ:
         env_world_size = int(os.environ["WORLD_SIZE"])
@@ -72,6 +73,8 @@ def planned_world_size(cfg: RecipeConfig, env_world_size: int | None = None) -> 
         return cfg.recipe.plan_nnodes * cfg.recipe.plan_nproc_per_node
     if env_world_size is not None:
         return env_world_size
+    if cfg.recipe.gpus is not None:
+        return cfg.recipe.gpus
     d = cfg.distributed
     return max(1, d.dp_replicate) * max(1, d.dp_shard) * max(1, d.cp_size) * max(1, d.tp_size)
 
