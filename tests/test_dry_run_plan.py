@@ -20,7 +20,7 @@ def report() -> str:
 
 
 def test_plan_first_config_behind_a_flag(report):
-    assert report.startswith(f"=== dry run: ") and "(planned for world size 8) ===" in report.splitlines()[0]
+    assert report.startswith("=== dry run: ") and "(planned for world size 8) ===" in report.splitlines()[0]
     assert "--- resolved config" not in report and "recipe.dry_run_print_config=true prints it" in report
     shown = dry_run_report(load_config(["--config", LLAMA, "recipe.dry_run=true", "recipe.dry_run_print_config=true"]))
     assert shown.index("--- predicted memory per rank") < shown.index("--- resolved config") < shown.index("name: llama3.2")
