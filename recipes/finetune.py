@@ -4,11 +4,12 @@
     torchrun --nproc-per-node 2 recipes/finetune.py --config configs/cp.yaml [key=value ...]
 
 Overrides use Hydra's grammar (``key=value``, ``+new.key=value``, ``~key``); every key is in
-docs/recipe.md. ``recipe.dry_run=true`` prints the resolved config, the mesh and the per-rank
-shapes, and exits without loading weights. Exit codes: 0 done, 2 a mistake in the input (config,
-data, tokenizer, model path, checkpoint: one ``error:`` line from rank 0, the traceback in the run's
-logs/rank_<r>.log), 143 stopped by SIGTERM (a checkpoint was written; resume with
-checkpoint.resume=true).
+docs/recipe.md. ``recipe.dry_run=true`` prints the plan (the mesh, the per-rank shapes, memory and
+a step-time estimate) and exits without loading weights. The ``automodel finetune`` command
+(automodel/cli.py) launches this file the way torchrun does. Exit codes: 0 done, 2 a mistake in the
+input (config, data, tokenizer, model path, checkpoint: one ``error:`` line from rank 0, the
+traceback in the run's logs/rank_<r>.log), 143 stopped by SIGTERM (a checkpoint was written; resume
+with checkpoint.resume=true).
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("RANK", "0") == "0":  # under torchrun, one copy is enough
                 print(report)
         except (ValueError, TypeError) as e:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"error: {e}", file=sys.stderr)
-            return EXIT_CONFIG_ERROR
+            from automodel.training.user_errors import report_error_before_setup
+
+            return report_error_before_setup(str(e))
         return 0
 
     import torch.distributed as dist
