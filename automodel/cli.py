@@ -303,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         _error(str(e))
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started (e.g. while the config is checked)
+        return EXIT_SIGINT
 
 
 if __name__ == "__main__":
