@@ -6,8 +6,7 @@
 #   already installed (e.g. a CUDA build on a GPU host) is left alone; one outside the tested range
 #   (torch>=2.13,<2.16, pyproject.toml) is an error rather than replaced. Other tested releases:
 #   scripts/compat.sh.
-# - Installs the package in editable mode with the `dev` extra (pytest, ruff), which puts the
-#   `automodel` console command (automodel/cli.py) into the venv's bin/.
+# - Installs the package in editable mode with the `dev` extra (pytest, ruff).
 # - Idempotent and fast on a second run: a stamp records the hash of pyproject.toml.
 #
 # Use AUTOMODEL_VENV=/path to choose another venv, or AUTOMODEL_VENV=none to install into the

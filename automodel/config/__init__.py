@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from automodel.config.compose import USAGE, compose_config, parse_argv, resolve_config_path
+from automodel.config.gpu_specs import gpu_problems
 from automodel.config.rules import check_rules, parallel_sizes
+from automodel.config.schedule_rules import schedule_problems
 from automodel.config.schema import RecipeConfig
 from automodel.config.typecheck import ConfigError, to_dataclass
 
@@ -93,6 +95,7 @@ def validate_config(
         raise ConfigError(problems)
     world = world_size if world_size is not None else planned_world_size(cfg)
     problems += check_rules(cfg, world, cuda_available=cuda_available)
+    problems += schedule_problems(cfg) + gpu_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg, world

@@ -8,9 +8,7 @@ world size alone.
 from __future__ import annotations
 
 from automodel.config.compile_rules import compile_problems
-from automodel.config.gpu_specs import gpu_problems
 from automodel.config.peft_rules import peft_problems
-from automodel.config.schedule_rules import schedule_problems
 from automodel.config.schema import RecipeConfig
 from automodel.distributed.cp import cp_methods
 from automodel.distributed.tensor_parallel import tp_size_problems
@@ -196,8 +194,6 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"recipe.memory_budget_gib={cfg.recipe.memory_budget_gib} must be > 0 (GiB per rank), or null")
     problems += peft_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
-    problems += schedule_problems(cfg)
-    problems += gpu_problems(cfg)
     return problems
 
 
