@@ -24,7 +24,8 @@ CP = str(REPO / "configs" / "cp.yaml")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    # the setup's output is held until it worked (30 s by default): longer here, for a loaded CI machine
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", AUTOMODEL_SETUP_HOLD_S="600")
     env.pop("AUTOMODEL_LAUNCHER_LOG", None)
     return env
 

@@ -7,7 +7,8 @@ turns out to be broken those lines would surround the error line. So during the 
 stderr are :class:`HeldStream` s: what is written to them is kept, and
 
 - written out when the setup succeeded (:meth:`HeldStream.release`), or after ``hold_s`` seconds
-  (a long setup, e.g. loading big weights, shows its progress after that delay);
+  (30, or ``$AUTOMODEL_SETUP_HOLD_S``: a long setup, e.g. loading big weights, shows its progress
+  after that delay, and a mistake found later comes after those lines);
 - dropped when the run stops on a user error (:meth:`HeldStream.discard`): they are in
   ``<run dir>/logs/rank_0.log`` anyway.
 
@@ -16,13 +17,19 @@ After the first release or discard the stream writes straight through.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import TextIO
 
-__all__ = ["HOLD_S", "HeldConsole", "HeldStream", "hold_console"]
+__all__ = ["HOLD_S", "HeldConsole", "HeldStream", "hold_console", "hold_seconds"]
 
-HOLD_S = 10.0
+HOLD_S = 30.0  # default; $AUTOMODEL_SETUP_HOLD_S overrides it
+
+
+def hold_seconds() -> float:
+    """How long the setup's output is held at most: ``$AUTOMODEL_SETUP_HOLD_S``, else :data:`HOLD_S`."""
+    return float(os.environ.get("AUTOMODEL_SETUP_HOLD_S", HOLD_S))
 
 
 class HeldStream:
@@ -87,7 +94,8 @@ class HeldStream:
 class HeldConsole:
     """``sys.stdout`` and ``sys.stderr`` held together (see :func:`hold_console`)."""
 
-    def __init__(self, hold_s: float | None = HOLD_S):
+    def __init__(self, hold_s: float | None = None):
+        hold_s = hold_seconds() if hold_s is None else hold_s
         self._originals = (sys.stdout, sys.stderr)
         self.streams = (HeldStream(sys.stdout, hold_s), HeldStream(sys.stderr, hold_s))
         sys.stdout, sys.stderr = self.streams  # type: ignore[assignment]
@@ -107,7 +115,7 @@ class HeldConsole:
             s.discard()
 
 
-def hold_console(hold_s: float | None = HOLD_S) -> HeldConsole:
+def hold_console(hold_s: float | None = None) -> HeldConsole:
     """Replace ``sys.stdout`` and ``sys.stderr`` with :class:`HeldStream` s over them (mutates both).
 
     Install it before the setup creates its log handlers: a handler keeps the stream it was given.
