@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from automodel import cli
+from tests.workers.recipe_worker import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 CP = str(REPO / "configs" / "cp.yaml")
@@ -114,8 +115,7 @@ def test_sigterm_and_sigint_checkpoint_and_exit_143_130(tmp_path):
         out = tmp_path / sig.name
         p = subprocess.Popen(
             [sys.executable, "-m", "automodel.cli", "finetune", "--config", CP, "--nproc-per-node", "2",
-             "step_scheduler.max_steps=100000", "logging.progress_bar=false", "recipe.cp_self_check=false",
-             "data.seq_len=64", "step_scheduler.val_every_steps=null", "step_scheduler.ckpt_every_steps=null",
+             *TINY, "step_scheduler.max_steps=100000", "step_scheduler.val_every_steps=null", "data.seq_len=64",
              f"recipe.output_dir={out}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,
         )  # fmt: skip
