@@ -216,7 +216,7 @@ def _exit_code_of_failures(failures: dict) -> tuple[int, str | None]:
 
 
 def _launch(launcher_argv: list[str], script: Path, recipe_argv: list[str]) -> int:
-    parser, takes = _launcher_parser()
+    parser, _ = _launcher_parser()
     args = parser.parse_args([*launcher_argv, str(script), *recipe_argv])
     given = {a.split("=", 1)[0].replace("_", "-") for a in launcher_argv if a.startswith("--")}
     from torch.distributed.run import parse_min_max_nnodes
@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(USAGE, end="")
             return 0
         _quiet_launcher()
-        parser, takes = _launcher_parser()
+        _, takes = _launcher_parser()
         launcher_argv, recipe_argv = split_argv(rest, takes)
         return _launch(launcher_argv, recipe_script(command), recipe_argv)
     except _UsageError as e:
