@@ -4,11 +4,12 @@
     torchrun --nproc-per-node 2 recipes/finetune.py --config configs/cp.yaml [key=value ...]
 
 Overrides use Hydra's grammar (``key=value``, ``+new.key=value``, ``~key``); every key is in
-docs/recipe.md. ``recipe.dry_run=true`` prints the resolved config, the mesh and the per-rank
-shapes, and exits without loading weights. Exit codes: 0 done, 2 a mistake in the input (config,
-data, tokenizer, model path, checkpoint: one ``error:`` line from rank 0, the traceback in the run's
-logs/rank_<r>.log), 143 stopped by SIGTERM (a checkpoint was written; resume with
-checkpoint.resume=true).
+docs/recipe.md. ``recipe.dry_run=true`` prints the plan (the mesh, the per-rank shapes, memory and
+a step-time estimate) and exits without loading weights. The ``automodel finetune`` command
+(automodel/cli.py) launches this file the way torchrun does. Exit codes: 0 done, 2 a mistake in the
+input (config, data, tokenizer, model path, checkpoint: one ``error:`` line from rank 0, the
+traceback in the run's logs/rank_<r>.log), 143 stopped by SIGTERM (a checkpoint was written; resume
+with checkpoint.resume=true).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         loaded = load_config(argv, cuda_available=torch.cuda.is_available())
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank validates the same config: one copy
-            print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    except ConfigError as e:  # every rank validates the same config: one copy, printed before any rank exits
+        from automodel.training.user_errors import report_error_before_setup
+
+        return report_error_before_setup(str(e))
 
     if loaded.cfg.recipe.dry_run:
         from automodel.training.dry_run import dry_run_report
@@ -50,22 +51,31 @@ def main(argv: list[str] | None = None) -> int:
             if os.environ.get("RANK", "0") == "0":  # under torchrun, one copy is enough
                 print(report)
         except (ValueError, TypeError) as e:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"error: {e}", file=sys.stderr)
-            return EXIT_CONFIG_ERROR
+            from automodel.training.user_errors import report_error_before_setup
+
+            return report_error_before_setup(str(e))
         return 0
 
     import torch.distributed as dist
 
+    from automodel.training.console_hold import hold_console
     from automodel.training.trainer import FinetuneTrainer
     from automodel.training.user_errors import RunAborted, run_guarded
 
     trainer = FinetuneTrainer(loaded)
+    console = hold_console()  # the setup's output shows once it worked (or after a few seconds), not around an error
+
+    def train():
+        console.release()
+        return trainer.train()
+
     try:  # a user error: one `error:` line from rank 0, exit 2 on every rank; others keep their traceback
-        result = run_guarded(trainer.setup, trainer.train)
+        result = run_guarded(trainer.setup, train)
     except RunAborted as e:
+        console.discard()
         return e.exit_code
     finally:
+        console.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
     return EXIT_SIGTERM if result.stopped_by_sigterm else 0

@@ -78,6 +78,7 @@ def main() -> None:
             overrides = [
                 f"data.seq_len={seq}",
                 f"step_scheduler.max_steps={args.steps}",
+                "lr_scheduler.warmup_steps=0",  # within max_steps (a warmup longer than the run is refused)
                 f"step_scheduler.global_batch_size={args.batch}",
                 f"step_scheduler.local_batch_size={args.batch}",
                 "step_scheduler.val_every_steps=null",

@@ -35,7 +35,9 @@ fi
 stamp="$venv/.automodel-setup-stamp"
 [ "$venv" = "none" ] && stamp="$root/.setup-stamp"
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c "import torch, transformers, automodel" 2>/dev/null; then
+cmd_ok=1  # the `automodel` console command (scripts/run.sh uses it) is installed with the package
+[ "$venv" != "none" ] && [ ! -x "$venv/bin/automodel" ] && cmd_ok=0
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$cmd_ok" = 1 ] && "$py" -c "import torch, transformers, automodel" 2>/dev/null; then
   echo "[setup] environment up to date ($py)"
   exit 0
 fi

@@ -338,8 +338,11 @@ def test_real_model_configs_dry_run_without_weights(config, world, expect, monke
     assert "stands in for" in report  # built from the inline config, no weights
 
 
-def test_dry_run_plans_the_minimum_world_by_default():
+def test_dry_run_plans_the_configs_gpus_else_the_minimum_world(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     loaded = load_config(["--config", "configs/llama3_2_1b_32k_cp4.yaml", "recipe.dry_run=true"])
+    assert loaded.world_size == 8  # recipe.gpus: the 8 GPUs its header names
+    loaded = load_config(["--config", "configs/llama3_2_1b_32k_cp4.yaml", "recipe.dry_run=true", "recipe.gpus=null"])
     assert loaded.world_size == 4
 
 

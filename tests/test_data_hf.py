@@ -300,9 +300,9 @@ def test_messages_row_without_assistant_turn(tok, tmp_path):
     p = tmp_path / "bad.jsonl"
     good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     p.write_text(json.dumps({"messages": good}) + "\n" + json.dumps({"messages": good[:1]}) + "\n")
-    with pytest.raises(UserInputError, match=r"row 1: no message has role 'assistant'"):
+    with pytest.raises(UserInputError, match=r"row 2: no message has role 'assistant'"):
         HFDataset(str(p), tok, split="all", cache_dir=str(tmp_path / "c"))
-    with pytest.raises(UserInputError, match=r"row 1: no message has role 'assistant'"):
+    with pytest.raises(UserInputError, match=r"row 2: no message has role 'assistant'"):
         list(StreamingHFDataset(str(p), tok, split="all", cache_dir=str(tmp_path / "c")))
 
 

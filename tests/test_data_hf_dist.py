@@ -39,7 +39,7 @@ def test_tokenized_once_per_node(res):
 
 def test_bad_row_on_rank0_is_an_error_on_every_rank(res):
     for r in res:
-        assert r["bad"] is not None and "row 1: no message has role 'assistant'" in r["bad"]
+        assert r["bad"] is not None and "row 2: no message has role 'assistant'" in r["bad"]
 
 
 def _rel(a: dict, b: dict) -> float:

@@ -2,9 +2,10 @@
 
 Layers, lowest first (the design's "Layout": dependencies point downward):
 
-    errors < distributed < data < config < models < training < recipes
+    errors < distributed < data < config < models < training < recipes < cli
 
-``automodel/errors.py`` is ``errors``; ``automodel/<layer>/**`` is ``<layer>``; ``recipes/**`` is
+``automodel/errors.py`` is ``errors``; ``automodel/cli.py`` (the console command, which launches the
+recipes) is ``cli``; ``automodel/<layer>/**`` is ``<layer>``; ``recipes/**`` is
 ``recipes``; the root ``automodel/__init__.py`` sits with ``errors`` at the bottom (it may import
 nothing above it). A module outside these is itself a failure: place it in a layer first.
 
@@ -53,7 +54,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("automodel", "recipes")
-LAYERS = ("errors", "distributed", "data", "config", "models", "training", "recipes")
+LAYERS = ("errors", "distributed", "data", "config", "models", "training", "recipes", "cli")
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 _DISPATCH_STRING = re.compile(r"((?:automodel|recipes)(?:\.\w+)*):\w+(?:\.\w+)*")

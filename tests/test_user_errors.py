@@ -213,6 +213,8 @@ def launches(tmp_path_factory):
         "incompatible_checkpoint": _torchrun(
             tmp, "resume", "model.config.hidden_size=32", f"checkpoint.resume_from={ckpt_run}/checkpoints/step_1"
         ),
+        # a config mistake under plain torchrun: every rank finds it before any process group exists
+        "config_typo": _torchrun(tmp, "config", "step_scheduler.max_step=10"),
     }
 
 
@@ -257,6 +259,20 @@ def test_user_error_is_one_line_from_rank_0(launches, case):
     assert "Traceback" not in rest and "UserInputError" not in rest, out  # no rank traceback
     log = (run["run_dir"] / "logs" / f"rank_{failing_rank}.log").read_text()
     assert "Traceback (most recent call last)" in log and "automodel.errors.UserInputError" in log, log
+
+
+@pytest.mark.dist
+def test_config_error_under_torchrun_is_agreed_before_any_rank_exits(launches):
+    """The ranks form a gloo group only to agree (user_errors.report_error_before_setup): rank 0 prints
+    the line once, and every rank exits 2 after that (none is killed by the launcher first)."""
+    out = launches["config_typo"]["out"]
+    errors = [line for line in out.splitlines() if "error:" in line and "ChildFailedError" not in line]
+    assert errors == [
+        "[default0]:error: step_scheduler.max_step: unknown key; did you mean 'step_scheduler.max_steps'? check "
+        "the spelling (every key: docs/recipe.md)"
+    ], out
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", out)
+    assert codes and set(codes) == {"2"}, out
 
 
 @pytest.mark.dist

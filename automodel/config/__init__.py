@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from automodel.config.compose import USAGE, compose_config, parse_argv, resolve_config_path
+from automodel.config.gpu_specs import gpu_problems
 from automodel.config.rules import check_rules, parallel_sizes
+from automodel.config.schedule_rules import schedule_problems
 from automodel.config.schema import RecipeConfig
 from automodel.config.typecheck import ConfigError, to_dataclass
 
@@ -60,7 +62,8 @@ def planned_world_size(cfg: RecipeConfig, env_world_size: int | None = None) -> 
 
     A real run: ``$WORLD_SIZE`` (1 without torchrun). A dry run: ``recipe.dry_run_world_size``,
     else ``recipe.plan_nnodes * recipe.plan_nproc_per_node`` when both are set, else ``$WORLD_SIZE``
-    if launched by torchrun, else the smallest world the fixed sizes need.
+    if launched by torchrun, else ``recipe.gpus`` (the GPUs the config is written for), else the
+    smallest world the fixed sizes need.
     """
     if env_world_size is None and "WORLD_SIZE" in os.environ:
         env_world_size = int(os.environ["WORLD_SIZE"])
@@ -72,6 +75,8 @@ def planned_world_size(cfg: RecipeConfig, env_world_size: int | None = None) -> 
         return cfg.recipe.plan_nnodes * cfg.recipe.plan_nproc_per_node
     if env_world_size is not None:
         return env_world_size
+    if cfg.recipe.gpus is not None:
+        return cfg.recipe.gpus
     d = cfg.distributed
     return max(1, d.dp_replicate) * max(1, d.dp_shard) * max(1, d.cp_size) * max(1, d.tp_size)
 
@@ -90,6 +95,7 @@ def validate_config(
         raise ConfigError(problems)
     world = world_size if world_size is not None else planned_world_size(cfg)
     problems += check_rules(cfg, world, cuda_available=cuda_available)
+    problems += schedule_problems(cfg) + gpu_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg, world

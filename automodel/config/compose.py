@@ -7,6 +7,10 @@ the Compose API instead: the config file becomes an absolute config directory pl
 ``hydra.initialize_config_dir`` + ``hydra.compose`` apply the overrides with Hydra's grammar (a
 config may use a ``defaults:`` list with other YAMLs of its directory), and OmegaConf resolves
 interpolations. Nothing here depends on the working directory except the ``--config`` path itself.
+
+Inheritance from anywhere: a ``defaults:`` entry is looked up in the config's own directory first,
+then in the shipped ``configs/`` (``hydra.searchpath``), so ``/somewhere/my_sft.yaml`` may start with
+``defaults: [cp, _self_]``.
 """
 
 from __future__ import annotations
@@ -106,15 +110,17 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
 
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
+    search = _search_path(config_path, overrides)
+    base = None
     try:
         with initialize_config_dir(
             config_dir=str(config_path.parent), version_base="1.3", job_name="finetune"
         ):
-            base = compose(config_name=config_path.stem)
+            base = compose(config_name=config_path.stem, overrides=search)
             overrides = _schema_overrides(base, overrides)
-            cfg = compose(config_name=config_path.stem, overrides=list(overrides))
+            cfg = compose(config_name=config_path.stem, overrides=[*search, *overrides])
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError([_hydra_message(e, overrides)]) from None
+        raise ConfigError([_hydra_message(e, overrides, base, config_path)]) from None
     try:
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
@@ -124,6 +130,23 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
         ) from None
     assert isinstance(container, dict)
     return container
+
+
+SHIPPED_CONFIGS = REPO_ROOT / "configs"
+
+
+def _search_path(config_path: Path, overrides: Sequence[str]) -> list[str]:
+    """The override that lets a config's ``defaults`` name the shipped configs from any directory.
+
+    Hydra looks in the config's own directory first, then in ``hydra.searchpath``: the shipped
+    ``configs/``. Nothing is added for a config inside ``configs/`` or when the user sets
+    ``hydra.searchpath`` themselves.
+    """
+    if config_path.parent.resolve() == SHIPPED_CONFIGS.resolve() or any(
+        o.lstrip("+~").startswith("hydra.searchpath") for o in overrides
+    ):
+        return []
+    return [f"hydra.searchpath=[file://{SHIPPED_CONFIGS.resolve()}]"]
 
 
 def _schema_overrides(base: Any, overrides: Sequence[str]) -> list[str]:
@@ -146,7 +169,7 @@ def _schema_overrides(base: Any, overrides: Sequence[str]) -> list[str]:
             and not o.is_force_add()
             and o.package is None
             and OmegaConf.select(base, key, default=_MISSING) is _MISSING
-            and schema_key_exists(key)
+            and (schema_key_exists(key) or _target_takes(base, key))
         ):
             raw = "++" + raw
         out.append(raw)
@@ -154,6 +177,30 @@ def _schema_overrides(base: Any, overrides: Sequence[str]) -> list[str]:
 
 
 _MISSING = object()
+
+
+def _target_keys(base: Any, parent: str) -> set[str] | None:
+    """The keyword arguments of the ``_target_`` of node ``parent`` in ``base`` (None: no such node,
+    the target cannot be imported, or it takes any keyword)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.select(base, parent, default=None) if parent else None
+    if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
+        return None
+    from automodel.config.typecheck import _accepted_keys, _locate
+
+    try:
+        accepted, _, _ = _accepted_keys(_locate(node["_target_"]))
+    except Exception:  # noqa: BLE001 - the target check reports an unimportable target
+        return None
+    return accepted
+
+
+def _target_takes(base: Any, key: str) -> bool:
+    """Whether ``key`` (dotted) is an argument of the ``_target_`` of its parent node in ``base``."""
+    parent, _, leaf = key.rpartition(".")
+    accepted = _target_keys(base, parent)
+    return accepted is not None and leaf in accepted
 
 
 def schema_key_exists(path: str) -> bool:
@@ -199,17 +246,45 @@ def suggest_schema_key(path: str) -> str | None:
     return ".".join([*parts[:-1], close[0]]) if close else None
 
 
-def _hydra_message(e: Exception, overrides: Sequence[str]) -> str:
+def suggest_key(path: str, base: Any = None) -> str | None:
+    """The key closest to a misspelt dotted ``path``: among the schema's fields, the keys of the
+    composed config ``base`` at the same level, and the arguments of that node's ``_target_``."""
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    hint = suggest_schema_key(path)
+    if hint is not None or base is None:
+        return hint
+    parent, _, leaf = path.rpartition(".")
+    node = OmegaConf.select(base, parent, default=None) if parent else base
+    names = {str(k) for k in node.keys()} if isinstance(node, DictConfig) else set()
+    names |= _target_keys(base, parent) or set()
+    names.discard("_target_")
+    close = difflib.get_close_matches(leaf, sorted(names), n=1, cutoff=0.6)
+    return f"{parent}.{close[0]}" if close and parent else (close[0] if close else None)
+
+
+def _hydra_message(e: Exception, overrides: Sequence[str], base: Any = None, config_path: Path | None = None) -> str:
     import re
 
     text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
     cause = e.__cause__
     if cause is not None and str(cause) and str(cause) not in text:
         text += " (" + " ".join(str(cause).split()) + ")"
-    m = re.search(r"Could not (?:override|delete from config|append to config)\.? '([^']+)'", text)
-    if m:
-        key = m.group(1)
-        hint = suggest_schema_key(key)
+    m = re.search(r"Could not (?:override|delete from config)\.? '([^']+)'", text)
+    if m:  # Hydra's own advice ("To append to your config use +key=...") is left out: the schema
+        key = m.group(1)  # would reject the key (a key the schema or a _target_ takes is added already)
+        hint = suggest_key(key, base)
         extra = f"did you mean '{hint}'? " if hint else ""
-        return f"{key}: unknown key (not in the config); {extra}check the spelling ({text})"
+        return f"{key}: unknown key; {extra}check the spelling (every key: docs/recipe.md)"
+    m = re.search(r"Could not load '([^']+)'", text)
+    if m and config_path is not None:
+        where = [str(config_path.parent)]
+        if config_path.parent.resolve() != SHIPPED_CONFIGS.resolve():
+            where.append(str(SHIPPED_CONFIGS))
+        return (
+            f"{config_path.name}: defaults entry '{m.group(1)}' not found; a config's defaults are looked up "
+            f"in {' and then '.join(where)} (e.g. defaults: [cp, _self_])"
+        )
     return f"could not apply the overrides {list(overrides)}: {text}"

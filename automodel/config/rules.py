@@ -111,9 +111,10 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         pad = data.pad_to_multiple_of
         if pad is not None and pad >= 1:
             if pad % multiple:
+                lower = multiple * max(1, pad // multiple)
                 problems.append(
-                    f"data.pad_to_multiple_of={pad} is not a multiple of {what}; "
-                    f"set data.pad_to_multiple_of={multiple * max(1, round(pad / multiple))}"
+                    f"data.pad_to_multiple_of={pad} is not a multiple of {what}; set it to a multiple of "
+                    f"{multiple} (e.g. {lower} or {lower + multiple}), or to null (then {multiple})"
                 )
         # data.pad_to_multiple_of=null: the collator pads every row to a multiple of `multiple` (labels
         # -100 at the end), exact for causal attention, so any data.seq_len works.

@@ -53,8 +53,11 @@ class RecipeSection:
     seed: int = 1234
     dry_run: bool = False
     dry_run_world_size: int | None = (
-        None  # world size a dry run plans for (default: $WORLD_SIZE or the minimum)
+        None  # world size a dry run plans for (default: $WORLD_SIZE, else recipe.gpus, else the minimum)
     )
+    gpus: int | None = None  # the GPUs (world size) this config is written for: what a dry run plans for by default
+    gpu_type: str | None = None  # dry run: estimate step time and communication on this GPU (h100, h200, a100, l40s)
+    dry_run_print_config: bool = False  # dry run: also print the resolved config (after the plan)
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
     plan_nnodes: int | None = None  # dry run: nodes to plan for (ranks per node, cp/tp groups vs nodes)
     plan_nproc_per_node: int | None = None  # dry run: processes per node (with plan_nnodes: the world size)
@@ -99,6 +102,7 @@ class ModelSection:
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # model.compile and compiled autograd
     trust_remote_code: bool = False
     revision: str | None = None
+    allow_download: bool = False  # false: hub ids (model and data.tokenizer) from the local cache only
 
 
 @dataclass

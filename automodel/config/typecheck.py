@@ -33,9 +33,10 @@ class ConfigError(ValueError):
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(
-            f"invalid config ({len(self.problems)} problem{'s' * (len(self.problems) != 1)}):\n{lines}"
-        )
+        if len(self.problems) == 1:  # one problem: one line (the recipe prints it as ``error: ...``)
+            super().__init__(self.problems[0])
+            return
+        super().__init__(f"invalid config ({len(self.problems)} problems):\n{lines}")
 
 
 class _Invalid:

@@ -212,6 +212,8 @@ def load_hf_source(
                     cache_dir=cache_dir,
                 )
             except datasets.exceptions.DatasetGenerationError as exc:
+                if kind == "json":  # Arrow counts rows from 0: name the file and line (from 1) instead
+                    _raise_first_bad_jsonl_line(files, exc)
                 cause = exc.__cause__ or exc
                 raise UserInputError(
                     f"datasets could not read {files[:3]}{' ...' if len(files) > 3 else ''} as {kind} "
@@ -222,3 +224,15 @@ def load_hf_source(
         if isinstance(exc, UserInputError):
             raise
         raise UserInputError(f"data source {path!r} ({kind}): {exc}; fix data.dataset.path/hf_split") from exc
+
+
+def _raise_first_bad_jsonl_line(files: Sequence[str], exc: BaseException) -> None:
+    """Raise ``<file>:<line> is not valid JSON ...`` (lines from 1, as TextDataset says it) for the first
+    broken line of the JSON-lines ``files``; return if none is found (e.g. a file that is one JSON array)."""
+    from automodel.data.file_readers import read_jsonl
+
+    for f in files:
+        if not str(f).endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+            continue
+        for _ in read_jsonl(Path(f)):  # raises UserInputError naming the file and the line
+            pass

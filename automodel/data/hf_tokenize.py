@@ -121,7 +121,7 @@ def tokenize_rows(
     rows = [{c: batch[c][i] for c in batch} for i in range(n_rows)]
     keep = []
     for i, row in enumerate(rows):
-        where = f"row {indices[i]}"
+        where = f"row {indices[i] + 1}"  # counted from 1, as TextDataset counts lines
         for c in required_columns(fmt, columns):
             if fmt != "messages" and not isinstance(row[c], str):
                 raise UserInputError(

@@ -8,6 +8,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from automodel.data.hub_offline import (
+    local_files_only,
+    looks_like_path,
+    missing_path_message,
+    not_cached_hint,
+)
 from automodel.errors import UserInputError
 
 __all__ = ["load_tokenizer", "default_tokenizer_dir", "assets_dir", "ensure_pad_token"]
@@ -23,11 +29,6 @@ def assets_dir() -> Path:
 def default_tokenizer_dir() -> Path:
     """Directory of the shipped byte-level BPE tokenizer (vocab 1024, ChatML chat template)."""
     return assets_dir() / "tokenizer"
-
-
-def _looks_like_path(name: str) -> bool:
-    """Hub ids are ``name`` or ``org/name``; anything else with separators is meant as a path."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -48,14 +49,19 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    name_or_path: str | os.PathLike | None = None, allow_download: bool = False
+) -> PreTrainedTokenizerBase:
     """Load a tokenizer without surprises.
 
     Args:
         name_or_path: ``None`` or ``"default"``: the tokenizer shipped in
             ``automodel/data/assets/tokenizer`` (no download). A local directory: loaded with
-            ``AutoTokenizer.from_pretrained``. Anything else: a hub id, resolved by
-            ``huggingface_hub`` (which honours ``HF_HUB_OFFLINE=1`` and the local cache).
+            ``AutoTokenizer.from_pretrained``. Anything else: a hub id, from the local hub cache only
+            unless ``allow_download`` (and ``HF_HUB_OFFLINE`` is not set):
+            :mod:`automodel.data.hub_offline`.
+        allow_download: let ``huggingface_hub`` download a hub id that is not cached (the recipe
+            passes ``model.allow_download``).
 
     Returns:
         The tokenizer, with a pad token (the EOS token is reused when it has none, see
@@ -81,22 +87,19 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> PreTrainedT
                 "data.tokenizer at a directory written by tokenizer.save_pretrained(), or use 'default'"
             )
         return ensure_pad_token(AutoTokenizer.from_pretrained(str(path)))
-    if path.exists() or _looks_like_path(name):
+    if looks_like_path(name):
         raise UserInputError(
-            f"tokenizer path {name!r} is not a directory; it must be a directory holding tokenizer.json "
-            "(as written by save_pretrained), a hub id such as 'gpt2', or 'default' for the shipped tokenizer"
+            f"tokenizer path {name!r} is not a directory: "
+            + missing_path_message(name, "tokenizer.json")
+            + ", a hub id such as 'gpt2', or 'default' for the shipped tokenizer"
         )
+    offline = local_files_only(allow_download)
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=offline)
     except (OSError, ValueError) as exc:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-        hint = (
-            "HF_HUB_OFFLINE is set, so only the local cache is searched: download it first on a machine "
-            "with network access (`hf download " + name + "`) or pass a local directory"
-            if offline
-            else "check the hub id, or pass a local directory, or 'default' for the shipped tokenizer"
-        )
+        # offline, transformers' "couldn't connect to huggingface.co" is not what happened: leave it out
+        why = "not in the local hub cache" if offline else f"{exc.__class__.__name__}: {str(exc).strip().rstrip('.')}"
         raise UserInputError(
-            f"could not load tokenizer {name!r}: {exc.__class__.__name__}: {str(exc).strip().rstrip('.')}. {hint}"
+            f"could not load tokenizer {name!r}: {why}; {not_cached_hint(name, allow_download)}"
         ) from exc
     return ensure_pad_token(tok)

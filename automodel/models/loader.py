@@ -3,8 +3,9 @@
 Two sources, chosen by the ``model`` config group:
 
 - ``pretrained_model_name_or_path``: a local directory or a hub id; weights via
-  ``AutoModelForCausalLM.from_pretrained`` (``HF_HUB_OFFLINE=1`` is honoured by huggingface_hub;
-  a model that is neither local nor cached then fails with a message saying so).
+  ``AutoModelForCausalLM.from_pretrained``, from local files and the hub cache only unless
+  ``model.allow_download=true`` (:mod:`automodel.data.hub_offline`): a model that is neither local
+  nor cached fails at once with the download command).
 - ``config``: a ``_target_`` node (e.g. ``transformers.LlamaConfig`` with its fields), built with
   ``AutoModelForCausalLM.from_config`` and initialised from ``recipe.seed`` (identical on every
   rank, which FSDP2's sharding of the local full tensors relies on).
@@ -20,13 +21,20 @@ before any weight is read.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from automodel.config.schema import ModelSection
+from automodel.data.hub_offline import (
+    env_offline,
+    local_files_only,
+    looks_like_path,
+    missing_path_message,
+    not_cached_hint,
+)
 from automodel.errors import UserInputError
 
 __all__ = [
@@ -90,8 +98,9 @@ def _instantiate_inline(node: dict, overrides: dict | None = None) -> Any:
     return config
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+def _offline(model_cfg: ModelSection) -> bool:
+    """Local files and the hub cache only (the default; automodel.data.hub_offline)."""
+    return local_files_only(model_cfg.allow_download)
 
 
 def resolve_model_config(model_cfg: ModelSection, *, dry_run: bool = False) -> ResolvedModelConfig:
@@ -115,12 +124,18 @@ def resolve_model_config(model_cfg: ModelSection, *, dry_run: bool = False) -> R
         inline.use_cache = False
         return ResolvedModelConfig(inline, f"model.config ({type(inline).__name__})", pretrained=False)
 
+    is_path = looks_like_path(name)
+    if is_path and not Path(name).expanduser().is_dir() and not (dry_run and inline is not None):
+        raise UserInputError(
+            f"model.pretrained_model_name_or_path={name!r}: no config found: "
+            + missing_path_message(name, "config.json and the weights")
+        )
     try:
         loaded = AutoConfig.from_pretrained(
             name,
             revision=model_cfg.revision,
             trust_remote_code=model_cfg.trust_remote_code,
-            local_files_only=dry_run or _offline(),
+            local_files_only=dry_run or _offline(model_cfg),
         )
     except (OSError, ValueError) as e:
         if dry_run and inline is not None:
@@ -130,12 +145,19 @@ def resolve_model_config(model_cfg: ModelSection, *, dry_run: bool = False) -> R
                 f"model.config (stands in for {name!r}, whose config is not available locally)",
                 pretrained=True,
             )
-        where = "local files and the hub cache" if (dry_run or _offline()) else "local files and the hub"
+        offline = dry_run or _offline(model_cfg)
+        where = "local files and the hub cache" if offline else "local files and the hub"
+        if is_path:
+            fix = "give a directory holding config.json (as written by save_pretrained)"
+        elif dry_run and not env_offline():
+            fix = f"a dry run reads local files only: download the model first (`hf download {name}`)"
+        else:
+            fix = not_cached_hint(name, model_cfg.allow_download)
+        # offline, transformers' "couldn't connect to huggingface.co" is not what happened: leave it out
+        why = "" if offline and not is_path else f" ({str(e).splitlines()[0].rstrip('.')})"
         raise UserInputError(
-            f"model.pretrained_model_name_or_path={name!r}: no config found in {where} "
-            f"({str(e).splitlines()[0]}). Give a local directory with config.json, download the model "
-            f"first (huggingface-cli download {name}), or unset HF_HUB_OFFLINE; for a dry run without "
-            f"weights add the architecture as model.config"
+            f"model.pretrained_model_name_or_path={name!r}: no config found in {where}{why}; {fix}; "
+            f"for a dry run without weights add the architecture as model.config"
         ) from None
     if inline is not None:
         _check_inline_matches(model_cfg.config, inline, loaded, name)
@@ -145,7 +167,7 @@ def resolve_model_config(model_cfg: ModelSection, *, dry_run: bool = False) -> R
             name,
             revision=model_cfg.revision,
             trust_remote_code=model_cfg.trust_remote_code,
-            local_files_only=dry_run or _offline(),
+            local_files_only=dry_run or _offline(model_cfg),
             **overrides,
         )
     loaded.use_cache = False
@@ -270,14 +292,14 @@ def build_model(
                 config=config,
                 dtype=dtype,
                 revision=model_cfg.revision,
-                local_files_only=_offline(),
+                local_files_only=_offline(model_cfg),
                 **kwargs,
             )
         except OSError as e:  # no weight files (or unreadable ones) where the config was found
             raise UserInputError(
                 f"model.pretrained_model_name_or_path={name!r}: the weights cannot be loaded "
                 f"({str(e).strip().splitlines()[0]}). Put the model's *.safetensors (or pytorch_model.bin) "
-                f"next to its config.json, download the model first (hf download {name}), or use "
+                f"next to its config.json{'' if looks_like_path(name) else f', download the model first (hf download {name})'}, or use "
                 f"model.config without pretrained_model_name_or_path to train from scratch"
             ) from e
     else:

@@ -1,12 +1,14 @@
-"""``recipe.dry_run=true``: print the resolved config, the mesh layout and per-rank shapes; train nothing.
+"""``recipe.dry_run=true``: print the plan (mesh layout, per-rank shapes, memory, a step-time estimate); train nothing.
 
 No process group, no weights, no network: the mesh is computed from the sizes (the same row-major
 layout ``init_device_mesh`` uses), the model is built on the meta device from its config (the
 pretrained ``config.json`` if it is available locally, else the inline ``model.config``), and the
 shapes and memory figures are arithmetic. So a config for a 64-GPU cluster can be checked on a
 laptop: ``python recipes/finetune.py --config configs/X.yaml recipe.dry_run=true``
-(``recipe.dry_run_world_size=N`` plans for N ranks; ``recipe.plan_nnodes`` /
-``recipe.plan_nproc_per_node`` place them on nodes, see ``node_plan.py``).
+(``recipe.dry_run_world_size=N`` plans for N ranks, else ``recipe.gpus``, the GPUs the config is
+written for; ``recipe.plan_nnodes`` / ``recipe.plan_nproc_per_node`` place them on nodes, see
+``node_plan.py``; ``recipe.gpu_type`` adds a rough step-time and communication estimate,
+``step_estimate.py``). The resolved config follows the plan with ``recipe.dry_run_print_config=true``.
 """
 
 from __future__ import annotations
@@ -88,9 +90,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     assert not problems, problems  # validated before
     d, sched, data = cfg.distributed, cfg.step_scheduler, cfg.data
     out: list[str] = []
-    out.append(f"=== dry run: {loaded.path} ===")
-    out.append("--- resolved config (schema defaults included) ---")
-    out.append(OmegaConf.to_yaml(OmegaConf.create(loaded.effective)).rstrip())
+    out.append(f"=== dry run: {loaded.path} (planned for world size {world}) ===")
 
     # ---------------------------------------------------------------- layout
     grad_acc = sched.global_batch_size // (sched.local_batch_size * sizes["dp"])
@@ -206,30 +206,35 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     )
     if sizes["cp"] > 1:  # the method's own exchange (ring rotation, Ulysses all-to-all, thd all-gather)
         out.extend(method.describe_attention(b, heads // tp, kv // tp, head_dim, seq, sizes["cp"], attn))
-    logits_bytes = b * local_seq * c.vocab_size * (compute + 4)
-    if tp > 1:  # loss parallel: the rank's vocabulary shard only; else the head's output is gathered
-        lp = d.enable_loss_parallel
-        out.append(
-            f"logits                   [{b}, {local_seq}, {c.vocab_size // tp if lp else c.vocab_size}] {compute_name}"
-            f" + fp32 copy for the loss = {_gib(logits_bytes / tp if lp else logits_bytes)} "
-            + (f"(loss parallel: V / tp {tp}; gathered it would be {_gib(logits_bytes)})" if lp else
-               f"(gathered over tp; with distributed.enable_loss_parallel=true {_gib(logits_bytes / tp)})")
-        )
-    else:
-        out.append(
-            f"logits                   [{b}, {local_seq}, {c.vocab_size}] {compute_name} + fp32 copy for the loss "
-            f"= {_gib(logits_bytes)}"
-        )
+    from automodel.training.memory_plan import memory_plan_lines, plan_memory, run_shape_from_config
+
+    shape = run_shape_from_config(cfg, sizes, seq, grad_acc)  # predicted per-rank peak, term by term
+    loss_term = plan_memory(dims, shape).terms["logits and loss"]  # the one logits figure of the report
+    lp = tp > 1 and d.enable_loss_parallel
+    out.append(
+        f"logits                   [{b}, {local_seq}, {c.vocab_size // tp if lp else c.vocab_size}] {compute_name}"
+        + (f" (loss parallel: V / tp {tp})" if lp else " (gathered over tp)" if tp > 1 else "")
+        + f"; with the loss: {_gib(loss_term.bytes)} (the 'logits and loss' term below: {loss_term.note})"
+    )
     per_layer_act = b * (local_seq // tp if sp else local_seq) * c.hidden_size * compute
     out.append(
         f"layer inputs kept for backward: {c.num_hidden_layers} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
     )
-    from automodel.training.memory_plan import memory_plan_lines, run_shape_from_config
-
-    shape = run_shape_from_config(cfg, sizes, seq, grad_acc)  # predicted per-rank peak, term by term
     out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=world))
+    from automodel.training.step_estimate import step_estimate_lines
+
+    out.extend(
+        step_estimate_lines(
+            dims, shape, sizes, world, sched.global_batch_size, cfg.recipe.gpu_type, cfg.recipe.plan_nproc_per_node
+        )
+    )
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if cfg.recipe.dry_run_print_config:
+        out.append("--- resolved config (schema defaults included) ---")
+        out.append(OmegaConf.to_yaml(OmegaConf.create(loaded.effective)).rstrip())
+    else:
+        out.append("resolved config: not shown (recipe.dry_run_print_config=true prints it)")
     out.append("dry run: nothing was trained")
     return "\n".join(out)

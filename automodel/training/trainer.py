@@ -205,7 +205,7 @@ class FinetuneTrainer:
         )
 
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, allow_download=cfg.model.allow_download)
         resolved = resolve_model_config(cfg.model)
         self.attn_implementation = cfg.model.attn_implementation or "sdpa"
         check_model_for_run(

@@ -56,6 +56,7 @@ __all__ = [
     "run_phase",
     "run_guarded",
     "agree_before_collectives",
+    "report_error_before_setup",
 ]
 
 logger = logging.getLogger("automodel.user_errors")
@@ -100,7 +101,9 @@ def global_rank() -> int:
 def print_user_error(message: str, rank_prefix: int | None = None) -> None:
     """Print ``error: <message>`` to stderr (flushed). ``rank_prefix`` adds ``[rank r]``."""
     where = f"[rank {rank_prefix}] " if rank_prefix is not None else ""
-    print(f"error: {where}{message}", file=sys.stderr, flush=True)
+    stream = sys.stderr  # while the setup's output is held (console_hold.HeldStream), the error goes through
+    getattr(stream, "write_past_hold", stream.write)(f"error: {where}{message}\n")
+    stream.flush()
 
 
 def _log_traceback(exc: BaseException) -> Path | None:
@@ -270,3 +273,30 @@ def run_guarded(
     run_phase(setup, name="setup")
     train_group = agreement_group(train_timeout_s) if _distributed() else None
     return run_phase(train, name="training", agree_on_success=False, group=train_group)
+
+
+def report_error_before_setup(message: str, timeout_s: float = 60.0) -> int:
+    """Report a mistake found before the process group exists (the config) once; return exit code 2.
+
+    Without torchrun (no ``$WORLD_SIZE`` > 1) rank 0 prints ``error: <message>``. Under torchrun every
+    rank validated the same config and found the same mistake: the ranks join a gloo process group
+    only to agree (:func:`agree_on_failure`), rank 0 prints, and no rank exits before rank 0 printed
+    (a rank exiting first would get rank 0 killed by the launcher before its line is out). If the
+    group cannot be formed within ``timeout_s``, each rank prints its own message (``[rank r]`` on
+    ranks > 0) rather than none.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "MASTER_ADDR" not in os.environ or dist.is_initialized():
+        if global_rank() == 0:
+            print_user_error(message)
+        return EXIT_USER_ERROR
+    try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        messages = agree_on_failure(message)
+    except Exception:
+        rank = int(os.environ.get("RANK", "0"))
+        print_user_error(message, rank_prefix=None if rank == 0 else rank)
+        return EXIT_USER_ERROR
+    _report(messages)
+    _finish_collectively(None)
+    return EXIT_USER_ERROR

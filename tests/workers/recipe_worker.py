@@ -128,6 +128,7 @@ def single(rank: int, world_size: int, out: str, pretrained: str) -> dict:
                 f"model.pretrained_model_name_or_path={pretrained}",  # model.config stays: it must match
                 "optimizer.lr=0.0",
                 "step_scheduler.max_steps=1",
+                "lr_scheduler.warmup_steps=1",  # at most max_steps (the config check); lr is 0 anyway
                 "step_scheduler.val_every_steps=null",
             ],
         )

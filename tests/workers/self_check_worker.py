@@ -84,7 +84,7 @@ def main(rank: int, world_size: int, out: str) -> dict:
 
     # the other shipped CPU configs: LoRA (ring) and the VLM (its own tiny model; ring and Ulysses, where the
     # reference must still encode the images and give the text model its own attention back)
-    vlm = ["configs/vlm_cp.yaml", *TWO_STEPS, "recipe.cp_self_check=true", "checkpoint.enabled=false",
+    vlm = ["configs/vlm_cp.yaml", *TWO_STEPS, "lr_scheduler.warmup_steps=2", "recipe.cp_self_check=true", "checkpoint.enabled=false",
            "export.enabled=false", "logging.progress_bar=false", "logging.plot=false"]  # fmt: skip
     for name, argv in (
         ("lora", ["configs/cp_lora.yaml", *TINY, *TWO_STEPS, *CHECK]),
