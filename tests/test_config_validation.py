@@ -380,3 +380,14 @@ def test_compiled_autograd_with_fsdp2_is_rejected():
     msg = problems("distributed.enable_compiled_autograd=true")
     assert "distributed.enable_compiled_autograd=true with fsdp.enabled=true" in msg
     assert "set fsdp.enabled=false" in msg
+
+
+def test_warmup_stable_decay_steps_are_checked_before_the_model_loads():
+    wsd = ("lr_scheduler._target_=automodel.training.lr_schedule.warmup_stable_decay", "step_scheduler.max_steps=20")
+    assert "warmup_steps + decay_steps = 10 + 15 is more than step_scheduler.max_steps=20" in problems(
+        *wsd, "lr_scheduler.warmup_steps=10", "+lr_scheduler.decay_steps=15"
+    )
+    # the default decay (the last 10%: 2 of 20 steps) after a warmup of all 20 steps
+    assert "warmup_steps + decay_steps = 20 + 2" in problems(*wsd, "lr_scheduler.warmup_steps=20", "+lr_scheduler.decay_steps=null")
+    assert "decay_shape='cosin' is not one of linear | cosine | 1-sqrt" in problems(*wsd, "+lr_scheduler.decay_shape=cosin")
+    load(*wsd, "lr_scheduler.warmup_steps=10", "+lr_scheduler.decay_steps=10")  # fits exactly: valid

@@ -19,6 +19,8 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from automodel.config.schedule_rules import DECAY_SHAPES
+
 __all__ = [
     "DECAY_SHAPES",
     "warmup_cosine",
@@ -30,7 +32,6 @@ __all__ = [
     "warmup_stable_decay_factor",
 ]
 
-DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 def _decay(progress: float, shape: str) -> float:
