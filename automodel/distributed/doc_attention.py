@@ -535,5 +535,5 @@ def make_doc_batch_and_ctx(
     return ctx_factory, local
 
 
-#: 2 full-attention layers of width 256 (the tiny Llama of the configs): the own loop's default cost model
-_DEFAULT_COST = CostModel(token=24.0 * 256 * 256 * 2, pair=4.0 * 256, full_layers=2)
+#: the own loop's default cost model: full attention of width 256 (set ``cost=`` for your model)
+_DEFAULT_COST = CostModel.for_width(256)

@@ -71,16 +71,32 @@ class CostModel:
         return self.prefix(end) - self.prefix(start)
 
     @classmethod
-    def from_profile(cls, profile: Any, hidden_size: int | None = None) -> CostModel:
-        """The cost model of a :class:`~automodel.distributed.cp.profile.ModelProfile`.
+    def for_width(cls, width: int, layers: int = 1) -> CostModel:
+        """``layers`` full-attention layers of ``width = heads * head_dim`` (see :meth:`from_profile`)."""
+        return cls(token=24.0 * width * width * layers, pair=4.0 * width, full_layers=layers)
 
-        Per layer and token ``24 * hidden**2`` (forward FLOPs of ``~12 hidden**2`` weights: the q/k/v/o
-        projections and an MLP of ``~2.7 hidden``); per attention pair ``4 * heads * head_dim``.
-        ``hidden_size`` defaults to ``heads * head_dim``.
+    @classmethod
+    def from_profile(
+        cls,
+        profile: Any,
+        hidden_size: int | None = None,
+        intermediate_size: int | None = None,
+        vocab_size: int | None = None,
+        attention_weight: float = 1.0,
+    ) -> CostModel:
+        """The cost model of a :class:`~automodel.distributed.cp.profile.ModelProfile`, in forward FLOPs.
+
+        Per token and layer ``2 * (2 h (Hq + Hkv) d + 3 h i)`` (q/k/v/o projections, a gated MLP of width
+        ``i``; ``h`` = ``hidden_size``, default ``Hq * d``; ``i`` default ``4 h``) plus ``2 h V`` for the LM
+        head; per visible pair and attention layer ``4 Hq d`` times ``attention_weight`` (how much slower the
+        attention kernel runs per FLOP than the matmuls: about 2.5 for the fp32 CPU flash kernel, measured
+        with scripts/bench_packed.py's model; 1 on GPUs).
         """
         heads = profile.num_attention_heads or 1
+        kv = profile.num_key_value_heads or heads
         head_dim = profile.head_dim or 64
         hidden = hidden_size or heads * head_dim
+        inter = intermediate_size or 4 * hidden
         full, windows, chunks = 0, [], []
         for layer in profile.layers:
             if layer.kind == "full_attention":
@@ -89,9 +105,10 @@ class CostModel:
                 windows.append(int(layer.window))
             elif layer.kind == "chunked_attention" and layer.chunk:
                 chunks.append(int(layer.chunk))
+        per_layer = 2 * (2 * hidden * (heads + kv) * head_dim + 3 * hidden * inter)
         return cls(
-            token=24.0 * hidden * hidden * max(1, len(profile.layers)),
-            pair=4.0 * heads * head_dim,
+            token=per_layer * max(1, len(profile.layers)) + 2 * hidden * (vocab_size or 0),
+            pair=4.0 * heads * head_dim * attention_weight,
             full_layers=full,
             windows=tuple(windows),
             chunks=tuple(chunks),

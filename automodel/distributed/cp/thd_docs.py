@@ -18,10 +18,31 @@ from automodel.distributed.cp.doc_placement import CostModel, Placement, plan_do
 from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, PreparedModel, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 
-__all__ = ["ThdDocsMethod", "SAMPLE_MEDIAN"]
+__all__ = ["ThdDocsMethod", "SAMPLE_MEDIAN", "model_cost"]
 
 #: median document length of the dry run's sample batch (lognormal, sigma 1, seed 0)
 SAMPLE_MEDIAN = 256
+
+
+#: attention FLOPs are this much slower than matmul FLOPs on CPU (fp32 flash kernel; scripts/bench_packed.py)
+CPU_ATTENTION_WEIGHT = 2.5
+
+
+def model_cost(model: Any) -> CostModel:
+    """The placement's :class:`CostModel` of a transformers model: its profile, sizes and device."""
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.profile import text_config
+
+    config = text_config(model.config)
+    param = next(iter(model.parameters()), None)
+    on_cpu = param is None or param.device.type == "cpu"
+    return CostModel.from_profile(
+        cached_profile(model),
+        getattr(config, "hidden_size", None),
+        getattr(config, "intermediate_size", None),
+        getattr(config, "vocab_size", None),
+        attention_weight=CPU_ATTENTION_WEIGHT if on_cpu else 1.0,
+    )
 
 
 class ThdDocsMethod(AttentionSwitchingMethod):
@@ -53,13 +74,9 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         return make_doc_batch_and_ctx
 
     def batch_function(self, prepared: PreparedModel | None = None, **options: Any) -> BatchFn:
-        """The batch function with the prepared model's cost model bound (``cost=``)."""
+        """The batch function with the prepared model's cost model bound (``cost=``, :func:`model_cost`)."""
         if prepared is not None and prepared.switched and "cost" not in options:
-            from automodel.distributed.cp.guard import cached_profile
-
-            model = prepared.module
-            hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-            options = {"cost": CostModel.from_profile(cached_profile(model), hidden), **options}
+            options = {"cost": model_cost(prepared.module), **options}
         return super().batch_function(prepared, **options)
 
     def config_problems(self, cfg: Any, cuda_available: bool | None) -> list[str]:
@@ -73,26 +90,25 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         return []
 
     # ------------------------------------------------------------------ the dry run's sample batch
-    def sample_placement(self, seq: int, cp_size: int, rows: int = 1) -> Placement:
+    def sample_placement(self, seq: int, cp_size: int, rows: int = 1, width: int = 256) -> Placement:
         """The placement of a sample batch: ``rows`` rows of ``seq`` tokens of lognormal documents (median
-        :data:`SAMPLE_MEDIAN`, sigma 1, seed 0), full attention cost."""
-        return plan_documents(sample_lengths(seq, SAMPLE_MEDIAN, rows=rows), cp_size)
+        :data:`SAMPLE_MEDIAN`, sigma 1, seed 0), full attention of ``width = heads * head_dim``."""
+        return plan_documents(sample_lengths(seq, SAMPLE_MEDIAN, rows=rows), cp_size, CostModel.for_width(width))
 
     def token_ranges(self, seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
         """The row's token ranges rank ``cp_rank`` holds in the dry run's sample batch (real batches differ)."""
         if cp_size <= 1:
             return [(0, seq_len)]
-        plan = self.sample_placement(seq_len, cp_size)
+        plan = self.sample_placement(seq_len, cp_size)  # a 256-wide model's cost
         starts = [sum(plan.lengths[:d]) for d in range(len(plan.lengths))]
         return [(starts[p.doc] + p.start, starts[p.doc] + p.end) for p in plan.ranks[cp_rank]]
 
     def describe(self, seq: int, cp_size: int) -> str:
         if cp_size == 1:
             return super().describe(seq, cp_size)
-        plan = self.sample_placement(seq, cp_size)
         return (
-            f"cp_method {self.name} ({self.summary}); each batch is planned anew. Sample row of {seq} tokens "
-            f"(lognormal documents, median {SAMPLE_MEDIAN}): {plan.describe()}"
+            f"cp_method {self.name} ({self.summary}); each batch is planned anew (token ranges below: a sample row "
+            f"of lognormal documents, median {SAMPLE_MEDIAN}; the placement line under the shapes: a sample batch)"
         )
 
     def describe_attention(
@@ -100,13 +116,14 @@ class ThdDocsMethod(AttentionSwitchingMethod):
     ) -> list[str]:
         if cp_size <= 1:
             return []
-        plan = self.sample_placement(seq, cp_size, rows=b)
-        per_token = 2 * kv * head_dim  # K and V, elements per token per layer
-        sent = [plan.step_tokens(r) * per_token for r in range(cp_size)]
+        plan = self.sample_placement(seq, cp_size, rows=b, width=heads * head_dim)
+        per_token = 2 * kv * head_dim * 2  # K and V, bf16 bytes per token per layer
+        sent = ", ".join(f"{plan.step_tokens(r) * per_token / 2**10:.1f}" for r in range(cp_size))
         return [
-            f"  placement (thd_docs)   sample batch of {b} x {seq} tokens: imbalance {plan.imbalance:.3f}, tokens per "
-            f"rank {plan.tokens}; K/V elements sent per rank per layer (forward, backward re-send, dK/dV back; x "
-            f"bytes per element): {sent}; whole documents exchange nothing"
+            f"  placement (thd_docs)   sample batch of {b} x {seq} tokens (lognormal documents, median {SAMPLE_MEDIAN}): "
+            f"{plan.describe()}",
+            f"                         K/V KiB sent per rank per layer and step (bf16; forward, backward again, dK/dV "
+            f"back): [{sent}]; whole documents exchange nothing",
         ]
 
     # ------------------------------------------------------------------ memory plan
