@@ -62,12 +62,15 @@ def test_packed_rows_do_not_depend_on_cp_size():
     assert not _same(_rows(2, "thd"), ref)  # thd pads every document to 2*cp: the check can fail
 
 
-def test_sequence_parallel_is_refused():
+def test_sequence_parallel_and_thd_kernels_are_refused():
     with pytest.raises(ConfigError) as info:
         load_config(
             ["--config", PACKED, "distributed.tp_size=2", "distributed.sequence_parallel=true"], world_size=4
         )
     assert "distributed.cp_method=thd_docs gives each CP rank a different number of tokens" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a thd key that thd_docs would silently ignore
+        load_config(["--config", PACKED, "distributed.thd_kernel=te"], world_size=2)
+    assert "distributed.thd_kernel=te is a kernel of distributed.cp_method=thd; thd_docs runs" in str(info.value)
 
 
 def _profile(*layers: LayerSpec) -> ModelProfile:

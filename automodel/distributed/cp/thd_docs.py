@@ -80,14 +80,19 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         return super().batch_function(prepared, **options)
 
     def config_problems(self, cfg: Any, cuda_available: bool | None) -> list[str]:
-        d = cfg.distributed
+        d, problems = cfg.distributed, []
         if d.cp_size > 1 and d.sequence_parallel and d.tp_size > 1:
-            return [
+            problems.append(
                 f"distributed.cp_method={self.name} gives each CP rank a different number of tokens, which "
                 "sequence parallelism cannot split over the TP ranks; set distributed.sequence_parallel=false or "
                 "distributed.cp_method=thd"
-            ]
-        return []
+            )
+        if d.thd_kernel != "portable":
+            problems.append(
+                f"distributed.thd_kernel={d.thd_kernel} is a kernel of distributed.cp_method=thd; {self.name} runs its "
+                "own (portable) kernel; set distributed.cp_method=thd for that kernel, or distributed.thd_kernel=portable"
+            )
+        return problems
 
     # ------------------------------------------------------------------ the dry run's sample batch
     def sample_placement(self, seq: int, cp_size: int, rows: int = 1, width: int = 256) -> Placement:
