@@ -28,6 +28,9 @@ Printed per method and length:
   (wrapped calls: an all-gather sends ``n*(W-1)``, a reduce-scatter / all-to-all ``N*(W-1)/W``
   elements, thd_docs' point-to-point sends their size); ring from the gloo events of
   ``torch.profiler`` (as scripts/bench_sp.py);
+- **CPU s**: the slowest rank's process CPU time of the step (median), and the efficiency and Ulysses
+  ratio computed from it: less disturbed by other jobs on a loaded machine than the wall-clock figures,
+  but blind to time spent waiting for a peer (it flatters methods that communicate);
 - **peak MiB/rank**: the kernel's peak RSS during the timed steps above the RSS before them (as
   scripts/bench_cp.py: VmHWM reset after the warm-up, glibc's mmap threshold fixed at 64 KiB), and
   its ratio to the thd cp=1 peak.
@@ -199,10 +202,12 @@ def _worker(
     computed = batch["input_ids"].numel()
     count = int((batch["labels"] != -100).sum())
 
+    cpu: list[float] = []
+
     def step() -> float:
         if world > 1:
             dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         ctx, local = fn(mesh, dict(batch))
         with ctx():
             logits = model(input_ids=local["input_ids"], position_ids=local.get("position_ids")).logits
@@ -214,10 +219,11 @@ def _worker(
             )
             loss.backward()
         model.zero_grad(set_to_none=True)
-        elapsed = torch.tensor(time.perf_counter() - start)
+        elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu_start])
         if world > 1:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return elapsed.item()
+        cpu.append(elapsed[1].item())
+        return elapsed[0].item()
 
     placement = fn(mesh, dict(batch))[1].get("placement")
     step()  # warm-up
@@ -234,10 +240,12 @@ def _worker(
     gc.collect()
     baseline = rss_mib()
     reset_peak_rss()
+    cpu.clear()
     times = [step() for _ in range(steps)]
     peak = peak_rss_mib() - baseline
     return {
         "time": statistics.median(times),
+        "cpu": statistics.median(cpu),
         "peak_mib": peak,
         "sent_mib": sent / 2**20,
         "real": sum(lens),
@@ -264,6 +272,7 @@ def run(
     )
     out = dict(res[0])
     out["time"] = max(r["time"] for r in res)
+    out["cpu"] = max(r["cpu"] for r in res)
     out["peak_mib"] = max(r["peak_mib"] for r in res)
     out["sent_mib"] = max(r["sent_mib"] for r in res)
     return out
@@ -297,10 +306,10 @@ def main() -> None:
     model_kw = model_kwargs(args)
     print(f"tiny Llama {model_kw}, fp32, CPU, 1 thread per rank, torch {torch.__version__}", flush=True)
     print(
-        "| S | lengths | method | cp | docs | split | imbalance | step s | tokens/s | eff. | vs ulysses | pad % | "
-        "MiB sent/rank/step | peak MiB/rank | vs one process |"
+        "| S | lengths | method | cp | docs | split | imbalance | step s | tokens/s | eff. | vs ulysses | CPU s | "
+        "CPU eff. | CPU vs ulysses | pad % | MiB sent/rank/step | peak MiB/rank | vs one process |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     medians = args.medians if args.dist == "lognormal" else [0]
     for seq_len in args.seq_lens:
         for median in medians:
@@ -322,6 +331,7 @@ def main() -> None:
                 for name, w, r in rows:
                     if w == world and name != "ulysses" and uly is not None:
                         r["vs_ulysses"] = r["time"] / uly["time"]
+                        r["cpu_vs_ulysses"] = r["cpu"] / uly["cpu"]
             base = ref.get("thd_docs") or ref.get("thd")
             for name, world, r in rows:
                 one = ref.get(ONE_PROCESS.get(name, name)) or base
@@ -331,9 +341,12 @@ def main() -> None:
                 imb = f"{r['imbalance']:.3f}" if r.get("imbalance") else "-"
                 split = r["split"] if r.get("split") is not None else "-"
                 vs = f"{r['vs_ulysses']:.2f}" if "vs_ulysses" in r else "-"
+                cpu_eff = f"{one['cpu'] / (world * r['cpu']):.2f}" if one and world > 1 else "-"
+                cpu_vs = f"{r['cpu_vs_ulysses']:.2f}" if "cpu_vs_ulysses" in r else "-"
                 print(
                     f"| {seq_len} | {lengths} | {name} | {world} | {r['docs']} | {split} | {imb} | {r['time']:.3f} | "
-                    f"{r['real'] / r['time']:.0f} | {eff} | {vs} | {pad:.1f} | {r['sent_mib']:.2f} | {r['peak_mib']:.0f} | {mem} |",
+                    f"{r['real'] / r['time']:.0f} | {eff} | {vs} | {r['cpu']:.3f} | {cpu_eff} | {cpu_vs} | {pad:.1f} | "
+                    f"{r['sent_mib']:.2f} | {r['peak_mib']:.0f} | {mem} |",
                     flush=True,
                 )
 

@@ -9,8 +9,10 @@
   cut into ``2k`` chunks of ``L // 2k`` or ``L // 2k + 1`` tokens (no padding), and the ``i``-th rank
   of its span holds chunks ``i`` and ``2k-1-i`` (for causal attention each pair costs the same);
 - documents are split one at a time, largest first, while the plan's imbalance (max rank cost / mean)
-  is above ``tolerance`` or a rank holds no token; the first plan within the tolerance is returned
-  (the fewest splits, so the least communication), else the best one found.
+  is above ``tolerance``, its token imbalance (max rank tokens / mean: memory) above ``token_tolerance``
+  or a rank holds no token; the first plan within both is returned (the fewest splits, so the least
+  communication), else the best one found. A rank's load for the greedy placement is the larger of
+  its relative cost and its relative tokens.
 
 The cost of a document comes from :class:`CostModel`: per token (projections, MLP, LM head) plus per
 visible (query, key) pair for every attention layer: ``L(L+1)/2`` pairs under full causal attention,
@@ -19,7 +21,6 @@ about ``L*w`` under a window ``w``, none for a linear / state-space mixer.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,12 @@ class Placement:
         return [sum(p.length for p in pieces) for pieces in self.ranks]
 
     @property
+    def token_imbalance(self) -> float:
+        """Max rank tokens over the mean (memory balance)."""
+        tokens = self.tokens
+        return max(tokens) * len(tokens) / max(1, sum(tokens))
+
+    @property
     def imbalance(self) -> float:
         """Max rank cost over the mean (1.0 = perfectly balanced)."""
         mean = sum(self.costs) / max(1, len(self.costs))
@@ -206,7 +213,7 @@ class Placement:
         )
         return (
             f"{len(self.lengths)} documents, imbalance {self.imbalance:.3f} (max rank cost / mean), tokens per "
-            f"rank {self.tokens}; split: {split or 'none (every document whole on one rank)'}"
+            f"rank {self.tokens} ({self.token_imbalance:.3f}); split: {split or 'none (every document whole on one rank)'}"
         )
 
 
@@ -216,10 +223,17 @@ def _assign(lengths: Sequence[int], cp: int, cost: CostModel, split: dict[int, i
     pieces: list[list[Piece]] = [[] for _ in range(cp)]
     spans: dict[int, tuple[int, ...]] = {}
     doc_cost = {d: cost.prefix(n) for d, n in enumerate(lengths)}
-    # split documents first, largest first, each over the k ranks with the least cost so far
+    # a rank's load: the larger of its cost and its tokens (memory), each relative to the mean
+    mean_cost = max(sum(doc_cost.values()) / cp, 1e-30)
+    mean_tokens = max(sum(lengths) / cp, 1e-30)
+
+    def load(r: int, c: float = 0.0, t: int = 0) -> tuple[float, float, int]:
+        return (max((costs[r] + c) / mean_cost, (tokens[r] + t) / mean_tokens), costs[r] + c, r)
+
+    # split documents first, largest first, each over the k least-loaded ranks
     for d in sorted(split, key=lambda d: (-doc_cost[d], d)):
         k = split[d]
-        span = tuple(sorted(sorted(range(cp), key=lambda r: (costs[r], tokens[r], r))[:k]))
+        span = tuple(sorted(sorted(range(cp), key=load)[:k]))
         chunks = split_chunks(lengths[d], k)
         for i, r in enumerate(span):
             for a, b in (chunks[i], chunks[2 * k - 1 - i]):
@@ -228,17 +242,14 @@ def _assign(lengths: Sequence[int], cp: int, cost: CostModel, split: dict[int, i
                     costs[r] += cost.span(a, b)
                     tokens[r] += b - a
         spans[d] = span
-    # whole documents: longest processing time first, onto the least-loaded rank
-    heap = [(costs[r], tokens[r], r) for r in range(cp)]
-    heapq.heapify(heap)
+    # whole documents: longest processing time first, onto the rank whose load grows least
     for d in sorted((d for d in range(len(lengths)) if d not in split), key=lambda d: (-doc_cost[d], d)):
         if lengths[d] == 0:
             continue
-        c, t, r = heapq.heappop(heap)
+        r = min(range(cp), key=lambda r: load(r, doc_cost[d], lengths[d]))
         pieces[r].append(Piece(d, 0, lengths[d]))
-        costs[r] = c + doc_cost[d]
-        tokens[r] = t + lengths[d]
-        heapq.heappush(heap, (costs[r], tokens[r], r))
+        costs[r] += doc_cost[d]
+        tokens[r] += lengths[d]
     ranks = tuple(tuple(sorted(p, key=lambda x: (x.doc, x.start))) for p in pieces)
     return Placement(tuple(lengths), ranks, spans, tuple(costs))
 
@@ -249,6 +260,7 @@ def plan_documents(
     cost: CostModel | None = None,
     *,
     tolerance: float = 1.02,
+    token_tolerance: float = 1.04,
     max_splits: int | None = None,
 ) -> Placement:
     """Place the documents of one packed batch on ``cp_size`` ranks (see the module docstring).
@@ -257,7 +269,8 @@ def plan_documents(
         lengths: every document's length in tokens (``>= 0``), in batch order.
         cp_size: the number of CP ranks.
         cost: the cost model (default: full causal attention only, ``CostModel()``).
-        tolerance: accept the first plan whose imbalance (max rank cost / mean) is at most this.
+        tolerance: accept the first plan whose imbalance (max rank cost / mean) is at most this ...
+        token_tolerance: ... and whose token imbalance (max rank tokens / mean: memory) is at most this.
         max_splits: at most this many documents are split (default: no limit).
 
     Returns:
@@ -287,13 +300,14 @@ def plan_documents(
     def score(plan: Placement) -> tuple:
         empty = sum(1 for t in plan.tokens if t == 0)
         sent = sum(sum(plan.exchange_tokens(r)) for r in plan.spans and range(cp_size) or ())
-        return (empty, round(max(plan.imbalance, tolerance), 6), sent)
+        worst = max(plan.imbalance / tolerance, plan.token_imbalance / token_tolerance, 1.0)
+        return (empty, round(worst, 6), sent)
 
     split: dict[int, int] = {}
     plan = _assign(lengths, cp_size, cost, split)
     current = score(plan)
     best_plan, best_score, patience = plan, current, 2 * cp_size
-    while current[0] or current[1] > tolerance:
+    while current[0] or current[1] > 1.0:
         # best improvement: split (or widen by one rank) one of the largest documents
         trials = []
         for d in by_size[: 2 * cp_size]:
