@@ -115,6 +115,9 @@ def test_bad_batches():
     batch = {"input_ids": torch.ones(1, 8, dtype=torch.long), "seq_lens_padded": torch.tensor([[3, 4]])}
     with pytest.raises(ValueError, match=r"row 0: seq_lens_padded \[3, 4\] must .* add up to the row length 8"):
         make_doc_batch_and_ctx(None, batch)
+    left = {"input_ids": torch.ones(1, 4, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1, 1]])}
+    with pytest.raises(ValueError, match="attention_mask has a padding slot before a real token"):
+        make_doc_batch_and_ctx(None, left)
     with pytest.raises(ValueError, match="needs 'input_ids'"):
         make_doc_batch_and_ctx(None, {"labels": torch.ones(1, 8)})
 

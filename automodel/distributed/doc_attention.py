@@ -491,7 +491,9 @@ def make_doc_batch_and_ctx(
         batch: identical on every CP rank: ``input_ids`` ``[B, S]`` int64, ``labels`` ``[B, S]`` (already
             shifted, -100 = ignore), optional ``position_ids`` ``[B, S]`` (or mRoPE ``[n, B, S]``; default: the
             position inside each document), ``loss_mask`` ``[B, S]``, packed rows ``seq_lens`` /
-            ``seq_lens_padded`` ``[B, P]`` (``-1000`` = unused; no padding to any multiple is needed).
+            ``seq_lens_padded`` ``[B, P]`` (``-1000`` = unused; no padding to any multiple is needed). Without
+            ``seq_lens_padded`` each row is one document; ``attention_mask`` ``[B, S]``, if given, must be
+            right padding (pads after the real tokens never reach a real token under causal attention).
         cost: the placement's cost model (default: :class:`CostModel` full attention with a per-token term for
             a model of 256-wide layers; the recipe passes the model's).
         tolerance: the placement's accepted imbalance (max rank cost / mean).
@@ -503,12 +505,19 @@ def make_doc_batch_and_ctx(
         ``placement`` (the :class:`Placement`). ``batch`` is not mutated.
 
     Raises:
-        ValueError: ``input_ids`` missing, inconsistent ``seq_lens_padded``, fewer tokens than CP ranks.
+        ValueError: ``input_ids`` missing, inconsistent ``seq_lens_padded``, left / inner padding in
+            ``attention_mask``, fewer tokens than CP ranks.
     """
     del inner_attn
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError(f"the batch needs 'input_ids' [B, S]; got keys {sorted(batch)}")
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and bool((mask[:, 1:].bool() & ~mask[:, :-1].bool()).any()):
+        raise ValueError(
+            "attention_mask has a padding slot before a real token (left or inner padding); thd_docs takes packed "
+            "rows (seq_lens / seq_lens_padded) or right-padded rows only: pad on the right (the collator does)"
+        )
     group, world, rank = resolve_cp_group(device_mesh)
     lengths, starts = batch_documents(batch, seq_lens_padding_value)
     placement = plan_documents(lengths, world, cost or _DEFAULT_COST, tolerance=tolerance)
