@@ -41,6 +41,7 @@ def test_doc_placement_parity(results):
             assert res["sent"] == res["sent_expected"], case
             assert not res["global_saved"], case
             assert min(res["tokens"]) >= 1, case
+            assert sum(res["tokens"]) == res["real_tokens"], case  # pad slots (labels -100) left out
             subset_split |= any(1 < len(s) < world for s in res["spans"].values())
     # the cases cover what they claim: the huge document is split, the one-row batch has fewer documents
     # than ranks, and at cp=4 some document spans only a subset of the ranks

@@ -122,6 +122,28 @@ def test_bad_batches():
         make_doc_batch_and_ctx(None, {"labels": torch.ones(1, 8)})
 
 
+def test_pad_slots_are_left_out_only_when_they_carry_no_loss():
+    from automodel.distributed.doc_attention import make_doc_batch_and_ctx
+
+    def batch(**extra):
+        labels = torch.tensor([[5, 6, 7, -100, 8, 9, -100, -100]])
+        out = {"input_ids": torch.arange(8).view(1, 8), "labels": labels, "seq_lens": torch.tensor([[3, 2]]),
+               "seq_lens_padded": torch.tensor([[4, 4]])}  # fmt: skip
+        out.update(extra)
+        return out
+
+    _, local = make_doc_batch_and_ctx(None, batch())
+    assert local["input_ids"].tolist() == [[0, 1, 2, 4, 5]]  # the pad slots 3, 6, 7 are not computed
+    assert local["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert local["placement"].lengths == (3, 2)
+    b = batch()
+    b["labels"][0, 7] = 3  # a pad slot with a label: every slot is kept (and placed with its document)
+    _, local = make_doc_batch_and_ctx(None, b)
+    assert local["input_ids"].shape == (1, 8) and local["placement"].lengths == (4, 4)
+    _, local = make_doc_batch_and_ctx(None, batch(loss_mask=torch.ones(1, 8)))
+    assert local["input_ids"].shape == (1, 8)
+
+
 def test_dry_run_prints_the_sample_placement(capsys):
     from recipes.finetune import main
 

@@ -447,33 +447,60 @@ def set_doc_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
 
 def batch_documents(
     batch: dict[str, Any], seq_lens_padding_value: int = _SEQ_LENS_PAD
-) -> tuple[list[int], list[int]]:
-    """``(lengths, starts)`` of every document of a BSHD batch in the flattened ``[B*S]`` token stream.
+) -> tuple[list[int], list[int], list[int]]:
+    """``(lengths, starts, real)`` of every document of a BSHD batch in the flattened ``[B*S]`` token stream.
 
     Packed rows give their documents by ``seq_lens_padded`` ``[B, P]`` (a document's pad slots and the
-    row's trailing padding stay with it: they sit after its real tokens); a row without ``seq_lens_padded``
-    is one document of ``S`` tokens (right padding, if any, is at its end).
+    row's trailing padding stay with it: they sit after its real tokens) and their real lengths by
+    ``seq_lens``; a row without ``seq_lens_padded`` is one document of ``S`` tokens whose real ones are
+    ``attention_mask``'s (right padding), else all of them.
 
     Raises:
-        ValueError: a row whose ``seq_lens_padded`` do not add up to ``S``, or a negative length.
+        ValueError: a row whose ``seq_lens_padded`` do not add up to ``S``, a negative length, a real length
+            outside ``[0, padded]``.
     """
     bsz, seq = batch["input_ids"].shape
-    padded = batch.get("seq_lens_padded")
-    lengths, starts = [], []
+    padded, lens, mask = batch.get("seq_lens_padded"), batch.get("seq_lens"), batch.get("attention_mask")
+    lengths, starts, real = [], [], []
     for b in range(bsz):
-        row = [seq] if padded is None else [int(n) for n in padded[b].tolist() if n != seq_lens_padding_value]
+        if padded is None:
+            row = [seq]
+            row_real = [int(mask[b].sum()) if isinstance(mask, torch.Tensor) else seq]
+        else:
+            keep = [j for j, n in enumerate(padded[b].tolist()) if n != seq_lens_padding_value]
+            row = [int(padded[b, j]) for j in keep]
+            row_real = [int(lens[b, j]) for j in keep] if lens is not None else list(row)
         if any(n < 0 for n in row) or sum(row) != seq:
             raise ValueError(
                 f"row {b}: seq_lens_padded {row} must be non-negative and add up to the row length {seq}; the "
                 "collator adds a row's trailing padding to its last document"
             )
+        if any(not 0 <= r <= n for r, n in zip(row_real, row)):
+            raise ValueError(f"row {b}: seq_lens {row_real} must lie in [0, seq_lens_padded] = {row}")
         at = b * seq
-        for n in row:
+        for n, r in zip(row, row_real):
             if n:
                 lengths.append(n)
                 starts.append(at)
+                real.append(r)
             at += n
-    return lengths, starts
+    return lengths, starts, real
+
+
+def _pads_carry_no_loss(batch: dict[str, Any], lengths: list[int], starts: list[int], real: list[int]) -> bool:
+    """Whether every pad slot has label -100 (and ``loss_mask`` 0): then pads can be left out exactly (nothing
+    real attends to them: they sit after their document's real tokens)."""
+    labels = batch.get("labels")
+    if not isinstance(labels, torch.Tensor) or sum(real) == sum(lengths):
+        return False
+    pad = torch.zeros(labels.numel(), dtype=torch.bool)
+    for n, s, r in zip(lengths, starts, real):
+        pad[s + r : s + n] = True
+    pad = pad.to(labels.device)
+    if bool((labels.reshape(-1)[pad] != -100).any()):
+        return False
+    loss_mask = batch.get("loss_mask")
+    return not (isinstance(loss_mask, torch.Tensor) and bool(loss_mask.reshape(-1)[pad].bool().any()))
 
 
 def make_doc_batch_and_ctx(
@@ -502,7 +529,10 @@ def make_doc_batch_and_ctx(
     Returns:
         ``(ctx_factory, local)``: ``local`` holds ``input_ids``, ``labels``, ``position_ids``, ``loss_mask`` (if
         given), each ``[1, T_r]`` (mRoPE ``[n, 1, T_r]``), this rank's tokens in placement order, and
-        ``placement`` (the :class:`Placement`). ``batch`` is not mutated.
+        ``placement`` (the :class:`Placement` of the documents' tokens). Pad slots (after ``seq_lens`` /
+        ``attention_mask``'s real tokens) are left out when all their labels are -100 (and ``loss_mask`` 0):
+        they change no loss and no real token attends to them; otherwise they are placed with their
+        document. ``batch`` is not mutated.
 
     Raises:
         ValueError: ``input_ids`` missing, inconsistent ``seq_lens_padded``, left / inner padding in
@@ -519,14 +549,18 @@ def make_doc_batch_and_ctx(
             "rows (seq_lens / seq_lens_padded) or right-padded rows only: pad on the right (the collator does)"
         )
     group, world, rank = resolve_cp_group(device_mesh)
-    lengths, starts = batch_documents(batch, seq_lens_padding_value)
+    lengths, starts, real = batch_documents(batch, seq_lens_padding_value)
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.cat([torch.arange(n) for n in lengths]).to(ids.device).view(ids.shape)
+    if sum(real) >= world and _pads_carry_no_loss(batch, lengths, starts, real):
+        # pad slots predict nothing and no real token sees them: leave them out (no compute, no placement)
+        kept = [(r, s) for r, s in zip(real, starts) if r > 0]
+        lengths, starts = [r for r, _ in kept], [s for _, s in kept]
     placement = plan_documents(lengths, world, cost or _DEFAULT_COST, tolerance=tolerance)
     index = torch.cat(
         [torch.arange(starts[p.doc] + p.start, starts[p.doc] + p.end) for p in placement.ranks[rank]]
     ).to(ids.device)
-    pos = batch.get("position_ids")
-    if pos is None:
-        pos = torch.cat([torch.arange(n) for n in lengths]).to(ids.device).view(ids.shape)
     local: dict[str, Any] = {}
     for key in ("input_ids", "labels", "loss_mask"):
         if isinstance(batch.get(key), torch.Tensor):

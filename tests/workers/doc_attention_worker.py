@@ -112,6 +112,7 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
                         "grad_rel": {n: rel(grads[n], ref_grads[n]) for n in ref_grads},
                         "spans": {d: list(s) for d, s in placement.spans.items()},
                         "tokens": placement.tokens,
+                        "real_tokens": sum(sum(row) for row in lengths),  # the row's trailing pad is not computed
                         "sent": counter.sent,
                         "sent_expected": layers * placement.step_tokens(rank) * per_token,
                         "global_saved": [
