@@ -303,37 +303,43 @@ def plan_documents(
         worst = max(plan.imbalance / tolerance, plan.token_imbalance / token_tolerance, 1.0)
         return (empty, round(worst, 6), sent)
 
-    split: dict[int, int] = {}
-    plan = _assign(lengths, cp_size, cost, split)
-    current = score(plan)
-    best_plan, best_score, patience = plan, current, 2 * cp_size
-    while current[0] or current[1] > 1.0:
-        # best improvement: split (or widen by one rank) one of the largest documents
-        trials = []
-        for d in by_size[: 2 * cp_size]:
-            k, widest = split.get(d, 1), min(cp_size, lengths[d])
-            if k >= widest or (d not in split and len(split) >= limit):
-                continue
-            options = (
-                {k + 1}
-                if d in split
-                else {2, min(widest, max(2, math.ceil(cost.prefix(lengths[d]) / target)))}
-            )
-            for k_new in options:
-                trial = {**split, d: k_new}
-                candidate = _assign(lengths, cp_size, cost, trial)
-                trials.append((score(candidate), len(trial), d, k_new, trial, candidate))
-        if not trials:
-            break
-        step = min(trials, key=lambda t: t[:4])
-        current, split, plan = step[0], step[4], step[5]
-        if current < best_score:
-            best_plan, best_score = plan, current
-        else:
-            patience -= 1  # a split that does not help alone may enable the next one, for a while
-            if patience <= 0:
+    def search(widen_all: bool) -> tuple[tuple, Placement]:
+        split: dict[int, int] = {}
+        plan = _assign(lengths, cp_size, cost, split)
+        current = score(plan)
+        best_plan, best_score, patience = plan, current, 2 * cp_size
+        while current[0] or current[1] > 1.0:
+            # best improvement: split (or widen) one of the largest documents
+            trials = []
+            for d in by_size[: 2 * cp_size]:
+                k, widest = split.get(d, 1), min(cp_size, lengths[d])
+                if k >= widest or (d not in split and len(split) >= limit):
+                    continue
+                options = {k + 1, widest} if widen_all else {k + 1}  # one rank more (or every rank it can span)
+                if d not in split:
+                    options |= {2, min(widest, max(2, math.ceil(cost.prefix(lengths[d]) / target)))}
+                for k_new in options:
+                    trial = {**split, d: k_new}
+                    candidate = _assign(lengths, cp_size, cost, trial)
+                    trials.append((score(candidate), len(trial), d, k_new, trial, candidate))
+            if not trials:
                 break
-    return best_plan
+            step = min(trials, key=lambda t: t[:4])
+            current, split, plan = step[0], step[4], step[5]
+            if current < best_score:
+                best_plan, best_score = plan, current
+            else:
+                patience -= 1  # a split that does not help alone may enable the next one, for a while
+                if patience <= 0:
+                    break
+        return best_score, best_plan
+
+    # small steps first (fewest bytes); only if they cannot reach the tolerance, also spread whole documents
+    # over every rank they can span, and keep the better plan
+    found = search(widen_all=False)
+    if found[0][0] or found[0][1] > 1.0:
+        found = min(found, search(widen_all=True), key=lambda f: f[0])
+    return found[1]
 
 
 def sample_lengths(
