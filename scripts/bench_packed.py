@@ -1,31 +1,47 @@
 #!/usr/bin/env python
-"""Benchmark packed documents under CP on CPU: thd vs ulysses (packed rows) vs ring (one padded row per document).
+"""Benchmark packed documents under CP on CPU: thd_docs vs thd vs ulysses (packed rows) vs ring (one padded row per document).
 
-The same documents (lengths drawn uniformly from ``[S/16, S/4]`` with a fixed seed, packed greedily
-into one row of ``S`` tokens), the same tiny Llama (fp32) and the same step (forward + backward,
-token cross-entropy sum / label count), one thread per rank, gloo on 127.0.0.1, each run in fresh
-processes:
+The same documents, the same tiny Llama (fp32) and the same step (forward + backward, token
+cross-entropy sum / label count), one thread per rank, gloo on 127.0.0.1, each run in fresh processes.
+Documents: ``--dist uniform`` (default): lengths uniform in ``[S/16, S/4]``, packed greedily into one
+row of ``S`` tokens; ``--dist lognormal --medians 256 1024 4096``: SFT-like lognormal lengths
+(sigma 1, seed 0) filling the row exactly (:func:`automodel.distributed.cp.doc_placement.sample_lengths`).
 
-- ``thd`` cp=2: one packed row, every document padded to a multiple of ``2*cp`` (=4);
-- ``ulysses`` cp=2: the same packed row (documents padded to ``cp``), SDPA with the document mask;
-- ``ring`` cp=2: ring CP cannot keep documents apart, so every document is its own row, right-padded
+- ``thd_docs`` cp=N: the packed row (no per-document padding), documents placed by cost
+  (``distributed.cp_method: thd_docs``); ``docs1``: the same at cp=1 (one process, every document
+  whole), the reference of the **eff.** column (its time / (N x the method's time));
+
+- ``thd`` cp=N: one packed row, every document padded to a multiple of ``2*cp`` (the row grows by
+  that padding when the documents fill it exactly);
+- ``ulysses`` cp=N: the packed row (documents padded to ``cp`` under ``--dist uniform``, not at all
+  under ``lognormal``), SDPA per document block;
+- ``ring`` cp=N: ring CP cannot keep documents apart, so every document is its own row, right-padded
   to the longest document (rounded to ``2*cp``): the unpacked baseline;
-- ``thd`` cp=1: the packed row on one process (THD attention at world size 1), the memory reference.
+- ``thd1``: the packed row on one process (THD attention at world size 1), the memory reference.
 
 Printed per method and length:
 
 - **tokens/s**: real (document) tokens per second of step time (median of ``--steps`` timed steps
   after a warm-up, the slower rank);
 - **pad %**: the fraction of computed tokens that are padding;
-- **MiB sent/rank/step**: thd and ulysses count the payload of their own collectives (wrapped
-  ``torch.distributed`` calls: an all-gather sends ``n*(W-1)``, a reduce-scatter / all-to-all
-  ``N*(W-1)/W`` elements); ring from the gloo events of ``torch.profiler`` (as scripts/bench_sp.py);
+- **MiB sent/rank/step**: thd_docs, thd and ulysses count the payload of their own collectives
+  (wrapped calls: an all-gather sends ``n*(W-1)``, a reduce-scatter / all-to-all ``N*(W-1)/W``
+  elements, thd_docs' point-to-point sends their size); ring from the gloo events of
+  ``torch.profiler`` (as scripts/bench_sp.py);
+- **CPU s**: the slowest rank's process CPU time of the step (median), and the efficiency and Ulysses
+  ratio computed from it: less disturbed by other jobs on a loaded machine than the wall-clock figures,
+  but blind to time spent waiting for a peer (it flatters methods that communicate);
 - **peak MiB/rank**: the kernel's peak RSS during the timed steps above the RSS before them (as
   scripts/bench_cp.py: VmHWM reset after the warm-up, glibc's mmap threshold fixed at 64 KiB), and
   its ratio to the thd cp=1 peak.
 
-    nice python scripts/bench_packed.py                       # S = 4K, 8K, 16K
+    nice python scripts/bench_packed.py                       # S = 4K, 8K, 16K, uniform lengths
     python scripts/bench_packed.py --seq-lens 2048 --steps 1
+    # the headline (issue 23): SFT-like rows, S = 8K, median 256, cp=2, one run gives both ratios
+    python scripts/bench_packed.py --headline
+    # the full SFT-like table: S = 8K and 32K, medians 256 / 1024 / 4096, cp=2 and 4
+    python scripts/bench_packed.py --dist lognormal --seq-lens 8192 32768 --medians 256 1024 4096 --cp 2 4 \
+        --methods docs1 thd_docs thd ulysses --heads 8
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from automodel.distributed.cp.doc_placement import sample_lengths  # noqa: E402
 from automodel.distributed.launch import run_on_ranks  # noqa: E402
 from automodel.training.cpu_memory import peak_rss_mib, reset_peak_rss, rss_mib  # noqa: E402
 from scripts.bench_cp import add_model_args, model_kwargs, use_mmap_env  # noqa: E402
@@ -62,9 +79,16 @@ def documents(seq_len: int, seed: int = 0, multiple: int = 4) -> list[int]:
     return lens
 
 
+def _row_lengths(dist_name: str, seq_len: int, median: int) -> list[int]:
+    if dist_name == "lognormal":
+        return sample_lengths(seq_len, median)
+    return documents(seq_len)
+
+
 def _packed_batch(lens: list[int], seq_len: int, multiple: int, vocab: int) -> dict:
     g = torch.Generator().manual_seed(1)
     padded = [-(-n // multiple) * multiple for n in lens]
+    seq_len = max(seq_len, -(-sum(padded) // multiple) * multiple)  # per-document padding may lengthen the row
     padded[-1] += seq_len - sum(padded)  # the row's trailing padding belongs to the last document
     ids = torch.zeros(1, seq_len, dtype=torch.long)
     labels = torch.full((1, seq_len), -100)
@@ -118,8 +142,20 @@ class _SentCounter:
         ta._reduce_scatter = wrap(ta._reduce_scatter, scatter)
         dist.all_to_all_single = wrap(dist.all_to_all_single, scatter)
 
+        import automodel.distributed.doc_attention as da
 
-def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_kw: dict) -> dict:
+        p2p = da._p2p
+
+        def counted(sends, *args):
+            self.bytes += sum(t.numel() * t.element_size() for t in sends)
+            return p2p(sends, *args)
+
+        da._p2p = counted
+
+
+def _worker(
+    rank: int, world: int, method: str, seq_len: int, steps: int, model_kw: dict, dist_name: str = "uniform", median: int = 256
+) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -127,10 +163,10 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)) if world > 1 else None
     vocab = model_kw["vocab_size"]
-    lens = documents(seq_len)
+    lens = _row_lengths(dist_name, seq_len, median)
     torch.manual_seed(0)
     config = LlamaConfig(
-        max_position_embeddings=seq_len, attn_implementation="sdpa", use_cache=False, **model_kw
+        max_position_embeddings=2 * seq_len, attn_implementation="sdpa", use_cache=False, **model_kw
     )
     model = AutoModelForCausalLM.from_config(config)
     counter = _SentCounter(world)
@@ -142,11 +178,21 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
     elif method == "ulysses":
         from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
 
-        batch = _packed_batch(lens, seq_len, world, vocab)
+        batch = _packed_batch(lens, seq_len, world if dist_name == "uniform" else 1, vocab)
         inner = set_ulysses_attention(model, mesh)
 
         def fn(m, b):
             return make_ulysses_batch_and_ctx(m, b, inner_attn=inner)
+    elif method == "thd_docs":
+        from automodel.distributed.cp.thd_docs import model_cost
+        from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
+
+        batch = _packed_batch(lens, seq_len, 1, vocab)
+        set_doc_attention(model)
+        cost = model_cost(model)  # what the recipe binds
+
+        def fn(m, b):
+            return make_doc_batch_and_ctx(m, b, cost=cost)
     else:
         from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
 
@@ -156,10 +202,12 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
     computed = batch["input_ids"].numel()
     count = int((batch["labels"] != -100).sum())
 
+    cpu: list[float] = []
+
     def step() -> float:
         if world > 1:
             dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         ctx, local = fn(mesh, dict(batch))
         with ctx():
             logits = model(input_ids=local["input_ids"], position_ids=local.get("position_ids")).logits
@@ -171,11 +219,15 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
             )
             loss.backward()
         model.zero_grad(set_to_none=True)
-        elapsed = torch.tensor(time.perf_counter() - start)
+        elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu_start])
         if world > 1:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return elapsed.item()
+        cpu.append(elapsed[1].item())
+        return elapsed[0].item()
 
+    placement = fn(mesh, dict(batch))[1].get("placement")
+    if placement is not None:  # thd_docs computes the documents' real tokens only (pad slots carry no loss)
+        computed = sum(placement.tokens)
     step()  # warm-up
     counter.bytes = 0.0
     if method == "ring" and world > 1:
@@ -190,19 +242,25 @@ def _worker(rank: int, world: int, method: str, seq_len: int, steps: int, model_
     gc.collect()
     baseline = rss_mib()
     reset_peak_rss()
+    cpu.clear()
     times = [step() for _ in range(steps)]
     peak = peak_rss_mib() - baseline
     return {
         "time": statistics.median(times),
+        "cpu": statistics.median(cpu),
         "peak_mib": peak,
         "sent_mib": sent / 2**20,
         "real": sum(lens),
         "computed": computed,
         "docs": len(lens),
+        "imbalance": placement.imbalance if placement is not None else None,
+        "split": len(placement.spans) if placement is not None else None,
     }
 
 
-def run(method: str, world: int, seq_len: int, steps: int, model_kw: dict, timeout: float) -> dict:
+def run(
+    method: str, world: int, seq_len: int, steps: int, model_kw: dict, timeout: float, dist_name: str = "uniform", median: int = 256
+) -> dict:
     res = run_on_ranks(
         "scripts.bench_packed:_worker",
         world,
@@ -211,12 +269,18 @@ def run(method: str, world: int, seq_len: int, steps: int, model_kw: dict, timeo
         seq_len=seq_len,
         steps=steps,
         model_kw=model_kw,
+        dist_name=dist_name,
+        median=median,
     )
     out = dict(res[0])
     out["time"] = max(r["time"] for r in res)
+    out["cpu"] = max(r["cpu"] for r in res)
     out["peak_mib"] = max(r["peak_mib"] for r in res)
     out["sent_mib"] = max(r["sent_mib"] for r in res)
     return out
+
+
+ONE_PROCESS = {"thd1": "thd", "docs1": "thd_docs"}
 
 
 def main() -> None:
@@ -224,30 +288,69 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--methods", nargs="+", default=["thd1", "thd", "ulysses", "ring"])
+    parser.add_argument("--methods", nargs="+", default=["thd1", "thd", "ulysses", "ring"],
+                        help="thd1 | docs1 (one process) | thd_docs | thd | ulysses | ring")
+    parser.add_argument("--cp", type=int, nargs="+", default=[2], help="CP sizes of the multi-process methods")
+    parser.add_argument("--dist", choices=["uniform", "lognormal"], default="uniform")
+    parser.add_argument("--medians", type=int, nargs="+", default=[256], help="lognormal medians")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--headline", action="store_true",
+        help="S=8192, lognormal median 256, cp=2, docs1 / thd_docs / ulysses, 8 heads, 3 steps (issue 23's bar)",
+    )
     add_model_args(parser)
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args()
+    if args.headline:
+        args.seq_lens, args.dist, args.medians, args.cp = [8192], "lognormal", [256], [2]
+        args.methods, args.heads, args.steps = ["docs1", "thd_docs", "ulysses"], 8, max(args.steps, 3)
     use_mmap_env()
     model_kw = model_kwargs(args)
     print(f"tiny Llama {model_kw}, fp32, CPU, 1 thread per rank, torch {torch.__version__}", flush=True)
-    print("| S | method | cp | docs | tokens/s | pad % | MiB sent/rank/step | peak MiB/rank | vs thd cp=1 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| S | lengths | method | cp | docs | split | imbalance | step s | tokens/s | eff. | vs ulysses | CPU s | "
+        "CPU eff. | CPU vs ulysses | pad % | MiB sent/rank/step | peak MiB/rank | vs one process |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    medians = args.medians if args.dist == "lognormal" else [0]
     for seq_len in args.seq_lens:
-        ref = None
-        for name in args.methods:
-            method, world = ("thd", 1) if name == "thd1" else (name, 2)
-            r = run(method, world, seq_len, args.steps, model_kw, args.timeout)
-            if name == "thd1":
-                ref = r["peak_mib"]
-            ratio = f"{r['peak_mib'] / ref:.2f}" if ref else "-"
-            pad = 100 * (r["computed"] - r["real"]) / r["computed"]
-            print(
-                f"| {seq_len} | {method} | {world} | {r['docs']} | {r['real'] / r['time']:.0f} | {pad:.1f} | "
-                f"{r['sent_mib']:.2f} | {r['peak_mib']:.0f} | {ratio} |",
-                flush=True,
-            )
+        for median in medians:
+            lengths = f"lognormal {median}" if args.dist == "lognormal" else "uniform S/16..S/4"
+            ref: dict[str, dict] = {}
+            rows = []
+            for name in [m for m in args.methods if m in ONE_PROCESS]:
+                ref[ONE_PROCESS[name]] = r = run(
+                    ONE_PROCESS[name], 1, seq_len, args.steps, model_kw, args.timeout, args.dist, median
+                )
+                rows.append((name, 1, r))
+            for world in args.cp:
+                uly = None
+                for name in [m for m in args.methods if m not in ONE_PROCESS]:
+                    r = run(name, world, seq_len, args.steps, model_kw, args.timeout, args.dist, median)
+                    if name == "ulysses":
+                        uly = r
+                    rows.append((name, world, r))
+                for name, w, r in rows:
+                    if w == world and name != "ulysses" and uly is not None:
+                        r["vs_ulysses"] = r["time"] / uly["time"]
+                        r["cpu_vs_ulysses"] = r["cpu"] / uly["cpu"]
+            base = ref.get("thd_docs") or ref.get("thd")
+            for name, world, r in rows:
+                one = ref.get(ONE_PROCESS.get(name, name)) or base
+                eff = f"{one['time'] / (world * r['time']):.2f}" if one and world > 1 else "-"
+                mem = f"{r['peak_mib'] / one['peak_mib']:.2f}" if one and world > 1 else "-"
+                pad = 100 * (r["computed"] - r["real"]) / r["computed"]
+                imb = f"{r['imbalance']:.3f}" if r.get("imbalance") else "-"
+                split = r["split"] if r.get("split") is not None else "-"
+                vs = f"{r['vs_ulysses']:.2f}" if "vs_ulysses" in r else "-"
+                cpu_eff = f"{one['cpu'] / (world * r['cpu']):.2f}" if one and world > 1 else "-"
+                cpu_vs = f"{r['cpu_vs_ulysses']:.2f}" if "cpu_vs_ulysses" in r else "-"
+                print(
+                    f"| {seq_len} | {lengths} | {name} | {world} | {r['docs']} | {split} | {imb} | {r['time']:.3f} | "
+                    f"{r['real'] / r['time']:.0f} | {eff} | {vs} | {r['cpu']:.3f} | {cpu_eff} | {cpu_vs} | {pad:.1f} | "
+                    f"{r['sent_mib']:.2f} | {r['peak_mib']:.0f} | {mem} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -334,7 +334,7 @@ def test_thd_workspace_is_the_whole_rows_kv_gathered_per_layer():
 def test_dry_run_describes_the_thd_exchange_and_the_layer_kinds(capsys):
     from recipes.finetune import main
 
-    assert main(["--config", "configs/cp_packed.yaml", "recipe.dry_run=true"]) == 0
+    assert main(["--config", "configs/cp_packed.yaml", "recipe.dry_run=true", "distributed.cp_method=thd"]) == 0
     out = capsys.readouterr().out
     assert "cp_method thd (packed documents" in out
     assert "all-gather (thd)" in out and "thd: K/V of the whole row" in out

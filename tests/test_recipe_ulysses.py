@@ -60,7 +60,7 @@ def test_registry_entries():
     assert u.splits_heads and u.chunks_per_rank == 1 and u.layout == "contiguous"
     assert not get_cp_method("ring").splits_heads and get_cp_method("ring").chunks_per_rank == 2
     with pytest.raises(
-        ValueError, match=r"distributed.cp_method='bogus' is not one of \['ring', 'thd', 'ulysses', 'usp'\]"
+        ValueError, match=r"distributed.cp_method='bogus' is not one of \['ring', 'thd', 'thd_docs', 'ulysses', 'usp'\]"
     ):
         get_cp_method("bogus")
 
@@ -106,8 +106,8 @@ def test_cp_ulysses_yaml_is_cp_yaml_with_the_method_changed():
 
 def test_unknown_method_names_the_key_and_the_allowed_values():
     msg = problems("distributed.cp_method=bogus")
-    assert "distributed.cp_method='bogus' is not one of ['ring', 'thd', 'ulysses', 'usp']" in msg
-    assert "set distributed.cp_method to one of ring | ulysses | thd | usp" in msg
+    assert "distributed.cp_method='bogus' is not one of ['ring', 'thd', 'thd_docs', 'ulysses', 'usp']" in msg
+    assert "set distributed.cp_method to one of ring | ulysses | thd | thd_docs | usp" in msg
 
 
 def test_heads_not_divisible_by_cp_is_rejected_from_the_inline_config():
@@ -165,9 +165,9 @@ def test_ulysses_takes_eager_flex_and_packed_rows_ring_does_not():
     )
     msg = problems("+data.dataset.pack=true", config="configs/cp.yaml")
     assert "data.dataset.pack=true (several documents per row) with distributed.cp_method=ring" in msg
-    assert "Set distributed.cp_method to one of ulysses | thd | usp, data.dataset.pack=false" in msg
+    assert "Set distributed.cp_method to one of ulysses | thd | thd_docs | usp, data.dataset.pack=false" in msg
     msg = problems("model.attn_implementation=eager", config="configs/cp.yaml")
-    assert "another distributed.cp_method (one of ulysses | thd | usp works with 'eager')" in msg
+    assert "another distributed.cp_method (one of ulysses | thd | thd_docs | usp works with 'eager')" in msg
 
 
 def test_rows_are_padded_to_one_contiguous_slice_per_rank():
@@ -202,7 +202,7 @@ def test_subprocess_exit_2_for_a_bogus_method(tmp_path):
         "--config", ULYSSES, "distributed.cp_method=bogus", f"recipe.output_root={out}", cwd=tmp_path
     )
     assert proc.returncode == 2, proc.stderr
-    assert "distributed.cp_method='bogus' is not one of ['ring', 'thd', 'ulysses', 'usp']" in proc.stderr
+    assert "distributed.cp_method='bogus' is not one of ['ring', 'thd', 'thd_docs', 'ulysses', 'usp']" in proc.stderr
     assert not out.exists()
 
 

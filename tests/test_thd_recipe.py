@@ -22,7 +22,7 @@ PACKED = "configs/cp_packed.yaml"
 
 def problems(*overrides: str, world: int = 2, config: str = PACKED) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(["--config", config, *overrides], world_size=world)
+        load_config(["--config", config, "distributed.cp_method=thd", *overrides], world_size=world)
     return str(info.value)
 
 
@@ -39,7 +39,7 @@ def test_registry_entry():
 
 
 def test_config_loads_and_rules():
-    cfg = load_config(["--config", PACKED], world_size=2).cfg
+    cfg = load_config(["--config", PACKED, "distributed.cp_method=thd"], world_size=2).cfg
     assert cfg.distributed.cp_method == "thd" and cfg.distributed.thd_kernel == "portable"
     assert cfg.data.dataset["pack"] is True
     msg = problems("distributed.thd_kernel=bogus")

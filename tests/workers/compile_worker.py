@@ -19,7 +19,7 @@ SHORT = [
     "data.seq_len=64",
 ]
 CA = ["distributed.enable_compiled_autograd=true", "fsdp.enabled=false"]
-PACKED_CFG = "configs/cp_packed.yaml"  # cp_method=thd, packed documents
+PACKED_CFG = "configs/cp_packed.yaml"  # packed documents (cp_method=thd_docs; the thd runs set thd)
 PACKED_REF = ["+data.dataset.seq_pad_multiple=4", "data.pad_to_multiple_of=4"]
 
 
@@ -137,7 +137,7 @@ def pair(rank: int, world_size: int, out: str) -> dict:
         # with activation checkpointing: the compiled block forward is recomputed in the backward
         "ulysses_compile": (ULYSSES, [*aot, "model.compile=true", "model.activation_checkpointing=true"]),
         "ring_both": (CP, [*aot, *CA, "model.compile=true", "step_scheduler.max_steps=10"]),
-        "thd_compile": (PACKED_CFG, [*aot, "model.compile=true"]),  # packed documents, FSDP2
+        "thd_compile": (PACKED_CFG, [*aot, "model.compile=true", "distributed.cp_method=thd"]),  # packed documents, FSDP2
         # the one inductor run (C++ code generated on CPU): ~15-25 s of compilation on 2 cores
         "ulysses_compile_inductor": (ULYSSES, ["distributed.cp_size=2", "model.compile=true"]),
     }

@@ -98,6 +98,12 @@ def run_method(method: str, model: torch.nn.Module, row: dict, mesh) -> torch.Te
         set_thd_attention(model, mesh)
         ctx, local = make_thd_batch_and_ctx(mesh, batch)
         return _local_step(model, local, ctx, count)
+    if method == "thd_docs":  # not in METHODS (the published table); run by hand: main(..., methods=("thd_docs",))
+        from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
+
+        set_doc_attention(model, mesh)
+        ctx, local = make_doc_batch_and_ctx(mesh, batch)
+        return _local_step(model, local, ctx, count)
     if method == "_asymmetric":  # the harness's self-test: rank 1 fails, rank 0 is left inside a collective
         group = mesh["cp"].get_group()
         if dist.get_rank(group) == 1:

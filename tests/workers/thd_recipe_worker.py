@@ -12,8 +12,9 @@ from pathlib import Path
 from tests.workers.recipe_worker import _run, _summary
 
 PACKED_CFG = "configs/cp_packed.yaml"
-PACKED = ["data.seq_len=256"]
-UNPACKED = ["data.dataset.pack=false", "data.seq_len=128"]
+THD = "distributed.cp_method=thd"  # the config ships thd_docs
+PACKED = ["data.seq_len=256", THD]
+UNPACKED = ["data.dataset.pack=false", "data.seq_len=128", THD]
 # a sliding-window model (Mistral, window 16 < the documents): windowed layers run the halo kernel
 SLIDING = ["model.config._target_=transformers.MistralConfig", "+model.config.sliding_window=16"]
 

@@ -21,7 +21,7 @@ STEPS = 6
 # on top of recipe_worker's TINY: STEPS steps with validation at step 3 and 6
 TP_STEPS = [f"step_scheduler.max_steps={STEPS}", "step_scheduler.val_every_steps=3"]
 LP = ["distributed.enable_loss_parallel=true"]
-PACKED = "configs/cp_packed.yaml"  # cp.yaml with whole documents packed per row and cp_method=thd
+PACKED = "configs/cp_packed.yaml"  # cp.yaml with whole documents packed per row (the thd run sets cp_method=thd)
 PACKED_TINY = ["data.seq_len=256"]
 
 
@@ -125,7 +125,7 @@ def quad(rank: int, world_size: int, out: str) -> dict:
             world_size, out_dir, "tp2_cp2_ulysses", [*tp2cp2, "distributed.cp_method=ulysses"]
         )[2],
         "tp2_cp2_thd": _run(
-            world_size, out_dir, "tp2_cp2_thd", [*tp2cp2, *PACKED_TINY], config=PACKED
+            world_size, out_dir, "tp2_cp2_thd", [*tp2cp2, *PACKED_TINY, "distributed.cp_method=thd"], config=PACKED
         )[2],
         "dp2_tp2": _run(world_size, out_dir, "dp2_tp2", ["distributed.cp_size=1", "distributed.tp_size=2"])[2],
     }

@@ -4,7 +4,8 @@
 - :mod:`.registry`: name -> method (:func:`get_cp_method`, :func:`register_cp_method`) and the one
   exactness check (:func:`check_model_for_cp`);
 - :mod:`.profile`: :func:`profile_model`, each decoder layer's mixer kind;
-- :mod:`.ring`, :mod:`.ulysses`, :mod:`.thd`, :mod:`.usp`: the built-in methods (registered here);
+- :mod:`.ring`, :mod:`.ulysses`, :mod:`.thd`, :mod:`.thd_docs`, :mod:`.usp`: the built-in methods (registered here);
+- :mod:`.doc_placement`: the document placement planner of ``thd_docs`` (a pure function of the lengths);
 - :mod:`.bind`: prepare a model for a method and get its batch function (the recipe's one call);
 - :mod:`.group`: the one place the CP process group is resolved;
 - :mod:`.guard`: the own-loop check at a model's first forward inside a CP context.
@@ -25,10 +26,11 @@ from automodel.distributed.cp.registry import (
 )
 from automodel.distributed.cp.ring import RingMethod
 from automodel.distributed.cp.thd import ThdMethod
+from automodel.distributed.cp.thd_docs import ThdDocsMethod
 from automodel.distributed.cp.ulysses import UlyssesMethod
 from automodel.distributed.cp.usp import UspMethod
 
-for _method in (RingMethod(), UlyssesMethod(), ThdMethod(), UspMethod()):
+for _method in (RingMethod(), UlyssesMethod(), ThdMethod(), ThdDocsMethod(), UspMethod()):
     if _method.name not in cp_methods():
         register_cp_method(_method)
 
