@@ -46,7 +46,7 @@ def main(rank: int, world_size: int, out: str, prompt: str) -> dict:
         "samples_path": str(result.samples_path) if result.samples_path else None,
     }
     # B: another config (data.seq_len): resume=auto must not continue A
-    _, result_b, stdout_b = _run(out_dir, ["data.seq_len=64", "step_scheduler.max_steps=1",
+    _, result_b, stdout_b = _run(out_dir, ["data.seq_len=64", "step_scheduler.max_steps=2",
                                            "step_scheduler.val_every_steps=null", "checkpoint.resume=auto"])  # fmt: skip
     res["b"] = {"run_dir": str(result_b.run_dir), "start_step": result_b.start_step, "stdout": stdout_b}
     # C: A's config with max_steps 6 and resume=auto: finds A (same config hash), refuses the new schedule
