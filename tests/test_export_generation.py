@@ -117,3 +117,15 @@ def test_lora_merge_keeps_a_true_tie_without_peft_warning(tmp_path):
                     tokenizer=load_tokenizer(None))  # fmt: skip
     merged = json.loads((tmp_path / "x" / "merged" / "config.json").read_text())
     assert merged["tie_word_embeddings"] is True and merged["eos_token_id"] == 0 and merged["use_cache"] is True
+
+
+def test_no_progress_bar_frames_in_a_log(tmp_path, capfd):
+    """stderr is not a terminal here (a cluster log): transformers' "Writing model shards" bar stays off, and
+    its progress-bar switch is left as it was."""
+    from transformers.utils import logging as hf_logging
+
+    model = _tiny(tie=True)
+    assert hf_logging.is_progress_bar_enabled()
+    save_hf_state(type(model), model.config, dict(model.state_dict()), tmp_path / "out")
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()

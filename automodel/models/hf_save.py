@@ -12,8 +12,11 @@ What is written is fit for generation, not a copy of the training settings:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,8 +136,25 @@ def save_hf_state(
     skeleton.generation_config = _generation_config(
         getattr(source_model, "generation_config", None), skeleton.config, ids
     )
-    skeleton.save_pretrained(out, state_dict=state)
+    with _progress_bars_only_on_a_tty():
+        skeleton.save_pretrained(out, state_dict=state)
     if tokenizer is not None and save_tokenizer:
         tokenizer.save_pretrained(out)
     if processor is not None:
         processor.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def _progress_bars_only_on_a_tty() -> Iterator[None]:
+    """transformers' own progress bars (``Writing model shards``) off while stderr is not a terminal, so a
+    cluster log gets no tqdm frames (as the recipe's own bar); restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
