@@ -148,6 +148,11 @@ def test_usp_runs_only_what_thd_runs_and_refuses_the_unproven_kinds():
     assert refused >= 5
     # the kinds thd now runs with its per-layer kernels stay refused under usp
     assert {"mistral", "gpt_oss", "deepseek_v3"} <= refused_by_usp_only, sorted(refused_by_usp_only)
+    # the own loop, before the row length is known: a window is refused, not left to thd's call (which would run
+    # its halo kernel); a window at least as long as the row runs
+    mistral = profile_model(next(f for f in FAMILIES if f.name == "mistral").build_config())
+    assert "their length is not known yet" in profile_problems(usp, mistral, None)[0]
+    assert profile_problems(usp, mistral, 16) == []
 
 
 # ------------------------------------------------------------------ simulated two nodes: placement + library parity

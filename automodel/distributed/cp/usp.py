@@ -43,11 +43,13 @@ class UspMethod(ThdMethod):
 
     # ------------------------------------------------------------------ exactness
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
-        """Full causal attention only (and windows / chunks at least as long as the row, judged at the call):
-        thd's per-layer kernels (halo windows and chunks, sinks, softcapping, MLA) are not proven across a
-        ring sub-group with the heads split over the Ulysses sub-group, and linear mixers have no usp kernel,
-        so those layers are refused rather than run unproven."""
-        return standard_problem(self.name, layer, seq_len, windows_checked_at_call=True)
+        """Full causal attention only (and windows / chunks at least as long as the row): thd's per-layer
+        kernels (halo windows and chunks, sinks, softcapping, MLA) are not proven across a ring sub-group
+        with the heads split over the Ulysses sub-group, and linear mixers have no usp kernel, so those
+        layers are refused rather than run unproven. A window is judged here, against the row length
+        (refused while it is not known), never left to the attention call: thd's call would run its
+        halo kernel instead of refusing."""
+        return standard_problem(self.name, layer, seq_len)  # a window is never left to the call: see above
 
     # ------------------------------------------------------------------ model and batch
     def _switch(self) -> tuple[Any, str]:
