@@ -3,7 +3,7 @@
 
 Launches tests/workers/family_matrix_worker.py on 2 local gloo ranks (CPU), the same run as
 tests/test_family_matrix.py: every family of tests/family_matrix.py, each CP method (ring, ulysses,
-thd) at cp=2 against one process. Writes the table and exits 1 when any cell is wrong or crashes
+thd, thd_docs) at cp=2 against one process (usp needs 4 ranks for a real split: tests/test_usp.py). Writes the table and exits 1 when any cell is wrong or crashes
 (printing those cells); 0 when every cell is exact or refused.
 
     PYTHONPATH=. python scripts/support_table.py                  # rewrite docs/support_matrix.md

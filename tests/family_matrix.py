@@ -346,7 +346,7 @@ def family_by_name(name: str) -> Family:
 # ---------------------------------------------------------------------------------------------------------
 # the published table (docs/support_matrix.md), rendered from the worker's result
 
-METHODS = ("ring", "ulysses", "thd")
+METHODS = ("ring", "ulysses", "thd", "thd_docs")
 DOC_PATH = "docs/support_matrix.md"
 REGENERATE = "PYTHONPATH=. python scripts/support_table.py"
 TABLE_START, TABLE_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
@@ -445,7 +445,8 @@ def render_markdown(result: dict) -> str:
         f"kinds, vocab {VOCAB}, windows and attention chunks of {WINDOW} tokens), with the attention implementation",
         "it trains with (`sdpa` where the model supports it, else transformers' default). One row of",
         f"{SEQ} tokens trains one step at cp={CP} (2 gloo processes on CPU) with each CP method's own-loop API",
-        "(README \"Use CP in your own loop\", [ulysses.md](ulysses.md), [thd.md](thd.md)), and the loss and gradients",
+        "(README \"Use CP in your own loop\", [ulysses.md](ulysses.md), [thd.md](thd.md); `thd_docs` splits the",
+        "row's one document over both ranks), and the loss and gradients",
         "are compared with the same step in one process:",
         "",
         "- **exact**: loss relative error <= 1e-5 and, for every parameter, max abs gradient difference / max abs",

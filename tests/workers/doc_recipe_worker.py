@@ -1,6 +1,7 @@
 """configs/cp_packed.yaml as shipped (cp_method=thd_docs) in the recipe at several cp sizes (see
-tests/test_doc_recipe.py): only the step count, the output directory and what the run writes are
-overridden, so the rows, the model and the CP self-check (on at cp > 1) are the shipped ones."""
+tests/test_doc_recipe.py): only the step count (with a warmup that fits in it: a warmup longer than the
+run is refused), the output directory and what the run writes are overridden, so the rows, the model
+and the CP self-check (on at cp > 1) are the shipped ones."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from automodel.training.trainer import FinetuneTrainer
 PACKED_CFG = "configs/cp_packed.yaml"
 RUN = [
     "step_scheduler.max_steps=8",
+    "lr_scheduler.warmup_steps=2",
     "checkpoint.save_final=false",
     "export.enabled=false",
     "logging.progress_bar=false",
