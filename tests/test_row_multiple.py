@@ -18,7 +18,7 @@ def row_multiple(method: str, cp: int, tp: int, sp: bool) -> tuple[int, str]:
     return get_cp_method(method).row_multiple(cp, tp, sp)
 
 
-@pytest.mark.parametrize(("cp", "tp", "sp"), itertools.product((1, 2, 4), (1, 2, 8), (False, True)))
+@pytest.mark.parametrize(("cp", "tp", "sp"), list(itertools.product((1, 2, 4), (1, 2, 8), (False, True))))
 def test_head_tail_methods_follow_get_padding(cp, tp, sp):
     for method in ("ring", "thd"):
         assert row_multiple(method, cp, tp, sp)[0] == get_padding_multiple(cp, tp, has_sp=sp)
