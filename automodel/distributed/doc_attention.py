@@ -143,13 +143,7 @@ class DocPlan:
             if want:
                 n = sum(self._size(d, c) for d, c in want)
                 recvs.append((kv.new_empty((*kv.shape[:2], n, kv.shape[3])), peer, want))
-        _p2p(
-            [t for t, _ in sends],
-            [self._global(p) for _, p in sends],
-            [t for t, _, _ in recvs],
-            [self._global(p) for _, p, _ in recvs],
-            self.group,
-        )
+        self._swap(sends, recvs)
         for buf, _, want in recvs:
             at = 0
             for d, c in want:
@@ -157,6 +151,17 @@ class DocPlan:
                 got[(d, c)] = buf[:, :, at : at + n]
                 at += n
         return got
+
+    def _swap(self, sends: list[tuple], recvs: list[tuple]) -> None:
+        """Exchange sends ``(tensor, peer)`` and receives ``(buffer, peer, ...)`` (peers are CP-group ranks)
+        with :func:`_p2p`. Fills the receive buffers."""
+        _p2p(
+            [t for t, _ in sends],
+            [self._global(p) for _, p in sends],
+            [t for t, *_ in recvs],
+            [self._global(p) for _, p, *_ in recvs],
+            self.group,
+        )
 
     def return_grads(self, grads: dict[tuple[int, int], torch.Tensor], local: torch.Tensor) -> None:
         """Send the gradients of borrowed chunks back to their owners and add the ones received for this
@@ -170,13 +175,7 @@ class DocPlan:
             if lent:
                 n = sum(self._size(d, c) for d, c in lent)
                 recvs.append((local.new_empty((*local.shape[:2], n, local.shape[3])), peer, lent))
-        _p2p(
-            [t for t, _ in sends],
-            [self._global(p) for _, p in sends],
-            [t for t, _, _ in recvs],
-            [self._global(p) for _, p, _ in recvs],
-            self.group,
-        )
+        self._swap(sends, recvs)
         for buf, _, lent in recvs:
             at = 0
             for d, c in lent:
@@ -198,14 +197,6 @@ class DocPlan:
         return out
 
 
-def _p2p(sends: list, send_to: list, recvs: list, recv_from: list, group: Any) -> None:
-    """Post every send and receive, then wait for all (point-to-point; gloo and NCCL)."""
-    if not sends and not recvs:
-        return
-    ops = [dist.P2POp(dist.isend, t, p, group) for t, p in zip(sends, send_to)]
-    ops += [dist.P2POp(dist.irecv, t, p, group) for t, p in zip(recvs, recv_from)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
 
 
 # A plain stack (not a ContextVar): autograd may run the backward on another thread.
@@ -580,3 +571,13 @@ def make_doc_batch_and_ctx(
 
 #: the own loop's default cost model: full attention of width 256 (set ``cost=`` for your model)
 _DEFAULT_COST = CostModel.for_width(256)
+
+
+def _p2p(sends: list, send_to: list, recvs: list, recv_from: list, group: Any) -> None:
+    """Post every send and receive, then wait for all (point-to-point; gloo and NCCL)."""
+    if not sends and not recvs:
+        return
+    ops = [dist.P2POp(dist.isend, t, p, group) for t, p in zip(sends, send_to)]
+    ops += [dist.P2POp(dist.irecv, t, p, group) for t, p in zip(recvs, recv_from)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
