@@ -57,8 +57,8 @@ def _bare(rank: int, x: torch.Tensor, halves: list[torch.Tensor]) -> None:
 def _bench(rank: int, world_size: int, seq_lens: list[int], hidden: int, steps: int) -> list[dict]:
     import torch.distributed as dist
 
-    from automodel.distributed.multimodule_pipeline import ModuleGrid, MultiModulePipelineCommunicator
     from automodel.distributed.pipeline.bridge import cp_sequence_indices
+    from automodel.distributed.pipeline.multimodule import ModuleGrid, MultiModulePipelineCommunicator
 
     grids = {"enc": ModuleGrid.from_sizes(0), "llm": ModuleGrid.from_sizes(1, cp=2)}
     comm = MultiModulePipelineCommunicator(grids, {"enc": ["llm"], "llm": []}, timeout=600)

@@ -7,7 +7,7 @@ merged embeddings after the gather, each rank's share of the rows, as under CP).
 
 - **cp=1**: one process encodes all 8 images.
 - **cp=2**: two gloo ranks, each encodes its share (whole images, balanced by patch count with
-  :func:`automodel.distributed.multimodal_cp.split_to_context_parallel_ranks_dynamic_res`), then
+  :func:`automodel.distributed.multimodal.cp.split_to_context_parallel_ranks_dynamic_res`), then
   the embeddings are all-gathered (reduce-scatter in the backward).
 
 Printed per rank: images, patches, median step time over ``--steps`` timed steps after one warm-up,
@@ -53,7 +53,7 @@ def _inputs():
 
 
 def worker(rank: int, world_size: int, embed_dim: int, depth: int, steps: int) -> dict:
-    from automodel.distributed.multimodal_cp import (
+    from automodel.distributed.multimodal.cp import (
         gather_from_context_parallel_ranks_dynamic_res,
         split_to_context_parallel_ranks_dynamic_res,
     )

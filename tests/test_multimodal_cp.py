@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automodel.distributed import padding
-from automodel.distributed.multimodal_cp import (
+from automodel.distributed.multimodal.cp import (
     PackedSeqParams,
     _compute_tubelet_aware_split_points,
     _split_num_frames,
@@ -23,7 +22,8 @@ from automodel.distributed.multimodal_cp import (
     split_to_context_parallel_ranks,
     split_to_context_parallel_ranks_dynamic_res,
 )
-from automodel.distributed.multimodal_dynamic_res import balanced_split_points, tubelet_balanced_split_points
+from automodel.distributed.multimodal.dynamic_res import balanced_split_points, tubelet_balanced_split_points
+from automodel.distributed.sp import padding
 from tests.dist_harness import run_distributed
 
 # ------------------------------------------------------------------------------------------------

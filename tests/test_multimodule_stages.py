@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from automodel.distributed.multimodule_pipeline import MultiModulePipelineCommunicator
 from automodel.distributed.pipeline.bridge import StageLayout, cp_sequence_indices, peer_pairs, plan_transfers
+from automodel.distributed.pipeline.multimodule import MultiModulePipelineCommunicator
 from automodel.distributed.pipeline.topology import ModuleGrid, compute_total_pipeline_stages
 
 # Megatron's documented example: image and audio encoders -> LLM -> generator

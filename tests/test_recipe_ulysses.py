@@ -83,7 +83,7 @@ def test_no_method_runs_at_cp1():
 
 @pytest.mark.parametrize("seq, cp", [(256, 2), (15, 2), (100, 3), (8, 8)])
 def test_token_ranges_contiguous_match_the_ulysses_shards(seq, cp):
-    from automodel.distributed.all_to_all import even_split_sizes
+    from automodel.distributed.sp.all_to_all import even_split_sizes
 
     ranges = [get_cp_method("ulysses").token_ranges(seq, cp, r) for r in range(cp)]
     assert [b - a for ((a, b),) in ranges] == even_split_sizes(seq, cp)

@@ -20,6 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Each entry: a stable path that now only re-exports. Add a module here when its code moves.
 REEXPORT_MODULES: tuple[str, ...] = (
+    "automodel.distributed.all_to_all",
+    "automodel.distributed.multimodal_comm",
+    "automodel.distributed.multimodal_cp",
+    "automodel.distributed.multimodal_dynamic_res",
+    "automodel.distributed.multimodal_megatron_split",
+    "automodel.distributed.multimodule_pipeline",
+    "automodel.distributed.padding",
+    "automodel.distributed.sp_communication",
+    "automodel.distributed.sp_hybrid",
+    "automodel.distributed.sp_sharding",
+    "automodel.distributed.sp_split_gather",
 )
 
 

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from automodel.distributed.cp import get_cp_method
-from automodel.distributed.padding import get_padding_multiple
+from automodel.distributed.sp.padding import get_padding_multiple
 
 
 def row_multiple(method: str, cp: int, tp: int, sp: bool) -> tuple[int, str]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automodel.distributed.all_to_all import all_to_all, cal_split_sizes_multi, even_split_sizes
-from automodel.distributed.padding import get_padding, get_padding_lcm, get_padding_multiple
-from automodel.distributed.sp_hybrid import packed_split_indices
-from automodel.distributed.sp_sharding import ShardingValidator, sp_gather, sp_shard, sp_shard_with_padding
-from automodel.distributed.sp_split_gather import (
+from automodel.distributed.sp.all_to_all import all_to_all, cal_split_sizes_multi, even_split_sizes
+from automodel.distributed.sp.hybrid import packed_split_indices
+from automodel.distributed.sp.padding import get_padding, get_padding_lcm, get_padding_multiple
+from automodel.distributed.sp.sharding import ShardingValidator, sp_gather, sp_shard, sp_shard_with_padding
+from automodel.distributed.sp.split_gather import (
     gather_forward_split_backward,
     load_balanced_indices,
     per_sequence_indices,

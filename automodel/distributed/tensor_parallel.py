@@ -20,7 +20,7 @@ the training recipe needs it:
 - **Sequence parallel** (``sequence_parallel=True``): the RMSNorms and the residual stream between
   blocks hold ``1/tp`` of this rank's tokens (``Shard(1)``); each attention / MLP block all-gathers its
   input, row-parallel layers reduce-scatter their output. The rank's sequence (``S/cp`` under CP) must
-  then be divisible by ``tp`` (:func:`automodel.distributed.padding.get_padding_multiple`).
+  then be divisible by ``tp`` (:func:`automodel.distributed.sp.padding.get_padding_multiple`).
 
 Attention heads (and KV heads) are split over TP by the column-parallel ``q/k/v`` projections; the HF
 attention code infers the local head count from the projection's output (``view(..., -1, head_dim)``),

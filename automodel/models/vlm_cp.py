@@ -4,7 +4,7 @@ One training step of a VLM under CP (every rank of a CP group holds the same bat
 
 1. **Vision on each rank's share.** The packed ``pixel_values`` (and ``pixel_values_videos``) are
    split across the CP ranks with whole images per rank, balanced by patch count
-   (:func:`automodel.distributed.multimodal_cp.split_to_context_parallel_ranks_dynamic_res`); each
+   (:func:`automodel.distributed.multimodal.cp.split_to_context_parallel_ranks_dynamic_res`); each
    rank runs the vision tower on its share only.
 2. **Gather and merge.** The embeddings are all-gathered (reduce-scatter in the backward) and
    scattered into the token embeddings at the image / video placeholder tokens: ``inputs_embeds
@@ -42,12 +42,12 @@ from typing import Any
 import torch
 
 from automodel.distributed.cp import CPMethod, PreparedModel, cp_methods, get_cp_method
-from automodel.distributed.multimodal_cp import (
+from automodel.distributed.multimodal.cp import (
     gather_from_context_parallel_ranks_dynamic_res,
     resolve_group,
     split_to_context_parallel_ranks_dynamic_res,
 )
-from automodel.distributed.multimodal_dynamic_res import check_grid
+from automodel.distributed.multimodal.dynamic_res import check_grid
 
 __all__ = [
     "VLM_MODEL_TYPES",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from automodel.distributed.multimodal_cp import (
+from automodel.distributed.multimodal.cp import (
     GatherFromContextParallelRanks,
     PackedSeqParams,
     gather_from_context_parallel_ranks,

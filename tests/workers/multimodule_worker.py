@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel.distributed.multimodule_pipeline import MultiModulePipelineCommunicator
 from automodel.distributed.pipeline.bridge import cp_sequence_indices
+from automodel.distributed.pipeline.multimodule import MultiModulePipelineCommunicator
 from automodel.distributed.pipeline.schedule import run_gpipe
 from automodel.distributed.pipeline.topology import ModuleGrid, compute_total_pipeline_stages
 
@@ -415,8 +415,8 @@ def megatron_call_forms(rank: int) -> dict:
 def hybrid_cp(rank: int) -> dict:
     """Ring 2 x Ulysses 2 split/gather primitives (bshd and packed) on 4 ranks, every grad_scale, against
     one process: rank r = ring_rank * 2 + ulysses_rank."""
-    from automodel.distributed.all_to_all import cal_split_sizes, cal_split_sizes_multi
-    from automodel.distributed.sp_hybrid import (
+    from automodel.distributed.sp.all_to_all import cal_split_sizes, cal_split_sizes_multi
+    from automodel.distributed.sp.hybrid import (
         gather_forward_split_backward_with_cp,
         new_hybrid_cp_groups,
         packed_data_gather_forward_split_backward_with_cp,
@@ -424,7 +424,7 @@ def hybrid_cp(rank: int) -> dict:
         packed_split_indices,
         split_forward_gather_backward_with_cp,
     )
-    from automodel.distributed.sp_split_gather import load_balanced_indices
+    from automodel.distributed.sp.split_gather import load_balanced_indices
 
     groups = new_hybrid_cp_groups(2)
     out: dict = {"sizes": (groups.get_ring_group_size(), groups.get_ulysses_group_size()),
@@ -469,7 +469,7 @@ def hybrid_cp(rank: int) -> dict:
         split_forward_gather_backward_with_cp(torch.zeros(1, 10, 1), 1)
     except ValueError as e:
         out["error"] = str(e)
-    from automodel.distributed.sp_hybrid import HybridCPGroups, set_hybrid_cp_groups
+    from automodel.distributed.sp.hybrid import HybridCPGroups, set_hybrid_cp_groups
 
     set_hybrid_cp_groups(HybridCPGroups())
     return out

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from automodel.distributed.all_to_all import all_to_all, cal_split_sizes_multi
-from automodel.distributed.sp_hybrid import (
+from automodel.distributed.sp.all_to_all import all_to_all, cal_split_sizes_multi
+from automodel.distributed.sp.hybrid import (
     packed_data_gather_forward_split_backward,
     packed_data_split_forward_gather_backward,
 )
-from automodel.distributed.sp_sharding import (
+from automodel.distributed.sp.sharding import (
     ShardingValidator,
     get_sharding_validator,
     sp_gather,
@@ -24,7 +24,7 @@ from automodel.distributed.sp_sharding import (
     sp_shard,
     sp_shard_with_padding,
 )
-from automodel.distributed.sp_split_gather import (
+from automodel.distributed.sp.split_gather import (
     gather_forward_split_backward,
     gather_forward_split_backward_load_balanced,
     gather_forward_split_backward_per_sequence,

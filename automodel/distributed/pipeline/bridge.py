@@ -7,7 +7,7 @@ rank holds which part of it:
 * ``dp``: rank ``d`` holds rows ``[d*B/dp, (d+1)*B/dp)``;
 * ``cp``: along the sequence, ``"contiguous"`` (Ulysses / all-gather CP: rank ``c`` holds
   ``[c*S/cp, (c+1)*S/cp)``) or ``"head_tail"`` (ring CP: ``2*cp`` chunks, rank ``c`` holds chunks ``c``
-  and ``2*cp-1-c``, the load-balanced partition of :mod:`automodel.distributed.sp_split_gather`);
+  and ``2*cp-1-c``, the load-balanced partition of :mod:`automodel.distributed.sp.split_gather`);
 * ``tp``: every tp rank holds the same (replicated) activation.
 
 :func:`plan_transfers` lists, for a source stage and a destination stage, every message: which
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from automodel.distributed.sp_split_gather import load_balanced_indices
+from automodel.distributed.sp.split_gather import load_balanced_indices
 
 __all__ = ["CP_LAYOUTS", "StageLayout", "Transfer", "cp_sequence_indices", "peer_pairs", "plan_transfers"]
 

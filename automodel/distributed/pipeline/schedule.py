@@ -1,7 +1,7 @@
 """A GPipe schedule over micro-batches that drives forward and backward across a module DAG.
 
 Every rank runs :func:`run_gpipe` with its own ``forward_step``; the
-:class:`~automodel.distributed.multimodule_pipeline.MultiModulePipelineCommunicator` moves
+:class:`~automodel.distributed.pipeline.multimodule.MultiModulePipelineCommunicator` moves
 activations and gradients between stages and modules. All forwards run first (micro-batches in
 order), then all backwards in the same order, so every send meets its receive without cycles in
 a DAG. ``torch.distributed.pipelining`` schedules assume one linear chain of stages sharing one

@@ -1,0 +1,9 @@
+"""Multimodal context parallelism: vision inputs split across CP ranks (Megatron's names).
+
+``comm``: the group a helper runs on and the gather with its backward; ``cp``: fixed-size samples
+and the public names (it re-exports dynamic resolution); ``dynamic_res``: whole images per rank
+balanced by patch count; ``megatron_split``: Megatron's dynamic-resolution split.
+
+The old flat paths (``automodel.distributed.multimodal_cp``, ``multimodal_comm``,
+``multimodal_dynamic_res``, ``multimodal_megatron_split``) stay as re-export modules.
+"""
