@@ -1,21 +1,6 @@
-"""Stable import path: the code lives in :mod:`automodel.distributed.sp.all_to_all` (re-exported here)."""
+"""Stable import path: the code lives in :mod:`automodel.distributed.sp.all_to_all`; this module only re-exports it."""
 
-from automodel.distributed.sp.all_to_all import (
-    adjust_tensor_dimensions,
-    all_to_all,
-    all_to_all_SBH,
-    cal_split_sizes,
-    cal_split_sizes_multi,
-    even_split_sizes,
-    unadjust_tensor_dimensions,
-)
+from automodel.distributed.sp import all_to_all as _home
+from automodel.distributed.sp.all_to_all import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "adjust_tensor_dimensions",
-    "all_to_all",
-    "all_to_all_SBH",
-    "cal_split_sizes",
-    "cal_split_sizes_multi",
-    "even_split_sizes",
-    "unadjust_tensor_dimensions",
-]
+__all__ = _home.__all__

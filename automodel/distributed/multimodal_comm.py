@@ -1,13 +1,6 @@
-"""Stable import path: the code lives in :mod:`automodel.distributed.multimodal.comm` (re-exported here)."""
+"""Stable import path: the code lives in :mod:`automodel.distributed.multimodal.comm`; this module only re-exports it."""
 
-from automodel.distributed.multimodal.comm import (
-    GatherFromContextParallelRanks,
-    PackedSeqParams,
-    resolve_group,
-)
+from automodel.distributed.multimodal import comm as _home
+from automodel.distributed.multimodal.comm import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "GatherFromContextParallelRanks",
-    "PackedSeqParams",
-    "resolve_group",
-]
+__all__ = _home.__all__

@@ -1,31 +1,6 @@
-"""Stable import path: the code lives in :mod:`automodel.distributed.multimodal.cp` (re-exported here)."""
+"""Stable import path: the code lives in :mod:`automodel.distributed.multimodal.cp`; this module only re-exports it."""
 
-from automodel.distributed.multimodal.cp import (
-    DynamicResSplit,
-    GatherFromContextParallelRanks,
-    PackedSeqParams,
-    _compute_tubelet_aware_split_points,
-    _split_num_frames,
-    gather_from_context_parallel_ranks,
-    gather_from_context_parallel_ranks_dynamic_res,
-    get_packed_seq_params,
-    get_padding,
-    resolve_group,
-    split_to_context_parallel_ranks,
-    split_to_context_parallel_ranks_dynamic_res,
-)
+from automodel.distributed.multimodal import cp as _home
+from automodel.distributed.multimodal.cp import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "DynamicResSplit",
-    "GatherFromContextParallelRanks",
-    "PackedSeqParams",
-    "_compute_tubelet_aware_split_points",
-    "_split_num_frames",
-    "gather_from_context_parallel_ranks",
-    "gather_from_context_parallel_ranks_dynamic_res",
-    "get_packed_seq_params",
-    "get_padding",
-    "resolve_group",
-    "split_to_context_parallel_ranks",
-    "split_to_context_parallel_ranks_dynamic_res",
-]
+__all__ = _home.__all__

@@ -1,23 +1,6 @@
-"""Stable import path: the code lives in :mod:`automodel.distributed.pipeline.multimodule` (re-exported here)."""
+"""Stable import path: the code lives in :mod:`automodel.distributed.pipeline.multimodule`; this module only re-exports it."""
 
-from automodel.distributed.pipeline.multimodule import (
-    ModuleGrid,
-    MultiModulePipelineCommunicator,
-    RankModuleInfo,
-    Shape,
-    _prepare_tensor_for_comm,
-    _restore_tensor_from_comm,
-    compute_total_pipeline_stages,
-    run_gpipe,
-)
+from automodel.distributed.pipeline import multimodule as _home
+from automodel.distributed.pipeline.multimodule import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "ModuleGrid",
-    "MultiModulePipelineCommunicator",
-    "RankModuleInfo",
-    "Shape",
-    "_prepare_tensor_for_comm",
-    "_restore_tensor_from_comm",
-    "compute_total_pipeline_stages",
-    "run_gpipe",
-]
+__all__ = _home.__all__

@@ -1,15 +1,6 @@
-"""Stable import path: the code lives in :mod:`automodel.distributed.sp.padding` (re-exported here)."""
+"""Stable import path: the code lives in :mod:`automodel.distributed.sp.padding`; this module only re-exports it."""
 
-from automodel.distributed.sp.padding import (
-    FP8_RECIPES,
-    get_padding,
-    get_padding_lcm,
-    get_padding_multiple,
-)
+from automodel.distributed.sp import padding as _home
+from automodel.distributed.sp.padding import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "FP8_RECIPES",
-    "get_padding",
-    "get_padding_lcm",
-    "get_padding_multiple",
-]
+__all__ = _home.__all__

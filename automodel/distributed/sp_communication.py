@@ -1,59 +1,6 @@
-"""Stable import path: the code lives in :mod:`automodel.distributed.sp.communication` (re-exported here)."""
+"""Stable import path: the code lives in :mod:`automodel.distributed.sp.communication`; this module only re-exports it."""
 
-from automodel.distributed.sp.communication import (
-    PERMUTE_DIMS1,
-    PERMUTE_DIMS2,
-    HybridCPGroups,
-    adjust_tensor_dimensions,
-    all_to_all,
-    all_to_all_SBH,
-    cal_split_sizes,
-    cal_split_sizes_multi,
-    collect_tensors_across_ranks,
-    gather_forward_split_backward,
-    gather_forward_split_backward_with_cp,
-    gather_sequence_chunks_to_packed_tensor,
-    get_hybrid_cp_groups,
-    load_balanced_gather_forward_split_backward,
-    load_balanced_split_forward_gather_backward,
-    new_hybrid_cp_groups,
-    packed_data_gather_forward_split_backward,
-    packed_data_gather_forward_split_backward_with_cp,
-    packed_data_split_forward_gather_backward,
-    packed_data_split_forward_gather_backward_with_cp,
-    set_hybrid_cp_groups,
-    split_each_sequence_in_packed_tensor,
-    split_forward_gather_backward,
-    split_forward_gather_backward_with_cp,
-    split_tensor,
-    unadjust_tensor_dimensions,
-)
+from automodel.distributed.sp import communication as _home
+from automodel.distributed.sp.communication import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "HybridCPGroups",
-    "PERMUTE_DIMS1",
-    "PERMUTE_DIMS2",
-    "adjust_tensor_dimensions",
-    "all_to_all",
-    "all_to_all_SBH",
-    "cal_split_sizes",
-    "cal_split_sizes_multi",
-    "collect_tensors_across_ranks",
-    "gather_forward_split_backward",
-    "gather_forward_split_backward_with_cp",
-    "gather_sequence_chunks_to_packed_tensor",
-    "get_hybrid_cp_groups",
-    "load_balanced_gather_forward_split_backward",
-    "load_balanced_split_forward_gather_backward",
-    "new_hybrid_cp_groups",
-    "packed_data_gather_forward_split_backward",
-    "packed_data_gather_forward_split_backward_with_cp",
-    "packed_data_split_forward_gather_backward",
-    "packed_data_split_forward_gather_backward_with_cp",
-    "set_hybrid_cp_groups",
-    "split_each_sequence_in_packed_tensor",
-    "split_forward_gather_backward",
-    "split_forward_gather_backward_with_cp",
-    "split_tensor",
-    "unadjust_tensor_dimensions",
-]
+__all__ = _home.__all__

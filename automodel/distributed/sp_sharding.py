@@ -1,27 +1,6 @@
-"""Stable import path: the code lives in :mod:`automodel.distributed.sp.sharding` (re-exported here)."""
+"""Stable import path: the code lives in :mod:`automodel.distributed.sp.sharding`; this module only re-exports it."""
 
-from automodel.distributed.sp.sharding import (
-    AllGatherFunction,
-    ShardingEvent,
-    ShardingValidator,
-    chunk_sizes,
-    get_sharding_validator,
-    sp_gather,
-    sp_gather_with_grad,
-    sp_gather_with_padding,
-    sp_shard,
-    sp_shard_with_padding,
-)
+from automodel.distributed.sp import sharding as _home
+from automodel.distributed.sp.sharding import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "AllGatherFunction",
-    "ShardingEvent",
-    "ShardingValidator",
-    "chunk_sizes",
-    "get_sharding_validator",
-    "sp_gather",
-    "sp_gather_with_grad",
-    "sp_gather_with_padding",
-    "sp_shard",
-    "sp_shard_with_padding",
-]
+__all__ = _home.__all__

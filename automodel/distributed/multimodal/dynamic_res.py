@@ -363,17 +363,10 @@ def split_to_context_parallel_ranks_dynamic_res(
     cu_padded = cu.clone()
     cu_padded[-1] = padded[rank]
     split = DynamicResSplit(
-        world_size=world,
-        rank=rank,
-        spatial_merge_size=m,
-        split_points=points,
-        patches_per_rank=real,
-        padded_patches_per_rank=padded,
-        has_dummy=has_dummy,
+        world_size=world, rank=rank, spatial_merge_size=m, split_points=points,
+        patches_per_rank=real, padded_patches_per_rank=padded, has_dummy=has_dummy,
         local_grid_thw=torch.tensor(pieces, dtype=torch.long, device=grid_thw.device).reshape(-1, 3),
-        local_media=media,
-        local_cu_seqlens=cu,
-        local_cu_seqlens_padded=cu_padded,
+        local_media=media, local_cu_seqlens=cu, local_cu_seqlens_padded=cu_padded,
     )
     return local, split
 

@@ -96,7 +96,8 @@ def unadjust_tensor_dimensions(tensor: torch.Tensor, adjusted_dims: list[int]) -
     return tensor.permute(inverse).contiguous()
 
 
-def _world(group: ProcessGroup | None) -> tuple[int, int]:
+def world_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
+    """``(size, rank)`` of ``group`` (``None`` = the default group); ``(1, 0)`` without a process group."""
     if not dist.is_available() or not dist.is_initialized():
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
@@ -204,7 +205,7 @@ def all_to_all(
     scatter_dim, gather_dim = scatter_dim % ndim, gather_dim % ndim
     if scatter_dim == gather_dim:
         raise ValueError(f"all_to_all: scatter_dim and gather_dim must differ, both are {scatter_dim}")
-    world, rank = _world(group)
+    world, rank = world_and_rank(group)
     if gather_sizes is not None and gather_size is not None:
         raise TypeError("pass gather_size (a total) or gather_sizes (per rank), not both")
     if world == 1:

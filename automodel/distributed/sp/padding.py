@@ -36,6 +36,20 @@ def _positive_int(name: str, value: int) -> int:
     return value
 
 
+def _check_seq_len(seq_len: int) -> None:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+
+
+def _fixed_length_padding(seq_len: int, decoder_seq_len: int | None) -> int:
+    """Padding up to the fixed ``decoder_seq_len`` that TP communication overlap needs (``ValueError`` if unusable)."""
+    if decoder_seq_len is None:
+        raise ValueError("decoder_tp_comm_overlap=True needs decoder_seq_len (the fixed padded decoder length); pass it")
+    if decoder_seq_len < seq_len:
+        raise ValueError(f"decoder_seq_len={decoder_seq_len} is shorter than seq_len={seq_len}")
+    return decoder_seq_len - seq_len
+
+
 def get_padding_multiple(
     cp_size: int = 1,
     tp_size: int = 1,
@@ -61,14 +75,8 @@ def get_padding_multiple(
 
 
 def get_padding(
-    seq_len: int,
-    cp_size: int = 1,
-    tp_size: int = 1,
-    has_sp: bool = False,
-    decoder_tp_comm_overlap: bool = False,
-    decoder_seq_len: int | None = None,
-    fp8_enabled: bool = False,
-    fp8_recipe: str | None = None,
+    seq_len: int, cp_size: int = 1, tp_size: int = 1, has_sp: bool = False, decoder_tp_comm_overlap: bool = False,
+    decoder_seq_len: int | None = None, fp8_enabled: bool = False, fp8_recipe: str | None = None,
 ) -> int:
     """Megatron's ``get_padding``: padding for SP, CP, TP comm overlap or FP8, by the first rule that applies.
 
@@ -86,18 +94,11 @@ def get_padding(
         ValueError: a negative ``seq_len``, a size < 1, a missing ``decoder_seq_len`` with comm overlap,
         or a ``decoder_seq_len`` shorter than ``seq_len`` (negative padding).
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+    _check_seq_len(seq_len)
     cp_size = _positive_int("cp_size", cp_size)
     tp_size = _positive_int("tp_size", tp_size)
     if has_sp and decoder_tp_comm_overlap:
-        if decoder_seq_len is None:
-            raise ValueError(
-                "decoder_tp_comm_overlap=True needs decoder_seq_len (the fixed padded decoder length); pass it"
-            )
-        if decoder_seq_len < seq_len:
-            raise ValueError(f"decoder_seq_len={decoder_seq_len} is shorter than seq_len={seq_len}")
-        return decoder_seq_len - seq_len
+        return _fixed_length_padding(seq_len, decoder_seq_len)
     if has_sp and cp_size > 1:
         factor = tp_size * cp_size * 2
     elif cp_size > 1:
@@ -112,14 +113,8 @@ def get_padding(
 
 
 def get_padding_lcm(
-    seq_len: int,
-    cp_size: int = 1,
-    tp_size: int = 1,
-    has_sp: bool = False,
-    decoder_tp_comm_overlap: bool = False,
-    decoder_seq_len: int | None = None,
-    fp8_enabled: bool = False,
-    fp8_recipe: str | None = None,
+    seq_len: int, cp_size: int = 1, tp_size: int = 1, has_sp: bool = False, decoder_tp_comm_overlap: bool = False,
+    decoder_seq_len: int | None = None, fp8_enabled: bool = False, fp8_recipe: str | None = None,
 ) -> int:
     """Padding that meets EVERY constraint (CP, SP, FP8) at once: the lcm rule of the module docstring.
 
@@ -137,21 +132,15 @@ def get_padding_lcm(
         ``pad >= 0`` with ``(seq_len + pad) % get_padding_multiple(...) == 0`` (the smallest such pad,
         except with ``decoder_tp_comm_overlap``).
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+    _check_seq_len(seq_len)
     multiple = get_padding_multiple(cp_size, tp_size, has_sp, fp8_enabled, fp8_recipe)
     if has_sp and decoder_tp_comm_overlap:
-        if decoder_seq_len is None:
-            raise ValueError(
-                "decoder_tp_comm_overlap=True needs decoder_seq_len (the fixed padded decoder length); pass it"
-            )
-        if decoder_seq_len < seq_len:
-            raise ValueError(f"decoder_seq_len={decoder_seq_len} is shorter than seq_len={seq_len}")
+        pad = _fixed_length_padding(seq_len, decoder_seq_len)
         if decoder_seq_len % multiple != 0:
             raise ValueError(
                 f"decoder_seq_len={decoder_seq_len} is not divisible by {multiple} (required by cp_size={cp_size}, "
                 f"tp_size={tp_size}, has_sp={has_sp}, fp8_enabled={fp8_enabled}, fp8_recipe={fp8_recipe!r}); "
                 f"use {-(-decoder_seq_len // multiple) * multiple}"
             )
-        return decoder_seq_len - seq_len
+        return pad
     return (-seq_len) % multiple

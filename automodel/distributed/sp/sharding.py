@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.sp.all_to_all import world_and_rank
 from automodel.distributed.sp.split_gather import gather_forward_split_backward, split_forward_gather_backward
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,6 @@ __all__ = [
     "ShardingValidator",
     "ShardingEvent",
 ]
-
-
-def _world(group: ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -236,13 +231,8 @@ def chunk_sizes(total: int, world_size: int) -> list[int]:
 
 
 def sp_shard(
-    tensor: torch.Tensor,
-    dim: int,
-    validate: bool = True,
-    group: ProcessGroup | None = None,
-    *,
-    name: str | None = None,
-    grad_scale: str | None = None,
+    tensor: torch.Tensor, dim: int, validate: bool = True, group: ProcessGroup | None = None, *,
+    name: str | None = None, grad_scale: str | None = None,
 ) -> torch.Tensor:
     """This rank's contiguous chunk of ``tensor`` along ``dim`` (autograd: backward all-gathers the gradient).
 
@@ -265,7 +255,7 @@ def sp_shard(
         :func:`sp_shard_with_padding`).
     """
     x = tensor
-    world, _ = _world(group)
+    world, _ = world_and_rank(group)
     dim = dim % x.dim()
     n = x.size(dim)
     if validate and n < world:
@@ -284,13 +274,8 @@ def sp_shard(
 
 
 def sp_gather(
-    tensor: torch.Tensor,
-    dim: int,
-    validate: bool = True,
-    group: ProcessGroup | None = None,
-    *,
-    name: str | None = None,
-    grad_scale: str | None = None,
+    tensor: torch.Tensor, dim: int, validate: bool = True, group: ProcessGroup | None = None, *,
+    name: str | None = None, grad_scale: str | None = None,
 ) -> torch.Tensor:
     """Concatenate every rank's shard along ``dim`` (autograd: backward keeps this rank's slice).
 
@@ -307,7 +292,7 @@ def sp_gather(
     x = tensor
     dim = dim % x.dim()
     _record("gather", name, dim, x.shape)
-    world, _ = _world(group)
+    world, _ = world_and_rank(group)
     sizes = None
     if validate and world > 1:
         mine = torch.tensor([x.size(dim)], dtype=torch.int64, device=x.device)  # NCCL needs it on the GPU
@@ -331,7 +316,7 @@ class AllGatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, dim: int, group: ProcessGroup | None = None):  # type: ignore[override]
-        world, rank = _world(group)
+        world, rank = world_and_rank(group)
         ctx.dim, ctx.world, ctx.rank, ctx.n = dim % tensor.dim(), world, rank, tensor.size(dim)
         return gather_forward_split_backward(tensor.detach(), group, dim, grad_scale=None).clone()
 
@@ -358,7 +343,7 @@ def sp_shard_with_padding(
         the last ranks' shards. An empty ``dim`` gives empty shards and ``pad == 0``.
     """
     x = tensor
-    world, _ = _world(group)
+    world, _ = world_and_rank(group)
     dim = dim % x.dim()
     n = x.size(dim)
     pad = (-n) % world

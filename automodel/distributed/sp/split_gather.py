@@ -41,11 +41,14 @@ All functions return their input unchanged (apart from the slice) at world size 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from automodel.distributed.sp.all_to_all import even_split_sizes
+from automodel.distributed.cp.layout import head_tail_indices, head_tail_spans
+from automodel.distributed.sp.all_to_all import even_split_sizes, world_and_rank
 
 __all__ = [
     "split_forward_gather_backward",
@@ -63,12 +66,6 @@ __all__ = [
 ]
 
 _SCALES = (None, "up", "down")
-
-
-def _world(group: ProcessGroup | None) -> tuple[int, int]:
-    if not dist.is_available() or not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _check_scale(grad_scale: str | None) -> None:
@@ -206,7 +203,7 @@ def split_forward_gather_backward(
         )
     x, group = input_, process_group
     _check_scale(grad_scale)
-    world, rank = _world(group)
+    world, rank = world_and_rank(group)
     dim = dim % x.dim()
     if split_sizes is None:
         split_sizes = even_split_sizes(x.size(dim), world)
@@ -244,7 +241,7 @@ def gather_forward_split_backward(
     gather_sizes, grad_scale = _positional_scale(gather_sizes, grad_scale, "up")
     x, group = input_, process_group
     _check_scale(grad_scale)
-    world, rank = _world(group)
+    world, rank = world_and_rank(group)
     dim = dim % x.dim()
     sizes = _resolve_sizes(None, x.size(dim), gather_sizes, world, "gather_forward_split_backward")
     if sizes[rank] != x.size(dim):
@@ -264,10 +261,12 @@ def gather_forward_split_backward(
 def load_balanced_indices(total: int, world_size: int, rank: int, device=None) -> torch.Tensor:
     """Indices rank ``rank`` holds of a dimension of size ``total`` cut into ``2*world_size`` chunks.
 
-    Rank ``r`` holds chunks ``r`` and ``2W-1-r`` (each ``total/(2W)`` long), in that order.
-    Returns an int64 tensor of length ``total / W``. ``ValueError`` if ``total % (2W) != 0``.
+    Rank ``r`` holds chunks ``r`` and ``2W-1-r`` (each ``total/(2W)`` long), in that order: the head-tail
+    spans of :func:`automodel.distributed.cp.layout.head_tail_spans`. Returns an int64 tensor of length
+    ``total / W``. ``ValueError`` if ``total % (2W) != 0`` or ``rank`` is out of range.
     """
-    return per_sequence_indices(torch.tensor([0, total]), world_size, rank, device=device)
+    spans = head_tail_spans(total, world_size, rank)
+    return torch.cat([torch.arange(a, b, device=device) for a, b in spans])
 
 
 def per_sequence_indices(
@@ -283,7 +282,8 @@ def per_sequence_indices(
     Returns:
         int64 ``[cu[-1] / W]``: for each sequence (start ``S``, length ``L``, ``c = L/(2W)``) the indices
         ``[S+r*c, S+(r+1)*c)`` then ``[S+(2W-1-r)*c, S+(2W-r)*c)``; the same as TE's
-        ``thd_get_partitioned_indices``.
+        ``thd_get_partitioned_indices`` (computed by :func:`automodel.distributed.cp.layout.head_tail_indices`,
+        after the checks here).
     """
     cu = [int(v) for v in torch.as_tensor(cu_seqlens_padded).reshape(-1).tolist()]
     if len(cu) < 1 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
@@ -291,24 +291,13 @@ def per_sequence_indices(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}")
     two_w = 2 * world_size
-    pieces = []
     for i, (start, end) in enumerate(zip(cu, cu[1:])):
-        length = end - start
-        if length % two_w != 0:
+        if (end - start) % two_w != 0:
             raise ValueError(
-                f"sequence {i} has padded length {length}, not divisible by 2*world_size={two_w}; "
+                f"sequence {i} has padded length {end - start}, not divisible by 2*world_size={two_w}; "
                 f"pad every sequence to a multiple of {two_w} (e.g. with get_padding)"
             )
-        c = length // two_w
-        pieces.append(torch.arange(start + rank * c, start + (rank + 1) * c, device=device))
-        pieces.append(torch.arange(start + (two_w - 1 - rank) * c, start + (two_w - rank) * c, device=device))
-    if not pieces:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    return torch.cat(pieces)
-
-
-def _all_indices(cu: torch.Tensor, world: int, device) -> list[torch.Tensor]:
-    return [per_sequence_indices(cu, world, r, device=device) for r in range(world)]
+    return head_tail_indices(torch.tensor(cu, dtype=torch.int64, device=device), world_size, rank)
 
 
 def _gather_by_indices(x: torch.Tensor, dim: int, group, indices: list[torch.Tensor]) -> torch.Tensor:
@@ -341,33 +330,33 @@ class _GatherIndexed(torch.autograd.Function):
         return _scale(piece, ctx.grad_scale, ctx.world), None, None, None, None, None, None
 
 
-def _split_indexed(x, cu, group, dim, grad_scale, what):
+def _indexed(
+    split: bool, x: torch.Tensor, group: ProcessGroup | None, dim: int, grad_scale: str | None, what: str,
+    *, cu: torch.Tensor | Callable[[int], torch.Tensor] | None = None, indices: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The one body of every index-based split (``split=True``) and gather (``split=False``).
+
+    The per-rank indices come from packed-sequence boundaries ``cu`` (head-tail per sequence, see
+    :func:`per_sequence_indices`; a callable gets the world size) or are given as ``indices`` (one int64
+    tensor per rank, together a partition of ``range(n)``). ``ValueError`` if ``x`` does not match them
+    along ``dim``: a split needs the whole ``n``, a gather this rank's share.
+    """
     _check_scale(grad_scale)
-    world, rank = _world(group)
+    world, rank = world_and_rank(group)
     dim = dim % x.dim()
-    if int(cu[-1]) != x.size(dim):
-        raise ValueError(
-            f"{what}: the sequences cover {int(cu[-1])} tokens but x has {x.size(dim)} along dim {dim}"
-        )
-    indices = _all_indices(cu, world, x.device)
+    if indices is None:
+        cu = cu(world) if callable(cu) else cu
+        indices = [per_sequence_indices(cu, world, r, device=x.device) for r in range(world)]
+    else:
+        _check_partition(indices, world, what)
+    want = sum(len(i) for i in indices) if split else len(indices[rank])
+    if want != x.size(dim):
+        holder = "the indices of all ranks cover" if split else f"rank {rank} should hold"
+        raise ValueError(f"{what}: {holder} {want} elements along dim {dim}, but x has {x.size(dim)}")
     if world == 1:
         return x
-    return _SplitIndexed.apply(x, group, dim, indices, grad_scale, world, rank)
-
-
-def _gather_indexed(x, cu, group, dim, grad_scale, what):
-    _check_scale(grad_scale)
-    world, rank = _world(group)
-    dim = dim % x.dim()
-    indices = _all_indices(cu, world, x.device)
-    if len(indices[rank]) != x.size(dim):
-        raise ValueError(
-            f"{what}: rank {rank} should hold {len(indices[rank])} tokens along dim {dim} for these sequences, "
-            f"but x has {x.size(dim)}"
-        )
-    if world == 1:
-        return x
-    return _GatherIndexed.apply(x, group, dim, indices, grad_scale, world, rank)
+    fn = _SplitIndexed if split else _GatherIndexed
+    return fn.apply(x, group, dim, indices, grad_scale, world, rank)
 
 
 def split_forward_gather_backward_load_balanced(
@@ -378,9 +367,8 @@ def split_forward_gather_backward_load_balanced(
     ``x.size(dim)`` must be divisible by ``2W`` (``ValueError`` otherwise). Returns a new tensor of size
     ``x.size(dim)/W`` along ``dim``.
     """
-    dim_ = dim % x.dim()
-    cu = torch.tensor([0, x.size(dim_)])
-    return _split_indexed(x, cu, group, dim_, grad_scale, "split_forward_gather_backward_load_balanced")
+    cu = torch.tensor([0, x.size(dim)])
+    return _indexed(True, x, group, dim, grad_scale, "split_forward_gather_backward_load_balanced", cu=cu)
 
 
 def gather_forward_split_backward_load_balanced(
@@ -390,48 +378,32 @@ def gather_forward_split_backward_load_balanced(
 
     ``x`` is this rank's ``[chunk r, chunk 2W-1-r]`` (size ``N/W`` along ``dim``, even); returns size ``N``.
     """
-    world, _ = _world(group)
-    dim_ = dim % x.dim()
-    cu = torch.tensor([0, x.size(dim_) * world])
-    return _gather_indexed(x, cu, group, dim_, grad_scale, "gather_forward_split_backward_load_balanced")
+    what = "gather_forward_split_backward_load_balanced"
+    return _indexed(False, x, group, dim, grad_scale, what, cu=lambda w: torch.tensor([0, x.size(dim) * w]))
 
 
 def split_forward_gather_backward_per_sequence(
-    x: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    group: ProcessGroup | None,
-    dim: int,
-    grad_scale: str | None = None,
+    x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group: ProcessGroup | None, dim: int, grad_scale: str | None = None
 ) -> torch.Tensor:
     """Keep this rank's load-balanced part of every packed sequence along ``dim``; backward all-gathers.
 
     ``cu_seqlens_padded``: ``[P+1]`` int, ``cu[-1] == x.size(dim)``, every length divisible by ``2W``.
     Returns the rank's tokens (see :func:`per_sequence_indices`), ``x.size(dim)/W`` along ``dim``.
     """
-    return _split_indexed(
-        x, cu_seqlens_padded, group, dim, grad_scale, "split_forward_gather_backward_per_sequence"
-    )
+    what = "split_forward_gather_backward_per_sequence"
+    return _indexed(True, x, group, dim, grad_scale, what, cu=cu_seqlens_padded)
 
 
 def gather_forward_split_backward_per_sequence(
-    x: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    group: ProcessGroup | None,
-    dim: int,
-    grad_scale: str | None = None,
+    x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group: ProcessGroup | None, dim: int, grad_scale: str | None = None
 ) -> torch.Tensor:
     """Inverse of :func:`split_forward_gather_backward_per_sequence`: rebuild the packed tokens in order."""
-    return _gather_indexed(
-        x, cu_seqlens_padded, group, dim, grad_scale, "gather_forward_split_backward_per_sequence"
-    )
+    what = "gather_forward_split_backward_per_sequence"
+    return _indexed(False, x, group, dim, grad_scale, what, cu=cu_seqlens_padded)
 
 
 def load_balanced_split_forward_gather_backward(
-    input_: torch.Tensor,
-    process_group: ProcessGroup | None,
-    dim: int = 0,
-    *,
-    grad_scale: str | None = "down",
+    input_: torch.Tensor, process_group: ProcessGroup | None, dim: int = 0, *, grad_scale: str | None = "down"
 ) -> torch.Tensor:
     """MindSpeed-MM's name: keep chunks ``r`` and ``2W-1-r`` of ``2W`` along ``dim``; backward all-gathers / ``W``.
 
@@ -442,11 +414,7 @@ def load_balanced_split_forward_gather_backward(
 
 
 def load_balanced_gather_forward_split_backward(
-    input_: torch.Tensor,
-    process_group: ProcessGroup | None,
-    dim: int = 0,
-    *,
-    grad_scale: str | None = "up",
+    input_: torch.Tensor, process_group: ProcessGroup | None, dim: int = 0, *, grad_scale: str | None = "up"
 ) -> torch.Tensor:
     """MindSpeed-MM's name: rebuild the full tensor from the head-tail pieces; backward keeps ours x ``W``.
 
@@ -457,52 +425,27 @@ def load_balanced_gather_forward_split_backward(
 
 
 def split_forward_gather_backward_by_indices(
-    x: torch.Tensor,
-    group: ProcessGroup | None,
-    dim: int,
-    indices: list[torch.Tensor],
-    grad_scale: str | None = None,
+    x: torch.Tensor, group: ProcessGroup | None, dim: int, indices: list[torch.Tensor], grad_scale: str | None = None
 ) -> torch.Tensor:
     """Keep ``x.index_select(dim, indices[rank])``; backward all-gathers every rank's gradient into place.
 
     ``indices``: one int64 tensor per rank, together a partition of ``range(x.size(dim))`` (each index
     exactly once). The general form behind the load-balanced, per-sequence and packed splits.
     """
-    _check_scale(grad_scale)
-    world, rank = _world(group)
-    dim = dim % x.dim()
-    _check_partition(indices, x.size(dim), world, "split_forward_gather_backward_by_indices")
-    if world == 1:
-        return x
-    return _SplitIndexed.apply(x, group, dim, indices, grad_scale, world, rank)
+    return _indexed(True, x, group, dim, grad_scale, "split_forward_gather_backward_by_indices", indices=indices)
 
 
 def gather_forward_split_backward_by_indices(
-    x: torch.Tensor,
-    group: ProcessGroup | None,
-    dim: int,
-    indices: list[torch.Tensor],
-    grad_scale: str | None = None,
+    x: torch.Tensor, group: ProcessGroup | None, dim: int, indices: list[torch.Tensor], grad_scale: str | None = None
 ) -> torch.Tensor:
     """Inverse of :func:`split_forward_gather_backward_by_indices`: rank ``r``'s ``x`` lands at ``indices[r]``."""
-    _check_scale(grad_scale)
-    world, rank = _world(group)
-    dim = dim % x.dim()
-    total = sum(len(i) for i in indices)
-    _check_partition(indices, total, world, "gather_forward_split_backward_by_indices")
-    if len(indices[rank]) != x.size(dim):
-        raise ValueError(
-            f"gather_forward_split_backward_by_indices: rank {rank} holds {x.size(dim)} elements along dim {dim}, "
-            f"but its indices list {len(indices[rank])}"
-        )
-    if world == 1:
-        return x
-    return _GatherIndexed.apply(x, group, dim, indices, grad_scale, world, rank)
+    return _indexed(False, x, group, dim, grad_scale, "gather_forward_split_backward_by_indices", indices=indices)
 
 
-def _check_partition(indices: list[torch.Tensor], total: int, world: int, what: str) -> None:
+def _check_partition(indices: list[torch.Tensor], world: int, what: str) -> None:
+    """``ValueError`` unless ``indices`` holds one tensor per rank and together they cover ``0..n-1`` once."""
     if len(indices) != world:
         raise ValueError(f"{what}: need one index tensor per rank ({world}), got {len(indices)}")
     flat = torch.cat([torch.as_tensor(i, dtype=torch.int64).reshape(-1).cpu() for i in indices])
-    if flat.numel() != total or not torch.equal(flat.sort().values, torch.arange(total)):
-        raise ValueError(f"{what}: the per-rank indices must cover 0..{total - 1} exactly once")
+    if not torch.equal(flat.sort().values, torch.arange(flat.numel())):
+        raise ValueError(f"{what}: the per-rank indices must cover 0..{flat.numel() - 1} exactly once")
