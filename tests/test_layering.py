@@ -40,6 +40,19 @@ fails: import the name from the submodule that defines it.
 Checks: (a) no edge goes to a higher layer; (b) the module graph has no cycle (strongly connected
 components of size > 1; a module naming itself is ignored); (c) every in-project import resolves to
 a file, so a stale lazy import or dispatch string fails here instead of at run time.
+
+Inside ``distributed`` (issue 31, "One CP engine"), the CP method packages
+``automodel.distributed.cp.{ring,ulysses,thd,thd_docs,usp}`` (a package or, until it moves, a module of
+that name) are leaves that the shared machinery never reaches:
+
+* (d) no method package imports another one;
+* (e) ``automodel.distributed.sp``, ``.multimodal`` and ``.pipeline`` import no method package;
+* (f) no shared CP module (anything under ``automodel/distributed/cp/`` outside the five method
+  packages) imports a method package, except the modules that register the built-in methods
+  (``cp/__init__.py``, ``cp/registry.py``) and the own-loop entry point ``cp/context.py``.
+
+An edge to a re-export module (``tests/test_reexports.py``'s ``REEXPORT_MODULES``) counts as an edge to
+what it re-exports, so a stable old path (``cp_utils``, ``ulysses``, ...) is no back door.
 """
 
 from __future__ import annotations
@@ -288,6 +301,86 @@ def import_cycles(modules: dict[str, Path], edges: list[Edge]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# CP method packages (issue 31): leaves that the shared machinery never reaches
+
+CP = "automodel.distributed.cp"
+METHOD_PACKAGES = ("ring", "ulysses", "thd", "thd_docs", "usp")
+#: packages outside cp/ that must not import a method package
+METHOD_FREE_PACKAGES = ("automodel.distributed.sp", "automodel.distributed.multimodal", "automodel.distributed.pipeline")
+#: shared cp modules that may import the method packages: the registration of the built-ins and the
+#: own-loop entry point (``context_parallel(model, mesh, method=...)``)
+REGISTRATION_MODULES = (CP, f"{CP}.registry", f"{CP}.context")
+
+# Known edges between method packages, (importer, imported). Issue 31: cp/usp.py still subclasses
+# ThdMethod from cp/thd.py on main; usp's package composes the shared pieces instead (wt-e1). Delete
+# this entry once the method packages land (test_method_edge_allow_list_is_not_stale says when).
+ALLOWED_METHOD_EDGES: frozenset[tuple[str, str]] = frozenset({(f"{CP}.usp", f"{CP}.thd")})
+
+
+def method_of(module: str) -> str | None:
+    """The method package ``module`` belongs to (``cp.ring`` or ``cp.ring.batch`` -> ``"ring"``), else None."""
+    for name in METHOD_PACKAGES:
+        base = f"{CP}.{name}"
+        if module == base or module.startswith(base + "."):
+            return name
+    return None
+
+
+def _in_package(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _reexport_modules() -> tuple[str, ...]:
+    from tests.test_reexports import REEXPORT_MODULES
+
+    return REEXPORT_MODULES
+
+
+def methods_reached(module: str, edges: list[Edge], reexports: tuple[str, ...]) -> set[str]:
+    """The method packages an import of ``module`` reaches: its own, or through re-export modules."""
+    succ: dict[str, set[str]] = {}
+    for e in edges:
+        succ.setdefault(e.src, set()).add(e.dst)
+    found, seen, todo = set(), {module}, [module]
+    while todo:
+        m = todo.pop()
+        if method_of(m):
+            found.add(method_of(m))
+        elif m in reexports:
+            todo.extend(n for n in succ.get(m, ()) if n not in seen)
+            seen.update(succ.get(m, ()))
+    return found
+
+
+def method_cross_imports(
+    edges: list[Edge], allowed: frozenset[tuple[str, str]] = ALLOWED_METHOD_EDGES
+) -> list[str]:
+    """Edges from one method package into another (rule d), except the allow-listed ones."""
+    return [
+        f"{e.describe()}: method package {method_of(e.src)!r} imports method package {method_of(e.dst)!r}"
+        for e in edges
+        if method_of(e.src) and method_of(e.dst) and method_of(e.src) != method_of(e.dst)
+        and (e.src, e.dst) not in allowed
+    ]
+
+
+def shared_imports_of_methods(edges: list[Edge], reexports: tuple[str, ...]) -> list[str]:
+    """Edges from sp/, multimodal/, pipeline/ (rule e) or a shared cp module (rule f) to a method package."""
+    out = []
+    for e in edges:
+        if _in_package(e.src, METHOD_FREE_PACKAGES):
+            what = "sp/multimodal/pipeline"
+        elif _in_package(e.src, (CP,)) and not method_of(e.src) and e.src not in REGISTRATION_MODULES:
+            what = "shared cp module"
+        else:
+            continue
+        reached = methods_reached(e.dst, edges, reexports)
+        if reached:
+            out.append(f"{e.describe()}: {what} {e.src} reaches method package(s) {sorted(reached)}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # the checks on this repository
 
 
@@ -321,6 +414,35 @@ def test_project_imports_resolve():
         pytest.fail(
             "imports of project modules that do not exist:\n  "
             + "\n  ".join(e.describe() for e in unresolved),
+            pytrace=False,
+        )
+
+
+def test_method_packages_do_not_import_each_other():
+    _, edges, _ = import_graph()
+    bad = method_cross_imports(edges)
+    if bad:
+        pytest.fail(
+            "CP method packages import each other; put the shared piece in cp/ (outside the method "
+            "packages) and import it from there:\n  " + "\n  ".join(bad),
+            pytrace=False,
+        )
+
+
+def test_method_edge_allow_list_is_not_stale():
+    _, edges, _ = import_graph()
+    present = {(e.src, e.dst) for e in edges}
+    stale = sorted(ALLOWED_METHOD_EDGES - present)
+    assert not stale, f"ALLOWED_METHOD_EDGES lists edges that no longer exist; delete them: {stale}"
+
+
+def test_shared_machinery_imports_no_method_package():
+    _, edges, _ = import_graph()
+    bad = shared_imports_of_methods(edges, _reexport_modules())
+    if bad:
+        pytest.fail(
+            "the shared machinery (sp/, multimodal/, pipeline/, cp/ outside the method packages) imports "
+            "a CP method package; move what it needs into the shared part:\n  " + "\n  ".join(bad),
             pytrace=False,
         )
 
@@ -389,3 +511,57 @@ def test_checker_sees_every_kind_of_import(tmp_path):
     modules, edges, _ = import_graph(tmp_path)
     (cycle,) = import_cycles(modules, edges)
     assert "automodel.distributed, automodel.distributed.a" in cycle, cycle
+
+
+
+def test_cp_package_rules_fire(tmp_path):
+    """Each CP package rule finds its violation in a synthetic tree, and passes the allowed imports."""
+    _write(
+        tmp_path,
+        {
+            "automodel/__init__.py": "",
+            "automodel/distributed/__init__.py": "",
+            # registration may import every method package
+            "automodel/distributed/cp/__init__.py": "from automodel.distributed.cp.ring import RingMethod\n",
+            "automodel/distributed/cp/registry.py": "from automodel.distributed.cp.usp import method\n",
+            "automodel/distributed/cp/context.py": "import automodel.distributed.cp.thd\n",
+            "automodel/distributed/cp/layout.py": "",
+            "automodel/distributed/cp/ring/__init__.py": "from automodel.distributed.cp.ring.method import RingMethod\n",
+            # (d) a package imports a not-yet-package module, and a module imports a package
+            "automodel/distributed/cp/ring/method.py": (
+                "from automodel.distributed.cp.layout import x\nfrom automodel.distributed.cp import ulysses\n"
+                "RingMethod = 1\n"
+            ),
+            "automodel/distributed/cp/ulysses.py": "from automodel.distributed.cp.ring.method import RingMethod\n",
+            "automodel/distributed/cp/thd.py": "",
+            "automodel/distributed/cp/thd_docs/__init__.py": "",
+            "automodel/distributed/cp/usp/__init__.py": "",
+            "automodel/distributed/cp/usp/method.py": "from automodel.distributed.cp import thd\n",
+            # (f) a shared cp module imports a method package, lazily
+            "automodel/distributed/cp/group.py": "def f():\n    from automodel.distributed.cp.thd_docs import p\n",
+            # (e) sp imports a method package directly, multimodal through a re-export module
+            "automodel/distributed/sp/__init__.py": "",
+            "automodel/distributed/sp/split.py": "from automodel.distributed.cp.layout import x\n",
+            "automodel/distributed/sp/bad.py": "from automodel.distributed.cp.ring.method import RingMethod\n",
+            "automodel/distributed/old_ring.py": "from automodel.distributed.cp.ring.method import *\n",
+            "automodel/distributed/multimodal/cp.py": "from automodel.distributed.old_ring import RingMethod\n",
+            "automodel/distributed/pipeline/bridge.py": "from automodel.distributed.sp.split import y\n",
+        },
+    )
+    _, edges, _ = import_graph(tmp_path)
+
+    cross = method_cross_imports(edges, allowed=frozenset())
+    assert len(cross) == 3, cross
+    assert any("cp.ring.method -> automodel.distributed.cp.ulysses " in c for c in cross), cross
+    assert any("cp.ulysses -> automodel.distributed.cp.ring.method " in c for c in cross), cross
+    assert any("cp.usp.method -> automodel.distributed.cp.thd " in c for c in cross), cross
+    allowed = frozenset({("automodel.distributed.cp.usp.method", "automodel.distributed.cp.thd")})
+    assert len(method_cross_imports(edges, allowed=allowed)) == 2
+
+    shared = shared_imports_of_methods(edges, reexports=("automodel.distributed.old_ring",))
+    assert len(shared) == 3, shared
+    assert any(s.startswith("automodel.distributed.sp.bad -> ") and "['ring']" in s for s in shared), shared
+    assert any(s.startswith("automodel.distributed.multimodal.cp -> automodel.distributed.old_ring") for s in shared)
+    assert any(s.startswith("automodel.distributed.cp.group -> ") and "['thd_docs']" in s for s in shared), shared
+    # without the re-export list, the old path is a plain module: only the direct imports count
+    assert len(shared_imports_of_methods(edges, reexports=())) == 2
