@@ -40,9 +40,10 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
+from automodel.data.chat_template import record_chat_stops
 from automodel.data.dataset_common import check_pack_args, check_seq_len, resolve_tokenizer
 from automodel.data.hf_source import load_hf_source
-from automodel.data.hf_tokenize import HF_FORMATS, required_columns, tokenize_rows
+from automodel.data.hf_tokenize import HF_FORMATS, first_conversation, required_columns, tokenize_rows
 from automodel.data.node_first import run_local_rank0_first
 from automodel.data.packing import pack_examples, round_up
 from automodel.data.splits import validate_split
@@ -151,7 +152,8 @@ class HFDataset(Dataset):
     Items: ``input_ids``/``labels`` ``[n]`` int64 (``[seq_len]`` for text rows), or packed rows
     (``position_ids``, ``seq_lens``, ``seq_lens_padded``). Attributes: ``pad_token_id``,
     ``seq_pad_multiple``, ``packed``, ``format``, ``num_examples``, ``num_truncated``,
-    ``tokenized_from_cache``, ``cache_file``.
+    ``tokenized_from_cache``, ``cache_file``, ``chat_stop_ids`` (``messages``: the template's end-of-turn
+    token ids, also recorded on the tokenizer for the export; else empty).
     """
 
     def __init__(
@@ -207,11 +209,14 @@ class HFDataset(Dataset):
                     f"format='messages' needs a chat template but tokenizer {self.tokenizer.name_or_path!r} has "
                     "none; use a tokenizer with a chat_template (the shipped default has one)"
                 )
-            return fmt, self._tokenize(
-                src, fmt, split, val_fraction, add_bos, add_eos, num_proc, map_batch_size, cache_dir
-            )
+            tok = self._tokenize(src, fmt, split, val_fraction, add_bos, add_eos, num_proc, map_batch_size, cache_dir)
+            return fmt, tok, first_conversation(src, fmt, self.columns)
 
-        self.format, tok = run_local_rank0_first(prepare, "tokenizing " + self.where)
+        self.format, tok, conversation = run_local_rank0_first(prepare, "tokenizing " + self.where)
+        # the template's end-of-turn token(s), recorded on the tokenizer for the export (chat_template.py)
+        self.chat_stop_ids = (
+            record_chat_stops(self.tokenizer, conversation, self.where) if self.format == "messages" else []
+        )
         # one tokenized file for both splits: this split's rows are selected by their split_u column
         rows = np.arange(len(tok), dtype=np.int64)
         if split != "all":

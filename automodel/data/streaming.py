@@ -45,11 +45,12 @@ import torch
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedTokenizerBase
 
+from automodel.data.chat_template import record_chat_stops
 from automodel.data.collator import Collator, empty_example
 from automodel.data.dataset_common import check_pack_args, check_seq_len, resolve_tokenizer
 from automodel.data.hf_dataset import choose_format, tokenizer_fingerprint
 from automodel.data.hf_source import load_hf_source
-from automodel.data.hf_tokenize import tokenize_rows
+from automodel.data.hf_tokenize import first_conversation, tokenize_rows
 from automodel.data.packing import pack_examples, round_up
 from automodel.data.splits import validate_split
 from automodel.errors import UserInputError
@@ -69,7 +70,7 @@ class StreamingHFDataset(IterableDataset):
     without the tokenization cache arguments.
 
     Attributes: ``streaming`` (True), ``pad_token_id``, ``seq_pad_multiple``, ``packed``, ``format``,
-    ``identity`` (a hash of the arguments, checked on resume).
+    ``identity`` (a hash of the arguments, checked on resume), ``chat_stop_ids`` (as ``HFDataset``'s).
     """
 
     streaming = True
@@ -120,17 +121,24 @@ class StreamingHFDataset(IterableDataset):
             cache_dir=cache_dir,
             streaming=True,
         )
-        columns = self.raw.column_names
+        columns, first = self.raw.column_names, []
         if columns is None:  # json streams know their columns only once read
             try:
-                columns = list(next(iter(self.raw)))
+                first = [next(iter(self.raw))]
             except StopIteration:
                 raise UserInputError(f"{where} is empty; add data") from None
+            columns = list(first[0])
         self.format = choose_format(format, list(columns), self.columns, where)
         if self.format == "messages" and not getattr(self.tokenizer, "chat_template", None):
             raise UserInputError(
                 f"format='messages' needs a chat template but tokenizer {self.tokenizer.name_or_path!r} has none"
             )
+        # the template's end-of-turn token(s), recorded on the tokenizer for the export (chat_template.py)
+        self.chat_stop_ids = (
+            record_chat_stops(self.tokenizer, first_conversation(first, self.format, self.columns), where)
+            if self.format == "messages"
+            else []
+        )
         self.concat = self.format == "text" and not pack
         self._kwargs = dict(
             tokenizer=self.tokenizer,
