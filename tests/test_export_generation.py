@@ -137,36 +137,39 @@ CHAT = [{"role": "user", "content": "What is 8 plus 28?"}]
 
 
 def stop_after(model, tok, prompt: torch.Tensor, stop: int) -> list[int]:
-    """Make ``model`` emit ``stop`` as a greedy token after ``prompt``: in place of the last of its first 4
-    new tokens that it emits there for the first time (a tiny random model repeats itself). Mutates its
-    output layer: the rows of that token and ``stop`` swap, on an untied copy, so inputs are unchanged.
-    Returns the tokens it emits before ``stop``."""
+    """Make ``model`` emit ``stop`` within its first 4 greedy tokens after ``prompt``; returns the tokens it
+    emits up to and including ``stop``. A model that already does (trained on chats) is left as it is;
+    otherwise ``stop`` takes the place of the last of its first 4 new tokens that it emits there for the
+    first time (a tiny random model repeats itself): the output rows of that token and ``stop`` swap, on
+    an untied copy, so the inputs are unchanged."""
     free = _greedy(model, prompt, eos_token_id=None, use_cache=False).tolist()
+    if stop in free[:4]:
+        return free[: free.index(stop) + 1]
     k = max(i for i in range(4) if free[i] not in free[:i])
-    specials = set(tok.all_special_ids) | {stop}
-    assert not specials & set(free[: k + 1]), free  # nothing before stops it on its own
+    assert not (set(tok.all_special_ids) | {stop}) & set(free[: k + 1]), free  # nothing before stops it
     with torch.no_grad():
         head = model.get_output_embeddings()
         head.weight = torch.nn.Parameter(head.weight.detach().clone())  # untie: the input rows stay
         w = head.weight
         w[[free[k], stop]] = w[[stop, free[k]]].clone()
     model.config.tie_word_embeddings = False
-    return free[:k]
+    return [*free[:k], stop]
 
 
 def check_generation_stops_at(export_dir, tok, stop: int) -> None:
     """Plain transformers: ``from_pretrained`` + ``generate`` with the exported generation config stop at
-    ``stop`` (forced as the 4th new token), and would not without ``stop`` in its EOS list."""
+    ``stop`` (see :func:`stop_after`), and would not with the tokenizer's EOS alone."""
     model = AutoModelForCausalLM.from_pretrained(str(export_dir)).eval()
     eos = model.generation_config.eos_token_id
     assert isinstance(eos, list) and stop in eos and tok.eos_token_id in eos, eos
     prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt = prompt["input_ids"]
-    before = stop_after(model, tok, prompt, stop)
+    want = stop_after(model, tok, prompt, stop)
+    assert tok.eos_token_id not in want
     new = _greedy(model, prompt).tolist()  # the exported generation config: stops at `stop`
-    assert new == [*before, stop]
+    assert new == want
     longer = _greedy(model, prompt, eos_token_id=tok.eos_token_id).tolist()  # EOS alone: talks on
-    assert longer[: len(new)] == new and len(longer) == NEW
+    assert longer[: len(new)] == new and len(longer) > len(new)
 
 
 def _chat_jsonl(path, n: int = 8) -> str:
