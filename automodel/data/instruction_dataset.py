@@ -38,11 +38,11 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from automodel.data.chat_template import record_chat_stops, render_chat_segments
-from automodel.data.dataset_common import check_pack_args, check_seq_len, resolve_tokenizer
+from automodel.data.dataset_common import RowsDataset
 from automodel.data.examples import shift_example
 from automodel.data.file_readers import detect_format, read_jsonl, resolve_files
 from automodel.data.packing import pack_examples
-from automodel.data.splits import select_split, validate_split
+from automodel.data.splits import select_split
 from automodel.data.tokenizer import assets_dir
 from automodel.errors import UserInputError
 
@@ -117,7 +117,7 @@ def _check_messages(messages: object, where: str) -> list[dict[str, Any]]:
     return messages
 
 
-class InstructionDataset(Dataset):
+class InstructionDataset(RowsDataset, Dataset):
     """Prompt/response or chat examples with the loss masked on everything but the responses.
 
     Args:
@@ -155,19 +155,13 @@ class InstructionDataset(Dataset):
         pack: bool = False,
         seq_pad_multiple: int = 1,
     ) -> None:
-        self.seq_len = check_seq_len(seq_len)
-        self.seq_pad_multiple = check_pack_args(pack, self.seq_len, seq_pad_multiple)
+        self._init_rows(tokenizer, seq_len, split, val_fraction, pack, seq_pad_multiple)
         if format not in INSTRUCTION_FORMATS:
             raise UserInputError(
                 f"format={format!r} is not one of {INSTRUCTION_FORMATS}; use 'prompt_response' for "
                 "{prompt, response} records or 'messages' for chat {messages: [{role, content}, ...]} records"
             )
-        validate_split(split, val_fraction)
         self.format = format
-        self.packed = pack
-        self.split = split
-        self.tokenizer = resolve_tokenizer(tokenizer)
-        self.pad_token_id = int(self.tokenizer.pad_token_id)
         if format == "messages" and not getattr(self.tokenizer, "chat_template", None):
             raise UserInputError(
                 f"format='messages' needs a chat template but tokenizer {self.tokenizer.name_or_path!r} has none; "
