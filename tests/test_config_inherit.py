@@ -116,7 +116,9 @@ def test_fold_replaces_on_class_change_only():
 
     llama = OmegaConf.create({"_target_": "transformers.LlamaConfig", "a": 1, "rope_scaling": {"type": "yarn", "f": 2}})
     auto = {"_target_": "transformers.AutoConfig.for_model"}
-    assert model_class(OmegaConf.create({**auto, "model_type": "qwen3"})) == ("transformers.AutoConfig.for_model", "qwen3")
+    assert model_class(OmegaConf.create({**auto, "model_type": "qwen3"}))[1] == "qwen3"
+    same = [model_class({"_target_": t}) for t in ("transformers.LlamaConfig", "transformers.models.llama.LlamaConfig")]
+    assert same[0] == same[1] == ("transformers.models.llama.configuration_llama.LlamaConfig", None)
     node, replaced = compose_model_config(
         [("cp.yaml", llama), ("a.yaml", OmegaConf.create({"rope_scaling": {"f": 4}})),
          ("b.yaml", OmegaConf.create({**auto, "model_type": "qwen3", "b": 2})),

@@ -9,8 +9,8 @@ composed as a Hydra config group is: the contributions of the defaults list are 
 and one whose class differs from what is composed so far replaces it whole; one of the same class (or
 one without a class: a few keys changed) merges as before.
 
-The class of a ``model.config`` node is its ``_target_`` together with its ``model_type`` (for targets
-such as ``transformers.AutoConfig.for_model``); the command line's ``model.config._target_=...`` is the
+The class of a ``model.config`` node is the object its ``_target_`` imports (two paths to one class
+are one class) together with its ``model_type`` (for targets such as ``transformers.AutoConfig.for_model``); the command line's ``model.config._target_=...`` is the
 last contribution. :func:`model_replacement_overrides` returns the deletions (``~model.config.key``)
 that take the inherited keys out, applied before the user's own overrides (which may set them again).
 """
@@ -31,8 +31,22 @@ NODE = "model.config"
 _ABSENT = object()
 
 
+def _canonical(target: str) -> str:
+    """The import path of the object ``target`` names (``transformers.LlamaConfig`` and
+    ``transformers.models.llama.LlamaConfig`` are one class); ``target`` itself when it does not import."""
+    from hydra.utils import get_object
+
+    try:
+        obj = get_object(target)
+    except Exception:  # noqa: BLE001 - an unimportable target is reported by the target check
+        return target
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    return f"{module}.{name}" if module and name else target
+
+
 def model_class(node: Any) -> tuple[str, str | None] | None:
-    """``(_target_, model_type)`` of a ``model.config`` node (None: not a mapping, or no ``_target_``)."""
+    """``(class, model_type)`` of a ``model.config`` node: the import path of its ``_target_`` and its
+    ``model_type`` key (None when absent). None: not a mapping, or no ``_target_``."""
     from omegaconf import DictConfig
 
     if not isinstance(node, (dict, DictConfig)):
@@ -41,11 +55,13 @@ def model_class(node: Any) -> tuple[str, str | None] | None:
     if not isinstance(target, str):
         return None
     model_type = node.get("model_type")
-    return target, model_type if isinstance(model_type, str) else None
+    return _canonical(target), model_type if isinstance(model_type, str) else None
 
 
-def _name(cls: tuple[str, str | None]) -> str:
-    return cls[0] if cls[1] is None else f"{cls[0]}({cls[1]})"
+def _name(node: Any) -> str:
+    """``_target_`` of a node, with its ``model_type`` in brackets when it has one (for messages)."""
+    model_type = node.get("model_type")
+    return node["_target_"] if model_type is None else f"{node['_target_']}({model_type})"
 
 
 def _contribution(body: Any, package: str) -> Any:
@@ -80,7 +96,7 @@ def compose_model_config(contributions: Sequence[tuple[str, Any]]) -> tuple[Any,
             acc = OmegaConf.merge(acc, node)
             continue
         if other_class:
-            replaced.append(f"{name}: {_name(new_cls)} replaces {_name(old_cls)}")
+            replaced.append(f"{name}: {_name(node)} replaces {_name(acc)}")
         acc = OmegaConf.merge(OmegaConf.create({}), node) if isinstance(node, DictConfig) else node
     return acc, replaced
 
