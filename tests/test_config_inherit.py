@@ -110,22 +110,33 @@ def test_command_line_class_change_replaces_too():
 
 
 def test_fold_replaces_on_class_change_only():
-    from omegaconf import OmegaConf
-
     from automodel.config.model_inherit import compose_model_config, model_class
 
-    llama = OmegaConf.create({"_target_": "transformers.LlamaConfig", "a": 1, "rope_scaling": {"type": "yarn", "f": 2}})
+    llama = {"_target_": "transformers.LlamaConfig", "a": 1, "rope_scaling": {"type": "yarn", "f": 2}}
     auto = {"_target_": "transformers.AutoConfig.for_model"}
-    assert model_class(OmegaConf.create({**auto, "model_type": "qwen3"}))[1] == "qwen3"
+    assert model_class({**auto, "model_type": "qwen3"})[1] == "qwen3"
     same = [model_class({"_target_": t}) for t in ("transformers.LlamaConfig", "transformers.models.llama.LlamaConfig")]
     assert same[0] == same[1] == ("transformers.models.llama.configuration_llama.LlamaConfig", None)
+    node, replaced = compose_model_config([("cp.yaml", llama), ("a.yaml", {"rope_scaling": {"f": 4}})])
+    assert node == {**llama, "rope_scaling": {"type": "yarn", "f": 4}}  # no class: merges, nested too
     node, replaced = compose_model_config(
-        [("cp.yaml", llama), ("a.yaml", OmegaConf.create({"rope_scaling": {"f": 4}})),
-         ("b.yaml", OmegaConf.create({**auto, "model_type": "qwen3", "b": 2})),
-         ("c.yaml", OmegaConf.create({**auto, "model_type": "gemma3_text", "c": 3}))]
+        [("cp.yaml", llama), ("a.yaml", {"rope_scaling": {"f": 4}}), ("b.yaml", {**auto, "model_type": "qwen3", "b": 2}),
+         ("c.yaml", {**auto, "model_type": "gemma3_text", "c": 3})]
     )  # fmt: skip
-    assert OmegaConf.to_container(node) == {**auto, "model_type": "gemma3_text", "c": 3}
+    assert node == {**auto, "model_type": "gemma3_text", "c": 3}
     assert replaced == [
         "b.yaml: transformers.AutoConfig.for_model(qwen3) replaces transformers.LlamaConfig",
         "c.yaml: transformers.AutoConfig.for_model(gemma3_text) replaces transformers.AutoConfig.for_model(qwen3)",
     ]
+
+
+def test_a_model_config_group_replaces_too(tmp_path):
+    """A model from a config group of the user's (``model/qwen3.yaml``, package ``model``) after cp."""
+    import yaml
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "qwen3.yaml").write_text(yaml.safe_dump({"config": OTHER_CLASS["qwen3_next"]}))
+    own = tmp_path / "grouped.yaml"
+    own.write_text(yaml.safe_dump({"defaults": ["cp", {"model": "qwen3"}, "_self_"]}))
+    loaded = load_config(["--config", str(own)], world_size=2)
+    assert loaded.raw["model"]["config"] == OTHER_CLASS["qwen3_next"] and loaded.raw["model"]["dtype"] == "float32"

@@ -45,11 +45,9 @@ def _canonical(target: str) -> str:
 
 
 def model_class(node: Any) -> tuple[str, str | None] | None:
-    """``(class, model_type)`` of a ``model.config`` node: the import path of its ``_target_`` and its
-    ``model_type`` key (None when absent). None: not a mapping, or no ``_target_``."""
-    from omegaconf import DictConfig
-
-    if not isinstance(node, (dict, DictConfig)):
+    """``(class, model_type)`` of a ``model.config`` node (a mapping): the import path of its ``_target_``
+    and its ``model_type`` key (None when absent). None: not a mapping, or no ``_target_``."""
+    if not isinstance(node, dict):
         return None
     target = node.get("_target_")
     if not isinstance(target, str):
@@ -58,7 +56,7 @@ def model_class(node: Any) -> tuple[str, str | None] | None:
     return _canonical(target), model_type if isinstance(model_type, str) else None
 
 
-def _name(node: Any) -> str:
+def _name(node: dict) -> str:
     """``_target_`` of a node, with its ``model_type`` in brackets when it has one (for messages)."""
     model_type = node.get("model_type")
     return node["_target_"] if model_type is None else f"{node['_target_']}({model_type})"
@@ -66,63 +64,66 @@ def _name(node: Any) -> str:
 
 def _contribution(body: Any, package: str) -> Any:
     """What one config of the defaults list (its own keys ``body``, placed at ``package``) writes to
-    ``model.config``: a node, None (an explicit null), or ``_ABSENT``."""
+    ``model.config``, as plain data with interpolations unresolved: a mapping, None (an explicit null),
+    or ``_ABSENT``. A config placed inside ``model.config`` writes a few keys of no class: ``{}``."""
     from omegaconf import DictConfig, OmegaConf
 
     if not isinstance(body, DictConfig):
         return _ABSENT
-    if package == NODE:
-        return body
-    prefix = f"{package}." if package else ""
-    if not NODE.startswith(prefix):  # another section, or a node inside model.config (no class: merges)
-        return _ABSENT if not package.startswith(NODE + ".") else OmegaConf.create({})
-    return OmegaConf.select(body, NODE[len(prefix) :], default=_ABSENT)
+    if package.startswith(NODE + "."):
+        return {}
+    data = OmegaConf.to_container(body, resolve=False)
+    if package:  # the body sits at `package`: walk down to model.config from there
+        if not (NODE + ".").startswith(package + "."):
+            return _ABSENT
+        path = NODE[len(package) + 1 :].split(".") if package != NODE else []
+    else:
+        path = NODE.split(".")
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return _ABSENT
+        data = data[part]
+    return data
+
+
+def _merge(old: Any, new: Any) -> Any:
+    """OmegaConf's merge of plain data: mappings merge key by key, anything else replaces."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    out = dict(old)
+    for key, value in new.items():
+        out[key] = _merge(out[key], value) if key in out else value
+    return out
 
 
 def compose_model_config(contributions: Sequence[tuple[str, Any]]) -> tuple[Any, list[str]]:
-    """Fold ``(source name, node)`` contributions to ``model.config`` in merge order.
+    """Fold ``(source name, node)`` contributions to ``model.config`` (plain data) in merge order.
 
-    Returns ``(the composed node, the replacements as "new <- old" lines)``: a node whose class differs
-    from the one composed so far replaces it; any other merges into it (OmegaConf's merge).
+    Returns ``(the composed node, one line per replacement)``: a node whose class differs from the one
+    composed so far replaces it; any other merges into it (as OmegaConf merges).
     """
-    from omegaconf import DictConfig, OmegaConf
-
     acc: Any = _ABSENT
     replaced: list[str] = []
     for name, node in contributions:
         new_cls, old_cls = model_class(node), model_class(acc)
-        other_class = new_cls is not None and old_cls is not None and new_cls != old_cls
-        if isinstance(acc, DictConfig) and isinstance(node, DictConfig) and not other_class:
-            acc = OmegaConf.merge(acc, node)
-            continue
-        if other_class:
+        if new_cls is not None and old_cls is not None and new_cls != old_cls:
             replaced.append(f"{name}: {_name(node)} replaces {_name(acc)}")
-        acc = OmegaConf.merge(OmegaConf.create({}), node) if isinstance(node, DictConfig) else node
+            acc = node
+        else:
+            acc = _merge(acc, node)
     return acc, replaced
 
 
-def _merge_all(contributions: Sequence[tuple[str, Any]]) -> Any:
-    """What Hydra composes from the same contributions: every node merged into the ones before."""
-    from omegaconf import DictConfig, OmegaConf
-
-    acc: Any = _ABSENT
-    for _, node in contributions:
-        both = isinstance(acc, DictConfig) and isinstance(node, DictConfig)
-        acc = OmegaConf.merge(acc, node) if both else node
-    return acc
-
-
 def _leaked(merged: Any, composed: Any, prefix: str) -> list[str]:
-    """Dotted keys of ``merged`` that ``composed`` lacks (a dict missing whole: its own key only)."""
-    from omegaconf import DictConfig
-
+    """Dotted keys of ``merged`` that ``composed`` lacks (a mapping missing whole: its own key only)."""
     out: list[str] = []
-    for key in merged.keys():
+    composed = composed if isinstance(composed, dict) else {}
+    for key, value in merged.items():
         path = f"{prefix}.{key}"
         if key not in composed:
             out.append(path)
-        elif isinstance(merged[key], DictConfig) and isinstance(composed.get(key), DictConfig):
-            out += _leaked(merged[key], composed[key], path)
+        elif isinstance(value, dict) and isinstance(composed[key], dict):
+            out += _leaked(value, composed[key], path)
     return out
 
 
@@ -155,7 +156,6 @@ def model_replacement_overrides(config_name: str, search: Sequence[str], user_ov
     """
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
-    from omegaconf import DictConfig, OmegaConf
 
     loader = GlobalHydra.instance().config_loader()
     defaults = loader.compute_defaults_list(config_name, list(search), RunMode.RUN).defaults
@@ -179,16 +179,16 @@ def model_replacement_overrides(config_name: str, search: Sequence[str], user_ov
             contributions.append((f"{d.config_path}.yaml", node))
     sets, touched = _command_line(user_overrides)
     if "_target_" in sets:  # the command line names the class: its keys are the last contribution
-        top = {k: v for k, v in sets.items() if "." not in k}
-        contributions.append(("the command line", OmegaConf.create(top)))
+        contributions.append(("the command line", {k: v for k, v in sets.items() if "." not in k}))
     composed, replaced = compose_model_config(contributions)
-    merged = _merge_all(contributions)
-    if not replaced or not isinstance(merged, DictConfig):
+    merged: Any = _ABSENT
+    for _, node in contributions:  # what Hydra composes: every contribution merged
+        merged = _merge(merged, node)
+    if not replaced or not isinstance(merged, dict):
         return []
-    kept = composed if isinstance(composed, DictConfig) else OmegaConf.create({})
     leaked = [
         k
-        for k in _leaked(merged, kept, NODE)
+        for k in _leaked(merged, composed, NODE)
         if k != f"{NODE}._target_"
         and not any(t == k or t.startswith(k + ".") or k.startswith(t + ".") for t in touched)
     ]
