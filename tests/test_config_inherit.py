@@ -32,3 +32,111 @@ def test_missing_default_names_where_it_looked(tmp_path):
     msg = str(info.value)
     assert "defaults entry 'no_such_base' not found" in msg and str(tmp_path) in msg
     assert str(REPO / "configs") in msg, msg
+
+
+# ---- a model of another class replaces the inherited model.config whole (issue 27, item 6)
+
+# the three models of the user's report, each a child of cp.yaml (whose model is a LlamaConfig)
+OTHER_CLASS = {
+    "qwen3_next": {
+        "_target_": "transformers.Qwen3NextConfig",
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "gemma3": {
+        "_target_": "transformers.Gemma3TextConfig",
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "sliding_window": 64,
+    },
+    "nemotron_h": {
+        "_target_": "transformers.NemotronHConfig",
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "layers_block_type": ["mamba", "attention", "mlp"],
+    },
+}
+
+
+def _child(tmp_path: Path, name: str, model_config: dict, parent: str = "cp") -> Path:
+    import yaml
+
+    own = tmp_path / f"{name}.yaml"
+    own.write_text(yaml.safe_dump({"defaults": [parent, "_self_"], "model": {"config": model_config}}))
+    return own
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_CLASS))
+def test_a_model_of_another_class_gets_exactly_its_own_keys(tmp_path, name):
+    loaded = load_config(["--config", str(_child(tmp_path, name, OTHER_CLASS[name]))], world_size=2)
+    assert loaded.raw["model"]["config"] == OTHER_CLASS[name]  # no rope_theta, tie_word_embeddings, ... of cp.yaml
+    shipped = load_config(["--config", str(REPO / "configs/cp.yaml")], world_size=2).raw
+    # the rest of the model section, and every other section, is inherited as before
+    assert {k: v for k, v in loaded.raw["model"].items() if k != "config"} == {
+        k: v for k, v in shipped["model"].items() if k != "config"
+    }
+    assert loaded.raw["data"] == shipped["data"] and loaded.raw["optimizer"] == shipped["optimizer"]
+
+
+def test_a_model_of_the_same_class_merges(tmp_path):
+    own = _child(tmp_path, "same", {"_target_": "transformers.LlamaConfig", "num_hidden_layers": 2})
+    partial = _child(tmp_path, "partial", {"hidden_size": 64})  # no class: a few keys changed
+    shipped = load_config(["--config", str(REPO / "configs/cp.yaml")], world_size=2).raw["model"]["config"]
+    assert load_config(["--config", str(own)], world_size=2).raw["model"]["config"] == {**shipped, "num_hidden_layers": 2}
+    assert load_config(["--config", str(partial)], world_size=2).raw["model"]["config"] == {**shipped, "hidden_size": 64}
+
+
+def test_grandchild_and_command_line(tmp_path):
+    """A chain: cp (Llama) <- qwen3_next child <- grandchild of the same class (merges with the child only);
+    command-line overrides apply on top, including a key cp.yaml had and the child did not."""
+    _child(tmp_path, "qwen3_next", OTHER_CLASS["qwen3_next"])
+    grand = _child(tmp_path, "grand", {"num_hidden_layers": 2}, parent="qwen3_next")
+    loaded = load_config(["--config", str(grand), "model.config.rope_theta=5e5", "model.config.hidden_size=32"], world_size=2)
+    assert loaded.raw["model"]["config"] == {**OTHER_CLASS["qwen3_next"], "num_hidden_layers": 2, "hidden_size": 32,
+                                             "rope_theta": 5e5}  # fmt: skip
+
+
+def test_command_line_class_change_replaces_too():
+    argv = ["--config", str(REPO / "configs/cp.yaml"), "model.config._target_=transformers.Qwen3Config",
+            "model.config.hidden_size=32", "~model.config.rope_theta"]  # fmt: skip
+    assert load_config(argv, world_size=2).raw["model"]["config"] == {
+        "_target_": "transformers.Qwen3Config",
+        "hidden_size": 32,
+    }
+
+
+def test_fold_replaces_on_class_change_only():
+    from automodel.config.model_inherit import compose_model_config, model_class
+
+    llama = {"_target_": "transformers.LlamaConfig", "a": 1, "rope_scaling": {"type": "yarn", "f": 2}}
+    auto = {"_target_": "transformers.AutoConfig.for_model"}
+    assert model_class({**auto, "model_type": "qwen3"})[1] == "qwen3"
+    same = [model_class({"_target_": t}) for t in ("transformers.LlamaConfig", "transformers.models.llama.LlamaConfig")]
+    assert same[0] == same[1] == ("transformers.models.llama.configuration_llama.LlamaConfig", None)
+    node, replaced = compose_model_config([("cp.yaml", llama), ("a.yaml", {"rope_scaling": {"f": 4}})])
+    assert node == {**llama, "rope_scaling": {"type": "yarn", "f": 4}}  # no class: merges, nested too
+    node, replaced = compose_model_config(
+        [("cp.yaml", llama), ("a.yaml", {"rope_scaling": {"f": 4}}), ("b.yaml", {**auto, "model_type": "qwen3", "b": 2}),
+         ("c.yaml", {**auto, "model_type": "gemma3_text", "c": 3})]
+    )  # fmt: skip
+    assert node == {**auto, "model_type": "gemma3_text", "c": 3}
+    assert replaced == [
+        "b.yaml: transformers.AutoConfig.for_model(qwen3) replaces transformers.LlamaConfig",
+        "c.yaml: transformers.AutoConfig.for_model(gemma3_text) replaces transformers.AutoConfig.for_model(qwen3)",
+    ]
+
+
+def test_a_model_config_group_replaces_too(tmp_path):
+    """A model from a config group of the user's (``model/qwen3.yaml``, package ``model``) after cp."""
+    import yaml
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "qwen3.yaml").write_text(yaml.safe_dump({"config": OTHER_CLASS["qwen3_next"]}))
+    own = tmp_path / "grouped.yaml"
+    own.write_text(yaml.safe_dump({"defaults": ["cp", {"model": "qwen3"}, "_self_"]}))
+    loaded = load_config(["--config", str(own)], world_size=2)
+    assert loaded.raw["model"]["config"] == OTHER_CLASS["qwen3_next"] and loaded.raw["model"]["dtype"] == "float32"

@@ -329,3 +329,17 @@ def test_other_bad_input(data, tok, tmp_path):
     other = build_dataloader(stream, local_batch_size=2, dp_rank=0, dp_size=1, seed=0, shuffle=False)
     with pytest.raises(UserInputError, match="local_batch_size: checkpoint 2 != now 1"):
         loader.load_state_dict(other.state_dict())
+
+
+def test_hf_and_streaming_sources_take_the_same_row_arguments():
+    """Both are config targets, so each lists its arguments; the shared ones may not drift apart."""
+    import inspect
+
+    from automodel.data.hf_dataset import HFDataset
+    from automodel.data.streaming import StreamingHFDataset
+
+    a, b = inspect.signature(HFDataset).parameters, inspect.signature(StreamingHFDataset).parameters
+    assert set(a) - set(b) == {"num_proc", "map_batch_size"} and set(b) <= set(a)
+    assert [(p.name, p.default, p.annotation) for p in b.values()] == [
+        (a[n].name, a[n].default, a[n].annotation) for n in b
+    ]

@@ -10,7 +10,10 @@ One launch (module-scoped fixture, ``tests/workers/hf_data_worker.py``):
   chat rows made in the test: ``HFDataset`` and ``StreamingHFDataset`` give exactly the losses of
   ``InstructionDataset`` on the same file (the same batches), ``HFDataset`` at dp=2 (no CP) matches
   cp=2 within the parity bar, and a streaming run stopped by SIGTERM after step 4 resumes to the same
-  losses.
+  losses;
+- the chat runs' exports stop where the data taught the model to stop: ``generation_config.json``
+  lists ``<|im_end|>`` (the shipped ChatML template's end of turn) beside EOS, and plain transformers'
+  ``generate()`` stops there (forced: the model made to emit it).
 """
 
 from __future__ import annotations
@@ -66,3 +69,16 @@ def test_recipe_streaming_resume_is_exact(res):
     assert sorted(first["losses"]) == [1, 2, 3, 4] and second["final_step"] == 8
     resumed = {**first["losses"], **second["losses"]}
     assert resumed == r["stream_cp2"]["losses"]
+
+
+@pytest.mark.parametrize("run", ["inst_cp2", "hf_dp2", "stream_cp2"])
+def test_chat_sft_export_stops_at_the_end_of_turn(res, run):
+    import json
+    from pathlib import Path
+
+    from automodel.data import load_tokenizer
+    from tests.test_export_generation import check_generation_stops_at
+
+    out = Path(res[0][run]["export_dir"])
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [0, 3]
+    check_generation_stops_at(out, load_tokenizer(None), 3)

@@ -129,3 +129,138 @@ def test_no_progress_bar_frames_in_a_log(tmp_path, capfd):
     save_hf_state(type(model), model.config, dict(model.state_dict()), tmp_path / "out")
     assert "Writing model shards" not in capfd.readouterr().err
     assert hf_logging.is_progress_bar_enabled()
+
+
+# ---- chat exports stop where the data taught the model to stop (issue 27, item 5)
+
+CHAT = [{"role": "user", "content": "What is 8 plus 28?"}]
+
+
+def stop_after(model, tok, prompt: torch.Tensor, stop: int) -> list[int]:
+    """Make ``model`` emit ``stop`` within its first 4 greedy tokens after ``prompt``; returns the tokens it
+    emits up to and including ``stop``. A model that already does (trained on chats) is left as it is;
+    otherwise ``stop`` takes the place of the last of its first 4 new tokens that it emits there for the
+    first time (a tiny random model repeats itself): the output rows of that token and ``stop`` swap, on
+    an untied copy, so the inputs are unchanged."""
+    free = _greedy(model, prompt, eos_token_id=None, use_cache=False).tolist()
+    if stop in free[:4]:
+        return free[: free.index(stop) + 1]
+    k = max(i for i in range(4) if free[i] not in free[:i])
+    assert not (set(tok.all_special_ids) | {stop}) & set(free[: k + 1]), free  # nothing before stops it
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())  # untie: the input rows stay
+        w = head.weight
+        w[[free[k], stop]] = w[[stop, free[k]]].clone()
+    model.config.tie_word_embeddings = False
+    return [*free[:k], stop]
+
+
+def check_generation_stops_at(export_dir, tok, stop: int) -> None:
+    """Plain transformers: ``from_pretrained`` + ``generate`` with the exported generation config stop at
+    ``stop`` (see :func:`stop_after`), and would not with the tokenizer's EOS alone."""
+    model = AutoModelForCausalLM.from_pretrained(str(export_dir)).eval()
+    eos = model.generation_config.eos_token_id
+    assert isinstance(eos, list) and stop in eos and tok.eos_token_id in eos, eos
+    prompt = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = prompt["input_ids"]
+    want = stop_after(model, tok, prompt, stop)
+    assert tok.eos_token_id not in want
+    new = _greedy(model, prompt).tolist()  # the exported generation config: stops at `stop`
+    assert new == want
+    longer = _greedy(model, prompt, eos_token_id=tok.eos_token_id).tolist()  # EOS alone: talks on
+    assert longer[: len(new)] == new and len(longer) > len(new)
+
+
+def _chat_jsonl(path, n: int = 8) -> str:
+    recs = [
+        {"messages": [{"role": "user", "content": f"{i} plus {i}?"}, {"role": "assistant", "content": f"{2 * i}."}]}
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def test_chat_export_lists_the_end_of_turn_token_and_generation_stops_there(tmp_path):
+    from automodel.data import InstructionDataset
+
+    tok = load_tokenizer(None)
+    ds = InstructionDataset(None, tok, seq_len=64, format="messages")  # the shipped ChatML template
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert ds.chat_stop_ids == [im_end] == [3]
+    export_hf_model(_tiny(tie=True), tmp_path / "hf_model", tokenizer=tok)
+    gen = json.loads((tmp_path / "hf_model" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [0, 3]
+    assert json.loads((tmp_path / "hf_model" / "config.json").read_text())["eos_token_id"] == 0  # the tokenizer's
+    check_generation_stops_at(tmp_path / "hf_model", tok, im_end)
+
+
+@pytest.mark.parametrize("fmt", ["text", "prompt_response"])
+def test_a_run_without_chats_keeps_its_eos(tmp_path, fmt):
+    from automodel.data import InstructionDataset, TextDataset
+
+    tok = load_tokenizer(None)
+    if fmt == "text":
+        TextDataset(None, tok, seq_len=64)
+    else:
+        assert InstructionDataset(None, tok, seq_len=64, format=fmt).chat_stop_ids == []
+    save_hf_state(type(m := _tiny(tie=False)), m.config, dict(m.state_dict()), tmp_path / "out", tokenizer=tok)
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == 0
+
+
+OWN_TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}<|eot|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+)
+
+
+def test_a_users_own_template_and_end_of_turn_token(tmp_path):
+    """A template of the user's with its own special end-of-turn token: that token joins the EOS list."""
+    from automodel.data import InstructionDataset
+
+    tok = load_tokenizer(None)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
+    tok.chat_template = OWN_TEMPLATE
+    eot = tok.convert_tokens_to_ids("<|eot|>")
+    assert eot == 1024
+    ds = InstructionDataset(_chat_jsonl(tmp_path / "chat.jsonl"), tok, seq_len=64, format="messages", split="all")
+    assert ds.chat_stop_ids == [eot]
+    cfg = LlamaConfig(vocab_size=1088, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, use_cache=False)  # fmt: skip
+    torch.manual_seed(0)
+    export_hf_model(AutoModelForCausalLM.from_config(cfg).eval(), tmp_path / "hf_model", tokenizer=tok)
+    gen = json.loads((tmp_path / "hf_model" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [0, eot]
+    check_generation_stops_at(tmp_path / "hf_model", tok, eot)
+
+
+@pytest.mark.parametrize(
+    "end, want",
+    [("{{ eos_token }}", []), ("", []), ("<|im_end|><|im_start|>", [3])],
+    ids=["ends-with-eos", "no-special-token", "first-special-after-the-content"],
+)
+def test_end_of_turn_is_read_from_the_template(end, want, caplog):
+    from automodel.data.chat_template import end_of_turn_ids, record_chat_stops
+
+    tok = load_tokenizer(None)
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}"
+        + end
+        + "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    found = end_of_turn_ids(tok)
+    assert found == ([0] if end == "{{ eos_token }}" else want)
+    with caplog.at_level("WARNING"):
+        record_chat_stops(tok)
+    assert ("without a special token" in caplog.text) == (end == "")
+
+
+def test_stop_ids_keep_a_pretrained_list():
+    from automodel.models.hf_save import stop_token_ids
+
+    assert stop_token_ids(None, 0, [3]) == [0, 3]
+    assert stop_token_ids(2, 0, []) == 0  # the tokenizer's EOS replaces the config class's default
+    assert stop_token_ids([5, 7], 7, [3, 7]) == [5, 7, 3]  # a chat model's list holding the EOS is kept
+    assert stop_token_ids([5, 7], 0, [0]) == 0
+    assert stop_token_ids([5, 7], None, [3]) == [5, 7, 3]  # no tokenizer EOS: the list stays, the turn end joins

@@ -11,6 +11,9 @@ interpolations. Nothing here depends on the working directory except the ``--con
 Inheritance from anywhere: a ``defaults:`` entry is looked up in the config's own directory first,
 then in the shipped ``configs/`` (``hydra.searchpath``), so ``/somewhere/my_sft.yaml`` may start with
 ``defaults: [cp, _self_]``.
+
+A model of another class replaces the inherited ``model.config`` whole instead of merging with it, as a
+Hydra config group would (``model_inherit.py``); a model of the same class merges as Hydra does.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from automodel.config.model_inherit import model_replacement_overrides
 from automodel.config.typecheck import ConfigError
 
 __all__ = ["USAGE", "REPO_ROOT", "DEFAULT_CONFIG", "parse_argv", "resolve_config_path", "compose_config"]
@@ -116,6 +120,8 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
         with initialize_config_dir(
             config_dir=str(config_path.parent), version_base="1.3", job_name="finetune"
         ):
+            # a parent's model.config never merges into a model of another class (model_inherit.py)
+            search = [*search, *model_replacement_overrides(config_path.stem, search, overrides)]
             base = compose(config_name=config_path.stem, overrides=search)
             overrides = _schema_overrides(base, overrides)
             cfg = compose(config_name=config_path.stem, overrides=[*search, *overrides])

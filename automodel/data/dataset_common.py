@@ -1,15 +1,25 @@
-"""Argument checks and helpers shared by the text and instruction datasets."""
+"""Argument checks and helpers shared by the datasets and the data loaders."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from automodel.data.splits import validate_split
 from automodel.data.tokenizer import ensure_pad_token, load_tokenizer
 from automodel.errors import UserInputError
 
-__all__ = ["resolve_tokenizer", "check_seq_len", "check_pack_args", "check_positive_int"]
+__all__ = [
+    "resolve_tokenizer",
+    "check_seq_len",
+    "check_pack_args",
+    "check_positive_int",
+    "state_mismatches",
+    "RowsDataset",
+]
 
 
 def resolve_tokenizer(
@@ -71,3 +81,33 @@ def check_pack_args(pack: bool, seq_len: int, seq_pad_multiple: object) -> int:
             f"padded to multiples of {m}, so set seq_len to a multiple of {m} (e.g. {(seq_len // m + 1) * m})"
         )
     return m
+
+
+def state_mismatches(saved: Mapping[str, Any], now: Mapping[str, Any], keys: Sequence[str]) -> list[str]:
+    """``"key: checkpoint X != now Y"`` for each of ``keys`` whose value in a checkpoint's loader state
+    ``saved`` differs from ``now``'s (in the order of ``keys``; a key missing from ``saved`` is None)."""
+    return [f"{k}: checkpoint {saved.get(k)!r} != now {now[k]!r}" for k in keys if saved.get(k) != now[k]]
+
+
+class RowsDataset:
+    """The row arguments every dataset of this package takes, checked and kept by one method."""
+
+    def _init_rows(
+        self,
+        tokenizer: PreTrainedTokenizerBase | str | os.PathLike | None,
+        seq_len: int,
+        split: str,
+        val_fraction: float,
+        pack: bool,
+        seq_pad_multiple: int,
+    ) -> None:
+        """Check the arguments (``UserInputError`` naming the bad one) and set ``seq_len``,
+        ``seq_pad_multiple``, ``packed``, ``split``, ``tokenizer`` (:func:`resolve_tokenizer`) and
+        ``pad_token_id`` on ``self``."""
+        self.seq_len = check_seq_len(seq_len)
+        self.seq_pad_multiple = check_pack_args(pack, self.seq_len, seq_pad_multiple)
+        validate_split(split, val_fraction)
+        self.packed = pack
+        self.split = split
+        self.tokenizer = resolve_tokenizer(tokenizer)
+        self.pad_token_id = int(self.tokenizer.pad_token_id)

@@ -40,15 +40,15 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from automodel.data.dataset_common import check_pack_args, check_seq_len, resolve_tokenizer
+from automodel.data.chat_template import record_chat_stops
+from automodel.data.dataset_common import RowsDataset
 from automodel.data.hf_source import load_hf_source
-from automodel.data.hf_tokenize import HF_FORMATS, required_columns, tokenize_rows
+from automodel.data.hf_tokenize import HF_FORMATS, first_conversation, required_columns, tokenize_rows
 from automodel.data.node_first import run_local_rank0_first
 from automodel.data.packing import pack_examples, round_up
-from automodel.data.splits import validate_split
 from automodel.errors import UserInputError
 
-__all__ = ["HFDataset", "TOKENIZED_FORMAT_VERSION", "choose_format", "tokenizer_fingerprint"]
+__all__ = ["HFDataset", "source_columns", "TOKENIZED_FORMAT_VERSION", "choose_format", "tokenizer_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,12 @@ def _greedy_rows(lengths: np.ndarray, seq_len: int, multiple: int) -> np.ndarray
     return np.asarray(starts, dtype=np.int64)
 
 
-class HFDataset(Dataset):
+def source_columns(text: str, prompt: str, completion: str, messages: str) -> dict[str, str]:
+    """The column mapping of :class:`HFDataset` and :class:`~automodel.data.streaming.StreamingHFDataset`."""
+    return {"text": text, "prompt": prompt, "completion": completion, "messages": messages}
+
+
+class HFDataset(RowsDataset, Dataset):
     """Rows from a Hugging Face ``datasets`` source, tokenized once per node and memory-mapped.
 
     Args:
@@ -151,7 +156,8 @@ class HFDataset(Dataset):
     Items: ``input_ids``/``labels`` ``[n]`` int64 (``[seq_len]`` for text rows), or packed rows
     (``position_ids``, ``seq_lens``, ``seq_lens_padded``). Attributes: ``pad_token_id``,
     ``seq_pad_multiple``, ``packed``, ``format``, ``num_examples``, ``num_truncated``,
-    ``tokenized_from_cache``, ``cache_file``.
+    ``tokenized_from_cache``, ``cache_file``, ``chat_stop_ids`` (``messages``: the template's end-of-turn
+    token ids, also recorded on the tokenizer for the export; else empty).
     """
 
     def __init__(
@@ -178,23 +184,12 @@ class HFDataset(Dataset):
         map_batch_size: int = 1000,
         cache_dir: str | None = None,
     ) -> None:
-        self.seq_len = check_seq_len(seq_len)
-        self.seq_pad_multiple = check_pack_args(pack, self.seq_len, seq_pad_multiple)
-        validate_split(split, val_fraction)
         if num_proc is not None and (
             isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1
         ):
             raise UserInputError(f"data.dataset.num_proc={num_proc!r} must be null or an integer >= 1")
-        self.packed = pack
-        self.split = split
-        self.tokenizer = resolve_tokenizer(tokenizer)
-        self.pad_token_id = int(self.tokenizer.pad_token_id)
-        self.columns = {
-            "text": text_column,
-            "prompt": prompt_column,
-            "completion": completion_column,
-            "messages": messages_column,
-        }
+        self._init_rows(tokenizer, seq_len, split, val_fraction, pack, seq_pad_multiple)
+        self.columns = source_columns(text_column, prompt_column, completion_column, messages_column)
         self.where = f"data source {path!r}"
         opts = dict(source=source, hf_split=hf_split, name=name, offline=offline, cache_dir=cache_dir)
         self.tokenized_from_cache = False
@@ -207,11 +202,14 @@ class HFDataset(Dataset):
                     f"format='messages' needs a chat template but tokenizer {self.tokenizer.name_or_path!r} has "
                     "none; use a tokenizer with a chat_template (the shipped default has one)"
                 )
-            return fmt, self._tokenize(
-                src, fmt, split, val_fraction, add_bos, add_eos, num_proc, map_batch_size, cache_dir
-            )
+            tok = self._tokenize(src, fmt, split, val_fraction, add_bos, add_eos, num_proc, map_batch_size, cache_dir)
+            return fmt, tok, first_conversation(src, fmt, self.columns)
 
-        self.format, tok = run_local_rank0_first(prepare, "tokenizing " + self.where)
+        self.format, tok, conversation = run_local_rank0_first(prepare, "tokenizing " + self.where)
+        # the template's end-of-turn token(s), recorded on the tokenizer for the export (chat_template.py)
+        self.chat_stop_ids = (
+            record_chat_stops(self.tokenizer, conversation, self.where) if self.format == "messages" else []
+        )
         # one tokenized file for both splits: this split's rows are selected by their split_u column
         rows = np.arange(len(tok), dtype=np.int64)
         if split != "all":

@@ -24,12 +24,20 @@ from typing import Any
 
 import numpy as np
 
+from automodel.data.chat_template import render_chat_segments
 from automodel.data.examples import IGNORE_INDEX, split_long_sequence
-from automodel.data.instruction_dataset import join_segments, render_chat_segments
+from automodel.data.instruction_dataset import join_segments
 from automodel.data.splits import is_validation, split_fraction
 from automodel.errors import UserInputError
 
-__all__ = ["HF_FORMATS", "TOKENIZE_CALLS", "tokenize_rows", "clean_messages", "required_columns"]
+__all__ = [
+    "HF_FORMATS",
+    "TOKENIZE_CALLS",
+    "tokenize_rows",
+    "clean_messages",
+    "first_conversation",
+    "required_columns",
+]
 
 HF_FORMATS = ("text", "prompt_completion", "messages")
 
@@ -72,6 +80,18 @@ def clean_messages(messages: Any, where: str) -> list[dict[str, Any]]:
             "needs at least one assistant turn (remove the row or fix its roles)"
         )
     return out
+
+
+def first_conversation(rows: Any, fmt: str, columns: dict[str, str]) -> list[dict[str, Any]] | None:
+    """The first row's conversation of ``rows`` (a ``datasets`` table, or a list of row dicts) when ``fmt``
+    is ``messages`` and it is well formed, else None: what :func:`~automodel.data.chat_template.end_of_turn_ids`
+    renders when a template refuses its own probe conversation."""
+    if fmt != "messages" or len(rows) == 0:
+        return None
+    try:
+        return clean_messages(rows[0][columns["messages"]], "row 1")
+    except UserInputError:
+        return None
 
 
 def _split_key(fmt: str, row: dict[str, Any], columns: dict[str, str]) -> str:

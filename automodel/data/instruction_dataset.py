@@ -37,11 +37,12 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from automodel.data.dataset_common import check_pack_args, check_seq_len, resolve_tokenizer
+from automodel.data.chat_template import record_chat_stops, render_chat_segments
+from automodel.data.dataset_common import RowsDataset
 from automodel.data.examples import shift_example
 from automodel.data.file_readers import detect_format, read_jsonl, resolve_files
 from automodel.data.packing import pack_examples
-from automodel.data.splits import select_split, validate_split
+from automodel.data.splits import select_split
 from automodel.data.tokenizer import assets_dir
 from automodel.errors import UserInputError
 
@@ -100,40 +101,6 @@ def join_segments(
     return toks, train, k
 
 
-def render_chat_segments(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], where: str = "conversation"
-) -> list[tuple[str, bool]]:
-    """Render ``messages`` with the chat template and cut it into ``(text, is_assistant)`` segments.
-
-    The concatenation of the segment texts is exactly ``apply_chat_template(messages, tokenize=False)``.
-    Raises ``ValueError`` if the template has no prefix property (see module docstring).
-    """
-
-    def render(msgs: list[dict[str, Any]], gen: bool) -> str:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-
-    full = render(messages, False)
-    segments: list[tuple[str, bool]] = []
-    pos = 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before, after = render(messages[:i], True), render(messages[: i + 1], False)
-        if not (full.startswith(after) and after.startswith(before) and len(before) >= pos):
-            raise UserInputError(
-                f"{where}: the chat template of {tokenizer.name_or_path!r} is not prefix-stable (rendering the "
-                f"first {i} messages plus the generation prompt is not a prefix of the rendering with assistant "
-                f"message {i}, or that is not a prefix of the whole conversation), so the assistant tokens "
-                "cannot be located exactly; use format='prompt_response', or a template without "
-                "turn-dependent rewriting"
-            )
-        segments.append((full[pos : len(before)], False))
-        segments.append((full[len(before) : len(after)], True))
-        pos = len(after)
-    segments.append((full[pos:], False))
-    return [(t, a) for t, a in segments if t]
-
-
 def _check_messages(messages: object, where: str) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise UserInputError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
@@ -150,7 +117,7 @@ def _check_messages(messages: object, where: str) -> list[dict[str, Any]]:
     return messages
 
 
-class InstructionDataset(Dataset):
+class InstructionDataset(RowsDataset, Dataset):
     """Prompt/response or chat examples with the loss masked on everything but the responses.
 
     Args:
@@ -167,7 +134,9 @@ class InstructionDataset(Dataset):
 
     Items: ``input_ids``/``labels`` ``[n]`` int64 (n <= seq_len), or packed rows. Attributes:
     ``pad_token_id``, ``seq_pad_multiple``, ``packed``, ``num_examples``, ``num_truncated``,
-    ``num_without_labels`` (examples whose response was truncated away entirely; a warning is logged).
+    ``num_without_labels`` (examples whose response was truncated away entirely; a warning is logged),
+    ``chat_stop_ids`` (``messages``: the template's end-of-turn token ids, also recorded on the tokenizer
+    for the export, see :mod:`automodel.data.chat_template`; else empty).
     """
 
     def __init__(
@@ -186,19 +155,13 @@ class InstructionDataset(Dataset):
         pack: bool = False,
         seq_pad_multiple: int = 1,
     ) -> None:
-        self.seq_len = check_seq_len(seq_len)
-        self.seq_pad_multiple = check_pack_args(pack, self.seq_len, seq_pad_multiple)
+        self._init_rows(tokenizer, seq_len, split, val_fraction, pack, seq_pad_multiple)
         if format not in INSTRUCTION_FORMATS:
             raise UserInputError(
                 f"format={format!r} is not one of {INSTRUCTION_FORMATS}; use 'prompt_response' for "
                 "{prompt, response} records or 'messages' for chat {messages: [{role, content}, ...]} records"
             )
-        validate_split(split, val_fraction)
         self.format = format
-        self.packed = pack
-        self.split = split
-        self.tokenizer = resolve_tokenizer(tokenizer)
-        self.pad_token_id = int(self.tokenizer.pad_token_id)
         if format == "messages" and not getattr(self.tokenizer, "chat_template", None):
             raise UserInputError(
                 f"format='messages' needs a chat template but tokenizer {self.tokenizer.name_or_path!r} has none; "
@@ -225,6 +188,10 @@ class InstructionDataset(Dataset):
                 seg_lists.append(render_chat_segments(self.tokenizer, rec[messages_field], where_rec))
         flat = [t for segs in seg_lists for t, _ in segs]
         flat_ids = self.tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []
+        # the template's end-of-turn token(s), recorded on the tokenizer for the export (chat_template.py)
+        self.chat_stop_ids = (
+            record_chat_stops(self.tokenizer, records[0][1][messages_field], where) if format == "messages" else []
+        )
 
         bos, eos = self.tokenizer.bos_token_id, int(self.tokenizer.eos_token_id)
         examples, k = [], 0

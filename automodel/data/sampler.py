@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from automodel.data.dataset_common import state_mismatches
 from automodel.errors import UserInputError
 
 __all__ = ["DistributedBatchSampler", "FILLER_INDEX"]
@@ -171,12 +172,7 @@ class DistributedBatchSampler:
             raise ValueError(
                 f"unknown sampler state version {state.get('version')!r}; expected {_STATE_VERSION}"
             )
-        mine = self.state_dict()
-        bad = [
-            f"{k}: checkpoint {state.get(k)!r} != now {mine[k]!r}"
-            for k in ("seed", "num_rows", "shuffle", "drop_last")
-            if state.get(k) != mine[k]
-        ]
+        bad = state_mismatches(state, self.state_dict(), ("seed", "num_rows", "shuffle", "drop_last"))
         if bad:
             raise ValueError(
                 "cannot resume the data loader exactly: " + "; ".join(bad) + ". Resume with the same data, "

@@ -45,13 +45,13 @@ import torch
 from torch.utils.data import IterableDataset
 from transformers import PreTrainedTokenizerBase
 
+from automodel.data.chat_template import record_chat_stops
 from automodel.data.collator import Collator, empty_example
-from automodel.data.dataset_common import check_pack_args, check_seq_len, resolve_tokenizer
-from automodel.data.hf_dataset import choose_format, tokenizer_fingerprint
+from automodel.data.dataset_common import RowsDataset, state_mismatches
+from automodel.data.hf_dataset import choose_format, source_columns, tokenizer_fingerprint
 from automodel.data.hf_source import load_hf_source
-from automodel.data.hf_tokenize import tokenize_rows
+from automodel.data.hf_tokenize import first_conversation, tokenize_rows
 from automodel.data.packing import pack_examples, round_up
-from automodel.data.splits import validate_split
 from automodel.errors import UserInputError
 
 __all__ = ["StreamingHFDataset", "StreamingDataLoader", "build_streaming_dataloader"]
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 _STATE_VERSION = 1
 
 
-class StreamingHFDataset(IterableDataset):
+class StreamingHFDataset(RowsDataset, IterableDataset):
     """A streamed Hugging Face dataset; see the module docstring. Build loaders with ``build_dataloader``.
 
     Args: as :class:`~automodel.data.hf_dataset.HFDataset` (``path``, ``tokenizer``, ``seq_len``,
@@ -69,7 +69,7 @@ class StreamingHFDataset(IterableDataset):
     without the tokenization cache arguments.
 
     Attributes: ``streaming`` (True), ``pad_token_id``, ``seq_pad_multiple``, ``packed``, ``format``,
-    ``identity`` (a hash of the arguments, checked on resume).
+    ``identity`` (a hash of the arguments, checked on resume), ``chat_stop_ids`` (as ``HFDataset``'s).
     """
 
     streaming = True
@@ -98,18 +98,8 @@ class StreamingHFDataset(IterableDataset):
     ) -> None:
         from datasets.fingerprint import Hasher
 
-        self.seq_len = check_seq_len(seq_len)
-        self.seq_pad_multiple = check_pack_args(pack, self.seq_len, seq_pad_multiple)
-        validate_split(split, val_fraction)
-        self.packed = pack
-        self.tokenizer = resolve_tokenizer(tokenizer)
-        self.pad_token_id = int(self.tokenizer.pad_token_id)
-        self.columns = {
-            "text": text_column,
-            "prompt": prompt_column,
-            "completion": completion_column,
-            "messages": messages_column,
-        }
+        self._init_rows(tokenizer, seq_len, split, val_fraction, pack, seq_pad_multiple)
+        self.columns = source_columns(text_column, prompt_column, completion_column, messages_column)
         where = f"data source {path!r}"
         self.raw = load_hf_source(
             path,
@@ -120,17 +110,24 @@ class StreamingHFDataset(IterableDataset):
             cache_dir=cache_dir,
             streaming=True,
         )
-        columns = self.raw.column_names
+        columns, first = self.raw.column_names, []
         if columns is None:  # json streams know their columns only once read
             try:
-                columns = list(next(iter(self.raw)))
+                first = [next(iter(self.raw))]
             except StopIteration:
                 raise UserInputError(f"{where} is empty; add data") from None
+            columns = list(first[0])
         self.format = choose_format(format, list(columns), self.columns, where)
         if self.format == "messages" and not getattr(self.tokenizer, "chat_template", None):
             raise UserInputError(
                 f"format='messages' needs a chat template but tokenizer {self.tokenizer.name_or_path!r} has none"
             )
+        # the template's end-of-turn token(s), recorded on the tokenizer for the export (chat_template.py)
+        self.chat_stop_ids = (
+            record_chat_stops(self.tokenizer, first_conversation(first, self.format, self.columns), where)
+            if self.format == "messages"
+            else []
+        )
         self.concat = self.format == "text" and not pack
         self._kwargs = dict(
             tokenizer=self.tokenizer,
@@ -359,12 +356,9 @@ class StreamingDataLoader:
                 "the checkpoint's data position is not a streaming loader state (was it saved with a map-style "
                 "dataset?); resume with the dataset it was saved with"
             )
-        now = self.state_dict()["streaming"]
-        bad = [
-            f"{k}: checkpoint {s.get(k)!r} != now {now[k]!r}"
-            for k in ("dp_size", "local_batch_size", "drop_last", "identity")
-            if s.get(k) != now[k]
-        ]
+        bad = state_mismatches(
+            s, self.state_dict()["streaming"], ("dp_size", "local_batch_size", "drop_last", "identity")
+        )
         if bad:
             raise UserInputError(
                 "cannot resume the streaming loader exactly: "

@@ -23,11 +23,11 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
-from automodel.data.dataset_common import check_pack_args, check_seq_len, resolve_tokenizer
+from automodel.data.dataset_common import RowsDataset
 from automodel.data.examples import shift_example, split_long_sequence
 from automodel.data.file_readers import detect_format, read_jsonl, read_text_documents, resolve_files
 from automodel.data.packing import pack_examples
-from automodel.data.splits import select_split, validate_split
+from automodel.data.splits import select_split
 from automodel.data.tokenizer import assets_dir
 from automodel.errors import UserInputError
 
@@ -75,7 +75,7 @@ def load_documents(
     return docs
 
 
-class TextDataset(Dataset):
+class TextDataset(RowsDataset, Dataset):
     """Fixed-length (or packed) language-modelling rows from local text, jsonl, or the default corpus.
 
     Args:
@@ -114,13 +114,7 @@ class TextDataset(Dataset):
         pack: bool = False,
         seq_pad_multiple: int = 1,
     ) -> None:
-        self.seq_len = check_seq_len(seq_len)
-        self.seq_pad_multiple = check_pack_args(pack, self.seq_len, seq_pad_multiple)
-        validate_split(split, val_fraction)
-        self.packed = pack
-        self.split = split
-        self.tokenizer = resolve_tokenizer(tokenizer)
-        self.pad_token_id = int(self.tokenizer.pad_token_id)
+        self._init_rows(tokenizer, seq_len, split, val_fraction, pack, seq_pad_multiple)
         eos = int(self.tokenizer.eos_token_id)
         where = "the default corpus" if path is None else repr(path)
 

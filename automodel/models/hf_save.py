@@ -5,6 +5,11 @@ What is written is fit for generation, not a copy of the training settings:
 - the special-token ids (``bos``/``eos``/``pad``) of ``config.json`` and ``generation_config.json`` come
   from the run's tokenizer (a model built from ``LlamaConfig`` otherwise keeps its defaults 1 and 2,
   which need not be the tokenizer's);
+- the EOS of ``generation_config.json`` also lists the end-of-turn token(s) of the chat template the
+  run's data was rendered with (``eos_token_id: [0, 3]`` for the shipped ChatML template, whose turns end
+  with ``<|im_end|>``), as recorded on the tokenizer by the chat datasets
+  (:mod:`automodel.data.chat_template`), so that ``generate()`` stops where the data taught the model to
+  stop; a plain-text run keeps the EOS alone;
 - ``use_cache`` is true in both (training turns it off);
 - a tied-embeddings flag is written only when the saved input and output embeddings are equal;
 - a VLM's image processor is saved beside the tokenizer (``preprocessor_config.json``).
@@ -23,7 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["original_model_class", "save_hf_state", "special_token_ids", "embeddings_equal"]
+from automodel.data.chat_template import recorded_chat_stop_ids
+
+__all__ = ["original_model_class", "save_hf_state", "special_token_ids", "stop_token_ids", "embeddings_equal"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,18 +82,29 @@ def _set_generation_ids(config: Any, ids: dict[str, int]) -> None:
         c.use_cache = True
 
 
-def _generation_config(source: Any, config: Any, ids: dict[str, int]) -> Any:
-    """The generation config to write: ``source``'s (or one from ``config``) with the tokenizer's ids and
-    ``use_cache=True``. An eos list that already holds the tokenizer's EOS (e.g. an end-of-turn id
-    beside it) is kept."""
+def stop_token_ids(current: Any, eos: int | None, end_of_turn: list[int]) -> int | list[int] | None:
+    """The ``eos_token_id`` of a generation config: the tokenizer's ``eos`` (or ``current``, a list that
+    already holds it, e.g. a pretrained chat model's), then each ``end_of_turn`` id not in it yet. One id
+    is written as an int, several as a list (``[0, 3]``), none as None."""
+    if eos is None:
+        ids = list(current) if isinstance(current, list) else ([] if current is None else [int(current)])
+    else:
+        ids = list(current) if isinstance(current, list) and eos in current else [eos]
+    ids += [i for i in end_of_turn if i not in ids]
+    return None if not ids else (ids[0] if len(ids) == 1 else ids)
+
+
+def _generation_config(source: Any, config: Any, ids: dict[str, int], end_of_turn: list[int]) -> Any:
+    """The generation config to write: ``source``'s (or one from ``config``) with the tokenizer's ids,
+    the chat template's ``end_of_turn`` ids added to its EOS (:func:`stop_token_ids`) and
+    ``use_cache=True``."""
     from transformers import GenerationConfig
 
     gen = copy.deepcopy(source) if source is not None else GenerationConfig.from_model_config(config)
     for key, value in ids.items():
-        current = getattr(gen, key, None)
-        if key == "eos_token_id" and isinstance(current, list) and value in current:
-            continue
-        setattr(gen, key, value)
+        if key != "eos_token_id":
+            setattr(gen, key, value)
+    gen.eos_token_id = stop_token_ids(getattr(gen, "eos_token_id", None), ids.get("eos_token_id"), end_of_turn)
     gen.use_cache = True
     return gen
 
@@ -114,8 +132,9 @@ def save_hf_state(
         out: the directory written (safetensors, config, generation config).
         dtype: cast floating-point tensors to this dtype (None: as they are).
         source_model: its ``generation_config`` is the starting point of the one saved, when it has one.
-        tokenizer: gives the special-token ids; saved alongside (``tokenizer.save_pretrained``) when
-            ``save_tokenizer``.
+        tokenizer: gives the special-token ids, and the chat template's end-of-turn ids the run's chat
+            datasets recorded on it (added to the generation config's EOS); saved alongside
+            (``tokenizer.save_pretrained``) when ``save_tokenizer``.
         processor: an image processor (VLMs), saved alongside (``preprocessor_config.json``) when given.
     """
     if dtype is not None:
@@ -133,8 +152,9 @@ def save_hf_state(
     export_dtype = dtype or next(iter(v.dtype for v in state.values() if v.is_floating_point()), None)
     if export_dtype is not None:
         skeleton.config.dtype = export_dtype
+    end_of_turn = recorded_chat_stop_ids(tokenizer) if tokenizer is not None else []
     skeleton.generation_config = _generation_config(
-        getattr(source_model, "generation_config", None), skeleton.config, ids
+        getattr(source_model, "generation_config", None), skeleton.config, ids, end_of_turn
     )
     with _progress_bars_only_on_a_tty():
         skeleton.save_pretrained(out, state_dict=state)

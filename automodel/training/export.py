@@ -40,8 +40,10 @@ def export_hf_model(
         model: the (FSDP2-sharded or plain) HF causal LM.
         out_dir: target directory (created).
         dtype: cast floating-point weights to this dtype (None: as trained); ``config.dtype`` follows.
-        tokenizer: gives the special-token ids of the config and generation config; saved alongside
-            (``tokenizer.save_pretrained``) when ``save_tokenizer``.
+        tokenizer: gives the special-token ids of the config and generation config (whose EOS also lists
+            the end-of-turn token of a chat template the run's data was rendered with: see
+            :func:`~automodel.models.hf_save.save_hf_state`); saved alongside (``tokenizer.save_pretrained``)
+            when ``save_tokenizer``.
         processor: a VLM's image processor, saved alongside when given.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -2,8 +2,8 @@
 
 Rank 0 loads the model the run just exported (so what is sampled is what a user gets:
 ``from_pretrained`` of ``hf_model/``, or of ``merged/`` / base + ``adapter/`` for a LoRA run) and
-decodes each prompt greedily with the exported generation config (KV cache on, stopping at the
-tokenizer's EOS), at most ``recipe.sample_max_new_tokens`` new tokens. The completions go to
+decodes each prompt greedily with the exported generation config (KV cache on, stopping at its EOS ids:
+the tokenizer's EOS, and a chat run's end-of-turn token), at most ``recipe.sample_max_new_tokens`` new tokens. The completions go to
 ``<run dir>/samples.jsonl`` (one ``{prompt, completion, new_tokens, stopped_at_eos}`` per line) and
 to the log.
 """
@@ -46,7 +46,8 @@ def generate_samples(
     model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int, device: torch.device
 ) -> list[dict[str, Any]]:
     """Greedy completions of ``prompts`` (one at a time, no padding), with the model's generation config."""
-    eos = tokenizer.eos_token_id
+    eos = model.generation_config.eos_token_id  # the export's stop ids (EOS, and a chat's end of turn)
+    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     out = []
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)  # [1, P] int64
@@ -54,7 +55,7 @@ def generate_samples(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
         )
         new = gen[0, ids.shape[1] :].tolist()
-        stopped = eos is not None and len(new) > 0 and new[-1] == eos
+        stopped = len(new) > 0 and new[-1] in stops
         out.append(
             {
                 "prompt": prompt,

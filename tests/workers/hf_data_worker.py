@@ -3,7 +3,8 @@
 One group runs: the once-per-node tokenization (rank 0 tokenizes, rank 1 opens the cache), an error
 on rank 0's data shared with rank 1 (no hang), and the recipe at cp=2 on a jsonl made here through
 ``HFDataset``, ``InstructionDataset`` and ``StreamingHFDataset`` (the same rows, so the same losses),
-plus ``HFDataset`` at dp=2 and a streaming run stopped by SIGTERM at step 4 and resumed.
+plus ``HFDataset`` at dp=2 and a streaming run stopped by SIGTERM at step 4 and resumed. Three of the
+chat runs export (``InstructionDataset``, ``HFDataset`` from its cache, streaming).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _recipe(world: int, out: Path, name: str, overrides: list[str], hooks=None) 
         "final_step": result.final_step,
         "stopped_by_sigterm": result.stopped_by_sigterm,
         "dataset": type(trainer.train_dataset).__name__,
+        "export_dir": str(result.export_dir) if result.export_dir else None,
     }
 
 
@@ -107,10 +109,11 @@ def pair(rank: int, world_size: int, out: str) -> dict:
         "+data.dataset.format=messages",
     ]
     cp2 = ["distributed.cp_size=2"]
+    export = ["export.enabled=true"]  # chat exports list <|im_end|> as EOS (HFDataset's from its cache)
     res["hf_cp2"] = _recipe(world_size, out_dir, "hf_cp2", [*hf, *cp2])
-    res["inst_cp2"] = _recipe(world_size, out_dir, "inst_cp2", [*inst, *cp2])
-    res["hf_dp2"] = _recipe(world_size, out_dir, "hf_dp2", [*hf, "distributed.cp_size=1"])
-    res["stream_cp2"] = _recipe(world_size, out_dir, "stream_cp2", [*stream, *cp2])
+    res["inst_cp2"] = _recipe(world_size, out_dir, "inst_cp2", [*inst, *cp2, *export])
+    res["hf_dp2"] = _recipe(world_size, out_dir, "hf_dp2", [*hf, "distributed.cp_size=1", *export])
+    res["stream_cp2"] = _recipe(world_size, out_dir, "stream_cp2", [*stream, *cp2, *export])
     res["stream_stopped"] = _recipe(world_size, out_dir, "stream_resume", [*stream, *cp2], _sigterm_at(4))
     res["stream_resumed"] = _recipe(
         world_size, out_dir, "stream_resume", [*stream, *cp2, "checkpoint.resume=true"]
