@@ -187,22 +187,19 @@ class FinetuneTrainer:
             self.cp_self_check_report = run_cp_self_check(self)
 
     def _build_data_and_model(self) -> None:
-        from hydra.utils import instantiate
+        """Setup steps 2-4 in order: model config checks, data, model, the CP method, wrapping."""
+        resolved = self._check_model_config()
+        self._build_data(resolved)
+        self._build_model(resolved)
+        self._bind_cp_method()
+        self._wrap_model()
 
-        from automodel.data import build_dataloader, load_tokenizer
+    def _check_model_config(self) -> Any:
+        """Tokenizer and model config, checked against the run before data or weights load; the resolved config."""
+        from automodel.data import load_tokenizer
         from automodel.models.cp_check import check_model_for_cp_run
-        from automodel.models.loader import (
-            build_model,
-            check_model_for_run,
-            resolve_model_config,
-            torch_dtype,
-        )
-        from automodel.models.parallelize import (
-            apply_activation_checkpointing,
-            apply_fsdp2,
-            apply_tp,
-            check_model_config_for_tp,
-        )
+        from automodel.models.loader import check_model_for_run, resolve_model_config
+        from automodel.models.parallelize import check_model_config_for_tp
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, allow_download=cfg.model.allow_download)
@@ -230,20 +227,27 @@ class FinetuneTrainer:
                 cfg.model, resolved, cfg.peft, attn_implementation=self.attn_implementation
             )
         logger.info("model config: %s", resolved.source)
+        return resolved
 
-        # ---- data
-        common = {"tokenizer": self.tokenizer, "seq_len": cfg.data.seq_len}
-        self.train_dataset = instantiate(
-            cfg.data.dataset,
-            split=cfg.data.train_split,
-            **common,
-            **self.cp_method.dataset_options(cfg, cfg.data.dataset),
-            _convert_="all",
-        )
+    def _build_data(self, resolved: Any) -> None:
+        """Datasets and resumable dp loaders (train, optional validation), ``grad_acc``, the epoch plan."""
+        from hydra.utils import instantiate
+
+        from automodel.data import build_dataloader
+        from automodel.data.epoch_plan import epoch_plan
         from automodel.models.vlm_cp import check_data_for_model
 
+        cfg, sched = self.cfg, self.cfg.step_scheduler
+        common = {"tokenizer": self.tokenizer, "seq_len": cfg.data.seq_len}
+
+        def dataset(node: Any, split: str) -> Any:
+            options = self.cp_method.dataset_options(cfg, node)
+            return instantiate(node, split=split, **common, **options, _convert_="all")
+
+        self.train_dataset = dataset(cfg.data.dataset, cfg.data.train_split)
         check_data_for_model(self.train_dataset, resolved.config)  # images need a VLM
         loader_kwargs = dict(
+            local_batch_size=sched.local_batch_size,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             seed=cfg.recipe.seed,
@@ -251,30 +255,13 @@ class FinetuneTrainer:
             pad_token_id=self.tokenizer.pad_token_id,
         )
         self.train_loader = build_dataloader(
-            self.train_dataset,
-            local_batch_size=cfg.step_scheduler.local_batch_size,
-            shuffle=cfg.data.shuffle,
-            drop_last=cfg.data.drop_last,
-            **loader_kwargs,
+            self.train_dataset, shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last, **loader_kwargs
         )
         self.val_loader = None
-        if cfg.data.validation_split is not None and cfg.step_scheduler.val_every_steps:
-            node = cfg.data.validation_dataset or cfg.data.dataset
-            self.val_dataset = instantiate(
-                node, split=cfg.data.validation_split, **common, **self.cp_method.dataset_options(cfg, node),
-                _convert_="all",
-            )
-            self.val_loader = build_dataloader(
-                self.val_dataset,
-                local_batch_size=cfg.step_scheduler.local_batch_size,
-                shuffle=False,
-                drop_last=False,
-                **loader_kwargs,
-            )
-        sched = cfg.step_scheduler
+        if cfg.data.validation_split is not None and sched.val_every_steps:
+            self.val_dataset = dataset(cfg.data.validation_dataset or cfg.data.dataset, cfg.data.validation_split)
+            self.val_loader = build_dataloader(self.val_dataset, shuffle=False, drop_last=False, **loader_kwargs)
         self.grad_acc = sched.global_batch_size // (sched.local_batch_size * self.dp_size)
-        from automodel.data.epoch_plan import epoch_plan
-
         plan = epoch_plan(
             len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,  # None: streaming
             global_batch_size=sched.global_batch_size,
@@ -287,7 +274,11 @@ class FinetuneTrainer:
         if plan.warning:
             logger.warning("%s", plan.warning)
 
-        # ---- model
+    def _build_model(self, resolved: Any) -> None:
+        """The model (pretrained or from config) on this rank's device, unwrapped."""
+        from automodel.models.loader import build_model
+
+        cfg = self.cfg
         self.model = build_model(
             cfg.model,
             resolved,
@@ -304,14 +295,18 @@ class FinetuneTrainer:
             n_params / 1e6,
             cfg.model.dtype,
         )
-        # The CP method's batch/context function; a method may prepare the model once (Ulysses, thd: their
-        # own attention implementation around the inner kernel model.attn_implementation). At cp_size=1
-        # nothing is prepared: the model is the plain single-device reference. ``no_cp_fn`` and
-        # ``cp_prepared`` (what the method did, and how to undo it) give the same pipeline without CP: the
-        # CP self-check's reference.
+
+    def _bind_cp_method(self) -> None:
+        """The CP method's batch/context function ``cp_fn``; the method may prepare the model once.
+
+        Ulysses, thd: their own attention implementation around the inner kernel
+        ``model.attn_implementation``. At cp_size=1 nothing is prepared: the model is the plain
+        single-device reference. ``no_cp_fn`` and ``cp_prepared`` (what the method did, and how to
+        undo it) give the same pipeline without CP: the CP self-check's reference.
+        """
         from automodel.models.vlm_cp import bind_vlm_cp, is_vlm
 
-        d = cfg.distributed
+        cfg, d = self.cfg, self.cfg.distributed
         if is_vlm(self.model):  # vision on each rank's share, then the text model under CP
             self.cp_fn, self.cp_prepared = bind_vlm_cp(
                 self.model, self.mesh, self.cp_method, d.cp_size, self.attn_implementation
@@ -326,12 +321,19 @@ class FinetuneTrainer:
         if self.cp_prepared.switched:
             logger.info(
                 "cp_method=%s: model attention switched to %r around the inner kernel %r",
-                cfg.distributed.cp_method,
+                d.cp_method,
                 self.cp_prepared.current_attn,
                 self.inner_attn,
             )
         if d.enable_compiled_autograd and d.cp_size > 1:  # the CP attention backward runs eagerly
             self.cp_fn = _with_eager_attention_backward(self.cp_fn, self.model)
+
+    def _wrap_model(self) -> None:
+        """LoRA, TP, activation checkpointing, compilation, then FSDP2 (or replication) over dp x cp."""
+        from automodel.models.loader import torch_dtype
+        from automodel.models.parallelize import apply_activation_checkpointing, apply_fsdp2, apply_tp
+
+        cfg, d = self.cfg, self.cfg.distributed
         if cfg.peft is not None:  # LoRA adapters in place; everything else frozen (automodel.models.lora)
             from automodel.models.lora import apply_lora
 
