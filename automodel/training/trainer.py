@@ -40,7 +40,19 @@ from automodel.distributed.mesh import ParallelDims, default_backend, get_submes
 from automodel.errors import UserInputError
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
 from automodel.training.elastic import reseed_for_step
-from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
+from automodel.training.metrics import (
+    SUPERSEDED_METRICS,
+    MetricsWriter,
+    peak_memory_gib,
+    reset_peak_memory,
+    supersede_metrics,
+)
+from automodel.training.nonfinite import (
+    EXIT_NONFINITE,
+    agree_nonfinite_step,
+    first_nonfinite_weight,
+    nonfinite_message,
+)
 from automodel.training.optim import clip_grad_norm
 from automodel.training.resume_policy import (
     apply_schedule,
@@ -50,8 +62,9 @@ from automodel.training.resume_policy import (
     write_run_identity,
 )
 from automodel.training.row_padding import pad_multiple
-from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
+from automodel.training.run_dir import checkpoint_root, shared_run_dir, supersede_later_checkpoints
 from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
+from automodel.training.user_errors import RunAborted, stop_run_agreed
 
 __all__ = ["TrainHooks", "TrainResult", "FinetuneTrainer", "pad_multiple"]
 
@@ -76,6 +89,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
     stopped_by_sigterm: bool = False
+    nonfinite_steps: list[int] = field(default_factory=list)  # skipped (recipe.on_nonfinite=skip)
     last_checkpoint: Path | None = None
     export_dir: Path | None = None
     metrics_path: Path | None = None
@@ -143,21 +157,7 @@ class FinetuneTrainer:
         self.dp_group = dp_mesh.get_group()
         self.dp_cp_group = get_submesh(self.mesh, "dp_cp").get_group()
 
-        identity, run_notes = run_identity(self.loaded.effective), []  # resume=auto: a run of this config only
-        self.run_dir = shared_run_dir(cfg.recipe, cfg.checkpoint, identity, run_notes)
-        from automodel.training.logs import setup_logging
-
-        setup_logging(self.run_dir, self.rank, cfg.logging.level)
-        for level, note in run_notes:
-            logger.log(level, note)
-        if self.rank == 0:
-            from omegaconf import OmegaConf
-
-            (self.run_dir / "config.yaml").write_text(
-                OmegaConf.to_yaml(OmegaConf.create(self.loaded.effective))
-            )
-            write_run_identity(self.run_dir, identity)
-        logger.info("run directory: %s", self.run_dir)
+        self._open_run_dir()
         logger.info(
             "world %d on %s: dp_replicate=%d dp_shard=%d cp=%d tp=%d (cp_method=%s)",
             self.world_size,
@@ -185,6 +185,25 @@ class FinetuneTrainer:
             if d.cp_size > 1:  # a rank whose setup failed (a data file missing on one node) waits in the
                 agree_before_collectives()  # setup agreement: meet it there before the check's collectives
             self.cp_self_check_report = run_cp_self_check(self)
+
+    def _open_run_dir(self) -> None:
+        """The run directory (refused if it holds another run's outputs and this run does not resume it),
+        logging into it, and this run's ``config.yaml`` and identity (rank 0)."""
+        identity, run_notes = run_identity(self.loaded.effective), []  # resume=auto: a run of this config only
+        self.run_dir = shared_run_dir(self.cfg.recipe, self.cfg.checkpoint, identity, run_notes)
+        from automodel.training.logs import setup_logging
+
+        setup_logging(self.run_dir, self.rank, self.cfg.logging.level)
+        for level, note in run_notes:
+            logger.log(level, note)
+        if self.rank == 0:
+            from omegaconf import OmegaConf
+
+            (self.run_dir / "config.yaml").write_text(
+                OmegaConf.to_yaml(OmegaConf.create(self.loaded.effective))
+            )
+            write_run_identity(self.run_dir, identity)
+        logger.info("run directory: %s", self.run_dir)
 
     def _build_data_and_model(self) -> None:
         """Setup steps 2-4 in order: model config checks, data, model, the CP method, wrapping."""
@@ -394,13 +413,8 @@ class FinetuneTrainer:
             cp=self.dims.cp,
             tp=self.dims.tp,
         )
-        ckpt_dir = (
-            Path(cfg.checkpoint.dir).expanduser().resolve()
-            if cfg.checkpoint.dir
-            else self.run_dir / CHECKPOINT_SUBDIR
-        )
         self.checkpointer = Checkpointer(
-            ckpt_dir,
+            checkpoint_root(self.run_dir, cfg.checkpoint),
             self.layout,
             keep_last=cfg.checkpoint.keep_last,
             trainable_only=cfg.peft is not None,
@@ -440,6 +454,12 @@ class FinetuneTrainer:
                 "trains at lr %.4g", path, "; ".join(changes), self.step + 1, self.optimizer.param_groups[0]["lr"],
             )  # fmt: skip
         self.resumed_from = path
+        if self.rank == 0:  # every rank listed the checkpoints before the (collective) load
+            for moved in supersede_later_checkpoints(self.checkpointer.root, self.step):
+                logger.warning(
+                    "resumed step_%d: moved %s, a checkpoint of a later step that this run abandons, to %s "
+                    "(checkpoint.resume=auto never picks it)", self.step, moved.name.rsplit("-", 2)[0], moved.parent,
+                )  # fmt: skip
         if self.step >= self.cfg.step_scheduler.max_steps:
             logger.warning(
                 "checkpoint %s is at step %d >= step_scheduler.max_steps=%d: nothing left to train",
@@ -493,11 +513,13 @@ class FinetuneTrainer:
             all_reduce_gradients(self.model, self.dp_cp_group)
         grad_norm = clip_grad_norm(self.model, self.cfg.clip_grad.max_norm, self.cfg.clip_grad.norm_type)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self._all_reduce(ce_sum, self.dp_cp_group)  # each CP rank holds a disjoint part of the tokens
         loss = (ce_sum / num_label_tokens).item()
+        nonfinite = agree_nonfinite_step(loss, grad_norm, self.model, self.device)  # the same on every rank
+        if nonfinite is None:  # else no update: the gradients are dropped (automodel.training.nonfinite)
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         compiled = self.compile_clock.delta()  # compile time is reported apart from the step time
         self.compile_time_s += compiled.seconds
         if compiled.graphs:  # this process's first step: the startup cost; any later step: a recompile
@@ -529,6 +551,7 @@ class FinetuneTrainer:
             "peak_mem_gib": mem,
             "mem_kind": mem_kind,
             "epoch": self.train_loader.epoch,
+            **({"nonfinite": nonfinite, "skipped": True} if nonfinite is not None else {}),
         }
 
     @torch.no_grad()
@@ -578,14 +601,51 @@ class FinetuneTrainer:
         return pad_batch_to_length(batch, length, self.tokenizer.pad_token_id or 0)
 
     def save_checkpoint(self) -> Path:
+        """A checkpoint of the current step; never one with non-finite weights (:meth:`_check_weights`)."""
+        self._check_weights("checkpoint")
         return self.checkpointer.save(
             self.step, self.model, self.optimizer, self.scheduler, self.train_loader
         )
+
+    def _check_weights(self, what: str) -> None:
+        """Stop the run (exit :data:`EXIT_NONFINITE`) if any weight is not finite, before a ``what`` is written."""
+        name = first_nonfinite_weight(self.model, self.device)
+        if name is not None:
+            self._stop_nonfinite(f"parameter {name} holds non-finite weights; the {what} was not written")
+
+    def _stop_nonfinite(self, what: str, in_row: int | None = None, lr: float | None = None) -> None:
+        """End the run on a non-finite number (every rank, agreed): one ``error:`` line, :data:`EXIT_NONFINITE`."""
+        message = nonfinite_message(
+            self.step,
+            what,
+            lr=self.optimizer.param_groups[0]["lr"] if lr is None else lr,
+            last_checkpoint=latest_checkpoint(self.checkpointer.root) if self.cfg.checkpoint.enabled else None,
+            in_row=in_row,
+        )
+        self.nonfinite_stop = message
+        raise stop_run_agreed(message, EXIT_NONFINITE)
+
+    def _on_nonfinite_step(self, record: dict[str, Any], result: TrainResult) -> None:
+        """A step whose update was not applied: stop (``recipe.on_nonfinite=stop``, or the limit in a row
+        reached) or count it and go on (``skip``)."""
+        r = self.cfg.recipe
+        if r.on_nonfinite == "stop":
+            self._stop_nonfinite(record["nonfinite"], lr=record["lr"])
+        result.nonfinite_steps.append(self.step)
+        self.nonfinite_in_row += 1
+        record["nonfinite_skipped"] = len(result.nonfinite_steps)
+        logger.warning("step %d: skipped, %s (recipe.on_nonfinite=skip; %d in a row, %d in all)",
+                       self.step, record["nonfinite"], self.nonfinite_in_row, len(result.nonfinite_steps))  # fmt: skip
+        if self.nonfinite_in_row >= r.max_nonfinite_in_row:
+            self._stop_nonfinite(record["nonfinite"], in_row=self.nonfinite_in_row, lr=record["lr"])
 
     # ================================================================== the loop
     def train(self) -> TrainResult:
         cfg, sched = self.cfg, self.cfg.step_scheduler
         result = TrainResult(run_dir=self.run_dir, start_step=self.step, final_step=self.step)
+        if self.rank == 0 and (moved := supersede_metrics(self.run_dir / "metrics.jsonl", self.step)):
+            logger.info("metrics.jsonl continues at step %d: %d record(s) of later steps moved to %s",
+                        self.step + 1, moved, SUPERSEDED_METRICS)  # fmt: skip
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
         result.metrics_path = metrics.path
         from automodel.training.step_log import format_step_line, progress_bar, should_log_step
@@ -600,6 +660,7 @@ class FinetuneTrainer:
         batches = self._train_batches()
         t_start = time.perf_counter()
         tok_rates: list[float] = []
+        self.nonfinite_in_row = 0  # recipe.on_nonfinite=skip: steps skipped in a row
         last_saved_step = self.step if self.resumed_from is not None else -1
         try:
             with SigtermFlag() as sigterm:
@@ -609,18 +670,20 @@ class FinetuneTrainer:
                     step_batches = [next(batches) for _ in range(self.grad_acc)]
                     record = self.train_step(step_batches)
                     self.step += 1
-                    if not np.isfinite(record["loss"]):
-                        raise FloatingPointError(
-                            f"loss is {record['loss']} at step {self.step}; lower optimizer.lr, check the data, or "
-                            f"set clip_grad.max_norm"
-                        )
-                    result.losses[self.step] = record["loss"]
-                    result.grad_norms[self.step] = record["grad_norm"]
+                    if "nonfinite" in record:  # no update was applied; stops here unless on_nonfinite=skip
+                        try:
+                            self._on_nonfinite_step(record, result)
+                        finally:
+                            metrics.write(record)
+                    else:
+                        self.nonfinite_in_row = 0
+                        result.losses[self.step] = record["loss"]
+                        result.grad_norms[self.step] = record["grad_norm"]
+                        metrics.write(record)
+                        trackers.log(record)
                     if self.step > result.start_step + 1 or sched.max_steps - result.start_step == 1:
                         tok_rates.append(record["tokens_per_s"])  # the first step includes warm-up
-                    metrics.write(record)
-                    trackers.log(record)
-                    if self.rank == 0 and should_log_step(
+                    if "nonfinite" not in record and self.rank == 0 and should_log_step(
                         self.step, cfg.logging.log_every_steps, result.start_step, sched.max_steps
                     ):
                         logger.info("%s", format_step_line(record, sched.max_steps))
@@ -660,8 +723,15 @@ class FinetuneTrainer:
                             last_saved_step = self.step
                         logger.warning("stopped by SIGTERM after step %d", self.step)
                         break
+        except RunAborted:  # a non-finite number stopped the run: its summary says so, then every rank exits
+            if self.rank == 0:
+                result.final_step = self.step
+                result.wall_time_s = time.perf_counter() - t_start
+                self._write_summary(result)
+            raise
         finally:
             display.close()
+            metrics.close()
         result.final_step = self.step
         result.wall_time_s = time.perf_counter() - t_start
         result.tokens_per_s = float(np.mean(tok_rates)) if tok_rates else 0.0
@@ -673,7 +743,6 @@ class FinetuneTrainer:
             result.export_dir = self.export()
             if cfg.recipe.sample_prompts and self.rank == 0:
                 result.samples_path = self.sample(result.export_dir)
-        metrics.close()
         if self.rank == 0:
             if cfg.logging.plot and result.losses:
                 from automodel.training.plot import plot_loss_curve
@@ -688,6 +757,7 @@ class FinetuneTrainer:
         from automodel.models.loader import torch_dtype
         from automodel.training.export import export_hf_model
 
+        self._check_weights("export")
         ex = self.cfg.export
         out = Path(ex.dir).expanduser().resolve() if ex.dir else self.run_dir / "hf_model"
         if self.cfg.peft is not None:  # adapter/ (PEFT format), base/ or merged/ as needed
@@ -737,12 +807,15 @@ class FinetuneTrainer:
             "mean_tokens_per_s": result.tokens_per_s,
             "world_size": self.world_size,
             "stopped_by_sigterm": result.stopped_by_sigterm,
+            "nonfinite_skipped": len(result.nonfinite_steps),
+            "nonfinite_steps": result.nonfinite_steps,
+            "stopped_by_nonfinite": getattr(self, "nonfinite_stop", None),
             "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
             "export_dir": str(result.export_dir) if result.export_dir else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
         (result.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if losses:
+        if losses and summary["stopped_by_nonfinite"] is None:
             logger.info(
                 "done: steps %d..%d, loss %.4f -> %.4f, %.0f tokens/s (%.0f per device), %.1fs",
                 result.start_step + 1,
