@@ -173,3 +173,21 @@ def test_a_resume_from_an_earlier_checkpoint_continues_one_run(runs):
     assert [n.split("-")[0] for n in g["superseded_checkpoints"]] == ["step_4"]  # A's
     assert "moved step_4, a checkpoint of a later step that this run abandons" in g["stdout"]
     assert "later steps than" not in g["stdout"]  # no claim that it resumed an older checkpoint
+
+
+def test_on_nonfinite_skip_counts_goes_on_and_stops_after_n_in_a_row(runs):
+    h = runs["h"]
+    assert runs["h_exit"] == 3
+    train = [r for r in h["metrics"] if r["type"] == "train"]
+    skipped = [r["step"] for r in train if r.get("skipped")]
+    assert len(skipped) == 2 and skipped[1] == skipped[0] + 1 == train[-1]["step"]  # stopped at the 2nd in a row
+    assert [r["nonfinite_skipped"] for r in train if r.get("skipped")] == [1, 2]
+    assert all(r["nonfinite"].startswith(("the loss is ", "the gradient norm is ")) for r in train[-2:])
+    stop = skipped[1]
+    (line,) = h["stderr"].splitlines()
+    assert line.startswith(f"error: step {stop}: the ") and "2 steps in a row" in line
+    assert "recipe.max_nonfinite_in_row=2" in line and "Traceback" not in h["stderr"]
+    s = h["summary"]
+    assert s["nonfinite_skipped"] == 2 and s["nonfinite_steps"] == skipped and s["final_step"] == stop
+    assert s["stopped_by_nonfinite"] == line.removeprefix("error: ")
+    assert h["checkpoints"] == list(range(1, stop))  # the skipped step before it saved unchanged, finite weights

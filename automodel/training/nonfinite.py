@@ -27,6 +27,7 @@ from torch import nn
 
 __all__ = [
     "EXIT_NONFINITE",
+    "NonFiniteStop",
     "agree_nonfinite_step",
     "first_nonfinite_weight",
     "nonfinite_message",
@@ -34,6 +35,18 @@ __all__ = [
 ]
 
 EXIT_NONFINITE = 3  # distinct from 2 (a mistake in the input) and 1 (a bug)
+
+
+class NonFiniteStop(Exception):
+    """Raised on every rank alike (the decision was all-reduced) to end the run; ``message`` is its one line.
+
+    The trainer turns it into :class:`automodel.training.user_errors.RunAborted` (exit
+    :data:`EXIT_NONFINITE`) once it has left the loop and its SIGTERM handler.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 def parameter_name(name: str) -> str:

@@ -49,6 +49,7 @@ from automodel.training.metrics import (
 )
 from automodel.training.nonfinite import (
     EXIT_NONFINITE,
+    NonFiniteStop,
     agree_nonfinite_step,
     first_nonfinite_weight,
     nonfinite_message,
@@ -64,7 +65,7 @@ from automodel.training.resume_policy import (
 from automodel.training.row_padding import pad_multiple
 from automodel.training.run_dir import checkpoint_root, shared_run_dir, supersede_later_checkpoints
 from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
-from automodel.training.user_errors import RunAborted, stop_run_agreed
+from automodel.training.user_errors import stop_run_agreed
 
 __all__ = ["TrainHooks", "TrainResult", "FinetuneTrainer", "pad_multiple"]
 
@@ -623,7 +624,7 @@ class FinetuneTrainer:
             in_row=in_row,
         )
         self.nonfinite_stop = message
-        raise stop_run_agreed(message, EXIT_NONFINITE)
+        raise NonFiniteStop(message)
 
     def _on_nonfinite_step(self, record: dict[str, Any], result: TrainResult) -> None:
         """A step whose update was not applied: stop (``recipe.on_nonfinite=stop``, or the limit in a row
@@ -641,8 +642,24 @@ class FinetuneTrainer:
 
     # ================================================================== the loop
     def train(self) -> TrainResult:
+        """The training loop, the final checkpoint, the export, the plot and ``summary.json``.
+
+        Raises :class:`~automodel.training.user_errors.RunAborted` (exit :data:`EXIT_NONFINITE`, on every
+        rank, after rank 0 printed one ``error:`` line) when a non-finite number stopped the run.
+        """
+        try:
+            return self._train()
+        except NonFiniteStop as stop:  # out of the loop's SIGTERM handler: the ranks exit once rank 0 printed
+            if self.rank == 0:  # the summary says why the run ended
+                result = self._result
+                result.final_step = self.step
+                result.wall_time_s = time.perf_counter() - self._t_start
+                self._write_summary(result)
+            raise stop_run_agreed(stop.message, EXIT_NONFINITE) from None
+
+    def _train(self) -> TrainResult:
         cfg, sched = self.cfg, self.cfg.step_scheduler
-        result = TrainResult(run_dir=self.run_dir, start_step=self.step, final_step=self.step)
+        result = self._result = TrainResult(run_dir=self.run_dir, start_step=self.step, final_step=self.step)
         if self.rank == 0 and (moved := supersede_metrics(self.run_dir / "metrics.jsonl", self.step)):
             logger.info("metrics.jsonl continues at step %d: %d record(s) of later steps moved to %s",
                         self.step + 1, moved, SUPERSEDED_METRICS)  # fmt: skip
@@ -658,7 +675,7 @@ class FinetuneTrainer:
             progress_bar(self.rank == 0 and cfg.logging.progress_bar, sched.max_steps, self.step)
         )
         batches = self._train_batches()
-        t_start = time.perf_counter()
+        t_start = self._t_start = time.perf_counter()
         tok_rates: list[float] = []
         self.nonfinite_in_row = 0  # recipe.on_nonfinite=skip: steps skipped in a row
         last_saved_step = self.step if self.resumed_from is not None else -1
@@ -723,12 +740,6 @@ class FinetuneTrainer:
                             last_saved_step = self.step
                         logger.warning("stopped by SIGTERM after step %d", self.step)
                         break
-        except RunAborted:  # a non-finite number stopped the run: its summary says so, then every rank exits
-            if self.rank == 0:
-                result.final_step = self.step
-                result.wall_time_s = time.perf_counter() - t_start
-                self._write_summary(result)
-            raise
         finally:
             display.close()
             metrics.close()

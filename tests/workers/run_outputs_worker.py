@@ -1,11 +1,13 @@
 """What a run leaves for its user: step lines, tracker files, samples, and which run a resume continues
-(see tests/test_run_outputs.py). One world-1 group, six short runs of ``configs/cp.yaml`` with the
+(see tests/test_run_outputs.py). One world-1 group, seven short runs of ``configs/cp.yaml`` with the
 tiny overrides of ``recipe_worker``, all under one ``recipe.output_root`` (no ``recipe.output_dir``, so
 ``checkpoint.resume=auto`` has to search)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from automodel.config import load_config
 from automodel.errors import UserInputError
 from automodel.training.metrics import read_metrics
 from automodel.training.trainer import FinetuneTrainer
+from automodel.training.user_errors import RunAborted
 from tests.workers.recipe_worker import CP, TINY
 
 
@@ -89,5 +92,23 @@ def main(rank: int, world_size: int, out: str, prompt: str) -> dict:
         "superseded_metrics": read_metrics(run_a / "metrics.superseded.jsonl"),
         "checkpoints": sorted(p.name for p in (run_a / "checkpoints").iterdir()),
         "superseded_checkpoints": sorted(p.name for p in (run_a / "checkpoints" / "superseded").iterdir()),
+    }
+    # H: optimizer.lr=1e6 with recipe.on_nonfinite=skip, 2 in a row allowed: the first non-finite step is
+    # skipped and counted, the run goes on, the second in a row stops it (exit 3), nothing non-finite saved
+    h_dir, err = out_dir / "nonfinite_skip", io.StringIO()
+    h = [f"recipe.output_dir={h_dir}", "optimizer.lr=1e6", "recipe.on_nonfinite=skip", "recipe.max_nonfinite_in_row=2",
+         "step_scheduler.max_steps=8", "step_scheduler.val_every_steps=null", "step_scheduler.ckpt_every_steps=1",
+         "checkpoint.keep_last=null"]  # fmt: skip
+    with contextlib.redirect_stderr(err):
+        try:
+            _run(out_dir, h)
+            res["h_exit"] = 0
+        except RunAborted as e:
+            res["h_exit"] = e.exit_code
+    res["h"] = {
+        "stderr": err.getvalue(),
+        "metrics": read_metrics(h_dir / "metrics.jsonl"),
+        "summary": json.loads((h_dir / "summary.json").read_text()),
+        "checkpoints": sorted(int(p.name.split("_")[1]) for p in (h_dir / "checkpoints").glob("step_*")),
     }
     return res
