@@ -640,6 +640,39 @@ class FinetuneTrainer:
         if self.nonfinite_in_row >= r.max_nonfinite_in_row:
             self._stop_nonfinite(record["nonfinite"], in_row=self.nonfinite_in_row, lr=record["lr"])
 
+    def _record_step(self, record: dict[str, Any], result: TrainResult, metrics: Any, trackers: Any, bar: Any) -> None:
+        """Step ``self.step``'s record into ``result``, ``metrics.jsonl``, the trackers, the step line and the bar.
+
+        A step whose update was not applied (non-finite) goes to ``metrics.jsonl`` only, and stops the run
+        here unless ``recipe.on_nonfinite=skip`` (:meth:`_on_nonfinite_step`).
+        """
+        from automodel.training.step_log import format_step_line, should_log_step
+
+        sched = self.cfg.step_scheduler
+        if "nonfinite" in record:
+            try:
+                self._on_nonfinite_step(record, result)
+            finally:
+                metrics.write(record)
+        else:
+            self.nonfinite_in_row = 0
+            result.losses[self.step] = record["loss"]
+            result.grad_norms[self.step] = record["grad_norm"]
+            metrics.write(record)
+            trackers.log(record)
+            if self.rank == 0 and should_log_step(
+                self.step, self.cfg.logging.log_every_steps, result.start_step, sched.max_steps
+            ):
+                logger.info("%s", format_step_line(record, sched.max_steps))
+        if bar is not None:
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                **({"compile_s": f"{self.compile_time_s:.1f}"} if self.compile_time_s else {}),
+            )
+            bar.update(1)
+
     # ================================================================== the loop
     def train(self) -> TrainResult:
         """The training loop, the final checkpoint, the export, the plot and ``summary.json``.
@@ -665,7 +698,7 @@ class FinetuneTrainer:
                         self.step + 1, moved, SUPERSEDED_METRICS)  # fmt: skip
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
         result.metrics_path = metrics.path
-        from automodel.training.step_log import format_step_line, progress_bar, should_log_step
+        from automodel.training.step_log import progress_bar
         from automodel.training.trackers import Trackers
 
         trackers = Trackers(cfg.logging, self.run_dir, cfg.recipe.name, self.loaded.effective, self.rank == 0)
@@ -687,31 +720,9 @@ class FinetuneTrainer:
                     step_batches = [next(batches) for _ in range(self.grad_acc)]
                     record = self.train_step(step_batches)
                     self.step += 1
-                    if "nonfinite" in record:  # no update was applied; stops here unless on_nonfinite=skip
-                        try:
-                            self._on_nonfinite_step(record, result)
-                        finally:
-                            metrics.write(record)
-                    else:
-                        self.nonfinite_in_row = 0
-                        result.losses[self.step] = record["loss"]
-                        result.grad_norms[self.step] = record["grad_norm"]
-                        metrics.write(record)
-                        trackers.log(record)
+                    self._record_step(record, result, metrics, trackers, bar)  # a non-finite step may stop here
                     if self.step > result.start_step + 1 or sched.max_steps - result.start_step == 1:
                         tok_rates.append(record["tokens_per_s"])  # the first step includes warm-up
-                    if "nonfinite" not in record and self.rank == 0 and should_log_step(
-                        self.step, cfg.logging.log_every_steps, result.start_step, sched.max_steps
-                    ):
-                        logger.info("%s", format_step_line(record, sched.max_steps))
-                    if bar is not None:
-                        bar.set_postfix(
-                            loss=f"{record['loss']:.4f}",
-                            lr=f"{record['lr']:.2e}",
-                            tok_s=f"{record['tokens_per_s']:.0f}",
-                            **({"compile_s": f"{self.compile_time_s:.1f}"} if self.compile_time_s else {}),
-                        )
-                        bar.update(1)
                     if self.val_loader is not None and (
                         self.step % sched.val_every_steps == 0 or self.step == sched.max_steps
                     ):
