@@ -3,7 +3,7 @@ a distinct exit code, never saved.
 
 The user's case, ``optimizer.lr=1e6`` with the default ``recipe.on_nonfinite=stop``, runs under torchrun
 on 2 ranks (one launch): one ``error:`` line from rank 0 naming the step and the loss, exit 3 on every
-rank, no traceback. ``on_nonfinite=skip`` (counted, continued, stopped after ``max_nonfinite_in_row`` in
+rank, no traceback; a second, shorter run into its directory is refused (one line, exit 2). ``on_nonfinite=skip`` (counted, continued, stopped after ``max_nonfinite_in_row`` in
 a row) runs in the world-1 group of tests/test_run_outputs.py (run H).
 """
 
@@ -115,7 +115,14 @@ def lr_1e6(tmp_path_factory):
            "step_scheduler.val_every_steps=null", "step_scheduler.ckpt_every_steps=1", "checkpoint.keep_last=null",
            "optimizer.lr=1e6", f"recipe.output_dir={run_dir}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
-    return {"rc": proc.returncode, "out": proc.stdout + proc.stderr, "run_dir": run_dir}
+    # then a shorter run into the same directory, not resuming it (issue 27 item 2, as the recipe exits)
+    again = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "finetune.py"), "--config", str(REPO / "configs" / "cp.yaml"),
+         *TINY, "distributed.cp_size=1", "step_scheduler.max_steps=2", f"recipe.output_dir={run_dir}"],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return {"rc": proc.returncode, "out": proc.stdout + proc.stderr, "run_dir": run_dir,
+            "again_rc": again.returncode, "again_out": again.stdout + again.stderr}  # fmt: skip
 
 
 @pytest.mark.dist
@@ -143,3 +150,12 @@ def test_lr_1e6_saved_nothing_of_the_bad_step(lr_1e6):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == step and summary["stopped_by_nonfinite"].startswith(f"step {step}: ")
     assert not (run_dir / "hf_model").exists()
+
+
+@pytest.mark.dist
+def test_a_second_run_into_the_directory_is_refused_with_exit_2(lr_1e6):
+    out = lr_1e6["again_out"]
+    assert lr_1e6["again_rc"] == 2, out
+    (line,) = [x for x in out.splitlines() if "error:" in x]
+    assert line.startswith(f"error: the run directory {lr_1e6['run_dir']} holds another run's outputs (")
+    assert "metrics.jsonl" in line and "checkpoints step_1" in line and "Traceback" not in out
