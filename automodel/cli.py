@@ -18,6 +18,8 @@ What reaches the terminal is what the ranks print, and nothing of the launcher's
 - A mistake the ranks find (a data file, a tokenizer, a model path) is one ``error:`` line from rank
   0 (:mod:`automodel.training.user_errors`) and exit 2; the launcher's traceback and failure table
   are not printed.
+- A non-finite loss, gradient or weight (``recipe.on_nonfinite``, :mod:`automodel.training.nonfinite`)
+  is one ``error:`` line from rank 0 naming the step and the quantity, and exit 3.
 - SIGTERM (or SIGINT, Ctrl-C) stops the ranks with SIGTERM: they checkpoint as under torchrun
   (``checkpoint.save_on_sigterm``) and this command exits 143 (130 for SIGINT). The ranks have
   ``--shutdown-timeout`` seconds (torch's default 30, or ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) to do so.
@@ -42,6 +44,7 @@ from pathlib import Path
 __all__ = ["COMMANDS", "EXIT_USER_ERROR", "main", "recipe_script", "split_argv"]
 
 EXIT_USER_ERROR = 2
+EXIT_NONFINITE = 3  # automodel.training.nonfinite.EXIT_NONFINITE
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
@@ -84,8 +87,9 @@ usage: automodel finetune [--config PATH] [LAUNCHER OPTIONS] [OVERRIDE ...]
   --node-rank R --master-addr H --master-port P            (the static rendezvous)
   other torchrun options: --max-restarts, --monitor-interval, --rdzv-conf, --local-addr, --log-dir,
   --redirects, --tee, --local-ranks-filter, --shutdown-timeout, --start-method
-Exit codes: 0 done, 2 a mistake in the input (one error: line), 143 / 130 stopped by SIGTERM / SIGINT
-after a checkpoint, 1 anything else.
+Exit codes: 0 done, 2 a mistake in the input (one error: line), 3 a non-finite loss, gradient or
+weight (one error: line; recipe.on_nonfinite), 143 / 130 stopped by SIGTERM / SIGINT after a
+checkpoint, 1 anything else.
 """
 
 
@@ -206,6 +210,8 @@ def _exit_code_of_failures(failures: dict) -> tuple[int, str | None]:
     codes = {rank: f.exitcode for rank, f in failures.items()}
     if any(c == EXIT_USER_ERROR for c in codes.values()):
         return EXIT_USER_ERROR, None  # rank 0 printed the agreed error line
+    if any(c == EXIT_NONFINITE for c in codes.values()):
+        return EXIT_NONFINITE, None  # every rank agreed on the step; rank 0 printed the line
     if codes and all(c in (EXIT_SIGTERM, -signal.SIGTERM) for c in codes.values()):
         return EXIT_SIGTERM, None
     described = ", ".join(

@@ -8,8 +8,9 @@ docs/recipe.md. ``recipe.dry_run=true`` prints the plan (the mesh, the per-rank 
 a step-time estimate) and exits without loading weights. The ``automodel finetune`` command
 (automodel/cli.py) launches this file the way torchrun does. Exit codes: 0 done, 2 a mistake in the
 input (config, data, tokenizer, model path, checkpoint: one ``error:`` line from rank 0, the
-traceback in the run's logs/rank_<r>.log), 143 stopped by SIGTERM (a checkpoint was written; resume
-with checkpoint.resume=true).
+traceback in the run's logs/rank_<r>.log), 3 a non-finite loss, gradient or weight (one ``error:``
+line naming the step and the quantity; ``recipe.on_nonfinite``), 143 stopped by SIGTERM (a checkpoint
+was written; resume with checkpoint.resume=true).
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ def _launch(run_dir: Path, extra: list[str], env_extra: dict[str, str]) -> subpr
     )
 
 
-def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+def _train_losses(run_dir: Path, name: str = "metrics.jsonl") -> list[tuple[int, float]]:
+    lines = (run_dir / name).read_text().splitlines()
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["type"] == "train"]
 
 
@@ -99,6 +99,7 @@ def crash(tmp_path_factory):
         "second_log": second_log,
         "entries_end": sorted(p.name for p in ckpts.iterdir()),
         "losses": _train_losses(run_dir),
+        "superseded": _train_losses(run_dir, "metrics.superseded.jsonl"),
         "summary": json.loads(summary.read_text()) if (summary := run_dir / "summary.json").exists() else {},
         "ckpts": ckpts,
         "rank0_log": (run_dir / "logs" / "rank_0.log").read_text(),
@@ -127,8 +128,9 @@ def test_resume_auto_picks_the_complete_one_and_continues_exactly(crash):
     assert crash["second_rc"] == 0, crash["second_log"][-4000:]
     assert crash["summary"]["resumed_from"].endswith("checkpoints/step_2")
     losses = crash["losses"]
-    assert [s for s, _ in losses] == [1, 2, 3, 4, 3, 4, 5, 6]  # metrics.jsonl is appended
-    first, second = dict(losses[:4]), dict(losses[4:])
+    assert [s for s, _ in losses] == [1, 2, 3, 4, 5, 6]  # metrics.jsonl continues the run, each step once
+    assert [s for s, _ in crash["superseded"]] == [3, 4]  # the first pass's steps after step_2, kept aside
+    first, second = dict(crash["superseded"]), dict(losses)
     for step in (3, 4):
         assert abs(second[step] - first[step]) <= 1e-6 * abs(first[step]), (step, first, second)
 

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 
 from automodel.training.lr_schedule import warmup_cosine_factor
-from automodel.training.metrics import read_metrics
 from tests.dist_harness import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -53,10 +52,9 @@ def runs(tmp_path_factory):
     return res
 
 
-def _train_losses(run_dir: str) -> dict[int, float]:
-    """Run A's steps 1-4 from metrics.jsonl (run D later appends its steps 5, 6 to the same file)."""
-    records = read_metrics(Path(run_dir) / "metrics.jsonl")
-    return {r["step"]: r["loss"] for r in records if r["type"] == "train" and r["step"] <= 4}
+def _train_losses(runs: dict) -> dict[int, float]:
+    """Run A's steps 1-4 from its metrics.jsonl, as A left it (runs D and G continue the same file)."""
+    return {r["step"]: r["loss"] for r in runs["a"]["metrics"] if r["type"] == "train"}
 
 
 def test_step_lines_on_stdout_and_in_the_rank0_log(runs):
@@ -77,7 +75,7 @@ def test_tensorboard_events_hold_the_per_step_losses(runs):
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     got = {e.step: e.value for e in acc.Scalars("train/loss")}
-    want = _train_losses(run_dir)
+    want = _train_losses(runs)
     assert sorted(got) == [1, 2, 3, 4] and all(math.isclose(got[s], want[s], rel_tol=1e-6) for s in want)
     assert sorted(e.step for e in acc.Scalars("val/loss")) == [2, 4]
 
@@ -122,7 +120,7 @@ def test_wandb_offline_run_holds_the_per_step_losses(runs):
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
             if "train/loss" in items:
                 got[items["_step"]] = items["train/loss"]
-    want = _train_losses(run_dir)
+    want = _train_losses(runs)
     assert sorted(got) == [1, 2, 3, 4] and all(math.isclose(got[s], want[s], rel_tol=1e-9) for s in want)
 
 
@@ -147,3 +145,49 @@ def test_schedule_change_on_resume_is_refused_then_explicit(runs):
     assert "allow_schedule_change=true: resuming" in d["stdout"] and "step_scheduler.max_steps: 4 -> 6" in d["stdout"]
     # the last step (6, 0-based 5) ran at the new schedule's lr; lr_last is the lr after it (0-based 6)
     assert d["lr_last"] == pytest.approx(3e-3 * warmup_cosine_factor(6, 6, 2, 0.1))
+
+
+def test_d_continued_the_metrics_of_a(runs):
+    assert runs["d"]["metrics_steps"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_run_into_another_runs_directory_is_refused_before_any_work(runs):
+    err, run_dir = runs["e_error"], runs["a"]["run_dir"]
+    assert err is not None and err.startswith(f"the run directory {run_dir} holds another run's outputs (")
+    for held in ("config.yaml", "metrics.jsonl", "summary.json", "samples.jsonl", "hf_model/",
+                 "checkpoints step_2, step_4"):  # fmt: skip
+        assert held in err, held
+    assert "checkpoint.resume=false" in err and "set recipe.output_dir to a new directory" in err
+    assert "checkpoint.resume=auto" in err
+    assert runs["e_untouched"]  # nothing of A was rewritten, not even config.yaml
+
+
+def test_a_resume_from_an_earlier_checkpoint_continues_one_run(runs):
+    a, g = runs["a"], runs["g"]
+    assert g["start_step"] == 2 and sorted(g["losses"]) == [3, 4]
+    for step in (3, 4):  # an exact resume: the same losses as A's first pass
+        assert g["losses"][step] == pytest.approx(a["losses"][step], rel=1e-6)
+    assert g["metrics_steps"] == [1, 2, 3, 4]  # each step once: A's 3, 4 and D's 5, 6 moved aside
+    assert [r["step"] for r in g["superseded_metrics"] if r["type"] == "train"] == [3, 4, 5, 6]
+    assert g["checkpoints"] == ["step_2", "step_4", "superseded"]  # G's own step_4
+    assert [n.split("-")[0] for n in g["superseded_checkpoints"]] == ["step_4"]  # A's
+    assert "moved step_4, a checkpoint of a later step that this run abandons" in g["stdout"]
+    assert "later steps than" not in g["stdout"]  # no claim that it resumed an older checkpoint
+
+
+def test_on_nonfinite_skip_counts_goes_on_and_stops_after_n_in_a_row(runs):
+    h = runs["h"]
+    assert runs["h_exit"] == 3
+    train = [r for r in h["metrics"] if r["type"] == "train"]
+    skipped = [r["step"] for r in train if r.get("skipped")]
+    assert len(skipped) == 2 and skipped[1] == skipped[0] + 1 == train[-1]["step"]  # stopped at the 2nd in a row
+    assert [r["nonfinite_skipped"] for r in train if r.get("skipped")] == [1, 2]
+    assert all(r["nonfinite"].startswith(("the loss is ", "the gradient norm is ")) for r in train[-2:])
+    stop = skipped[1]
+    (line,) = h["stderr"].splitlines()
+    assert line.startswith(f"error: step {stop}: the ") and "2 steps in a row" in line
+    assert "recipe.max_nonfinite_in_row=2" in line and "Traceback" not in h["stderr"]
+    s = h["summary"]
+    assert s["nonfinite_skipped"] == 2 and s["nonfinite_steps"] == skipped and s["final_step"] == stop
+    assert s["stopped_by_nonfinite"] == line.removeprefix("error: ")
+    assert h["checkpoints"] == list(range(1, stop))  # the skipped step before it saved unchanged, finite weights

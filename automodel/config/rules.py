@@ -195,6 +195,11 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         )
     if cfg.recipe.memory_budget_gib is not None and not cfg.recipe.memory_budget_gib > 0:
         problems.append(f"recipe.memory_budget_gib={cfg.recipe.memory_budget_gib} must be > 0 (GiB per rank), or null")
+    if cfg.recipe.max_nonfinite_in_row < 1:
+        problems.append(
+            f"recipe.max_nonfinite_in_row={cfg.recipe.max_nonfinite_in_row} must be >= 1 (skipped steps in a row "
+            f"that stop a run with recipe.on_nonfinite=skip; default 3)"
+        )
     problems += peft_problems(cfg)
     problems += logging_problems(cfg)
     problems += sample_problems(cfg)

@@ -66,6 +66,8 @@ class RecipeSection:
     memory_budget_gib: float | None = None  # dry run: per-rank memory budget; suggests the cheapest change that fits
     sample_prompts: list[str] | None = None  # at the end: greedy completions of the exported model -> samples.jsonl
     sample_max_new_tokens: int = 32  # new tokens per sample at most (generation stops at the tokenizer's EOS)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient: stop (exit 3), or skip the update
+    max_nonfinite_in_row: int = 3  # on_nonfinite=skip: this many skipped steps in a row stop the run (exit 3)
 
 
 @dataclass

@@ -13,11 +13,14 @@ written for; ``recipe.plan_nnodes`` / ``recipe.plan_nproc_per_node`` place them 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from automodel.config import LoadedConfig, parallel_sizes
+from automodel.distributed.cp.layout import head_tail_spans
 from automodel.training.node_plan import node_plan_lines, planned_nodes
 
 __all__ = ["rank_layout", "head_tail_positions", "dry_run_report"]
@@ -50,11 +53,14 @@ def rank_layout(sizes: dict[str, int]) -> list[dict[str, int]]:
 
 
 def head_tail_positions(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
-    """Token ranges ``[start, end)`` of a row that CP rank ``cp_rank`` holds: chunks r and 2cp-1-r."""
+    """Token ranges ``[start, end)`` of a row that CP rank ``cp_rank`` holds: chunks r and 2cp-1-r.
+
+    The whole row at ``cp == 1``; else :func:`automodel.distributed.cp.layout.head_tail_spans` (the
+    one head-tail formula; ``ValueError`` unless ``seq_len`` is a multiple of ``2 * cp``).
+    """
     if cp == 1:
         return [(0, seq_len)]
-    c = seq_len // (2 * cp)
-    return [(cp_rank * c, (cp_rank + 1) * c), ((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c)]
+    return head_tail_spans(seq_len, cp, cp_rank)
 
 
 def _gib(n_bytes: float) -> str:
@@ -74,41 +80,51 @@ def _tokenizer_vocab(name: str | None) -> tuple[int | None, str]:
     return len(tok), f"{name or 'shipped default'} ({len(tok)} ids)"
 
 
-def dry_run_report(loaded: LoadedConfig) -> str:
-    """The dry-run text. Raises ``ValueError`` for a model that cannot train this run."""
-    import torch
-    from omegaconf import OmegaConf
+@dataclass
+class _Plan:
+    """The figures the report's sections share (computed by :func:`_layout_lines`)."""
 
+    loaded: LoadedConfig
+    sizes: dict[str, int]
+    method: Any  # the configured CP method
+    grad_acc: int
+    fsdp_size: int
+    seq: int  # the padded row length
+    local_seq: int  # one CP rank's share of it
+
+    @property
+    def cfg(self) -> Any:
+        return self.loaded.cfg
+
+    @property
+    def world(self) -> int:
+        return self.loaded.world_size
+
+
+def _layout_lines(loaded: LoadedConfig, out: list[str]) -> _Plan:
+    """The parallel layout: the mesh, the batch, each rank's coordinates and token ranges, the nodes."""
     from automodel.distributed.cp import get_cp_method
-    from automodel.models.cp_check import check_model_for_cp_run
-    from automodel.models.loader import build_model, check_model_for_run, resolve_model_config
-    from automodel.models.parallelize import check_model_config_for_tp
     from automodel.training.row_padding import pad_multiple
 
     cfg, world = loaded.cfg, loaded.world_size
     sizes, problems = parallel_sizes(cfg, world)
     assert not problems, problems  # validated before
-    d, sched, data = cfg.distributed, cfg.step_scheduler, cfg.data
-    out: list[str] = []
-    out.append(f"=== dry run: {loaded.path} (planned for world size {world}) ===")
-
-    # ---------------------------------------------------------------- layout
-    grad_acc = sched.global_batch_size // (sched.local_batch_size * sizes["dp"])
-    fsdp_size = sizes["dp_shard"] * sizes["cp"]
+    sched = cfg.step_scheduler
     mult = pad_multiple(cfg)
-    seq = -(-data.seq_len // mult) * mult
-    local_seq = seq // sizes["cp"]
+    seq = -(-cfg.data.seq_len // mult) * mult
+    method = get_cp_method(cfg.distributed.cp_method).configured(cfg)  # its options bound (usp: ulysses_size)
+    plan = _Plan(loaded, sizes, method, sched.global_batch_size // (sched.local_batch_size * sizes["dp"]),
+                 sizes["dp_shard"] * sizes["cp"], seq, seq // sizes["cp"])  # fmt: skip
     out.append("--- parallel layout ---")
     out.append(
         f"world size {world} = dp_replicate {sizes['dp_replicate']} x dp_shard {sizes['dp_shard']} x "
-        f"cp {sizes['cp']} x tp {sizes['tp']}; dp = {sizes['dp']}; FSDP shards over dp_shard_cp = {fsdp_size}"
+        f"cp {sizes['cp']} x tp {sizes['tp']}; dp = {sizes['dp']}; FSDP shards over dp_shard_cp = {plan.fsdp_size}"
         + (f" (HSDP: replicated {sizes['dp_replicate']}x)" if sizes["dp_replicate"] > 1 else "")
     )
-    method = get_cp_method(d.cp_method).configured(cfg)  # with its options bound (usp: ulysses_size)
     out.append(method.describe(seq, sizes["cp"]))
     out.append(
         f"global batch {sched.global_batch_size} rows = local {sched.local_batch_size} x dp {sizes['dp']} x grad_acc "
-        f"{grad_acc}; {sched.global_batch_size * seq} tokens per optimizer step, {sched.max_steps} steps"
+        f"{plan.grad_acc}; {sched.global_batch_size * seq} tokens per optimizer step, {sched.max_steps} steps"
     )
     layout = rank_layout(sizes)
     out.append("rank  dp_rep dp_shard cp tp | dp_rank fsdp_idx | token ranges of each row")
@@ -123,17 +139,28 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     nodes = planned_nodes(cfg.recipe.plan_nnodes, cfg.recipe.plan_nproc_per_node, world)
     if nodes is not None:  # recipe.plan_nnodes / plan_nproc_per_node: ranks per node, groups vs nodes
         out.extend(node_plan_lines(sizes, *nodes, cp_sub_groups=method.cp_sub_groups(sizes["cp"])))
+    return plan
 
-    # ---------------------------------------------------------------- model
+
+def _meta_model(plan: _Plan) -> tuple[Any, Any, str, Any]:
+    """The model on the meta device, checked for this run: ``(model, resolved config, tokenizer text, profile)``.
+
+    Raises ``ValueError`` for a model that cannot train this run (the run's own checks, in its order).
+    """
+    from automodel.models.cp_check import check_model_for_cp_run
+    from automodel.models.loader import build_model, check_model_for_run, resolve_model_config
+    from automodel.models.parallelize import check_model_config_for_tp
+
+    cfg, d = plan.cfg, plan.cfg.distributed
     resolved = resolve_model_config(cfg.model, dry_run=True)
-    vocab_needed, tok_desc = _tokenizer_vocab(data.tokenizer)
+    vocab_needed, tok_desc = _tokenizer_vocab(cfg.data.tokenizer)
     attn = cfg.model.attn_implementation or "sdpa"
     check_model_for_run(
         resolved.config,
         attn_implementation=attn,
         cp_size=d.cp_size,
         cp_method=d.cp_method,
-        seq_len=data.seq_len,
+        seq_len=cfg.data.seq_len,
         vocab_needed=vocab_needed,
         trust_remote_code=cfg.model.trust_remote_code,
     )
@@ -144,17 +171,21 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         from automodel.models.lora import apply_lora
 
         apply_lora(model, cfg.peft, seed=cfg.recipe.seed)  # checks the targets; meta: nothing allocated
-    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return model, resolved, tok_desc, profile
+
+
+def _model_lines(plan: _Plan, model: Any, resolved: Any, tok_desc: str, profile: Any, out: list[str]) -> Any:
+    """The model section: class, sizes, parameters per rank (and LoRA's). Returns its dims (memory_plan)."""
+    from automodel.training.memory_plan import model_dims
+
+    cfg, attn = plan.cfg, plan.cfg.model.attn_implementation or "sdpa"
+    c = _text_config(model)
     n_params = sum(p.numel() for p in model.parameters())
     n_unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     master = _BYTES[cfg.model.dtype]
-    compute_name = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
-    compute = _BYTES[compute_name]
-    from automodel.training.memory_plan import model_dims
-
     dims = model_dims(model)
-    tp = sizes["tp"]
-    shard = dims.local_params(tp) / fsdp_size  # TP-sharded weights / tp, norms whole; then FSDP2
+    tp = plan.sizes["tp"]
+    shard = dims.local_params(tp) / plan.fsdp_size  # TP-sharded weights / tp, norms whole; then FSDP2
     out.append("--- model ---")
     out.append(f"source: {resolved.source}")
     out.append(
@@ -162,16 +193,15 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         f"{cfg.model.activation_checkpointing}"
     )
     if profile is not None:
-        out.append(f"layer kinds: {profile.summary()}; exact under cp_method {method.name}")
+        out.append(f"layer kinds: {profile.summary()}; exact under cp_method {plan.method.name}")
     out.append(f"tokenizer: {tok_desc}")
-    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    heads, kv, head_dim = _heads(c)
     out.append(
         f"layers {c.num_hidden_layers}, hidden {c.hidden_size}, heads {heads} (kv {kv}, head_dim {head_dim}), "
         f"vocab {c.vocab_size}, parameters {n_unique / 1e6:.1f}M"
         + (f" ({n_params / 1e6:.1f}M counting tied weights twice)" if n_params != n_unique else "")
     )
-    over = f"FSDP over {fsdp_size}"
+    over = f"FSDP over {plan.fsdp_size}"
     if tp > 1:
         over = f"TP over {tp}: {dims.tp_params / 1e6:.1f}M sharded, norms whole; then {over}"
     out.append(
@@ -184,12 +214,31 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
         out.append(
             f"peft {cfg.peft.method} r={cfg.peft.r}: {n_lora / 1e6:.3f}M of them are trainable adapters; grads "
-            f"and AdamW states exist only for these: {_gib(3 * n_lora / fsdp_size * master)} per rank, not the "
-            f"figures above"
+            f"and AdamW states exist only for these: {_gib(3 * n_lora / plan.fsdp_size * master)} per rank, not "
+            f"the figures above"
         )
+    return dims
 
-    # ---------------------------------------------------------------- shapes
-    b = sched.local_batch_size
+
+def _text_config(model: Any) -> Any:
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _heads(c: Any) -> tuple[int, int, int]:
+    """``(attention heads, kv heads, head_dim)`` of a text config."""
+    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
+    return heads, kv, getattr(c, "head_dim", None) or c.hidden_size // heads
+
+
+def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
+    """Per-rank shapes of one micro-batch, the logits with the loss, the activations kept for backward."""
+    from automodel.training.memory_plan import plan_memory, run_shape_from_config
+
+    cfg, d, sizes = plan.cfg, plan.cfg.distributed, plan.sizes
+    c, tp, seq, local_seq = _text_config(model), sizes["tp"], plan.seq, plan.local_seq
+    heads, kv, head_dim = _heads(c)
+    compute_name = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
+    b = cfg.step_scheduler.local_batch_size
     out.append("--- per-rank shapes of one micro-batch (identical on every rank) ---")
     out.append(f"input_ids, labels        [{b}, {seq}] int64 before CP -> [{b}, {local_seq}] on each rank")
     out.append(
@@ -204,11 +253,10 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         f"attention q / k,v        [{b}, {heads // tp}, {local_seq}, {head_dim}] / [{b}, {kv // tp}, {local_seq}, {head_dim}]"
         + (f" (tp {tp}: {heads // tp} of {heads} heads, {kv // tp} of {kv} kv heads)" if tp > 1 else "")
     )
+    attn = cfg.model.attn_implementation or "sdpa"
     if sizes["cp"] > 1:  # the method's own exchange (ring rotation, Ulysses all-to-all, thd all-gather)
-        out.extend(method.describe_attention(b, heads // tp, kv // tp, head_dim, seq, sizes["cp"], attn))
-    from automodel.training.memory_plan import memory_plan_lines, plan_memory, run_shape_from_config
-
-    shape = run_shape_from_config(cfg, sizes, seq, grad_acc)  # predicted per-rank peak, term by term
+        out.extend(plan.method.describe_attention(b, heads // tp, kv // tp, head_dim, seq, sizes["cp"], attn))
+    shape = run_shape_from_config(cfg, sizes, seq, plan.grad_acc)  # predicted per-rank peak, term by term
     loss_term = plan_memory(dims, shape).terms["logits and loss"]  # the one logits figure of the report
     lp = tp > 1 and d.enable_loss_parallel
     out.append(
@@ -216,22 +264,43 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         + (f" (loss parallel: V / tp {tp})" if lp else " (gathered over tp)" if tp > 1 else "")
         + f"; with the loss: {_gib(loss_term.bytes)} (the 'logits and loss' term below: {loss_term.note})"
     )
-    per_layer_act = b * (local_seq // tp if sp else local_seq) * c.hidden_size * compute
+    per_layer_act = b * (local_seq // tp if sp else local_seq) * c.hidden_size * _BYTES[compute_name]
     out.append(
         f"layer inputs kept for backward: {c.num_hidden_layers} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
     )
-    out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=world))
+
+
+def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
+    """The per-rank memory plan against the budget and the step-time estimate."""
+    from automodel.training.memory_plan import memory_plan_lines, run_shape_from_config
     from automodel.training.step_estimate import step_estimate_lines
 
+    cfg, sizes = plan.cfg, plan.sizes
+    shape = run_shape_from_config(cfg, sizes, plan.seq, plan.grad_acc)
+    out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=plan.world))
     out.extend(
         step_estimate_lines(
-            dims, shape, sizes, world, sched.global_batch_size, cfg.recipe.gpu_type, cfg.recipe.plan_nproc_per_node
+            dims, shape, sizes, plan.world, cfg.step_scheduler.global_batch_size, cfg.recipe.gpu_type,
+            cfg.recipe.plan_nproc_per_node,
         )
-    )
+    )  # fmt: skip
+
+
+def dry_run_report(loaded: LoadedConfig) -> str:
+    """The dry-run text. Raises ``ValueError`` for a model that cannot train this run."""
+    import torch
+    from omegaconf import OmegaConf
+
+    out = [f"=== dry run: {loaded.path} (planned for world size {loaded.world_size}) ==="]
+    plan = _layout_lines(loaded, out)
+    model, resolved, tok_desc, profile = _meta_model(plan)
+    dims = _model_lines(plan, model, resolved, tok_desc, profile, out)
+    _shape_lines(plan, model, dims, out)
+    _memory_and_time_lines(plan, dims, out)
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    if cfg.recipe.dry_run_print_config:
+    if loaded.cfg.recipe.dry_run_print_config:
         out.append("--- resolved config (schema defaults included) ---")
         out.append(OmegaConf.to_yaml(OmegaConf.create(loaded.effective)).rstrip())
     else:

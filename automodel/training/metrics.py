@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsWriter", "peak_memory_gib", "reset_peak_memory", "read_metrics"]
+__all__ = ["MetricsWriter", "SUPERSEDED_METRICS", "peak_memory_gib", "reset_peak_memory", "read_metrics", "supersede_metrics"]
+
+SUPERSEDED_METRICS = "metrics.superseded.jsonl"  # beside metrics.jsonl: records a resume from an earlier step dropped
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -62,3 +64,32 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics file, in order."""
     with Path(path).open(encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def supersede_metrics(path: str | Path, step: int) -> int:
+    """Keep in ``path`` only the records of steps ``<= step``; move the others to ``metrics.superseded.jsonl``.
+
+    A run that resumes ``step_<step>`` continues the metrics of that run from there: records of later
+    steps (written before a crash, or by the trajectory an explicit ``resume_from`` of an earlier step
+    abandoned) would otherwise stand twice. A line that is not JSON (a write cut by a crash) is moved too.
+    Appends to the superseded file (nothing is lost); returns how many lines moved. A no-op without ``path``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep, drop = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record_step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            record_step = None
+        (keep if isinstance(record_step, int) and record_step <= step else drop).append(line)
+    if drop:
+        with (path.parent / SUPERSEDED_METRICS).open("a", encoding="utf-8") as fh:
+            fh.write("".join(line + "\n" for line in drop))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        tmp.replace(path)
+    return len(drop)

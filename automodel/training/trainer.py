@@ -40,7 +40,20 @@ from automodel.distributed.mesh import ParallelDims, default_backend, get_submes
 from automodel.errors import UserInputError
 from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
 from automodel.training.elastic import reseed_for_step
-from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
+from automodel.training.metrics import (
+    SUPERSEDED_METRICS,
+    MetricsWriter,
+    peak_memory_gib,
+    reset_peak_memory,
+    supersede_metrics,
+)
+from automodel.training.nonfinite import (
+    EXIT_NONFINITE,
+    NonFiniteStop,
+    agree_nonfinite_step,
+    first_nonfinite_weight,
+    nonfinite_message,
+)
 from automodel.training.optim import clip_grad_norm
 from automodel.training.resume_policy import (
     apply_schedule,
@@ -50,8 +63,9 @@ from automodel.training.resume_policy import (
     write_run_identity,
 )
 from automodel.training.row_padding import pad_multiple
-from automodel.training.run_dir import CHECKPOINT_SUBDIR, shared_run_dir
+from automodel.training.run_dir import checkpoint_root, shared_run_dir, supersede_later_checkpoints
 from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
+from automodel.training.user_errors import stop_run_agreed
 
 __all__ = ["TrainHooks", "TrainResult", "FinetuneTrainer", "pad_multiple"]
 
@@ -76,6 +90,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
     stopped_by_sigterm: bool = False
+    nonfinite_steps: list[int] = field(default_factory=list)  # skipped (recipe.on_nonfinite=skip)
     last_checkpoint: Path | None = None
     export_dir: Path | None = None
     metrics_path: Path | None = None
@@ -143,21 +158,7 @@ class FinetuneTrainer:
         self.dp_group = dp_mesh.get_group()
         self.dp_cp_group = get_submesh(self.mesh, "dp_cp").get_group()
 
-        identity, run_notes = run_identity(self.loaded.effective), []  # resume=auto: a run of this config only
-        self.run_dir = shared_run_dir(cfg.recipe, cfg.checkpoint, identity, run_notes)
-        from automodel.training.logs import setup_logging
-
-        setup_logging(self.run_dir, self.rank, cfg.logging.level)
-        for level, note in run_notes:
-            logger.log(level, note)
-        if self.rank == 0:
-            from omegaconf import OmegaConf
-
-            (self.run_dir / "config.yaml").write_text(
-                OmegaConf.to_yaml(OmegaConf.create(self.loaded.effective))
-            )
-            write_run_identity(self.run_dir, identity)
-        logger.info("run directory: %s", self.run_dir)
+        self._open_run_dir()
         logger.info(
             "world %d on %s: dp_replicate=%d dp_shard=%d cp=%d tp=%d (cp_method=%s)",
             self.world_size,
@@ -186,23 +187,39 @@ class FinetuneTrainer:
                 agree_before_collectives()  # setup agreement: meet it there before the check's collectives
             self.cp_self_check_report = run_cp_self_check(self)
 
-    def _build_data_and_model(self) -> None:
-        from hydra.utils import instantiate
+    def _open_run_dir(self) -> None:
+        """The run directory (refused if it holds another run's outputs and this run does not resume it),
+        logging into it, and this run's ``config.yaml`` and identity (rank 0)."""
+        identity, run_notes = run_identity(self.loaded.effective), []  # resume=auto: a run of this config only
+        self.run_dir = shared_run_dir(self.cfg.recipe, self.cfg.checkpoint, identity, run_notes)
+        from automodel.training.logs import setup_logging
 
-        from automodel.data import build_dataloader, load_tokenizer
+        setup_logging(self.run_dir, self.rank, self.cfg.logging.level)
+        for level, note in run_notes:
+            logger.log(level, note)
+        if self.rank == 0:
+            from omegaconf import OmegaConf
+
+            (self.run_dir / "config.yaml").write_text(
+                OmegaConf.to_yaml(OmegaConf.create(self.loaded.effective))
+            )
+            write_run_identity(self.run_dir, identity)
+        logger.info("run directory: %s", self.run_dir)
+
+    def _build_data_and_model(self) -> None:
+        """Setup steps 2-4 in order: model config checks, data, model, the CP method, wrapping."""
+        resolved = self._check_model_config()
+        self._build_data(resolved)
+        self._build_model(resolved)
+        self._bind_cp_method()
+        self._wrap_model()
+
+    def _check_model_config(self) -> Any:
+        """Tokenizer and model config, checked against the run before data or weights load; the resolved config."""
+        from automodel.data import load_tokenizer
         from automodel.models.cp_check import check_model_for_cp_run
-        from automodel.models.loader import (
-            build_model,
-            check_model_for_run,
-            resolve_model_config,
-            torch_dtype,
-        )
-        from automodel.models.parallelize import (
-            apply_activation_checkpointing,
-            apply_fsdp2,
-            apply_tp,
-            check_model_config_for_tp,
-        )
+        from automodel.models.loader import check_model_for_run, resolve_model_config
+        from automodel.models.parallelize import check_model_config_for_tp
 
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, allow_download=cfg.model.allow_download)
@@ -230,20 +247,27 @@ class FinetuneTrainer:
                 cfg.model, resolved, cfg.peft, attn_implementation=self.attn_implementation
             )
         logger.info("model config: %s", resolved.source)
+        return resolved
 
-        # ---- data
-        common = {"tokenizer": self.tokenizer, "seq_len": cfg.data.seq_len}
-        self.train_dataset = instantiate(
-            cfg.data.dataset,
-            split=cfg.data.train_split,
-            **common,
-            **self.cp_method.dataset_options(cfg, cfg.data.dataset),
-            _convert_="all",
-        )
+    def _build_data(self, resolved: Any) -> None:
+        """Datasets and resumable dp loaders (train, optional validation), ``grad_acc``, the epoch plan."""
+        from hydra.utils import instantiate
+
+        from automodel.data import build_dataloader
+        from automodel.data.epoch_plan import epoch_plan
         from automodel.models.vlm_cp import check_data_for_model
 
+        cfg, sched = self.cfg, self.cfg.step_scheduler
+        common = {"tokenizer": self.tokenizer, "seq_len": cfg.data.seq_len}
+
+        def dataset(node: Any, split: str) -> Any:
+            options = self.cp_method.dataset_options(cfg, node)
+            return instantiate(node, split=split, **common, **options, _convert_="all")
+
+        self.train_dataset = dataset(cfg.data.dataset, cfg.data.train_split)
         check_data_for_model(self.train_dataset, resolved.config)  # images need a VLM
         loader_kwargs = dict(
+            local_batch_size=sched.local_batch_size,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             seed=cfg.recipe.seed,
@@ -251,30 +275,13 @@ class FinetuneTrainer:
             pad_token_id=self.tokenizer.pad_token_id,
         )
         self.train_loader = build_dataloader(
-            self.train_dataset,
-            local_batch_size=cfg.step_scheduler.local_batch_size,
-            shuffle=cfg.data.shuffle,
-            drop_last=cfg.data.drop_last,
-            **loader_kwargs,
+            self.train_dataset, shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last, **loader_kwargs
         )
         self.val_loader = None
-        if cfg.data.validation_split is not None and cfg.step_scheduler.val_every_steps:
-            node = cfg.data.validation_dataset or cfg.data.dataset
-            self.val_dataset = instantiate(
-                node, split=cfg.data.validation_split, **common, **self.cp_method.dataset_options(cfg, node),
-                _convert_="all",
-            )
-            self.val_loader = build_dataloader(
-                self.val_dataset,
-                local_batch_size=cfg.step_scheduler.local_batch_size,
-                shuffle=False,
-                drop_last=False,
-                **loader_kwargs,
-            )
-        sched = cfg.step_scheduler
+        if cfg.data.validation_split is not None and sched.val_every_steps:
+            self.val_dataset = dataset(cfg.data.validation_dataset or cfg.data.dataset, cfg.data.validation_split)
+            self.val_loader = build_dataloader(self.val_dataset, shuffle=False, drop_last=False, **loader_kwargs)
         self.grad_acc = sched.global_batch_size // (sched.local_batch_size * self.dp_size)
-        from automodel.data.epoch_plan import epoch_plan
-
         plan = epoch_plan(
             len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None,  # None: streaming
             global_batch_size=sched.global_batch_size,
@@ -287,7 +294,11 @@ class FinetuneTrainer:
         if plan.warning:
             logger.warning("%s", plan.warning)
 
-        # ---- model
+    def _build_model(self, resolved: Any) -> None:
+        """The model (pretrained or from config) on this rank's device, unwrapped."""
+        from automodel.models.loader import build_model
+
+        cfg = self.cfg
         self.model = build_model(
             cfg.model,
             resolved,
@@ -304,14 +315,18 @@ class FinetuneTrainer:
             n_params / 1e6,
             cfg.model.dtype,
         )
-        # The CP method's batch/context function; a method may prepare the model once (Ulysses, thd: their
-        # own attention implementation around the inner kernel model.attn_implementation). At cp_size=1
-        # nothing is prepared: the model is the plain single-device reference. ``no_cp_fn`` and
-        # ``cp_prepared`` (what the method did, and how to undo it) give the same pipeline without CP: the
-        # CP self-check's reference.
+
+    def _bind_cp_method(self) -> None:
+        """The CP method's batch/context function ``cp_fn``; the method may prepare the model once.
+
+        Ulysses, thd: their own attention implementation around the inner kernel
+        ``model.attn_implementation``. At cp_size=1 nothing is prepared: the model is the plain
+        single-device reference. ``no_cp_fn`` and ``cp_prepared`` (what the method did, and how to
+        undo it) give the same pipeline without CP: the CP self-check's reference.
+        """
         from automodel.models.vlm_cp import bind_vlm_cp, is_vlm
 
-        d = cfg.distributed
+        cfg, d = self.cfg, self.cfg.distributed
         if is_vlm(self.model):  # vision on each rank's share, then the text model under CP
             self.cp_fn, self.cp_prepared = bind_vlm_cp(
                 self.model, self.mesh, self.cp_method, d.cp_size, self.attn_implementation
@@ -326,12 +341,19 @@ class FinetuneTrainer:
         if self.cp_prepared.switched:
             logger.info(
                 "cp_method=%s: model attention switched to %r around the inner kernel %r",
-                cfg.distributed.cp_method,
+                d.cp_method,
                 self.cp_prepared.current_attn,
                 self.inner_attn,
             )
         if d.enable_compiled_autograd and d.cp_size > 1:  # the CP attention backward runs eagerly
             self.cp_fn = _with_eager_attention_backward(self.cp_fn, self.model)
+
+    def _wrap_model(self) -> None:
+        """LoRA, TP, activation checkpointing, compilation, then FSDP2 (or replication) over dp x cp."""
+        from automodel.models.loader import torch_dtype
+        from automodel.models.parallelize import apply_activation_checkpointing, apply_fsdp2, apply_tp
+
+        cfg, d = self.cfg, self.cfg.distributed
         if cfg.peft is not None:  # LoRA adapters in place; everything else frozen (automodel.models.lora)
             from automodel.models.lora import apply_lora
 
@@ -392,13 +414,8 @@ class FinetuneTrainer:
             cp=self.dims.cp,
             tp=self.dims.tp,
         )
-        ckpt_dir = (
-            Path(cfg.checkpoint.dir).expanduser().resolve()
-            if cfg.checkpoint.dir
-            else self.run_dir / CHECKPOINT_SUBDIR
-        )
         self.checkpointer = Checkpointer(
-            ckpt_dir,
+            checkpoint_root(self.run_dir, cfg.checkpoint),
             self.layout,
             keep_last=cfg.checkpoint.keep_last,
             trainable_only=cfg.peft is not None,
@@ -438,6 +455,12 @@ class FinetuneTrainer:
                 "trains at lr %.4g", path, "; ".join(changes), self.step + 1, self.optimizer.param_groups[0]["lr"],
             )  # fmt: skip
         self.resumed_from = path
+        if self.rank == 0:  # every rank listed the checkpoints before the (collective) load
+            for moved in supersede_later_checkpoints(self.checkpointer.root, self.step):
+                logger.warning(
+                    "resumed step_%d: moved %s, a checkpoint of a later step that this run abandons, to %s "
+                    "(checkpoint.resume=auto never picks it)", self.step, moved.name.rsplit("-", 2)[0], moved.parent,
+                )  # fmt: skip
         if self.step >= self.cfg.step_scheduler.max_steps:
             logger.warning(
                 "checkpoint %s is at step %d >= step_scheduler.max_steps=%d: nothing left to train",
@@ -491,11 +514,13 @@ class FinetuneTrainer:
             all_reduce_gradients(self.model, self.dp_cp_group)
         grad_norm = clip_grad_norm(self.model, self.cfg.clip_grad.max_norm, self.cfg.clip_grad.norm_type)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self._all_reduce(ce_sum, self.dp_cp_group)  # each CP rank holds a disjoint part of the tokens
         loss = (ce_sum / num_label_tokens).item()
+        nonfinite = agree_nonfinite_step(loss, grad_norm, self.model, self.device)  # the same on every rank
+        if nonfinite is None:  # else no update: the gradients are dropped (automodel.training.nonfinite)
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
         compiled = self.compile_clock.delta()  # compile time is reported apart from the step time
         self.compile_time_s += compiled.seconds
         if compiled.graphs:  # this process's first step: the startup cost; any later step: a recompile
@@ -527,6 +552,7 @@ class FinetuneTrainer:
             "peak_mem_gib": mem,
             "mem_kind": mem_kind,
             "epoch": self.train_loader.epoch,
+            **({"nonfinite": nonfinite, "skipped": True} if nonfinite is not None else {}),
         }
 
     @torch.no_grad()
@@ -576,17 +602,103 @@ class FinetuneTrainer:
         return pad_batch_to_length(batch, length, self.tokenizer.pad_token_id or 0)
 
     def save_checkpoint(self) -> Path:
+        """A checkpoint of the current step; never one with non-finite weights (:meth:`_check_weights`)."""
+        self._check_weights("checkpoint")
         return self.checkpointer.save(
             self.step, self.model, self.optimizer, self.scheduler, self.train_loader
         )
 
+    def _check_weights(self, what: str) -> None:
+        """Stop the run (exit :data:`EXIT_NONFINITE`) if any weight is not finite, before a ``what`` is written."""
+        name = first_nonfinite_weight(self.model, self.device)
+        if name is not None:
+            self._stop_nonfinite(f"parameter {name} holds non-finite weights; the {what} was not written")
+
+    def _stop_nonfinite(self, what: str, in_row: int | None = None, lr: float | None = None) -> None:
+        """End the run on a non-finite number (every rank, agreed): one ``error:`` line, :data:`EXIT_NONFINITE`."""
+        message = nonfinite_message(
+            self.step,
+            what,
+            lr=self.optimizer.param_groups[0]["lr"] if lr is None else lr,
+            last_checkpoint=latest_checkpoint(self.checkpointer.root) if self.cfg.checkpoint.enabled else None,
+            in_row=in_row,
+        )
+        self.nonfinite_stop = message
+        raise NonFiniteStop(message)
+
+    def _on_nonfinite_step(self, record: dict[str, Any], result: TrainResult) -> None:
+        """A step whose update was not applied: stop (``recipe.on_nonfinite=stop``, or the limit in a row
+        reached) or count it and go on (``skip``)."""
+        r = self.cfg.recipe
+        if r.on_nonfinite == "stop":
+            self._stop_nonfinite(record["nonfinite"], lr=record["lr"])
+        result.nonfinite_steps.append(self.step)
+        self.nonfinite_in_row += 1
+        record["nonfinite_skipped"] = len(result.nonfinite_steps)
+        logger.warning("step %d: skipped, %s (recipe.on_nonfinite=skip; %d in a row, %d in all)",
+                       self.step, record["nonfinite"], self.nonfinite_in_row, len(result.nonfinite_steps))  # fmt: skip
+        if self.nonfinite_in_row >= r.max_nonfinite_in_row:
+            self._stop_nonfinite(record["nonfinite"], in_row=self.nonfinite_in_row, lr=record["lr"])
+
+    def _record_step(self, record: dict[str, Any], result: TrainResult, metrics: Any, trackers: Any, bar: Any) -> None:
+        """Step ``self.step``'s record into ``result``, ``metrics.jsonl``, the trackers, the step line and the bar.
+
+        A step whose update was not applied (non-finite) goes to ``metrics.jsonl`` only, and stops the run
+        here unless ``recipe.on_nonfinite=skip`` (:meth:`_on_nonfinite_step`).
+        """
+        from automodel.training.step_log import format_step_line, should_log_step
+
+        sched = self.cfg.step_scheduler
+        if "nonfinite" in record:
+            try:
+                self._on_nonfinite_step(record, result)
+            finally:
+                metrics.write(record)
+        else:
+            self.nonfinite_in_row = 0
+            result.losses[self.step] = record["loss"]
+            result.grad_norms[self.step] = record["grad_norm"]
+            metrics.write(record)
+            trackers.log(record)
+            if self.rank == 0 and should_log_step(
+                self.step, self.cfg.logging.log_every_steps, result.start_step, sched.max_steps
+            ):
+                logger.info("%s", format_step_line(record, sched.max_steps))
+        if bar is not None:
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                **({"compile_s": f"{self.compile_time_s:.1f}"} if self.compile_time_s else {}),
+            )
+            bar.update(1)
+
     # ================================================================== the loop
     def train(self) -> TrainResult:
+        """The training loop, the final checkpoint, the export, the plot and ``summary.json``.
+
+        Raises :class:`~automodel.training.user_errors.RunAborted` (exit :data:`EXIT_NONFINITE`, on every
+        rank, after rank 0 printed one ``error:`` line) when a non-finite number stopped the run.
+        """
+        try:
+            return self._train()
+        except NonFiniteStop as stop:  # out of the loop's SIGTERM handler: the ranks exit once rank 0 printed
+            if self.rank == 0:  # the summary says why the run ended
+                result = self._result
+                result.final_step = self.step
+                result.wall_time_s = time.perf_counter() - self._t_start
+                self._write_summary(result)
+            raise stop_run_agreed(stop.message, EXIT_NONFINITE) from None
+
+    def _train(self) -> TrainResult:
         cfg, sched = self.cfg, self.cfg.step_scheduler
-        result = TrainResult(run_dir=self.run_dir, start_step=self.step, final_step=self.step)
+        result = self._result = TrainResult(run_dir=self.run_dir, start_step=self.step, final_step=self.step)
+        if self.rank == 0 and (moved := supersede_metrics(self.run_dir / "metrics.jsonl", self.step)):
+            logger.info("metrics.jsonl continues at step %d: %d record(s) of later steps moved to %s",
+                        self.step + 1, moved, SUPERSEDED_METRICS)  # fmt: skip
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
         result.metrics_path = metrics.path
-        from automodel.training.step_log import format_step_line, progress_bar, should_log_step
+        from automodel.training.step_log import progress_bar
         from automodel.training.trackers import Trackers
 
         trackers = Trackers(cfg.logging, self.run_dir, cfg.recipe.name, self.loaded.effective, self.rank == 0)
@@ -596,8 +708,9 @@ class FinetuneTrainer:
             progress_bar(self.rank == 0 and cfg.logging.progress_bar, sched.max_steps, self.step)
         )
         batches = self._train_batches()
-        t_start = time.perf_counter()
+        t_start = self._t_start = time.perf_counter()
         tok_rates: list[float] = []
+        self.nonfinite_in_row = 0  # recipe.on_nonfinite=skip: steps skipped in a row
         last_saved_step = self.step if self.resumed_from is not None else -1
         try:
             with SigtermFlag() as sigterm:
@@ -607,29 +720,9 @@ class FinetuneTrainer:
                     step_batches = [next(batches) for _ in range(self.grad_acc)]
                     record = self.train_step(step_batches)
                     self.step += 1
-                    if not np.isfinite(record["loss"]):
-                        raise FloatingPointError(
-                            f"loss is {record['loss']} at step {self.step}; lower optimizer.lr, check the data, or "
-                            f"set clip_grad.max_norm"
-                        )
-                    result.losses[self.step] = record["loss"]
-                    result.grad_norms[self.step] = record["grad_norm"]
+                    self._record_step(record, result, metrics, trackers, bar)  # a non-finite step may stop here
                     if self.step > result.start_step + 1 or sched.max_steps - result.start_step == 1:
                         tok_rates.append(record["tokens_per_s"])  # the first step includes warm-up
-                    metrics.write(record)
-                    trackers.log(record)
-                    if self.rank == 0 and should_log_step(
-                        self.step, cfg.logging.log_every_steps, result.start_step, sched.max_steps
-                    ):
-                        logger.info("%s", format_step_line(record, sched.max_steps))
-                    if bar is not None:
-                        bar.set_postfix(
-                            loss=f"{record['loss']:.4f}",
-                            lr=f"{record['lr']:.2e}",
-                            tok_s=f"{record['tokens_per_s']:.0f}",
-                            **({"compile_s": f"{self.compile_time_s:.1f}"} if self.compile_time_s else {}),
-                        )
-                        bar.update(1)
                     if self.val_loader is not None and (
                         self.step % sched.val_every_steps == 0 or self.step == sched.max_steps
                     ):
@@ -660,6 +753,7 @@ class FinetuneTrainer:
                         break
         finally:
             display.close()
+            metrics.close()
         result.final_step = self.step
         result.wall_time_s = time.perf_counter() - t_start
         result.tokens_per_s = float(np.mean(tok_rates)) if tok_rates else 0.0
@@ -671,7 +765,6 @@ class FinetuneTrainer:
             result.export_dir = self.export()
             if cfg.recipe.sample_prompts and self.rank == 0:
                 result.samples_path = self.sample(result.export_dir)
-        metrics.close()
         if self.rank == 0:
             if cfg.logging.plot and result.losses:
                 from automodel.training.plot import plot_loss_curve
@@ -686,6 +779,7 @@ class FinetuneTrainer:
         from automodel.models.loader import torch_dtype
         from automodel.training.export import export_hf_model
 
+        self._check_weights("export")
         ex = self.cfg.export
         out = Path(ex.dir).expanduser().resolve() if ex.dir else self.run_dir / "hf_model"
         if self.cfg.peft is not None:  # adapter/ (PEFT format), base/ or merged/ as needed
@@ -735,12 +829,15 @@ class FinetuneTrainer:
             "mean_tokens_per_s": result.tokens_per_s,
             "world_size": self.world_size,
             "stopped_by_sigterm": result.stopped_by_sigterm,
+            "nonfinite_skipped": len(result.nonfinite_steps),
+            "nonfinite_steps": result.nonfinite_steps,
+            "stopped_by_nonfinite": getattr(self, "nonfinite_stop", None),
             "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
             "export_dir": str(result.export_dir) if result.export_dir else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
         (result.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if losses:
+        if losses and summary["stopped_by_nonfinite"] is None:
             logger.info(
                 "done: steps %d..%d, loss %.4f -> %.4f, %.0f tokens/s (%.0f per device), %.1fs",
                 result.start_step + 1,

@@ -57,6 +57,7 @@ __all__ = [
     "run_guarded",
     "agree_before_collectives",
     "report_error_before_setup",
+    "stop_run_agreed",
 ]
 
 logger = logging.getLogger("automodel.user_errors")
@@ -300,3 +301,22 @@ def report_error_before_setup(message: str, timeout_s: float = 60.0) -> int:
     _report(messages)
     _finish_collectively(None)
     return EXIT_USER_ERROR
+
+
+def stop_run_agreed(message: str, exit_code: int) -> RunAborted:
+    """End a run that every rank decided to stop at the same point (an all-reduced flag, e.g. a non-finite
+    loss: :mod:`automodel.training.nonfinite`): rank 0 prints ``error: <message>`` once, the message goes
+    to each rank's log file (not the terminal), and no rank returns before rank 0 printed. Returns the
+    :class:`RunAborted` (``exit_code``) for the caller to raise; :func:`run_phase` passes it through.
+    Collective over the world when there is a process group.
+    """
+    log = logging.getLogger("automodel")
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run stopped: %s", (message,), None)
+    for h in log.handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
+    if global_rank() == 0:
+        print_user_error(message)
+    if _distributed():
+        _finish_collectively(None)
+    return RunAborted(exit_code, message)
