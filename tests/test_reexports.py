@@ -20,6 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Each entry: a stable path that now only re-exports. Add a module here when its code moves.
 REEXPORT_MODULES: tuple[str, ...] = (
+    "automodel.distributed.cp.gated_deltanet",
+    "automodel.distributed.cp.kernels",
+    "automodel.distributed.cp.kernels.halo",
+    "automodel.distributed.cp.kernels.masked_attention",
+    "automodel.distributed.cp.kernels.ring_layers",
+    "automodel.distributed.cp.kernels.strategy",
+    "automodel.distributed.cp.kernels.token_layout",
+    "automodel.distributed.cp.linear_mixer",
+    "automodel.distributed.cp.linear_support",
+    "automodel.distributed.cp_utils",
+    "automodel.distributed.cpu_ring",
+    "automodel.distributed.doc_block_attention",
+    "automodel.distributed.hf_causal_mask",
+    "automodel.distributed.ulysses",
 )
 
 

@@ -9,14 +9,29 @@ This module is the one place the placement formulas are written:
   ``thd_get_partitioned_indices`` returns.
 - **contiguous** (Ulysses, usp's Ulysses level): rank ``r`` holds ``[r*L/W, (r+1)*L/W)``.
 
-Pure functions of integers (no process group): every rank computes every rank's share.
+The formulas are pure functions of integers (no process group): every rank computes every rank's share.
+:class:`TokenLayout` holds the result for the per-layer kernels (:mod:`automodel.distributed.cp.layers`):
+the global token ids of every rank (ring's head-tail split of a row: :func:`ring_layout`; thd's partition
+of every packed document: :func:`thd_layout`), so each rank knows without communication what its peers
+need from it (the halo exchange, :mod:`automodel.distributed.cp.exchange.halo`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
-__all__ = ["check_head_tail", "contiguous_span", "head_tail_indices", "head_tail_spans"]
+__all__ = [
+    "TokenLayout",
+    "check_head_tail",
+    "contiguous_span",
+    "head_tail_indices",
+    "head_tail_spans",
+    "ring_layout",
+    "thd_layout",
+]
 
 
 def check_head_tail(length: int, world_size: int, what: str = "sequence") -> None:
@@ -75,3 +90,87 @@ def contiguous_span(length: int, world_size: int, rank: int) -> tuple[int, int]:
         )
     n = length // world_size
     return rank * n, (rank + 1) * n
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the token ids of every rank, for the per-layer kernels
+
+
+@dataclass
+class TokenLayout:
+    """The global token ids of every CP rank.
+
+    Token ids are global positions in one row (ring) or in the packed stream of documents (thd);
+    ``doc_start[t]`` is where token ``t``'s document begins, so windows and chunks never cross a document.
+
+    Attributes:
+        group: the CP process group (``None`` at world size 1).
+        world_size, rank: the CP group's size and this rank.
+        rank_ids: per rank, ``[n_r]`` int64 (CPU) global ids of its local tokens, in local order.
+        doc_start: ``[T]`` int64 (CPU) global id of the first token of each token's document.
+        calls: attention calls routed under this layout while it is active
+            (:func:`automodel.distributed.cp.active.activate`).
+    """
+
+    group: Any
+    world_size: int
+    rank: int
+    rank_ids: list[torch.Tensor]
+    doc_start: torch.Tensor
+    calls: int = 0
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def total(self) -> int:
+        return int(self.doc_start.numel())
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[n]`` int64 global ids of this rank's tokens."""
+        return self.rank_ids[self.rank]
+
+    def positions(self) -> torch.Tensor:
+        """``[n]`` int64 position of each local token inside its document."""
+        return self.ids - self.doc_start[self.ids]
+
+    def longest_document(self) -> int:
+        """The longest document's length in tokens (cached)."""
+        if "longest" not in self._plans:
+            starts = torch.unique(self.doc_start)
+            ends = torch.cat([starts[1:], torch.tensor([self.total])])
+            self._plans["longest"] = int((ends - starts).max()) if starts.numel() else 0
+        return self._plans["longest"]
+
+    def halo_plan(self, window: int | None, chunk: int | None, block: int):
+        """The cached :class:`~automodel.distributed.cp.exchange.halo.HaloPlan` for a window / chunk."""
+        from automodel.distributed.cp.exchange.halo import HaloPlan
+
+        key = (window, chunk, block)
+        if key not in self._plans:
+            self._plans[key] = HaloPlan(self, window, chunk, block)
+        return self._plans[key]
+
+
+def ring_layout(seq_len: int, group: Any, world_size: int, rank: int) -> TokenLayout:
+    """Ring's head-tail split of a ``seq_len`` row: rank r holds chunks r and 2W-1-r of 2W (one document)."""
+    if world_size <= 1:
+        return TokenLayout(group, 1, 0, [torch.arange(seq_len)], torch.zeros(seq_len, dtype=torch.int64))
+    if seq_len % (2 * world_size):
+        raise ValueError(f"a ring row of {seq_len} tokens does not split into 2*cp_size={2 * world_size} chunks")
+    row = torch.tensor([0, seq_len])
+    ids = [head_tail_indices(row, world_size, r) for r in range(world_size)]
+    return TokenLayout(group, world_size, rank, ids, torch.zeros(seq_len, dtype=torch.int64))
+
+
+def thd_layout(cu_seqlens_padded: list[int], group: Any, world_size: int, rank: int) -> TokenLayout:
+    """thd's partition of packed documents (``cu_seqlens_padded`` ``[N+1]`` global offsets, every length a
+    multiple of ``2W``): rank r holds chunks r and 2W-1-r of every document, documents in order (TE's
+    ``thd_get_partitioned_indices``)."""
+    cu = torch.tensor(cu_seqlens_padded, dtype=torch.int64)
+    total = int(cu[-1])
+    lengths = cu[1:] - cu[:-1]
+    doc_start = torch.repeat_interleave(cu[:-1], lengths)
+    if world_size <= 1:
+        return TokenLayout(group, 1, 0, [torch.arange(total)], doc_start)
+    ids = [head_tail_indices(cu, world_size, r) for r in range(world_size)]
+    return TokenLayout(group, world_size, rank, ids, doc_start)
