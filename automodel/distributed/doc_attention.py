@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.cp.blocks import block_backward, block_forward, merge
 from automodel.distributed.cp.doc_placement import CostModel, Placement, plan_documents, split_chunks
 from automodel.distributed.cp.group import resolve_cp_group
-from automodel.distributed.thd_attention import _block_bwd, _block_fwd, _merge
 from automodel.errors import CPUnsupportedError
 
 __all__ = [
@@ -240,11 +240,11 @@ def _forward(q, kv, n_kv, plan: DocPlan, got, scale):
     for q_off, n, doc, start in plan.blocks:
         sl = slice(q_off, q_off + n)
         k, v = _heads(kv[:, :, sl], n_kv)
-        o, lse_b = _block_fwd(q[:, :, sl], k, v, True, scale)
+        o, lse_b = block_forward(q[:, :, sl], k, v, causal=True, scale=scale)
         if doc is not None and start > 0:
             pk, pv = _heads(torch.cat([t for _, t in plan.prefix(doc, start, kv, got)], 2), n_kv)
-            op, lp = _block_fwd(q[:, :, sl], pk, pv, False, scale)
-            o, lse_b = _merge(op, lp, o, lse_b)
+            op, lp = block_forward(q[:, :, sl], pk, pv, scale=scale)
+            o, lse_b = merge(op, lp, o, lse_b)
         if lse is None:
             lse = q.new_empty(q.shape[:3], dtype=lse_b.dtype)
         out[:, :, sl] = o
@@ -261,14 +261,14 @@ def _backward(dout, q, kv, n_kv, out, lse, plan: DocPlan, got, scale):
         args = (dout[:, :, sl].contiguous(), q[:, :, sl])
         tail = (out[:, :, sl].contiguous(), lse[:, :, sl].contiguous())
         k, v = _heads(kv[:, :, sl], n_kv)
-        g = _block_bwd(*args, k, v, *tail, True, scale)
+        g = block_backward(*args, k, v, *tail, causal=True, scale=scale)
         dq[:, :, sl] += g[0]
         dkv[:, :, sl] += torch.cat(g[1:], 1)
         if doc is None or start == 0:
             continue
         parts = plan.prefix(doc, start, kv, got)
         pk, pv = _heads(torch.cat([t for _, t in parts], 2), n_kv)
-        g = _block_bwd(*args, pk, pv, *tail, False, scale)
+        g = block_backward(*args, pk, pv, *tail, scale=scale)
         dq[:, :, sl] += g[0]
         dp, at = torch.cat(g[1:], 1), 0
         own = plan.split[doc][1]

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.cp.blocks import block_backward, block_forward, merge
 from automodel.distributed.cp.group import resolve_cp_group as _resolve_cp
 from automodel.distributed.te_batch import make_cp_batch_for_te
 from automodel.distributed.thd_utils import thd_partition_indices
@@ -80,12 +81,9 @@ THD_KERNELS = ("portable", "flash_attn", "te")
 #: Transformer Engine context-parallel communication types (``distributed.thd_cp_comm_type``).
 THD_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
-aten = torch.ops.aten
 # torch >= 2.13 names (the *_tensor ones are deprecated there); older torch has only the *_tensor ones
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-#: Use the exact math blocks (what non-CPU devices run in the portable kernel) also on CPU; tests set it.
-FORCE_MATH_BLOCKS = False
 
 
 def check_thd_kernel(kernel: str, device_type: str) -> None:
@@ -271,64 +269,6 @@ def thd_context(plan: THDPlan, *, require_attention: bool = True) -> Iterator[TH
 # portable kernel: blocked flash kernels on prefix + diagonal blocks, merged by log-sum-exp
 
 
-def _math_scores(q, k, causal: bool, scale: float | None):
-    """``[1, Hkv, g, n, m]`` fp32+ scores of one block (GQA by grouping the query heads)."""
-    hkv, d = k.shape[1], q.shape[-1]
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    qg = q.reshape(1, hkv, q.shape[1] // hkv, q.shape[2], d).to(dtype)
-    s = torch.matmul(qg, k.to(dtype).unsqueeze(2).transpose(-1, -2)) * (
-        scale if scale is not None else d**-0.5
-    )
-    if causal:  # square diagonal block: upper-left == lower-right
-        n = q.shape[2]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return s, qg
-
-
-def _block_fwd(q, k, v, causal: bool, scale: float | None):
-    """``(out [1, Hq, n, D], lse [1, Hq, n])`` of one block (q: ``[1, Hq, n, D]``, k/v: ``[1, Hkv, m, D]``).
-
-    CPU: torch's blocked flash kernel (no score matrix). Other devices: exact math on the block (the
-    ``flash_attn`` / ``te`` kernels are the fast CUDA paths).
-    """
-    if q.device.type == "cpu" and not FORCE_MATH_BLOCKS:
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
-        return out, lse
-    s, qg = _math_scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype).unsqueeze(2))
-    return out.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:3])
-
-
-def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float | None):
-    """``(dq, dk, dv)`` of one block given the MERGED ``out``/``lse`` of its queries (exact: the
-    probabilities are ``exp(s - lse)`` with the final LSE, and ``rowsum(dout * out)`` uses the final out)."""
-    if q.device.type == "cpu" and not FORCE_MATH_BLOCKS:
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
-        )[:3]
-    hkv, g, n, d = k.shape[1], q.shape[1] // k.shape[1], q.shape[2], q.shape[3]
-    s, qg = _math_scores(q, k, causal, scale)
-    p = torch.exp(s - lse.reshape(1, hkv, g, n, 1).to(s.dtype))
-    do = dout.reshape(1, hkv, g, n, d).to(s.dtype)
-    vv = v.to(s.dtype).unsqueeze(2)
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-    dp = torch.matmul(do, vv.transpose(-1, -2))
-    delta = (do * out.reshape(1, hkv, g, n, d).to(s.dtype)).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * (scale if scale is not None else d**-0.5)
-    dq = torch.matmul(ds, k.to(s.dtype).unsqueeze(2))
-    dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2)
-    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _merge(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1).to(out_a.dtype) + out_b * torch.exp(
-        lse_b - lse
-    ).unsqueeze(-1).to(out_b.dtype)
-    return out, lse
-
-
 def _head_major(x_tok: torch.Tensor) -> torch.Tensor:
     """Token-major ``[n, H, D]`` -> ``[1, H, n, D]`` (a view)."""
     return x_tok.permute(1, 0, 2).unsqueeze(0)
@@ -340,10 +280,12 @@ def _portable_forward(q, kg, vg, plan: THDPlan, scale):
     lse = None
     for q_off, n, k_start, k_diag in plan.query_blocks():
         qs = q[:, :, q_off : q_off + n]
-        o, lse_b = _block_fwd(qs, kg[:, :, k_diag : k_diag + n], vg[:, :, k_diag : k_diag + n], True, scale)
+        o, lse_b = block_forward(
+            qs, kg[:, :, k_diag : k_diag + n], vg[:, :, k_diag : k_diag + n], causal=True, scale=scale
+        )
         if k_diag > k_start:
-            op, lp = _block_fwd(qs, kg[:, :, k_start:k_diag], vg[:, :, k_start:k_diag], False, scale)
-            o, lse_b = _merge(op, lp, o, lse_b)
+            op, lp = block_forward(qs, kg[:, :, k_start:k_diag], vg[:, :, k_start:k_diag], scale=scale)
+            o, lse_b = merge(op, lp, o, lse_b)
         if lse is None:
             lse = q.new_zeros((*q.shape[:3],), dtype=lse_b.dtype)
         out[:, :, q_off : q_off + n] = o
@@ -364,7 +306,7 @@ def _portable_backward(dout, q, kg, vg, out, lse, plan: THDPlan, scale):
         for a, b, causal in ((k_diag, k_diag + n, True), (k_start, k_diag, False)):
             if b <= a:
                 continue
-            g = _block_bwd(*args, kg[:, :, a:b], vg[:, :, a:b], *tail, causal, scale)
+            g = block_backward(*args, kg[:, :, a:b], vg[:, :, a:b], *tail, causal=causal, scale=scale)
             dq[:, :, sl] += g[0]
             dkg[:, :, a:b] += g[1]
             dvg[:, :, a:b] += g[2]
