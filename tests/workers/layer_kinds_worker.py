@@ -74,10 +74,8 @@ def kernel_case(case: dict, rank: int, world: int, group) -> dict:
     ids = layout.ids
     local = [x.index_select(2, ids).clone().requires_grad_(True) for x in (q, k, v)]
     s_loc = sinks.clone().requires_grad_(True) if sinks is not None else None
-    out = halo_attention(  # force_math: the math blocks off-CPU kernels run
-        *local, layout, sinks=s_loc, scale=scale, block=case.get("block", 256),
-        force_math=bool(case.get("force_math")), **opts
-    )
+    backend = "math" if case.get("force_math") else None  # the math blocks off-CPU kernels run
+    out = halo_attention(*local, layout, sinks=s_loc, scale=scale, block=case.get("block", 256), backend=backend, **opts)
     loss = (out.transpose(1, 2) * w.index_select(2, ids)).sum()
     loss.backward()
     total = loss.detach().clone()

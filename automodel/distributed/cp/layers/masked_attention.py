@@ -2,84 +2,36 @@
 
 One softmax per query over every key it may see (the local keys and the halo, selected per query block),
 so a per-head sink logit joins each query's softmax exactly once and no partial results are merged.
-On CPU, blocks without sinks or softcapping and with equal head sizes run torch's blocked flash kernel
-with the block's mask; the others (and every block off CPU) run exact math with scores in fp32.
-The query blocks are recomputed in the backward (activation checkpointing), so the memory held per
-layer is the inputs plus, transiently, one block's ``[B, H, block, block + W]`` scores: O(W) per query,
-not O(S). Math scores are computed in fp32 (fp64 for fp64 inputs). Tests make every block run the math
-(what off-CPU blocks run) with :func:`force_math` or ``halo_attention(..., force_math=True)``.
+Each query block is one :func:`~automodel.distributed.cp.blocks.block_forward` with the block's mask: on
+CPU, blocks without sinks or softcapping and with equal head sizes run torch's blocked flash kernel; the
+others (and every block off CPU) run exact math with scores in fp32 (fp64 for fp64 inputs). The query
+blocks are recomputed in the backward (activation checkpointing), so the memory held per layer is the
+inputs plus, transiently, one block's ``[B, H, block, block + W]`` scores: O(W) per query, not O(S).
+Tests choose the math blocks with ``halo_attention(..., backend="math")`` or
+:func:`~automodel.distributed.cp.blocks.force_backend`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from automodel.distributed.cp.blocks import block_forward, resolve_backend
 from automodel.distributed.cp.exchange.halo import halo_exchange
 from automodel.distributed.cp.layout import TokenLayout
 
-__all__ = ["DEFAULT_BLOCK", "force_math", "halo_attention"]
+__all__ = ["DEFAULT_BLOCK", "halo_attention"]
 
 #: queries per block: bounds the transient score matrix at ``block x (block + W)`` per head
 DEFAULT_BLOCK = 256
-_FORCE_MATH: list[bool] = []  # the open force_math() blocks
 
 
-@contextlib.contextmanager
-def force_math() -> Iterator[None]:
-    """Inside the block, every halo attention block runs the exact math, also where the CPU flash kernel
-    would run (a test's switch: the math is what blocks with sinks, softcapping or other head sizes, and
-    every block off CPU, run). Re-entrant; affects the forward and its recomputation in the backward."""
-    _FORCE_MATH.append(True)
-    try:
-        yield
-    finally:
-        _FORCE_MATH.pop()
-
-
-def _flash_block(q, kbuf, vbuf, key_index, allowed, scale: float):
-    """torch's blocked CPU flash kernel with the block's mask (no sinks / softcap; equal head sizes)."""
-    g = q.shape[1] // kbuf.shape[1]
+def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: float | None, backend: str):
+    """``[B, Hq, nq, Dv]`` attention of one query block; ``kbuf``/``vbuf`` ``[B, Hkv, n + h, D]``: the keys
+    ``key_index`` of the buffers, ``allowed`` ``[nq, m]`` of them per query."""
     k = kbuf.index_select(2, key_index)
     v = vbuf.index_select(2, key_index)
-    if g > 1:
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.contiguous(), k, v, 0.0, False, attn_mask=mask, scale=scale
-    )[0]
-
-
-def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: float | None, flash: bool):
-    """``[B, Hq, nq, Dv]`` attention of one query block; ``kbuf``/``vbuf`` ``[B, Hkv, n + h, D]``.
-
-    The query heads of a KV head are stacked along the rows (``[B*Hkv, g*nq, D]``), so both products are
-    plain batched matmuls with no copy of K/V per query head.
-    """
-    b, hq, nq, d = q.shape
-    hkv = kbuf.shape[1]
-    g = hq // hkv
-    if flash:
-        return _flash_block(q, kbuf, vbuf, key_index, allowed, scale)
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    k = kbuf.index_select(2, key_index).to(dtype).reshape(b * hkv, -1, d)
-    v = vbuf.index_select(2, key_index).to(dtype)
-    dv = v.shape[-1]
-    v = v.reshape(b * hkv, -1, dv)
-    s = torch.bmm(q.to(dtype).reshape(b * hkv, g * nq, d), k.transpose(1, 2)) * scale
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    s = s.view(b * hkv, g, nq, -1).masked_fill(~allowed, float("-inf"))
-    logits = s
-    if sinks is not None:
-        sink = sinks.to(dtype).reshape(1, hkv, g, 1, 1).expand(b, hkv, g, nq, 1).reshape(b * hkv, g, nq, 1)
-        logits = torch.cat([s, sink], dim=-1)
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    out = torch.bmm(torch.exp(s - lse).view(b * hkv, g * nq, -1), v)
-    return out.view(b, hq, nq, dv).to(q.dtype)
+    return block_forward(q, k, v, scale=scale, allowed=allowed, sinks=sinks, softcap=softcap, backend=backend)[0]
 
 
 def halo_attention(
@@ -94,7 +46,7 @@ def halo_attention(
     softcap: float | None = None,
     scale: float | None = None,
     block: int = DEFAULT_BLOCK,
-    force_math: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's tokens within their documents, windows / chunks applied.
 
@@ -109,8 +61,8 @@ def halo_attention(
         softcap: logits are soft-capped as ``softcap * tanh(s / softcap)`` before masking (Gemma 2).
         scale: softmax scale (``None``: ``Dqk ** -0.5``).
         block: queries per block (memory: see the module docstring).
-        force_math: run the exact math blocks also where the CPU flash kernel would run (as inside
-            :func:`force_math`).
+        backend: the block backend (:func:`~automodel.distributed.cp.blocks.resolve_backend`; ``"math"``:
+            the exact math blocks also where the CPU flash kernel would run).
 
     Returns:
         ``[B, n, Hq, Dv]`` contiguous (transformers' attention-function layout), differentiable w.r.t. query, key,
@@ -136,11 +88,10 @@ def halo_attention(
     scale = scale if scale is not None else d**-0.5
     _, blocks = plan.on(query.device)
     # decided here, not in the block: the backward recomputes each block the same way
-    math_only = force_math or bool(_FORCE_MATH)
-    flash = query.device.type == "cpu" and sinks is None and not softcap and dv == d and not math_only
+    backend = resolve_backend(query.device, backend, sinks=sinks is not None, softcap=softcap, equal_heads=dv == d)
     outs = [
         checkpoint(
-            _block, query[:, :, q0:q1], kbuf, vbuf, sinks, key_index, allowed, scale, softcap, flash,
+            _block, query[:, :, q0:q1], kbuf, vbuf, sinks, key_index, allowed, scale, softcap, backend,
             use_reentrant=False,
         )
         for q0, q1, key_index, allowed in blocks

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from automodel.distributed.cp.active import activate, current
+from automodel.distributed.cp.hf_attention import AttentionCall, hf_attention_function
 from automodel.distributed.cp.layers.strategy import run_layer
 from automodel.distributed.cp.layout import ring_layout
 
@@ -35,38 +36,27 @@ _INSTALLED: list[bool] = []
 
 
 def _router(inner: Callable) -> Callable:
-    def sdpa_per_layer(
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Any,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        is_causal: bool | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, Any]:
-        if is_causal is not None:
-            kwargs["is_causal"] = is_causal
+    def sdpa_per_layer(call: AttentionCall) -> tuple[torch.Tensor, Any]:
         layout = current("ring")
         if layout is None or _ROUTING:
-            return inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        extra = {k: v for k, v in kwargs.items() if k != "is_causal"}
+            return call.run(inner)
 
         def native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            return inner(module, q, k, v, attention_mask, dropout=dropout, scaling=scale, **kwargs)[0]
+            return call.run(inner, query=q, key=k, value=v, scaling=scale)[0]
 
         _ROUTING.append(True)
         try:
             out = run_layer(
-                module, query, key, value, extra, layout=layout, native=native, method="ring",
-                scaling=scaling, dropout=dropout,
+                call.module, call.query, call.key, call.value, dict(call.kwargs), layout=layout, native=native,
+                method="ring", scaling=call.scaling, dropout=call.dropout,
             )
         finally:
             _ROUTING.pop()
         return out, None
 
-    routed = torch._dynamo.disable(sdpa_per_layer, reason="automodel: CP attention runs outside the compiled graph")
+    routed = torch._dynamo.disable(
+        hf_attention_function(sdpa_per_layer), reason="automodel: CP attention runs outside the compiled graph"
+    )
     setattr(routed, _MARK, True)
     return routed
 

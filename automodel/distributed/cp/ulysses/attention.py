@@ -48,6 +48,14 @@ from torch.distributed import ProcessGroup
 from automodel.distributed.all_to_all import all_to_all, even_split_sizes
 from automodel.distributed.cp.active import activate, current, not_switched_message
 from automodel.distributed.cp.group import resolve_cp_group
+from automodel.distributed.cp.hf_attention import (
+    AttentionCall,
+    enter_call,
+    hf_attention_function,
+    register_attention,
+    require_hf_model,
+    switch_attention,
+)
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
 from automodel.distributed.cp.layers.strategy import call_spec, config_chunk, correct_query_temperature
 from automodel.distributed.cp.ulysses.doc_blocks import Segment, document_block_attention, document_segments
@@ -335,17 +343,7 @@ def _inner_function(name: str, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def ulysses_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Any,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def _ulysses_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
     """Ulysses attention with transformers' attention-function signature (registered as ``"ulysses"``).
 
     Args:
@@ -360,14 +358,10 @@ def ulysses_attention_forward(
         ``([B, n_r, Hq, D], None)``: attention output for this rank's tokens (attention weights are not
         returned: they are head-sharded over the whole sequence).
     """
-    ctx = current_ulysses_context()
-    if ctx is None:
-        raise RuntimeError(
-            f"attention implementation {ULYSSES_ATTN_NAME!r} was called outside a Ulysses context; run the "
-            "model inside `with ctx_factory():` from make_ulysses_batch_and_ctx, or switch the model back "
-            "(model.set_attn_implementation('sdpa')) for runs without CP"
-        )
-    ctx.calls += 1
+    ctx = enter_call("ulysses", ULYSSES_ATTN_NAME, "a Ulysses context", "make_ulysses_batch_and_ctx")
+    module, query, key, value = call.module, call.query, call.key, call.value
+    attention_mask, dropout, scaling, is_causal = call.attention_mask, call.dropout, call.scaling, call.is_causal
+    kwargs = dict(call.kwargs)
     world, seq_len = ctx.world_size, ctx.seq_len
     bsz, n_q, n_local, head_dim = query.shape
     n_kv = key.shape[1]
@@ -391,7 +385,7 @@ def ulysses_attention_forward(
     if n_q % n_kv != 0:
         raise ValueError(f"query heads ({n_q}) must be a multiple of key/value heads ({n_kv})")
 
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = call.causal()
     chunk = config_chunk(module) if kwargs.get("sliding_window") is None else None
     spec, sinks = call_spec(module, query, value, kwargs)
     if spec.position_scaled:  # Llama 4's temperature at the tokens' in-document positions
@@ -462,8 +456,10 @@ def ulysses_attention_forward(
     inner = _inner_function(ctx.inner_attn, module)
     if blocks is not None:
         block_kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal", "position_ids")}
+        # sdpa: the shared blocks (what transformers' sdpa computes per block); eager: the model's own function
+        block_fn = None if ctx.inner_attn == "sdpa" and not dropout else inner
         out = document_block_attention(
-            inner,
+            block_fn,
             inner_module,
             query,
             key,
@@ -483,20 +479,16 @@ def ulysses_attention_forward(
     return out, None
 
 
+ulysses_attention_forward = hf_attention_function(_ulysses_attention, "ulysses_attention_forward")
+
+
 def register_ulysses_attention(name: str = ULYSSES_ATTN_NAME) -> str:
     """Register :func:`ulysses_attention_forward` in transformers' ``AttentionInterface`` (idempotent).
 
     It is deliberately not registered in ``AttentionMaskInterface``: HF then skips building its (local,
     wrong) mask and passes ``attention_mask=None``. Returns ``name``.
     """
-    from transformers import AttentionInterface
-
-    from automodel.distributed.torch_internals import ALL_MASK_ATTENTION_FUNCTIONS
-
-    if name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        raise ValueError(f"{name!r} is a mask implementation name in transformers; pick another name")
-    AttentionInterface.register(name, ulysses_attention_forward)
-    return name
+    return register_attention(name, ulysses_attention_forward)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -523,11 +515,7 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
     exactly (chunked attention, sinks, linear / state-space mixers: :mod:`automodel.distributed.cp`). The inner kernel is chosen per step in
     :func:`make_ulysses_batch_and_ctx`.
     """
-    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
-        raise TypeError(
-            f"{type(model).__name__} is not a transformers PreTrainedModel; Ulysses attention plugs into "
-            "transformers' AttentionInterface"
-        )
+    require_hf_model(model, "; Ulysses attention plugs into transformers' AttentionInterface", TypeError)
     if device_mesh is not None:
         _, world, _ = _resolve_cp(device_mesh)
         heads = getattr(_text_config(model.config), "num_attention_heads", None)
@@ -543,15 +531,7 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
 
     check_model_for_cp("ulysses", cached_profile(model), seq_len=None)
     install_linear_mixers(model, cached_profile(model), "ulysses")  # docs/linear_mixers.md
-    previous = model.config._attn_implementation
-    register_ulysses_attention()
-    model.set_attn_implementation(ULYSSES_ATTN_NAME)
-    if model.config._attn_implementation != ULYSSES_ATTN_NAME:
-        raise CPUnsupportedError(
-            f"distributed.cp_method=ulysses: {type(model).__name__} did not accept attn_implementation={ULYSSES_ATTN_NAME!r} (it does not "
-            "dispatch attention through transformers' AttentionInterface)"
-        )
-    return previous
+    return switch_attention(model, ULYSSES_ATTN_NAME, ulysses_attention_forward, "ulysses", catch=False)
 
 
 def _primary_sequence_tensor(batch: dict[str, Any]) -> torch.Tensor:

@@ -17,8 +17,9 @@ kernel's own ``is_causal`` inside the block) and a block-sized one for ``eager``
   masked). Nothing real ever attends to a pad and no loss is taken there, so every real token's
   output, the loss and every gradient are exactly the dense computation's either way.
 
-Memory: ``O(S)`` for ``sdpa`` (the CPU flash / CUDA kernels with ``is_causal``), ``O(L_doc**2)`` for
-``eager`` (which materialises its scores anyway). Cost: one kernel call per document.
+Memory: ``O(S)`` for ``sdpa`` (the blocks of :mod:`automodel.distributed.cp.blocks`: the CPU flash kernel
+with ``causal``), ``O(L_doc**2)`` for ``eager`` (the model's own eager function, which materialises its
+scores anyway). Cost: one kernel call per document.
 :func:`document_segments` returns ``None`` for a layout this cannot express (a pad between two real
 tokens of one document, left padding): the caller then keeps the dense mask, which is exact too.
 """
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from automodel.distributed.cp.blocks import block_forward
 
 __all__ = ["Segment", "document_segments", "document_block_attention"]
 
@@ -78,7 +81,7 @@ def _causal_additive_mask(length: int, dtype: torch.dtype, device: torch.device)
 
 
 def document_block_attention(
-    attention_fn: Callable[..., tuple[torch.Tensor, Any]],
+    attention_fn: Callable[..., tuple[torch.Tensor, Any]] | None,
     module: Any,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -93,7 +96,9 @@ def document_block_attention(
 
     Args:
         attention_fn: a transformers attention function (``sdpa_attention_forward``, a model's
-            ``eager_attention_forward``): ``fn(module, q, k, v, mask, **kwargs) -> ([b, L, h, D], _)``.
+            ``eager_attention_forward``): ``fn(module, q, k, v, mask, **kwargs) -> ([b, L, h, D], _)``; or
+            ``None``: each block is :func:`~automodel.distributed.cp.blocks.block_forward` (what ``sdpa``
+            computes: ``is_causal`` inside the block, GQA, the ``scaling`` keyword; no dropout).
         module: passed through (``num_key_value_groups``, ``scaling``, ...).
         query: ``[B, Hq, S, D]``; key/value: ``[B, Hkv, S, D]`` (GQA handled by ``attention_fn``).
         segments: from :func:`document_segments`.
@@ -106,38 +111,28 @@ def document_block_attention(
         Differentiable w.r.t. query, key and value. Nothing is mutated.
     """
     bsz, n_heads, seq_len, head_dim = query.shape
+
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        if attention_fn is None:
+            return block_forward(q, k, v, causal=causal, scale=kwargs.get("scaling"))[0].transpose(1, 2)
+        mask = None
+        if needs_mask and causal:
+            mask = _causal_additive_mask(q.shape[2], query.dtype, query.device)
+        return attention_fn(module, q, k, v, mask, is_causal=causal, **kwargs)[0]
+
     rows = []
     for b in range(bsz):
         pieces = []
         for start, real_end, end in segments[b]:
             if real_end > start:
                 sl = slice(start, real_end)
-                mask = None
-                if needs_mask and is_causal:
-                    mask = _causal_additive_mask(real_end - start, query.dtype, query.device)
-                out, _ = attention_fn(
-                    module,
-                    query[b : b + 1, :, sl],
-                    key[b : b + 1, :, sl],
-                    value[b : b + 1, :, sl],
-                    mask,
-                    is_causal=is_causal,
-                    **kwargs,
-                )
-                pieces.append(out)
+                pieces.append(block(query[b : b + 1, :, sl], key[b : b + 1, :, sl], value[b : b + 1, :, sl], is_causal))
             if end > real_end and real_end > start:
                 # pad queries see every real key of their document, as under the dense mask (they sit after
                 # them); no real token reads these outputs, so this only keeps pad hidden states identical
-                out, _ = attention_fn(
-                    module,
-                    query[b : b + 1, :, real_end:end],
-                    key[b : b + 1, :, start:real_end],
-                    value[b : b + 1, :, start:real_end],
-                    None,
-                    is_causal=False,
-                    **kwargs,
-                )
-                pieces.append(out)
+                real = slice(start, real_end)
+                pad = slice(real_end, end)
+                pieces.append(block(query[b : b + 1, :, pad], key[b : b + 1, :, real], value[b : b + 1, :, real], False))
             elif end > real_end:  # a segment of pads only: nothing to attend to
                 pieces.append(query.new_zeros(1, end - real_end, n_heads, head_dim))
         rows.append(torch.cat(pieces, dim=1))
