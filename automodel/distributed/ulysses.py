@@ -4,30 +4,7 @@ The code lives in :mod:`automodel.distributed.cp.ulysses.attention` (the attenti
 context, the batch function) and :mod:`automodel.distributed.cp.ulysses.method` (the strategy).
 """
 
-from automodel.distributed.cp.ulysses.attention import (
-    INNER_ATTN_IMPLEMENTATIONS,
-    ULYSSES_ATTN_NAME,
-    UlyssesContext,
-    current_ulysses_context,
-    document_ids_from_cu_seqlens,
-    document_ids_from_seq_lens,
-    make_ulysses_batch_and_ctx,
-    register_ulysses_attention,
-    set_ulysses_attention,
-    ulysses_attention_forward,
-    ulysses_context,
-)
+from automodel.distributed.cp.ulysses import attention as _home
+from automodel.distributed.cp.ulysses.attention import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "ULYSSES_ATTN_NAME",
-    "INNER_ATTN_IMPLEMENTATIONS",
-    "UlyssesContext",
-    "ulysses_context",
-    "current_ulysses_context",
-    "ulysses_attention_forward",
-    "register_ulysses_attention",
-    "set_ulysses_attention",
-    "make_ulysses_batch_and_ctx",
-    "document_ids_from_seq_lens",
-    "document_ids_from_cu_seqlens",
-]
+__all__ = _home.__all__

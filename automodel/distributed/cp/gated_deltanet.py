@@ -1,23 +1,6 @@
 """Moved: :mod:`automodel.distributed.cp.layers.gated_deltanet` (re-exports only)."""
 
-from automodel.distributed.cp.layers.gated_deltanet import (
-    GATED_DELTANET_MIXERS,
-    CoreParams,
-    core_params,
-    finish,
-    project,
-    recurrent_gated_delta_rule,
-    rule_override,
-    run_core,
-)
+from automodel.distributed.cp.layers import gated_deltanet as _home
+from automodel.distributed.cp.layers.gated_deltanet import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "GATED_DELTANET_MIXERS",
-    "CoreParams",
-    "core_params",
-    "finish",
-    "project",
-    "recurrent_gated_delta_rule",
-    "rule_override",
-    "run_core",
-]
+__all__ = _home.__all__

@@ -1,25 +1,6 @@
 """Moved: :mod:`automodel.distributed.cp.layers.strategy` (re-exports only)."""
 
-from automodel.distributed.cp.layers.strategy import (
-    HALO,
-    NATIVE,
-    PAD_V,
-    call_spec,
-    choose_kernel,
-    config_chunk,
-    correct_query_temperature,
-    pad_value_heads,
-    run_layer,
-)
+from automodel.distributed.cp.layers import strategy as _home
+from automodel.distributed.cp.layers.strategy import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "HALO",
-    "NATIVE",
-    "PAD_V",
-    "call_spec",
-    "choose_kernel",
-    "config_chunk",
-    "correct_query_temperature",
-    "pad_value_heads",
-    "run_layer",
-]
+__all__ = _home.__all__

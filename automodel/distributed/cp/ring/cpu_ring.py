@@ -118,27 +118,25 @@ def _merge_precision(dtype: torch.dtype) -> Iterator[None]:
         options.convert_to_f32 = old
 
 
+def _run_ring(ring: Any, op: Any, mesh: Any, query: torch.Tensor, attn_mask: Any, **kwargs: Any) -> Any:
+    """torch's ring function ``ring`` (forward or backward) over ``mesh`` with the CPU kernel ``op``."""
+    if attn_mask is not None:
+        raise ValueError(_MASK_MESSAGE)
+    with _merge_precision(query.dtype):
+        return ring(mesh.get_group(), _SEQ_DIM, op, query=query, dropout_p=0.0, **kwargs)
+
+
 def _ring_forward(
     mesh: Any, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
 ):
-    if attn_mask is not None:
-        raise ValueError(_MASK_MESSAGE)
-    if dropout_p:
+    if dropout_p and attn_mask is None:
         raise ValueError(
             f"ring context parallelism got attention dropout_p={dropout_p}; set attention dropout to 0"
         )
-    with _merge_precision(query.dtype):
-        return templated_ring_attention()(
-            mesh.get_group(),
-            _SEQ_DIM,
-            cpu_flash_attention_ops()[0],
-            query=query,
-            key=key,
-            value=value,
-            is_causal=is_causal,
-            dropout_p=0.0,
-            scale=scale,
-        )
+    return _run_ring(
+        templated_ring_attention(), cpu_flash_attention_ops()[0], mesh, query, attn_mask,
+        key=key, value=value, is_causal=is_causal, scale=scale,
+    )
 
 
 def _ring_backward(
@@ -155,24 +153,11 @@ def _ring_backward(
     attn_mask=None,
     scale=None,
 ):
-    if attn_mask is not None:
-        raise ValueError(_MASK_MESSAGE)
-    with _merge_precision(query.dtype):
-        return templated_ring_attention_backward()(
-            mesh.get_group(),
-            _SEQ_DIM,
-            cpu_flash_attention_ops()[1].default,
-            grad_out=grad_out,
-            grad_out_name="grad_out",
-            query=query,
-            key=key,
-            value=value,
-            out=out,
-            logsumexp=logsumexp,
-            is_causal=is_causal,
-            dropout_p=0.0,
-            scale=scale,
-        )
+    return _run_ring(
+        templated_ring_attention_backward(), cpu_flash_attention_ops()[1].default, mesh, query, attn_mask,
+        grad_out=grad_out, grad_out_name="grad_out", key=key, value=value, out=out, logsumexp=logsumexp,
+        is_causal=is_causal, scale=scale,
+    )
 
 
 class _SyncRotater:
