@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Each entry: a stable path that now only re-exports. Add a module here when its code moves.
 REEXPORT_MODULES: tuple[str, ...] = (
+    "automodel.distributed.cp.doc_placement",
     "automodel.distributed.cp.gated_deltanet",
     "automodel.distributed.cp.kernels",
     "automodel.distributed.cp.kernels.halo",
@@ -29,11 +30,17 @@ REEXPORT_MODULES: tuple[str, ...] = (
     "automodel.distributed.cp.kernels.token_layout",
     "automodel.distributed.cp.linear_mixer",
     "automodel.distributed.cp.linear_support",
+    "automodel.distributed.cp_subgroups",
     "automodel.distributed.cp_utils",
     "automodel.distributed.cpu_ring",
+    "automodel.distributed.doc_attention",
     "automodel.distributed.doc_block_attention",
     "automodel.distributed.hf_causal_mask",
+    "automodel.distributed.te_batch",
+    "automodel.distributed.thd_attention",
+    "automodel.distributed.thd_utils",
     "automodel.distributed.ulysses",
+    "automodel.distributed.usp_attention",
 )
 
 

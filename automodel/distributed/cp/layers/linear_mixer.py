@@ -20,7 +20,7 @@ document (``document_ids`` of the context: packed lengths or ``position_ids`` re
 with one more all-to-all, and the gated norm and ``out_proj`` run on the slice. Needs
 ``linear_num_key_heads % cp_size == 0``.
 
-**thd** (a :class:`~automodel.distributed.thd_attention.THDPlan` is active) and **ring** (a
+**thd** (a :class:`~automodel.distributed.cp.gathered_attention.THDPlan` is active) and **ring** (a
 head-tail :class:`~automodel.distributed.cp.layout.TokenLayout`): rank r holds chunks r and 2W-1-r of every document (thd) or of every row (ring). The state is passed as a **chain** in sequence order, not as a scan of per-shard
 transition summaries: the delta rule's state update is affine in the state, but its summary over a shard
 is a ``dk x dk`` matrix per head that transformers' kernel does not produce; a scan would need a second
@@ -67,8 +67,6 @@ __all__ = [
 
 _MARK = "_automodel_cp_linear_mixer"
 _HOLDER = "_automodel_cp_positions"
-#: method -> ``current()`` of a method that keeps its contexts on its own stack (not on cp.active)
-_OWN_STACKS: dict[str, Callable[[], Any]] = {}
 
 
 def install_linear_mixers(
@@ -78,14 +76,10 @@ def install_linear_mixers(
     ``model``; idempotent). The forward runs ``method``'s kernel while a context of that method is the
     innermost one on :mod:`automodel.distributed.cp.active` (a ``UlyssesContext``, ``THDPlan`` or ring
     ``TokenLayout``). ``method=None`` (cp_size 1): no CP, only the per-document restart on packed rows.
-    ``current()``: where the method's active context is found while the method keeps its own stack (until
-    it activates its contexts on :mod:`automodel.distributed.cp.active`). Returns how many modules carry the
-    forward."""
-    if method is not None:
-        if method not in LINEAR_METHODS:
-            raise ValueError(f"no linear-mixer kernel for cp_method {method!r}; kernels: {', '.join(LINEAR_METHODS)}")
-        if current is not None:
-            _OWN_STACKS[method] = current
+    ``current``: not read (the old signature's lookup of the active context; every method now activates its
+    contexts on :mod:`automodel.distributed.cp.active`). Returns how many modules carry the forward."""
+    if method is not None and method not in LINEAR_METHODS:
+        raise ValueError(f"no linear-mixer kernel for cp_method {method!r}; kernels: {', '.join(LINEAR_METHODS)}")
     holder = getattr(model, _HOLDER, None)
     if holder is None:
         holder = _Positions()
@@ -119,13 +113,7 @@ def _active() -> tuple[str, Any] | None:
     """The innermost active CP context of a method with a linear-mixer kernel: ``(method, context)``, else
     ``None`` (no CP context, or one of a method without a kernel: the model's own forward)."""
     top = innermost()
-    if top is not None and top[0] in LINEAR_METHODS:
-        return top
-    for method, current in _OWN_STACKS.items():
-        ctx = current()
-        if ctx is not None:
-            return method, ctx
-    return None
+    return top if top is not None and top[0] in LINEAR_METHODS else None
 
 
 def linear_mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = None,

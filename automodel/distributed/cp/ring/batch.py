@@ -44,7 +44,7 @@ from automodel.distributed.cp.layout import head_tail_indices
 from automodel.distributed.cp.ring.causal_mask import no_packed_sequence_detection
 from automodel.distributed.cp.ring.cpu_ring import check_cpu_ring_support, cpu_ring_attention
 from automodel.distributed.cp.ring.router import install_ring_router, ring_layer_kernels
-from automodel.distributed.te_batch import _shard_thd_chunk_for_te, make_cp_batch_for_te
+from automodel.distributed.cp.te_batch import _shard_thd_chunk_for_te, make_cp_batch_for_te
 
 __all__ = [
     "_build_position_ids",
