@@ -46,16 +46,9 @@ import torch
 from torch.distributed import ProcessGroup
 
 from automodel.distributed.all_to_all import all_to_all, even_split_sizes
+from automodel.distributed.cp import hf_attention as hf
 from automodel.distributed.cp.active import activate, current, not_switched_message
 from automodel.distributed.cp.group import resolve_cp_group
-from automodel.distributed.cp.hf_attention import (
-    AttentionCall,
-    enter_call,
-    hf_attention_function,
-    register_attention,
-    require_hf_model,
-    switch_attention,
-)
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
 from automodel.distributed.cp.layers.strategy import call_spec, config_chunk, correct_query_temperature
 from automodel.distributed.cp.ulysses.doc_blocks import Segment, document_block_attention, document_segments
@@ -343,7 +336,7 @@ def _inner_function(name: str, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def _ulysses_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
+def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
     """Ulysses attention with transformers' attention-function signature (registered as ``"ulysses"``).
 
     Args:
@@ -358,7 +351,7 @@ def _ulysses_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
         ``([B, n_r, Hq, D], None)``: attention output for this rank's tokens (attention weights are not
         returned: they are head-sharded over the whole sequence).
     """
-    ctx = enter_call("ulysses", ULYSSES_ATTN_NAME, "a Ulysses context", "make_ulysses_batch_and_ctx")
+    ctx = hf.enter_call("ulysses", ULYSSES_ATTN_NAME, "a Ulysses context", "make_ulysses_batch_and_ctx")
     module, query, key, value = call.module, call.query, call.key, call.value
     attention_mask, dropout, scaling, is_causal = call.attention_mask, call.dropout, call.scaling, call.is_causal
     kwargs = dict(call.kwargs)
@@ -479,7 +472,7 @@ def _ulysses_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
     return out, None
 
 
-ulysses_attention_forward = hf_attention_function(_ulysses_attention, "ulysses_attention_forward")
+ulysses_attention_forward = hf.hf_attention_function(_ulysses_attention, "ulysses_attention_forward")
 
 
 def register_ulysses_attention(name: str = ULYSSES_ATTN_NAME) -> str:
@@ -488,7 +481,7 @@ def register_ulysses_attention(name: str = ULYSSES_ATTN_NAME) -> str:
     It is deliberately not registered in ``AttentionMaskInterface``: HF then skips building its (local,
     wrong) mask and passes ``attention_mask=None``. Returns ``name``.
     """
-    return register_attention(name, ulysses_attention_forward)
+    return hf.register_attention(name, ulysses_attention_forward)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -515,7 +508,7 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
     exactly (chunked attention, sinks, linear / state-space mixers: :mod:`automodel.distributed.cp`). The inner kernel is chosen per step in
     :func:`make_ulysses_batch_and_ctx`.
     """
-    require_hf_model(model, "; Ulysses attention plugs into transformers' AttentionInterface", TypeError)
+    hf.require_hf_model(model, "; Ulysses attention plugs into transformers' AttentionInterface", TypeError)
     if device_mesh is not None:
         _, world, _ = _resolve_cp(device_mesh)
         heads = getattr(_text_config(model.config), "num_attention_heads", None)
@@ -531,7 +524,7 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
 
     check_model_for_cp("ulysses", cached_profile(model), seq_len=None)
     install_linear_mixers(model, cached_profile(model), "ulysses")  # docs/linear_mixers.md
-    return switch_attention(model, ULYSSES_ATTN_NAME, ulysses_attention_forward, "ulysses", catch=False)
+    return hf.switch_attention(model, ULYSSES_ATTN_NAME, ulysses_attention_forward, "ulysses", catch=False)
 
 
 def _primary_sequence_tensor(batch: dict[str, Any]) -> torch.Tensor:
@@ -637,15 +630,8 @@ def make_ulysses_batch_and_ctx(
     else:
         document_ids = None
 
-    ctx = UlyssesContext(
-        group=group,
-        world_size=world,
-        rank=rank,
-        inner_attn=inner_attn,
-        position_ids=position_ids,
-        padding_mask=padding_mask,
-        document_ids=document_ids.to(device) if document_ids is not None else None,
-    )
+    documents = document_ids.to(device) if document_ids is not None else None
+    ctx = UlyssesContext(group, world, rank, inner_attn, position_ids, padding_mask, documents)
 
     local: dict[str, Any] = {}
     for k, v in batch.items():
