@@ -14,14 +14,18 @@ The formulas are pure functions of integers (no process group): every rank compu
 the global token ids of every rank (ring's head-tail split of a row: :func:`ring_layout`; thd's partition
 of every packed document: :func:`thd_layout`), so each rank knows without communication what its peers
 need from it (the halo exchange, :mod:`automodel.distributed.cp.exchange.halo`).
+
+Importing this module imports no torch (the functions that build tensors import it): the CP method
+registry and the config rules read the integer formulas.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "TokenLayout",
@@ -90,6 +94,8 @@ def head_tail_indices(cu_seqlens_padded: torch.Tensor, world_size: int, rank: in
         ``[cu[-1] / W]`` int64 on ``cu_seqlens_padded``'s device: for each sequence (start ``s``, chunk
         ``c``) the indices ``[s+r*c, s+(r+1)*c)`` then ``[s+(2W-1-r)*c, s+(2W-r)*c)``.
     """
+    import torch
+
     cu = cu_seqlens_padded.to(torch.int64)
     local_cu = cu // world_size  # each rank holds L/W tokens of every sequence
     k = torch.arange(int(cu[-1]) // world_size, device=cu.device, dtype=torch.int64)
@@ -157,6 +163,8 @@ class TokenLayout:
 
     def longest_document(self) -> int:
         """The longest document's length in tokens (cached)."""
+        import torch
+
         if "longest" not in self._plans:
             starts = torch.unique(self.doc_start)
             ends = torch.cat([starts[1:], torch.tensor([self.total])])
@@ -175,6 +183,8 @@ class TokenLayout:
 
 def ring_layout(seq_len: int, group: Any, world_size: int, rank: int) -> TokenLayout:
     """Ring's head-tail split of a ``seq_len`` row: rank r holds chunks r and 2W-1-r of 2W (one document)."""
+    import torch
+
     if world_size <= 1:
         return TokenLayout(group, 1, 0, [torch.arange(seq_len)], torch.zeros(seq_len, dtype=torch.int64))
     if seq_len % (2 * world_size):
@@ -188,6 +198,8 @@ def thd_layout(cu_seqlens_padded: list[int], group: Any, world_size: int, rank: 
     """thd's partition of packed documents (``cu_seqlens_padded`` ``[N+1]`` global offsets, every length a
     multiple of ``2W``): rank r holds chunks r and 2W-1-r of every document, documents in order (TE's
     ``thd_get_partitioned_indices``)."""
+    import torch
+
     cu = torch.tensor(cu_seqlens_padded, dtype=torch.int64)
     total = int(cu[-1])
     lengths = cu[1:] - cu[:-1]
