@@ -125,8 +125,8 @@ def test_models_match_one_process(cp2, name):
 
 
 def test_output_layout_is_transformers():
-    from automodel.distributed.cp.kernels.masked_attention import halo_attention
-    from automodel.distributed.cp.kernels.token_layout import ring_layout
+    from automodel.distributed.cp.layers.masked_attention import halo_attention
+    from automodel.distributed.cp.layout import ring_layout
 
     layout = ring_layout(8, None, 1, 0)
     q, k, v = torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4), torch.randn(1, 1, 8, 3)

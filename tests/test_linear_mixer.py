@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from automodel.distributed.cp import gated_deltanet as gd
-from automodel.distributed.cp.linear_support import linear_mixer_problem
+from automodel.distributed.cp.layers import gated_deltanet as gd
+from automodel.distributed.cp.layers.linear_support import linear_mixer_problem
 from automodel.distributed.cp.profile import LINEAR, LayerSpec
 from tests.dist_harness import run_distributed
 
@@ -73,9 +73,9 @@ def test_a_row_cut_into_pieces_and_chained_is_the_whole_row(model_type, monkeypa
     assert 0 < err < 1e-5, err
     # a rule that honours fp64: the chaining itself is exact to fp64 round-off
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", gd.recurrent_gated_delta_rule)
-    monkeypatch.setattr(gd, "RULE_OVERRIDE", gd.recurrent_gated_delta_rule)
-    whole = mixer(hidden)
-    assert ((_chained(mixer, hidden, cuts) - whole).abs().max() / whole.abs().max()).item() < 1e-13
+    with gd.rule_override(gd.recurrent_gated_delta_rule):
+        whole = mixer(hidden)
+        assert ((_chained(mixer, hidden, cuts) - whole).abs().max() / whole.abs().max()).item() < 1e-13
     # a document start is a zero halo and a zero state: the second half alone is the chain restarted
     alone = mixer(hidden[:, 100:])
     assert torch.allclose(_chained(mixer, hidden[:, 100:], [20]), alone, rtol=0, atol=1e-13)
@@ -116,7 +116,7 @@ def test_installed_forward_is_the_class_forward_outside_cp_and_uninstalls():
     from transformers import AutoModelForCausalLM
 
     from automodel.distributed.cp.guard import cached_profile
-    from automodel.distributed.cp.linear_mixer import install_linear_mixers, uninstall_linear_mixers
+    from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers, uninstall_linear_mixers
 
     full = AutoModelForCausalLM.from_config(_mixer_config())
     hidden = torch.randn(1, 20, 32)
@@ -201,7 +201,7 @@ def test_outside_cp_packed_rows_restart_at_every_document():
     from transformers import AutoModelForCausalLM
 
     from automodel.distributed.cp.bind import bind_cp_method
-    from automodel.distributed.cp.linear_mixer import uninstall_linear_mixers
+    from automodel.distributed.cp.layers.linear_mixer import uninstall_linear_mixers
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_mixer_config(), dtype=torch.float64)

@@ -21,6 +21,22 @@ ROOT = Path(__file__).resolve().parents[1]
 # Each entry: a stable path that now only re-exports. Add a module here when its code moves.
 REEXPORT_MODULES: tuple[str, ...] = (
     "automodel.distributed.all_to_all",
+    "automodel.distributed.cp.doc_placement",
+    "automodel.distributed.cp.gated_deltanet",
+    "automodel.distributed.cp.kernels",
+    "automodel.distributed.cp.kernels.halo",
+    "automodel.distributed.cp.kernels.masked_attention",
+    "automodel.distributed.cp.kernels.ring_layers",
+    "automodel.distributed.cp.kernels.strategy",
+    "automodel.distributed.cp.kernels.token_layout",
+    "automodel.distributed.cp.linear_mixer",
+    "automodel.distributed.cp.linear_support",
+    "automodel.distributed.cp_subgroups",
+    "automodel.distributed.cp_utils",
+    "automodel.distributed.cpu_ring",
+    "automodel.distributed.doc_attention",
+    "automodel.distributed.doc_block_attention",
+    "automodel.distributed.hf_causal_mask",
     "automodel.distributed.multimodal_comm",
     "automodel.distributed.multimodal_cp",
     "automodel.distributed.multimodal_dynamic_res",
@@ -31,6 +47,11 @@ REEXPORT_MODULES: tuple[str, ...] = (
     "automodel.distributed.sp_hybrid",
     "automodel.distributed.sp_sharding",
     "automodel.distributed.sp_split_gather",
+    "automodel.distributed.te_batch",
+    "automodel.distributed.thd_attention",
+    "automodel.distributed.thd_utils",
+    "automodel.distributed.ulysses",
+    "automodel.distributed.usp_attention",
 )
 
 

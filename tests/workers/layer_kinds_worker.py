@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from automodel.distributed.cp.kernels.masked_attention import halo_attention
-from automodel.distributed.cp.kernels.token_layout import ring_layout, thd_layout
+from automodel.distributed.cp.layers.masked_attention import halo_attention
+from automodel.distributed.cp.layout import ring_layout, thd_layout
 from tests.workers.thd_attention_worker import _ce, pack
 
 SENTINEL = -1000
@@ -74,13 +74,8 @@ def kernel_case(case: dict, rank: int, world: int, group) -> dict:
     ids = layout.ids
     local = [x.index_select(2, ids).clone().requires_grad_(True) for x in (q, k, v)]
     s_loc = sinks.clone().requires_grad_(True) if sinks is not None else None
-    import automodel.distributed.cp.kernels.masked_attention as kernel
-
-    kernel.FORCE_MATH = bool(case.get("force_math"))  # the math blocks off-CPU kernels run
-    try:
-        out = halo_attention(*local, layout, sinks=s_loc, scale=scale, block=case.get("block", 256), **opts)
-    finally:
-        kernel.FORCE_MATH = False
+    backend = "math" if case.get("force_math") else None  # the math blocks off-CPU kernels run
+    out = halo_attention(*local, layout, sinks=s_loc, scale=scale, block=case.get("block", 256), backend=backend, **opts)
     loss = (out.transpose(1, 2) * w.index_select(2, ids)).sum()
     loss.backward()
     total = loss.detach().clone()

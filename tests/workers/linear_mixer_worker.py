@@ -163,34 +163,37 @@ def compare(ref_loss, ref_grads, loss, grads) -> dict:
 
 def run_cases(group, cp: int, cases) -> dict:
     """Every case at CP size ``cp`` on ``group``: ``{(dtype, rule, method): comparison}``."""
-    from automodel.distributed.cp import gated_deltanet as gd
+    import contextlib
+
+    from automodel.distributed.cp.layers import gated_deltanet as gd
 
     out: dict = {}
     for dtype_name, rule in cases:
         base = build_model(getattr(torch, dtype_name), k_heads=cp)
         modeling = sys.modules[type(base).__module__]
         original = modeling.torch_chunk_gated_delta_rule
+        switch = contextlib.nullcontext()
         if rule == "fp64":
             modeling.torch_chunk_gated_delta_rule = gd.recurrent_gated_delta_rule
-            gd.RULE_OVERRIDE = gd.recurrent_gated_delta_rule
+            switch = gd.rule_override(gd.recurrent_gated_delta_rule)
         try:
-            docs, row = documents(cp)
-            ref_loss, ref_grads = reference(copy.deepcopy(base), docs)
-            for method in ("thd", "ulysses"):
-                loss, grads, n_local = cp_step(method, copy.deepcopy(base), row, group)
-                out[(dtype_name, rule, method)] = compare(ref_loss, ref_grads, loss, grads)
-                out[("local_tokens", method)] = n_local
-            rows = ring_rows(cp)
-            ring_ref = ring_reference(copy.deepcopy(base), rows)
-            out[(dtype_name, rule, "ring")] = compare(*ring_ref, *ring_step(copy.deepcopy(base), rows, group))
-            if cp == 2 and rule == "hf":  # activation checkpointing recomputes the chain inside the backward
-                model = copy.deepcopy(base)
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                loss, grads, _ = cp_step("thd", model, row, group)
-                out[(dtype_name, rule, "thd+checkpointing")] = compare(ref_loss, ref_grads, loss, grads)
+            with switch:
+                docs, row = documents(cp)
+                ref_loss, ref_grads = reference(copy.deepcopy(base), docs)
+                for method in ("thd", "ulysses"):
+                    loss, grads, n_local = cp_step(method, copy.deepcopy(base), row, group)
+                    out[(dtype_name, rule, method)] = compare(ref_loss, ref_grads, loss, grads)
+                    out[("local_tokens", method)] = n_local
+                rows = ring_rows(cp)
+                ring_ref = ring_reference(copy.deepcopy(base), rows)
+                out[(dtype_name, rule, "ring")] = compare(*ring_ref, *ring_step(copy.deepcopy(base), rows, group))
+                if cp == 2 and rule == "hf":  # activation checkpointing recomputes the chain inside the backward
+                    model = copy.deepcopy(base)
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    loss, grads, _ = cp_step("thd", model, row, group)
+                    out[(dtype_name, rule, "thd+checkpointing")] = compare(ref_loss, ref_grads, loss, grads)
         finally:
             modeling.torch_chunk_gated_delta_rule = original
-            gd.RULE_OVERRIDE = None
     out["row_tokens"] = int(documents(cp)[1]["input_ids"].shape[1])
     return out
 

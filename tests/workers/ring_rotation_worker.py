@@ -14,7 +14,7 @@ import torch.nn.functional as F
 def main(rank: int, world_size: int) -> dict:
     import torch.distributed._functional_collectives as ft_c
 
-    from automodel.distributed import cpu_ring
+    from automodel.distributed.cp.ring import cpu_ring
     from automodel.distributed.cp_utils import create_context_parallel_ctx
     from automodel.distributed.mesh import ParallelDims
     from automodel.distributed.torch_internals import context_parallel_unshard, cp_attention_module

@@ -9,14 +9,35 @@ This module is the one place the placement formulas are written:
   ``thd_get_partitioned_indices`` returns.
 - **contiguous** (Ulysses, usp's Ulysses level): rank ``r`` holds ``[r*L/W, (r+1)*L/W)``.
 
-Pure functions of integers (no process group): every rank computes every rank's share.
+The formulas are pure functions of integers (no process group): every rank computes every rank's share.
+:class:`TokenLayout` holds the result for the per-layer kernels (:mod:`automodel.distributed.cp.layers`):
+the global token ids of every rank (ring's head-tail split of a row: :func:`ring_layout`; thd's partition
+of every packed document: :func:`thd_layout`), so each rank knows without communication what its peers
+need from it (the halo exchange, :mod:`automodel.distributed.cp.exchange.halo`).
+
+Importing this module imports no torch (the functions that build tensors import it): the CP method
+registry and the config rules read the integer formulas.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["check_head_tail", "contiguous_span", "head_tail_indices", "head_tail_spans"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "TokenLayout",
+    "check_head_tail",
+    "contiguous_span",
+    "head_tail_chunks",
+    "head_tail_indices",
+    "head_tail_pair",
+    "head_tail_spans",
+    "ring_layout",
+    "thd_layout",
+]
 
 
 def check_head_tail(length: int, world_size: int, what: str = "sequence") -> None:
@@ -36,8 +57,28 @@ def head_tail_spans(length: int, world_size: int, rank: int) -> list[tuple[int, 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}")
     check_head_tail(length, world_size)
-    c = length // (2 * world_size)
-    return [(rank * c, (rank + 1) * c), ((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c)]
+    chunks = head_tail_chunks(length, world_size)
+    return [chunks[j] for j in head_tail_pair(rank, world_size)]
+
+
+def head_tail_pair(rank: int, world_size: int) -> tuple[int, int]:
+    """The two chunk indices rank ``rank`` of ``world_size`` holds: ``(rank, 2*world_size - 1 - rank)``."""
+    return rank, 2 * world_size - 1 - rank
+
+
+def head_tail_chunks(length: int, world_size: int) -> list[tuple[int, int]]:
+    """The ``2 * world_size`` head-tail chunks ``[(start, end)]`` of ``length`` tokens, in order.
+
+    ``length // (2W)`` tokens each, the first ``length % (2W)`` one more (no padding needed; chunks are
+    empty where ``length < 2W``). Rank ``r`` holds chunks :func:`head_tail_pair` ``(r, W)``.
+    """
+    q, r = divmod(length, 2 * world_size)
+    out, at = [], 0
+    for j in range(2 * world_size):
+        n = q + (1 if j < r else 0)
+        out.append((at, at + n))
+        at += n
+    return out
 
 
 def head_tail_indices(cu_seqlens_padded: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
@@ -53,6 +94,8 @@ def head_tail_indices(cu_seqlens_padded: torch.Tensor, world_size: int, rank: in
         ``[cu[-1] / W]`` int64 on ``cu_seqlens_padded``'s device: for each sequence (start ``s``, chunk
         ``c``) the indices ``[s+r*c, s+(r+1)*c)`` then ``[s+(2W-1-r)*c, s+(2W-r)*c)``.
     """
+    import torch
+
     cu = cu_seqlens_padded.to(torch.int64)
     local_cu = cu // world_size  # each rank holds L/W tokens of every sequence
     k = torch.arange(int(cu[-1]) // world_size, device=cu.device, dtype=torch.int64)
@@ -75,3 +118,93 @@ def contiguous_span(length: int, world_size: int, rank: int) -> tuple[int, int]:
         )
     n = length // world_size
     return rank * n, (rank + 1) * n
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the token ids of every rank, for the per-layer kernels
+
+
+@dataclass
+class TokenLayout:
+    """The global token ids of every CP rank.
+
+    Token ids are global positions in one row (ring) or in the packed stream of documents (thd);
+    ``doc_start[t]`` is where token ``t``'s document begins, so windows and chunks never cross a document.
+
+    Attributes:
+        group: the CP process group (``None`` at world size 1).
+        world_size, rank: the CP group's size and this rank.
+        rank_ids: per rank, ``[n_r]`` int64 (CPU) global ids of its local tokens, in local order.
+        doc_start: ``[T]`` int64 (CPU) global id of the first token of each token's document.
+        calls: attention calls routed under this layout while it is active
+            (:func:`automodel.distributed.cp.active.activate`).
+    """
+
+    group: Any
+    world_size: int
+    rank: int
+    rank_ids: list[torch.Tensor]
+    doc_start: torch.Tensor
+    calls: int = 0
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def total(self) -> int:
+        return int(self.doc_start.numel())
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[n]`` int64 global ids of this rank's tokens."""
+        return self.rank_ids[self.rank]
+
+    def positions(self) -> torch.Tensor:
+        """``[n]`` int64 position of each local token inside its document."""
+        return self.ids - self.doc_start[self.ids]
+
+    def longest_document(self) -> int:
+        """The longest document's length in tokens (cached)."""
+        import torch
+
+        if "longest" not in self._plans:
+            starts = torch.unique(self.doc_start)
+            ends = torch.cat([starts[1:], torch.tensor([self.total])])
+            self._plans["longest"] = int((ends - starts).max()) if starts.numel() else 0
+        return self._plans["longest"]
+
+    def halo_plan(self, window: int | None, chunk: int | None, block: int):
+        """The cached :class:`~automodel.distributed.cp.exchange.halo.HaloPlan` for a window / chunk."""
+        from automodel.distributed.cp.exchange.halo import HaloPlan
+
+        key = (window, chunk, block)
+        if key not in self._plans:
+            self._plans[key] = HaloPlan(self, window, chunk, block)
+        return self._plans[key]
+
+
+def ring_layout(seq_len: int, group: Any, world_size: int, rank: int) -> TokenLayout:
+    """Ring's head-tail split of a ``seq_len`` row: rank r holds chunks r and 2W-1-r of 2W (one document)."""
+    import torch
+
+    if world_size <= 1:
+        return TokenLayout(group, 1, 0, [torch.arange(seq_len)], torch.zeros(seq_len, dtype=torch.int64))
+    if seq_len % (2 * world_size):
+        raise ValueError(f"a ring row of {seq_len} tokens does not split into 2*cp_size={2 * world_size} chunks")
+    row = torch.tensor([0, seq_len])
+    ids = [head_tail_indices(row, world_size, r) for r in range(world_size)]
+    return TokenLayout(group, world_size, rank, ids, torch.zeros(seq_len, dtype=torch.int64))
+
+
+def thd_layout(cu_seqlens_padded: list[int], group: Any, world_size: int, rank: int) -> TokenLayout:
+    """thd's partition of packed documents (``cu_seqlens_padded`` ``[N+1]`` global offsets, every length a
+    multiple of ``2W``): rank r holds chunks r and 2W-1-r of every document, documents in order (TE's
+    ``thd_get_partitioned_indices``)."""
+    import torch
+
+    cu = torch.tensor(cu_seqlens_padded, dtype=torch.int64)
+    total = int(cu[-1])
+    lengths = cu[1:] - cu[:-1]
+    doc_start = torch.repeat_interleave(cu[:-1], lengths)
+    if world_size <= 1:
+        return TokenLayout(group, 1, 0, [torch.arange(total)], doc_start)
+    ids = [head_tail_indices(cu, world_size, r) for r in range(world_size)]
+    return TokenLayout(group, world_size, rank, ids, doc_start)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from automodel.distributed.cp.layout import head_tail_spans
 from automodel.distributed.cp.profile import LayerSpec, ModelProfile
 
 __all__ = ["AttentionSwitchingMethod", "CPMethod", "PreparedModel", "BatchFn"]
@@ -113,12 +114,8 @@ class CPMethod:
         """Token ranges ``[start, end)`` of a ``seq_len`` row that CP rank ``cp_rank`` holds."""
         if cp_size <= 1:
             return [(0, seq_len)]
-        if self.layout == "head_tail":
-            c = seq_len // (2 * cp_size)
-            return [
-                (cp_rank * c, (cp_rank + 1) * c),
-                ((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c),
-            ]
+        if self.layout == "head_tail":  # whole chunks of seq_len // (2 * cp_size) tokens
+            return head_tail_spans(seq_len - seq_len % (2 * cp_size), cp_size, cp_rank)
         base, extra = divmod(seq_len, cp_size)  # near-even, remainder on the first ranks
         start = cp_rank * base + min(cp_rank, extra)
         return [(start, start + base + (1 if cp_rank < extra else 0))]

@@ -37,12 +37,12 @@ class UlyssesMethod(AttentionSwitchingMethod):
         )
 
     def _switch(self) -> tuple[Any, str]:
-        from automodel.distributed.ulysses import ULYSSES_ATTN_NAME, set_ulysses_attention
+        from automodel.distributed.cp.ulysses.attention import ULYSSES_ATTN_NAME, set_ulysses_attention
 
         return set_ulysses_attention, ULYSSES_ATTN_NAME
 
     def _batch_function(self) -> BatchFn:
-        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx
+        from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx
 
         return make_ulysses_batch_and_ctx
 

@@ -2,7 +2,7 @@
 
 Rows are split head-tail (rank r holds chunks r and 2W-1-r of 2W); q stays, K/V shards rotate around
 the CP ranks and the partial outputs merge by log-sum-exp. Exact for plain causal attention over the
-whole row with ``sdpa`` (on CPU through :mod:`automodel.distributed.cpu_ring`): full-attention layers,
+whole row with ``sdpa`` (on CPU through :mod:`automodel.distributed.cp.ring.cpu_ring`): full-attention layers,
 and windows or chunks at least as long as the row. Refused: shorter sliding windows and chunks, sinks,
 softcapping, MLA value heads, linear / state-space mixers, eager or flex attention (ring replaces only
 SDPA: another kernel would attend within each rank's shard), packed rows.
@@ -33,7 +33,7 @@ class RingMethod(CPMethod):
         )
 
     def _batch_function(self) -> BatchFn:
-        from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+        from automodel.distributed.cp.ring.batch import make_cp_batch_and_ctx
 
         return make_cp_batch_and_ctx
 

@@ -1,0 +1,99 @@
+"""Exact attention of a rank's queries over its own and its halo's keys (:mod:`~automodel.distributed.cp.exchange.halo`).
+
+One softmax per query over every key it may see (the local keys and the halo, selected per query block),
+so a per-head sink logit joins each query's softmax exactly once and no partial results are merged.
+Each query block is one :func:`~automodel.distributed.cp.blocks.block_forward` with the block's mask: on
+CPU, blocks without sinks or softcapping and with equal head sizes run torch's blocked flash kernel; the
+others (and every block off CPU) run exact math with scores in fp32 (fp64 for fp64 inputs). The query
+blocks are recomputed in the backward (activation checkpointing), so the memory held per layer is the
+inputs plus, transiently, one block's ``[B, H, block, block + W]`` scores: O(W) per query, not O(S).
+Tests choose the math blocks with ``halo_attention(..., backend="math")`` or
+:func:`~automodel.distributed.cp.blocks.force_backend`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from automodel.distributed.cp.blocks import block_forward, resolve_backend
+from automodel.distributed.cp.exchange.halo import halo_exchange
+from automodel.distributed.cp.layout import TokenLayout
+
+__all__ = ["DEFAULT_BLOCK", "halo_attention"]
+
+#: queries per block: bounds the transient score matrix at ``block x (block + W)`` per head
+DEFAULT_BLOCK = 256
+
+
+def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: float | None, backend: str):
+    """``[B, Hq, nq, Dv]`` attention of one query block; ``kbuf``/``vbuf`` ``[B, Hkv, n + h, D]``: the keys
+    ``key_index`` of the buffers, ``allowed`` ``[nq, m]`` of them per query."""
+    k = kbuf.index_select(2, key_index)
+    v = vbuf.index_select(2, key_index)
+    return block_forward(q, k, v, scale=scale, allowed=allowed, sinks=sinks, softcap=softcap, backend=backend)[0]
+
+
+def halo_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: TokenLayout,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    block: int = DEFAULT_BLOCK,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Exact causal attention of this rank's tokens within their documents, windows / chunks applied.
+
+    Args:
+        query: ``[B, Hq, n, Dqk]``; key: ``[B, Hkv, n, Dqk]``; value: ``[B, Hkv, n, Dv]`` (``Dv`` may differ:
+            MLA), this rank's tokens in ``layout`` order (every row of the batch has the same layout).
+        layout: which global tokens each rank holds (:mod:`automodel.distributed.cp.layout`).
+        window: sliding window in tokens (a query sees itself and the ``window - 1`` tokens before it).
+        chunk: attention chunk in tokens (a query sees the earlier tokens of its chunk), counted from the
+            document's start.
+        sinks: ``[Hq]`` per-head sink logits (gpt-oss), joined to every query's softmax once.
+        softcap: logits are soft-capped as ``softcap * tanh(s / softcap)`` before masking (Gemma 2).
+        scale: softmax scale (``None``: ``Dqk ** -0.5``).
+        block: queries per block (memory: see the module docstring).
+        backend: the block backend (:func:`~automodel.distributed.cp.blocks.resolve_backend`; ``"math"``:
+            the exact math blocks also where the CPU flash kernel would run).
+
+    Returns:
+        ``[B, n, Hq, Dv]`` contiguous (transformers' attention-function layout), differentiable w.r.t. query, key,
+        value and sinks; the halo's dK/dV return to the ranks that hold those tokens.
+    """
+    b, hq, n, d = query.shape
+    hkv, dv = key.shape[1], value.shape[-1]
+    if n != layout.ids.numel():
+        raise ValueError(
+            f"halo attention got {n} local tokens, but the CP layout gives this rank {layout.ids.numel()}; feed "
+            "the model the batch the CP method's batch function returned"
+        )
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    plan = layout.halo_plan(window, chunk, block)
+    rows = torch.cat([key.permute(2, 0, 1, 3).reshape(n, -1), value.permute(2, 0, 1, 3).reshape(n, -1)], dim=1)
+    halo = halo_exchange(rows, plan)
+    h = halo.shape[0]
+    k_halo = halo[:, : b * hkv * d].reshape(h, b, hkv, d).permute(1, 2, 0, 3)
+    v_halo = halo[:, b * hkv * d :].reshape(h, b, hkv, dv).permute(1, 2, 0, 3)
+    kbuf = torch.cat([key, k_halo], dim=2)
+    vbuf = torch.cat([value, v_halo], dim=2)
+    scale = scale if scale is not None else d**-0.5
+    _, blocks = plan.on(query.device)
+    # decided here, not in the block: the backward recomputes each block the same way
+    backend = resolve_backend(query.device, backend, sinks=sinks is not None, softcap=softcap, equal_heads=dv == d)
+    outs = [
+        checkpoint(
+            _block, query[:, :, q0:q1], kbuf, vbuf, sinks, key_index, allowed, scale, softcap, backend,
+            use_reentrant=False,
+        )
+        for q0, q1, key_index, allowed in blocks
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
