@@ -124,7 +124,7 @@ class _SentCounter:
     def __init__(self, world: int) -> None:
         import torch.distributed as dist
 
-        import automodel.distributed.thd_attention as ta
+        import automodel.distributed.cp.exchange.gather as ta
 
         self.bytes = 0.0
         w = world
@@ -142,15 +142,15 @@ class _SentCounter:
         ta._reduce_scatter = wrap(ta._reduce_scatter, scatter)
         dist.all_to_all_single = wrap(dist.all_to_all_single, scatter)
 
-        import automodel.distributed.doc_attention as da
+        import automodel.distributed.cp.exchange.p2p as da
 
-        p2p = da._p2p
+        p2p = da.batch_p2p
 
         def counted(sends, *args):
             self.bytes += sum(t.numel() * t.element_size() for t in sends)
             return p2p(sends, *args)
 
-        da._p2p = counted
+        da.batch_p2p = counted
 
 
 def _worker(
