@@ -15,14 +15,7 @@ from automodel.distributed.cp.thd_docs.attention import (
 )
 
 __all__ = [
-    "DOC_ATTN_NAME",
-    "DocPlan",
-    "batch_documents",
-    "current_doc_plan",
-    "doc_attention",
-    "doc_attention_forward",
-    "doc_context",
-    "make_doc_batch_and_ctx",
-    "register_doc_attention",
-    "set_doc_attention",
+    "DOC_ATTN_NAME", "DocPlan", "batch_documents", "current_doc_plan", "doc_attention",
+    "doc_attention_forward", "doc_context", "make_doc_batch_and_ctx", "register_doc_attention",
+    "set_doc_attention"
 ]

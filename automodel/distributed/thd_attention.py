@@ -19,16 +19,7 @@ from automodel.distributed.cp.thd.attention import (
 )
 
 __all__ = [
-    "THD_ATTN_NAME",
-    "THD_KERNELS",
-    "THD_CP_COMM_TYPES",
-    "THDPlan",
-    "check_thd_kernel",
-    "current_thd_plan",
-    "thd_context",
-    "thd_attention_forward",
-    "thd_attention",
-    "register_thd_attention",
-    "set_thd_attention",
-    "make_thd_batch_and_ctx",
+    "THD_ATTN_NAME", "THD_KERNELS", "THD_CP_COMM_TYPES", "THDPlan", "check_thd_kernel", "current_thd_plan",
+    "thd_context", "thd_attention_forward", "thd_attention", "register_thd_attention", "set_thd_attention",
+    "make_thd_batch_and_ctx"
 ]

@@ -12,12 +12,7 @@ from automodel.distributed.cp.thd_format import (
 )
 
 __all__ = [
-    "THD_TOKEN_KEYS",
-    "first_not_divisible",
-    "get_thd_partitioned_indices",
-    "packed_padding_mask",
-    "process_input_for_thd",
-    "split_batch_into_thd_chunks",
-    "thd_partition_indices",
-    "validate_thd_partition_args",
+    "THD_TOKEN_KEYS", "first_not_divisible", "get_thd_partitioned_indices", "packed_padding_mask",
+    "process_input_for_thd", "split_batch_into_thd_chunks", "thd_partition_indices",
+    "validate_thd_partition_args"
 ]

@@ -12,12 +12,6 @@ from automodel.distributed.cp.usp.attention import (
 )
 
 __all__ = [
-    "USP_ATTN_NAME",
-    "UspContext",
-    "usp_context",
-    "current_usp_context",
-    "usp_attention_forward",
-    "register_usp_attention",
-    "set_usp_attention",
-    "make_usp_batch_and_ctx",
+    "USP_ATTN_NAME", "UspContext", "usp_context", "current_usp_context", "usp_attention_forward",
+    "register_usp_attention", "set_usp_attention", "make_usp_batch_and_ctx"
 ]

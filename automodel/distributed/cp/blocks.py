@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 __all__ = [
     "BACKENDS",
+    "BlockScheme",
+    "blocked_attention",
     "block_backward",
     "block_forward",
     "force_backend",
@@ -314,3 +316,47 @@ def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tu
     """
     sink = sinks.to(lse.dtype).reshape(1, -1, 1).expand_as(lse)
     return merge(out, lse, torch.zeros_like(out), sink)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one autograd function for every blocked kernel
+
+
+class BlockScheme(Protocol):
+    """How a CP method cuts one attention call into blocks (its K/V exchange included).
+
+    ``forward(q, k, v, scale) -> (out, lse)`` on this rank's q ``[1, Hq, n, D]`` and k/v ``[1, Hkv, n, D]``;
+    ``backward(dout, q, k, v, out, lse, scale) -> (dq, dk, dv)`` exchanges K/V again and returns the gradients
+    of this rank's tensors (the exchanged K/V's gradients already returned to their owners).
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, scale: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class _BlockedAttention(torch.autograd.Function):
+    """Saves only this rank's q, k, v, the output and the LSE; the scheme exchanges K/V again in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scheme: BlockScheme, scale):  # type: ignore[override]
+        out, lse = scheme.forward(q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scheme, ctx.scale = scheme, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ctx.scheme.backward(dout, q, k, v, out, lse, ctx.scale), None, None)
+
+
+def blocked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: BlockScheme, scale: float | None = None
+) -> torch.Tensor:
+    """``scheme``'s attention of this rank's queries, differentiable w.r.t. ``q``, ``k``, ``v`` (memory: the
+    local tensors, the output and the LSE; never the exchanged K/V)."""
+    return _BlockedAttention.apply(q, k, v, scheme, scale)

@@ -14,9 +14,9 @@ Kernels (one key, ``kernel=``; an unavailable kernel is a ``ValueError``, never 
 - ``portable`` (default, every device): K/V are all-gathered over the CP group (``T`` tokens of
   ``Hkv`` heads, GQA kept: the query heads are never materialised for K/V). For each document and
   each of its two local query chunks (global chunk ``j``), the keys are the document's prefix
-  ``[0, j*c)`` (no mask) and the diagonal block ``[j*c, (j+1)*c)`` (causal). Both run through
-  ``aten._scaled_dot_product_flash_attention_for_cpu`` (CPU) or ``aten._scaled_dot_product_flash_attention``
-  / the efficient kernel (CUDA) and are merged with their log-sum-exp. This is lower-right causal
+  ``[0, j*c)`` (no mask) and the diagonal block ``[j*c, (j+1)*c)`` (causal). Both are blocks of
+  :mod:`automodel.distributed.cp.blocks` (the CPU flash kernel on CPU; exact math elsewhere until its
+  CUDA slot is filled), merged with their log-sum-exp (:func:`~automodel.distributed.cp.blocks.merge`). This is lower-right causal
   alignment by construction, with no mask tensor at all: memory is the blocked kernel's, never
   ``[T_local, S]``. The autograd function saves only the LOCAL q/k/v, the output and the LSE; the
   backward re-gathers K/V, runs the kernels' backward per block with the merged output and LSE
@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from automodel.distributed.cp.blocks import block_backward, block_forward, merge
+from automodel.distributed.cp.blocks import block_backward, block_forward, blocked_attention, merge
 from automodel.distributed.cp.exchange.gather import all_gather_tokens, gather_kv, reduce_scatter_tokens
 from automodel.distributed.cp.gathered_method import THD_CP_COMM_TYPES, THD_KERNELS
-from automodel.distributed.cp.hf_attention import AttentionCall
+from automodel.distributed.cp.hf_attention import AttentionCall, check_local_row
 from automodel.distributed.cp.kernels.strategy import run_layer
 from automodel.distributed.cp.layout import head_tail_indices
 from automodel.distributed.cp.te_batch import make_cp_batch_for_te
@@ -249,29 +249,24 @@ def _portable_backward(dout, q, kg, vg, out, lse, plan: THDPlan, scale):
     return dq, dkg, dvg
 
 
-class _THDAttention(torch.autograd.Function):
-    """Portable THD attention; saves only local tensors, re-gathers K/V in the backward."""
+class _PortableScheme:
+    """The portable kernel as a :class:`~automodel.distributed.cp.blocks.BlockScheme`: K/V all-gathered in the
+    forward and again in the backward (never kept), dK/dV reduce-scattered to their owners."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, plan: THDPlan, scale):  # type: ignore[override]
+    def __init__(self, plan: THDPlan) -> None:
+        self.plan = plan
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        return _head_major(self.plan.gather(x[0].transpose(0, 1)))
+
+    def forward(self, q, k, v, scale):
         # q: [1, Hq, Tl, D], k/v: [1, Hkv, Tl, D] (this rank's tokens)
-        kg = _head_major(plan.gather(k[0].transpose(0, 1)))
-        vg = _head_major(plan.gather(v[0].transpose(0, 1)))
-        out, lse = _portable_forward(q, kg, vg, plan, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return out
+        return _portable_forward(q, self._gathered(k), self._gathered(v), self.plan, scale)
 
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        kg = _head_major(plan.gather(k[0].transpose(0, 1)))  # re-gathered, never kept from the forward
-        vg = _head_major(plan.gather(v[0].transpose(0, 1)))
-        dq, dkg, dvg = _portable_backward(dout, q, kg, vg, out, lse, plan, ctx.scale)
-        dk = plan.reduce_scatter(dkg[0].transpose(0, 1))  # [Tl, Hkv, D]
-        dv = plan.reduce_scatter(dvg[0].transpose(0, 1))
-        return dq, dk.transpose(0, 1).unsqueeze(0), dv.transpose(0, 1).unsqueeze(0), None, None
+    def backward(self, dout, q, k, v, out, lse, scale):
+        dq, dkg, dvg = _portable_backward(dout, q, self._gathered(k), self._gathered(v), out, lse, self.plan, scale)
+        dk, dv = (self.plan.reduce_scatter(g[0].transpose(0, 1)) for g in (dkg, dvg))  # [Tl, Hkv, D]
+        return dq, dk.transpose(0, 1).unsqueeze(0), dv.transpose(0, 1).unsqueeze(0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -380,20 +375,12 @@ def thd_attention(
         ``[1, Hq, T/W, D]``, differentiable w.r.t. query, key and value (dK/dV reach the ranks that own
         the keys through a reduce-scatter).
     """
-    if query.shape[0] != 1 or query.shape[2] != plan.local_tokens:
-        raise ValueError(
-            f"THD attention expects this rank's {plan.local_tokens} tokens as one row [1, H, {plan.local_tokens}, D], "
-            f"got query {tuple(query.shape)}; feed the model the batch returned by make_thd_batch_and_ctx"
-        )
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(
-            f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
-        )
+    check_local_row(query, key, plan.local_tokens, "THD attention", "make_thd_batch_and_ctx")
     if plan.kernel == "flash_attn":
         return _flash_attn_thd(query, key, value, plan, scale)
     if plan.kernel == "te":
         return _te_thd(query, key, value, plan, scale)
-    return _THDAttention.apply(query, key, value, plan, scale)
+    return blocked_attention(query, key, value, _PortableScheme(plan), scale)
 
 
 

@@ -24,6 +24,7 @@ from automodel.errors import CPUnsupportedError
 
 __all__ = [
     "AttentionCall",
+    "check_local_row",
     "enter_call",
     "hf_attention_function",
     "register_attention",
@@ -31,7 +32,8 @@ __all__ = [
     "switch_attention",
 ]
 
-_KEEP: Any = object()
+#: the positional arguments of a transformers attention function, in order
+_POSITIONAL = ("module", "query", "key", "value", "attention_mask")
 
 
 @dataclass
@@ -71,41 +73,20 @@ class AttentionCall:
         changes.setdefault("kwargs", dict(self.kwargs))
         return dataclasses.replace(self, **changes)
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        *,
-        module: Any = _KEEP,
-        query: Any = _KEEP,
-        key: Any = _KEEP,
-        value: Any = _KEEP,
-        attention_mask: Any = _KEEP,
-        scaling: Any = _KEEP,
-        **kwargs: Any,
-    ) -> Any:
-        """Call the transformers attention function ``fn`` with this call's arguments, some replaced.
+    def run(self, fn: Callable[..., Any], **changes: Any) -> Any:
+        """Call the transformers attention function ``fn`` with this call's arguments, ``changes`` applied.
 
-        ``is_causal`` is passed as a keyword when it was given; ``kwargs`` are added to the call's own.
-        Returns what ``fn`` returns.
+        ``changes`` may replace ``module``, ``query``, ``key``, ``value``, ``attention_mask`` and ``scaling``;
+        any other key is added to the keyword arguments. ``is_causal`` is passed as a keyword when it was
+        given. Returns what ``fn`` returns.
         """
-
-        def pick(new: Any, old: Any) -> Any:
-            return old if new is _KEEP else new
-
+        args = [changes.pop(name, getattr(self, name)) for name in _POSITIONAL]
+        scaling = changes.pop("scaling", self.scaling)
         extra = dict(self.kwargs)
         if self.is_causal is not None:
             extra.setdefault("is_causal", self.is_causal)
-        extra.update(kwargs)
-        return fn(
-            pick(module, self.module),
-            pick(query, self.query),
-            pick(key, self.key),
-            pick(value, self.value),
-            pick(attention_mask, self.attention_mask),
-            dropout=self.dropout,
-            scaling=pick(scaling, self.scaling),
-            **extra,
-        )
+        extra.update(changes)
+        return fn(*args, dropout=self.dropout, scaling=scaling, **extra)
 
 
 def hf_attention_function(
@@ -153,6 +134,20 @@ def enter_call(method: str, attn_name: str, where: str, batch_fn: str) -> Any:
         )
     ctx.calls += 1
     return ctx
+
+
+def check_local_row(query: torch.Tensor, key: torch.Tensor, tokens: int, label: str, batch_fn: str) -> None:
+    """``ValueError`` unless ``query`` is this rank's ``tokens`` tokens as one row ``[1, Hq, tokens, D]`` and its
+    heads are a multiple of ``key``'s (``label`` names the attention, ``batch_fn`` the batch function to use)."""
+    if query.shape[0] != 1 or query.shape[2] != tokens:
+        raise ValueError(
+            f"{label} expects this rank's {tokens} tokens as one row [1, H, {tokens}, D], got query "
+            f"{tuple(query.shape)}; feed the model the batch returned by {batch_fn}"
+        )
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
+        )
 
 
 def register_attention(name: str, forward: Callable[..., Any]) -> str:

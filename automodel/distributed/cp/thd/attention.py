@@ -28,17 +28,9 @@ from typing import Any
 
 import torch
 
-from automodel.distributed.cp import active
+from automodel.distributed.cp import active, hf_attention
 from automodel.distributed.cp.gathered_attention import THDPlan, gathered_layer, shard_batch
 from automodel.distributed.cp.group import resolve_cp_group
-from automodel.distributed.cp.hf_attention import (
-    AttentionCall,
-    enter_call,
-    hf_attention_function,
-    register_attention,
-    require_hf_model,
-    switch_attention,
-)
 
 __all__ = [
     "THD_ATTN_NAME",
@@ -73,18 +65,18 @@ def thd_context(plan: THDPlan, *, require_attention: bool = True) -> contextlib.
     )
 
 
-def _thd_call(call: AttentionCall) -> tuple[torch.Tensor, None]:
+def _thd_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
     """THD attention with transformers' attention-function signature (registered as ``"thd"``).
 
     ``query`` ``[1, Hq, T/W, D]``, ``key``/``value`` ``[1, Hkv, T/W, D]``; returns ``([1, T/W, Hq, D], None)``.
     ``attention_mask`` must be ``None`` (what transformers passes for this implementation: document
     boundaries come from the active :class:`THDPlan`).
     """
-    plan = enter_call(_METHOD, THD_ATTN_NAME, "a THD context", "make_thd_batch_and_ctx")
+    plan = hf_attention.enter_call(_METHOD, THD_ATTN_NAME, "a THD context", "make_thd_batch_and_ctx")
     return gathered_layer(call, plan), None
 
 
-thd_attention_forward = hf_attention_function(_thd_call, "thd_attention_forward")
+thd_attention_forward = hf_attention.hf_attention_function(_thd_call, "thd_attention_forward")
 
 
 def register_thd_attention(name: str = THD_ATTN_NAME) -> str:
@@ -93,7 +85,7 @@ def register_thd_attention(name: str = THD_ATTN_NAME) -> str:
     Deliberately not registered as a mask implementation: transformers then builds no (local, wrong) mask
     and passes ``attention_mask=None``. Returns ``name``.
     """
-    return register_attention(name, thd_attention_forward)
+    return hf_attention.register_attention(name, thd_attention_forward)
 
 
 def set_thd_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
@@ -106,7 +98,7 @@ def set_thd_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
             does not dispatch attention through ``AttentionInterface``); the message names the model class.
     """
     del device_mesh  # the CP group comes with every batch (make_thd_batch_and_ctx)
-    require_hf_model(
+    hf_attention.require_hf_model(
         model,
         f", so its attention cannot be swapped for THD attention ({THD_ATTN_NAME!r} in transformers' "
         "AttentionInterface); use a transformers causal LM, or call "
@@ -121,7 +113,7 @@ def set_thd_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
     from automodel.distributed.cp.linear_mixer import install_linear_mixers
 
     install_linear_mixers(model, cached_profile(model), "thd", current_thd_plan)  # docs/linear_mixers.md
-    return switch_attention(
+    return hf_attention.switch_attention(
         model, THD_ATTN_NAME, thd_attention_forward, "thd", alternative=": use distributed.cp_method=ring (unpacked rows)"
     )
 

@@ -4,8 +4,8 @@ Each CP rank computes the tokens :func:`~automodel.distributed.cp.thd_docs.place
 as one row ``[1, T_r]`` (``T_r`` may differ between ranks) with the tokens' global per-document
 ``position_ids``. The attention registered here (:data:`DOC_ATTN_NAME`) computes, for every local piece:
 
-- a **whole document**: causal attention over its own tokens, one blocked kernel call
-  (``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU, exact math blocks elsewhere), no
+- a **whole document**: causal attention over its own tokens, one block
+  (:mod:`automodel.distributed.cp.blocks`: the CPU flash kernel on CPU, exact math blocks elsewhere), no
   communication at all;
 - a **chunk of a split document** (head-tail over the ``k`` ranks of its span): the chunk's diagonal
   block (causal) and its prefix in the document (no mask), merged with their log-sum-exp
@@ -18,15 +18,11 @@ The autograd function saves only local tensors (q, k, v, out, LSE: memory ``O(T_
 term); the backward exchanges the split documents' K/V again, runs each block's kernel backward with
 the merged output and LSE (exact), and returns the dK/dV of borrowed chunks to their owners.
 
-Usage::
-
-    set_doc_attention(model)                                    # once
-    ctx_factory, batch = make_doc_batch_and_ctx(device_mesh, batch)
-    with ctx_factory():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        loss = token_ce_sum(logits, batch["labels"]) / global_label_count
-        loss.backward()
-    # then all-reduce (SUM) the parameter gradients over the CP group
+Used like THD attention (:mod:`automodel.distributed.cp.thd.attention`): ``set_doc_attention(model)`` once
+(``cp.thd_docs.model_cost(model)`` gives the placement's cost model), then per step
+``ctx_factory, local = make_doc_batch_and_ctx(device_mesh, batch, cost=cost)`` and the forward / backward
+inside ``with ctx_factory():``; the ranks hold different token counts, so normalise the loss by the
+global label count and all-reduce (SUM) the parameter gradients over the CP group.
 """
 
 from __future__ import annotations
@@ -39,18 +35,10 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from automodel.distributed.cp import active
-from automodel.distributed.cp.blocks import block_backward, block_forward, merge
+from automodel.distributed.cp import active, hf_attention
+from automodel.distributed.cp.blocks import block_backward, block_forward, blocked_attention, merge
 from automodel.distributed.cp.exchange.p2p import give_back, lend
 from automodel.distributed.cp.group import resolve_cp_group
-from automodel.distributed.cp.hf_attention import (
-    AttentionCall,
-    enter_call,
-    hf_attention_function,
-    register_attention,
-    require_hf_model,
-    switch_attention,
-)
 from automodel.distributed.cp.layout import head_tail_pair
 from automodel.distributed.cp.thd_docs.placement import CostModel, Placement, plan_documents, split_chunks
 from automodel.errors import CPUnsupportedError
@@ -61,6 +49,7 @@ __all__ = [
     "batch_documents",
     "current_doc_plan",
     "doc_attention",
+    "doc_attention_forward",
     "doc_context",
     "make_doc_batch_and_ctx",
     "register_doc_attention",
@@ -235,24 +224,21 @@ def _backward(dout, q, kv, n_kv, out, lse, plan: DocPlan, got, scale):
     return dq, dkv
 
 
-class _DocAttention(torch.autograd.Function):
-    """Saves only local tensors; exchanges the split documents' K/V again in the backward."""
+class _DocScheme:
+    """Document-placement attention as a :class:`~automodel.distributed.cp.blocks.BlockScheme`: the split
+    documents' K/V lent in the forward and again in the backward, dK/dV of borrowed chunks given back."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, plan: DocPlan, scale):  # type: ignore[override]
+    def __init__(self, plan: DocPlan) -> None:
+        self.plan = plan
+
+    def forward(self, q, k, v, scale):
         kv = torch.cat([k, v], 1)  # [1, 2*Hkv, T_r, D]: one message per peer
-        out, lse = _forward(q, kv, k.shape[1], plan, lend(plan, kv), scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return out
+        return _forward(q, kv, k.shape[1], self.plan, lend(self.plan, kv), scale)
 
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        plan, n_kv = ctx.plan, k.shape[1]
-        kv = torch.cat([k, v], 1)
-        dq, dkv = _backward(dout, q, kv, n_kv, out, lse, plan, lend(plan, kv), ctx.scale)
-        return dq, dkv[:, :n_kv], dkv[:, n_kv:], None, None
+    def backward(self, dout, q, k, v, out, lse, scale):
+        kv, n_kv = torch.cat([k, v], 1), k.shape[1]
+        dq, dkv = _backward(dout, q, kv, n_kv, out, lse, self.plan, lend(self.plan, kv), scale)
+        return dq, dkv[:, :n_kv], dkv[:, n_kv:]
 
 
 def doc_attention(
@@ -268,26 +254,17 @@ def doc_attention(
     Returns:
         ``[1, Hq, T_r, D]``, differentiable w.r.t. query, key and value.
     """
-    if query.shape[0] != 1 or query.shape[2] != plan.local_tokens:
-        raise ValueError(
-            f"document-placement attention expects this rank's {plan.local_tokens} tokens as one row "
-            f"[1, H, {plan.local_tokens}, D], got query {tuple(query.shape)}; feed the model the batch returned by "
-            "make_doc_batch_and_ctx"
-        )
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(
-            f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})"
-        )
-    return _DocAttention.apply(query, key, value, plan, scale)
+    hf_attention.check_local_row(query, key, plan.local_tokens, "document-placement attention", "make_doc_batch_and_ctx")
+    return blocked_attention(query, key, value, _DocScheme(plan), scale)
 
 
-def _doc_call(call: AttentionCall) -> tuple[torch.Tensor, None]:
+def _doc_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
     """:func:`doc_attention` with transformers' attention-function signature (registered as ``"thd_docs"``).
 
     Returns ``([1, T_r, Hq, D], None)``. Refuses (``ValueError`` / ``CPUnsupportedError``) a mask, dropout,
     a non-causal module, a window shorter than the longest document, sinks / biases and softcapping.
     """
-    plan = enter_call(_METHOD, DOC_ATTN_NAME, "its context", "make_doc_batch_and_ctx")
+    plan = hf_attention.enter_call(_METHOD, DOC_ATTN_NAME, "its context", "make_doc_batch_and_ctx")
     name, kwargs = call.module_name, call.kwargs
     if call.attention_mask is not None:
         raise ValueError(
@@ -321,13 +298,13 @@ def _doc_call(call: AttentionCall) -> tuple[torch.Tensor, None]:
     return out.transpose(1, 2), None
 
 
-doc_attention_forward = hf_attention_function(_doc_call, "doc_attention_forward")
+doc_attention_forward = hf_attention.hf_attention_function(_doc_call, "doc_attention_forward")
 
 
 def register_doc_attention(name: str = DOC_ATTN_NAME) -> str:
     """Register :func:`doc_attention_forward` in transformers' ``AttentionInterface`` (idempotent; not as a
     mask implementation, so transformers builds no mask and passes ``attention_mask=None``)."""
-    return register_attention(name, doc_attention_forward)
+    return hf_attention.register_attention(name, doc_attention_forward)
 
 
 def set_doc_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
@@ -339,7 +316,7 @@ def set_doc_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
         ValueError: not a transformers model.
     """
     del device_mesh
-    require_hf_model(
+    hf_attention.require_hf_model(
         model,
         f", so its attention cannot be swapped for {DOC_ATTN_NAME!r}; call "
         "automodel.distributed.doc_attention.doc_attention from your own attention module",
@@ -348,7 +325,7 @@ def set_doc_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
     from automodel.distributed.cp.registry import check_model_for_cp
 
     check_model_for_cp(DOC_ATTN_NAME, cached_profile(model), seq_len=None)
-    return switch_attention(
+    return hf_attention.switch_attention(
         model, DOC_ATTN_NAME, doc_attention_forward, DOC_ATTN_NAME, alternative=": use distributed.cp_method=ulysses"
     )
 

@@ -27,14 +27,10 @@ At ``U == 1`` this is ``cp_method: thd``; at ``U == W`` it is Ulysses on the thd
 full causal attention and windows / chunks at least as long as the longest document; refused like thd:
 shorter windows, sinks, softcapping, MLA value heads, linear / state-space mixers.
 
-Usage::
-
-    set_usp_attention(model)                                   # once
-    ctx_factory, batch = make_usp_batch_and_ctx(device_mesh, batch, ulysses_size=2)
-    with ctx_factory():
-        loss = token_ce_sum(model(**batch_inputs).logits, batch["labels"]) / global_label_count
-        loss.backward()
-    # then all-reduce (SUM) the parameter gradients over the CP group
+Used like THD attention (:mod:`automodel.distributed.cp.thd.attention`): ``set_usp_attention(model)``
+once, then per step ``ctx_factory, local = make_usp_batch_and_ctx(device_mesh, batch, ulysses_size=2)`` and
+the forward / backward inside ``with ctx_factory():``; all-reduce (SUM) the parameter gradients over the
+CP group.
 """
 
 from __future__ import annotations
@@ -48,17 +44,9 @@ from typing import Any
 import torch
 
 from automodel.distributed.all_to_all import all_to_all
-from automodel.distributed.cp import active
+from automodel.distributed.cp import active, hf_attention
 from automodel.distributed.cp.gathered_attention import THDPlan, gathered_layer, shard_batch
 from automodel.distributed.cp.group import resolve_cp_group
-from automodel.distributed.cp.hf_attention import (
-    AttentionCall,
-    enter_call,
-    hf_attention_function,
-    register_attention,
-    require_hf_model,
-    switch_attention,
-)
 from automodel.distributed.cp.usp.groups import UspGroups, usp_process_groups
 
 __all__ = [
@@ -116,13 +104,13 @@ def _replicate_kv(x: torch.Tensor, ulysses_size: int) -> torch.Tensor:
     return x if f == 1 else x.repeat_interleave(f, dim=1)
 
 
-def _usp_call(call: AttentionCall) -> tuple[torch.Tensor, None]:
+def _usp_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
     """USP attention with transformers' attention-function signature (registered as ``"usp"``).
 
     ``query`` ``[1, Hq, T/W, D]``, ``key``/``value`` ``[1, Hkv, T/W, D]`` (this rank's tokens); returns
     ``([1, T/W, Hq, D], None)``. ``attention_mask`` must be ``None`` (documents come from the plan).
     """
-    ctx = enter_call(_METHOD, USP_ATTN_NAME, "a USP context", "make_usp_batch_and_ctx")
+    ctx = hf_attention.enter_call(_METHOD, USP_ATTN_NAME, "a USP context", "make_usp_batch_and_ctx")
     g = ctx.groups
     u = g.ulysses_size
     query, key, value = call.query, call.key, call.value
@@ -145,7 +133,7 @@ def _usp_call(call: AttentionCall) -> tuple[torch.Tensor, None]:
     return out, None
 
 
-usp_attention_forward = hf_attention_function(_usp_call, "usp_attention_forward")
+usp_attention_forward = hf_attention.hf_attention_function(_usp_call, "usp_attention_forward")
 
 
 def register_usp_attention(name: str = USP_ATTN_NAME) -> str:
@@ -154,7 +142,7 @@ def register_usp_attention(name: str = USP_ATTN_NAME) -> str:
     Deliberately not registered as a mask implementation: transformers then builds no (local, wrong)
     mask and passes ``attention_mask=None``. Returns ``name``.
     """
-    return register_attention(name, usp_attention_forward)
+    return hf_attention.register_attention(name, usp_attention_forward)
 
 
 def set_usp_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
@@ -166,7 +154,7 @@ def set_usp_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
         ValueError: not a transformers ``PreTrainedModel``.
     """
     del device_mesh  # the sub-groups and the Ulysses size come with every batch (make_usp_batch_and_ctx)
-    require_hf_model(
+    hf_attention.require_hf_model(
         model,
         f", so its attention cannot be swapped for USP attention ({USP_ATTN_NAME!r} in transformers' AttentionInterface)",
     )
@@ -174,7 +162,7 @@ def set_usp_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
     from automodel.distributed.cp.registry import check_model_for_cp
 
     check_model_for_cp("usp", cached_profile(model), seq_len=None)
-    return switch_attention(model, USP_ATTN_NAME, usp_attention_forward, "usp")
+    return hf_attention.switch_attention(model, USP_ATTN_NAME, usp_attention_forward, "usp")
 
 
 def make_usp_batch_and_ctx(
