@@ -390,7 +390,7 @@ class FinetuneTrainer:
             broadcast_parameters(self.model, self.dp_cp_group)
 
     def _build_optimization(self) -> None:
-        from automodel.distributed.cp_utils import get_train_context
+        from automodel.distributed.train_context import get_train_context
         from automodel.training.optim import build_lr_scheduler, build_optimizer
 
         cfg = self.cfg

@@ -47,7 +47,7 @@ from automodel.distributed.cp.blocks import block_backward, block_forward, block
 from automodel.distributed.cp.exchange.gather import all_gather_tokens, gather_kv, reduce_scatter_tokens
 from automodel.distributed.cp.gathered_method import THD_CP_COMM_TYPES, THD_KERNELS
 from automodel.distributed.cp.hf_attention import AttentionCall, check_local_row
-from automodel.distributed.cp.kernels.strategy import run_layer
+from automodel.distributed.cp.layers.strategy import run_layer
 from automodel.distributed.cp.layout import head_tail_indices
 from automodel.distributed.cp.te_batch import make_cp_batch_for_te
 from automodel.errors import CPUnsupportedError
@@ -182,7 +182,7 @@ class THDPlan:
     def token_layout(self):
         """This step's :class:`~automodel.distributed.cp.kernels.token_layout.TokenLayout` (cached)."""
         if "layout" not in self._index:
-            from automodel.distributed.cp.kernels.token_layout import thd_layout
+            from automodel.distributed.cp.layout import thd_layout
 
             self._index["layout"] = thd_layout(self.cu_seqlens_padded, self.group, self.world_size, self.rank)
         return self._index["layout"]

@@ -316,7 +316,7 @@ def standard_problem(
     if layer.kind == MLP_ONLY:
         return None
     if layer.kind == LINEAR:
-        from automodel.distributed.cp.linear_support import linear_mixer_problem
+        from automodel.distributed.cp.layers.linear_support import linear_mixer_problem
 
         return linear_mixer_problem(method, layer)
     if layer.kind == UNKNOWN:

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.distributed.cp.linear_support import GATED_DELTANET_MIXERS
+from automodel.distributed.cp.layers.linear_support import GATED_DELTANET_MIXERS
 
 __all__ = [
     "FULL",

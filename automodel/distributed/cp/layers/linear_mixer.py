@@ -51,12 +51,12 @@ from typing import Any
 
 import torch
 
-from automodel.distributed.all_to_all import all_to_all
 from automodel.distributed.cp.active import innermost
 from automodel.distributed.cp.exchange.state import per_document, recv_state, send_state
 from automodel.distributed.cp.layers.gated_deltanet import CoreParams, core_params, finish, project, run_core
 from automodel.distributed.cp.layers.linear_support import GATED_DELTANET_MIXERS, LINEAR_METHODS
 from automodel.distributed.cp.profile import LINEAR
+from automodel.distributed.sp.all_to_all import all_to_all
 from automodel.errors import CPUnsupportedError
 
 __all__ = [

@@ -45,6 +45,7 @@ from automodel.distributed.cp.ring.causal_mask import no_packed_sequence_detecti
 from automodel.distributed.cp.ring.cpu_ring import check_cpu_ring_support, cpu_ring_attention
 from automodel.distributed.cp.ring.router import install_ring_router, ring_layer_kernels
 from automodel.distributed.cp.te_batch import _shard_thd_chunk_for_te, make_cp_batch_for_te
+from automodel.distributed.train_context import get_train_context
 
 __all__ = [
     "_build_position_ids",
@@ -149,44 +150,6 @@ def _pad_for_cp(batch: dict[str, Any], padded_len: int, padding_token_id: int) -
             tail = torch.full(shape, value, dtype=t.dtype, device=t.device)
         out[key] = torch.cat([t, tail], dim=dim)
     return out
-
-
-def get_train_context(
-    enable_loss_parallel: bool,
-    enable_compiled_autograd: bool,
-    cp_context: contextlib.AbstractContextManager | None = None,
-    *,
-    compiled_autograd_backend: str = "inductor",
-) -> Callable[[], contextlib.AbstractContextManager]:
-    """Return a factory of the context every forward+backward runs in: ``with train_ctx(): ...``.
-
-    Args:
-        enable_loss_parallel: enter ``torch.distributed.tensor.parallel.loss_parallel()`` (TP with a
-            sharded vocabulary).
-        enable_compiled_autograd: run the backward through compiled autograd
-            (:func:`automodel.distributed.compiled_autograd.compiled_autograd`: no fullgraph, static
-            shapes). FSDP2's gradient hooks do not run under it on torch 2.13: use a replicated model
-            (:mod:`automodel.distributed.replicate`).
-        cp_context: a context from :func:`create_context_parallel_ctx` (single use: each CP batch
-            needs a fresh one, which :func:`make_cp_batch_and_ctx` provides).
-    """
-
-    @contextlib.contextmanager
-    def context() -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            if enable_loss_parallel:
-                from torch.distributed.tensor.parallel import loss_parallel
-
-                stack.enter_context(loss_parallel())
-            if enable_compiled_autograd:
-                from automodel.distributed.compiled_autograd import compiled_autograd
-
-                stack.enter_context(compiled_autograd(compiled_autograd_backend))
-            if cp_context is not None:
-                stack.enter_context(cp_context)
-            yield
-
-    return context
 
 
 def create_context_parallel_ctx(

@@ -45,13 +45,13 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from automodel.distributed.all_to_all import all_to_all, even_split_sizes
 from automodel.distributed.cp import hf_attention as hf
 from automodel.distributed.cp.active import activate, current, not_switched_message
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
 from automodel.distributed.cp.layers.strategy import call_spec, config_chunk, correct_query_temperature
 from automodel.distributed.cp.ulysses.doc_blocks import Segment, document_block_attention, document_segments
+from automodel.distributed.sp.all_to_all import all_to_all, even_split_sizes
 from automodel.errors import CPUnsupportedError
 
 __all__ = [

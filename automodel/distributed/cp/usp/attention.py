@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
-from automodel.distributed.all_to_all import all_to_all
 from automodel.distributed.cp import active, hf_attention
 from automodel.distributed.cp.gathered_attention import THDPlan, gathered_layer, shard_batch
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.usp.groups import UspGroups, usp_process_groups
+from automodel.distributed.sp.all_to_all import all_to_all
 
 __all__ = [
     "USP_ATTN_NAME",
