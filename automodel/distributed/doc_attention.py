@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.doc_placement import CostModel, Placement, plan_documents, split_chunks
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.thd_attention import _block_bwd, _block_fwd, _merge
@@ -529,6 +530,7 @@ def make_doc_batch_and_ctx(
         ValueError: ``input_ids`` missing, inconsistent ``seq_lens_padded``, left / inner padding in
             ``attention_mask``, fewer tokens than CP ranks.
     """
+    check_batch_forms("thd_docs", batch)  # refuse what thd_docs does not compute exactly (docs/batch_forms.md)
     del inner_attn
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import resolve_cp_group as _resolve_cp
 from automodel.distributed.te_batch import make_cp_batch_for_te
 from automodel.distributed.thd_utils import thd_partition_indices
@@ -686,6 +687,7 @@ def make_thd_batch_and_ctx(
         ValueError: a document not padded to a multiple of ``2*cp_size``, inconsistent ``seq_lens`` /
             ``seq_lens_padded``, an unavailable kernel, anything :func:`make_cp_batch_for_te` rejects.
     """
+    check_batch_forms("thd", batch)  # refuse what thd does not compute exactly (docs/batch_forms.md)
     del inner_attn
     if not isinstance(batch.get("input_ids"), torch.Tensor) or batch["input_ids"].dim() != 2:
         raise ValueError(f"the batch needs 'input_ids' [B, S]; got keys {sorted(batch)}")

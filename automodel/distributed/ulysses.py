@@ -46,6 +46,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from automodel.distributed.all_to_all import all_to_all, even_split_sizes
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.kernels.strategy import call_spec, config_chunk, correct_query_temperature
 from automodel.distributed.doc_block_attention import Segment, document_block_attention, document_segments
@@ -627,6 +628,7 @@ def make_ulysses_batch_and_ctx(
         ValueError: not exactly one of ``input_ids`` / ``inputs_embeds``, inconsistent shapes, ``S`` smaller than the CP size, or
         an unsupported ``inner_attn``.
     """
+    check_batch_forms("ulysses", batch)  # refuse what ulysses does not compute exactly (docs/batch_forms.md)
     primary = _primary_sequence_tensor(batch)
     bsz, seq_len = primary.shape[:2]
     device = primary.device

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from automodel.distributed.all_to_all import all_to_all
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp_subgroups import UspGroups, usp_process_groups
 from automodel.distributed.thd_attention import make_thd_batch_and_ctx, thd_attention_forward
@@ -253,6 +254,7 @@ def make_usp_batch_and_ctx(
         ValueError: ``ulysses_size`` not dividing the CP size, a ring share not divisible by ``ulysses_size``
             (documents not padded to ``2 * cp_size``), anything ``make_thd_batch_and_ctx`` rejects.
     """
+    check_batch_forms("usp", batch)  # refuse what usp does not compute exactly (docs/batch_forms.md)
     del inner_attn
     group, world, rank = resolve_cp_group(device_mesh)
     groups = usp_process_groups(group, world, rank, ulysses_size)
