@@ -38,6 +38,8 @@ FORMS = (
     "loss_mask",
     "restarts_and_mask",
 )
+#: the mRoPE forms, run on a tiny Qwen2-VL (its text model takes [3, B, S] and [4, B, S] position_ids)
+MROPE_FORMS = ("mrope", "mrope_text")
 
 
 def tiny_llama():
@@ -57,6 +59,41 @@ def tiny_llama():
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def tiny_qwen2_vl():
+    from transformers import AutoConfig, Qwen2VLForConditionalGeneration
+
+    cfg = AutoConfig.for_model(
+        "qwen2_vl",
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+        ),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2, spatial_merge_size=1),
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return Qwen2VLForConditionalGeneration(cfg).float()
+
+
+def mrope_batches() -> dict[str, dict[str, torch.Tensor]]:
+    """``[3, 2, 16]`` mRoPE positions (a 2 x 4 image grid inside text), and the same with text positions in row 0."""
+    plain = batches()["plain"]
+    t = torch.arange(S)
+    grid = (t >= 4) & (t < 12)
+    temporal = torch.where(grid, 4, torch.where(t >= 12, t - 4, t))
+    height = torch.where(grid, 4 + (t - 4) // 4, temporal)
+    width = torch.where(grid, 4 + (t - 4) % 4, temporal)
+    three = torch.stack([temporal, height, width])[:, None].expand(3, 2, S).contiguous()
+    four = torch.cat([t.expand(1, 2, S), three]).contiguous()
+    return {"mrope": {**plain, "position_ids": three}, "mrope_text": {**plain, "position_ids": four}}
 
 
 def _restart_positions(rows: list[list[int]]) -> torch.Tensor:
@@ -123,7 +160,9 @@ def reference(model, batch: dict, n_labels: int) -> tuple[float, dict[str, torch
     logits = model(input_ids=batch["input_ids"], use_cache=False, **kw).logits
     loss = _loss_sum(logits, batch["labels"], batch.get("loss_mask")) / n_labels
     loss.backward()
-    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {
+        n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()
+    }
 
 
 def cp_cell(model, fn, mesh, batch: dict, n_labels: int) -> tuple[float, dict[str, torch.Tensor]]:
@@ -165,21 +204,32 @@ def main(rank: int, world_size: int) -> dict:
     t0 = time.perf_counter()
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    base = tiny_llama()
-    forms = batches()
+    cells: dict[tuple[str, str], dict] = {}
+    run_forms(cells, mesh, tiny_llama(), batches(), FORMS)
+    run_forms(cells, mesh, tiny_qwen2_vl(), mrope_batches(), MROPE_FORMS)
+    return {"cells": cells, "methods": METHODS, "forms": FORMS + MROPE_FORMS, "seconds": time.perf_counter() - t0}
+
+
+def run_forms(cells: dict, mesh, base, forms: dict, names: tuple[str, ...]) -> None:
+    """Every method x the forms ``names`` of ``forms`` on copies of ``base``; fills ``cells``."""
     refs = {}
-    for form, batch in forms.items():
+    for form in names:
+        batch = forms[form]
         n_labels = int((batch["labels"] != -100).sum())
         loss, grads = reference(base, batch, n_labels)
         assert all(torch.isfinite(g).all() for g in grads.values()), f"reference of {form} is not finite"
         refs[form] = (n_labels, loss, grads)
-    cells: dict[tuple[str, str], dict] = {}
     for name in METHODS:
         m = method_and_options(name)
         model = copy.deepcopy(base)
-        prepared = m.prepare_model(model, mesh)
+        try:
+            prepared = m.prepare_model(model, mesh)
+        except ValueError as err:  # the model itself is refused: every cell of the row says so
+            for form in names:
+                cells[(name, form)] = {"status": "refused", "message": str(err), "type": type(err).__name__}
+            continue
         fn = m.batch_function(prepared)
-        for form in FORMS:
+        for form in names:
             n_labels, ref_loss, ref_grads = refs[form]
             try:
                 loss, grads = cp_cell(model, fn, mesh, forms[form], n_labels)
@@ -194,4 +244,3 @@ def main(rank: int, world_size: int) -> dict:
             ok = loss_rel <= LOSS_RTOL and grad_rel <= GRAD_RTOL
             cells[(name, form)] = {"status": "exact" if ok else "wrong", "loss_rel": loss_rel, "grad_rel": grad_rel}
         prepared.undo()
-    return {"cells": cells, "methods": METHODS, "forms": FORMS, "seconds": time.perf_counter() - t0}

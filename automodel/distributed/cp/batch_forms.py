@@ -67,7 +67,7 @@ BATCH_FORMS: dict[str, tuple[str, str]] = {
     "mrope": ("has mRoPE position_ids [3, B, S]", ""),
     "mrope_text": (
         "has position_ids [4, B, S] (text positions in row 0, whose restarts mark documents, then mRoPE)",
-        "or pass the mRoPE rows [3, B, S] with seq_lens / seq_lens_padded [B, P] for the documents",
+        "or, when every row is one document, pass only the mRoPE rows position_ids[1:] [3, B, S]",
     ),
 }
 
@@ -83,6 +83,8 @@ OWN_LOOP_FUNCTIONS: dict[str, str] = {
     "usp": "make_usp_batch_and_ctx",
 }
 
+_THD_FORMS = ("plain", "seq_lens", "right_padding", "loss_mask", "restarts_and_mask", "mrope", "mrope_text")
+
 #: THE table: the batch forms each method computes exactly (against transformers in one process). Every
 #: other form is refused by :func:`check_batch_forms`. tests/test_batch_forms.py runs each cell.
 COMPUTES: dict[str, frozenset[str]] = {
@@ -93,9 +95,10 @@ COMPUTES: dict[str, frozenset[str]] = {
         {"plain", "restarts", "seq_lens", "right_padding", "left_padding", "masked_token", "loss_mask", "mrope"}
     ),
     # per-document causal attention from seq_lens_padded; a mask may only cut each row's tail
-    "thd": frozenset({"plain", "seq_lens", "right_padding", "loss_mask", "restarts_and_mask", "mrope"}),
-    "thd_docs": frozenset({"plain", "seq_lens", "right_padding", "loss_mask", "restarts_and_mask", "mrope"}),
-    "usp": frozenset({"plain", "seq_lens", "right_padding", "loss_mask", "restarts_and_mask", "mrope"}),
+    # (mRoPE rows go with their tokens; the documents come from seq_lens, never from a mask)
+    "thd": frozenset(_THD_FORMS),
+    "thd_docs": frozenset(_THD_FORMS),
+    "usp": frozenset(_THD_FORMS),
 }
 
 
@@ -119,7 +122,7 @@ def _document_starts(seq_lens: torch.Tensor, seq_len: int) -> torch.Tensor | Non
     ends = lens.cumsum(-1)
     starts = torch.zeros(lens.shape[0], seq_len + 1, dtype=torch.bool, device=lens.device)
     first = (ends - lens).clamp(max=seq_len)
-    starts.scatter_(1, first, lens > 0)
+    starts.scatter_(1, first.masked_fill(lens == 0, seq_len), True)  # empty documents write the spare column
     return starts[:, :seq_len]
 
 
