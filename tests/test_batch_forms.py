@@ -104,7 +104,8 @@ def test_classifier_details():
     assert classify_batch({"input_ids": ids, "position_ids": four}) == ["mrope_text"]
     assert classify_batch({"input_ids": ids, "seq_lens": lens, "seq_lens_padded": padded}) == ["seq_lens"]
     # malformed entries are left to the method's own validation
-    assert classify_batch({"input_ids": ids, "position_ids": torch.arange(8)[None], "seq_lens": lens}) == ["seq_lens"]
+    assert classify_batch({"input_ids": ids, "position_ids": torch.arange(8)[None], "seq_lens": lens}) == ["seq_lens_only"]
+    assert classify_batch({"input_ids": ids, "seq_lens_padded": padded}) == ["seq_lens"]
     assert classify_batch({"attention_mask": torch.ones(16), "seq_lens": torch.tensor([5, 3])}) == ["plain"]
 
 

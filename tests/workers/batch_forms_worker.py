@@ -32,6 +32,7 @@ FORMS = (
     "plain",
     "restarts",
     "seq_lens",
+    "seq_lens_only",
     "right_padding",
     "left_padding",
     "masked_token",
@@ -125,6 +126,8 @@ def batches() -> dict[str, dict[str, torch.Tensor]]:
         "seq_lens": torch.tensor([[5, 7, -1000], [3, 2, 7]]),
         "seq_lens_padded": torch.tensor([[8, 8, -1000], [4, 4, 8]]),
     }
+
+    out["seq_lens_only"] = {**out["restarts"], "seq_lens": torch.tensor([[6, 10, -1000], [3, 5, 8]])}
 
     def masked(mask: torch.Tensor) -> dict[str, torch.Tensor]:
         lab = labels.clone()

@@ -49,6 +49,10 @@ BATCH_FORMS: dict[str, tuple[str, str]] = {
         "or pass seq_lens / seq_lens_padded [B, P] that describe the documents",
     ),
     "seq_lens": ("has packed rows (several documents per row in seq_lens / seq_lens_padded [B, P])", ""),
+    "seq_lens_only": (
+        "has packed rows given by seq_lens [B, P] alone (several documents per row, no seq_lens_padded)",
+        "or pass seq_lens_padded too (equal to seq_lens where documents carry no padding)",
+    ),
     "right_padding": (
         "has an attention_mask with zeros after a row's last real token (right padding)",
         "or drop the attention_mask and set the padded labels to -100 (exact under causal attention)",
@@ -92,7 +96,10 @@ COMPUTES: dict[str, frozenset[str]] = {
     "ring": frozenset({"plain", "loss_mask", "restarts_and_mask", "mrope"}),
     # the inner kernel runs on the whole row with the global mask: documents, padding, any hole
     "ulysses": frozenset(
-        {"plain", "restarts", "seq_lens", "right_padding", "left_padding", "masked_token", "loss_mask", "mrope"}
+        {
+            "plain", "restarts", "seq_lens", "seq_lens_only", "right_padding", "left_padding", "masked_token",
+            "loss_mask", "mrope",
+        }
     ),
     # per-document causal attention from seq_lens_padded; a mask may only cut each row's tail
     # (mRoPE rows go with their tokens; the documents come from seq_lens, never from a mask)
@@ -161,7 +168,7 @@ def classify_batch(batch: dict[str, Any]) -> list[str]:
     doc_starts = None
     if isinstance(lens, torch.Tensor) and lens.dim() == 2:
         if bool(((lens > 0).sum(-1) > 1).any()):
-            forms.add("seq_lens")
+            forms.add("seq_lens" if isinstance(batch.get("seq_lens_padded"), torch.Tensor) else "seq_lens_only")
         seq_len = pos.shape[-1] if isinstance(pos, torch.Tensor) and pos.dim() >= 2 else int(lens.clamp(min=0).sum(-1).max())
         doc_starts = _document_starts(lens, seq_len)
     if isinstance(pos, torch.Tensor):
