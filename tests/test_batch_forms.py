@@ -106,6 +106,9 @@ def test_classifier_details():
     # malformed entries are left to the method's own validation
     assert classify_batch({"input_ids": ids, "position_ids": torch.arange(8)[None], "seq_lens": lens}) == ["seq_lens_only"]
     assert classify_batch({"input_ids": ids, "seq_lens_padded": padded}) == ["seq_lens"]
+    one = {"input_ids": ids[:1], "cu_seqlens": torch.tensor([0, 6, 16])}
+    assert classify_batch(one) == ["seq_lens_only"]
+    assert classify_batch({**one, "position_ids": batches()["restarts"]["position_ids"][:1]}) == ["seq_lens_only"]
     assert classify_batch({"attention_mask": torch.ones(16), "seq_lens": torch.tensor([5, 3])}) == ["plain"]
 
 

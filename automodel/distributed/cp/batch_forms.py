@@ -50,7 +50,8 @@ BATCH_FORMS: dict[str, tuple[str, str]] = {
     ),
     "seq_lens": ("has packed rows (several documents per row in seq_lens / seq_lens_padded [B, P])", ""),
     "seq_lens_only": (
-        "has packed rows given by seq_lens [B, P] alone (several documents per row, no seq_lens_padded)",
+        "has packed rows given by seq_lens [B, P] (or cu_seqlens) alone (several documents per row, no "
+        "seq_lens_padded)",
         "or pass seq_lens_padded too (equal to seq_lens where documents carry no padding)",
     ),
     "right_padding": (
@@ -165,6 +166,9 @@ def classify_batch(batch: dict[str, Any]) -> list[str]:
     lens = batch.get("seq_lens_padded")
     if not isinstance(lens, torch.Tensor):
         lens = batch.get("seq_lens")
+    cu = batch.get("cu_seqlens")
+    if not isinstance(lens, torch.Tensor) and isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() > 1:
+        lens = torch.diff(cu.long())[None]  # one packed row (Ulysses' cu_seqlens)
     doc_starts = None
     if isinstance(lens, torch.Tensor) and lens.dim() == 2:
         if bool(((lens > 0).sum(-1) > 1).any()):
