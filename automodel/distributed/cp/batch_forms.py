@@ -40,19 +40,20 @@ __all__ = [
 ]
 
 #: Every batch form, in the order refusals and tables list them: name -> what the batch has (completes
-#: "the batch ..."), and how to make it computable when a method refuses it.
+#: "the batch ..."), and how to make it computable when a method refuses it (``{form}``: the methods that
+#: compute that form).
 BATCH_FORMS: dict[str, tuple[str, str]] = {
     "plain": ("has one sequence per row and no mask", ""),
     "restarts": (
         "has position_ids that restart inside a row (documents packed transformers-style) and no seq_lens "
         "describing those documents",
-        "or pass seq_lens / seq_lens_padded [B, P] that describe the documents",
+        "or pass seq_lens / seq_lens_padded [B, P] that describe the documents (computed by {seq_lens})",
     ),
     "seq_lens": ("has packed rows (several documents per row in seq_lens / seq_lens_padded [B, P])", ""),
     "seq_lens_only": (
         "has packed rows given by seq_lens [B, P] (or cu_seqlens) alone (several documents per row, no "
         "seq_lens_padded)",
-        "or pass seq_lens_padded too (equal to seq_lens where documents carry no padding)",
+        "or pass seq_lens_padded too, equal to seq_lens where documents carry no padding ({seq_lens})",
     ),
     "right_padding": (
         "has an attention_mask with zeros after a row's last real token (right padding)",
@@ -67,12 +68,13 @@ BATCH_FORMS: dict[str, tuple[str, str]] = {
     "restarts_and_mask": (
         "has position_ids that restart inside a row together with an attention_mask (transformers then "
         "ignores the restarts and attends across them; without the mask it takes them as document boundaries)",
-        "or drop the attention_mask (the restarts then mark documents) or pass seq_lens / seq_lens_padded [B, P]",
+        "or drop the attention_mask (the restarts then mark documents: {restarts}) or pass seq_lens / "
+        "seq_lens_padded [B, P] ({seq_lens})",
     ),
     "mrope": ("has mRoPE position_ids [3, B, S]", ""),
     "mrope_text": (
         "has position_ids [4, B, S] (text positions in row 0, whose restarts mark documents, then mRoPE)",
-        "or, when every row is one document, pass only the mRoPE rows position_ids[1:] [3, B, S]",
+        "or, when every row is one document, pass only the mRoPE rows position_ids[1:] [3, B, S] ({mrope})",
     ),
 }
 
@@ -218,6 +220,7 @@ def methods_computing(form: str) -> list[str]:
 def batch_form_problem(method: str, form: str) -> str:
     """The refusal of ``form`` by ``method``: the method, the form, the methods that compute it, the fix."""
     what, fix = BATCH_FORMS[form]
+    fix = fix.format(**{f: " | ".join(methods_computing(f)) for f in BATCH_FORMS})
     others = [m for m in methods_computing(form) if m != method]
     if others:
         run = (
