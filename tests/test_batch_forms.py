@@ -64,6 +64,8 @@ def test_doc_shows_the_table():
     assert TABLE_START in text and TABLE_END in text, f"{DOC} lacks the table markers"
     shown = text.split(TABLE_START)[1].split(TABLE_END)[0].strip()
     assert shown == render_table(), f"{DOC} is stale; its table must read:\n{render_table()}"
+    example = text.split("```\n", 2)[1].split("\n```")[0]  # the user's case, as ring refuses it
+    assert " ".join(example.split()) == batch_form_problem("ring", "restarts")
 
 
 # ------------------------------------------------------------------ the classifier
