@@ -147,7 +147,7 @@ def test_attention_mask_with_zeros_is_rejected():
 def test_packed_rows_are_rejected():
     batch = _batch()
     batch["seq_lens"] = torch.tensor([[10, 6], [16, -1000]])
-    with pytest.raises(ValueError, match=r"packed rows.*methods that compute it: ulysses \| thd \| thd_docs \| usp"):
+    with pytest.raises(ValueError, match=r"cp_method ring .*packed rows.*methods that compute it: ulysses"):
         make_cp_batch_and_ctx(StubMesh(), batch)
 
 
