@@ -30,6 +30,7 @@ from automodel.distributed.cp.batch_forms import (
     classify_batch,
     methods_computing,
 )
+from automodel.errors import UserInputError
 from tests.dist_harness import run_distributed
 from tests.workers.batch_forms_worker import FORMS, METHODS, MROPE_FORMS, batches, mrope_batches
 
@@ -123,7 +124,7 @@ def test_refusal_text(monkeypatch):
     with pytest.raises(BatchFormError, match="cp_method thd .*left padding"):
         check_batch_forms("thd", batches()["left_padding"])
     assert check_batch_forms("ulysses", batches()["left_padding"]) == ["left_padding"]
-    assert isinstance(BatchFormError("x"), ValueError)
+    assert isinstance(BatchFormError("x"), UserInputError) and isinstance(BatchFormError("x"), ValueError)
     import automodel.distributed.cp.batch_forms as batch_forms
 
     monkeypatch.setattr(batch_forms, "COMPUTES", {"ring": frozenset({"plain"})})

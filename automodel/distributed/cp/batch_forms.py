@@ -18,7 +18,7 @@ padding) describe documents explicitly, and each document is computed as if alon
 zeros hide keys; 3-D ``position_ids`` ``[3, B, S]`` are mRoPE positions that never mark documents, and
 ``[4, B, S]`` carry text positions in row 0 (whose restarts do mark documents, as in Qwen2-VL).
 
-Pure torch; imports nothing else of the project (every method package and batch function may import it).
+Pure torch (and :mod:`automodel.errors`): every method package and batch function may import it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from automodel.errors import UserInputError
 
 __all__ = [
     "BATCH_FORMS",
@@ -112,8 +114,9 @@ COMPUTES: dict[str, frozenset[str]] = {
 }
 
 
-class BatchFormError(ValueError):
-    """A batch form the chosen CP method would compute differently from one process."""
+class BatchFormError(UserInputError):
+    """A batch form the chosen CP method would compute differently from one process (a ``ValueError``; the
+    recipe prints it as one ``error:`` line)."""
 
 
 def _restarts(pos: torch.Tensor, doc_starts: torch.Tensor | None) -> bool:
@@ -244,7 +247,7 @@ def check_batch_forms(method: str, batch: dict[str, Any]) -> list[str]:
         batch: the own-loop batch, as the user gave it (not mutated).
 
     Raises:
-        BatchFormError: (a ``ValueError``) the first form ``method`` does not compute, with the methods that do.
+        BatchFormError: (a :class:`~automodel.errors.UserInputError`, a ``ValueError``) the first form ``method`` does not compute, with the methods that do.
     """
     forms = classify_batch(batch)
     computes = COMPUTES.get(method, frozenset({"plain"}))
