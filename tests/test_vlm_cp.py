@@ -70,7 +70,7 @@ def test_ulysses_batch_inputs_embeds_and_mrope():
         make_ulysses_batch_and_ctx(None, {"inputs_embeds": embeds, "input_ids": labels, "labels": labels})
     with pytest.raises(ValueError, match="has neither of 'input_ids' and 'inputs_embeds'"):
         make_ulysses_batch_and_ctx(None, {"labels": labels})
-    with pytest.raises(ValueError, match=r"mRoPE positions \[3, B, S\] = \[3, 2, 8\], got shape \(4, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"cp_method ulysses .* position_ids \[4, B, S\] .* thd \| thd_docs \| usp"):
         make_ulysses_batch_and_ctx(None, {"inputs_embeds": embeds, "position_ids": torch.zeros(4, 2, 8)})
 
 

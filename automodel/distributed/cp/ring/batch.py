@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import get_cp_mesh as _get_cp_mesh
 from automodel.distributed.cp.guard import check_on_first_forward
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
@@ -387,6 +388,7 @@ def make_cp_batch_and_ctx(
     if cp_mesh is None or cp_mesh.size() == 1:
         _primary_sequence_tensor(batch)  # both / neither is an error with or without CP
         return contextlib.nullcontext, batch
+    check_batch_forms("ring", batch)  # refuse what ring does not compute exactly (docs/batch_forms.md)
 
     cp_size = cp_mesh.size()
     if loss_mask is not None:

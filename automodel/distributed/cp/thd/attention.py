@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from automodel.distributed.cp import active, hf_attention
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.gathered_attention import THDPlan, gathered_layer, shard_batch
 from automodel.distributed.cp.group import resolve_cp_group
 
@@ -153,6 +154,7 @@ def make_thd_batch_and_ctx(
         ValueError: a document not padded to a multiple of ``2*cp_size``, inconsistent ``seq_lens`` /
             ``seq_lens_padded``, an unavailable kernel, anything ``make_cp_batch_for_te`` rejects.
     """
+    check_batch_forms("thd", batch)  # refuse what thd does not compute exactly (docs/batch_forms.md)
     del inner_attn
     if not isinstance(batch.get("input_ids"), torch.Tensor) or batch["input_ids"].dim() != 2:
         raise ValueError(f"the batch needs 'input_ids' [B, S]; got keys {sorted(batch)}")

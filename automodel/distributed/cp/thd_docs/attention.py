@@ -36,6 +36,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp import active, hf_attention
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.blocks import block_backward, block_forward, blocked_attention, merge
 from automodel.distributed.cp.exchange.p2p import give_back, lend
 from automodel.distributed.cp.group import resolve_cp_group
@@ -427,6 +428,7 @@ def make_doc_batch_and_ctx(
         ValueError: ``input_ids`` missing, inconsistent ``seq_lens_padded``, left / inner padding in
             ``attention_mask``, fewer tokens than CP ranks.
     """
+    check_batch_forms("thd_docs", batch)  # refuse what thd_docs does not compute exactly (docs/batch_forms.md)
     del inner_attn
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:

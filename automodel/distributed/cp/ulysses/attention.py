@@ -47,6 +47,7 @@ from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp import hf_attention as hf
 from automodel.distributed.cp.active import activate, current, not_switched_message
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
 from automodel.distributed.cp.layers.strategy import call_spec, config_chunk, correct_query_temperature
@@ -586,6 +587,7 @@ def make_ulysses_batch_and_ctx(
         ValueError: not exactly one of ``input_ids`` / ``inputs_embeds``, inconsistent shapes, ``S`` smaller than the CP size, or
         an unsupported ``inner_attn``.
     """
+    check_batch_forms("ulysses", batch)  # refuse what ulysses does not compute exactly (docs/batch_forms.md)
     primary = _primary_sequence_tensor(batch)
     bsz, seq_len = primary.shape[:2]
     device = primary.device

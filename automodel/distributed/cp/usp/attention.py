@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from automodel.distributed.cp import active, hf_attention
+from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.gathered_attention import THDPlan, gathered_layer, shard_batch
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.usp.groups import UspGroups, usp_process_groups
@@ -197,6 +198,7 @@ def make_usp_batch_and_ctx(
         ValueError: ``ulysses_size`` not dividing the CP size, a ring share not divisible by ``ulysses_size``
             (documents not padded to ``2 * cp_size``), anything ``make_thd_batch_and_ctx`` rejects.
     """
+    check_batch_forms("usp", batch)  # refuse what usp does not compute exactly (docs/batch_forms.md)
     del inner_attn
     group, world, rank = resolve_cp_group(device_mesh)
     groups = usp_process_groups(group, world, rank, ulysses_size)
