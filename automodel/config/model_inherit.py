@@ -10,8 +10,10 @@ and one whose class differs from what is composed so far replaces it whole; one 
 one without a class: a few keys changed) merges as before.
 
 The class of a ``model.config`` node is the object its ``_target_`` imports (two paths to one class
-are one class) together with its ``model_type`` (for targets such as ``transformers.AutoConfig.for_model``); the command line's ``model.config._target_=...`` is the
-last contribution. :func:`model_replacement_overrides` returns the deletions (``~model.config.key``)
+are one class) together with its ``model_type`` (for targets such as ``transformers.AutoConfig.for_model``).
+The command line is not a parent: ``model.config._target_=...`` there edits the composed config's class
+and keeps its other keys (the way the tests swap a tiny model's class and keep its sizes); the
+command line's other ``model.config.*`` overrides apply on top as usual. :func:`model_replacement_overrides` returns the deletions (``~model.config.key``)
 that take the inherited keys out, applied before the user's own overrides (which may set them again).
 """
 
@@ -127,19 +129,12 @@ def _leaked(merged: Any, composed: Any, prefix: str) -> list[str]:
     return out
 
 
-def _command_line(overrides: Sequence[str]) -> tuple[dict[str, Any], set[str]]:
-    """The command line's ``model.config.<key>=value`` settings and the keys it deletes or sets."""
+def _command_line(overrides: Sequence[str]) -> set[str]:
+    """The ``model.config.*`` keys the command line sets or deletes."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    sets: dict[str, Any] = {}
-    touched: set[str] = set()
-    for o in OverridesParser.create().parse_overrides(list(overrides)):
-        key = o.key_or_group
-        if key.startswith(NODE + "."):
-            touched.add(key)
-            if not o.is_delete():
-                sets[key[len(NODE) + 1 :]] = o.value()
-    return sets, touched
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return {o.key_or_group for o in parsed if o.key_or_group.startswith(NODE + ".")}
 
 
 def model_replacement_overrides(config_name: str, search: Sequence[str], user_overrides: Sequence[str]) -> list[str]:
@@ -149,8 +144,7 @@ def model_replacement_overrides(config_name: str, search: Sequence[str], user_ov
     Args:
         config_name: the primary config's name (its file's stem).
         search: the overrides that set the search path (``hydra.searchpath=[...]``), as composed.
-        user_overrides: the command line's overrides (a ``model.config._target_=`` there changes the class
-            too; keys it sets or deletes are not deleted here).
+        user_overrides: the command line's overrides (keys it sets or deletes are not deleted here).
 
     Returns [] when no class changes (same-class inheritance merges as Hydra does).
     """
@@ -177,9 +171,7 @@ def model_replacement_overrides(config_name: str, search: Sequence[str], user_ov
         node = _contribution(loaded.config if loaded is not None else None, d.package)
         if node is not _ABSENT:
             contributions.append((f"{d.config_path}.yaml", node))
-    sets, touched = _command_line(user_overrides)
-    if "_target_" in sets:  # the command line names the class: its keys are the last contribution
-        contributions.append(("the command line", {k: v for k, v in sets.items() if "." not in k}))
+    touched = _command_line(user_overrides)
     composed, replaced = compose_model_config(contributions)
     merged: Any = _ABSENT
     for _, node in contributions:  # what Hydra composes: every contribution merged
