@@ -38,7 +38,7 @@ from automodel.distributed.cp import get_cp_method
 from automodel.distributed.cp.bind import bind_cp_method, no_cp_batch_and_ctx
 from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
 from automodel.errors import UserInputError
-from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag, latest_checkpoint
+from automodel.training.checkpoint import Checkpointer, CheckpointLayout, SigtermFlag
 from automodel.training.elastic import reseed_for_step
 from automodel.training.metrics import MetricsWriter, peak_memory_gib, reset_peak_memory
 from automodel.training.optim import clip_grad_norm
@@ -47,6 +47,7 @@ from automodel.training.resume_policy import (
     check_resume_schedule,
     run_identity,
     schedule_of,
+    select_resume_checkpoint,
     write_run_identity,
 )
 from automodel.training.row_padding import pad_multiple
@@ -411,10 +412,8 @@ class FinetuneTrainer:
         self.resumed_from: Path | None = None
         if not ck.resume and not ck.resume_from:
             return
-        path = (
-            Path(ck.resume_from).expanduser().resolve()
-            if ck.resume_from
-            else latest_checkpoint(self.checkpointer.root)
+        path = select_resume_checkpoint(  # verified before any rank reads it (skips / names a damaged one)
+            self.checkpointer.root, Path(ck.resume_from).expanduser().resolve() if ck.resume_from else None
         )
         if path is None:
             if ck.resume == "auto":
