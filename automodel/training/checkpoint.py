@@ -421,6 +421,7 @@ class SigtermFlag:
 
     def __init__(self) -> None:
         self.received = False
+        self._logged = False
         self._previous: Any = None
         self._installed = False
 
@@ -428,8 +429,8 @@ class SigtermFlag:
         if self.received and callable(self._previous):
             self._previous(signum, frame)
             return
-        self.received = True
-        logger.warning("SIGTERM received: will checkpoint and stop after this step")
+        self.received = True  # logged where the ranks act on it (should_stop): a launcher stopping the
+        # survivors of a lost rank sends SIGTERM too, and those never get to act on it
 
     def __enter__(self) -> SigtermFlag:
         try:
@@ -449,4 +450,8 @@ class SigtermFlag:
         flag = torch.tensor([1 if self.received else 0], device=device, dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        stop = bool(flag.item())
+        if stop and not self._logged:
+            self._logged = True
+            logger.warning("SIGTERM received: checkpointing and stopping after this step")
+        return stop
