@@ -182,7 +182,7 @@ for i in $(seq 1 "$runs"); do
     kind=fault
     timeout --signal=TERM --kill-after=60 "$run_timeout" nice -n "$nice_level" \
       "$python" "$root/scripts/fault_kill.py" --config "$config" --nproc "$ranks" --kill-rank $(( ranks - 1 )) \
-      --max-steps 6 --ckpt-every 2 --kill-after 3 --no-reference --json "$soak_dir/runs/fault_$i.json" -- \
+      --max-steps 8 --ckpt-every 4 --kill-after 5 --no-reference --json "$soak_dir/runs/fault_$i.json" -- \
       "${combo_args[@]}" recipe.cp_self_check=false "${overrides[@]}" >"$log" 2>&1 &
   else
     timeout --signal=TERM --kill-after=60 "$run_timeout" nice -n "$nice_level" \
