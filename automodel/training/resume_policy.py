@@ -237,15 +237,26 @@ def _unverified_warning(path: Path) -> None:
         )
 
 
-def _candidates(root: Path) -> list[Path]:
-    return [p for _, p in reversed(list_checkpoints(root))]
+def _rank0_view(value: Any, group: Any) -> Any:
+    """Rank 0's ``value`` on every rank (what it sees of the file system decides, so that every rank
+    runs the same collectives even if a shared file system shows ranks different things). Collective."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    return value
+
+
+def _candidates(root: Path, group: Any) -> list[Path]:
+    """The complete checkpoints under ``root``, newest first, as rank 0 sees them. Collective."""
+    return [Path(p) for p in _rank0_view([str(p) for _, p in reversed(list_checkpoints(root))], group)]
 
 
 def _newest_good(root: Path, exclude: Path | None, group: Any) -> tuple[Path | None, list[str]]:
     """The newest checkpoint under ``root`` (not ``exclude``) that verifies, and the damaged ones
     passed over (in words). Collective."""
     passed = []
-    for path in _candidates(root):
+    for path in _candidates(root, group):
         if exclude is not None and path.resolve() == exclude.resolve():
             continue
         _, damage = verify_checkpoint(path, group)
@@ -276,14 +287,14 @@ def select_resume_checkpoint(
     group = gather_group() if group is None else group
     if resume_from is not None:
         path = Path(resume_from)
-        if not (path / "meta.json").exists() and not (path / MANIFEST_FILE).exists():
+        if not _rank0_view((path / "meta.json").exists() or (path / MANIFEST_FILE).exists(), group):
             return path  # not a checkpoint at all (or an interrupted save): read_meta says so in one line
         has_manifest, damage = verify_checkpoint(path, group)
         if damage is None:
             if not has_manifest:
                 _unverified_warning(path)
             return path
-        good, _ = _newest_good(path.parent, path, group) if path.parent.is_dir() else (None, [])
+        good, _ = _newest_good(path.parent, path, group)
         advice = (
             f"the newest good checkpoint is {good}: resume with checkpoint.resume_from={good} (or "
             f"checkpoint.resume=auto, which skips damaged checkpoints)"
@@ -293,7 +304,7 @@ def select_resume_checkpoint(
         raise UserInputError(f"checkpoint {path} is damaged: {damage.describe()}; {advice}")
     root = Path(root)
     passed = []
-    for path in _candidates(root):
+    for path in _candidates(root, group):
         has_manifest, damage = verify_checkpoint(path, group)
         if damage is None:
             if not has_manifest:
