@@ -23,6 +23,10 @@ What reaches the terminal is what the ranks print, and nothing of the launcher's
 - SIGTERM (or SIGINT, Ctrl-C) stops the ranks with SIGTERM: they checkpoint as under torchrun
   (``checkpoint.save_on_sigterm``) and this command exits 143 (130 for SIGINT). The ranks have
   ``--shutdown-timeout`` seconds (torch's default 30, or ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) to do so.
+- A rank lost during training (killed by SIGKILL, the OOM killer, a crash by signal): the others stop
+  on the lost connection without a traceback (:mod:`automodel.training.peer_loss`) and this command
+  prints one line naming the lost rank and exits 4; ``checkpoint.resume=auto`` continues the run from
+  the newest good checkpoint.
 - A bug (any other failure of a rank) keeps the rank's traceback, followed by one line naming the
   failed ranks and their exit codes; this command exits 1.
 
@@ -45,6 +49,7 @@ __all__ = ["COMMANDS", "EXIT_USER_ERROR", "main", "recipe_script", "split_argv"]
 
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3  # automodel.training.nonfinite.EXIT_NONFINITE
+EXIT_LOST_RANK = 4  # = automodel.training.peer_loss.EXIT_LOST_RANK (the ranks' code; tests check they agree)
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
@@ -88,8 +93,8 @@ usage: automodel finetune [--config PATH] [LAUNCHER OPTIONS] [OVERRIDE ...]
   other torchrun options: --max-restarts, --monitor-interval, --rdzv-conf, --local-addr, --log-dir,
   --redirects, --tee, --local-ranks-filter, --shutdown-timeout, --start-method
 Exit codes: 0 done, 2 a mistake in the input (one error: line), 3 a non-finite loss, gradient or
-weight (one error: line; recipe.on_nonfinite), 143 / 130 stopped by SIGTERM / SIGINT after a
-checkpoint, 1 anything else.
+weight (one error: line; recipe.on_nonfinite), 4 a rank was lost (resume with checkpoint.resume=auto),
+143 / 130 stopped by SIGTERM / SIGINT after a checkpoint, 1 anything else.
 """
 
 
@@ -205,6 +210,30 @@ def _precheck(recipe_argv: list[str], world_size: int | None) -> tuple[int | Non
     return None, False
 
 
+def _how(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def _lost_rank_line(codes: dict[int, int]) -> str | None:
+    """The one line for a rank lost during training (killed by a signal other than SIGTERM, while the
+    others stopped on the lost connection, :mod:`automodel.training.peer_loss`), else None."""
+    stopped = (EXIT_LOST_RANK, EXIT_SIGTERM, -signal.SIGTERM)
+    lost = {r: c for r, c in codes.items() if c not in stopped}
+    if not any(c == EXIT_LOST_RANK for c in codes.values()) and not lost:
+        return None
+    if any(c >= 0 for c in lost.values()):
+        return None  # a rank failed on its own (a bug, with its traceback): the usual line
+    resume = "resume with checkpoint.resume=auto (it continues from the newest good checkpoint)"
+    if not lost:
+        ranks = ", ".join(str(r) for r in sorted(codes))
+        return (
+            f"rank(s) {ranks} lost contact with a rank of another node during training and stopped (that "
+            f"node's output names it); {resume}"
+        )
+    names = ", ".join(f"rank {r} ({_how(c)})" for r, c in sorted(lost.items()))
+    return f"{names} died during training; the other ranks stopped; {resume}"
+
+
 def _exit_code_of_failures(failures: dict) -> tuple[int, str | None]:
     """The command's exit code for the ranks' failures, and a line to print (None: nothing)."""
     codes = {rank: f.exitcode for rank, f in failures.items()}
@@ -214,10 +243,10 @@ def _exit_code_of_failures(failures: dict) -> tuple[int, str | None]:
         return EXIT_NONFINITE, None  # every rank agreed on the step; rank 0 printed the line
     if codes and all(c in (EXIT_SIGTERM, -signal.SIGTERM) for c in codes.values()):
         return EXIT_SIGTERM, None
-    described = ", ".join(
-        f"rank {r}: {'signal ' + signal.Signals(-c).name if c < 0 else 'exit code ' + str(c)}"
-        for r, c in sorted(codes.items())
-    )
+    lost = _lost_rank_line(codes)
+    if lost is not None:
+        return EXIT_LOST_RANK, lost
+    described = ", ".join(f"rank {r}: {_how(c)}" for r, c in sorted(codes.items()))
     return 1, f"{len(codes)} rank(s) failed ({described}); the traceback is above and in the run's logs/"
 
 
@@ -235,6 +264,7 @@ def _launch(launcher_argv: list[str], script: Path, recipe_argv: list[str]) -> i
     if args.master_port is None:
         args.master_port = 29500
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks, silently
+    os.environ["AUTOMODEL_LAUNCHER"] = "cli"  # peer_loss.LAUNCHER_ENV: survivors of a lost rank stay quiet, we name it
 
     from torch.distributed.run import config_from_args
 

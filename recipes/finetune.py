@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from automodel.training.console_hold import hold_console
+    from automodel.training.peer_loss import stop_quietly_if_peer_lost
     from automodel.training.trainer import FinetuneTrainer
     from automodel.training.user_errors import RunAborted, run_guarded
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def train():
         console.release()
-        return trainer.train()
+        return stop_quietly_if_peer_lost(trainer.train, step=lambda: trainer.step)  # a lost rank: no traceback
 
     try:  # a user error: one `error:` line from rank 0, exit 2 on every rank; others keep their traceback
         result = run_guarded(trainer.setup, train)

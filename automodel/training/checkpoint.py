@@ -6,11 +6,16 @@ Layout of one checkpoint ``<checkpoint dir>/step_<N>/``:
   ``torch.distributed.checkpoint`` (each rank writes its FSDP shards; loads reshard).
 - ``rank_<r>.pt``: the LR scheduler, step counter and dataloader position (identical on all
   ranks, kept with each for simplicity) and this rank's RNG states.
-- ``meta.json``: step, the parallel layout, the global batch size and the LR schedule. The completion marker:
-  written (and fsynced) last, after every rank has finished its files.
+- ``meta.json``: step, the parallel layout, the global batch size and the LR schedule, written (and
+  fsynced) after every rank has finished its files.
+- ``manifest.json``: every other file's size and sha256, written last (atomically), the completion
+  record: a resume verifies the checkpoint against it before any rank reads it, and skips or names a
+  damaged one (:mod:`automodel.training.checkpoint_manifest`,
+  :func:`automodel.training.resume_policy.select_resume_checkpoint`).
 
 Crash safety: a checkpoint is written to ``step_<N>.tmp``; after every rank has finished, rank 0
-writes ``meta.json`` into it and renames it to ``step_<N>`` (an atomic rename on one file system),
+writes ``meta.json`` into it, all ranks hash the files, rank 0 writes ``manifest.json`` and renames
+the directory to ``step_<N>`` (an atomic rename on one file system),
 then fsyncs the directory. A process killed at any point (SIGKILL mid-write included) leaves at most
 a ``*.tmp`` directory, which :func:`list_checkpoints` ignores and the next successful save deletes;
 ``keep_last`` pruning runs only after the new checkpoint is complete, so the newest complete
@@ -46,6 +51,7 @@ import torch.distributed as dist
 
 from automodel.errors import UserInputError
 from automodel.training.checkpoint_compat import check_model_signature, write_model_signature
+from automodel.training.checkpoint_manifest import MANIFEST_FILE, gather_group, write_manifest
 from automodel.training.elastic import check_resume_compatible, warn_if_dropout
 
 __all__ = [
@@ -154,7 +160,17 @@ def read_meta(path: str | Path) -> dict[str, Any]:
             f"{hint}; point checkpoint.resume_from at a step_<N> directory written by this recipe, or use "
             f"checkpoint.resume=auto to pick the newest complete one"
         )
-    return json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+        if not isinstance(meta, dict) or "step" not in meta:
+            raise ValueError("not a mapping with a step")
+    except (OSError, ValueError) as e:
+        raise UserInputError(
+            f"{meta_file} cannot be read ({type(e).__name__}: {e}): the checkpoint {path} is damaged; resume "
+            f"from another one (checkpoint.resume_from=<step_N directory>, or checkpoint.resume=auto, which "
+            f"skips damaged checkpoints)"
+        ) from e
+    return meta
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -268,8 +284,14 @@ class Checkpointer:
                 "trainable_only": self.trainable_only,
                 "schedule": self.schedule,
                 "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "manifest": MANIFEST_FILE,  # written last: a checkpoint without it is incomplete
             }
-            _write_synced(tmp / "meta.json", json.dumps(meta, indent=2))  # the completion marker
+            _write_synced(tmp / "meta.json", json.dumps(meta, indent=2))
+        dist.barrier()
+        t_hash = time.perf_counter()
+        write_manifest(tmp, gather_group())  # every file's size and sha256, hashed by all ranks; rank 0 writes it
+        t_hash = time.perf_counter() - t_hash
+        if rank == 0:
             _fsync_dir(tmp)
             if final.exists():  # the same step saved again (resumed from an older one): swap, then delete
                 aside = self.root / f"step_{step}.replaced{_TMP_SUFFIX}"
@@ -281,7 +303,9 @@ class Checkpointer:
             self._clean_incomplete()
             self._prune(keep=final)
         dist.barrier()
-        logger.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
+        logger.info(
+            "saved checkpoint %s in %.1fs (manifest %.1fs)", final, time.perf_counter() - t0, t_hash
+        )
         return final
 
     def _clean_incomplete(self) -> None:
@@ -397,6 +421,7 @@ class SigtermFlag:
 
     def __init__(self) -> None:
         self.received = False
+        self._logged = False
         self._previous: Any = None
         self._installed = False
 
@@ -404,8 +429,8 @@ class SigtermFlag:
         if self.received and callable(self._previous):
             self._previous(signum, frame)
             return
-        self.received = True
-        logger.warning("SIGTERM received: will checkpoint and stop after this step")
+        self.received = True  # logged where the ranks act on it (should_stop): a launcher stopping the
+        # survivors of a lost rank sends SIGTERM too, and those never get to act on it
 
     def __enter__(self) -> SigtermFlag:
         try:
@@ -425,4 +450,8 @@ class SigtermFlag:
         flag = torch.tensor([1 if self.received else 0], device=device, dtype=torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        stop = bool(flag.item())
+        if stop and not self._logged:
+            self._logged = True
+            logger.warning("SIGTERM received: checkpointing and stopping after this step")
+        return stop

@@ -16,6 +16,12 @@ explicitly is resumed as given (with a note when its identity differs).
 ``optimizer.lr``, the ``lr_scheduler`` node). A resume with another schedule is refused with the keys,
 the values and the lr the next step would jump to, unless ``checkpoint.allow_schedule_change=true``:
 then the new schedule is applied from the resumed step on (the new base lr included) and logged.
+
+**Which checkpoint.** :func:`select_resume_checkpoint` verifies checkpoints against their manifests
+(:mod:`automodel.training.checkpoint_manifest`) before any rank reads them: ``resume=true|auto``
+takes the newest good one, skipping a damaged one with one warning naming it and the damaged file;
+an explicit ``resume_from`` of a damaged checkpoint is a :class:`~automodel.errors.UserInputError`
+naming the file and the newest good checkpoint beside it.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from automodel.errors import UserInputError
+from automodel.training.checkpoint import list_checkpoints
+from automodel.training.checkpoint_manifest import MANIFEST_FILE, gather_group, verify_checkpoint
 
 __all__ = [
     "IDENTITY_FILE",
@@ -42,7 +52,10 @@ __all__ = [
     "check_schedule_change",
     "apply_schedule",
     "check_resume_schedule",
+    "select_resume_checkpoint",
 ]
+
+logger = logging.getLogger(__name__)
 
 IDENTITY_FILE = "run_identity.json"
 
@@ -205,3 +218,108 @@ def check_resume_schedule(path: Path, effective: dict[str, Any], scheduler: Any,
     except (OSError, KeyError, IndexError, TypeError):
         jump = None
     return check_schedule_change(Path(path), saved, current, allow, step, jump)
+
+
+# ------------------------------------------------------------------ which checkpoint
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _unverified_warning(path: Path) -> None:
+    if _is_rank0():
+        logger.warning(
+            "checkpoint %s has no %s (written before checkpoints recorded their files): it cannot be "
+            "verified, resuming from it as is",
+            path,
+            MANIFEST_FILE,
+        )
+
+
+def _rank0_view(value: Any, group: Any) -> Any:
+    """Rank 0's ``value`` on every rank (what it sees of the file system decides, so that every rank
+    runs the same collectives even if a shared file system shows ranks different things). Collective."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    return value
+
+
+def _candidates(root: Path, group: Any) -> list[Path]:
+    """The complete checkpoints under ``root``, newest first, as rank 0 sees them. Collective."""
+    return [Path(p) for p in _rank0_view([str(p) for _, p in reversed(list_checkpoints(root))], group)]
+
+
+def _newest_good(root: Path, exclude: Path | None, group: Any) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` (not ``exclude``) that verifies, and the damaged ones
+    passed over (in words). Collective."""
+    passed = []
+    for path in _candidates(root, group):
+        if exclude is not None and path.resolve() == exclude.resolve():
+            continue
+        _, damage = verify_checkpoint(path, group)
+        if damage is None:
+            return path, passed
+        passed.append(f"{path.name}: {damage.describe()}")
+    return None, passed
+
+
+def select_resume_checkpoint(
+    root: str | Path, resume_from: str | Path | None, group: Any = None
+) -> Path | None:
+    """The checkpoint a run resumes, verified (see the module docstring); None: no checkpoint at all.
+
+    Args:
+        root: the run's checkpoint directory (``checkpoint.resume=true|auto``).
+        resume_from: ``checkpoint.resume_from`` (wins over ``root``), or None.
+        group: the process group of the verdicts' gather (a gloo group under NCCL; None: default).
+
+    Collective: every rank calls it with the same arguments; every rank gets the same answer or the
+    same error. Logs (rank 0) one warning per damaged checkpoint skipped, and one for a checkpoint
+    that cannot be verified.
+
+    Raises:
+        UserInputError: ``resume_from`` is damaged (the message names the file and the newest good
+            checkpoint beside it), or every checkpoint under ``root`` is damaged.
+    """
+    group = gather_group() if group is None else group
+    if resume_from is not None:
+        path = Path(resume_from)
+        if not _rank0_view((path / "meta.json").exists() or (path / MANIFEST_FILE).exists(), group):
+            return path  # not a checkpoint at all (or an interrupted save): read_meta says so in one line
+        has_manifest, damage = verify_checkpoint(path, group)
+        if damage is None:
+            if not has_manifest:
+                _unverified_warning(path)
+            return path
+        good, _ = _newest_good(path.parent, path, group)
+        advice = (
+            f"the newest good checkpoint is {good}: resume with checkpoint.resume_from={good} (or "
+            f"checkpoint.resume=auto, which skips damaged checkpoints)"
+            if good is not None
+            else f"no good checkpoint is left in {path.parent}: start fresh with checkpoint.resume=false"
+        )
+        raise UserInputError(f"checkpoint {path} is damaged: {damage.describe()}; {advice}")
+    root = Path(root)
+    passed = []
+    for path in _candidates(root, group):
+        has_manifest, damage = verify_checkpoint(path, group)
+        if damage is None:
+            if not has_manifest:
+                _unverified_warning(path)
+            return path
+        passed.append(f"{path.name}: {damage.describe()}")
+        if _is_rank0():
+            logger.warning(
+                "checkpoint %s is damaged (%s): skipped; trying the next older checkpoint",
+                path,
+                damage.describe(),
+            )
+    if passed:
+        raise UserInputError(
+            f"every checkpoint under {root} is damaged ({'; '.join(passed)}); nothing to resume: start fresh "
+            f"with checkpoint.resume=false (in another recipe.output_dir to keep these files)"
+        )
+    return None

@@ -60,6 +60,7 @@ from automodel.training.resume_policy import (
     check_resume_schedule,
     run_identity,
     schedule_of,
+    select_resume_checkpoint,
     write_run_identity,
 )
 from automodel.training.row_padding import pad_multiple
@@ -428,10 +429,8 @@ class FinetuneTrainer:
         self.resumed_from: Path | None = None
         if not ck.resume and not ck.resume_from:
             return
-        path = (
-            Path(ck.resume_from).expanduser().resolve()
-            if ck.resume_from
-            else latest_checkpoint(self.checkpointer.root)
+        path = select_resume_checkpoint(  # verified before any rank reads it (skips / names a damaged one)
+            self.checkpointer.root, Path(ck.resume_from).expanduser().resolve() if ck.resume_from else None
         )
         if path is None:
             if ck.resume == "auto":

@@ -1,0 +1,122 @@
+"""A rank lost during training (issue 27 item 7): the survivors stop quietly with exit code 4, and the
+``automodel`` command prints one line naming the lost rank.
+
+The end-to-end check (the command, a SIGKILL mid-step, ``resume=auto`` with the same losses) is
+``scripts/fault_kill.py`` (about 2 minutes: three launches); here the two halves separately:
+
+- two gloo processes: rank 1 SIGKILLs itself between collectives, rank 0 (inside
+  :func:`stop_quietly_if_peer_lost`) gets :class:`RunAborted` with :data:`EXIT_LOST_RANK` within seconds
+  and prints one ``error: [rank 0]`` line (quiet under the command);
+- the command's reading of the ranks' exit codes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from automodel import cli
+from automodel.training.peer_loss import EXIT_LOST_RANK, LAUNCHER_ENV, is_peer_loss
+from tests.dist_harness import REPO_ROOT, free_port
+
+WORKER = r"""
+import os, signal, sys, time, datetime
+import torch, torch.distributed as dist
+from automodel.training.peer_loss import stop_quietly_if_peer_lost
+from automodel.training.user_errors import RunAborted
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+steps = [0]
+def train():
+    t = torch.ones(1000)
+    while True:
+        steps[0] += 1
+        if rank == 1 and steps[0] == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+        t /= 2
+try:
+    stop_quietly_if_peer_lost(train, step=lambda: steps[0])
+except RunAborted as e:
+    print(f"aborted {e.exit_code}", flush=True)
+    sys.exit(e.exit_code)
+"""
+
+
+def _launch(launcher_env: str | None) -> list[subprocess.CompletedProcess | subprocess.Popen]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", LAUNCHER_ENV)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    if launcher_env is not None:
+        env[LAUNCHER_ENV] = launcher_env
+    return [
+        subprocess.Popen([sys.executable, "-c", WORKER, str(r)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for r in (0, 1)
+    ]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("launcher", [None, "cli"])
+def test_survivor_of_a_killed_rank_exits_4_with_at_most_one_line(launcher):
+    procs = _launch(launcher)
+    try:
+        rank1_rc = procs[1].wait(timeout=120)
+        t_dead = time.monotonic()
+        out, err = procs[0].communicate(timeout=60)
+        waited = time.monotonic() - t_dead
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert rank1_rc == -signal.SIGKILL
+    assert procs[0].returncode == EXIT_LOST_RANK, (out, err)
+    assert waited < 30, waited
+    assert "aborted 4" in out and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    if launcher == "cli":
+        assert lines == [], err  # the command names the lost rank
+    else:
+        assert len(lines) == 1 and lines[0].startswith("error: [rank 0] lost contact with another rank"), err
+        assert "checkpoint.resume=auto" in lines[0]
+
+
+def test_peer_loss_is_recognised_and_bugs_are_not():
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:10127: Connection reset by peer.")
+    assert is_peer_loss(gloo)
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:
+            raise ValueError("while handling it") from e
+    except ValueError as chained:
+        assert is_peer_loss(chained)
+    assert not is_peer_loss(RuntimeError("shape mismatch: [2, 3] vs [3, 2]"))
+    assert not is_peer_loss(KeyError("x"))
+
+
+def _fail(**codes: int) -> dict:
+    return {int(r.removeprefix("r")): SimpleNamespace(exitcode=c) for r, c in codes.items()}
+
+
+def test_the_command_names_the_lost_rank_in_one_line():
+    assert cli.EXIT_LOST_RANK == EXIT_LOST_RANK
+    code, line = cli._exit_code_of_failures(_fail(r1=-signal.SIGKILL))
+    assert code == EXIT_LOST_RANK and line.startswith("rank 1 (signal SIGKILL) died during training"), line
+    assert "checkpoint.resume=auto" in line
+    code, line = cli._exit_code_of_failures(_fail(r0=EXIT_LOST_RANK, r2=EXIT_LOST_RANK, r3=-signal.SIGKILL))
+    assert code == EXIT_LOST_RANK and line.startswith("rank 3 (signal SIGKILL) died"), line
+    code, line = cli._exit_code_of_failures(_fail(r0=EXIT_LOST_RANK, r1=EXIT_LOST_RANK))
+    assert code == EXIT_LOST_RANK and "lost contact with a rank of another node" in line
+    # a rank that failed on its own (a bug, with its traceback) keeps the usual line and exit 1
+    code, line = cli._exit_code_of_failures(_fail(r0=EXIT_LOST_RANK, r1=1))
+    assert code == 1 and "rank 1: exit code 1" in line
+    assert cli._exit_code_of_failures(_fail(r0=2, r1=EXIT_LOST_RANK)) == (2, None)
+    assert cli._exit_code_of_failures(_fail(r0=-signal.SIGTERM, r1=143)) == (143, None)
+
+
