@@ -48,7 +48,7 @@ from automodel.distributed.cp.exchange.gather import all_gather_tokens, gather_k
 from automodel.distributed.cp.gathered_method import THD_CP_COMM_TYPES, THD_KERNELS
 from automodel.distributed.cp.hf_attention import AttentionCall, check_local_row
 from automodel.distributed.cp.layers.strategy import run_layer
-from automodel.distributed.cp.layout import head_tail_indices
+from automodel.distributed.cp.layout import head_tail_indices, head_tail_pair
 from automodel.distributed.cp.te_batch import make_cp_batch_for_te
 from automodel.errors import CPUnsupportedError
 
@@ -162,7 +162,7 @@ class THDPlan:
             if w == 1:
                 yield off, c, start, start
                 continue
-            for j, q_off in ((r, off), (2 * w - 1 - r, off + c)):
+            for j, q_off in zip(head_tail_pair(r, w), (off, off + c)):
                 yield q_off, c, start, start + j * c
 
     def index(self, name: str, device: torch.device) -> torch.Tensor:
