@@ -17,7 +17,9 @@ from automodel.distributed.cp.context import SENTINEL, canonical_batch
 from tests.dist_harness import run_distributed
 
 BARS = {"float64": (1e-10, 1e-10), "float32": (1e-5, 1e-4)}
-METHODS = ("ring", "ulysses", "thd", "thd_docs", "usp", "usp_u1")
+METHODS = ("ring", "ulysses", "thd", "thd_docs", "usp", "usp_u1", "toy_gather")
+#: methods that attend across the whole row: packed rows are refused
+UNPACKED = ("ring", "toy_gather")
 FORMS = ("plain", "packed_seq_lens", "packed_restarts")
 
 
@@ -36,7 +38,7 @@ def test_every_method_matches_one_process(results):
             for method in METHODS:
                 for form in FORMS:
                     key = (dtype, method, form)
-                    if method == "ring" and form != "plain":
+                    if method in UNPACKED and form != "plain":
                         assert key in r["refused"], key  # ring attends across the row: packed rows refused
                         continue
                     assert key in ran, key
@@ -64,6 +66,7 @@ def test_describe_and_restore(results):
     assert "attention 'sdpa' -> 'thd_docs'" in text
     assert "options: ulysses_size=2" in r["describe"]["usp"]
     assert "attention unchanged" in r["describe"]["ring"]  # ring replaces SDPA inside its context only
+    assert "attention 'sdpa' -> 'toy_gather'" in r["describe"]["toy_gather"]
 
 
 # ------------------------------------------------------------------------------------------ one process

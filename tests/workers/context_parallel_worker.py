@@ -27,6 +27,7 @@ METHODS = {
     "thd_docs": {},
     "usp": {"ulysses_size": 2},
     "usp_u1": {"ulysses_size": 1},
+    "toy_gather": {},  # tests/toy_cp_method.py: a method registered by the test
 }
 #: per row, its documents' lengths (row 1 ends in 5 padding slots)
 DOCS = [[5, 9, 1], [7, 3]]
@@ -100,6 +101,9 @@ def reference(model, rows) -> tuple[float, dict]:
 
 
 def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
+    from tests.toy_cp_method import register
+
+    register()
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     cases = batches()
     out: dict = {"checks": {}, "refused": {}, "describe": {}, "restored": {}}
