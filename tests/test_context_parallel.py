@@ -17,7 +17,7 @@ from automodel.distributed.cp.context import SENTINEL, canonical_batch
 from tests.dist_harness import run_distributed
 
 BARS = {"float64": (1e-10, 1e-10), "float32": (1e-5, 1e-4)}
-METHODS = ("ring", "ulysses", "thd", "thd_docs", "usp", "usp_u1", "toy_gather")
+METHODS = ("ring", "ulysses", "thd", "thd_docs", "thd_docs_cost", "usp", "usp_u1", "toy_gather")
 #: methods that attend across the whole row: packed rows are refused
 UNPACKED = ("ring", "toy_gather")
 FORMS = ("plain", "packed_seq_lens", "packed_restarts")
@@ -58,6 +58,13 @@ def test_ring_refuses_packed_rows_naming_the_methods_that_run_them(results):
 
 
 @pytest.mark.dist
+def test_a_model_the_method_does_not_compute_exactly_is_refused_when_prepared(results):
+    message = results[0]["refused"]["ring_eager"]
+    assert "distributed.cp_method=ring does not compute LlamaForCausalLM" in message
+    assert "its attention implementation is 'eager'" in message and "methods that run this model exactly" in message
+
+
+@pytest.mark.dist
 def test_describe_and_restore(results):
     r = results[0]
     assert all(attn == "sdpa" for attn in r["restored"].values()), r["restored"]
@@ -65,6 +72,7 @@ def test_describe_and_restore(results):
     assert "method thd_docs" in text and "cp_size 2" in text and "2 full_attention" in text
     assert "attention 'sdpa' -> 'thd_docs'" in text
     assert "options: ulysses_size=2" in r["describe"]["usp"]
+    assert "options: cost=CostModel(" in r["describe"]["thd_docs_cost"]
     assert "attention unchanged" in r["describe"]["ring"]  # ring replaces SDPA inside its context only
     assert "attention 'sdpa' -> 'toy_gather'" in r["describe"]["toy_gather"]
 

@@ -16,18 +16,22 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.distributed.cp import context_parallel
+from automodel.distributed.cp.doc_placement import CostModel
+from automodel.errors import CPUnsupportedError
 from tests.workers.thd_attention_worker import VOCAB, _ce, rel, tiny_llama
 
 SENTINEL = -1000
-#: method -> keyword options (usp at cp=2: the Ulysses sub-group of 2 ranks, or a ring of 2)
+#: label -> (method, keyword options): usp at cp=2 as a Ulysses sub-group of 2 ranks or a ring of 2; thd_docs
+#: with its own cost model and with the one context_parallel reads from the model
 METHODS = {
-    "ring": {},
-    "ulysses": {},
-    "thd": {},
-    "thd_docs": {},
-    "usp": {"ulysses_size": 2},
-    "usp_u1": {"ulysses_size": 1},
-    "toy_gather": {},  # tests/toy_cp_method.py: a method registered by the test
+    "ring": ("ring", {}),
+    "ulysses": ("ulysses", {}),
+    "thd": ("thd", {"kernel": "portable"}),
+    "thd_docs": ("thd_docs", {}),
+    "thd_docs_cost": ("thd_docs", {"cost": CostModel(token=4.0)}),
+    "usp": ("usp", {"ulysses_size": 2}),
+    "usp_u1": ("usp", {"ulysses_size": 1}),
+    "toy_gather": ("toy_gather", {}),  # tests/toy_cp_method.py: a method registered by the test
 }
 #: per row, its documents' lengths (row 1 ends in 5 padding slots)
 DOCS = [[5, 9, 1], [7, 3]]
@@ -110,8 +114,8 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
     for dtype_name in dtypes:
         model = tiny_llama(2, getattr(torch, dtype_name))
         refs = {name: reference(model, rows) for name, (_, rows) in cases.items()}
-        for label, options in METHODS.items():
-            cp = context_parallel(model, mesh, method=label.split("_u")[0], **options)
+        for label, (method, options) in METHODS.items():
+            cp = context_parallel(model, mesh, method=method, **options)
             out["describe"][label] = cp.describe()
             for name, (batch, _) in cases.items():
                 model.zero_grad(set_to_none=True)
@@ -140,4 +144,11 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
                     out["checks"][(dtype_name, label, name)]["hf_loss_rel"] = abs(hf_loss - ref_loss) / abs(ref_loss)
             cp.restore()
             out["restored"][label] = model.config._attn_implementation
+    # a model the method would not compute exactly is refused when it is prepared, before any work
+    eager = tiny_llama(2, torch.float32)
+    eager.set_attn_implementation("eager")
+    try:
+        context_parallel(eager, mesh, method="ring")
+    except CPUnsupportedError as e:
+        out["refused"]["ring_eager"] = str(e)
     return out
