@@ -153,3 +153,17 @@ def test_canonical_batch_pads_every_document_to_the_multiple():
     assert plain["position_ids"].tolist() == [list(range(12))]
     with pytest.raises(ValueError, match="packed rows.*use another"):
         canonical_batch({"input_ids": ids, "labels": labels, "position_ids": pos}, 4, False, "use another")
+
+
+def test_canonical_batch_takes_the_collators_padded_documents():
+    # a collator's row: documents of 3 and 5 real tokens in slots of 4 and 8 (pads: label -100)
+    ids = torch.arange(1, 13)[None]
+    labels = torch.tensor([[1, 2, 3, -100, 5, 6, 7, 8, 9, -100, -100, -100]])
+    batch = {"input_ids": ids, "labels": labels, "seq_lens": torch.tensor([[3, 5]]), "seq_lens_padded": torch.tensor([[4, 8]])}
+    out, packed = canonical_batch(batch, 2, True)  # the method's multiple is 2: the slots shrink to 4 and 6
+    assert packed and out["seq_lens"].tolist() == [[3, 5]] and out["seq_lens_padded"].tolist() == [[4, 6]]
+    assert out["input_ids"].tolist() == [[1, 2, 3, 0, 5, 6, 7, 8, 9, 0]]
+    assert out["labels"].tolist() == [[1, 2, 3, -100, 5, 6, 7, 8, 9, -100]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match=r"labels'\]\[0, 3\] = 4 lies in a padding slot"):
+        canonical_batch({**batch, "labels": labels.masked_fill(labels == -100, 4)}, 2, True)

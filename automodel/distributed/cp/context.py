@@ -121,56 +121,65 @@ def _restarts(pos: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _real_lengths(batch: dict[str, Any], bsz: int, seq: int) -> list[int]:
+    """Each row's real tokens: ``attention_mask``'s ones (right padding only), else ``S``."""
+    mask = _int_tensor(batch, "attention_mask", (bsz, seq))
+    if mask is None:
+        return [seq] * bsz
+    m = mask.bool()
+    if bool((m[:, 1:] & ~m[:, :-1]).any()):
+        raise ValueError(
+            "batch['attention_mask'] has a padding slot (0) before a real token (left or inner padding); "
+            "context_parallel computes causal attention, where only right padding is exact: pad on the right, "
+            "or pack the rows (seq_lens) instead of masking"
+        )
+    return [int(n) for n in m.sum(1).tolist()]
+
+
+def _docs_from_seq_lens(real: list[int], slots: list[int], b: int, row_end: int) -> list[tuple[int, int]]:
+    """``(start, real)`` of one row's documents from its ``seq_lens`` / ``seq_lens_padded`` entries."""
+    docs, at = [], 0
+    for n, p in zip(real, slots):
+        if n == SENTINEL and p == SENTINEL:
+            continue
+        if n < 0 or p < n:
+            raise ValueError(
+                f"row {b}: seq_lens {real} / seq_lens_padded {slots}: every used entry needs "
+                "0 <= seq_len <= seq_len_padded (-1000 marks an unused entry in both)"
+            )
+        if n:
+            docs.append((at, n))
+        at += p
+    if at > row_end or (docs and docs[-1][0] + docs[-1][1] > row_end):
+        raise ValueError(
+            f"row {b}: the documents of seq_lens {real} cover {at} tokens, beyond the row's {row_end} real tokens "
+            "(S, attention_mask); fix seq_lens or the mask"
+        )
+    return docs
+
+
 def _rows(batch: dict[str, Any], bsz: int, seq: int, pos: torch.Tensor | None) -> list[_Row]:
     """Every row's documents, from ``seq_lens`` (and ``seq_lens_padded``), else ``position_ids`` restarts,
     else one document per row; the real tokens end where ``attention_mask`` (right padding) ends."""
-    mask = _int_tensor(batch, "attention_mask", (bsz, seq))
-    real_len = [seq] * bsz
-    if mask is not None:
-        m = mask.bool()
-        if bool((m[:, 1:] & ~m[:, :-1]).any()):
-            raise ValueError(
-                "batch['attention_mask'] has a padding slot (0) before a real token (left or inner padding); "
-                "context_parallel computes causal attention, where only right padding is exact: pad on the right, "
-                "or pack the rows (seq_lens) instead of masking"
-            )
-        real_len = [int(n) for n in m.sum(1).tolist()]
-    seq_lens, padded = batch.get("seq_lens"), batch.get("seq_lens_padded")
-    if padded is not None and seq_lens is None:
+    real_len = _real_lengths(batch, bsz, seq)
+    lens, padded = _int_tensor(batch, "seq_lens"), _int_tensor(batch, "seq_lens_padded")
+    if padded is not None and lens is None:
         raise ValueError("batch has 'seq_lens_padded' but no 'seq_lens'; give the real lengths as seq_lens [B, P]")
+    if lens is not None:
+        if lens.dim() != 2 or lens.shape[0] != bsz or (padded is not None and padded.shape != lens.shape):
+            shapes = f"{tuple(lens.shape)}" + (f" / seq_lens_padded {tuple(padded.shape)}" if padded is not None else "")
+            raise ValueError(f"batch['seq_lens'] has shape {shapes}; expected [B, P] with B={bsz} (both the same)")
+        return [
+            _Row(_docs_from_seq_lens(lens[b].tolist(), (padded if padded is not None else lens)[b].tolist(), b, real_len[b]))
+            for b in range(bsz)
+        ]
     rows = []
     for b in range(bsz):
-        if seq_lens is not None:
-            lens = _int_tensor(batch, "seq_lens")
-            if lens.dim() != 2 or lens.shape[0] != bsz:
-                raise ValueError(f"batch['seq_lens'] has shape {tuple(lens.shape)}; expected [B, P] with B={bsz}")
-            real = lens[b].tolist()
-            slots = _int_tensor(batch, "seq_lens_padded")[b].tolist() if padded is not None else real
-            if len(slots) != len(real):
-                raise ValueError("batch['seq_lens_padded'] and batch['seq_lens'] must have the same shape [B, P]")
-            docs, at = [], 0
-            for n, p in zip(real, slots):
-                if n == SENTINEL and p == SENTINEL:
-                    continue
-                if n < 0 or p < n:
-                    raise ValueError(
-                        f"row {b}: seq_lens {real} / seq_lens_padded {slots}: every used entry needs "
-                        f"0 <= seq_len <= seq_len_padded (-1000 marks an unused entry in both)"
-                    )
-                if n:
-                    docs.append((at, n))
-                at += p
-            if at > seq or (docs and docs[-1][0] + docs[-1][1] > real_len[b]):
-                raise ValueError(
-                    f"row {b}: the documents of seq_lens {real} cover {at} tokens, beyond the row's {real_len[b]} real "
-                    f"tokens (S={seq}, attention_mask); fix seq_lens or the mask"
-                )
-        elif pos is not None:
+        if pos is not None:
             starts = torch.nonzero(_restarts(pos[b, : real_len[b]])).flatten().tolist() + [real_len[b]]
-            docs = [(s, e - s) for s, e in zip(starts[:-1], starts[1:])]
+            rows.append(_Row([(s, e - s) for s, e in zip(starts[:-1], starts[1:])]))
         else:
-            docs = [(0, real_len[b])] if real_len[b] else []
-        rows.append(_Row(docs))
+            rows.append(_Row([(0, real_len[b])] if real_len[b] else []))
     return rows
 
 
@@ -187,21 +196,24 @@ def _check_positions(rows: list[_Row], pos: torch.Tensor) -> None:
                 )
 
 
-def canonical_batch(batch: dict[str, Any], multiple: int, packed_ok: bool, packed_fix: str = "") -> tuple[dict[str, Any], bool]:
-    """The exact form a method shards: ``(batch, packed)``; ``batch`` is not mutated.
+def _check_pads_carry_no_loss(rows: list[_Row], labels: torch.Tensor) -> None:
+    """Every token outside the documents (padding) must carry no label: it is left out."""
+    covered = torch.zeros(labels.shape, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        for start, n in row.docs:
+            covered[b, start : start + n] = True
+    stray = (labels != -100) & ~covered.to(labels.device)
+    if bool(stray.any()):
+        b, t = (int(i) for i in torch.nonzero(stray)[0])
+        raise ValueError(
+            f"batch['labels'][{b}, {t}] = {int(labels[b, t])} lies in a padding slot (outside every document of "
+            "seq_lens / attention_mask), which the one-process model would also predict from; set the labels of "
+            "padding slots to -100 (or loss_mask 0)"
+        )
 
-    Args:
-        batch: the caller's batch (see the module docstring).
-        multiple: every document (packed rows) or row (else) is padded to a multiple of it.
-        packed_ok: the method keeps document boundaries; else packed rows raise ``ValueError``.
-        packed_fix: the fix named when packed rows are refused (e.g. the methods that run them).
 
-    Returns:
-        ``input_ids``, ``labels`` (``loss_mask`` folded in), ``position_ids``, each ``[B, L]`` with ``L`` the
-        longest row after padding (a multiple of ``multiple``); packed rows (some row holds several documents)
-        add ``seq_lens`` / ``seq_lens_padded`` ``[B, P]`` (-1000 = unused; the row's trailing padding belongs
-        to its last document). Pad slots hold token 0, label -100 and continuing positions.
-    """
+def _inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(input_ids, labels with loss_mask folded in, position_ids [B, S] or None)``, validated."""
     unknown = sorted(set(batch) - set(BATCH_KEYS))
     if unknown:
         raise ValueError(
@@ -228,46 +240,36 @@ def canonical_batch(batch: dict[str, Any], multiple: int, packed_ok: bool, packe
                 "(for mRoPE [3, B, S] positions use the method's own batch function)"
             )
         pos = pos.expand(bsz, seq)
-    rows = _rows(batch, bsz, seq, pos)
-    if batch.get("seq_lens") is not None and pos is not None:
-        _check_positions(rows, pos)
-    covered = torch.zeros(bsz, seq, dtype=torch.bool)
-    for b, row in enumerate(rows):
-        for start, n in row.docs:
-            covered[b, start : start + n] = True
-    stray = (labels != -100) & ~covered.to(labels.device)
-    if bool(stray.any()):
-        b, t = (int(i) for i in torch.nonzero(stray)[0])
-        raise ValueError(
-            f"batch['labels'][{b}, {t}] = {int(labels[b, t])} lies in a padding slot (outside every document of "
-            "seq_lens / attention_mask), which the one-process model would also predict from; set the labels of "
-            "padding slots to -100 (or loss_mask 0)"
-        )
-    packed = any(len(row.docs) > 1 for row in rows)
-    if packed and not packed_ok:
-        raise ValueError(f"the batch has packed rows (several documents in a row); {packed_fix}")
+    return ids, labels, pos
+
+
+def _lay_out(
+    ids: torch.Tensor, labels: torch.Tensor, pos: torch.Tensor | None, rows: list[_Row], multiple: int, packed: bool
+) -> dict[str, Any]:
+    """The new rows: every document (packed) or row's real tokens padded to ``multiple``, rows of equal length."""
 
     def pad(n: int) -> int:
         return -(-n // multiple) * multiple
 
-    slots = [[pad(n) for _, n in row.docs] if packed else [pad(sum(n for _, n in row.docs))] for row in rows]
-    length = max(max((sum(s) for s in slots), default=0), multiple)
+    bsz = ids.shape[0]
+    docs = [row.docs if packed else [(row.docs[0][0], row.docs[0][1]) if row.docs else (0, 0)] for row in rows]
+    slots = [[pad(n) for _, n in row] for row in docs]
+    length = max(max(sum(s) for s in slots), multiple)
     out_ids = torch.zeros(bsz, length, dtype=ids.dtype, device=ids.device)
     out_labels = torch.full((bsz, length), -100, dtype=labels.dtype, device=labels.device)
     out_pos = torch.zeros(bsz, length, dtype=torch.long, device=ids.device)
     n_docs = max(len(s) for s in slots)
     seq_lens = torch.full((bsz, n_docs), SENTINEL, dtype=torch.long)
     seq_lens_padded = torch.full((bsz, n_docs), SENTINEL, dtype=torch.long)
-    for b, row in enumerate(rows):
-        docs = row.docs if packed else ([(row.docs[0][0], sum(n for _, n in row.docs))] if row.docs else [(0, 0)])
+    for b in range(bsz):
         at = 0
-        for i, ((start, n), slot) in enumerate(zip(docs, slots[b])):
-            if i == len(docs) - 1:
+        for i, ((start, n), slot) in enumerate(zip(docs[b], slots[b])):
+            if i == len(docs[b]) - 1:
                 slot += length - sum(slots[b])  # the row's trailing padding joins its last document
             out_ids[b, at : at + n] = ids[b, start : start + n]
             out_labels[b, at : at + n] = labels[b, start : start + n]
             first = int(pos[b, start]) if pos is not None and n else 0
-            out_pos[b, at : at + slot] = torch.arange(first, first + slot)
+            out_pos[b, at : at + slot] = torch.arange(first, first + slot)  # pads continue the positions
             if pos is not None and n:
                 out_pos[b, at : at + n] = pos[b, start : start + n]
             seq_lens[b, i], seq_lens_padded[b, i] = n, slot
@@ -275,7 +277,40 @@ def canonical_batch(batch: dict[str, Any], multiple: int, packed_ok: bool, packe
     out = {"input_ids": out_ids, "labels": out_labels, "position_ids": out_pos}
     if packed:
         out["seq_lens"], out["seq_lens_padded"] = seq_lens.to(ids.device), seq_lens_padded.to(ids.device)
-    return out, packed
+    return out
+
+
+def canonical_batch(
+    batch: dict[str, Any], multiple: int, packed_ok: bool, packed_fix: str = ""
+) -> tuple[dict[str, Any], bool]:
+    """The exact form a method shards: ``(batch, packed)``; ``batch`` is not mutated.
+
+    Args:
+        batch: the caller's batch (see the module docstring).
+        multiple: every document (packed rows) or row (else) is padded to a multiple of it.
+        packed_ok: the method keeps document boundaries; else packed rows raise ``ValueError``.
+        packed_fix: the fix named when packed rows are refused (e.g. the methods that run them).
+
+    Returns:
+        ``input_ids``, ``labels`` (``loss_mask`` folded in), ``position_ids``, each ``[B, L]`` with ``L`` the
+        longest row after padding (a multiple of ``multiple``); packed rows (some row holds several documents)
+        add ``seq_lens`` / ``seq_lens_padded`` ``[B, P]`` (-1000 = unused; the row's trailing padding belongs
+        to its last document). Pad slots hold token 0, label -100 and continuing positions.
+
+    Raises:
+        ValueError: unknown keys, bad shapes, left or inner padding, a label in a padding slot, ``position_ids``
+            that disagree with ``seq_lens``, packed rows where ``packed_ok`` is false.
+    """
+    ids, labels, pos = _inputs(batch)
+    bsz, seq = ids.shape
+    rows = _rows(batch, bsz, seq, pos)
+    if batch.get("seq_lens") is not None and pos is not None:
+        _check_positions(rows, pos)
+    _check_pads_carry_no_loss(rows, labels)
+    packed = any(len(row.docs) > 1 for row in rows)
+    if packed and not packed_ok:
+        raise ValueError(f"the batch has packed rows (several documents in a row); {packed_fix}")
+    return _lay_out(ids, labels, pos, rows, multiple, packed), packed
 
 
 # --------------------------------------------------------------------------------------------- the handle
@@ -308,8 +343,9 @@ class ContextParallel:
         Returns:
             ``ctx``: a factory of the (single-use) context inside which the model runs the method; ``local``:
             this rank's ``input_ids``, ``position_ids``, ``labels`` / ``shift_labels`` and the batch's
-            ``num_items_in_batch`` (for the ring method the token tensors are cut to this rank's share when
-            ``ctx()`` is entered).
+            ``num_items_in_batch`` (the label count of this batch; replace it by the count over all
+            micro-batches and data-parallel ranks when accumulating gradients). For the ring method the token
+            tensors are cut to this rank's share when ``ctx()`` is entered.
 
         Raises:
             ValueError: a batch the method cannot compute exactly (the message names the rule and the fix).
