@@ -38,7 +38,7 @@ def count_sent_bytes(rank: int, world: int) -> Iterator[list[int]]:
     """Count the bytes this rank sends to other ranks in the collectives the CP kernels use."""
     import torch.distributed as dist
 
-    import automodel.distributed.thd_attention as thd
+    import automodel.distributed.cp.exchange.gather as thd
 
     sent = [0]
     originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_into_tensor",

@@ -52,7 +52,7 @@ class _Counter:
     def __init__(self, world: int) -> None:
         import torch.distributed as dist
 
-        from automodel.distributed import thd_attention
+        from automodel.distributed.cp.exchange import gather as thd_attention
 
         self.sent, self.world, self._undo = 0.0, world, []
         w = world

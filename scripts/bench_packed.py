@@ -5,7 +5,7 @@ The same documents, the same tiny Llama (fp32) and the same step (forward + back
 cross-entropy sum / label count), one thread per rank, gloo on 127.0.0.1, each run in fresh processes.
 Documents: ``--dist uniform`` (default): lengths uniform in ``[S/16, S/4]``, packed greedily into one
 row of ``S`` tokens; ``--dist lognormal --medians 256 1024 4096``: SFT-like lognormal lengths
-(sigma 1, seed 0) filling the row exactly (:func:`automodel.distributed.cp.doc_placement.sample_lengths`).
+(sigma 1, seed 0) filling the row exactly (:func:`automodel.distributed.cp.thd_docs.placement.sample_lengths`).
 
 - ``thd_docs`` cp=N: the packed row (no per-document padding), documents placed by cost
   (``distributed.cp_method: thd_docs``); ``docs1``: the same at cp=1 (one process, every document
@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from automodel.distributed.cp.doc_placement import sample_lengths  # noqa: E402
+from automodel.distributed.cp.thd_docs.placement import sample_lengths  # noqa: E402
 from automodel.distributed.launch import run_on_ranks  # noqa: E402
 from automodel.training.cpu_memory import peak_rss_mib, reset_peak_rss, rss_mib  # noqa: E402
 from scripts.bench_cp import add_model_args, model_kwargs, use_mmap_env  # noqa: E402
@@ -124,7 +124,7 @@ class _SentCounter:
     def __init__(self, world: int) -> None:
         import torch.distributed as dist
 
-        import automodel.distributed.thd_attention as ta
+        import automodel.distributed.cp.exchange.gather as ta
 
         self.bytes = 0.0
         w = world
@@ -142,15 +142,15 @@ class _SentCounter:
         ta._reduce_scatter = wrap(ta._reduce_scatter, scatter)
         dist.all_to_all_single = wrap(dist.all_to_all_single, scatter)
 
-        import automodel.distributed.doc_attention as da
+        import automodel.distributed.cp.exchange.p2p as da
 
-        p2p = da._p2p
+        p2p = da.batch_p2p
 
         def counted(sends, *args):
             self.bytes += sum(t.numel() * t.element_size() for t in sends)
             return p2p(sends, *args)
 
-        da._p2p = counted
+        da.batch_p2p = counted
 
 
 def _worker(

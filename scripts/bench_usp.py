@@ -66,7 +66,7 @@ class ByteCounter:
     def install(self) -> None:
         import torch.distributed as dist
 
-        import automodel.distributed.thd_attention as thd
+        import automodel.distributed.cp.exchange.gather as thd
 
         a2a, gather, scatter = dist.all_to_all_single, thd._all_gather, thd._reduce_scatter
 

@@ -1,10 +1,10 @@
-"""The document placement planner (automodel/distributed/cp/doc_placement.py) on adversarial inputs."""
+"""The document placement planner (automodel/distributed/cp/thd_docs/placement.py) on adversarial inputs."""
 
 from __future__ import annotations
 
 import pytest
 
-from automodel.distributed.cp.doc_placement import (
+from automodel.distributed.cp.thd_docs.placement import (
     CostModel,
     Piece,
     plan_documents,

@@ -94,7 +94,7 @@ def test_layer_kinds_not_computed_exactly_are_refused(layer, reason):
 
 
 def test_window_shorter_than_a_document_is_refused_at_the_call():
-    from automodel.distributed.cp.doc_placement import plan_documents
+    from automodel.distributed.cp.thd_docs.placement import plan_documents
     from automodel.distributed.doc_attention import DocPlan, doc_attention_forward, doc_context
 
     plan = DocPlan(None, 1, 0, plan_documents([3, 8], 1), 8)

@@ -20,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Each entry: a stable path that now only re-exports. Add a module here when its code moves.
 REEXPORT_MODULES: tuple[str, ...] = (
+    "automodel.distributed.cp_subgroups",
+    "automodel.distributed.doc_attention",
+    "automodel.distributed.te_batch",
+    "automodel.distributed.thd_attention",
+    "automodel.distributed.thd_utils",
+    "automodel.distributed.usp_attention",
 )
 
 

@@ -7,10 +7,12 @@ S/cp, lengths not multiples of 2*cp) vs every document run alone in one process;
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-import automodel.distributed.thd_attention as ta
+from automodel.distributed.cp import blocks
 from automodel.distributed.thd_attention import (
     THDPlan,
     check_thd_kernel,
@@ -42,20 +44,20 @@ def _sdpa_per_document(q, k, v, cu):
 
 
 @pytest.mark.parametrize("math_blocks", [False, True])
-def test_one_rank_equals_sdpa_per_document(math_blocks, monkeypatch):
-    monkeypatch.setattr(ta, "FORCE_MATH_BLOCKS", math_blocks)
+def test_one_rank_equals_sdpa_per_document(math_blocks):
     torch.manual_seed(0)
     cu = [0, 4, 6, 16]
     plan = THDPlan(None, 1, 0, cu, cu, 10)
     q = torch.randn(1, 4, 16, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True)
-    out = thd_attention(q, k, v, plan)
-    ref = _sdpa_per_document(q, k, v, cu)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-13)
-    g = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    with blocks.force_backend("math") if math_blocks else contextlib.nullcontext():
+        out = thd_attention(q, k, v, plan)
+        ref = _sdpa_per_document(q, k, v, cu)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-13)
+        g = torch.randn_like(out)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
 
 
 def test_batch_without_cp_is_the_flat_thd_batch():

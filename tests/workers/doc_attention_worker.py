@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import automodel.distributed.doc_attention as doc_attention_module
-from automodel.distributed.cp.doc_placement import CostModel
+import automodel.distributed.cp.exchange.p2p as p2p_module
+from automodel.distributed.cp.thd_docs.placement import CostModel
 from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
 from tests.workers.thd_attention_worker import VOCAB, _ce, pack, reference, rel, tiny_llama
 
@@ -50,13 +50,13 @@ class _Counter:
 
     def __init__(self) -> None:
         self.sent = 0
-        self._p2p = doc_attention_module._p2p
+        self._p2p = p2p_module.batch_p2p
 
         def p2p(sends, send_to, recvs, recv_from, group):
             self.sent += sum(t.numel() for t in sends)
             return self._p2p(sends, send_to, recvs, recv_from, group)
 
-        doc_attention_module._p2p = p2p
+        p2p_module.batch_p2p = p2p
 
 
 def cp_run(model, mesh, batch, n_labels: int, tolerance: float):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-import automodel.distributed.thd_attention as thd_attention_module
+from automodel.distributed.cp import blocks
 from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
 from automodel.distributed.thd_utils import thd_partition_indices
 
@@ -167,11 +167,8 @@ def main(rank: int, world_size: int, cases: list[tuple[str, int]]) -> dict:
         }
         if (dtype_name, kv) == cases[0]:
             # exact math blocks (what the portable kernel runs off CPU) give the same result
-            thd_attention_module.FORCE_MATH_BLOCKS = True
-            try:
+            with blocks.force_backend("math"):
                 m_loss, m_grads, *_ = cp_run(model, mesh, batch, n_labels)
-            finally:
-                thd_attention_module.FORCE_MATH_BLOCKS = False
             out["math_blocks"] = {
                 "loss_rel": abs(m_loss - ref_loss) / abs(ref_loss),
                 "grad_rel": max(rel(m_grads[n], ref_grads[n]) for n in ref_grads),

@@ -5,7 +5,7 @@
   exactness check (:func:`check_model_for_cp`);
 - :mod:`.profile`: :func:`profile_model`, each decoder layer's mixer kind;
 - :mod:`.ring`, :mod:`.ulysses`, :mod:`.thd`, :mod:`.thd_docs`, :mod:`.usp`: the built-in methods (registered here);
-- :mod:`.doc_placement`: the document placement planner of ``thd_docs`` (a pure function of the lengths);
+- :mod:`.thd_docs.placement`: the document placement planner of ``thd_docs`` (a pure function of the lengths);
 - :mod:`.bind`: prepare a model for a method and get its batch function (the recipe's one call);
 - :mod:`.group`: the one place the CP process group is resolved;
 - :mod:`.guard`: the own-loop check at a model's first forward inside a CP context;

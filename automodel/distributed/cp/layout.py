@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_head_tail", "contiguous_span", "head_tail_indices", "head_tail_spans"]
+__all__ = [
+    "check_head_tail",
+    "contiguous_span",
+    "head_tail_chunks",
+    "head_tail_indices",
+    "head_tail_pair",
+    "head_tail_spans",
+]
 
 
 def check_head_tail(length: int, world_size: int, what: str = "sequence") -> None:
@@ -36,8 +43,28 @@ def head_tail_spans(length: int, world_size: int, rank: int) -> list[tuple[int, 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}")
     check_head_tail(length, world_size)
-    c = length // (2 * world_size)
-    return [(rank * c, (rank + 1) * c), ((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c)]
+    chunks = head_tail_chunks(length, world_size)
+    return [chunks[j] for j in head_tail_pair(rank, world_size)]
+
+
+def head_tail_pair(rank: int, world_size: int) -> tuple[int, int]:
+    """The two chunk indices rank ``rank`` of ``world_size`` holds: ``(rank, 2*world_size - 1 - rank)``."""
+    return rank, 2 * world_size - 1 - rank
+
+
+def head_tail_chunks(length: int, world_size: int) -> list[tuple[int, int]]:
+    """The ``2 * world_size`` head-tail chunks ``[(start, end)]`` of ``length`` tokens, in order.
+
+    ``length // (2W)`` tokens each, the first ``length % (2W)`` one more (no padding needed; chunks are
+    empty where ``length < 2W``). Rank ``r`` holds chunks :func:`head_tail_pair` ``(r, W)``.
+    """
+    q, r = divmod(length, 2 * world_size)
+    out, at = [], 0
+    for j in range(2 * world_size):
+        n = q + (1 if j < r else 0)
+        out.append((at, at + n))
+        at += n
+    return out
 
 
 def head_tail_indices(cu_seqlens_padded: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """``distributed.cp_method: thd_docs``: packed documents placed whole by cost, only long ones split.
 
-Every batch is planned by :func:`~automodel.distributed.cp.doc_placement.plan_documents` with the model's
+Every batch is planned by :func:`~automodel.distributed.cp.thd_docs.placement.plan_documents` with the model's
 cost model: short documents go whole onto one rank (their attention needs no communication), a document
 too long to balance is split head-tail over a subset of the ranks, and only those ranks exchange its K/V
 (point to point). Rows need no padding for CP, so a packed dataset yields the same rows at every
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from automodel.distributed.cp.doc_placement import CostModel, Placement, plan_documents, sample_lengths
 from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, PreparedModel, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
+from automodel.distributed.cp.thd_docs.placement import CostModel, Placement, plan_documents, sample_lengths
 
 __all__ = ["ThdDocsMethod", "SAMPLE_MEDIAN", "model_cost"]
 
@@ -64,12 +64,12 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         return 1, "1"
 
     def _switch(self) -> tuple[Any, str]:
-        from automodel.distributed.doc_attention import DOC_ATTN_NAME, set_doc_attention
+        from automodel.distributed.cp.thd_docs.attention import DOC_ATTN_NAME, set_doc_attention
 
         return set_doc_attention, DOC_ATTN_NAME
 
     def _batch_function(self) -> BatchFn:
-        from automodel.distributed.doc_attention import make_doc_batch_and_ctx
+        from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx
 
         return make_doc_batch_and_ctx
 

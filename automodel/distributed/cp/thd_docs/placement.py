@@ -26,6 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from automodel.distributed.cp.layout import head_tail_chunks as split_chunks
+from automodel.distributed.cp.layout import head_tail_pair
+
 __all__ = ["CostModel", "Piece", "Placement", "plan_documents", "sample_lengths", "split_chunks"]
 
 
@@ -129,18 +132,6 @@ class Piece:
         return self.end - self.start
 
 
-def split_chunks(length: int, k: int) -> list[tuple[int, int]]:
-    """The ``2k`` head-tail chunks ``[(start, end)]`` of a ``length``-token document, in document order:
-    ``length // 2k`` tokens each, the first ``length % 2k`` one more (no padding; empty if ``length < 2k``)."""
-    q, r = divmod(length, 2 * k)
-    out, at = [], 0
-    for j in range(2 * k):
-        n = q + (1 if j < r else 0)
-        out.append((at, at + n))
-        at += n
-    return out
-
-
 @dataclass(frozen=True)
 class Placement:
     """Which tokens of which document each CP rank computes (:func:`plan_documents`).
@@ -194,7 +185,7 @@ class Placement:
                 continue
             i, k = span.index(rank), len(span)
             chunks = split_chunks(self.lengths[doc], k)
-            head, tail = chunks[i], chunks[2 * k - 1 - i]
+            head, tail = (chunks[j] for j in head_tail_pair(i, k))
             for j, peer in enumerate(span):
                 if peer != rank:
                     out[peer] += (head[1] - head[0]) + ((tail[1] - tail[0]) if j < i else 0)
@@ -236,7 +227,7 @@ def _assign(lengths: Sequence[int], cp: int, cost: CostModel, split: dict[int, i
         span = tuple(sorted(sorted(range(cp), key=load)[:k]))
         chunks = split_chunks(lengths[d], k)
         for i, r in enumerate(span):
-            for a, b in (chunks[i], chunks[2 * k - 1 - i]):
+            for a, b in (chunks[j] for j in head_tail_pair(i, k)):
                 if b > a:
                     pieces[r].append(Piece(d, a, b))
                     costs[r] += cost.span(a, b)

@@ -1,15 +1,10 @@
-"""``distributed.cp_method: thd``: packed documents in TE's partition, K/V all-gathered per layer.
+"""The strategy base of the head-tail gathered-K/V methods (``thd`` and ``usp``): their recipe keys.
 
-Every document of a packed row is padded to a multiple of ``2*cp_size`` and split into ``2*cp``
-chunks; rank r holds chunks r and 2W-1-r of every document. Each attention layer all-gathers K/V of
-the whole row and computes exact per-document causal attention (the portable kernel on any device;
-flash-attn varlen or Transformer Engine on CUDA); the backward re-gathers K/V and reduce-scatters
-dK/dV. Exact for full causal attention; each layer picks its kernel (:mod:`automodel.distributed.cp.kernels`):
-sliding windows and attention chunks shorter than the longest document, sinks and logit softcapping
-(transformers hands the kernel ``softcap`` only where the model applies it) run the halo kernel
-(only the K/V each layer reaches is exchanged, never across a document); MLA value heads run on
-zero-padded V; Llama 4's query temperature is taken at the in-document position. Refused:
-linear / state-space mixers.
+Both methods place packed documents head-tail (Transformer Engine's partition, every document padded to
+a multiple of ``2 * cp_size``) and run the gathered-K/V kernel (:mod:`.gathered_attention`) with the
+``distributed.thd_kernel`` / ``distributed.thd_cp_comm_type`` keys. :class:`GatheredKVMethod` holds what
+they share; each method package subclasses it. Import-free (no torch.distributed, no transformers):
+the config rules import it.
 """
 
 from __future__ import annotations
@@ -17,40 +12,24 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, standard_problem
-from automodel.distributed.cp.profile import LayerSpec
+from automodel.distributed.cp.method import AttentionSwitchingMethod
 
-__all__ = ["ThdMethod", "THD_KERNELS", "THD_CP_COMM_TYPES"]
+__all__ = ["GatheredKVMethod", "THD_CP_COMM_TYPES", "THD_KERNELS"]
 
-# Mirrors automodel.distributed.thd_attention (kept import-free: the config rules import this module)
+#: Values of ``kernel=`` (config key ``distributed.thd_kernel``).
 THD_KERNELS = ("portable", "flash_attn", "te")
+#: Transformer Engine context-parallel communication types (``distributed.thd_cp_comm_type``).
 THD_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
-class ThdMethod(AttentionSwitchingMethod):
-    name = "thd"
-    summary = "packed documents (TE partition per document), K/V all-gathered, exact per-document causal attention"
-    attn_implementations = ("sdpa", "eager")  # the cp=1 reference; at cp>1 the model runs THD attention
+class GatheredKVMethod(AttentionSwitchingMethod):
+    """Packed documents head-tail over the ranks, K/V all-gathered per layer (subclassed by thd and usp)."""
+
+    attn_implementations = ("sdpa", "eager")  # the cp=1 reference; at cp>1 the model runs the method's attention
     supports_packed = True  # per-document causal attention from seq_lens_padded
     supports_vlm = False  # the vision path hands merged inputs_embeds to ring / ulysses batch functions only
     chunks_per_rank = 2  # TE's partition: chunks r and 2W-1-r of EVERY document (padded to 2*cp)
     layout = "head_tail"
-
-    def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
-        return standard_problem(
-            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
-            position_scaled=True, windows_checked_at_call=True,
-        )
-
-    def _switch(self) -> tuple[Any, str]:
-        from automodel.distributed.thd_attention import THD_ATTN_NAME, set_thd_attention
-
-        return set_thd_attention, THD_ATTN_NAME
-
-    def _batch_function(self) -> BatchFn:
-        from automodel.distributed.thd_attention import make_thd_batch_and_ctx
-
-        return make_thd_batch_and_ctx
 
     # ------------------------------------------------------------------ recipe keys
     def recipe_batch_options(self, cfg: Any) -> dict[str, Any]:
@@ -109,26 +88,10 @@ class ThdMethod(AttentionSwitchingMethod):
             if isinstance(m, int) and m % multiple:
                 problems.append(
                     f"data.{key}.seq_pad_multiple={m} is not a multiple of {what}: "
-                    f"distributed.cp_method=thd splits every packed document into {multiple} equal chunks; "
+                    f"distributed.cp_method={self.name} splits every packed document into {multiple} equal chunks; "
                     f"remove data.{key}.seq_pad_multiple (thd then pads to {multiple}) or set it to a multiple of {multiple}"
                 )
         return problems
-
-    # ------------------------------------------------------------------ memory plan and dry run
-    def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
-        """The whole row's K/V, all-gathered per layer (and its rank-major -> global reorder copy); in the
-        backward K/V again plus the global dK/dV and its rank-major copy before the reduce-scatter; plus
-        the fp32 output / LSE of the rank's queries. Not kept across layers (re-gathered in backward)."""
-        c, tp = r.compute_bytes, r.tp
-        kv = d.kv_heads * d.head_dim / tp
-        row_tokens = r.local_batch * r.seq  # every rank sees the K/V of the whole row
-        fwd = 4 * kv * c * row_tokens
-        bwd = 8 * kv * c * row_tokens
-        partial = r.local_tokens * (d.hidden / tp + d.heads / tp) * 4
-        return max(fwd, bwd) + partial, (
-            f"thd: K/V of the whole row ({row_tokens} tokens) all-gathered per layer; backward: K/V again + dK/dV "
-            "before the reduce-scatter"
-        )
 
     def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
         return [

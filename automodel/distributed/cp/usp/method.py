@@ -6,7 +6,7 @@ Documents are placed across the ring sub-group as ``cp_method: thd`` places them
 (head-tail per document), each ring rank's share cut into ``U`` contiguous slices; attention trades
 heads for tokens with an all-to-all inside the Ulysses sub-group and runs THD attention (K/V
 all-gathered, exact per-document causal) across the ring sub-group for ``H/U`` heads
-(:mod:`automodel.distributed.usp_attention`). The heads need only ``num_attention_heads % U == 0``,
+(:mod:`automodel.distributed.cp.usp.attention`). The heads need only ``num_attention_heads % U == 0``,
 not ``% cp_size`` as with Ulysses; fewer KV heads than ``U`` are replicated.
 
 Exact for full causal attention (and windows and chunks at least as long as the longest document;
@@ -19,20 +19,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from automodel.distributed.cp.gathered_method import GatheredKVMethod
 from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
-from automodel.distributed.cp.thd import ThdMethod
+from automodel.distributed.cp.subgroups import ulysses_size_problem as _ulysses_size_problem
 
 __all__ = ["UspMethod"]
 
 
-def _ulysses_size_problem(ulysses_size: Any, cp_size: int) -> str | None:
-    from automodel.distributed.cp_subgroups import ulysses_size_problem
-
-    return ulysses_size_problem(ulysses_size, cp_size)
-
-
-class UspMethod(ThdMethod):
+class UspMethod(GatheredKVMethod):
     """USP; ``ulysses_size`` bound by :meth:`configured` (the registered instance has none)."""
 
     name = "usp"
@@ -53,12 +48,12 @@ class UspMethod(ThdMethod):
 
     # ------------------------------------------------------------------ model and batch
     def _switch(self) -> tuple[Any, str]:
-        from automodel.distributed.usp_attention import USP_ATTN_NAME, set_usp_attention
+        from automodel.distributed.cp.usp.attention import USP_ATTN_NAME, set_usp_attention
 
         return set_usp_attention, USP_ATTN_NAME
 
     def _batch_function(self) -> BatchFn:
-        from automodel.distributed.usp_attention import make_usp_batch_and_ctx
+        from automodel.distributed.cp.usp.attention import make_usp_batch_and_ctx
 
         return make_usp_batch_and_ctx
 
@@ -92,10 +87,7 @@ class UspMethod(ThdMethod):
 
     def config_problems(self, cfg: Any, cuda_available: bool | None) -> list[str]:
         d = cfg.distributed
-        problems = [
-            p.replace("distributed.cp_method=thd", f"distributed.cp_method={self.name}")
-            for p in super().config_problems(cfg, cuda_available)
-        ]
+        problems = super().config_problems(cfg, cuda_available)
         if d.ulysses_size is None and d.cp_size > 1:
             divisors = [k for k in range(1, d.cp_size + 1) if d.cp_size % k == 0]
             problems.append(
