@@ -1,14 +1,17 @@
 """A toy CP method, registered by a test: proves that a new method is one module plus one registry entry.
 
 ``toy_gather``: rows split head-tail (:mod:`automodel.distributed.cp.layout`); every attention layer
-all-gathers K/V of the whole row (its backward sums dK/dV over the ranks and keeps this rank's share: a
-reduce-scatter, written as an all-reduce and a slice so it runs on gloo), then computes the rank's queries
-against each rank's K/V block with exact math and merges the blocks by log-sum-exp. Its own exchange,
-attention and batch function, on the shared layout and active-context stack
-(:mod:`automodel.distributed.cp.active`) only: no code of another method. Nothing outside this file and
-the :func:`~automodel.distributed.cp.register_cp_method` call knows it: the config rules, the trainer,
-the self-check, the dry run, the memory planner (tests/test_recipe_parity.py) and ``context_parallel``
-(tests/test_toy_cp_method.py) run it through the :class:`~automodel.distributed.cp.CPMethod` interface.
+all-gathers K/V of the whole row with the shared exchange (:mod:`automodel.distributed.cp.exchange.gather`),
+then runs each of the rank's two query chunks against its own chunk (one causal block) and the chunks
+before it (one block, no mask) with the shared block kernel, merged by log-sum-exp; its backward
+gathers K/V again, runs the blocks' backward against the merged output and reduce-scatters dK/dV
+(:func:`~automodel.distributed.cp.blocks.blocked_attention` with the toy's own block scheme).
+Its attention reaches transformers through the shared adapter (:mod:`automodel.distributed.cp.hf_attention`)
+and finds its step through the active-context stack (:mod:`automodel.distributed.cp.active`); it uses no
+code of another method. Nothing outside this file and the :func:`~automodel.distributed.cp.register_cp_method`
+call knows it: the config rules, the trainer, the self-check, the dry run, the memory planner
+(tests/test_recipe_parity.py) and ``context_parallel`` (tests/test_context_parallel.py) run it through
+the :class:`~automodel.distributed.cp.CPMethod` interface.
 """
 
 from __future__ import annotations
@@ -25,90 +28,79 @@ NAME = "toy_gather"
 SUMMARY = "toy: K/V all-gathered, blocks merged by log-sum-exp"
 
 
-# ------------------------------------------------------------------------------------------ exchange
-
-
-class _GatherKV(torch.autograd.Function):
-    """``[B, H, T_local, D]`` -> ``[W, B, H, T_local, D]`` (every rank's block); backward: the sum of the
-    ranks' gradients of this rank's block (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, rank: int, world: int) -> torch.Tensor:  # type: ignore[override]
-        import torch.distributed as dist
-
-        ctx.group, ctx.rank = group, rank
-        parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        import torch.distributed as dist
-
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[ctx.rank], None, None, None
-
-
-# ------------------------------------------------------------------------------------------ attention
-
-
 class _Plan:
-    """One step's layout: the global position of every token each rank holds (``[W, T_local]``)."""
+    """One step: the CP group, the global positions of the tokens each rank holds (``[W, n]``) and the chunk
+    length ``c``; the :class:`~automodel.distributed.cp.blocks.BlockScheme` of the toy's attention."""
 
-    def __init__(self, group: Any, world: int, rank: int, positions: torch.Tensor) -> None:
-        self.group, self.world, self.rank, self.positions = group, world, rank, positions
+    def __init__(self, group: Any, world: int, rank: int, positions: torch.Tensor, chunk: int) -> None:
+        self.group, self.world, self.rank, self.chunk = group, world, rank, chunk
+        ranked = positions.flatten()  # the global token at each place of the rank-major stream
+        self.to_ranks, self.to_global = ranked, torch.argsort(ranked)
         self.calls = 0  # attention calls inside the context (active.py's "no attention ran" check)
 
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, n, D]`` this rank's tokens -> ``[B, H, S, D]`` the whole row (the shared all-gather)."""
+        from automodel.distributed.cp.exchange.gather import all_gather_tokens
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float):
-    """Attention of ``q`` ``[B, H, Tq, D]`` on one key block: ``(out, lse)``; rows with no key: out 0, lse -inf."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - safe) @ v, lse
+        tokens = all_gather_tokens(x.permute(2, 0, 1, 3), self.group, self.world, self.to_global.to(x.device))
+        return tokens.permute(1, 2, 0, 3)
+
+    def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """The adjoint of :meth:`_gather`: ``[B, H, S, D]`` summed over the ranks, this rank's ``[B, H, n, D]``."""
+        from automodel.distributed.cp.exchange.gather import reduce_scatter_tokens
+
+        ranked = reduce_scatter_tokens(x.permute(2, 0, 1, 3), self.group, self.world, self.to_ranks.to(x.device))
+        return ranked.permute(1, 2, 0, 3)
+
+    def _blocks(self):  # noqa: ANN202
+        """Per query chunk of this rank (head r, tail 2W-1-r): its slice of the local queries and its key
+        blocks ``(keys, causal)``: its own chunk (causal) and every earlier chunk (all visible)."""
+        c = self.chunk
+        for half, index in enumerate((self.rank, 2 * self.world - 1 - self.rank)):
+            blocks = [(slice(index * c, (index + 1) * c), True)] + ([(slice(0, index * c), False)] if index else [])
+            yield slice(half * c, (half + 1) * c), blocks
+
+    def forward(self, q, k, v, scale):  # noqa: ANN001, ANN201
+        from automodel.distributed.cp.blocks import block_forward, merge
+
+        keys, values = self._gather(k), self._gather(v)
+        outs, lses = [], []
+        for rows, blocks in self._blocks():
+            out = lse = None
+            for cols, causal in blocks:
+                o, m = block_forward(q[:, :, rows], keys[:, :, cols], values[:, :, cols], causal=causal, scale=scale)
+                out, lse = (o, m) if out is None else merge(out, lse, o, m)
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+    def backward(self, dout, q, k, v, out, lse, scale):  # noqa: ANN001, ANN201
+        from automodel.distributed.cp.blocks import block_backward
+
+        keys, values = self._gather(k), self._gather(v)  # gathered again: never saved
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(keys), torch.zeros_like(values)
+        for rows, blocks in self._blocks():
+            for cols, causal in blocks:
+                a, b, c = block_backward(
+                    dout[:, :, rows], q[:, :, rows], keys[:, :, cols], values[:, :, cols], out[:, :, rows],
+                    lse[:, :, rows], causal=causal, scale=scale,
+                )
+                dq[:, :, rows] += a
+                dk[:, :, cols] += b
+                dv[:, :, cols] += c
+        return dq, self._reduce_scatter(dk), self._reduce_scatter(dv)
 
 
-def toy_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Any,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: ``query`` ``[B, Hq, T, D]``, ``key``/``value`` ``[B, Hkv, T,
-    D]`` (this rank's tokens) -> ``([B, T, Hq, D], None)``, exact causal attention over the whole row."""
-    from automodel.distributed.cp.active import current
+def _toy_attention(call: Any) -> tuple[torch.Tensor, None]:
+    """Exact causal attention of this rank's two head-tail chunks of queries over the whole row."""
+    from automodel.distributed.cp.blocks import blocked_attention
+    from automodel.distributed.cp.hf_attention import enter_call
 
-    plan = current(NAME)
-    if plan is None:
-        raise RuntimeError(f"attention {NAME!r} ran outside its context; run the model inside `with ctx():`")
-    plan.calls += 1
-    if dropout:
-        raise ValueError(f"{NAME} does not implement attention dropout (got {dropout}); set attention_dropout=0")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    groups = query.shape[1] // key.shape[1]
-    keys = _GatherKV.apply(key, plan.group, plan.rank, plan.world)
-    values = _GatherKV.apply(value, plan.group, plan.rank, plan.world)
-    q_pos = plan.positions[plan.rank].to(query.device)
-    outs, lses = [], []
-    for r in range(plan.world):  # rank r's block of keys, at its global positions
-        allowed = q_pos[:, None] >= plan.positions[r].to(query.device)[None, :]
-        k = keys[r].repeat_interleave(groups, dim=1)
-        v = values[r].repeat_interleave(groups, dim=1)
-        out, lse = _block(query, k, v, allowed, scale)
-        outs.append(out)
-        lses.append(lse)
-    lse = torch.logsumexp(torch.stack(lses), dim=0)  # the merge: weights exp(lse_r - lse)
-    out = sum(o * torch.exp(lr - lse) for o, lr in zip(outs, lses))
+    plan = enter_call(NAME, NAME, f"the {NAME} context", "context_parallel(...).shard")
+    if call.dropout:
+        raise ValueError(f"{NAME} does not implement attention dropout (got {call.dropout}); set attention_dropout=0")
+    out = blocked_attention(call.query, call.key, call.value, plan, call.scaling)
     return out.transpose(1, 2).contiguous(), None
-
-
-# ------------------------------------------------------------------------------------------ batch
 
 
 def toy_batch_and_ctx(device_mesh: Any, batch: dict[str, Any], inner_attn: str | None = None):
@@ -120,30 +112,26 @@ def toy_batch_and_ctx(device_mesh: Any, batch: dict[str, Any], inner_attn: str |
 
     del inner_attn
     group, world, rank = resolve_cp_group(device_mesh)
-    ids = batch["input_ids"]
-    bsz, seq = ids.shape
+    bsz, seq = batch["input_ids"].shape
     mask = batch.get("attention_mask")
     if mask is not None and not bool((mask != 0).all()):
         raise ValueError(f"{NAME} takes no padding mask: right-pad rows with labels -100 and drop attention_mask")
     spans = [head_tail_spans(seq, world, r) for r in range(world)]
     positions = torch.stack([torch.cat([torch.arange(a, b) for a, b in s]) for s in spans])
-    index = positions[rank].to(ids.device)
+    index = positions[rank].to(batch["input_ids"].device)
     local: dict[str, Any] = {"position_ids": index.unsqueeze(0).expand(bsz, -1).contiguous()}
     for k, v in batch.items():
         if k == "attention_mask":
             continue
         is_row = isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] in (1, bsz) and v.shape[1] == seq
         local[k] = v.index_select(1, index) if is_row else v
-    plan = _Plan(group, world, rank, positions)
+    plan = _Plan(group, world, rank, positions, seq // (2 * world))
     message = not_switched_message(NAME, "context_parallel", NAME)
 
     def ctx_factory() -> contextlib.AbstractContextManager:
         return activate(NAME, plan, message=message)
 
     return ctx_factory, local
-
-
-# ------------------------------------------------------------------------------------------ the method
 
 
 class ToyGather(CPMethod):
@@ -157,11 +145,9 @@ class ToyGather(CPMethod):
         return standard_problem(self.name, layer, seq_len)
 
     def prepare_model(self, model: Any, device_mesh: Any) -> PreparedModel:
-        from transformers import AttentionInterface
+        from automodel.distributed.cp.hf_attention import hf_attention_function, switch_attention
 
-        AttentionInterface.register(NAME, toy_attention_forward)
-        previous = model.config._attn_implementation
-        model.set_attn_implementation(NAME)
+        previous = switch_attention(model, NAME, hf_attention_function(_toy_attention, NAME), NAME)
         return PreparedModel(module=model, previous_attn=previous, current_attn=NAME)
 
     def _batch_function(self):  # noqa: ANN202

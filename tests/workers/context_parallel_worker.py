@@ -16,7 +16,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.distributed.cp import context_parallel
-from automodel.distributed.cp.doc_placement import CostModel
+from automodel.distributed.cp.thd_docs.placement import CostModel
 from automodel.errors import CPUnsupportedError
 from tests.workers.thd_attention_worker import VOCAB, _ce, rel, tiny_llama
 
