@@ -123,3 +123,18 @@ def test_a_registered_method_is_selectable_and_listed():
     finally:
         unregister_cp_method("test_everything")
     assert "test_everything" not in cp_methods()
+
+
+def test_profile_holds_what_the_memory_tp_lora_and_vlm_checks_read():
+    from transformers import LlamaConfig
+
+    llama = profile_model(LlamaConfig(hidden_size=64, intermediate_size=96, vocab_size=80, num_hidden_layers=3,
+                                      num_attention_heads=4, tie_word_embeddings=True))
+    assert (llama.hidden_size, llama.intermediate_size, llama.vocab_size, llama.num_hidden_layers) == (64, 96, 80, 3)
+    assert llama.text_model_type == "llama" and llama.tie_word_embeddings
+    assert dict(llama.base_model_tp_plan)["layers.*.self_attn.o_proj"] == "rowwise"
+    assert llama.image_token_id is None and llama.spatial_merge_size is None
+    vl = profile_model(AutoConfig.for_model("qwen2_vl"))  # the text sizes come from the text config
+    assert vl.model_type == "qwen2_vl" and vl.text_model_type == "qwen2_vl_text" and vl.is_vlm
+    assert vl.hidden_size == AutoConfig.for_model("qwen2_vl").get_text_config().hidden_size
+    assert vl.image_token_id == 151655 and vl.spatial_merge_size == 2

@@ -179,9 +179,9 @@ def test_a_registered_toy_method_runs_through_the_recipe(runs):
     """A new method is one module plus one registry entry: the recipe, its self-check (on by default at
     cp_size > 1) and the dry run take it with no other edit."""
     toy = runs["toy_cp2"]
-    assert toy["cp_method"] == "toy_ring_a2a"
+    assert toy["cp_method"] == "toy_gather"
     self_check = json.loads((Path(toy["run_dir"]) / "cp_self_check.json").read_text())
-    assert self_check["cp_method"] == "toy_ring_a2a" and self_check["passed"]
+    assert self_check["cp_method"] == "toy_gather" and self_check["passed"]
     dry = runs["toy_dry_run"]
-    assert "cp_method toy_ring_a2a (toy: ring attention with all-to-all K/V rotation)" in dry
-    assert "toy: K/V blocks in flight" in dry  # its memory term
+    assert "cp_method toy_gather (toy: K/V all-gathered, blocks merged by log-sum-exp)" in dry
+    assert "toy: K/V of the whole row all-gathered" in dry  # its memory term

@@ -56,11 +56,6 @@ TP_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _HF_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 
-def _text_config(config: Any) -> Any:
-    get_text = getattr(config, "get_text_config", None)
-    return get_text() if callable(get_text) else config
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
 
@@ -96,7 +91,8 @@ def tp_config_problems(
 ) -> list[str]:
     """Why a model with this (transformers) ``config`` cannot be tensor-parallel over ``tp_size`` ranks.
 
-    Checked before any weight is loaded: the architecture is one of :data:`TP_MODEL_TYPES`; the
+    ``config`` may also be the model's :class:`~automodel.distributed.cp.profile.ModelProfile` (what is
+    read: its text model type and sizes). Checked before any weight is loaded: the architecture is one of :data:`TP_MODEL_TYPES`; the
     attention heads, KV heads, MLP width and vocabulary are divisible by ``tp_size`` (the column- and
     row-parallel layers and the vocabulary-sharded embedding/LM head split them evenly). Returns an
     empty list at ``tp_size <= 1``. Each message names the value, the rule and the fix.
@@ -105,17 +101,17 @@ def tp_config_problems(
     """
     if tp_size <= 1:
         return []
-    text = _text_config(config)
-    model_type = getattr(text, "model_type", None)
+    from automodel.distributed.cp.profile import ModelProfile, profile_model
+
+    profile = config if isinstance(config, ModelProfile) else profile_model(config)
+    model_type = profile.text_model_type
     if model_type not in TP_MODEL_TYPES:
         return [
             f"distributed.tp_size={tp_size}: tensor parallelism supports model_type in {list(TP_MODEL_TYPES)} "
             f"(their layer layout is what the TP plan shards), got {model_type!r}; set distributed.tp_size=1 "
             f"and use distributed.dp_shard / cp_size for the other ranks"
         ]
-    heads = getattr(text, "num_attention_heads", None)
-    sizes = {name: getattr(text, name, None) for name in _TP_SPLIT_SIZES}
-    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or heads
+    sizes = {name: getattr(profile, name) for name in _TP_SPLIT_SIZES}  # kv heads default to the heads
     problems = tp_size_problems(sizes, tp_size, key_prefix=key_prefix)
     # sequence_parallel adds no constraint on the config: the row length is padded for it (row_multiple)
     return problems
@@ -195,11 +191,13 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool, sequence_parallel: bool = 
         SequenceParallel,
     )
 
-    text = _text_config(model.config)
-    hf_plan = dict(getattr(text, "base_model_tp_plan", None) or {})
+    from automodel.distributed.cp.guard import cached_profile
+
+    profile = cached_profile(model)
+    hf_plan = dict(profile.base_model_tp_plan)
     if not hf_plan:
         raise ValueError(
-            f"{type(model).__name__} ({getattr(text, 'model_type', None)}) has no base_model_tp_plan in its config; "
+            f"{type(model).__name__} ({profile.text_model_type}) has no base_model_tp_plan in its config; "
             f"tensor parallelism supports model_type in {list(TP_MODEL_TYPES)}"
         )
     prefix = _decoder_prefix(model)
@@ -276,11 +274,13 @@ def apply_tensor_parallel(
 
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D tp mesh, got {tp_mesh.ndim}-D {tp_mesh}")
-    text = _text_config(model.config)
-    problems = tp_config_problems(model.config, tp_mesh.size(), sequence_parallel=sequence_parallel)
+    from automodel.distributed.cp.guard import cached_profile
+
+    profile = cached_profile(model)
+    problems = tp_config_problems(profile, tp_mesh.size(), sequence_parallel=sequence_parallel)
     if problems:
         raise ValueError("; ".join(problems))
-    tied = bool(getattr(text, "tie_word_embeddings", False)) and (
+    tied = profile.tie_word_embeddings and (
         model.get_output_embeddings().weight is model.get_input_embeddings().weight
     )
     plan = tp_plan(model, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)

@@ -125,9 +125,10 @@ def _check_tied_head(model: nn.Module, section: Any) -> None:
     merging ``B @ A`` into the shared weight would change the input embeddings too."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    config = getattr(model, "config", None)
+    from automodel.distributed.cp.guard import cached_profile
+
     get_head = getattr(model, "get_output_embeddings", None)
-    if config is None or get_head is None or not getattr(config, "tie_word_embeddings", False):
+    if getattr(model, "config", None) is None or get_head is None or not cached_profile(model).tie_word_embeddings:
         return
     head = get_head()
     if head is None or section.target_modules == "all-linear":  # all-linear leaves the head out

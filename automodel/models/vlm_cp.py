@@ -94,7 +94,12 @@ class VLMParts:
 
 
 def is_vlm(model_or_config: Any) -> bool:
-    """Whether a model (or its config) is one of :data:`VLM_MODEL_TYPES`."""
+    """Whether a model (its profile, :func:`~automodel.distributed.cp.guard.cached_profile`) or a config is one
+    of :data:`VLM_MODEL_TYPES`."""
+    if hasattr(model_or_config, "config") and hasattr(model_or_config, "named_modules"):
+        from automodel.distributed.cp.guard import cached_profile
+
+        return cached_profile(model_or_config).model_type in VLM_MODEL_TYPES
     config = getattr(model_or_config, "config", model_or_config)
     return getattr(config, "model_type", None) in VLM_MODEL_TYPES
 
@@ -122,16 +127,18 @@ def vlm_parts(model: torch.nn.Module) -> VLMParts:
             f"{type(model).__name__} (model_type={getattr(getattr(model, 'config', None), 'model_type', None)!r}) "
             f"is not a supported VLM; supported model types: {VLM_MODEL_TYPES}"
         )
+    from automodel.distributed.cp.guard import cached_profile
+
     inner = model.model if hasattr(model, "model") and hasattr(model.model, "visual") else model
-    cfg = model.config
+    profile = cached_profile(model)  # the token ids and the spatial merge, read once with the model
     return VLMParts(
         visual=inner.visual,
         language_model=inner.language_model,
         embed_tokens=inner.get_input_embeddings(),
         rope_owner=inner,
-        image_token_id=int(cfg.image_token_id),
-        video_token_id=int(cfg.video_token_id),
-        spatial_merge_size=int(cfg.vision_config.spatial_merge_size),
+        image_token_id=int(profile.image_token_id),
+        video_token_id=int(profile.video_token_id),
+        spatial_merge_size=int(profile.spatial_merge_size),
     )
 
 

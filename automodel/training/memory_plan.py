@@ -210,13 +210,17 @@ class MemoryPlan:
 
 
 def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, possibly on the meta device)
-    """Read :class:`ModelDims` from an HF causal LM (meta tensors are fine: only shapes are read)."""
+    """Read :class:`ModelDims` from an HF causal LM (meta tensors are fine: only shapes are read).
+
+    The sizes come from the model's profile (:func:`~automodel.distributed.cp.guard.cached_profile`, read
+    once per model), the parameter counts from its parameters."""
+    from automodel.distributed.cp.guard import cached_profile
     from automodel.models.parallelize import decoder_layers
 
-    c = model.config
+    c = cached_profile(model)
     heads = c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv = c.num_key_value_heads or heads
+    head_dim = c.head_dim or c.hidden_size // heads
     unique = {id(p): p for p in model.parameters()}.values()
     try:
         layers = decoder_layers(model)
@@ -228,7 +232,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     return ModelDims(
         layers=c.num_hidden_layers,
         hidden=c.hidden_size,
-        intermediate=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
+        intermediate=c.intermediate_size or 4 * c.hidden_size,
         heads=heads,
         kv_heads=kv,
         head_dim=head_dim,
@@ -258,9 +262,10 @@ def _tp_sharded_params(model) -> set[int]:  # noqa: ANN001
 
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    from automodel.distributed.cp.guard import cached_profile
     from automodel.distributed.tensor_parallel import TP_MODEL_TYPES, tp_plan
 
-    if getattr(model.config, "model_type", None) not in TP_MODEL_TYPES:  # VLMs included: no plan
+    if cached_profile(model).model_type not in TP_MODEL_TYPES:  # VLMs included: no plan
         return set()
     try:
         plan = tp_plan(model, loss_parallel=True)

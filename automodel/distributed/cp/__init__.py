@@ -8,7 +8,9 @@
 - :mod:`.thd_docs.placement`: the document placement planner of ``thd_docs`` (a pure function of the lengths);
 - :mod:`.bind`: prepare a model for a method and get its batch function (the recipe's one call);
 - :mod:`.group`: the one place the CP process group is resolved;
-- :mod:`.guard`: the own-loop check at a model's first forward inside a CP context.
+- :mod:`.guard`: the own-loop check at a model's first forward inside a CP context;
+- :mod:`.context`: :func:`context_parallel`, the one own-loop entry point of every method (imported on
+  first use of the name).
 
 Importing this package imports neither torch.distributed nor transformers: the config rules read it.
 """
@@ -35,6 +37,8 @@ for _method in (RingMethod(), UlyssesMethod(), ThdMethod(), ThdDocsMethod(), Usp
         register_cp_method(_method)
 
 __all__ = [
+    "ContextParallel",
+    "context_parallel",
     "CPMethod",
     "PreparedModel",
     "LayerSpec",
@@ -49,3 +53,13 @@ __all__ = [
     "register_cp_method",
     "unregister_cp_method",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``context_parallel`` / ``ContextParallel`` from :mod:`.context`, imported on first use (it imports
+    torch.distributed, which this package does not at import time)."""
+    if name in ("context_parallel", "ContextParallel"):
+        from automodel.distributed.cp import context
+
+        return getattr(context, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

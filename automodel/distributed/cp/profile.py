@@ -16,10 +16,13 @@ Per attention layer it also records attention sinks (gpt-oss), logit softcapping
 query/key and value head sizes (MLA: DeepSeek-V3 has ``v_head_dim != qk_head_dim``), RoPE or NoPE,
 and whether the layer scales its queries by the absolute position (Llama 4's attention temperature
 on NoPE layers, which reads ``cache_position``). For the model: heads, KV heads, head size, VLM or
-not, and the attention implementation.
+not, and the attention implementation; the sizes the memory plan and the TP plan read (hidden,
+intermediate, vocabulary, layers), the text model type, tied embeddings, transformers' TP plan, and a
+VLM's image / video token ids and spatial merge.
 
 Every check that depends on the model (the CP methods' exactness, head splitting, the dry run, the
-memory plan) reads this profile instead of re-deriving it from the config. It lives in
+memory plan, the TP plan, LoRA's tied-head check, the VLM parts) reads this profile instead of
+re-deriving it from the config. It lives in
 ``distributed`` (not ``models``) because the own-loop API checks a model against a method when the
 model is prepared, and ``distributed`` may not import ``models``.
 """
@@ -173,6 +176,21 @@ class ModelProfile:
     is_vlm: bool
     attn_implementation: str | None
     from_modules: bool  # the layers were read from the modules (else from the config alone)
+    # the text config's sizes (None where the config has none): the memory plan and the TP plan read them
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    num_hidden_layers: int | None = None
+    #: the text config's ``model_type`` (a VLM's differs from :attr:`model_type`)
+    text_model_type: str | None = None
+    #: input and output embeddings share one weight (the text config's flag, else the top-level one)
+    tie_word_embeddings: bool = False
+    #: transformers' ``base_model_tp_plan`` of the text config, as ``(pattern, style)`` pairs
+    base_model_tp_plan: tuple[tuple[str, str], ...] = ()
+    #: a VLM's special token ids and its vision encoder's spatial merge (``None`` for a text model)
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    spatial_merge_size: int | None = None
 
     @property
     def kinds(self) -> set[str]:
@@ -404,6 +422,8 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     )
     attn = attn_implementation or getattr(config, "_attn_implementation", None)
     architecture = type(model_or_config).__name__ if is_model else _architecture_of(config)
+    tied = _get(text, "tie_word_embeddings", None)
+    vision = getattr(config, "vision_config", None)
     return ModelProfile(
         model_type=str(getattr(config, "model_type", "?")),
         architecture=architecture,
@@ -414,4 +434,14 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
         is_vlm=getattr(config, "vision_config", None) is not None,
         attn_implementation=attn,
         from_modules=from_modules,
+        hidden_size=_get(text, "hidden_size", None),
+        intermediate_size=_get(text, "intermediate_size", None),
+        vocab_size=_get(text, "vocab_size", None),
+        num_hidden_layers=_get(text, "num_hidden_layers", None),
+        text_model_type=_get(text, "model_type", None),
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False) if tied is None else tied),
+        base_model_tp_plan=tuple((_get(text, "base_model_tp_plan", None) or {}).items()),
+        image_token_id=_get(config, "image_token_id", None),
+        video_token_id=_get(config, "video_token_id", None),
+        spatial_merge_size=_get(vision, "spatial_merge_size", None) if vision is not None else None,
     )

@@ -1,0 +1,154 @@
+"""Every CP method through ``context_parallel`` against one process (gloo ranks, run by
+tests/test_context_parallel.py).
+
+Reference: every document (a plain row is one document) run ALONE through the model's own attention in
+one process: the sum of its token cross-entropies over the whole batch's label count, gradients summed
+over documents. CP: the same batch dict for every method, given three ways (plain rows with right
+padding and a loss mask; packed rows by ``seq_lens``; packed rows by ``position_ids`` restarts only),
+``cp.shard(batch)``, ``model(**local).loss`` (fp64: the same sum from ``.logits`` in fp64, since
+transformers' loss is fp32), ``backward``, ``cp.reduce_gradients()`` and
+``cp.reduce_loss``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from automodel.distributed.cp import context_parallel
+from automodel.distributed.cp.thd_docs.placement import CostModel
+from automodel.errors import CPUnsupportedError
+from tests.workers.thd_attention_worker import VOCAB, _ce, rel, tiny_llama
+
+SENTINEL = -1000
+#: label -> (method, keyword options): usp at cp=2 as a Ulysses sub-group of 2 ranks or a ring of 2; thd_docs
+#: with its own cost model and with the one context_parallel reads from the model
+METHODS = {
+    "ring": ("ring", {}),
+    "ulysses": ("ulysses", {}),
+    "thd": ("thd", {"kernel": "portable"}),
+    "thd_docs": ("thd_docs", {}),
+    "thd_docs_cost": ("thd_docs", {"cost": CostModel(token=4.0)}),
+    "usp": ("usp", {"ulysses_size": 2}),
+    "usp_u1": ("usp", {"ulysses_size": 1}),
+    "toy_gather": ("toy_gather", {}),  # tests/toy_cp_method.py: a method registered by the test
+}
+#: per row, its documents' lengths (row 1 ends in 5 padding slots)
+DOCS = [[5, 9, 1], [7, 3]]
+
+
+def _docs(seed: int) -> list[list[dict]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for row in DOCS:
+        docs = []
+        for n in row:
+            labels = torch.randint(0, VOCAB, (n,), generator=g)
+            labels[torch.rand(n, generator=g) < 0.2] = -100
+            docs.append({"input_ids": torch.randint(0, VOCAB, (n,), generator=g), "labels": labels})
+        rows.append(docs)
+    return rows
+
+
+def batches() -> dict[str, tuple[dict, list[list[dict]]]]:
+    """name -> (the caller's batch, its documents as the reference runs them)."""
+    rows = _docs(0)
+    seq = max(sum(d["input_ids"].numel() for d in row) for row in rows)
+    out = {}
+    # packed rows, three documents in row 0 and two in row 1, by seq_lens (no position_ids)
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    labels = torch.full((2, seq), -100)
+    pos = torch.zeros(2, seq, dtype=torch.long)
+    mask = torch.zeros(2, seq, dtype=torch.long)
+    seq_lens = torch.full((2, 3), SENTINEL)
+    for b, row in enumerate(rows):
+        at = 0
+        for i, d in enumerate(row):
+            n = d["input_ids"].numel()
+            ids[b, at : at + n], labels[b, at : at + n] = d["input_ids"], d["labels"]
+            pos[b, at : at + n] = torch.arange(n)
+            mask[b, at : at + n] = 1
+            seq_lens[b, i] = n
+            at += n
+    out["packed_seq_lens"] = ({"input_ids": ids, "labels": labels, "seq_lens": seq_lens}, rows)
+    # the same rows given by position_ids restarts only; row 1's trailing slots by attention_mask
+    out["packed_restarts"] = ({"input_ids": ids, "labels": labels, "position_ids": pos, "attention_mask": mask}, rows)
+    # plain rows: one document each, row 1 right-padded (attention_mask), a loss_mask hiding two labels
+    g = torch.Generator().manual_seed(1)
+    plain_ids = torch.randint(0, VOCAB, (2, 13), generator=g)
+    plain_labels = torch.randint(0, VOCAB, (2, 13), generator=g)
+    plain_labels[1, 10:] = -100
+    plain_mask = torch.ones(2, 13, dtype=torch.long)
+    plain_mask[1, 10:] = 0
+    loss_mask = torch.ones(2, 13, dtype=torch.long)
+    loss_mask[0, 3] = loss_mask[1, 7] = 0
+    plain = {"input_ids": plain_ids, "labels": plain_labels, "attention_mask": plain_mask, "loss_mask": loss_mask}
+    masked = plain_labels.masked_fill(loss_mask == 0, -100)
+    ref_rows = [
+        [{"input_ids": plain_ids[0], "labels": masked[0]}],
+        [{"input_ids": plain_ids[1, :10], "labels": masked[1, :10]}],
+    ]
+    out["plain"] = (plain, ref_rows)
+    return out
+
+
+def reference(model, rows) -> tuple[float, dict]:
+    n_labels = sum(int((d["labels"] != -100).sum()) for row in rows for d in row)
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for row in rows:
+        for d in row:
+            ce = _ce(model(input_ids=d["input_ids"][None]).logits[0], d["labels"])
+            (ce / n_labels).backward()
+            total += float(ce.detach())
+    return total / n_labels, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
+    from tests.toy_cp_method import register
+
+    register()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    cases = batches()
+    out: dict = {"checks": {}, "refused": {}, "describe": {}, "restored": {}}
+    for dtype_name in dtypes:
+        model = tiny_llama(2, getattr(torch, dtype_name))
+        refs = {name: reference(model, rows) for name, (_, rows) in cases.items()}
+        for label, (method, options) in METHODS.items():
+            cp = context_parallel(model, mesh, method=method, **options)
+            out["describe"][label] = cp.describe()
+            for name, (batch, _) in cases.items():
+                model.zero_grad(set_to_none=True)
+                try:
+                    ctx, local = cp.shard(batch)
+                except ValueError as e:
+                    out["refused"][(dtype_name, label, name)] = str(e)
+                    continue
+                with ctx():
+                    output = model(**local)
+                    loss = output.loss  # transformers' loss: cross-entropy in fp32 whatever the dtype
+                    if dtype_name == "float64":  # the same sum over the same count, in fp64
+                        hf_loss = float(cp.reduce_loss(loss))
+                        loss = _ce(output.logits.flatten(0, 1), local["shift_labels"].flatten()) / local["num_items_in_batch"]
+                    loss.backward()
+                cp.reduce_gradients()
+                total = float(cp.reduce_loss(loss))
+                ref_loss, ref_grads = refs[name]
+                grads = {n: p.grad for n, p in model.named_parameters()}
+                out["checks"][(dtype_name, label, name)] = {
+                    "loss_rel": abs(total - ref_loss) / abs(ref_loss),
+                    "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+                    "local_tokens": int(local["input_ids"].numel()),
+                }
+                if dtype_name == "float64":
+                    out["checks"][(dtype_name, label, name)]["hf_loss_rel"] = abs(hf_loss - ref_loss) / abs(ref_loss)
+            cp.restore()
+            out["restored"][label] = model.config._attn_implementation
+    # a model the method would not compute exactly is refused when it is prepared, before any work
+    eager = tiny_llama(2, torch.float32)
+    eager.set_attn_implementation("eager")
+    try:
+        context_parallel(eager, mesh, method="ring")
+    except CPUnsupportedError as e:
+        out["refused"]["ring_eager"] = str(e)
+    return out
