@@ -39,7 +39,7 @@ def bind_cp_method(
     if cp_size <= 1:
         if hasattr(model, "config") and hasattr(model, "set_attn_implementation"):
             from automodel.distributed.cp.guard import cached_profile
-            from automodel.distributed.cp.linear_mixer import install_linear_mixers
+            from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
 
             install_linear_mixers(model, cached_profile(model))
         return no_cp_batch_and_ctx, PreparedModel()
