@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from automodel.errors import UserInputError
 from automodel.training.checkpoint_compat import check_model_signature, write_model_signature
-from automodel.training.checkpoint_manifest import MANIFEST_FILE, gather_group, write_manifest
+from automodel.training.checkpoint_manifest import MANIFEST_FILE, fsync_dir, gather_group, write_manifest
 from automodel.training.elastic import check_resume_compatible, warn_if_dropout
 
 __all__ = [
@@ -110,19 +110,6 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under ``root``, or None."""
     found = list_checkpoints(root)
     return found[-1][1] if found else None
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -292,14 +279,14 @@ class Checkpointer:
         write_manifest(tmp, gather_group())  # every file's size and sha256, hashed by all ranks; rank 0 writes it
         t_hash = time.perf_counter() - t_hash
         if rank == 0:
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():  # the same step saved again (resumed from an older one): swap, then delete
                 aside = self.root / f"step_{step}.replaced{_TMP_SUFFIX}"
                 if aside.exists():
                     shutil.rmtree(aside)
                 final.rename(aside)
             tmp.rename(final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._clean_incomplete()
             self._prune(keep=final)
         dist.barrier()

@@ -52,6 +52,7 @@ __all__ = [
     "MANIFEST_FILE",
     "MANIFEST_VERSION",
     "Damage",
+    "fsync_dir",
     "file_sha256",
     "hash_files",
     "write_manifest",
@@ -160,11 +161,12 @@ def write_manifest(checkpoint_dir: Path, group: Any = None) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         tmp.rename(path)
-        _fsync_dir(checkpoint_dir)
+        fsync_dir(checkpoint_dir)
     return path
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries: a rename in it survives a crash); a no-op where that fails."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
