@@ -9,8 +9,8 @@ a step-time estimate) and exits without loading weights. The ``automodel finetun
 (automodel/cli.py) launches this file the way torchrun does. Exit codes: 0 done, 2 a mistake in the
 input (config, data, tokenizer, model path, checkpoint: one ``error:`` line from rank 0, the
 traceback in the run's logs/rank_<r>.log), 3 a non-finite loss, gradient or weight (one ``error:``
-line naming the step and the quantity; ``recipe.on_nonfinite``), 143 stopped by SIGTERM (a checkpoint
-was written; resume with checkpoint.resume=true).
+line naming the step and the quantity; ``recipe.on_nonfinite``), 4 a rank was lost, 143 stopped by
+SIGTERM (a checkpoint was written; resume with checkpoint.resume=true).
 """
 
 from __future__ import annotations
@@ -83,5 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_SIGTERM if result.stopped_by_sigterm else 0
 
 
+def _exit(code: int) -> None:
+    """Exit with ``code``. A stopped run (any code but 0 or SIGTERM's) skips the interpreter's
+    finalization once its output is flushed: there, gloo's worker threads can still hold tensors and
+    abort the process (SIGABRT, "terminate called without an active exception"), which would turn the
+    exit code every rank agreed on into a signal in the launcher's report."""
+    if code in (0, EXIT_SIGTERM):
+        sys.exit(code)
+    import logging
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
