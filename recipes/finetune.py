@@ -83,20 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_SIGTERM if result.stopped_by_sigterm else 0
 
 
-def _exit(code: int) -> None:
-    """Exit with ``code``. A stopped run (any code but 0 or SIGTERM's) skips the interpreter's
-    finalization once its output is flushed: there, gloo's worker threads can still hold tensors and
-    abort the process (SIGABRT, "terminate called without an active exception"), which would turn the
-    exit code every rank agreed on into a signal in the launcher's report."""
-    if code in (0, EXIT_SIGTERM):
-        sys.exit(code)
-    import logging
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit(main())
+    from automodel.training.user_errors import exit_process
+
+    exit_process(main(), keep=(0, EXIT_SIGTERM))

@@ -29,7 +29,7 @@ WORKER = r"""
 import os, signal, sys, time, datetime
 import torch, torch.distributed as dist
 from automodel.training.peer_loss import stop_quietly_if_peer_lost
-from automodel.training.user_errors import RunAborted
+from automodel.training.user_errors import RunAborted, exit_process
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
 steps = [0]
@@ -45,7 +45,7 @@ try:
     stop_quietly_if_peer_lost(train, step=lambda: steps[0])
 except RunAborted as e:
     print(f"aborted {e.exit_code}", flush=True)
-    sys.exit(e.exit_code)
+    exit_process(e.exit_code)  # as recipes/finetune.py exits
 """
 
 

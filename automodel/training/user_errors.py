@@ -58,6 +58,7 @@ __all__ = [
     "agree_before_collectives",
     "report_error_before_setup",
     "stop_run_agreed",
+    "exit_process",
 ]
 
 logger = logging.getLogger("automodel.user_errors")
@@ -320,3 +321,17 @@ def stop_run_agreed(message: str, exit_code: int) -> RunAborted:
     if _distributed():
         _finish_collectively(None)
     return RunAborted(exit_code, message)
+
+
+def exit_process(code: int, keep: tuple[int, ...] = (0,)) -> None:
+    """End the process with ``code``. A stopped run (a code not in ``keep``) skips the interpreter's
+    finalization once its output and logs are flushed: there, gloo's worker threads can still hold
+    tensors of a failed collective and abort the process (SIGABRT, "terminate called without an active
+    exception"), which would turn the exit code every rank agreed on into a signal in the launcher's
+    report. Codes in ``keep`` exit normally (``sys.exit``), with every ``atexit`` handler."""
+    if code in keep:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
