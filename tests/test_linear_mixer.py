@@ -121,11 +121,11 @@ def test_installed_forward_is_the_class_forward_outside_cp_and_uninstalls():
     full = AutoModelForCausalLM.from_config(_mixer_config())
     hidden = torch.randn(1, 20, 32)
     before = full.model.layers[0].linear_attn(hidden)
-    assert install_linear_mixers(full, cached_profile(full), "thd", lambda: None) == 1
+    assert install_linear_mixers(full, cached_profile(full), "thd") == 1
     assert "forward" in vars(full.model.layers[0].linear_attn)
     assert torch.equal(full.model.layers[0].linear_attn(hidden), before)
     with pytest.raises(ValueError, match="no linear-mixer kernel for cp_method 'toy'"):
-        install_linear_mixers(full, cached_profile(full), "toy", lambda: None)
+        install_linear_mixers(full, cached_profile(full), "toy")
     uninstall_linear_mixers(full)
     assert "forward" not in vars(full.model.layers[0].linear_attn)
 

@@ -46,7 +46,6 @@ happen in a fixed order on every rank.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,14 +69,13 @@ _HOLDER = "_automodel_cp_positions"
 
 
 def install_linear_mixers(
-    model: torch.nn.Module, profile: Any, method: str | None = None, current: Callable[[], Any] | None = None
+    model: torch.nn.Module, profile: Any, method: str | None = None
 ) -> int:
     """Give every supported linear mixer of ``profile``'s ``linear_mixer`` layers the CP forward (mutates
     ``model``; idempotent). The forward runs ``method``'s kernel while a context of that method is the
     innermost one on :mod:`automodel.distributed.cp.active` (a ``UlyssesContext``, ``THDPlan`` or ring
     ``TokenLayout``). ``method=None`` (cp_size 1): no CP, only the per-document restart on packed rows.
-    ``current``: not read (the old signature's lookup of the active context; every method now activates its
-    contexts on :mod:`automodel.distributed.cp.active`). Returns how many modules carry the forward."""
+    Returns how many modules carry the forward."""
     if method is not None and method not in LINEAR_METHODS:
         raise ValueError(f"no linear-mixer kernel for cp_method {method!r}; kernels: {', '.join(LINEAR_METHODS)}")
     holder = getattr(model, _HOLDER, None)

@@ -255,7 +255,8 @@ def _primary_sequence_tensor(batch: dict[str, Any]) -> tuple[str, torch.Tensor]:
 
 
 def _validate_ring_batch(batch: dict[str, Any]) -> None:
-    """Raise ``ValueError`` for anything the ring path cannot compute exactly (before any padding)."""
+    """Raise ``ValueError`` for malformed shapes (before any padding). The batch forms ring does not
+    compute (mask zeros, packed rows, restarts) were refused before, by ``check_batch_forms``."""
     primary_key, primary = _primary_sequence_tensor(batch)
     if not isinstance(batch.get("labels"), torch.Tensor):
         raise ValueError(
@@ -271,20 +272,6 @@ def _validate_ring_batch(batch: dict[str, Any]) -> None:
             raise ValueError(
                 f"batch[{key!r}] has shape {shape}; expected [B, S] = {(bsz, seq_len)} like batch[{primary_key!r}]"
             )
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise ValueError(
-            "ring context parallelism computes plain causal attention and cannot take an attention_mask "
-            "with zeros; right-pad rows and set the padded labels to -100 (exact for causal attention) "
-            "and drop the mask, or use the packed THD path (use_te=True) or Ulysses CP "
-            "(distributed.cp_method=ulysses)"
-        )
-    seq_lens = batch.get("seq_lens")
-    if isinstance(seq_lens, torch.Tensor) and seq_lens.ndim == 2 and bool(((seq_lens > 0).sum(-1) > 1).any()):
-        raise ValueError(
-            "batch has packed rows (several sequences per row in 'seq_lens'); ring CP would attend across "
-            "documents. Use the THD path (make_cp_batch_and_ctx(..., use_te=True)) or Ulysses CP"
-        )
     pos = batch.get("position_ids")
     if pos is not None and not (
         (pos.ndim == 2 and pos.shape[-1] == seq_len and pos.shape[0] in (1, bsz))
@@ -402,7 +389,7 @@ def make_cp_batch_and_ctx(
         k: (v.clone() if k in _RING_SHARDED_KEYS and v is batch.get(k) and isinstance(v, torch.Tensor) else v)
         for k, v in padded.items()
     }
-    batch.pop("attention_mask", None)  # all ones (validated): plain causal attention
+    batch.pop("attention_mask", None)  # all ones (check_batch_forms refused zeros): plain causal attention
     device = primary.device
     _build_position_ids(batch, device)
     if not batch["position_ids"].is_contiguous():

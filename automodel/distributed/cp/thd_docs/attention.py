@@ -433,12 +433,6 @@ def make_doc_batch_and_ctx(
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise ValueError(f"the batch needs 'input_ids' [B, S]; got keys {sorted(batch)}")
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and bool((mask[:, 1:].bool() & ~mask[:, :-1].bool()).any()):
-        raise ValueError(
-            "attention_mask has a padding slot before a real token (left or inner padding); thd_docs takes packed "
-            "rows (seq_lens / seq_lens_padded) or right-padded rows only: pad on the right (the collator does)"
-        )
     group, world, rank = resolve_cp_group(device_mesh)
     lengths, starts, real = batch_documents(batch, seq_lens_padding_value)
     pos = batch.get("position_ids")
