@@ -74,13 +74,15 @@ def model_case(case: dict, mesh) -> dict:
     if dtype == torch.float64 and hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
     base = base.to(dtype)
-    docs = _docs(case["docs"], VOCAB)
+    rows = case["rows"]
+    docs = _docs([n for row in rows for n in row], VOCAB)
     n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
     ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
-    if case["packed"]:
-        batch = pack([docs], 1)  # no padding: thd_docs cuts documents anywhere
-    else:  # one document per row, no seq_lens
-        batch = {"input_ids": docs[0]["input_ids"][None].clone(), "labels": docs[0]["labels"][None].clone()}
+    if case["packed"]:  # no padding per document: thd_docs cuts documents anywhere
+        at = [sum(len(r) for r in rows[:i]) for i in range(len(rows) + 1)]
+        batch = pack([docs[at[i] : at[i + 1]] for i in range(len(rows))], 1)
+    else:  # one document per row (equal lengths), no seq_lens
+        batch = {k: torch.stack([d[k] for d in docs]) for k in ("input_ids", "labels")}
     loss, grads, info = _doc_step(copy.deepcopy(base), batch, mesh, n_labels)
     worst = max(
         float((grads[n] - g).abs().max() / max(g.abs().max().item(), 1e-30)) for n, g in ref_grads.items()

@@ -207,7 +207,8 @@ def _split(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _forward(q, kv, dqk, plan: DocPlan, got, scale, softcap):
-    out = q.new_empty((*q.shape[:3], kv.shape[-1] - dqk))
+    b, h, t, _ = q.shape
+    out = q.new_empty((b, t, h, kv.shape[-1] - dqk)).transpose(1, 2)  # transformers' [B, T, H, Dv] underneath
     lse = None
     for q_off, n, doc, start in plan.blocks:
         sl = slice(q_off, q_off + n)
@@ -351,7 +352,7 @@ def _doc_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
         )
 
     def native(q, k, v, scale, sinks=None, softcap=None):
-        return doc_attention(q, k, v, plan, scale, sinks=sinks, softcap=softcap).transpose(1, 2)
+        return doc_attention(q, k, v, plan, scale, sinks=sinks, softcap=softcap).transpose(1, 2).contiguous()
 
     out = run_layer(
         call.module, call.query, call.key, call.value, kwargs, layout=plan.token_layout(), native=native,
