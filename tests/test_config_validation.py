@@ -231,13 +231,13 @@ def test_sliding_window_shorter_than_the_row_runs_under_every_method_softcap_not
     from automodel.errors import CPUnsupportedError
 
     config = MistralConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    for method in ("ring", "ulysses", "thd"):  # windows run the halo kernel (ring, thd) or the global mask
+    for method in ("ring", "ulysses", "thd", "thd_docs"):  # the halo kernel (ring, thd, thd_docs) or the global mask
         check_model_config_for_cp(method, config, 2, seq_len=8192)
     gemma2 = Gemma2Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(
         CPUnsupportedError,
         match=r"distributed.cp_method=ring does not compute Gemma2ForCausalLM \(model_type=gemma2\) exactly: "
-        r"layer 0: attention logit softcapping \(50\).*methods that run this model exactly: ulysses \| thd",
+        r"layer 0: attention logit softcapping \(50\).*methods that run this model exactly: ulysses \| thd \| thd_docs",
     ):
         check_model_config_for_cp("ring", gemma2, 2, seq_len=8192)
 

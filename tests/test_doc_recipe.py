@@ -77,33 +77,48 @@ def _profile(*layers: LayerSpec) -> ModelProfile:
     return ModelProfile("llama", "LlamaForCausalLM", layers, 4, 2, 16, False, "sdpa", True)
 
 
-@pytest.mark.parametrize(
-    "layer, reason",
-    [
-        (LayerSpec(0, "sliding_window", window=64), "is shorter than the rows (512 tokens)"),
-        (LayerSpec(0, "full_attention", sinks=True), "attention sinks"),
-        (LayerSpec(0, "full_attention", qk_head_dim=24, v_head_dim=16), "(MLA)"),
-        (LayerSpec(0, "linear_mixer", mixer="GatedDeltaNet"), "carries a state along the sequence"),
-    ],
-)
-def test_layer_kinds_not_computed_exactly_are_refused(layer, reason):
-    with pytest.raises(CPUnsupportedError, match="distributed.cp_method=thd_docs does not compute") as info:
+def test_layer_kinds_are_computed_as_thd_computes_them():
+    from automodel.distributed.cp import get_cp_method
+
+    kinds = [
+        LayerSpec(0, "sliding_window", window=64),
+        LayerSpec(0, "chunked_attention", chunk=64),
+        LayerSpec(0, "full_attention", sinks=True),
+        LayerSpec(0, "sliding_window", window=64, softcap=50.0),
+        LayerSpec(0, "full_attention", qk_head_dim=24, v_head_dim=16),
+        LayerSpec(0, "full_attention", rope=False, position_scaled=True),
+    ]
+    thd, docs = get_cp_method("thd"), get_cp_method("thd_docs")
+    for layer in kinds:
+        for seq in (512, None):
+            assert docs.layer_problem(layer, seq) is None and thd.layer_problem(layer, seq) is None, layer
         check_model_for_cp("thd_docs", _profile(LayerSpec(1, "full_attention"), layer), seq_len=512)
-    assert reason in str(info.value)
-    check_model_for_cp("thd_docs", _profile(LayerSpec(0, "sliding_window", window=4096)), seq_len=512)
+    mask_only = LayerSpec(0, "sliding_window", window=64, window_in_mask_only=True)  # PhiMoE: never seen at the call
+    assert docs.layer_problem(mask_only, 512) == thd.layer_problem(mask_only, 512).replace("thd", "thd_docs")
+    with pytest.raises(CPUnsupportedError, match="distributed.cp_method=thd_docs does not compute"):
+        check_model_for_cp("thd_docs", _profile(LayerSpec(0, "unknown")), seq_len=512)
 
 
-def test_window_shorter_than_a_document_is_refused_at_the_call():
+def test_windows_shorter_than_a_document_run_the_halo_kernel_at_the_call():
     from automodel.distributed.cp.thd_docs.placement import plan_documents
     from automodel.distributed.doc_attention import DocPlan, doc_attention_forward, doc_context
 
     plan = DocPlan(None, 1, 0, plan_documents([3, 8], 1), 8)
-    q = torch.zeros(1, 2, 11, 4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 11, 4, generator=g, dtype=torch.float64) for _ in range(3))
     with doc_context(plan):
-        with pytest.raises(CPUnsupportedError, match="sliding window of 4 tokens, shorter than the longest document"):
-            doc_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=4)
-        out, _ = doc_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=8)  # never cuts
-    assert out.shape == (1, 11, 2, 4)
+        out, _ = doc_attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=4)
+        full, _ = doc_attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=8)  # never cuts
+        causal, _ = doc_attention_forward(torch.nn.Module(), q, k, v, None)
+    i, j = torch.arange(11).unsqueeze(1), torch.arange(11).unsqueeze(0)
+    doc = (torch.arange(11) >= 3).long()
+    allowed = (j <= i) & (doc[j] == doc[i]) & (i - j < 4)
+    s = (q @ k.transpose(-1, -2) / 2).masked_fill(~allowed, float("-inf"))
+    assert torch.allclose(out, (s.softmax(-1) @ v).transpose(1, 2), atol=1e-12)
+    assert torch.equal(full, causal) and not torch.allclose(out, causal)
+    with pytest.raises(CPUnsupportedError, match="uses attention biases"):
+        with doc_context(plan):
+            doc_attention_forward(torch.nn.Module(), q, k, v, None, position_bias=torch.zeros(1))
     with pytest.raises(RuntimeError, match="no document-placement attention ran"):
         with doc_context(DocPlan(None, 1, 0, plan_documents([3], 1), 3)):
             pass

@@ -12,7 +12,7 @@ This module is the one place the placement formulas are written:
 The formulas are pure functions of integers (no process group): every rank computes every rank's share.
 :class:`TokenLayout` holds the result for the per-layer kernels (:mod:`automodel.distributed.cp.layers`):
 the global token ids of every rank (ring's head-tail split of a row: :func:`ring_layout`; thd's partition
-of every packed document: :func:`thd_layout`), so each rank knows without communication what its peers
+of every packed document: :func:`thd_layout`; thd_docs builds its placement's), so each rank knows without communication what its peers
 need from it (the halo exchange, :mod:`automodel.distributed.cp.exchange.halo`).
 
 Importing this module imports no torch (the functions that build tensors import it): the CP method
@@ -138,6 +138,9 @@ class TokenLayout:
         doc_start: ``[T]`` int64 (CPU) global id of the first token of each token's document.
         calls: attention calls routed under this layout while it is active
             (:func:`automodel.distributed.cp.active.activate`).
+        halo_transport: how the halo of windows and chunks travels (:mod:`~automodel.distributed.cp.exchange.
+            halo`): ``"all_to_all"`` (one collective of the whole group: ring, thd) or ``"p2p"`` (point to point
+            between the ranks that share a halo only: thd_docs, where most documents sit whole on one rank).
     """
 
     group: Any
@@ -146,6 +149,7 @@ class TokenLayout:
     rank_ids: list[torch.Tensor]
     doc_start: torch.Tensor
     calls: int = 0
+    halo_transport: str = "all_to_all"
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property

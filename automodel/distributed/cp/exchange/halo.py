@@ -9,7 +9,10 @@ head-tail placement), possibly from several predecessors when a chunk is shorter
 nothing where chunk boundaries coincide with the shards. Every rank computes every rank's halo from
 the shared :class:`~automodel.distributed.cp.layout.TokenLayout`, so the exchange is
 one ``all_to_all_single`` with per-peer split sizes (the collective the seed's all-to-all uses), and
-its backward is the reverse exchange with the halo's dK/dV summed into their owners' gradients.
+its backward is the reverse exchange with the halo's dK/dV summed into their owners' gradients. A layout
+whose ``halo_transport`` is ``"p2p"`` (thd_docs: documents placed whole, a few split over a subset of the
+ranks) sends the same rows point to point (:func:`~automodel.distributed.cp.exchange.p2p.batch_p2p`),
+between the ranks that share a halo only.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from automodel.distributed.cp.exchange.p2p import batch_p2p
 
 __all__ = ["HaloPlan", "QueryBlock", "halo_exchange", "lower_bounds"]
 
@@ -87,6 +92,7 @@ class HaloPlan:
         self.halo_ids = torch.cat(halo)
         self.exchanges = any(bool(n.any()) for n in needs)
         self.group = layout.group
+        self.transport = getattr(layout, "halo_transport", "all_to_all")
         self.blocks = self._blocks(layout, window, chunk, block)
         self._device_cache: dict = {}
 
@@ -132,6 +138,31 @@ class HaloPlan:
         return self._device_cache[key]
 
 
+def _rows_to_peers(
+    recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int], plan: HaloPlan
+) -> None:
+    """Send ``send``'s rows to each rank by ``send_splits`` and fill ``recv`` (mutated) by ``recv_splits``: one
+    ``all_to_all_single`` of the group, or (``plan.transport == "p2p"``) point to point with the ranks whose
+    split is not empty."""
+    if plan.transport != "p2p":
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=plan.group)
+        return
+
+    def peer(r: int) -> int:
+        return r if plan.group is None else dist.get_global_rank(plan.group, r)
+
+    sends, send_to, recvs, recv_from = [], [], [], []
+    for r, (piece, n) in enumerate(zip(send.split(send_splits), send_splits)):
+        if n:
+            sends.append(piece.contiguous())
+            send_to.append(peer(r))
+    for r, (piece, n) in enumerate(zip(recv.split(recv_splits), recv_splits)):
+        if n:
+            recvs.append(piece)  # rows of a contiguous [h, F] buffer: contiguous views
+            recv_from.append(peer(r))
+    batch_p2p(sends, send_to, recvs, recv_from, plan.group)
+
+
 class _HaloExchange(torch.autograd.Function):
     """``[n, F]`` local token rows -> ``[h, F]`` halo rows; backward sends the halo's gradient home."""
 
@@ -141,7 +172,7 @@ class _HaloExchange(torch.autograd.Function):
         send_index, _ = plan.on(x.device)
         send = x.index_select(0, send_index).contiguous()
         recv = x.new_empty((sum(plan.recv_splits), x.shape[1]))
-        dist.all_to_all_single(recv, send, plan.recv_splits, plan.send_splits, group=plan.group)
+        _rows_to_peers(recv, send, plan.recv_splits, plan.send_splits, plan)
         return recv
 
     @staticmethod
@@ -149,7 +180,7 @@ class _HaloExchange(torch.autograd.Function):
         plan = ctx.plan
         send_index, _ = plan.on(grad.device)
         back = grad.new_empty((sum(plan.send_splits), grad.shape[1]))
-        dist.all_to_all_single(back, grad.contiguous(), plan.send_splits, plan.recv_splits, group=plan.group)
+        _rows_to_peers(back, grad.contiguous(), plan.send_splits, plan.recv_splits, plan)
         out = grad.new_zeros((ctx.n, grad.shape[1]))
         out.index_add_(0, send_index, back)
         return out, None

@@ -14,6 +14,11 @@ the head sizes from the tensors) and picks the cheapest exact kernel:
   gradient never reaches V;
 - anything else: the native kernel.
 
+A method whose native kernel itself applies sinks, softcapping or unequal value heads on full layers
+(thd_docs' document blocks: sinks in the log-sum-exp merge) says so with ``native_applies``
+(:data:`NATIVE_SINKS`, :data:`NATIVE_SOFTCAP`, :data:`NATIVE_MLA`): those layers then run the native
+kernel, called with ``sinks=`` and ``softcap=`` keywords, instead of the halo kernel or padded V.
+
 Llama 4's NoPE layers scale their queries by a function of the position that transformers computes
 from the LOCAL token index (``arange`` over the rank's shard); :func:`correct_query_temperature`
 rescales each query to its position in its document.
@@ -34,6 +39,9 @@ from automodel.distributed.cp.profile import CHUNKED, FULL, SLIDING, LayerSpec
 __all__ = [
     "HALO",
     "NATIVE",
+    "NATIVE_MLA",
+    "NATIVE_SINKS",
+    "NATIVE_SOFTCAP",
     "PAD_V",
     "call_spec",
     "choose_kernel",
@@ -43,6 +51,8 @@ __all__ = [
 ]
 
 NATIVE, PAD_V, HALO = "native", "pad_v", "halo"
+#: what a native kernel may apply itself on full layers (``run_layer(native_applies=...)``)
+NATIVE_SINKS, NATIVE_SOFTCAP, NATIVE_MLA = "sinks", "softcap", "mla"
 Native = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
@@ -79,11 +89,18 @@ def call_spec(module: Any, query: torch.Tensor, value: torch.Tensor, kwargs: dic
     return spec, sinks
 
 
-def choose_kernel(spec: LayerSpec, longest: int, apply_softcap: bool = False) -> str:
-    """``HALO``, ``PAD_V`` or ``NATIVE`` for ``spec`` on documents of at most ``longest`` tokens."""
-    if spec.sinks or (apply_softcap and spec.softcap) or not spec.attends_like_full(longest):
+def choose_kernel(
+    spec: LayerSpec, longest: int, apply_softcap: bool = False, native_applies: frozenset[str] = frozenset()
+) -> str:
+    """``HALO``, ``PAD_V`` or ``NATIVE`` for ``spec`` on documents of at most ``longest`` tokens; the native
+    kernel takes full layers with what ``native_applies`` names (sinks, softcap, MLA)."""
+    if not spec.attends_like_full(longest):
         return HALO
-    if spec.mla:
+    if spec.sinks and NATIVE_SINKS not in native_applies:
+        return HALO
+    if apply_softcap and spec.softcap and NATIVE_SOFTCAP not in native_applies:
+        return HALO
+    if spec.mla and NATIVE_MLA not in native_applies:
         return PAD_V
     return NATIVE
 
@@ -104,15 +121,20 @@ def pad_value_heads(
 
 
 def _temperature(module: Any, positions: torch.Tensor) -> torch.Tensor:
-    return torch.log1p(torch.floor((positions.double() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+    """The temperature as transformers computes it (in fp32, whatever the model's dtype)."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
 
 def correct_query_temperature(module: Any, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Llama 4's NoPE query temperature at ``positions`` (``[n]`` or ``[B, n]`` int64, in-document) instead
-    of the local index transformers used: ``query [B, H, n, D]`` times ``t(positions) / t(arange(n))``."""
+    of the local index transformers used: ``query [B, H, n, D]`` times ``t(positions) / t(arange(n))``, the
+    temperatures in fp32 as transformers takes them and their ratio in fp64 (so an fp64 model gets the
+    reference's ``q * t(positions)`` to fp64 round-off)."""
     n = query.shape[2]
     local = torch.arange(n, device=positions.device)
-    ratio = (_temperature(module, positions) / _temperature(module, local)).to(query.device, query.dtype)
+    ratio = (_temperature(module, positions).double() / _temperature(module, local).double()).to(
+        query.device, query.dtype
+    )
     return query * ratio.reshape(-1, 1, n, 1)
 
 
@@ -129,6 +151,7 @@ def run_layer(
     scaling: float | None,
     dropout: float = 0.0,
     apply_softcap: bool = False,
+    native_applies: frozenset[str] = frozenset(),
 ) -> torch.Tensor:
     """One attention layer under CP with the kernel :func:`choose_kernel` picks; returns ``[B, n, Hq, Dv]``.
 
@@ -139,12 +162,18 @@ def run_layer(
         method: the method's name (for messages); scaling: the softmax scale transformers passed.
         apply_softcap: the reference implementation applies logit softcapping (eager), so the halo
             kernel applies it too; otherwise the native kernel decides (transformers' sdpa refuses it).
+        native_applies: what ``native`` applies itself on full layers (:data:`NATIVE_SINKS`,
+            :data:`NATIVE_SOFTCAP`, :data:`NATIVE_MLA`); when not empty, ``native`` is called as
+            ``native(q, k, v, scale, sinks=[Hq] | None, softcap=float | None)``.
     """
     spec, sinks = call_spec(module, query, value, kwargs)
     if spec.position_scaled:
         query = correct_query_temperature(module, query, layout.positions())
-    kernel = choose_kernel(spec, layout.longest_document(), apply_softcap)
+    kernel = choose_kernel(spec, layout.longest_document(), apply_softcap, native_applies)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kernel == NATIVE and native_applies:
+        softcap = spec.softcap if apply_softcap else None
+        return native(query, key, value, scale, sinks=sinks, softcap=softcap)
     if kernel == NATIVE:
         return native(query, key, value, scale)
     if kernel == PAD_V:
@@ -154,7 +183,7 @@ def run_layer(
 
         raise CPUnsupportedError(
             f"distributed.cp_method={method}: {type(module).__name__} soft-caps its attention logits, which "
-            f"{method} does not apply; use distributed.cp_method=ulysses or thd with model.attn_implementation=eager"
+            f"{method} does not apply; use distributed.cp_method=ulysses, or thd or thd_docs with model.attn_implementation=eager"
         )
     if dropout:
         raise ValueError(

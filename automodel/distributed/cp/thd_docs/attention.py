@@ -14,6 +14,16 @@ as one row ``[1, T_r]`` (``T_r`` may differ between ranks) with the tokens' glob
   each sends its head chunk to every other span rank and its tail chunk only to the span ranks before
   it (only they attend to it). No other rank takes part.
 
+Every layer kind that ``thd`` computes runs here too, chosen per call by the shared router
+(:func:`~automodel.distributed.cp.layers.strategy.run_layer`): per-head sinks join the merged log-sum-exp
+once (:func:`~automodel.distributed.cp.blocks.merge_sinks`), softcapping (where the eager reference applies
+it) and MLA's unequal value heads run in the same blocks; a sliding window or attention chunk shorter than
+the longest document runs the halo kernel (:func:`~automodel.distributed.cp.layers.masked_attention.
+halo_attention`) on the placement's token layout (:meth:`DocPlan.token_layout`): a whole document is
+computed on its rank with nothing exchanged, a split one receives only the keys its window or chunk
+reaches, point to point from the ranks of its span; Llama 4's query temperature is taken at the
+in-document position.
+
 The autograd function saves only local tensors (q, k, v, out, LSE: memory ``O(T_r)``, no ``S^2``
 term); the backward exchanges the split documents' K/V again, runs each block's kernel backward with
 the merged output and LSE (exact), and returns the dK/dV of borrowed chunks to their owners.
@@ -37,10 +47,11 @@ from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp import active, hf_attention
 from automodel.distributed.cp.batch_forms import check_batch_forms
-from automodel.distributed.cp.blocks import block_backward, block_forward, blocked_attention, merge
+from automodel.distributed.cp.blocks import block_backward, block_forward, merge, merge_sinks
 from automodel.distributed.cp.exchange.p2p import give_back, lend
 from automodel.distributed.cp.group import resolve_cp_group
-from automodel.distributed.cp.layout import head_tail_pair
+from automodel.distributed.cp.layers.strategy import NATIVE_MLA, NATIVE_SINKS, NATIVE_SOFTCAP, run_layer
+from automodel.distributed.cp.layout import TokenLayout, head_tail_pair
 from automodel.distributed.cp.thd_docs.placement import CostModel, Placement, plan_documents, split_chunks
 from automodel.errors import CPUnsupportedError
 
@@ -87,6 +98,7 @@ class DocPlan:
     blocks: list[Block] = field(default_factory=list, repr=False)
     # split documents this rank spans: doc -> (chunks, own chunk index -> local offset)
     split: dict[int, tuple[list[tuple[int, int]], dict[int, int]]] = field(default_factory=dict, repr=False)
+    _layout: TokenLayout | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         at = 0
@@ -121,6 +133,25 @@ class DocPlan:
                 if j > i:
                     out.append((doc, tail))
         return out
+
+    def token_layout(self) -> TokenLayout:
+        """The placement as a :class:`~automodel.distributed.cp.layout.TokenLayout` (cached): a document's tokens
+        are numbered from its offset in the batch (documents in batch order), each rank's ids in its local
+        order; the halo kernel of windows and chunks runs on it, and its halo travels point to point between
+        the ranks of a split document's span only (``halo_transport="p2p"``)."""
+        if self._layout is None:
+            lengths = torch.tensor(self.placement.lengths, dtype=torch.int64)
+            offsets = torch.cumsum(lengths, 0) - lengths
+            rank_ids = [
+                torch.cat([torch.arange(p.start, p.end) + int(offsets[p.doc]) for p in pieces])
+                if pieces else torch.empty(0, dtype=torch.int64)
+                for pieces in self.placement.ranks
+            ]
+            doc_start = torch.repeat_interleave(offsets, lengths)
+            self._layout = TokenLayout(
+                self.group, self.world_size, self.rank, rank_ids, doc_start, halo_transport="p2p"
+            )
+        return self._layout
 
     def peers(self) -> list[int]:
         return sorted({r for doc in self.split for r in self.placement.spans[doc] if r != self.rank})
@@ -167,23 +198,25 @@ def doc_context(plan: DocPlan, *, require_attention: bool = True) -> contextlib.
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the kernel
+# the kernel: full causal attention per document (whole ones local, split ones over their span)
 
 
-def _heads(x: torch.Tensor, n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return x[:, :n_kv], x[:, n_kv:]
+def _split(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``[1, Hkv, n, Dqk + Dv]`` (concatenated on the last dim: one message per peer, MLA too)."""
+    return kv[..., :dqk], kv[..., dqk:]
 
 
-def _forward(q, kv, n_kv, plan: DocPlan, got, scale):
-    out = torch.empty_like(q)
+def _forward(q, kv, dqk, plan: DocPlan, got, scale, softcap):
+    b, h, t, _ = q.shape
+    out = q.new_empty((b, t, h, kv.shape[-1] - dqk)).transpose(1, 2)  # transformers' [B, T, H, Dv] underneath
     lse = None
     for q_off, n, doc, start in plan.blocks:
         sl = slice(q_off, q_off + n)
-        k, v = _heads(kv[:, :, sl], n_kv)
-        o, lse_b = block_forward(q[:, :, sl], k, v, causal=True, scale=scale)
+        k, v = _split(kv[:, :, sl], dqk)
+        o, lse_b = block_forward(q[:, :, sl], k, v, causal=True, scale=scale, softcap=softcap)
         if doc is not None and start > 0:
-            pk, pv = _heads(torch.cat([t for _, t in plan.prefix(doc, start, kv, got)], 2), n_kv)
-            op, lp = block_forward(q[:, :, sl], pk, pv, scale=scale)
+            pk, pv = _split(torch.cat([t for _, t in plan.prefix(doc, start, kv, got)], 2), dqk)
+            op, lp = block_forward(q[:, :, sl], pk, pv, scale=scale, softcap=softcap)
             o, lse_b = merge(op, lp, o, lse_b)
         if lse is None:
             lse = q.new_empty(q.shape[:3], dtype=lse_b.dtype)
@@ -192,7 +225,7 @@ def _forward(q, kv, n_kv, plan: DocPlan, got, scale):
     return out, lse
 
 
-def _backward(dout, q, kv, n_kv, out, lse, plan: DocPlan, got, scale):
+def _backward(dout, q, kv, dqk, out, lse, plan: DocPlan, got, scale, softcap):
     dq = torch.zeros_like(q)
     dkv = torch.zeros_like(kv)
     lent: dict[tuple[int, int], torch.Tensor] = {}
@@ -200,17 +233,17 @@ def _backward(dout, q, kv, n_kv, out, lse, plan: DocPlan, got, scale):
         sl = slice(q_off, q_off + n)
         args = (dout[:, :, sl].contiguous(), q[:, :, sl])
         tail = (out[:, :, sl].contiguous(), lse[:, :, sl].contiguous())
-        k, v = _heads(kv[:, :, sl], n_kv)
-        g = block_backward(*args, k, v, *tail, causal=True, scale=scale)
+        k, v = _split(kv[:, :, sl], dqk)
+        g = block_backward(*args, k, v, *tail, causal=True, scale=scale, softcap=softcap)
         dq[:, :, sl] += g[0]
-        dkv[:, :, sl] += torch.cat(g[1:], 1)
+        dkv[:, :, sl] += torch.cat(g[1:], -1)
         if doc is None or start == 0:
             continue
         parts = plan.prefix(doc, start, kv, got)
-        pk, pv = _heads(torch.cat([t for _, t in parts], 2), n_kv)
-        g = block_backward(*args, pk, pv, *tail, scale=scale)
+        pk, pv = _split(torch.cat([t for _, t in parts], 2), dqk)
+        g = block_backward(*args, pk, pv, *tail, scale=scale, softcap=softcap)
         dq[:, :, sl] += g[0]
-        dp, at = torch.cat(g[1:], 1), 0
+        dp, at = torch.cat(g[1:], -1), 0
         own = plan.split[doc][1]
         for key, t in parts:
             m = t.shape[2]
@@ -225,45 +258,79 @@ def _backward(dout, q, kv, n_kv, out, lse, plan: DocPlan, got, scale):
     return dq, dkv
 
 
-class _DocScheme:
-    """Document-placement attention as a :class:`~automodel.distributed.cp.blocks.BlockScheme`: the split
-    documents' K/V lent in the forward and again in the backward, dK/dV of borrowed chunks given back."""
+def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``[Hq]``: the sinks' gradient from the final (sink-merged) ``out`` / ``lse``: the sink is a key with a
+    zero value, so ``d sink_h = -sum_i exp(sink_h - lse_i) * rowsum(dout_i * out_i)``."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    p = torch.exp(sinks.to(lse.dtype).reshape(1, -1, 1) - lse)
+    return -(p * delta).sum((0, 2)).to(sinks.dtype)
 
-    def __init__(self, plan: DocPlan) -> None:
-        self.plan = plan
 
-    def forward(self, q, k, v, scale):
-        kv = torch.cat([k, v], 1)  # [1, 2*Hkv, T_r, D]: one message per peer
-        return _forward(q, kv, k.shape[1], self.plan, lend(self.plan, kv), scale)
+class _DocAttention(torch.autograd.Function):
+    """The document blocks of one call; saves only this rank's q, k, v, sinks, the output and the LSE (the split
+    documents' K/V are lent again in the backward, their dK/dV given back)."""
 
-    def backward(self, dout, q, k, v, out, lse, scale):
-        kv, n_kv = torch.cat([k, v], 1), k.shape[1]
-        dq, dkv = _backward(dout, q, kv, n_kv, out, lse, self.plan, lend(self.plan, kv), scale)
-        return dq, dkv[:, :n_kv], dkv[:, n_kv:]
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, plan: DocPlan, scale, softcap):  # type: ignore[override]
+        dqk = k.shape[-1]
+        kv = torch.cat([k, v], -1)  # [1, Hkv, T_r, Dqk + Dv]: one message per peer
+        out, lse = _forward(q, kv, dqk, plan, lend(plan, kv), scale, softcap)
+        if sinks is not None:
+            out, lse = merge_sinks(out, lse, sinks)  # the sink: one more softmax column, in the LSE
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.plan, ctx.scale, ctx.softcap = plan, scale, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dqk, plan = k.shape[-1], ctx.plan
+        kv = torch.cat([k, v], -1)
+        dq, dkv = _backward(dout, q, kv, dqk, out, lse, plan, lend(plan, kv), ctx.scale, ctx.softcap)
+        dsinks = _sink_grad(dout, out, lse, sinks) if sinks is not None else None
+        return dq, dkv[..., :dqk], dkv[..., dqk:], dsinks, None, None, None
 
 
 def doc_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: DocPlan, scale: float | None = None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: DocPlan,
+    scale: float | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's tokens within their documents under ``plan``.
 
     Args:
-        query: ``[1, Hq, T_r, D]``; key/value: ``[1, Hkv, T_r, D]`` (``Hq % Hkv == 0``), this rank's tokens in
-            the order :func:`make_doc_batch_and_ctx` lays them out.
-        scale: softmax scale (``None``: ``1/sqrt(D)``).
+        query: ``[1, Hq, T_r, Dqk]``; key: ``[1, Hkv, T_r, Dqk]``; value: ``[1, Hkv, T_r, Dv]`` (``Hq % Hkv == 0``;
+            ``Dv`` may differ: MLA), this rank's tokens in the order :func:`make_doc_batch_and_ctx` lays them out.
+        scale: softmax scale (``None``: ``1/sqrt(Dqk)``).
+        sinks: ``[Hq]`` per-head sink logits (gpt-oss), merged once into every query's log-sum-exp.
+        softcap: logits soft-capped as ``softcap * tanh(s / softcap)`` (Gemma 2).
 
     Returns:
-        ``[1, Hq, T_r, D]``, differentiable w.r.t. query, key and value.
+        ``[1, Hq, T_r, Dv]``, differentiable w.r.t. query, key, value and sinks.
     """
     hf_attention.check_local_row(query, key, plan.local_tokens, "document-placement attention", "make_doc_batch_and_ctx")
-    return blocked_attention(query, key, value, _DocScheme(plan), scale)
+    return _DocAttention.apply(query, key, value, sinks, plan, scale, softcap)
+
+
+#: what the document blocks apply themselves on full layers (the rest runs the halo kernel: cp/layers)
+_NATIVE_APPLIES = frozenset({NATIVE_SINKS, NATIVE_SOFTCAP, NATIVE_MLA})
 
 
 def _doc_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
-    """:func:`doc_attention` with transformers' attention-function signature (registered as ``"thd_docs"``).
+    """One transformers attention call under the active :class:`DocPlan` (registered as ``"thd_docs"``).
 
-    Returns ``([1, T_r, Hq, D], None)``. Refuses (``ValueError`` / ``CPUnsupportedError``) a mask, dropout,
-    a non-causal module, a window shorter than the longest document, sinks / biases and softcapping.
+    Returns ``([1, T_r, Hq, Dv], None)``. Each layer runs the kernel of its kind (:func:`~automodel.distributed.cp.layers.
+    strategy.run_layer`): full layers (sinks, softcapping and MLA value heads included) the document blocks
+    above; sliding windows and attention chunks shorter than the longest document the halo kernel on the
+    placement's :class:`~automodel.distributed.cp.layout.TokenLayout` (a whole local document needs no halo;
+    a split one exchanges only the keys its window reaches, point to point within its span); Llama 4's query
+    temperature at the in-document position. Refuses (``ValueError`` / ``CPUnsupportedError``) a mask,
+    dropout, a non-causal module and attention biases.
     """
     plan = hf_attention.enter_call(_METHOD, DOC_ATTN_NAME, "its context", "make_doc_batch_and_ctx")
     name, kwargs = call.module_name, call.kwargs
@@ -278,25 +345,20 @@ def _doc_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
         )
     if call.is_causal is False or getattr(call.module, "is_causal", True) is False:
         raise ValueError(f"{name} is not causal; document-placement attention computes causal attention only")
-    window = kwargs.get("sliding_window")
-    refused = None
-    if window is not None and window < plan.max_seqlen:
-        refused = (
-            f"uses a sliding window of {window} tokens, shorter than the longest document ({plan.max_seqlen})"
-        )
-    elif (
-        kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None or hasattr(call.module, "sinks")
-    ):
-        refused = "uses attention biases or sinks"
-    elif kwargs.get("softcap") is not None:
-        refused = "uses logit softcapping"
-    if refused:
+    if kwargs.get("position_bias") is not None:
         raise CPUnsupportedError(
-            f"distributed.cp_method={DOC_ATTN_NAME}: {name} {refused}, which document-placement attention does not "
-            "apply; use distributed.cp_method=ulysses for this model (docs/support_matrix.md)"
+            f"distributed.cp_method={DOC_ATTN_NAME}: {name} uses attention biases, which document-placement "
+            "attention does not apply; use distributed.cp_method=ulysses for this model (docs/support_matrix.md)"
         )
-    out = doc_attention(call.query, call.key, call.value, plan, call.scaling)
-    return out.transpose(1, 2), None
+
+    def native(q, k, v, scale, sinks=None, softcap=None):
+        return doc_attention(q, k, v, plan, scale, sinks=sinks, softcap=softcap).transpose(1, 2).contiguous()
+
+    out = run_layer(
+        call.module, call.query, call.key, call.value, kwargs, layout=plan.token_layout(), native=native,
+        method=_METHOD, scaling=call.scaling, dropout=call.dropout, apply_softcap=True, native_applies=_NATIVE_APPLIES,
+    )
+    return out, None
 
 
 doc_attention_forward = hf_attention.hf_attention_function(_doc_call, "doc_attention_forward")

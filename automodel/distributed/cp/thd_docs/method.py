@@ -4,9 +4,13 @@ Every batch is planned by :func:`~automodel.distributed.cp.thd_docs.placement.pl
 cost model: short documents go whole onto one rank (their attention needs no communication), a document
 too long to balance is split head-tail over a subset of the ranks, and only those ranks exchange its K/V
 (point to point). Rows need no padding for CP, so a packed dataset yields the same rows at every
-``cp_size``. Exact for full causal attention, and windows / chunks at least as long as the row (a window
-is checked against the longest document at the first attention call). Refused: shorter windows and
-chunks, sinks, softcapping, MLA value heads, linear / state-space mixers, sequence parallelism.
+``cp_size``. Exact for every attention layer kind that ``thd`` computes, each layer choosing its kernel at
+the call (:mod:`automodel.distributed.cp.layers.strategy`): full causal attention, sliding windows and
+attention chunks (the halo kernel: nothing exchanged for a whole document, only the keys a window reaches
+for a split one), sinks (in the log-sum-exp merge), softcapping (where the eager reference applies it),
+MLA value heads, Llama 4's query temperature (at the in-document position). Linear / state-space mixers:
+as :mod:`~automodel.distributed.cp.layers.linear_support` lists them for ``thd_docs``. Refused: sequence
+parallelism.
 ``cp_method: thd`` keeps Transformer Engine's partition (every document split over every rank).
 """
 
@@ -55,7 +59,10 @@ class ThdDocsMethod(AttentionSwitchingMethod):
     layout = "contiguous"
 
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
-        return standard_problem(self.name, layer, seq_len, windows_checked_at_call=True)
+        return standard_problem(
+            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
+            position_scaled=True, windows_checked_at_call=True,
+        )
 
     def row_multiple(
         self, cp_size: int, tp_size: int = 1, sequence_parallel: bool = False

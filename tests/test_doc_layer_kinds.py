@@ -1,0 +1,118 @@
+"""thd_docs computes every attention layer kind thd computes, packed and unpacked (issue 28, item 1).
+
+Tiny transformers families built from config through ``set_doc_attention`` + ``make_doc_batch_and_ctx``
+(the model's cost model), loss and every parameter gradient against each document run alone in one
+process, fp32 and fp64: Mistral (sliding windows), Gemma 2 (softcapping and windows, eager), gpt-oss
+(sinks on windowed and full layers, eager), DeepSeek-V3 (MLA value heads), Llama 4 (attention chunks and
+the NoPE query temperature, switched on and varying within a few tokens). cp=2: one packed row of three
+documents, the longest split over both ranks (its windows / chunks cross the rank boundary), the other
+two whole on one rank each and longer than the window; an unpacked row split over both ranks; two
+documents whole on their ranks (nothing exchanged). cp=4: two packed rows, a document over every rank
+(a window reaching past a whole predecessor chunk), one over a subset, four whole. Also: the halo each rank
+receives is exactly the window (or partial chunk) before its chunks, and the cost model counts windowed
+and chunked layers as linear.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import run_distributed
+
+WINDOW = 16  # tests/family_matrix.py: the families' windows and attention chunks
+FAMILIES = ("mistral", "gemma2", "gpt_oss", "deepseek_v3", "llama4_text")
+# a part in fp32 even for fp64 models (gemma2's eager softmax, the MoE routers): tests/test_layer_kinds.py
+FP32_INSIDE = ("gemma2", "deepseek_v3", "llama4_text")
+TOLERANCES = {"fp64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "fp32": (1e-5, 1e-4)}
+
+CP2 = {
+    **{
+        f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True)
+        for fam in FAMILIES
+        for dtype in ("float32", "float64")
+    },
+    **{f"{fam}/unpacked/float64": dict(family=fam, dtype="float64", rows=[[48]], packed=False) for fam in FAMILIES},
+    "gpt_oss/whole/float64": dict(family="gpt_oss", dtype="float64", rows=[[32, 32]], packed=True),
+}
+CP4_ROWS = [[96, 48, 24], [48, 48, 24]]
+CP4 = {
+    "gpt_oss/packed/float32": dict(family="gpt_oss", dtype="float32", rows=CP4_ROWS, packed=True),
+    "gpt_oss/packed/float64": dict(family="gpt_oss", dtype="float64", rows=CP4_ROWS, packed=True),
+    "llama4_text/packed/float64": dict(family="llama4_text", dtype="float64", rows=CP4_ROWS, packed=True),
+    "mistral/unpacked/float32": dict(family="mistral", dtype="float32", rows=[[48]], packed=False),
+}
+
+
+@pytest.fixture(scope="module")
+def cp2():
+    return run_distributed("tests.workers.doc_layer_kinds_worker:main", world_size=2, timeout=600, model_cases=CP2)
+
+
+@pytest.fixture(scope="module")
+def cp4():
+    return run_distributed("tests.workers.doc_layer_kinds_worker:main", world_size=4, timeout=600, model_cases=CP4)
+
+
+def _check(ranks: list[dict], name: str) -> None:
+    kind = "fp32" if name.endswith("float32") else "fp64_fp32_inside" if name.startswith(FP32_INSIDE) else "fp64"
+    loss_tol, grad_tol = TOLERANCES[kind]
+    for rank in ranks:
+        r = rank[name]
+        assert r["loss_rel"] <= loss_tol, (name, r)
+        assert r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(CP2))
+def test_layer_kinds_match_one_process_cp2(cp2, name):
+    _check(cp2, name)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(CP4))
+def test_layer_kinds_match_one_process_cp4(cp4, name):
+    _check(cp4, name)
+
+
+@pytest.mark.dist
+def test_whole_documents_run_locally_and_split_ones_exchange_only_the_window(cp2, cp4):
+    windowed = f"({WINDOW}, None)"
+    for fam in FAMILIES:
+        r0, r1 = (rank[f"{fam}/packed/float64"] for rank in cp2)
+        # the longest document over both ranks, the two others whole, longer than the window
+        assert r0["spans"] == {0: [0, 1]} and min(r0["lengths"][1:]) > WINDOW and r0["lengths"][0] > 4 * WINDOW
+        if fam in ("mistral", "gemma2", "gpt_oss"):  # head-tail chunks of 17-18 tokens: W-1 keys cross each boundary
+            assert r0["halos"][windowed] == r1["halos"][windowed] == WINDOW - 1, fam
+    llama = [rank["llama4_text/packed/float64"]["halos"] for rank in cp2]
+    # chunks of 16 from the document's start: rank 0's chunk [53,70) needs [48,53), rank 1's [18,36) needs [16,18)
+    assert [h[f"(None, {WINDOW})"] for h in llama] == [5, 2]
+    assert all(rank["deepseek_v3/packed/float64"]["halos"] == {} for rank in cp2)  # full layers: no halo kernel
+    for rank in cp2:  # two documents whole on their ranks: no K/V and no halo moves at all
+        whole = rank["gpt_oss/whole/float64"]
+        assert whole["spans"] == {} and whole["lent"] == 0 and set(whole["halos"].values()) == {0}
+    world = len(cp4)
+    spans = cp4[0]["gpt_oss/packed/float64"]["spans"]
+    assert [0, 1, 2, 3] in spans.values() and len(spans) < len(cp4[0]["gpt_oss/packed/float64"]["lengths"])
+    for rank in cp4:  # chunks of 12 under a window of 16: halos reach past a whole predecessor chunk
+        assert rank["gpt_oss/packed/float64"]["halos"][windowed] >= WINDOW - 1
+    assert world == 4
+
+
+def test_cost_model_counts_windows_and_chunks_as_linear():
+    from automodel.distributed.cp.profile import LayerSpec, ModelProfile
+    from automodel.distributed.cp.thd_docs.placement import CostModel
+
+    layers = (
+        LayerSpec(0, "sliding_window", window=WINDOW),
+        LayerSpec(1, "chunked_attention", chunk=WINDOW),
+        LayerSpec(2, "full_attention", sinks=True),
+        LayerSpec(3, "linear_mixer", mixer="GatedDeltaNet"),
+    )
+    profile = ModelProfile("x", "X", layers, 4, 2, 16, False, "sdpa", True)
+    cost = CostModel.from_profile(profile)
+    assert (cost.full_layers, cost.windows, cost.chunks) == (1, (WINDOW,), (WINDOW,))
+    local = CostModel(token=0.0, pair=1.0, full_layers=0, windows=cost.windows, chunks=cost.chunks)
+    steps = [local.prefix(n + 64) - local.prefix(n) for n in (64, 128, 256, 1024)]
+    assert steps[0] == steps[1] == steps[2] == steps[3] > 0  # linear in the document's length
+    full = CostModel(token=0.0, pair=1.0, full_layers=1)
+    assert full.prefix(2048) - full.prefix(1024) > 3 * (full.prefix(1024) - full.prefix(512))  # quadratic
