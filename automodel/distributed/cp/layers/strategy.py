@@ -107,11 +107,17 @@ def _temperature(module: Any, positions: torch.Tensor) -> torch.Tensor:
     return torch.log1p(torch.floor((positions.double() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
 
-def correct_query_temperature(module: Any, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def correct_query_temperature(
+    module: Any, query: torch.Tensor, positions: torch.Tensor, local_index: torch.Tensor | None = None
+) -> torch.Tensor:
     """Llama 4's NoPE query temperature at ``positions`` (``[n]`` or ``[B, n]`` int64, in-document) instead
-    of the local index transformers used: ``query [B, H, n, D]`` times ``t(positions) / t(arange(n))``."""
+    of the local index transformers used: ``query [B, H, n, D]`` times ``t(positions) / t(local_index)``.
+
+    ``local_index`` ``[n]`` int64: the index transformers took each query's temperature at (default
+    ``arange(n)``; usp's queries, gathered from ``U`` Ulysses ranks of ``n / U`` tokens each, took theirs at
+    ``arange(n / U)`` repeated ``U`` times)."""
     n = query.shape[2]
-    local = torch.arange(n, device=positions.device)
+    local = torch.arange(n, device=positions.device) if local_index is None else local_index.to(positions.device)
     ratio = (_temperature(module, positions) / _temperature(module, local)).to(query.device, query.dtype)
     return query * ratio.reshape(-1, 1, n, 1)
 
@@ -129,6 +135,7 @@ def run_layer(
     scaling: float | None,
     dropout: float = 0.0,
     apply_softcap: bool = False,
+    local_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One attention layer under CP with the kernel :func:`choose_kernel` picks; returns ``[B, n, Hq, Dv]``.
 
@@ -139,10 +146,12 @@ def run_layer(
         method: the method's name (for messages); scaling: the softmax scale transformers passed.
         apply_softcap: the reference implementation applies logit softcapping (eager), so the halo
             kernel applies it too; otherwise the native kernel decides (transformers' sdpa refuses it).
+        local_index: ``[n]`` the index transformers computed each query's position-dependent scale at
+            (:func:`correct_query_temperature`; default ``arange(n)``).
     """
     spec, sinks = call_spec(module, query, value, kwargs)
     if spec.position_scaled:
-        query = correct_query_temperature(module, query, layout.positions())
+        query = correct_query_temperature(module, query, layout.positions(), local_index)
     kernel = choose_kernel(spec, layout.longest_document(), apply_softcap)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if kernel == NATIVE:
@@ -154,7 +163,8 @@ def run_layer(
 
         raise CPUnsupportedError(
             f"distributed.cp_method={method}: {type(module).__name__} soft-caps its attention logits, which "
-            f"{method} does not apply; use distributed.cp_method=ulysses or thd with model.attn_implementation=eager"
+            f"{method} does not apply with this attention implementation; set model.attn_implementation=eager "
+            "(ring, ulysses, thd and usp then apply the cap)"
         )
     if dropout:
         raise ValueError(
