@@ -159,11 +159,12 @@ def test_pad_to_multiple_of_must_be_a_multiple_of_2_cp_tp():
     assert "data.pad_to_multiple_of=6 is not a multiple of 2*cp_size = 2*2 = 4" in msg
 
 
-def test_ring_cp_needs_sdpa():
-    msg = problems("model.attn_implementation=eager")
-    assert "distributed.cp_method=ring with cp_size=2 needs model.attn_implementation in ['sdpa']" in msg
+def test_ring_cp_needs_sdpa_or_eager():
+    msg = problems("model.attn_implementation=flex_attention")
+    assert "distributed.cp_method=ring with cp_size=2 needs model.attn_implementation in ['sdpa', 'eager']" in msg
     assert "set model.attn_implementation=sdpa" in msg
-    assert load("model.attn_implementation=eager", "distributed.cp_size=1")  # fine without CP
+    assert load("model.attn_implementation=eager")  # ring routes an eager model's layers (docs/cp_layer_kinds.md)
+    assert load("model.attn_implementation=flex_attention", "distributed.cp_size=1")  # fine without CP
 
 
 def test_ring_cp_rejects_packed_rows():
