@@ -37,6 +37,18 @@ class RingMethod(CPMethod):
             position_scaled=True,
         )
 
+    def config_problems(self, cfg: Any, cuda_available: bool | None) -> list[str]:
+        d = cfg.distributed
+        if d.cp_size > 1 and d.enable_compiled_autograd and cfg.model.attn_implementation == "eager":
+            return [
+                "distributed.enable_compiled_autograd=true with distributed.cp_method=ring and "
+                "model.attn_implementation=eager: compiled autograd isolates the attention by its registered name, "
+                "and ring routes an eager model's layers only inside each step's context; set "
+                "distributed.enable_compiled_autograd=false, model.attn_implementation=sdpa (where the model has it), "
+                "or distributed.cp_method=ulysses"
+            ]
+        return []
+
     def _batch_function(self) -> BatchFn:
         from automodel.distributed.cp.ring.batch import make_cp_batch_and_ctx
 
