@@ -7,7 +7,7 @@ the local mapping). Inside :func:`ring_layer_kernels` every layer call goes thro
 :func:`~automodel.distributed.cp.layers.strategy.run_layer` with the wrapped function (torch's ring)
 as the native kernel, so sliding-window, chunked and sink layers run the halo kernel on the rank's
 head-tail shard and MLA layers run the ring on zero-padded value heads; outside it the router passes
-every call through unchanged. The model's attention implementation stays ``sdpa``.
+every call through unchanged. An ``sdpa`` model's attention implementation stays ``sdpa``.
 
 The router is installed once and stays (idempotent): a wrapper installed later around ``sdpa``
 (``models/compile.py``'s graph break, compiled autograd's eager backward) wraps the router and keeps
