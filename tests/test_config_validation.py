@@ -159,11 +159,14 @@ def test_pad_to_multiple_of_must_be_a_multiple_of_2_cp_tp():
     assert "data.pad_to_multiple_of=6 is not a multiple of 2*cp_size = 2*2 = 4" in msg
 
 
-def test_ring_cp_needs_sdpa():
-    msg = problems("model.attn_implementation=eager")
-    assert "distributed.cp_method=ring with cp_size=2 needs model.attn_implementation in ['sdpa']" in msg
+def test_ring_cp_needs_sdpa_or_eager():
+    msg = problems("model.attn_implementation=flex_attention")
+    assert "distributed.cp_method=ring with cp_size=2 needs model.attn_implementation in ['sdpa', 'eager']" in msg
     assert "set model.attn_implementation=sdpa" in msg
-    assert load("model.attn_implementation=eager", "distributed.cp_size=1")  # fine without CP
+    assert load("model.attn_implementation=eager")  # ring routes an eager model's layers (docs/cp_layer_kinds.md)
+    assert load("model.attn_implementation=flex_attention", "distributed.cp_size=1")  # fine without CP
+    msg = problems("model.attn_implementation=eager", "distributed.enable_compiled_autograd=true")
+    assert "enable_compiled_autograd=true with distributed.cp_method=ring and model.attn_implementation=eager" in msg
 
 
 def test_ring_cp_rejects_packed_rows():
@@ -213,33 +216,27 @@ def _check(config, **kw):
     check_model_for_run(config, **args)
 
 
-def test_model_without_sdpa_is_rejected_for_ring_cp():
+def test_model_without_sdpa_is_rejected_naming_eager():
     from transformers import Gemma2Config
 
     with pytest.raises(
         ValueError,
-        match=r"Gemma2ForCausalLM cannot run attn_implementation='sdpa', which "
-        r"distributed.cp_method=ring needs",
+        match=r"Gemma2ForCausalLM cannot run attn_implementation='sdpa'; set model.attn_implementation=eager "
+        r"\(distributed.cp_method=ring runs eager models\)",
     ):
         _check(Gemma2Config(num_hidden_layers=1))
 
 
-def test_sliding_window_shorter_than_the_row_runs_under_every_method_softcap_not_under_ring():
+def test_sliding_window_shorter_than_the_row_and_softcap_run_under_ring_ulysses_thd():
     from transformers import Gemma2Config, MistralConfig
 
     from automodel.distributed.cp import check_model_config_for_cp
-    from automodel.errors import CPUnsupportedError
 
     config = MistralConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    gemma2 = Gemma2Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     for method in ("ring", "ulysses", "thd", "thd_docs"):  # the halo kernel (ring, thd, thd_docs) or the global mask
         check_model_config_for_cp(method, config, 2, seq_len=8192)
-    gemma2 = Gemma2Config(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(
-        CPUnsupportedError,
-        match=r"distributed.cp_method=ring does not compute Gemma2ForCausalLM \(model_type=gemma2\) exactly: "
-        r"layer 0: attention logit softcapping \(50\).*methods that run this model exactly: ulysses \| thd \| thd_docs",
-    ):
-        check_model_config_for_cp("ring", gemma2, 2, seq_len=8192)
+        check_model_config_for_cp(method, gemma2, 2, seq_len=8192)  # eager: the halo kernel applies the cap
 
 
 def test_vocab_must_cover_the_tokenizer():

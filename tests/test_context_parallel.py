@@ -59,9 +59,10 @@ def test_ring_refuses_packed_rows_naming_the_methods_that_run_them(results):
 
 @pytest.mark.dist
 def test_a_model_the_method_does_not_compute_exactly_is_refused_when_prepared(results):
-    message = results[0]["refused"]["ring_eager"]
+    message = results[0]["refused"]["ring_flex"]
     assert "distributed.cp_method=ring does not compute LlamaForCausalLM" in message
-    assert "its attention implementation is 'eager'" in message and "methods that run this model exactly" in message
+    assert "its attention implementation is 'flex_attention'" in message
+    assert "methods that run this model exactly: ulysses " in message
 
 
 @pytest.mark.dist

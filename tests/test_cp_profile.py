@@ -85,14 +85,12 @@ def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
     assert isinstance(err.value, UserInputError)  # the recipe prints it as one error: line
 
     gemma2 = profile_model(_meta("gemma2", num_hidden_layers=2, sliding_window=16, head_dim=16))
-    with pytest.raises(CPUnsupportedError, match=r"layers 0-1: attention logit softcapping \(50\), which ring's "
-                                                 r"kernel does not apply.*methods that run this model exactly: "
-                                                 r"ulysses \| thd \| thd_docs"):  # fmt: skip
-        check_model_for_cp("ring", gemma2, seq_len=64)
+    check_model_for_cp("ring", gemma2, seq_len=64)  # eager: ring routes it, the halo kernel applies the cap
+    assert {"ring", "ulysses", "thd", "thd_docs", "usp"} <= set(methods_that_run(gemma2, 64))
     mistral = profile_model(_meta("mistral", num_hidden_layers=2, sliding_window=16))
     check_model_for_cp("thd", mistral, seq_len=64)  # windows shorter than the row: the halo kernel
     check_model_for_cp("thd_docs", mistral, seq_len=64)  # the halo kernel among a split document's ranks
-    assert methods_that_run(mistral, 64) == ["ring", "ulysses", "thd", "thd_docs"]
+    assert {"ring", "ulysses", "thd", "thd_docs", "usp"} <= set(methods_that_run(mistral, 64))
 
 
 def test_heads_and_vlm_checks_read_the_profile():
@@ -120,7 +118,8 @@ def test_a_registered_method_is_selectable_and_listed():
         with pytest.raises(ValueError, match="already registered"):
             register_cp_method(Everything())
         mistral = profile_model(_meta("mistral", num_hidden_layers=1, sliding_window=16))
-        assert methods_that_run(mistral, 64) == ["ring", "ulysses", "thd", "thd_docs", "test_everything"]
+        runs = methods_that_run(mistral, 64)
+        assert runs[-1] == "test_everything" and {"ring", "ulysses", "thd", "thd_docs", "usp"} <= set(runs)
     finally:
         unregister_cp_method("test_everything")
     assert "test_everything" not in cp_methods()

@@ -2,8 +2,9 @@
 
 The halo kernel (automodel/distributed/cp/kernels) against a dense one-process reference (loss and the
 gradients of q, k, v and the sinks, fp64 and fp32) on ring and thd layouts at cp=2 and cp=4, the halo
-it exchanges (exact token ids), and tiny models of the families through ring (one row), thd and
-Ulysses (packed rows against every document alone) in fp32 and fp64.
+it exchanges (exact token ids), and tiny models of the families through ring (one row; the eager families
+gemma2, vaultgemma, granite_swa and gpt-oss included), thd and Ulysses (packed rows against every document
+alone) in fp32 and fp64.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
+from tests.family_matrix import family_by_name
 
 pytestmark = pytest.mark.dist
 
@@ -48,8 +50,11 @@ MODEL_CASES = {
         # ring_eager_backward / ring_graph_break: sdpa wrapped as the trainer does for compiled autograd /
         # as models/compile.py does for a compiled model (the per-layer router must stay in the chain)
         "mistral": ("ring", "thd", "ring_eager_backward", "ring_graph_break"),
-        "gemma2": ("thd",),
-        "gpt_oss": ("thd", "ulysses"),
+        # eager models under ring: the routed eager attention inside the ring context (softcap, sinks, windows)
+        "gemma2": ("ring", "thd"),
+        "gpt_oss": ("ring", "thd", "ulysses"),
+        "vaultgemma": ("ring",),
+        "granite_swa": ("ring",),
         "deepseek_v3": ("ring", "thd"),
         "llama4_text": ("ring", "thd", "ulysses"),
     }.items()
@@ -107,10 +112,11 @@ def test_the_halo_is_the_window_before_each_chunk(cp2, cp4):
     assert sorted(cp4[0]["ring_w20"]["halo_ids"]) == list(range(37, 56))  # rank 0's tail chunk [56,64)
 
 
-# These families compute a part in fp32 even for fp64 inputs (gemma2's eager softmax, the MoE routers of
+# These families compute a part in fp32 even for fp64 inputs (the eager softmax of gemma2, vaultgemma and
+# granite_swa, the MoE routers of
 # deepseek_v3 and llama4_text: Ulysses, which leaves attention math to the model, shows the same
 # ~1e-7), so their fp64 runs agree to fp32 round-off through the model, not to fp64's.
-FP32_INSIDE = ("gemma2", "deepseek_v3", "llama4_text")
+FP32_INSIDE = ("gemma2", "vaultgemma", "granite_swa", "deepseek_v3", "llama4_text")
 TOLERANCES = {"fp64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "fp32": (1e-5, 1e-4)}
 
 
@@ -122,6 +128,9 @@ def test_models_match_one_process(cp2, name):
         r = rank[name]
         assert r["loss_rel"] <= loss_tol, (name, r)
         assert r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
+    family, method = name.split("/")[:2]
+    if method == "ring" and family_by_name(family).attn == "eager":  # routed inside the context, eager again after
+        assert all(rank[name]["attn"] == ("ring_eager", "eager") for rank in cp2), [rank[name]["attn"] for rank in cp2]
 
 
 def test_output_layout_is_transformers():

@@ -166,8 +166,8 @@ def test_ulysses_takes_eager_flex_and_packed_rows_ring_does_not():
     msg = problems("+data.dataset.pack=true", config="configs/cp.yaml")
     assert "data.dataset.pack=true (several documents per row) with distributed.cp_method=ring" in msg
     assert "Set distributed.cp_method to one of ulysses | thd | thd_docs | usp, data.dataset.pack=false" in msg
-    msg = problems("model.attn_implementation=eager", config="configs/cp.yaml")
-    assert "another distributed.cp_method (one of ulysses | thd | thd_docs | usp works with 'eager')" in msg
+    msg = problems("model.attn_implementation=flex_attention", config="configs/cp.yaml")
+    assert "another distributed.cp_method (one of ulysses works with 'flex_attention')" in msg
 
 
 def test_rows_are_padded_to_one_contiguous_slice_per_rank():

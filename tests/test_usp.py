@@ -6,7 +6,8 @@ Two launches for the module:
   127.0.0.1; tests/workers/usp_worker.py): the Ulysses sub-groups sit within a node and the ring crosses
   nodes; library parity at cp=4 = ulysses 2 x ring 2 against every document run alone in one process, fp64
   (packed and plain rows) and fp32 (packed), 6 query heads (Ulysses alone cannot split them over 4) and 1 KV head
-  (replicated over the Ulysses sub-group); then the recipe at cp=4 = 2 x 2 on the same nodes
+  (replicated over the Ulysses sub-group); every attention layer kind (windows, sinks, softcapping, MLA, chunks,
+  Llama 4's query temperature) on tiny family models, fp32 and fp64 (tests/workers/usp_layer_kinds.py); then the recipe at cp=4 = 2 x 2 on the same nodes
   (tests/workers/usp_recipe_worker.py: packed rows with the CP self-check, plain rows, the dry run's node plan),
   fp32, 6 query / 3 KV heads;
 - the recipe at cp=1 (1 rank), the reference of those runs.
@@ -127,32 +128,30 @@ def test_node_plan_shows_which_sub_group_crosses_nodes():
     assert "warning" not in "\n".join(node_plan_lines(sizes, 4, 4, cp_sub_groups=sub))
 
 
-def test_usp_runs_only_what_thd_runs_and_refuses_the_unproven_kinds():
-    """usp runs thd's kernel across the ring with the heads split over the Ulysses sub-group: on every family of
-    the support matrix it refuses (at least) what thd refuses, with its own name, and it refuses the layer kinds
-    whose thd kernels are not proven under usp (short windows, sinks, MLA) and linear mixers."""
+def test_usp_computes_every_attention_kind_thd_computes():
+    """usp runs thd's per-layer kernels across the ring sub-group on the rank's heads: on every family of the
+    support matrix it refuses what thd refuses (with its own name) and computes every family thd computes that
+    has no linear mixer (those need a usp kernel of their own: docs/linear_mixers.md)."""
     from automodel.distributed.cp import profile_model
+    from automodel.distributed.cp.profile import LINEAR
     from tests.family_matrix import FAMILIES, SEQ
 
     usp, thd = get_cp_method("usp"), get_cp_method("thd")
-    refused, refused_by_usp_only = 0, set()
+    computed = set()
     for family in FAMILIES:
         profile = profile_model(family.build_config())
         got = profile_problems(usp, profile, SEQ)
         if profile_problems(thd, profile, SEQ):
             assert got, family.name  # nothing thd refuses runs under usp
-        elif got:
-            refused_by_usp_only.add(family.name)
+        elif not any(layer.kind == LINEAR for layer in profile.layers):
+            assert not got, (family.name, got)
+            computed.add(family.name)
         assert all("usp" in p for p in got), (family.name, got)
-        refused += bool(got)
-    assert refused >= 5
-    # the kinds thd now runs with its per-layer kernels stay refused under usp
-    assert {"mistral", "gpt_oss", "deepseek_v3"} <= refused_by_usp_only, sorted(refused_by_usp_only)
-    # the own loop, before the row length is known: a window is refused, not left to thd's call (which would run
-    # its halo kernel); a window at least as long as the row runs
+    assert {"mistral", "gemma2", "gpt_oss", "deepseek_v3", "llama4_text", "granite_swa"} <= computed, sorted(computed)
+    # the own loop, before the row length is known: a window is judged at the attention call against the longest
+    # document (the halo kernel runs it), as under thd
     mistral = profile_model(next(f for f in FAMILIES if f.name == "mistral").build_config())
-    assert "their length is not known yet" in profile_problems(usp, mistral, None)[0]
-    assert profile_problems(usp, mistral, 16) == []
+    assert profile_problems(usp, mistral, None) == profile_problems(usp, mistral, 16) == []
 
 
 # ------------------------------------------------------------------ simulated two nodes: placement + library parity
@@ -207,6 +206,28 @@ def test_two_node_run_matches_one_process(two_nodes, case, tol):
         assert got["local_tokens"] * 4 == got["total_tokens"]
     assert ranks[0]["negative_control_grad_rel"] > 1e-2  # the comparison can fail
     assert all("no USP attention ran inside the USP context" in r["forgotten_switch"] for r in ranks)
+
+
+# These families compute a part in fp32 even for fp64 inputs (Gemma 2's eager softmax, the MoE routers of
+# DeepSeek-V3 and Llama 4; as in tests/test_layer_kinds.py), so their fp64 runs agree to fp32 round-off.
+FP32_INSIDE = ("gemma2", "deepseek_v3", "llama4_temperature")
+KIND_TOLERANCES = {"float64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "float32": (1e-5, 1e-4)}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):
+    """Sliding windows (Mistral), sinks + windows with eager (gpt-oss), softcapping + windows with eager (Gemma 2),
+    MLA (DeepSeek-V3), chunks + NoPE query temperature (Llama 4) at cp=4 = ulysses 2 x ring 2 on packed rows, every
+    document's windows crossing every ring boundary: loss and every gradient against one process."""
+    ranks, _ = two_nodes
+    kind = "fp64_fp32_inside" if dtype == "float64" and family in FP32_INSIDE else dtype
+    loss_tol, grad_tol = KIND_TOLERANCES[kind]
+    for result in ranks:
+        got = result["layer_kinds"][(family, dtype)]
+        assert got["attn"] == "usp" and not got["missing"], got
+        assert got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, (family, dtype, got)
 
 
 # ------------------------------------------------------------------ recipe parity at cp=4 = 2 x 2

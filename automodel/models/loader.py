@@ -230,16 +230,15 @@ def check_model_for_run(
             f"transformers knows; use a causal LM config, or model.trust_remote_code=true for custom code"
         )
     if cls is not None and attn_implementation == "sdpa" and not getattr(cls, "_supports_sdpa", False):
-        fix = (
-            "use a model family with SDPA support or distributed.cp_size=1 with another "
-            "model.attn_implementation (e.g. eager)"
-            if cp_size > 1
-            else "set model.attn_implementation=eager"
-        )
+        runs_eager = ""
+        if cp_size > 1:
+            from automodel.distributed.cp import cp_methods
+
+            method = cp_methods().get(cp_method)
+            takes = method is not None and (method.attn_implementations is None or "eager" in method.attn_implementations)
+            runs_eager = f" (distributed.cp_method={cp_method} runs eager models)" if takes else ""
         raise UserInputError(
-            f"{cls.__name__} cannot run attn_implementation='sdpa'"
-            + (f", which distributed.cp_method={cp_method} needs" if cp_size > 1 else "")
-            + f"; {fix}"
+            f"{cls.__name__} cannot run attn_implementation='sdpa'; set model.attn_implementation=eager{runs_eager}"
         )
     if vocab_needed is not None and vocab_needed > int(getattr(config, "vocab_size", vocab_needed)):
         raise UserInputError(

@@ -145,10 +145,10 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
             cp.restore()
             out["restored"][label] = model.config._attn_implementation
     # a model the method would not compute exactly is refused when it is prepared, before any work
-    eager = tiny_llama(2, torch.float32)
-    eager.set_attn_implementation("eager")
+    flex = tiny_llama(2, torch.float32)
+    flex.set_attn_implementation("flex_attention")  # ring replaces only SDPA (eager models are routed)
     try:
-        context_parallel(eager, mesh, method="ring")
+        context_parallel(flex, mesh, method="ring")
     except CPUnsupportedError as e:
-        out["refused"]["ring_eager"] = str(e)
+        out["refused"]["ring_flex"] = str(e)
     return out

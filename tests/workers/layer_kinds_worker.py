@@ -5,8 +5,9 @@ single-process reference on the whole stream (its own mask code: documents, wind
 softcap); loss = sum(out * w), and the gradients of q, k, v and the sinks are assembled over the ranks.
 
 Model level: tiny models of tests/family_matrix.py in fp32 and fp64 through the own-loop APIs: ring on
-one whole row against the row in one process; thd and Ulysses on packed rows against every document
-run alone.
+one whole row against the row in one process (eager families too); thd and Ulysses on packed rows against
+every document run alone. Each case records the model's attention implementation inside the CP context and
+after it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from automodel.distributed.cp.layout import ring_layout, thd_layout
 from tests.workers.thd_attention_worker import _ce, pack
 
 SENTINEL = -1000
+ATTN_SEEN: list[tuple[str, str]] = []  # the model's attention implementation inside and after each CP step
 
 
 # ------------------------------------------------------------------------------------------- kernel level
@@ -163,6 +165,8 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         ce = _ce(logits.flatten(0, 1), local["labels"].flatten())
         (ce / n_labels).backward()
+        attn_inside = model.config._attn_implementation
+    ATTN_SEEN.append((attn_inside, model.config._attn_implementation))  # inside the context, after it
     group = mesh.get_group()
     loss = ce.detach().clone()
     dist.all_reduce(loss, group=group)
@@ -197,7 +201,7 @@ def model_case(case: dict, mesh, world: int) -> dict:
     )
     missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
     return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing,
-            "n_params": len(ref_grads)}
+            "n_params": len(ref_grads), "attn": ATTN_SEEN[-1]}
 
 
 def main(rank: int, world_size: int, kernel_cases: dict, model_cases: dict | None = None) -> dict:

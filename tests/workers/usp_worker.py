@@ -14,6 +14,8 @@ Checks, in one launched group:
   packed rows and on plain rows (fp64), for 6 query heads (Ulysses alone cannot split them over cp=4) with 2 KV
   heads, and 4 query heads with 1 KV head (replicated over the Ulysses sub-group);
 - a negative control: the unswitched model on the local tokens is far from the reference;
+- every attention layer kind (tests/workers/usp_layer_kinds.py): sliding windows, sinks, softcapping, MLA,
+  chunks and Llama 4's query temperature on tiny models of the support matrix's families, fp32 and fp64;
 - with ``--recipe-out``: the recipe runs of tests/workers/usp_recipe_worker.py (``quad``) on the same nodes.
 """
 
@@ -153,6 +155,9 @@ def check(rank: int, world_size: int, node: int | None = None) -> dict:
                     ref_model(input_ids=local["input_ids"], position_ids=local["position_ids"])
             except RuntimeError as err:
                 out["forgotten_switch"] = str(err)
+    from tests.workers.usp_layer_kinds import layer_kind_cases
+
+    out["layer_kinds"] = layer_kind_cases(mesh, world_size)  # windows, sinks, softcap, MLA, chunks + temperature
     return out
 
 

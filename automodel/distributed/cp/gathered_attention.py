@@ -385,14 +385,18 @@ def thd_attention(
 
 
 
-def gathered_layer(call: AttentionCall, plan: THDPlan) -> torch.Tensor:
+def gathered_layer(
+    call: AttentionCall, plan: THDPlan, local_index: torch.Tensor | None = None, method: str = "thd"
+) -> torch.Tensor:
     """One transformers attention call of the local tokens under ``plan``: ``[1, T/W, Hq, Dv]``.
 
     ``call.query`` ``[1, Hq, T/W, D]``, key/value ``[1, Hkv, T/W, D]``. Refuses (``ValueError`` /
     :class:`CPUnsupportedError`) a mask (document boundaries come from the plan), dropout, a non-causal
     module and attention biases. Per layer: windows, chunks, sinks and softcapping run the halo kernel,
     MLA runs on padded V (cp/kernels/strategy.py); transformers passes ``softcap`` only where the model
-    applies it (sdpa refuses it). Everything else runs :func:`thd_attention`.
+    applies it (sdpa refuses it). Everything else runs :func:`thd_attention`. ``local_index``: the index
+    transformers took each query's position-dependent scale at (``run_layer``; usp's gathered queries);
+    ``method``: the CP method the messages name.
     """
     if call.attention_mask is not None:
         raise ValueError(
@@ -417,7 +421,7 @@ def gathered_layer(call: AttentionCall, plan: THDPlan) -> torch.Tensor:
 
     return run_layer(
         call.module, call.query, call.key, call.value, call.kwargs, layout=plan.token_layout(), native=native,
-        method="thd", scaling=call.scaling, dropout=call.dropout, apply_softcap=True,
+        method=method, scaling=call.scaling, dropout=call.dropout, apply_softcap=True, local_index=local_index,
     )
 
 

@@ -125,13 +125,19 @@ def _temperature(module: Any, positions: torch.Tensor) -> torch.Tensor:
     return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
 
-def correct_query_temperature(module: Any, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def correct_query_temperature(
+    module: Any, query: torch.Tensor, positions: torch.Tensor, local_index: torch.Tensor | None = None
+) -> torch.Tensor:
     """Llama 4's NoPE query temperature at ``positions`` (``[n]`` or ``[B, n]`` int64, in-document) instead
-    of the local index transformers used: ``query [B, H, n, D]`` times ``t(positions) / t(arange(n))``, the
+    of the local index transformers used: ``query [B, H, n, D]`` times ``t(positions) / t(local_index)``, the
     temperatures in fp32 as transformers takes them and their ratio in fp64 (so an fp64 model gets the
-    reference's ``q * t(positions)`` to fp64 round-off)."""
+    reference's ``q * t(positions)`` to fp64 round-off).
+
+    ``local_index`` ``[n]`` int64: the index transformers took each query's temperature at (default
+    ``arange(n)``; usp's queries, gathered from ``U`` Ulysses ranks of ``n / U`` tokens each, took theirs at
+    ``arange(n / U)`` repeated ``U`` times)."""
     n = query.shape[2]
-    local = torch.arange(n, device=positions.device)
+    local = torch.arange(n, device=positions.device) if local_index is None else local_index.to(positions.device)
     ratio = (_temperature(module, positions).double() / _temperature(module, local).double()).to(
         query.device, query.dtype
     )
@@ -152,6 +158,7 @@ def run_layer(
     dropout: float = 0.0,
     apply_softcap: bool = False,
     native_applies: frozenset[str] = frozenset(),
+    local_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One attention layer under CP with the kernel :func:`choose_kernel` picks; returns ``[B, n, Hq, Dv]``.
 
@@ -165,10 +172,12 @@ def run_layer(
         native_applies: what ``native`` applies itself on full layers (:data:`NATIVE_SINKS`,
             :data:`NATIVE_SOFTCAP`, :data:`NATIVE_MLA`); when not empty, ``native`` is called as
             ``native(q, k, v, scale, sinks=[Hq] | None, softcap=float | None)``.
+        local_index: ``[n]`` the index transformers computed each query's position-dependent scale at
+            (:func:`correct_query_temperature`; default ``arange(n)``).
     """
     spec, sinks = call_spec(module, query, value, kwargs)
     if spec.position_scaled:
-        query = correct_query_temperature(module, query, layout.positions())
+        query = correct_query_temperature(module, query, layout.positions(), local_index)
     kernel = choose_kernel(spec, layout.longest_document(), apply_softcap, native_applies)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if kernel == NATIVE and native_applies:
@@ -183,7 +192,8 @@ def run_layer(
 
         raise CPUnsupportedError(
             f"distributed.cp_method={method}: {type(module).__name__} soft-caps its attention logits, which "
-            f"{method} does not apply; use distributed.cp_method=ulysses, or thd or thd_docs with model.attn_implementation=eager"
+            f"{method} does not apply with this attention implementation; set model.attn_implementation=eager "
+            "(ring, ulysses, thd, thd_docs and usp then apply the cap)"
         )
     if dropout:
         raise ValueError(

@@ -5,8 +5,8 @@
   re-exported by :mod:`automodel.distributed.cp_utils`);
 - :mod:`.cpu_ring`: torch's ring attention on CPU (gloo);
 - :mod:`.causal_mask`: transformers' packed-sequence detection off under ring;
-- :mod:`.router`: transformers' ``sdpa`` routed per layer to the shared per-layer kernels
-  (:mod:`automodel.distributed.cp.layers`).
+- :mod:`.router`: transformers' ``sdpa`` (and an eager model's attention, switched inside the context)
+  routed per layer to the shared per-layer kernels (:mod:`automodel.distributed.cp.layers`).
 
 Importing this package imports only :mod:`.method` (no torch.distributed, no transformers).
 """

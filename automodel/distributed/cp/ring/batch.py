@@ -44,7 +44,7 @@ from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
 from automodel.distributed.cp.layout import head_tail_indices
 from automodel.distributed.cp.ring.causal_mask import no_packed_sequence_detection
 from automodel.distributed.cp.ring.cpu_ring import check_cpu_ring_support, cpu_ring_attention
-from automodel.distributed.cp.ring.router import install_ring_router, ring_layer_kernels
+from automodel.distributed.cp.ring.router import eager_models_routed, install_ring_router, ring_layer_kernels
 from automodel.distributed.cp.te_batch import _shard_thd_chunk_for_te, make_cp_batch_for_te
 from automodel.distributed.train_context import get_train_context
 
@@ -75,23 +75,27 @@ def _refuse_inexact_models(
     cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: DeviceMesh
 ) -> Iterator[None]:
     """``cp_context``, plus the ring method's exactness check at the model's first forward inside it
-    (:mod:`automodel.distributed.cp.guard`): an eager or flex model, a layer kind ring does not compute
-    (an unsupported linear mixer, softcapping, a window only the mask sees) raise
+    (:mod:`automodel.distributed.cp.guard`): a flex model, a layer kind ring does not compute (an
+    unsupported linear mixer, a window only the mask sees) raise
     :class:`~automodel.errors.CPUnsupportedError` instead of attending within each rank's shard; and
-    each layer's kernel (:mod:`automodel.distributed.cp.ring.router`: windows, chunks, sinks, MLA;
+    each layer's kernel (:mod:`automodel.distributed.cp.ring.router`: windows, chunks, sinks, MLA, and an
+    eager model's softcapping, the model switched to the routed eager attention until the context exits;
     :mod:`automodel.distributed.cp.layers.linear_mixer`: Gated DeltaNet's state chain, installed at that
     first forward; both read the ring's token layout, active inside)."""
     from automodel.distributed.cp.registry import check_model_for_cp
 
-    def install(model: Any, profile: Any) -> None:  # Gated DeltaNet: the state chain (docs/linear_mixers.md)
-        install_linear_mixers(model, profile, "ring")
+    with eager_models_routed() as route_eager:
 
-    with (
-        check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len), install),
-        ring_layer_kernels(cp_mesh, seq_len),
-        cp_context,
-    ):
-        yield
+        def install(model: Any, profile: Any) -> None:
+            install_linear_mixers(model, profile, "ring")  # Gated DeltaNet: the state chain (docs/linear_mixers.md)
+            route_eager(model, profile)  # an eager model: its layers routed as sdpa's are (router.py)
+
+        with (
+            check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len), install),
+            ring_layer_kernels(cp_mesh, seq_len),
+            cp_context,
+        ):
+            yield
 
 
 def _build_position_ids(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:

@@ -2,10 +2,13 @@
 
 Rows are split head-tail (rank r holds chunks r and 2W-1-r of 2W); q stays, K/V shards rotate around
 the CP ranks and the partial outputs merge by log-sum-exp. Exact for plain causal attention over the
-whole row with ``sdpa`` (on CPU through :mod:`automodel.distributed.cp.ring.cpu_ring`): full-attention layers,
-and windows or chunks at least as long as the row. Refused: shorter sliding windows and chunks, sinks,
-softcapping, MLA value heads, linear / state-space mixers, eager or flex attention (ring replaces only
-SDPA: another kernel would attend within each rank's shard), packed rows.
+whole row with ``sdpa`` (on CPU through :mod:`automodel.distributed.cp.ring.cpu_ring`). Each layer picks its
+kernel at the call (:mod:`automodel.distributed.cp.ring.router`): sliding windows and chunks shorter than the
+row and sinks run the halo kernel, MLA value heads the ring on zero-padded V, Llama 4's query temperature
+is taken at the global position. ``eager`` models run too: inside the ring context they are switched to the
+routed eager attention (torch's ring for plain causal layers, the halo kernel for the rest, with eager's
+logit softcapping). Refused: flex attention (ring replaces only SDPA: its kernel would attend within each
+rank's shard), linear / state-space mixers without a ring kernel, packed rows.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ __all__ = ["RingMethod"]
 class RingMethod(CPMethod):
     name = "ring"
     summary = "torch ring attention: k/v shards rotate around the CP ranks (SDPA); windowed layers exchange halos"
-    attn_implementations = ("sdpa",)  # torch's context_parallel replaces SDPA with ring attention
+    # torch's context_parallel replaces SDPA with ring attention; an eager model is routed (ring/router.py)
+    attn_implementations = ("sdpa", "eager")
     supports_packed = False  # ring attention is causal over the whole row
     supports_vlm = True
     chunks_per_rank = 2
@@ -29,8 +33,21 @@ class RingMethod(CPMethod):
 
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(
-            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, mla=True, position_scaled=True
+            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
+            position_scaled=True,
         )
+
+    def config_problems(self, cfg: Any, cuda_available: bool | None) -> list[str]:
+        d = cfg.distributed
+        if d.cp_size > 1 and d.enable_compiled_autograd and cfg.model.attn_implementation == "eager":
+            return [
+                "distributed.enable_compiled_autograd=true with distributed.cp_method=ring and "
+                "model.attn_implementation=eager: compiled autograd isolates the attention by its registered name, "
+                "and ring routes an eager model's layers only inside each step's context; set "
+                "distributed.enable_compiled_autograd=false, model.attn_implementation=sdpa (where the model has it), "
+                "or distributed.cp_method=ulysses"
+            ]
+        return []
 
     def _batch_function(self) -> BatchFn:
         from automodel.distributed.cp.ring.batch import make_cp_batch_and_ctx

@@ -18,14 +18,20 @@ Attention (registered as :data:`USP_ATTN_NAME`):
    ``r``'s whole share for ``H/U`` heads each. With fewer KV heads than ``U`` (or ``U`` not dividing
    them) each KV head is first replicated ``U / gcd(Hkv, U)`` times, as Ulysses does; the copies'
    gradients are summed back by autograd.
-2. The gathered-K/V kernel across the ring sub-group (:func:`automodel.distributed.cp.gathered_attention.gathered_layer`
-   with a ring-sized :class:`~automodel.distributed.cp.gathered_attention.THDPlan`): K/V of ``H/U`` heads
-   all-gathered over the ring, exact per-document causal attention, dK/dV reduce-scattered.
-3. The output ``[1, T/R, H/U, D]`` goes back to ``[1, T/W, H, D]`` with one more all-to-all.
+2. thd's attention call across the ring sub-group (:func:`automodel.distributed.cp.gathered_attention.gathered_layer`
+   with a ring-sized :class:`~automodel.distributed.cp.gathered_attention.THDPlan`) on the ``H/U`` heads: each
+   layer's kernel is chosen there (:func:`automodel.distributed.cp.layers.strategy.run_layer` on the ring
+   sub-group's :class:`~automodel.distributed.cp.layout.TokenLayout`): full causal attention is the
+   gathered-K/V kernel (K/V all-gathered over the ring, dK/dV reduce-scattered); windows and chunks shorter
+   than the longest document, sinks and softcapping the halo kernel (only the K/V each layer reaches crosses
+   the ring, never a document); MLA value heads the gathered kernel on zero-padded V. Two things depend on
+   the head split and are handed over: the per-head sink logits are cut to this rank's ``H/U`` heads, and
+   Llama 4's query temperature, which transformers took at each Ulysses rank's local index, is corrected
+   from that index (``arange(T/W)`` per Ulysses slice) to the in-document position.
+3. The output ``[1, T/R, H/U, Dv]`` goes back to ``[1, T/W, H, Dv]`` with one more all-to-all.
 
 At ``U == 1`` this is ``cp_method: thd``; at ``U == W`` it is Ulysses on the thd placement. Exact for
-full causal attention and windows / chunks at least as long as the longest document; refused like thd:
-shorter windows, sinks, softcapping, MLA value heads, linear / state-space mixers.
+every attention layer kind thd computes; linear / state-space mixers without a usp kernel are refused.
 
 Used like THD attention (:mod:`automodel.distributed.cp.thd.attention`): ``set_usp_attention(model)``
 once, then per step ``ctx_factory, local = make_usp_batch_and_ctx(device_mesh, batch, ulysses_size=2)`` and
@@ -105,6 +111,21 @@ def _replicate_kv(x: torch.Tensor, ulysses_size: int) -> torch.Tensor:
     return x if f == 1 else x.repeat_interleave(f, dim=1)
 
 
+def _own_head_sinks(call: hf_attention.AttentionCall, n_q: int, u: int, ulysses_rank: int) -> torch.Tensor | None:
+    """The per-head sink logits (``s_aux`` or the module's ``sinks``, ``[Hq]``) of the ``Hq / U`` query heads this
+    Ulysses rank holds after the all-to-all (heads ``[u Hq/U, (u+1) Hq/U)``), or ``None``. A view: the other heads'
+    sink gradients come from the other Ulysses ranks (summed over the CP group with every parameter's)."""
+    sinks = call.kwargs.get("s_aux")
+    if sinks is None and isinstance(getattr(call.module, "sinks", None), torch.Tensor):
+        sinks = call.module.sinks
+    if sinks is None:
+        return None
+    if sinks.shape[-1] != n_q:
+        raise ValueError(f"{call.module_name} has {sinks.shape[-1]} sink logits for {n_q} query heads")
+    per = n_q // u
+    return sinks.narrow(-1, ulysses_rank * per, per)
+
+
 def _usp_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
     """USP attention with transformers' attention-function signature (registered as ``"usp"``).
 
@@ -123,11 +144,19 @@ def _usp_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
         )
     if n_q % n_kv:
         raise ValueError(f"query heads ({n_q}) must be a multiple of key/value heads ({n_kv})")
+    kwargs, local_index = dict(call.kwargs), None
     if u > 1:
         key, value = _replicate_kv(key, u), _replicate_kv(value, u)
         # every Ulysses rank holds T/W tokens: the gathered sequence is the ring rank's share, in order
         query, key, value = (all_to_all(x, g.ulysses_group, scatter_dim=1, gather_dim=2) for x in (query, key, value))
-    out = gathered_layer(call.replace(query=query, key=key, value=value), ctx.plan)
+        sinks = _own_head_sinks(call, n_q, u, g.ulysses_rank)
+        if sinks is not None:
+            kwargs["s_aux"] = sinks
+        # transformers scaled each query by a function of its index in ITS rank's T/W tokens (Llama 4)
+        local_index = torch.arange(call.query.shape[2], device=query.device).repeat(u)
+    out = gathered_layer(
+        call.replace(query=query, key=key, value=value, kwargs=kwargs), ctx.plan, local_index=local_index, method=_METHOD
+    )
     # out: [1, T/R, Hq/U, D]
     if u > 1:
         out = all_to_all(out, g.ulysses_group, scatter_dim=1, gather_dim=2)

@@ -9,9 +9,14 @@ all-gathered, exact per-document causal) across the ring sub-group for ``H/U`` h
 (:mod:`automodel.distributed.cp.usp.attention`). The heads need only ``num_attention_heads % U == 0``,
 not ``% cp_size`` as with Ulysses; fewer KV heads than ``U`` are replicated.
 
-Exact for full causal attention (and windows and chunks at least as long as the longest document;
-packed rows). Refused: shorter windows and chunks, sinks, softcapping, MLA value heads (thd runs them
-with per-layer kernels that are not proven under usp's head split), linear / state-space mixers. Every packed document is padded to a multiple of ``2 * cp_size``.
+Exact, on packed rows too, for every attention layer kind thd computes: after the head all-to-all each
+layer runs thd's per-layer kernel (:func:`automodel.distributed.cp.layers.strategy.run_layer`) across the
+ring sub-group on the rank's ``H/U`` heads: sliding windows and attention chunks shorter than the longest
+document, sinks (the rank's heads' sink logits) and logit softcapping run the halo kernel over the ring
+sub-group (never across a document); MLA value heads run on zero-padded V; Llama 4's query temperature is
+taken at the in-document position. Refused: linear / state-space mixers without a usp kernel
+(:mod:`automodel.distributed.cp.linear_support`). Every packed document is padded to a multiple of
+``2 * cp_size``.
 """
 
 from __future__ import annotations
@@ -38,13 +43,13 @@ class UspMethod(GatheredKVMethod):
 
     # ------------------------------------------------------------------ exactness
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
-        """Full causal attention only (and windows / chunks at least as long as the row): thd's per-layer
-        kernels (halo windows and chunks, sinks, softcapping, MLA) are not proven across a ring sub-group
-        with the heads split over the Ulysses sub-group, and linear mixers have no usp kernel, so those
-        layers are refused rather than run unproven. A window is judged here, against the row length
-        (refused while it is not known), never left to the attention call: thd's call would run its
-        halo kernel instead of refusing."""
-        return standard_problem(self.name, layer, seq_len)  # a window is never left to the call: see above
+        """What thd computes (``standard_problem`` with thd's flags): each layer's kernel is chosen at the
+        call on the ring sub-group's layout after the head all-to-all (:mod:`.attention`), so a window is
+        judged there against the longest document, like thd's, when the row length is not known here."""
+        return standard_problem(
+            self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
+            position_scaled=True, windows_checked_at_call=True,
+        )
 
     # ------------------------------------------------------------------ model and batch
     def _switch(self) -> tuple[Any, str]:

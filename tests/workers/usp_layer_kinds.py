@@ -1,0 +1,86 @@
+"""usp (cp=4 = ulysses 2 x ring 2) on every attention layer kind, against one process (tests/test_usp.py).
+
+Run inside tests/workers/usp_worker.py's 4-rank launch. Tiny models of tests/family_matrix.py, each in fp32
+and fp64, on two packed rows of documents run alone in one process (the reference): sliding windows
+(Mistral), sinks with windows and eager attention (gpt-oss), softcapping with windows and eager attention
+(Gemma 2), MLA value heads (DeepSeek-V3), chunked attention and NoPE layers with Llama 4's query temperature
+(switched on, with a ``floor_scale`` small enough that the temperature changes along a document). Windows
+and chunks are 16 tokens; every document is cut into 4 chunks over the ring sub-group (6 to 10 tokens), so
+each window's halo crosses every ring boundary of its document, from one or two chunks back.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from tests.workers.layer_kinds_worker import _docs, _reference
+from tests.workers.thd_attention_worker import _ce, pack
+
+ULYSSES = 2
+#: two packed rows; padded to 8 (2 * cp) the documents are 24, 40, 16 and 32, 24 tokens
+ROWS = [[21, 34, 9], [30, 18]]
+FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature")
+CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")]
+
+
+def _model(family: str, dtype: torch.dtype):
+    from tests.family_matrix import family_by_name
+
+    if family == "llama4_temperature":
+        from transformers import AutoModelForCausalLM
+
+        fam = family_by_name("llama4_text")
+        config = fam.build_config()
+        config.attn_temperature_tuning, config.floor_scale = True, 4  # layer 1 (NoPE) scales its queries
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn, dtype=torch.float32).train()
+    else:
+        model = family_by_name(family).build_model(0)
+    if dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
+    return model.to(dtype)
+
+
+def _usp_step(model, mesh, batch, n_labels: int) -> tuple[float, dict, str]:
+    from automodel.distributed.usp_attention import make_usp_batch_and_ctx, set_usp_attention
+
+    set_usp_attention(model)
+    model.zero_grad(set_to_none=True)
+    ctx, local = make_usp_batch_and_ctx(mesh, batch, ulysses_size=ULYSSES)
+    with ctx():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        ce = _ce(logits.flatten(0, 1), local["labels"].flatten())
+        (ce / n_labels).backward()
+    group = mesh["cp"].get_group()
+    loss = ce.detach().clone()
+    dist.all_reduce(loss, group=group)
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        grads[n] = g
+    return float(loss) / n_labels, grads, model.config._attn_implementation
+
+
+def layer_kind_cases(mesh, world_size: int) -> dict:
+    """``{(family, dtype): {loss_rel, grad_rel, missing, attn}}`` for :data:`CASES` (every rank calls it)."""
+    from tests.family_matrix import VOCAB
+
+    out = {}
+    for family, dtype_name in CASES:
+        dtype = getattr(torch, dtype_name)
+        base = _model(family, dtype)
+        rows = [_docs(lengths, VOCAB, seed=5 + i) for i, lengths in enumerate(ROWS)]
+        docs = [d for row in rows for d in row]
+        n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
+        ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
+        loss, grads, attn = _usp_step(copy.deepcopy(base), mesh, pack(rows, 2 * world_size), n_labels)
+        worst = max(float((grads[n] - g).abs().max() / max(g.abs().max().item(), 1e-30)) for n, g in ref_grads.items())
+        missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
+        out[(family, dtype_name)] = {
+            "loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing, "attn": attn,
+        }
+    return out
