@@ -23,12 +23,33 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-SEQ = 64  # tokens per row (a multiple of 2*cp for ring/thd at cp=2; 4 windows long)
+SEQ = 64  # tokens per row (a multiple of 2*cp for ring/thd at cp=2 and usp at cp=4; 4 windows long)
 WINDOW = 16  # sliding window / attention chunk, in tokens
 VOCAB = 128
 CP = 2
+DOC_LENGTHS = (20, 28, 16)  # a packed row: three documents (sum SEQ), each crossing a window and a rank boundary
+#: methods that have no configuration at cp=2 run in a launch of their own at cp=USP_CP, with these options
+CP4_METHODS = {"usp": {"ulysses_size": 2}}
+USP_CP = 4
+PACKED = " packed"  # a packed column is "<method> packed"
+AUTO_COLUMNS = ("auto", "auto packed")
 
-__all__ = ["CP", "FAMILIES", "SEQ", "UNBUILDABLE", "VOCAB", "WINDOW", "Family", "family_by_name"]
+__all__ = [
+    "AUTO_COLUMNS",
+    "CP",
+    "CP4_METHODS",
+    "DOC_LENGTHS",
+    "FAMILIES",
+    "PACKED",
+    "SEQ",
+    "UNBUILDABLE",
+    "USP_CP",
+    "VOCAB",
+    "WINDOW",
+    "Family",
+    "columns",
+    "family_by_name",
+]
 
 
 @dataclass(frozen=True)
@@ -346,7 +367,29 @@ def family_by_name(name: str) -> Family:
 # ---------------------------------------------------------------------------------------------------------
 # the published table (docs/support_matrix.md), rendered from the worker's result
 
-METHODS = ("ring", "ulysses", "thd", "thd_docs")
+METHODS = ("ring", "ulysses", "thd", "thd_docs")  # the unpacked columns at cp=2 (each method's own-loop API)
+
+
+def columns() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(columns of the cp=2 launch, columns of the cp=USP_CP launch)``: every method unpacked, then packed for
+    every registered method that takes packed rows (read from the registry, :attr:`CPMethod.supports_packed`),
+    then ``auto`` (unpacked and packed; the cp=2 launch)."""
+    from automodel.distributed.cp import cp_methods
+
+    packers = [name for name, m in cp_methods().items() if m.supports_packed]
+    main = METHODS + tuple(m + PACKED for m in packers if m not in CP4_METHODS) + AUTO_COLUMNS
+    cp4 = tuple(CP4_METHODS) + tuple(m + PACKED for m in packers if m in CP4_METHODS)
+    return main, cp4
+
+
+def table_columns() -> tuple[str, ...]:
+    """The table's columns in order: unpacked (cp=2, then cp=4), packed, auto."""
+    main, cp4 = columns()
+    unpacked = [c for c in main + cp4 if not c.endswith(PACKED) and c not in AUTO_COLUMNS]
+    packed = [c for c in main + cp4 if c.endswith(PACKED) and c not in AUTO_COLUMNS]
+    return tuple(unpacked + packed) + AUTO_COLUMNS
+
+
 DOC_PATH = "docs/support_matrix.md"
 REGENERATE = "PYTHONPATH=. python scripts/support_table.py"
 TABLE_START, TABLE_END = "<!-- matrix:start -->", "<!-- matrix:end -->"

@@ -1,10 +1,15 @@
-"""The CP family x method matrix, run on every rank of one gloo group of 2 (tests/test_family_matrix.py).
+"""The CP family x method matrix, run on every rank of one gloo group (tests/test_family_matrix.py).
 
 For every family of :mod:`tests.family_matrix`: build the tiny model (same seed, so the same weights on
 every rank), compute the single-process reference on the whole row (loss = sum CE / label count, every
-parameter's gradient), then run each CP method at cp=2 on a deep copy through its own-loop API (README
-"Use CP in your own loop", docs/ulysses.md, docs/thd.md): forward on this rank's tokens, loss = sum CE of
-the local tokens / the global label count, backward, gradients and loss SUM-all-reduced over the CP group.
+parameter's gradient), then run each column's CP method on a deep copy through its own-loop API (README
+"Use CP in your own loop", docs/ulysses.md, docs/thd.md; ``context_parallel`` for usp and for packed
+rows): forward on this rank's tokens, loss = sum CE of the local tokens / the global label count,
+backward, gradients and loss SUM-all-reduced over the CP group. The group has 2 ranks (cp=2), or 4 for the
+methods of ``CP4_METHODS`` (usp 2 x 2). A packed column (``"<method> packed"``) trains one row of three
+documents (``DOC_LENGTHS``) against each document run alone in one process; the references are computed
+only when a cell runs. The ``auto`` columns name the method ``cp_method: auto`` picks for the model
+(:func:`automodel.distributed.cp.choose_cp_method`) with that column's outcome.
 
 A cell is ``exact`` (loss rel err <= 1e-5, every gradient's max abs diff / max abs reference <= 1e-4, and
 every parameter with a reference gradient has one), ``refused`` (an ``automodel.errors.UserInputError``;
@@ -32,9 +37,8 @@ import torch.nn.functional as F
 
 from automodel.distributed.mesh import ParallelDims
 from automodel.errors import UserInputError
-from tests.family_matrix import FAMILIES, SEQ, VOCAB
+from tests.family_matrix import AUTO_COLUMNS, CP4_METHODS, DOC_LENGTHS, FAMILIES, PACKED, SEQ, VOCAB, columns
 
-METHODS = ("ring", "ulysses", "thd", "thd_docs")
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
 GRAD_FLOOR = 1e-3  # see compare()
@@ -47,6 +51,14 @@ def make_row() -> dict[str, torch.Tensor]:
     ids = torch.randint(3, VOCAB, (1, SEQ + 1), generator=torch.Generator().manual_seed(ROW_SEED))
     return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone(),
             "position_ids": torch.arange(SEQ).unsqueeze(0)}
+
+
+def make_packed_row() -> dict[str, torch.Tensor]:
+    """The row of :func:`make_row` as three documents (``DOC_LENGTHS``): positions restart, ``seq_lens`` says where."""
+    row = make_row()
+    row["position_ids"] = torch.cat([torch.arange(n) for n in DOC_LENGTHS]).unsqueeze(0)
+    row["seq_lens"] = torch.tensor([list(DOC_LENGTHS)])
+    return row
 
 
 def _first_line(err: BaseException) -> str:
@@ -69,6 +81,21 @@ def reference(model: torch.nn.Module, row: dict) -> tuple[float, dict[str, torch
     return loss.item(), grads
 
 
+def reference_docs(model: torch.nn.Module, row: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The single-process loss and gradients of a packed row: each document run alone (same labels)."""
+    count = int((row["labels"] != -100).sum())
+    total, at = 0.0, 0
+    for n in row["seq_lens"][0].tolist():
+        logits = model(input_ids=row["input_ids"][:, at : at + n], position_ids=torch.arange(n).unsqueeze(0),
+                       use_cache=False).logits  # fmt: skip
+        total = total + _sum_ce(logits, row["labels"][:, at : at + n]) / count
+        at += n
+    total.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return total.item(), grads
+
+
 def _local_step(model, local: dict, ctx_factory, count: int) -> torch.Tensor:
     with ctx_factory():
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
@@ -81,6 +108,12 @@ def run_method(method: str, model: torch.nn.Module, row: dict, mesh) -> torch.Te
     """One own-loop step of ``method`` on this rank's share of ``row``; returns the local loss (grads set)."""
     count = int((row["labels"] != -100).sum())  # global label count, before sharding
     batch = {k: v.clone() for k, v in row.items()}
+    if method in CP4_METHODS or "seq_lens" in batch:  # the one own-loop entry point of every method
+        from automodel.distributed.cp import context_parallel
+
+        cp = context_parallel(model, mesh, method=method, **CP4_METHODS.get(method, {}))
+        ctx, local = cp.shard(batch)
+        return _local_step(model, local, ctx, count)
     if method == "ring":
         from automodel.distributed.cp_utils import make_cp_batch_and_ctx
 
@@ -166,13 +199,18 @@ def _global_state() -> tuple:
     return (torch._C._len_torch_function_stack(), F.scaled_dot_product_attention)
 
 
-def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: float, ref_grads: dict) -> dict:
+def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: float | None, ref_grads: dict | None,
+             ref=None) -> dict:  # fmt: skip
+    """One cell; ``ref() -> (loss, grads)`` gives the reference when ``ref_loss`` is ``None`` (only once a method
+    ran: a refused cell needs none)."""
     before = _global_state()
     t0 = time.perf_counter()
     try:
         model = copy.deepcopy(base)
         loss = run_method(method, model, row, mesh)
         total, grads, _ = _reduce_grads(model, loss, mesh["cp"].get_group())
+        if ref_loss is None:
+            ref_loss, ref_grads = ref()
         out = compare(ref_loss, ref_grads, total, grads)
     except UserInputError as err:
         out = {"status": "refused", "detail": str(err).strip()}
@@ -209,22 +247,42 @@ def _build_mesh(world_size: int, cell_timeout_s: float):
     return DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
 
 
-def main(rank: int, world_size: int, families: list[str] | None = None, methods=METHODS,
-         cell_timeout_s: float = 30.0, selftest_timeout_s: float = 0.0) -> dict:
-    """Run the matrix; every rank returns ``{"cells": {family: {method: outcome}}, "meta": {...}}``.
+def _auto_cell(pristine: torch.nn.Module, cells: dict, packed: bool, cp_size: int) -> dict:
+    """What ``cp_method: auto`` picks for the model at ``cp_size`` (own loop: ``seq_len=SEQ``), with the outcome of
+    that method's column; a refusal is the cell's outcome (it must then be that no column is exact)."""
+    from automodel.distributed.cp import choose_cp_method, profile_model
 
-    ``families`` restricts the run to those names; ``selftest_timeout_s > 0`` first runs a cell that fails
-    on rank 1 only while rank 0 waits in a collective (CP group timeout ``selftest_timeout_s``) and returns
-    what became of it under ``"selftest"``.
+    try:
+        choice = choose_cp_method(profile_model(pristine), cp_size, seq_len=SEQ, packed=packed)
+    except UserInputError as err:
+        return {"status": "refused", "detail": str(err).strip()}
+    except Exception as err:  # noqa: BLE001 - the chooser crashing is the cell's result
+        return {"status": "crash", "detail": _first_line(err), "traceback": traceback.format_exc()}
+    column = choice.name + (PACKED if packed else "")
+    picked = cells.get(column, {"status": "crash", "detail": f"auto picked {choice.name}, which has no column"})
+    return {**picked, "picked": choice.name, "reason": choice.reason}
+
+
+def main(rank: int, world_size: int, families: list[str] | None = None, methods=None,
+         cell_timeout_s: float = 30.0, selftest_timeout_s: float = 0.0) -> dict:
+    """Run the matrix; every rank returns ``{"cells": {family: {column: outcome}}, "meta": {...}}``.
+
+    ``methods``: the columns (default: :func:`tests.family_matrix.columns`' for this world size: the cp=2
+    columns on 2 ranks, ``CP4_METHODS``' on 4); ``families`` restricts the run to those names;
+    ``selftest_timeout_s > 0`` first runs a cell that fails on rank 1 only while rank 0 waits in a collective
+    (CP group timeout ``selftest_timeout_s``) and returns what became of it under ``"selftest"``.
     """
     import transformers
 
     transformers.logging.set_verbosity_error()
     # a crashing cell's DTensor op logs its whole traceback from fake-tensor propagation; the cell records it
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    if methods is None:
+        methods = columns()[0 if world_size == 2 else 1]
     t_start = time.perf_counter()
     agree_group = dist.new_group(backend="gloo")  # outcomes travel here, never on a possibly broken CP group
-    row = make_row()
+    row, packed_row = make_row(), make_packed_row()
+    check_reference = any(not m.endswith(PACKED) for m in methods if m not in AUTO_COLUMNS and m not in CP4_METHODS)
     cells: dict[str, dict] = {}
     meta: dict[str, dict] = {}
     rebuilt = 0
@@ -248,6 +306,8 @@ def main(rank: int, world_size: int, families: list[str] | None = None, methods=
             continue
         t0 = time.perf_counter()
         info = {"model_type": fam.model_type, "kinds": fam.kinds, "attn": fam.attn, "note": fam.note}
+        refs: dict[bool, tuple] = {}
+        base = pristine = None
         try:
             base = fam.build_model(MODEL_SEED)
             info.update(
@@ -258,28 +318,46 @@ def main(rank: int, world_size: int, families: list[str] | None = None, methods=
                 n_params=sum(p.numel() for p in base.parameters()),
             )
             pristine = copy.deepcopy(base)  # before any forward: some models cache tensors on the way
-            ref_loss, ref_grads = reference(base, row)
-            again_loss, again_grads = reference(base, row)  # a random model (dropout, sampling router) can't compare
-            deterministic = again_loss == ref_loss and again_grads.keys() == ref_grads.keys() and all(
-                torch.equal(again_grads[n], g) for n, g in ref_grads.items()
-            )
-            info.update(ref_loss=ref_loss, n_ref_grads=len(ref_grads), deterministic=deterministic,
-                        train_mode=base.training)
+            if check_reference:
+                refs[False] = reference(base, row)
+                again_loss, again_grads = reference(base, row)  # a random model (dropout, sampling router) can't compare
+                ref_loss, ref_grads = refs[False]
+                deterministic = again_loss == ref_loss and again_grads.keys() == ref_grads.keys() and all(
+                    torch.equal(again_grads[n], g) for n, g in ref_grads.items()
+                )
+                info.update(ref_loss=ref_loss, n_ref_grads=len(ref_grads), deterministic=deterministic,
+                            train_mode=base.training)
             build_err = None
         except Exception as err:  # noqa: BLE001 - a family that cannot build fails all its cells
             build_err = {"status": "crash", "detail": f"building or the cp=1 reference failed: {_first_line(err)}",
                          "traceback": traceback.format_exc()}
+
+        def ref(packed: bool, base=base, refs=refs) -> tuple:
+            if packed not in refs:
+                refs[packed] = reference_docs(base, packed_row) if packed else reference(base, row)
+            return refs[packed]
+
         cells[fam.name] = {}
-        for method in methods:
-            local = dict(build_err) if build_err else run_cell(method, pristine, row, mesh, ref_loss, ref_grads)
+        for column in methods:
+            packed = column.endswith(PACKED)
+            if build_err:
+                local = dict(build_err)
+            elif column in AUTO_COLUMNS:
+                local = _auto_cell(pristine, cells[fam.name], packed, world_size)
+            else:
+                method = column[: -len(PACKED)] if packed else column
+                known = refs.get(packed, (None, None))
+                local = run_cell(method, pristine, packed_row if packed else row, mesh, *known,
+                                 ref=lambda packed=packed: ref(packed))
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, local, group=agree_group)
             outcome, disagreed = _agree(gathered)
-            cells[fam.name][method] = outcome
+            cells[fam.name][column] = outcome
             if disagreed:  # a rank may have left an unmatched collective on the CP group: start afresh
                 mesh = _build_mesh(world_size, cell_timeout_s)
                 rebuilt += 1
         info["seconds"] = round(time.perf_counter() - t0, 3)
         meta[fam.name] = info
     return {"cells": cells, "meta": meta, "seconds": round(time.perf_counter() - t_start, 2),
-            "mesh_rebuilds": rebuilt, "methods": list(methods), "selftest": selftest_result}
+            "mesh_rebuilds": rebuilt, "methods": list(methods), "selftest": selftest_result,
+            "world_size": world_size}

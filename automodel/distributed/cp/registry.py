@@ -30,10 +30,15 @@ def register_cp_method(method: CPMethod, *, replace: bool = False) -> CPMethod:
     """Make ``method`` selectable as ``distributed.cp_method=<method.name>``; returns it.
 
     Raises:
-        ValueError: the name is empty, or taken and ``replace`` is false.
+        ValueError: the name is empty or ``auto`` (reserved), or taken and ``replace`` is false.
     """
     if not method.name:
         raise ValueError(f"{type(method).__name__} has no name; set the class attribute `name`")
+    if method.name == "auto":
+        raise ValueError(
+            f"{type(method).__name__} is named 'auto', which distributed.cp_method reserves for choosing a method; "
+            "give it another name"
+        )
     if method.name in _REGISTRY and not replace:
         raise ValueError(f"a CP method named {method.name!r} is already registered; pass replace=True")
     _REGISTRY[method.name] = method
