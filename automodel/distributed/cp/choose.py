@@ -178,7 +178,8 @@ def choose_cp_method(
 
     Args:
         profile: :func:`~automodel.distributed.cp.profile.profile_model` of the model.
-        cp_size: the CP group's size (``<= 1``: no CP; the first method without ``extra_problems`` is taken).
+        cp_size: the CP group's size (``<= 1``: no CP; the method chosen at ``cp_size`` 2, else the first
+            one without ``extra_problems``).
         seq_len: the (padded) row length; ``None``: not known (windows are then judged against any length).
         packed: rows hold several documents each (the dataset packs them, or the batches carry ``seq_lens``).
         tp_size: tensor parallelism (divides the heads before CP does).
@@ -192,6 +193,18 @@ def choose_cp_method(
     Raises:
         CPUnsupportedError: no method computes the model exactly; the message gives each method's reasons.
     """
+    if cp_size <= 1:  # no CP: the method auto picks at cp_size 2 (the same data and checks), so runs agree
+        try:
+            at2 = choose_cp_method(profile, 2, seq_len=seq_len, packed=packed, tp_size=tp_size,
+                                   ranks_per_node=ranks_per_node, extra_problems=extra_problems)  # fmt: skip
+        except CPUnsupportedError:
+            pass  # every method runs the model as one process: the first the config allows
+        else:
+            reason = (
+                f"cp_method auto: {at2.method.name} (cp_size 1: no context parallelism; the method auto picks for "
+                "this model at cp_size 2)"
+            )
+            return Choice(at2.method, at2.options, reason, at2.candidates)
     seq = seq_len or NOMINAL_SEQ
     candidates: list[Candidate] = []
     empty: list[str] = []

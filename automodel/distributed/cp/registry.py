@@ -63,6 +63,12 @@ def get_cp_method(method: str | CPMethod) -> CPMethod:
     """
     if isinstance(method, CPMethod):
         return method
+    if method == "auto":
+        raise ValueError(
+            "distributed.cp_method=auto names no method until the model is known: resolve it first "
+            "(automodel.config.cp_auto.resolve_cp_method in the recipe; own loop: context_parallel(model, mesh, "
+            "method='auto') or automodel.distributed.cp.choose_cp_method(profile, cp_size))"
+        )
     if method not in _REGISTRY:
         raise ValueError(
             f"distributed.cp_method={method!r} is not one of {sorted(_REGISTRY)}; "

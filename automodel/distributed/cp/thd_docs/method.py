@@ -42,10 +42,13 @@ def model_cost(model: Any) -> CostModel:
     config = text_config(model.config)
     param = next(iter(model.parameters()), None)
     on_cpu = param is None or param.device.type == "cpu"
+    inter = getattr(config, "intermediate_size", None)
+    if isinstance(inter, (list, tuple)):  # per layer (Gemma 3n): the cost model takes one size
+        inter = max(inter, default=None)
     return CostModel.from_profile(
         cached_profile(model),
         getattr(config, "hidden_size", None),
-        getattr(config, "intermediate_size", None),
+        inter,
         getattr(config, "vocab_size", None),
         attention_weight=CPU_ATTENTION_WEIGHT if on_cpu else 1.0,
     )
