@@ -8,6 +8,7 @@ that computes the model, the cheapest by the methods' exchange terms, and refuse
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -212,6 +213,7 @@ def test_auto_is_reserved_and_get_cp_method_says_how_to_resolve_it():
 def test_config_accepts_auto_and_resolves_it_once_the_profile_is_known():
     from automodel.config import ConfigError, load_config
     from automodel.config.cp_auto import resolve_cp_method
+    from automodel.config.rules import check_rules, config_with_method
 
     cfg = load_config(["--config", "configs/cp.yaml", "distributed.cp_method=auto"], world_size=2).cfg
     assert cfg.distributed.cp_method == "auto"
@@ -220,12 +222,16 @@ def test_config_accepts_auto_and_resolves_it_once_the_profile_is_known():
     assert resolve_cp_method(cfg, _profile(FULL), world_size=2) is None  # a named method stays
     with pytest.raises(ConfigError, match=r"'rng' is not one of .* or 'auto'"):
         load_config(["--config", "configs/cp.yaml", "distributed.cp_method=rng"], world_size=2)
-    # the config rules of each method still apply: eager attention rules ring out
-    cfg = load_config(["--config", "configs/cp.yaml", "distributed.cp_method=auto", "model.attn_implementation=eager"],
+    # the config rules of each method still apply: rows padded to 2 rule out the head-tail split of 2 * cp_size
+    cfg = load_config(["--config", "configs/cp.yaml", "distributed.cp_method=auto", "data.pad_to_multiple_of=2"],
                       world_size=2).cfg  # fmt: skip
-    choice = resolve_cp_method(cfg, _profile(FULL, heads=4, kv=2, attn="eager"), world_size=2, cuda_available=False)
+    before = copy.deepcopy(cfg)
+    choice = resolve_cp_method(cfg, _profile(FULL, heads=4, kv=2), world_size=2, cuda_available=False)
     ring = next(c for c in choice.candidates if c.name == "ring")
-    assert choice.name != "ring" and any("model.attn_implementation" in p for p in ring.problems)
+    assert choice.name != "ring" and any("data.pad_to_multiple_of=2 is not a multiple of" in p for p in ring.problems)
+    for c in choice.candidates:  # exactly the rules of the config with that method selected
+        rules = check_rules(config_with_method(before, c.name, c.options), 2, False)
+        assert set(rules) <= set(c.problems), (c.label, rules, c.problems)
 
 
 def test_config_with_auto_that_no_method_can_run_is_one_error_naming_each_method(monkeypatch):
