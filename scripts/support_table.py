@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Run the CP family x method matrix and write docs/support_matrix.md.
 
-Launches tests/workers/family_matrix_worker.py on 2 local gloo ranks (CPU), the same run as
-tests/test_family_matrix.py: every family of tests/family_matrix.py, each CP method (ring, ulysses,
-thd, thd_docs) at cp=2 against one process (usp needs 4 ranks for a real split: tests/test_usp.py). Writes the table and exits 1 when any cell is wrong or crashes
+Launches tests/workers/family_matrix_worker.py on 4 local gloo ranks (CPU), the same run as
+tests/test_family_matrix.py: every family of tests/family_matrix.py, each CP method (ring, ulysses, thd,
+thd_docs at cp=2; usp at cp=4 = 2 x 2) against one process, on one document per row and on packed rows
+(three documents against each alone, every method that takes them), and the method ``cp_method: auto``
+picks. Writes the table with the counts per column and exits 1 when any cell is wrong or crashes
 (printing those cells); 0 when every cell is exact or refused.
 
     PYTHONPATH=. python scripts/support_table.py                  # rewrite docs/support_matrix.md
@@ -27,6 +29,7 @@ from tests.family_matrix import (  # noqa: E402
     REGENERATE,
     TABLE_END,
     TABLE_START,
+    column_counts,
     failures,
     render_markdown,
     table_section,
@@ -36,8 +39,8 @@ WORKER = "tests.workers.family_matrix_worker:main"
 
 
 def run_matrix(families: list[str] | None = None, timeout: float = 600.0) -> dict:
-    """Rank 0's result of one launch of the matrix worker (2 gloo ranks)."""
-    return run_distributed(WORKER, world_size=2, timeout=timeout, families=families)[0]
+    """Rank 0's result of one launch of the matrix worker (4 gloo ranks: pairs at cp=2, then usp at cp=4)."""
+    return run_distributed(WORKER, world_size=4, timeout=timeout, families=families)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run_matrix(families, args.timeout)
     print(f"matrix: {len(result['cells'])} families x {len(result['methods'])} methods, worker "
           f"{result['seconds']:.1f} s, launch {time.perf_counter() - t0:.1f} s")
+    for column, counts in column_counts(result).items():
+        print(f"  {column:22s} " + ", ".join(f"{n} {s}" for s, n in counts.items()))
     markdown = render_markdown(result)
     out = Path(args.out)
     if args.check:

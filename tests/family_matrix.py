@@ -23,12 +23,33 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-SEQ = 64  # tokens per row (a multiple of 2*cp for ring/thd at cp=2; 4 windows long)
+SEQ = 64  # tokens per row (a multiple of 2*cp for ring/thd at cp=2 and usp at cp=4; 4 windows long)
 WINDOW = 16  # sliding window / attention chunk, in tokens
 VOCAB = 128
 CP = 2
+DOC_LENGTHS = (20, 28, 16)  # a packed row: three documents (sum SEQ), each crossing a window and a rank boundary
+#: methods that have no configuration at cp=2 run in a launch of their own at cp=USP_CP, with these options
+CP4_METHODS = {"usp": {"ulysses_size": 2}}
+USP_CP = 4
+PACKED = " packed"  # a packed column is "<method> packed"
+AUTO_COLUMNS = ("auto", "auto packed")
 
-__all__ = ["CP", "FAMILIES", "SEQ", "UNBUILDABLE", "VOCAB", "WINDOW", "Family", "family_by_name"]
+__all__ = [
+    "AUTO_COLUMNS",
+    "CP",
+    "CP4_METHODS",
+    "DOC_LENGTHS",
+    "FAMILIES",
+    "PACKED",
+    "SEQ",
+    "UNBUILDABLE",
+    "USP_CP",
+    "VOCAB",
+    "WINDOW",
+    "Family",
+    "columns",
+    "family_by_name",
+]
 
 
 @dataclass(frozen=True)
@@ -346,7 +367,29 @@ def family_by_name(name: str) -> Family:
 # ---------------------------------------------------------------------------------------------------------
 # the published table (docs/support_matrix.md), rendered from the worker's result
 
-METHODS = ("ring", "ulysses", "thd", "thd_docs")
+METHODS = ("ring", "ulysses", "thd", "thd_docs")  # the unpacked columns at cp=2 (each method's own-loop API)
+
+
+def columns() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(columns of the cp=2 launch, columns of the cp=USP_CP launch)``: every method unpacked, then packed for
+    every registered method that takes packed rows (read from the registry, :attr:`CPMethod.supports_packed`),
+    then ``auto`` (unpacked and packed; the cp=2 launch)."""
+    from automodel.distributed.cp import cp_methods
+
+    packers = [name for name, m in cp_methods().items() if m.supports_packed]
+    main = METHODS + tuple(m + PACKED for m in packers if m not in CP4_METHODS) + AUTO_COLUMNS
+    cp4 = tuple(CP4_METHODS) + tuple(m + PACKED for m in packers if m in CP4_METHODS)
+    return main, cp4
+
+
+def table_columns() -> tuple[str, ...]:
+    """The table's columns in order: unpacked (cp=2, then cp=4), packed, auto."""
+    main, cp4 = columns()
+    unpacked = [c for c in main + cp4 if not c.endswith(PACKED) and c not in AUTO_COLUMNS]
+    packed = [c for c in main + cp4 if c.endswith(PACKED) and c not in AUTO_COLUMNS]
+    return tuple(unpacked + packed) + AUTO_COLUMNS
+
+
 DOC_PATH = "docs/support_matrix.md"
 REGENERATE = "PYTHONPATH=. python scripts/support_table.py"
 TABLE_START, TABLE_END = "<!-- matrix:start -->", "<!-- matrix:end -->"
@@ -391,6 +434,8 @@ def short_reason(message: str, limit: int = 110) -> str:
 
 
 def cell_text(cell: dict) -> str:
+    if "picked" in cell:  # an auto column: the method it picked, and that method's outcome
+        return f"{cell['picked']}: {cell_text({k: v for k, v in cell.items() if k != 'picked'})}"
     status = cell["status"]
     if status == "exact":
         return "exact"
@@ -402,17 +447,33 @@ def cell_text(cell: dict) -> str:
     return f"**{status}**"
 
 
+def column_title(column: str) -> str:
+    """A column's header: the method, ``packed`` for packed rows, and the CP size where it is not :data:`CP`."""
+    method = column[: -len(PACKED)] if column.endswith(PACKED) else column
+    return column + (f" (cp={USP_CP})" if method in CP4_METHODS else "")
+
+
 def render_table(result: dict) -> str:
     """The family x method table, exactly as the docs hold it between the markers."""
-    lines = ["| family | model_type | layer kinds | attn | " + " | ".join(METHODS) + " |",
-             "|---|---|---|---|" + "---|" * len(METHODS)]
+    cols = result["methods"]
+    lines = ["| family | model_type | layer kinds | attn | " + " | ".join(map(column_title, cols)) + " |",
+             "|---|---|---|---|" + "---|" * len(cols)]
     for name, cells in result["cells"].items():
         meta = result["meta"][name]
         attn = meta["attn"] + ("" if meta.get("train_mode", True) else ", eval mode")
         row = [f"`{name}`", f"`{meta['model_type']}`", meta["kinds"], attn]
-        row += [cell_text(cells[m]) for m in METHODS]
+        row += [cell_text(cells[m]) for m in cols]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def column_counts(result: dict) -> dict[str, dict[str, int]]:
+    """Per column: how many cells are exact, refused, wrong, crash."""
+    out = {c: {s: 0 for s in ("exact", "refused", "wrong", "crash")} for c in result["methods"]}
+    for cells in result["cells"].values():
+        for column, cell in cells.items():
+            out[column][cell["status"]] = out[column].get(cell["status"], 0) + 1
+    return out
 
 
 def table_section(markdown: str) -> str:
@@ -430,24 +491,42 @@ def failures(result: dict) -> list[tuple[str, str, dict]]:
 def render_markdown(result: dict) -> str:
     counts: dict[str, int] = {}
     for cells in result["cells"].values():
-        for cell in cells.values():
-            counts[cell["status"]] = counts.get(cell["status"], 0) + 1
+        for column, cell in cells.items():
+            if column not in AUTO_COLUMNS:  # an auto cell repeats the column it picked
+                counts[cell["status"]] = counts.get(cell["status"], 0) + 1
     summary = ", ".join(f"{counts.get(s, 0)} {s}" for s in ("exact", "refused", "wrong", "crash"))
+    statuses = ("exact", "refused", "wrong", "crash")
+    per_column = ["| column | " + " | ".join(statuses) + " |", "|---|" + "---|" * len(statuses)]
+    per_column += [f"| {column_title(c)} | " + " | ".join(str(n[s]) for s in statuses) + " |"
+                   for c, n in column_counts(result).items()]  # fmt: skip
+    picks: dict[str, dict[str, int]] = {c: {} for c in AUTO_COLUMNS if c in result["methods"]}
+    for cells in result["cells"].values():
+        for column, counts in picks.items():
+            key = cells[column].get("picked", "refused")
+            counts[key] = counts.get(key, 0) + 1
     out = [
         "# CP support matrix: model families x CP methods",
         "",
         f"Generated by `scripts/support_table.py`; do not edit by hand. Regenerate with `{REGENERATE}`",
-        "(about half a minute on 2 CPU cores; it rewrites this file and exits 1 when a cell is wrong or crashes).",
+        "(one launch of 4 processes, under a minute on 2 CPU cores; it rewrites this file and exits 1 when a cell",
+        "is wrong or crashes).",
         "`tests/test_family_matrix.py` runs the same matrix and checks that the table below is current.",
         "",
         f"Each family of the installed transformers is built from a tiny fp32 config ({len(result['cells'])} families;",
         "hidden size 64, 4 query / 2 KV heads of 16 where the family has those knobs, 2-4 layers mixing its layer",
         f"kinds, vocab {VOCAB}, windows and attention chunks of {WINDOW} tokens), with the attention implementation",
         "it trains with (`sdpa` where the model supports it, else transformers' default). One row of",
-        f"{SEQ} tokens trains one step at cp={CP} (2 gloo processes on CPU) with each CP method's own-loop API",
+        f"{SEQ} tokens trains one step at cp={CP} (pairs of gloo processes on CPU) with each CP method's own-loop API",
         "(README \"Use CP in your own loop\", [ulysses.md](ulysses.md), [thd.md](thd.md); `thd_docs` splits the",
-        "row's one document over both ranks), and the loss and gradients",
-        "are compared with the same step in one process:",
+        f"row's one document over both ranks; usp at cp={USP_CP} = ulysses_size 2 x ring 2 on 4 processes, through",
+        "`context_parallel`), and the loss and gradients are compared with the same step in one process. The",
+        f"*packed* columns train the same row as three documents ({' + '.join(map(str, DOC_LENGTHS))} tokens, "
+        "`seq_lens`, through",
+        "`context_parallel`) under every method that takes packed rows, against each document run alone in one",
+        "process. The *auto* columns name the method `cp_method: auto` picks for the model",
+        f"(`choose_cp_method` at cp={CP}, rows of {SEQ} tokens, unpacked / packed) and repeat that method's cell;",
+        "an auto cell is **wrong** when it picks a method that is not exact, or refuses, while another column of",
+        "the same rows is exact. A cell is:",
         "",
         "- **exact**: loss relative error <= 1e-5 and, for every parameter, max abs gradient difference / max abs",
         "  reference gradient <= 1e-4 (the denominator floored at 1e-3 x the model's largest gradient entry, for",
@@ -456,7 +535,12 @@ def render_markdown(result: dict) -> str:
         "- **wrong**: it ran and computed different numbers, the silent failure the library must never allow;",
         "- **crash**: any other exception (its type is shown; the details are below the table).",
         "",
-        f"Result: {summary}.",
+        f"Result: {summary} (the auto columns not counted: they repeat the cell they picked).",
+        "",
+        *per_column,
+        "",
+        "`auto` picked: " + "; ".join(f"{column}: " + ", ".join(f"{k} {n}" for k, n in sorted(
+            counts.items(), key=lambda kv: (kv[0] == "refused", -kv[1]))) for column, counts in picks.items()) + ".",
         "",
         TABLE_START,
         render_table(result),

@@ -17,7 +17,7 @@ from automodel.distributed.cp.context import SENTINEL, canonical_batch
 from tests.dist_harness import run_distributed
 
 BARS = {"float64": (1e-10, 1e-10), "float32": (1e-5, 1e-4)}
-METHODS = ("ring", "ulysses", "thd", "thd_docs", "thd_docs_cost", "usp", "usp_u1", "toy_gather")
+METHODS = ("ring", "ulysses", "thd", "thd_docs", "thd_docs_cost", "usp", "usp_u1", "toy_gather", "auto")
 #: methods that attend across the whole row: packed rows are refused
 UNPACKED = ("ring", "toy_gather")
 FORMS = ("plain", "packed_seq_lens", "packed_restarts")
@@ -76,6 +76,9 @@ def test_describe_and_restore(results):
     assert "options: cost=CostModel(" in r["describe"]["thd_docs_cost"]
     assert "attention unchanged" in r["describe"]["ring"]  # ring replaces SDPA inside its context only
     assert "attention 'sdpa' -> 'toy_gather'" in r["describe"]["toy_gather"]
+    name, reason = r["chosen"]["auto"]  # method="auto", packed=True: a method that takes packed rows, and why
+    assert name == "thd_docs" and reason.startswith("cp_method auto: thd_docs, the cheapest method")
+    assert f"method thd_docs ({reason})" in r["describe"]["auto"] and "refused: ring (packed rows" in reason
 
 
 # ------------------------------------------------------------------------------------------ one process

@@ -31,7 +31,7 @@ def _rows(cp: int, method: str | None = None) -> list[dict]:
 
     from automodel.data import load_tokenizer
 
-    extra = [f"distributed.cp_method={method}"] if method else []
+    extra = [f"distributed.cp_method={method or 'thd_docs'}"]  # the shipped config picks it with cp_method auto
     cfg = load_config(["--config", PACKED, f"distributed.cp_size={cp}", *extra], world_size=cp).cfg
     m = get_cp_method(cfg.distributed.cp_method)
     ds = instantiate(
@@ -56,7 +56,8 @@ def test_packed_rows_do_not_depend_on_cp_size():
     assert ref[0]["seq_lens"].numel() > 1  # really packed
     assert _same(_rows(8), ref)
     for cp in (2, 4, 8):  # the dataset and the collator get the same arguments at every cp_size
-        cfg = load_config(["--config", PACKED, f"distributed.cp_size={cp}"], world_size=cp).cfg
+        cfg = load_config(["--config", PACKED, f"distributed.cp_size={cp}", "distributed.cp_method=thd_docs"],
+                          world_size=cp).cfg  # fmt: skip
         assert get_cp_method("thd_docs").dataset_options(cfg, cfg.data.dataset) == {}
         assert pad_multiple(cfg) == 1
     assert not _same(_rows(2, "thd"), ref)  # thd pads every document to 2*cp: the check can fail
@@ -65,11 +66,12 @@ def test_packed_rows_do_not_depend_on_cp_size():
 def test_sequence_parallel_and_thd_kernels_are_refused():
     with pytest.raises(ConfigError) as info:
         load_config(
-            ["--config", PACKED, "distributed.tp_size=2", "distributed.sequence_parallel=true"], world_size=4
+            ["--config", PACKED, "distributed.cp_method=thd_docs", "distributed.tp_size=2",
+             "distributed.sequence_parallel=true"], world_size=4,  # fmt: skip
         )
     assert "distributed.cp_method=thd_docs gives each CP rank a different number of tokens" in str(info.value)
     with pytest.raises(ConfigError) as info:  # a thd key that thd_docs would silently ignore
-        load_config(["--config", PACKED, "distributed.thd_kernel=te"], world_size=2)
+        load_config(["--config", PACKED, "distributed.cp_method=thd_docs", "distributed.thd_kernel=te"], world_size=2)
     assert "distributed.thd_kernel=te is a kernel of distributed.cp_method=thd; thd_docs runs" in str(info.value)
 
 
@@ -164,6 +166,8 @@ def test_dry_run_prints_the_sample_placement(capsys):
 
     assert main(["--config", PACKED, "recipe.dry_run=true"]) == 0
     out = capsys.readouterr().out
+    assert "\ncp_method auto: thd_docs, the cheapest method that computes every layer of LlamaForCausalLM" in out
+    assert "refused: ring (packed rows" in out  # the shipped config: cp_method auto, packed rows at cp_size 2
     assert "cp_method thd_docs (packed documents placed whole" in out
     assert "placement (thd_docs)   sample batch of 2 x 512 tokens" in out and "imbalance" in out
     assert "K/V KiB sent per rank per layer and step" in out
@@ -186,7 +190,9 @@ def test_shipped_config_same_losses_at_cp1_and_cp2(runs):
     import json
 
     one, two = runs
-    assert one["cp_method"] == two["cp_method"] == "thd_docs"
+    assert one["cp_method"] == two["cp_method"] == "thd_docs"  # the shipped cp_method: auto picked it
+    assert two["world_line"] and "cp_method auto: thd_docs, the cheapest method" in two["world_line"]
+    assert "cp_method auto: thd_docs (cp_size 1: no context parallelism" in one["world_line"]
     assert one["attn_impl"] == "sdpa" and two["attn_impl"] == "thd_docs"
     assert one["rows"] == two["rows"]
     assert len(one["losses"]) == 8

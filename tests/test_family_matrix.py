@@ -1,9 +1,11 @@
-"""Every CP method at cp=2, on every family of tests/family_matrix.py: exact, or refused with a clear error.
+"""Every CP method on every family of tests/family_matrix.py: exact, or refused with a clear error.
 
-One launched group of 2 gloo ranks runs the whole matrix (tests/workers/family_matrix_worker.py); the
-tests below assert on rank 0's result. DESIGN.md "Exact or refused": a cell that runs with different
-numbers (wrong) or dies with anything but ``automodel.errors.UserInputError`` (crash) fails. The
-published table, docs/support_matrix.md, is generated from the same run by scripts/support_table.py.
+One launched group of 4 gloo ranks runs the whole matrix (tests/workers/family_matrix_worker.py): two
+pairs share out the families for the methods at cp=2 (unpacked and packed rows) and the ``auto`` columns,
+then all 4 run usp (2 x 2, unpacked and packed); the tests below assert on rank 0's result. DESIGN.md "Exact or refused": a cell that runs
+with different numbers (wrong) or dies with anything but ``automodel.errors.UserInputError`` (crash) fails;
+``auto`` must pick an exact method whenever one column of the same rows is exact. The published table,
+docs/support_matrix.md, is generated from the same run by scripts/support_table.py.
 """
 
 from __future__ import annotations
@@ -14,38 +16,41 @@ import pytest
 
 from tests.dist_harness import REPO_ROOT, run_distributed
 from tests.family_matrix import (
+    AUTO_COLUMNS,
     DOC_PATH,
     FAMILIES,
-    METHODS,
+    PACKED,
     REGENERATE,
     UNBUILDABLE,
     render_markdown,
+    table_columns,
     table_section,
 )
 
 pytestmark = pytest.mark.dist
 
 LAUNCH_TIMEOUT_S = 300
+WORKER = "tests.workers.family_matrix_worker:main"
 
 
 @pytest.fixture(scope="module")
 def matrix():
     t0 = time.perf_counter()
-    ranks = run_distributed(
-        "tests.workers.family_matrix_worker:main", world_size=2, timeout=LAUNCH_TIMEOUT_S, selftest_timeout_s=2.0
-    )
-    print(f"family matrix: worker {ranks[0]['seconds']:.1f} s, launch {time.perf_counter() - t0:.1f} s")
+    ranks = run_distributed(WORKER, world_size=4, timeout=LAUNCH_TIMEOUT_S, selftest_timeout_s=2.0)
+    print(f"family matrix: worker {ranks[0]['seconds']:.1f} s (cp=2 pairs {ranks[0]['pair_seconds']:.1f} s), "
+          f"launch {time.perf_counter() - t0:.1f} s")
     return ranks
 
 
-def test_every_family_ran_every_method_on_both_ranks(matrix):
+def test_every_family_ran_every_method_on_every_rank(matrix):
     result = matrix[0]
     assert len(FAMILIES) >= 30
     assert list(result["cells"]) == [f.name for f in FAMILIES]
     for name, cells in result["cells"].items():
-        assert tuple(cells) == METHODS, name
+        assert tuple(cells) == table_columns(), name
+    assert "usp" in table_columns() and "thd_docs packed" in table_columns() and "ring packed" not in table_columns()
     statuses = [{(f, m): c["status"] for f, cs in r["cells"].items() for m, c in cs.items()} for r in matrix]
-    assert statuses[0] == statuses[1], "the ranks recorded different outcomes"
+    assert all(s == statuses[0] for s in statuses), "the ranks recorded different outcomes"
 
 
 def test_reference_is_deterministic_and_uses_the_attention_users_get(matrix):
@@ -62,16 +67,40 @@ def test_reference_is_deterministic_and_uses_the_attention_users_get(matrix):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", table_columns())
 @pytest.mark.parametrize("family", [f.name for f in FAMILIES])
 def test_exact_or_refused(matrix, family, method):
     cell = matrix[0]["cells"][family][method]
     assert cell["status"] in ("exact", "refused"), f"{family} / {method}: {cell['status']}: {cell['detail']}"
     if cell["status"] == "refused":
         message = cell["detail"]
-        assert message and (method in message.lower() or "cp_method" in message), (
+        name = method.removesuffix(PACKED)
+        assert message and (name in message.lower() or "cp_method" in message), (
             f"{family} / {method}: the refusal does not name the method: {message!r}"
         )
+
+
+@pytest.mark.parametrize("column", AUTO_COLUMNS)
+def test_auto_picks_an_exact_method_whenever_one_exists(matrix, column):
+    """``cp_method: auto`` never refuses a model that a method computes, never picks one that is not exact, and
+    the methods it picks are the ones its chooser names (the worker marks a violation ``wrong``)."""
+    packed = column.endswith(PACKED)
+    problems, picked = [], set()
+    for family, cells in matrix[0]["cells"].items():
+        auto = cells[column]
+        same_rows = [c for c, cell in cells.items() if c not in AUTO_COLUMNS and c.endswith(PACKED) == packed
+                     and "usp" not in c and cell["status"] == "exact"]  # fmt: skip (usp: not a candidate at cp=2)
+        if same_rows and auto["status"] != "exact":
+            problems.append(f"{family}: auto {auto.get('picked', 'refused')} is {auto['status']}; exact: {same_rows}")
+        if not same_rows and auto["status"] != "refused":
+            problems.append(f"{family}: no method is exact, yet auto is {auto['status']}")
+        if "picked" in auto:
+            picked.add(auto["picked"])
+            assert auto["reason"].startswith(f"cp_method auto: {auto['picked']}"), auto["reason"]
+        else:  # a refusal names every method's reasons
+            assert all(m in auto["detail"] for m in ("ring", "ulysses", "thd", "thd_docs", "usp")), auto["detail"]
+    assert not problems, "\n".join(problems)
+    assert len(picked) >= 2, f"auto picked only {picked}: the matrix should exercise more than one choice"
 
 
 def test_one_rank_failing_in_a_collective_neither_hangs_nor_poisons_the_next_cell(matrix):

@@ -7,15 +7,25 @@ world size alone.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from automodel.config.compile_rules import compile_problems
 from automodel.config.logging_rules import logging_problems
 from automodel.config.peft_rules import peft_problems
 from automodel.config.sample_rules import sample_problems
 from automodel.config.schema import RecipeConfig
-from automodel.distributed.cp import cp_methods
+from automodel.distributed.cp import AUTO, CPMethod, cp_methods
 from automodel.distributed.tensor_parallel import tp_size_problems
 
-__all__ = ["check_rules", "parallel_sizes"]
+__all__ = [
+    "auto_config_problems",
+    "check_rules",
+    "config_with_method",
+    "method_rules",
+    "parallel_sizes",
+    "ranks_per_node",
+]
 
 
 def parallel_sizes(cfg: RecipeConfig, world_size: int) -> tuple[dict[str, int], list[str]]:
@@ -93,10 +103,11 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
 
     methods = cp_methods()
     method = methods.get(d.cp_method)
-    if method is None:
+    auto = d.cp_method == AUTO  # each method's rules run on the config that selects it (below)
+    if method is None and not auto:
         problems.append(
-            f"distributed.cp_method={d.cp_method!r} is not one of {sorted(methods)}; "
-            f"set distributed.cp_method to one of {' | '.join(methods)}"
+            f"distributed.cp_method={d.cp_method!r} is not one of {sorted(methods)} or {AUTO!r}; "
+            f"set distributed.cp_method to one of {' | '.join(methods)} | {AUTO}"
         )
 
     # --- sequence length vs the CP/TP split ------------------------------------------------
@@ -104,7 +115,7 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
         problems.append(f"data.seq_len={data.seq_len} must be >= 1")
     if data.pad_to_multiple_of is not None and data.pad_to_multiple_of < 1:
         problems.append(f"data.pad_to_multiple_of={data.pad_to_multiple_of} must be >= 1 (or null)")
-    if data.seq_len >= 1:
+    if data.seq_len >= 1 and not auto:
         # ring/thd: 2 equal chunks per CP rank; ulysses: 1 slice; sequence parallel: split again over TP
         splitter = method if method is not None else methods["ring"]
         multiple, what = splitter.row_multiple(d.cp_size, d.tp_size, d.sequence_parallel)
@@ -204,7 +215,55 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
     problems += logging_problems(cfg)
     problems += sample_problems(cfg)
     problems += node_plan_problems(cfg, world_size)
+    if auto and not problems:  # the rest is fine: some method's rules must pass too (the model comes later)
+        problems += auto_config_problems(cfg, world_size, cuda_available)
     return problems
+
+
+def config_with_method(cfg: RecipeConfig, method: str, options: dict | None = None) -> RecipeConfig:
+    """A copy of ``cfg`` with ``distributed.cp_method=method`` and the ``distributed.<key>`` ``options`` set."""
+    return dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, cp_method=method, **(options or {})))
+
+
+def method_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None):  # noqa: ANN201 - a callable
+    """``(method, options) -> problems``: the config rules of ``cfg`` with that method selected (``cp_method:
+    auto``'s ``extra_problems``)."""
+
+    def problems(method: CPMethod, options: dict) -> list[str]:
+        return check_rules(config_with_method(cfg, method.name, options), world_size, cuda_available)
+
+    return problems
+
+
+def auto_config_problems(cfg: RecipeConfig, world_size: int, cuda_available: bool | None) -> list[str]:
+    """``cp_method: auto`` before the model is known: at least one method's configuration must pass the
+    config rules (each method's own, e.g. thd's kernel, usp's head split of an inline config); else one
+    problem listing every method's reasons."""
+    rules = method_rules(cfg, world_size, cuda_available)
+    reasons = []
+    for name, method in cp_methods().items():
+        configs = method.auto_configs(cfg.distributed.cp_size, ranks_per_node(cfg))
+        if not configs:
+            reasons.append(f"{name}: no configuration at cp_size={cfg.distributed.cp_size}")
+        for m, options in configs:
+            found = rules(m, options)
+            if not found:
+                return []
+            label = name + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
+            reasons.append(f"{label}: {'; '.join(found)}")
+    return [
+        "distributed.cp_method=auto found no CP method this config can run: " + " | ".join(reasons)
+        + "; change what a reason names, or name a distributed.cp_method"
+    ]
+
+
+def ranks_per_node(cfg: RecipeConfig) -> int | None:
+    """Processes per node for ``cp_method: auto``: ``recipe.plan_nproc_per_node`` in a dry run, else torchrun's
+    ``$LOCAL_WORLD_SIZE``; ``None`` when not known (one node)."""
+    if cfg.recipe.dry_run and cfg.recipe.plan_nproc_per_node is not None:
+        return cfg.recipe.plan_nproc_per_node
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and not cfg.recipe.dry_run else None
 
 
 def tp_problems(cfg: RecipeConfig) -> list[str]:

@@ -78,7 +78,7 @@ class DistributedSection:
     dp_shard: int = -1  # -1: world_size // (dp_replicate * cp_size * tp_size)
     cp_size: int = 1
     tp_size: int = 1
-    cp_method: str = "ring"  # ring | ulysses | thd | usp: a method registered in automodel.distributed.cp
+    cp_method: str = "ring"  # auto | ring | ulysses | thd | thd_docs | usp: a registered method, or auto (picked per model)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     enable_loss_parallel: bool = False  # tp_size > 1: vocabulary-sharded logits and loss (loss_parallel())
     sequence_parallel: bool = False  # tp_size > 1: norms and the residual stream hold 1/tp of the tokens

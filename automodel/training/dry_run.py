@@ -142,6 +142,26 @@ def _layout_lines(loaded: LoadedConfig, out: list[str]) -> _Plan:
     return plan
 
 
+def _resolve_auto(loaded: LoadedConfig) -> Any:
+    """``distributed.cp_method: auto``: the method chosen for the model (profiled on the meta device), written
+    into ``loaded.cfg`` as a run would (:func:`automodel.config.cp_auto.resolve_cp_method`); the choice, or
+    ``None`` when the config names a method. ``recipe.plan_nproc_per_node`` is the node layout it plans for."""
+    import torch
+
+    from automodel.distributed.cp import AUTO
+
+    cfg = loaded.cfg
+    if cfg.distributed.cp_method != AUTO:
+        return None
+    from automodel.config.cp_auto import resolve_cp_method
+    from automodel.models.cp_check import profile_for_run
+    from automodel.models.loader import resolve_model_config
+
+    attn = cfg.model.attn_implementation or "sdpa"
+    profile = profile_for_run(cfg, resolve_model_config(cfg.model, dry_run=True), attn)
+    return resolve_cp_method(cfg, profile, loaded.world_size, torch.cuda.is_available())
+
+
 def _meta_model(plan: _Plan) -> tuple[Any, Any, str, Any]:
     """The model on the meta device, checked for this run: ``(model, resolved config, tokenizer text, profile)``.
 
@@ -293,6 +313,9 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     from omegaconf import OmegaConf
 
     out = [f"=== dry run: {loaded.path} (planned for world size {loaded.world_size}) ==="]
+    choice = _resolve_auto(loaded)
+    if choice is not None:
+        out.append(choice.reason)
     plan = _layout_lines(loaded, out)
     model, resolved, tok_desc, profile = _meta_model(plan)
     dims = _model_lines(plan, model, resolved, tok_desc, profile, out)

@@ -12,10 +12,10 @@ peaks of :mod:`automodel.config.gpu_specs`, nothing measured. Per optimizer step
   FSDP2 all-gathers the parameters in the forward and again in the backward (``reshard_after_forward``)
   and reduce-scatters the gradients, every micro-batch; HSDP all-reduces the gradient shards across
   replicas once a step; tensor parallelism all-reduces ``[N, h]`` twice per layer forward and twice in
-  backward; CP attention exchanges, per layer, what the method's kernel sees of the other ranks'
-  tokens (:meth:`CPMethod.attention_extent`: K and V of the rest of the row, forward and twice that in
-  backward; or q, k, v and the output of a full row with ``heads / cp``, forward and as much again in
-  backward).
+  backward; CP attention exchanges, per layer, what the method declares
+  (:meth:`CPMethod.exchange_terms`; by default from :meth:`CPMethod.attention_extent`: K and V of the
+  rest of the row, forward and twice that in backward; or q, k, v and the output of a full row with
+  ``heads / cp``, forward and as much again in backward). ``cp_method: auto`` ranks methods by the same terms.
 """
 
 from __future__ import annotations
@@ -77,18 +77,11 @@ def comm_terms(d: ModelDims, r: RunShape, sizes: dict[str, int], node: int) -> l
         b = r.grad_acc * d.layers * 4 * 2 * (tp - 1) / tp * n_tok * d.hidden * r.compute_bytes
         out.append(CommTerm(f"tensor parallel over {tp}", b, _span_inside_node(tp, node),
                             "2 all-reduces of [N, h] per layer forward, 2 in backward"))  # fmt: skip
-    if cp > 1:
-        heads_seen, q_tokens, _ = get_cp_method(r.cp_method).attention_extent(d, r)
-        kv = d.kv_heads // tp * d.head_dim
-        if q_tokens >= r.seq:  # the kernel sees whole rows with heads / cp: q, k, v and the output move
-            per_layer = (cp - 1) / cp * n_tok * (2 * heads_seen * cp * d.head_dim + 2 * kv) * r.compute_bytes
-            what, passes = "all-to-all of q, k, v and the output", 2  # backward: their gradients
-        else:  # the kernel sees the rank's queries against the whole row: K and V of the other ranks arrive
-            per_layer = (cp - 1) * n_tok * 2 * kv * r.compute_bytes
-            what, passes = "K and V of the other ranks' tokens", 3  # backward: K, V again and their gradients
-        b = r.grad_acc * d.layers * passes * per_layer
-        out.append(CommTerm(f"CP attention over {cp} ({r.cp_method})", b, _span_inside_node(cp * tp, node),
-                            f"{what} per layer forward, {passes - 1}x that in backward"))  # fmt: skip
+    if cp > 1:  # the method's own exchange terms (CPMethod.exchange_terms; cp_method auto ranks methods by them)
+        for t in get_cp_method(r.cp_method).exchange_terms(d, r):
+            out.append(CommTerm(f"CP attention over {t.group} ({r.cp_method})", r.grad_acc * d.layers * t.bytes,
+                                _span_inside_node(t.span * tp, node),
+                                f"{t.what} per layer forward, {t.passes - 1}x that in backward"))  # fmt: skip
     return out
 
 

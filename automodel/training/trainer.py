@@ -152,7 +152,6 @@ class FinetuneTrainer:
             world_size=self.world_size,
         )
         self.mesh = self.dims.build_mesh(self.device.type)
-        self.cp_method = get_cp_method(d.cp_method)  # the strategy: nothing below branches on its name
         dp_mesh = get_submesh(self.mesh, "dp")
         self.dp_rank = dp_mesh.get_local_rank()
         self.dp_size = dp_mesh.size()
@@ -160,15 +159,17 @@ class FinetuneTrainer:
         self.dp_cp_group = get_submesh(self.mesh, "dp_cp").get_group()
 
         self._open_run_dir()
+        self.cp_choice = self._resolve_auto_cp_method()  # cp_method: auto -> the method chosen for this model
+        self.cp_method = get_cp_method(d.cp_method)  # the strategy: nothing below branches on its name
         logger.info(
-            "world %d on %s: dp_replicate=%d dp_shard=%d cp=%d tp=%d (cp_method=%s)",
+            "world %d on %s: dp_replicate=%d dp_shard=%d cp=%d tp=%d (%s)",
             self.world_size,
             self.device.type,
             self.dims.dp_replicate,
             self.dims.dp_shard,
             self.dims.cp,
             self.dims.tp,
-            d.cp_method,
+            self.cp_choice.reason if self.cp_choice is not None else f"cp_method={d.cp_method}",
         )
         if cfg.recipe.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -187,6 +188,23 @@ class FinetuneTrainer:
             if d.cp_size > 1:  # a rank whose setup failed (a data file missing on one node) waits in the
                 agree_before_collectives()  # setup agreement: meet it there before the check's collectives
             self.cp_self_check_report = run_cp_self_check(self)
+
+    def _resolve_auto_cp_method(self) -> Any:
+        """``distributed.cp_method: auto``: the model profiled on the meta device (no weights), the method chosen
+        for it written into the config (:func:`automodel.config.cp_auto.resolve_cp_method`); its
+        :class:`~automodel.distributed.cp.Choice`, or ``None`` when the config names a method."""
+        from automodel.distributed.cp import AUTO
+
+        cfg = self.cfg
+        if cfg.distributed.cp_method != AUTO:
+            return None
+        from automodel.config.cp_auto import resolve_cp_method
+        from automodel.models.cp_check import profile_for_run
+        from automodel.models.loader import resolve_model_config
+
+        attn = cfg.model.attn_implementation or "sdpa"
+        profile = profile_for_run(cfg, resolve_model_config(cfg.model), attn)
+        return resolve_cp_method(cfg, profile, self.world_size, torch.cuda.is_available())
 
     def _open_run_dir(self) -> None:
         """The run directory (refused if it holds another run's outputs and this run does not resume it),

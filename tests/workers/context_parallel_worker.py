@@ -32,6 +32,7 @@ METHODS = {
     "usp": ("usp", {"ulysses_size": 2}),
     "usp_u1": ("usp", {"ulysses_size": 1}),
     "toy_gather": ("toy_gather", {}),  # tests/toy_cp_method.py: a method registered by the test
+    "auto": ("auto", {"packed": True, "seq_len": 32}),  # cp_method auto: the method chosen for the model
 }
 #: per row, its documents' lengths (row 1 ends in 5 padding slots)
 DOCS = [[5, 9, 1], [7, 3]]
@@ -117,6 +118,8 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
         for label, (method, options) in METHODS.items():
             cp = context_parallel(model, mesh, method=method, **options)
             out["describe"][label] = cp.describe()
+            if cp.choice is not None:
+                out.setdefault("chosen", {})[label] = (cp.method.name, cp.choice.reason)
             for name, (batch, _) in cases.items():
                 model.zero_grad(set_to_none=True)
                 try:

@@ -29,6 +29,8 @@ def shipped(rank: int, world_size: int, out: str) -> dict:
     result = trainer.run()
     rows = [trainer.train_dataset[i] for i in range(4)]
     check = Path(result.run_dir) / "cp_self_check.json"
+    logs = sorted((Path(result.run_dir) / "logs").glob("rank_0*.log"))
+    world = [line for p in logs for line in p.read_text().splitlines() if "world " in line]
     return {
         "losses": dict(result.losses),
         "grad_norms": dict(result.grad_norms),
@@ -36,4 +38,5 @@ def shipped(rank: int, world_size: int, out: str) -> dict:
         "attn_impl": trainer.model.config._attn_implementation,
         "rows": [{k: v.tolist() for k, v in row.items()} for row in rows],
         "self_check": check.read_text() if rank == 0 and check.exists() else None,
+        "world_line": next((line for line in world if "cp_method" in line), None),  # the run's first CP log line
     }

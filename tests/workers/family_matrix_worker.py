@@ -1,10 +1,15 @@
-"""The CP family x method matrix, run on every rank of one gloo group of 2 (tests/test_family_matrix.py).
+"""The CP family x method matrix, run on every rank of one gloo group (tests/test_family_matrix.py).
 
 For every family of :mod:`tests.family_matrix`: build the tiny model (same seed, so the same weights on
 every rank), compute the single-process reference on the whole row (loss = sum CE / label count, every
-parameter's gradient), then run each CP method at cp=2 on a deep copy through its own-loop API (README
-"Use CP in your own loop", docs/ulysses.md, docs/thd.md): forward on this rank's tokens, loss = sum CE of
-the local tokens / the global label count, backward, gradients and loss SUM-all-reduced over the CP group.
+parameter's gradient), then run each column's CP method on a deep copy through its own-loop API (README
+"Use CP in your own loop", docs/ulysses.md, docs/thd.md; ``context_parallel`` for usp and for packed
+rows): forward on this rank's tokens, loss = sum CE of the local tokens / the global label count,
+backward, gradients and loss SUM-all-reduced over the CP group. The group has 2 ranks (cp=2), or 4 for the
+methods of ``CP4_METHODS`` (usp 2 x 2). A packed column (``"<method> packed"``) trains one row of three
+documents (``DOC_LENGTHS``) against each document run alone in one process; the references are computed
+only when a cell runs. The ``auto`` columns name the method ``cp_method: auto`` picks for the model
+(:func:`automodel.distributed.cp.choose_cp_method`) with that column's outcome.
 
 A cell is ``exact`` (loss rel err <= 1e-5, every gradient's max abs diff / max abs reference <= 1e-4, and
 every parameter with a reference gradient has one), ``refused`` (an ``automodel.errors.UserInputError``;
@@ -32,9 +37,8 @@ import torch.nn.functional as F
 
 from automodel.distributed.mesh import ParallelDims
 from automodel.errors import UserInputError
-from tests.family_matrix import FAMILIES, SEQ, VOCAB
+from tests.family_matrix import AUTO_COLUMNS, CP4_METHODS, DOC_LENGTHS, FAMILIES, PACKED, SEQ, VOCAB, columns
 
-METHODS = ("ring", "ulysses", "thd", "thd_docs")
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
 GRAD_FLOOR = 1e-3  # see compare()
@@ -47,6 +51,14 @@ def make_row() -> dict[str, torch.Tensor]:
     ids = torch.randint(3, VOCAB, (1, SEQ + 1), generator=torch.Generator().manual_seed(ROW_SEED))
     return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone(),
             "position_ids": torch.arange(SEQ).unsqueeze(0)}
+
+
+def make_packed_row() -> dict[str, torch.Tensor]:
+    """The row of :func:`make_row` as three documents (``DOC_LENGTHS``): positions restart, ``seq_lens`` says where."""
+    row = make_row()
+    row["position_ids"] = torch.cat([torch.arange(n) for n in DOC_LENGTHS]).unsqueeze(0)
+    row["seq_lens"] = torch.tensor([list(DOC_LENGTHS)])
+    return row
 
 
 def _first_line(err: BaseException) -> str:
@@ -69,6 +81,21 @@ def reference(model: torch.nn.Module, row: dict) -> tuple[float, dict[str, torch
     return loss.item(), grads
 
 
+def reference_docs(model: torch.nn.Module, row: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The single-process loss and gradients of a packed row: each document run alone (same labels)."""
+    count = int((row["labels"] != -100).sum())
+    total, at = 0.0, 0
+    for n in row["seq_lens"][0].tolist():
+        logits = model(input_ids=row["input_ids"][:, at : at + n], position_ids=torch.arange(n).unsqueeze(0),
+                       use_cache=False).logits  # fmt: skip
+        total = total + _sum_ce(logits, row["labels"][:, at : at + n]) / count
+        at += n
+    total.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return total.item(), grads
+
+
 def _local_step(model, local: dict, ctx_factory, count: int) -> torch.Tensor:
     with ctx_factory():
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
@@ -81,6 +108,12 @@ def run_method(method: str, model: torch.nn.Module, row: dict, mesh) -> torch.Te
     """One own-loop step of ``method`` on this rank's share of ``row``; returns the local loss (grads set)."""
     count = int((row["labels"] != -100).sum())  # global label count, before sharding
     batch = {k: v.clone() for k, v in row.items()}
+    if method in CP4_METHODS or "seq_lens" in batch:  # the one own-loop entry point of every method
+        from automodel.distributed.cp import context_parallel
+
+        cp = context_parallel(model, mesh, method=method, **CP4_METHODS.get(method, {}))
+        ctx, local = cp.shard(batch)
+        return _local_step(model, local, ctx, count)
     if method == "ring":
         from automodel.distributed.cp_utils import make_cp_batch_and_ctx
 
@@ -166,14 +199,23 @@ def _global_state() -> tuple:
     return (torch._C._len_torch_function_stack(), F.scaled_dot_product_attention)
 
 
-def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: float, ref_grads: dict) -> dict:
+def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: float | None, ref_grads: dict | None,
+             ref=None, compares: bool = True) -> dict:  # fmt: skip
+    """One cell; ``ref() -> (loss, grads)`` gives the reference when ``ref_loss`` is ``None`` (only once a method
+    ran: a refused cell needs none). ``compares=False`` (every rank of the group but the first: the reduced loss
+    and gradients are the same on each): a cell that ran is ``"ran"``, and the first rank's comparison counts."""
     before = _global_state()
     t0 = time.perf_counter()
     try:
         model = copy.deepcopy(base)
         loss = run_method(method, model, row, mesh)
         total, grads, _ = _reduce_grads(model, loss, mesh["cp"].get_group())
-        out = compare(ref_loss, ref_grads, total, grads)
+        if not compares:
+            out = {"status": "ran", "detail": "compared on the group's first rank"}
+        else:
+            if ref_loss is None:
+                ref_loss, ref_grads = ref()
+            out = compare(ref_loss, ref_grads, total, grads)
     except UserInputError as err:
         out = {"status": "refused", "detail": str(err).strip()}
     except Exception as err:  # noqa: BLE001 - every other exception is the cell's result
@@ -187,6 +229,8 @@ def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: floa
 
 def _agree(outcomes: list[dict]) -> tuple[dict, bool]:
     """The cell's outcome from every rank's; ``True`` when the ranks disagreed."""
+    if outcomes[0]["status"] in ("exact", "wrong") and all(o["status"] == "ran" for o in outcomes[1:]):
+        return dict(outcomes[0]), False  # every rank ran; the first compared the reduced numbers
     statuses = {o["status"] for o in outcomes}
     if len(statuses) == 1 and (statuses != {"crash"} or len({o["detail"] for o in outcomes}) == 1):
         worst = max(outcomes, key=lambda o: (o.get("grad_rel", 0.0), o.get("loss_rel", 0.0)))
@@ -195,8 +239,8 @@ def _agree(outcomes: list[dict]) -> tuple[dict, bool]:
     return {"status": "crash", "detail": detail, "per_rank": outcomes}, True
 
 
-def _build_mesh(world_size: int, cell_timeout_s: float):
-    """A fresh 1-D ``"cp"`` mesh over all ranks, on a new gloo group with a short timeout.
+def _build_mesh(ranks: list[int], cell_timeout_s: float):
+    """A fresh 1-D ``"cp"`` mesh over ``ranks``, on a new gloo group with a short timeout (only those ranks call it).
 
     ``ParallelDims(cp=world_size).build_mesh()["cp"]`` is the same 1-D mesh, but at cp = world size its
     group IS the default group, which a timed-out collective would break for good (and the launcher
@@ -204,82 +248,208 @@ def _build_mesh(world_size: int, cell_timeout_s: float):
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    ParallelDims(cp=world_size)  # the sizes a user would give: checks cp == world size
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cell_timeout_s))
+    ParallelDims(cp=len(ranks))  # the sizes a user would give
+    group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=cell_timeout_s),
+                           use_local_synchronization=True)  # fmt: skip
     return DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
 
 
-def main(rank: int, world_size: int, families: list[str] | None = None, methods=METHODS,
-         cell_timeout_s: float = 30.0, selftest_timeout_s: float = 0.0) -> dict:
-    """Run the matrix; every rank returns ``{"cells": {family: {method: outcome}}, "meta": {...}}``.
+def _auto_cell(pristine: torch.nn.Module, cells: dict, packed: bool, cp_size: int) -> dict:
+    """What ``cp_method: auto`` picks for the model at ``cp_size`` (own loop: ``seq_len=SEQ``), with the outcome of
+    that method's column; a refusal is the cell's outcome (it must then be that no column is exact)."""
+    from automodel.distributed.cp import choose_cp_method, profile_model
 
-    ``families`` restricts the run to those names; ``selftest_timeout_s > 0`` first runs a cell that fails
-    on rank 1 only while rank 0 waits in a collective (CP group timeout ``selftest_timeout_s``) and returns
-    what became of it under ``"selftest"``.
+    exact = [c for c, cell in cells.items() if c not in AUTO_COLUMNS and c.endswith(PACKED) == packed
+             and cell["status"] == "exact"]  # fmt: skip
+    try:
+        choice = choose_cp_method(profile_model(pristine), cp_size, seq_len=SEQ, packed=packed)
+    except UserInputError as err:
+        if exact:  # auto must never refuse a model that some method computes
+            return {"status": "wrong", "detail": f"auto refused ({err}), but {exact} compute it"}
+        return {"status": "refused", "detail": str(err).strip()}
+    except Exception as err:  # noqa: BLE001 - the chooser crashing is the cell's result
+        return {"status": "crash", "detail": _first_line(err), "traceback": traceback.format_exc()}
+    column = choice.name + (PACKED if packed else "")
+    picked = cells.get(column, {"status": "crash", "detail": f"auto picked {choice.name}, which has no column"})
+    out = {**picked, "picked": choice.name, "reason": choice.reason}
+    if picked["status"] != "exact" and exact:  # auto must never pick a refusing method while another computes
+        out.update(status="wrong", detail=f"auto picked {choice.name} ({picked['status']}), but {exact} compute it")
+    return out
+
+
+def _selftest(ranks: list[int], row: dict, agree_group, timeout_s: float, cell_timeout_s: float) -> tuple[dict, Any]:
+    """A cell that fails on the group's second rank only while the first waits in a collective: the outcome, and
+    the fresh mesh built after it."""
+    mesh = _build_mesh(ranks, timeout_s)
+    old_group = mesh["cp"].get_group()
+    gathered: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(gathered, run_cell("_asymmetric", torch.nn.Linear(1, 1), row, mesh, 0.0, {}),
+                           group=agree_group)  # fmt: skip
+    result, disagreed = _agree(gathered)
+    mesh = _build_mesh(ranks, cell_timeout_s)
+    probe = torch.ones(1)
+    dist.all_reduce(probe, group=mesh["cp"].get_group())
+    result.update(disagreed=disagreed, fresh_group=mesh["cp"].get_group() is not old_group,
+                  fresh_group_works=probe.item() == len(ranks))  # fmt: skip
+    return result, mesh
+
+
+def _family_info(fam, base: torch.nn.Module) -> dict:
+    return {
+        "model_class": type(base).__name__,
+        "supports_sdpa": bool(getattr(type(base), "_supports_sdpa", False)),
+        "attn_used": base.config._attn_implementation,
+        "layer_types": list(getattr(base.config, "layer_types", None) or []),
+        "n_params": sum(p.numel() for p in base.parameters()),
+    }
+
+
+def _refusals(profile, columns: tuple[str, ...], cp_size: int) -> dict[str, dict]:
+    """The cells of ``columns`` (``context_parallel`` methods at ``cp_size``) that the model check refuses before
+    any batch: the check ``context_parallel`` runs first (the registry's, on the model's profile), so a family
+    whose every such cell is refused needs no model in that launch phase."""
+    from automodel.distributed.cp import check_model_config_for_cp, get_cp_method
+    from automodel.distributed.cp.context import _Options
+
+    out = {}
+    for column in columns:
+        method = column.removesuffix(PACKED)
+        options = CP4_METHODS.get(method, {})
+        try:
+            check_model_config_for_cp(get_cp_method(method).configured(_Options(cp_size, options)), profile, cp_size)
+        except UserInputError as err:
+            out[column] = {"status": "refused", "detail": str(err).strip(), "seconds": 0.0}
+    return out
+
+
+def _run_families(fams: list, columns: tuple[str, ...], ranks: list[int], agree_group, mesh, row: dict,
+                  packed_row: dict, check_reference: bool, cell_timeout_s: float, later: tuple[str, ...] = (),
+                  known_cells: dict | None = None) -> tuple[dict, dict, int]:  # fmt: skip
+    """Every cell of ``columns`` for ``fams`` on the CP group of ``ranks``: ``(cells, meta, mesh rebuilds)``.
+
+    Only the group's first rank computes references and compares. ``later``: the ``CP4_METHODS`` columns, whose
+    refusals by the model check are recorded in the meta (``"cp4_refused"``); ``known_cells``: family ->
+    those refusals (the cp=4 phase builds no model for a family they cover)."""
+    first = dist.get_rank() == ranks[0]
+    check_reference = check_reference and first
+    cells: dict[str, dict] = {}
+    meta: dict[str, dict] = {}
+    rebuilt = 0
+    for fam in fams:
+        t0 = time.perf_counter()
+        info = {"model_type": fam.model_type, "kinds": fam.kinds, "attn": fam.attn, "note": fam.note}
+        refs: dict[bool, tuple] = {}
+        base = pristine = None
+        known: dict[str, dict] = {}
+        build_err = None
+        try:
+            known = dict((known_cells or {}).get(fam.name, {}))
+            if len(known) < len(columns):
+                base = fam.build_model(MODEL_SEED)
+                info.update(_family_info(fam, base))
+                pristine = copy.deepcopy(base)  # before any forward: some models cache tensors on the way
+                if later and first:
+                    from automodel.distributed.cp import profile_model
+
+                    info["cp4_refused"] = _refusals(profile_model(pristine), later, 4)
+            if check_reference:
+                refs[False] = reference(base, row)
+                again_loss, again_grads = reference(base, row)  # a random model (dropout, sampling router) can't compare
+                ref_loss, ref_grads = refs[False]
+                deterministic = again_loss == ref_loss and again_grads.keys() == ref_grads.keys() and all(
+                    torch.equal(again_grads[n], g) for n, g in ref_grads.items()
+                )
+                info.update(ref_loss=ref_loss, n_ref_grads=len(ref_grads), deterministic=deterministic,
+                            train_mode=base.training)  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - a family that cannot build fails all its cells
+            build_err = {"status": "crash", "detail": f"building or the cp=1 reference failed: {_first_line(err)}",
+                         "traceback": traceback.format_exc()}  # fmt: skip
+
+        def ref(packed: bool, base=base, refs=refs) -> tuple:
+            if packed not in refs:
+                refs[packed] = reference_docs(base, packed_row) if packed else reference(base, row)
+            return refs[packed]
+
+        cells[fam.name] = {}
+        for column in columns:
+            packed = column.endswith(PACKED)
+            if column in known:
+                local = known[column]
+            elif build_err:
+                local = dict(build_err)
+            elif column in AUTO_COLUMNS:
+                local = _auto_cell(pristine, cells[fam.name], packed, len(ranks))
+            else:
+                method = column.removesuffix(PACKED)
+                given = refs.get(packed, (None, None))
+                local = run_cell(method, pristine, packed_row if packed else row, mesh, *given,
+                                 ref=lambda packed=packed: ref(packed), compares=first)  # fmt: skip
+            gathered: list[Any] = [None] * len(ranks)
+            dist.all_gather_object(gathered, local, group=agree_group)
+            outcome, disagreed = _agree(gathered)
+            cells[fam.name][column] = outcome
+            if disagreed:  # a rank may have left an unmatched collective on the CP group: start afresh
+                mesh = _build_mesh(ranks, cell_timeout_s)
+                rebuilt += 1
+        info["seconds"] = round(time.perf_counter() - t0, 3)
+        meta[fam.name] = info
+    return cells, meta, rebuilt
+
+
+def main(rank: int, world_size: int, families: list[str] | None = None, cell_timeout_s: float = 30.0,
+         selftest_timeout_s: float = 0.0) -> dict:  # fmt: skip
+    """Run the matrix; every rank returns ``{"cells": {family: {column: outcome}}, "meta": {...}}``.
+
+    ``world_size`` 4 (or 2): the cp=2 columns (:func:`tests.family_matrix.columns`) run on pairs of ranks, the
+    families dealt out over the pairs; then the ``CP4_METHODS`` columns on all 4 ranks (skipped on 2), a family
+    whose model check refuses them all without building the model. ``families`` restricts the run to those
+    names; ``selftest_timeout_s > 0`` first runs, on every pair, a cell that fails on one rank only while the
+    other waits in a collective (CP group timeout ``selftest_timeout_s``) and returns what became of it under
+    ``"selftest"``.
     """
     import transformers
+
+    from tests.family_matrix import table_columns
 
     transformers.logging.set_verbosity_error()
     # a crashing cell's DTensor op logs its whole traceback from fake-tensor propagation; the cell records it
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    if world_size not in (2, 4):
+        raise ValueError(f"the family matrix runs on 2 or 4 ranks, not {world_size}")
+    pair_columns, cp4_columns = columns()
     t_start = time.perf_counter()
-    agree_group = dist.new_group(backend="gloo")  # outcomes travel here, never on a possibly broken CP group
-    row = make_row()
-    cells: dict[str, dict] = {}
-    meta: dict[str, dict] = {}
-    rebuilt = 0
-    selftest_result = None
+    row, packed_row = make_row(), make_packed_row()
+    selected = [f for f in FAMILIES if families is None or f.name in families]
+    pairs = [list(range(i, i + 2)) for i in range(0, world_size, 2)]
+    agree_groups = [dist.new_group(p, backend="gloo") for p in pairs]  # outcomes never travel on a CP group
+    world_agree = dist.new_group(backend="gloo")
+    me = rank // 2
+    mesh, selftest_result = None, None
     if selftest_timeout_s:  # prove that a one-rank failure inside a collective neither hangs nor poisons
-        mesh = _build_mesh(world_size, selftest_timeout_s)
-        old_group = mesh["cp"].get_group()
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, run_cell("_asymmetric", torch.nn.Linear(1, 1), row, mesh, 0.0, {}),
-                               group=agree_group)
-        selftest_result, disagreed = _agree(gathered)
-        mesh = _build_mesh(world_size, cell_timeout_s)
-        probe = torch.ones(1)
-        dist.all_reduce(probe, group=mesh["cp"].get_group())
-        selftest_result.update(disagreed=disagreed, fresh_group=mesh["cp"].get_group() is not old_group,
-                               fresh_group_works=probe.item() == world_size)
-    else:
-        mesh = _build_mesh(world_size, cell_timeout_s)
-    for fam in FAMILIES:
-        if families is not None and fam.name not in families:
-            continue
-        t0 = time.perf_counter()
-        info = {"model_type": fam.model_type, "kinds": fam.kinds, "attn": fam.attn, "note": fam.note}
-        try:
-            base = fam.build_model(MODEL_SEED)
-            info.update(
-                model_class=type(base).__name__,
-                supports_sdpa=bool(getattr(type(base), "_supports_sdpa", False)),
-                attn_used=base.config._attn_implementation,
-                layer_types=list(getattr(base.config, "layer_types", None) or []),
-                n_params=sum(p.numel() for p in base.parameters()),
-            )
-            pristine = copy.deepcopy(base)  # before any forward: some models cache tensors on the way
-            ref_loss, ref_grads = reference(base, row)
-            again_loss, again_grads = reference(base, row)  # a random model (dropout, sampling router) can't compare
-            deterministic = again_loss == ref_loss and again_grads.keys() == ref_grads.keys() and all(
-                torch.equal(again_grads[n], g) for n, g in ref_grads.items()
-            )
-            info.update(ref_loss=ref_loss, n_ref_grads=len(ref_grads), deterministic=deterministic,
-                        train_mode=base.training)
-            build_err = None
-        except Exception as err:  # noqa: BLE001 - a family that cannot build fails all its cells
-            build_err = {"status": "crash", "detail": f"building or the cp=1 reference failed: {_first_line(err)}",
-                         "traceback": traceback.format_exc()}
-        cells[fam.name] = {}
-        for method in methods:
-            local = dict(build_err) if build_err else run_cell(method, pristine, row, mesh, ref_loss, ref_grads)
-            gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, local, group=agree_group)
-            outcome, disagreed = _agree(gathered)
-            cells[fam.name][method] = outcome
-            if disagreed:  # a rank may have left an unmatched collective on the CP group: start afresh
-                mesh = _build_mesh(world_size, cell_timeout_s)
-                rebuilt += 1
-        info["seconds"] = round(time.perf_counter() - t0, 3)
-        meta[fam.name] = info
-    return {"cells": cells, "meta": meta, "seconds": round(time.perf_counter() - t_start, 2),
-            "mesh_rebuilds": rebuilt, "methods": list(methods), "selftest": selftest_result}
+        selftest_result, mesh = _selftest(pairs[me], row, agree_groups[me], selftest_timeout_s, cell_timeout_s)
+    mesh = mesh or _build_mesh(pairs[me], cell_timeout_s)
+    mine = [f for i, f in enumerate(selected) if i % len(pairs) == me]
+    cp4 = world_size == 4 and bool(cp4_columns)
+    cells, meta, rebuilt = _run_families(mine, pair_columns, pairs[me], agree_groups[me], mesh, row, packed_row,
+                                         True, cell_timeout_s, later=cp4_columns if cp4 else ())  # fmt: skip
+    t_pairs = time.perf_counter() - t_start
+    everything: list[Any] = [None] * world_size
+    dist.all_gather_object(everything, (cells, meta, rebuilt, selftest_result), group=world_agree)
+    cp4_cells: dict[str, dict] = {}
+    if cp4:
+        known = {name: m["cp4_refused"] for e in everything[::2] for name, m in e[1].items() if "cp4_refused" in m}
+        mesh4 = _build_mesh(list(range(4)), cell_timeout_s)
+        cp4_cells, _, more = _run_families(selected, cp4_columns, list(range(4)), world_agree, mesh4, row,
+                                           packed_row, False, cell_timeout_s, known_cells=known)  # fmt: skip
+        rebuilt += more
+    order = [c for c in table_columns() if c in pair_columns or (world_size == 4 and c in cp4_columns)]
+    all_cells: dict[str, dict] = {}
+    all_meta: dict[str, dict] = {}
+    for part_cells, part_meta, _, _ in everything[::2]:  # one rank per pair
+        all_cells.update(part_cells)
+        all_meta.update(part_meta)
+    merged = {f.name: {c: {**all_cells[f.name], **cp4_cells.get(f.name, {})}[c] for c in order} for f in selected}
+    return {"cells": merged, "meta": {f.name: all_meta[f.name] for f in selected},
+            "seconds": round(time.perf_counter() - t_start, 2), "pair_seconds": round(t_pairs, 2),
+            "mesh_rebuilds": sum(e[2] for e in everything[::2]), "methods": order,
+            "selftest": everything[0][3], "world_size": world_size}

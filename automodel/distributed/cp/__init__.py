@@ -6,6 +6,8 @@
 - :mod:`.profile`: :func:`profile_model`, each decoder layer's mixer kind;
 - :mod:`.ring`, :mod:`.ulysses`, :mod:`.thd`, :mod:`.thd_docs`, :mod:`.usp`: the built-in methods (registered here);
 - :mod:`.thd_docs.placement`: the document placement planner of ``thd_docs`` (a pure function of the lengths);
+- :mod:`.choose`: ``cp_method: auto``, the method that computes a model exactly at the least communication
+  (:func:`choose_cp_method`, from each method's own checks);
 - :mod:`.bind`: prepare a model for a method and get its batch function (the recipe's one call);
 - :mod:`.group`: the one place the CP process group is resolved;
 - :mod:`.guard`: the own-loop check at a model's first forward inside a CP context;
@@ -15,6 +17,7 @@
 Importing this package imports neither torch.distributed nor transformers: the config rules read it.
 """
 
+from automodel.distributed.cp.choose import AUTO, Choice, choose_cp_method
 from automodel.distributed.cp.method import CPMethod, PreparedModel, profile_problems
 from automodel.distributed.cp.profile import LayerSpec, ModelProfile, profile_model
 from automodel.distributed.cp.registry import (
@@ -37,6 +40,9 @@ for _method in (RingMethod(), UlyssesMethod(), ThdMethod(), ThdDocsMethod(), Usp
         register_cp_method(_method)
 
 __all__ = [
+    "AUTO",
+    "Choice",
+    "choose_cp_method",
     "ContextParallel",
     "context_parallel",
     "CPMethod",

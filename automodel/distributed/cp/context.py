@@ -44,6 +44,8 @@ gradients add up to the one-process ones (:meth:`ContextParallel.reduce_loss`,
 from __future__ import annotations
 
 import inspect
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,12 +53,15 @@ from typing import Any
 import torch
 
 from automodel.distributed.cp.bind import bind_cp_method
+from automodel.distributed.cp.choose import AUTO, Choice, choose_cp_method
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.guard import cached_profile
 from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel, profile_problems
 from automodel.distributed.cp.registry import check_model_config_for_cp, cp_methods, get_cp_method
 
 __all__ = ["BATCH_KEYS", "ContextParallel", "context_parallel", "canonical_batch"]
+
+_log = logging.getLogger(__name__)
 
 #: the keys :meth:`ContextParallel.shard` takes
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "loss_mask", "attention_mask", "seq_lens", "seq_lens_padded")
@@ -333,6 +338,8 @@ class ContextParallel:
         self.model, self.mesh, self.method, self.cp_size = model, mesh, method, cp_size
         self.group, self.options = group, options
         self._batch_fn, self._prepared, self._restored = batch_fn, prepared, False
+        #: what ``method="auto"`` chose and why (``None`` when a method was named)
+        self.choice: Choice | None = None
 
     def shard(self, batch: dict[str, Any]) -> tuple[Callable[[], Any], dict[str, Any]]:
         """``(ctx, local)`` for one micro-batch: ``with ctx(): loss = model(**local).loss``.
@@ -414,8 +421,9 @@ class ContextParallel:
             attn = f"attention {p.previous_attn!r} -> {p.current_attn!r}"
         else:
             attn = "attention unchanged" + (" (cp_size 1: no context parallelism)" if self.cp_size <= 1 else "")
+        chosen = f" ({self.choice.reason})" if self.choice is not None else ""
         return (
-            f"context_parallel: method {self.method.name} ({self.method.summary}); cp_size {self.cp_size}; "
+            f"context_parallel: method {self.method.name}{chosen} ({self.method.summary}); cp_size {self.cp_size}; "
             f"{profile.architecture}: {profile.summary()}; options: {opts}; {attn}"
         )
 
@@ -428,22 +436,57 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _choose(model: Any, mesh: Any, options: dict[str, Any]) -> tuple[CPMethod, Choice]:
+    """``method="auto"``: the chosen method (its options bound) and the :class:`Choice`; pops auto's own
+    options (``packed``, ``seq_len``, ``ranks_per_node``) from ``options`` and adds the chosen keys to it."""
+    packed = bool(options.pop("packed", False))
+    seq_len = options.pop("seq_len", None)
+    node = options.pop("ranks_per_node", None)
+    if node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
+        node = int(os.environ["LOCAL_WORLD_SIZE"])  # torchrun's processes per node
+    _, cp_size, _ = resolve_cp_group(mesh)
+
+    def option_problems(m: CPMethod, chosen: dict[str, Any]) -> list[str]:
+        accepted, fn_name = _accepted_options(m)
+        unknown = sorted(set(options) - accepted) if accepted is not None else []
+        return [f"{fn_name} takes no option {unknown}"] if unknown else []
+
+    choice = choose_cp_method(
+        cached_profile(model), cp_size, seq_len=seq_len, packed=packed, ranks_per_node=node,
+        extra_problems=option_problems,
+    )  # fmt: skip
+    options.update(choice.options)
+    _log.info("%s", choice.reason)
+    return choice.method, choice
+
+
 def context_parallel(model: Any, mesh: Any, method: str | CPMethod = "thd_docs", **options: Any) -> ContextParallel:
     """Check ``model`` against a CP method and prepare it (once); returns the handle that shards batches.
 
     Args:
         model: a transformers causal LM (mutated: its attention is switched to the method's).
         mesh: a ``DeviceMesh`` with a ``"cp"`` dim, a 1-D CP mesh, a CP ``ProcessGroup``, or ``None`` (no CP).
-        method: a registered method's name (``ring``, ``ulysses``, ``thd``, ``thd_docs``, ``usp``, ...) or a
-            :class:`CPMethod`.
+        method: a registered method's name (``ring``, ``ulysses``, ``thd``, ``thd_docs``, ``usp``, ...), a
+            :class:`CPMethod`, or ``"auto"``: the method that computes every layer of ``model`` exactly and is
+            expected to run fastest (:func:`~automodel.distributed.cp.choose.choose_cp_method`; the handle's
+            :attr:`ContextParallel.choice` says which and why). ``auto`` takes three options of its own:
+            ``packed=True`` when rows hold several documents (default ``False``: a method that attends across
+            the row may be chosen, and packed batches are then refused), ``seq_len=`` the row length (default:
+            any length, so a window shorter than the row is never left to the first attention call) and
+            ``ranks_per_node=`` (default ``$LOCAL_WORLD_SIZE``, else one node).
         options: the method's batch options, e.g. ``kernel=`` (thd), ``cost=`` (thd_docs: the placement's
             cost model, default the model's), ``ulysses_size=`` (usp), ``cp_rotate_method=`` (ring).
 
     Raises:
         ValueError: an unknown method, or an option its batch function does not take.
         UserInputError / CPUnsupportedError: a model the method does not compute exactly (the registry's
-            check: the layers, the reason and the methods that would run it).
+            check: the layers, the reason and the methods that would run it); with ``auto``: a model that no
+            method computes exactly (each method's reasons).
     """
+    choice = None
+    if isinstance(method, str) and method == AUTO:
+        options = dict(options)
+        method, choice = _choose(model, mesh, options)
     m = get_cp_method(method)
     accepted, fn_name = _accepted_options(m)
     if accepted is not None:
@@ -457,4 +500,6 @@ def context_parallel(model: Any, mesh: Any, method: str | CPMethod = "thd_docs",
     m = m.configured(_Options(cp_size, options))
     check_model_config_for_cp(m, cached_profile(model), cp_size)
     batch_fn, prepared = bind_cp_method(m, model, mesh, cp_size, **options)
-    return ContextParallel(model, mesh, m, cp_size, group, batch_fn, prepared, options)
+    handle = ContextParallel(model, mesh, m, cp_size, group, batch_fn, prepared, options)
+    handle.choice = choice
+    return handle

@@ -35,9 +35,30 @@ from typing import Any, ClassVar, Literal
 from automodel.distributed.cp.layout import head_tail_spans
 from automodel.distributed.cp.profile import LayerSpec, ModelProfile
 
-__all__ = ["AttentionSwitchingMethod", "CPMethod", "PreparedModel", "BatchFn"]
+__all__ = ["AttentionSwitchingMethod", "CPMethod", "ExchangeTerm", "PreparedModel", "BatchFn"]
 
 BatchFn = Callable[[Any, dict[str, Any]], tuple[Callable[[], Any], dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class ExchangeTerm:
+    """One collective of a method's CP attention, per attention layer and micro-batch (the dry run's step
+    estimate and ``cp_method: auto`` read it).
+
+    Attributes:
+        what: the collective in words (e.g. ``"K and V of the other ranks' tokens"``).
+        group: ranks taking part.
+        span: consecutive CP ranks the group covers (a group strided over the CP group spans all of it);
+            whether it stays inside a node is read from this.
+        bytes: sent per rank, forward and backward together.
+        passes: the forward's exchange counted this many times in all (backward included).
+    """
+
+    what: str
+    group: int
+    span: int
+    bytes: float
+    passes: int
 
 
 @dataclass
@@ -216,6 +237,29 @@ class CPMethod:
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
         """Bytes per rank the CP attention holds beyond the layer's own activations, and a note."""
         raise NotImplementedError
+
+    def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
+        """What one rank sends per attention layer and micro-batch (``d``: ModelDims, ``r``: RunShape of the
+        memory planner; ``packed``: rows hold several documents). The default reads :meth:`attention_extent`:
+        a kernel that sees whole rows with ``heads / cp`` (Ulysses) moves q, k, v and the output by all-to-all
+        (forward, and as much again in backward); one that sees the rank's queries against the whole row
+        receives K and V of the other ranks' tokens (forward, twice that in backward: K/V again and dK/dV)."""
+        cp = r.cp
+        if cp <= 1:
+            return []
+        heads_seen, q_tokens, _ = self.attention_extent(d, r)
+        kv = d.kv_heads // r.tp * d.head_dim
+        n = r.local_tokens
+        if q_tokens >= r.seq:
+            per_layer = (cp - 1) / cp * n * (2 * heads_seen * cp * d.head_dim + 2 * kv) * r.compute_bytes
+            return [ExchangeTerm("all-to-all of q, k, v and the output", cp, cp, 2 * per_layer, 2)]
+        per_layer = (cp - 1) * n * 2 * kv * r.compute_bytes
+        return [ExchangeTerm("K and V of the other ranks' tokens", cp, cp, 3 * per_layer, 3)]
+
+    def auto_configs(self, cp_size: int, ranks_per_node: int | None) -> list[tuple[CPMethod, dict[str, Any]]]:
+        """The configurations ``cp_method: auto`` may try, each ``(method with its options bound, the
+        distributed.<key> values that select them)``. Default: this method as it is, with no keys."""
+        return [(self, {})]
 
     def describe(self, seq: int, cp_size: int) -> str:
         """The dry run's line on how a row of ``seq`` tokens is split."""

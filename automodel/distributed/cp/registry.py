@@ -30,10 +30,15 @@ def register_cp_method(method: CPMethod, *, replace: bool = False) -> CPMethod:
     """Make ``method`` selectable as ``distributed.cp_method=<method.name>``; returns it.
 
     Raises:
-        ValueError: the name is empty, or taken and ``replace`` is false.
+        ValueError: the name is empty or ``auto`` (reserved), or taken and ``replace`` is false.
     """
     if not method.name:
         raise ValueError(f"{type(method).__name__} has no name; set the class attribute `name`")
+    if method.name == "auto":
+        raise ValueError(
+            f"{type(method).__name__} is named 'auto', which distributed.cp_method reserves for choosing a method; "
+            "give it another name"
+        )
     if method.name in _REGISTRY and not replace:
         raise ValueError(f"a CP method named {method.name!r} is already registered; pass replace=True")
     _REGISTRY[method.name] = method
@@ -58,6 +63,12 @@ def get_cp_method(method: str | CPMethod) -> CPMethod:
     """
     if isinstance(method, CPMethod):
         return method
+    if method == "auto":
+        raise ValueError(
+            "distributed.cp_method=auto names no method until the model is known: resolve it first "
+            "(automodel.config.cp_auto.resolve_cp_method in the recipe; own loop: context_parallel(model, mesh, "
+            "method='auto') or automodel.distributed.cp.choose_cp_method(profile, cp_size))"
+        )
     if method not in _REGISTRY:
         raise ValueError(
             f"distributed.cp_method={method!r} is not one of {sorted(_REGISTRY)}; "

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, PreparedModel, standard_problem
+from automodel.distributed.cp.method import (
+    AttentionSwitchingMethod,
+    BatchFn,
+    ExchangeTerm,
+    PreparedModel,
+    standard_problem,
+)
 from automodel.distributed.cp.profile import LayerSpec
 from automodel.distributed.cp.thd_docs.placement import CostModel, Placement, plan_documents, sample_lengths
 
@@ -40,10 +46,13 @@ def model_cost(model: Any) -> CostModel:
     config = text_config(model.config)
     param = next(iter(model.parameters()), None)
     on_cpu = param is None or param.device.type == "cpu"
+    inter = getattr(config, "intermediate_size", None)
+    if isinstance(inter, (list, tuple)):  # per layer (Gemma 3n): the cost model takes one size
+        inter = max(inter, default=None)
     return CostModel.from_profile(
         cached_profile(model),
         getattr(config, "hidden_size", None),
-        getattr(config, "intermediate_size", None),
+        inter,
         getattr(config, "vocab_size", None),
         attention_weight=CPU_ATTENTION_WEIGHT if on_cpu else 1.0,
     )
@@ -106,6 +115,20 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         """The placement of a sample batch: ``rows`` rows of ``seq`` tokens of lognormal documents (median
         :data:`SAMPLE_MEDIAN`, sigma 1, seed 0), full attention of ``width = heads * head_dim``."""
         return plan_documents(sample_lengths(seq, SAMPLE_MEDIAN, rows=rows), cp_size, CostModel.for_width(width))
+
+    def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
+        """K and V (and dK/dV) of split documents only, point to point among the ranks each spans: the busiest
+        rank of the dry run's sample batch (packed: lognormal documents, median :data:`SAMPLE_MEDIAN`; else
+        one document per row, split over every rank)."""
+        cp = r.cp
+        if cp <= 1:
+            return []
+        rows = max(1, r.local_batch)
+        lengths = sample_lengths(r.seq, SAMPLE_MEDIAN, rows=rows) if packed else [r.seq] * rows
+        plan = plan_documents(lengths, cp, CostModel.for_width(d.heads * d.head_dim))
+        kv = d.kv_heads // r.tp * d.head_dim
+        sent = max(plan.step_tokens(rank) for rank in range(cp)) * 2 * kv * r.compute_bytes
+        return [ExchangeTerm("K and V of split documents only", cp, cp, sent, 3)]
 
     def token_ranges(self, seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
         """The row's token ranges rank ``cp_rank`` holds in the dry run's sample batch (real batches differ)."""

@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from automodel.distributed.cp.gathered_method import GatheredKVMethod
-from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel, standard_problem
+from automodel.distributed.cp.method import BatchFn, CPMethod, ExchangeTerm, PreparedModel, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 from automodel.distributed.cp.subgroups import ulysses_size_problem as _ulysses_size_problem
 
@@ -157,6 +157,28 @@ class UspMethod(GatheredKVMethod):
             f"usp ({what}): all-to-all buffers of q, k, v and the output; K/V of the whole row for H/U heads "
             "all-gathered per layer, dK/dV before the reduce-scatter"
         )
+
+    def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
+        """The all-to-all of q, k, v and the output inside the Ulysses sub-group (``U`` consecutive ranks), then
+        the K/V all-gather of the ring sub-group (``R`` ranks strided over the whole CP group) for ``H/U``
+        heads; without a bound ``ulysses_size``, the default (one group over ``cp_size``)."""
+        u = self.ulysses_size
+        if u is None or u <= 1 or r.cp <= 1 or r.cp % u:
+            return super().exchange_terms(d, r, packed)
+        ring, c, n = r.cp // u, r.compute_bytes, r.local_tokens
+        kv_local = max(1, d.kv_heads // r.tp)
+        kv_sent = kv_local * (u // math.gcd(kv_local, u)) * d.head_dim  # KV heads replicated up to U
+        a2a = 2 * (u - 1) / u * n * (2 * d.heads // r.tp * d.head_dim + 2 * kv_sent) * c
+        out = [ExchangeTerm(f"all-to-all of q, k, v and the output (ulysses {u})", u, u, a2a, 2)]
+        if ring > 1:  # after the all-to-all: u * n tokens for kv_sent / u heads, K and V of the other ring ranks
+            gather = 3 * (ring - 1) * n * 2 * kv_sent * c
+            out.append(ExchangeTerm(f"K and V of the other ring ranks' tokens (ring {ring})", ring, r.cp, gather, 3))
+        return out
+
+    def auto_configs(self, cp_size: int, ranks_per_node: int | None) -> list[tuple[CPMethod, dict[str, Any]]]:
+        """Every proper factoring ``cp_size = ulysses_size x ring`` (both > 1): ``ulysses_size`` 1 or ``cp_size``
+        is plain thd or Ulysses, which ``auto`` tries under their own names."""
+        return [(UspMethod(u), {"ulysses_size": u}) for u in range(2, cp_size) if cp_size % u == 0]
 
     def describe(self, seq: int, cp_size: int) -> str:
         u = self.ulysses_size

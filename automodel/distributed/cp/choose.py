@@ -1,0 +1,253 @@
+"""``cp_method: auto``: the CP method that computes a model exactly and is expected to run fastest.
+
+:func:`choose_cp_method` reads no table of its own. For every registered method, and every configuration
+the method offers (:meth:`~automodel.distributed.cp.method.CPMethod.auto_configs`: usp's factorings of
+``cp_size``), it asks the method's own checks why it would not run the model exactly:
+
+- packed rows (several documents per row) and :attr:`~CPMethod.supports_packed`;
+- a VLM and :attr:`~CPMethod.supports_vlm`;
+- :meth:`~CPMethod.head_split_problem` (the heads over ``cp_size``, after ``tp_size``);
+- :func:`~automodel.distributed.cp.method.profile_problems`: every layer's
+  :meth:`~CPMethod.layer_problem` and the attention implementation's :meth:`~CPMethod.attn_problem`
+  (rows of ``seq_len`` tokens; when the length is not known, rows of any length: a window is then
+  shorter than the row, never left to the first attention call);
+- ``extra_problems(method, options)``: what the caller adds (the recipe: the config rules of that method).
+
+A method with any problem is refused; a method added or taught a new layer kind is picked up through
+these checks with no change here. Among the methods that compute the model, the cheapest wins:
+
+**The cost** is the dry run's communication model (:meth:`~CPMethod.exchange_terms`, which the step
+estimate of ``recipe.gpu_type`` prints): the bytes one rank sends per attention layer for a row of
+``seq_len`` tokens (:data:`NOMINAL_SEQ` when not known; bf16), each collective weighted by its link:
+:data:`INTER_NODE_WEIGHT` times a byte inside a node when its ranks span nodes (``ranks_per_node``;
+``None``: one node). Ties go to the method registered first. What the model says, in short: Ulysses'
+all-to-all does not grow with ``cp_size`` while the K/V exchange of ring and thd does, so Ulysses wins
+where its heads divide ``cp_size`` inside a node (with GQA, from ``cp_size`` 4 on); thd_docs sends only
+the K/V of documents split across ranks, so it wins on packed rows of short documents; across nodes
+the all-to-all pays the network rate and usp (all-to-all inside a node, K/V across) or the K/V methods win.
+Only attention's exchange is counted (a linear mixer's state hand-off is tiny; Ulysses' head split of
+it is not counted), and windows are counted as full rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from automodel.distributed.cp.method import CPMethod, ExchangeTerm, profile_problems
+from automodel.distributed.cp.profile import ModelProfile
+from automodel.distributed.cp.registry import cp_methods
+from automodel.errors import CPUnsupportedError
+
+__all__ = [
+    "AUTO",
+    "INTER_NODE_WEIGHT",
+    "NOMINAL_SEQ",
+    "Candidate",
+    "Choice",
+    "choose_cp_method",
+    "span_inside_node",
+]
+
+#: the value of ``distributed.cp_method`` / ``context_parallel(method=...)`` that picks a method
+AUTO = "auto"
+#: a byte sent across nodes costs this many bytes sent inside one (NVLink 450 GB/s vs 400 Gb/s InfiniBand,
+#: 50 GB/s: the H100 / H200 entries of automodel/config/gpu_specs.py give 9)
+INTER_NODE_WEIGHT = 8.0
+#: the row length the cost is computed for when it is not known (the own loop)
+NOMINAL_SEQ = 4096
+#: the row length the exactness checks use when it is not known: longer than any window or chunk
+_ANY_LENGTH = 1 << 40
+_COMPUTE_BYTES = 2  # bf16
+
+
+def span_inside_node(span: int, node: int | None) -> bool:
+    """A group of ``span`` consecutive ranks (row-major mesh) stays inside nodes of ``node`` ranks
+    (``None``: one node holds every rank)."""
+    return node is None or (span <= node and node % span == 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of one method, as :func:`choose_cp_method` judged it."""
+
+    method: CPMethod  # its options bound (usp: ulysses_size)
+    options: dict[str, Any]  # the distributed.<key> values that select it besides cp_method
+    problems: tuple[str, ...]  # why it does not compute the model exactly (empty: it does)
+    cost: float = 0.0  # weighted bytes per rank per attention layer (see the module docstring)
+    terms: tuple[ExchangeTerm, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    @property
+    def label(self) -> str:
+        """``usp (ulysses_size=2)``; the bare name without options."""
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.name} ({opts})" if opts else self.name
+
+    @property
+    def computes(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` picked: the method (options bound), the keys that select it, why, and every candidate."""
+
+    method: CPMethod
+    options: dict[str, Any]
+    reason: str  # one line for the log and the dry run
+    candidates: tuple[Candidate, ...] = field(default=())
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+
+def _dims(profile: ModelProfile) -> SimpleNamespace:
+    heads = profile.num_attention_heads or 1
+    hidden = profile.hidden_size or 64 * heads
+    return SimpleNamespace(
+        heads=heads,
+        kv_heads=profile.num_key_value_heads or heads,
+        head_dim=profile.head_dim or max(1, hidden // heads),
+        hidden=hidden,
+    )
+
+
+def _shape(seq: int, cp_size: int, tp_size: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        cp=cp_size, tp=tp_size, seq=seq, local_tokens=max(1, seq // cp_size), local_batch=1,
+        compute_bytes=_COMPUTE_BYTES,
+    )  # fmt: skip
+
+
+def _model_problems(
+    m: CPMethod, profile: ModelProfile, cp_size: int, tp_size: int, seq_len: int | None, packed: bool
+) -> list[str]:
+    """Every reason ``m`` (options bound) does not run the model exactly, from its own declarations and checks."""
+    problems = []
+    if packed and not m.supports_packed:
+        problems.append(f"packed rows (several documents per row): {m.name} attends across the whole row")
+    if profile.is_vlm and not m.supports_vlm:
+        problems.append(f"a VLM ({profile.model_type}): {m.name} does not take merged image and text embeddings")
+    head = m.head_split_problem(profile.num_attention_heads, cp_size, tp_size)
+    if head is not None:
+        problems.append(head)
+    if seq_len is None:  # not known: rows of any length (a window shorter than the row is judged now)
+        rows = f"the rows ({_ANY_LENGTH} tokens)"
+        problems += [p.replace(rows, "rows of any length") for p in profile_problems(m, profile, _ANY_LENGTH)]
+    else:
+        problems += profile_problems(m, profile, seq_len)
+    return problems
+
+
+def _cost(m: CPMethod, profile: ModelProfile, cp_size: int, tp_size: int, seq: int, packed: bool,
+          ranks_per_node: int | None) -> tuple[float, tuple[ExchangeTerm, ...]]:  # fmt: skip
+    terms = tuple(m.exchange_terms(_dims(profile), _shape(seq, cp_size, tp_size), packed))
+    cost = sum(
+        t.bytes * (1.0 if span_inside_node(t.span * tp_size, ranks_per_node) else INTER_NODE_WEIGHT) for t in terms
+    )
+    return cost, terms
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
+
+
+def _short(problem: str, limit: int = 90) -> str:
+    text = " ".join(problem.split())
+    return text if len(text) <= limit else text[: text.rfind(" ", 0, limit)].rstrip(",;:") + " ..."
+
+
+def choose_cp_method(
+    profile: ModelProfile,
+    cp_size: int,
+    *,
+    seq_len: int | None = None,
+    packed: bool = False,
+    tp_size: int = 1,
+    ranks_per_node: int | None = None,
+    extra_problems: Callable[[CPMethod, dict[str, Any]], list[str]] | None = None,
+) -> Choice:
+    """The method that computes ``profile``'s model exactly and is expected to run fastest (module docstring).
+
+    Args:
+        profile: :func:`~automodel.distributed.cp.profile.profile_model` of the model.
+        cp_size: the CP group's size (``<= 1``: no CP; the method chosen at ``cp_size`` 2, else the first
+            one without ``extra_problems``).
+        seq_len: the (padded) row length; ``None``: not known (windows are then judged against any length).
+        packed: rows hold several documents each (the dataset packs them, or the batches carry ``seq_lens``).
+        tp_size: tensor parallelism (divides the heads before CP does).
+        ranks_per_node: processes per node (``None``: every rank on one node).
+        extra_problems: ``(method, options) -> reasons`` the caller adds (the recipe: that method's config rules).
+
+    Returns:
+        the :class:`Choice`: the method with its options bound, the ``distributed.<key>`` values that select
+        it, a one-line reason and every candidate.
+
+    Raises:
+        CPUnsupportedError: no method computes the model exactly; the message gives each method's reasons.
+    """
+    if cp_size <= 1:  # no CP: the method auto picks at cp_size 2 (the same data and checks), so runs agree
+        try:
+            at2 = choose_cp_method(profile, 2, seq_len=seq_len, packed=packed, tp_size=tp_size,
+                                   ranks_per_node=ranks_per_node, extra_problems=extra_problems)  # fmt: skip
+        except CPUnsupportedError:
+            pass  # every method runs the model as one process: the first the config allows
+        else:
+            reason = (
+                f"cp_method auto: {at2.method.name} (cp_size 1: no context parallelism; the method auto picks for "
+                "this model at cp_size 2)"
+            )
+            return Choice(at2.method, at2.options, reason, at2.candidates)
+    seq = seq_len or NOMINAL_SEQ
+    candidates: list[Candidate] = []
+    empty: list[str] = []
+    for name, method in cp_methods().items():
+        configs = method.auto_configs(cp_size, ranks_per_node)
+        if not configs:
+            empty.append(f"{name}: no configuration at cp_size={cp_size}")
+            continue
+        for m, options in configs:
+            problems = _model_problems(m, profile, cp_size, tp_size, seq_len, packed) if cp_size > 1 else []
+            if extra_problems is not None:
+                problems += extra_problems(m, options)
+            cost, terms = _cost(m, profile, cp_size, tp_size, seq, packed, ranks_per_node) if not problems else (0.0, ())
+            candidates.append(Candidate(m, dict(options), tuple(problems), cost, terms))
+    running = sorted((c for c in candidates if c.computes), key=lambda c: c.cost)  # stable: registration order
+    where = (
+        f"cp_size {cp_size}" + (f" x tp_size {tp_size}" if tp_size > 1 else "")
+        + (f", {ranks_per_node} ranks per node" if ranks_per_node else "")
+        + f", {'packed rows' if packed else 'one document per row'}"
+        + (f" of {seq_len} tokens" if seq_len else " of any length")
+    )  # fmt: skip
+    if not running:
+        reasons = [f"{c.label}: {'; '.join(c.problems)}" for c in candidates] + empty
+        raise CPUnsupportedError(
+            f"distributed.cp_method=auto found no CP method that computes {profile.architecture} "
+            f"(model_type={profile.model_type}) exactly at {where}: {' | '.join(reasons)}. Train it with "
+            "distributed.cp_size=1, or change what a reason names. See docs/support_matrix.md"
+        )
+    best = running[0]
+    if cp_size <= 1:
+        reason = f"cp_method auto: {best.label} (cp_size 1: no context parallelism, every method runs as one process)"
+        return Choice(best.method, best.options, reason, tuple(candidates))
+    sent = ", ".join(f"{t.what}, {t.group} ranks" for t in best.terms) or "nothing"
+    others = [f"{c.label} {_kib(c.cost)}" for c in running[1:]]
+    refused = {}
+    for c in candidates:  # one reason per method (its first configuration's)
+        if not c.computes and c.name not in refused and c.name not in {r.name for r in running}:
+            refused[c.name] = _short(c.problems[0])
+    refused.update(e.split(": ", 1) for e in empty)
+    reason = (
+        f"cp_method auto: {best.label}, the cheapest method that computes every layer of {profile.architecture} "
+        f"exactly at {where}: {_kib(best.cost)} sent per rank per attention layer ({sent})"
+        + (f"; costlier: {', '.join(others)}" if others else "")
+        + (f"; refused: {'; '.join(f'{n} ({r})' for n, r in refused.items())}" if refused else "")
+    )
+    return Choice(best.method, best.options, reason, tuple(candidates))
