@@ -378,18 +378,17 @@ def parse_steps(text: str) -> list[dict[str, float]]:
 
 
 def parse_plan(text: str) -> dict[str, float]:
-    """From a dry run's report: the planned peak memory (GiB) and step time (s), where it states them."""
+    """From a dry run's report: the planned total memory per rank (GiB), the estimated step time (s) and the
+    compute per step (TFLOP), where it states them."""
     plan: dict[str, float] = {}
-    for line in text.splitlines():
-        low = line.lower()
-        if "peak" in low and "gib" in low and "plan_peak_gib" not in plan:
-            m = re.search(r"([\d.]+)\s*GiB", line)
-            if m:
-                plan["plan_peak_gib"] = float(m[1])
-        if "step" in low and re.search(r"([\d.]+)\s*s(/step)?\b", line) and "plan_step_s" not in plan and "time" in low:
-            m = re.search(r"([\d.]+)\s*s(/step)?\b", line)
-            if m:
-                plan["plan_step_s"] = float(m[1])
+    for key, pattern, factor in (
+        ("plan_total_gib", r"total ([\d.]+) GiB per rank", 1.0),
+        ("plan_step_s", r"estimated step time: ([\d.]+) ms", 1e-3),
+        ("plan_tflop", r"compute: ([\d.]+) TFLOP per rank per step", 1.0),
+    ):
+        m = re.search(pattern, text)
+        if m:
+            plan[key] = float(m[1]) * factor
     return plan
 
 
@@ -402,7 +401,7 @@ def _common_overrides(out_root: str, steps: int) -> list[str]:
         "recipe.gpus=1", "recipe.cp_self_check=false", f"recipe.output_root={out_root}",
         "step_scheduler.global_batch_size=1", "step_scheduler.local_batch_size=1", f"step_scheduler.max_steps={steps}",
         "step_scheduler.val_every_steps=null", "step_scheduler.ckpt_every_steps=null", "checkpoint.enabled=false",
-        "export.enabled=false", "logging.progress_bar=false", "logging.plot=false",
+        "export.enabled=false", "logging.progress_bar=false", "logging.plot=false", "lr_scheduler.warmup_steps=0",
     ]
 
 
@@ -434,39 +433,175 @@ def check_recipe(model: str, seq: int, steps: int, budget: float, gpu_name: str)
         return Result(name, "FAIL", f"rc={rc}: {_tail(text)}")
     last = steps_seen[-1]
     figs: dict[str, Any] = {"tokens_per_s": last["tokens_per_s"], "peak_gib": last["peak_mem_gib"], "loss": last["loss"]}
-    fpt = _flops_per_token(cfg, seq)
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in gpu_name), None)
-    if fpt and peak:
-        figs["mfu"] = last["tokens_per_s"] * fpt / peak
     plan = parse_plan(plan_text) if rc_plan == 0 else {}
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in gpu_name), None)
+    if peak and "plan_tflop" in plan:  # the dry run's FLOP count over the measured step time
+        figs["mfu"] = plan["plan_tflop"] * 1e12 / last["step_time_s"] / peak
+    elif peak and (fpt := _flops_per_token(cfg, seq)):
+        figs["mfu"] = last["tokens_per_s"] * fpt / peak
     figs.update(plan)
-    if "plan_peak_gib" in plan:
-        figs["peak_vs_plan"] = last["peak_mem_gib"] / max(plan["plan_peak_gib"], 1e-9)
+    if "plan_total_gib" in plan:
+        figs["peak_vs_plan"] = last["peak_mem_gib"] / max(plan["plan_total_gib"], 1e-9)
+    if "plan_step_s" in plan:
+        figs["step_vs_plan"] = last["step_time_s"] / max(plan["plan_step_s"], 1e-9)
     ok = math.isfinite(last["loss"])
     detail = "" if rc_plan == 0 else f"dry run rc={rc_plan}: {_tail(plan_text, 1)}"
     return Result(name, "PASS" if ok else "FAIL", detail, figs)
 
 
-def check_methods(steps: int, budget: float) -> list[Result]:
-    """thd, thd_docs, ulysses and ring through the recipe at world size 1 on CUDA (a tiny Llama)."""
-    res = []
-    per = budget / 4
-    for method, cfg in (("ring", "configs/cp.yaml"), ("ulysses", "configs/cp_ulysses.yaml"),
-                        ("thd", "configs/cp_packed.yaml"), ("thd_docs", "configs/cp_packed.yaml")):
+def _tiny_llama(device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
+
+
+def _doc_batch(lengths: list[int], device: torch.device) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 256, (n + 1,), generator=g) for n in lengths]
+    batch = {"input_ids": torch.cat([d[:-1] for d in docs]).unsqueeze(0),
+             "labels": torch.cat([d[1:] for d in docs]).unsqueeze(0),
+             "position_ids": torch.cat([torch.arange(len(d) - 1) for d in docs]).unsqueeze(0)}
+    return batch, docs
+
+
+def _method_api(method: str):
+    """``(switch(model), make_batch_and_ctx(mesh, batch))`` of a method's own-loop API (world size 1: mesh None)."""
+    if method == "thd":
+        from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
+
+        return set_thd_attention, make_thd_batch_and_ctx
+    if method == "thd_docs":
+        from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx, set_doc_attention
+
+        return set_doc_attention, make_doc_batch_and_ctx
+    if method == "ulysses":
+        from automodel.distributed.cp.ulysses.attention import (
+            make_ulysses_batch_and_ctx,
+            set_ulysses_attention,
+        )
+
+        return set_ulysses_attention, make_ulysses_batch_and_ctx
+    from automodel.distributed.cp.ring.batch import make_cp_batch_and_ctx
+
+    return (lambda model: None), make_cp_batch_and_ctx
+
+
+def check_method(method: str, device: torch.device, dtype: torch.dtype) -> Result:
+    """One CP method's attention at world size 1 (its own-loop API, no process group) on ``device``: the loss and
+    every parameter gradient against the model run on each document alone (ring: one document per row)."""
+    name = f"methods/{method}/ws1/{str(dtype).replace('torch.', '')}"
+    lengths = [1000] if method == "ring" else [300, 18, 640, 90]
+    batch, docs = _doc_batch(lengths, device)
+    if method != "ring":
+        batch["seq_lens"] = batch["seq_lens_padded"] = torch.tensor([lengths])
+    ref_model = _tiny_llama(device, dtype)
+    total = sum(lengths)
+    ref_loss = 0.0
+    for d in docs:
+        logits = ref_model(input_ids=d[:-1][None].to(device)).logits.float()
+        part = torch.nn.functional.cross_entropy(logits[0], d[1:].to(device), reduction="sum") / total
+        part.backward()
+        ref_loss += float(part.detach())
+    model = _tiny_llama(device, dtype)
+    switch, make = _method_api(method)
+    switch(model)
+    ctx, local = make(None, batch)
+    with ctx():
+        logits = model(input_ids=local["input_ids"].to(device), position_ids=local["position_ids"].to(device)).logits
+    loss = torch.nn.functional.cross_entropy(logits[0].float(), local["labels"][0].to(device), reduction="sum",
+                                             ignore_index=-100) / total
+    loss.backward()
+    e_loss = abs(float(loss.detach()) - ref_loss) / abs(ref_loss)
+    e_grad = max(_rel(p.grad, r.grad) for p, r in zip(model.parameters(), ref_model.parameters()))
+    bars = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 5e-2)
+    ok = e_loss <= bars[0] and e_grad <= bars[1]
+    return Result(name, "PASS" if ok else "FAIL", "" if ok else f"bars: loss {bars[0]}, grads {bars[1]}",
+                  {"loss_rel": e_loss, "grad_rel": e_grad})
+
+
+def ws2_worker(method: str, backend: str, port: int, rank: int, out: str) -> int:
+    """One of 2 processes on the one GPU: ``method`` through ``context_parallel`` over a 2-rank group of
+    ``backend``; rank 0 writes the loss / gradient errors against each document alone to ``out`` (JSON)."""
+    import torch.distributed as dist
+
+    from automodel.distributed.cp import context_parallel
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")  # cpu: a dry test
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    lengths = [1000] if method == "ring" else [300, 18, 640, 90]
+    batch, docs = _doc_batch(lengths, device)
+    if method != "ring":
+        batch["seq_lens"] = batch["seq_lens_padded"] = torch.tensor([lengths])
+    model = _tiny_llama(device, torch.float32)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (2,), mesh_dim_names=("cp",))
+    cp = context_parallel(model, mesh, method=method)
+    ctx, local = cp.shard(batch)
+    local = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in local.items()}
+    with ctx():
+        loss = model(**local).loss
+        loss.backward()
+    cp.reduce_gradients()
+    loss = float(cp.reduce_loss(loss.detach()))
+    if rank == 0:
+        ref_model, total, ref_loss = _tiny_llama(device, torch.float32), sum(lengths), 0.0
+        for d in docs:
+            logits = ref_model(input_ids=d[:-1][None].to(device)).logits.float()
+            part = torch.nn.functional.cross_entropy(logits[0], d[1:].to(device), reduction="sum") / total
+            part.backward()
+            ref_loss += float(part.detach())
+        e_grad = max(_rel(p.grad, r.grad) for p, r in zip(model.parameters(), ref_model.parameters()))
+        Path(out).write_text(json.dumps({"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": e_grad}))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def check_ws2(method: str, timeout: float) -> Result:
+    """``method`` with 2 processes on the one GPU: NCCL if it allows two ranks on one device, else gloo with
+    CUDA tensors; the line says which ran."""
+    tried = []
+    for backend in ("nccl", "gloo"):
         with tempfile.TemporaryDirectory() as tmp:
-            over = [*_common_overrides(tmp, steps), f"distributed.cp_method={method}", "data.seq_len=4096",
-                    "logging.log_every_steps=1"]
-            over = [o for o in over if not o.startswith(("model.pretrained", "data.tokenizer"))]
-            t0 = time.monotonic()
-            rc, text = _recipe(cfg, over, per)
-        recs = parse_steps(text)
-        ok = rc == 0 and recs and all(math.isfinite(r["loss"]) for r in recs)
-        figs = {"loss": recs[-1]["loss"], "tokens_per_s": recs[-1]["tokens_per_s"]} if recs else {}
-        res.append(Result(f"methods/{method}/ws1", "PASS" if ok else "FAIL", "" if ok else f"rc={rc}: {_tail(text)}",
-                          figs, time.monotonic() - t0))
-    res.append(Result("methods/ws2", "SKIP",
-                      "2 processes on one GPU: NCCL refuses two ranks on one device and the launcher maps LOCAL_RANK "
-                      "1 to cuda:1; the 2-rank parity is proven by CI's gloo tests on CPU"))
+            out = Path(tmp) / "r.json"
+            port = 29600 + (os.getpid() + len(tried) * 7) % 300
+            env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+            procs = [subprocess.Popen([sys.executable, __file__, "--ws2-worker", method, backend, str(port), str(r), str(out)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+            logs = []
+            for p in procs:
+                try:
+                    logs.append(p.communicate(timeout=timeout / 2)[0])
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    logs.append(f"timed out after {timeout / 2:.0f} s")
+            if out.exists() and all(p.returncode == 0 for p in procs):
+                figs = json.loads(out.read_text())
+                ok = figs["loss_rel"] <= 1e-5 and figs["grad_rel"] <= 1e-4
+                ran = f"ran: {backend}" + (f" (after {', '.join(tried)})" if tried else "")
+                return Result(f"methods/{method}/ws2", "PASS" if ok else "FAIL", ran, figs)
+            tried.append(f"{backend} failed: {_tail(' '.join(logs), 1)[:160]}")
+    return Result(f"methods/{method}/ws2", "FAIL", "; ".join(tried))
+
+
+def check_methods(device: torch.device, ws2_budget: float) -> list[Result]:
+    """thd, thd_docs, ulysses and ring at world size 1 on ``device`` (fp32 and bf16), then with 2 processes."""
+    res = []
+    for method in ("thd", "thd_docs", "ulysses", "ring"):
+        for dtype in (torch.float32, torch.bfloat16):
+            try:
+                res.append(check_method(method, device, dtype))
+            except Exception as e:  # noqa: BLE001
+                res.append(Result(f"methods/{method}/ws1/{str(dtype).replace('torch.', '')}", "FAIL",
+                                  f"{type(e).__name__}: {str(e)[:300]}"))
+    for method in ("thd", "thd_docs", "ulysses", "ring"):
+        res.append(check_ws2(method, ws2_budget / 4))
     return res
 
 
@@ -546,6 +681,10 @@ def check_te_partition() -> Result:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--ws2-worker"]:
+        method, backend, port, rank, out = argv[1:6]
+        return ws2_worker(method, backend, int(port), int(rank), out)
     args = parse_args(argv)
     runner = Runner(args.budget_s, args.only, args.skip)
     cuda = torch.cuda.is_available() and not args.dry
@@ -565,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         runner.run("varlen", "varlen", lambda: check_varlen(device), 30)
         runner.run("throughput", "throughput", lambda: check_throughput(device), 45)
         runner.run("te", "te_partition", check_te_partition, 20)
-        runner.run("methods", "methods", lambda: check_methods(3, min(120.0, max(runner.left() - 200, 30))), 120)
+        runner.run("methods", "methods", lambda: check_methods(device, min(160.0, max(runner.left() - 300, 40))), 200)
         gpu = env.get("gpu", "")
         for model in _MODELS:
             for seq in (8192, 32768):
