@@ -262,3 +262,33 @@ def test_cpu_keeps_its_backends():
     assert cuda_blocks.cuda_caps(q.device) is None
     assert cuda_blocks.varlen_documents(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                                         torch.tensor([0, 12]), 12) is None
+
+
+def test_ulysses_documents_in_one_call_assemble_like_the_blocks(monkeypatch):
+    """doc_blocks' one-call path (CUDA: one varlen_attn call) against its per-document blocks, with a CPU
+    stand-in for the call that runs each document of the flat stream as its own block: values and gradients."""
+    from automodel.distributed.cp.ulysses import doc_blocks
+
+    def per_document(q, k, v, cu, max_len, *, causal, window=None, scale=None, backend=None):
+        outs = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            x = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+            outs.append(blocks.block_forward(*x, causal=causal, scale=scale)[0][0].transpose(0, 1))
+        return torch.cat(outs)
+
+    docs = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 7 + [1] * 5])
+    real = torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0], [1] * 7 + [1, 1, 0, 0, 0]]).bool()
+    segments = doc_blocks.document_segments(docs, real, 2, 12)
+    q, k, v = (t.requires_grad_(True) for t in _inputs(b=2, n=12, m=12))
+    for causal in (True, False):
+        ref = doc_blocks.document_block_attention(None, None, q, k, v, segments, is_causal=causal, needs_mask=False,
+                                                  scaling=0.4)
+        monkeypatch.setattr(doc_blocks, "documents_forward", per_document)
+        got = doc_blocks.document_block_attention(None, None, q, k, v, segments, is_causal=causal, needs_mask=False,
+                                                  scaling=0.4)
+        monkeypatch.undo()
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+        dout = torch.randn_like(ref)
+        for a, b_ in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+            torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+    assert doc_blocks._one_call(q, k, v, segments, True, 0.4) is None  # CPU: no one-call kernel

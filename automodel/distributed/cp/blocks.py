@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
-from automodel.distributed.cp.cuda_blocks import cuda_block_backward, cuda_block_forward
+from automodel.distributed.cp.cuda_blocks import cuda_block_backward, cuda_block_forward, varlen_documents
 
 __all__ = [
     "BACKENDS",
@@ -46,6 +46,7 @@ __all__ = [
     "blocked_attention",
     "block_backward",
     "block_forward",
+    "documents_forward",
     "force_backend",
     "merge",
     "merge_sinks",
@@ -297,6 +298,29 @@ def block_backward(
         if got is not None:
             return got
     return _math_backward(dout, q, k, v, out, lse, causal, scale, allowed, softcap)
+
+
+def documents_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor | None:
+    """Every document of a packed token stream in ONE kernel call where the device's slot has one (CUDA:
+    ``varlen_attn``), else ``None`` (the caller runs one :func:`block_forward` per document).
+
+    ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``, ``cu_seqlens`` ``[N+1]`` document offsets; ``causal``
+    inside each document (else bidirectional), ``window`` a sliding window (causal only). Returns ``[T, Hq, D]``
+    differentiable w.r.t. q, k, v. Nothing is mutated."""
+    if resolve_backend(q.device, backend) != "cuda":
+        return None
+    return varlen_documents(q, k, v, cu_seqlens, max_len, causal=causal, window=window, scale=scale)
 
 
 def merge(
