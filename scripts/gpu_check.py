@@ -289,8 +289,10 @@ def check_selection(device: torch.device) -> Result:
     return Result("blocks/select", status, f"math for {math_kinds}" if math_kinds else "", picks)
 
 
-def block_checks(device: torch.device, dry: bool) -> list[Result]:
-    """Every available kernel x kind x dtype (``dry``: FlexAttention on CPU, fp32 only, small blocks)."""
+def block_checks(device: torch.device, dry: bool, budget_s: float = 1e9) -> list[Result]:
+    """Every available kernel x kind x dtype (``dry``: FlexAttention on CPU, fp32 only, small blocks); the SDPA
+    kernels first, FlexAttention (compiled per block shape) last; past ``budget_s`` the rest is skipped."""
+    deadline = time.monotonic() + budget_s
     out: list[Result] = [check_selection(device)]
     from automodel.distributed.cp import cuda_blocks
 
@@ -309,6 +311,10 @@ def block_checks(device: torch.device, dry: bool) -> list[Result]:
     for kernel in kernels:
         for kind in KINDS:
             for dtype in dtypes:
+                if time.monotonic() > deadline:
+                    out.append(Result(f"blocks/{kernel}/{kind}/{str(dtype).replace('torch.', '')}", "SKIP",
+                                      f"the blocks' budget ({budget_s:.0f} s) is spent"))
+                    continue
                 try:
                     out.append(check_block(kernel, kind, dtype, device))
                 except Exception as e:  # noqa: BLE001
@@ -381,14 +387,14 @@ def parse_plan(text: str) -> dict[str, float]:
     """From a dry run's report: the planned total memory per rank (GiB), the estimated step time (s) and the
     compute per step (TFLOP), where it states them."""
     plan: dict[str, float] = {}
-    for key, pattern, factor in (
-        ("plan_total_gib", r"total ([\d.]+) GiB per rank", 1.0),
-        ("plan_step_s", r"estimated step time: ([\d.]+) ms", 1e-3),
-        ("plan_tflop", r"compute: ([\d.]+) TFLOP per rank per step", 1.0),
+    for key, pattern in (
+        ("plan_total_gib", r"total ([\d.]+) GiB per rank"),
+        ("plan_step_s", r"estimated step time: ([\d.]+) (ms|s)\b"),
+        ("plan_tflop", r"compute: ([\d.]+) TFLOP per rank per step"),
     ):
         m = re.search(pattern, text)
         if m:
-            plan[key] = float(m[1]) * factor
+            plan[key] = float(m[1]) * (1e-3 if m.lastindex == 2 and m[2] == "ms" else 1.0)
     return plan
 
 
@@ -401,7 +407,7 @@ def _common_overrides(out_root: str, steps: int) -> list[str]:
         "recipe.gpus=1", "recipe.cp_self_check=false", f"recipe.output_root={out_root}",
         "step_scheduler.global_batch_size=1", "step_scheduler.local_batch_size=1", f"step_scheduler.max_steps={steps}",
         "step_scheduler.val_every_steps=null", "step_scheduler.ckpt_every_steps=null", "checkpoint.enabled=false",
-        "export.enabled=false", "logging.progress_bar=false", "logging.plot=false", "lr_scheduler.warmup_steps=0",
+        "export.enabled=false", "logging.progress_bar=false", "logging.plot=false", "lr_scheduler.warmup_steps=0", "loss.chunk_tokens=4096",
     ]
 
 
@@ -563,11 +569,12 @@ def ws2_worker(method: str, backend: str, port: int, rank: int, out: str) -> int
     return 0
 
 
-def check_ws2(method: str, timeout: float) -> Result:
-    """``method`` with 2 processes on the one GPU: NCCL if it allows two ranks on one device, else gloo with
-    CUDA tensors; the line says which ran."""
+def check_ws2(method: str, timeout: float, backends: list[str]) -> Result:
+    """``method`` with 2 processes on the one GPU: the first of ``backends`` that runs (NCCL if it allows two
+    ranks on one device, else gloo with CUDA tensors); the line says which ran. A backend that failed is
+    removed from ``backends`` (mutated), so the next method does not try it again."""
     tried = []
-    for backend in ("nccl", "gloo"):
+    for backend in list(backends):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"
             port = 29600 + (os.getpid() + len(tried) * 7) % 300
@@ -587,11 +594,13 @@ def check_ws2(method: str, timeout: float) -> Result:
                 ran = f"ran: {backend}" + (f" (after {', '.join(tried)})" if tried else "")
                 return Result(f"methods/{method}/ws2", "PASS" if ok else "FAIL", ran, figs)
             tried.append(f"{backend} failed: {_tail(' '.join(logs), 1)[:160]}")
+            if len(backends) > 1:
+                backends.remove(backend)
     return Result(f"methods/{method}/ws2", "FAIL", "; ".join(tried))
 
 
-def check_methods(device: torch.device, ws2_budget: float) -> list[Result]:
-    """thd, thd_docs, ulysses and ring at world size 1 on ``device`` (fp32 and bf16), then with 2 processes."""
+def check_methods(device: torch.device) -> list[Result]:
+    """thd, thd_docs, ulysses and ring at world size 1 on ``device`` (fp32 and bf16)."""
     res = []
     for method in ("thd", "thd_docs", "ulysses", "ring"):
         for dtype in (torch.float32, torch.bfloat16):
@@ -600,8 +609,18 @@ def check_methods(device: torch.device, ws2_budget: float) -> list[Result]:
             except Exception as e:  # noqa: BLE001
                 res.append(Result(f"methods/{method}/ws1/{str(dtype).replace('torch.', '')}", "FAIL",
                                   f"{type(e).__name__}: {str(e)[:300]}"))
-    for method in ("thd", "thd_docs", "ulysses", "ring"):
-        res.append(check_ws2(method, ws2_budget / 4))
+    return res
+
+
+def check_methods_ws2(budget: float) -> list[Result]:
+    """The four methods with 2 processes on the one GPU, within ``budget`` seconds."""
+    backends, res, deadline = ["nccl", "gloo"], [], time.monotonic() + budget
+    for i, method in enumerate(("thd_docs", "ring", "ulysses", "thd")):
+        left = deadline - time.monotonic()
+        if left < 20:
+            res.append(Result(f"methods/{method}/ws2", "SKIP", "the 2-process checks' budget is spent"))
+            continue
+        res.append(check_ws2(method, left / (4 - i), backends))
     return res
 
 
@@ -695,7 +714,11 @@ def main(argv: list[str] | None = None) -> int:
     env["mode"] = "dry (CPU smoke)" if args.dry else ("cuda" if cuda else "cpu (no CUDA device)")
     runner.add(Result("env", "INFO", "", {k: env[k] for k in ("torch", "transformers", "device") if k in env}
                       | ({"gpu": env["gpu"], "cc": tuple(env["capability"])} if cuda else {})))
-    runner.run("blocks", "blocks", lambda: block_checks(device, not cuda), 90)
+    if cuda:  # FlexAttention compiles per block shape and dtype: room for all of them
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, 64)
+    runner.run("blocks", "blocks", lambda: block_checks(device, not cuda, 120.0), 130)
     if not cuda:
         for group in ("varlen", "methods", "recipe", "throughput"):
             runner.add(Result(group, "SKIP", "needs a CUDA device" + (" (--dry)" if args.dry else "")))
@@ -704,12 +727,13 @@ def main(argv: list[str] | None = None) -> int:
         runner.run("varlen", "varlen", lambda: check_varlen(device), 30)
         runner.run("throughput", "throughput", lambda: check_throughput(device), 45)
         runner.run("te", "te_partition", check_te_partition, 20)
-        runner.run("methods", "methods", lambda: check_methods(device, min(160.0, max(runner.left() - 300, 40))), 200)
+        runner.run("methods", "methods/ws1", lambda: check_methods(device), 40)
         gpu = env.get("gpu", "")
         for model in _MODELS:
             for seq in (8192, 32768):
                 runner.run("recipe", f"recipe/{model}/{seq // 1024}k",
-                           lambda m=model, s=seq: check_recipe(m, s, args.recipe_steps, min(90.0, runner.left() - 5), gpu), 60)
+                           lambda m=model, s=seq: check_recipe(m, s, args.recipe_steps, min(90.0, runner.left() - 5), gpu), 45)
+        runner.run("methods", "methods/ws2", lambda: check_methods_ws2(runner.left() - 5), 40)
     path = summary_path(args.out)
     data = write_summary(runner, env, path)
     print(f"summary: {data['counts']} in {data['wall_s']} s -> {path}", flush=True)
