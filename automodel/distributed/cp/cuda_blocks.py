@@ -323,6 +323,10 @@ def _flex_forward(q, k, v, causal, scale, allowed, softcap):
             return torch.tanh(s / cap) * cap
 
     kwargs: dict[str, Any] = {"enable_gqa": hq != k.shape[1], "scale": _scale(scale, d)}
+    dv = v.shape[-1]
+    # head sizes every Triton kernel takes: powers of two >= 16 (zero padding is exact; on CPU too, so the
+    # CPU tests cover it)
+    q, k, v = _pad(q, _pow2(d)), _pad(k, _pow2(d)), _pad(v, _pow2(dv))
     try:
         from torch.nn.attention.flex_attention import AuxRequest
 
@@ -330,7 +334,11 @@ def _flex_forward(q, k, v, causal, scale, allowed, softcap):
         lse = aux.lse
     except ImportError:  # torch without AuxRequest
         out, lse = _flex_fn(q.device.type)(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)
-    return out, lse.to(torch.promote_types(q.dtype, torch.float32))
+    return out[..., :dv], lse.to(torch.promote_types(q.dtype, torch.float32))
+
+
+def _pow2(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def _join_sinks(out, lse, sinks):
