@@ -284,6 +284,7 @@ def test_ulysses_documents_in_one_call_assemble_like_the_blocks(monkeypatch):
         ref = doc_blocks.document_block_attention(None, None, q, k, v, segments, is_causal=causal, needs_mask=False,
                                                   scaling=0.4)
         monkeypatch.setattr(doc_blocks, "documents_forward", per_document)
+        monkeypatch.setattr(doc_blocks, "resolve_backend", lambda *a, **k: "cuda")
         got = doc_blocks.document_block_attention(None, None, q, k, v, segments, is_causal=causal, needs_mask=False,
                                                   scaling=0.4)
         monkeypatch.undo()

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from automodel.distributed.cp.blocks import block_forward, documents_forward
+from automodel.distributed.cp.blocks import block_forward, documents_forward, resolve_backend
 
 __all__ = ["Segment", "document_segments", "document_block_attention"]
 
@@ -146,6 +146,8 @@ def document_block_attention(
 def _one_call(query, key, value, segments, is_causal: bool, scale: float | None) -> torch.Tensor | None:
     """All real-token document blocks of all rows in ONE :func:`~automodel.distributed.cp.blocks.documents_forward`
     call (CUDA: ``varlen_attn``), the pad queries as blocks; ``None`` where the device has no such call (CPU)."""
+    if resolve_backend(query.device) != "cuda":
+        return None  # no one-call kernel in the CPU slot: nothing to build
     bsz, n_heads, seq_len, head_dim = query.shape
     real, lengths, pads = [], [], []
     for b in range(bsz):
