@@ -387,14 +387,15 @@ def parse_plan(text: str) -> dict[str, float]:
     """From a dry run's report: the planned total memory per rank (GiB), the estimated step time (s) and the
     compute per step (TFLOP), where it states them."""
     plan: dict[str, float] = {}
+    units = {"ms": 1e-3, "s": 1.0, "MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
     for key, pattern in (
-        ("plan_total_gib", r"total ([\d.]+) GiB per rank"),
+        ("plan_total_gib", r"total ([\d.]+) (MiB|GiB|TiB) per rank"),
         ("plan_step_s", r"estimated step time: ([\d.]+) (ms|s)\b"),
         ("plan_tflop", r"compute: ([\d.]+) TFLOP per rank per step"),
     ):
         m = re.search(pattern, text)
         if m:
-            plan[key] = float(m[1]) * (1e-3 if m.lastindex == 2 and m[2] == "ms" else 1.0)
+            plan[key] = float(m[1]) * (units[m[2]] if m.lastindex == 2 else 1.0)
     return plan
 
 

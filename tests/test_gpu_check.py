@@ -61,6 +61,16 @@ def test_step_lines_parse(gc):
     assert got[0]["tokens_per_s"] == 12345.0 and got[0]["peak_mem_gib"] == 21.5 and got[0]["step_time_s"] == 0.66
 
 
+def test_dry_run_plan_parses(gc):
+    text = ("step peak 13.34 GiB above the persistent state; total 27.15 GiB per rank; dominant term: logits\n"
+            "compute: 89.8 TFLOP per rank per step -> 90.8 ms at the BF16 peak\n"
+            "estimated step time: 227.0 ms (communication fully overlapped) to 227.0 ms (not overlapped)")
+    assert gc.parse_plan(text) == {"plan_total_gib": 27.15, "plan_step_s": 0.227, "plan_tflop": 89.8}
+    assert gc.parse_plan("total 512.00 MiB per rank; estimated step time: 1.5 s (x)") == {
+        "plan_total_gib": 0.5, "plan_step_s": 1.5}
+    assert gc.parse_plan("nothing planned") == {}
+
+
 def test_dry_mode_runs_the_cpu_block_check(gc, tmp_path, capsys):
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     rc = gc.main(["--dry", "--only", "env", "--out", str(tmp_path)])  # the smoke mode's frame, no block check
