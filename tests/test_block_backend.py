@@ -293,3 +293,16 @@ def test_ulysses_documents_in_one_call_assemble_like_the_blocks(monkeypatch):
         for a, b_ in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
             torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
     assert doc_blocks._one_call(q, k, v, segments, True, 0.4) is None  # CPU: no one-call kernel
+
+
+@pytest.mark.parametrize("kernel", [bb.FLASH, bb.EFFICIENT])
+def test_sdpa_calls_match_the_real_op_schemas(kernel):
+    """The real aten ops on the meta device (their registered shapes): every argument the glue passes is one
+    the installed torch's schema takes, and the outputs come back in the block's shapes."""
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k, v = torch.empty(2, 4, 40, 12, **meta), torch.empty(2, 2, 56, 12, **meta), torch.empty(2, 2, 56, 6, **meta)
+    allowed = torch.ones(40, 56, dtype=torch.bool, device="meta") if kernel == bb.EFFICIENT else None
+    out, lse = cuda_blocks._sdpa_forward(kernel, q, k, v, False, 0.3, allowed)
+    assert out.shape == (2, 4, 40, 6) and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    grads = cuda_blocks._sdpa_backward(kernel, torch.empty_like(out), q, k, v, out, lse, False, 0.3, allowed)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
