@@ -306,3 +306,17 @@ def test_sdpa_calls_match_the_real_op_schemas(kernel):
     assert out.shape == (2, 4, 40, 6) and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
     grads = cuda_blocks._sdpa_backward(kernel, torch.empty_like(out), q, k, v, out, lse, False, 0.3, allowed)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_varlen_call_matches_the_real_op_schema(monkeypatch):
+    """``varlen_documents`` against the installed ``varlen_attn`` (its fake kernel on the meta device): GQA
+    repeated, the window as ``window_size``, the output in the queries' shape."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device: H100)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k = torch.empty(100, 8, 64, **meta), torch.empty(100, 2, 64, **meta)
+    cu = torch.tensor([0, 30, 100], dtype=torch.int32, device="meta")
+    for window in (None, 16):
+        out = cuda_blocks.varlen_documents(q, k, k, cu, 70, causal=True, window=window, scale=0.1)
+        assert out.shape == q.shape
+    assert cuda_blocks.varlen_documents(q, k, k, cu, 70, causal=False, window=16) is None  # a window is causal
