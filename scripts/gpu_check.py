@@ -22,6 +22,8 @@ Checks (docs/gpu.md says what each line means):
 - ``recipe/<model>/<tokens>``: the recipe at cp=1 in bf16 on random weights shaped like Llama-3.2-1B and
   Qwen3-1.7B at 8K and 32K tokens: tokens/s, MFU and peak memory against the dry run's plan.
 - ``throughput/doc_blocks``: our causal per-document blocks against one SDPA flash call on the same tokens.
+- ``thd_kernel/<kernel>``: thd's portable kernel (our blocks) and its ``flash_attn`` / ``te`` kernels, where they
+  import, in bf16 against the portable kernel in fp32 at world size 1.
 - ``te_partition``: Transformer Engine's THD partition against ours, or one line saying TE is missing.
 """
 
@@ -677,6 +679,47 @@ def check_throughput(device: torch.device) -> list[Result]:
     return res
 
 
+def check_thd_kernels(device: torch.device) -> list[Result]:
+    """thd's kernels at world size 1 in bf16 against its portable kernel in fp32 (our blocks, now fused on CUDA):
+    the portable kernel itself, and ``flash_attn`` / ``te`` where their packages import (else one SKIP line)."""
+    from automodel.distributed.thd_attention import THDPlan, thd_attention
+
+    lens = [1, 22, 13, 7, 40]
+    padded = [-(-n // 2) * 2 for n in lens]
+    cu_p, cu = [0], [0]
+    for n, p in zip(lens, padded):
+        cu_p.append(cu_p[-1] + p)
+        cu.append(cu[-1] + n)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, h, cu_p[-1], 64, generator=g).to(device) for h in (8, 2, 2)]
+    dout = torch.randn(1, 8, cu_p[-1], 64, generator=g).to(device)
+
+    def run(kernel: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        plan = THDPlan(None, 1, 0, cu_p, cu, max(padded), kernel=kernel)
+        q, k, v = (t.to(dtype).detach().requires_grad_() for t in full)
+        out = thd_attention(q, k, v, plan)
+        out.backward(dout.to(out.dtype))
+        return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+    ref = run("portable", torch.float32)
+    res = []
+    for kernel, package in (("portable", None), ("flash_attn", "flash_attn"), ("te", "transformer_engine")):
+        name = f"thd_kernel/{kernel}/bfloat16"
+        if package is not None:
+            try:
+                __import__(package)
+            except Exception as e:  # noqa: BLE001
+                res.append(Result(name, "SKIP", f"{package} not importable ({type(e).__name__})"))
+                continue
+        try:
+            errs = [_rel(a, b) for a, b in zip(run(kernel, torch.bfloat16), ref)]
+            res.append(Result(name, "PASS" if max(errs) <= BF16_BAR else "FAIL", "vs portable fp32",
+                              dict(zip(("out_rel", "dq_rel", "dk_rel", "dv_rel"), errs))))
+        except Exception as e:  # noqa: BLE001
+            res.append(Result(name, "FAIL", f"{type(e).__name__}: {str(e)[:200]}"))
+    return res
+
+
 def check_te_partition() -> Result:
     """TE's THD partition indices against ours, if Transformer Engine imports."""
     try:
@@ -728,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         runner.run("varlen", "varlen", lambda: check_varlen(device), 30)
         runner.run("throughput", "throughput", lambda: check_throughput(device), 45)
         runner.run("te", "te_partition", check_te_partition, 20)
+        runner.run("methods", "thd_kernels", lambda: check_thd_kernels(device), 20)
         runner.run("methods", "methods/ws1", lambda: check_methods(device), 40)
         gpu = env.get("gpu", "")
         for model in _MODELS:
