@@ -26,10 +26,13 @@
 #   GPU_CHECK_BUDGET_S      total wall limit in seconds (default 480 = 8 minutes); every check also has
 #                           its own budget and is skipped, with the reason, when too little time is left
 #   PYTHON                  the interpreter (default python3, the image's torch)
-# Expected run time: ~1 minute for the block / varlen / throughput / TE checks (FlexAttention compiles
-# once per block shape), ~1.5 minutes for the four methods at world size 1, ~4 minutes for the four recipe
-# runs (Llama-3.2-1B and Qwen3-1.7B shapes, random weights, 8K and 32K tokens, bf16, cp=1); 8 minutes at
-# most (the wall limit), plus the machine's start. Prints one line per check (PASS/FAIL/SKIP/INFO) and
+# Expected run time (estimated: never run on a GPU yet): up to 2 minutes for the block checks
+# (FlexAttention compiles per block shape; a budget of 120 s, the rest skipped with the reason), under a
+# minute for varlen / throughput / TE / thd kernels / the methods at world size 1, ~4 minutes for the four
+# recipe runs (Llama-3.2-1B and Qwen3-1.7B shapes, random weights, 8K and 32K tokens, bf16, cp=1, chunked
+# loss), then the 2-process method checks in what is left; 8 minutes at most (the wall limit), plus the
+# machine's start (a minute or two). Order: env, blocks, varlen, throughput, te, thd kernels, methods at
+# world size 1, recipe, methods with 2 processes. Prints one line per check (PASS/FAIL/SKIP/INFO) and
 # exits 1 if any check failed. docs/gpu.md says what each line means and holds the results.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
