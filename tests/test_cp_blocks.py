@@ -79,7 +79,7 @@ def test_backend_slots():
     cpu = torch.device("cpu")
     assert blocks.resolve_backend(cpu) == "flash"
     assert blocks.resolve_backend(cpu, sinks=True) == "math"  # the flash kernel takes no sinks
-    assert blocks.resolve_backend(cpu, "cuda") == "math"  # the CUDA slot is empty
+    assert blocks.resolve_backend(cpu, "cuda") == "math"  # the CUDA slot takes CUDA tensors only
     assert blocks.resolve_backend(torch.device("meta")) == "math"
     with blocks.force_backend("math"):
         assert blocks.resolve_backend(cpu) == "math"

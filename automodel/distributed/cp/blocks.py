@@ -19,8 +19,11 @@ Backends, one slot per device (:data:`BACKENDS`):
   and its backward, which return / take the LSE). CPU only; blocks with sinks, soft-capping, unequal
   value heads or a rectangular causal block run ``"math"``.
 - ``"math"``: exact math with fp32 scores (fp64 for fp64 inputs). Runs everywhere.
-- ``"cuda"``: the CUDA slot, empty until a CUDA backend is registered with :func:`register_backend`;
-  while empty, CUDA blocks run ``"math"``.
+- ``"cuda"``: torch's fused CUDA kernels (:mod:`automodel.distributed.cp.cuda_blocks`, registered here):
+  SDPA flash / memory-efficient with their LSE and backward ops, FlexAttention for soft-capping and sinks;
+  the kernel per block is the pure function :func:`~automodel.distributed.cp.block_backend.select_backend`.
+  Blocks no fused kernel takes (fp64, an install without the ops) run ``"math"`` after one logged warning
+  per layer kind. :func:`register_backend` replaces the slot's functions.
 
 The default is the device's slot; :func:`force_backend` (a context manager, for tests) or the
 ``backend=`` argument choose one. Resolve the backend once with :func:`resolve_backend` where a
@@ -35,12 +38,15 @@ from typing import Any, Protocol
 
 import torch
 
+from automodel.distributed.cp.cuda_blocks import cuda_block_backward, cuda_block_forward, varlen_documents
+
 __all__ = [
     "BACKENDS",
     "BlockScheme",
     "blocked_attention",
     "block_backward",
     "block_forward",
+    "documents_forward",
     "force_backend",
     "merge",
     "merge_sinks",
@@ -48,12 +54,12 @@ __all__ = [
     "resolve_backend",
 ]
 
-#: The backend slots: the CPU flash kernel, exact math, and the CUDA slot (empty: falls back to math).
+#: The backend slots: the CPU flash kernel, exact math, and the CUDA slot (torch's fused kernels).
 BACKENDS = ("flash", "math", "cuda")
 _DEVICE_SLOT = {"cpu": "flash", "cuda": "cuda"}
 # a plain list (not a ContextVar): autograd may run the backward on another thread
 _FORCED: list[str] = []
-# name -> (forward, backward) of a registered backend ("cuda" is empty until a later issue fills it)
+# name -> (forward, backward) of a registered backend (the "cuda" slot: cuda_blocks, registered below)
 _REGISTERED: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
@@ -96,7 +102,8 @@ def resolve_backend(
     """The backend a block on ``device`` runs: ``backend`` if given, else the innermost
     :func:`force_backend`, else the device's slot; a backend that cannot take the block (the flash kernel
     off CPU or with sinks / soft-capping / unequal value heads / a rectangular causal block; an empty
-    CUDA slot) becomes ``"math"``."""
+    CUDA slot, or one off CUDA) becomes ``"math"``. On CUDA the slot may still run exact math for a block no
+    fused kernel takes (:func:`~automodel.distributed.cp.block_backend.select_backend`), with a warning."""
     name = backend or (_FORCED[-1] if _FORCED else _DEVICE_SLOT.get(torch.device(device).type, "math"))
     _check_name(name)
     if name == "flash":
@@ -293,6 +300,29 @@ def block_backward(
     return _math_backward(dout, q, k, v, out, lse, causal, scale, allowed, softcap)
 
 
+def documents_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor | None:
+    """Every document of a packed token stream in ONE kernel call where the device's slot has one (CUDA:
+    ``varlen_attn``), else ``None`` (the caller runs one :func:`block_forward` per document).
+
+    ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]``, ``cu_seqlens`` ``[N+1]`` document offsets; ``causal``
+    inside each document (else bidirectional), ``window`` a sliding window (causal only). Returns ``[T, Hq, D]``
+    differentiable w.r.t. q, k, v. Nothing is mutated."""
+    if resolve_backend(q.device, backend) != "cuda":
+        return None
+    return varlen_documents(q, k, v, cu_seqlens, max_len, causal=causal, window=window, scale=scale)
+
+
 def merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,3 +390,6 @@ def blocked_attention(
     """``scheme``'s attention of this rank's queries, differentiable w.r.t. ``q``, ``k``, ``v`` (memory: the
     local tensors, the output and the LSE; never the exchanged K/V)."""
     return _BlockedAttention.apply(q, k, v, scheme, scale)
+
+
+register_backend("cuda", cuda_block_forward, cuda_block_backward)

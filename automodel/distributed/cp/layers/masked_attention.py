@@ -3,8 +3,9 @@
 One softmax per query over every key it may see (the local keys and the halo, selected per query block),
 so a per-head sink logit joins each query's softmax exactly once and no partial results are merged.
 Each query block is one :func:`~automodel.distributed.cp.blocks.block_forward` with the block's mask: on
-CPU, blocks without sinks or softcapping and with equal head sizes run torch's blocked flash kernel; the
-others (and every block off CPU) run exact math with scores in fp32 (fp64 for fp64 inputs). The query
+CPU, blocks without sinks or softcapping and with equal head sizes run torch's blocked flash kernel, the
+others exact math with scores in fp32 (fp64 for fp64 inputs); on CUDA every block runs a fused kernel
+(SDPA memory-efficient with the mask as a bias; FlexAttention for sinks and soft-capping: docs/gpu.md). The query
 blocks are recomputed in the backward (activation checkpointing), so the memory held per layer is the
 inputs plus, transiently, one block's ``[B, H, block, block + W]`` scores: O(W) per query, not O(S).
 Tests choose the math blocks with ``halo_attention(..., backend="math")`` or

@@ -5,7 +5,7 @@ as one row ``[1, T_r]`` (``T_r`` may differ between ranks) with the tokens' glob
 ``position_ids``. The attention registered here (:data:`DOC_ATTN_NAME`) computes, for every local piece:
 
 - a **whole document**: causal attention over its own tokens, one block
-  (:mod:`automodel.distributed.cp.blocks`: the CPU flash kernel on CPU, exact math blocks elsewhere), no
+  (:mod:`automodel.distributed.cp.blocks`: the CPU flash kernel on CPU, torch's fused kernels on CUDA), no
   communication at all;
 - a **chunk of a split document** (head-tail over the ``k`` ranks of its span): the chunk's diagonal
   block (causal) and its prefix in the document (no mask), merged with their log-sum-exp

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from automodel.distributed.cp.blocks import block_forward
+from automodel.distributed.cp.blocks import block_forward, documents_forward, resolve_backend
 
 __all__ = ["Segment", "document_segments", "document_block_attention"]
 
@@ -111,6 +111,10 @@ def document_block_attention(
         Differentiable w.r.t. query, key and value. Nothing is mutated.
     """
     bsz, n_heads, seq_len, head_dim = query.shape
+    if attention_fn is None:
+        fused = _one_call(query, key, value, segments, is_causal, kwargs.get("scaling"))
+        if fused is not None:
+            return fused
 
     def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         if attention_fn is None:
@@ -137,3 +141,36 @@ def document_block_attention(
                 pieces.append(query.new_zeros(1, end - real_end, n_heads, head_dim))
         rows.append(torch.cat(pieces, dim=1))
     return torch.cat(rows, dim=0)
+
+
+def _one_call(query, key, value, segments, is_causal: bool, scale: float | None) -> torch.Tensor | None:
+    """All real-token document blocks of all rows in ONE :func:`~automodel.distributed.cp.blocks.documents_forward`
+    call (CUDA: ``varlen_attn``), the pad queries as blocks; ``None`` where the device has no such call (CPU)."""
+    if resolve_backend(query.device) != "cuda":
+        return None  # no one-call kernel in the CPU slot: nothing to build
+    bsz, n_heads, seq_len, head_dim = query.shape
+    real, lengths, pads = [], [], []
+    for b in range(bsz):
+        for start, real_end, end in segments[b]:
+            if real_end > start:
+                real.append(torch.arange(b * seq_len + start, b * seq_len + real_end))
+                lengths.append(real_end - start)
+            if end > real_end:
+                pads.append((b, start, real_end, end))
+    if not lengths:
+        return None
+    tok = [x.transpose(1, 2).reshape(bsz * seq_len, x.shape[1], x.shape[-1]) for x in (query, key, value)]
+    idx = torch.cat(real).to(query.device)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=query.device)
+    got = documents_forward(tok[0][idx], tok[1][idx], tok[2][idx], cu, max(lengths), causal=is_causal, scale=scale)
+    if got is None:
+        return None
+    out = got.new_zeros(bsz * seq_len, n_heads, got.shape[-1]).index_copy(0, idx, got)
+    for b, start, real_end, end in pads:
+        if real_end == start:
+            continue  # a segment of pads only: zeros, as below
+        sl, pad = slice(start, real_end), slice(real_end, end)
+        o = block_forward(query[b : b + 1, :, pad], key[b : b + 1, :, sl], value[b : b + 1, :, sl], scale=scale)[0]
+        rows = torch.arange(b * seq_len + real_end, b * seq_len + end, device=query.device)
+        out = out.index_copy(0, rows, o[0].transpose(0, 1).to(out.dtype))
+    return out.view(bsz, seq_len, n_heads, -1)

@@ -1,0 +1,183 @@
+"""Which kernel computes one block of attention on CUDA: a pure function of the block and the device.
+
+:mod:`automodel.distributed.cp.blocks` has one slot per device; its CUDA slot
+(:mod:`automodel.distributed.cp.cuda_blocks`) asks :func:`select_backend` which of torch's fused kernels
+takes a block, from the block's features (:class:`BlockSpec`) and what the device and the installed
+torch offer (:class:`CudaCaps`). Nothing here touches a GPU, so the table is unit-tested on CPU case by
+case (tests/test_block_backend.py).
+
+The kernels, in order of preference:
+
+- ``"sdpa_flash"``: ``aten._scaled_dot_product_flash_attention`` and its backward (FlashAttention-2 in
+  torch): fp16/bf16, compute capability >= 8.0, head size <= 256 after padding to a multiple of 8; no
+  mask (``causal`` only on a square block).
+- ``"sdpa_efficient"``: ``aten._scaled_dot_product_efficient_attention`` and its backward
+  (memory-efficient attention): fp32/fp16/bf16 (bf16 from 8.0), an additive bias for a mask or a
+  rectangular causal block.
+- ``"flex"``: FlexAttention (``torch.nn.attention.flex_attention``, compiled with Triton): soft-capping
+  (a ``score_mod``), sinks (its log-sum-exp is differentiable, so the sink column joins by an exact
+  merge), and any mask the two above take.
+- ``"math"``: exact math, only where nothing above applies (fp64, or an install without the ops); the
+  caller logs one warning per layer kind and reason.
+
+Unequal query/key and value head sizes (MLA) are padded with zeros to one size, which is exact (zero
+key columns add nothing to a score, zero value columns are sliced off the output), so they need no
+kernel of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "EFFICIENT",
+    "FLASH",
+    "FLEX",
+    "KERNELS",
+    "MATH",
+    "BlockSpec",
+    "Choice",
+    "CudaCaps",
+    "layer_kind",
+    "padded_head_dim",
+    "select_backend",
+    "varlen_applies",
+]
+
+FLASH = "sdpa_flash"
+EFFICIENT = "sdpa_efficient"
+FLEX = "flex"
+MATH = "math"
+#: every kernel :func:`select_backend` may name
+KERNELS = (FLASH, EFFICIENT, FLEX, MATH)
+
+_HALF = (torch.float16, torch.bfloat16)
+#: the largest head size torch's flash kernel takes
+FLASH_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """The features of one block that decide its kernel.
+
+    Attributes:
+        dtype: of the queries (keys and values share it).
+        head_dim: query/key head size; value_dim: value head size (differs for MLA).
+        causal: lower-right causal; square: the block has as many queries as keys.
+        masked: an explicit ``allowed`` mask (windows, chunks, documents inside a block).
+        sinks: per-head sink logits; softcap: logit soft-capping.
+        grouped: fewer key/value heads than query heads (GQA; K/V are repeated for the fused ops).
+    """
+
+    dtype: torch.dtype
+    head_dim: int
+    value_dim: int
+    causal: bool = False
+    square: bool = True
+    masked: bool = False
+    sinks: bool = False
+    softcap: bool = False
+    grouped: bool = False
+
+
+@dataclass(frozen=True)
+class CudaCaps:
+    """What one CUDA device and the installed torch offer.
+
+    Attributes:
+        capability: the device's compute capability ``(major, minor)``.
+        flash_op / efficient_op: torch has ``aten._scaled_dot_product_flash_attention`` /
+            ``_scaled_dot_product_efficient_attention`` with their backward ops.
+        flex: ``torch.nn.attention.flex_attention`` imports and Triton is there to compile it.
+        varlen: ``torch.nn.attention.varlen.varlen_attn`` imports (torch >= 2.10).
+    """
+
+    capability: tuple[int, int]
+    flash_op: bool = True
+    efficient_op: bool = True
+    flex: bool = True
+    varlen: bool = False
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A kernel and why it was chosen (for ``"math"``: the reason no fused kernel applies)."""
+
+    kernel: str
+    reason: str
+
+
+def padded_head_dim(spec: BlockSpec) -> int:
+    """The one head size the fused ops see: ``max(head_dim, value_dim)`` rounded up to a multiple of 8."""
+    d = max(spec.head_dim, spec.value_dim)
+    return -(-d // 8) * 8
+
+
+def layer_kind(spec: BlockSpec) -> str:
+    """A short name of the layer kind a block belongs to (the key of the one warning per kind)."""
+    parts = []
+    if spec.sinks:
+        parts.append("sinks")
+    if spec.softcap:
+        parts.append("softcap")
+    if spec.head_dim != spec.value_dim:
+        parts.append("MLA")
+    if spec.masked:
+        parts.append("masked (window/chunk/document)")
+    if spec.grouped:
+        parts.append("GQA")
+    parts.append("causal" if spec.causal else "full")
+    return " ".join(parts)
+
+
+def select_backend(device_type: str, spec: BlockSpec, caps: CudaCaps | None) -> Choice:
+    """The kernel for one block on a device of type ``device_type`` (pure: no device is touched).
+
+    Args:
+        device_type: ``"cuda"`` (anything else: ``"math"``; the CPU keeps its own slot in ``blocks``).
+        spec: the block's features.
+        caps: the CUDA device's capabilities (``None``: unknown, ``"math"``).
+
+    Returns:
+        A :class:`Choice`; its ``reason`` says why (for ``"math"``, what a fused kernel lacked).
+    """
+    if device_type != "cuda" or caps is None:
+        return Choice(MATH, f"device type {device_type!r} has no fused kernel in this slot")
+    if spec.dtype not in (*_HALF, torch.float32):
+        return Choice(MATH, f"dtype {spec.dtype} is taken by no fused CUDA attention kernel (fp16/bf16/fp32 are)")
+    sm80 = tuple(caps.capability) >= (8, 0)
+    if spec.dtype == torch.bfloat16 and not sm80:
+        return Choice(MATH, f"bf16 attention kernels need compute capability >= 8.0, the device has {caps.capability}")
+    if spec.sinks or spec.softcap:
+        if caps.flex:
+            return Choice(FLEX, "sinks / soft-capping: FlexAttention (score_mod, differentiable log-sum-exp)")
+        what = "sinks" if spec.sinks else "soft-capping"
+        return Choice(MATH, f"{what} need FlexAttention (torch.nn.attention.flex_attention with Triton), not available")
+    needs_mask = spec.masked or (spec.causal and not spec.square)
+    dim = padded_head_dim(spec)
+    if needs_mask:
+        if caps.efficient_op:
+            return Choice(EFFICIENT, "a mask: memory-efficient SDPA with an additive bias")
+        if caps.flex:
+            return Choice(FLEX, "a mask: FlexAttention block mask (memory-efficient op missing)")
+        return Choice(MATH, "a masked block needs the memory-efficient SDPA op or FlexAttention; neither is available")
+    if spec.dtype in _HALF and sm80 and dim <= FLASH_MAX_HEAD_DIM and caps.flash_op:
+        return Choice(FLASH, "no mask, fp16/bf16: SDPA flash")
+    if caps.efficient_op:
+        return Choice(EFFICIENT, "no mask: memory-efficient SDPA (fp32, or a head size / device the flash op lacks)")
+    if caps.flex:
+        return Choice(FLEX, "no mask: FlexAttention (SDPA ops missing)")
+    return Choice(MATH, "neither torch's SDPA ops nor FlexAttention are available")
+
+
+def varlen_applies(spec: BlockSpec, caps: CudaCaps | None) -> bool:
+    """Whether ``varlen_attn`` (one call for all documents of a packed row) takes blocks like ``spec``:
+    fp16/bf16 on compute capability >= 8.0, equal head sizes <= 256 that are a multiple of 8, no mask,
+    sinks or soft-capping, and a torch that has it."""
+    if caps is None or not caps.varlen or spec.dtype not in _HALF or tuple(caps.capability) < (8, 0):
+        return False
+    if spec.masked or spec.sinks or spec.softcap or spec.head_dim != spec.value_dim:
+        return False
+    return spec.head_dim % 8 == 0 and spec.head_dim <= FLASH_MAX_HEAD_DIM

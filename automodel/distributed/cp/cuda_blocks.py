@@ -1,0 +1,470 @@
+"""The CUDA slot of :mod:`automodel.distributed.cp.blocks`: torch's fused attention kernels with their LSE.
+
+:func:`cuda_block_forward` / :func:`cuda_block_backward` have the interface of the CPU flash blocks
+(``blocks.register_backend``): a block of queries ``[B, Hq, n, D]`` against keys ``[B, Hkv, m, D]`` and
+values ``[B, Hkv, m, Dv]`` returns ``(out, lse)``, and the backward takes the MERGED output and LSE of
+its queries. :func:`~automodel.distributed.cp.block_backend.select_backend` picks the kernel:
+
+- SDPA flash / memory-efficient (``aten._scaled_dot_product_flash_attention`` /
+  ``_scaled_dot_product_efficient_attention`` and their ``_backward`` ops, which take an output and an
+  LSE, so the merged ones give the exact gradient, as in torch's ring attention). K/V are repeated per
+  query head (GQA) and their gradients summed back; head sizes are zero-padded to one multiple of 8
+  (MLA), which is exact; a mask or a rectangular causal block becomes an additive bias (efficient only).
+- FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA): soft-capping as a
+  ``score_mod``, masks as a block mask, native GQA, and sinks joined by an exact merge of the sink
+  column with its differentiable LSE. Its explicit backward recomputes the block under autograd and
+  feeds the merged weights to ``torch.autograd.grad`` (exact, see :func:`_flex_backward`).
+- exact math (``None`` is returned: ``blocks`` runs its math block) where none applies, after ONE logged
+  warning per layer kind and reason.
+
+Under autograd (``block_forward`` with inputs that require grad: the halo kernel, Ulysses' document
+blocks) the fused forward is an autograd function whose backward is the fused backward; its LSE carries
+no gradient, and a graph that needs one raises instead of dropping it (blocks with sinks run FlexAttention,
+whose LSE is differentiable). This module imports no other module of the package.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from automodel.distributed.cp.block_backend import (
+    EFFICIENT,
+    FLASH,
+    FLEX,
+    MATH,
+    BlockSpec,
+    CudaCaps,
+    layer_kind,
+    padded_head_dim,
+    select_backend,
+    varlen_applies,
+)
+
+__all__ = [
+    "cuda_block_backward",
+    "cuda_block_forward",
+    "cuda_caps",
+    "varlen_documents",
+    "varlen_available",
+]
+
+logger = logging.getLogger("automodel.distributed.cp.blocks")
+_WARNED: set[tuple[str, str]] = set()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the device and the installed torch offer
+
+
+def _has_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name) and hasattr(torch.ops.aten, name + "_backward")
+
+
+@functools.cache
+def flex_available(device_type: str = "cuda") -> bool:
+    """FlexAttention imports (and, on CUDA, Triton is there to compile it)."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    if device_type != "cuda":
+        return True
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def varlen_available() -> bool:
+    """``torch.nn.attention.varlen.varlen_attn`` imports (torch >= 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _caps_of(index: int) -> CudaCaps:
+    return CudaCaps(
+        capability=tuple(torch.cuda.get_device_capability(index)),
+        flash_op=_has_op("_scaled_dot_product_flash_attention"),
+        efficient_op=_has_op("_scaled_dot_product_efficient_attention"),
+        flex=flex_available("cuda"),
+        varlen=varlen_available(),
+    )
+
+
+def cuda_caps(device: torch.device) -> CudaCaps | None:
+    """The :class:`CudaCaps` of a CUDA ``device`` (``None`` for any other device). Cached per device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _caps_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _spec(q, k, v, causal, allowed, sinks, softcap) -> BlockSpec:
+    return BlockSpec(
+        dtype=q.dtype, head_dim=q.shape[-1], value_dim=v.shape[-1], causal=bool(causal),
+        square=q.shape[2] == k.shape[2], masked=allowed is not None, sinks=sinks is not None,
+        softcap=bool(softcap), grouped=q.shape[1] != k.shape[1],
+    )
+
+
+def _warn_math(spec: BlockSpec, reason: str) -> None:
+    key = (layer_kind(spec), reason)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(
+            "CUDA attention blocks of layer kind '%s' (%s) run exact math (a score matrix per block: slow and "
+            "memory-hungry): %s", key[0], spec.dtype, reason,
+        )
+
+
+def _choose(q, k, v, causal, allowed, sinks, softcap, kernel: str | None) -> tuple[str, BlockSpec]:
+    spec = _spec(q, k, v, causal, allowed, sinks, softcap)
+    if kernel is not None:
+        return kernel, spec
+    choice = select_backend(q.device.type, spec, cuda_caps(q.device))
+    if choice.kernel == MATH:
+        _warn_math(spec, choice.reason)
+    return choice.kernel, spec
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shared pieces: padding, GQA, masks
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    return scale if scale is not None else head_dim**-0.5
+
+
+def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` zero-padded on its last dim to ``dim``, contiguous."""
+    if x.shape[-1] == dim:
+        return x.contiguous()
+    return torch.nn.functional.pad(x, (0, dim - x.shape[-1])).contiguous()
+
+
+def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, Hkv, m, D]`` -> ``[B, Hkv*groups, m, D]``: query head ``h`` uses KV head ``h // groups``."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _unrepeat(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat`: the query heads of a KV head summed."""
+    if groups == 1:
+        return dx
+    b, h, m, d = dx.shape
+    return dx.view(b, h // groups, groups, m, d).sum(2)
+
+
+def _visible(allowed: torch.Tensor | None, causal: bool, n: int, m: int, device) -> torch.Tensor | None:
+    """``[n, m]`` or ``[B, 1, n, m]`` bool of the keys each query sees (``causal`` lower-right aligned)."""
+    mask = None
+    if causal:
+        mask = torch.ones(n, m, dtype=torch.bool, device=device).tril(m - n)
+    if allowed is not None:
+        mask = allowed.to(torch.bool) if mask is None else mask & allowed.to(torch.bool)
+    return mask
+
+
+def _bias(visible: torch.Tensor, b: int, h: int, dtype: torch.dtype) -> torch.Tensor:
+    """An additive ``[b, h, n, m]`` bias (``-inf`` where not visible) whose rows are 16-element aligned (what
+    the memory-efficient kernel reads), broadcast over heads (and the batch for an ``[n, m]`` mask)."""
+    vis = visible if visible.dim() == 4 else visible[None, None]
+    n, m = vis.shape[-2:]
+    m_pad = -(-m // 16) * 16
+    buf = torch.zeros(vis.shape[0], 1, n, m_pad, dtype=dtype, device=vis.device)
+    view = buf[..., :m]
+    view.masked_fill_(~vis, float("-inf"))
+    return view.expand(b, h, n, m)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SDPA flash / memory-efficient
+
+
+def _op(name: str):
+    """``torch.ops.aten.<name>`` (one indirection, so CPU tests can stand in for the CUDA-only ops)."""
+    return getattr(torch.ops.aten, name)
+
+
+@functools.cache
+def _philox(kernel: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RNG-state tensors a fused forward returns without dropout, to hand its backward op (which reads
+    them only with dropout): taken from one tiny forward, so their format is the installed torch's."""
+    x = torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16 if kernel == FLASH else torch.float32, device=device)
+    if kernel == FLASH:
+        got = _op("_scaled_dot_product_flash_attention")(x, x, x, 0.0, False, False, scale=1.0)
+        return got[6], got[7]
+    got = _op("_scaled_dot_product_efficient_attention")(x, x, x, None, True, 0.0, False, scale=1.0)
+    return got[2], got[3]
+
+
+def _sdpa_inputs(q, k, v, causal, allowed, kernel):
+    """Padded, head-repeated inputs and the kernel's ``is_causal`` / bias."""
+    b, hq, n, d = q.shape
+    g, m = hq // k.shape[1], k.shape[2]
+    dim = padded_head_dim(BlockSpec(q.dtype, d, v.shape[-1]))
+    qp, kp, vp = _pad(q, dim), _repeat(_pad(k, dim), g), _repeat(_pad(v, dim), g)
+    bias, is_causal = None, bool(causal)
+    if allowed is not None or (causal and n != m):
+        if kernel != EFFICIENT:
+            raise ValueError(f"a masked block needs the memory-efficient kernel, not {kernel!r}")
+        bias, is_causal = _bias(_visible(allowed, causal, n, m, q.device), b, hq, q.dtype), False
+    return qp, kp, vp, bias, is_causal, dim, g
+
+
+def _sdpa_forward(kernel, q, k, v, causal, scale, allowed):
+    n, d, dv = q.shape[2], q.shape[-1], v.shape[-1]
+    qp, kp, vp, bias, is_causal, _, _ = _sdpa_inputs(q, k, v, causal, allowed, kernel)
+    sc = _scale(scale, d)
+    if kernel == FLASH:
+        out, lse = _op("_scaled_dot_product_flash_attention")(qp, kp, vp, 0.0, is_causal, False, scale=sc)[:2]
+    else:
+        out, lse = _op("_scaled_dot_product_efficient_attention")(
+            qp, kp, vp, bias, True, 0.0, is_causal, scale=sc
+        )[:2]
+        lse = lse[..., :n]  # the kernel pads the LSE's query dim to a multiple of 32
+    return out[..., :dv].contiguous(), lse.float().contiguous()
+
+
+def _sdpa_backward(kernel, dout, q, k, v, out, lse, causal, scale, allowed):
+    n, m, d, dv = q.shape[2], k.shape[2], q.shape[-1], v.shape[-1]
+    qp, kp, vp, bias, is_causal, dim, g = _sdpa_inputs(q, k, v, causal, allowed, kernel)
+    dop, op = _pad(dout.to(q.dtype), dim), _pad(out.to(q.dtype), dim)
+    sc = _scale(scale, d)
+    seed, offset = _philox(kernel, q.device)
+    if kernel == FLASH:
+        dq, dk, dvv = _op("_scaled_dot_product_flash_attention_backward")(
+            dop, qp, kp, vp, op, lse.float().contiguous(), None, None, n, m, 0.0, is_causal, seed, offset, scale=sc
+        )[:3]
+    else:
+        lse_p = lse.new_zeros(*lse.shape[:-1], -(-n // 32) * 32, dtype=torch.float32)
+        lse_p[..., :n] = lse
+        dq, dk, dvv = _op("_scaled_dot_product_efficient_attention_backward")(
+            dop, qp, kp, vp, bias, op, lse_p, seed, offset, 0.0, [True, True, True, False], is_causal, scale=sc
+        )[:3]
+    dq = dq[..., :d]
+    dk = _unrepeat(dk, g)[..., :d]
+    dvv = _unrepeat(dvv, g)[..., :dv]
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dvv.to(v.dtype).contiguous()
+
+
+class _FusedBlock(torch.autograd.Function):
+    """A fused SDPA block under autograd: the backward is the fused backward op. The LSE output carries no
+    gradient; a graph that would send it one raises (never a silently dropped term)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, causal, scale, allowed):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        out, lse = _sdpa_forward(kernel, q, k, v, causal, scale, allowed)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (kernel, causal, scale, allowed)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):  # type: ignore[override]
+        if dlse is not None:
+            raise RuntimeError(
+                "a fused CUDA attention block's log-sum-exp got a gradient; only FlexAttention blocks (sinks) "
+                "carry one: run such a block with sinks, or through blocks.block_backward"
+            )
+        if dout is None:
+            return (None,) * 7
+        q, k, v, out, lse = ctx.saved_tensors
+        kernel, causal, scale, allowed = ctx.args
+        return (*_sdpa_backward(kernel, dout, q, k, v, out, lse, causal, scale, allowed), None, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FlexAttention
+
+
+@functools.cache
+def _flex_fn(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type == "cuda":
+        return torch.compile(flex_attention)  # the eager form is a reference implementation, not a kernel
+    return flex_attention
+
+
+def _flex_forward(q, k, v, causal, scale, allowed, softcap):
+    """``(out, lse)`` of one block with FlexAttention (differentiable w.r.t. q, k, v, and the LSE too)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, hq, n, d = q.shape
+    m = k.shape[2]
+    vis = _visible(allowed, causal, n, m, q.device)
+    block_mask = None
+    if vis is not None:
+        if vis.dim() == 4:
+            def mask_mod(bi, hi, qi, ki):
+                return vis[bi, 0, qi, ki]
+            batch = vis.shape[0]
+        else:
+            def mask_mod(bi, hi, qi, ki):
+                return vis[qi, ki]
+            batch = None
+        block_mask = create_block_mask(mask_mod, batch, None, n, m, device=q.device)
+    score_mod = None
+    if softcap:
+        cap = float(softcap)
+
+        def score_mod(s, bi, hi, qi, ki):
+            return torch.tanh(s / cap) * cap
+
+    kwargs: dict[str, Any] = {"enable_gqa": hq != k.shape[1], "scale": _scale(scale, d)}
+    dv = v.shape[-1]
+    # head sizes every Triton kernel takes: powers of two >= 16 (zero padding is exact; on CPU too, so the
+    # CPU tests cover it)
+    q, k, v = _pad(q, _pow2(d)), _pad(k, _pow2(d)), _pad(v, _pow2(dv))
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out, aux = _flex_fn(q.device.type)(q, k, v, score_mod, block_mask, return_aux=AuxRequest(lse=True), **kwargs)
+        lse = aux.lse
+    except ImportError:  # torch without AuxRequest
+        out, lse = _flex_fn(q.device.type)(q, k, v, score_mod, block_mask, return_lse=True, **kwargs)
+    return out[..., :dv], lse.to(torch.promote_types(q.dtype, torch.float32))
+
+
+def _pow2(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _join_sinks(out, lse, sinks):
+    """The sink column joined to a block's softmax (a zero value): exact, differentiable."""
+    sink = sinks.to(lse.dtype).reshape(1, -1, 1).expand_as(lse)
+    joined = torch.logaddexp(lse, sink)
+    return out * torch.exp(lse - joined).unsqueeze(-1).to(out.dtype), joined
+
+
+def _flex_backward(dout, q, k, v, out, lse, causal, scale, allowed, softcap):
+    """``(dq, dk, dv)`` of a FlexAttention block given the MERGED ``out`` / ``lse`` of its queries.
+
+    The block is recomputed under autograd (``out_b``, ``lse_b``); with ``w = exp(lse_b - lse)`` the merged
+    output is ``sum_b w_b out_b``, so the block's share of the gradient is ``d out_b = w dout`` and
+    ``d lse_b = w * rowsum(dout * (out_b - out))``: exactly ``p * (dout.v - rowsum(dout * out))`` per score.
+    """
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        ob, lb = _flex_forward(qq, kk, vv, causal, scale, allowed, softcap)
+        dt = torch.promote_types(q.dtype, torch.float32)
+        w = torch.exp(lb.detach().to(dt) - lse.to(dt))
+        dob = (dout.to(dt) * w.unsqueeze(-1)).to(ob.dtype)
+        dlb = w * (dout.to(dt) * (ob.detach().to(dt) - out.to(dt))).sum(-1)
+        return torch.autograd.grad((ob, lb), (qq, kk, vv), (dob, dlb.to(lb.dtype)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the slot
+
+
+def cuda_block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    allowed: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    kernel: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out [B, Hq, n, Dv], lse [B, Hq, n] fp32)`` of one block with a fused kernel, or ``None`` (exact math
+    applies; one warning per layer kind was logged). Arguments as ``blocks.block_forward``; ``kernel``
+    overrides :func:`~automodel.distributed.cp.block_backend.select_backend` (tests: ``"flex"`` on CPU).
+    Differentiable w.r.t. q, k, v (and sinks); nothing is mutated."""
+    name, _ = _choose(q, k, v, causal, allowed, sinks, softcap, kernel)
+    if name == MATH:
+        return None
+    if name == FLEX:
+        out, lse = _flex_forward(q, k, v, causal, scale, allowed, softcap)
+        if sinks is not None:
+            out, lse = _join_sinks(out, lse, sinks)
+        return out, lse
+    if sinks is not None or softcap:
+        raise ValueError(f"kernel {name!r} takes no sinks or soft-capping (FlexAttention does)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _FusedBlock.apply(q, k, v, name, causal, scale, allowed)
+    return _sdpa_forward(name, q, k, v, causal, scale, allowed)
+
+
+def cuda_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    allowed: torch.Tensor | None = None,
+    softcap: float | None = None,
+    kernel: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(dq, dk, dv)`` of one block given the MERGED ``out`` / ``lse`` of its queries (``blocks.block_backward``'s
+    contract), or ``None`` (exact math applies). ``kernel`` as in :func:`cuda_block_forward`."""
+    name, _ = _choose(q, k, v, causal, allowed, None, softcap, kernel)
+    if name == MATH:
+        return None
+    if name == FLEX:
+        return _flex_backward(dout, q, k, v, out, lse, causal, scale, allowed, softcap)
+    return _sdpa_backward(name, dout, q, k, v, out, lse, causal, scale, allowed)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one varlen call for all documents of packed rows
+
+
+def varlen_documents(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor | None:
+    """Attention of every document of a packed token stream in ONE ``varlen_attn`` call, or ``None`` where it
+    does not apply (not CUDA, no ``varlen_attn``, dtype / head size / device it does not take).
+
+    Args:
+        q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (K/V are repeated per query head for GQA).
+        cu_seqlens: ``[N+1]`` int32 document offsets into the T tokens.
+        max_len: the longest document.
+        causal: causal inside each document (else bidirectional).
+        window: a query sees itself and the ``window - 1`` keys before it (causal only).
+        scale: softmax scale (``None``: ``D ** -0.5``).
+
+    Returns:
+        ``[T, Hq, D]`` in ``q``'s dtype, differentiable w.r.t. q, k, v (varlen_attn's own backward).
+    """
+    spec = BlockSpec(q.dtype, q.shape[-1], v.shape[-1], causal=causal, grouped=q.shape[1] != k.shape[1])
+    if window is not None and not causal:
+        return None
+    if not varlen_applies(spec, cuda_caps(q.device)):
+        return None
+    from torch.nn.attention.varlen import varlen_attn
+
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    left = -1 if window is None else window - 1
+    window_size = (left, 0) if causal else (-1, -1)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=_scale(scale, q.shape[-1]), window_size=window_size)
+

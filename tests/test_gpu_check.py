@@ -1,0 +1,88 @@
+"""scripts/gpu_check.py's CPU-runnable parts: arguments, the JSON summary, the step-line parser, the per-check
+budget / failure handling, and the --dry smoke mode's block check (FlexAttention on CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from automodel.training.step_log import format_step_line
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gc():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_arguments_and_summary_path(gc, monkeypatch, tmp_path):
+    a = gc.parse_args(["--dry", "--only", "env,blocks", "--skip", "recipe", "--budget-s", "60"])
+    assert a.dry and a.only == {"env", "blocks"} and a.skip == {"recipe"} and a.budget_s == 60.0
+    assert gc.parse_args([]).only is None and gc.parse_args([]).budget_s == 480.0
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gc.summary_path(None) == tmp_path / "gpu_check.json"
+    assert gc.summary_path(str(tmp_path / "x.json")) == tmp_path / "x.json"
+    assert gc.summary_path(str(tmp_path / "d")) == tmp_path / "d" / "gpu_check.json"
+
+
+def test_runner_budget_failures_and_json(gc, tmp_path, capsys):
+    r = gc.Runner(budget_s=100.0, only={"a", "b"})
+    r.run("a", "a/ok", lambda: gc.Result("a/ok", "PASS", "", {"x": 1.5}), 10)
+    r.run("a", "a/boom", lambda: 1 / 0, 10)
+    r.run("c", "c/off", lambda: gc.Result("c/off", "PASS"), 10)
+    r.budget_s = 0.0
+    r.run("b", "b/late", lambda: gc.Result("b/late", "PASS"), 10)
+    data = gc.write_summary(r, {"torch": torch.__version__}, tmp_path / "s.json")
+    assert json.loads((tmp_path / "s.json").read_text()) == json.loads(json.dumps(data, default=str))
+    status = {x["name"]: x["status"] for x in data["results"]}
+    assert status == {"a/ok": "PASS", "a/boom": "FAIL", "c/off": "SKIP", "b/late": "SKIP"}
+    assert not data["ok"] and data["counts"] == {"PASS": 1, "FAIL": 1, "SKIP": 2}
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and out[1].startswith("FAIL a/boom") and "ZeroDivisionError" in out[1]
+    assert "total wall limit" in out[3]
+
+
+def test_step_lines_parse(gc):
+    rec = {"step": 3, "loss": 7.25, "lr": 1e-4, "grad_norm": 1.0, "tokens_per_s": 12345.0,
+           "tokens_per_s_per_device": 12345.0, "step_time_s": 0.66, "peak_mem_gib": 21.5, "mem_kind": "cuda"}
+    text = "noise\n" + format_step_line(rec, 4) + "\n" + format_step_line(dict(rec, step=4, loss=7.0), 4)
+    got = gc.parse_steps(text)
+    assert [g["step"] for g in got] == [3, 4] and got[1]["loss"] == 7.0
+    assert got[0]["tokens_per_s"] == 12345.0 and got[0]["peak_mem_gib"] == 21.5 and got[0]["step_time_s"] == 0.66
+
+
+def test_dry_run_plan_parses(gc):
+    text = ("step peak 13.34 GiB above the persistent state; total 27.15 GiB per rank; dominant term: logits\n"
+            "compute: 89.8 TFLOP per rank per step -> 90.8 ms at the BF16 peak\n"
+            "estimated step time: 227.0 ms (communication fully overlapped) to 227.0 ms (not overlapped)")
+    assert gc.parse_plan(text) == {"plan_total_gib": 27.15, "plan_step_s": 0.227, "plan_tflop": 89.8}
+    assert gc.parse_plan("total 512.00 MiB per rank; estimated step time: 1.5 s (x)") == {
+        "plan_total_gib": 0.5, "plan_step_s": 1.5}
+    assert gc.parse_plan("nothing planned") == {}
+
+
+def test_dry_mode_runs_the_cpu_block_check(gc, tmp_path, capsys):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    rc = gc.main(["--dry", "--only", "env", "--out", str(tmp_path)])  # the smoke mode's frame, no block check
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rc == 0 and data["env"]["mode"].startswith("dry")
+    assert {x["name"] for x in data["results"] if x["status"] == "SKIP"} >= {"blocks", "recipe", "te_partition"}
+    validate = flex._validate_device
+    try:
+        flex._validate_device = lambda *a, **k: None
+        res = gc.check_block("flex", "sinks", torch.float32, torch.device("cpu"))
+        assert res.status == "PASS", res
+        assert res.figures["out_err"] <= gc.FP32_BAR
+        assert gc.check_block("sdpa_flash", "window", torch.bfloat16, torch.device("cpu")).status == "SKIP"
+    finally:
+        flex._validate_device = validate
