@@ -35,6 +35,18 @@ def _mamba2_rules(modeling) -> dict[str, Callable]:
     return {"mamba2_chunk_scan": recurrent_mamba2_scan}
 
 
+def _gdn_rules(modeling) -> dict[str, Callable]:
+    from automodel.distributed.cp.layers.gated_deltanet import recurrent_gated_delta_rule
+
+    return {"torch_chunk_gated_delta_rule": recurrent_gated_delta_rule}
+
+
+def _gdn_chunk(modeling, size: int) -> dict[str, Callable]:
+    import functools
+
+    return {"torch_chunk_gated_delta_rule": functools.partial(modeling.torch_chunk_gated_delta_rule, chunk_size=size)}
+
+
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2)
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1,
               mamba_chunk_size=8)
@@ -43,13 +55,16 @@ _MAMBA = dict(mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1
 @dataclass
 class Family:
     """A tiny model family: ``AutoConfig.for_model(model_type, **config)``; ``fp64_rules(modeling module)`` ->
-    ``{function name: dtype-keeping replacement}``; ``mixer_params``: names that mark the mixer's parameters."""
+    ``{function name: dtype-keeping replacement}``; ``chunk_rules(modeling module, size)``: the module functions
+    to replace so that the scan runs at chunk ``size`` (``None``: the mixers' ``chunk_attr`` attribute);
+    ``methods``: the methods this test runs it under (``None``: all)."""
 
     model_type: str
     config: dict
     fp64_rules: Callable[[object], dict[str, Callable]]
-    mixer_params: tuple[str, ...] = ("A_log", "dt_bias", "conv1d", "in_proj", "out_proj")
     chunk_attr: str = "chunk_size"
+    chunk_rules: Callable[[object, int], dict[str, Callable]] | None = None
+    methods: tuple[str, ...] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -74,6 +89,12 @@ FAMILIES: dict[str, Family] = {
         num_key_value_heads=4, attention_head_dim=16, n_mamba_heads=4, mamba_headdim=8, mamba_d_state=8,
         mamba_ngroups=1, mamba_d_conv=4, mamba_expand=1, intermediate_size=48, chunk_size=8, use_mem_rope=True),
         _mamba2_rules),
+    # Gated DeltaNet: thd, Ulysses and ring are proven by tests/test_linear_mixer.py; thd_docs and usp here
+    "qwen3_5_text": Family("qwen3_5_text", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8,
+        layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8, **_ATTN),
+        _gdn_rules, chunk_rules=_gdn_chunk, methods=("thd_docs", "usp")),
 }
 
 
@@ -99,11 +120,15 @@ def build_model(family: Family, dtype: torch.dtype):
     return model.train()
 
 
-def set_chunk(model, family: Family, size: int) -> None:
-    """Set the scan's chunk size of every mixer (the one-process kernel-movement measurement)."""
+def set_chunk(model, family: Family, size: int) -> dict[str, Callable]:
+    """Set the scan's chunk size of every mixer (the one-process kernel-movement measurement); returns the
+    module functions the caller must swap in for that (``Family.chunk_rules``), else ``{}``."""
+    if family.chunk_rules is not None:
+        return family.chunk_rules(sys.modules[type(model).__module__], size)
     for m in model.modules():
         if hasattr(m, family.chunk_attr) and hasattr(m, "A_log"):
             setattr(m, family.chunk_attr, size)
+    return {}
 
 
 def documents(world: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -254,6 +279,8 @@ def run_family(family: Family, group, cp: int, methods: tuple[str, ...]) -> dict
                 setattr(modeling, name, fn)
             ref = reference(copy.deepcopy(base), docs)
             for method in methods:
+                if family.methods is not None and method not in family.methods:
+                    continue
                 if method == "ring":
                     ring_ref = ring_reference(copy.deepcopy(base), rows)
                     loss, grads, facts = cp_step("ring", copy.deepcopy(base), rows, group)
@@ -272,8 +299,9 @@ def run_family(family: Family, group, cp: int, methods: tuple[str, ...]) -> dict
 
 #: families run at cp=4 in CI (every family runs at cp=2; ``cp4="all"`` runs every family at cp=4 too). The
 #: kernels are shared per mixer kind (the families differ only in token-local parts, proven at cp=2), so
-#: cp=4 runs one family per kernel: Nemotron-H for Mamba2 (2 B/C groups: replicated over 4 Ulysses ranks)
-CP4_FAMILIES: list[str] = ["nemotron_h"]
+#: cp=4 runs one family per kernel: Nemotron-H for Mamba2 (2 B/C groups: replicated over 4 Ulysses ranks),
+#: Qwen3.5 for Gated DeltaNet
+CP4_FAMILIES: list[str] = ["nemotron_h", "qwen3_5_text"]
 
 
 def run_all(group, cp: int, methods: tuple[str, ...], families: dict[str, Family]) -> dict:
