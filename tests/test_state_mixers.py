@@ -192,7 +192,7 @@ FP32_FACTOR = 2.0
 def dist_results():
     cp4 = os.environ.get("AUTOMODEL_STATE_MIXERS_CP4", "ci")
     ranks = run_distributed("tests.workers.state_mixers_worker:main", world_size=4, timeout=600, cp4=cp4)
-    merged: dict = {2: {}, 4: {}}
+    merged: dict = {2: {}, 4: {}, "chain_bytes": [res.pop("chain_bytes") for res in ranks]}
     for res in ranks:
         for cp, fams in res.items():
             for fam, cases in fams.items():
@@ -250,3 +250,11 @@ def test_thd_docs_keeps_short_documents_whole_and_splits_long_ones_over_every_ra
             assert facts["whole"] and tuple(range(cp)) in spans, (cp, fam, facts)
             if cp == 4:
                 assert any(len(s) < cp for s in spans), facts  # a document chained among a subset of the ranks
+
+
+@pytest.mark.dist
+def test_the_state_hand_off_sends_the_same_bytes_at_every_length(dist_results):
+    """The chain's messages carry states, not tokens: the bytes a rank sends do not grow with S, and equal the
+    formula the benchmark prints (chain_bytes_per_rank)."""
+    for counted in dist_results["chain_bytes"]:
+        assert counted[24] == counted[48] == counted["expected"] > 0, counted

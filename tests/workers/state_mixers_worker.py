@@ -308,6 +308,34 @@ def run_all(group, cp: int, methods: tuple[str, ...], families: dict[str, Family
     return {name: run_family(fam, group, cp, methods) for name, fam in families.items()}
 
 
+def chain_bytes(family: Family, group, rank: int, world: int) -> dict:
+    """Bytes this rank's state hand-off sends in one ring step (two rows) at 24 and 48 tokens per row, and what
+    :func:`~automodel.distributed.cp.layers.state_chain.chain_bytes_per_rank` says for the model's mixers."""
+    import automodel.distributed.cp.layers.state_chain as chain_module
+    from automodel.distributed.cp.layers.mixer_kernel import kernel_for
+
+    base = build_model(family, torch.float32)
+    mixers = [m for m in base.modules() if kernel_for(m) is not None]
+    out = {"expected": sum(chain_module.chain_bytes_per_rank(kernel_for(m), m, world, rank, n_docs=1, batch=2)
+                           for m in mixers)}
+    original = chain_module.send_state
+    for length in (24, 48):
+        sent = [0]
+
+        def counting(g, tensors, peer, _box=sent):
+            _box[0] += 8 * sum(t.numel() for t in tensors)
+            return original(g, tensors, peer)
+
+        ids = torch.randint(3, VOCAB, (2, length + 1), generator=torch.Generator().manual_seed(3))
+        chain_module.send_state = counting
+        try:
+            cp_step("ring", copy.deepcopy(base), {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}, group)
+        finally:
+            chain_module.send_state = original
+        out[length] = sent[0]
+    return out
+
+
 def main(rank: int, world_size: int, families: tuple[str, ...] | None = None, cp4: str = "ci") -> dict:
     """cp=2 on ranks {0, 1} and {2, 3} at once (the pairs split the families between them), then cp=4 on all
     four (usp as 2 x 2 there): ``{cp: {family: {(dtype, rule, method): comparison}}}``."""
@@ -320,6 +348,7 @@ def main(rank: int, world_size: int, families: tuple[str, ...] | None = None, cp
     n_pairs = len(pairs)
     mine = {k: v for i, (k, v) in enumerate(chosen.items()) if i % n_pairs == rank // 2}
     results = {2: run_all(pairs[rank // 2], 2, ("thd", "thd_docs", "ulysses", "ring"), mine)}
+    results["chain_bytes"] = chain_bytes(next(iter(mine.values())), pairs[rank // 2], rank % 2, 2)
     if world_size == 4:
         wide = chosen if cp4 == "all" else {k: v for k, v in chosen.items() if k in CP4_FAMILIES}
         results[4] = run_all(dist.new_group(backend="gloo"), 4, ("thd", "thd_docs", "ulysses", "ring", "usp"), wide)
