@@ -251,7 +251,7 @@ def _mixer_worker(rank: int, world: int, seq_lens: list[int], families: list[str
                     _box[0] += 8 * sum(t.numel() for t in tensors)
                     return _orig(g, tensors, peer)
 
-                def step() -> None:
+                def step(local=local, mixer=mixer, method=method, ctx=ctx, kernel=kernel) -> None:
                     x = local.detach().requires_grad_()
                     mixer.zero_grad(set_to_none=True)
                     with active.activate(method, ctx, require_attention=False):
