@@ -65,6 +65,7 @@ class Family:
     chunk_attr: str = "chunk_size"
     chunk_rules: Callable[[object, int], dict[str, Callable]] | None = None
     methods: tuple[str, ...] | None = None
+    attn: str | None = "sdpa"  # None: a model without attention layers
     extra: dict = field(default_factory=dict)
 
 
@@ -89,6 +90,11 @@ FAMILIES: dict[str, Family] = {
         num_key_value_heads=4, attention_head_dim=16, n_mamba_heads=4, mamba_headdim=8, mamba_d_state=8,
         mamba_ngroups=1, mamba_d_conv=4, mamba_expand=1, intermediate_size=48, chunk_size=8, use_mem_rope=True),
         _mamba2_rules),
+    "mamba2": Family("mamba2", dict(
+        hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=8, state_size=8, n_groups=2, conv_kernel=4,
+        expand=1, chunk_size=8), _mamba2_rules, attn=None,
+        # ring refuses a model whose attn_implementation is not sdpa, and Mamba-2 has no attention to set
+        methods=("thd", "thd_docs", "ulysses", "usp")),
     # Gated DeltaNet: thd, Ulysses and ring are proven by tests/test_linear_mixer.py; thd_docs and usp here
     "qwen3_5_text": Family("qwen3_5_text", dict(
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8,
@@ -105,7 +111,9 @@ def build_model(family: Family, dtype: torch.dtype):
                                   **family.config)
     torch.manual_seed(0)
     kwargs = {"experts_implementation": "eager"} if family.model_type == "granitemoehybrid" else {}
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype, **kwargs)
+    if family.attn is not None:
+        kwargs["attn_implementation"] = family.attn
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     with torch.no_grad():  # non-trivial decays, skips and norms (the inits are constants)
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
@@ -348,7 +356,8 @@ def main(rank: int, world_size: int, families: tuple[str, ...] | None = None, cp
     n_pairs = len(pairs)
     mine = {k: v for i, (k, v) in enumerate(chosen.items()) if i % n_pairs == rank // 2}
     results = {2: run_all(pairs[rank // 2], 2, ("thd", "thd_docs", "ulysses", "ring"), mine)}
-    results["chain_bytes"] = chain_bytes(next(iter(mine.values())), pairs[rank // 2], rank % 2, 2)
+    ringed = [f for f in mine.values() if f.methods is None or "ring" in f.methods]
+    results["chain_bytes"] = chain_bytes(ringed[0], pairs[rank // 2], rank % 2, 2) if ringed else None
     if world_size == 4:
         wide = chosen if cp4 == "all" else {k: v for k, v in chosen.items() if k in CP4_FAMILIES}
         results[4] = run_all(dist.new_group(backend="gloo"), 4, ("thd", "thd_docs", "ulysses", "ring", "usp"), wide)
