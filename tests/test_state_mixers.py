@@ -293,3 +293,21 @@ def test_left_padding_under_ulysses_matches_one_process(dist_results):
         assert res["loss_rel"] <= 1e-12 and not res["missing"], res
         for name, rel in res["grad_rel"].items():
             assert rel <= (FP64_EXACT if _mixer_param(name) else FP64_MODEL), (name, rel)
+
+
+def test_the_profile_names_each_familys_mixer_class_and_every_method_takes_it():
+    """Every layer with a state of these families is a linear_mixer layer naming a class with a kernel (Granite's
+    "...MambaLayer", Zamba2's hybrid layer, Falcon-H1's attention beside its mixer), and each method the test
+    runs it under accepts the model."""
+    from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
+    from automodel.distributed.cp.profile import LINEAR, profile_model
+    from automodel.distributed.cp.registry import check_model_for_cp
+
+    for name, fam in worker.FAMILIES.items():
+        profile = profile_model(worker.build_model(fam, torch.float32))
+        mixers = [layer for layer in profile.layers if layer.kind == LINEAR]
+        assert mixers and all(layer.mixer in STATE_MIXERS for layer in mixers), (name, profile.layers)
+        for method in fam.methods or ("ring", "ulysses", "thd", "thd_docs", "usp"):
+            check_model_for_cp(method, profile, seq_len=48)
+    hybrid = profile_model(worker.build_model(worker.FAMILIES["falcon_h1"], torch.float32)).layers
+    assert all(layer.hybrid_attention for layer in hybrid)
