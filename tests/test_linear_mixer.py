@@ -98,18 +98,20 @@ def test_the_fp64_reference_rule_is_transformers_rule():
 
 
 def test_only_the_implemented_mixers_and_methods_are_exact():
-    def layer(mixer, hybrid=False):
-        return LayerSpec(index=0, kind=LINEAR, mixer=mixer, hybrid_attention=hybrid)
+    def layer(mixer, hybrid=False, window=None):
+        return LayerSpec(index=0, kind=LINEAR, mixer=mixer, hybrid_attention=hybrid, window=window)
 
     for name in ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"):
-        for method in ("ring", "ulysses", "thd"):
+        for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
             assert linear_mixer_problem(method, layer(name)) is None
         assert "toy splits over the ranks without passing the state on" in linear_mixer_problem("toy", layer(name))
     for other in ("MiniMaxLightningAttention", "MambaMixer", "Lfm2ShortConv", "Conv1d (a convolution along the sequence)"):
         for method in ("ring", "ulysses", "thd"):
             reason = linear_mixer_problem(method, layer(other))
             assert reason and other in reason and "CP kernels exist for" in reason, reason
-    assert linear_mixer_problem("thd", layer("Qwen3NextGatedDeltaNet", hybrid=True))  # attention beside it
+    # plain causal attention beside the mixer goes through the method's attention; a window beside it does not
+    assert linear_mixer_problem("thd", layer("Qwen3NextGatedDeltaNet", hybrid=True)) is None
+    assert "window" in linear_mixer_problem("thd", layer("Qwen3NextGatedDeltaNet", hybrid=True, window=8))
 
 
 def test_installed_forward_is_the_class_forward_outside_cp_and_uninstalls():

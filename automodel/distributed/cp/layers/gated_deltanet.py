@@ -20,6 +20,10 @@ Numerics: transformers' torch kernel computes in fp32 whatever the input dtype a
 chunk (64 tokens); a row cut at a multiple of 64 chains bit for bit, a cut elsewhere to fp32 round-off
 (~1e-6 relative), fp64 inputs included. Inside :func:`rule_override` a test substitutes a rule that honours
 the dtype (:func:`recurrent_gated_delta_rule`) to prove the chaining itself to fp64 round-off.
+
+:class:`GatedDeltaNetKernel` is these pieces as a :class:`~automodel.distributed.cp.layers.mixer_kernel.MixerKernel`
+(registered for every class of :data:`GATED_DELTANET_MIXERS`): core inputs q, k ``[B, n, Hk, dk]``, v
+``[B, n, Hv, dv]`` (before the conv), b, a ``[B, n, Hv]``; state ``[conv halo [B, C, K-1], S [B, Hv, dk, dv]]``.
 """
 
 from __future__ import annotations
@@ -33,10 +37,18 @@ import torch
 import torch.nn.functional as F
 
 from automodel.distributed.cp.layers.linear_support import GATED_DELTANET_MIXERS
+from automodel.distributed.cp.layers.mixer_kernel import (
+    HeadShard,
+    MixerKernel,
+    Projected,
+    StateLike,
+    register,
+)
 
 __all__ = [
     "GATED_DELTANET_MIXERS",
     "CoreParams",
+    "GatedDeltaNetKernel",
     "core_params",
     "finish",
     "project",
@@ -224,3 +236,66 @@ def recurrent_gated_delta_rule(
         outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
     out = torch.stack(outs, dim=1).to(query.dtype) if outs else v.new_zeros(v.shape)
     return out, (s if output_final_state else None)
+
+
+class GatedDeltaNetKernel(MixerKernel):
+    """Gated DeltaNet as a :class:`~automodel.distributed.cp.layers.mixer_kernel.MixerKernel` (module docstring).
+    A head shard needs ``linear_num_key_heads % W == 0`` (the value heads are a multiple of the key heads)."""
+
+    name = "Gated DeltaNet"
+
+    def problem(self, mixer: torch.nn.Module, method: str, heads_world: int) -> str | None:
+        hk = mixer.num_k_heads
+        if heads_world > 1 and hk % heads_world:
+            return (
+                f"distributed.cp_method={method}: {type(mixer).__name__} has linear_num_key_heads={hk}, not divisible "
+                f"by the {heads_world} ranks {method} splits heads over; set cp_size (ulysses_size) to a divisor of "
+                f"{hk}, or use distributed.cp_method=thd"
+            )
+        return None
+
+    def project(self, mixer: torch.nn.Module, hidden: torch.Tensor) -> Projected:
+        mixed, z, b, a = project(mixer, hidden)
+        bsz, n = mixed.shape[:2]
+        kd = mixer.key_dim
+        q, k, v = torch.split(mixed, [kd, kd, mixer.value_dim], dim=-1)
+        seq = {"q": q.reshape(bsz, n, mixer.num_k_heads, -1), "k": k.reshape(bsz, n, mixer.num_k_heads, -1),
+               "v": v.reshape(bsz, n, mixer.num_v_heads, -1), "b": b, "a": a}
+        return Projected(seq, z)
+
+    def seq_heads(self, mixer: torch.nn.Module) -> dict[str, int]:
+        hk, hv = mixer.num_k_heads, mixer.num_v_heads
+        return {"q": hk, "k": hk, "v": hv, "b": hv, "a": hv}
+
+    def out_heads(self, mixer: torch.nn.Module) -> int:
+        return mixer.num_v_heads
+
+    def core_params(self, mixer: torch.nn.Module, shard: HeadShard | None) -> dict[str, torch.Tensor | None]:
+        if shard is None:
+            p = core_params(mixer)
+        else:
+            p = core_params(mixer, shard.slice(mixer.num_k_heads), shard.slice(mixer.num_v_heads))
+        return {"conv_weight": p.conv_weight, "conv_bias": p.conv_bias, "A_log": p.A_log, "dt_bias": p.dt_bias}
+
+    def _params(self, mixer: torch.nn.Module, params: dict, shard: HeadShard | None) -> CoreParams:
+        world = 1 if shard is None else shard.world
+        return CoreParams(mixer, params["conv_weight"], params.get("conv_bias"), params["A_log"], params["dt_bias"],
+                          mixer.key_dim // world, mixer.value_dim // world)
+
+    def core(self, mixer, params, seq, state, shard):  # type: ignore[override]
+        p = self._params(mixer, params, shard)
+        mixed = torch.cat([seq[k].flatten(2) for k in ("q", "k", "v")], dim=-1)
+        halo, s = (None, None) if state is None else state
+        out, new_halo, final = run_core(p, mixed, seq["b"], seq["a"], halo, s)
+        return out, [new_halo, final]
+
+    def state_like(self, mixer, params, batch, dtype, shard) -> StateLike:  # type: ignore[override]
+        p = self._params(mixer, params, shard)
+        heads = mixer.num_v_heads // (1 if shard is None else shard.world)
+        return [((batch, p.channels, p.kernel - 1), dtype), ((batch, heads, p.dk, p.dv), torch.float64)]
+
+    def finish(self, mixer: torch.nn.Module, out: torch.Tensor, local: Any) -> torch.Tensor:
+        return finish(mixer, out, local)
+
+
+register(tuple(GATED_DELTANET_MIXERS), GatedDeltaNetKernel())

@@ -9,14 +9,21 @@ and every method without a kernel, stays refused.
 - ``thd``: the conv halo and the recurrent state are chained across the ranks in sequence order, reset at
   every document;
 - ``ring``: the same chain over the head-tail chunks of every row (installed at the model's first forward
-  inside the ring context).
+  inside the ring context);
+- ``thd_docs``: a document whole on one rank runs there from zeros, no exchange; a split document chains
+  its state among the ranks of its span;
+- ``usp``: the head shard over the Ulysses sub-group, the chain across the ring sub-group.
+
+A mixer that runs attention beside it in the same layer (Falcon-H1, Zamba2's hybrid layers) is exact where
+the mixer is and that attention is plain causal attention (no window, chunk, sinks or softcap): it goes
+through the method's own attention.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GATED_DELTANET_MIXERS", "LINEAR_METHODS", "linear_mixer_problem"]
+__all__ = ["GATED_DELTANET_MIXERS", "LINEAR_METHODS", "MAMBA2_MIXERS", "STATE_MIXERS", "linear_mixer_problem"]
 
 #: mixer class name -> how its projections are laid out (``"qkvz"``: Qwen3-Next's interleaved
 #: ``in_proj_qkvz`` / ``in_proj_ba``; ``"split"``: Qwen3.5's ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``;
@@ -28,17 +35,39 @@ GATED_DELTANET_MIXERS = {
     "OlmoHybridGatedDeltaNet": "olmo",
 }
 
+#: Mamba2 mixer classes (transformers' ``mamba2_chunk_scan`` family) -> the model type they come from
+MAMBA2_MIXERS = {
+    "NemotronHMamba2Mixer": "nemotron_h",
+    "FalconH1Mixer": "falcon_h1",
+    "GraniteMoeHybridMambaLayer": "granitemoehybrid",
+    "BambaMixer": "bamba",
+    "Zamba2MambaMixer": "zamba2",
+}
+
+#: every mixer class with a CP kernel -> its kernel family (a new kernel module adds its classes here)
+STATE_MIXERS: dict[str, str] = {
+    **{name: "gated_deltanet" for name in GATED_DELTANET_MIXERS},
+    **{name: "mamba2" for name in MAMBA2_MIXERS},
+}
+
 #: method name -> how it runs a supported mixer
 LINEAR_METHODS = {
     "ulysses": "head-sharded with an all-to-all: each rank runs the recurrence on the whole row for its heads",
     "thd": "the conv halo and the recurrent state chained across the ranks in sequence order",
     "ring": "the conv halo and the recurrent state chained across the ranks in sequence order (rows)",
+    "thd_docs": "whole documents locally from zeros; a split document's state chained among the ranks of its span",
+    "usp": "head-sharded over the Ulysses sub-group, the state chained across the ring sub-group",
 }
 
 
 def linear_mixer_problem(method: str, layer: Any) -> str | None:
     """Why ``method`` does not compute the ``linear_mixer`` layer ``layer`` exactly (``None``: it does)."""
-    supported = layer.mixer in GATED_DELTANET_MIXERS and not layer.hybrid_attention
+    supported = layer.mixer in STATE_MIXERS
+    if supported and layer.hybrid_attention and not _plain_attention(layer):
+        return (
+            f"{layer.describe()} runs attention with a window, chunk, sinks or softcap beside its mixer, which no "
+            f"CP kernel combines with the state hand-off"
+        )
     if supported and method in LINEAR_METHODS:
         return None
     if supported:
@@ -48,5 +77,10 @@ def linear_mixer_problem(method: str, layer: Any) -> str | None:
         )
     return (
         f"{layer.describe()} carries a state along the sequence, which {method} splits over the ranks without "
-        f"passing the state on (CP kernels exist for {', '.join(sorted(GATED_DELTANET_MIXERS))} only)"
+        f"passing the state on (CP kernels exist for {', '.join(sorted(STATE_MIXERS))} only)"
     )
+
+
+def _plain_attention(layer: Any) -> bool:
+    return (getattr(layer, "window", None) is None and getattr(layer, "chunk", None) is None
+            and not getattr(layer, "sinks", False) and getattr(layer, "softcap", None) is None)

@@ -326,6 +326,9 @@ def set_doc_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
     from automodel.distributed.cp.registry import check_model_for_cp
 
     check_model_for_cp(DOC_ATTN_NAME, cached_profile(model), seq_len=None)
+    from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
+
+    install_linear_mixers(model, cached_profile(model), DOC_ATTN_NAME)  # docs/linear_mixers.md
     return hf_attention.switch_attention(
         model, DOC_ATTN_NAME, doc_attention_forward, DOC_ATTN_NAME, alternative=": use distributed.cp_method=ulysses"
     )

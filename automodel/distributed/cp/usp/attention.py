@@ -163,6 +163,9 @@ def set_usp_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
     from automodel.distributed.cp.registry import check_model_for_cp
 
     check_model_for_cp("usp", cached_profile(model), seq_len=None)
+    from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
+
+    install_linear_mixers(model, cached_profile(model), "usp")  # docs/linear_mixers.md
     return hf_attention.switch_attention(model, USP_ATTN_NAME, usp_attention_forward, "usp")
 
 

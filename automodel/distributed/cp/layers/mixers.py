@@ -1,0 +1,7 @@
+"""Imports every module that registers a :class:`~automodel.distributed.cp.layers.mixer_kernel.MixerKernel`
+(each registers its mixer classes on import). A new kernel module adds one line here and its class names
+to :data:`automodel.distributed.cp.layers.linear_support.STATE_MIXERS`."""
+
+from automodel.distributed.cp.layers import gated_deltanet, mamba2  # noqa: F401
+
+__all__: list[str] = []
