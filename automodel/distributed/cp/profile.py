@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.distributed.cp.layers.linear_support import GATED_DELTANET_MIXERS
+from automodel.distributed.cp.layers.linear_support import GATED_DELTANET_MIXERS, STATE_MIXERS
 
 __all__ = [
     "FULL",
@@ -74,6 +74,8 @@ _CONFIG_LAYER_TYPES = {
 }
 # class names of token mixers that carry a state along the sequence
 _LINEAR_MIXER = re.compile(r"DeltaNet|Mamba|SSM|ShortConv|LinearAttention|Lightning|Rwkv|Retention|Hyena|Mixer$")
+# class names the pattern above matches that are attention (Kimi-Linear's MLA layers)
+_NOT_LINEAR_MIXERS = {"KimiLinearAttention"}
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -277,12 +279,17 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
     import torch.nn as nn
 
     attention, linear = None, None
+    kernel_mixer: set[int] = set()  # a mixer with a CP kernel and its submodules (its conv, its "Attention" name)
     for _, sub in layer.named_modules():
         cls = type(sub).__name__
-        if sub is layer:
+        if sub is layer or id(sub) in kernel_mixer:
+            continue
+        if cls in STATE_MIXERS:
+            linear = cls
+            kernel_mixer.update(id(m) for m in sub.modules())
             continue
         moe = ("MoE" in cls or "Moe" in cls) and cls not in GATED_DELTANET_MIXERS  # Qwen3_5MoeGatedDeltaNet is one
-        if _LINEAR_MIXER.search(cls) and not moe and linear is None:
+        if _LINEAR_MIXER.search(cls) and cls not in _NOT_LINEAR_MIXERS and not moe and linear is None:
             linear = cls
         elif isinstance(sub, nn.Conv1d) and linear is None:
             linear = f"{cls} (a convolution along the sequence)"

@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from automodel.distributed.cp.layers.mixer_kernel import HeadShard, MixerKernel, Projected, StateLike, register
+from automodel.distributed.cp.layers.mixer_kernel import (
+    HeadShard,
+    MixerKernel,
+    Projected,
+    StateLike,
+    register,
+)
 from automodel.distributed.cp.layers.short_conv import conv_with_halo, model_module
 
 __all__ = ["KDA_MIXERS", "KimiDeltaKernel", "recurrent_kda_reference"]

@@ -41,7 +41,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from automodel.distributed.cp.layers.mixer_kernel import HeadShard, MixerKernel, Projected, StateLike, register
+from automodel.distributed.cp.layers.mixer_kernel import (
+    HeadShard,
+    MixerKernel,
+    Projected,
+    StateLike,
+    register,
+)
 from automodel.distributed.cp.layers.short_conv import conv_with_halo, model_module
 
 __all__ = ["MAMBA1_MIXERS", "Mamba1Kernel", "selective_scan_reference"]

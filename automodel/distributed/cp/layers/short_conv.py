@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from automodel.distributed.cp.layers.mixer_kernel import HeadShard, MixerKernel, Projected, StateLike, register
+from automodel.distributed.cp.layers.mixer_kernel import (
+    HeadShard,
+    MixerKernel,
+    Projected,
+    StateLike,
+    register,
+)
 
 __all__ = ["SHORT_CONV_MIXERS", "ShortConvKernel", "conv_with_halo", "model_module"]
 
