@@ -14,13 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from automodel.distributed.cp.layers import mixers  # noqa: F401  (every kernel registers on import)
 from automodel.distributed.cp.layers.linear_support import linear_mixer_problem
 from automodel.distributed.cp.layers.mixer_kernel import HeadShard, kernel_for
 from automodel.distributed.cp.profile import LINEAR, LayerSpec
 from tests.dist_harness import run_distributed
 from tests.workers import state_mixers_more_worker as worker
 
-MIXER_ATTR = {"jamba": "mamba", "lfm2": "conv", "lfm2_moe": "conv", "kimi_linear": "self_attn"}
+MIXER_ATTR = {"jamba": "mamba", "lfm2": "conv", "lfm2_moe": "conv", "kimi_linear": "self_attn", "minimax": "self_attn"}
 #: parameters the model itself reads through ``.float()`` (or keeps in fp32): their gradients pass an fp32
 #: cast in both runs, so they agree to fp32 round-off even in an fp64 model
 FP32_READ = ("mamba.A_log", "mamba.D", "mamba.dt_proj.bias", "forget_gate.dt_bias")
@@ -38,6 +39,18 @@ def _one_thread():
 
 def _mixer(family: str, dtype=torch.float64):
     return getattr(worker.build_model(family, dtype).model.layers[0], MIXER_ATTR[family])
+
+
+def _first(out):
+    """The output tensor (MiniMax's lightning attention returns ``(output, state)``)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _forward(mixer, hidden):
+    """The class's own forward on ``hidden [B, n, D]`` (no cache, no mask)."""
+    if type(mixer).__name__ == "MiniMaxLightningAttention":
+        return mixer(hidden, None, None)[0]
+    return mixer(hidden)
 
 
 def _run(mixer, hidden, fn):
@@ -61,7 +74,7 @@ def _chained(mixer, hidden, cuts, keep_state=True):
         outs.append(out)
         if not keep_state:
             state = None
-    return kernel.finish(mixer, torch.cat(outs, dim=1), proj.local)
+    return _first(kernel.finish(mixer, torch.cat(outs, dim=1), proj.local))
 
 
 def _sharded(mixer, hidden, world):
@@ -74,7 +87,7 @@ def _sharded(mixer, hidden, world):
         shard = HeadShard(rank, world)
         seq = {k: v[:, :, shard.held(counts[k])] for k, v in proj.seq.items()}
         outs.append(kernel.core(mixer, kernel.core_params(mixer, shard), seq, None, shard)[0])
-    return kernel.finish(mixer, torch.cat(outs, dim=2), proj.local)
+    return _first(kernel.finish(mixer, torch.cat(outs, dim=2), proj.local))
 
 
 def _rel(a, b):
@@ -87,7 +100,7 @@ def test_pieces_and_shards_are_the_whole_row(family):
     hidden = torch.randn(2, 40, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     undo = worker.fp64_patches(mixer, "fp64")
     try:
-        whole, whole_grads = _run(mixer, hidden, mixer)
+        whole, whole_grads = _run(mixer, hidden, lambda h: _forward(mixer, h))
         # a 1-token piece: the conv halo reaches back over two pieces
         for name, fn in [("chained", lambda h: _chained(mixer, h, [11, 12, 29])),
                          ("shard2", lambda h: _sharded(mixer, h, 2)), ("shard4", lambda h: _sharded(mixer, h, 4))]:
@@ -100,7 +113,7 @@ def test_pieces_and_shards_are_the_whole_row(family):
         # the negative control: a chain that drops the state is far off
         assert _rel(_chained(mixer, hidden, [11, 12, 29], keep_state=False), whole) > 1e-3
         # a document start is a zero state: the row's second part alone is the chain restarted there
-        assert _rel(_chained(mixer, hidden[:, 29:], [5]), mixer(hidden[:, 29:])) < 1e-13
+        assert _rel(_chained(mixer, hidden[:, 29:], [5]), _forward(mixer, hidden[:, 29:])) < 1e-13
     finally:
         for owner, name, original in undo:
             setattr(owner, name, original)
@@ -110,9 +123,9 @@ def test_transformers_kernels_chain_to_fp32_round_off():
     """fp32 with transformers' own kernels: the conv chains bit for bit; the scan and the chunked rule to
     round-off (Kimi's rule pads every piece to its 64-token chunk)."""
     hidden = torch.randn(1, 90, 64, generator=torch.Generator().manual_seed(1))
-    for family in ("lfm2", "jamba", "kimi_linear"):
+    for family in ("lfm2", "jamba", "kimi_linear", "minimax"):
         mixer = _mixer(family, torch.float32)
-        whole = mixer(hidden)
+        whole = _forward(mixer, hidden)
         err = _rel(_chained(mixer, hidden, [30, 31, 64]), whole)
         assert err == 0 if family == "lfm2" else err < 1e-6, (family, err)
 
@@ -144,14 +157,14 @@ def test_the_profile_names_these_mixers_and_every_method_computes_them():
     from automodel.distributed.cp.profile import profile_model
 
     expected = {"jamba": "JambaMambaMixer", "lfm2": "Lfm2ShortConv", "lfm2_moe": "Lfm2MoeShortConv",
-                "kimi_linear": "KimiLinearDeltaAttention"}
+                "kimi_linear": "KimiLinearDeltaAttention", "minimax": "MiniMaxLightningAttention"}
     for family, mixer in expected.items():
         layers = profile_model(worker.build_model(family, torch.float32)).layers
         assert (layers[0].kind, layers[0].mixer, layers[0].hybrid_attention) == (LINEAR, mixer, False), layers[0]
         assert layers[1].kind != LINEAR, layers[1]  # Kimi's KimiLinearAttention is MLA attention
         for method in ("ulysses", "thd", "ring", "thd_docs", "usp"):
             assert linear_mixer_problem(method, layers[0]) is None
-    for other in ("MiniMaxLightningAttention", "RecurrentGemmaRglru"):
+    for other in ("RecurrentGemmaRglru", "Glm5NextTextLinearAttention"):
         assert "CP kernels exist for" in linear_mixer_problem("thd", LayerSpec(index=0, kind=LINEAR, mixer=other))
 
 

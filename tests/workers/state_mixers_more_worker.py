@@ -29,7 +29,7 @@ from tests.family_matrix import family_by_name
 
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
-FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear")
+FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax")
 
 
 def build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -90,6 +90,7 @@ def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str
     swaps = [(modeling, "mamba_selective_scan", mamba1.selective_scan_reference),
              (modeling, "chunk_kimi_delta_attention", kimi_delta.recurrent_kda_reference),
              (getattr(modeling, "JambaRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "MiniMaxRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "KimiLinearRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "KimiLinearRMSNormGated", None), "forward", _rms_norm_gated),
              (getattr(modeling, "KimiLinearForgetGate", None), "forward", _forget_gate)]
@@ -289,7 +290,7 @@ def main(rank: int, world_size: int = 4) -> dict:
     results: dict = {2: run_cases(pairs[rank // 2], 2, ("ulysses", "thd", "thd_docs", "ring"), [(fp64, fp32)[rank // 2]])}
     times.append(time.time())
     if rank >= 2:  # this pair ran the (faster) fp32 cases: it measures two families each
-        mine = FAMILIES[:2] if rank == 2 else FAMILIES[2:]
+        mine = FAMILIES[:3] if rank == 2 else FAMILIES[3:]
         results["fp32_movement"] = {family: fp32_movement(family) for family in mine}
     times.append(time.time())
     if world_size == 4:

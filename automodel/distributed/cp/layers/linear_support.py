@@ -52,6 +52,7 @@ STATE_MIXERS: dict[str, str] = {
     "Lfm2ShortConv": "short_conv",  # cp/layers/short_conv.py
     "Lfm2MoeShortConv": "short_conv",
     "KimiLinearDeltaAttention": "kimi_delta",  # cp/layers/kimi_delta.py
+    "MiniMaxLightningAttention": "lightning",  # cp/layers/lightning.py
 }
 
 #: method name -> how it runs a supported mixer

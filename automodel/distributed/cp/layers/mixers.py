@@ -2,6 +2,6 @@
 (each registers its mixer classes on import). A new kernel module adds one line here and its class names
 to :data:`automodel.distributed.cp.layers.linear_support.STATE_MIXERS`."""
 
-from automodel.distributed.cp.layers import gated_deltanet, kimi_delta, mamba1, mamba2, short_conv  # noqa: F401
+from automodel.distributed.cp.layers import gated_deltanet, kimi_delta, lightning, mamba1, mamba2, short_conv  # noqa: F401
 
 __all__: list[str] = []
