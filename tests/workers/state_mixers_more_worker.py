@@ -19,6 +19,7 @@ import copy
 import functools
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from tests.family_matrix import family_by_name
 
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
-FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax")
+FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax", "recurrent_gemma")
 
 
 def build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -66,6 +67,11 @@ def _rms_norm(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _gemma_rms_norm(self, x):
+    """``RecurrentGemmaRMSNorm.forward`` in the input's dtype."""
+    return self._norm(x) * (1.0 + self.weight)
+
+
 def _rms_norm_gated(self, hidden_states, gate=None):
     """``KimiLinearRMSNormGated.forward`` in the input's dtype."""
     return _rms_norm(self, hidden_states) * torch.sigmoid(gate)
@@ -76,6 +82,12 @@ def _forget_gate(self, hidden_states):
     g = (self.f_b_proj(self.f_a_proj(hidden_states)) + self.dt_bias.view(1, 1, -1))
     g = g.view(*hidden_states.shape[:2], -1, self.head_dim)
     return -torch.exp(self.A_log) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+
+def _rnn_scan_fp64(modeling) -> Any:
+    """``RecurrentGemmaRglru._rnn_scan`` accumulating in fp64 (its default accumulates in fp32)."""
+    cls = getattr(modeling, "RecurrentGemmaRglru", None)
+    return None if cls is None else functools.partialmethod(cls._rnn_scan, acc_dtype=torch.float64)
 
 
 def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str, object]]:
@@ -91,12 +103,14 @@ def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str
              (modeling, "chunk_kimi_delta_attention", kimi_delta.recurrent_kda_reference),
              (getattr(modeling, "JambaRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "MiniMaxRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "RecurrentGemmaRMSNorm", None), "forward", _gemma_rms_norm),
+             (getattr(modeling, "RecurrentGemmaRglru", None), "_rnn_scan", _rnn_scan_fp64(modeling)),
              (getattr(modeling, "KimiLinearRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "KimiLinearRMSNormGated", None), "forward", _rms_norm_gated),
              (getattr(modeling, "KimiLinearForgetGate", None), "forward", _forget_gate)]
     undo = []
     for owner, name, new in swaps:
-        if owner is not None and hasattr(owner, name):
+        if owner is not None and new is not None and hasattr(owner, name):
             undo.append((owner, name, getattr(owner, name)))
             setattr(owner, name, new)
     return undo
@@ -290,7 +304,7 @@ def main(rank: int, world_size: int = 4) -> dict:
     results: dict = {2: run_cases(pairs[rank // 2], 2, ("ulysses", "thd", "thd_docs", "ring"), [(fp64, fp32)[rank // 2]])}
     times.append(time.time())
     if rank >= 2:  # this pair ran the (faster) fp32 cases: it measures two families each
-        mine = FAMILIES[:3] if rank == 2 else FAMILIES[3:]
+        mine = FAMILIES[0::2] if rank == 2 else FAMILIES[1::2]
         results["fp32_movement"] = {family: fp32_movement(family) for family in mine}
     times.append(time.time())
     if world_size == 4:

@@ -28,7 +28,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from automodel.distributed.cp.layers.mixer_kernel import HeadShard, MixerKernel, Projected, StateLike, register
+from automodel.distributed.cp.layers.mixer_kernel import (
+    HeadShard,
+    MixerKernel,
+    Projected,
+    StateLike,
+    register,
+)
 
 __all__ = ["LIGHTNING_MIXERS", "LightningKernel"]
 

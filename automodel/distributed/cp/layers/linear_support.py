@@ -53,6 +53,7 @@ STATE_MIXERS: dict[str, str] = {
     "Lfm2MoeShortConv": "short_conv",
     "KimiLinearDeltaAttention": "kimi_delta",  # cp/layers/kimi_delta.py
     "MiniMaxLightningAttention": "lightning",  # cp/layers/lightning.py
+    "RecurrentGemmaRecurrentBlock": "rg_lru",  # cp/layers/rg_lru.py
 }
 
 #: method name -> how it runs a supported mixer
