@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What each attention layer kind costs under CP: bytes sent per rank per step and step time.
+"""What each attention layer kind and each state mixer costs under CP: bytes sent per rank per step and time.
 
 Two gloo ranks (CPU, one thread each) run one attention layer's forward + backward on ``[1, H, S, D]``
 fp32 q/k/v (``H`` query heads, ``H/4`` KV heads) for every entry of :data:`KINDS`, with the kernel the
@@ -12,6 +12,17 @@ backward; deterministic); the time is the slower rank's (noisy on a shared machi
 
 Extend :data:`KINDS` with ``name -> builder(q, k, v, ctx) -> callable`` for a new layer kind (``ctx``:
 world, rank, group, mesh, seq, window); the callable runs forward + backward once.
+
+**State mixers** (``--mixers``; :data:`MIXERS`: one module per kernel family, at benchmark widths): one mixer
+layer's forward + backward on ``[1, S, D]`` fp32 under every method with a linear-mixer kernel, on
+``--mixer-world`` gloo ranks (default 4, so that usp runs as 2 x 2): ulysses (head shard), ring and thd (the
+state chain over head-tail chunks of one document), thd_docs (the placement of one document of S tokens,
+split over every rank), usp (head shard over 2, chain over 2). Bytes are counted at ``all_to_all_single``
+and at the state hand-off (``state`` column: what the chain sends, fp64 on the wire); the script checks
+that the hand-off's bytes are the same at every S and equal to
+:func:`automodel.distributed.cp.layers.state_chain.chain_bytes_per_rank`.
+
+    python scripts/bench_layer_kinds.py --kinds full/ring --mixers mamba2 --mixer-world 4
 """
 
 from __future__ import annotations
@@ -151,6 +162,154 @@ KINDS: dict[str, Callable[..., Callable[[], None]]] = {
 }
 
 
+# ----------------------------------------------------------------------------------------- state mixers
+#: kernel family -> (model type, config) of a model whose first registered mixer is benchmarked
+MIXERS: dict[str, tuple[str, dict]] = {
+    "mamba2": ("bamba", dict(hidden_size=256, num_hidden_layers=1, attn_layer_indices=[], num_attention_heads=4,
+                             num_key_value_heads=4, intermediate_size=256, mamba_n_heads=8, mamba_d_head=32,
+                             mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1,
+                             mamba_chunk_size=256)),
+    "gated_deltanet": ("qwen3_5_text", dict(hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                                            layer_types=["linear_attention"], linear_conv_kernel_dim=4,
+                                            linear_key_head_dim=32, linear_value_head_dim=32,
+                                            linear_num_key_heads=4, linear_num_value_heads=8)),
+}
+MIXER_METHODS = ("ulysses", "ring", "thd", "thd_docs", "usp")
+
+
+def _mixer_module(family: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.distributed.cp.layers.mixer_kernel import kernel_for
+
+    model_type, config = MIXERS[family]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, **config))
+    return next(m for m in model.modules() if kernel_for(m) is not None)
+
+
+def _method_context(method: str, seq: int, group: Any, world: int, rank: int) -> tuple[Any, slice | torch.Tensor]:
+    """The context object of ``method`` for one document of ``seq`` tokens and this rank's token ids."""
+    from automodel.distributed.cp.gathered_attention import THDPlan
+    from automodel.distributed.cp.layout import head_tail_indices, ring_layout
+
+    if method == "ulysses":
+        from automodel.distributed.cp.ulysses.attention import UlyssesContext
+
+        ctx = UlyssesContext(group, world, rank, "sdpa", torch.arange(seq)[None])
+        return ctx, torch.arange(ctx.shard_offset, ctx.shard_offset + ctx.shard_sizes[rank])
+    if method == "ring":
+        layout = ring_layout(seq, group, world, rank)
+        return layout, layout.rank_ids[rank]
+    if method == "thd":
+        plan = THDPlan(group, world, rank, [0, seq], [0, seq], seq)
+        return plan, head_tail_indices(torch.tensor([0, seq]), world, rank)
+    if method == "thd_docs":
+        from automodel.distributed.cp.thd_docs.attention import DocPlan
+        from automodel.distributed.cp.thd_docs.placement import plan_documents
+
+        plan = DocPlan(group, world, rank, plan_documents([seq], world), seq)
+        ids = torch.cat([torch.arange(p.start, p.end) for p in plan.placement.ranks[rank]])
+        return plan, ids
+    from automodel.distributed.cp.usp.attention import UspContext
+    from automodel.distributed.cp.usp.groups import usp_process_groups
+
+    groups = usp_process_groups(group, world, rank, 2)
+    plan = THDPlan(groups.ring_group, groups.ring_size, groups.ring_rank, [0, seq], [0, seq], seq)
+    share = head_tail_indices(torch.tensor([0, seq]), groups.ring_size, groups.ring_rank)
+    per = len(share) // groups.ulysses_size
+    return UspContext(groups, plan), share[groups.ulysses_rank * per : (groups.ulysses_rank + 1) * per]
+
+
+def _mixer_worker(rank: int, world: int, seq_lens: list[int], families: list[str], steps: int) -> dict:
+    import torch.distributed as dist
+
+    import automodel.distributed.cp.layers.state_chain as chain_module
+    from automodel.distributed.cp import active
+    from automodel.distributed.cp.layers import linear_mixer
+    from automodel.distributed.cp.layers.mixer_kernel import HeadShard, kernel_for
+
+    torch.set_num_threads(1)
+    group = dist.new_group(backend="gloo")
+    out: dict[str, Any] = {}
+    for family in families:
+        mixer = _mixer_module(family)
+        kernel = kernel_for(mixer)
+        for seq in seq_lens:
+            hidden = torch.randn(1, seq, mixer.hidden_size if hasattr(mixer, "hidden_size") else 256,
+                                 generator=torch.Generator().manual_seed(1))
+            for method in MIXER_METHODS:
+                if method == "usp" and world % 2:
+                    continue
+                ctx, ids = _method_context(method, seq, group, world, rank)
+                local = hidden[:, ids].contiguous()
+                state_sent = [0]
+                original = chain_module.send_state
+
+                def counting(g, tensors, peer, _orig=original, _box=state_sent):
+                    _box[0] += 8 * sum(t.numel() for t in tensors)
+                    return _orig(g, tensors, peer)
+
+                def step(local=local, mixer=mixer, method=method, ctx=ctx, kernel=kernel) -> None:
+                    x = local.detach().requires_grad_()
+                    mixer.zero_grad(set_to_none=True)
+                    with active.activate(method, ctx, require_attention=False):
+                        y = linear_mixer._METHODS[method](kernel, mixer, x, ctx)
+                        y.backward(torch.ones_like(y))
+
+                chain_module.send_state = counting
+                try:
+                    with count_sent_bytes(rank, world) as sent:
+                        step()
+                    counted_state = state_sent[0]
+                    times = []
+                    for _ in range(steps):
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        step()
+                        slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                        times.append(slowest.item())
+                finally:
+                    chain_module.send_state = original
+                totals = torch.tensor([sent[0] + counted_state, counted_state], dtype=torch.float64)
+                dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+                expected = 0
+                if method in ("ring", "thd", "thd_docs"):
+                    expected = max(chain_module.chain_bytes_per_rank(kernel, mixer, world, r) for r in range(world))
+                elif method == "usp":
+                    shard = HeadShard(0, 2)
+                    expected = max(chain_module.chain_bytes_per_rank(kernel, mixer, world // 2, r, shard=shard)
+                                   for r in range(world // 2))
+                out[f"{seq}/{family}/{method}"] = {
+                    "bytes": int(totals[0].item()), "state": int(totals[1].item()), "expected_state": expected,
+                    "seconds": statistics.median(times) if times else float("nan"),
+                }
+    return out
+
+
+def _print_mixers(results: dict, seq_lens: list[int], families: list[str], world: int) -> None:
+    print(f"\none state-mixer layer fwd+bwd, cp={world} gloo, one document of S tokens, fp32; bytes: sent per rank "
+          "per step (max over ranks); state: the chain's hand-off (fp64), part of the total")
+    print(f"{'S':>6} {'mixer/method':<26} {'MiB sent':>9} {'state KiB':>10} {'step (s)':>9}")
+    for family in families:
+        for seq in seq_lens:
+            for method in MIXER_METHODS:
+                r = results.get(f"{seq}/{family}/{method}")
+                if r is None:
+                    continue
+                print(f"{seq:>6} {family + '/' + method:<26} {r['bytes'] / 2**20:>9.3f} {r['state'] / 2**10:>10.1f} "
+                      f"{r['seconds']:>9.3f}")
+        for method in MIXER_METHODS:
+            states = {results[k]["state"] for k in results if k.endswith(f"/{family}/{method}")}
+            expected = {results[k]["expected_state"] for k in results if k.endswith(f"/{family}/{method}")}
+            if len(states) > 1 or states != expected:
+                raise SystemExit(f"{family}/{method}: the state hand-off sent {sorted(states)} bytes at S = {seq_lens}, "
+                                 f"expected {sorted(expected)} at every S")
+    print("the state hand-off's bytes are the same at every S and equal chain_bytes_per_rank (checked)")
+
+
 # ----------------------------------------------------------------------------------------- driver
 def _worker(rank: int, world: int, seq_lens: list[int], window: int, kinds: list[str], steps: int,
             heads: int, head_dim: int) -> dict:
@@ -188,12 +347,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--mixers", nargs="*", default=list(MIXERS), choices=list(MIXERS))
+    parser.add_argument("--mixer-world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args()
+    if args.mixers:
+        mixed = run_on_ranks(
+            "scripts.bench_layer_kinds:_mixer_worker", world_size=args.mixer_world, timeout=args.timeout,
+            seq_lens=args.seq_lens, families=args.mixers, steps=args.steps,
+        )[0]
+        _print_mixers(mixed, args.seq_lens, args.mixers, args.mixer_world)
+    if not args.kinds:
+        return
     results = run_on_ranks(
         "scripts.bench_layer_kinds:_worker", world_size=2, timeout=args.timeout, seq_lens=args.seq_lens,
         window=args.window, kinds=args.kinds, steps=args.steps, heads=args.heads, head_dim=args.head_dim,

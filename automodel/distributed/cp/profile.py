@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.distributed.cp.layers.linear_support import GATED_DELTANET_MIXERS, STATE_MIXERS
+from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
 
 __all__ = [
     "FULL",
@@ -279,16 +279,17 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
     import torch.nn as nn
 
     attention, linear = None, None
-    kernel_mixer: set[int] = set()  # a mixer with a CP kernel and its submodules (its conv, its "Attention" name)
+    # a mixer class with a CP kernel names the layer's mixer wherever it sits (Zamba2's hybrid layer holds it
+    # inside a whole Mamba decoder layer; Granite-4.0-H's is named "...MambaLayer", holding a Conv1d)
+    linear = next((type(sub).__name__ for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS), None)
+    # such a mixer and its submodules are neither attention nor another mixer (its conv; Kimi's KDA is named
+    # "...DeltaAttention")
+    kernel_mixer = {id(m) for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS for m in sub.modules()}
     for _, sub in layer.named_modules():
         cls = type(sub).__name__
         if sub is layer or id(sub) in kernel_mixer:
             continue
-        if cls in STATE_MIXERS:
-            linear = cls
-            kernel_mixer.update(id(m) for m in sub.modules())
-            continue
-        moe = ("MoE" in cls or "Moe" in cls) and cls not in GATED_DELTANET_MIXERS  # Qwen3_5MoeGatedDeltaNet is one
+        moe = ("MoE" in cls or "Moe" in cls) and cls not in STATE_MIXERS  # Qwen3_5MoeGatedDeltaNet is one
         if _LINEAR_MIXER.search(cls) and cls not in _NOT_LINEAR_MIXERS and not moe and linear is None:
             linear = cls
         elif isinstance(sub, nn.Conv1d) and linear is None:
@@ -296,6 +297,25 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
         elif cls.endswith("Attention") and attention is None:
             attention = sub
     spec = dict(base.__dict__)
+    if linear is not None and attention is not None and linear in STATE_MIXERS:
+        # attention beside a mixer CP computes (Falcon-H1, Zamba2): it runs through the method's attention, so
+        # it must dispatch through AttentionInterface; what it applies (window, sinks, softcap) is recorded
+        # and linear_support refuses anything but plain causal attention
+        cls = type(attention)
+        if cls.__name__ in _SHARD_MASKED_ATTENTION or not _dispatches_attention(cls):
+            spec.update(kind=UNKNOWN, mixer=f"{linear} beside {cls.__name__}, which does not dispatch its attention "
+                        "through transformers' AttentionInterface")
+            return LayerSpec(**spec)
+        spec.update(kind=LINEAR, mixer=linear, hybrid_attention=True)
+        if isinstance(getattr(attention, "sinks", None), nn.Parameter):
+            spec["sinks"] = True
+        softcap = getattr(attention, "attn_logit_softcapping", None) or getattr(attention, "softcap", None)
+        if isinstance(softcap, (int, float)) and softcap:
+            spec["softcap"] = float(softcap)
+        window = getattr(attention, "sliding_window", None)
+        if isinstance(window, int) and window:
+            spec["window"] = window
+        return LayerSpec(**spec)
     if linear is not None:
         spec.update(kind=LINEAR, mixer=linear, hybrid_attention=attention is not None)
         return LayerSpec(**spec)

@@ -42,6 +42,7 @@ MAMBA2_MIXERS = {
     "GraniteMoeHybridMambaLayer": "granitemoehybrid",
     "BambaMixer": "bamba",
     "Zamba2MambaMixer": "zamba2",
+    "Mamba2Mixer": "mamba2",
 }
 
 #: every mixer class with a CP kernel -> its kernel family (a new kernel module adds its classes here)

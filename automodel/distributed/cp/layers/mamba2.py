@@ -1,4 +1,4 @@
-"""Mamba2 mixers (Nemotron-H, Falcon-H1, Granite-4.0-H, Bamba, Zamba2) as a CP :class:`MixerKernel`.
+"""Mamba2 mixers (Mamba-2, Nemotron-H, Falcon-H1, Granite-4.0-H, Bamba, Zamba2) as a CP :class:`MixerKernel`.
 
 transformers' torch path of these mixers (``BambaMixer.forward`` and its copies, no cache, no mamba_ssm) is,
 on a row of tokens:

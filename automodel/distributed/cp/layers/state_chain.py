@@ -42,6 +42,8 @@ __all__ = [
     "row_segments",
     "run_chain",
     "run_documents",
+    "chain_bytes_per_rank",
+    "state_message_bytes",
 ]
 
 Piece = tuple[int, int, int]  # (owner rank, local offset on the owner, length)
@@ -325,3 +327,27 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 
 def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if grad is None else grad
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the chain sends
+
+
+def state_message_bytes(kernel: MixerKernel, mixer: torch.nn.Module, batch: int = 1,
+                        shard: HeadShard | None = None) -> int:
+    """Bytes of one document's state in one chain message (``batch`` rows; sent as fp64): independent of the
+    sequence length."""
+    like = kernel.state_like(mixer, kernel.core_params(mixer, shard), batch, torch.float32, shard)
+    return 8 * sum(int(torch.Size(shape).numel()) for shape, _ in like)
+
+
+def chain_bytes_per_rank(kernel: MixerKernel, mixer: torch.nn.Module, world: int, rank: int, n_docs: int = 1,
+                         batch: int = 1, shard: HeadShard | None = None) -> int:
+    """Bytes rank ``rank`` of ``world`` sends in one forward + backward of one layer when ``n_docs`` documents
+    are each split head-tail over all ``world`` ranks (thd, ring, usp's ring sub-group): per direction one
+    message to the next rank (head chunks) unless last, one to the previous rank (tail chunks) unless first;
+    the backward sends as many. No term grows with the sequence length."""
+    if world <= 1:
+        return 0
+    messages = (rank < world - 1) + (rank > 0)
+    return 2 * messages * n_docs * state_message_bytes(kernel, mixer, batch, shard)
