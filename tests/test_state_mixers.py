@@ -259,3 +259,55 @@ def test_the_state_hand_off_sends_the_same_bytes_at_every_length(dist_results):
     assert all(dist_results["chain_bytes"])
     for counted in dist_results["chain_bytes"]:
         assert counted[24] == counted[48] == counted["expected"] > 0, counted
+
+
+def test_a_padding_mask_is_applied_after_the_conv_as_the_class_does():
+    """Mamba2 zeroes padded tokens before in_proj and after the conv; the CP forward does both (left padding:
+    a padded token before the real ones would otherwise feed the conv bias into the state)."""
+    from automodel.distributed.cp.layers.linear_mixer import _project
+    from automodel.distributed.cp.layers.state_chain import run_documents
+
+    mixer = _mixer("bamba")
+    with torch.no_grad():
+        mixer.conv1d.bias.uniform_(0.5, 1.0)
+    hidden = torch.randn(2, 20, mixer.hidden_size, dtype=torch.float64)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :5] = 0  # left padding
+    kernel = kernel_for(mixer)
+    ours = kernel.finish(mixer, run_documents(kernel, mixer, kernel.core_params(mixer, None),
+                                              _project(kernel, mixer, hidden * mask[..., None], mask).seq, None),
+                         _project(kernel, mixer, hidden * mask[..., None], mask).local)
+    theirs = mixer(hidden, attention_mask=mask)
+    assert torch.allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    unmasked = kernel.finish(mixer, run_documents(kernel, mixer, kernel.core_params(mixer, None),
+                                                  kernel.project(mixer, hidden * mask[..., None]).seq, None),
+                             kernel.project(mixer, hidden * mask[..., None]).local)
+    assert (unmasked[0, 5:] - theirs[0, 5:]).abs().max() > 1e-4  # the mask after the conv matters
+
+
+@pytest.mark.dist
+def test_left_padding_under_ulysses_matches_one_process(dist_results):
+    cases = [c[("float64", "fp64", "ulysses+left_padding")] for c in dist_results[2]["bamba"]]
+    assert len(cases) == 2
+    for res in cases:
+        assert res["loss_rel"] <= 1e-12 and not res["missing"], res
+        for name, rel in res["grad_rel"].items():
+            assert rel <= (FP64_EXACT if _mixer_param(name) else FP64_MODEL), (name, rel)
+
+
+def test_the_profile_names_each_familys_mixer_class_and_every_method_takes_it():
+    """Every layer with a state of these families is a linear_mixer layer naming a class with a kernel (Granite's
+    "...MambaLayer", Zamba2's hybrid layer, Falcon-H1's attention beside its mixer), and each method the test
+    runs it under accepts the model."""
+    from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
+    from automodel.distributed.cp.profile import LINEAR, profile_model
+    from automodel.distributed.cp.registry import check_model_for_cp
+
+    for name, fam in worker.FAMILIES.items():
+        profile = profile_model(worker.build_model(fam, torch.float32))
+        mixers = [layer for layer in profile.layers if layer.kind == LINEAR]
+        assert mixers and all(layer.mixer in STATE_MIXERS for layer in mixers), (name, profile.layers)
+        for method in fam.methods or ("ring", "ulysses", "thd", "thd_docs", "usp"):
+            check_model_for_cp(method, profile, seq_len=48)
+    hybrid = profile_model(worker.build_model(worker.FAMILIES["falcon_h1"], torch.float32)).layers
+    assert all(layer.hybrid_attention for layer in hybrid)

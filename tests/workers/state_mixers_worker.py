@@ -125,6 +125,8 @@ def build_model(family: Family, dtype: torch.dtype):
                 p.uniform_(0.5, 1.5)
             elif "norm" in name and leaf == "weight":
                 p.uniform_(0.5, 1.5)
+            elif "conv1d" in name and leaf == "bias":
+                p.uniform_(-0.5, 0.5)
     return model.train()
 
 
@@ -299,6 +301,19 @@ def run_family(family: Family, group, cp: int, methods: tuple[str, ...]) -> dict
                 if rule == "hf":
                     result["raw"] = (loss, grads)
                 out[(dtype_name, rule, method)] = result
+            if rule == "fp64" and cp == 2 and family.model_type == "bamba":  # left padding under Ulysses
+                rows = ring_rows()
+                mask = torch.ones_like(rows["input_ids"])
+                mask[0, :5] = 0
+                rows["labels"][0, :5] = -100
+                rows["attention_mask"] = mask
+                count = int((rows["labels"] != -100).sum())
+                model = copy.deepcopy(base)
+                logits = model(input_ids=rows["input_ids"], attention_mask=mask, use_cache=False).logits
+                (_ce(logits, rows["labels"]) / count).backward()
+                ref_loss = (_ce(logits.detach(), rows["labels"]) / count).item()
+                loss, grads, _ = cp_step("ulysses", copy.deepcopy(base), rows, group)
+                out[(dtype_name, rule, "ulysses+left_padding")] = compare(ref_loss, _grads(model), loss, grads)
         finally:
             for name, fn in saved.items():
                 setattr(modeling, name, fn)

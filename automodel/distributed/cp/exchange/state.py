@@ -1,6 +1,6 @@
 """The recurrent-state hand-off of linear mixers: one message of several tensors to or from a CP peer.
 
-A linear mixer under a head-tail split (:mod:`automodel.distributed.cp.layers.linear_mixer`) passes each
+A linear mixer under a split document (:mod:`automodel.distributed.cp.layers.state_chain`) passes each
 document's conv halo and recurrent state from the rank holding one chunk to the rank holding the next, in
 sequence order; its backward returns the gradients of what it received the same way. Every message here
 is blocking point-to-point (``dist.send`` / ``dist.recv`` on the CP group), so sends and receives pair up in

@@ -10,8 +10,12 @@ all-to-all). The layer kinds that kernel does not compute are routed here, per l
 - :mod:`.masked_attention`: exact attention of the local queries over local + halo keys
   (:mod:`automodel.distributed.cp.exchange.halo`), with a sliding window, attention chunks, per-head
   sinks, logit softcapping and value heads of another size;
-- :mod:`.linear_mixer`, :mod:`.gated_deltanet`: Gated DeltaNet under Ulysses (head shard), thd and ring
-  (the state chain, :mod:`automodel.distributed.cp.exchange.state`);
+- :mod:`.mixer_kernel`: the interface a linear / state-space mixer implements (project / core / finish) and
+  the registry by class name; :mod:`.mixers` imports every kernel module (:mod:`.gated_deltanet`,
+  :mod:`.mamba2`, ...);
+- :mod:`.state_chain`: the shared kernels of every mixer: the per-document loop, the Ulysses head shard and
+  the state chain (:mod:`automodel.distributed.cp.exchange.state`);
+- :mod:`.linear_mixer`: the installed forward, dispatching per method (ulysses, thd, thd_docs, ring, usp);
 - :mod:`.linear_support`: which linear mixers each method runs exactly (no torch import).
 
 Which tokens each rank holds comes from :mod:`automodel.distributed.cp.layout`. docs/cp_layer_kinds.md

@@ -112,7 +112,7 @@ def linear_mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *ar
         if documents is None:
             return type(self).forward(self, hidden_states, *args, **kwargs)
         hidden = _masked(hidden_states, attention_mask)
-        proj = kernel.project(self, hidden)
+        proj = _with_mask(kernel, kernel.project(self, hidden), attention_mask, hidden)
         out = run_documents(kernel, self, kernel.core_params(self, None), proj.seq, documents)
         return kernel.finish(self, out, proj.local)
     method, ctx = active
@@ -124,7 +124,8 @@ def linear_mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *ar
     hidden_states = _masked(hidden_states, attention_mask)
     # a CP kernel ran: the context's "nothing was switched" check must not fire for a model of mixers only
     ctx.calls += 1
-    return _METHODS[method](kernel, self, hidden_states, ctx)
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+    return _METHODS[method](kernel, self, hidden_states, ctx, mask)
 
 
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values", "past_key_value")
@@ -140,6 +141,18 @@ def _call_arguments(mixer: torch.nn.Module, hidden: torch.Tensor, args: tuple, k
     extra = bound.get("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
     cache = next((v for n in _CACHE_NAMES for v in (bound.get(n), extra.get(n)) if v is not None), None)
     return cache, bound.get("attention_mask", extra.get("attention_mask"))
+
+
+def _with_mask(kernel: MixerKernel, proj: Any, mask: Any, hidden: torch.Tensor) -> Any:
+    """Add ``seq["mask"]`` ``[B, n, 1, 1]`` for a kernel that masks after its conv (``mask [B, n]``, 1 = real)."""
+    if kernel.masks_after_conv and isinstance(mask, torch.Tensor) and mask.shape == hidden.shape[:2]:
+        proj.seq["mask"] = mask[:, :, None, None].to(hidden.dtype)
+    return proj
+
+
+def _project(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, mask: Any) -> Any:
+    """:meth:`MixerKernel.project` plus the call's padding mask ``[B, n]`` where the kernel needs it."""
+    return _with_mask(kernel, kernel.project(mixer, hidden), mask, hidden)
 
 
 def _masked(hidden: torch.Tensor, attention_mask: Any) -> torch.Tensor:
@@ -187,25 +200,29 @@ def _refuse(kernel: MixerKernel, mixer: torch.nn.Module, method: str, heads_worl
 # the methods
 
 
-def _ulysses_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+def _ulysses_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, ctx: Any,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     world, rank, group = ctx.world_size, ctx.rank, ctx.group
     _refuse(kernel, mixer, "ulysses", world)
     if ctx.padding_mask is not None:
-        hidden = hidden * ctx.shard(ctx.padding_mask.to(hidden.device), 1)[..., None].to(hidden.dtype)
-    proj = kernel.project(mixer, hidden)
+        mask = ctx.shard(ctx.padding_mask.to(hidden.device), 1)
+        hidden = hidden * mask[..., None].to(hidden.dtype)
+        attention_mask = mask if attention_mask is None else attention_mask
+    proj = _project(kernel, mixer, hidden, attention_mask)
     shard = HeadShard(rank, world)
     seq = head_shard(kernel, mixer, proj.seq, group, shard, seq_len=ctx.seq_len)
     out = run_documents(kernel, mixer, kernel.core_params(mixer, shard), seq, ctx.document_ids, shard)
     return kernel.finish(mixer, head_unshard(out, group), proj.local)
 
 
-def _thd_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any) -> torch.Tensor:
+def _thd_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     if hidden.shape[0] != 1 or hidden.shape[1] != plan.local_tokens:
         raise ValueError(
             f"{type(mixer).__name__} under thd expects this rank's {plan.local_tokens} tokens as one row, got "
             f"{tuple(hidden.shape[:2])}; feed the model the batch returned by make_thd_batch_and_ctx"
         )
-    proj = kernel.project(mixer, hidden)
+    proj = _project(kernel, mixer, hidden, attention_mask)
     return kernel.finish(mixer, _plan_core(kernel, mixer, proj.seq, plan, None), proj.local)
 
 
@@ -218,10 +235,11 @@ def _plan_core(kernel: MixerKernel, mixer: torch.nn.Module, seq: dict, plan: Any
     return run_chain(kernel, mixer, params, seq, chain, shard)
 
 
-def _ring_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, layout: Any) -> torch.Tensor:
+def _ring_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, layout: Any,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     if hidden.shape[1] % 2:
         raise ValueError(f"ring CP holds two equal chunks per rank, got {hidden.shape[1]} local tokens")
-    proj = kernel.project(mixer, hidden)
+    proj = _project(kernel, mixer, hidden, attention_mask)
     params = kernel.core_params(mixer, None)
     if layout.world_size == 1:
         out = run_documents(kernel, mixer, params, proj.seq, None)
@@ -231,13 +249,14 @@ def _ring_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Ten
     return kernel.finish(mixer, out, proj.local)
 
 
-def _thd_docs_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any) -> torch.Tensor:
+def _thd_docs_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     if hidden.shape[0] != 1 or hidden.shape[1] != plan.local_tokens:
         raise ValueError(
             f"{type(mixer).__name__} under thd_docs expects this rank's {plan.local_tokens} tokens as one row, got "
             f"{tuple(hidden.shape[:2])}; feed the model the batch returned by make_doc_batch_and_ctx"
         )
-    proj = kernel.project(mixer, hidden)
+    proj = _project(kernel, mixer, hidden, attention_mask)
     params = kernel.core_params(mixer, None)
     local = [(off, off + n) for off, n, doc, _ in plan.blocks if doc is None]
     chain = Chain(plan.group, plan.rank, _doc_chain(plan))
@@ -269,11 +288,12 @@ def _doc_chain(plan: Any) -> list[list[tuple[int, int, int]]]:
     return documents
 
 
-def _usp_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
+def _usp_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, ctx: Any,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     g, plan = ctx.groups, ctx.plan
     u = g.ulysses_size
     _refuse(kernel, mixer, "usp", u)
-    proj = kernel.project(mixer, hidden)
+    proj = _project(kernel, mixer, hidden, attention_mask)
     if u == 1:
         return kernel.finish(mixer, _plan_core(kernel, mixer, proj.seq, plan, None), proj.local)
     shard = HeadShard(g.ulysses_rank, u)

@@ -60,6 +60,7 @@ class Mamba2Kernel(MixerKernel):
     State: ``[conv tail [B, C_conv, K-1], ssm [B, H, P, N]]``. A head shard needs ``H % W == 0``."""
 
     name = "Mamba2"
+    masks_after_conv = True  # apply_mask_to_padding_states on the conv's output
 
     def project(self, mixer: torch.nn.Module, hidden: torch.Tensor) -> Projected:
         bsz, n = hidden.shape[:2]
@@ -110,6 +111,8 @@ class Mamba2Kernel(MixerKernel):
         new_tail = xbc[..., xbc.shape[-1] - (k - 1) :]
         conv = module.causal_conv1d_fn(xbc, params["conv_weight"], params.get("conv_bias"), activation=mixer.activation)
         conv = conv[..., k - 1 :].transpose(1, 2)  # [B, n, C]
+        if "mask" in seq:  # the class zeroes padded tokens after the conv too
+            conv = (conv * seq["mask"][:, :, 0]).to(conv.dtype)
         x, b, c = torch.split(conv, [heads * p, b.shape[2] * b.shape[3], c.shape[2] * c.shape[3]], dim=-1)
         x = x.reshape(bsz, n, heads, p)
         b = b.reshape(bsz, n, groups, -1)

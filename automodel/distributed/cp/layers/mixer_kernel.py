@@ -114,6 +114,10 @@ class MixerKernel:
 
     #: a short name for messages and docs ("Gated DeltaNet", "Mamba2", ...)
     name: str = "mixer"
+    #: the class also zeroes padded tokens after its conv (Mamba2's ``apply_mask_to_padding_states``): with a
+    #: padding mask, the shared code then adds ``seq["mask"]`` ``[B, n, 1, 1]`` (1 = real token) to the core's
+    #: inputs (it travels like a 1-head input), and :meth:`core` must apply it where the class does
+    masks_after_conv: bool = False
 
     def problem(self, mixer: torch.nn.Module, method: str, heads_world: int) -> str | None:
         """Why ``mixer`` cannot run under ``method`` with a head split over ``heads_world`` ranks (1: no head

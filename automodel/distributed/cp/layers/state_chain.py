@@ -140,7 +140,7 @@ def head_shard(
     counts = kernel.seq_heads(mixer)
     out = {}
     for name, x in seq.items():
-        f = shard.factor(counts[name])
+        f = shard.factor(counts.get(name, 1))  # "mask": one head
         if f > 1:
             x = x.repeat_interleave(f, dim=2)
         out[name] = all_to_all(x, group, scatter_dim=2, gather_dim=1, gather_size=seq_len)
