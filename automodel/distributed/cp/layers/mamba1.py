@@ -63,6 +63,7 @@ class Mamba1Kernel(MixerKernel):
     ``[conv halo [B, I, K-1], SSM state [B, I', N]]``; output ``[B, n, I', 1]`` before the gate."""
 
     name = "Mamba"
+    masks_after_conv = True  # apply_mask_to_padding_states on the conv's output
 
     def project(self, mixer: torch.nn.Module, hidden: torch.Tensor) -> Projected:
         x, z = mixer.in_proj(hidden).chunk(2, dim=-1)
@@ -89,6 +90,8 @@ class Mamba1Kernel(MixerKernel):
         halo, h0 = (None, None) if state is None else state
         xc, new_halo = conv_with_halo(module.causal_conv1d_fn, seq["x"].squeeze(2), halo, params["conv_weight"],
                                       params.get("conv_bias"), m.activation)
+        if "mask" in seq:  # the class zeroes padded tokens after the conv too
+            xc = (xc * seq["mask"][:, :, 0]).to(xc.dtype)
         proj = F.linear(xc, params["x_proj_weight"])
         time_step, B, C = torch.split(proj, [m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
         time_step, B, C = (torch.func.functional_call(getattr(m, _NORMS[key]), {"weight": params[key]}, (t,))
