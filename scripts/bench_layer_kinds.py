@@ -174,6 +174,20 @@ MIXERS: dict[str, tuple[str, dict]] = {
                                             layer_types=["linear_attention"], linear_conv_kernel_dim=4,
                                             linear_key_head_dim=32, linear_value_head_dim=32,
                                             linear_num_key_heads=4, linear_num_value_heads=8)),
+    "mamba1": ("jamba", dict(hidden_size=256, num_hidden_layers=1, attn_layer_period=2, attn_layer_offset=1,
+                             expert_layer_period=2, expert_layer_offset=1, num_attention_heads=4,
+                             num_key_value_heads=4, intermediate_size=256, mamba_d_state=16, mamba_dt_rank=16)),
+    "short_conv": ("lfm2", dict(hidden_size=256, num_hidden_layers=1, layer_types=["conv"], num_attention_heads=4,
+                                num_key_value_heads=4, intermediate_size=256, block_auto_adjust_ff_dim=False)),
+    "kimi_delta": ("kimi_linear", dict(hidden_size=256, num_hidden_layers=1, layer_types=["linear_attention"],
+                                       mlp_layer_types=["dense"], linear_num_heads=4, linear_head_dim=64,
+                                       num_attention_heads=4, num_key_value_heads=4, intermediate_size=256,
+                                       pad_token_id=0)),
+    "lightning": ("minimax", dict(hidden_size=256, num_hidden_layers=1, layer_types=["linear_attention"],
+                                  num_attention_heads=4, num_key_value_heads=4, head_dim=64, block_size=256,
+                                  intermediate_size=256, num_local_experts=2, num_experts_per_tok=1)),
+    "rg_lru": ("recurrent_gemma", dict(hidden_size=256, lru_width=256, num_hidden_layers=1, block_types=["recurrent"],
+                                       num_attention_heads=4, num_key_value_heads=4, intermediate_size=256)),
 }
 MIXER_METHODS = ("ulysses", "ring", "thd", "thd_docs", "usp")
 
@@ -256,6 +270,7 @@ def _mixer_worker(rank: int, world: int, seq_lens: list[int], families: list[str
                     mixer.zero_grad(set_to_none=True)
                     with active.activate(method, ctx, require_attention=False):
                         y = linear_mixer._METHODS[method](kernel, mixer, x, ctx)
+                        y = y[0] if isinstance(y, tuple) else y  # (output, None): lightning, RG-LRU
                         y.backward(torch.ones_like(y))
 
                 chain_module.send_state = counting

@@ -73,13 +73,12 @@ def test_profile_from_a_config_alone_and_an_unrecognised_stack():
 
 
 def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
-    types = ["linear_attention"] * 3 + ["full_attention"]
-    profile = profile_model(_meta("minimax", num_hidden_layers=4, head_dim=16, layer_types=types))
+    profile = profile_model(_meta("mamba", num_hidden_layers=3))  # Mamba-1's MambaMixer: no CP kernel
     with pytest.raises(CPUnsupportedError) as err:
         check_model_for_cp("ring", profile, seq_len=64)
     msg = str(err.value)
-    assert msg.startswith("distributed.cp_method=ring does not compute MiniMaxForCausalLM (model_type=minimax)")
-    assert "layers 0-2: a linear-attention / state-space mixer (MiniMaxLightningAttention)" in msg
+    assert msg.startswith("distributed.cp_method=ring does not compute MambaForCausalLM (model_type=mamba)")
+    assert "layers 0-2: a linear-attention / state-space mixer (" in msg and "carries a state along" in msg
     assert "no CP method runs this model exactly yet: train it with distributed.cp_size=1" in msg
     check_model_for_cp("ring", profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16)), seq_len=64)
     assert isinstance(err.value, UserInputError)  # the recipe prints it as one error: line

@@ -74,6 +74,8 @@ _CONFIG_LAYER_TYPES = {
 }
 # class names of token mixers that carry a state along the sequence
 _LINEAR_MIXER = re.compile(r"DeltaNet|Mamba|SSM|ShortConv|LinearAttention|Lightning|Rwkv|Retention|Hyena|Mixer$")
+# class names the pattern above matches that are attention (Kimi-Linear's MLA layers)
+_NOT_LINEAR_MIXERS = {"KimiLinearAttention"}
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -280,12 +282,15 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
     # a mixer class with a CP kernel names the layer's mixer wherever it sits (Zamba2's hybrid layer holds it
     # inside a whole Mamba decoder layer; Granite-4.0-H's is named "...MambaLayer", holding a Conv1d)
     linear = next((type(sub).__name__ for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS), None)
+    # such a mixer and its submodules are neither attention nor another mixer (its conv; Kimi's KDA is named
+    # "...DeltaAttention")
+    kernel_mixer = {id(m) for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS for m in sub.modules()}
     for _, sub in layer.named_modules():
         cls = type(sub).__name__
-        if sub is layer:
+        if sub is layer or id(sub) in kernel_mixer:
             continue
         moe = ("MoE" in cls or "Moe" in cls) and cls not in STATE_MIXERS  # Qwen3_5MoeGatedDeltaNet is one
-        if _LINEAR_MIXER.search(cls) and not moe and linear is None:
+        if _LINEAR_MIXER.search(cls) and cls not in _NOT_LINEAR_MIXERS and not moe and linear is None:
             linear = cls
         elif isinstance(sub, nn.Conv1d) and linear is None:
             linear = f"{cls} (a convolution along the sequence)"

@@ -49,6 +49,12 @@ MAMBA2_MIXERS = {
 STATE_MIXERS: dict[str, str] = {
     **{name: "gated_deltanet" for name in GATED_DELTANET_MIXERS},
     **{name: "mamba2" for name in MAMBA2_MIXERS},
+    "JambaMambaMixer": "mamba1",  # cp/layers/mamba1.py
+    "Lfm2ShortConv": "short_conv",  # cp/layers/short_conv.py
+    "Lfm2MoeShortConv": "short_conv",
+    "KimiLinearDeltaAttention": "kimi_delta",  # cp/layers/kimi_delta.py
+    "MiniMaxLightningAttention": "lightning",  # cp/layers/lightning.py
+    "RecurrentGemmaRecurrentBlock": "rg_lru",  # cp/layers/rg_lru.py
 }
 
 #: method name -> how it runs a supported mixer

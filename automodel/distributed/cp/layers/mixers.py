@@ -2,6 +2,14 @@
 (each registers its mixer classes on import). A new kernel module adds one line here and its class names
 to :data:`automodel.distributed.cp.layers.linear_support.STATE_MIXERS`."""
 
-from automodel.distributed.cp.layers import gated_deltanet, mamba2  # noqa: F401
+from automodel.distributed.cp.layers import (  # noqa: F401
+    gated_deltanet,
+    kimi_delta,
+    lightning,
+    mamba1,
+    mamba2,
+    rg_lru,
+    short_conv,
+)
 
 __all__: list[str] = []

@@ -1,0 +1,174 @@
+"""Jamba's Mamba mixer (``JambaMambaMixer``: Mamba-1 with RMS-normed dt / B / C) as a CP mixer kernel.
+
+transformers' ``JambaMambaMixer.forward`` is, on a row of tokens ``hidden [B, n, D]`` (training: no cache):
+
+1. project (token-local): ``in_proj`` -> the conv input ``x`` and the gate ``z`` (``I`` channels each);
+2. core (mixes the sequence): the depthwise causal conv + activation over ``x`` (the model module's
+   ``causal_conv1d_fn``), ``x_proj`` -> ``dt, B, C`` with their RMS norms, ``dt_proj``'s weight, and the
+   selective scan (the module's ``mamba_selective_scan``, unchanged), which carries a state ``[B, I, N]``;
+3. finish (token-local): the gate ``* silu(z)`` and ``out_proj``.
+
+Two departures from the class's forward, both exact:
+
+- the gate multiplies the scan's output in finish instead of inside the scan (``z=None``): the scan computes
+  ``(y + D x) * silu(z)`` elementwise, so the product is the same; the gate stays token-local;
+- ``mamba_selective_scan`` starts from zeros (it has no initial-state argument, nor has mamba-ssm's CUDA
+  ``selective_scan_fn``). A piece that starts from a state ``h0`` adds that state's contribution, exact by
+  the scan's linearity in the state: ``h_t = h_t^0 + P_t h0`` with ``P_t = exp(A * sum_{s<=t} dt_s)`` per
+  channel and state dim, so the output gains ``C_t . (P_t h0)`` and the final state ``P_n h0``
+  (:func:`_start_state_terms`, in the scan's compute dtype: fp32, fp64 for fp64 inputs). A zero ``h0`` adds
+  exact zeros.
+
+The state between pieces is ``[conv halo [B, I, K-1] (the last K-1 conv inputs), SSM state [B, I, N]]``, both
+zeros at a document start. The RMS norms run through ``torch.func.functional_call`` with the weights the chain
+passes in (the norms' own forward, unchanged).
+
+**Head shard.** ``x_proj`` contracts over all ``I`` channels, so the conv output of every channel is needed
+for ``dt, B, C``. The core input ``x`` is one "head" of ``I`` channels (``[B, n, 1, I]``), which the shared
+Ulysses path replicates to every rank (one all-gather's worth of bytes): each rank runs the conv and
+``x_proj`` for all channels (cheap) and the scan, the costly part (``[B, I, n, N]``), for its channels
+``[c0, c1)`` only. The output ``[B, n, I, 1]`` is split by channel.
+
+transformers' torch scan casts ``B`` and ``x`` to fp32 (``.float()``) even in an fp64 model; an fp64 test
+replaces the module's ``mamba_selective_scan`` by :func:`selective_scan_reference` (the same recurrence in the
+inputs' dtype) in both the CP and the reference run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from automodel.distributed.cp.layers.mixer_kernel import (
+    HeadShard,
+    MixerKernel,
+    Projected,
+    StateLike,
+    register,
+)
+from automodel.distributed.cp.layers.short_conv import conv_with_halo, model_module
+
+__all__ = ["MAMBA1_MIXERS", "Mamba1Kernel", "selective_scan_reference"]
+
+#: the transformers classes this kernel computes
+MAMBA1_MIXERS = ("JambaMambaMixer",)
+
+_NORMS = {"dt_norm": "dt_layernorm", "b_norm": "b_layernorm", "c_norm": "c_layernorm"}
+
+
+class Mamba1Kernel(MixerKernel):
+    """Jamba's Mamba mixer (module docstring): core input ``x [B, n, 1, I]`` (before the conv); state
+    ``[conv halo [B, I, K-1], SSM state [B, I', N]]``; output ``[B, n, I', 1]`` before the gate."""
+
+    name = "Mamba"
+    masks_after_conv = True  # apply_mask_to_padding_states on the conv's output
+
+    def project(self, mixer: torch.nn.Module, hidden: torch.Tensor) -> Projected:
+        x, z = mixer.in_proj(hidden).chunk(2, dim=-1)
+        return Projected({"x": x.unsqueeze(2)}, z)
+
+    def seq_heads(self, mixer: torch.nn.Module) -> dict[str, int]:
+        return {"x": 1}
+
+    def out_heads(self, mixer: torch.nn.Module) -> int:
+        return mixer.intermediate_size
+
+    def core_params(self, mixer: torch.nn.Module, shard: HeadShard | None) -> dict[str, torch.Tensor | None]:
+        m = mixer
+        mine = slice(None) if shard is None else shard.slice(m.intermediate_size)
+        params = {"conv_weight": m.conv1d.weight.squeeze(1), "conv_bias": m.conv1d.bias,
+                  "x_proj_weight": m.x_proj.weight, "dt_weight": m.dt_proj.weight[mine],
+                  "dt_bias": None if m.dt_proj.bias is None else m.dt_proj.bias[mine],
+                  "A_log": m.A_log[mine], "D": m.D[mine]}
+        params.update({key: getattr(m, name).weight for key, name in _NORMS.items()})
+        return params
+
+    def core(self, mixer, params, seq, state, shard):  # type: ignore[override]
+        m, module = mixer, model_module(mixer)
+        halo, h0 = (None, None) if state is None else state
+        xc, new_halo = conv_with_halo(module.causal_conv1d_fn, seq["x"].squeeze(2), halo, params["conv_weight"],
+                                      params.get("conv_bias"), m.activation)
+        if "mask" in seq:  # the class zeroes padded tokens after the conv too
+            xc = (xc * seq["mask"][:, :, 0]).to(xc.dtype)
+        proj = F.linear(xc, params["x_proj_weight"])
+        time_step, B, C = torch.split(proj, [m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
+        time_step, B, C = (torch.func.functional_call(getattr(m, _NORMS[key]), {"weight": params[key]}, (t,))
+                           for key, t in (("dt_norm", time_step), ("b_norm", B), ("c_norm", C)))
+        if shard is not None:
+            xc = xc[..., shard.slice(m.intermediate_size)]
+        dt = params["dt_weight"] @ time_step.transpose(1, 2)  # [B, I', n]
+        A = -torch.exp(params["A_log"].float())
+        dt_bias = params["dt_bias"].float() if params.get("dt_bias") is not None else None
+        y, last = module.mamba_selective_scan(
+            xc.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), D=params["D"].float(), z=None,
+            delta_bias=dt_bias, delta_softplus=True, return_last_state=True, use_mambapy=m.use_mambapy,
+            use_associative_scan=m.use_associative_scan,
+        )
+        if h0 is not None:
+            y_extra, last_extra = _start_state_terms(dt, dt_bias, A, C, h0.to(last.dtype))
+            y = y + y_extra.to(y.dtype)
+            last = last + last_extra
+        return y.transpose(1, 2).unsqueeze(-1), [new_halo, last]
+
+    def state_like(self, mixer, params, batch, dtype, shard) -> StateLike:  # type: ignore[override]
+        conv = params["conv_weight"]
+        channels, n_state = params["A_log"].shape
+        return [((batch, conv.shape[0], conv.shape[-1] - 1), dtype),
+                ((batch, channels, n_state), torch.promote_types(dtype, torch.float32))]
+
+    def finish(self, mixer: torch.nn.Module, out: torch.Tensor, local: Any) -> torch.Tensor:
+        return mixer.out_proj((out.squeeze(-1) * F.silu(local)).to(local.dtype))
+
+
+def _start_state_terms(dt: torch.Tensor, dt_bias: torch.Tensor | None, A: torch.Tensor, C: torch.Tensor,
+                       h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a start state ``h0 [B, I, N]`` adds to the zero-start scan: ``(y [B, I, n], final state [B, I, N])``.
+
+    ``dt [B, I, n]`` before the bias and softplus (as the scan gets it), ``A [I, N]``, ``C [B, n, N]``."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)[..., None]
+    dt = F.softplus(dt).to(h0.dtype)
+    decay = torch.exp(A.to(h0.dtype)[None, :, None, :] * dt.cumsum(-1)[..., None])  # [B, I, n, N]
+    carried = decay * h0[:, :, None, :]
+    return torch.einsum("bitn,btn->bit", carried, C.to(h0.dtype)), carried[:, :, -1]
+
+
+def selective_scan_reference(
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``mamba_selective_scan``'s recurrence token by token in the inputs' dtype (fp64 stays fp64): a slow
+    reference. ``hidden_states, dt [B, I, n]``, ``A [I, N]``, ``B, C [B, N, n]``, ``D [I]``, ``z [B, I, n]``."""
+    dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+    x, dt, B, C = (t.to(dtype) for t in (hidden_states, dt, B, C))
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dtype)[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    A = A.to(dtype)
+    state = x.new_zeros(x.shape[0], x.shape[1], A.shape[-1])
+    outs = []
+    for t in range(x.shape[-1]):
+        state = torch.exp(A * dt[:, :, t, None]) * state + dt[:, :, t, None] * B[:, None, :, t] * x[:, :, t, None]
+        outs.append((state * C[:, None, :, t]).sum(-1))
+    y = torch.stack(outs, dim=-1) if outs else x.new_zeros(x.shape)
+    if D is not None:
+        y = y + x * D.to(dtype)[None, :, None]
+    if z is not None:
+        y = y * F.silu(z.to(dtype))
+    y = y.to(hidden_states.dtype)
+    return (y, state) if return_last_state else y
+
+
+register(MAMBA1_MIXERS, Mamba1Kernel())

@@ -1,0 +1,315 @@
+"""Jamba's Mamba, LFM2's short conv and Kimi's delta attention under CP (tests/test_state_mixers_more.py).
+
+On every rank, per family (tiny models, the same weights on every rank): a packed row of three documents
+and the single-process reference with each document run ALONE through the unmodified model (loss = sum CE /
+label count, every parameter's gradient); then each method at cp = the group size through its own-loop API
+on the packed row (ring: two unpacked rows against one process on the whole rows). Loss and gradients are
+SUM-all-reduced over the group and compared.
+
+Cases ``(dtype, kernels)``: ``"hf"`` runs transformers' own kernels (Jamba's scan and Kimi's chunked rule
+compute in fp32 whatever the dtype); ``"fp64"`` replaces the model module's ``mamba_selective_scan`` /
+``chunk_kimi_delta_attention`` by the dtype-keeping references of :mod:`automodel.distributed.cp.layers.mamba1`
+/ :mod:`.kimi_delta` in BOTH runs (the module function is what the class forward and the CP kernel call).
+Every model keeps its attention layer (Kimi-Linear's is MLA).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from automodel.errors import UserInputError
+from tests.family_matrix import family_by_name
+
+VOCAB = 128
+DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
+FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax", "recurrent_gemma")
+
+
+def build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The family's tiny model (tests/family_matrix.py) in ``dtype`` with non-trivial decay parameters (a
+    fresh copy of one built per process: building costs more than the runs)."""
+    return copy.deepcopy(_build_model(family, dtype))
+
+
+@functools.cache
+def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    fam = family_by_name(family)
+    config = fam.build_config()
+    if family == "kimi_linear":  # dense MLPs: its MoE router computes in fp32, which would blur the fp64 proof
+        config.mlp_layer_types = ["dense"] * config.num_hidden_layers
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn, dtype=dtype,
+                                             experts_implementation="eager")  # grouped_mm: no fp64
+    with torch.no_grad():
+        for module in model.modules():
+            name = type(module).__name__
+            if name == "JambaMambaMixer":  # slower decay than the init's (dt ~ 0.7): the state reaches further
+                module.dt_proj.bias.uniform_(-4.0, -1.0)
+                module.D.uniform_(0.5, 1.5)
+            if name == "KimiLinearDeltaAttention":
+                module.o_norm.weight.uniform_(0.5, 1.5)
+    return model.train()
+
+
+def _rms_norm(self, hidden_states):
+    """transformers' RMSNorm in the input's dtype (the classes' own forward computes in fp32)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _gemma_rms_norm(self, x):
+    """``RecurrentGemmaRMSNorm.forward`` in the input's dtype."""
+    return self._norm(x) * (1.0 + self.weight)
+
+
+def _rms_norm_gated(self, hidden_states, gate=None):
+    """``KimiLinearRMSNormGated.forward`` in the input's dtype."""
+    return _rms_norm(self, hidden_states) * torch.sigmoid(gate)
+
+
+def _forget_gate(self, hidden_states):
+    """``KimiLinearForgetGate.forward`` in the input's dtype."""
+    g = (self.f_b_proj(self.f_a_proj(hidden_states)) + self.dt_bias.view(1, 1, -1))
+    g = g.view(*hidden_states.shape[:2], -1, self.head_dim)
+    return -torch.exp(self.A_log) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+
+def _rnn_scan_fp64(modeling) -> Any:
+    """``RecurrentGemmaRglru._rnn_scan`` accumulating in fp64 (its default accumulates in fp32)."""
+    cls = getattr(modeling, "RecurrentGemmaRglru", None)
+    return None if cls is None else functools.partialmethod(cls._rnn_scan, acc_dtype=torch.float64)
+
+
+def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str, object]]:
+    """Swap in the dtype-keeping pieces for ``kernels == "fp64"``: the model module's scan / rule (the
+    references of :mod:`automodel.distributed.cp.layers.mamba1` / :mod:`.kimi_delta`) and the forwards of the
+    classes that compute in fp32 (RMS norms, Kimi's forget gate). Returns ``(owner, name, original)`` to undo."""
+    from automodel.distributed.cp.layers import kimi_delta, mamba1
+
+    if kernels != "fp64":
+        return []
+    modeling = sys.modules[type(model).__module__]
+    swaps = [(modeling, "mamba_selective_scan", mamba1.selective_scan_reference),
+             (modeling, "chunk_kimi_delta_attention", kimi_delta.recurrent_kda_reference),
+             (getattr(modeling, "JambaRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "MiniMaxRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "RecurrentGemmaRMSNorm", None), "forward", _gemma_rms_norm),
+             (getattr(modeling, "RecurrentGemmaRglru", None), "_rnn_scan", _rnn_scan_fp64(modeling)),
+             (getattr(modeling, "KimiLinearRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "KimiLinearRMSNormGated", None), "forward", _rms_norm_gated),
+             (getattr(modeling, "KimiLinearForgetGate", None), "forward", _forget_gate)]
+    undo = []
+    for owner, name, new in swaps:
+        if owner is not None and new is not None and hasattr(owner, name):
+            undo.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, new)
+    return undo
+
+
+def documents(world: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    docs = [torch.randint(3, VOCAB, (n + 1,), generator=gen) for n in DOCS]
+    multiple = 2 * world
+    ids, labels, pos, lens, padded = [], [], [], [], []
+    for d in docs:
+        n = len(d) - 1
+        p = -(-n // multiple) * multiple
+        ids.append(torch.cat([d[:-1], torch.zeros(p - n, dtype=torch.long)]))
+        labels.append(torch.cat([d[1:], torch.full((p - n,), -100)]))
+        pos.append(torch.arange(p))
+        lens.append(n)
+        padded.append(p)
+    row = {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": torch.cat(pos)[None],
+           "seq_lens": torch.tensor([lens]), "seq_lens_padded": torch.tensor([padded])}
+    return docs, row
+
+
+def _ce(logits, labels):
+    return F.cross_entropy(logits.double().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def _grads(model) -> dict:
+    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def reference(model, docs) -> tuple[float, dict]:
+    count = sum(len(d) - 1 for d in docs)
+    total = 0.0
+    for d in docs:
+        logits = model(input_ids=d[None, :-1], position_ids=torch.arange(len(d) - 1)[None], use_cache=False).logits
+        loss = _ce(logits, d[None, 1:]) / count
+        loss.backward()
+        total += loss.item()
+    return total, _grads(model)
+
+
+def ring_rows() -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (2, 25), generator=torch.Generator().manual_seed(11))
+    return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone()}
+
+
+def ring_reference(model, rows) -> tuple[float, dict]:
+    count = int((rows["labels"] != -100).sum())
+    loss = _ce(model(input_ids=rows["input_ids"], use_cache=False).logits, rows["labels"]) / count
+    loss.backward()
+    return loss.item(), _grads(model)
+
+
+def cp_step(method: str, model, batch, group) -> tuple[float, dict]:
+    """One own-loop step of ``method`` on this rank's share; loss and gradients summed over ``group``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    count = int((batch["labels"] != -100).sum())
+    batch = {k: v.clone() for k, v in batch.items()}
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
+    if method == "ring":
+        from automodel.distributed.cp_utils import make_cp_batch_and_ctx
+
+        ctx, local = make_cp_batch_and_ctx(mesh, batch)
+    elif method == "ulysses":
+        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+
+        inner = set_ulysses_attention(model, mesh)
+        ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner)
+    elif method == "thd":
+        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+
+        set_thd_attention(model, mesh)
+        ctx, local = make_thd_batch_and_ctx(mesh, batch)
+    elif method == "thd_docs":
+        from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
+
+        set_doc_attention(model, mesh)
+        ctx, local = make_doc_batch_and_ctx(mesh, batch)
+    else:
+        from automodel.distributed.usp_attention import make_usp_batch_and_ctx, set_usp_attention
+
+        set_usp_attention(model, mesh)
+        ctx, local = make_usp_batch_and_ctx(mesh, batch, ulysses_size=2)
+    with ctx():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        loss = _ce(logits, local["labels"]) / count
+        loss.backward()
+    params = list(model.named_parameters())
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten() for _, p in params]
+                     + [loss.detach().double().reshape(1)])
+    dist.all_reduce(flat, group=group)
+    grads, at = {}, 0
+    for n, p in params:
+        grads[n] = flat[at : at + p.numel()].view(p.shape)
+        at += p.numel()
+    return flat[-1].item(), grads
+
+
+GRAD_FLOOR = 1e-3  # as tests/workers/family_matrix_worker.py: fp32 scales floored at 1e-3 x the largest gradient
+
+
+def compare(ref_loss, ref_grads, loss, grads) -> dict:
+    """Loss rel err; per parameter max abs diff / max abs reference (``grad_rel``), and the same with the
+    denominator floored at ``GRAD_FLOOR`` x the model's largest reference gradient entry (``grad_rel_floored``,
+    for fp32: a parameter whose gradient is a sum of cancelling terms, like a decay's ``A_log``, is known only
+    to the round-off of the terms, not of the small sum)."""
+    top = max(ref.abs().max().item() for ref in ref_grads.values())
+    rel, floored = {}, {}
+    for n, ref in ref_grads.items():
+        diff, scale = (grads[n] - ref).abs().max().item(), ref.abs().max().item()
+        rel[n] = diff / max(scale, 1e-30)
+        floored[n] = diff / max(scale, GRAD_FLOOR * top)
+    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": rel, "grad_rel_floored": floored,
+            "missing": sorted(set(ref_grads) - {n for n, g in grads.items() if g.abs().max() > 0})}
+
+
+def fp32_movement(family: str) -> list[float]:
+    """How far one process moves, fp32, under changes that keep the math (the worst loss or gradient,
+    ``grad_rel_floored``, on the packed documents alone): the fp32 model against its fp64 copy (transformers' kernels),
+    the documents run in the reverse order (the gradients summed in another order), packed in one row (state
+    restarted per document) instead of one by one, and for Kimi's chunked rule every chunk size of 1, 2, 4,
+    8, 16 against its 64. The CP runs' fp32
+    tolerance (tests/test_state_mixers_more.py) is this amount, no looser."""
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
+
+    base = build_model(family, torch.float32)
+    docs, row = documents(2)
+    ref = reference(copy.deepcopy(base), docs)
+    moved = [compare(*ref, *reference(copy.deepcopy(base).double(), docs)),
+             compare(*ref, *reference(copy.deepcopy(base), docs[::-1]))]
+    packed = copy.deepcopy(base)  # the same documents packed in one row, the state restarted at each
+    install_linear_mixers(packed, cached_profile(packed), None)
+    logits = packed(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
+    loss = _ce(logits, row["labels"]) / int((row["labels"] != -100).sum())
+    loss.backward()
+    moved.append(compare(*ref, loss.item(), _grads(packed)))
+    modeling = sys.modules[type(base).__module__]
+    if family == "kimi_linear":
+        original = modeling.chunk_kimi_delta_attention
+        try:
+            for size in (1, 2, 4, 8, 16):
+                modeling.chunk_kimi_delta_attention = functools.partial(original, chunk_size=size)
+                moved.append(compare(*ref, *reference(copy.deepcopy(base), docs)))
+        finally:
+            modeling.chunk_kimi_delta_attention = original
+    return [max(m["loss_rel"], *m["grad_rel_floored"].values()) for m in moved]
+
+
+def run_cases(group, cp: int, methods, cases) -> dict:
+    out: dict = {}
+    for family in FAMILIES:
+        for dtype_name, kernels in cases:
+            base = build_model(family, getattr(torch, dtype_name))
+            undo = fp64_patches(base, kernels)
+            t0 = time.perf_counter()
+            try:
+                docs, row = documents(cp)
+                ref = reference(copy.deepcopy(base), docs)
+                rows = ring_rows()
+                ring_ref = ring_reference(copy.deepcopy(base), rows) if "ring" in methods else None
+                for method in methods:
+                    batch, expected = (rows, ring_ref) if method == "ring" else (row, ref)
+                    try:
+                        got = cp_step(method, copy.deepcopy(base), batch, group)
+                    except UserInputError as err:  # refused before any collective, on every rank alike
+                        out[(family, dtype_name, kernels, method)] = {"refused": str(err)}
+                        continue
+                    out[(family, dtype_name, kernels, method)] = compare(*expected, *got)
+            finally:
+                for owner, name, original in undo:
+                    setattr(owner, name, original)
+            out[("seconds", family, dtype_name)] = time.perf_counter() - t0
+    return out
+
+
+def main(rank: int, world_size: int = 4) -> dict:
+    """cp=2: ranks {0, 1} run the fp64 cases while {2, 3} run the fp32 ones; then cp=4 on all four (usp =
+    2 x 2), both cases. Rank 0 also measures :func:`fp32_movement` per family."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    fp64, fp32 = ("float64", "fp64"), ("float32", "hf")
+    pairs = [dist.new_group([r, r + 1], backend="gloo") for r in range(0, world_size, 2)]
+    times = [time.time()]
+    results: dict = {2: run_cases(pairs[rank // 2], 2, ("ulysses", "thd", "thd_docs", "ring"), [(fp64, fp32)[rank // 2]])}
+    times.append(time.time())
+    if rank >= 2:  # this pair ran the (faster) fp32 cases: it measures two families each
+        mine = FAMILIES[0::2] if rank == 2 else FAMILIES[1::2]
+        results["fp32_movement"] = {family: fp32_movement(family) for family in mine}
+    times.append(time.time())
+    if world_size == 4:
+        results[4] = run_cases(dist.new_group(backend="gloo"), 4, ("ulysses", "thd", "thd_docs", "ring", "usp"),
+                               [fp64, fp32])
+    times.append(time.time())
+    results["times"] = times
+    return results
