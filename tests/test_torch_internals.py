@@ -20,6 +20,15 @@ def _version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def test_pyproject_states_the_tested_ranges():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert torch_internals.TORCH_REQUIREMENT in deps
+    assert torch_internals.TRANSFORMERS_REQUIREMENT in deps
+
+
 def test_torch_release_parses_local_versions():
     assert torch_internals.torch_release() == _version()
     assert torch_internals.TORCH_REQUIREMENT == "torch>=2.11,<2.16"
