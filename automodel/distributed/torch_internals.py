@@ -81,6 +81,11 @@ global is seen patched:
 - ``transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil``
   (data/vlm_dataset.py).
 
+One transformers behaviour changed inside the tested range: 5.23 counts Llama 4's attention chunks
+from each document's start in rows packed transformers-style (restarting ``position_ids``), 5.17 ..
+5.22 from the row start (:func:`transformers_chunks_per_document`; Ulysses, the one method that takes
+that batch form, builds the same mask as the installed transformers).
+
 Not movable by an import line: ``config._attn_implementation``, read or written in ulysses.py,
 thd_attention.py, models/compile.py, models/vlm_tiny.py, training/self_check.py and
 training/trainer.py; and hf_causal_mask.py's patch of ``masking_utils.find_packed_sequence_indices``.
@@ -124,6 +129,7 @@ __all__ = [
     "templated_ring_attention",
     "templated_ring_attention_backward",
     "torch_release",
+    "transformers_chunks_per_document",
 ]
 
 #: The torch releases the parity subset passes on (``scripts/compat.sh``).
@@ -492,6 +498,22 @@ _TRANSFORMERS = {
     "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING": "transformers.models.auto.modeling_auto",
     "Qwen2VLImageProcessorPil": "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
 }
+
+
+def transformers_chunks_per_document() -> bool:
+    """Whether this transformers counts attention chunks (Llama 4's ``attention_chunk_size``) from each
+    document's start in a row packed transformers-style (``position_ids`` restarting, no mask).
+
+    transformers 5.23+ does (``masking_utils.remap_positions_for_packed_sequence``: the mask functions
+    see each token's position, not its row index); 5.17 .. 5.22 count chunks from the row start (and
+    only cut them at document boundaries). Ulysses follows whichever the installed one computes.
+    """
+    import transformers
+
+    if _has("transformers.masking_utils:remap_positions_for_packed_sequence"):
+        return True
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (5, 23)
 
 
 def missing_transformers_internals() -> list[str]:

@@ -148,6 +148,9 @@ class UlyssesContext:
     padding_mask: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
     calls: int = 0
+    #: attention chunks count from the row start, not each document's (transformers < 5.23 on rows packed
+    #: by restarting position_ids: torch_internals.transformers_chunks_per_document)
+    chunks_from_row_start: bool = False
     _masks: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -253,6 +256,8 @@ class UlyssesContext:
             plain = False
         if chunk is not None:  # attention chunks counted from each document's start
             start = (torch.arange(self.seq_len) - self.document_positions()).to(device)
+            if self.chunks_from_row_start:  # as transformers < 5.23 computes it (same_document still applies)
+                start = torch.zeros_like(start)
 
             def same_chunk(batch_idx, head_idx, q_idx, kv_idx):
                 first = start[batch_idx, q_idx]
@@ -617,6 +622,7 @@ def make_ulysses_batch_and_ctx(
     if padding_mask is not None:
         padding_mask = padding_mask.to(torch.bool)
 
+    from_restarts = False
     if batch.get("seq_lens_padded") is not None:
         document_ids = document_ids_from_seq_lens(batch["seq_lens_padded"], seq_len)
     elif batch.get("seq_lens") is not None:
@@ -629,11 +635,16 @@ def make_ulysses_batch_and_ctx(
         document_ids = document_ids_from_cu_seqlens(batch["cu_seqlens"], seq_len)
     elif mrope_position_ids is None:
         document_ids = _document_ids_from_position_ids(position_ids)
+        from_restarts = document_ids is not None
     else:
         document_ids = None
 
     documents = document_ids.to(device) if document_ids is not None else None
     ctx = UlyssesContext(group, world, rank, inner_attn, position_ids, padding_mask, documents)
+    if from_restarts:  # documents as transformers finds them: its chunks too (torch_internals)
+        from automodel.distributed.torch_internals import transformers_chunks_per_document
+
+        ctx.chunks_from_row_start = not transformers_chunks_per_document()
 
     local: dict[str, Any] = {}
     for k, v in batch.items():
