@@ -148,9 +148,11 @@ class UlyssesContext:
     padding_mask: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
     calls: int = 0
-    #: attention chunks count from the row start, not each document's (transformers < 5.23 on rows packed
-    #: by restarting position_ids: torch_internals.transformers_chunks_per_document)
-    chunks_from_row_start: bool = False
+    #: where attention chunks count from: ``"document"`` (each document's first token: packed rows of
+    #: seq_lens, each document alone), ``"position"`` (the tokens' position_ids: transformers 5.23+ on rows
+    #: packed by restarting position_ids) or ``"row"`` (the row start: transformers < 5.23 there;
+    #: torch_internals.transformers_chunks_per_document)
+    chunk_origin: str = "document"
     _masks: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -255,9 +257,12 @@ class UlyssesContext:
             mask_fn = and_masks(sliding_window_overlay(sliding_window), mask_fn)
             plain = False
         if chunk is not None:  # attention chunks counted from each document's start
-            start = (torch.arange(self.seq_len) - self.document_positions()).to(device)
-            if self.chunks_from_row_start:  # as transformers < 5.23 computes it (same_document still applies)
+            index = torch.arange(self.seq_len)
+            start = (index - self.document_positions()).to(device)
+            if self.chunk_origin == "row":  # as transformers < 5.23 computes it (same_document still applies)
                 start = torch.zeros_like(start)
+            elif self.chunk_origin == "position":  # chunk = position_ids // chunk within a document
+                start = (index - self.position_ids.cpu()).to(device)
 
             def same_chunk(batch_idx, head_idx, q_idx, kv_idx):
                 first = start[batch_idx, q_idx]
@@ -644,7 +649,7 @@ def make_ulysses_batch_and_ctx(
     if from_restarts:  # documents as transformers finds them: its chunks too (torch_internals)
         from automodel.distributed.torch_internals import transformers_chunks_per_document
 
-        ctx.chunks_from_row_start = not transformers_chunks_per_document()
+        ctx.chunk_origin = "position" if transformers_chunks_per_document() else "row"
 
     local: dict[str, Any] = {}
     for k, v in batch.items():
