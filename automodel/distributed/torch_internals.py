@@ -81,10 +81,11 @@ global is seen patched:
 - ``transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil``
   (data/vlm_dataset.py).
 
-One transformers behaviour changed inside the tested range: 5.23 counts Llama 4's attention chunks
-from each document's start in rows packed transformers-style (restarting ``position_ids``), 5.17 ..
-5.22 from the row start (:func:`transformers_chunks_per_document`; Ulysses, the one method that takes
-that batch form, builds the same mask as the installed transformers).
+One transformers behaviour changed inside the tested range: in rows packed transformers-style
+(restarting ``position_ids``, no mask) 5.23+ cuts Llama 4's attention chunks at multiples of the chunk
+in each document's ``position_ids``, 5.17 .. 5.22 at multiples of the chunk from the row start
+(:func:`transformers_chunks_per_document`; Ulysses, the one method that takes that batch form, builds
+the same mask as the installed transformers).
 
 Not movable by an import line: ``config._attn_implementation``, read or written in ulysses.py,
 thd_attention.py, models/compile.py, models/vlm_tiny.py, training/self_check.py and
@@ -501,12 +502,13 @@ _TRANSFORMERS = {
 
 
 def transformers_chunks_per_document() -> bool:
-    """Whether this transformers counts attention chunks (Llama 4's ``attention_chunk_size``) from each
-    document's start in a row packed transformers-style (``position_ids`` restarting, no mask).
+    """Whether this transformers cuts attention chunks (Llama 4's ``attention_chunk_size``) per document
+    in a row packed transformers-style (``position_ids`` restarting, no mask).
 
     transformers 5.23+ does (``masking_utils.remap_positions_for_packed_sequence``: the mask functions
-    see each token's position, not its row index); 5.17 .. 5.22 count chunks from the row start (and
-    only cut them at document boundaries). Ulysses follows whichever the installed one computes.
+    see each token's ``position_ids`` value, not its row index, so chunks break at multiples of the
+    chunk in each document's positions); 5.17 .. 5.22 at multiples of the chunk from the row start (and
+    at document boundaries). Ulysses follows whichever the installed one computes.
     """
     import transformers
 
