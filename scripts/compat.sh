@@ -12,7 +12,7 @@
 #   replaces any machine-wide constraint (e.g. a cap below VERSION) for these commands only, and
 #   installing automodel can never swap torch (or transformers) for another release. Without
 #   COMPAT_TRANSFORMERS, transformers is the newest release pyproject.toml allows.
-# - torch from PyPI is a CUDA build (about 4.5 GB installed per venv); the tests run on CPU.
+# - torch from PyPI is a CUDA build (5.3-6.0 GB installed per venv); the tests run on CPU.
 # - Installs this checkout editable with the dev extra (again when pyproject.toml or the checkout
 #   changes), checks that torch is exactly VERSION, prints what the private-torch-API check
 #   (automodel.distributed.torch_internals) resolves, then runs pytest on the subset that proves
