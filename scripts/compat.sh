@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Run the parity subset on another torch release (not part of CI).
+# Run the parity subset on another torch (and transformers) release (not part of CI).
 #
-#   bash scripts/compat.sh 2.15.0            # the tested releases: 2.13.0, 2.14.1, 2.15.0
+#   bash scripts/compat.sh 2.15.0            # the tested releases: 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0
 #   bash scripts/compat.sh 2.14.1 -x -k ring # extra arguments go to pytest
+#   COMPAT_TRANSFORMERS=5.17.0 bash scripts/compat.sh 2.11.0   # the GPU machines' stack
 #
-# - Creates (once) a cached virtual environment ~/.cache/automodel-compat/torch-VERSION
-#   ($AUTOMODEL_COMPAT_CACHE overrides the folder) and installs torch==VERSION into it. A pip
-#   constraint file pinning torch==VERSION is passed as PIP_CONSTRAINT for every install, so it
+# - Creates (once) a cached virtual environment ~/.cache/automodel-compat/torch-VERSION (or
+#   torch-VERSION-transformers-TVERSION with COMPAT_TRANSFORMERS=TVERSION; $AUTOMODEL_COMPAT_CACHE
+#   overrides the folder) and installs torch==VERSION into it. A pip constraint file pinning
+#   torch==VERSION (and transformers==TVERSION) is passed as PIP_CONSTRAINT for every install, so it
 #   replaces any machine-wide constraint (e.g. a cap below VERSION) for these commands only, and
-#   installing automodel can never swap torch for another release.
+#   installing automodel can never swap torch (or transformers) for another release. Without
+#   COMPAT_TRANSFORMERS, transformers is the newest release pyproject.toml allows.
+# - torch from PyPI is a CUDA build (5.3-6.0 GB installed per venv); the tests run on CPU.
 # - Installs this checkout editable with the dev extra (again when pyproject.toml or the checkout
 #   changes), checks that torch is exactly VERSION, prints what the private-torch-API check
 #   (automodel.distributed.torch_internals) resolves, then runs pytest on the subset that proves
@@ -21,13 +25,16 @@ if [ $# -lt 1 ] || [[ "$1" == -* ]]; then
   exit 2
 fi
 version="$1"; shift
+tf_version="${COMPAT_TRANSFORMERS:-}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${AUTOMODEL_COMPAT_CACHE:-$HOME/.cache/automodel-compat}"
-venv="$cache/torch-$version"
+name="torch-$version${tf_version:+-transformers-$tf_version}"
+venv="$cache/$name"
 py="$venv/bin/python"
 mkdir -p "$cache"
-constraint="$cache/torch-$version.constraints"
+constraint="$cache/$name.constraints"
 echo "torch==$version" > "$constraint"
+[ -n "$tf_version" ] && echo "transformers==$tf_version" >> "$constraint"
 export PIP_CONSTRAINT="$constraint" PIP_DISABLE_PIP_VERSION_CHECK=1
 
 torch_version() { (cd / && "$py" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null) || true; }
@@ -41,7 +48,7 @@ if [ "$(torch_version)" != "$version" ]; then
   "$py" -m pip install --quiet "torch==$version"
 fi
 stamp="$venv/.automodel-compat-stamp"
-want="$root $(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+want="$root $(sha256sum "$root/pyproject.toml" | cut -d' ' -f1) ${tf_version:-newest}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
   || ! (cd / && "$py" -c 'import automodel, pytest, transformers') 2>/dev/null; then
   echo "[compat] installing automodel from $root (editable, dev extra)"
@@ -52,6 +59,13 @@ got="$(torch_version)"
 if [ "$got" != "$version" ]; then
   echo "[compat] error: $venv has torch $got, not $version" >&2
   exit 1
+fi
+if [ -n "$tf_version" ]; then
+  got="$( (cd / && "$py" -c 'import transformers; print(transformers.__version__)') 2>/dev/null || true)"
+  if [ "$got" != "$tf_version" ]; then
+    echo "[compat] error: $venv has transformers $got, not $tf_version" >&2
+    exit 1
+  fi
 fi
 
 cd "$root"
@@ -69,5 +83,5 @@ set +e
 "$py" -m pytest -q "${tests[@]}" "$@"
 rc=$?
 set -e
-echo "[compat] torch $("$py" -c 'import torch; print(torch.__version__)'): pytest exit status $rc in $((SECONDS - start)) s"
+echo "[compat] torch $("$py" -c 'import torch; print(torch.__version__)'), transformers $("$py" -c 'import transformers; print(transformers.__version__)'): pytest exit status $rc in $((SECONDS - start)) s"
 exit "$rc"

@@ -3,8 +3,8 @@
 #
 # - Installs torch==2.13.0 only when no torch is importable: on our CPU machines that resolves to a
 #   local CPU build, and an unpinned `torch` would pull gigabytes of CUDA wheels. A torch that is
-#   already installed (e.g. a CUDA build on a GPU host) is left alone; one outside the tested range
-#   (torch>=2.13,<2.16, pyproject.toml) is an error rather than replaced. Other tested releases:
+#   already installed (e.g. a CUDA build on a GPU host, such as 2.11.0+cu130) is left alone; one outside
+#   the tested range (torch>=2.11,<2.16, pyproject.toml) is an error rather than replaced. Other tested releases:
 #   scripts/compat.sh.
 # - Installs the package in editable mode with the `dev` extra (pytest, ruff) and the tracker extras
 #   (`tensorboard`, `wandb`: logging.tensorboard / logging.wandb, which the tests exercise).
@@ -48,11 +48,11 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   "$py" -m pip install --quiet "torch==2.13.0"
 else
   have="$("$py" -c 'import torch; print(torch.__version__)')"
-  # pyproject.toml allows torch>=2.13,<2.16 (the tested releases); outside it, pip would replace the
+  # pyproject.toml allows torch>=2.11,<2.16 (the tested releases); outside it, pip would replace the
   # installed build (e.g. a GPU host's CUDA torch) with another: stop and say so instead.
-  if ! "$py" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(not (2, 13) <= v < (2, 16))'; then
-    echo "[setup] error: torch $have is installed, outside automodel's tested range torch>=2.13,<2.16" >&2
-    echo "[setup] (2.13.0, 2.14.1, 2.15.0); pip would replace it. Install one of those, or try this" >&2
+  if ! "$py" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(not (2, 11) <= v < (2, 16))'; then
+    echo "[setup] error: torch $have is installed, outside automodel's tested range torch>=2.11,<2.16" >&2
+    echo "[setup] (2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0); pip would replace it. Install one of those, or try this" >&2
     echo "[setup] one anyway with: $py -m pip install --no-deps -e '$root[dev]'" >&2
     exit 1
   fi

@@ -215,7 +215,7 @@ def test_cpu_ring_missing_private_symbol_is_a_clear_error(monkeypatch):
     assert not cpu_ring.cpu_ring_supported()
     with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)} .*_templated_ring_attention_backward"):
         cpu_ring.check_cpu_ring_support()
-    with pytest.raises(RuntimeError, match=r"tested with torch 2\.13\.0, 2\.14\.1, 2\.15\.0"):
+    with pytest.raises(RuntimeError, match=r"tested with torch 2\.11\.0, 2\.12\.1, 2\.13\.0, 2\.14\.1, 2\.15\.0"):
         create_context_parallel_ctx(StubMesh(), [torch.zeros(1, 8)], [1], set())
 
 

@@ -89,7 +89,9 @@ def test_the_fp64_reference_rule_is_transformers_rule():
     v = torch.randn(2, 90, 4, 8)
     g, beta = -torch.rand(2, 90, 4), torch.rand(2, 90, 4)
     state = torch.randn(2, 4, 8, 8)
-    ref, ref_state = m.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state,
+    # q/k repeated to the 4 value heads: transformers 5.17's rule takes them so (its mixer repeats), 5.24's too
+    qr, kr = q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2)
+    ref, ref_state = m.torch_chunk_gated_delta_rule(qr, kr, v, g=g, beta=beta, initial_state=state,
                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, out_state = gd.recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state,
                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)

@@ -1,4 +1,4 @@
-"""Every private torch API automodel uses resolves on the installed torch (2.13, 2.14 or 2.15).
+"""Every private torch API automodel uses resolves on the installed torch (2.11 .. 2.15).
 
 ``scripts/compat.sh VERSION`` runs this with the parity subset on each tested release; the CUDA
 ring's imports are checked here too (its kernels cannot run without a GPU).
@@ -6,6 +6,7 @@ ring's imports are checked here too (its kernels cannot run without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -15,8 +16,25 @@ from automodel.distributed import torch_internals
 
 
 def _version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+def test_pyproject_states_the_tested_ranges():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert torch_internals.TORCH_REQUIREMENT in deps
+    assert torch_internals.TRANSFORMERS_REQUIREMENT in deps
+
+
+def test_torch_release_parses_local_versions():
+    assert torch_internals.torch_release() == _version()
+    assert torch_internals.TORCH_REQUIREMENT == "torch>=2.11,<2.16"
+    assert {v.rsplit(".", 1)[0] for v in torch_internals.TESTED_TORCH_VERSIONS} == {
+        "2.11", "2.12", "2.13", "2.14", "2.15"
+    }
 
 
 def test_every_private_torch_symbol_resolves():
@@ -62,7 +80,7 @@ def test_missing_symbol_is_a_clear_error(monkeypatch):
     message = str(err.value)
     assert f"torch {torch.__version__} does not have" in message
     assert f"{torch_internals.CP_ATTENTION}._cp_options" in message
-    assert re.search(r"tested with torch 2\.13\.0, 2\.14\.1, 2\.15\.0 \(torch>=2\.13,<2\.16\)", message)
+    assert re.search(r"tested with torch 2\.11\.0, 2\.12\.1, 2\.13\.0, 2\.14\.1, 2\.15\.0 \(torch>=2\.11,<2\.16\)", message)
 
 
 def test_missing_sharding_rule_api_names_both_versions(monkeypatch):
@@ -72,7 +90,9 @@ def test_missing_sharding_rule_api_names_both_versions(monkeypatch):
     for name in ("_op_strategy_context", "_single_dim_strategy_context"):
         monkeypatch.delattr(rules, name, raising=False)
     assert torch_internals.sharding_rule_api() is None
-    with pytest.raises(RuntimeError, match=r"_single_dim_strategy_context \(torch 2\.14\+\) or .*_op_strategy_context \(torch 2\.13\)"):
+    with pytest.raises(
+        RuntimeError, match=r"_single_dim_strategy_context \(torch 2\.14\+\) or .*_op_strategy_context \(torch 2\.11 \.\. 2\.13\)"
+    ):
         torch_internals.require("ring context parallelism on CPU")
 
 
@@ -106,3 +126,43 @@ def test_missing_transformers_internal_is_a_clear_import_error(monkeypatch):
         from automodel.distributed.torch_internals import and_masks  # noqa: F401
     with pytest.raises(AttributeError):
         torch_internals.no_such_name  # noqa: B018
+
+
+def test_context_parallel_before_2_13_is_undone_when_the_block_raises():
+    """torch 2.11 / 2.12's context_parallel has no try/finally: the wrapper undoes its patch and the
+    buffer sharding when the block raises (on 2.13+ torch does it; the real check runs at cp=2 in
+    tests/workers/cp_worker.py's buffer checks)."""
+    events = []
+
+    @contextlib.contextmanager
+    def old_cp(mesh, *, buffers, buffer_seq_dims, no_restore_buffers):  # as torch 2.11 / 2.12: no finally
+        for b in buffers:
+            b.resize_(2).fill_(-1)
+        events.append("patched")
+        yield
+        events.append("undone by torch")
+
+    def run(raise_inside: bool):
+        events.clear()
+        kept, dropped = torch.arange(4.0), torch.arange(4.0)
+        with torch_internals._restoring_context_parallel(
+            old_cp, lambda: events.append("undone by automodel"), None,
+            buffers=[kept, dropped], buffer_seq_dims=[0, 0], no_restore_buffers={dropped},
+        ):
+            assert kept.shape == (2,)
+            if raise_inside:
+                raise KeyError("inside")
+        return kept, dropped
+
+    with pytest.raises(KeyError, match="inside"):
+        run(raise_inside=True)
+    assert events == ["patched", "undone by automodel"]
+    kept = torch.arange(4.0)
+    with pytest.raises(KeyError):
+        with torch_internals._restoring_context_parallel(
+            old_cp, lambda: None, None, buffers=[kept], buffer_seq_dims=[0], no_restore_buffers=None
+        ):
+            raise KeyError
+    assert torch.equal(kept, torch.arange(4.0))  # restored from the wrapper's own copy
+    run(raise_inside=False)
+    assert events == ["patched", "undone by torch"]  # a normal exit is torch's own

@@ -75,6 +75,38 @@ def test_cp1_matches_the_model_exactly(inner, kind):
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("second_start", [0, 7])
+@pytest.mark.parametrize("inner", ["sdpa", "eager"])
+def test_chunks_of_a_row_packed_by_restarts_match_the_installed_transformers_cp1(inner, second_start):
+    """Llama 4's attention chunks in a row packed by restarting position_ids: transformers 5.23+ cuts
+    them at multiples of the chunk in each document's position_ids (its second document may start at 7),
+    5.17 .. 5.22 at multiples of the chunk from the row start; Ulysses builds the same mask as the
+    installed transformers (torch_internals.transformers_chunks_per_document)."""
+    from dataclasses import replace
+
+    from automodel.distributed.torch_internals import transformers_chunks_per_document
+    from tests.family_matrix import family_by_name
+
+    fam = family_by_name("llama4_text")
+    fam = replace(fam, attn=inner, config_kwargs={**fam.config_kwargs, "attention_chunk_size": 4})
+    ref, model = fam.build_model(), fam.build_model()
+    set_ulysses_attention(model)
+    ids = make_batch("plain")["input_ids"][:1]
+    # 3 documents; the two rules cut the second differently
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, *range(second_start, second_start + 7), 0, 1, 2]])
+    expected = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    ctx_factory, local = make_ulysses_batch_and_ctx(None, {"input_ids": ids, "position_ids": pos}, inner_attn=inner)
+    with ctx_factory() as ctx:
+        got = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+    assert ctx.chunk_origin == ("position" if transformers_chunks_per_document() else "row")
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    ctx_factory, local = make_ulysses_batch_and_ctx(None, {"input_ids": ids, "position_ids": pos}, inner_attn=inner)
+    with ctx_factory() as ctx:
+        ctx.chunk_origin = "row" if ctx.chunk_origin == "position" else "position"  # the other transformers' rule
+        other = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+    assert (other - expected).abs().max() > 1e-4  # the two rules differ on this row
+
+
 def test_cu_seqlens_boundaries_cp1():
     """cu_seqlens alone (positions left as arange) gives block-diagonal causal attention."""
     ref = tiny_llama(2, "sdpa")

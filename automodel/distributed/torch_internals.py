@@ -1,8 +1,8 @@
 """Every private torch API that automodel uses, resolved in one place, per torch version (and the
 private transformers internals it uses, at the end).
 
-automodel is tested with torch 2.13.0, 2.14.1 and 2.15.0 (``pyproject.toml``: ``torch>=2.13,<2.16``;
-``scripts/compat.sh VERSION`` runs the parity subset on any of them). torch's context-parallel
+automodel is tested with torch 2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0 (``pyproject.toml``:
+``torch>=2.11,<2.16``; ``scripts/compat.sh VERSION`` runs the parity subset on any of them). torch's context-parallel
 internals are private and move between releases, so no other module imports them: each one is
 resolved here by feature detection, and a missing one is a ``RuntimeError`` naming the torch
 version, the symbol and the fix (:func:`require`), never an ``AttributeError`` deep in a run.
@@ -11,6 +11,12 @@ transformers (exit status 1 if anything is missing; ``tests/test_torch_internals
 
 What moved (checked by reading and running each release; CUDA paths import-checked only):
 
+- **2.11 -> 2.12 -> 2.13**: no private symbol automodel uses moved or changed its signature (2.11 and
+  2.12 resolve exactly as 2.13: ``_op_strategy_context``). One behaviour did: torch's
+  ``context_parallel`` context manager before 2.13 has no ``try/finally``, so an exception raised
+  inside the ``with`` block left SDPA patched, the CP DTensor dispatcher on and the buffers sharded,
+  i.e. every later attention call of the process would have run as CP. :func:`context_parallel`
+  (what automodel enters) restores both on such an exception there, as 2.13+ does itself.
 - **2.13 -> 2.14**: ``_context_parallel._sharding_rules._op_strategy_context`` (register an
   *op strategy*: ``register_op_strategy`` + ``expand_to_full_mesh_op_strategy`` over ``OpStrategy``
   args) is gone; its successor ``_single_dim_strategy_context`` registers a *single-dim strategy*
@@ -28,11 +34,12 @@ The private torch symbols, and where automodel uses them:
   ``_templated_ring_attention`` and ``_templated_ring_attention_backward`` (the ring math),
   ``custom_ops`` (the CP dispatcher's handler table), ``_create_rotater`` (patched: synchronous
   rotation) — cpu_ring; ``_cp_options`` (``convert_to_f32``, ``rotate_method``) — cpu_ring,
-  cp_utils; ``set_rotate_method`` — cp_utils; ``context_parallel_unshard`` — tests;
-- ``..._context_parallel._sharding_rules``: ``_op_strategy_context`` (2.13) or
+  ring/batch; ``set_rotate_method`` — ring/batch; ``context_parallel_unshard`` — tests;
+  ``_disable_context_parallel_dispatcher_impl`` (torch < 2.13 only) — :func:`context_parallel`;
+- ``..._context_parallel._sharding_rules``: ``_op_strategy_context`` (2.11 .. 2.13) or
   ``_single_dim_strategy_context`` (2.14+) — cpu_ring;
 - ``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy`` and
-  ``torch.distributed.tensor._op_schema.OpStrategy`` (2.13), ``torch.distributed.tensor._ops
+  ``torch.distributed.tensor._op_schema.OpStrategy`` (2.11 .. 2.13), ``torch.distributed.tensor._ops
   .single_dim_strategy._ShardingPlaceholder`` and ``torch.distributed.tensor._dtensor_spec.TensorMeta``
   (2.14+), ``torch.distributed.tensor._op_schema.RuntimeSchemaInfo`` (all) — cpu_ring;
 - ``DTensor._op_dispatcher`` (``unwrap_to_op_info``, ``sharding_propagator.propagate``, ``wrap``)
@@ -44,14 +51,18 @@ The private torch symbols, and where automodel uses them:
 - ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` — cpu_ring
   (through :func:`cpu_flash_attention_ops`) and thd_attention (directly).
 
-Not moved here (documented aliases of public APIs, same on 2.13 .. 2.15): ``torch._dynamo.disable``
+A public torch API that is new in 2.13 is here too: ``torch.distributed.all_gather_single``, called
+``all_gather_into_tensor`` before (:data:`all_gather_single`: sp/, multimodal/; cp/exchange/gather.py
+picks the name itself).
+
+Not moved here (documented aliases of public APIs, same on 2.11 .. 2.15): ``torch._dynamo.disable``
 (= ``torch.compiler.disable``; models/compile.py, compiled_autograd.py) and ``torch._dynamo.reset``
 (= ``torch.compiler.reset``; training/trainer.py). thd_attention.py calls the two ``aten`` CPU flash
 ops directly (op names, checked by :func:`missing_torch_internals`). ``torch.compile``,
 ``torch.distributed.tensor.experimental.context_parallel``, ``torch.distributed.tensor.parallel`` and
 ``DTensor`` itself are public.
 
-The private *transformers* internals automodel uses (tested with transformers 5.23-5.24) are
+The private *transformers* internals automodel uses (tested with transformers 5.17.0 and 5.24.0) are
 lazy attributes of this module too (``from automodel.distributed.torch_internals import and_masks``
 inside a function imports transformers then; a missing one is an ``ImportError`` naming the
 transformers version and the symbol). Each is looked up afresh on every import, so a patched module
@@ -70,6 +81,12 @@ global is seen patched:
 - ``transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil``
   (data/vlm_dataset.py).
 
+One transformers behaviour changed inside the tested range: in rows packed transformers-style
+(restarting ``position_ids``, no mask) 5.23+ cuts Llama 4's attention chunks at multiples of the chunk
+in each document's ``position_ids``, 5.17 .. 5.22 at multiples of the chunk from the row start
+(:func:`transformers_chunks_per_document`; Ulysses, the one method that takes that batch form, builds
+the same mask as the installed transformers).
+
 Not movable by an import line: ``config._attn_implementation``, read or written in ulysses.py,
 thd_attention.py, models/compile.py, models/vlm_tiny.py, training/self_check.py and
 training/trainer.py; and hf_causal_mask.py's patch of ``masking_utils.find_packed_sequence_indices``.
@@ -83,13 +100,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "TESTED_TORCH_VERSIONS",
+    "TESTED_TRANSFORMERS_VERSIONS",
     "TORCH_REQUIREMENT",
+    "TRANSFORMERS_REQUIREMENT",
+    "all_gather_single",
     "compiled_autograd_disable",
     "compiled_autograd_enable",
     "concatenate_meshes",
+    "context_parallel",
     "context_parallel_unshard",
     "cp_attention_module",
     "cp_options",
@@ -107,12 +129,30 @@ __all__ = [
     "sharding_rule_api",
     "templated_ring_attention",
     "templated_ring_attention_backward",
+    "torch_release",
+    "transformers_chunks_per_document",
 ]
 
 #: The torch releases the parity subset passes on (``scripts/compat.sh``).
-TESTED_TORCH_VERSIONS = ("2.13.0", "2.14.1", "2.15.0")
+TESTED_TORCH_VERSIONS = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
 #: The range ``pyproject.toml`` allows.
-TORCH_REQUIREMENT = "torch>=2.13,<2.16"
+TORCH_REQUIREMENT = "torch>=2.11,<2.16"
+#: The transformers releases the parity subset passes on (``scripts/compat.sh``, ``COMPAT_TRANSFORMERS``).
+TESTED_TRANSFORMERS_VERSIONS = ("5.17.0", "5.24.0")
+#: The range ``pyproject.toml`` allows.
+TRANSFORMERS_REQUIREMENT = "transformers>=5.17,<6"
+
+
+#: ``torch.distributed.all_gather_single(output, input, group=None, async_op=False)`` (torch 2.13+),
+#: the same collective as ``all_gather_into_tensor``, its name before 2.13 (deprecated from 2.13 on).
+all_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def torch_release() -> tuple[int, int]:
+    """``(major, minor)`` of the installed torch (``2.11.0+cu130`` -> ``(2, 11)``)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
 
 CP_ATTENTION = "torch.distributed.tensor.experimental._context_parallel._attention"
 CP_SHARDING_RULES = "torch.distributed.tensor.experimental._context_parallel._sharding_rules"
@@ -138,7 +178,7 @@ _SHARDING_RULE_APIS = {
         f"{_SINGLE_DIM}:_ShardingPlaceholder",
         f"{_DTENSOR_SPEC}:TensorMeta",
     ),
-    "op_strategy": (  # torch 2.13
+    "op_strategy": (  # torch 2.11, 2.12, 2.13
         f"{CP_SHARDING_RULES}:_op_strategy_context",
         f"{_OPS_UTILS}:expand_to_full_mesh_op_strategy",
         f"{_OP_SCHEMA}:OpStrategy",
@@ -153,6 +193,8 @@ _FEATURES = {
         f"{CP_ATTENTION}:_cp_options",
         f"{CP_ATTENTION}:set_rotate_method",
         f"{CP_ATTENTION}:context_parallel_unshard",
+        # before 2.13, context_parallel() undoes its patch on an exception only through this
+        *((f"{CP_ATTENTION}:_disable_context_parallel_dispatcher_impl",) if torch_release() < (2, 13) else ()),
     ),
     "the device mesh's flattened views": (
         "torch.distributed.device_mesh:DeviceMesh._flatten",
@@ -198,7 +240,7 @@ def _cpu_flash_missing() -> list[str]:
 
 
 def sharding_rule_api() -> str | None:
-    """``"single_dim"`` (torch 2.14+), ``"op_strategy"`` (torch 2.13) or ``None`` (neither complete)."""
+    """``"single_dim"`` (torch 2.14+), ``"op_strategy"`` (torch 2.11 .. 2.13) or ``None`` (neither complete)."""
     for name, specs in _SHARDING_RULE_APIS.items():
         if all(_has(s) for s in specs):
             return name
@@ -216,7 +258,7 @@ def missing_torch_internals(feature: str | None = None) -> list[str]:
                 missing.append(
                     " or ".join(
                         f"{', '.join(_dotted(s) for s in specs if not _has(s))} ({version})"
-                        for specs, version in zip(_SHARDING_RULE_APIS.values(), ("torch 2.14+", "torch 2.13"))
+                        for specs, version in zip(_SHARDING_RULE_APIS.values(), ("torch 2.14+", "torch 2.11 .. 2.13"))
                     )
                 )
             missing += _cpu_flash_missing()
@@ -275,6 +317,55 @@ def set_rotate_method(method: str) -> None:
     _resolve(f"{CP_ATTENTION}:set_rotate_method", "ring context parallelism")(method)
 
 
+def context_parallel(
+    mesh: Any,
+    *,
+    buffers: list[torch.Tensor],
+    buffer_seq_dims: list[int],
+    no_restore_buffers: set[torch.Tensor] | None = None,
+) -> contextlib.AbstractContextManager:
+    """torch's ``context_parallel(mesh, buffers=, buffer_seq_dims=, no_restore_buffers=)``: inside the
+    block SDPA runs as ring attention and ``buffers`` are replaced in place by this rank's head-tail
+    shards; on exit SDPA is restored and the buffers not in ``no_restore_buffers`` are restored.
+
+    torch 2.13+ does the restoring in a ``finally``. torch 2.11 and 2.12 do it only on a normal exit,
+    so an exception raised in the block would leave SDPA patched (every later attention call of the
+    process running as CP) and the buffers sharded; there this wrapper does the same restoring before
+    the exception propagates (it keeps its own copy of the restored buffers: one extra clone).
+    """
+    cp = _resolve("torch.distributed.tensor.experimental:context_parallel", "ring context parallelism")
+    kwargs = dict(buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers)
+    if torch_release() >= (2, 13):
+        return cp(mesh, **kwargs)
+    disable = _resolve(f"{CP_ATTENTION}:_disable_context_parallel_dispatcher_impl", "ring context parallelism")
+    return _restoring_context_parallel(cp, disable, mesh, **kwargs)
+
+
+@contextlib.contextmanager
+def _restoring_context_parallel(
+    cp: Callable[..., Any],
+    disable: Callable[[], None],
+    mesh: Any,
+    *,
+    buffers: list[torch.Tensor],
+    buffer_seq_dims: list[int],
+    no_restore_buffers: set[torch.Tensor] | None,
+) -> Any:
+    skip = no_restore_buffers or set()
+    originals = [None if b in skip else b.clone() for b in buffers]
+    with cp(mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers):
+        try:
+            yield
+        except BaseException:
+            # torch < 2.13's generator re-raises at its `yield` without undoing anything: undo it here
+            disable()
+            for buffer, original in zip(buffers, originals):
+                if original is not None:
+                    buffer.resize_(original.shape)
+                    buffer.copy_(original)
+            raise
+
+
 def context_parallel_unshard(mesh: Any, buffers: list[torch.Tensor], seq_dims: list[int]) -> list[torch.Tensor]:
     """torch's ``context_parallel_unshard``: the full tensors back from head-tail sequence shards."""
     return _resolve(f"{CP_ATTENTION}:context_parallel_unshard", "ring context parallelism")(mesh, buffers, seq_dims)
@@ -309,7 +400,7 @@ def seq_shard_strategy_context(
     ``num_tensor_inputs`` raises ``arity_error()`` during sharding propagation. ``static_argnum``:
     the first positional argument that is part of the sharding cache key (``RuntimeSchemaInfo``).
 
-    torch 2.13 registers this as an op strategy (``_op_strategy_context``), torch 2.14+ as a
+    torch 2.11 .. 2.13 register this as an op strategy (``_op_strategy_context``), torch 2.14+ as a
     single-dim strategy (``_single_dim_strategy_context``; the all-Replicate rule is implied there);
     the placements are the same. Restores whatever rule ``op`` had on exit.
     """
@@ -410,6 +501,23 @@ _TRANSFORMERS = {
 }
 
 
+def transformers_chunks_per_document() -> bool:
+    """Whether this transformers cuts attention chunks (Llama 4's ``attention_chunk_size``) per document
+    in a row packed transformers-style (``position_ids`` restarting, no mask).
+
+    transformers 5.23+ does (``masking_utils.remap_positions_for_packed_sequence``: the mask functions
+    see each token's ``position_ids`` value, not its row index, so chunks break at multiples of the
+    chunk in each document's positions); 5.17 .. 5.22 at multiples of the chunk from the row start (and
+    at document boundaries). Ulysses follows whichever the installed one computes.
+    """
+    import transformers
+
+    if _has("transformers.masking_utils:remap_positions_for_packed_sequence"):
+        return True
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (5, 23)
+
+
 def missing_transformers_internals() -> list[str]:
     """The transformers internals (``module.name``) this transformers lacks."""
     missing = []
@@ -429,11 +537,11 @@ def __getattr__(name: str) -> Any:
         try:
             version = importlib.import_module("transformers").__version__
         except ImportError:
-            raise ImportError(f"automodel needs transformers (>=5.0,<6) for {module_name}.{name}") from None
+            raise ImportError(f"automodel needs transformers ({TRANSFORMERS_REQUIREMENT}) for {module_name}.{name}") from None
         raise ImportError(
             f"automodel needs the transformers internal {module_name}.{name}, which transformers {version} "
-            "does not have; automodel is tested with transformers 5.23-5.24 (transformers>=5.0,<6): install "
-            "one of those"
+            f"does not have; automodel is tested with transformers {', '.join(TESTED_TRANSFORMERS_VERSIONS)} "
+            f"({TRANSFORMERS_REQUIREMENT}): install one of those"
         ) from None
 
 

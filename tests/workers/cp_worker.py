@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from automodel.distributed.cp_utils import create_context_parallel_ctx, make_cp_batch_and_ctx
+from automodel.distributed.cp_utils import create_context_parallel_ctx, get_cp_mesh, make_cp_batch_and_ctx
 from automodel.distributed.torch_internals import context_parallel_unshard
 
 
@@ -169,7 +169,24 @@ def buffer_checks(mesh, rank: int, world: int) -> dict:
     ctx3, out3 = make_cp_batch_and_ctx(mesh, batch3)
     with ctx3():
         mrope_local = out3["position_ids"].clone()
+    # an exception raised inside the ring context undoes it (torch < 2.13 itself does not:
+    # torch_internals.context_parallel)
+    sdpa = F.scaled_dot_product_attention
+    kept = input_ids.clone()
+    patched_inside = sharded_inside = raised = False
+    try:
+        with create_context_parallel_ctx(get_cp_mesh(mesh), [kept], [1], set()):
+            patched_inside = F.scaled_dot_product_attention is not sdpa
+            sharded_inside = torch.equal(kept, input_ids[:, idx])
+            raise KeyError("inside the ring context")
+    except KeyError:
+        raised = True
     return {
+        "undone_after_raise": raised
+        and patched_inside
+        and sharded_inside
+        and F.scaled_dot_product_attention is sdpa
+        and torch.equal(kept, input_ids),
         "position_ids": torch.equal(built, idx.unsqueeze(0)),
         "input_ids": torch.equal(sharded["input_ids"], input_ids[:, idx]),
         "labels": torch.equal(sharded["labels"], input_ids[:, idx] + 1),

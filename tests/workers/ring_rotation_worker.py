@@ -22,7 +22,9 @@ def main(rank: int, world_size: int) -> dict:
     attn = cp_attention_module()
     torch_rotater = attn._create_rotater
     mesh = ParallelDims(cp=world_size, world_size=world_size).build_mesh("cpu")["cp"]
-    calls = {"permute_tensor": 0, "all_gather_single": 0}
+    # torch's ring all-gathers with ft_c.all_gather_single (2.13+), ft_c.all_gather_tensor before
+    gather = "all_gather_single" if hasattr(ft_c, "all_gather_single") else "all_gather_tensor"
+    calls = {"permute_tensor": 0, gather: 0}
     originals = {name: getattr(ft_c, name) for name in calls}
 
     def counting(name):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp.group import resolve_cp_group
+from automodel.distributed.torch_internals import all_gather_single
 
 __all__ = ["resolve_group", "GatherFromContextParallelRanks", "PackedSeqParams"]
 
@@ -92,7 +93,8 @@ class GatherFromContextParallelRanks(torch.autograd.Function):
             return local_t.clone()
         front = local_t.movedim(dim, 0).contiguous()
         out = front.new_empty((world * front.size(0), *front.shape[1:]))
-        dist.all_gather_single(out, front, group=group)
+        # torch_internals.all_gather_single: all_gather_into_tensor on torch < 2.13
+        all_gather_single(out, front, group=group)
         return out.movedim(0, dim)
 
     @staticmethod

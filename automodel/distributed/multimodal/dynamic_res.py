@@ -42,6 +42,7 @@ from automodel.distributed.multimodal.megatron_split import (
     megatron_split_dynamic_res,
 )
 from automodel.distributed.sp.padding import get_padding_multiple
+from automodel.distributed.torch_internals import all_gather_single
 
 __all__ = [
     "DynamicResSplit",
@@ -424,7 +425,8 @@ def _gather_rows_dropping_last_ranks(local_t: torch.Tensor, num_padded: int, gro
         return local_t
     mine = torch.tensor([local_t.size(0)], dtype=torch.int64, device=local_t.device)
     every = torch.empty(world, dtype=torch.int64, device=local_t.device)
-    torch.distributed.all_gather_single(every, mine, group=pg)
+    # torch_internals.all_gather_single: all_gather_into_tensor on torch < 2.13
+    all_gather_single(every, mine, group=pg)
     rows = every.tolist()
     biggest = max(rows)
     x = local_t

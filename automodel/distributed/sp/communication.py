@@ -39,6 +39,7 @@ from automodel.distributed.sp.split_gather import (
     load_balanced_split_forward_gather_backward,
     split_forward_gather_backward,
 )
+from automodel.distributed.torch_internals import all_gather_single
 
 #: MindSpeed-MM's permutations that move a gathered leading world dim into place (4-D and 5-D tensors)
 PERMUTE_DIMS1 = {4: (1, 2, 3, 0), 5: (1, 2, 3, 0, 4)}
@@ -71,7 +72,8 @@ def collect_tensors_across_ranks(
         flat = t.contiguous().reshape(-1)
         flat = torch.cat([flat, flat.new_zeros(max(sizes) - flat.numel())])
         out = flat.new_empty(world * max(sizes))
-        dist.all_gather_single(out, flat, group=group)
+        # torch_internals.all_gather_single: all_gather_into_tensor on torch < 2.13
+        all_gather_single(out, flat, group=group)
         return [out[r * max(sizes) : r * max(sizes) + sizes[r]].reshape(shapes[r]) for r in range(world)]
 
     if isinstance(tensor, (list, tuple)):

@@ -42,12 +42,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from automodel.distributed.sp.all_to_all import world_and_rank
 from automodel.distributed.sp.split_gather import gather_forward_split_backward, split_forward_gather_backward
+from automodel.distributed.torch_internals import all_gather_single
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,8 @@ def sp_gather(
     if validate and world > 1:
         mine = torch.tensor([x.size(dim)], dtype=torch.int64, device=x.device)  # NCCL needs it on the GPU
         every = torch.empty(world, dtype=torch.int64, device=x.device)
-        dist.all_gather_single(every, mine, group=group)
+        # torch_internals.all_gather_single: all_gather_into_tensor on torch < 2.13
+        all_gather_single(every, mine, group=group)
         sizes = every.tolist()
     return gather_forward_split_backward(x, group, dim, sizes, grad_scale=grad_scale)
 

@@ -44,11 +44,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp.layout import head_tail_indices, head_tail_spans
 from automodel.distributed.sp.all_to_all import even_split_sizes, world_and_rank
+from automodel.distributed.torch_internals import all_gather_single
 
 __all__ = [
     "split_forward_gather_backward",
@@ -94,7 +94,8 @@ def _all_gather_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None, sizes
         front = torch.cat([front, pad], dim=0)
     front = front.contiguous()
     out = front.new_empty((world * biggest, *front.shape[1:]))
-    dist.all_gather_single(out, front, group=group)
+    # torch_internals.all_gather_single: all_gather_into_tensor on torch < 2.13
+    all_gather_single(out, front, group=group)
     if len(set(sizes)) == 1:
         full = out
     else:

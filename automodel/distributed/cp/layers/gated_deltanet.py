@@ -187,6 +187,11 @@ def run_core(
     if p.beta_scale is not None:
         beta = beta * p.beta_scale
     g = -p.A_log.float().exp() * F.softplus(a.float() + p.dt_bias)
+    if k.shape[2] != v.shape[2]:
+        # each q/k head serves Hv // Hk consecutive value heads: repeated here, as older transformers'
+        # mixers (5.17) do before calling the rule (5.24's rule repeats itself: a no-op once they match)
+        q = q.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
+        k = k.repeat_interleave(v.shape[2] // k.shape[2], dim=2)
     rule = _RULES[-1] if _RULES else module.torch_chunk_gated_delta_rule
     out, final = rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
     return out, new_halo, final

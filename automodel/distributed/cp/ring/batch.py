@@ -185,9 +185,9 @@ def create_context_parallel_ctx(
         ValueError: unknown rotate method; mismatched lists; a buffer whose sequence length is not
             divisible by ``2 * cp_size`` (torch would silently disable load balancing).
     """
-    from torch.distributed.tensor.experimental import context_parallel
-
-    from automodel.distributed.torch_internals import cp_options, set_rotate_method
+    # torch's context_parallel, through torch_internals: on torch < 2.13 it is made to undo its SDPA
+    # patch and buffer sharding when the block raises, as 2.13+ does itself
+    from automodel.distributed.torch_internals import context_parallel, cp_options, set_rotate_method
 
     _cp_options = cp_options()
 

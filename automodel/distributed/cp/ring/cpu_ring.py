@@ -1,6 +1,6 @@
 """Let torch's own ring attention run on CPU (gloo).
 
-torch's ``context_parallel`` (2.13 .. 2.15) dispatches SDPA on sequence-sharded DTensors to its
+torch's ``context_parallel`` (2.11 .. 2.15) dispatches SDPA on sequence-sharded DTensors to its
 ring attention (``_templated_ring_attention`` and its backward) only for the CUDA kernels (flash,
 efficient, cuDNN). On CPU, ``F.scaled_dot_product_attention`` lowers to
 ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no sharding strategy, so every
@@ -48,7 +48,7 @@ Precision: torch's ring upcasts each partial output and LSE to fp32 before mergi
 inputs, so for fp64 q/k/v the handler merges in fp64 instead.
 
 This touches private torch symbols. They are resolved, per torch version, in
-:mod:`automodel.distributed.torch_internals` (torch 2.13 registers the sharding rule as an op
+:mod:`automodel.distributed.torch_internals` (torch 2.11 .. 2.13 register the sharding rule as an op
 strategy, 2.14+ as a single-dim strategy; the placements and the ring calls are the same); when one
 is missing, :func:`check_cpu_ring_support` raises a ``RuntimeError`` naming the torch version and
 the symbol.

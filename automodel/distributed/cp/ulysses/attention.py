@@ -148,6 +148,11 @@ class UlyssesContext:
     padding_mask: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
     calls: int = 0
+    #: where attention chunks count from: ``"document"`` (each document's first token: packed rows of
+    #: seq_lens, each document alone), ``"position"`` (the tokens' position_ids: transformers 5.23+ on rows
+    #: packed by restarting position_ids) or ``"row"`` (the row start: transformers < 5.23 there;
+    #: torch_internals.transformers_chunks_per_document)
+    chunk_origin: str = "document"
     _masks: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -252,7 +257,12 @@ class UlyssesContext:
             mask_fn = and_masks(sliding_window_overlay(sliding_window), mask_fn)
             plain = False
         if chunk is not None:  # attention chunks counted from each document's start
-            start = (torch.arange(self.seq_len) - self.document_positions()).to(device)
+            index = torch.arange(self.seq_len)
+            start = (index - self.document_positions()).to(device)
+            if self.chunk_origin == "row":  # as transformers < 5.23 computes it (same_document still applies)
+                start = torch.zeros_like(start)
+            elif self.chunk_origin == "position":  # chunk = position_ids // chunk within a document
+                start = (index - self.position_ids.cpu()).to(device)
 
             def same_chunk(batch_idx, head_idx, q_idx, kv_idx):
                 first = start[batch_idx, q_idx]
@@ -617,6 +627,7 @@ def make_ulysses_batch_and_ctx(
     if padding_mask is not None:
         padding_mask = padding_mask.to(torch.bool)
 
+    from_restarts = False
     if batch.get("seq_lens_padded") is not None:
         document_ids = document_ids_from_seq_lens(batch["seq_lens_padded"], seq_len)
     elif batch.get("seq_lens") is not None:
@@ -629,11 +640,16 @@ def make_ulysses_batch_and_ctx(
         document_ids = document_ids_from_cu_seqlens(batch["cu_seqlens"], seq_len)
     elif mrope_position_ids is None:
         document_ids = _document_ids_from_position_ids(position_ids)
+        from_restarts = document_ids is not None
     else:
         document_ids = None
 
     documents = document_ids.to(device) if document_ids is not None else None
     ctx = UlyssesContext(group, world, rank, inner_attn, position_ids, padding_mask, documents)
+    if from_restarts:  # documents as transformers finds them: its chunks too (torch_internals)
+        from automodel.distributed.torch_internals import transformers_chunks_per_document
+
+        ctx.chunk_origin = "position" if transformers_chunks_per_document() else "row"
 
     local: dict[str, Any] = {}
     for k, v in batch.items():
