@@ -49,6 +49,11 @@ def test_profile_reads_each_layer_kind_from_the_modules():
     assert [layer.kind for layer in nxt.layers] == [LINEAR, LINEAR, LINEAR, FULL]
     assert "GatedDeltaNet" in nxt.layers[0].mixer
 
+    # a Mamba-1 block holds its RMS norm before the mixer: the profile names the mixer, not the norm
+    for model_type, mixer in (("mamba", "MambaMixer"), ("falcon_mamba", "FalconMambaMixer")):
+        ssm = profile_model(_meta(model_type, num_hidden_layers=2, state_size=4, expand=2))
+        assert [(layer.kind, layer.mixer) for layer in ssm.layers] == [(LINEAR, mixer)] * 2, model_type
+
     mla = profile_model(_meta("deepseek_v3", num_hidden_layers=1, qk_nope_head_dim=16, qk_rope_head_dim=8,
                               v_head_dim=16, kv_lora_rank=16, q_lora_rank=16))  # fmt: skip
     assert mla.layers[0].mla and (mla.layers[0].qk_head_dim, mla.layers[0].v_head_dim) == (24, 16)
