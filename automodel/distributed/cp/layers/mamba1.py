@@ -1,10 +1,14 @@
-"""Jamba's Mamba mixer (``JambaMambaMixer``: Mamba-1 with RMS-normed dt / B / C) as a CP mixer kernel.
+"""The Mamba-1 mixers as a CP mixer kernel: Mamba's ``MambaMixer``, FalconMamba's ``FalconMambaMixer`` (RMS
+norms without weights on dt / B / C) and Jamba's ``JambaMambaMixer`` (RMS norms with weights on dt / B / C).
 
-transformers' ``JambaMambaMixer.forward`` is, on a row of tokens ``hidden [B, n, D]`` (training: no cache):
+The three classes share one layout (``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``, ``A_log``, ``D``,
+``out_proj``); they differ only in the dt / B / C norms (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``:
+absent in Mamba, weightless in FalconMamba, weighted in Jamba), which the kernel applies where the module
+has them. Each class's torch forward (``forward`` without mamba-ssm / hub kernels) is, on a row of tokens ``hidden [B, n, D]`` (training: no cache):
 
 1. project (token-local): ``in_proj`` -> the conv input ``x`` and the gate ``z`` (``I`` channels each);
 2. core (mixes the sequence): the depthwise causal conv + activation over ``x`` (the model module's
-   ``causal_conv1d_fn``), ``x_proj`` -> ``dt, B, C`` with their RMS norms, ``dt_proj``'s weight, and the
+   ``causal_conv1d_fn``), ``x_proj`` -> ``dt, B, C`` (with their RMS norms where the class has them), ``dt_proj``'s weight, and the
    selective scan (the module's ``mamba_selective_scan``, unchanged), which carries a state ``[B, I, N]``;
 3. finish (token-local): the gate ``* silu(z)`` and ``out_proj``.
 
@@ -21,7 +25,8 @@ Two departures from the class's forward, both exact:
 
 The state between pieces is ``[conv halo [B, I, K-1] (the last K-1 conv inputs), SSM state [B, I, N]]``, both
 zeros at a document start. The RMS norms run through ``torch.func.functional_call`` with the weights the chain
-passes in (the norms' own forward, unchanged).
+passes in (the norms' own forward, unchanged); FalconMamba's weightless norms (their ``weight`` is a buffer
+they do not read) are called as they are.
 
 **Head shard.** ``x_proj`` contracts over all ``I`` channels, so the conv output of every channel is needed
 for ``dt, B, C``. The core input ``x`` is one "head" of ``I`` channels (``[B, n, 1, I]``), which the shared
@@ -53,13 +58,23 @@ from automodel.distributed.cp.layers.short_conv import conv_with_halo, model_mod
 __all__ = ["MAMBA1_MIXERS", "Mamba1Kernel", "selective_scan_reference"]
 
 #: the transformers classes this kernel computes
-MAMBA1_MIXERS = ("JambaMambaMixer",)
+MAMBA1_MIXERS = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 
 _NORMS = {"dt_norm": "dt_layernorm", "b_norm": "b_layernorm", "c_norm": "c_layernorm"}
 
 
+def _norms(mixer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The dt / B / C norm modules ``mixer`` has, by the kernel's key (none for Mamba)."""
+    return {key: getattr(mixer, name) for key, name in _NORMS.items() if hasattr(mixer, name)}
+
+
+def _weighted(norm: torch.nn.Module) -> bool:
+    """The norm reads a trainable ``weight`` (Jamba's; FalconMamba's is an unused buffer)."""
+    return isinstance(getattr(norm, "weight", None), torch.nn.Parameter)
+
+
 class Mamba1Kernel(MixerKernel):
-    """Jamba's Mamba mixer (module docstring): core input ``x [B, n, 1, I]`` (before the conv); state
+    """A Mamba-1 mixer (module docstring): core input ``x [B, n, 1, I]`` (before the conv); state
     ``[conv halo [B, I, K-1], SSM state [B, I', N]]``; output ``[B, n, I', 1]`` before the gate."""
 
     name = "Mamba"
@@ -82,7 +97,7 @@ class Mamba1Kernel(MixerKernel):
                   "x_proj_weight": m.x_proj.weight, "dt_weight": m.dt_proj.weight[mine],
                   "dt_bias": None if m.dt_proj.bias is None else m.dt_proj.bias[mine],
                   "A_log": m.A_log[mine], "D": m.D[mine]}
-        params.update({key: getattr(m, name).weight for key, name in _NORMS.items()})
+        params.update({key: norm.weight for key, norm in _norms(m).items() if _weighted(norm)})
         return params
 
     def core(self, mixer, params, seq, state, shard):  # type: ignore[override]
@@ -94,7 +109,10 @@ class Mamba1Kernel(MixerKernel):
             xc = (xc * seq["mask"][:, :, 0]).to(xc.dtype)
         proj = F.linear(xc, params["x_proj_weight"])
         time_step, B, C = torch.split(proj, [m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
-        time_step, B, C = (torch.func.functional_call(getattr(m, _NORMS[key]), {"weight": params[key]}, (t,))
+        norms = _norms(m)
+        time_step, B, C = (t if key not in norms else
+                           torch.func.functional_call(norms[key], {"weight": params[key]}, (t,)) if key in params
+                           else norms[key](t)
                            for key, t in (("dt_norm", time_step), ("b_norm", B), ("c_norm", C)))
         if shard is not None:
             xc = xc[..., shard.slice(m.intermediate_size)]
