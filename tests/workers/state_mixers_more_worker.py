@@ -30,7 +30,8 @@ from tests.family_matrix import family_by_name
 
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
-FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax", "recurrent_gemma", "mamba", "falcon_mamba")
+FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax", "recurrent_gemma", "mamba", "falcon_mamba",
+            "zamba")
 
 
 def build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -56,6 +57,10 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
             if name in ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer"):  # slower decay than the init's (dt ~ 0.7): the state reaches further
                 module.dt_proj.bias.uniform_(-4.0, -1.0)
                 module.D.uniform_(0.5, 1.5)
+            if name == "ZambaMambaMixer":  # the same, per Mamba head; x_proj_weight starts at zeros (B = C = 0)
+                module.dt_proj_bias.uniform_(-4.0, -1.0)
+                module.D.uniform_(0.5, 1.5)
+                module.x_proj_weight.normal_(0.0, 0.2)
             if name == "KimiLinearDeltaAttention":
                 module.o_norm.weight.uniform_(0.5, 1.5)
     return model.train()
@@ -109,6 +114,7 @@ def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str
              (getattr(modeling, "JambaRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "MiniMaxRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "MambaRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "ZambaRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "FalconMambaRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "FalconMambaWeightlessRMSNorm", None), "forward", _weightless_rms_norm),
              (getattr(modeling, "RecurrentGemmaRMSNorm", None), "forward", _gemma_rms_norm),

@@ -52,6 +52,7 @@ STATE_MIXERS: dict[str, str] = {
     "JambaMambaMixer": "mamba1",  # cp/layers/mamba1.py
     "MambaMixer": "mamba1",
     "FalconMambaMixer": "mamba1",
+    "ZambaMambaMixer": "mamba1",
     "Lfm2ShortConv": "short_conv",  # cp/layers/short_conv.py
     "Lfm2MoeShortConv": "short_conv",
     "KimiLinearDeltaAttention": "kimi_delta",  # cp/layers/kimi_delta.py
