@@ -175,9 +175,9 @@ def test_the_profile_names_these_mixers_and_every_method_computes_them():
     for family, mixer in expected.items():
         layers = profile_model(worker.build_model(family, torch.float32)).layers
         assert (layers[0].kind, layers[0].mixer, layers[0].hybrid_attention) == (LINEAR, mixer, False), layers[0]
-        if family == "zamba":  # its third layer is a hybrid one: shared attention beside its own mixer
-            assert (layers[2].kind, layers[2].mixer, layers[2].hybrid_attention) == (LINEAR, mixer, True), layers[2]
-            assert linear_mixer_problem("usp", layers[2]) is None
+        if family == "zamba":  # its second layer is a hybrid one: shared attention beside its own mixer
+            assert (layers[1].kind, layers[1].mixer, layers[1].hybrid_attention) == (LINEAR, mixer, True), layers[1]
+            assert linear_mixer_problem("usp", layers[1]) is None
         elif family not in LAYER0:  # Mamba and FalconMamba have no attention layer
             assert layers[1].kind != LINEAR, layers[1]  # Kimi's KimiLinearAttention is MLA attention
         for method in ("ulysses", "thd", "ring", "thd_docs", "usp"):

@@ -46,6 +46,9 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
 
     fam = family_by_name(family)
     config = fam.build_config()
+    if family == "zamba":  # one Mamba layer and one hybrid layer (Mamba + the shared attention) prove it: CI time
+        config.num_hidden_layers = 2
+        config.layers_block_type = ["linear_attention", "hybrid"]  # what the config names "mamba" after __init__
     if family == "kimi_linear":  # dense MLPs: its MoE router computes in fp32, which would blur the fp64 proof
         config.mlp_layer_types = ["dense"] * config.num_hidden_layers
     torch.manual_seed(0)
