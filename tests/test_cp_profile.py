@@ -78,11 +78,11 @@ def test_profile_from_a_config_alone_and_an_unrecognised_stack():
 
 
 def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
-    profile = profile_model(_meta("mamba", num_hidden_layers=3))  # Mamba-1's MambaMixer: no CP kernel
+    profile = profile_model(_meta("rwkv", num_hidden_layers=3))  # RWKV's RwkvSelfAttention: no CP kernel
     with pytest.raises(CPUnsupportedError) as err:
         check_model_for_cp("ring", profile, seq_len=64)
     msg = str(err.value)
-    assert msg.startswith("distributed.cp_method=ring does not compute MambaForCausalLM (model_type=mamba)")
+    assert msg.startswith("distributed.cp_method=ring does not compute RwkvForCausalLM (model_type=rwkv)")
     assert "layers 0-2: a linear-attention / state-space mixer (" in msg and "carries a state along" in msg
     assert "no CP method runs this model exactly yet: train it with distributed.cp_size=1" in msg
     check_model_for_cp("ring", profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16)), seq_len=64)
