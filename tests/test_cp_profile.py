@@ -49,6 +49,11 @@ def test_profile_reads_each_layer_kind_from_the_modules():
     assert [layer.kind for layer in nxt.layers] == [LINEAR, LINEAR, LINEAR, FULL]
     assert "GatedDeltaNet" in nxt.layers[0].mixer
 
+    # a Mamba-1 block holds its RMS norm before the mixer: the profile names the mixer, not the norm
+    for model_type, mixer in (("mamba", "MambaMixer"), ("falcon_mamba", "FalconMambaMixer")):
+        ssm = profile_model(_meta(model_type, num_hidden_layers=2, state_size=4, expand=2))
+        assert [(layer.kind, layer.mixer) for layer in ssm.layers] == [(LINEAR, mixer)] * 2, model_type
+
     mla = profile_model(_meta("deepseek_v3", num_hidden_layers=1, qk_nope_head_dim=16, qk_rope_head_dim=8,
                               v_head_dim=16, kv_lora_rank=16, q_lora_rank=16))  # fmt: skip
     assert mla.layers[0].mla and (mla.layers[0].qk_head_dim, mla.layers[0].v_head_dim) == (24, 16)
@@ -73,11 +78,11 @@ def test_profile_from_a_config_alone_and_an_unrecognised_stack():
 
 
 def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
-    profile = profile_model(_meta("mamba", num_hidden_layers=3))  # Mamba-1's MambaMixer: no CP kernel
+    profile = profile_model(_meta("rwkv", num_hidden_layers=3))  # RWKV's RwkvSelfAttention: no CP kernel
     with pytest.raises(CPUnsupportedError) as err:
         check_model_for_cp("ring", profile, seq_len=64)
     msg = str(err.value)
-    assert msg.startswith("distributed.cp_method=ring does not compute MambaForCausalLM (model_type=mamba)")
+    assert msg.startswith("distributed.cp_method=ring does not compute RwkvForCausalLM (model_type=rwkv)")
     assert "layers 0-2: a linear-attention / state-space mixer (" in msg and "carries a state along" in msg
     assert "no CP method runs this model exactly yet: train it with distributed.cp_size=1" in msg
     check_model_for_cp("ring", profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16)), seq_len=64)

@@ -107,7 +107,7 @@ def test_only_the_implemented_mixers_and_methods_are_exact():
         for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
             assert linear_mixer_problem(method, layer(name)) is None
         assert "toy splits over the ranks without passing the state on" in linear_mixer_problem("toy", layer(name))
-    for other in ("Glm5NextTextLinearAttention", "MambaMixer", "RecurrentGemmaRglru", "Conv1d (a convolution along the sequence)"):
+    for other in ("Glm5NextTextLinearAttention", "XLSTMLayer", "RecurrentGemmaRglru", "Conv1d (a convolution along the sequence)"):
         for method in ("ring", "ulysses", "thd"):
             reason = linear_mixer_problem(method, layer(other))
             assert reason and other in reason and "CP kernels exist for" in reason, reason

@@ -22,10 +22,15 @@ from tests.dist_harness import run_distributed
 from tests.workers import state_mixers_more_worker as worker
 
 MIXER_ATTR = {"jamba": "mamba", "lfm2": "conv", "lfm2_moe": "conv", "kimi_linear": "self_attn", "minimax": "self_attn",
-              "recurrent_gemma": "temporal_block"}
+              "recurrent_gemma": "temporal_block", "mamba": "mixer", "falcon_mamba": "mixer",
+              "zamba": "mamba"}
+#: the first layer's name prefix in parameter names (Mamba's stack is the ``backbone``)
+LAYER0 = {"mamba": "backbone.layers.0", "falcon_mamba": "backbone.layers.0"}
 #: parameters the model itself reads through ``.float()`` (or keeps in fp32): their gradients pass an fp32
 #: cast in both runs, so they agree to fp32 round-off even in an fp64 model
-FP32_READ = ("mamba.A_log", "mamba.D", "mamba.dt_proj.bias", "forget_gate.dt_bias")
+FP32_READ = ("mamba.A_log", "mamba.D", "mamba.dt_proj.bias", "mixer.A_log", "mixer.D", "mixer.dt_proj.bias",
+             "mamba.dt_proj_bias",
+             "forget_gate.dt_bias")
 #: the attention layers beside the mixer that thd_docs and usp may still refuse (other branches give them
 #: kernels: item 1 and 2 of issue 28), by the text their refusal names
 ATTENTION_REFUSED = {"kimi_linear": "MLA", "recurrent_gemma": "sliding"}
@@ -42,7 +47,7 @@ def _one_thread():
 
 
 def _mixer(family: str, dtype=torch.float64):
-    return getattr(worker.build_model(family, dtype).model.layers[0], MIXER_ATTR[family])
+    return getattr(worker.build_model(family, dtype).base_model.layers[0], MIXER_ATTR[family])
 
 
 def _first(out):
@@ -130,7 +135,7 @@ def test_transformers_kernels_chain_to_fp32_round_off():
     """fp32 with transformers' own kernels: the conv chains bit for bit; the scan and the chunked rule to
     round-off (Kimi's rule pads every piece to its 64-token chunk)."""
     hidden = torch.randn(1, 90, 64, generator=torch.Generator().manual_seed(1))
-    for family in ("lfm2", "jamba", "kimi_linear", "minimax", "recurrent_gemma"):
+    for family in ("lfm2", "jamba", "kimi_linear", "minimax", "recurrent_gemma", "mamba", "falcon_mamba", "zamba"):
         mixer = _mixer(family, torch.float32)
         whole = _forward(mixer, hidden)
         err = _rel(_chained(mixer, hidden, [30, 31, 64]), whole)
@@ -165,14 +170,19 @@ def test_the_profile_names_these_mixers_and_every_method_computes_them():
 
     expected = {"jamba": "JambaMambaMixer", "lfm2": "Lfm2ShortConv", "lfm2_moe": "Lfm2MoeShortConv",
                 "kimi_linear": "KimiLinearDeltaAttention", "minimax": "MiniMaxLightningAttention",
-                "recurrent_gemma": "RecurrentGemmaRecurrentBlock"}
+                "recurrent_gemma": "RecurrentGemmaRecurrentBlock", "mamba": "MambaMixer",
+                "falcon_mamba": "FalconMambaMixer", "zamba": "ZambaMambaMixer"}
     for family, mixer in expected.items():
         layers = profile_model(worker.build_model(family, torch.float32)).layers
         assert (layers[0].kind, layers[0].mixer, layers[0].hybrid_attention) == (LINEAR, mixer, False), layers[0]
-        assert layers[1].kind != LINEAR, layers[1]  # Kimi's KimiLinearAttention is MLA attention
+        if family == "zamba":  # its second layer is a hybrid one: shared attention beside its own mixer
+            assert (layers[1].kind, layers[1].mixer, layers[1].hybrid_attention) == (LINEAR, mixer, True), layers[1]
+            assert linear_mixer_problem("usp", layers[1]) is None
+        elif family not in LAYER0:  # Mamba and FalconMamba have no attention layer
+            assert layers[1].kind != LINEAR, layers[1]  # Kimi's KimiLinearAttention is MLA attention
         for method in ("ulysses", "thd", "ring", "thd_docs", "usp"):
             assert linear_mixer_problem(method, layers[0]) is None
-    for other in ("MambaMixer", "Glm5NextTextLinearAttention"):
+    for other in ("XLSTMLayer", "Glm5NextTextLinearAttention"):
         assert "CP kernels exist for" in linear_mixer_problem("thd", LayerSpec(index=0, kind=LINEAR, mixer=other))
 
 
@@ -213,7 +223,7 @@ def test_packed_documents_match_each_alone(dist_results, family, method):
                 if key[1] == "float64":
                     assert res["loss_rel"] <= 1e-10, (cp, key, res["loss_rel"])
                     for name, rel in res["grad_rel"].items():
-                        mixer = name.startswith(f"model.layers.0.{MIXER_ATTR[family]}.")
+                        mixer = name.startswith(f"{LAYER0.get(family, 'model.layers.0')}.{MIXER_ATTR[family]}.")
                         bar = FP64_MIXER if mixer and not any(n in name for n in FP32_READ) else FP64_MODEL
                         assert rel <= bar, (cp, key, name, rel)
                 else:

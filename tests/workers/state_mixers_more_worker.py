@@ -1,4 +1,4 @@
-"""Jamba's Mamba, LFM2's short conv and Kimi's delta attention under CP (tests/test_state_mixers_more.py).
+"""The Mamba-1 mixers (Mamba, FalconMamba, Jamba), LFM2's short conv, Kimi's delta attention and others under CP (tests/test_state_mixers_more.py).
 
 On every rank, per family (tiny models, the same weights on every rank): a packed row of three documents
 and the single-process reference with each document run ALONE through the unmodified model (loss = sum CE /
@@ -30,7 +30,8 @@ from tests.family_matrix import family_by_name
 
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
-FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax", "recurrent_gemma")
+FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax", "recurrent_gemma", "mamba", "falcon_mamba",
+            "zamba")
 
 
 def build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -45,6 +46,9 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
 
     fam = family_by_name(family)
     config = fam.build_config()
+    if family == "zamba":  # one Mamba layer and one hybrid layer (Mamba + the shared attention) prove it: CI time
+        config.num_hidden_layers = 2
+        config.layers_block_type = ["linear_attention", "hybrid"]  # what the config names "mamba" after __init__
     if family == "kimi_linear":  # dense MLPs: its MoE router computes in fp32, which would blur the fp64 proof
         config.mlp_layer_types = ["dense"] * config.num_hidden_layers
     torch.manual_seed(0)
@@ -53,9 +57,13 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
     with torch.no_grad():
         for module in model.modules():
             name = type(module).__name__
-            if name == "JambaMambaMixer":  # slower decay than the init's (dt ~ 0.7): the state reaches further
+            if name in ("JambaMambaMixer", "MambaMixer", "FalconMambaMixer"):  # slower decay than the init's (dt ~ 0.7): the state reaches further
                 module.dt_proj.bias.uniform_(-4.0, -1.0)
                 module.D.uniform_(0.5, 1.5)
+            if name == "ZambaMambaMixer":  # the same, per Mamba head; x_proj_weight starts at zeros (B = C = 0)
+                module.dt_proj_bias.uniform_(-4.0, -1.0)
+                module.D.uniform_(0.5, 1.5)
+                module.x_proj_weight.normal_(0.0, 0.2)
             if name == "KimiLinearDeltaAttention":
                 module.o_norm.weight.uniform_(0.5, 1.5)
     return model.train()
@@ -65,6 +73,11 @@ def _rms_norm(self, hidden_states):
     """transformers' RMSNorm in the input's dtype (the classes' own forward computes in fp32)."""
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _weightless_rms_norm(self, x):
+    """``FalconMambaWeightlessRMSNorm.forward`` in the input's dtype."""
+    return self._norm(x)
 
 
 def _gemma_rms_norm(self, x):
@@ -103,6 +116,10 @@ def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str
              (modeling, "chunk_kimi_delta_attention", kimi_delta.recurrent_kda_reference),
              (getattr(modeling, "JambaRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "MiniMaxRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "MambaRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "ZambaRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "FalconMambaRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "FalconMambaWeightlessRMSNorm", None), "forward", _weightless_rms_norm),
              (getattr(modeling, "RecurrentGemmaRMSNorm", None), "forward", _gemma_rms_norm),
              (getattr(modeling, "RecurrentGemmaRglru", None), "_rnn_scan", _rnn_scan_fp64(modeling)),
              (getattr(modeling, "KimiLinearRMSNorm", None), "forward", _rms_norm),

@@ -290,7 +290,8 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
         if sub is layer or id(sub) in kernel_mixer:
             continue
         moe = ("MoE" in cls or "Moe" in cls) and cls not in STATE_MIXERS  # Qwen3_5MoeGatedDeltaNet is one
-        if _LINEAR_MIXER.search(cls) and cls not in _NOT_LINEAR_MIXERS and not moe and linear is None:
+        norm = "Norm" in cls  # MambaRMSNorm, FalconMambaRMSNorm, MambaRMSNormGated: a norm, not the mixer
+        if _LINEAR_MIXER.search(cls) and cls not in _NOT_LINEAR_MIXERS and not moe and not norm and linear is None:
             linear = cls
         elif isinstance(sub, nn.Conv1d) and linear is None:
             linear = f"{cls} (a convolution along the sequence)"

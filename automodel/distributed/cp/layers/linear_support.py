@@ -50,6 +50,9 @@ STATE_MIXERS: dict[str, str] = {
     **{name: "gated_deltanet" for name in GATED_DELTANET_MIXERS},
     **{name: "mamba2" for name in MAMBA2_MIXERS},
     "JambaMambaMixer": "mamba1",  # cp/layers/mamba1.py
+    "MambaMixer": "mamba1",
+    "FalconMambaMixer": "mamba1",
+    "ZambaMambaMixer": "mamba1",
     "Lfm2ShortConv": "short_conv",  # cp/layers/short_conv.py
     "Lfm2MoeShortConv": "short_conv",
     "KimiLinearDeltaAttention": "kimi_delta",  # cp/layers/kimi_delta.py
