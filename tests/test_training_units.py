@@ -125,7 +125,7 @@ def test_cp_dispatch():
 
     assert get_cp_method("ring").batch_function() is make_cp_batch_and_ctx
     ring = get_cp_method("ring")
-    assert ring.attn_implementations == ("sdpa",) and not ring.supports_packed
+    assert ring.attn_implementations == ("sdpa", "eager") and not ring.supports_packed  # eager: routed in its context
     with pytest.raises(ValueError, match="distributed.cp_method='nope' is not one of"):
         get_cp_method("nope")
 
