@@ -19,8 +19,9 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from tests.workers.cp_steps import reduce_over_group
 
 VOCAB = 64
 S = 16
@@ -176,14 +177,7 @@ def cp_cell(model, fn, mesh, batch: dict, n_labels: int) -> tuple[float, dict[st
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         ce = _loss_sum(logits, local["labels"], local.get("loss_mask"))
         (ce / n_labels).backward()
-    group = mesh.get_group()
-    loss = ce.detach().clone()
-    dist.all_reduce(loss, group=group)
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g, group=group)
-        grads[n] = g
+    loss, grads = reduce_over_group(model, ce, mesh.get_group())
     return float(loss) / n_labels, grads
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.workers.cp_steps import reduce_over_group
 from tests.workers.layer_kinds_worker import _docs, _reference
 from tests.workers.thd_attention_worker import _ce, pack
 
@@ -45,14 +45,7 @@ def _doc_step(model, batch, mesh, n_labels):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         ce = _ce(logits.flatten(0, 1), local["labels"].flatten())
         (ce / n_labels).backward()
-    group = mesh.get_group()
-    loss = ce.detach().clone()
-    dist.all_reduce(loss, group=group)
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g, group=group)
-        grads[n] = g
+    loss, grads = reduce_over_group(model, ce, mesh.get_group())
     halos = {  # (window, chunk, block) -> tokens this rank received, per halo plan the layers used
         str(key[:2]): int(sum(p.recv_splits)) for key, p in plan.token_layout()._plans.items() if isinstance(key, tuple)
     }

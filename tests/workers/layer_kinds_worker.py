@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.distributed.cp.layers.masked_attention import halo_attention
 from automodel.distributed.cp.layout import ring_layout, thd_layout
+from tests.workers.cp_steps import reduce_over_group
 from tests.workers.thd_attention_worker import _ce, pack
 
 SENTINEL = -1000
@@ -167,14 +168,7 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
         (ce / n_labels).backward()
         attn_inside = model.config._attn_implementation
     ATTN_SEEN.append((attn_inside, model.config._attn_implementation))  # inside the context, after it
-    group = mesh.get_group()
-    loss = ce.detach().clone()
-    dist.all_reduce(loss, group=group)
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g, group=group)
-        grads[n] = g
+    loss, grads = reduce_over_group(model, ce, mesh.get_group())
     return float(loss) / n_labels, grads
 
 

@@ -21,10 +21,32 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from tests.workers.cp_steps import (
+    documents_reference,
+    packed_documents,
+    reduce_flat,
+    rows_reference,
+    sum_ce,
+    unpacked_rows,
+)
 
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp for thd
+
+
+def documents(world: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The documents (ids of length L+1, the last is the next-token label) and the packed row."""
+    return packed_documents(DOCS, VOCAB, world)
+
+
+def ring_rows(cp: int) -> dict[str, torch.Tensor]:
+    """Two unpacked rows (ring takes no packed rows) of 24 tokens: 2*cp chunks of 6 (cp=2) or 3 (cp=4)."""
+    return unpacked_rows(VOCAB)
+
+
+_ce, _reduce = sum_ce, reduce_flat
+reference, ring_reference = documents_reference, rows_reference
 
 
 def build_model(dtype: torch.dtype, k_heads: int):
@@ -50,47 +72,6 @@ def build_model(dtype: torch.dtype, k_heads: int):
     return model.train()
 
 
-def documents(world: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """The documents (ids of length L+1, the last is the next-token label) and the packed row."""
-    gen = torch.Generator().manual_seed(7)
-    docs = [torch.randint(3, VOCAB, (n + 1,), generator=gen) for n in DOCS]
-    multiple = 2 * world
-    ids, labels, pos, lens, padded = [], [], [], [], []
-    for d in docs:
-        n = len(d) - 1
-        p = -(-n // multiple) * multiple
-        ids.append(torch.cat([d[:-1], torch.zeros(p - n, dtype=torch.long)]))
-        labels.append(torch.cat([d[1:], torch.full((p - n,), -100)]))
-        pos.append(torch.arange(p))
-        lens.append(n)
-        padded.append(p)
-    row = {
-        "input_ids": torch.cat(ids)[None],
-        "labels": torch.cat(labels)[None],
-        "position_ids": torch.cat(pos)[None],
-        "seq_lens": torch.tensor([lens]),
-        "seq_lens_padded": torch.tensor([padded]),
-    }
-    return docs, row
-
-
-def _ce(logits, labels):
-    return F.cross_entropy(logits.double().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
-
-
-def reference(model, docs) -> tuple[float, dict]:
-    count = sum(len(d) - 1 for d in docs)
-    total = 0.0
-    for d in docs:
-        logits = model(input_ids=d[None, :-1], position_ids=torch.arange(len(d) - 1)[None], use_cache=False).logits
-        loss = _ce(logits, d[None, 1:]) / count
-        loss.backward()
-        total += loss.item()
-    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return total, grads
-
-
 def cp_step(method: str, model, row, group) -> tuple[float, dict, int]:
     count = int((row["labels"] != -100).sum())
     batch = {k: v.clone() for k, v in row.items()}
@@ -111,21 +92,6 @@ def cp_step(method: str, model, row, group) -> tuple[float, dict, int]:
     return (*_reduce(model, loss, group), local["input_ids"].shape[1])
 
 
-def ring_rows(cp: int) -> dict[str, torch.Tensor]:
-    """Two unpacked rows (ring takes no packed rows) of 24 tokens: 2*cp chunks of 6 (cp=2) or 3 (cp=4)."""
-    ids = torch.randint(3, VOCAB, (2, 25), generator=torch.Generator().manual_seed(11))
-    return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone()}
-
-
-def ring_reference(model, rows) -> tuple[float, dict]:
-    count = int((rows["labels"] != -100).sum())
-    loss = _ce(model(input_ids=rows["input_ids"], use_cache=False).logits, rows["labels"]) / count
-    loss.backward()
-    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.item(), grads
-
-
 def ring_step(model, rows, group) -> tuple[float, dict]:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -139,18 +105,6 @@ def ring_step(model, rows, group) -> tuple[float, dict]:
         loss = _ce(logits, local["labels"]) / count
         loss.backward()
     return _reduce(model, loss, group)
-
-
-def _reduce(model, loss, group) -> tuple[float, dict]:
-    params = [(n, p) for n, p in model.named_parameters()]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten() for _, p in params]
-                     + [loss.detach().double().reshape(1)])
-    dist.all_reduce(flat, group=group)
-    grads, at = {}, 0
-    for n, p in params:
-        grads[n] = flat[at : at + p.numel()].view(p.shape)
-        at += p.numel()
-    return flat[-1].item(), grads
 
 
 def compare(ref_loss, ref_grads, loss, grads) -> dict:

@@ -23,10 +23,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from automodel.errors import UserInputError
 from tests.family_matrix import family_by_name
+from tests.workers.cp_steps import (
+    documents_reference,
+    packed_documents,
+    rows_reference,
+    sum_ce,
+    take_grads,
+    unpacked_rows,
+)
 
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
@@ -134,54 +141,16 @@ def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str
 
 
 def documents(world: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(7)
-    docs = [torch.randint(3, VOCAB, (n + 1,), generator=gen) for n in DOCS]
-    multiple = 2 * world
-    ids, labels, pos, lens, padded = [], [], [], [], []
-    for d in docs:
-        n = len(d) - 1
-        p = -(-n // multiple) * multiple
-        ids.append(torch.cat([d[:-1], torch.zeros(p - n, dtype=torch.long)]))
-        labels.append(torch.cat([d[1:], torch.full((p - n,), -100)]))
-        pos.append(torch.arange(p))
-        lens.append(n)
-        padded.append(p)
-    row = {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": torch.cat(pos)[None],
-           "seq_lens": torch.tensor([lens]), "seq_lens_padded": torch.tensor([padded])}
-    return docs, row
-
-
-def _ce(logits, labels):
-    return F.cross_entropy(logits.double().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
-
-
-def _grads(model) -> dict:
-    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def reference(model, docs) -> tuple[float, dict]:
-    count = sum(len(d) - 1 for d in docs)
-    total = 0.0
-    for d in docs:
-        logits = model(input_ids=d[None, :-1], position_ids=torch.arange(len(d) - 1)[None], use_cache=False).logits
-        loss = _ce(logits, d[None, 1:]) / count
-        loss.backward()
-        total += loss.item()
-    return total, _grads(model)
+    """The documents (ids of length L+1, the last is the next-token label) and the packed row."""
+    return packed_documents(DOCS, VOCAB, world)
 
 
 def ring_rows() -> dict[str, torch.Tensor]:
-    ids = torch.randint(3, VOCAB, (2, 25), generator=torch.Generator().manual_seed(11))
-    return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone()}
+    return unpacked_rows(VOCAB)
 
 
-def ring_reference(model, rows) -> tuple[float, dict]:
-    count = int((rows["labels"] != -100).sum())
-    loss = _ce(model(input_ids=rows["input_ids"], use_cache=False).logits, rows["labels"]) / count
-    loss.backward()
-    return loss.item(), _grads(model)
+_ce, _grads = sum_ce, take_grads
+reference, ring_reference = documents_reference, rows_reference
 
 
 def cp_step(method: str, model, batch, group) -> tuple[float, dict]:

@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from tests.workers.cp_steps import (
+    documents_reference,
+    packed_documents,
+    reduce_flat,
+    rows_reference,
+    sum_ce,
+    take_grads,
+    unpacked_rows,
+)
 
 VOCAB = 96
 DOCS = (29, 3, 13, 2, 6)  # real lengths; each is padded to a multiple of 2*cp for thd / usp
@@ -143,55 +152,16 @@ def set_chunk(model, family: Family, size: int) -> dict[str, Callable]:
 
 def documents(world: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """The documents (ids of length L+1, the last is the next-token label) and the packed row."""
-    gen = torch.Generator().manual_seed(7)
-    docs = [torch.randint(3, VOCAB, (n + 1,), generator=gen) for n in DOCS]
-    multiple = 2 * world
-    ids, labels, pos, lens, padded = [], [], [], [], []
-    for d in docs:
-        n = len(d) - 1
-        p = -(-n // multiple) * multiple
-        ids.append(torch.cat([d[:-1], torch.zeros(p - n, dtype=torch.long)]))
-        labels.append(torch.cat([d[1:], torch.full((p - n,), -100)]))
-        pos.append(torch.arange(p))
-        lens.append(n)
-        padded.append(p)
-    row = {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": torch.cat(pos)[None],
-           "seq_lens": torch.tensor([lens]), "seq_lens_padded": torch.tensor([padded])}
-    return docs, row
-
-
-def _ce(logits, labels):
-    return F.cross_entropy(logits.double().flatten(0, -2), labels.flatten(), ignore_index=-100, reduction="sum")
-
-
-def _grads(model) -> dict:
-    grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def reference(model, docs) -> tuple[float, dict]:
-    count = sum(len(d) - 1 for d in docs)
-    total = 0.0
-    for d in docs:
-        logits = model(input_ids=d[None, :-1], position_ids=torch.arange(len(d) - 1)[None], use_cache=False).logits
-        loss = _ce(logits, d[None, 1:]) / count
-        loss.backward()
-        total += loss.item()
-    return total, _grads(model)
+    return packed_documents(DOCS, VOCAB, world)
 
 
 def ring_rows() -> dict[str, torch.Tensor]:
     """Two unpacked rows of 24 tokens: 2*cp chunks of 6 (cp=2) or 3 (cp=4)."""
-    ids = torch.randint(3, VOCAB, (2, 25), generator=torch.Generator().manual_seed(11))
-    return {"input_ids": ids[:, :-1].clone(), "labels": ids[:, 1:].clone()}
+    return unpacked_rows(VOCAB)
 
 
-def ring_reference(model, rows) -> tuple[float, dict]:
-    count = int((rows["labels"] != -100).sum())
-    loss = _ce(model(input_ids=rows["input_ids"], use_cache=False).logits, rows["labels"]) / count
-    loss.backward()
-    return loss.item(), _grads(model)
+_ce, _grads, _reduce = sum_ce, take_grads, reduce_flat
+reference, ring_reference = documents_reference, rows_reference
 
 
 def cp_step(method: str, model, row, group) -> tuple[float, dict, dict]:
@@ -235,18 +205,6 @@ def cp_step(method: str, model, row, group) -> tuple[float, dict, dict]:
         loss = _ce(logits, local["labels"]) / count
         loss.backward()
     return (*_reduce(model, loss, group), facts)
-
-
-def _reduce(model, loss, group) -> tuple[float, dict]:
-    params = list(model.named_parameters())
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten() for _, p in params]
-                     + [loss.detach().double().reshape(1)])
-    dist.all_reduce(flat, group=group)
-    grads, at = {}, 0
-    for n, p in params:
-        grads[n] = flat[at : at + p.numel()].view(p.shape)
-        at += p.numel()
-    return flat[-1].item(), grads
 
 
 def compare(ref_loss, ref_grads, loss, grads) -> dict:

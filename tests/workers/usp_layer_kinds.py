@@ -14,8 +14,8 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
+from tests.workers.cp_steps import reduce_over_group
 from tests.workers.layer_kinds_worker import _docs, _reference
 from tests.workers.thd_attention_worker import _ce, pack
 
@@ -54,14 +54,7 @@ def _usp_step(model, mesh, batch, n_labels: int) -> tuple[float, dict, str]:
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         ce = _ce(logits.flatten(0, 1), local["labels"].flatten())
         (ce / n_labels).backward()
-    group = mesh["cp"].get_group()
-    loss = ce.detach().clone()
-    dist.all_reduce(loss, group=group)
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g, group=group)
-        grads[n] = g
+    loss, grads = reduce_over_group(model, ce, mesh["cp"].get_group())
     return float(loss) / n_labels, grads, model.config._attn_implementation
 
 

@@ -215,13 +215,18 @@ def _ulysses_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.
     return kernel.finish(mixer, head_unshard(out, group), proj.local)
 
 
-def _thd_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def _check_one_row(mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any, method: str, batch_fn: str) -> None:
+    """``hidden`` must be this rank's ``plan.local_tokens`` tokens as one row (``[1, n, D]``)."""
     if hidden.shape[0] != 1 or hidden.shape[1] != plan.local_tokens:
         raise ValueError(
-            f"{type(mixer).__name__} under thd expects this rank's {plan.local_tokens} tokens as one row, got "
-            f"{tuple(hidden.shape[:2])}; feed the model the batch returned by make_thd_batch_and_ctx"
+            f"{type(mixer).__name__} under {method} expects this rank's {plan.local_tokens} tokens as one row, got "
+            f"{tuple(hidden.shape[:2])}; feed the model the batch returned by {batch_fn}"
         )
+
+
+def _thd_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    _check_one_row(mixer, hidden, plan, "thd", "make_thd_batch_and_ctx")
     proj = _project(kernel, mixer, hidden, attention_mask)
     return kernel.finish(mixer, _plan_core(kernel, mixer, proj.seq, plan, None), proj.local)
 
@@ -251,11 +256,7 @@ def _ring_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Ten
 
 def _thd_docs_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    if hidden.shape[0] != 1 or hidden.shape[1] != plan.local_tokens:
-        raise ValueError(
-            f"{type(mixer).__name__} under thd_docs expects this rank's {plan.local_tokens} tokens as one row, got "
-            f"{tuple(hidden.shape[:2])}; feed the model the batch returned by make_doc_batch_and_ctx"
-        )
+    _check_one_row(mixer, hidden, plan, "thd_docs", "make_doc_batch_and_ctx")
     proj = _project(kernel, mixer, hidden, attention_mask)
     params = kernel.core_params(mixer, None)
     local = [(off, off + n) for off, n, doc, _ in plan.blocks if doc is None]
