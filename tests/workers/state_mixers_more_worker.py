@@ -29,6 +29,7 @@ from tests.family_matrix import family_by_name
 from tests.workers.cp_steps import (
     documents_reference,
     packed_documents,
+    reduce_flat,
     rows_reference,
     sum_ce,
     take_grads,
@@ -188,15 +189,7 @@ def cp_step(method: str, model, batch, group) -> tuple[float, dict]:
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         loss = _ce(logits, local["labels"]) / count
         loss.backward()
-    params = list(model.named_parameters())
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten() for _, p in params]
-                     + [loss.detach().double().reshape(1)])
-    dist.all_reduce(flat, group=group)
-    grads, at = {}, 0
-    for n, p in params:
-        grads[n] = flat[at : at + p.numel()].view(p.shape)
-        at += p.numel()
-    return flat[-1].item(), grads
+    return reduce_flat(model, loss, group)
 
 
 GRAD_FLOOR = 1e-3  # as tests/workers/family_matrix_worker.py: fp32 scales floored at 1e-3 x the largest gradient
