@@ -17,7 +17,7 @@ Llama-shaped model (small hidden size, realistic vocabulary) with ring CP and Ad
 - the longest sequence whose step peak plus persistent state fits ``--budget-gib`` per rank: searched
   with the planner, then verified by one measured run at that length.
 
-    nice python scripts/bench_memory.py                              # the README table
+    nice python scripts/bench_memory.py                              # the table in docs/benchmarks.md
     nice python scripts/bench_memory.py --vocabs 32000 --seq-lens 1024 2048 --no-search
 """
 

@@ -21,7 +21,7 @@ with loss parallel and sequence parallel. The model is sharded by the recipe's o
   gloo's waits included, not the time spent waiting for a core). With one core per rank, tp=2's
   CPU time per rank against tp=1's shows what TP saves per rank and what its collectives cost.
 
-    nice python scripts/bench_tp.py                          # the README table (3-6 min on 2 busy cores)
+    nice python scripts/bench_tp.py                          # the table in docs/benchmarks.md (3-6 min on 2 busy cores)
     nice python scripts/bench_tp.py --seq-len 2048 --steps 1 # quick
 """
 

@@ -517,7 +517,7 @@ def render_markdown(result: dict) -> str:
         f"kinds, vocab {VOCAB}, windows and attention chunks of {WINDOW} tokens), with the attention implementation",
         "it trains with (`sdpa` where the model supports it, else transformers' default). One row of",
         f"{SEQ} tokens trains one step at cp={CP} (pairs of gloo processes on CPU) with each CP method's own-loop API",
-        "(README \"Use CP in your own loop\", [ulysses.md](ulysses.md), [thd.md](thd.md); `thd_docs` splits the",
+        "([own_loop.md](own_loop.md), [ulysses.md](ulysses.md), [thd.md](thd.md); `thd_docs` splits the",
         f"row's one document over both ranks; usp at cp={USP_CP} = ulysses_size 2 x ring 2 on 4 processes, through",
         "`context_parallel`), and the loss and gradients are compared with the same step in one process. The",
         f"*packed* columns train the same row as three documents ({' + '.join(map(str, DOC_LENGTHS))} tokens, "

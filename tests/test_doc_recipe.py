@@ -202,12 +202,12 @@ def test_shipped_config_same_losses_at_cp1_and_cp2(runs):
     assert check["passed"] and check["loss_rel"] <= 1e-5
 
 
-def test_readme_docs_example_is_the_example_file():
+def test_own_loop_page_docs_example_is_the_example_file():
     import re
 
     from tests.dist_harness import REPO_ROOT
 
-    readme = (REPO_ROOT / "README.md").read_text()
+    readme = (REPO_ROOT / "docs" / "own_loop.md").read_text()
     block = re.search(r"<!-- own_loop_docs:start -->\n```python\n(.*?)```\n<!-- own_loop_docs:end -->", readme, re.S)
-    assert block, "README has no own_loop_docs block"
+    assert block, "docs/own_loop.md has no own_loop_docs block"
     assert block.group(1) == (REPO_ROOT / "examples" / "own_loop_docs.py").read_text()

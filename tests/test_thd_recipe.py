@@ -163,14 +163,14 @@ def test_packed_rows_really_packed_and_padded_automatically(runs):
     assert runs["thd_plain_cp2"]["packed_docs"] is None
 
 
-def test_readme_thd_example_is_the_example_file():
+def test_own_loop_page_thd_example_is_the_example_file():
     import re
 
     from tests.dist_harness import REPO_ROOT
 
-    readme = (REPO_ROOT / "README.md").read_text()
+    readme = (REPO_ROOT / "docs" / "own_loop.md").read_text()
     block = re.search(
         r"<!-- own_loop_thd:start -->\n```python\n(.*?)```\n<!-- own_loop_thd:end -->", readme, re.S
     )
-    assert block, "README has no own_loop_thd block"
+    assert block, "docs/own_loop.md has no own_loop_thd block"
     assert block.group(1) == (REPO_ROOT / "examples" / "own_loop_thd.py").read_text()
