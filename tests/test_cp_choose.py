@@ -251,3 +251,22 @@ def test_config_with_auto_that_no_method_can_run_is_one_error_naming_each_method
     for name in ("ring", "ulysses", "thd", "thd_docs"):
         assert f"{name}: test: {name} refused" in text
     assert "usp: no configuration at cp_size=2" in text
+
+
+def test_method_line_gives_autos_reason_or_compares_a_named_method_with_autos_pick():
+    from automodel.distributed.cp.choose import method_line
+
+    dense = PROFILES["dense"]
+    auto = choose_cp_method(dense, 8, seq_len=32768)  # ulysses (test above)
+    assert method_line("ulysses", 8, auto) == auto.reason  # the config said auto: its reason
+    assert method_line("ulysses", 8, None, auto) == "cp_method ulysses: named in the config; cp_method auto picks the same"
+    ring = method_line("ring", 8, None, auto)
+    assert ring.startswith("cp_method ring: named in the config; cp_method auto would pick ulysses (ring ")
+    ring_cost = next(c.cost for c in auto.candidates if c.name == "ring")
+    ulysses_cost = next(c.cost for c in auto.candidates if c.name == "ulysses")
+    assert ring_cost > ulysses_cost and "sent per rank per attention layer" in ring
+    across = choose_cp_method(dense, 8, seq_len=32768, ranks_per_node=4)  # usp (ulysses_size=4)
+    assert method_line("usp", 8, None, across, {"ulysses_size": 4}).endswith("cp_method auto picks the same")
+    assert "usp (ulysses_size=2) " in method_line("usp", 8, None, across, {"ulysses_size": 2})
+    assert method_line("thd", 1, None, None) == "cp_method thd: named in the config (cp_size 1: no context parallelism)"
+    assert method_line("thd", 2, None, None) == "cp_method thd: named in the config"

@@ -142,3 +142,28 @@ def test_profile_holds_what_the_memory_tp_lora_and_vlm_checks_read():
     assert vl.model_type == "qwen2_vl" and vl.text_model_type == "qwen2_vl_text" and vl.is_vlm
     assert vl.hidden_size == AutoConfig.for_model("qwen2_vl").get_text_config().hidden_size
     assert vl.image_token_id == 151655 and vl.spatial_merge_size == 2
+
+
+def test_profile_line_counts_the_layer_kinds_in_order_and_names_the_heads():
+    from automodel.distributed.cp.profile import profile_line
+
+    llama = profile_line(profile_model(_meta("llama", num_hidden_layers=4, head_dim=16)))
+    assert llama == (
+        "model profile: LlamaForCausalLM (llama), 4 layers: full attention x4; 4 heads, 2 kv heads of 16; "
+        "attn_implementation=sdpa"
+    )
+    gemma2 = profile_line(profile_model(_meta("gemma2", num_hidden_layers=4, sliding_window=16, head_dim=16)))
+    assert "4 layers: sliding window 16 x2, full attention x2; logit softcapping;" in gemma2
+    assert gemma2.endswith("attn_implementation=eager")
+    nxt = profile_line(profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16)))
+    assert "4 layers: Qwen3NextGatedDeltaNet x3, full attention x1; 4 heads, 2 kv heads of 16" in nxt
+    oss = profile_line(profile_model(_meta("gpt_oss", num_hidden_layers=2, sliding_window=16, head_dim=16,
+                                           num_local_experts=4)))  # fmt: skip
+    assert "2 layers: sliding window 16 x1, full attention x1; attention sinks;" in oss
+    mla = profile_line(profile_model(_meta("deepseek_v3", num_hidden_layers=1, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                           v_head_dim=16, kv_lora_rank=16, q_lora_rank=16)))  # fmt: skip
+    assert "1 layers: full attention x1; MLA;" in mla
+    mamba = profile_line(profile_model(_meta("mamba", num_hidden_layers=2, state_size=4, expand=2)))
+    assert "2 layers: MambaMixer x2; no attention heads;" in mamba
+    doge = profile_line(profile_model(_meta("doge", num_hidden_layers=2, head_dim=16)))
+    assert "2 layers: unrecognised DogeAttention x2;" in doge

@@ -191,8 +191,14 @@ def test_shipped_config_same_losses_at_cp1_and_cp2(runs):
 
     one, two = runs
     assert one["cp_method"] == two["cp_method"] == "thd_docs"  # the shipped cp_method: auto picked it
-    assert two["world_line"] and "cp_method auto: thd_docs, the cheapest method" in two["world_line"]
-    assert "cp_method auto: thd_docs (cp_size 1: no context parallelism" in one["world_line"]
+    assert two["world_line"].endswith("cp=2 tp=1 (cp_method=thd_docs)")
+    # the run log: the model profile (layer kinds with counts) and the method with why auto chose it (rank 0)
+    for run in (one, two):
+        assert "model profile: LlamaForCausalLM (llama), 4 layers: full attention x4; 4 heads, 2 kv heads" in (
+            run["profile_line"]
+        )
+    assert ": cp_method auto: thd_docs, the cheapest method that computes every layer" in two["method_line"]
+    assert ": cp_method auto: thd_docs (cp_size 1: no context parallelism" in one["method_line"]
     assert one["attn_impl"] == "sdpa" and two["attn_impl"] == "thd_docs"
     assert one["rows"] == two["rows"]
     assert len(one["losses"]) == 8

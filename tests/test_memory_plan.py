@@ -338,4 +338,5 @@ def test_dry_run_describes_the_thd_exchange_and_the_layer_kinds(capsys):
     out = capsys.readouterr().out
     assert "cp_method thd (packed documents" in out
     assert "all-gather (thd)" in out and "thd: K/V of the whole row" in out
-    assert "layer kinds: 4 layers: 4 full_attention" in out and "exact under cp_method thd" in out
+    assert "model profile: LlamaForCausalLM (llama), 4 layers: full attention x4; 4 heads, 2 kv heads of" in out
+    assert "exact under cp_method thd" in out

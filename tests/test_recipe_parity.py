@@ -169,6 +169,9 @@ def test_run_directory_contents(runs):
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "cp_size: 2" in (run_dir / "config.yaml").read_text()
     assert (run_dir / "logs" / "rank_0.log").is_file() and (run_dir / "logs" / "rank_1.log").is_file()
+    log = (run_dir / "logs" / "rank_0.log").read_text()  # the profile, and the named method against auto's pick
+    assert "model profile: LlamaForCausalLM (llama), " in log and " layers: full attention x" in log
+    assert "cp_method ring: named in the config; cp_method auto " in log
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_step"] == 8 and summary["last_loss"] == pytest.approx(runs["cp2"]["losses"][8])
     assert (run_dir / "checkpoints" / "step_8" / "meta.json").is_file()  # checkpoint.save_final=true

@@ -16,13 +16,34 @@ from automodel.config.rules import method_rules, ranks_per_node
 from automodel.config.schema import RecipeConfig
 from automodel.distributed.cp import AUTO, Choice, ModelProfile, choose_cp_method
 
-__all__ = ["packed_rows", "resolve_cp_method"]
+__all__ = ["auto_choice", "packed_rows", "resolve_cp_method"]
 
 
 def packed_rows(cfg: RecipeConfig) -> bool:
     """Whether the run's rows hold several documents (``data.dataset.pack`` or ``data.validation_dataset.pack``)."""
     nodes = (cfg.data.dataset, cfg.data.validation_dataset)
     return any(node is not None and node.get("pack") is True for node in nodes)
+
+
+def auto_choice(
+    cfg: RecipeConfig, profile: ModelProfile, world_size: int, cuda_available: bool | None = None
+) -> Choice:
+    """What ``distributed.cp_method: auto`` picks for ``profile`` under ``cfg`` (whatever ``cfg`` names; nothing
+    is mutated): the run's row length, packing, TP, ranks per node and the config rules of each method.
+
+    Raises:
+        automodel.errors.CPUnsupportedError: no method computes the model exactly under this config.
+    """
+    d: Any = cfg.distributed
+    return choose_cp_method(
+        profile,
+        d.cp_size,
+        seq_len=cfg.data.seq_len,
+        packed=packed_rows(cfg),
+        tp_size=d.tp_size,
+        ranks_per_node=ranks_per_node(cfg),
+        extra_problems=method_rules(cfg, world_size, cuda_available),
+    )
 
 
 def resolve_cp_method(
@@ -39,15 +60,7 @@ def resolve_cp_method(
     d: Any = cfg.distributed
     if d.cp_method != AUTO:
         return None
-    choice = choose_cp_method(
-        profile,
-        d.cp_size,
-        seq_len=cfg.data.seq_len,
-        packed=packed_rows(cfg),
-        tp_size=d.tp_size,
-        ranks_per_node=ranks_per_node(cfg),
-        extra_problems=method_rules(cfg, world_size, cuda_available),
-    )
+    choice = auto_choice(cfg, profile, world_size, cuda_available)
     d.cp_method = choice.name
     for key, value in choice.options.items():
         setattr(d, key, value)

@@ -213,7 +213,9 @@ def _model_lines(plan: _Plan, model: Any, resolved: Any, tok_desc: str, profile:
         f"{cfg.model.activation_checkpointing}"
     )
     if profile is not None:
-        out.append(f"layer kinds: {profile.summary()}; exact under cp_method {plan.method.name}")
+        from automodel.distributed.cp.profile import profile_line
+
+        out.append(f"{profile_line(profile)}; exact under cp_method {plan.method.name}")
     out.append(f"tokenizer: {tok_desc}")
     heads, kv, head_dim = _heads(c)
     out.append(

@@ -159,6 +159,7 @@ class FinetuneTrainer:
         self.dp_cp_group = get_submesh(self.mesh, "dp_cp").get_group()
 
         self._open_run_dir()
+        self._auto_profile: Any = None  # the profile auto chose from (cp_method: auto)
         self.cp_choice = self._resolve_auto_cp_method()  # cp_method: auto -> the method chosen for this model
         self.cp_method = get_cp_method(d.cp_method)  # the strategy: nothing below branches on its name
         logger.info(
@@ -169,7 +170,7 @@ class FinetuneTrainer:
             self.dims.dp_shard,
             self.dims.cp,
             self.dims.tp,
-            self.cp_choice.reason if self.cp_choice is not None else f"cp_method={d.cp_method}",
+            f"cp_method={d.cp_method}",  # why: the "cp_method ..." line after the model profile
         )
         if cfg.recipe.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -204,7 +205,31 @@ class FinetuneTrainer:
 
         attn = cfg.model.attn_implementation or "sdpa"
         profile = profile_for_run(cfg, resolve_model_config(cfg.model), attn)
+        self._auto_profile = profile  # logged with the method (cp_size 1 has no other profile)
         return resolve_cp_method(cfg, profile, self.world_size, torch.cuda.is_available())
+
+    def _log_profile_and_method(self) -> None:
+        """Rank 0 logs the model profile (layer kinds with counts, heads) and the CP method with why it runs:
+        ``auto``'s reason, or "named in the config" and what ``auto`` would pick instead."""
+        if self.rank != 0:
+            return
+        from automodel.distributed.cp.choose import method_line
+        from automodel.distributed.cp.profile import profile_line
+        from automodel.errors import CPUnsupportedError
+
+        d = self.cfg.distributed
+        profile = self.model_profile or self._auto_profile
+        if profile is not None:
+            logger.info("%s", profile_line(profile))
+        auto = None
+        if self.cp_choice is None and profile is not None and d.cp_size > 1:
+            from automodel.config.cp_auto import auto_choice
+
+            try:
+                auto = auto_choice(self.cfg, profile, self.world_size, torch.cuda.is_available())
+            except CPUnsupportedError:  # auto's config rules refuse every method; the named one was checked
+                auto = None
+        logger.info("%s", method_line(d.cp_method, d.cp_size, self.cp_choice, auto, vars(d)))
 
     def _open_run_dir(self) -> None:
         """The run directory (refused if it holds another run's outputs and this run does not resume it),
@@ -256,6 +281,7 @@ class FinetuneTrainer:
         # exact or refused, before data or weights load: every layer kind of the model (profiled on the meta
         # device), its heads against the method's split, VLM or not (automodel.distributed.cp)
         self.model_profile = check_model_for_cp_run(cfg, resolved, self.attn_implementation)
+        self._log_profile_and_method()
         check_model_config_for_tp(
             resolved.config, cfg.distributed.tp_size, sequence_parallel=cfg.distributed.sequence_parallel
         )

@@ -30,7 +30,8 @@ def shipped(rank: int, world_size: int, out: str) -> dict:
     rows = [trainer.train_dataset[i] for i in range(4)]
     check = Path(result.run_dir) / "cp_self_check.json"
     logs = sorted((Path(result.run_dir) / "logs").glob("rank_0*.log"))
-    world = [line for p in logs for line in p.read_text().splitlines() if "world " in line]
+    lines = [line for p in logs for line in p.read_text().splitlines()]
+    world = [line for line in lines if "world " in line]
     return {
         "losses": dict(result.losses),
         "grad_norms": dict(result.grad_norms),
@@ -39,4 +40,6 @@ def shipped(rank: int, world_size: int, out: str) -> dict:
         "rows": [{k: v.tolist() for k, v in row.items()} for row in rows],
         "self_check": check.read_text() if rank == 0 and check.exists() else None,
         "world_line": next((line for line in world if "cp_method" in line), None),  # the run's first CP log line
+        "profile_line": next((line for line in lines if "model profile: " in line), None),
+        "method_line": next((line for line in lines if ": cp_method " in line), None),  # the method and why
     }

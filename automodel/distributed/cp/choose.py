@@ -31,7 +31,7 @@ it is not counted), and windows are counted as full rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -48,6 +48,7 @@ __all__ = [
     "Candidate",
     "Choice",
     "choose_cp_method",
+    "method_line",
     "span_inside_node",
 ]
 
@@ -251,3 +252,48 @@ def choose_cp_method(
         + (f"; refused: {'; '.join(f'{n} ({r})' for n, r in refused.items())}" if refused else "")
     )
     return Choice(best.method, best.options, reason, tuple(candidates))
+
+
+def method_line(
+    method: str,
+    cp_size: int,
+    choice: Choice | None = None,
+    auto: Choice | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> str:
+    """The CP method of a run in one log line, with why it runs.
+
+    Args:
+        method: the method the run uses (``distributed.cp_method`` once ``auto`` is resolved).
+        cp_size: the CP group's size.
+        choice: ``auto``'s choice when the config says ``auto``: the line is its reason.
+        auto: for a method named in the config, what ``auto`` would pick for the same run (``None``: not
+            computed, or it refused): the line says whether it agrees and, if not, what each sends.
+        config: the ``distributed`` keys (``ulysses_size``) that select the named method's configuration.
+
+    Returns:
+        e.g. ``"cp_method ring: named in the config; auto would pick ulysses (ring 1.50 MiB, ulysses 0.75 MiB sent
+        per rank per attention layer; distributed.cp_method=auto picks it)"``. Pure.
+    """
+    if choice is not None:
+        return choice.reason
+    line = f"cp_method {method}: named in the config"
+    if cp_size <= 1:
+        return line + " (cp_size 1: no context parallelism)"
+    if auto is None:
+        return line
+    values = dict(config or {})
+    named = next(
+        (c for c in auto.candidates if c.name == method and all(values.get(k) == v for k, v in c.options.items())),
+        None,
+    )
+    picked = next((c for c in auto.candidates if c.method is auto.method), None)
+    if named is not None and picked is not None and named.label == picked.label:
+        return line + "; cp_method auto picks the same"
+    label = picked.label if picked is not None else auto.name
+    if named is None or not named.computes or picked is None:
+        return line + f"; cp_method auto would pick {label}"
+    return line + (
+        f"; cp_method auto would pick {label} ({named.label} {_kib(named.cost)}, {label} {_kib(picked.cost)} sent per "
+        "rank per attention layer; distributed.cp_method=auto picks it)"
+    )

@@ -46,6 +46,7 @@ __all__ = [
     "UNKNOWN",
     "LayerSpec",
     "ModelProfile",
+    "profile_line",
     "profile_model",
     "text_config",
 ]
@@ -224,6 +225,59 @@ class ModelProfile:
             + f"; heads {self.num_attention_heads} (kv {self.num_key_value_heads}); "
             f"attn_implementation={self.attn_implementation}" + ("; VLM" if self.is_vlm else "")
         )
+
+
+def _layer_words(layer: LayerSpec) -> str:
+    """A layer's token mixer in a few words, for :func:`profile_line` (``"sliding window 4096"``)."""
+    if layer.kind == FULL:
+        return "full attention"
+    if layer.kind == SLIDING:
+        return f"sliding window {layer.window}"
+    if layer.kind == CHUNKED:
+        return f"chunked attention {layer.chunk}"
+    if layer.kind == LINEAR:
+        return (layer.mixer or "linear mixer") + (" + attention" if layer.hybrid_attention else "")
+    if layer.kind == MLP_ONLY:
+        return "no token mixer"
+    return "unrecognised " + (re.split(r"[,:(]", layer.mixer)[0].strip() or "mixer")
+
+
+def profile_line(profile: ModelProfile) -> str:
+    """The profile in one log line: the model, its layer kinds with counts (in order of first appearance), the
+    attention features that decide a CP method, the heads and the attention implementation.
+
+    e.g. ``"model profile: Qwen3NextForCausalLM (qwen3_next), 4 layers: Qwen3NextGatedDeltaNet x3, full attention
+    x1; 16 heads, 2 kv heads of 256; attn_implementation=sdpa"``. Pure: reads ``profile`` only.
+    """
+    counts: dict[str, int] = {}
+    for layer in profile.layers:
+        words = _layer_words(layer)
+        counts[words] = counts.get(words, 0) + 1
+    kinds = ", ".join(f"{words} x{n}" for words, n in counts.items()) or "no layers"
+    features = [
+        name
+        for name, present in (
+            ("attention sinks", any(layer.sinks for layer in profile.layers)),
+            ("logit softcapping", any(layer.softcap for layer in profile.layers)),
+            ("MLA", any(layer.mla for layer in profile.layers)),
+            ("NoPE layers", any(not layer.rope for layer in profile.layers if layer.is_attention)),
+            ("position-scaled queries", any(layer.position_scaled for layer in profile.layers)),
+            ("VLM", profile.is_vlm),
+        )
+        if present
+    ]
+    attends = any(layer.is_attention or layer.hybrid_attention or layer.kind == UNKNOWN for layer in profile.layers)
+    if profile.num_attention_heads and attends:
+        heads = f"{profile.num_attention_heads} heads, {profile.num_key_value_heads or profile.num_attention_heads} kv heads"
+        heads += f" of {profile.head_dim}" if profile.head_dim else ""
+    else:
+        heads = "no attention heads"
+    model = profile.architecture + (f" ({profile.model_type})" if profile.model_type else "")
+    return (
+        f"model profile: {model}, {len(profile.layers)} layers: {kinds}"
+        + (f"; {', '.join(features)}" if features else "")
+        + f"; {heads}; attn_implementation={profile.attn_implementation}"
+    )
 
 
 def _is_module(obj: Any) -> bool:

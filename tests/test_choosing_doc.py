@@ -1,0 +1,60 @@
+"""docs/choosing.md cannot go stale: its table is regenerated from ``choose_cp_method`` and the registry's checks
+on meta-device profiles (scripts/choosing_table.py, no launch), checked against docs/support_matrix.md's parity
+results, and compared with the file; the page's rules of thumb are checked against the same cells."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.choosing_table import (
+    CELLS,
+    DOC_PATH,
+    END,
+    REGENERATE,
+    START,
+    compute,
+    render_section,
+    replace_section,
+)
+
+
+@pytest.fixture(scope="module")
+def chooser():
+    return compute()  # raises when a cell calls exact what the matrix does not, or a family fits no row
+
+
+def _rows(chooser):
+    return {row.family: cells for row, _, cells in chooser.rows}
+
+
+def test_the_page_holds_the_generated_table(chooser):
+    doc = DOC_PATH.read_text()
+    assert doc.count(START) == 1 and doc.count(END) == 1
+    assert replace_section(doc, render_section(chooser)) == doc, f"docs/choosing.md is stale: run {REGENERATE}"
+
+
+def test_every_family_of_the_matrix_is_in_one_row_or_refused(chooser):
+    from tests.family_matrix import FAMILIES
+
+    covered = [f for names in chooser.members.values() for f in names] + [f for f, _, _ in chooser.refused]
+    assert sorted(covered) == sorted(fam.name for fam in FAMILIES)
+    assert len(chooser.refused) == 11 and {"falcon", "rwkv", "xlstm", "phimoe"} <= {f for f, _, _ in chooser.refused}
+
+
+def test_the_rules_of_thumb_on_the_page_hold(chooser):
+    rows = _rows(chooser)
+    titles = [t for t, _, _ in CELLS]
+    assert titles[0].startswith("unpacked") and "cp 16" in titles[2] and titles[1].startswith("packed")
+    every = ["ring", "ulysses", "thd", "thd_docs", "usp"]
+    for family, cells in rows.items():
+        for (_, _, packed), cell in zip(CELLS, cells):
+            assert not (packed and "ring" in cell.exact), family  # ring never takes packed rows
+        if family in ("qwen2_vl", "mamba2"):
+            continue
+        # inside a node unpacked: Ulysses; packed: thd_docs; across nodes: usp with ulysses_size = GPUs per node
+        assert [c.pick for c in cells] == ["ulysses", "thd_docs", "usp (ulysses_size=8)", "thd_docs"], family
+        assert cells[0].exact == every, family  # layer kinds do not change the exact set (heads may)
+    gemma = rows["gemma3_text"]  # 8 heads at cp 16: Ulysses only is ruled out
+    assert "ulysses" not in gemma[2].exact and gemma[2].exact == ["ring", "thd", "thd_docs", "usp"]
+    vlm = rows["qwen2_vl"]
+    assert [c.exact for c in vlm] == [["ring", "ulysses"], ["ulysses"]] * 2
