@@ -94,3 +94,36 @@ def test_layout_section_matches_the_tree():
     for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
         assert (REPO / "automodel/distributed/cp" / method / "__init__.py").exists(), method
         assert f"{method}/" in block
+
+
+def test_run_log_lines_shown_are_what_the_recipe_logs():
+    """The README's two run-log lines (model profile, cp_method auto) are what the recipe prints for
+    configs/cp_packed.yaml at cp_size 2 (the same functions as the trainer, on the meta device)."""
+    import os
+
+    from automodel.config import load_config
+    from automodel.config.cp_auto import auto_choice
+    from automodel.distributed.cp.choose import method_line
+    from automodel.distributed.cp.profile import profile_line
+    from automodel.models.cp_check import profile_for_run
+    from automodel.models.loader import resolve_model_config
+
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the config names repository paths
+    try:
+        cfg = load_config(["--config", "configs/cp_packed.yaml"], world_size=2, cuda_available=False).cfg
+    finally:
+        os.chdir(cwd)
+    profile = profile_for_run(cfg, resolve_model_config(cfg.model), cfg.model.attn_implementation or "sdpa")
+    choice = auto_choice(cfg, profile, world_size=2, cuda_available=False)
+    want = [profile_line(profile), method_line(choice.name, 2, choice)]
+
+    readme = README.read_text()
+    block = re.search(r"```\n(model profile: .*?)```", readme, re.S).group(1)
+    shown, lines = [], block.splitlines()
+    for line in lines:  # the README wraps the long cp_method line
+        if line.startswith(("model profile:", "cp_method ")):
+            shown.append(line)
+        else:
+            shown[-1] += " " + line
+    assert shown == want
