@@ -17,7 +17,8 @@ Per optimizer step and per rank (BF16 compute, the recipe's settings: no Float8,
   (:func:`gemm_efficiency`: a roofline, :data:`GEMM_PEAK_FRACTION` of the peak for large GEMMs, memory
   bound for thin ones); attention at :data:`ATTENTION_PEAK_FRACTION` of the peak (flash attention
   forward + backward); the memory-bound rest (norms, RoPE, activations, residual adds, the loss, the
-  optimizer step) as bytes over :data:`HBM_FRACTION` of the HBM bandwidth (:func:`memory_bound_bytes`).
+  optimizer step) as bytes over :data:`HBM_FRACTION` of the HBM bandwidth (:func:`memory_bound_bytes`);
+  at least :data:`HOST_S_PER_LAYER` per layer and micro-batch (eager PyTorch's launch floor, small models).
 - **communication**, bytes each rank sends per step (ring algorithms: ``(n - 1) / n`` of the data), over
   NVLink inside a node and over the node's shared NICs across nodes
   (:meth:`GPUSpec.inter_node_gb_s`), at :data:`LINK_FRACTION` of the link. What overlaps:
@@ -43,6 +44,7 @@ __all__ = [
     "ATTENTION_PEAK_FRACTION",
     "HBM_FRACTION",
     "LINK_FRACTION",
+    "HOST_S_PER_LAYER",
     "CommTerm",
     "StepEstimate",
     "flops_per_token",
@@ -68,6 +70,9 @@ ATTENTION_PEAK_FRACTION = 0.22
 HBM_FRACTION = 0.80
 #: NCCL collectives reach about 80% of the link's data-sheet bandwidth (bus bandwidth).
 LINK_FRACTION = 0.80
+#: Eager PyTorch launches each op from Python (about 10 us each); a Llama-style layer runs about 200 ops
+#: forward + backward, so a micro-batch takes at least this long per layer however small its kernels are.
+HOST_S_PER_LAYER = 2e-3
 #: The backward of the elementwise ops moves about twice the forward's bytes (the incoming gradient plus
 #: the saved inputs in, the input gradients out).
 _ELEMENTWISE_BACKWARD = 2.0
@@ -217,6 +222,7 @@ class StepEstimate:
     attention_s: float
     memory_bytes: dict[str, float]
     memory_s: float
+    host_s: float = 0.0  # the launch floor: HOST_S_PER_LAYER per layer and micro-batch (x 4/3 recomputing)
     comm: list[tuple[CommTerm, float]] = field(default_factory=list)  # each term with its seconds
     exposed_s: float = 0.0  # communication that adds to the step
     overlapped_s: float = 0.0  # communication under the compute (FSDP, gradient all-reduce)
@@ -226,7 +232,8 @@ class StepEstimate:
 
     @property
     def compute_s(self) -> float:
-        return self.matmul_s + self.attention_s + self.memory_s
+        """The GPU's compute (matrix products, attention, memory-bound work), or the host's launch floor."""
+        return max(self.matmul_s + self.attention_s + self.memory_s, self.host_s)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -239,7 +246,7 @@ def estimate_step(
     """The step estimate of the module docstring for a run of shape ``r`` on ``world`` ranks of ``spec``
     GPUs, ``node`` ranks per node; ``global_rows`` rows of ``r.seq`` tokens per optimizer step."""
     peak = spec.bf16_tflops * 1e12
-    tp, cp = sizes["tp"], sizes["cp"]
+    tp = sizes["tp"]
     mm_tok, attn_tok = flops_per_token(d, r.seq, r.activation_checkpointing)
     rank_tokens = r.grad_acc * r.local_tokens  # tokens of the rank's rows (its 1/cp share) per step
     mm = mm_tok * rank_tokens / tp
@@ -251,6 +258,7 @@ def estimate_step(
         matmul_flops=mm, attention_flops=attn, matmul_eff=eff, matmul_s=mm / (peak * eff),
         attention_s=attn / (peak * ATTENTION_PEAK_FRACTION), memory_bytes=per_step,
         memory_s=sum(per_step.values()) / (spec.hbm_gb_s * 1e9 * HBM_FRACTION),
+        host_s=r.grad_acc * d.layers * HOST_S_PER_LAYER * (4 / 3 if r.activation_checkpointing else 1.0),
         tokens_per_step=global_rows * r.seq, world=world,
     )  # fmt: skip
     for t in comm_terms(d, r, sizes, node):
@@ -265,7 +273,6 @@ def estimate_step(
             est.exposed_s += seconds
     first_layer = est.overlapped_s / max(1, d.layers)  # the first all-gather / last reduce-scatter wait
     est.step_s = max(est.compute_s + est.exposed_s, est.overlapped_s) + first_layer
-    del cp
     return est
 
 
@@ -313,6 +320,9 @@ def step_estimate_lines(
     out.append(
         f"  memory-bound work ({parts}) at {HBM_FRACTION:.0%} of {spec.hbm_gb_s / 1e3:.2f} TB/s HBM -> {_fmt_s(est.memory_s)}"
     )
+    if est.host_s > est.matmul_s + est.attention_s + est.memory_s:
+        out.append(f"  kernels this small are launch bound: at least {_fmt_s(est.host_s)} of Python dispatch "
+                   f"({HOST_S_PER_LAYER * 1e3:.0f} ms per layer and micro-batch, eager PyTorch)")  # fmt: skip
     for t, seconds in est.comm:
         where = "inside a node (NVLink)" if t.intra_node else f"across nodes (the node's NICs shared by {node} ranks)"
         out.append(f"communication, {t.name}: {_fmt_bytes(t.bytes)} sent per rank per step {where} -> "
