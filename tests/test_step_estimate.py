@@ -15,7 +15,6 @@ from automodel.config.plan_layouts import PlanLayout, parse_layout
 from automodel.training.dry_run import dry_run_report
 from automodel.training.memory_plan import ModelDims, RunShape
 from automodel.training.step_estimate import (
-    ATTENTION_PEAK_FRACTION,
     GEMM_PEAK_FRACTION,
     LINK_FRACTION,
     comm_terms,
@@ -145,14 +144,18 @@ def _throughput(report: str) -> float:
     return float(re.search(r"estimated throughput: ([\d,]+) tokens/s/GPU", report).group(1).replace(",", ""))
 
 
-def test_llama_8b_on_8_h100s_targets_and_ranking():
+def test_llama_8b_on_8_h100s_targets_and_ranking(capsys):
     """32K/CP1 (FSDP over 8, one row per rank) against 256K/CP8 (one row), as the user plans them; the second
-    dry run also ranks layouts (one of them refused by the config, one of them this config's own)."""
+    goes through the recipe's own dry run and also ranks layouts (one refused by the config, one this config's)."""
+    from recipes.finetune import main
+
     short = dry_run_report(load_config(["--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=1",
                                         "data.seq_len=32768", "step_scheduler.global_batch_size=8"]))  # fmt: skip
     layouts = "recipe.plan_layouts=[tp2.cp4,cp8.ulysses,cp8,cp8.usp,tp8]"
-    long = dry_run_report(load_config(["--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=8",
-                                       "data.seq_len=262144", "step_scheduler.global_batch_size=1", layouts]))  # fmt: skip
+    capsys.readouterr()
+    assert main(["--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=8", "data.seq_len=262144",
+                 "step_scheduler.global_batch_size=1", layouts]) == 0  # fmt: skip
+    long = capsys.readouterr().out
     t32, t256 = _throughput(short), _throughput(long)
     assert 2000 <= t32 <= 5500, t32  # torchtitan (Float8 + compile): 3,890
     assert 4.5 <= t32 / t256 <= 9.5, (t32, t256)  # torchtitan: 7.1
@@ -181,4 +184,9 @@ def test_layouts_the_model_refuses_are_marked_not_ranked():
     assert re.search(r"refused +cp8\.ulysses \(ulysses\): .*num_attention_heads=4", section), section
     assert re.search(r"refused +tp4 \(ring\): .*4", section), section
     assert len(re.findall(r"^ +\d+\. ", section, re.M)) == 2
-    assert ATTENTION_PEAK_FRACTION < GEMM_PEAK_FRACTION  # attention reaches less of the peak than big GEMMs
+    # the model's own checks (after the config's): thd takes no VLM, which configs/vlm_cp.yaml is
+    vlm = dry_run_report(load_config(["--config", "configs/vlm_cp.yaml", "recipe.dry_run=true", "recipe.gpu_type=h100",
+                                      "recipe.plan_layouts=[cp2,cp2.thd]"]))  # fmt: skip
+    section = vlm[vlm.index("--- layouts ranked"):]
+    assert re.search(r"refused +cp2\.thd \(thd\): distributed.cp_method=thd does not run VLMs", section), section
+    assert re.search(r"^ +1\. cp2 \(ring\):.*<- this config$", section, re.M), section

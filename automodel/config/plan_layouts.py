@@ -2,7 +2,7 @@
 
 Each entry is a string of ``.``-separated parts, each at most once: ``tp<N>`` (``distributed.tp_size``),
 ``cp<N>`` (``distributed.cp_size``) and optionally a registered CP method's name (``distributed.cp_method``;
-default: the config's). Left out, a size is 1. ``dp_shard`` takes the rest of the world,
+default: the config's, or the one ``auto`` chose for the config's own layout). Left out, a size is 1. ``dp_shard`` takes the rest of the world,
 ``dp_replicate`` stays the config's, and a layout without TP turns the TP-only switches off. E.g. ``["cp8", "tp2.cp4", "cp8.ulysses"]`` on 8 GPUs. Checked here
 with the rest of the config, before any model is built; the dry run then checks each layout against the
 model (heads, layer kinds) and marks the ones the run would refuse instead of ranking them.
