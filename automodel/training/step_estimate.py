@@ -339,6 +339,8 @@ def step_estimate_lines(
         f"estimated throughput: {est.tokens_per_s_per_gpu:,.0f} tokens/s/GPU ({est.tokens_per_step} tokens per step "
         f"over {world} GPUs; {mfu:.0%} of the BF16 peak in model FLOPs, recompute included)"
     )
+    if r.compute_bytes > 2:
+        out.append("  (the compute dtype is float32: the BF16 peak does not apply, expect several times slower)")
     if r.attn == "eager":
         out.append("  (model.attn_implementation=eager materialises the scores: its attention is slower than assumed)")
     return out
