@@ -19,6 +19,7 @@ from typing import Any
 
 from automodel.config.compose import USAGE, compose_config, parse_argv, resolve_config_path
 from automodel.config.gpu_specs import gpu_problems
+from automodel.config.plan_layouts import plan_layout_problems
 from automodel.config.rules import check_rules, parallel_sizes
 from automodel.config.schedule_rules import schedule_problems
 from automodel.config.schema import RecipeConfig
@@ -95,7 +96,7 @@ def validate_config(
         raise ConfigError(problems)
     world = world_size if world_size is not None else planned_world_size(cfg)
     problems += check_rules(cfg, world, cuda_available=cuda_available)
-    problems += schedule_problems(cfg) + gpu_problems(cfg)
+    problems += schedule_problems(cfg) + gpu_problems(cfg) + plan_layout_problems(cfg, world)
     if problems:
         raise ConfigError(problems)
     return cfg, world

@@ -61,6 +61,7 @@ class RecipeSection:
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
     plan_nnodes: int | None = None  # dry run: nodes to plan for (ranks per node, cp/tp groups vs nodes)
     plan_nproc_per_node: int | None = None  # dry run: processes per node (with plan_nnodes: the world size)
+    plan_layouts: list[str] | None = None  # dry run with gpu_type: rank these layouts by the step estimate ("tp2.cp4")
     cp_self_check: bool = True  # at cp_size > 1: one step with CP and without it compared before training
     cp_self_check_tokens: int = 512  # tokens per row of the self-check's slice of the training data
     memory_budget_gib: float | None = None  # dry run: per-rank memory budget; suggests the cheapest change that fits

@@ -7,8 +7,8 @@ shapes and memory figures are arithmetic. So a config for a 64-GPU cluster can b
 laptop: ``python recipes/finetune.py --config configs/X.yaml recipe.dry_run=true``
 (``recipe.dry_run_world_size=N`` plans for N ranks, else ``recipe.gpus``, the GPUs the config is
 written for; ``recipe.plan_nnodes`` / ``recipe.plan_nproc_per_node`` place them on nodes, see
-``node_plan.py``; ``recipe.gpu_type`` adds a rough step-time and communication estimate,
-``step_estimate.py``). The resolved config follows the plan with ``recipe.dry_run_print_config=true``.
+``node_plan.py``; ``recipe.gpu_type`` adds a step-time and communication estimate,
+``step_estimate.py``; ``recipe.plan_layouts`` ranks other layouts by it, ``layout_ranking.py``). The resolved config follows the plan with ``recipe.dry_run_print_config=true``.
 """
 
 from __future__ import annotations
@@ -323,6 +323,10 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     dims = _model_lines(plan, model, resolved, tok_desc, profile, out)
     _shape_lines(plan, model, dims, out)
     _memory_and_time_lines(plan, dims, out)
+    if loaded.cfg.recipe.plan_layouts:  # recipe.plan_layouts: each layout estimated (or refused), fastest first
+        from automodel.training.layout_ranking import layout_ranking_lines
+
+        out.extend(layout_ranking_lines(loaded, plan.cfg.distributed.cp_method, dims, resolved, model))
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if loaded.cfg.recipe.dry_run_print_config:

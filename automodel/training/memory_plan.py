@@ -108,6 +108,22 @@ class ModelDims:
     tp_trainable: int = 0
     tp_layer_params: int = 0  # of the largest decoder layer
     tp_root_params: int = 0
+    # the input-embedding table when the LM head does not share it: looked up, never multiplied (step estimate)
+    lookup_params: int = 0
+
+    @property
+    def matmul_params(self) -> int:
+        """``N`` of the step estimate's ``6 N`` FLOPs per token: every parameter but the input-embedding lookup
+        table (a tied table counts: the LM head multiplies by it). Norm weights and biases are counted too
+        (well under 0.1% of a decoder); a mixture of experts counts every expert (an over-estimate)."""
+        return self.params - self.lookup_params
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """The decoder layers' share of :attr:`matmul_params` (what activation checkpointing recomputes);
+        all of it for a model that does not name its layers."""
+        inside = self.params - self.root_params
+        return inside if inside > 0 else self.matmul_params
 
     @property
     def tp_capable(self) -> bool:
@@ -247,7 +263,20 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
             (sum(p.numel() for p in layer.parameters() if id(p) in sharded) for layer in layers), default=0
         ),
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
+        lookup_params=_lookup_params(model),
     )
+
+
+def _lookup_params(model) -> int:  # noqa: ANN001
+    """Parameters of the input-embedding table unless the output head multiplies by the same tensor."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    weight = getattr(emb, "weight", None)
+    if weight is None:
+        return 0
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    return 0 if getattr(head, "weight", None) is weight else weight.numel()
 
 
 def _tp_sharded_params(model) -> set[int]:  # noqa: ANN001

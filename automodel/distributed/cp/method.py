@@ -52,6 +52,9 @@ class ExchangeTerm:
             whether it stays inside a node is read from this.
         bytes: sent per rank, forward and backward together.
         passes: the forward's exchange counted this many times in all (backward included).
+        overlap: the fraction of the layer's attention compute this collective runs under (the step
+            estimate: its time is hidden up to that much compute, the rest adds to the step). 0 (the
+            default): it does not overlap (an all-gather or all-to-all the attention waits for).
     """
 
     what: str
@@ -59,6 +62,7 @@ class ExchangeTerm:
     span: int
     bytes: float
     passes: int
+    overlap: float = 0.0
 
 
 @dataclass

@@ -13,9 +13,10 @@ rank's shard), linear / state-space mixers without a ring kernel, packed rows.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from automodel.distributed.cp.method import BatchFn, CPMethod, standard_problem
+from automodel.distributed.cp.method import BatchFn, CPMethod, ExchangeTerm, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 
 __all__ = ["RingMethod"]
@@ -60,6 +61,14 @@ class RingMethod(CPMethod):
         fwd = 4 * kv * c + 2 * (h + d.heads / tp) * 4
         bwd = 4 * kv * c + 4 * kv * 4 + (h + 2 * kv) * 4
         return n * max(fwd, bwd), "ring: K/V blocks in flight, fp32 partial outputs and dK/dV rotation"
+
+    def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
+        """The default K/V terms, overlapped with the block compute: torch's ring (the recipe's default
+        ``allgather`` rotater) gathers K/V once per layer pass while the rank's own diagonal block runs
+        (``1/cp`` of the attention), and rotates dK/dV point to point under the backward's blocks (all of
+        it): of the three passes, two overlap ``1/cp`` and one fully, ``(2/cp + 1) / 3`` on the whole."""
+        overlap = (2 / r.cp + 1) / 3 if r.cp > 1 else 0.0
+        return [dataclasses.replace(t, overlap=overlap) for t in super().exchange_terms(d, r, packed)]
 
     def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
         return [f"  ring attention           k,v rotate around the ring of {cp_size} (cp_size - 1 exchanges per layer)"]

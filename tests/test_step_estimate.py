@@ -1,0 +1,192 @@
+"""The dry run's step estimate (issue 30, item 5): FLOPs as documented, GEMM-size utilisation, what overlaps,
+TP all-reduces, node NICs, the Llama-3.1-8B targets on 8 H100s, and ``recipe.plan_layouts`` ranked."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from automodel.config import ConfigError, load_config
+from automodel.config.gpu_specs import GPU_SPECS
+from automodel.config.plan_layouts import PlanLayout, parse_layout
+from automodel.training.dry_run import dry_run_report
+from automodel.training.memory_plan import ModelDims, RunShape
+from automodel.training.step_estimate import (
+    GEMM_PEAK_FRACTION,
+    LINK_FRACTION,
+    comm_terms,
+    compute_flops,
+    estimate_step,
+    flops_per_token,
+    gemm_efficiency,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = GPU_SPECS["h100"]
+LLAMA8B = "configs/llama3_1_8b_tp2_cp4.yaml"
+NO_TP = ["distributed.tp_size=1", "distributed.enable_loss_parallel=false"]
+
+
+def _tiny() -> ModelDims:
+    # 2 layers, d = heads x head_dim = 4 x 16 = 64; 10000 parameters: 7000 in the layers, 3000 outside
+    # (1000 of them the untied input-embedding table, a lookup)
+    return ModelDims(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=100,
+                     params=10_000, trainable=10_000, layer_params=3500, root_params=3000, lookup_params=1000)  # fmt: skip
+
+
+def _llama8b() -> ModelDims:
+    """Llama-3.1-8B's sizes, from scripts/estimate_calibration.py (the calibration table's model)."""
+    spec = importlib.util.spec_from_file_location("estimate_calibration", ROOT / "scripts" / "estimate_calibration.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.llama31_8b_dims()
+
+
+def _sizes(cp: int = 1, tp: int = 1, dp_shard: int = 1) -> dict[str, int]:
+    return {"dp_replicate": 1, "dp_shard": dp_shard, "cp": cp, "tp": tp, "dp": dp_shard}
+
+
+def test_flops_hand_computed():
+    d = _tiny()
+    assert d.matmul_params == 9000 and d.layer_matmul_params == 7000
+    # matrix products 6 N; causal attention 6 L S d per token (S = 32, d = 64); checkpointing: + 2 N_layers, + 2 L S d
+    assert flops_per_token(d, 32, False) == (6 * 9000, 6 * 2 * 32 * 64)
+    assert flops_per_token(d, 32, True) == (6 * 9000 + 2 * 7000, 8 * 2 * 32 * 64)
+    r = RunShape(local_batch=1, seq=32, activation_checkpointing=True)
+    assert compute_flops(d, r, global_rows=3) == 3 * 32 * (68_000 + 32_768)
+    # per rank: cp splits the tokens, tp the work; the attention share is the whole row's / (cp tp)
+    est = estimate_step(d, RunShape(local_batch=1, seq=32, cp=2, tp=2), _sizes(cp=2, tp=2), 4, 1, H100, 8)
+    assert est.matmul_flops == 6 * 9000 * 16 / 2
+    assert est.attention_flops == pytest.approx(6 * 2 * 32**2 * 64 / 4)
+
+
+def test_gemm_utilisation_saturates_and_falls():
+    big = gemm_efficiency(32768, 4096, 14336, H100)
+    assert big == pytest.approx(GEMM_PEAK_FRACTION)  # compute bound: the constant
+    small = [gemm_efficiency(m, 4096, 4096, H100) for m in (16, 64, 256, 1024)]
+    assert small == sorted(small) and small[0] < 0.1 * GEMM_PEAK_FRACTION < small[-1]  # few tokens per rank: memory bound
+    assert gemm_efficiency(32768, 4096, 1024 // 8, H100) < big  # a thin TP shard (kv heads / 8)
+
+
+def test_ring_overlaps_ulysses_adds():
+    d, sizes = _llama8b(), _sizes(cp=8)
+    kw = {"local_batch": 1, "seq": 262144, "cp": 8, "activation_checkpointing": True, "compute_bytes": 2}
+    ring = estimate_step(d, RunShape(**kw, cp_method="ring"), sizes, 8, 1, H100, 8)
+    uly = estimate_step(d, RunShape(**kw, cp_method="ulysses"), sizes, 8, 1, H100, 8)
+    (ring_term, ring_s), = [(t, s) for t, s in ring.comm if t.name.startswith("CP attention")]  # fmt: skip
+    (uly_term, uly_s), = [(t, s) for t, s in uly.comm if t.name.startswith("CP attention")]  # fmt: skip
+    assert ring_term.overlap == "attention" and 0 < ring_term.window <= 1 and ring_s > 0
+    assert ring.exposed_s == 0  # 256K tokens: the rotation hides under the block compute
+    assert uly_term.overlap == "none" and uly.exposed_s == pytest.approx(uly_s)
+    assert uly.step_s == pytest.approx(ring.step_s + uly_s, rel=1e-6)  # same compute; the all-to-all adds
+    # short rows: the ring's exchange outlasts its window and the rest is exposed
+    short = estimate_step(d, RunShape(**dict(kw, seq=4096)), sizes, 8, 1, H100, 8)
+    (t, s), = [(t, s) for t, s in short.comm if t.name.startswith("CP attention")]  # fmt: skip
+    assert short.exposed_s == pytest.approx(s - t.window * short.attention_s) and short.exposed_s > 0
+
+
+def test_tp_all_reduces_and_fsdp_overlap():
+    d = _llama8b()
+    r = RunShape(local_batch=1, seq=65536, cp=4, tp=2, activation_checkpointing=True, compute_bytes=2, grad_acc=3)
+    terms = {t.name: t for t in comm_terms(d, r, _sizes(cp=4, tp=2), 8)}
+    tp = terms["tensor parallel over 2"]
+    # 6 all-reduces of [N, h] per layer (2 forward, 2 backward, 2 recomputed), each 2 (tp-1)/tp N h c bytes
+    assert tp.bytes == 3 * 32 * 6 * 2 * (1 / 2) * 16384 * 4096 * 2 and tp.overlap == "none"
+    assert terms["FSDP over 4"].overlap == "compute"
+    no_tp = comm_terms(d, RunShape(local_batch=1, seq=65536, cp=4), _sizes(cp=4), 8)
+    assert not [t for t in no_tp if t.name.startswith("tensor parallel")]
+    est = estimate_step(d, r, _sizes(cp=4, tp=2), 8, 3, H100, 8)
+    tp_s = next(s for t, s in est.comm if t.name == "tensor parallel over 2")
+    assert est.exposed_s >= tp_s > 0  # the all-reduces add to the step
+
+
+def test_node_spanning_groups_share_the_nics():
+    d, sizes = _llama8b(), _sizes(cp=8)
+    r = RunShape(local_batch=1, seq=131072, cp=8, compute_bytes=2)
+    inside = estimate_step(d, r, sizes, 8, 1, H100, 8)
+    across = estimate_step(d, r, sizes, 8, 1, H100, 4)  # 4 ranks per node: the CP group spans 2 nodes
+    (ti, si), = [(t, s) for t, s in inside.comm if t.name.startswith("CP")]  # fmt: skip
+    (ta, sa), = [(t, s) for t, s in across.comm if t.name.startswith("CP")]  # fmt: skip
+    assert ti.intra_node and not ta.intra_node
+    assert si == pytest.approx(ti.bytes / (H100.intra_node_gb_s * 1e9 * LINK_FRACTION))
+    assert sa == pytest.approx(ta.bytes / (H100.node_nic_gb_s / 4 * 1e9 * LINK_FRACTION))  # 400 GB/s over 4 ranks
+    assert H100.inter_node_gb_s(8) == 50.0
+
+
+def test_parse_layout():
+    assert parse_layout("tp2.cp4") == PlanLayout("tp2.cp4", 2, 4, None)
+    assert parse_layout("cp8.ulysses") == PlanLayout("cp8.ulysses", 1, 8, "ulysses")
+    assert "enable_loss_parallel" not in parse_layout("tp2.cp4").overrides("ring")  # TP keeps the config's switches
+    assert parse_layout("cp8").overrides("thd") == {
+        "tp_size": 1, "cp_size": 8, "dp_shard": -1, "cp_method": "thd", "enable_loss_parallel": False,
+        "sequence_parallel": False}  # fmt: skip
+    for bad, msg in (("tp2.tp4", "names tp twice"), ("cp0", "must be >= 1"), ("cp8.foo", "neither tp<N>, cp<N>"),
+                     ("", "is not a layout"), ("cp8.auto", "resolved per model")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            parse_layout(bad)
+
+
+def test_plan_layouts_key_is_validated_before_the_model():
+    base = ["--config", LLAMA8B, "recipe.dry_run=true"]
+    with pytest.raises(ConfigError, match=r"recipe.plan_layouts\[1\]='tp3.cp4': tp x cp x distributed.dp_replicate "
+                                          r"= 3 x 4 x 1 = 12 does not divide the planned world size 8"):  # fmt: skip
+        load_config([*base, "recipe.plan_layouts=[cp8,tp3.cp4]"])
+    with pytest.raises(ConfigError, match=r"recipe.plan_layouts is set but recipe.gpu_type is not"):
+        load_config([*base, "recipe.plan_layouts=[cp8]", "recipe.gpu_type=null"])
+    with pytest.raises(ConfigError, match=r"recipe.plan_layouts\[0\]: 'cp8.nope': part 'nope'"):
+        load_config([*base, "recipe.plan_layouts=[cp8.nope]"])
+
+
+def _throughput(report: str) -> float:
+    return float(re.search(r"estimated throughput: ([\d,]+) tokens/s/GPU", report).group(1).replace(",", ""))
+
+
+def test_llama_8b_on_8_h100s_targets_and_ranking(capsys):
+    """32K/CP1 (FSDP over 8, one row per rank) against 256K/CP8 (one row), as the user plans them; the second
+    goes through the recipe's own dry run and also ranks layouts (one refused by the config, one this config's)."""
+    from recipes.finetune import main
+
+    short = dry_run_report(load_config(["--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=1",
+                                        "data.seq_len=32768", "step_scheduler.global_batch_size=8"]))  # fmt: skip
+    layouts = "recipe.plan_layouts=[tp2.cp4,cp8.ulysses,cp8,cp8.usp,tp8]"
+    capsys.readouterr()
+    assert main(["--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=8", "data.seq_len=262144",
+                 "step_scheduler.global_batch_size=1", layouts]) == 0  # fmt: skip
+    long = capsys.readouterr().out
+    t32, t256 = _throughput(short), _throughput(long)
+    assert 2000 <= t32 <= 5500, t32  # torchtitan (Float8 + compile): 3,890
+    assert 4.5 <= t32 / t256 <= 9.5, (t32, t256)  # torchtitan: 7.1
+    assert "parameters 8030.3M" in short and "N = 7.50B" in short  # the untied embedding table is a lookup
+    # the attention term: 8 L S d per token (checkpointing), S = 262144, d = 4096, 32768 tokens on the rank
+    attn = float(re.search(r"causal attention ([\d.]+) \(6 L S d per token", long).group(1))
+    assert attn == pytest.approx(8 * 32 * 262144 * 4096 * 32768 / 1e12, rel=1e-3)
+    section = long[long.index("--- layouts ranked"):]
+    ranked = re.findall(r"^ +\d+\. (\S+) \((\w+)\): step ([\d.]+) (ms|s), ([\d,]+) tokens/s/GPU", section, re.M)
+    names = [r[0] for r in ranked]
+    assert sorted(names) == ["cp8", "cp8.ulysses", "tp2.cp4", "tp8"], section
+    steps = [float(r[2]) * (1e-3 if r[3] == "ms" else 1) for r in ranked]
+    assert steps == sorted(steps)  # fastest first
+    assert re.search(r"^ +\d+\. cp8 \(ring\):.*<- this config$", section, re.M)
+    assert re.search(r"refused +cp8\.usp \(usp\): distributed.cp_method=usp needs distributed.ulysses_size", section)
+    cp8 = next(r for r in ranked if r[0] == "cp8")
+    assert float(cp8[4].replace(",", "")) == pytest.approx(t256, rel=2e-3)  # the same estimate as the section above
+
+
+def test_layouts_the_model_refuses_are_marked_not_ranked():
+    # tiny Llama of configs/cp.yaml: 4 heads, 2 KV heads; planned for 8 ranks
+    report = dry_run_report(load_config(["--config", "configs/cp.yaml", "recipe.dry_run=true",
+                                         "recipe.dry_run_world_size=8", "recipe.gpu_type=h100",
+                                         "recipe.plan_layouts=[cp8.ulysses,cp4.ulysses,tp4,cp2]"]))  # fmt: skip
+    section = report[report.index("--- layouts ranked"):]
+    assert re.search(r"refused +cp8\.ulysses \(ulysses\): .*num_attention_heads=4", section), section
+    assert re.search(r"refused +tp4 \(ring\): .*4", section), section
+    assert len(re.findall(r"^ +\d+\. ", section, re.M)) == 2
+    # the model's own checks (after the config's): thd takes no VLM, which configs/vlm_cp.yaml is
+    vlm = dry_run_report(load_config(["--config", "configs/vlm_cp.yaml", "recipe.dry_run=true", "recipe.gpu_type=h100",
+                                      "recipe.plan_layouts=[cp2,cp2.thd]"]))  # fmt: skip
+    section = vlm[vlm.index("--- layouts ranked"):]
+    assert re.search(r"refused +cp2\.thd \(thd\): distributed.cp_method=thd does not run VLMs", section), section
+    assert re.search(r"^ +1\. cp2 \(ring\):.*<- this config$", section, re.M), section
