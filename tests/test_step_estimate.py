@@ -173,6 +173,10 @@ def test_llama_8b_on_8_h100s_targets_and_ranking(capsys):
     assert re.search(r"refused +cp8\.usp \(usp\): distributed.cp_method=usp needs distributed.ulysses_size", section)
     cp8 = next(r for r in ranked if r[0] == "cp8")
     assert float(cp8[4].replace(",", "")) == pytest.approx(t256, rel=2e-3)  # the same estimate as the section above
+    # the figures the README and docs/estimate.md quote are these
+    for page in ("README.md", "docs/estimate.md"):
+        text = (Path(__file__).resolve().parents[1] / page).read_text()
+        assert f"{t32:,.0f}" in text and f"{t256:,.0f}" in text, (page, t32, t256)
 
 
 def test_layouts_the_model_refuses_are_marked_not_ranked():
