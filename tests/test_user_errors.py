@@ -223,6 +223,11 @@ def launches(tmp_path_factory):
         "incompatible_checkpoint": _torchrun(
             tmp, "resume", "model.config.hidden_size=32", f"checkpoint.resume_from={ckpt_run}/checkpoints/step_1"
         ),
+        # gpt-oss has no SDPA path: the model check names the fix that works, model.attn_implementation=eager
+        "gpt_oss_sdpa": _torchrun(
+            tmp, "gpt_oss", "model.config._target_=transformers.GptOssConfig", "+model.config.head_dim=16",
+            "+model.config.num_local_experts=2", "+model.config.num_experts_per_tok=1", "distributed.cp_method=ulysses",
+        ),
         # a config mistake under plain torchrun: every rank finds it before any process group exists
         "config_typo": _torchrun(tmp, "config", "step_scheduler.max_step=10"),
     }
@@ -232,6 +237,11 @@ CASES = {
     "malformed_jsonl": (r"malformed\.jsonl:2 is not valid JSON .*every line of a \.jsonl file must be one JSON", 0),
     "empty_split": (r"split 'train' of .*tiny\.jsonl.* has no documents .*add data, raise val_fraction", 0),
     "missing_on_rank_1": (r"data path '.*only_rank_1\.jsonl' does not exist; set data\.dataset\.path to an existing", 1),
+    "gpt_oss_sdpa": (
+        r"error: GptOssForCausalLM cannot run attn_implementation='sdpa'; set model\.attn_implementation=eager "
+        r"\(distributed\.cp_method=ulysses runs eager models\)$",
+        0,
+    ),
     "missing_tokenizer": (r"tokenizer path '.*no_such_tokenizer' is not a directory", 0),
     "model_without_config": (r"model\.pretrained_model_name_or_path='.*model_without_config': no config found", 0),
     "incompatible_checkpoint": (

@@ -67,13 +67,32 @@ def parallel_sizes(cfg: RecipeConfig, world_size: int) -> tuple[dict[str, int], 
     return sizes, problems
 
 
-def _attn_fix(accepted: tuple[str, ...]) -> str:
-    """``model.attn_implementation=sdpa (eager for a model without SDPA support, e.g. gpt-oss)``: the first
-    value the method takes, and the fallback where a model class has no SDPA path."""
-    fix = f"model.attn_implementation={accepted[0]}"
+def _sdpa_less_class(cfg: RecipeConfig) -> str | None:
+    """The causal-LM class of an inline ``model.config`` when it has no SDPA path (gpt-oss); ``None``: it has
+    one, or the class is not known from the config alone (a pretrained config is read later)."""
+    node = cfg.model.config
+    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        return None
+    try:
+        from hydra.utils import get_object
+
+        from automodel.distributed.torch_internals import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[get_object(node["_target_"])]
+    except Exception:  # noqa: BLE001 - a target that is not a transformers config class: not known here
+        return None
+    return None if getattr(cls, "_supports_sdpa", False) else cls.__name__
+
+
+def _attn_fix(accepted: tuple[str, ...], cfg: RecipeConfig) -> str:
+    """The ``model.attn_implementation`` value to set: the first the method takes, ``eager`` first for an
+    inline model without SDPA support (gpt-oss), and the eager fallback named where the class is not known."""
     if accepted[0] == "sdpa" and "eager" in accepted:
-        fix += " (eager for a model without SDPA support, e.g. gpt-oss)"
-    return fix
+        sdpa_less = _sdpa_less_class(cfg)
+        if sdpa_less is not None:
+            return f"model.attn_implementation=eager ({sdpa_less} has no SDPA path)"
+        return "model.attn_implementation=sdpa (eager for a model without SDPA support, e.g. gpt-oss)"
+    return f"model.attn_implementation={accepted[0]}"
 
 
 def config_alternatives(cfg: RecipeConfig, world_size: int, cuda_available: bool | None) -> list[str]:
@@ -180,7 +199,7 @@ def check_rules(
         if method.attn_implementations is not None and attn not in method.attn_implementations:
             problems.append(
                 f"distributed.cp_method={method.name} with cp_size={d.cp_size} needs model.attn_implementation "
-                f"in {list(method.attn_implementations)}, got {attn!r}; set {_attn_fix(method.attn_implementations)}, "
+                f"in {list(method.attn_implementations)}, got {attn!r}; set {_attn_fix(method.attn_implementations, cfg)}, "
                 f"{other_methods(f'attn_implementation={attn!r}')}, or distributed.cp_size=1"
             )
         for key in ("dataset", "validation_dataset"):
