@@ -254,8 +254,9 @@ def check_model_config_for_cp(
         the profile (``None`` at ``cp_size <= 1``: no CP, nothing to check).
 
     Raises:
-        UserInputError: a VLM with a method that does not take merged embeddings; heads that the method
-            cannot split over ``cp_size`` (after ``tp_size``).
+        UserInputError: a VLM with a method that does not take merged embeddings; packed rows with a method
+            that attends across the row; heads that the method cannot split over ``cp_size`` (after ``tp_size``).
+            Every refusal names the methods that run the model under the same conditions (its ``alternatives``).
         CPUnsupportedError: a layer kind the method does not compute exactly (:func:`check_model_for_cp`).
     """
     if cp_size <= 1:
@@ -269,6 +270,14 @@ def check_model_config_for_cp(
             UserInputError,
             f"distributed.cp_method={m.name} does not run VLMs ({profile.model_type}): their images are encoded "
             f"on each rank's share and merged before the text model, which {m.name} does not take; {fix}",
+            labels,
+        )
+    if packed and not m.supports_packed:
+        fix, labels = alternatives_fix(profile, exclude=m.name, **where)
+        raise _refusal(
+            UserInputError,
+            f"distributed.cp_method={m.name} attends across the whole row and would mix the documents of packed "
+            f"rows, so it is refused; {fix}, or one document per row",
             labels,
         )
     problem = m.head_split_problem(profile.num_attention_heads, cp_size, tp_size)
