@@ -112,3 +112,21 @@ def test_alternatives_are_exactly_the_methods_with_no_problem():
         if "ulysses_size" in options:
             method = type(method)(int(options["ulysses_size"]))
         check_model_config_for_cp(method, llama, 4, tp_size=2, seq_len=96, packed=True)
+
+
+def test_a_refusal_with_no_alternative_at_these_settings_says_to_change_them():
+    """A Qwen2-VL (64 heads) on packed rows at cp=3: ring takes no packed rows, Ulysses cannot split 64 heads over
+    3, thd / thd_docs / usp take no VLM. Nothing runs at these settings, but ring and Ulysses do at others: the
+    refusal says to change the sizes or the packing, not that no method runs the model."""
+    from transformers import Qwen2VLConfig
+
+    profile = profile_model(Qwen2VLConfig())
+    assert profile.is_vlm and profile.num_attention_heads % 3
+    with pytest.raises(UserInputError) as err:
+        check_model_config_for_cp("ring", profile, 3, packed=True)
+    assert err.value.alternatives == ()
+    assert "no other CP method runs this model exactly at these sizes and rows: change distributed.cp_size" in str(
+        err.value
+    )
+    assert [m.name for m, _ in alternatives(profile, exclude="ring", cp_size=3, packed=False)] == []  # 64 % 3
+    assert "ulysses" in [m.name for m, _ in alternatives(profile, cp_size=4, packed=True)]  # 64 % 4 == 0

@@ -181,6 +181,11 @@ def alternatives_fix(
     found = alternatives(profile, exclude=exclude, cp_size=cp_size, tp_size=tp_size, seq_len=seq_len, packed=packed)
     labels = tuple(alternative_label(m, o) for m, o in found)
     if not found:
+        if alternatives(profile, exclude=exclude, seq_len=seq_len, packed=None):  # it is the sizes or the rows
+            return (
+                "no other CP method runs this model exactly at these sizes and rows: change distributed.cp_size / "
+                "tp_size or the packing, or train it with distributed.cp_size=1"
+            ), labels
         return "no CP method runs this model exactly yet: train it with distributed.cp_size=1", labels
     shown = [
         label + (" (one document per row)" if packed is None and not m.supports_packed else "")
