@@ -17,6 +17,10 @@ class UserInputError(ValueError):
     The message is complete on its own: what is wrong, where (file, line, key) and how to fix it.
     """
 
+    #: a refusal of a CP method: the methods its message names as running the model instead (labels such
+    #: as ``ring`` or ``usp (ulysses_size=2)``); empty where none is named
+    alternatives: tuple[str, ...] = ()
+
 
 class CPUnsupportedError(UserInputError):
     """A model has a layer kind the chosen CP method does not compute exactly (it would train wrong).

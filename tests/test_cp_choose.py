@@ -239,8 +239,8 @@ def test_config_with_auto_that_no_method_can_run_is_one_error_naming_each_method
 
     real = rules.check_rules
 
-    def refuse_all_but_auto(cfg, world, cuda_available=None):
-        found = real(cfg, world, cuda_available)
+    def refuse_all_but_auto(cfg, world, cuda_available=None, **kw):
+        found = real(cfg, world, cuda_available, **kw)
         return found if cfg.distributed.cp_method == "auto" else found + [f"test: {cfg.distributed.cp_method} refused"]
 
     monkeypatch.setattr(rules, "check_rules", refuse_all_but_auto)  # what method_rules calls per method

@@ -147,7 +147,7 @@ def test_errors_name_the_value_and_the_fix(tok, tmp_path):
         TextDataset(tokenizer=tok, seq_len=1)
     with pytest.raises(ValueError, match=r"seq_len='8' must be an integer"):
         TextDataset(tokenizer=tok, seq_len="8")
-    with pytest.raises(ValueError, match=r"'/no/such/file\.jsonl' does not exist.*data\.path"):
+    with pytest.raises(ValueError, match=r"'/no/such/file\.jsonl' does not exist.*set data\.dataset\.path \(or data\.validation_dataset\.path\)"):
         TextDataset(path="/no/such/file.jsonl", tokenizer=tok, seq_len=8)
     with pytest.raises(ValueError, match=r"data path entry '' must be a non-empty path"):
         TextDataset(path="", tokenizer=tok, seq_len=8)

@@ -98,12 +98,12 @@ def test_user_error_is_found_through_hydra_instantiate(tmp_path):
 
 def test_run_phase_one_line_for_user_errors_and_tracebacks_for_bugs(capsys):
     def bad_input():
-        raise UserInputError("data.path 'x' does not exist; set data.path")
+        raise UserInputError("data.dataset.path 'x' does not exist; set data.dataset.path")
 
     with pytest.raises(RunAborted) as info:
         run_phase(bad_input)
     assert info.value.exit_code == EXIT_USER_ERROR == 2
-    assert capsys.readouterr().err == "error: data.path 'x' does not exist; set data.path\n"
+    assert capsys.readouterr().err == "error: data.dataset.path 'x' does not exist; set data.dataset.path\n"
 
     def bug():
         raise ValueError("index out of range in the collator")
@@ -195,9 +195,19 @@ def launches(tmp_path_factory):
         cwd=tmp, env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
+    # a missing validation file (one process): the error names the key it came from, not data.dataset.path
+    bad_val = subprocess.run(
+        [sys.executable, str(RECIPE), "--config", str(CONFIG), *TINY, "distributed.cp_size=1",
+         f"recipe.output_dir={tmp / 'val' / 'run'}", "step_scheduler.val_every_steps=1",
+         "+data.validation_dataset._target_=automodel.data.text_dataset.TextDataset",
+         f"+data.validation_dataset.path={tmp / 'no_such_validation.jsonl'}"],
+        cwd=tmp, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
     return {
         "plain_python": {"rc": bad_dir.returncode, "out": bad_dir.stdout + bad_dir.stderr,
                          "run_dir": tmp / "plain" / "run"},  # fmt: skip
+        "missing_validation": {"rc": bad_val.returncode, "out": bad_val.stdout + bad_val.stderr},
         "malformed_jsonl": _torchrun(tmp, "malformed", f"data.dataset.path={data / 'malformed.jsonl'}"),
         "empty_split": _torchrun(
             tmp, "empty", f"data.dataset.path={data / 'tiny.jsonl'}", "data.dataset.val_fraction=0.9999"
@@ -213,6 +223,11 @@ def launches(tmp_path_factory):
         "incompatible_checkpoint": _torchrun(
             tmp, "resume", "model.config.hidden_size=32", f"checkpoint.resume_from={ckpt_run}/checkpoints/step_1"
         ),
+        # gpt-oss has no SDPA path: the model check names the fix that works, model.attn_implementation=eager
+        "gpt_oss_sdpa": _torchrun(
+            tmp, "gpt_oss", "model.config._target_=transformers.GptOssConfig", "+model.config.head_dim=16",
+            "+model.config.num_local_experts=2", "+model.config.num_experts_per_tok=1", "distributed.cp_method=ulysses",
+        ),
         # a config mistake under plain torchrun: every rank finds it before any process group exists
         "config_typo": _torchrun(tmp, "config", "step_scheduler.max_step=10"),
     }
@@ -221,7 +236,12 @@ def launches(tmp_path_factory):
 CASES = {
     "malformed_jsonl": (r"malformed\.jsonl:2 is not valid JSON .*every line of a \.jsonl file must be one JSON", 0),
     "empty_split": (r"split 'train' of .*tiny\.jsonl.* has no documents .*add data, raise val_fraction", 0),
-    "missing_on_rank_1": (r"data path '.*only_rank_1\.jsonl' does not exist; set data\.path", 1),
+    "missing_on_rank_1": (r"data path '.*only_rank_1\.jsonl' does not exist; set data\.dataset\.path to an existing", 1),
+    "gpt_oss_sdpa": (
+        r"error: GptOssForCausalLM cannot run attn_implementation='sdpa'; set model\.attn_implementation=eager "
+        r"\(distributed\.cp_method=ulysses runs eager models\)$",
+        0,
+    ),
     "missing_tokenizer": (r"tokenizer path '.*no_such_tokenizer' is not a directory", 0),
     "model_without_config": (r"model\.pretrained_model_name_or_path='.*model_without_config': no config found", 0),
     "incompatible_checkpoint": (
@@ -281,6 +301,28 @@ def test_plain_python_exits_2_with_one_line(launches):
     assert run["rc"] == 2, run["out"]
     assert run["out"].count("error: ") == 1 and "Traceback" not in run["out"], run["out"]
     assert "nowhere" in run["out"] and "no config found" in run["out"]
+
+
+@pytest.mark.dist
+def test_missing_validation_file_names_its_own_key(launches):
+    run = launches["missing_validation"]
+    errors = [line for line in run["out"].splitlines() if line.startswith("error: ")]
+    assert run["rc"] == 2 and len(errors) == 1, run["out"]
+    assert re.search(r"data path '.*no_such_validation\.jsonl' does not exist; set data\.validation_dataset\.path to "
+                     r"an existing", errors[0]), errors[0]  # fmt: skip
+
+
+def test_data_path_errors_name_the_key_in_use(tmp_path):
+    """Outside the recipe the reader cannot know which dataset node it serves: it names both keys."""
+    from automodel.data.file_readers import data_path_key, resolve_files
+
+    with pytest.raises(UserInputError, match=r"set data\.dataset\.path \(or data\.validation_dataset\.path\) to"):
+        resolve_files(tmp_path / "nope.jsonl")
+    with data_path_key("data.validation_dataset.path"), pytest.raises(UserInputError) as err:
+        resolve_files(tmp_path / "nope.jsonl")
+    assert "set data.validation_dataset.path to an existing" in str(err.value) and "data.path" not in str(err.value)
+    with pytest.raises(UserInputError, match=r"set data\.dataset\.path \(or"):  # the context is left behind
+        resolve_files([])
 
 
 @pytest.mark.dist

@@ -22,7 +22,7 @@ def ranks():
 
 def test_setup_error_on_one_rank_is_printed_by_rank_0(ranks):
     r0, r1 = ranks[0]["setup_one_rank"], ranks[1]["setup_one_rank"]
-    assert r0["stderr"] == "error: data path '/node1/train.jsonl' does not exist; set data.path\n"
+    assert r0["stderr"] == "error: data path '/node1/train.jsonl' does not exist; set data.dataset.path\n"
     assert r1["stderr"] == ""
     assert r0["exit_code"] == r1["exit_code"] == 2
 

@@ -21,6 +21,7 @@ from automodel.distributed.tensor_parallel import tp_size_problems
 __all__ = [
     "auto_config_problems",
     "check_rules",
+    "config_alternatives",
     "config_with_method",
     "method_rules",
     "parallel_sizes",
@@ -66,17 +67,71 @@ def parallel_sizes(cfg: RecipeConfig, world_size: int) -> tuple[dict[str, int], 
     return sizes, problems
 
 
-def _methods_for_attn(attn: str) -> str:
-    names = [
-        m.name
-        for m in cp_methods().values()
-        if m.attn_implementations is None or attn in m.attn_implementations
-    ]
-    return "one of " + " | ".join(names) + f" works with {attn!r}" if names else f"none works with {attn!r}"
+def _sdpa_less_class(cfg: RecipeConfig) -> str | None:
+    """The causal-LM class of an inline ``model.config`` when it has no SDPA path (gpt-oss); ``None``: it has
+    one, or the class is not known from the config alone (a pretrained config is read later)."""
+    node = cfg.model.config
+    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        return None
+    try:
+        from hydra.utils import get_object
+
+        from automodel.distributed.torch_internals import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[get_object(node["_target_"])]
+    except Exception:  # noqa: BLE001 - a target that is not a transformers config class: not known here
+        return None
+    return None if getattr(cls, "_supports_sdpa", False) else cls.__name__
 
 
-def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None = None) -> list[str]:
-    """Every cross-key problem of ``cfg`` for a run on ``world_size`` ranks (empty list: fine)."""
+def _attn_fix(accepted: tuple[str, ...], cfg: RecipeConfig) -> str:
+    """The ``model.attn_implementation`` value to set: the first the method takes, ``eager`` first for an
+    inline model without SDPA support (gpt-oss), and the eager fallback named where the class is not known."""
+    if accepted[0] == "sdpa" and "eager" in accepted:
+        sdpa_less = _sdpa_less_class(cfg)
+        if sdpa_less is not None:
+            return f"model.attn_implementation=eager ({sdpa_less} has no SDPA path)"
+        return "model.attn_implementation=sdpa (eager for a model without SDPA support, e.g. gpt-oss)"
+    return f"model.attn_implementation={accepted[0]}"
+
+
+def config_alternatives(cfg: RecipeConfig, world_size: int, cuda_available: bool | None) -> list[str]:
+    """The other methods (each labelled with the options that select it, e.g. ``usp (ulysses_size=2)``) that
+    the config rules accept with that method selected: the ones a config refusal may name. A problem that
+    every method's configuration has (a typo elsewhere) does not count against any. The model's layers are
+    not known here (the model check, before any weight loads, names the methods that compute them)."""
+    found: dict[str, tuple[str, set[str]]] = {}  # per method: its first configuration with the fewest problems
+    for name, method in cp_methods().items():
+        for _m, options in method.auto_configs(cfg.distributed.cp_size, ranks_per_node(cfg)):
+            problems = set(check_rules(config_with_method(cfg, name, options), world_size, cuda_available,
+                                       alternatives=False))  # fmt: skip
+            if name not in found or len(problems) < len(found[name][1]):
+                label = name + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
+                found[name] = (label, problems)
+    if not found:
+        return []
+    common = set.intersection(*(problems for _, problems in found.values()))
+    return [label for name, (label, problems) in found.items()
+            if name != cfg.distributed.cp_method and problems <= common]  # fmt: skip
+
+
+def _other_methods(others: list[str], what: str) -> str:
+    if not others:
+        return f"no other distributed.cp_method passes this config's rules ({what})"
+    return (
+        f"another distributed.cp_method that takes {what} with this config: {' | '.join(others)} (or auto, "
+        "which also checks the model's layers)"
+    )
+
+
+def check_rules(
+    cfg: RecipeConfig, world_size: int, cuda_available: bool | None = None, *, alternatives: bool = True
+) -> list[str]:
+    """Every cross-key problem of ``cfg`` for a run on ``world_size`` ranks (empty list: fine).
+
+    ``alternatives``: a refusal of the CP method names the other methods this config allows
+    (:func:`config_alternatives`); ``False`` when checking those methods themselves.
+    """
     problems: list[str] = []
     d, data, sched, model = cfg.distributed, cfg.data, cfg.step_scheduler, cfg.model
     sizes, size_problems = parallel_sizes(cfg, world_size)
@@ -133,14 +188,20 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
     # --- the CP method's limits --------------------------------------------------------------
     if method is not None and d.cp_size > 1:
         attn = model.attn_implementation or "sdpa"
+        others = None
+
+        def other_methods(what: str) -> str:  # computed once, only when a rule below refuses
+            nonlocal others
+            if others is None:
+                others = config_alternatives(cfg, world_size, cuda_available) if alternatives else []
+            return _other_methods(others, what)
+
         if method.attn_implementations is not None and attn not in method.attn_implementations:
             problems.append(
                 f"distributed.cp_method={method.name} with cp_size={d.cp_size} needs model.attn_implementation "
-                f"in {list(method.attn_implementations)}, got {attn!r}; set "
-                f"model.attn_implementation={method.attn_implementations[0]}, another distributed.cp_method "
-                f"({_methods_for_attn(attn)}), or distributed.cp_size=1"
+                f"in {list(method.attn_implementations)}, got {attn!r}; set {_attn_fix(method.attn_implementations, cfg)}, "
+                f"{other_methods(f'attn_implementation={attn!r}')}, or distributed.cp_size=1"
             )
-        packers = [m.name for m in methods.values() if m.supports_packed]
         for key in ("dataset", "validation_dataset"):
             node = getattr(data, key)
             if node is not None and node.get("pack") is True and not method.supports_packed:
@@ -148,8 +209,7 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                     f"data.{key}.pack=true (several documents per row) with distributed.cp_method={method.name} "
                     f"and cp_size={d.cp_size}: {method.name} attention is causal over the whole row and would "
                     f"attend across documents; packed rows need a method that keeps document boundaries. Set "
-                    f"distributed.cp_method to one of {' | '.join(packers) or '(none yet)'}, "
-                    f"data.{key}.pack=false, or distributed.cp_size=1"
+                    f"{other_methods('packed rows')}, data.{key}.pack=false, or distributed.cp_size=1"
                 )
         if isinstance(model.config, dict):  # inline architecture (a pretrained config must match it)
             heads = (model.config_overrides or {}).get(
@@ -159,7 +219,10 @@ def check_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None 
                 configured = method.configured(cfg) if not method.key_problems(cfg) else method
                 problem = configured.head_split_problem(heads, d.cp_size, d.tp_size)
                 if problem is not None:
-                    problems.append(problem.replace("the model has", "model.config has", 1))
+                    problems.append(
+                        problem.replace("the model has", "model.config has", 1)
+                        + f"; or {other_methods(f'num_attention_heads={heads}')}"
+                    )
 
     for m in methods.values():  # each method's own keys (e.g. distributed.thd_kernel), whatever is selected
         problems += m.key_problems(cfg)
@@ -230,7 +293,7 @@ def method_rules(cfg: RecipeConfig, world_size: int, cuda_available: bool | None
     auto``'s ``extra_problems``)."""
 
     def problems(method: CPMethod, options: dict) -> list[str]:
-        return check_rules(config_with_method(cfg, method.name, options), world_size, cuda_available)
+        return check_rules(config_with_method(cfg, method.name, options), world_size, cuda_available, alternatives=False)
 
     return problems
 
@@ -246,7 +309,7 @@ def auto_config_problems(cfg: RecipeConfig, world_size: int, cuda_available: boo
         if not configs:
             reasons.append(f"{name}: no configuration at cp_size={cfg.distributed.cp_size}")
         for m, options in configs:
-            found = rules(m, options)
+            found = rules(m, options)  # (their refusals name no alternatives: auto lists every method)
             if not found:
                 return []
             label = name + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")

@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import IO, Any
 
 from automodel.errors import UserInputError
 
-__all__ = ["resolve_files", "detect_format", "read_jsonl", "read_text_documents", "FILE_FORMATS"]
+__all__ = ["resolve_files", "detect_format", "read_jsonl", "read_text_documents", "data_path_key", "FILE_FORMATS"]
 
 FILE_FORMATS = ("auto", "jsonl", "text")
 _JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -30,11 +32,30 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
+#: the config key the paths being read come from (:func:`data_path_key`); ``None``: not known
+_PATH_KEY: ContextVar[str | None] = ContextVar("automodel_data_path_key", default=None)
+_EITHER_KEY = "data.dataset.path (or data.validation_dataset.path)"
+
+
+@contextlib.contextmanager
+def data_path_key(key: str) -> Iterator[None]:
+    """Inside this context, errors about a data path name ``key`` as the one to fix (the recipe builds
+    ``data.dataset`` under ``"data.dataset.path"`` and ``data.validation_dataset`` under its own key);
+    outside it they name both keys."""
+    token = _PATH_KEY.set(key)
+    try:
+        yield
+    finally:
+        _PATH_KEY.reset(token)
+
+
 def resolve_files(path: PathLike | Sequence[PathLike]) -> list[Path]:
     """Expand ``path`` (file, directory, or list of them) into an ordered list of files.
 
-    Raises ``ValueError`` when a path does not exist or a directory holds no data file.
+    Raises ``UserInputError`` (a ``ValueError``) when a path does not exist or a directory holds no data file;
+    the message names the config key to set (:func:`data_path_key`).
     """
+    key = _PATH_KEY.get() or _EITHER_KEY
     if isinstance(path, (str, os.PathLike)):
         items: list[PathLike] = [path]
     elif isinstance(path, Sequence) and len(path) > 0:
@@ -42,13 +63,13 @@ def resolve_files(path: PathLike | Sequence[PathLike]) -> list[Path]:
     else:
         raise UserInputError(
             f"data path {path!r} must be a file, a directory or a non-empty list of them; "
-            "set data.path to your .jsonl/.txt file(s), or leave it null for the shipped default corpus"
+            f"set {key} to your .jsonl/.txt file(s), or leave it null for the shipped default corpus"
         )
     files: list[Path] = []
     for item in items:
         if not isinstance(item, (str, os.PathLike)) or os.fspath(item) == "":
             raise UserInputError(
-                f"data path entry {item!r} must be a non-empty path string; set data.path to your "
+                f"data path entry {item!r} must be a non-empty path string; set {key} to your "
                 ".jsonl/.txt file(s) or directory, or leave it null for the shipped default data"
             )
         p = Path(os.fspath(item)).expanduser()
@@ -61,12 +82,12 @@ def resolve_files(path: PathLike | Sequence[PathLike]) -> list[Path]:
             if not found:
                 raise UserInputError(
                     f"data directory {str(p)!r} holds no *.jsonl, *.txt or *.md file (optionally .gz); "
-                    "put your data files there or point data.path at the files themselves"
+                    f"put your data files there or point {key} at the files themselves"
                 )
             files.extend(found)
         else:
             raise UserInputError(
-                f"data path {str(p)!r} does not exist; set data.path to an existing .jsonl/.txt file or "
+                f"data path {str(p)!r} does not exist; set {key} to an existing .jsonl/.txt file or "
                 "directory (relative paths are resolved from the current working directory "
                 f"{os.getcwd()!r}), or leave it null for the shipped default corpus"
             )

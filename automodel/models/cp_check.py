@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from automodel.config.cp_auto import packed_rows
 from automodel.distributed.cp import ModelProfile, check_model_config_for_cp, get_cp_method, profile_model
 
 __all__ = ["check_model_for_cp_run", "profile_for_run"]
@@ -19,10 +20,14 @@ def profile_for_run(cfg: Any, resolved: Any, attn_implementation: str, model: An
     """The :class:`~automodel.distributed.cp.ModelProfile` of the run's model.
 
     ``cfg``: a RecipeConfig; ``resolved``: :func:`automodel.models.loader.resolve_model_config`'s result;
-    ``model``: the run's model already built on the meta device (the dry run's), else one is built here.
+    ``model``: the run's model already built on the meta device (the dry run's), else one is built here
+    (after :func:`~automodel.models.loader.check_attn_supported`: ``cp_method: auto`` profiles the model
+    before the run's other model checks, and transformers' own refusal names no config key).
     """
     if model is None:
-        from automodel.models.loader import build_model
+        from automodel.models.loader import build_model, check_attn_supported
+
+        check_attn_supported(resolved.config, attn_implementation, cfg.distributed.cp_method)
 
         model = build_model(
             cfg.model, resolved, attn_implementation=attn_implementation, seed=cfg.recipe.seed, meta=True
@@ -48,5 +53,5 @@ def check_model_for_cp_run(
         return None
     profile = profile_for_run(cfg, resolved, attn_implementation, model)
     method = get_cp_method(d.cp_method).configured(cfg)  # its options bound (usp: the heads over ulysses_size)
-    check_model_config_for_cp(method, profile, d.cp_size, d.tp_size, seq_len=cfg.data.seq_len)
+    check_model_config_for_cp(method, profile, d.cp_size, d.tp_size, seq_len=cfg.data.seq_len, packed=packed_rows(cfg))
     return profile

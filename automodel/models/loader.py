@@ -40,6 +40,7 @@ from automodel.errors import UserInputError
 __all__ = [
     "ResolvedModelConfig",
     "resolve_model_config",
+    "check_attn_supported",
     "check_model_for_run",
     "build_model",
     "torch_dtype",
@@ -207,6 +208,30 @@ def causal_lm_class(config: Any) -> type | None:
         return vlm_model_class(config)
 
 
+def check_attn_supported(config: Any, attn_implementation: str, cp_method: str | None = None) -> None:
+    """Refuse ``attn_implementation="sdpa"`` for a model class without SDPA support (gpt-oss ...), naming
+    ``model.attn_implementation=eager``, the one fix that works: every built-in CP method runs eager models.
+
+    ``cp_method``: the run's (``None``: no CP); said to run eager models when it does.
+    """
+    cls = causal_lm_class(config)
+    if cls is None or attn_implementation != "sdpa" or getattr(cls, "_supports_sdpa", False):
+        return
+    runs_eager = ""
+    if cp_method is not None:
+        from automodel.distributed.cp import AUTO, cp_methods
+
+        method = cp_methods().get(cp_method)
+        if cp_method == AUTO:
+            runs_eager = " (distributed.cp_method=auto then picks among the methods that run eager models)"
+        elif method is not None and (method.attn_implementations is None or "eager" in method.attn_implementations):
+            runs_eager = f" (distributed.cp_method={cp_method} runs eager models)"
+    raise UserInputError(
+        f"{cls.__name__} cannot run attn_implementation='sdpa'; set "
+        f"model.attn_implementation=eager{runs_eager}"
+    )
+
+
 def check_model_for_run(
     config: Any,
     *,
@@ -229,17 +254,7 @@ def check_model_for_run(
             f"{type(config).__name__} (model_type={getattr(config, 'model_type', '?')!r}) is not a causal LM "
             f"transformers knows; use a causal LM config, or model.trust_remote_code=true for custom code"
         )
-    if cls is not None and attn_implementation == "sdpa" and not getattr(cls, "_supports_sdpa", False):
-        runs_eager = ""
-        if cp_size > 1:
-            from automodel.distributed.cp import cp_methods
-
-            method = cp_methods().get(cp_method)
-            takes = method is not None and (method.attn_implementations is None or "eager" in method.attn_implementations)
-            runs_eager = f" (distributed.cp_method={cp_method} runs eager models)" if takes else ""
-        raise UserInputError(
-            f"{cls.__name__} cannot run attn_implementation='sdpa'; set model.attn_implementation=eager{runs_eager}"
-        )
+    check_attn_supported(config, attn_implementation, cp_method if cp_size > 1 else None)
     if vocab_needed is not None and vocab_needed > int(getattr(config, "vocab_size", vocab_needed)):
         raise UserInputError(
             f"the tokenizer has {vocab_needed} token ids but the model's vocab_size is {config.vocab_size}; "

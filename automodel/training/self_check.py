@@ -237,12 +237,21 @@ def _without_cp(trainer: Any) -> Iterator[None]:
 
 
 def _other_methods(trainer: Any, method: str) -> str:
-    """The other registered methods that the model's profile allows (all others without a profile)."""
-    from automodel.distributed.cp import cp_methods, methods_that_run
+    """The other registered methods that run the model exactly under this run's sizes, row length and packing
+    (the registry's :func:`~automodel.distributed.cp.registry.alternatives`; all others without a profile)."""
+    from automodel.config.cp_auto import packed_rows
+    from automodel.distributed.cp import cp_methods
+    from automodel.distributed.cp.registry import alternative_label, alternatives
 
     profile = getattr(trainer, "model_profile", None)
-    names = methods_that_run(profile, trainer.cfg.data.seq_len) if profile is not None else list(cp_methods())
-    return " | ".join(n for n in names if n != method) or "none runs this model exactly"
+    if profile is None:
+        return " | ".join(n for n in cp_methods() if n != method) or "none runs this model exactly"
+    d = trainer.cfg.distributed
+    found = alternatives(
+        profile, exclude=method, cp_size=d.cp_size, tp_size=d.tp_size, seq_len=trainer.cfg.data.seq_len,
+        packed=packed_rows(trainer.cfg),
+    )  # fmt: skip
+    return " | ".join(alternative_label(m, o) for m, o in found) or "none runs this model exactly"
 
 
 def _compute_dtype(trainer: Any) -> torch.dtype:

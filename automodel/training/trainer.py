@@ -300,14 +300,16 @@ class FinetuneTrainer:
 
         from automodel.data import build_dataloader
         from automodel.data.epoch_plan import epoch_plan
+        from automodel.data.file_readers import data_path_key
         from automodel.models.vlm_cp import check_data_for_model
 
         cfg, sched = self.cfg, self.cfg.step_scheduler
         common = {"tokenizer": self.tokenizer, "seq_len": cfg.data.seq_len}
 
-        def dataset(node: Any, split: str) -> Any:
+        def dataset(node: Any, split: str, key: str = "dataset") -> Any:
             options = self.cp_method.dataset_options(cfg, node)
-            return instantiate(node, split=split, **common, **options, _convert_="all")
+            with data_path_key(f"data.{key}.path"):  # a missing file's error names the key it came from
+                return instantiate(node, split=split, **common, **options, _convert_="all")
 
         self.train_dataset = dataset(cfg.data.dataset, cfg.data.train_split)
         check_data_for_model(self.train_dataset, resolved.config)  # images need a VLM
@@ -324,7 +326,12 @@ class FinetuneTrainer:
         )
         self.val_loader = None
         if cfg.data.validation_split is not None and sched.val_every_steps:
-            self.val_dataset = dataset(cfg.data.validation_dataset or cfg.data.dataset, cfg.data.validation_split)
+            own = cfg.data.validation_dataset is not None
+            self.val_dataset = dataset(
+                cfg.data.validation_dataset if own else cfg.data.dataset,
+                cfg.data.validation_split,
+                "validation_dataset" if own else "dataset",
+            )
             self.val_loader = build_dataloader(self.val_dataset, shuffle=False, drop_last=False, **loader_kwargs)
         self.grad_acc = sched.global_batch_size // (sched.local_batch_size * self.dp_size)
         plan = epoch_plan(

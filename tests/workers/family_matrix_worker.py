@@ -216,8 +216,8 @@ def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: floa
             if ref_loss is None:
                 ref_loss, ref_grads = ref()
             out = compare(ref_loss, ref_grads, total, grads)
-    except UserInputError as err:
-        out = {"status": "refused", "detail": str(err).strip()}
+    except UserInputError as err:  # with the methods the refusal names (tests/test_family_matrix.py runs them)
+        out = {"status": "refused", "detail": str(err).strip(), "alternatives": list(err.alternatives)}
     except Exception as err:  # noqa: BLE001 - every other exception is the cell's result
         out = {"status": "crash", "detail": _first_line(err), "traceback": traceback.format_exc()}
     if _global_state() != before:
@@ -318,7 +318,8 @@ def _refusals(profile, columns: tuple[str, ...], cp_size: int) -> dict[str, dict
         try:
             check_model_config_for_cp(get_cp_method(method).configured(_Options(cp_size, options)), profile, cp_size)
         except UserInputError as err:
-            out[column] = {"status": "refused", "detail": str(err).strip(), "seconds": 0.0}
+            out[column] = {"status": "refused", "detail": str(err).strip(), "seconds": 0.0,
+                           "alternatives": list(err.alternatives)}  # fmt: skip
     return out
 
 

@@ -35,7 +35,7 @@ def scenarios(rank: int, world_size: int) -> dict:
 
     def missing_on_rank_1():
         if rank == 1:
-            raise UserInputError("data path '/node1/train.jsonl' does not exist; set data.path")
+            raise UserInputError("data path '/node1/train.jsonl' does not exist; set data.dataset.path")
         time.sleep(1.0)  # rank 0 is still busy (e.g. loading the model) when rank 1 fails
 
     def bad_row_everywhere():

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from automodel.distributed.cp.method import CPMethod, ExchangeTerm, profile_problems
+from automodel.distributed.cp.method import CPMethod, ExchangeTerm
 from automodel.distributed.cp.profile import ModelProfile
-from automodel.distributed.cp.registry import cp_methods
+from automodel.distributed.cp.registry import cp_methods, run_problems
 from automodel.errors import CPUnsupportedError
 
 __all__ = [
@@ -130,21 +130,14 @@ def _shape(seq: int, cp_size: int, tp_size: int) -> SimpleNamespace:
 def _model_problems(
     m: CPMethod, profile: ModelProfile, cp_size: int, tp_size: int, seq_len: int | None, packed: bool
 ) -> list[str]:
-    """Every reason ``m`` (options bound) does not run the model exactly, from its own declarations and checks."""
-    problems = []
-    if packed and not m.supports_packed:
-        problems.append(f"packed rows (several documents per row): {m.name} attends across the whole row")
-    if profile.is_vlm and not m.supports_vlm:
-        problems.append(f"a VLM ({profile.model_type}): {m.name} does not take merged image and text embeddings")
-    head = m.head_split_problem(profile.num_attention_heads, cp_size, tp_size)
-    if head is not None:
-        problems.append(head)
-    if seq_len is None:  # not known: rows of any length (a window shorter than the row is judged now)
-        rows = f"the rows ({_ANY_LENGTH} tokens)"
-        problems += [p.replace(rows, "rows of any length") for p in profile_problems(m, profile, _ANY_LENGTH)]
-    else:
-        problems += profile_problems(m, profile, seq_len)
-    return problems
+    """Every reason ``m`` (options bound) does not run the model exactly: the registry's
+    :func:`~automodel.distributed.cp.registry.run_problems`, the list every refusal reads; rows of any length
+    when ``seq_len`` is not known (a window shorter than the row is judged now)."""
+    if seq_len is not None:
+        return run_problems(m, profile, cp_size=cp_size, tp_size=tp_size, seq_len=seq_len, packed=packed)
+    rows = f"the rows ({_ANY_LENGTH} tokens)"
+    found = run_problems(m, profile, cp_size=cp_size, tp_size=tp_size, seq_len=_ANY_LENGTH, packed=packed)
+    return [p.replace(rows, "rows of any length") for p in found]
 
 
 def _cost(m: CPMethod, profile: ModelProfile, cp_size: int, tp_size: int, seq: int, packed: bool,

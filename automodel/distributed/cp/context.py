@@ -56,8 +56,13 @@ from automodel.distributed.cp.bind import bind_cp_method
 from automodel.distributed.cp.choose import AUTO, Choice, choose_cp_method
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.guard import cached_profile
-from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel, profile_problems
-from automodel.distributed.cp.registry import check_model_config_for_cp, cp_methods, get_cp_method
+from automodel.distributed.cp.method import BatchFn, CPMethod, PreparedModel
+from automodel.distributed.cp.registry import (
+    alternative_label,
+    alternatives,
+    check_model_config_for_cp,
+    get_cp_method,
+)
 
 __all__ = ["BATCH_KEYS", "ContextParallel", "context_parallel", "canonical_batch"]
 
@@ -374,10 +379,8 @@ class ContextParallel:
         return ctx, local
 
     def _packed_fix(self) -> str:
-        profile = cached_profile(self.model)
-        others = [
-            name for name, m in cp_methods().items() if m.supports_packed and not profile_problems(m, profile, None)
-        ]
+        found = alternatives(cached_profile(self.model), exclude=self.method.name, cp_size=self.cp_size, packed=True)
+        others = [alternative_label(m, o) for m, o in found]
         runs = f"methods that run packed rows of this model: {' | '.join(others)}" if others else "no method runs them"
         return (
             f"method={self.method.name} attends across the whole row and would mix the documents, so it is "

@@ -167,7 +167,8 @@ class CPMethod:
         return multiple, what + (" (sequence parallel)" if sp else "")
 
     def head_split_problem(self, num_attention_heads: int | None, cp_size: int, tp_size: int = 1) -> str | None:
-        """Why the method cannot split ``num_attention_heads`` over ``cp_size`` ranks (``None``: it can)."""
+        """Why the method cannot split ``num_attention_heads`` over ``cp_size`` ranks (``None``: it can); the
+        fix it names changes the sizes (the caller adds the methods that run the model instead)."""
         tp_size = max(1, tp_size)
         if (
             not self.splits_heads
@@ -183,9 +184,8 @@ class CPMethod:
         return (
             f"distributed.cp_method={self.name} splits the attention heads over the CP ranks, but the model has "
             f"num_attention_heads={num_attention_heads}{per_tp} which is not divisible by "
-            f"distributed.cp_size={cp_size}; set distributed.cp_size to a divisor of {local} ({divisors}), "
-            + ("a smaller distributed.tp_size, " if tp_size > 1 else "")
-            + "or use a method that does not split heads (distributed.cp_method=ring or thd)"
+            f"distributed.cp_size={cp_size}; set distributed.cp_size to a divisor of {local} ({divisors})"
+            + (" or a smaller distributed.tp_size" if tp_size > 1 else "")
         )
 
     # ------------------------------------------------------------------ model and batch

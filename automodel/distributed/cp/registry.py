@@ -21,6 +21,9 @@ __all__ = [
     "check_model_for_cp",
     "check_model_config_for_cp",
     "methods_that_run",
+    "alternatives",
+    "alternatives_fix",
+    "run_problems",
 ]
 
 _REGISTRY: dict[str, CPMethod] = {}
@@ -77,12 +80,135 @@ def get_cp_method(method: str | CPMethod) -> CPMethod:
     return _REGISTRY[method]
 
 
-def methods_that_run(profile: ModelProfile, seq_len: int | None = None) -> list[str]:
-    """Names of the registered methods that compute ``profile``'s model exactly on ``seq_len``-token rows."""
-    return [name for name, m in _REGISTRY.items() if not profile_problems(m, profile, seq_len)]
+def run_problems(
+    method: CPMethod,
+    profile: ModelProfile,
+    *,
+    cp_size: int | None = None,
+    tp_size: int = 1,
+    seq_len: int | None = None,
+    packed: bool | None = False,
+) -> list[str]:
+    """Every reason ``method`` (its options bound) does not run ``profile``'s model exactly: the one list that
+    every refusal and ``cp_method: auto`` read, so a method a refusal names as an alternative really runs.
+
+    Args:
+        cp_size: the CP group's size (``None``: not known; the heads are then not checked).
+        tp_size: tensor parallelism, which divides the heads before CP does.
+        seq_len: the (padded) row length (``None``: not known; windows are judged at the first attention call).
+        packed: rows hold several documents (``None``: not known; not checked).
+
+    Returns:
+        reasons, grouped: packed rows without :attr:`~CPMethod.supports_packed`, a VLM without
+        :attr:`~CPMethod.supports_vlm`, :meth:`~CPMethod.head_split_problem`, and
+        :func:`~automodel.distributed.cp.method.profile_problems` (every layer kind and the attention
+        implementation); empty: it runs the model exactly.
+    """
+    problems = []
+    if packed and not method.supports_packed:
+        problems.append(f"packed rows (several documents per row): {method.name} attends across the whole row")
+    if profile.is_vlm and not method.supports_vlm:
+        problems.append(
+            f"a VLM ({profile.model_type}): {method.name} does not take merged image and text embeddings"
+        )
+    if cp_size is not None:
+        head = method.head_split_problem(profile.num_attention_heads, cp_size, tp_size)
+        if head is not None:
+            problems.append(head)
+    return problems + profile_problems(method, profile, seq_len)
 
 
-def check_model_for_cp(method: str | CPMethod, profile: ModelProfile, seq_len: int | None = None) -> None:
+def alternatives(
+    profile: ModelProfile,
+    *,
+    exclude: str | None = None,
+    cp_size: int | None = None,
+    tp_size: int = 1,
+    seq_len: int | None = None,
+    packed: bool | None = False,
+) -> list[tuple[CPMethod, dict[str, Any]]]:
+    """The registered methods that run ``profile``'s model exactly under these conditions (:func:`run_problems`),
+    each ``(method with its options bound, the distributed.<key> / context_parallel option values that select
+    it)``: at a known ``cp_size`` the first of the method's :meth:`~CPMethod.auto_configs` that runs (usp:
+    ``ulysses_size``), else the registered method as it is. ``exclude``: a method name left out (the one
+    refused)."""
+    out = []
+    for name, method in _REGISTRY.items():
+        if name == exclude:
+            continue
+        configs = method.auto_configs(cp_size, None) if cp_size is not None and cp_size > 1 else [(method, {})]
+        for m, options in configs:
+            problems = run_problems(m, profile, cp_size=cp_size, tp_size=tp_size, seq_len=seq_len, packed=packed)
+            if not problems:
+                out.append((m, dict(options)))
+                break
+    return out
+
+
+def alternative_label(method: CPMethod, options: dict[str, Any]) -> str:
+    """``usp (ulysses_size=2)``; the bare name without options."""
+    opts = ", ".join(f"{k}={v}" for k, v in options.items())
+    return f"{method.name} ({opts})" if opts else method.name
+
+
+def methods_that_run(
+    profile: ModelProfile,
+    seq_len: int | None = None,
+    *,
+    cp_size: int | None = None,
+    tp_size: int = 1,
+    packed: bool | None = False,
+) -> list[str]:
+    """Names of the registered methods that compute ``profile``'s model exactly on ``seq_len``-token rows
+    (:func:`alternatives`: at ``cp_size`` / ``tp_size`` when given, on packed rows when ``packed``)."""
+    found = alternatives(profile, cp_size=cp_size, tp_size=tp_size, seq_len=seq_len, packed=packed)
+    return [m.name for m, _ in found]
+
+
+def alternatives_fix(
+    profile: ModelProfile,
+    *,
+    exclude: str | None = None,
+    cp_size: int | None = None,
+    tp_size: int = 1,
+    seq_len: int | None = None,
+    packed: bool | None = False,
+    key: str = "distributed.cp_method=...",
+) -> tuple[str, tuple[str, ...]]:
+    """The advice of a refusal: ``(text, labels)``, the labels of :func:`alternatives` (each one runs the model
+    exactly under the same conditions). ``packed=None`` (not known yet: the own loop before a batch): the
+    methods that take one document per row only are marked so. ``key``: how the user selects a method."""
+    found = alternatives(profile, exclude=exclude, cp_size=cp_size, tp_size=tp_size, seq_len=seq_len, packed=packed)
+    labels = tuple(alternative_label(m, o) for m, o in found)
+    if not found:
+        if alternatives(profile, exclude=exclude, seq_len=seq_len, packed=None):  # it is the sizes or the rows
+            return (
+                "no other CP method runs this model exactly at these sizes and rows: change distributed.cp_size / "
+                "tp_size or the packing, or train it with distributed.cp_size=1"
+            ), labels
+        return "no CP method runs this model exactly yet: train it with distributed.cp_size=1", labels
+    shown = [
+        label + (" (one document per row)" if packed is None and not m.supports_packed else "")
+        for label, (m, _) in zip(labels, found)
+    ]
+    return f"methods that run this model exactly: {' | '.join(shown)} ({key})", labels
+
+
+def _refusal(error: type[UserInputError], message: str, labels: tuple[str, ...]) -> UserInputError:
+    err = error(message)
+    err.alternatives = labels
+    return err
+
+
+def check_model_for_cp(
+    method: str | CPMethod,
+    profile: ModelProfile,
+    seq_len: int | None = None,
+    *,
+    cp_size: int | None = None,
+    tp_size: int = 1,
+    packed: bool | None = None,
+) -> None:
     """Refuse a model that ``method`` would not compute exactly.
 
     Args:
@@ -90,30 +216,36 @@ def check_model_for_cp(method: str | CPMethod, profile: ModelProfile, seq_len: i
         profile: :func:`~automodel.distributed.cp.profile.profile_model` of the model.
         seq_len: the row length (windows and chunks at least this long attend like full attention);
             ``None``: not known yet, windows and chunks are then judged at the first attention call.
+        cp_size, tp_size, packed: the run's, for the methods the message names (:func:`alternatives_fix`);
+            ``None``: not known.
 
     Raises:
         CPUnsupportedError: one message with the method, each offending layer kind and its layer
-            indices, and the methods that would run the model exactly.
+            indices, and the methods that would run the model exactly (also in its ``alternatives``).
     """
     m = get_cp_method(method)
     problems = profile_problems(m, profile, seq_len)
     if not problems:
         return
-    others = [name for name in methods_that_run(profile, seq_len) if name != m.name]
-    fix = (
-        f"methods that run this model exactly: {' | '.join(others)} (distributed.cp_method=...)"
-        if others
-        else "no CP method runs this model exactly yet: train it with distributed.cp_size=1"
+    fix, labels = alternatives_fix(
+        profile, exclude=m.name, cp_size=cp_size, tp_size=tp_size, seq_len=seq_len, packed=packed
     )
-    raise CPUnsupportedError(
+    raise _refusal(
+        CPUnsupportedError,
         f"distributed.cp_method={m.name} does not compute {profile.architecture} "
         f"(model_type={profile.model_type}) exactly: {'; '.join(problems)}. It would train with losses and "
-        f"gradients that differ from one device, so it is refused; {fix}. See docs/support_matrix.md"
+        f"gradients that differ from one device, so it is refused; {fix}. See docs/support_matrix.md",
+        labels,
     )
 
 
 def check_model_config_for_cp(
-    method: str | CPMethod, model: Any, cp_size: int, tp_size: int = 1, seq_len: int | None = None
+    method: str | CPMethod,
+    model: Any,
+    cp_size: int,
+    tp_size: int = 1,
+    seq_len: int | None = None,
+    packed: bool | None = None,
 ) -> ModelProfile | None:
     """Everything about a model that decides whether ``method`` runs it at ``cp_size``, before any weight loads.
 
@@ -121,28 +253,41 @@ def check_model_config_for_cp(
         model: a :class:`ModelProfile`, or what :func:`profile_model` takes (a config, or a model: the meta
             device is enough, and needed to see sinks and MLA head sizes).
         seq_len: the (padded) row length, for windows and chunks; ``None``: not known.
+        packed: rows hold several documents (``None``: not known), for the methods a refusal names.
 
     Returns:
         the profile (``None`` at ``cp_size <= 1``: no CP, nothing to check).
 
     Raises:
-        UserInputError: a VLM with a method that does not take merged embeddings; heads that the method
-            cannot split over ``cp_size`` (after ``tp_size``).
+        UserInputError: a VLM with a method that does not take merged embeddings; packed rows with a method
+            that attends across the row; heads that the method cannot split over ``cp_size`` (after ``tp_size``).
+            Every refusal names the methods that run the model under the same conditions (its ``alternatives``).
         CPUnsupportedError: a layer kind the method does not compute exactly (:func:`check_model_for_cp`).
     """
     if cp_size <= 1:
         return None
     m = get_cp_method(method)
     profile = model if isinstance(model, ModelProfile) else profile_model(model)
+    where = dict(cp_size=cp_size, tp_size=tp_size, seq_len=seq_len, packed=packed)
     if profile.is_vlm and not m.supports_vlm:
-        vlm_methods = [name for name, other in _REGISTRY.items() if other.supports_vlm]
-        raise UserInputError(
-            f"distributed.cp_method={m.name} does not run VLMs ({profile.model_type}): their images are encoded on "
-            f"each rank's share and merged before the text model, which only {' and '.join(vlm_methods)} take; "
-            f"set distributed.cp_method={vlm_methods[0] if vlm_methods else 'ring'}"
+        fix, labels = alternatives_fix(profile, exclude=m.name, **where)
+        raise _refusal(
+            UserInputError,
+            f"distributed.cp_method={m.name} does not run VLMs ({profile.model_type}): their images are encoded "
+            f"on each rank's share and merged before the text model, which {m.name} does not take; {fix}",
+            labels,
+        )
+    if packed and not m.supports_packed:
+        fix, labels = alternatives_fix(profile, exclude=m.name, **where)
+        raise _refusal(
+            UserInputError,
+            f"distributed.cp_method={m.name} attends across the whole row and would mix the documents of packed "
+            f"rows, so it is refused; {fix}, or one document per row",
+            labels,
         )
     problem = m.head_split_problem(profile.num_attention_heads, cp_size, tp_size)
     if problem is not None:
-        raise UserInputError(problem)
-    check_model_for_cp(m, profile, seq_len)
+        fix, labels = alternatives_fix(profile, exclude=m.name, **where)
+        raise _refusal(UserInputError, f"{problem}; or another method: {fix}", labels)
+    check_model_for_cp(m, profile, seq_len, cp_size=cp_size, tp_size=tp_size, packed=packed)
     return profile

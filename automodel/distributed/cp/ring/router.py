@@ -124,7 +124,7 @@ def _own_eager_function(module: Any) -> Callable:
         raise CPUnsupportedError(
             f"distributed.cp_method=ring: {type(module).__name__} defines no eager_attention_forward in "
             f"{type(module).__module__}, so ring cannot tell what its eager attention computes; set "
-            "model.attn_implementation=sdpa or use distributed.cp_method=ulysses"
+            "model.attn_implementation=sdpa (Ulysses' eager inner kernel reads the same function)"
         )
     return fn
 

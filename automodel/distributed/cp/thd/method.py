@@ -8,8 +8,9 @@ dK/dV. Exact for full causal attention; each layer picks its kernel (:mod:`autom
 sliding windows and attention chunks shorter than the longest document, sinks and logit softcapping
 (transformers hands the kernel ``softcap`` only where the model applies it) run the halo kernel
 (only the K/V each layer reaches is exchanged, never across a document); MLA value heads run on
-zero-padded V; Llama 4's query temperature is taken at the in-document position. Refused:
-linear / state-space mixers.
+zero-padded V; Llama 4's query temperature is taken at the in-document position. Linear / state-space
+mixers: the state chained across the ranks where :mod:`~automodel.distributed.cp.layers.linear_support`
+lists a kernel, refused otherwise.
 """
 
 from __future__ import annotations

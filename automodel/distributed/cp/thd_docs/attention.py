@@ -348,7 +348,8 @@ def _doc_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
     if kwargs.get("position_bias") is not None:
         raise CPUnsupportedError(
             f"distributed.cp_method={DOC_ATTN_NAME}: {name} uses attention biases, which document-placement "
-            "attention does not apply; use distributed.cp_method=ulysses for this model (docs/support_matrix.md)"
+            "attention does not apply, nor do ulysses and thd (they refuse such biases too); train this model with "
+            "distributed.cp_size=1 (docs/support_matrix.md)"
         )
 
     def native(q, k, v, scale, sinks=None, softcap=None):
@@ -392,7 +393,7 @@ def set_doc_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
 
     install_linear_mixers(model, cached_profile(model), DOC_ATTN_NAME)  # docs/linear_mixers.md
     return hf_attention.switch_attention(
-        model, DOC_ATTN_NAME, doc_attention_forward, DOC_ATTN_NAME, alternative=": use distributed.cp_method=ulysses"
+        model, DOC_ATTN_NAME, doc_attention_forward, DOC_ATTN_NAME, alternative=": use distributed.cp_method=ring (unpacked rows)"
     )
 
 

@@ -4,9 +4,11 @@ Each rank holds a contiguous slice of every row; an all-to-all before attention 
 tokens of ``H / cp`` heads, the unchanged inner kernel (sdpa, eager, flex) runs on the whole row with
 the global mask (causal, padding, documents, the layer's sliding window), and a second all-to-all
 trades back. Exact for full and sliding-window attention, chunked attention (the global mask, chunks
-counted from each document's start), per-head sinks (sharded with the heads), softcapping (eager),
-MLA head sizes, Llama 4's query temperature (at the global position) and packed documents. Refused:
-linear / state-space mixers. Needs ``num_attention_heads % cp_size == 0``.
+counted from each document's first token; on rows packed by restarting ``position_ids`` as the installed
+transformers cuts them), per-head sinks (sharded with the heads), softcapping (eager), MLA head sizes,
+Llama 4's query temperature (at the global position), packed documents, and the linear / state-space
+mixers :mod:`~automodel.distributed.cp.layers.linear_support` lists (head-sharded). Needs
+``num_attention_heads % cp_size == 0``.
 """
 
 from __future__ import annotations
