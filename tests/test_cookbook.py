@@ -135,6 +135,10 @@ def test_cookbook_runs_as_written(tmp_path):
     m = re.search(r"new tokens: (\d+) \| last: (\S+)", out)
     assert m, out
     assert m.group(2) == "<|im_end|>" and int(m.group(1)) < 32, out  # stopped, not cut at max_new_tokens
+    assert "EOS only: 32 new tokens" in out, out  # the stop is the end-of-turn id's doing
+    samples = [json.loads(x) for x in (sft / "samples.jsonl").read_text().splitlines()]  # recipe.sample_prompts
+    assert len(samples) == 1 and samples[0]["chat"] and samples[0]["stopped_at_eos"], samples
+    assert samples[0]["new_tokens"] == int(m.group(1)) and samples[0]["new_tokens"] < 32, samples
 
 
 def test_the_chat_file_is_what_its_script_writes():

@@ -2,8 +2,8 @@
 
 64 short conversations, one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line (the
 format ``InstructionDataset(format="messages")`` reads), in the shipped tokenizer's vocabulary: an
-animal keeps a coloured object and the assistant says which; a quarter ask a second question in a
-second turn. Deterministic (fixed seed, no third-party text):
+animal keeps a coloured object and the assistant says which; a quarter start with a system message,
+another quarter ask a second question in a second turn. Deterministic (fixed seed, no third-party text):
 
     python examples/cookbook/make_chat_jsonl.py            # rewrite the file
     python examples/cookbook/make_chat_jsonl.py --check    # compare with the shipped file, exit 1 if it differs
@@ -24,13 +24,13 @@ SYSTEM = "You are a careful assistant. Answer briefly."
 
 
 def conversations(n: int = 64, seed: int = 30) -> list[dict]:
-    """``n`` conversations ``{"messages": [...]}``: system, user, assistant (and a second user/assistant turn)."""
+    """``n`` conversations ``{"messages": [...]}``: (system,) user, assistant (, user, assistant)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         animal, color, obj = rng.choice(ANIMALS), rng.choice(COLORS), rng.choice(OBJECTS)
-        messages = [
-            {"role": "system", "content": SYSTEM},
+        messages = [{"role": "system", "content": SYSTEM}] if i % 4 == 0 else []
+        messages += [
             {"role": "user", "content": f"The {animal} keeps the {color} {obj}. What does the {animal} keep?"},
             {"role": "assistant", "content": f"The {color} {obj}."},
         ]
