@@ -106,6 +106,7 @@ def test_cookbook_runs_as_written(tmp_path):
     assert "model config: cookbook/my-model (config.json)" in out, out
     losses = _train_losses(sft)
     assert sorted(losses) == list(range(1, 21)) and losses[20] < losses[1] - 1.0, losses
+    assert f"step 20/20 | loss {losses[20]:.4f} |" in out, out  # the logged loss is the recorded one
     assert (sft / "checkpoints" / "step_20").is_dir() and (sft / "hf_model" / "config.json").is_file()
 
     # 4. LoRA: adapters only, adapter and merged exports
