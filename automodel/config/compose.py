@@ -150,7 +150,8 @@ def _yaml_message(e: Exception, config_path: Path) -> str:
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     where = str(config_path)
     if mark is not None:
-        where = f"{mark.name if mark.name and mark.name != '<file>' else config_path}, line {mark.line + 1}, column {mark.column + 1}"
+        name = mark.name if mark.name and not mark.name.startswith("<") else config_path  # "<file>": a stream
+        where = f"{name}, line {mark.line + 1}, column {mark.column + 1}"
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
     return (
         f"{where}: not valid YAML ({problem}); fix the file there (each key once per mapping, "

@@ -45,7 +45,7 @@ def load_exported_model(export_dir: Path, cls: type, device: torch.device) -> An
 
 def prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
     """``[1, P]`` int64 ids of ``prompt``: as given, or (``chat``) as one user turn of the chat template
-    followed by its generation prompt (``<|im_start|>assistant\n`` for ChatML), the template's own
+    followed by its generation prompt (ChatML: ``<|im_start|>assistant``), the template's own
     special tokens only (as the chat data was tokenized)."""
     if not chat:
         return tokenizer(prompt, return_tensors="pt").input_ids
