@@ -103,9 +103,11 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
     """Compose ``config_path`` with Hydra ``overrides``; return the resolved plain mapping.
 
     Raises:
-        ConfigError: a malformed override, an override of a key that does not exist (without
-            ``+``), a deletion of a missing key, a failed interpolation, or a ``???`` value left unset.
+        ConfigError: a config file that is not valid YAML, a malformed override, an override of a key
+            that does not exist (without ``+``), a deletion of a missing key, a failed interpolation,
+            or a ``???`` value left unset.
     """
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -127,6 +129,8 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
             cfg = compose(config_name=config_path.stem, overrides=[*search, *overrides])
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError([_hydra_message(e, overrides, base, config_path)]) from None
+    except yaml.YAMLError as e:  # a config file (or a parent in its defaults) that does not parse
+        raise ConfigError([_yaml_message(e, config_path)]) from None
     try:
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:
@@ -139,6 +143,20 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
 
 
 SHIPPED_CONFIGS = REPO_ROOT / "configs"
+
+
+def _yaml_message(e: Exception, config_path: Path) -> str:
+    """One line for a YAML file that does not parse: the file, the line and column, what is wrong."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = str(config_path)
+    if mark is not None:
+        name = mark.name if mark.name and not mark.name.startswith("<") else config_path  # "<file>": a stream
+        where = f"{name}, line {mark.line + 1}, column {mark.column + 1}"
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return (
+        f"{where}: not valid YAML ({problem}); fix the file there (each key once per mapping, "
+        "nested keys indented alike, `key: value` with a space after the colon)"
+    )
 
 
 def _search_path(config_path: Path, overrides: Sequence[str]) -> list[str]:

@@ -31,6 +31,7 @@ __all__ = [
     "end_of_turn_ids",
     "record_chat_stops",
     "recorded_chat_stop_ids",
+    "renders_chats",
 ]
 
 logger = logging.getLogger(__name__)
@@ -154,3 +155,9 @@ def recorded_chat_stop_ids(tokenizer: Any) -> list[int]:
     """The end-of-turn ids :func:`record_chat_stops` recorded on ``tokenizer`` ([] for one that rendered
     no chat: a plain-text run keeps its EOS alone)."""
     return [int(i) for i in getattr(tokenizer, _RECORD_ATTR, ())]
+
+
+def renders_chats(tokenizer: Any) -> bool:
+    """Whether a dataset rendered chats with ``tokenizer``'s template (:func:`record_chat_stops` was called,
+    whether or not it found an end-of-turn token): the run trains a chat model."""
+    return hasattr(tokenizer, _RECORD_ATTR)

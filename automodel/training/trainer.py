@@ -858,12 +858,16 @@ class FinetuneTrainer:
 
     def sample(self, export_dir: Path) -> Path:
         """Rank 0: ``recipe.sample_prompts`` completed by the exported model -> ``<run dir>/samples.jsonl``."""
+        from automodel.data.chat_template import renders_chats
         from automodel.models.hf_save import original_model_class
         from automodel.training.samples import generate_samples, load_exported_model, write_samples
 
         r = self.cfg.recipe
         model = load_exported_model(export_dir, original_model_class(self.model), self.device)
-        samples = generate_samples(model, self.tokenizer, list(r.sample_prompts), r.sample_max_new_tokens, self.device)
+        chat = renders_chats(self.tokenizer)  # the data was rendered with the chat template
+        samples = generate_samples(
+            model, self.tokenizer, list(r.sample_prompts), r.sample_max_new_tokens, self.device, chat=chat
+        )
         return write_samples(samples, self.run_dir / "samples.jsonl")
 
     def _write_summary(self, result: TrainResult) -> None:
