@@ -102,7 +102,8 @@ def test_cookbook_runs_as_written(tmp_path):
     # 3. packed SFT at cp=2 from the model directory and the chat file
     out = _run(*blocks[2][:2], work, env).stdout
     assert "cp=2" in out and "cp_method auto: thd_docs" in out, out
-    for line in blocks[2][2].splitlines():  # the page's world and profile lines are the run's, word for word
+    shown_log = re.search(r"```text\n(\.\.\. world .*?)```", PAGE.read_text(), re.S).group(1)
+    for line in shown_log.splitlines():  # the page's world and profile lines are the run's, word for word
         if line.startswith(("... world ", "... model profile: ")):
             assert line[4:] in out, (line, out)
     assert re.search(r"cp self-check \(cp_method=thd_docs, cp_size=2.*: passed", out), out
