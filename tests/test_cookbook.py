@@ -108,6 +108,7 @@ def test_cookbook_runs_as_written(tmp_path):
             assert line[4:] in out, (line, out)
     assert re.search(r"cp self-check \(cp_method=thd_docs, cp_size=2.*: passed", out), out
     assert "model config: cookbook/my-model (config.json)" in out, out
+    assert "tokenizer: cookbook/my-model (the model's own), 1024 ids" in out, out  # data.tokenizer left null
     losses = _train_losses(sft)
     assert sorted(losses) == list(range(1, 21)) and losses[20] < losses[1] - 1.0, losses
     assert f"step 20/20 | loss {losses[20]:.4f} |" in out, out  # the logged loss is the recorded one

@@ -113,3 +113,34 @@ def test_hub_id_offline_not_cached_is_a_clear_error(monkeypatch, tmp_path):
         ValueError, match=r"(?s)'automodel-test-org/no-such-tokenizer'.*HF_HUB_OFFLINE is set"
     ):
         load_tokenizer("automodel-test-org/no-such-tokenizer")
+
+
+def test_a_pretrained_model_brings_its_own_tokenizer(tmp_path):
+    """data.tokenizer null + model.pretrained_model_name_or_path: the model's tokenizer, not the shipped one (a
+    model fed another tokenizer's ids trains without an error, on wrong tokens); 'default' keeps the shipped one
+    on purpose; a model directory without tokenizer files is an error naming both keys."""
+
+    from automodel.data.tokenizer import load_run_tokenizer, tokenizer_source
+    from automodel.errors import UserInputError
+
+    assert tokenizer_source(None, None) is None  # a model built from a config: the shipped tokenizer
+    assert tokenizer_source(None, "org/model") == "org/model"
+    assert tokenizer_source("default", "org/model") == "default"
+    assert tokenizer_source("other/tok", "org/model") == "other/tok"
+
+    shipped = load_tokenizer(None)
+    own = PreTrainedTokenizerFast(tokenizer_object=shipped.backend_tokenizer, eos_token="<|endoftext|>")
+    own.add_tokens(["<extra_a>", "<extra_b>"])  # the model's tokenizer differs from the shipped one
+    model_dir = tmp_path / "model"
+    own.save_pretrained(model_dir)
+    assert len(load_run_tokenizer(None, str(model_dir))) == len(shipped) + 2
+    assert len(load_run_tokenizer("default", str(model_dir))) == len(shipped)
+
+    bare = tmp_path / "weights_only"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    with pytest.raises(UserInputError) as err:
+        load_run_tokenizer(None, str(bare))
+    msg = str(err.value)
+    assert "model.pretrained_model_name_or_path=" in msg and "has no tokenizer files" in msg
+    assert "set data.tokenizer to the tokenizer the model was trained with" in msg and "data.tokenizer=default" in msg

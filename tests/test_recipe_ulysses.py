@@ -216,7 +216,7 @@ def _weightless_model_dir(path: Path) -> list[str]:
 
     LlamaConfig(vocab_size=1024, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
                 num_attention_heads=3, num_key_value_heads=1).save_pretrained(path)  # fmt: skip
-    return ["~model.config", f"model.pretrained_model_name_or_path={path}"]
+    return ["~model.config", f"model.pretrained_model_name_or_path={path}", "data.tokenizer=default"]  # no tokenizer there
 
 
 def test_dry_run_checks_the_heads_of_a_pretrained_config(tmp_path):

@@ -128,7 +128,7 @@ class DataSection:
     validation_dataset: TargetNode | None = None  # None: data.dataset with split=validation_split
     train_split: str = "train"
     validation_split: str | None = "validation"  # None: no validation
-    tokenizer: str | None = None  # None: the shipped tokenizer
+    tokenizer: str | None = None  # None: the model's own (model.pretrained_model_name_or_path), else the shipped one
     seq_len: int = 512
     pad_to_multiple_of: int | None = None  # None: 2*cp_size (ring, thd) or cp_size (ulysses), *tp_size with sequence_parallel
     shuffle: bool = True

@@ -16,7 +16,7 @@ from automodel.data.hub_offline import (
 )
 from automodel.errors import UserInputError
 
-__all__ = ["load_tokenizer", "default_tokenizer_dir", "assets_dir", "ensure_pad_token"]
+__all__ = ["load_tokenizer", "load_run_tokenizer", "tokenizer_source", "default_tokenizer_dir", "assets_dir", "ensure_pad_token"]
 
 DEFAULT_NAMES = (None, "default")
 
@@ -103,3 +103,40 @@ def load_tokenizer(
             f"could not load tokenizer {name!r}: {why}; {not_cached_hint(name, allow_download)}"
         ) from exc
     return ensure_pad_token(tok)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+def tokenizer_source(tokenizer: str | None, pretrained_model: str | None) -> str | None:
+    """Where a run's tokenizer comes from: ``data.tokenizer`` when it names one (``"default"``: the shipped
+    tokenizer, on purpose); else the model's own (``model.pretrained_model_name_or_path``: a directory or a hub
+    id), since a model trained with one tokenizer and fed another's ids trains without an error, on wrong
+    tokens; else ``None``, the shipped tokenizer (a model built from a config)."""
+    if tokenizer is not None:
+        return tokenizer
+    return pretrained_model
+
+
+def load_run_tokenizer(
+    tokenizer: str | None, pretrained_model: str | None, allow_download: bool = False
+) -> PreTrainedTokenizerBase:
+    """:func:`load_tokenizer` of :func:`tokenizer_source`, with the config keys named when the model's own is
+    missing.
+
+    Raises:
+        UserInputError: ``data.tokenizer`` is null and the model directory holds no tokenizer files (the
+            message names both keys and the fix), or what :func:`load_tokenizer` raises.
+    """
+    source = tokenizer_source(tokenizer, pretrained_model)
+    if tokenizer is None and source is not None:
+        path = Path(source).expanduser()
+        if path.is_dir() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise UserInputError(
+                f"data.tokenizer is null, so the run uses the model's own tokenizer, but "
+                f"model.pretrained_model_name_or_path={source!r} has no tokenizer files "
+                f"({' / '.join(_TOKENIZER_FILES)}); set data.tokenizer to the tokenizer the model was trained "
+                "with (a directory written by tokenizer.save_pretrained() or a hub id), or data.tokenizer=default "
+                "to train it with the shipped tokenizer on purpose"
+            )
+    return load_tokenizer(source, allow_download=allow_download)

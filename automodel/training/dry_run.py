@@ -70,14 +70,17 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def _tokenizer_vocab(name: str | None) -> tuple[int | None, str]:
-    """Vocabulary size of the tokenizer if it can be read locally (no network in a dry run)."""
-    if name not in (None, "default") and not Path(str(name)).expanduser().is_dir():
-        return None, f"{name} (hub id: not loaded in a dry run)"
-    from automodel.data import load_tokenizer
+def _tokenizer_vocab(name: str | None, pretrained_model: str | None) -> tuple[int | None, str]:
+    """Vocabulary size of the run's tokenizer (``data.tokenizer``, else the model's own, else the shipped one:
+    :func:`~automodel.data.tokenizer.tokenizer_source`) if it can be read locally (no network in a dry run)."""
+    from automodel.data.tokenizer import load_run_tokenizer, tokenizer_source
 
-    tok = load_tokenizer(name)
-    return len(tok), f"{name or 'shipped default'} ({len(tok)} ids)"
+    source = tokenizer_source(name, pretrained_model)
+    own = " (the model's own)" if name is None and source is not None else ""
+    if source not in (None, "default") and not Path(str(source)).expanduser().is_dir():
+        return None, f"{source}{own} (hub id: not loaded in a dry run)"
+    tok = load_run_tokenizer(name, pretrained_model)
+    return len(tok), f"{source or 'shipped default'}{own} ({len(tok)} ids)"
 
 
 @dataclass
@@ -173,7 +176,7 @@ def _meta_model(plan: _Plan) -> tuple[Any, Any, str, Any]:
 
     cfg, d = plan.cfg, plan.cfg.distributed
     resolved = resolve_model_config(cfg.model, dry_run=True)
-    vocab_needed, tok_desc = _tokenizer_vocab(cfg.data.tokenizer)
+    vocab_needed, tok_desc = _tokenizer_vocab(cfg.data.tokenizer, cfg.model.pretrained_model_name_or_path)
     attn = cfg.model.attn_implementation or "sdpa"
     check_model_for_run(
         resolved.config,

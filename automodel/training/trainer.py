@@ -260,14 +260,18 @@ class FinetuneTrainer:
 
     def _check_model_config(self) -> Any:
         """Tokenizer and model config, checked against the run before data or weights load; the resolved config."""
-        from automodel.data import load_tokenizer
+        from automodel.data.tokenizer import load_run_tokenizer
         from automodel.models.cp_check import check_model_for_cp_run
         from automodel.models.loader import check_model_for_run, resolve_model_config
         from automodel.models.parallelize import check_model_config_for_tp
 
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer, allow_download=cfg.model.allow_download)
-        resolved = resolve_model_config(cfg.model)
+        resolved = resolve_model_config(cfg.model)  # first: a wrong model path is named before its tokenizer
+        self.tokenizer = load_run_tokenizer(
+            cfg.data.tokenizer, cfg.model.pretrained_model_name_or_path, allow_download=cfg.model.allow_download
+        )
+        own = " (the model's own)" if cfg.data.tokenizer is None and cfg.model.pretrained_model_name_or_path else ""
+        logger.info("tokenizer: %s%s, %d ids", self.tokenizer.name_or_path, own, len(self.tokenizer))
         self.attn_implementation = cfg.model.attn_implementation or "sdpa"
         check_model_for_run(
             resolved.config,
