@@ -84,12 +84,14 @@ def test_messages_mask_everything_but_assistant_turns(tok, tmp_path):
     assert torch.equal(lab[lab != -100], inp[lab != -100])
 
 
-def test_truncation_keeps_the_first_seq_len_plus_one_tokens(tok, tmp_path):
+def test_truncation_keeps_the_first_seq_len_plus_one_tokens(tok, tmp_path, caplog):
     rec = {"prompt": "Q:", "response": " " + " ".join(str(i) for i in range(60))}
     path = _write(tmp_path / "t.jsonl", [rec])
     full = [tok.bos_token_id] + _ids(tok, rec["prompt"]) + _ids(tok, rec["response"]) + [tok.eos_token_id]
-    ds = InstructionDataset(path=path, tokenizer=tok, seq_len=16, split="all")
+    with caplog.at_level("INFO", logger="automodel.data.instruction_dataset"):
+        ds = InstructionDataset(path=path, tokenizer=tok, seq_len=16, split="all")
     assert ds.num_truncated == 1
+    assert "1 of 1 examples of" in caplog.text and "truncated to seq_len+1=17 tokens" in caplog.text
     assert ds[0]["input_ids"].tolist() == full[:16]
     assert ds[0]["labels"][-1].item() == full[16]
     # a prompt longer than seq_len leaves no trainable token: counted (and logged), not hidden

@@ -213,6 +213,11 @@ class InstructionDataset(RowsDataset, Dataset):
                 self.num_without_labels += 1
             examples.append(shift_example(np.asarray(toks), np.asarray(train)))
         self.num_examples = len(examples)
+        if self.num_truncated:  # as HFDataset says it: the end of a long example is not trained on
+            logger.info(
+                "%d of %d examples of %s truncated to seq_len+1=%d tokens",
+                self.num_truncated, len(examples), where, self.seq_len + 1,
+            )  # fmt: skip
         if self.num_without_labels:
             logger.warning(
                 "%d of %d examples of %s have no trainable token after truncation to seq_len=%d (prompt too "
