@@ -124,8 +124,8 @@ def _meta_profile(family: str) -> Any:
 
     fam = family_by_name(family)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(fam.build_config(), attn_implementation=fam.attn)
-    return profile_model(model, fam.attn)
+        model = AutoModelForCausalLM.from_config(fam.build_config(), attn_implementation=fam.attn_implementation())
+    return profile_model(model, fam.attn_implementation())
 
 
 def _model_type(family: str) -> str:

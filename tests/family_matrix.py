@@ -39,6 +39,7 @@ __all__ = [
     "CP",
     "CP4_METHODS",
     "DOC_LENGTHS",
+    "ABSENT",
     "FAMILIES",
     "PACKED",
     "SEQ",
@@ -62,6 +63,17 @@ class Family:
     train_mode: bool = True  # False only where training mode is random by design (noted in `note`)
     note: str = ""
 
+    def attn_implementation(self) -> str:
+        """``attn``, except that an entry written for ``sdpa`` runs ``eager`` where the installed transformers has no
+        SDPA path for the model yet (gptj and codegen before 5.18), as a user of that release trains it."""
+        if self.attn != "sdpa":
+            return self.attn
+        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        model_class = AutoModelForCausalLM._model_mapping.get(CONFIG_MAPPING[self.model_type], None)
+        return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", True) else "eager"
+
     def build_config(self):
         """A tiny fp32 config of this family (no download), every dropout probability set to 0."""
         from transformers import AutoConfig
@@ -73,13 +85,13 @@ class Family:
         return config
 
     def build_model(self, seed: int = 0):
-        """The model from :meth:`build_config` with ``attn`` and weights drawn from ``seed``, in train mode."""
+        """The model from :meth:`build_config` with :meth:`attn_implementation` and weights drawn from ``seed``, in train mode."""
         import torch
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(
-            self.build_config(), attn_implementation=self.attn, dtype=torch.float32
+            self.build_config(), attn_implementation=self.attn_implementation(), dtype=torch.float32
         )
         return model.train(self.train_mode)
 
@@ -355,6 +367,23 @@ FAMILIES: list[Family] = [
 ]
 
 UNBUILDABLE: dict[str, str] = {}
+
+
+def _for_installed_transformers(families: list[Family]) -> tuple[list[Family], dict[str, str]]:
+    """``(the families the installed transformers has, {name: why left out})``: a compat run on an older release
+    (scripts/compat.sh) leaves out what it does not ship instead of crashing on it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    kept = [fam for fam in families if fam.model_type in CONFIG_MAPPING_NAMES]
+    absent = {
+        fam.name: f"model_type {fam.model_type!r} is not in this transformers release"
+        for fam in families
+        if fam.model_type not in CONFIG_MAPPING_NAMES
+    }
+    return kept, absent
+
+
+FAMILIES, ABSENT = _for_installed_transformers(FAMILIES)
 
 
 def family_by_name(name: str) -> Family:

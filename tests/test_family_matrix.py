@@ -59,11 +59,11 @@ def test_reference_is_deterministic_and_uses_the_attention_users_get(matrix):
         meta = matrix[0]["meta"][fam.name]
         if not meta.get("deterministic"):
             problems.append(f"{fam.name}: two single-process steps differ (dropout? a sampling router?)")
-        if meta.get("attn_used") != fam.attn:
-            problems.append(f"{fam.name}: built with attn {meta.get('attn_used')!r}, the entry says {fam.attn!r}")
+        if meta.get("attn_used") != fam.attn_implementation():
+            problems.append(f"{fam.name}: built with attn {meta.get('attn_used')!r}, the entry says {fam.attn_implementation()!r}")
         expected = "sdpa" if meta.get("supports_sdpa") else "eager"
-        if fam.attn != expected:
-            problems.append(f"{fam.name}: trains with {expected!r} by default, the entry says {fam.attn!r}")
+        if fam.attn_implementation() != expected:
+            problems.append(f"{fam.name}: trains with {expected!r} by default, the entry says {fam.attn_implementation()!r}")
     assert not problems, "\n".join(problems)
 
 

@@ -43,7 +43,7 @@ def _profile(family: str):
 
     fam = next(f for f in FAMILIES if f.name == family)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(fam.build_config(), attn_implementation=fam.attn)
+        model = AutoModelForCausalLM.from_config(fam.build_config(), attn_implementation=fam.attn_implementation())
     return profile_model(model)
 
 

@@ -30,7 +30,7 @@ def build_model(family: str):
     config = fam.build_config()
     config.attn_temperature_tuning, config.floor_scale, config.attn_scale = True, 4, 0.5
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32)
     return model.train(fam.train_mode)
 
 

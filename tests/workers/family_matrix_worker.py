@@ -338,7 +338,7 @@ def _run_families(fams: list, columns: tuple[str, ...], ranks: list[int], agree_
     rebuilt = 0
     for fam in fams:
         t0 = time.perf_counter()
-        info = {"model_type": fam.model_type, "kinds": fam.kinds, "attn": fam.attn, "note": fam.note}
+        info = {"model_type": fam.model_type, "kinds": fam.kinds, "attn": fam.attn_implementation(), "note": fam.note}
         refs: dict[bool, tuple] = {}
         base = pristine = None
         known: dict[str, dict] = {}

@@ -60,7 +60,7 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
     if family == "kimi_linear":  # dense MLPs: its MoE router computes in fp32, which would blur the fp64 proof
         config.mlp_layer_types = ["dense"] * config.num_hidden_layers
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn, dtype=dtype,
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=dtype,
                                              experts_implementation="eager")  # grouped_mm: no fp64
     with torch.no_grad():
         for module in model.modules():

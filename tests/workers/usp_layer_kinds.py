@@ -36,7 +36,7 @@ def _model(family: str, dtype: torch.dtype):
         config = fam.build_config()
         config.attn_temperature_tuning, config.floor_scale = True, 4  # layer 1 (NoPE) scales its queries
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn, dtype=torch.float32).train()
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32).train()
     else:
         model = family_by_name(family).build_model(0)
     if dtype == torch.float64 and hasattr(model, "set_experts_implementation"):
