@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel.distributed.cp_utils import make_cp_batch_and_ctx
-from automodel.distributed.mesh import ParallelDims, init_distributed
+from automodel.distributed.mesh import ParallelDims, destroy_distributed, init_distributed
 
 
 def main() -> None:
@@ -37,4 +37,4 @@ def main() -> None:
 if __name__ == "__main__":
     init_distributed()  # gloo on CPU, nccl on CUDA
     main()
-    dist.destroy_process_group()  # after main(): no tensor or group of the run is still referenced
+    destroy_distributed()  # after main(): destroys the process groups and frees them while Python is alive

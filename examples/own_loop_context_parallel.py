@@ -6,7 +6,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel.distributed.cp import context_parallel
-from automodel.distributed.mesh import ParallelDims, init_distributed
+from automodel.distributed.mesh import ParallelDims, destroy_distributed, init_distributed
 
 
 def main(method: str) -> None:
@@ -44,4 +44,4 @@ def main(method: str) -> None:
 if __name__ == "__main__":
     init_distributed()  # gloo on CPU, nccl on CUDA
     main(sys.argv[1] if len(sys.argv) > 1 else "thd_docs")  # ulysses | thd | thd_docs | usp (ring: one document a row)
-    dist.destroy_process_group()  # after main(): no tensor or group of the run is still referenced
+    destroy_distributed()  # after main(): destroys the process groups and frees them while Python is alive

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel.distributed.cp.thd_docs import model_cost
 from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
-from automodel.distributed.mesh import ParallelDims, init_distributed
+from automodel.distributed.mesh import ParallelDims, destroy_distributed, init_distributed
 
 
 def main() -> None:
@@ -47,4 +47,4 @@ def main() -> None:
 if __name__ == "__main__":
     init_distributed()  # gloo on CPU, nccl on CUDA
     main()
-    dist.destroy_process_group()  # after main(): no tensor or group of the run is still referenced
+    destroy_distributed()  # after main(): destroys the process groups and frees them while Python is alive

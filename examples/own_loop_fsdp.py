@@ -4,7 +4,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel.distributed.cp import context_parallel
-from automodel.distributed.mesh import ParallelDims, get_submesh, init_distributed
+from automodel.distributed.mesh import ParallelDims, destroy_distributed, get_submesh, init_distributed
 from automodel.models.parallelize import apply_fsdp2
 
 
@@ -50,4 +50,4 @@ def main() -> None:
 if __name__ == "__main__":
     init_distributed()  # gloo on CPU, nccl on CUDA
     main()
-    dist.destroy_process_group()  # after main(): no tensor or group of the run is still referenced
+    destroy_distributed()  # after main(): destroys the process groups and frees them while Python is alive

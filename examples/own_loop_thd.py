@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from automodel.distributed.mesh import ParallelDims, init_distributed
+from automodel.distributed.mesh import ParallelDims, destroy_distributed, init_distributed
 from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
 
 
@@ -48,4 +48,4 @@ def main() -> None:
 if __name__ == "__main__":
     init_distributed()  # gloo on CPU, nccl on CUDA
     main()
-    dist.destroy_process_group()  # after main(): no tensor or group of the run is still referenced
+    destroy_distributed()  # after main(): destroys the process groups and frees them while Python is alive

@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             return report_error_before_setup(str(e))
         return 0
 
-    import torch.distributed as dist
-
+    from automodel.distributed.mesh import destroy_distributed
     from automodel.training.console_hold import hold_console
     from automodel.training.peer_loss import stop_quietly_if_peer_lost
     from automodel.training.trainer import FinetuneTrainer
@@ -78,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     finally:
         console.restore()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_distributed()  # the groups freed while Python is alive (their gloo threads joined)
     return EXIT_SIGTERM if result.stopped_by_sigterm else 0
 
 
 if __name__ == "__main__":
+    from automodel.distributed.mesh import destroy_distributed
     from automodel.training.user_errors import exit_process
 
-    exit_process(main(), keep=(0, EXIT_SIGTERM))
+    code = main()
+    destroy_distributed()  # now that nothing of the run is referenced: its process groups are freed here
+    exit_process(code, keep=(0, EXIT_SIGTERM))

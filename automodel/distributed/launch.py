@@ -48,13 +48,15 @@ def _worker(target: str, rank: int, world_size: int, port: int, kwargs: dict, ou
     try:
         import torch.distributed as dist
 
+        from automodel.distributed.mesh import destroy_distributed
+
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         module_name, fn_name = target.split(":")
         fn = getattr(importlib.import_module(module_name), fn_name)
         result = fn(rank, world_size, **kwargs)
         torch.save({"ok": True, "result": result}, out)
         dist.barrier()
-        dist.destroy_process_group()
+        destroy_distributed()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         torch.save({"ok": False, "error": traceback.format_exc()}, out)
         raise

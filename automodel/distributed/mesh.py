@@ -15,6 +15,7 @@ Ranks of one ``cp`` group see the same rows and split each row's sequence.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from automodel.distributed.torch_internals import concatenate_meshes, flatten_me
 
 __all__ = [
     "ParallelDims",
+    "destroy_distributed",
     "build_device_mesh",
     "default_backend",
     "default_device_type",
@@ -210,3 +212,20 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def destroy_distributed() -> None:
+    """End ``torch.distributed`` in this process: destroy every process group, and free them now.
+
+    ``dist.destroy_process_group()`` unregisters the groups, but a group that cyclic garbage still refers to (a
+    ``DeviceMesh``, a CP handle) lives on, and so do its gloo worker threads. Freed later, during the
+    interpreter's shutdown, such a thread can be releasing the tensors of its last collective, which needs the
+    GIL the finalizing interpreter no longer gives: the process aborts ("terminate called without an active
+    exception", SIGABRT) after its work is done (a torch issue: pytorch/pytorch#190489). Collecting the garbage
+    here destroys the groups while the interpreter is alive, and each one joins its threads. Call it last, after
+    the code that used the groups has returned (nothing of the run referenced any more). A no-op without an
+    initialised process group.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
