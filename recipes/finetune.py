@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             return report_error_before_setup(str(e))
         return 0
 
-    from automodel.distributed.mesh import destroy_distributed
+    import torch.distributed as dist
+
     from automodel.training.console_hold import hold_console
     from automodel.training.peer_loss import stop_quietly_if_peer_lost
     from automodel.training.trainer import FinetuneTrainer
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     finally:
         console.restore()
-        destroy_distributed()  # the groups freed while Python is alive (their gloo threads joined)
+        if dist.is_initialized():  # the groups are freed once main() returns (destroy_distributed below)
+            dist.destroy_process_group()
     return EXIT_SIGTERM if result.stopped_by_sigterm else 0
 
 

@@ -12,6 +12,17 @@ import sys
 from tests.dist_harness import REPO_ROOT, free_port
 
 
+def _run_example(name: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc examples/<name> args`` on 127.0.0.1, one thread per rank."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        str(REPO_ROOT / "examples" / name), *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+
+
 def test_own_loop_page_shows_the_example_files():
     page = (REPO_ROOT / "docs" / "own_loop.md").read_text()
     for marker, name in (("own_loop", "own_loop.py"), ("own_loop_fsdp", "own_loop_fsdp.py")):
@@ -31,13 +42,7 @@ def test_readme_dp_fsdp_snippet_is_taken_from_the_example():
 
 
 def test_own_loop_example_runs_on_two_ranks():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(REPO_ROOT / "examples" / "own_loop.py"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    proc = _run_example("own_loop.py", 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     match = re.search(r"loss (\d+\.\d+) over 1024 tokens", proc.stdout)
     assert match, proc.stdout
@@ -52,13 +57,7 @@ def test_readme_context_parallel_example_is_the_example_file():
 
 
 def test_context_parallel_example_runs_on_two_ranks():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(REPO_ROOT / "examples" / "own_loop_context_parallel.py"), "thd_docs",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    proc = _run_example("own_loop_context_parallel.py", 2, "thd_docs")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "context_parallel: method thd_docs" in proc.stdout and "cp_size 2" in proc.stdout
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) over 36 tokens \(thd_docs\)", proc.stdout)]
@@ -106,13 +105,7 @@ def test_fsdp_example_matches_one_process_on_four_ranks():
     """Data parallel x CP with FSDP2 through context_parallel (the README's "with DP and FSDP2"): the loss and
     gradient norm of both steps equal one process's, each document run alone (the second step also proves the
     first update was the same)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(REPO_ROOT / "examples" / "own_loop_fsdp.py"),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
+    proc = _run_example("own_loop_fsdp.py", 4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [(float(a), float(b)) for a, b in re.findall(r"loss (\d+\.\d+) grad norm (\d+\.\d+) over 45 tokens", proc.stdout)]
     assert len(got) == 2, proc.stdout

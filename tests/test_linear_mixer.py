@@ -19,14 +19,7 @@ from automodel.distributed.cp.layers.linear_support import linear_mixer_problem
 from automodel.distributed.cp.profile import LINEAR, LayerSpec
 from tests.dist_harness import run_distributed
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is fastest and does not fight the other processes for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _mixer(model_type: str, dtype=torch.float64):

@@ -29,13 +29,7 @@ from automodel.distributed.cp.layers.state_chain import Chain
 from tests.dist_harness import run_distributed
 from tests.workers import state_mixers_worker as worker
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _mixer(model_type: str):

@@ -38,12 +38,7 @@ FP64_MIXER = 1e-12  # every other parameter of the mixer layer
 FP64_MODEL = 1e-6  # the rest of the model: routers and norms that compute in fp32 in an fp64 model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _mixer(family: str, dtype=torch.float64):

@@ -16,6 +16,7 @@ from automodel.config.peft_rules import peft_problems
 from automodel.config.sample_rules import sample_problems
 from automodel.config.schema import RecipeConfig
 from automodel.distributed.cp import AUTO, CPMethod, cp_methods
+from automodel.distributed.cp.registry import alternative_label
 from automodel.distributed.tensor_parallel import tp_size_problems
 
 __all__ = [
@@ -102,12 +103,11 @@ def config_alternatives(cfg: RecipeConfig, world_size: int, cuda_available: bool
     not known here (the model check, before any weight loads, names the methods that compute them)."""
     found: dict[str, tuple[str, set[str]]] = {}  # per method: its first configuration with the fewest problems
     for name, method in cp_methods().items():
-        for _m, options in method.auto_configs(cfg.distributed.cp_size, ranks_per_node(cfg)):
+        for configured, options in method.auto_configs(cfg.distributed.cp_size, ranks_per_node(cfg)):
             problems = set(check_rules(config_with_method(cfg, name, options), world_size, cuda_available,
                                        alternatives=False))  # fmt: skip
             if name not in found or len(problems) < len(found[name][1]):
-                label = name + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
-                found[name] = (label, problems)
+                found[name] = (alternative_label(configured, options), problems)
     if not found:
         return []
     common = set.intersection(*(problems for _, problems in found.values()))

@@ -16,7 +16,7 @@ from automodel.data.hub_offline import (
 )
 from automodel.errors import UserInputError
 
-__all__ = ["load_tokenizer", "load_run_tokenizer", "tokenizer_source", "default_tokenizer_dir", "assets_dir", "ensure_pad_token"]
+__all__ = ["load_tokenizer", "load_run_tokenizer", "own_tokenizer_note", "tokenizer_source", "default_tokenizer_dir", "assets_dir", "ensure_pad_token"]
 
 DEFAULT_NAMES = (None, "default")
 
@@ -116,6 +116,11 @@ def tokenizer_source(tokenizer: str | None, pretrained_model: str | None) -> str
     if tokenizer is not None:
         return tokenizer
     return pretrained_model
+
+
+def own_tokenizer_note(tokenizer: str | None, pretrained_model: str | None) -> str:
+    """``" (the model's own)"`` when :func:`tokenizer_source` takes the model's tokenizer, else ``""`` (for logs)."""
+    return " (the model's own)" if tokenizer is None and pretrained_model is not None else ""
 
 
 def load_run_tokenizer(

@@ -73,10 +73,10 @@ def _gib(n_bytes: float) -> str:
 def _tokenizer_vocab(name: str | None, pretrained_model: str | None) -> tuple[int | None, str]:
     """Vocabulary size of the run's tokenizer (``data.tokenizer``, else the model's own, else the shipped one:
     :func:`~automodel.data.tokenizer.tokenizer_source`) if it can be read locally (no network in a dry run)."""
-    from automodel.data.tokenizer import load_run_tokenizer, tokenizer_source
+    from automodel.data.tokenizer import load_run_tokenizer, own_tokenizer_note, tokenizer_source
 
     source = tokenizer_source(name, pretrained_model)
-    own = " (the model's own)" if name is None and source is not None else ""
+    own = own_tokenizer_note(name, pretrained_model)
     if source not in (None, "default") and not Path(str(source)).expanduser().is_dir():
         return None, f"{source}{own} (hub id: not loaded in a dry run)"
     tok = load_run_tokenizer(name, pretrained_model)

@@ -260,7 +260,7 @@ class FinetuneTrainer:
 
     def _check_model_config(self) -> Any:
         """Tokenizer and model config, checked against the run before data or weights load; the resolved config."""
-        from automodel.data.tokenizer import load_run_tokenizer
+        from automodel.data.tokenizer import load_run_tokenizer, own_tokenizer_note
         from automodel.models.cp_check import check_model_for_cp_run
         from automodel.models.loader import check_model_for_run, resolve_model_config
         from automodel.models.parallelize import check_model_config_for_tp
@@ -270,7 +270,7 @@ class FinetuneTrainer:
         self.tokenizer = load_run_tokenizer(
             cfg.data.tokenizer, cfg.model.pretrained_model_name_or_path, allow_download=cfg.model.allow_download
         )
-        own = " (the model's own)" if cfg.data.tokenizer is None and cfg.model.pretrained_model_name_or_path else ""
+        own = own_tokenizer_note(cfg.data.tokenizer, cfg.model.pretrained_model_name_or_path)
         logger.info("tokenizer: %s%s, %d ids", self.tokenizer.name_or_path, own, len(self.tokenizer))
         self.attn_implementation = cfg.model.attn_implementation or "sdpa"
         check_model_for_run(

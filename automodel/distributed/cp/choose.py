@@ -38,7 +38,7 @@ from typing import Any
 
 from automodel.distributed.cp.method import CPMethod, ExchangeTerm
 from automodel.distributed.cp.profile import ModelProfile
-from automodel.distributed.cp.registry import cp_methods, run_problems
+from automodel.distributed.cp.registry import alternative_label, cp_methods, run_problems
 from automodel.errors import CPUnsupportedError
 
 __all__ = [
@@ -87,8 +87,7 @@ class Candidate:
     @property
     def label(self) -> str:
         """``usp (ulysses_size=2)``; the bare name without options."""
-        opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
-        return f"{self.name} ({opts})" if opts else self.name
+        return alternative_label(self.method, self.options)
 
     @property
     def computes(self) -> bool:
