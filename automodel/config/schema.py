@@ -101,6 +101,10 @@ class ModelSection:
     dtype: DType = "float32"  # dtype of the master weights
     attn_implementation: str | None = None  # None: "sdpa" (required by ring CP; ulysses: the inner kernel)
     activation_checkpointing: bool = False
+    # Sequence-tiled MLP (automodel.models.tiled_mlp): false | true (tile picked from hidden and MLP sizes) | tokens per tile
+    tiled_mlp: bool | int = False
+    # The layer inputs that activation checkpointing keeps live in host memory (needs activation_checkpointing)
+    activation_offload: bool = False
     compile: bool = False  # torch.compile each decoder block (static shapes; CP attention outside the graph)
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # model.compile and compiled autograd
     trust_remote_code: bool = False
@@ -116,6 +120,7 @@ class FSDPSection:
     param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     reduce_dtype: DType = "float32"
     reshard_after_forward: bool = True
+    offload: Literal[False, "optimizer", "all"] = False  # optimizer: optimizer state and step on the host; all: parameters too
 
 
 @dataclass
