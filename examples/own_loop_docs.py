@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from automodel.distributed.cp.thd_docs import model_cost
-from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
+from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx, set_doc_attention
 from automodel.distributed.mesh import ParallelDims, destroy_distributed, init_distributed
 
 

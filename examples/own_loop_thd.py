@@ -4,8 +4,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 from automodel.distributed.mesh import ParallelDims, destroy_distributed, init_distributed
-from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
 
 
 def main() -> None:

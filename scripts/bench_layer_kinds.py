@@ -125,7 +125,7 @@ def _local(x, ids):
 
 def full_thd(q, k, v, ctx):
     """thd's portable kernel: K/V all-gathered, dK/dV reduce-scattered (one document per row)."""
-    from automodel.distributed.thd_attention import THDPlan, thd_attention
+    from automodel.distributed.cp.gathered_attention import THDPlan, thd_attention
 
     seq = ctx["seq"]
     plan = THDPlan(ctx["group"], ctx["world"], ctx["rank"], [0, seq], [0, seq], seq)
@@ -135,8 +135,8 @@ def full_thd(q, k, v, ctx):
 
 def _halo(layout_name: str, **kernel):
     def build(q, k, v, ctx):
-        from automodel.distributed.cp.kernels.masked_attention import halo_attention
-        from automodel.distributed.cp.kernels.token_layout import ring_layout, thd_layout
+        from automodel.distributed.cp.layers.masked_attention import halo_attention
+        from automodel.distributed.cp.layout import ring_layout, thd_layout
 
         seq = ctx["seq"]
         if layout_name == "ring":

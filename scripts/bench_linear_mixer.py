@@ -7,7 +7,7 @@ length S, one step = forward + backward of the layer on this rank's S/2 tokens (
 output), inside the method's context:
 
 - ``thd``: linear layer: the conv halo and recurrent state chained across the ranks
-  (:mod:`automodel.distributed.cp.linear_mixer`); full attention: K/V all-gathered per layer, dK/dV
+  (:mod:`automodel.distributed.cp.layers.linear_mixer`); full attention: K/V all-gathered per layer, dK/dV
   reduce-scattered (the portable THD kernel);
 - ``ulysses``: linear layer: q/k/v/b/a all-to-all to a head shard, output back; full attention: q/k/v
   all-to-all, output back.
@@ -91,7 +91,8 @@ def _layers():
 
 def _context(method: str, seq: int, group, world: int, rank: int):
     if method == "thd":
-        from automodel.distributed.thd_attention import THDPlan, register_thd_attention, thd_context
+        from automodel.distributed.cp.gathered_attention import THDPlan
+        from automodel.distributed.cp.thd.attention import register_thd_attention, thd_context
 
         register_thd_attention()
         plan = THDPlan(group=group, world_size=world, rank=rank, cu_seqlens_padded=[0, seq], cu_seqlens=[0, seq],
@@ -99,7 +100,11 @@ def _context(method: str, seq: int, group, world: int, rank: int):
         local_pos = torch.cat([torch.arange(r * seq // (2 * world), (r + 1) * seq // (2 * world))
                                for r in (rank, 2 * world - 1 - rank)])
         return (lambda: thd_context(plan, require_attention=False)), local_pos
-    from automodel.distributed.ulysses import UlyssesContext, register_ulysses_attention, ulysses_context
+    from automodel.distributed.cp.ulysses.attention import (
+        UlyssesContext,
+        register_ulysses_attention,
+        ulysses_context,
+    )
 
     register_ulysses_attention()
     ctx = UlyssesContext(group=group, world_size=world, rank=rank, inner_attn="sdpa",
@@ -119,10 +124,10 @@ def worker(rank: int, world_size: int, seq_lens: list[int], steps: int) -> list[
     import torch.distributed as dist
     import transformers
 
-    from automodel.distributed.cp.linear_mixer import install_linear_mixers
+    from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
     from automodel.distributed.cp.profile import LINEAR, LayerSpec
-    from automodel.distributed.thd_attention import current_thd_plan
-    from automodel.distributed.ulysses import current_ulysses_context
+    from automodel.distributed.cp.thd.attention import current_thd_plan
+    from automodel.distributed.cp.ulysses.attention import current_ulysses_context
 
     transformers.logging.set_verbosity_error()
     group = dist.new_group(backend="gloo")

@@ -176,7 +176,10 @@ def _worker(
         batch = _rows_batch(lens, 2 * world, vocab)
         fn = make_cp_batch_and_ctx
     elif method == "ulysses":
-        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+        from automodel.distributed.cp.ulysses.attention import (
+            make_ulysses_batch_and_ctx,
+            set_ulysses_attention,
+        )
 
         batch = _packed_batch(lens, seq_len, world if dist_name == "uniform" else 1, vocab)
         inner = set_ulysses_attention(model, mesh)
@@ -185,7 +188,7 @@ def _worker(
             return make_ulysses_batch_and_ctx(m, b, inner_attn=inner)
     elif method == "thd_docs":
         from automodel.distributed.cp.thd_docs import model_cost
-        from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
+        from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx, set_doc_attention
 
         batch = _packed_batch(lens, seq_len, 1, vocab)
         set_doc_attention(model)
@@ -194,7 +197,7 @@ def _worker(
         def fn(m, b):
             return make_doc_batch_and_ctx(m, b, cost=cost)
     else:
-        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+        from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 
         batch = _packed_batch(lens, seq_len, 2 * world, vocab)
         set_thd_attention(model)

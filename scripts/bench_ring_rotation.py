@@ -2,7 +2,7 @@
 """What the synchronous CPU ring rotation costs: torch's asynchronous rotaters vs ``cpu_ring``'s blocking one.
 
 Two gloo ranks (one thread each) run causal SDPA forward + backward under ring CP
-(``create_context_parallel_ctx``, i.e. ``automodel.distributed.cpu_ring``) on ``[1, H, S, D]`` fp32
+(``create_context_parallel_ctx``, i.e. ``automodel.distributed.cp.ring.cpu_ring``) on ``[1, H, S, D]`` fp32
 q/k/v, alternating the two rotations step by step (A B A B ...) so that a changing machine load hits
 both alike. Printed per sequence length: the median step time (slower rank) of
 

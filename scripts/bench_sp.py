@@ -67,7 +67,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+    from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
     seq = args.seq_len
@@ -137,7 +137,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     }
 
     # ---- ring
-    # RING HALF: torch's context_parallel ring attention, on CPU through automodel.distributed.cpu_ring,
+    # RING HALF: torch's context_parallel ring attention, on CPU through automodel.distributed.cp.ring.cpu_ring,
     # driven by the lead's public API automodel.distributed.cp_utils.make_cp_batch_and_ctx.
     try:
         from automodel.distributed.cp_utils import create_context_parallel_ctx, make_cp_batch_and_ctx

@@ -100,10 +100,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
+    from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
+    from automodel.distributed.cp.usp.attention import make_usp_batch_and_ctx, set_usp_attention
     from automodel.distributed.cp_utils import make_cp_batch_and_ctx
-    from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
-    from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
-    from automodel.distributed.usp_attention import make_usp_batch_and_ctx, set_usp_attention
 
     counter = ByteCounter(rank)
     counter.install()

@@ -682,7 +682,7 @@ def check_throughput(device: torch.device) -> list[Result]:
 def check_thd_kernels(device: torch.device) -> list[Result]:
     """thd's kernels at world size 1 in bf16 against its portable kernel in fp32 (our blocks, now fused on CUDA):
     the portable kernel itself, and ``flash_attn`` / ``te`` where their packages import (else one SKIP line)."""
-    from automodel.distributed.thd_attention import THDPlan, thd_attention
+    from automodel.distributed.cp.gathered_attention import THDPlan, thd_attention
 
     lens = [1, 22, 13, 7, 40]
     padded = [-(-n // 2) * 2 for n in lens]

@@ -9,7 +9,9 @@ import re
 import pytest
 import torch
 
-from automodel.distributed import cp_utils, cpu_ring, hf_causal_mask, torch_internals
+from automodel.distributed import cp_utils, torch_internals
+from automodel.distributed.cp.ring import causal_mask as hf_causal_mask
+from automodel.distributed.cp.ring import cpu_ring
 from automodel.distributed.cp_utils import (
     _build_position_ids,
     create_context_parallel_ctx,

@@ -1,4 +1,4 @@
-"""Attention one document block at a time (automodel.distributed.doc_block_attention), as Ulysses
+"""Attention one document block at a time (automodel.distributed.cp.ulysses.doc_blocks), as Ulysses
 uses it for packed / padded rows: the layouts it accepts, exact equality with the dense-mask
 attention (values and gradients), no [S, S] mask ever built, and memory without an S**2 term."""
 
@@ -13,8 +13,12 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from automodel.distributed.doc_block_attention import document_block_attention, document_segments
-from automodel.distributed.ulysses import UlyssesContext, make_ulysses_batch_and_ctx, set_ulysses_attention
+from automodel.distributed.cp.ulysses.attention import (
+    UlyssesContext,
+    make_ulysses_batch_and_ctx,
+    set_ulysses_attention,
+)
+from automodel.distributed.cp.ulysses.doc_blocks import document_block_attention, document_segments
 from automodel.training.cpu_memory import MMAP_ENV
 from tests.dist_harness import REPO_ROOT
 from tests.workers.ulysses_worker import make_batch, tiny_llama

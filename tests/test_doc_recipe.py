@@ -18,7 +18,7 @@ PACKED = "configs/cp_packed.yaml"
 
 
 def test_registry_entry_and_layout():
-    from automodel.distributed.doc_attention import make_doc_batch_and_ctx
+    from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx
 
     m = get_cp_method("thd_docs")
     assert m.batch_function() is make_doc_batch_and_ctx
@@ -102,8 +102,8 @@ def test_layer_kinds_are_computed_as_thd_computes_them():
 
 
 def test_windows_shorter_than_a_document_run_the_halo_kernel_at_the_call():
+    from automodel.distributed.cp.thd_docs.attention import DocPlan, doc_attention_forward, doc_context
     from automodel.distributed.cp.thd_docs.placement import plan_documents
-    from automodel.distributed.doc_attention import DocPlan, doc_attention_forward, doc_context
 
     plan = DocPlan(None, 1, 0, plan_documents([3, 8], 1), 8)
     g = torch.Generator().manual_seed(0)
@@ -127,7 +127,7 @@ def test_windows_shorter_than_a_document_run_the_halo_kernel_at_the_call():
 
 
 def test_bad_batches():
-    from automodel.distributed.doc_attention import make_doc_batch_and_ctx
+    from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx
 
     batch = {"input_ids": torch.ones(1, 8, dtype=torch.long), "seq_lens_padded": torch.tensor([[3, 4]])}
     with pytest.raises(ValueError, match=r"row 0: seq_lens_padded \[3, 4\] must .* add up to the row length 8"):
@@ -140,7 +140,7 @@ def test_bad_batches():
 
 
 def test_pad_slots_are_left_out_only_when_they_carry_no_loss():
-    from automodel.distributed.doc_attention import make_doc_batch_and_ctx
+    from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx
 
     def batch(**extra):
         labels = torch.tensor([[5, 6, 7, -100, 8, 9, -100, -100]])

@@ -164,7 +164,7 @@ def test_ulysses_chunks_on_a_seq_lens_row_are_each_document_alone():
     of 4 on a row of documents 6 + 7 + 3 given by ``seq_lens`` equals each document run alone."""
     from dataclasses import replace
 
-    from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+    from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
     from tests.family_matrix import family_by_name
 
     fam = family_by_name("llama4_text")

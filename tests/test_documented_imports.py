@@ -3,7 +3,7 @@
 The import statements of README.md, docs/*.md and examples/*.py (``from automodel... import ...`` and
 ``import automodel...``, parenthesised ones over several lines included) are run, one after the other,
 in this one process; each must import and bind every name it lists. The dotted ``automodel.x.y``
-paths the prose names in backticks, alone or called (``automodel.distributed.all_to_all``,
+paths the prose names in backticks, alone or called (``automodel.distributed.sp.all_to_all``,
 ``automodel.distributed.multimodule_pipeline.MultiModulePipelineCommunicator``) must resolve too.
 """
 
@@ -115,7 +115,7 @@ def test_documented_imports_work():
 
 def test_documented_paths_resolve():
     paths = documented_paths()
-    assert any(p == "automodel.distributed.all_to_all" for _, p in paths), paths
+    assert any(p == "automodel.distributed.sp.all_to_all" for _, p in paths), paths
     failures = []
     for where, dotted in paths:
         try:

@@ -52,7 +52,7 @@ def _recipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_registry_entries():
-    from automodel.distributed.ulysses import make_ulysses_batch_and_ctx
+    from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx
 
     u = get_cp_method("ulysses")
     assert u.batch_function() is make_ulysses_batch_and_ctx
@@ -275,7 +275,7 @@ def _tiny_model(attn: str):
 def test_packed_reference_is_per_document_attention_and_ulysses_agrees(packed_batch, attn):
     """The cp=1 recipe path (transformers' masks from restarting position_ids) equals running every
     document alone, and so does Ulysses' own mask from seq_lens_padded (here at world size 1)."""
-    from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+    from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
     from automodel.training.step import MODEL_INPUT_KEYS, prepare_batch
 
     model = _tiny_model(attn)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automodel.distributed.te_batch import _shard_thd_chunk_for_te, make_cp_batch_for_te, shard_thd_chunk
+from automodel.distributed.cp.te_batch import _shard_thd_chunk_for_te, make_cp_batch_for_te, shard_thd_chunk
 from automodel.distributed.thd_utils import (
     process_input_for_thd,
     split_batch_into_thd_chunks,

@@ -13,13 +13,8 @@ import pytest
 import torch
 
 from automodel.distributed.cp import blocks
-from automodel.distributed.thd_attention import (
-    THDPlan,
-    check_thd_kernel,
-    make_thd_batch_and_ctx,
-    set_thd_attention,
-    thd_attention,
-)
+from automodel.distributed.cp.gathered_attention import THDPlan, check_thd_kernel, thd_attention
+from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 from tests.dist_harness import run_distributed
 from tests.workers.thd_attention_worker import pack, tiny_llama
 

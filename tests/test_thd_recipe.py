@@ -30,7 +30,7 @@ def problems(*overrides: str, world: int = 2, config: str = PACKED) -> str:
 
 
 def test_registry_entry():
-    from automodel.distributed.thd_attention import make_thd_batch_and_ctx
+    from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx
 
     m = get_cp_method("thd")
     assert m.batch_function() is make_thd_batch_and_ctx
@@ -83,7 +83,7 @@ def _packed(seq_lens, seq_lens_padded, seq=8):
 
 
 def test_bad_packed_batches():
-    from automodel.distributed.te_batch import make_cp_batch_for_te
+    from automodel.distributed.cp.te_batch import make_cp_batch_for_te
 
     class Fake:
         ndim = 1
@@ -109,7 +109,7 @@ def test_bad_packed_batches():
 
 
 def test_model_whose_attention_cannot_be_swapped():
-    from automodel.distributed.thd_attention import set_thd_attention
+    from automodel.distributed.cp.thd.attention import set_thd_attention
 
     class Custom(torch.nn.Module):
         config = None

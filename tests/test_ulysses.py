@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automodel.distributed.ulysses import (
+from automodel.distributed.cp.ulysses.attention import (
     UlyssesContext,
     document_ids_from_cu_seqlens,
     document_ids_from_seq_lens,

@@ -40,7 +40,7 @@ def problems(*overrides: str, world: int = 4, config: str = PACKED) -> str:
 
 
 def test_registry_and_binding():
-    from automodel.distributed.usp_attention import make_usp_batch_and_ctx
+    from automodel.distributed.cp.usp.attention import make_usp_batch_and_ctx
 
     m = get_cp_method("usp")
     assert m.supports_packed and m.ulysses_size is None and not m.splits_heads
@@ -108,11 +108,11 @@ def test_token_ranges_cover_the_row_once():
 
 
 def test_node_plan_shows_which_sub_group_crosses_nodes():
+    from automodel.distributed.cp.subgroups import ulysses_ring_groups
     from automodel.distributed.cp.usp import UspMethod
-    from automodel.distributed.cp_subgroups import usp_rank_groups
     from automodel.training.node_plan import cp_sub_group_ranks, node_plan_lines
 
-    assert usp_rank_groups([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert ulysses_ring_groups([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     sizes = {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}
     sub = UspMethod(2).cp_sub_groups(4)
     text = "\n".join(node_plan_lines(sizes, 2, 2, cp_sub_groups=sub))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automodel.distributed.ulysses import make_ulysses_batch_and_ctx
+from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx
 from automodel.models.vlm_cp import build_vlm_inputs, is_vlm, make_vlm_cp_batch_and_ctx, vlm_parts
 from tests.dist_harness import run_distributed
 from tests.workers.vlm_worker import IMAGE, make_batch, tiny_model

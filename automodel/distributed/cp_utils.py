@@ -1,7 +1,7 @@
 """The public context-parallel (CP) API, NeMo AutoModel's ``cp_utils`` names (re-exports only).
 
 The code lives in :mod:`automodel.distributed.cp.ring.batch` (ring CP's batch path) and
-:mod:`automodel.distributed.te_batch` (the THD path, ``use_te=True``).
+:mod:`automodel.distributed.cp.te_batch` (the THD path, ``use_te=True``).
 """
 
 from automodel.distributed.cp.ring import batch as _home

@@ -57,8 +57,8 @@ picks the name itself).
 
 Not moved here (documented aliases of public APIs, same on 2.11 .. 2.15): ``torch._dynamo.disable``
 (= ``torch.compiler.disable``; models/compile.py, compiled_autograd.py) and ``torch._dynamo.reset``
-(= ``torch.compiler.reset``; training/trainer.py). thd_attention.py calls the two ``aten`` CPU flash
-ops directly (op names, checked by :func:`missing_torch_internals`). ``torch.compile``,
+(= ``torch.compiler.reset``; training/trainer.py). cp/blocks.py and cp/ring/cpu_ring.py call the ``aten`` CPU
+flash ops directly (op names, checked by :func:`missing_torch_internals`). ``torch.compile``,
 ``torch.distributed.tensor.experimental.context_parallel``, ``torch.distributed.tensor.parallel`` and
 ``DTensor`` itself are public.
 
@@ -68,13 +68,13 @@ inside a function imports transformers then; a missing one is an ``ImportError``
 transformers version and the symbol). Each is looked up afresh on every import, so a patched module
 global is seen patched:
 
-- ``transformers.masking_utils``: ``find_packed_sequence_indices`` (distributed/ulysses.py; also
-  replaced, as a module global, by distributed/hf_causal_mask.py, which imports the module itself
+- ``transformers.masking_utils``: ``find_packed_sequence_indices`` (cp/ulysses/attention.py; also
+  replaced, as a module global, by cp/ring/causal_mask.py, which imports the module itself
   and is a no-op where transformers has no such function), ``ALL_MASK_ATTENTION_FUNCTIONS`` (and its
-  private ``_global_mapping``; ulysses.py, thd_attention.py), ``and_masks``,
+  private ``_global_mapping``; cp/hf_attention.py, cp/ring/router.py), ``and_masks``,
   ``causal_mask_function``, ``bidirectional_mask_function``, ``sliding_window_overlay``
-  (ulysses.py);
-- ``transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS`` (ulysses.py, models/compile.py, which
+  (cp/ulysses/attention.py);
+- ``transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS`` (cp/ulysses/attention.py, cp/ring/router.py, models/compile.py, which
   also replaces entries in it);
 - ``transformers.models.auto.modeling_auto``: ``MODEL_FOR_CAUSAL_LM_MAPPING`` (models/loader.py),
   ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING`` (models/vlm_cp.py);
@@ -87,9 +87,9 @@ in each document's ``position_ids``, 5.17 .. 5.22 at multiples of the chunk from
 (:func:`transformers_chunks_per_document`; Ulysses, the one method that takes that batch form, builds
 the same mask as the installed transformers).
 
-Not movable by an import line: ``config._attn_implementation``, read or written in ulysses.py,
-thd_attention.py, models/compile.py, models/vlm_tiny.py, training/self_check.py and
-training/trainer.py; and hf_causal_mask.py's patch of ``masking_utils.find_packed_sequence_indices``.
+Not movable by an import line: ``config._attn_implementation``, read or written in cp/hf_attention.py,
+cp/bind.py, cp/guard.py, models/compile.py, models/vlm_tiny.py, training/self_check.py and
+training/trainer.py; and cp/ring/causal_mask.py's patch of ``masking_utils.find_packed_sequence_indices``.
 """
 
 from __future__ import annotations

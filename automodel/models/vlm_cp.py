@@ -14,7 +14,7 @@ One training step of a VLM under CP (every rank of a CP group holds the same bat
 4. **The language model under CP.** ``inputs_embeds`` and the mRoPE positions are sharded like any
    other sequence tensor (ring: load-balanced chunks through
    :func:`automodel.distributed.cp_utils.make_cp_batch_and_ctx`; Ulysses: contiguous slices through
-   :func:`automodel.distributed.ulysses.make_ulysses_batch_and_ctx`), with autograd, so each rank's
+   :func:`automodel.distributed.cp.ulysses.attention.make_ulysses_batch_and_ctx`), with autograd, so each rank's
    token loss sends its gradient back through the gather into the vision tower.
 
 Only the language model's attention runs as CP attention: the vision tower runs before the ring

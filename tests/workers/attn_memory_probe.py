@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, ulysses_attention_forward
+from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, ulysses_attention_forward
 from automodel.training.cpu_memory import peak_rss_mib, reset_peak_rss, rss_mib
 
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import automodel.distributed.cp.exchange.p2p as p2p_module
+from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx, set_doc_attention
 from automodel.distributed.cp.thd_docs.placement import CostModel
-from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
 from tests.workers.thd_attention_worker import VOCAB, _ce, pack, reference, rel, tiny_llama
 
 #: Batches of rows of document lengths. Each covers something: one-token documents, a document longer

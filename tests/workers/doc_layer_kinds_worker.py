@@ -36,7 +36,7 @@ def build_model(family: str):
 
 def _doc_step(model, batch, mesh, n_labels):
     from automodel.distributed.cp.thd_docs import model_cost
-    from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
+    from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx, set_doc_attention
 
     model.zero_grad(set_to_none=True)
     set_doc_attention(model, mesh)

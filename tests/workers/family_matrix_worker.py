@@ -120,19 +120,22 @@ def run_method(method: str, model: torch.nn.Module, row: dict, mesh) -> torch.Te
         ctx, local = make_cp_batch_and_ctx(mesh, batch)  # entering ctx() shards `local` in place
         return _local_step(model, local, ctx, count)
     if method == "ulysses":
-        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+        from automodel.distributed.cp.ulysses.attention import (
+            make_ulysses_batch_and_ctx,
+            set_ulysses_attention,
+        )
 
         inner = set_ulysses_attention(model, mesh)
         ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner)
         return _local_step(model, local, ctx, count)
     if method == "thd":
-        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+        from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 
         set_thd_attention(model, mesh)
         ctx, local = make_thd_batch_and_ctx(mesh, batch)
         return _local_step(model, local, ctx, count)
     if method == "thd_docs":
-        from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
+        from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx, set_doc_attention
 
         set_doc_attention(model, mesh)
         ctx, local = make_doc_batch_and_ctx(mesh, batch)

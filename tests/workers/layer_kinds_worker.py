@@ -153,12 +153,15 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
                 stack.enter_context(inner_ctx())
                 return stack
     elif method == "thd":
-        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+        from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 
         set_thd_attention(model, mesh)
         ctx, local = make_thd_batch_and_ctx(mesh, batch)
     else:
-        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+        from automodel.distributed.cp.ulysses.attention import (
+            make_ulysses_batch_and_ctx,
+            set_ulysses_attention,
+        )
 
         inner = set_ulysses_attention(model, mesh)
         ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner)

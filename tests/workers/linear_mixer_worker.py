@@ -9,7 +9,7 @@ unpacked rows against the single-process batch.
 
 At cp=2 thd also runs with activation checkpointing (non-reentrant, as the recipe), whose recompute runs
 the state chain again inside the backward. Cases: ``(dtype, rule)``; rule ``"hf"`` is transformers' torch kernel (fp32 inside, whatever the dtype),
-``"fp64"`` substitutes :func:`~automodel.distributed.cp.gated_deltanet.recurrent_gated_delta_rule` in
+``"fp64"`` substitutes :func:`~automodel.distributed.cp.layers.gated_deltanet.recurrent_gated_delta_rule` in
 BOTH runs (the model module's function and the CP kernel), so that the chaining is proven to fp64
 round-off.
 """
@@ -76,12 +76,15 @@ def cp_step(method: str, model, row, group) -> tuple[float, dict, int]:
     count = int((row["labels"] != -100).sum())
     batch = {k: v.clone() for k, v in row.items()}
     if method == "ulysses":
-        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+        from automodel.distributed.cp.ulysses.attention import (
+            make_ulysses_batch_and_ctx,
+            set_ulysses_attention,
+        )
 
         inner = set_ulysses_attention(model, group)
         ctx, local = make_ulysses_batch_and_ctx(group, batch, inner_attn=inner)
     else:
-        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+        from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 
         set_thd_attention(model, group)
         ctx, local = make_thd_batch_and_ctx(group, batch)

@@ -166,22 +166,25 @@ def cp_step(method: str, model, batch, group) -> tuple[float, dict]:
 
         ctx, local = make_cp_batch_and_ctx(mesh, batch)
     elif method == "ulysses":
-        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+        from automodel.distributed.cp.ulysses.attention import (
+            make_ulysses_batch_and_ctx,
+            set_ulysses_attention,
+        )
 
         inner = set_ulysses_attention(model, mesh)
         ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner)
     elif method == "thd":
-        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+        from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 
         set_thd_attention(model, mesh)
         ctx, local = make_thd_batch_and_ctx(mesh, batch)
     elif method == "thd_docs":
-        from automodel.distributed.doc_attention import make_doc_batch_and_ctx, set_doc_attention
+        from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx, set_doc_attention
 
         set_doc_attention(model, mesh)
         ctx, local = make_doc_batch_and_ctx(mesh, batch)
     else:
-        from automodel.distributed.usp_attention import make_usp_batch_and_ctx, set_usp_attention
+        from automodel.distributed.cp.usp.attention import make_usp_batch_and_ctx, set_usp_attention
 
         set_usp_attention(model, mesh)
         ctx, local = make_usp_batch_and_ctx(mesh, batch, ulysses_size=2)

@@ -177,12 +177,15 @@ def cp_step(method: str, model, row, group) -> tuple[float, dict, dict]:
         mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
         ctx, local = make_cp_batch_and_ctx(mesh, batch)
     elif method == "ulysses":
-        from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
+        from automodel.distributed.cp.ulysses.attention import (
+            make_ulysses_batch_and_ctx,
+            set_ulysses_attention,
+        )
 
         inner = set_ulysses_attention(model, group)
         ctx, local = make_ulysses_batch_and_ctx(group, batch, inner_attn=inner)
     elif method == "thd":
-        from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+        from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 
         set_thd_attention(model, group)
         ctx, local = make_thd_batch_and_ctx(group, batch)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.distributed.cp import blocks
-from automodel.distributed.thd_attention import make_thd_batch_and_ctx, set_thd_attention
+from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 from automodel.distributed.thd_utils import thd_partition_indices
 
 VOCAB = 80

@@ -54,7 +54,7 @@ def main(rank: int, world_size: int) -> dict:
     """make_cp_batch_for_te on a real 1-D gloo CP mesh, for num_chunks 1 and 2."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from automodel.distributed.te_batch import make_cp_batch_for_te
+    from automodel.distributed.cp.te_batch import make_cp_batch_for_te
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     batch = make_packed_batch(seed=7, batch_size=4, seq_len=16, multiple=2 * world_size)

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
 from automodel.distributed.sp.all_to_all import even_split_sizes
-from automodel.distributed.ulysses import make_ulysses_batch_and_ctx, set_ulysses_attention
 
 SEQ = 16
 VOCAB = 96

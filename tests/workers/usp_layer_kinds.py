@@ -45,7 +45,7 @@ def _model(family: str, dtype: torch.dtype):
 
 
 def _usp_step(model, mesh, batch, n_labels: int) -> tuple[float, dict, str]:
-    from automodel.distributed.usp_attention import make_usp_batch_and_ctx, set_usp_attention
+    from automodel.distributed.cp.usp.attention import make_usp_batch_and_ctx, set_usp_attention
 
     set_usp_attention(model)
     model.zero_grad(set_to_none=True)

@@ -71,7 +71,7 @@ def docs(lengths: list[list[int]], seed: int) -> list[list[dict]]:
 
 
 def usp_run(model, mesh, batch, n_labels: int):
-    from automodel.distributed.usp_attention import make_usp_batch_and_ctx
+    from automodel.distributed.cp.usp.attention import make_usp_batch_and_ctx
 
     model.zero_grad(set_to_none=True)
     ctx, local = make_usp_batch_and_ctx(mesh, batch, ulysses_size=ULYSSES)
@@ -92,7 +92,7 @@ def usp_run(model, mesh, batch, n_labels: int):
 
 def placement(mesh, node: int) -> dict:
     from automodel.distributed.cp.group import resolve_cp_group
-    from automodel.distributed.cp_subgroups import usp_process_groups
+    from automodel.distributed.cp.usp.groups import usp_process_groups
 
     group, world, rank = resolve_cp_group(mesh)
     g = usp_process_groups(group, world, rank, ULYSSES)
@@ -105,8 +105,8 @@ def placement(mesh, node: int) -> dict:
 
 
 def check(rank: int, world_size: int, node: int | None = None) -> dict:
+    from automodel.distributed.cp.usp.attention import make_usp_batch_and_ctx, set_usp_attention
     from automodel.distributed.mesh import ParallelDims
-    from automodel.distributed.usp_attention import make_usp_batch_and_ctx, set_usp_attention
 
     assert world_size == 4, world_size
     mesh = ParallelDims(cp=4, world_size=world_size).build_mesh("cpu")

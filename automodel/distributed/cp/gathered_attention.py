@@ -180,7 +180,7 @@ class THDPlan:
         return self._index[key]
 
     def token_layout(self):
-        """This step's :class:`~automodel.distributed.cp.kernels.token_layout.TokenLayout` (cached)."""
+        """This step's :class:`~automodel.distributed.cp.layout.TokenLayout` (cached)."""
         if "layout" not in self._index:
             from automodel.distributed.cp.layout import thd_layout
 

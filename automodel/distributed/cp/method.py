@@ -355,7 +355,7 @@ def standard_problem(
     The keyword flags say what the method's kernel applies exactly: sliding ``windows``, attention
     ``chunks``, ``sinks``, logit ``softcap``, ``mla`` (value heads of another size) and
     ``position_scaled`` queries (Llama 4's temperature, corrected to the global position). Linear /
-    state-space mixers are exact where :mod:`~automodel.distributed.cp.linear_support` lists a kernel for
+    state-space mixers are exact where :mod:`~automodel.distributed.cp.layers.linear_support` lists a kernel for
     the mixer and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
     layers are exact under every split.
     """

@@ -4,6 +4,6 @@
 and the public names (it re-exports dynamic resolution); ``dynamic_res``: whole images per rank
 balanced by patch count; ``megatron_split``: Megatron's dynamic-resolution split.
 
-The old flat paths (``automodel.distributed.multimodal_cp``, ``multimodal_comm``,
-``multimodal_dynamic_res``, ``multimodal_megatron_split``) stay as re-export modules.
+``automodel.distributed.multimodal_cp`` is Megatron's seed import path (a re-export of ``cp``;
+docs/seed_api.md lists it).
 """

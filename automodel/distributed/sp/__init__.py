@@ -6,6 +6,6 @@ split/gather and its group factoring; ``sharding``: ``sp_shard`` / ``sp_gather``
 ``ShardingValidator``; ``communication``: MindSpeed-MM's communication module under one import;
 ``padding``: the padding CP, TP sequence parallelism and FP8 need.
 
-The old flat paths (``automodel.distributed.all_to_all``, ``sp_split_gather``, ``sp_hybrid``,
-``sp_sharding``, ``sp_communication``, ``padding``) stay as re-export modules.
+``automodel.distributed.sp_sharding`` and ``automodel.distributed.sp_communication`` are the seed APIs'
+import paths (re-exports; docs/seed_api.md lists them).
 """

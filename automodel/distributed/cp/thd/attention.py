@@ -103,7 +103,7 @@ def set_thd_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
         model,
         f", so its attention cannot be swapped for THD attention ({THD_ATTN_NAME!r} in transformers' "
         "AttentionInterface); use a transformers causal LM, or call "
-        "automodel.distributed.thd_attention.thd_attention from your own attention module",
+        "automodel.distributed.cp.thd.attention.thd_attention from your own attention module",
     )
     # exact or refused: every layer kind of the model against what THD computes (a sliding window is
     # judged against the longest document at the first attention call)

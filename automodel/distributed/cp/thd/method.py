@@ -4,7 +4,7 @@ Every document of a packed row is padded to a multiple of ``2*cp_size`` and spli
 chunks; rank r holds chunks r and 2W-1-r of every document. Each attention layer all-gathers K/V of
 the whole row and computes exact per-document causal attention (the portable kernel on any device;
 flash-attn varlen or Transformer Engine on CUDA); the backward re-gathers K/V and reduce-scatters
-dK/dV. Exact for full causal attention; each layer picks its kernel (:mod:`automodel.distributed.cp.kernels`):
+dK/dV. Exact for full causal attention; each layer picks its kernel (:mod:`automodel.distributed.cp.layers`):
 sliding windows and attention chunks shorter than the longest document, sinks and logit softcapping
 (transformers hands the kernel ``softcap`` only where the model applies it) run the halo kernel
 (only the K/V each layer reaches is exchanged, never across a document); MLA value heads run on

@@ -383,7 +383,7 @@ def set_doc_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
     hf_attention.require_hf_model(
         model,
         f", so its attention cannot be swapped for {DOC_ATTN_NAME!r}; call "
-        "automodel.distributed.doc_attention.doc_attention from your own attention module",
+        "automodel.distributed.cp.thd_docs.attention.doc_attention from your own attention module",
     )
     from automodel.distributed.cp.guard import cached_profile
     from automodel.distributed.cp.registry import check_model_for_cp

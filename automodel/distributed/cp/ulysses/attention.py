@@ -2,7 +2,7 @@
 
 Every CP rank holds a contiguous slice of the sequence (rank ``r`` of ``W`` holds tokens
 ``[offset_r, offset_r + n_r)``, near-even sizes with the remainder on the first ranks, see
-:func:`automodel.distributed.all_to_all.even_split_sizes`). Everything outside attention is
+:func:`automodel.distributed.sp.all_to_all.even_split_sizes`). Everything outside attention is
 token-local, so it runs on the slice unchanged. In each attention layer q/k/v go from
 sequence-sharded ``[B, H, S/W, D]`` to head-sharded ``[B, H/W, S, D]`` with one all-to-all each, an
 ordinary attention kernel (``sdpa``, ``eager`` or ``flex_attention``: the *inner* implementation) runs

@@ -4,7 +4,7 @@
 - :mod:`.groups`: this rank's Ulysses and ring process groups (the rank arithmetic is
   :mod:`automodel.distributed.cp.subgroups`);
 - :mod:`.attention`: the attention registered as ``"usp"``: the Ulysses all-to-all
-  (:mod:`automodel.distributed.all_to_all`) composed with the shared gathered-K/V kernel
+  (:mod:`automodel.distributed.sp.all_to_all`) composed with the shared gathered-K/V kernel
   (:mod:`automodel.distributed.cp.gathered_attention`) across the ring sub-group, its context and the
   batch function (``set_usp_attention``, ``make_usp_batch_and_ctx``).
 """

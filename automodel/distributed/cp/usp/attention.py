@@ -14,7 +14,7 @@ model runs on ``[1, T/W]`` tokens with their global per-document ``position_ids`
 Attention (registered as :data:`USP_ATTN_NAME`):
 
 1. q/k/v ``[1, H, T/W, D]`` -> ``[1, H/U, T/R, D]`` with one all-to-all each over the Ulysses sub-group
-   (:func:`automodel.distributed.all_to_all.all_to_all`): the Ulysses sub-group now holds ring rank
+   (:func:`automodel.distributed.sp.all_to_all.all_to_all`): the Ulysses sub-group now holds ring rank
    ``r``'s whole share for ``H/U`` heads each. With fewer KV heads than ``U`` (or ``U`` not dividing
    them) each KV head is first replicated ``U / gcd(Hkv, U)`` times, as Ulysses does; the copies'
    gradients are summed back by autograd.

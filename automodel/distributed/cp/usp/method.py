@@ -15,7 +15,7 @@ ring sub-group on the rank's ``H/U`` heads: sliding windows and attention chunks
 document, sinks (the rank's heads' sink logits) and logit softcapping run the halo kernel over the ring
 sub-group (never across a document); MLA value heads run on zero-padded V; Llama 4's query temperature is
 taken at the in-document position. Refused: linear / state-space mixers without a usp kernel
-(:mod:`automodel.distributed.cp.linear_support`). Every packed document is padded to a multiple of
+(:mod:`automodel.distributed.cp.layers.linear_support`). Every packed document is padded to a multiple of
 ``2 * cp_size``.
 """
 
