@@ -249,7 +249,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_block(kernel: str, kind: str, dtype: torch.dtype, device: torch.device) -> Result:
     """One kernel on one layer kind in one dtype against the fp32 math blocks (forward and backward)."""
-    from automodel.distributed.cp import blocks, cuda_blocks
+    from automodel.distributed.cp import blocks
 
     name = f"blocks/{kernel}/{kind}/{str(dtype).replace('torch.', '')}"
     why = _kernel_takes(kernel, kind, dtype)
@@ -260,13 +260,13 @@ def check_block(kernel: str, kind: str, dtype: torch.dtype, device: torch.device
     kw32 = dict(kw)
     scale = 0.125
     ref_out, ref_lse = blocks.block_forward(q32, k32, v32, scale=scale, backend="math", **kw32)
-    got = cuda_blocks.cuda_block_forward(q, k, v, scale=scale, kernel=kernel, **kw)
+    got = blocks.block_forward(q, k, v, scale=scale, kernel=kernel, **kw)
     out, lse = got
     e_out, e_lse = _err(out, ref_out), _err(lse, ref_lse)
     dout = torch.randn_like(ref_out)
     bw = {key: val for key, val in kw.items() if key != "sinks"}
     ref_g = blocks.block_backward(dout, q32, k32, v32, ref_out, ref_lse, scale=scale, backend="math", **bw)
-    got_g = cuda_blocks.cuda_block_backward(
+    got_g = blocks.block_backward(
         dout.to(dtype), q, k, v, ref_out.to(dtype), ref_lse, scale=scale, kernel=kernel, **bw
     )
     e_grad = max(_rel(a, b) for a, b in zip(got_g, ref_g))
@@ -338,7 +338,7 @@ def check_varlen(device: torch.device) -> list[Result]:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     res = []
     for window in (None, 64):
-        got = cuda_blocks.varlen_documents(q, k, v, cu, max(lens), causal=True, window=window, scale=0.125)
+        got = cuda_blocks.varlen_documents(q, k, v, cu, max(lens), True, window, 0.125)
         if got is None:
             res.append(Result(f"varlen/window={window}", "SKIP", "varlen_applies() is False on this device"))
             continue
@@ -670,7 +670,7 @@ def check_throughput(device: torch.device) -> list[Result]:
         cu = torch.arange(0, docs + 1, device=device, dtype=torch.int32) * length
 
         def varlen():
-            o = cuda_blocks.varlen_documents(qt, kt, vt, cu, length, causal=True)
+            o = cuda_blocks.varlen_documents(qt, kt, vt, cu, length, True, None, None)
             torch.autograd.backward(o, dout[0].transpose(0, 1))
 
         t_var = _time(varlen)

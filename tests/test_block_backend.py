@@ -77,8 +77,8 @@ def test_math_fallback_warns_once_per_layer_kind(caplog, monkeypatch):
     q = torch.randn(1, 2, 4, 8)
     with caplog.at_level(logging.WARNING, logger="automodel.distributed.cp.blocks"):
         for _ in range(3):
-            assert cuda_blocks.cuda_block_forward(q, q, q, softcap=5.0) is None  # 'math' on CPU tensors too
-        assert cuda_blocks.cuda_block_forward(q.double(), q.double(), q.double()) is None
+            assert cuda_blocks.cuda_block_forward(q, q, q, False, None, None, None, 5.0) is None  # math on CPU too
+        assert cuda_blocks.cuda_block_forward(q.double(), q.double(), q.double(), False, None, None, None, None) is None
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
     assert "softcap full" in lines[0] and "FlexAttention" in lines[0]
@@ -133,7 +133,7 @@ def test_flex_matches_the_math_blocks(flex_on_cpu, kind, shape):
     q, k, v = _inputs(**dims)
     kw = _kinds(hq=q.shape[1])[kind]
     ref_out, ref_lse = blocks.block_forward(q, k, v, scale=0.4, backend="math", **kw)
-    out, lse = cuda_blocks.cuda_block_forward(q, k, v, scale=0.4, kernel="flex", **kw)
+    out, lse = blocks.block_forward(q, k, v, scale=0.4, kernel="flex", **kw)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
     # the explicit backward with merged out / lse (as the blocked kernels call it): merge a second block
@@ -143,7 +143,7 @@ def test_flex_matches_the_math_blocks(flex_on_cpu, kind, shape):
     dout = torch.randn_like(mo)
     bw = {key: val for key, val in kw.items() if key != "sinks"}
     ref = blocks.block_backward(dout, q, k, v, mo, ml, scale=0.4, backend="math", **bw)
-    got = cuda_blocks.cuda_block_backward(dout, q, k, v, mo, ml, scale=0.4, kernel="flex", **bw)
+    got = blocks.block_backward(dout, q, k, v, mo, ml, scale=0.4, kernel="flex", **bw)
     for a, b_ in zip(got, ref):
         torch.testing.assert_close(a, b_, rtol=0, atol=1e-10)
     # autograd through the forward (the halo kernel's use), sinks' gradient included
@@ -151,7 +151,7 @@ def test_flex_matches_the_math_blocks(flex_on_cpu, kind, shape):
     sinks = kw.get("sinks")
     extra = [sinks.clone().requires_grad_(True)] if sinks is not None else []
     akw = dict(kw, **({"sinks": extra[0]} if extra else {}))
-    o, _ = cuda_blocks.cuda_block_forward(*leaves, scale=0.4, kernel="flex", **akw)
+    o, _ = blocks.block_forward(*leaves, scale=0.4, kernel="flex", **akw)
     got = torch.autograd.grad(o, leaves + extra, dout)
     leaves_r = [t.clone().requires_grad_(True) for t in (q, k, v)]
     extra_r = [sinks.clone().requires_grad_(True)] if sinks is not None else []
@@ -235,22 +235,22 @@ def test_sdpa_glue_matches_the_math_blocks(monkeypatch, kernel, kind, shape):
     kw = dict(causal=True) if kind == "rect" else _kinds()[kind]
     q, k, v = _inputs(**dims, m=16 if kind == "rect" else 12)
     ref_out, ref_lse = blocks.block_forward(q, k, v, scale=0.4, backend="math", **kw)
-    out, lse = cuda_blocks.cuda_block_forward(q, k, v, scale=0.4, kernel=kernel, **kw)
+    out, lse = blocks.block_forward(q, k, v, scale=0.4, kernel=kernel, **kw)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-6, atol=1e-6)
     dout = torch.randn_like(out)
     ref = blocks.block_backward(dout, q, k, v, ref_out, ref_lse, scale=0.4, backend="math", **kw)
-    got = cuda_blocks.cuda_block_backward(dout, q, k, v, ref_out, ref_lse, scale=0.4, kernel=kernel, **kw)
+    got = blocks.block_backward(dout, q, k, v, ref_out, ref_lse, scale=0.4, kernel=kernel, **kw)
     for a, b_ in zip(got, ref):
         assert a.shape == b_.shape
         torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-6)  # the LSE went through fp32
     # autograd: the fused block's backward is the fused backward op; a gradient into its LSE is refused
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    o, l_ = cuda_blocks.cuda_block_forward(*leaves, scale=0.4, kernel=kernel, **kw)
+    o, l_ = blocks.block_forward(*leaves, scale=0.4, kernel=kernel, **kw)
     got = torch.autograd.grad(o, leaves, dout)
     for a, b_ in zip(got, ref):
         torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-6)
-    o, l_ = cuda_blocks.cuda_block_forward(*leaves, scale=0.4, kernel=kernel, **kw)
+    o, l_ = blocks.block_forward(*leaves, scale=0.4, kernel=kernel, **kw)
     with pytest.raises(RuntimeError, match="log-sum-exp got a gradient"):
         torch.autograd.grad((o * dout).sum() + l_.sum(), leaves)
 
@@ -261,7 +261,7 @@ def test_cpu_keeps_its_backends():
     assert blocks.resolve_backend(q.device, "cuda") == "math"
     assert cuda_blocks.cuda_caps(q.device) is None
     assert cuda_blocks.varlen_documents(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                        torch.tensor([0, 12]), 12) is None
+                                        torch.tensor([0, 12]), 12, True, None, None) is None
 
 
 def test_ulysses_documents_in_one_call_assemble_like_the_blocks(monkeypatch):
@@ -317,6 +317,6 @@ def test_varlen_call_matches_the_real_op_schema(monkeypatch):
     q, k = torch.empty(100, 8, 64, **meta), torch.empty(100, 2, 64, **meta)
     cu = torch.tensor([0, 30, 100], dtype=torch.int32, device="meta")
     for window in (None, 16):
-        out = cuda_blocks.varlen_documents(q, k, k, cu, 70, causal=True, window=window, scale=0.1)
+        out = cuda_blocks.varlen_documents(q, k, k, cu, 70, True, window, 0.1)
         assert out.shape == q.shape
-    assert cuda_blocks.varlen_documents(q, k, k, cu, 70, causal=False, window=16) is None  # a window is causal
+    assert cuda_blocks.varlen_documents(q, k, k, cu, 70, False, 16, None) is None  # a window is causal

@@ -81,9 +81,10 @@ def force_backend(name: str) -> Iterator[None]:
 
 
 def register_backend(name: str, forward: Callable[..., Any], backward: Callable[..., Any]) -> None:
-    """Fill the slot ``name`` (``"cuda"``) with ``forward(q, k, v, *, causal, scale, allowed, sinks, softcap)
-    -> (out, lse)`` and ``backward(dout, q, k, v, out, lse, *, causal, scale, allowed, softcap) -> (dq, dk, dv)``.
-    Either may return ``None`` for a block it does not take; the block then runs ``"math"``."""
+    """Fill the slot ``name`` (``"cuda"``) with ``forward(q, k, v, causal, scale, allowed, sinks, softcap, kernel)
+    -> (out, lse)`` and ``backward(dout, q, k, v, out, lse, causal, scale, allowed, softcap, kernel) -> (dq, dk,
+    dv)``: the arguments of :func:`block_forward` / :func:`block_backward`, in order, positionally. Either may
+    return ``None`` for a block it does not take; the block then runs ``"math"``."""
     _check_name(name)
     if name != "cuda":
         raise ValueError(f"only the 'cuda' slot can be filled; {name!r} is built in")
@@ -235,6 +236,7 @@ def block_forward(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     backend: str | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, n, Dv], lse [B, Hq, n])`` of the queries ``q`` over the keys ``k`` / values ``v``.
 
@@ -246,6 +248,9 @@ def block_forward(
         sinks: ``[Hq]`` per-head sink logits: one extra softmax column with a zero value; the LSE includes it.
         softcap: scores become ``softcap * tanh(s / softcap)`` before masking.
         backend: see :func:`resolve_backend`.
+        kernel: one of the CUDA slot's kernels (:data:`~automodel.distributed.cp.block_backend.KERNELS`)
+            instead of its own choice; the block then runs in the CUDA slot whatever ``backend`` and the device
+            (tests: ``"flex"`` on CPU). ``None``: the backend decides.
 
     Returns:
         ``out`` in ``q``'s dtype, ``lse`` in fp32 (fp64 for fp64 inputs). Differentiable by autograd
@@ -257,12 +262,12 @@ def block_forward(
         q.device, backend, sinks=sinks is not None, softcap=softcap, equal_heads=v.shape[-1] == q.shape[-1],
         square_causal=not causal or n == m,
     )
-    if name == "flash":
-        return _flash_forward(q, k, v, causal, scale, allowed)
-    if name == "cuda":
-        got = _REGISTERED["cuda"][0](q, k, v, causal=causal, scale=scale, allowed=allowed, sinks=sinks, softcap=softcap)
+    if kernel is not None or name == "cuda":
+        got = _REGISTERED["cuda"][0](q, k, v, causal, scale, allowed, sinks, softcap, kernel)
         if got is not None:
             return got
+    elif name == "flash":
+        return _flash_forward(q, k, v, causal, scale, allowed)
     return _math_forward(q, k, v, causal, scale, allowed, sinks, softcap)
 
 
@@ -279,6 +284,7 @@ def block_backward(
     allowed: torch.Tensor | None = None,
     softcap: float | None = None,
     backend: str | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block given the MERGED ``out`` ``[B, Hq, n, Dv]`` and ``lse`` ``[B, Hq, n]`` of its
     queries (exact: the probabilities are ``exp(s - lse)`` with the final LSE, and ``rowsum(dout * out)`` uses
@@ -289,14 +295,12 @@ def block_backward(
         q.device, backend, softcap=softcap, equal_heads=v.shape[-1] == q.shape[-1],
         square_causal=not causal or n == m,
     )
-    if name == "flash" and allowed is None:
-        return _flash_backward(dout, q, k, v, out, lse, causal, scale)
-    if name == "cuda":
-        got = _REGISTERED["cuda"][1](
-            dout, q, k, v, out, lse, causal=causal, scale=scale, allowed=allowed, softcap=softcap
-        )
+    if kernel is not None or name == "cuda":
+        got = _REGISTERED["cuda"][1](dout, q, k, v, out, lse, causal, scale, allowed, softcap, kernel)
         if got is not None:
             return got
+    elif name == "flash" and allowed is None:
+        return _flash_backward(dout, q, k, v, out, lse, causal, scale)
     return _math_backward(dout, q, k, v, out, lse, causal, scale, allowed, softcap)
 
 
@@ -320,7 +324,7 @@ def documents_forward(
     differentiable w.r.t. q, k, v. Nothing is mutated."""
     if resolve_backend(q.device, backend) != "cuda":
         return None
-    return varlen_documents(q, k, v, cu_seqlens, max_len, causal=causal, window=window, scale=scale)
+    return varlen_documents(q, k, v, cu_seqlens, max_len, causal, window, scale)
 
 
 def merge(

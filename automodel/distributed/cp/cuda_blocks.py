@@ -1,9 +1,10 @@
 """The CUDA slot of :mod:`automodel.distributed.cp.blocks`: torch's fused attention kernels with their LSE.
 
-:func:`cuda_block_forward` / :func:`cuda_block_backward` have the interface of the CPU flash blocks
-(``blocks.register_backend``): a block of queries ``[B, Hq, n, D]`` against keys ``[B, Hkv, m, D]`` and
-values ``[B, Hkv, m, Dv]`` returns ``(out, lse)``, and the backward takes the MERGED output and LSE of
-its queries. :func:`~automodel.distributed.cp.block_backend.select_backend` picks the kernel:
+:func:`cuda_block_forward` / :func:`cuda_block_backward` fill the slot (``blocks.register_backend``):
+they take the arguments of ``blocks.block_forward`` / ``blocks.block_backward`` in order, positionally
+(those two are the typed keyword API, and a block's ``kernel=`` reaches the slot through them): a block
+of queries ``[B, Hq, n, D]`` against keys ``[B, Hkv, m, D]`` and values ``[B, Hkv, m, Dv]`` returns
+``(out, lse)``, and the backward takes the MERGED output and LSE of its queries. :func:`~automodel.distributed.cp.block_backend.select_backend` picks the kernel:
 
 - SDPA flash / memory-efficient (``aten._scaled_dot_product_flash_attention`` /
   ``_scaled_dot_product_efficient_attention`` and their ``_backward`` ops, which take an output and an
@@ -370,21 +371,13 @@ def _flex_backward(dout, q, k, v, out, lse, causal, scale, allowed, softcap):
 
 
 def cuda_block_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    allowed: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    softcap: float | None = None,
-    kernel: str | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+    allowed: torch.Tensor | None, sinks: torch.Tensor | None, softcap: float | None, kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out [B, Hq, n, Dv], lse [B, Hq, n] fp32)`` of one block with a fused kernel, or ``None`` (exact math
-    applies; one warning per layer kind was logged). Arguments as ``blocks.block_forward``; ``kernel``
-    overrides :func:`~automodel.distributed.cp.block_backend.select_backend` (tests: ``"flex"`` on CPU).
-    Differentiable w.r.t. q, k, v (and sinks); nothing is mutated."""
+    applies; one warning per layer kind was logged). The arguments of ``blocks.block_forward``, in order;
+    ``kernel`` overrides :func:`~automodel.distributed.cp.block_backend.select_backend` (tests: ``"flex"``
+    on CPU). Differentiable w.r.t. q, k, v (and sinks); nothing is mutated."""
     name, _ = _choose(q, k, v, causal, allowed, sinks, softcap, kernel)
     if name == MATH:
         return None
@@ -401,21 +394,12 @@ def cuda_block_forward(
 
 
 def cuda_block_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    allowed: torch.Tensor | None = None,
-    softcap: float | None = None,
-    kernel: str | None = None,
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float | None, allowed: torch.Tensor | None, softcap: float | None, kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(dq, dk, dv)`` of one block given the MERGED ``out`` / ``lse`` of its queries (``blocks.block_backward``'s
-    contract), or ``None`` (exact math applies). ``kernel`` as in :func:`cuda_block_forward`."""
+    contract and arguments, in order), or ``None`` (exact math applies). ``kernel`` as in
+    :func:`cuda_block_forward`."""
     name, _ = _choose(q, k, v, causal, allowed, None, softcap, kernel)
     if name == MATH:
         return None
@@ -429,18 +413,12 @@ def cuda_block_backward(
 
 
 def varlen_documents(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_len: int,
-    *,
-    causal: bool = True,
-    window: int | None = None,
-    scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, causal: bool,
+    window: int | None, scale: float | None,
 ) -> torch.Tensor | None:
     """Attention of every document of a packed token stream in ONE ``varlen_attn`` call, or ``None`` where it
-    does not apply (not CUDA, no ``varlen_attn``, dtype / head size / device it does not take).
+    does not apply (not CUDA, no ``varlen_attn``, dtype / head size / device it does not take). The CUDA
+    slot of ``blocks.documents_forward`` (its arguments, in order, without ``backend``).
 
     Args:
         q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (K/V are repeated per query head for GQA).

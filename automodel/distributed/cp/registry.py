@@ -166,22 +166,18 @@ def methods_that_run(
 
 
 def alternatives_fix(
-    profile: ModelProfile,
-    *,
-    exclude: str | None = None,
-    cp_size: int | None = None,
-    tp_size: int = 1,
-    seq_len: int | None = None,
-    packed: bool | None = False,
-    key: str = "distributed.cp_method=...",
+    profile: ModelProfile, *, key: str = "distributed.cp_method=...", **conditions: Any
 ) -> tuple[str, tuple[str, ...]]:
-    """The advice of a refusal: ``(text, labels)``, the labels of :func:`alternatives` (each one runs the model
+    """The advice of a refusal: ``(text, labels)``, the labels of :func:`alternatives` under ``conditions``
+    (its keywords: ``exclude``, ``cp_size``, ``tp_size``, ``seq_len``, ``packed``; each label runs the model
     exactly under the same conditions). ``packed=None`` (not known yet: the own loop before a batch): the
     methods that take one document per row only are marked so. ``key``: how the user selects a method."""
-    found = alternatives(profile, exclude=exclude, cp_size=cp_size, tp_size=tp_size, seq_len=seq_len, packed=packed)
+    found = alternatives(profile, **conditions)
     labels = tuple(alternative_label(m, o) for m, o in found)
+    packed = conditions.get("packed", False)
     if not found:
-        if alternatives(profile, exclude=exclude, seq_len=seq_len, packed=None):  # it is the sizes or the rows
+        any_size = dict(conditions, cp_size=None, tp_size=1, packed=None)
+        if alternatives(profile, **any_size):  # it is the sizes or the rows
             return (
                 "no other CP method runs this model exactly at these sizes and rows: change distributed.cp_size / "
                 "tp_size or the packing, or train it with distributed.cp_size=1"
