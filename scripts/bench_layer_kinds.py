@@ -3,7 +3,7 @@
 
 Two gloo ranks (CPU, one thread each) run one attention layer's forward + backward on ``[1, H, S, D]``
 fp32 q/k/v (``H`` query heads, ``H/4`` KV heads) for every entry of :data:`KINDS`, with the kernel the
-CP method picks for that kind (automodel/distributed/cp/kernels). Bytes are counted at the collectives
+CP method picks for that kind (automodel/distributed/cp/layers). Bytes are counted at the collectives
 (``all_to_all_single``, all-gather, reduce-scatter: what this rank sends to the other ranks, forward +
 backward; deterministic); the time is the slower rank's (noisy on a shared machine).
 

@@ -1,6 +1,6 @@
 """Exact CP for every attention layer kind: sliding windows, chunks, sinks, softcapping, MLA.
 
-The halo kernel (automodel/distributed/cp/kernels) against a dense one-process reference (loss and the
+The halo kernel (automodel/distributed/cp/layers/masked_attention.py) against a dense one-process reference (loss and the
 gradients of q, k, v and the sinks, fp64 and fp32) on ring and thd layouts at cp=2 and cp=4, the halo
 it exchanges (exact token ids), and tiny models of the families through ring (one row; the eager families
 gemma2, vaultgemma, granite_swa and gpt-oss included), thd and Ulysses (packed rows against every document

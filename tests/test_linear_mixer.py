@@ -1,4 +1,4 @@
-"""Gated DeltaNet under CP (automodel/distributed/cp/gated_deltanet.py, linear_mixer.py; docs/linear_mixers.md).
+"""Gated DeltaNet under CP (automodel/distributed/cp/layers/gated_deltanet.py, linear_mixer.py; docs/linear_mixers.md).
 
 Single process: a row cut into pieces and chained (conv halo + state) gives the whole-row mixer; the
 fp64 reference rule agrees with transformers' kernel. One 4-rank gloo launch: Qwen3-Next on a packed row

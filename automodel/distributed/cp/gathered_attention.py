@@ -393,7 +393,7 @@ def gathered_layer(
     ``call.query`` ``[1, Hq, T/W, D]``, key/value ``[1, Hkv, T/W, D]``. Refuses (``ValueError`` /
     :class:`CPUnsupportedError`) a mask (document boundaries come from the plan), dropout, a non-causal
     module and attention biases. Per layer: windows, chunks, sinks and softcapping run the halo kernel,
-    MLA runs on padded V (cp/kernels/strategy.py); transformers passes ``softcap`` only where the model
+    MLA runs on padded V (cp/layers/strategy.py); transformers passes ``softcap`` only where the model
     applies it (sdpa refuses it). Everything else runs :func:`thd_attention`. ``local_index``: the index
     transformers took each query's position-dependent scale at (``run_layer``; usp's gathered queries);
     ``method``: the CP method the messages name.
