@@ -1,18 +1,7 @@
-"""Stable import path: the THD batch format lives in :mod:`automodel.distributed.cp.thd_format` (re-exported here)."""
+"""Stable import path (NeMo AutoModel's ``thd_utils``): the THD batch format lives in
+:mod:`automodel.distributed.cp.thd_format`; this module only re-exports it."""
 
-from automodel.distributed.cp.thd_format import (
-    THD_TOKEN_KEYS,
-    first_not_divisible,
-    get_thd_partitioned_indices,
-    packed_padding_mask,
-    process_input_for_thd,
-    split_batch_into_thd_chunks,
-    thd_partition_indices,
-    validate_thd_partition_args,
-)
+from automodel.distributed.cp import thd_format as _home
+from automodel.distributed.cp.thd_format import *  # noqa: F403  (every name of its __all__)
 
-__all__ = [
-    "THD_TOKEN_KEYS", "first_not_divisible", "get_thd_partitioned_indices", "packed_padding_mask",
-    "process_input_for_thd", "split_batch_into_thd_chunks", "thd_partition_indices",
-    "validate_thd_partition_args"
-]
+__all__ = _home.__all__
