@@ -86,6 +86,7 @@ __all__ = [
     "tile_tokens_for",
     "host_bytes",
     "loss_auto_choice",
+    "resolve_chunk_tokens",
 ]
 
 DEFAULT_CHUNK_TOKENS = 1024  # what a suggestion (and ``loss.chunk_tokens: auto``) turns the chunked loss on with
@@ -709,15 +710,48 @@ def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = N
     return out
 
 
-def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -> RunShape:  # noqa: ANN001
+def loss_auto_choice(d: ModelDims, r: RunShape) -> tuple[int | None, str]:
+    """``loss.chunk_tokens: auto`` for the run of shape ``r``: ``(chunk_tokens or None, the reason, one line)``.
+
+    On (:data:`DEFAULT_CHUNK_TOKENS` tokens per chunk) when the plain loss's ``logits and loss`` term is more than
+    :data:`AUTO_LOSS_SHARE` of the step peak that the planner predicts with it, else off. Off under tensor
+    parallelism: the chunked loss does not compose with it (``distributed.enable_loss_parallel`` shards the
+    logits instead). Pure.
+    """
+    if r.tp > 1:
+        return None, (f"loss.chunk_tokens auto: off (tp_size {r.tp}: the chunked loss does not compose with tensor "
+                      "parallelism; distributed.enable_loss_parallel shards the logits instead)")  # fmt: skip
+    plain = plan_memory(d, dataclasses.replace(r, chunk_tokens=None))
+    loss, peak = plain.terms["logits and loss"].bytes, plain.step_peak_bytes
+    share = loss / peak if peak > 0 else 0.0
+    what = (f"the plain logits and loss ({_fmt(loss)}) are {share:.0%} of the predicted step peak ({_fmt(peak)}; "
+            f"threshold {AUTO_LOSS_SHARE:.0%})")  # fmt: skip
+    if share > AUTO_LOSS_SHARE:
+        return DEFAULT_CHUNK_TOKENS, f"loss.chunk_tokens auto: on, {DEFAULT_CHUNK_TOKENS} tokens per chunk: {what}"
+    return None, f"loss.chunk_tokens auto: off (the plain loss): {what}"
+
+
+def resolve_chunk_tokens(cfg, dims: ModelDims, sizes: dict[str, int], seq: int, grad_acc: int) -> tuple[int | None, str | None]:  # noqa: ANN001
+    """``cfg.loss.chunk_tokens`` with ``auto`` resolved by :func:`loss_auto_choice`: ``(value, reason or None)``.
+
+    ``None`` reason: the config names the value (an int, or null). Nothing is mutated."""
+    value = cfg.loss.chunk_tokens
+    if value != "auto":
+        return value, None
+    return loss_auto_choice(dims, run_shape_from_config(cfg, sizes, seq, grad_acc, dims=dims))
+
+
+def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, dims: ModelDims | None = None) -> RunShape:  # noqa: ANN001
     """The :class:`RunShape` of a validated :class:`~automodel.config.schema.RecipeConfig`.
 
     ``sizes``: the resolved parallel sizes (``parallel_sizes``); ``seq``: the padded row length.
     ``fsdp.param_dtype=auto`` is planned as bfloat16 (CUDA), like the rest of the dry run.
+    ``loss.chunk_tokens: auto`` is resolved by :func:`loss_auto_choice` on ``dims`` (the plain loss when
+    ``dims`` is not given: the run and the dry run resolve it into the config first).
     """
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
     compute = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
-    return RunShape(
+    shape = RunShape(
         local_batch=cfg.step_scheduler.local_batch_size,
         seq=seq,
         cp=sizes["cp"],
@@ -726,7 +760,7 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -
         cp_method=cfg.distributed.cp_method,
         attn=cfg.model.attn_implementation or "sdpa",
         activation_checkpointing=cfg.model.activation_checkpointing,
-        chunk_tokens=cfg.loss.chunk_tokens,
+        chunk_tokens=None if cfg.loss.chunk_tokens == "auto" else cfg.loss.chunk_tokens,
         master_bytes=nbytes[cfg.model.dtype],
         compute_bytes=nbytes[compute] if cfg.fsdp.enabled else nbytes[cfg.model.dtype],
         reduce_bytes=nbytes[cfg.fsdp.reduce_dtype],
@@ -735,4 +769,10 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -
         loss_parallel=cfg.distributed.enable_loss_parallel,
         sequence_parallel=cfg.distributed.sequence_parallel,
         fsdp_enabled=cfg.fsdp.enabled,
+        tiled_mlp=cfg.model.tiled_mlp,
+        activation_offload=cfg.model.activation_offload,
+        offload=cfg.fsdp.offload,
     )
+    if cfg.loss.chunk_tokens == "auto" and dims is not None:
+        shape = dataclasses.replace(shape, chunk_tokens=loss_auto_choice(dims, shape)[0])
+    return shape
