@@ -124,3 +124,13 @@ def test_loss_auto_resolves_in_the_dry_run_and_null_stays_off(capsys):
     assert "loss.chunk_tokens auto:" in auto
     explicit = dry_run_report(load_config([*base, "loss.chunk_tokens=null"], world_size=2))
     assert "loss.chunk_tokens auto" not in explicit and "plain: [" in explicit
+
+
+@pytest.mark.parametrize("config", ["configs/llama3_2_1b_longest_8gpu.yaml", "configs/llama3_1_8b_longest_8gpu.yaml"])
+def test_shipped_longest_configs_fit_their_gpus_in_the_dry_run(config):
+    from automodel.config import load_config
+    from automodel.training.dry_run import dry_run_report
+
+    out = dry_run_report(load_config(["--config", config, "recipe.dry_run=true", "recipe.memory_budget_gib=78.6475"],
+                                     world_size=8))  # fmt: skip
+    assert "-> fits" in out, out[-3000:]  # 81,559 MiB less the 1 GiB reserve (plan_search)
