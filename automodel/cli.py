@@ -1,6 +1,7 @@
-"""The ``automodel`` console command: launch a recipe's ranks through torch's elastic launcher.
+"""The ``automodel`` console command: launch a recipe's ranks through torch's elastic launcher, or plan.
 
     automodel finetune --config configs/cp.yaml --nproc-per-node 2 [key=value ...]
+    automodel plan --config configs/llama3_1_8b_tp2_cp4.yaml --gpus 8 --gpu-type h100 [key=value ...]
     automodel finetune --config my.yaml --nnodes 2 --nproc-per-node 8 \\
         --rdzv-endpoint node0:29400 --rdzv-id run1 [key=value ...]
 
@@ -95,7 +96,17 @@ usage: automodel finetune [--config PATH] [LAUNCHER OPTIONS] [OVERRIDE ...]
 Exit codes: 0 done, 2 a mistake in the input (one error: line), 3 a non-finite loss, gradient or
 weight (one error: line; recipe.on_nonfinite), 4 a rank was lost (resume with checkpoint.resume=auto),
 143 / 130 stopped by SIGTERM / SIGINT after a checkpoint, 1 anything else.
+
+usage: automodel plan --config PATH --gpus N --gpu-type h100|h200|a100|l40s
+                      [--gpu-memory-gib G] [--host-memory-gib H] [OVERRIDE ...]
+
+  the longest row that fits per layout (dp x cp x tp, each exact CP method) and memory technique, searched
+  over the memory planner on the meta device (no GPU, no weights); the table, an ablation and a last line
+  `longest: <tokens> tokens per row (...)`. --gpu-memory-gib: the GPU's memory instead of its data sheet's;
+  --host-memory-gib: host memory per node (default 256 GiB per GPU of a full node). docs/long_context.md
 """
+
+_PLAN_OPTIONS = {"--gpus": int, "--gpu-type": str, "--gpu-memory-gib": float, "--host-memory-gib": float}
 
 
 class _UsageError(Exception):
@@ -319,6 +330,78 @@ def _launch(launcher_argv: list[str], script: Path, recipe_argv: list[str]) -> i
     return EXIT_SIGINT if interrupted else 0
 
 
+def _plan_args(argv: Sequence[str]) -> tuple[dict[str, object], list[str]]:
+    """``automodel plan``'s options and the rest (``--config PATH`` and overrides). Raises :class:`_UsageError`."""
+    opts: dict[str, object] = {}
+    rest: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if name in _PLAN_OPTIONS:
+            if not eq:
+                if i + 1 >= len(args):
+                    raise _UsageError(f"{arg} needs a value (see automodel plan --help)")
+                value, i = args[i + 1], i + 1
+            try:
+                opts[name] = _PLAN_OPTIONS[name](value)
+            except ValueError:
+                raise _UsageError(f"{name}={value!r} is not a {_PLAN_OPTIONS[name].__name__}") from None
+        elif name in ("--config", "-c", "--config-file"):
+            rest.append(arg)
+            if not eq and i + 1 < len(args):
+                rest.append(args[i + 1])
+                i += 1
+        elif arg.startswith("-"):
+            raise _UsageError(f"unknown option {arg!r}; automodel plan takes --config PATH, {', '.join(_PLAN_OPTIONS)} "
+                              "and key=value overrides (see --help)")  # fmt: skip
+        else:
+            rest.append(arg)
+        i += 1
+    return opts, rest
+
+
+def _plan(argv: Sequence[str]) -> int:
+    """``automodel plan``: print the longest-row table of :mod:`automodel.training.plan_search`."""
+    if "-h" in argv or "--help" in argv:
+        print(USAGE, end="")
+        return 0
+    try:
+        opts, rest = _plan_args(argv)
+        from automodel.config.compose import parse_argv
+        from automodel.config.gpu_specs import GPU_SPECS
+        from automodel.config.typecheck import ConfigError
+
+        gpus, gpu_type = opts.get("--gpus"), str(opts.get("--gpu-type", "")).lower()
+        if not isinstance(gpus, int) or gpus < 1:
+            raise _UsageError("automodel plan needs --gpus N (N >= 1): the GPUs to plan for")
+        if gpu_type not in GPU_SPECS:
+            raise _UsageError(f"automodel plan needs --gpu-type, one of {', '.join(sorted(GPU_SPECS))}")
+        for key in ("--gpu-memory-gib", "--host-memory-gib"):
+            if key in opts and not float(opts[key]) > 0:  # type: ignore[arg-type]
+                raise _UsageError(f"{key}={opts[key]} must be > 0")
+        try:
+            config, overrides, _ = parse_argv(rest)
+        except ConfigError as e:
+            raise _UsageError(str(e)) from None
+        if config is None:
+            raise _UsageError("automodel plan needs --config PATH (the model and dtypes to plan for)")
+    except _UsageError as e:
+        _error(str(e))
+        return EXIT_USER_ERROR
+    from automodel.training.plan_search import plan_report
+
+    try:
+        lines = plan_report(config, overrides, gpus, gpu_type, opts.get("--gpu-memory-gib"),  # type: ignore[arg-type]
+                            opts.get("--host-memory-gib"))  # type: ignore[arg-type]  # fmt: skip
+    except (ConfigError, ValueError) as e:
+        _error(str(e))
+        return EXIT_USER_ERROR
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``automodel`` command (console script). Returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -326,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else EXIT_USER_ERROR
     command, rest = argv[0], argv[1:]
+    if command == "plan":
+        return _plan(rest)
     try:
         if command not in COMMANDS:
             raise _UsageError(f"unknown command {command!r}; the commands are: {', '.join(COMMANDS)}")

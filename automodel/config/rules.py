@@ -139,10 +139,10 @@ def check_rules(
 
     problems += tp_problems(cfg)
     problems += compile_problems(cfg)  # compiled autograd / model.compile vs FSDP2 and the CP method
-    if cfg.loss.chunk_tokens is not None and cfg.loss.chunk_tokens < 1:
+    if isinstance(cfg.loss.chunk_tokens, int) and cfg.loss.chunk_tokens < 1:
         problems.append(
             f"loss.chunk_tokens={cfg.loss.chunk_tokens} must be >= 1 (tokens whose logits are computed at once, "
-            "e.g. 1024), or null for the plain loss"
+            "e.g. 1024), null for the plain loss, or auto"
         )
     if d.backend == "nccl" and cuda_available is False:
         problems.append(
@@ -346,7 +346,7 @@ def tp_problems(cfg: RecipeConfig) -> list[str]:
         )
     if d.tp_size <= 1:
         return problems
-    if cfg.loss.chunk_tokens is not None:
+    if isinstance(cfg.loss.chunk_tokens, int):  # auto resolves to off under TP
         problems.append(
             f"loss.chunk_tokens={cfg.loss.chunk_tokens} with distributed.tp_size={d.tp_size}: the chunked loss "
             "multiplies each chunk by the whole LM head on every rank, which tensor parallelism shards on the "

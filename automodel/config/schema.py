@@ -207,7 +207,10 @@ class LoggingSection:
 class LossSection:
     """How the loss is computed (always: CE sum over label tokens / global label-token count)."""
 
-    chunk_tokens: int | None = None  # chunked linear CE: LM head + CE this many tokens at a time; None: off
+    # chunked linear CE: LM head + CE this many tokens at a time; null: off (the plain loss); auto: on (1024 tokens)
+    # when the plain logits and loss would be more than 25% of the step's memory peak, else off, and off under
+    # tensor parallelism (loss parallel instead); resolved at the start of the run and in the dry run
+    chunk_tokens: int | Literal["auto"] | None = "auto"
 
 
 @dataclass

@@ -324,6 +324,11 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     plan = _layout_lines(loaded, out)
     model, resolved, tok_desc, profile = _meta_model(plan)
     dims = _model_lines(plan, model, resolved, tok_desc, profile, out)
+    if plan.cfg.loss.chunk_tokens == "auto":  # resolved as the run resolves it (trainer._resolve_loss_auto)
+        from automodel.training.memory_plan import resolve_chunk_tokens
+
+        plan.cfg.loss.chunk_tokens, reason = resolve_chunk_tokens(plan.cfg, dims, plan.sizes, plan.seq, plan.grad_acc)
+        out.append(reason)
     _shape_lines(plan, model, dims, out)
     _memory_and_time_lines(plan, dims, out)
     if loaded.cfg.recipe.plan_layouts:  # recipe.plan_layouts: each layout estimated (or refused), fastest first

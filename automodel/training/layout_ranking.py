@@ -97,7 +97,7 @@ def rank_layouts(loaded: Any, cp_method: str, dims: Any, resolved: Any, model: A
         seq = -(-cfg.data.seq_len // mult) * mult
         sched = cfg.step_scheduler
         grad_acc = sched.global_batch_size // (sched.local_batch_size * sizes["dp"])
-        shape = run_shape_from_config(cfg, sizes, seq, grad_acc)
+        shape = run_shape_from_config(cfg, sizes, seq, grad_acc, dims=dims)  # loss.chunk_tokens auto resolved
         est = estimate_step(dims, shape, sizes, world, sched.global_batch_size, spec, node)
         item.step_s, item.tokens_per_s_gpu = est.step_s, est.tokens_per_s_per_gpu
         item.memory_gib = plan_memory(dims, shape).total_bytes / 2**30

@@ -82,9 +82,17 @@ __all__ = [
     "tp_lines",
     "run_shape_from_config",
     "DEFAULT_CHUNK_TOKENS",
+    "AUTO_LOSS_SHARE",
+    "tile_tokens_for",
+    "host_bytes",
+    "loss_auto_choice",
+    "resolve_chunk_tokens",
 ]
 
-DEFAULT_CHUNK_TOKENS = 1024  # what a suggestion turns the chunked loss on with
+DEFAULT_CHUNK_TOKENS = 1024  # what a suggestion (and ``loss.chunk_tokens: auto``) turns the chunked loss on with
+#: ``loss.chunk_tokens: auto`` turns the chunked loss on when the plain logits-and-loss term is more than this
+#: share of the step peak (:func:`loss_auto_choice`)
+AUTO_LOSS_SHARE = 0.25
 _GIB = 2**30
 
 
@@ -159,6 +167,9 @@ class RunShape:
     loss_parallel: bool = False  # distributed.enable_loss_parallel (tp > 1): logits stay [N, V / tp]
     sequence_parallel: bool = False  # distributed.sequence_parallel (tp > 1): residual stream [N / tp, h]
     fsdp_enabled: bool = True  # fsdp.enabled=false: every rank holds the whole model (replicated)
+    tiled_mlp: bool | int = False  # model.tiled_mlp: the MLP over tiles of T tokens (True: tile_tokens_for)
+    activation_offload: bool = False  # model.activation_offload: checkpointed layer inputs on the host
+    offload: bool | str = False  # fsdp.offload: False | "optimizer" | "all"
 
     @property
     def fsdp(self) -> int:
@@ -169,6 +180,11 @@ class RunShape:
         """Tokens of one micro-batch on this rank: ``local_batch * seq / cp`` (every TP rank of a group
         processes the same tokens; sequence parallel splits only the residual stream between them)."""
         return self.local_batch * self.seq // self.cp
+
+    @property
+    def activation_offloaded(self) -> bool:
+        """Activation offload applies to what checkpointing keeps (it needs ``activation_checkpointing``)."""
+        return self.activation_offload and self.activation_checkpointing
 
     @property
     def stream_split(self) -> int:
@@ -201,6 +217,11 @@ class MemoryPlan:
     persistent: list[MemoryTerm]
     terms: dict[str, MemoryTerm]
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    host: list[MemoryTerm] = field(default_factory=list)  # pinned host memory per rank (offload), see host_bytes
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(t.bytes for t in self.host)
 
     @property
     def persistent_bytes(self) -> float:
@@ -223,6 +244,31 @@ class MemoryPlan:
         """The largest single term of the total: a persistent term or a term of the peak phase."""
         cands = {t.name: t.bytes for t in self.persistent} | self.phases[self.peak_phase]
         return max(cands, key=cands.get)
+
+
+def tile_tokens_for(hidden: int, intermediate: int, local_tokens: int) -> int:
+    """``model.tiled_mlp: true``'s tile: equal tiles of at most ``hidden`` tokens over ``local_tokens``.
+
+    A tile of ``hidden`` tokens makes each ``[T, intermediate]`` intermediate the size of one MLP weight
+    (``[intermediate, hidden]``): small next to the ``[local_tokens, hidden]`` tensors a long row keeps, and a
+    GEMM of ``hidden`` rows still runs near the peak. The tiles are made equal: ``ceil(local_tokens / tiles)``
+    tokens each, ``tiles = ceil(local_tokens / hidden)``. ``intermediate`` does not change the rule (it is
+    named so that the rule can weigh it; the model's own :mod:`automodel.models.tiled_mlp` resolves the same
+    way). Pure.
+    """
+    del intermediate
+    n = max(1, int(local_tokens))
+    tiles = -(-n // max(1, int(hidden)))
+    return -(-n // tiles)
+
+
+def _mlp_tile(d: ModelDims, r: RunShape) -> int | None:
+    """Tokens per MLP tile of ``r`` (``None``: the MLP is not tiled)."""
+    if r.tiled_mlp is False or r.tiled_mlp is None:
+        return None
+    if r.tiled_mlp is True:
+        return tile_tokens_for(d.hidden, d.intermediate, r.local_tokens)
+    return min(int(r.tiled_mlp), r.local_tokens)
 
 
 def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, possibly on the meta device)
@@ -311,7 +357,7 @@ def _tp_sharded_params(model) -> set[int]:  # noqa: ANN001
 
 
 def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
-    """(saved activations, extra of one recomputed layer in backward, note), bytes per rank."""
+    """(saved activations, extra of one recomputed layer in backward, note), bytes per rank on the device."""
     n, c, tp, s = r.local_tokens, r.compute_bytes, r.tp, r.stream_split
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     repeated = 2 * h if d.kv_heads < d.heads else 0  # GQA: the kernel saves K/V repeated to all heads
@@ -322,25 +368,66 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
     # per head / MLP column, split over TP: q, k, v, the repeated K/V, the attention output and its
     # transposed copy, gate, up, silu(gate), silu(gate) * up; plus the kernel's fp32 LSE
-    split = (h + repeated + 2 * kv + 2 * h + 4 * i) / tp
+    tile = _mlp_tile(d, r)
+    mlp = 0 if tile else 4 * i  # tiled: the MLP's forward keeps only its input (the second norm's output)
+    split = (h + repeated + 2 * kv + 2 * h + mlp) / tp
     layer = (stream + split + gathered) * c + d.heads * 4 / tp
-    # outside the layers: embedding output and final norm (4 h, split by SP; with SP the LM head
-    # gathers its input: h), ids/labels/positions (24 B, every TP rank holds them)
-    outside = 4 * h * c / s + (h * c if gathered else 0) + 24
+    # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each
+    tile_bytes = 6 * tile * i / tp * c if tile else 0.0
+    # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head
+    # gathers its input: h), ids/labels/positions (24 B, every TP rank holds them). Offloaded, the
+    # embedding output is the first layer's input: on the host with the others.
+    embed = 0.0 if r.activation_offloaded else h * c / s
+    outside = embed + 3 * h * c / s + (h * c if gathered else 0) + 24
     s2 = 0.0
     if r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
         s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
+    tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if r.activation_checkpointing:
-        saved = n * (d.layers * h * c / s + outside)
-        recompute = n * (layer + 2 * h * c / s) + s2
-        note = f"{d.layers} layer inputs kept; one layer recomputed in backward: {_fmt(recompute)}"
+        # the embedding output is the first layer's checkpointed input (one tensor, counted with the inputs)
+        outside -= embed
+        kept = min(2, d.layers) if r.activation_offloaded else d.layers
+        saved = n * (kept * h * c / s + outside)
+        # by the time backward recomputes a layer, the final norm's and LM head's saved tensors are freed:
+        # the recompute phase holds the kept inputs, the ids and the recomputed layer (negative: what it drops)
+        recompute = n * (layer + 2 * h * c / s - (outside - 24)) + s2 + tile_bytes
+        if r.activation_offloaded:
+            note = f"{kept} of {d.layers} layer inputs on the device (the others on the host)"
+        else:
+            note = f"{d.layers} layer inputs kept"
+        note += f"; one layer recomputed in backward: {_fmt(n * (layer + 2 * h * c / s) + s2 + tile_bytes)}{tiled}"
         return saved, recompute, note
-    saved = n * (d.layers * layer + outside) + d.layers * s2
-    note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (eager: an S^2 term per layer)" if s2 else "")
+    saved = n * (d.layers * layer + outside) + d.layers * s2 + tile_bytes
+    note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (eager: an S^2 term per layer)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
     return saved, 0.0, note
+
+
+def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
+    """What one rank keeps in host memory (pinned), term by term (empty without offload).
+
+    * ``model.activation_offload`` (with checkpointing): the ``L`` layer inputs ``[N, h / sp]``, ``L N h c``.
+    * ``fsdp.offload=optimizer``: the AdamW states (``2 T / fsdp`` master-dtype values), the master copy of the
+      trainable parameters that the host-side step updates and the gradients it reads (``T / fsdp`` each).
+    * ``fsdp.offload=all``: the parameter shard (``P / fsdp``), its gradients (``T / fsdp``) and the AdamW
+      states (``2 T / fsdp``), master dtype.
+    """
+    out: list[MemoryTerm] = []
+    if r.activation_offloaded:
+        per = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
+        out.append(MemoryTerm("offloaded activations", d.layers * per, f"{d.layers} layer inputs of {_fmt(per)}"))
+    shard = 1 / r.fsdp
+    params, trainable = d.local_params(r.tp) * shard, d.local_trainable(r.tp) * shard
+    mb = r.master_bytes
+    if r.offload == "optimizer":
+        out.append(MemoryTerm("optimizer (host)", 4 * trainable * mb,
+                              "AdamW states, master copy and gradients for the host-side step"))  # fmt: skip
+    elif r.offload == "all":
+        out.append(MemoryTerm("parameters and optimizer (host)", (params + 3 * trainable) * mb,
+                              "parameter shard, its gradients and AdamW states"))  # fmt: skip
+    return out
 
 
 def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, str]:
@@ -390,13 +477,28 @@ def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
 def _comm_buffers(d: ModelDims, r: RunShape) -> tuple[float, str]:
     if not r.fsdp_enabled:  # automodel.distributed.replicate: one flat buffer of every gradient
         return d.trainable * r.master_bytes, "replicated: flat gradient all-reduce buffer"
-    if r.fsdp == 1 and r.compute_bytes == r.master_bytes:
+    if r.fsdp == 1 and r.compute_bytes == r.master_bytes and r.offload != "all":
         return 0.0, "no FSDP sharding (fsdp size 1)"
     gathered_layers = 2 if r.reshard_after_forward else d.layers
     root = d.root_params - d.tp_root_params + d.tp_root_params / r.tp  # FSDP2 gathers the TP-local shards
     layer = d.layer_params - d.tp_layer_params + d.tp_layer_params / r.tp
     b = root * r.compute_bytes + layer * (gathered_layers * r.compute_bytes + r.reduce_bytes)
-    return b, f"root gathered fwd->bwd, {gathered_layers} layers gathered, one layer's gradient before reduce-scatter"
+    note = f"root gathered fwd->bwd, {gathered_layers} layers gathered, one layer's gradient before reduce-scatter"
+    if r.offload == "all":  # the shard copied from the host before its all-gather, one layer at a time
+        b += layer / r.fsdp * r.master_bytes
+        note += "; one layer's shard copied from the host"
+    return b, note
+
+
+def _gradient_bytes(d: ModelDims, r: RunShape) -> tuple[float, str]:
+    """Gradients on the device through backward: the rank's shard, or (``fsdp.offload=all``: the shards go to
+    the host as each reduce-scatter ends) the LM head's unsharded gradient, which the root module keeps until
+    the end of backward."""
+    trainable = d.local_trainable(r.tp)
+    if r.offload == "all":
+        head = (d.root_params - d.lookup_params) / r.tp  # the final norm's few weights counted with it
+        return head * r.compute_bytes, "offloaded to the host; the LM head's unsharded gradient until the end of backward"
+    return trainable / r.fsdp * r.master_bytes, f"1/{r.fsdp} of {trainable / 1e6:.1f}M trainable"
 
 
 def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
@@ -410,24 +512,30 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     where = f"1/{r.fsdp} of {d.params / 1e6:.1f}M"
     if r.tp > 1:
         where = f"1/{r.fsdp} of {params / 1e6:.1f}M (tp {r.tp}: {d.tp_params / 1e6:.1f}M sharded /tp, the rest whole)"
+    on_device_params = 0.0 if r.offload == "all" else params * shard * r.master_bytes
+    on_device_states = 0.0 if r.offload in ("optimizer", "all") else 2 * trainable * shard * r.master_bytes
     persistent = [
-        MemoryTerm("parameters", params * shard * r.master_bytes, where),
-        MemoryTerm("optimizer states", 2 * trainable * shard * r.master_bytes, "AdamW exp_avg, exp_avg_sq"),
-    ]
-    grads = trainable * shard * r.master_bytes
+        MemoryTerm("parameters", on_device_params, where if r.offload != "all" else "on the host (fsdp.offload=all)"),
+        MemoryTerm("optimizer states", on_device_states,
+                   "AdamW exp_avg, exp_avg_sq" if r.offload is False else f"on the host (fsdp.offload={r.offload})"),
+    ]  # fmt: skip
+    grads, grads_note = _gradient_bytes(d, r)
     saved, recompute, act_note = _activation_terms(d, r)
     attn, attn_note = _attention_workspace(d, r)
     loss, loss_note = _loss_term(d, r)
     comm, comm_note = _comm_buffers(d, r)
+    host_step = r.offload in ("optimizer", "all")  # the optimizer step runs on the host
+    opt_temp = 0.0 if host_step else grads
     terms = {
-        "gradients": MemoryTerm("gradients", grads, f"1/{r.fsdp} of {trainable / 1e6:.1f}M trainable"),
+        "gradients": MemoryTerm("gradients", grads, grads_note),
         "activations": MemoryTerm("activations", saved + recompute, act_note),
         "attention workspace": MemoryTerm("attention workspace", attn, attn_note),
         "logits and loss": MemoryTerm("logits and loss", loss, loss_note),
         "communication buffers": MemoryTerm("communication buffers", comm, comm_note),
-        "optimizer temporaries": MemoryTerm("optimizer temporaries", grads, "one gradient-sized temporary"),
-    }
-    earlier_grads = grads if r.grad_acc > 1 else 0.0
+        "optimizer temporaries": MemoryTerm("optimizer temporaries", opt_temp,
+                                            "the step runs on the host" if host_step else "one gradient-sized temporary"),
+    }  # fmt: skip
+    earlier_grads = grads if r.grad_acc > 1 and r.offload != "all" else 0.0
     phases = {
         "loss": {
             "gradients": earlier_grads,
@@ -436,8 +544,9 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
             "logits and loss": loss,
             "communication buffers": comm,
         },
-        "optimizer": {"gradients": grads, "communication buffers": comm, "optimizer temporaries": grads},
-    }
+        "optimizer": {"gradients": grads if r.offload != "all" else 0.0, "communication buffers": comm,
+                      "optimizer temporaries": opt_temp},
+    }  # fmt: skip
     if r.activation_checkpointing:
         phases["recompute"] = {
             "gradients": grads,
@@ -447,7 +556,7 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         }
     else:  # the attention workspace of the last layer's forward, on top of all but its own activations
         phases["loss"]["attention workspace"] = 0.0 if loss >= attn else attn
-    return MemoryPlan(persistent, terms, phases)
+    return MemoryPlan(persistent, terms, phases, host_bytes(d, r))
 
 
 def _fmt(n_bytes: float) -> str:
@@ -601,15 +710,48 @@ def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = N
     return out
 
 
-def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -> RunShape:  # noqa: ANN001
+def loss_auto_choice(d: ModelDims, r: RunShape) -> tuple[int | None, str]:
+    """``loss.chunk_tokens: auto`` for the run of shape ``r``: ``(chunk_tokens or None, the reason, one line)``.
+
+    On (:data:`DEFAULT_CHUNK_TOKENS` tokens per chunk) when the plain loss's ``logits and loss`` term is more than
+    :data:`AUTO_LOSS_SHARE` of the step peak that the planner predicts with it, else off. Off under tensor
+    parallelism: the chunked loss does not compose with it (``distributed.enable_loss_parallel`` shards the
+    logits instead). Pure.
+    """
+    if r.tp > 1:
+        return None, (f"loss.chunk_tokens auto: off (tp_size {r.tp}: the chunked loss does not compose with tensor "
+                      "parallelism; distributed.enable_loss_parallel shards the logits instead)")  # fmt: skip
+    plain = plan_memory(d, dataclasses.replace(r, chunk_tokens=None))
+    loss, peak = plain.terms["logits and loss"].bytes, plain.step_peak_bytes
+    share = loss / peak if peak > 0 else 0.0
+    what = (f"the plain logits and loss ({_fmt(loss)}) are {share:.0%} of the predicted step peak ({_fmt(peak)}; "
+            f"threshold {AUTO_LOSS_SHARE:.0%})")  # fmt: skip
+    if share > AUTO_LOSS_SHARE:
+        return DEFAULT_CHUNK_TOKENS, f"loss.chunk_tokens auto: on, {DEFAULT_CHUNK_TOKENS} tokens per chunk: {what}"
+    return None, f"loss.chunk_tokens auto: off (the plain loss): {what}"
+
+
+def resolve_chunk_tokens(cfg, dims: ModelDims, sizes: dict[str, int], seq: int, grad_acc: int) -> tuple[int | None, str | None]:  # noqa: ANN001
+    """``cfg.loss.chunk_tokens`` with ``auto`` resolved by :func:`loss_auto_choice`: ``(value, reason or None)``.
+
+    ``None`` reason: the config names the value (an int, or null). Nothing is mutated."""
+    value = cfg.loss.chunk_tokens
+    if value != "auto":
+        return value, None
+    return loss_auto_choice(dims, run_shape_from_config(cfg, sizes, seq, grad_acc, dims=dims))
+
+
+def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, dims: ModelDims | None = None) -> RunShape:  # noqa: ANN001
     """The :class:`RunShape` of a validated :class:`~automodel.config.schema.RecipeConfig`.
 
     ``sizes``: the resolved parallel sizes (``parallel_sizes``); ``seq``: the padded row length.
     ``fsdp.param_dtype=auto`` is planned as bfloat16 (CUDA), like the rest of the dry run.
+    ``loss.chunk_tokens: auto`` is resolved by :func:`loss_auto_choice` on ``dims`` (the plain loss when
+    ``dims`` is not given: the run and the dry run resolve it into the config first).
     """
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
     compute = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
-    return RunShape(
+    shape = RunShape(
         local_batch=cfg.step_scheduler.local_batch_size,
         seq=seq,
         cp=sizes["cp"],
@@ -618,7 +760,7 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -
         cp_method=cfg.distributed.cp_method,
         attn=cfg.model.attn_implementation or "sdpa",
         activation_checkpointing=cfg.model.activation_checkpointing,
-        chunk_tokens=cfg.loss.chunk_tokens,
+        chunk_tokens=None if cfg.loss.chunk_tokens == "auto" else cfg.loss.chunk_tokens,
         master_bytes=nbytes[cfg.model.dtype],
         compute_bytes=nbytes[compute] if cfg.fsdp.enabled else nbytes[cfg.model.dtype],
         reduce_bytes=nbytes[cfg.fsdp.reduce_dtype],
@@ -627,4 +769,10 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int) -
         loss_parallel=cfg.distributed.enable_loss_parallel,
         sequence_parallel=cfg.distributed.sequence_parallel,
         fsdp_enabled=cfg.fsdp.enabled,
+        tiled_mlp=cfg.model.tiled_mlp,
+        activation_offload=cfg.model.activation_offload,
+        offload=cfg.fsdp.offload,
     )
+    if cfg.loss.chunk_tokens == "auto" and dims is not None:
+        shape = dataclasses.replace(shape, chunk_tokens=loss_auto_choice(dims, shape)[0])
+    return shape

@@ -362,6 +362,8 @@ class FinetuneTrainer:
             seed=cfg.recipe.seed,
             device=self.device,
         )
+        if cfg.loss.chunk_tokens == "auto":  # resolved from the memory planner, before any step
+            self._resolve_loss_auto()
         if cfg.loss.chunk_tokens is not None:
             check_model_for_chunked_loss(self.model)
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -371,6 +373,27 @@ class FinetuneTrainer:
             n_params / 1e6,
             cfg.model.dtype,
         )
+
+    def _resolve_loss_auto(self) -> None:
+        """``loss.chunk_tokens: auto`` -> on (an int) or off (None) in ``self.cfg`` (mutated), with the reason logged
+        (:func:`automodel.training.memory_plan.loss_auto_choice`). A model that cannot return hidden states
+        without logits keeps the plain loss."""
+        from automodel.config import parallel_sizes
+        from automodel.training.memory_plan import model_dims, resolve_chunk_tokens
+        from automodel.training.step import check_model_for_chunked_loss
+
+        cfg = self.cfg
+        sizes, _ = parallel_sizes(cfg, self.world_size)
+        mult = pad_multiple(cfg)
+        seq = -(-cfg.data.seq_len // mult) * mult
+        value, reason = resolve_chunk_tokens(cfg, model_dims(self.model), sizes, seq, self.grad_acc)
+        if value is not None:
+            try:
+                check_model_for_chunked_loss(self.model)
+            except ValueError as e:
+                value, reason = None, f"{reason}; but this model cannot use it ({str(e).split(';')[0]}): the plain loss"
+        cfg.loss.chunk_tokens = value
+        logger.info("%s", reason)
 
     def _bind_cp_method(self) -> None:
         """The CP method's batch/context function ``cp_fn``; the method may prepare the model once.

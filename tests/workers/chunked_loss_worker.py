@@ -14,7 +14,7 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     Ulysses cp=2 with activation checkpointing, and cp=1 (dp=2)."""
     out_dir = Path(out)
     runs = {
-        "plain_cp1": (["distributed.cp_size=1"], CP),
+        "plain_cp1": (["distributed.cp_size=1", "loss.chunk_tokens=null"], CP),
         "chunked_cp1": (["distributed.cp_size=1", *CHUNK], CP),
         "chunked_ring_cp2": (["distributed.cp_size=2", *CHUNK], CP),
         "chunked_ulysses_ac_cp2": (

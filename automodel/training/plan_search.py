@@ -1,0 +1,449 @@
+"""``automodel plan``: the longest row that fits, per parallel layout and memory technique (a search over the memory planner).
+
+For the model of a config (built on the meta device: no weights, no process group), every layout of ``N``
+GPUs (``dp x cp x tp``; each CP method that computes the model exactly, judged by the registry's own checks
+on the model's profile, as ``cp_method: auto`` does) and every set of memory techniques (activation
+checkpointing, the chunked loss or loss parallel, the tiled MLP, activation offload, ``fsdp.offload``), a
+binary search over :func:`automodel.training.memory_plan.plan_memory` finds the longest row (a multiple of
+the layout's row multiple) whose predicted per-GPU total fits the device and whose host memory (offloaded
+activations, optimizer, parameters) fits the node. Pure arithmetic: a few seconds for an 8B model on a CPU.
+
+The device budget is the GPU's memory as the driver reports it (:data:`DEVICE_MEMORY_MIB`) less
+:data:`DEVICE_RESERVE_GIB` (the CUDA context, cuBLAS and NCCL workspaces); ``--gpu-memory-gib`` replaces
+the capacity (the reserve still comes off). The host budget is :data:`HOST_GIB_PER_GPU` per GPU of a full
+node (a DGX H100 / H200 node: 2 TiB for 8 GPUs), shared by the run's GPUs on the node;
+``--host-memory-gib`` gives the node's memory. ``docs/long_context.md`` explains the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from automodel.config.gpu_specs import GPUSpec
+from automodel.training.memory_plan import DEFAULT_CHUNK_TOKENS, ModelDims, RunShape, plan_memory
+
+__all__ = [
+    "DEVICE_MEMORY_MIB",
+    "DEVICE_RESERVE_GIB",
+    "HOST_GIB_PER_GPU",
+    "HOST_LINK_GB_S",
+    "HOST_ADAM_PARAMS_PER_S",
+    "Layout",
+    "Techniques",
+    "Found",
+    "PlanSearch",
+    "device_budget_gib",
+    "host_budget_gib",
+    "longest_row",
+    "plan_lines",
+]
+
+_GIB = 2**30
+#: total memory per GPU as ``nvidia-smi`` reports it (the data sheet's "80 GB" H100 is 81,559 MiB)
+DEVICE_MEMORY_MIB = {"h100": 81559, "h200": 143771, "a100": 81920, "l40s": 46068}
+#: what the planner's tensors cannot use: the CUDA context, cuBLAS and NCCL workspaces (about 0.5-0.8 GiB
+#: measured on an H100 with torch 2.x) and the caching allocator's slack between large blocks
+DEVICE_RESERVE_GIB = 1.0
+#: host memory per GPU of a full node: a DGX H100 / H200 has 2 TiB for its 8 GPUs
+HOST_GIB_PER_GPU = 256
+#: host <-> device copy bandwidth per GPU and direction, GB/s: PCIe 5.0 x16 (H100, H200: 64 GB/s) and
+#: 4.0 x16 (A100, L40S: 32 GB/s) at the 80% a pinned copy reaches (the step estimate's LINK_FRACTION)
+HOST_LINK_GB_S = {"h100": 64 * 0.8, "h200": 64 * 0.8, "a100": 32 * 0.8, "l40s": 32 * 0.8}
+#: torch's AdamW (foreach) on the host, parameters per second per GPU's process: it streams 16 B of state
+#: and parameter per element (read and written) over the few cores a rank's process gets
+HOST_ADAM_PARAMS_PER_S = 1.0e9
+_MAX_ROW = 1 << 27  # 134M tokens: the search stops here
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``dp x cp x tp`` over the GPUs and the CP method (``None`` at cp 1)."""
+
+    dp: int
+    cp: int
+    tp: int
+    method: str | None = None
+    sequence_parallel: bool = False
+
+    @property
+    def text(self) -> str:
+        parts = [f"dp {self.dp}"] if self.dp > 1 else []
+        if self.cp > 1:
+            parts.append(f"cp {self.cp} {self.method}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}" + (" sp" if self.sequence_parallel else ""))
+        return " x ".join(parts) or "1 GPU"
+
+    def overrides(self) -> list[str]:
+        out = [f"distributed.dp_shard={self.dp}", f"distributed.cp_size={self.cp}", f"distributed.tp_size={self.tp}"]
+        if self.cp > 1:
+            out.append(f"distributed.cp_method={self.method}")
+        if self.tp > 1:
+            out += ["distributed.enable_loss_parallel=true",
+                    f"distributed.sequence_parallel={str(self.sequence_parallel).lower()}"]  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """One set of memory techniques (each one config key)."""
+
+    chunked_loss: bool = False  # loss.chunk_tokens (under TP: loss parallel instead)
+    checkpointing: bool = True  # model.activation_checkpointing
+    tiled_mlp: bool = False  # model.tiled_mlp
+    activation_offload: bool = False  # model.activation_offload (with checkpointing)
+    offload: bool | str = False  # fsdp.offload
+
+    def text(self, tp: int) -> str:
+        """Short form (the report's legend): ``ckpt+chunk+tile+aoff+off:all``."""
+        parts = ["ckpt"] if self.checkpointing else []
+        if self.chunked_loss:
+            parts.append("lp" if tp > 1 else "chunk")
+        if self.tiled_mlp:
+            parts.append("tile")
+        if self.activation_offload:
+            parts.append("aoff")
+        if self.offload:
+            parts.append("off:opt" if self.offload == "optimizer" else "off:all")
+        return "+".join(parts) or "none"
+
+    def overrides(self, tp: int) -> list[str]:
+        chunk = DEFAULT_CHUNK_TOKENS if self.chunked_loss and tp == 1 else "null"
+        return [
+            f"loss.chunk_tokens={chunk}",
+            f"model.activation_checkpointing={str(self.checkpointing).lower()}",
+            f"model.tiled_mlp={str(self.tiled_mlp).lower()}",
+            f"model.activation_offload={str(self.activation_offload).lower()}",
+            f"fsdp.offload={self.offload or 'false'}",
+        ]
+
+    @property
+    def cost_rank(self) -> int:
+        """How much step time the set adds, roughly (ties of the longest row go to the cheapest)."""
+        return (self.chunked_loss + 2 * self.checkpointing + 2 * self.tiled_mlp + 3 * self.activation_offload
+                + {False: 0, "optimizer": 4, "all": 6}[self.offload])  # fmt: skip
+
+
+def all_techniques() -> list[Techniques]:
+    """Every combination (activation offload only with checkpointing)."""
+    out = []
+    for loss, ckpt, tiled, act, off in itertools.product((False, True), (False, True), (False, True),
+                                                          (False, True), (False, "optimizer", "all")):  # fmt: skip
+        if act and not ckpt:
+            continue
+        out.append(Techniques(loss, ckpt, tiled, act, off))
+    return out
+
+
+@dataclass
+class Found:
+    """The longest row of one layout with one technique set (``tokens`` 0: not even the row multiple fits)."""
+
+    layout: Layout
+    techniques: Techniques
+    tokens: int
+    device_gib: float = 0.0
+    host_node_gib: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s_gpu: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return f"{self.layout.text}; {self.techniques.text(self.layout.tp)}"
+
+
+def device_budget_gib(gpu_type: str, gpu_memory_gib: float | None = None) -> tuple[float, float]:
+    """``(capacity, budget)`` GiB per GPU: the driver's total (or ``gpu_memory_gib``) and that less the reserve."""
+    cap = gpu_memory_gib if gpu_memory_gib is not None else DEVICE_MEMORY_MIB[gpu_type.lower()] / 1024
+    return cap, cap - DEVICE_RESERVE_GIB
+
+
+def host_budget_gib(gpus: int, gpus_per_node: int, host_memory_gib: float | None = None) -> tuple[float, int]:
+    """``(host GiB per node, the run's GPUs on a node)``: the node's memory is shared by those GPUs."""
+    on_node = min(gpus, gpus_per_node)
+    node = host_memory_gib if host_memory_gib is not None else HOST_GIB_PER_GPU * gpus_per_node
+    return node, on_node
+
+
+class PlanSearch:
+    """The search for one model, GPU count and GPU type (module docstring).
+
+    Args:
+        dims: the model's :class:`ModelDims`; ``profile``: its CP profile (which methods compute it exactly).
+        base: a :class:`RunShape` carrying the config's dtypes, attention and FSDP settings (its sizes and
+            techniques are replaced per layout and set).
+        gpus, spec, gpu_type: the GPUs; ``budget_bytes`` / ``host_gpu_bytes``: per GPU.
+        tp_ok: ``tp -> bool``, whether the model's TP checks pass at that size (with sequence parallelism).
+    """
+
+    def __init__(self, dims: ModelDims, profile: Any, base: RunShape, gpus: int, spec: GPUSpec, gpu_type: str,
+                 budget_bytes: float, host_gpu_bytes: float, tp_ok: Any = None) -> None:  # fmt: skip
+        self.d, self.profile, self.base, self.gpus, self.spec = dims, profile, base, gpus, spec
+        self.gpu_type = gpu_type.lower()
+        self.budget, self.host = budget_bytes, host_gpu_bytes
+        self.tp_ok = tp_ok or (lambda tp: True)
+        self.node = min(gpus, spec.gpus_per_node)
+
+    # --- layouts ------------------------------------------------------------------------------------------
+    def layouts(self) -> list[Layout]:
+        """Every ``dp x cp x tp = gpus`` with tp up to a node (8) and a method that computes the model exactly."""
+        from automodel.distributed.cp import cp_methods
+        from automodel.distributed.cp.registry import run_problems
+
+        d, out = self.d, []
+        for tp in (t for t in (1, 2, 4, 8) if self.gpus % t == 0 and t <= self.spec.gpus_per_node):
+            if tp > 1 and not (d.tp_capable and all(x % tp == 0 for x in (d.heads, d.kv_heads, d.intermediate,
+                                                                         d.vocab)) and self.tp_ok(tp)):  # fmt: skip
+                continue
+            for cp in (c for c in range(1, self.gpus // tp + 1) if (self.gpus // tp) % c == 0):
+                dp = self.gpus // (tp * cp)
+                sp = tp > 1
+                if cp == 1:
+                    out.append(Layout(dp, 1, tp, None, sp))
+                    continue
+                for name, method in cp_methods().items():
+                    if not any(not opts for _, opts in method.auto_configs(cp, self.node)):
+                        continue  # a method that needs options (usp's ulysses_size) is not planned here
+                    if run_problems(method, self.profile, cp_size=cp, tp_size=tp, seq_len=None, packed=False):
+                        continue
+                    out.append(Layout(dp, cp, tp, name, sp))
+        return out
+
+    def row_multiple(self, layout: Layout) -> int:
+        from automodel.distributed.cp import get_cp_method
+
+        if layout.cp == 1:
+            return layout.tp if layout.sequence_parallel else 1
+        return get_cp_method(layout.method).row_multiple(layout.cp, layout.tp, layout.sequence_parallel)[0]
+
+    # --- one shape --------------------------------------------------------------------------------------
+    def shape(self, layout: Layout, t: Techniques, seq: int) -> RunShape:
+        return dataclasses.replace(
+            self.base, local_batch=1, seq=seq, cp=layout.cp, tp=layout.tp, dp_shard=layout.dp,
+            cp_method=layout.method or "ring", grad_acc=1,
+            chunk_tokens=DEFAULT_CHUNK_TOKENS if t.chunked_loss and layout.tp == 1 else None,
+            loss_parallel=t.chunked_loss and layout.tp > 1, sequence_parallel=layout.sequence_parallel,
+            activation_checkpointing=t.checkpointing, tiled_mlp=t.tiled_mlp,
+            activation_offload=t.activation_offload, offload=t.offload,
+        )  # fmt: skip
+
+    def usage(self, layout: Layout, t: Techniques, seq: int) -> tuple[float, float]:
+        """``(device bytes, host bytes)`` per GPU at ``seq`` tokens per row."""
+        p = plan_memory(self.d, self.shape(layout, t, seq))
+        return p.total_bytes, p.host_bytes
+
+    def fits(self, layout: Layout, t: Techniques, seq: int) -> bool:
+        dev, host = self.usage(layout, t, seq)
+        return dev <= self.budget and host <= self.host
+
+    def longest(self, layout: Layout, t: Techniques) -> Found:
+        """Binary search over multiples of the layout's row multiple (memory grows with the row)."""
+        m = self.row_multiple(layout)
+        if not self.fits(layout, t, m):
+            return Found(layout, t, 0)
+        lo, hi = 1, 2
+        while hi * m <= _MAX_ROW and self.fits(layout, t, hi * m):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(layout, t, mid * m):
+                lo = mid
+            else:
+                hi = mid
+        return self.found(layout, t, lo * m)
+
+    def found(self, layout: Layout, t: Techniques, seq: int) -> Found:
+        dev, host = self.usage(layout, t, seq)
+        step_s, tok_s = self.estimate(layout, t, seq)
+        return Found(layout, t, seq, dev / _GIB, host * self.node / _GIB, step_s, tok_s)
+
+    # --- the step estimate: the one call site -------------------------------------------------------------
+    def estimate(self, layout: Layout, t: Techniques, seq: int) -> tuple[float, float]:
+        """``(step seconds, tokens/s/GPU)``: :func:`~automodel.training.step_estimate.estimate_step` for one row
+        per data-parallel rank, plus :func:`technique_seconds` (what the estimate does not model yet)."""
+        from automodel.training.step_estimate import estimate_step
+
+        r = self.shape(layout, t, seq)
+        sizes = {"dp_replicate": 1, "dp_shard": layout.dp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
+        est = estimate_step(self.d, r, sizes, self.gpus, layout.dp, self.spec, self.node)
+        extra = technique_seconds(self.d, r, self.spec, self.gpu_type, est.compute_s)
+        step = est.step_s + sum(extra.values())
+        return step, layout.dp * seq / step / self.gpus
+
+    # --- the whole search ---------------------------------------------------------------------------------
+    def search(self) -> list[Found]:
+        """The longest row of every layout with every technique set."""
+        return [self.longest(layout, t) for layout in self.layouts() for t in all_techniques()]
+
+
+def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, compute_s: float) -> dict[str, float]:
+    """Step seconds the memory techniques add that :func:`estimate_step` does not count (one micro-batch):
+
+    - tiled MLP: backward recomputes each tile's MLP forward: ``2 P_mlp`` FLOPs per token (``P_mlp = 3 h I``
+      per layer, ``/ tp``) at the matrix products' achieved rate (the step estimate's ``GEMM_PEAK_FRACTION``);
+    - activation offload: each layer input goes to the host in forward and back in backward
+      (``2 L N h c`` bytes over :data:`HOST_LINK_GB_S`), prefetched under the layers' compute: only what
+      exceeds the compute is exposed;
+    - ``fsdp.offload``: the optimizer step on the host (:data:`HOST_ADAM_PARAMS_PER_S` for the rank's
+      trainable shard) and the gradients down and the updated parameters up (``2 T / fsdp`` master-dtype
+      values) after the backward; ``all`` also brings each layer's parameter shard up twice per step (forward,
+      backward) under the compute.
+    """
+    from automodel.training.step_estimate import GEMM_PEAK_FRACTION
+
+    out: dict[str, float] = {}
+    link = HOST_LINK_GB_S[gpu_type] * 1e9
+    n = r.local_tokens
+    if r.tiled_mlp:
+        flops = 2 * 3 * d.hidden * d.intermediate * d.layers * n / r.tp
+        out["tiled MLP"] = flops / (spec.bf16_tflops * 1e12 * GEMM_PEAK_FRACTION)
+    if r.activation_offloaded:
+        copy = 2 * d.layers * n * d.hidden * r.compute_bytes / r.stream_split / link
+        out["activation offload"] = max(0.0, copy - compute_s)
+    if r.offload:
+        shard = d.local_trainable(r.tp) / r.fsdp
+        step = shard / HOST_ADAM_PARAMS_PER_S + 2 * shard * r.master_bytes / link
+        if r.offload == "all":
+            gathers = 2 * d.local_params(r.tp) / r.fsdp * r.master_bytes / link
+            step += max(0.0, gathers - compute_s)
+        out[f"offload {r.offload}"] = step
+    return out
+
+
+def _fmt_tokens(n: int) -> str:
+    return f"{n:,}" if n else "-"
+
+
+def _fmt_s(s: float) -> str:
+    if s <= 0:
+        return "-"
+    return f"{s:.2f} s" if s < 60 else f"{s / 60:.1f} min"
+
+
+def ablation(search: PlanSearch, results: list[Found]) -> list[tuple[str, Found | None]]:
+    """ALST's ablation: plain (checkpointing, plain loss, data parallel only), + chunked loss, + CP (the best
+    layout with cp > 1), + tiled MLP, + activation offload, all (+ fsdp.offload). Each step keeps the last."""
+
+    def best(pred: Any) -> Found | None:
+        cands = [f for f in results if pred(f)]
+        return max(cands, key=lambda f: (f.tokens, -f.techniques.cost_rank, -f.step_s), default=None)
+
+    base = Techniques()
+    cp1 = [la for la in search.layouts() if la.cp == 1 and la.tp == 1]
+    dp_only = cp1[0] if cp1 else None
+    rows: list[tuple[str, Found | None]] = []
+    rows.append(("plain (ckpt)", best(lambda f: f.layout == dp_only and f.techniques == base)))
+    loss = dataclasses.replace(base, chunked_loss=True)
+    rows.append(("+ chunked loss", best(lambda f: f.layout == dp_only and f.techniques == loss)))
+    cp_any = search.gpus > 1
+    rows.append(("+ context parallelism", best(lambda f: f.techniques == loss and f.layout.cp > 1) if cp_any else None))
+    tiled = dataclasses.replace(loss, tiled_mlp=True)
+    rows.append(("+ tiled MLP", best(lambda f: f.techniques == tiled and (f.layout.cp > 1 or not cp_any))))
+    act = dataclasses.replace(tiled, activation_offload=True)
+    rows.append(("+ activation offload", best(lambda f: f.techniques == act and (f.layout.cp > 1 or not cp_any))))
+    rows.append(("all (+ fsdp.offload)", best(lambda f: f.techniques.activation_offload and f.techniques.tiled_mlp
+                                              and f.techniques.chunked_loss and bool(f.techniques.offload))))  # fmt: skip
+    return rows
+
+
+def longest_row(results: list[Found]) -> Found:
+    """The longest row over every layout and set; ties: the cheaper technique set, then the faster step."""
+    return max(results, key=lambda f: (f.tokens, -f.techniques.cost_rank, -f.step_s))
+
+
+LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: loss parallel under tp), tile tiled MLP,\n"
+          "  aoff activation offload, off:opt / off:all fsdp.offload=optimizer / all")
+
+
+def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,
+               top: int = 8) -> list[str]:  # fmt: skip
+    """The report: the best technique set of the best ``top`` layouts, the ablation and the last line."""
+    results = search.search()
+    budget = search.budget / _GIB
+    out = [
+        f"automodel plan: {model_text} on {search.gpus} x {search.spec.name}",
+        f"device budget {budget:.1f} GiB per GPU ({capacity_gib:.1f} GiB less {DEVICE_RESERVE_GIB:g} GiB reserve); "
+        f"host {host_node_gib:g} GiB per node of {search.node} GPU(s)",
+        "memory: the planner's prediction (docs/long_context.md); step: an ESTIMATE (docs/estimate.md)",
+        LEGEND,
+        "",
+        f"{'layout':<24} {'techniques':<28} {'tokens/row':>11} {'GPU GiB':>8} {'host GiB':>9} {'step (est.)':>11}",
+    ]
+    per_layout: dict[Layout, Found] = {}
+    for f in results:
+        cur = per_layout.get(f.layout)
+        if cur is None or (f.tokens, -f.techniques.cost_rank) > (cur.tokens, -cur.techniques.cost_rank):
+            per_layout[f.layout] = f
+    ranked = sorted(per_layout.values(), key=lambda f: (-f.tokens, f.step_s))
+    for f in ranked[:top]:
+        out.append(_row(f.layout.text, f.techniques.text(f.layout.tp), f))
+    if len(ranked) > top:
+        out.append(f"... {len(ranked) - top} more layouts (shorter rows)")
+    out.append("")
+    out.append("ablation (each row adds a technique to the row above, on its best layout):")
+    for label, f in ablation(search, results):
+        if f is None:
+            out.append(f"{label:<24} (not with {search.gpus} GPU)")
+            continue
+        out.append(_row(label, f.layout.text, f))
+    best = longest_row(results)
+    out.append("")
+    out.append(f"longest: {best.tokens} tokens per row ({best.text})")
+    return out
+
+
+def _row(first: str, second: str, f: Found) -> str:
+    text = f"{first[:24]:<24} {second[:28]:<28}" if len(second) <= 28 else f"{first[:24]:<24} {second}\n{'':<53}"
+    if not f.tokens:
+        return f"{text} {'-':>11} {'does not fit':>20}"
+    host = f"{f.host_node_gib:.0f}" if f.host_node_gib else "0"
+    return f"{text} {_fmt_tokens(f.tokens):>11} {f.device_gib:>8.1f} {host:>9} {_fmt_s(f.step_s):>11}"
+
+
+def plan_report(config: str, overrides: list[str], gpus: int, gpu_type: str, gpu_memory_gib: float | None = None,
+                host_memory_gib: float | None = None) -> list[str]:  # fmt: skip
+    """``automodel plan``'s lines for a config file and its overrides (the model on the meta device).
+
+    Raises:
+        ConfigError: the config does not type-check; ValueError: the model cannot be built.
+    """
+    from automodel.config import RecipeConfig
+    from automodel.config.compose import compose_config, resolve_config_path
+    from automodel.config.typecheck import ConfigError, to_dataclass
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.models.loader import build_model, resolve_model_config
+    from automodel.models.parallelize import check_model_config_for_tp
+    from automodel.training.memory_plan import model_dims, run_shape_from_config
+    from automodel.training.step_estimate import gpu_spec
+
+    raw = compose_config(resolve_config_path(config), overrides)
+    problems: list[str] = []
+    cfg = to_dataclass(RecipeConfig, raw, problems)
+    if problems:
+        raise ConfigError(problems)
+    resolved = resolve_model_config(cfg.model, dry_run=True)
+    attn = cfg.model.attn_implementation or "sdpa"
+    model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
+    if cfg.peft is not None:
+        from automodel.models.lora import apply_lora
+
+        apply_lora(model, cfg.peft, seed=cfg.recipe.seed)
+    dims, profile = model_dims(model), cached_profile(model)
+    base = run_shape_from_config(cfg, {"cp": 1, "tp": 1, "dp_shard": 1}, 1, 1)
+
+    def tp_ok(tp: int) -> bool:
+        try:
+            check_model_config_for_tp(resolved.config, tp, sequence_parallel=True)
+        except ValueError:
+            return False
+        return True
+
+    spec = gpu_spec(gpu_type)
+    capacity, budget = device_budget_gib(gpu_type, gpu_memory_gib)
+    host_node, on_node = host_budget_gib(gpus, spec.gpus_per_node, host_memory_gib)
+    search = PlanSearch(dims, profile, base, gpus, spec, gpu_type, budget * _GIB, host_node / on_node * _GIB, tp_ok)
+    text = f"{type(model).__name__} ({dims.params / 1e9:.2f}B parameters, {dims.layers} layers, hidden {dims.hidden})"
+    return plan_lines(search, text, capacity, host_node)

@@ -1,0 +1,136 @@
+"""``automodel plan`` (automodel.training.plan_search) and the memory planner's terms for the long-row techniques
+(issue 35): the tiled MLP, activation offload, fsdp.offload, loss.chunk_tokens auto."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from automodel.cli import main
+from automodel.training.memory_plan import (
+    DEFAULT_CHUNK_TOKENS,
+    ModelDims,
+    RunShape,
+    loss_auto_choice,
+    plan_memory,
+    tile_tokens_for,
+)
+
+CONFIG_8B = "configs/llama3_1_8b_tp2_cp4.yaml"
+GIB = 2**30
+
+
+def _dims(**kw) -> ModelDims:
+    base = dict(layers=4, hidden=128, intermediate=16384, heads=4, kv_heads=4, head_dim=32, vocab=2048,
+                params=40_000_000, trainable=40_000_000, layer_params=9_000_000, root_params=500_000)  # fmt: skip
+    return ModelDims(**(base | kw))
+
+
+def _longest(out: str) -> int:
+    m = re.search(r"^longest: (\d+) tokens per row \((.+)\)$", out.strip().splitlines()[-1])
+    assert m, out
+    return int(m.group(1))
+
+
+def _plan(capsys, *args: str) -> str:
+    assert main(["plan", "--config", CONFIG_8B, *args]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("gpus", "gpu", "target"), [(1, "h100", 500_000), (1, "h200", 1_200_000), (8, "h100", 3_700_000)]
+)
+def test_plan_reaches_the_llama_8b_targets_and_fits_one_screen(capsys, gpus, gpu, target):
+    out = _plan(capsys, "--gpus", str(gpus), "--gpu-type", gpu)
+    assert _longest(out) >= target
+    lines = out.rstrip().splitlines()
+    assert len(lines) <= 40 and max(len(line) for line in lines) <= 120
+    assert "ablation" in out and "+ tiled MLP" in out and "all (+ fsdp.offload)" in out
+
+
+def test_plan_memory_options_shrink_the_row(capsys):
+    full = _longest(_plan(capsys, "--gpus", "8", "--gpu-type", "h100"))
+    small_host = _plan(capsys, "--gpus", "8", "--gpu-type", "h100", "--host-memory-gib", "256")
+    assert "host 256 GiB per node" in small_host and _longest(small_host) < full  # host-memory limited
+    small_gpu = _plan(capsys, "--gpus", "8", "--gpu-type", "h100", "--gpu-memory-gib", "40")
+    assert "39.0 GiB per GPU (40.0 GiB less 1 GiB reserve)" in small_gpu and _longest(small_gpu) < full
+
+
+def test_plan_usage_errors(capsys):
+    assert main(["plan", "--config", CONFIG_8B, "--gpus", "8"]) == 2
+    assert "needs --gpu-type" in capsys.readouterr().err
+    assert main(["plan", "--config", CONFIG_8B, "--gpu-type", "h100"]) == 2
+    assert "needs --gpus" in capsys.readouterr().err
+
+
+def test_tiled_mlp_counts_one_tile_instead_of_the_row():
+    d = _dims()
+    r = RunShape(local_batch=1, seq=4096, chunk_tokens=256)
+    plain, tiled = plan_memory(d, r), plan_memory(d, dataclasses.replace(r, tiled_mlp=512))
+    # the four [N, I] intermediates of every layer go; one tile's 4 recomputed + 2 gradients come
+    saved = plain.terms["activations"].bytes - tiled.terms["activations"].bytes
+    assert saved == pytest.approx(d.layers * 4096 * 4 * d.intermediate * 4 - 6 * 512 * d.intermediate * 4)
+    assert tile_tokens_for(4096, 14336, 131072) == 4096 and tile_tokens_for(128, 16384, 1000) == 125
+    auto = plan_memory(d, dataclasses.replace(r, tiled_mlp=True))
+    assert "125" not in auto.terms["activations"].note and "128 tokens per tile" in auto.terms["activations"].note
+
+
+def test_activation_offload_keeps_two_layer_inputs_and_counts_the_host():
+    d = _dims(layers=8)
+    r = RunShape(local_batch=1, seq=4096, chunk_tokens=256, activation_checkpointing=True)
+    on, off = plan_memory(d, dataclasses.replace(r, activation_offload=True)), plan_memory(d, r)
+    layer_input = 4096 * d.hidden * 4
+    # 8 inputs -> 2, and the embedding output (the first input) goes with them
+    assert off.phases["loss"]["activations"] - on.phases["loss"]["activations"] == pytest.approx(6 * layer_input)
+    assert on.host_bytes == pytest.approx(8 * layer_input) and off.host_bytes == 0
+    # without checkpointing there is nothing to offload
+    no_ckpt = dataclasses.replace(r, activation_checkpointing=False)
+    assert plan_memory(d, dataclasses.replace(no_ckpt, activation_offload=True)).total_bytes == pytest.approx(
+        plan_memory(d, no_ckpt).total_bytes)  # fmt: skip
+
+
+def test_fsdp_offload_moves_the_state_to_the_host():
+    d = _dims()
+    r = RunShape(local_batch=1, seq=1024, chunk_tokens=256, dp_shard=2)
+    none, opt, full = (plan_memory(d, dataclasses.replace(r, offload=o)) for o in (False, "optimizer", "all"))
+    shard = d.params / 2 * 4
+    assert none.persistent_bytes == pytest.approx(3 * shard) and none.host_bytes == 0
+    assert opt.persistent_bytes == pytest.approx(shard) and opt.host_bytes == pytest.approx(4 * shard)
+    assert opt.terms["optimizer temporaries"].bytes == 0  # the step runs on the host
+    assert full.persistent_bytes == 0 and full.host_bytes == pytest.approx(4 * shard)
+    assert full.total_bytes < opt.total_bytes < none.total_bytes
+
+
+def test_loss_auto_on_above_a_quarter_of_the_peak_off_below_and_under_tp():
+    big_vocab = _dims(vocab=128256, intermediate=512)
+    r = RunShape(local_batch=1, seq=8192, activation_checkpointing=True)
+    value, reason = loss_auto_choice(big_vocab, r)
+    assert value == DEFAULT_CHUNK_TOKENS and "auto: on" in reason
+    small_vocab = _dims(vocab=256)
+    value, reason = loss_auto_choice(small_vocab, r)
+    assert value is None and "auto: off" in reason
+    value, reason = loss_auto_choice(big_vocab, dataclasses.replace(r, tp=2))
+    assert value is None and "tensor parallelism" in reason
+
+
+def test_loss_auto_resolves_in_the_dry_run_and_null_stays_off(capsys):
+    from automodel.config import load_config
+    from automodel.training.dry_run import dry_run_report
+
+    base = ["--config", "configs/cp.yaml", "recipe.dry_run=true"]
+    auto = dry_run_report(load_config(base, world_size=2))
+    assert "loss.chunk_tokens auto:" in auto
+    explicit = dry_run_report(load_config([*base, "loss.chunk_tokens=null"], world_size=2))
+    assert "loss.chunk_tokens auto" not in explicit and "plain: [" in explicit
+
+
+@pytest.mark.parametrize("config", ["configs/llama3_2_1b_longest_8gpu.yaml", "configs/llama3_1_8b_longest_8gpu.yaml"])
+def test_shipped_longest_configs_fit_their_gpus_in_the_dry_run(config):
+    from automodel.config import load_config
+    from automodel.training.dry_run import dry_run_report
+
+    out = dry_run_report(load_config(["--config", config, "recipe.dry_run=true", "recipe.memory_budget_gib=78.6475"],
+                                     world_size=8))  # fmt: skip
+    assert "-> fits" in out, out[-3000:]  # 81,559 MiB less the 1 GiB reserve (plan_search)
