@@ -16,6 +16,9 @@ What a method declares:
   :class:`PreparedModel`;
 - **sharding a batch**: :meth:`batch_function` returns ``fn(device_mesh, batch) -> (ctx_factory, batch)``;
 - **memory terms** for the planner: :meth:`attention_workspace` and :meth:`attention_extent`;
+- **its exchange** per attention layer, once: :meth:`exchange_terms` (:class:`ExchangeTerm`), read by
+  ``cp_method: auto``, the step estimate and the layout rankings through
+  :func:`automodel.distributed.cp.cost.exchange_cost`; its options (:meth:`options`, :meth:`with_options`);
 - **its dry-run description**: :meth:`describe`;
 - **its config problems**: :meth:`config_problems` (and :meth:`dataset_options` /
   :meth:`recipe_batch_options` for the keys only it reads).
