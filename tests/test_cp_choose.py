@@ -270,3 +270,36 @@ def test_method_line_gives_autos_reason_or_compares_a_named_method_with_autos_pi
     assert "usp (ulysses_size=2) " in method_line("usp", 8, None, across, {"ulysses_size": 2})
     assert method_line("thd", 1, None, None) == "cp_method thd: named in the config (cp_size 1: no context parallelism)"
     assert method_line("thd", 2, None, None) == "cp_method thd: named in the config"
+
+
+def test_auto_ranks_by_the_one_cost_model_inside_and_across_nodes():
+    """auto's cost is exchange_cost's (the declaration the step estimate reads): bytes inside a node plus
+    INTER_NODE_WEIGHT x bytes across; its reason names the bytes sent, the across-node part apart."""
+    from automodel.distributed.cp import exchange_cost
+    from automodel.distributed.cp.cost import INTER_NODE_WEIGHT
+
+    dense = PROFILES["dense"]  # 32 heads, 8 KV heads of 128
+    choice = choose_cp_method(dense, 8, seq_len=32768, ranks_per_node=4)
+    for c in choice.candidates:
+        if c.computes:
+            e = exchange_cost(c.method, dense, seq_len=32768, cp_size=8, ranks_per_node=4)
+            assert c.cost == e.weighted_bytes == e.intra_node_bytes + INTER_NODE_WEIGHT * e.inter_node_bytes, c.label
+            assert c.terms == e.terms
+    usp = next(c for c in choice.candidates if c.label == "usp (ulysses_size=4)")
+    (a2a, a2a_across), (gather, gather_across) = usp.exchange.items()
+    assert not a2a_across and gather_across  # the all-to-all inside a node of 4, the ring sub-group strided across
+    n, kv = 4096, 8 * 128  # tokens per rank; KV heads x head_dim
+    assert a2a.forward_bytes == a2a.backward_bytes == 3 / 4 * n * (2 * 32 * 128 + 2 * kv) * 2
+    assert (gather.forward_bytes, gather.backward_bytes) == (n * 2 * kv * 2, 2 * n * 2 * kv * 2)
+    assert "usp (ulysses_size=4), the cheapest" in choice.reason
+    assert "168.00 MiB (48.00 MiB of it across nodes) sent per rank per attention layer" in choice.reason
+    ring = next(c for c in choice.candidates if c.name == "ring").exchange
+    assert ring.intra_node_bytes == 0 and ring.inter_node_bytes == 3 * 7 * n * 2 * kv * 2
+    # one node: nothing crosses; TP spreads a CP group over cp x tp consecutive ranks
+    assert not exchange_cost(get_cp_method("ring"), dense, seq_len=32768, cp_size=8).inter_node_bytes
+    spread = exchange_cost(get_cp_method("ring"), dense, seq_len=32768, cp_size=4, tp_size=2, ranks_per_node=4)
+    assert spread.inter_node_bytes == spread.total_bytes > 0
+    # options bound by name: the methods the estimate and plan layouts cost
+    assert get_cp_method("usp", ulysses_size=4).options() == {"ulysses_size": 4} and not get_cp_method("ring").options()
+    with pytest.raises(ValueError, match="cp_method ring takes no options"):
+        get_cp_method("ring", ulysses_size=2)

@@ -71,21 +71,32 @@ def test_gemm_utilisation_saturates_and_falls():
     assert gemm_efficiency(32768, 4096, 1024 // 8, H100) < big  # a thin TP shard (kv heads / 8)
 
 
-def test_ring_overlaps_ulysses_adds():
+def test_ring_overlaps_each_pass_under_its_own_compute_ulysses_adds():
     d, sizes = _llama8b(), _sizes(cp=8)
     kw = {"local_batch": 1, "seq": 262144, "cp": 8, "activation_checkpointing": True, "compute_bytes": 2}
     ring = estimate_step(d, RunShape(**kw, cp_method="ring"), sizes, 8, 1, H100, 8)
     uly = estimate_step(d, RunShape(**kw, cp_method="ulysses"), sizes, 8, 1, H100, 8)
-    (ring_term, ring_s), = [(t, s) for t, s in ring.comm if t.name.startswith("CP attention")]  # fmt: skip
-    (uly_term, uly_s), = [(t, s) for t, s in uly.comm if t.name.startswith("CP attention")]  # fmt: skip
-    assert ring_term.overlap == "attention" and 0 < ring_term.window <= 1 and ring_s > 0
+    ring_terms = [(t, s) for t, s in ring.comm if t.name.startswith("CP attention")]
+    assert [t.overlap for t, _ in ring_terms] == ["attention", "attention"]
+    kv, dkv = (t.exchange for t, _ in ring_terms)
+    # K/V of the 7 other ranks' 32768 tokens (8 KV heads x 128, bf16): all-gathered forward and again in backward
+    # under the diagonal block (1/8 of each pass), dK/dV rotated under the backward's other blocks (7/8)
+    unit = 7 * 32768 * 2 * 8 * 128 * 2
+    assert (kv.forward_bytes, kv.backward_bytes, dkv.forward_bytes, dkv.backward_bytes) == (unit, unit, 0, unit)
+    assert (kv.forward_overlap, kv.backward_overlap, dkv.backward_overlap) == (1 / 8, 1 / 8, 7 / 8)
+    assert ring_terms[0][0].bytes == 32 * (2 * unit + unit)  # 32 layers, the forward once more recomputed
     assert ring.exposed_s == 0  # 256K tokens: the rotation hides under the block compute
+    (uly_term, uly_s), = [(t, s) for t, s in uly.comm if t.name.startswith("CP attention")]  # fmt: skip
     assert uly_term.overlap == "none" and uly.exposed_s == pytest.approx(uly_s)
     assert uly.step_s == pytest.approx(ring.step_s + uly_s, rel=1e-6)  # same compute; the all-to-all adds
-    # short rows: the ring's exchange outlasts its window and the rest is exposed
+    # short rows: each pass's exchange outlasts its own window (never the whole step's attention) and adds the rest
     short = estimate_step(d, RunShape(**dict(kw, seq=4096)), sizes, 8, 1, H100, 8)
-    (t, s), = [(t, s) for t, s in short.comm if t.name.startswith("CP attention")]  # fmt: skip
-    assert short.exposed_s == pytest.approx(s - t.window * short.attention_s) and short.exposed_s > 0
+    fwd = short.attention_s / (32 * 4)  # one layer's forward attention: backward 2x, recomputed forward 1x
+    kv_s = 7 * 512 * 2 * 8 * 128 * 2 / (H100.intra_node_gb_s * 1e9 * LINK_FRACTION)
+    per_layer = 2 * max(0.0, kv_s - fwd / 8) + max(0.0, kv_s - 2 * fwd / 8) + max(0.0, kv_s - 2 * fwd * 7 / 8)
+    assert short.exposed_s == pytest.approx(32 * per_layer) and short.exposed_s > 0
+    cp_s = sum(s for t, s in short.comm if t.exchange is not None)  # the old model hid it under (2/cp + 1)/3 of
+    assert short.exposed_s > max(0.0, cp_s - (2 / 8 + 1) / 3 * short.attention_s)  # all passes' attention: less
 
 
 def test_tp_all_reduces_and_fsdp_overlap():
@@ -108,8 +119,8 @@ def test_node_spanning_groups_share_the_nics():
     r = RunShape(local_batch=1, seq=131072, cp=8, compute_bytes=2)
     inside = estimate_step(d, r, sizes, 8, 1, H100, 8)
     across = estimate_step(d, r, sizes, 8, 1, H100, 4)  # 4 ranks per node: the CP group spans 2 nodes
-    (ti, si), = [(t, s) for t, s in inside.comm if t.name.startswith("CP")]  # fmt: skip
-    (ta, sa), = [(t, s) for t, s in across.comm if t.name.startswith("CP")]  # fmt: skip
+    (ti, si), _ = [(t, s) for t, s in inside.comm if t.name.startswith("CP")]  # ring: K/V, then dK/dV  # fmt: skip
+    (ta, sa), _ = [(t, s) for t, s in across.comm if t.name.startswith("CP")]  # fmt: skip
     assert ti.intra_node and not ta.intra_node
     assert si == pytest.approx(ti.bytes / (H100.intra_node_gb_s * 1e9 * LINK_FRACTION))
     assert sa == pytest.approx(ta.bytes / (H100.node_nic_gb_s / 4 * 1e9 * LINK_FRACTION))  # 400 GB/s over 4 ranks
@@ -119,12 +130,24 @@ def test_node_spanning_groups_share_the_nics():
 def test_parse_layout():
     assert parse_layout("tp2.cp4") == PlanLayout("tp2.cp4", 2, 4, None)
     assert parse_layout("cp8.ulysses") == PlanLayout("cp8.ulysses", 1, 8, "ulysses")
+    assert parse_layout("cp64.usp8") == PlanLayout("cp64.usp8", 1, 64, "usp", (("ulysses_size", 8),))
+    assert parse_layout("tp2.cp4.ulysses").label == "ulysses" and parse_layout("cp64.usp8").label == "usp, ulysses_size=8"
     assert "enable_loss_parallel" not in parse_layout("tp2.cp4").overrides("ring")  # TP keeps the config's switches
     assert parse_layout("cp8").overrides("thd") == {
         "tp_size": 1, "cp_size": 8, "dp_shard": -1, "cp_method": "thd", "enable_loss_parallel": False,
         "sequence_parallel": False}  # fmt: skip
+    # a named method whatever the config's method keys: a ring layout unsets usp's ulysses_size, usp8 sets it
+    usp_config = {"cp_method": "usp", "ulysses_size": 4}
+    assert parse_layout("cp64.ring").overrides("usp", usp_config)["ulysses_size"] is None
+    assert parse_layout("cp64.usp8").overrides("ring", {})["ulysses_size"] == 8
+    assert "ulysses_size" not in parse_layout("cp64").overrides("usp", usp_config)  # the config's method, its keys
+    assert parse_layout("cp8.usp").overrides("usp", usp_config)["cp_method"] == "usp"  # the config's size
+    assert parse_layout("cp8.usp").overrides("ring", {})["cp_method"] == "auto"  # no size anywhere: auto's, among usp's
+    assert parse_layout("cp8.auto") == PlanLayout("cp8.auto", 1, 8, "auto")
     for bad, msg in (("tp2.tp4", "names tp twice"), ("cp0", "must be >= 1"), ("cp8.foo", "neither tp<N>, cp<N>"),
-                     ("", "is not a layout"), ("cp8.auto", "resolved per model")):  # fmt: skip
+                     ("", "is not a layout"), ("cp8.ring8", "part 'ring8' is neither"),
+                     ("cp8.usp0", "ulysses_size=0; it must be >= 1"),
+                     ("cp8.usp2.ring", "names two CP methods")):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(msg)):
             parse_layout(bad)
 
@@ -164,13 +187,14 @@ def test_llama_8b_on_8_h100s_targets_and_ranking(capsys):
     attn = float(re.search(r"causal attention ([\d.]+) \(6 L S d per token", long).group(1))
     assert attn == pytest.approx(8 * 32 * 262144 * 4096 * 32768 / 1e12, rel=1e-3)
     section = long[long.index("--- layouts ranked"):]
-    ranked = re.findall(r"^ +\d+\. (\S+) \((\w+)\): step ([\d.]+) (ms|s), ([\d,]+) tokens/s/GPU", section, re.M)
+    ranked = re.findall(r"^ +\d+\. (\S+) \(([^)]+)\): step ([\d.]+) (ms|s), ([\d,]+) tokens/s/GPU", section, re.M)
     names = [r[0] for r in ranked]
-    assert sorted(names) == ["cp8", "cp8.ulysses", "tp2.cp4", "tp8"], section
+    assert sorted(names) == ["cp8", "cp8.ulysses", "cp8.usp", "tp2.cp4", "tp8"], section
     steps = [float(r[2]) * (1e-3 if r[3] == "ms" else 1) for r in ranked]
     assert steps == sorted(steps)  # fastest first
     assert re.search(r"^ +\d+\. cp8 \(ring\):.*<- this config$", section, re.M)
-    assert re.search(r"refused +cp8\.usp \(usp\): distributed.cp_method=usp needs distributed.ulysses_size", section)
+    # usp without its size (the config has none): auto's pick among usp's factorings of 8
+    assert re.search(r"^ +\d+\. cp8\.usp \(auto -> usp, ulysses_size=4\):", section, re.M), section
     cp8 = next(r for r in ranked if r[0] == "cp8")
     assert float(cp8[4].replace(",", "")) == pytest.approx(t256, rel=2e-3)  # the same estimate as the section above
     # the figures the README and docs/estimate.md quote are these
@@ -194,3 +218,51 @@ def test_layouts_the_model_refuses_are_marked_not_ranked():
     section = vlm[vlm.index("--- layouts ranked"):]
     assert re.search(r"refused +cp2\.thd \(thd\): distributed.cp_method=thd does not run VLMs", section), section
     assert re.search(r"^ +1\. cp2 \(ring\):.*<- this config$", section, re.M), section
+
+
+def test_llama_8b_1m_tokens_on_64_h100s_estimate_ranks_methods_as_auto_does():
+    """Issue 37: at 1M tokens on 8 nodes x 8 H100s, auto picks usp (ulysses_size 8) by the methods' declared
+    exchange; the dry run's estimate charges usp its own bytes (the all-to-all inside a node, only the K/V of 8
+    ring ranks across nodes) and ranks it above ring, and plan_layouts takes a method per layout under auto."""
+    from transformers import LlamaConfig
+
+    from automodel.distributed.cp import exchange_cost, get_cp_method
+    from automodel.distributed.cp.profile import profile_model
+
+    report = dry_run_report(load_config([
+        "--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=64", "distributed.cp_method=auto",
+        "data.seq_len=1048576", "step_scheduler.global_batch_size=1", "recipe.dry_run_world_size=64",
+        "recipe.plan_nnodes=8", "recipe.plan_nproc_per_node=8",
+        "recipe.plan_layouts=[cp64.ring,cp64.usp8,cp64,cp64.usp4,cp64.ulysses]",
+    ]))  # fmt: skip
+    auto = next(line for line in report.splitlines() if line.startswith("cp_method auto: usp (ulysses_size=8), the"))
+    assert auto.index("usp (ulysses_size=4) ") < auto.index(", ring ")  # auto's order: usp 8, usp 4, ..., ring
+    # the one declaration, 32 heads / 8 KV heads of 128, 16384 tokens per rank, bf16, per layer forward + backward
+    profile = profile_model(LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                                        num_hidden_layers=1, intermediate_size=64, vocab_size=64))  # fmt: skip
+    kw = {"seq_len": 1 << 20, "cp_size": 64, "ranks_per_node": 8}
+    usp = exchange_cost(get_cp_method("usp", ulysses_size=8), profile, **kw)
+    ring = exchange_cost(get_cp_method("ring"), profile, **kw)
+    n, kv = 16384, 8 * 128
+    assert usp.intra_node_bytes == 2 * 7 / 8 * n * (2 * 32 * 128 + 2 * kv) * 2  # the all-to-all, in a node
+    assert usp.inter_node_bytes == 3 * 7 * n * 2 * kv * 2  # K/V of the 7 other ring ranks, forward + backward
+    assert ring.inter_node_bytes == 3 * 63 * n * 2 * kv * 2 == 9 * usp.inter_node_bytes and not ring.intra_node_bytes
+    # the estimate charges exactly those bytes: 32 layers, the forward's once more recomputed
+    cp_lines = re.findall(r"^communication, CP attention over (\d+) \(([^)]+)\): ([\d.]+) GiB sent per rank per step "
+                          r"(inside a node|across nodes)", report, re.M)  # fmt: skip
+    a2a, gather = usp.terms  # all-to-all forward = backward; K/V forward, K/V again + dK/dV backward
+    assert (a2a.forward_bytes, gather.backward_bytes) == (a2a.backward_bytes, 2 * gather.forward_bytes)
+    assert cp_lines == [("8", "usp, ulysses_size=8", f"{32 * 3 * a2a.forward_bytes / 2**30:.2f}", "inside a node"),
+                        ("8", "usp, ulysses_size=8", f"{32 * 4 * gather.forward_bytes / 2**30:.2f}", "across nodes")]
+    section = report[report.index("--- layouts ranked"):]
+    ranked = re.findall(r"^ +\d+\. (\S+) \(([^)]+)\): step [\d.]+ s, ([\d,]+) tokens/s/GPU", section, re.M)
+    assert [r[0] for r in ranked] == ["cp64.usp8", "cp64", "cp64.usp4", "cp64.ring"], section  # as auto ranks them
+    assert ranked[1][1] == "auto -> usp, ulysses_size=8" and ranked[0][2] == ranked[1][2] == f"{_throughput(report):,.0f}"
+    assert re.search(r"refused +cp64\.ulysses \(ulysses\): .*num_attention_heads=32", section), section
+    # ring's K/V all-gather crosses nodes and hides only under each pass's diagonal block (1/64 of it)
+    ring_est = dry_run_report(load_config([
+        "--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=64", "data.seq_len=1048576",
+        "step_scheduler.global_batch_size=1", "recipe.dry_run_world_size=64", "recipe.plan_nproc_per_node=8",
+    ]))  # fmt: skip
+    exposed = re.search(r"CP attention over 64 \(ring\): [\d.]+ GiB .* -> [\d.]+ s \(([\d.]+) s of it exposed\)", ring_est)
+    assert float(exposed.group(1)) > 1.0 and _throughput(ring_est) < _throughput(report)

@@ -321,10 +321,17 @@ def auto_config_problems(cfg: RecipeConfig, world_size: int, cuda_available: boo
 
 
 def ranks_per_node(cfg: RecipeConfig) -> int | None:
-    """Processes per node for ``cp_method: auto``: ``recipe.plan_nproc_per_node`` in a dry run, else torchrun's
-    ``$LOCAL_WORLD_SIZE``; ``None`` when not known (one node)."""
+    """Processes per node for ``cp_method: auto``: in a dry run ``recipe.plan_nproc_per_node``, else the GPUs per
+    node of ``recipe.gpu_type`` (what the step estimate assumes); else torchrun's ``$LOCAL_WORLD_SIZE``;
+    ``None`` when not known (one node)."""
     if cfg.recipe.dry_run and cfg.recipe.plan_nproc_per_node is not None:
         return cfg.recipe.plan_nproc_per_node
+    if cfg.recipe.dry_run and cfg.recipe.gpu_type is not None:
+        from automodel.config.gpu_specs import GPU_SPECS
+
+        spec = GPU_SPECS.get(cfg.recipe.gpu_type.lower())
+        if spec is not None:
+            return spec.gpus_per_node
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(local) if local.isdigit() and not cfg.recipe.dry_run else None
 

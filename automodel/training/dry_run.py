@@ -318,6 +318,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     from omegaconf import OmegaConf
 
     out = [f"=== dry run: {loaded.path} (planned for world size {loaded.world_size}) ==="]
+    written = loaded.cfg.distributed.cp_method  # as the config says (auto: resolved per layout below)
     choice = _resolve_auto(loaded)
     if choice is not None:
         out.append(choice.reason)
@@ -334,7 +335,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
     if loaded.cfg.recipe.plan_layouts:  # recipe.plan_layouts: each layout estimated (or refused), fastest first
         from automodel.training.layout_ranking import layout_ranking_lines
 
-        out.extend(layout_ranking_lines(loaded, plan.cfg.distributed.cp_method, dims, resolved, model))
+        out.extend(layout_ranking_lines(loaded, written, dims, resolved, model, profile))
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if loaded.cfg.recipe.dry_run_print_config:

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ModelDims",
@@ -170,6 +171,15 @@ class RunShape:
     tiled_mlp: bool | int = False  # model.tiled_mlp: the MLP over tiles of T tokens (True: tile_tokens_for)
     activation_offload: bool = False  # model.activation_offload: checkpointed layer inputs on the host
     offload: bool | str = False  # fsdp.offload: False | "optimizer" | "all"
+    cp_options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
+    packed: bool = False  # rows hold several documents (data.dataset.pack)
+
+    @property
+    def method(self):  # noqa: ANN201 - a CPMethod
+        """The CP method with its options bound (:func:`automodel.distributed.cp.get_cp_method`)."""
+        from automodel.distributed.cp import get_cp_method
+
+        return get_cp_method(self.cp_method, **dict(self.cp_options))
 
     @property
     def fsdp(self) -> int:
@@ -438,9 +448,7 @@ def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, str]:
 
 
 def _method(r: RunShape):  # noqa: ANN202 - a CPMethod
-    from automodel.distributed.cp import get_cp_method
-
-    return get_cp_method(r.cp_method)
+    return r.method
 
 
 def _plain_logits(d: ModelDims, r: RunShape, loss_parallel: bool) -> float:
@@ -772,7 +780,24 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, d
         tiled_mlp=cfg.model.tiled_mlp,
         activation_offload=cfg.model.activation_offload,
         offload=cfg.fsdp.offload,
+        cp_options=_cp_options(cfg),
+        packed=_packed_rows(cfg),
     )
     if cfg.loss.chunk_tokens == "auto" and dims is not None:
         shape = dataclasses.replace(shape, chunk_tokens=loss_auto_choice(dims, shape)[0])
     return shape
+
+
+def _packed_rows(cfg) -> bool:  # noqa: ANN001
+    from automodel.config.cp_auto import packed_rows
+
+    return packed_rows(cfg)
+
+
+def _cp_options(cfg) -> tuple[tuple[str, Any], ...]:  # noqa: ANN001
+    """The configured CP method's bound options (usp: ``ulysses_size``), as :attr:`RunShape.cp_options`."""
+    from automodel.distributed.cp import AUTO, get_cp_method
+
+    if cfg.distributed.cp_method == AUTO:  # not resolved yet: the method's options are not known
+        return ()
+    return tuple(get_cp_method(cfg.distributed.cp_method).configured(cfg).options().items())

@@ -25,8 +25,12 @@ Per optimizer step and per rank (BF16 compute, the recipe's settings: no Float8,
   FSDP2's all-gathers and reduce-scatters (and HSDP's / DDP's gradient all-reduce) run under the compute
   (prefetch); only one layer's worth is exposed. Tensor parallelism's all-reduces (2 per layer forward,
   2 backward, 2 more when checkpointing recomputes the forward) add to the step. CP attention moves what
-  its method declares (:meth:`CPMethod.exchange_terms`), once more for the recomputed forward; each term
-  is hidden under ``overlap`` x the attention compute (ring) and adds the rest (all-gathers, all-to-alls).
+  its method declares, read through the one cost model
+  (:func:`automodel.distributed.cp.cost.exchange_cost`, which ``cp_method: auto`` ranks methods by): each
+  collective's forward and backward bytes, inside a node or across nodes, the forward once more when it is
+  recomputed. Each pass's exchange hides under the share of that pass's attention compute it declares
+  (ring: its K/V all-gather under the diagonal block, its dK/dV rotation under the backward's other
+  blocks) and adds the rest (all-gathers and all-to-alls the attention waits for).
 
 The step time is ``max(compute + exposed communication, overlapped communication) + one layer of FSDP``;
 tokens/s/GPU = the step's tokens / step time / world size.
@@ -37,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from automodel.config.gpu_specs import GPU_SPECS, GPUSpec
+from automodel.distributed.cp.cost import exchange_cost
+from automodel.distributed.cp.method import ExchangeTerm
 from automodel.training.memory_plan import ModelDims, RunShape
 
 __all__ = [
@@ -153,15 +159,16 @@ class CommTerm:
     """One collective's traffic per rank per optimizer step.
 
     ``overlap``: ``"compute"`` runs under the whole step's compute (FSDP prefetch), ``"attention"`` under
-    ``window`` x the attention compute (ring CP), ``"none"`` adds to the step (TP all-reduces, all-gather
-    and all-to-all CP methods)."""
+    the shares of each pass's attention compute its ``exchange`` declares (ring CP), ``"none"`` adds to the
+    step (TP all-reduces, all-gather and all-to-all CP methods). ``exchange``: a CP attention term, the
+    method's declaration per layer and micro-batch (``None`` for the other collectives)."""
 
     name: str
     bytes: float  # sent per rank per optimizer step
     intra_node: bool
     note: str
     overlap: str = "none"
-    window: float = 0.0
+    exchange: ExchangeTerm | None = None
 
 
 def _span_inside_node(span: int, node: int) -> bool:
@@ -171,8 +178,6 @@ def _span_inside_node(span: int, node: int) -> bool:
 
 def comm_terms(d: ModelDims, r: RunShape, sizes: dict[str, int], node: int) -> list[CommTerm]:
     """Bytes each rank sends per optimizer step, by collective, with what each overlaps (module docstring)."""
-    from automodel.distributed.cp import get_cp_method
-
     out: list[CommTerm] = []
     tp, cp, fsdp, rep = sizes["tp"], sizes["cp"], r.fsdp, sizes["dp_replicate"]
     local_params, trainable = d.local_params(tp), d.local_trainable(tp)
@@ -199,15 +204,22 @@ def comm_terms(d: ModelDims, r: RunShape, sizes: dict[str, int], node: int) -> l
         out.append(CommTerm(f"tensor parallel over {tp}", b, _span_inside_node(tp, node),
                             f"{per_layer} all-reduces of [N, h] per layer (2 forward, 2 backward"
                             + (", 2 recomputed" if r.activation_checkpointing else "") + "); not overlapped"))  # fmt: skip
-    if cp > 1:  # the method's own exchange terms (CPMethod.exchange_terms; cp_method auto ranks methods by them)
-        for t in get_cp_method(r.cp_method).exchange_terms(d, r):
-            again = (t.passes + 1) / t.passes if r.activation_checkpointing else 1.0  # the recomputed forward
-            hidden = (f"under {t.overlap:.0%} of the attention compute" if t.overlap > 0 else "not overlapped")
-            out.append(CommTerm(f"CP attention over {t.group} ({r.cp_method})", r.grad_acc * d.layers * t.bytes * again,
-                                _span_inside_node(t.span * tp, node),
-                                f"{t.what} per layer forward, {t.passes - 1}x that in backward"
-                                + (", once more recomputed" if r.activation_checkpointing else "") + f"; {hidden}",
-                                "attention" if t.overlap > 0 else "none", t.overlap))  # fmt: skip
+    if cp > 1:  # the method's one declaration (exchange_cost; cp_method auto ranks methods by the same)
+        method = r.method  # its options bound (usp: ulysses_size)
+        cost = exchange_cost(method, d, seq_len=r.seq, cp_size=cp, tp_size=tp, ranks_per_node=node,
+                             packed=r.packed, local_batch=r.local_batch, compute_bytes=r.compute_bytes)  # fmt: skip
+        label = ", ".join([method.name, *(f"{k}={v}" for k, v in method.options().items())])
+        ac = r.activation_checkpointing
+        for t, across in cost.items():
+            b = r.grad_acc * d.layers * (t.bytes + (t.forward_bytes if ac else 0.0))
+            hidden = [f"{share:.0%} of the {what} attention" for share, what in
+                      ((t.forward_overlap, "forward"), (t.backward_overlap, "backward")) if share > 0]  # fmt: skip
+            passes = ([f"{_fmt_bytes(t.forward_bytes)} forward" + (", again recomputed" if ac else "")]
+                      if t.forward_bytes else []) + ([f"{_fmt_bytes(t.backward_bytes)} backward"] if t.backward_bytes else [])  # fmt: skip
+            out.append(CommTerm(f"CP attention over {t.group} ({label})", b, not across,
+                                f"{t.what}: {' + '.join(passes)} per layer; "
+                                + (f"under {' and '.join(hidden)}" if hidden else "not overlapped"),
+                                "attention" if t.overlaps else "none", t))  # fmt: skip
     return out
 
 
@@ -224,6 +236,7 @@ class StepEstimate:
     memory_s: float
     host_s: float = 0.0  # the launch floor: HOST_S_PER_LAYER per layer and micro-batch (x 4/3 recomputing)
     comm: list[tuple[CommTerm, float]] = field(default_factory=list)  # each term with its seconds
+    comm_exposed: list[float] = field(default_factory=list)  # of each term's seconds, what adds to the step
     exposed_s: float = 0.0  # communication that adds to the step
     overlapped_s: float = 0.0  # communication under the compute (FSDP, gradient all-reduce)
     step_s: float = 0.0
@@ -261,16 +274,24 @@ def estimate_step(
         host_s=r.grad_acc * d.layers * HOST_S_PER_LAYER * (4 / 3 if r.activation_checkpointing else 1.0),
         tokens_per_step=global_rows * r.seq, world=world,
     )  # fmt: skip
+    # one layer's forward attention per micro-batch: backward is twice it, a recomputed forward once more
+    passes = 4 if r.activation_checkpointing else 3
+    forward_attention_s = est.attention_s / (r.grad_acc * max(1, d.layers) * passes)
     for t in comm_terms(d, r, sizes, node):
         bw = (spec.intra_node_gb_s if t.intra_node else spec.inter_node_gb_s(node)) * 1e9 * LINK_FRACTION
         seconds = t.bytes / bw
-        est.comm.append((t, seconds))
         if t.overlap == "compute":
+            exposed = 0.0
             est.overlapped_s += seconds
-        elif t.overlap == "attention":
-            est.exposed_s += max(0.0, seconds - t.window * est.attention_s)
+        elif t.exchange is not None:  # CP attention: each pass hides under its own overlapped compute only
+            exposed = r.grad_acc * d.layers * t.exchange.exposed_seconds(bw, forward_attention_s,
+                                                                         r.activation_checkpointing)  # fmt: skip
+            est.exposed_s += exposed
         else:
+            exposed = seconds
             est.exposed_s += seconds
+        est.comm.append((t, seconds))
+        est.comm_exposed.append(exposed)
     first_layer = est.overlapped_s / max(1, d.layers)  # the first all-gather / last reduce-scatter wait
     est.step_s = max(est.compute_s + est.exposed_s, est.overlapped_s) + first_layer
     return est
@@ -323,10 +344,11 @@ def step_estimate_lines(
     if est.host_s > est.matmul_s + est.attention_s + est.memory_s:
         out.append(f"  kernels this small are launch bound: at least {_fmt_s(est.host_s)} of Python dispatch "
                    f"({HOST_S_PER_LAYER * 1e3:.0f} ms per layer and micro-batch, eager PyTorch)")  # fmt: skip
-    for t, seconds in est.comm:
+    for (t, seconds), exposed in zip(est.comm, est.comm_exposed):
         where = "inside a node (NVLink)" if t.intra_node else f"across nodes (the node's NICs shared by {node} ranks)"
+        shown = f" ({_fmt_s(exposed)} of it exposed)" if t.overlap == "attention" else ""
         out.append(f"communication, {t.name}: {_fmt_bytes(t.bytes)} sent per rank per step {where} -> "
-                   f"{_fmt_s(seconds)}; {t.note}")  # fmt: skip
+                   f"{_fmt_s(seconds)}{shown}; {t.note}")  # fmt: skip
     if not est.comm:
         out.append("communication: none (one rank, no parallelism)")
     mfu = (est.matmul_flops + est.attention_flops) / est.step_s / (spec.bf16_tflops * 1e12)

@@ -6,6 +6,8 @@
 - :mod:`.profile`: :func:`profile_model`, each decoder layer's mixer kind;
 - :mod:`.ring`, :mod:`.ulysses`, :mod:`.thd`, :mod:`.thd_docs`, :mod:`.usp`: the built-in methods (registered here);
 - :mod:`.thd_docs.placement`: the document placement planner of ``thd_docs`` (a pure function of the lengths);
+- :mod:`.cost`: a method's exchange per attention layer inside and across nodes (:func:`exchange_cost`), the
+  one cost model ``auto``, the dry run's step estimate and the layout rankings read;
 - :mod:`.choose`: ``cp_method: auto``, the method that computes a model exactly at the least communication
   (:func:`choose_cp_method`, from each method's own checks);
 - :mod:`.bind`: prepare a model for a method and get its batch function (the recipe's one call);
@@ -18,6 +20,7 @@ Importing this package imports neither torch.distributed nor transformers: the c
 """
 
 from automodel.distributed.cp.choose import AUTO, Choice, choose_cp_method
+from automodel.distributed.cp.cost import ExchangeCost, exchange_cost
 from automodel.distributed.cp.method import CPMethod, PreparedModel, profile_problems
 from automodel.distributed.cp.profile import LayerSpec, ModelProfile, profile_model
 from automodel.distributed.cp.registry import (
@@ -43,6 +46,8 @@ __all__ = [
     "AUTO",
     "Choice",
     "choose_cp_method",
+    "ExchangeCost",
+    "exchange_cost",
     "ContextParallel",
     "context_parallel",
     "CPMethod",

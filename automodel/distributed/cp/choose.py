@@ -16,26 +16,26 @@ the method offers (:meth:`~automodel.distributed.cp.method.CPMethod.auto_configs
 A method with any problem is refused; a method added or taught a new layer kind is picked up through
 these checks with no change here. Among the methods that compute the model, the cheapest wins:
 
-**The cost** is the dry run's communication model (:meth:`~CPMethod.exchange_terms`, which the step
-estimate of ``recipe.gpu_type`` prints): the bytes one rank sends per attention layer for a row of
-``seq_len`` tokens (:data:`NOMINAL_SEQ` when not known; bf16), each collective weighted by its link:
-:data:`INTER_NODE_WEIGHT` times a byte inside a node when its ranks span nodes (``ranks_per_node``;
-``None``: one node). Ties go to the method registered first. What the model says, in short: Ulysses'
-all-to-all does not grow with ``cp_size`` while the K/V exchange of ring and thd does, so Ulysses wins
-where its heads divide ``cp_size`` inside a node (with GQA, from ``cp_size`` 4 on); thd_docs sends only
-the K/V of documents split across ranks, so it wins on packed rows of short documents; across nodes
-the all-to-all pays the network rate and usp (all-to-all inside a node, K/V across) or the K/V methods win.
-Only attention's exchange is counted (a linear mixer's state hand-off is tiny; Ulysses' head split of
-it is not counted), and windows are counted as full rows.
+**The cost** is the one cost model of :func:`~automodel.distributed.cp.cost.exchange_cost`, which the dry
+run's step estimate also reads: the bytes one rank sends per attention layer for a row of ``seq_len`` tokens
+(:data:`NOMINAL_SEQ` when not known; bf16), inside a node and across nodes (``ranks_per_node``; ``None``: one
+node), a byte across nodes weighing :data:`~automodel.distributed.cp.cost.INTER_NODE_WEIGHT` bytes inside one
+(:attr:`~automodel.distributed.cp.cost.ExchangeCost.weighted_bytes`). Ties go to the method registered first.
+What the model says, in short: Ulysses' all-to-all does not grow with ``cp_size`` while the K/V exchange of
+ring and thd does, so Ulysses wins where its heads divide ``cp_size`` inside a node (with GQA, from
+``cp_size`` 4 on); thd_docs sends only the K/V of documents split across ranks, so it wins on packed rows of
+short documents; across nodes the all-to-all pays the network rate and usp (all-to-all inside a node, K/V
+across) or the K/V methods win. Only attention's exchange is counted (a linear mixer's state hand-off is tiny;
+Ulysses' head split of it is not counted), and windows are counted as full rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
+from automodel.distributed.cp.cost import INTER_NODE_WEIGHT, ExchangeCost, exchange_cost, span_inside_node
 from automodel.distributed.cp.method import CPMethod, ExchangeTerm
 from automodel.distributed.cp.profile import ModelProfile
 from automodel.distributed.cp.registry import alternative_label, cp_methods, run_problems
@@ -54,20 +54,10 @@ __all__ = [
 
 #: the value of ``distributed.cp_method`` / ``context_parallel(method=...)`` that picks a method
 AUTO = "auto"
-#: a byte sent across nodes costs this many bytes sent inside one (NVLink 450 GB/s vs 400 Gb/s InfiniBand,
-#: 50 GB/s: the H100 / H200 entries of automodel/config/gpu_specs.py give 9)
-INTER_NODE_WEIGHT = 8.0
 #: the row length the cost is computed for when it is not known (the own loop)
 NOMINAL_SEQ = 4096
 #: the row length the exactness checks use when it is not known: longer than any window or chunk
 _ANY_LENGTH = 1 << 40
-_COMPUTE_BYTES = 2  # bf16
-
-
-def span_inside_node(span: int, node: int | None) -> bool:
-    """A group of ``span`` consecutive ranks (row-major mesh) stays inside nodes of ``node`` ranks
-    (``None``: one node holds every rank)."""
-    return node is None or (span <= node and node % span == 0)
 
 
 @dataclass(frozen=True)
@@ -78,7 +68,11 @@ class Candidate:
     options: dict[str, Any]  # the distributed.<key> values that select it besides cp_method
     problems: tuple[str, ...]  # why it does not compute the model exactly (empty: it does)
     cost: float = 0.0  # weighted bytes per rank per attention layer (see the module docstring)
-    terms: tuple[ExchangeTerm, ...] = ()
+    exchange: ExchangeCost | None = None  # what it sends inside and across nodes (None: refused, not costed)
+
+    @property
+    def terms(self) -> tuple[ExchangeTerm, ...]:
+        return self.exchange.terms if self.exchange is not None else ()
 
     @property
     def name(self) -> str:
@@ -108,24 +102,6 @@ class Choice:
         return self.method.name
 
 
-def _dims(profile: ModelProfile) -> SimpleNamespace:
-    heads = profile.num_attention_heads or 1
-    hidden = profile.hidden_size or 64 * heads
-    return SimpleNamespace(
-        heads=heads,
-        kv_heads=profile.num_key_value_heads or heads,
-        head_dim=profile.head_dim or max(1, hidden // heads),
-        hidden=hidden,
-    )
-
-
-def _shape(seq: int, cp_size: int, tp_size: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        cp=cp_size, tp=tp_size, seq=seq, local_tokens=max(1, seq // cp_size), local_batch=1,
-        compute_bytes=_COMPUTE_BYTES,
-    )  # fmt: skip
-
-
 def _model_problems(
     m: CPMethod, profile: ModelProfile, cp_size: int, tp_size: int, seq_len: int | None, packed: bool
 ) -> list[str]:
@@ -139,17 +115,17 @@ def _model_problems(
     return [p.replace(rows, "rows of any length") for p in found]
 
 
-def _cost(m: CPMethod, profile: ModelProfile, cp_size: int, tp_size: int, seq: int, packed: bool,
-          ranks_per_node: int | None) -> tuple[float, tuple[ExchangeTerm, ...]]:  # fmt: skip
-    terms = tuple(m.exchange_terms(_dims(profile), _shape(seq, cp_size, tp_size), packed))
-    cost = sum(
-        t.bytes * (1.0 if span_inside_node(t.span * tp_size, ranks_per_node) else INTER_NODE_WEIGHT) for t in terms
-    )
-    return cost, terms
+def _size(n: float) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-def _kib(n: float) -> str:
-    return f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
+def _sent(c: Candidate) -> str:
+    """What a candidate sends per rank per attention layer: ``"1.86 GiB (1.31 GiB of it across nodes)"``."""
+    e = c.exchange
+    if e is None:
+        return _size(c.cost)
+    across = f" ({_size(e.inter_node_bytes)} of it across nodes)" if e.inter_node_bytes else ""
+    return _size(e.total_bytes) + across
 
 
 def _short(problem: str, limit: int = 90) -> str:
@@ -210,8 +186,12 @@ def choose_cp_method(
             problems = _model_problems(m, profile, cp_size, tp_size, seq_len, packed) if cp_size > 1 else []
             if extra_problems is not None:
                 problems += extra_problems(m, options)
-            cost, terms = _cost(m, profile, cp_size, tp_size, seq, packed, ranks_per_node) if not problems else (0.0, ())
-            candidates.append(Candidate(m, dict(options), tuple(problems), cost, terms))
+            exchange = None if problems else exchange_cost(
+                m, profile, seq_len=seq, cp_size=cp_size, tp_size=tp_size, ranks_per_node=ranks_per_node,
+                packed=packed,
+            )  # fmt: skip
+            cost = exchange.weighted_bytes if exchange is not None else 0.0
+            candidates.append(Candidate(m, dict(options), tuple(problems), cost, exchange))
     running = sorted((c for c in candidates if c.computes), key=lambda c: c.cost)  # stable: registration order
     where = (
         f"cp_size {cp_size}" + (f" x tp_size {tp_size}" if tp_size > 1 else "")
@@ -231,7 +211,8 @@ def choose_cp_method(
         reason = f"cp_method auto: {best.label} (cp_size 1: no context parallelism, every method runs as one process)"
         return Choice(best.method, best.options, reason, tuple(candidates))
     sent = ", ".join(f"{t.what}, {t.group} ranks" for t in best.terms) or "nothing"
-    others = [f"{c.label} {_kib(c.cost)}" for c in running[1:]]
+    others = [f"{c.label} {_sent(c)}" for c in running[1:]]
+    weighed = any(c.exchange is not None and c.exchange.inter_node_bytes for c in running)
     refused = {}
     for c in candidates:  # one reason per method (its first configuration's)
         if not c.computes and c.name not in refused and c.name not in {r.name for r in running}:
@@ -239,8 +220,9 @@ def choose_cp_method(
     refused.update(e.split(": ", 1) for e in empty)
     reason = (
         f"cp_method auto: {best.label}, the cheapest method that computes every layer of {profile.architecture} "
-        f"exactly at {where}: {_kib(best.cost)} sent per rank per attention layer ({sent})"
-        + (f"; costlier: {', '.join(others)}" if others else "")
+        f"exactly at {where}: {_sent(best)} sent per rank per attention layer ({sent})"
+        + (f"; costlier{f' (a byte across nodes weighing {INTER_NODE_WEIGHT:g})' if weighed else ''}: "
+           f"{', '.join(others)}" if others else "")
         + (f"; refused: {'; '.join(f'{n} ({r})' for n, r in refused.items())}" if refused else "")
     )
     return Choice(best.method, best.options, reason, tuple(candidates))
@@ -286,6 +268,6 @@ def method_line(
     if named is None or not named.computes or picked is None:
         return line + f"; cp_method auto would pick {label}"
     return line + (
-        f"; cp_method auto would pick {label} ({named.label} {_kib(named.cost)}, {label} {_kib(picked.cost)} sent per "
+        f"; cp_method auto would pick {label} ({named.label} {_sent(named)}, {label} {_sent(picked)} sent per "
         "rank per attention layer; distributed.cp_method=auto picks it)"
     )

@@ -16,6 +16,9 @@ What a method declares:
   :class:`PreparedModel`;
 - **sharding a batch**: :meth:`batch_function` returns ``fn(device_mesh, batch) -> (ctx_factory, batch)``;
 - **memory terms** for the planner: :meth:`attention_workspace` and :meth:`attention_extent`;
+- **its exchange** per attention layer, once: :meth:`exchange_terms` (:class:`ExchangeTerm`), read by
+  ``cp_method: auto``, the step estimate and the layout rankings through
+  :func:`automodel.distributed.cp.cost.exchange_cost`; its options (:meth:`options`, :meth:`with_options`);
 - **its dry-run description**: :meth:`describe`;
 - **its config problems**: :meth:`config_problems` (and :meth:`dataset_options` /
   :meth:`recipe_batch_options` for the keys only it reads).
@@ -42,27 +45,52 @@ BatchFn = Callable[[Any, dict[str, Any]], tuple[Callable[[], Any], dict[str, Any
 
 @dataclass(frozen=True)
 class ExchangeTerm:
-    """One collective of a method's CP attention, per attention layer and micro-batch (the dry run's step
-    estimate and ``cp_method: auto`` read it).
+    """One collective of a method's CP attention, per attention layer and micro-batch: a method's declaration
+    of what it sends (:meth:`CPMethod.exchange_terms`). ``cp_method: auto``, the dry run's step estimate and
+    ``recipe.plan_layouts`` read it through :func:`automodel.distributed.cp.cost.exchange_cost`, which also
+    decides, from ``span``, the tensor-parallel size and the ranks per node, whether it crosses nodes.
 
     Attributes:
         what: the collective in words (e.g. ``"K and V of the other ranks' tokens"``).
         group: ranks taking part.
         span: consecutive CP ranks the group covers (a group strided over the CP group spans all of it);
             whether it stays inside a node is read from this.
-        bytes: sent per rank, forward and backward together.
-        passes: the forward's exchange counted this many times in all (backward included).
-        overlap: the fraction of the layer's attention compute this collective runs under (the step
-            estimate: its time is hidden up to that much compute, the rest adds to the step). 0 (the
-            default): it does not overlap (an all-gather or all-to-all the attention waits for).
+        forward_bytes: sent per rank in the layer's forward (sent once more when activation checkpointing
+            recomputes the forward).
+        backward_bytes: sent per rank in the layer's backward.
+        forward_overlap: the fraction of the layer's forward attention compute the forward's exchange runs
+            under (its time is hidden up to that much compute, the rest adds to the step). 0: it does not
+            overlap (an all-gather or all-to-all the attention waits for).
+        backward_overlap: the same for the backward's exchange and the backward's attention compute (twice
+            the forward's).
     """
 
     what: str
     group: int
     span: int
-    bytes: float
-    passes: int
-    overlap: float = 0.0
+    forward_bytes: float
+    backward_bytes: float
+    forward_overlap: float = 0.0
+    backward_overlap: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        """Sent per rank, forward and backward together (no recomputed forward)."""
+        return self.forward_bytes + self.backward_bytes
+
+    @property
+    def overlaps(self) -> bool:
+        """Some of it runs under the attention compute."""
+        return self.forward_overlap > 0 or self.backward_overlap > 0
+
+    def exposed_seconds(self, bytes_per_s: float, forward_attention_s: float, recompute: bool = False) -> float:
+        """Seconds this term adds to one layer's step on a link of ``bytes_per_s`` per rank, when the layer's
+        forward attention compute takes ``forward_attention_s`` (its backward twice that): each pass's exchange
+        hides under its own pass's overlapped compute only (a forward's all-gather cannot hide under the
+        backward). ``recompute``: activation checkpointing runs the forward, and its exchange, once more."""
+        fwd = max(0.0, self.forward_bytes / bytes_per_s - self.forward_overlap * forward_attention_s)
+        bwd = max(0.0, self.backward_bytes / bytes_per_s - self.backward_overlap * 2 * forward_attention_s)
+        return fwd * (2 if recompute else 1) + bwd
 
 
 @dataclass
@@ -114,6 +142,12 @@ class CPMethod:
     layout: ClassVar[Literal["head_tail", "contiguous"]] = "head_tail"
     #: attention heads are divided over the CP ranks (``num_attention_heads % cp_size == 0``)
     splits_heads: ClassVar[bool] = False
+    #: the ``distributed.<key>`` values only this method reads (usp: ``ulysses_size``); a plan layout that
+    #: names another method leaves them unset
+    option_keys: ClassVar[tuple[str, ...]] = ()
+    #: the one of :attr:`option_keys` a plan layout's number after the method's name sets (``cp64.usp8``:
+    #: ``ulysses_size=8``); ``None``: the method takes no number there
+    layout_option: ClassVar[str | None] = None
 
     # ------------------------------------------------------------------ exactness
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
@@ -243,11 +277,14 @@ class CPMethod:
         raise NotImplementedError
 
     def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
-        """What one rank sends per attention layer and micro-batch (``d``: ModelDims, ``r``: RunShape of the
-        memory planner; ``packed``: rows hold several documents). The default reads :meth:`attention_extent`:
-        a kernel that sees whole rows with ``heads / cp`` (Ulysses) moves q, k, v and the output by all-to-all
-        (forward, and as much again in backward); one that sees the rank's queries against the whole row
-        receives K and V of the other ranks' tokens (forward, twice that in backward: K/V again and dK/dV)."""
+        """What one rank sends per attention layer and micro-batch: the method's one declaration of its
+        exchange (read through :func:`automodel.distributed.cp.cost.exchange_cost`; ``d``: the model's sizes,
+        ``heads``, ``kv_heads``, ``head_dim``; ``r``: the run's shape, ``cp``, ``tp``, ``seq``,
+        ``local_tokens``, ``local_batch``, ``compute_bytes``; ``packed``: rows hold several documents). The
+        default reads :meth:`attention_extent`: a kernel that sees whole rows with ``heads / cp`` (Ulysses)
+        moves q, k, v and the output by all-to-all (forward, and as much again in backward); one that sees
+        the rank's queries against the whole row receives K and V of the other ranks' tokens (forward; in
+        backward K/V again and dK/dV back). Neither overlaps the attention compute."""
         cp = r.cp
         if cp <= 1:
             return []
@@ -256,9 +293,20 @@ class CPMethod:
         n = r.local_tokens
         if q_tokens >= r.seq:
             per_layer = (cp - 1) / cp * n * (2 * heads_seen * cp * d.head_dim + 2 * kv) * r.compute_bytes
-            return [ExchangeTerm("all-to-all of q, k, v and the output", cp, cp, 2 * per_layer, 2)]
+            return [ExchangeTerm("all-to-all of q, k, v and the output", cp, cp, per_layer, per_layer)]
         per_layer = (cp - 1) * n * 2 * kv * r.compute_bytes
-        return [ExchangeTerm("K and V of the other ranks' tokens", cp, cp, 3 * per_layer, 3)]
+        return [ExchangeTerm("K and V of the other ranks' tokens", cp, cp, per_layer, 2 * per_layer)]
+
+    def options(self) -> dict[str, Any]:
+        """The ``distributed.<key>`` values bound to this instance (usp: ``ulysses_size``); default none."""
+        return {}
+
+    def with_options(self, **options: Any) -> CPMethod:
+        """This method with ``options`` (``distributed.<key>`` values, as :meth:`options` and
+        :meth:`auto_configs` give them) bound. Default: no options; ``ValueError`` for any."""
+        if options:
+            raise ValueError(f"cp_method {self.name} takes no options, got {options}")
+        return self
 
     def auto_configs(self, cp_size: int, ranks_per_node: int | None) -> list[tuple[CPMethod, dict[str, Any]]]:
         """The configurations ``cp_method: auto`` may try, each ``(method with its options bound, the

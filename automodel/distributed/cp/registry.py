@@ -58,14 +58,15 @@ def cp_methods() -> dict[str, CPMethod]:
     return dict(_REGISTRY)
 
 
-def get_cp_method(method: str | CPMethod) -> CPMethod:
-    """The method named ``method`` (a :class:`CPMethod` is returned as is).
+def get_cp_method(method: str | CPMethod, **options: Any) -> CPMethod:
+    """The method named ``method`` (a :class:`CPMethod` is returned as is), with ``options`` bound
+    (:meth:`~CPMethod.with_options`: the ``distributed.<key>`` values it reads, e.g. usp's ``ulysses_size``).
 
     Raises:
-        ValueError: no such method; the message lists the registered ones.
+        ValueError: no such method (the message lists the registered ones), or an option it does not take.
     """
     if isinstance(method, CPMethod):
-        return method
+        return method.with_options(**options) if options else method
     if method == "auto":
         raise ValueError(
             "distributed.cp_method=auto names no method until the model is known: resolve it first "
@@ -77,7 +78,7 @@ def get_cp_method(method: str | CPMethod) -> CPMethod:
             f"distributed.cp_method={method!r} is not one of {sorted(_REGISTRY)}; "
             f"set distributed.cp_method to one of {' | '.join(_REGISTRY)}"
         )
-    return _REGISTRY[method]
+    return _REGISTRY[method].with_options(**options) if options else _REGISTRY[method]
 
 
 def run_problems(

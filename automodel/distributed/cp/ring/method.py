@@ -13,7 +13,6 @@ rank's shard), linear / state-space mixers without a ring kernel, packed rows.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from automodel.distributed.cp.method import BatchFn, CPMethod, ExchangeTerm, standard_problem
@@ -63,12 +62,19 @@ class RingMethod(CPMethod):
         return n * max(fwd, bwd), "ring: K/V blocks in flight, fp32 partial outputs and dK/dV rotation"
 
     def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
-        """The default K/V terms, overlapped with the block compute: torch's ring (the recipe's default
-        ``allgather`` rotater) gathers K/V once per layer pass while the rank's own diagonal block runs
-        (``1/cp`` of the attention), and rotates dK/dV point to point under the backward's blocks (all of
-        it): of the three passes, two overlap ``1/cp`` and one fully, ``(2/cp + 1) / 3`` on the whole."""
-        overlap = (2 / r.cp + 1) / 3 if r.cp > 1 else 0.0
-        return [dataclasses.replace(t, overlap=overlap) for t in super().exchange_terms(d, r, packed)]
+        """The default K/V bytes, split by what each overlaps: torch's ring (the recipe's default ``allgather``
+        rotater) all-gathers K/V once per forward and again in backward while the rank's own diagonal block
+        runs (``1/cp`` of that pass's attention), and rotates dK/dV point to point under the backward's other
+        blocks (the remaining ``1 - 1/cp`` of it)."""
+        cp = r.cp
+        if cp <= 1:
+            return []
+        (kv,) = super().exchange_terms(d, r, packed)  # forward: K/V; backward: K/V again + dK/dV
+        unit = kv.forward_bytes
+        return [
+            ExchangeTerm("K and V of the other ranks' tokens (all-gathered)", cp, cp, unit, unit, 1 / cp, 1 / cp),
+            ExchangeTerm("dK and dV back around the ring", cp, cp, 0.0, unit, 0.0, 1 - 1 / cp),
+        ]
 
     def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
         return [f"  ring attention           k,v rotate around the ring of {cp_size} (cp_size - 1 exchanges per layer)"]

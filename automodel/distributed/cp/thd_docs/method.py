@@ -127,8 +127,11 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         lengths = sample_lengths(r.seq, SAMPLE_MEDIAN, rows=rows) if packed else [r.seq] * rows
         plan = plan_documents(lengths, cp, CostModel.for_width(d.heads * d.head_dim))
         kv = d.kv_heads // r.tp * d.head_dim
-        sent = max(plan.step_tokens(rank) for rank in range(cp)) * 2 * kv * r.compute_bytes
-        return [ExchangeTerm("K and V of split documents only", cp, cp, sent, 3)]
+        busiest = max(range(cp), key=plan.step_tokens)
+        per_token = 2 * kv * r.compute_bytes
+        forward = sum(plan.exchange_tokens(busiest)) * per_token  # backward: the same again + borrowed dK/dV
+        backward = plan.step_tokens(busiest) * per_token - forward
+        return [ExchangeTerm("K and V of split documents only", cp, cp, forward, backward)]
 
     def token_ranges(self, seq_len: int, cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
         """The row's token ranges rank ``cp_rank`` holds in the dry run's sample batch (real batches differ)."""

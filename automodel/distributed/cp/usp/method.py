@@ -37,6 +37,8 @@ class UspMethod(GatheredKVMethod):
 
     name = "usp"
     summary = "Ulysses all-to-all inside a node x thd K/V all-gather across nodes, packed documents"
+    option_keys = ("ulysses_size",)
+    layout_option = "ulysses_size"  # plan layouts: cp64.usp8
 
     def __init__(self, ulysses_size: int | None = None) -> None:
         self.ulysses_size = ulysses_size
@@ -169,11 +171,22 @@ class UspMethod(GatheredKVMethod):
         kv_local = max(1, d.kv_heads // r.tp)
         kv_sent = kv_local * (u // math.gcd(kv_local, u)) * d.head_dim  # KV heads replicated up to U
         a2a = 2 * (u - 1) / u * n * (2 * d.heads // r.tp * d.head_dim + 2 * kv_sent) * c
-        out = [ExchangeTerm(f"all-to-all of q, k, v and the output (ulysses {u})", u, u, a2a, 2)]
+        out = [ExchangeTerm(f"all-to-all of q, k, v and the output (ulysses {u})", u, u, a2a / 2, a2a / 2)]
         if ring > 1:  # after the all-to-all: u * n tokens for kv_sent / u heads, K and V of the other ring ranks
-            gather = 3 * (ring - 1) * n * 2 * kv_sent * c
-            out.append(ExchangeTerm(f"K and V of the other ring ranks' tokens (ring {ring})", ring, r.cp, gather, 3))
+            gather = (ring - 1) * n * 2 * kv_sent * c  # forward; backward: K/V again + dK/dV reduce-scattered
+            out.append(
+                ExchangeTerm(f"K and V of the other ring ranks' tokens (ring {ring})", ring, r.cp, gather, 2 * gather)
+            )
         return out
+
+    def options(self) -> dict[str, Any]:
+        return {} if self.ulysses_size is None else {"ulysses_size": self.ulysses_size}
+
+    def with_options(self, **options: Any) -> CPMethod:
+        unknown = set(options) - {"ulysses_size"}
+        if unknown:
+            raise ValueError(f"cp_method usp takes ulysses_size only, got {sorted(unknown)}")
+        return UspMethod(options.get("ulysses_size", self.ulysses_size))
 
     def auto_configs(self, cp_size: int, ranks_per_node: int | None) -> list[tuple[CPMethod, dict[str, Any]]]:
         """Every proper factoring ``cp_size = ulysses_size x ring`` (both > 1): ``ulysses_size`` 1 or ``cp_size``
