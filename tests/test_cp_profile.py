@@ -257,3 +257,30 @@ def test_an_unknown_attention_names_its_module_path():
     with pytest.raises(CPUnsupportedError, match=r"DogeAttention: dynamic mask attention .* at model\.layers\.0\."
                                                  r"self_attn\) is not known to be exact under ulysses \(if it should"):
         check_model_for_cp("ulysses", doge, seq_len=64)
+
+
+def test_dry_run_of_nemotron_h_with_auto_names_the_layers_without_a_token_mixer(tmp_path):
+    """``cp_method: auto`` on transformers' default Nemotron-H pattern picks a method, and the dry run's profile
+    line names the MoE and MLP layers as layers without a token mixer."""
+    import yaml
+
+    from automodel.config import load_config
+    from automodel.training.dry_run import dry_run_report
+
+    model = {"_target_": "transformers.NemotronHConfig", "vocab_size": 1024, "hidden_size": 64,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+             "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16,
+             "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "moe_shared_expert_intermediate_size": 64}  # fmt: skip (no layers_block_type: the default M E * -)
+    child = tmp_path / "nemotron_h.yaml"
+    child.write_text(yaml.safe_dump({"defaults": ["cp", "_self_"], "model": {"config": model},
+                                     "distributed": {"cp_method": "auto"}}))  # fmt: skip
+    report = dry_run_report(load_config(["--config", str(child), "recipe.dry_run=true"], world_size=2))
+    line = next(ln for ln in report.splitlines() if "model profile: NemotronHForCausalLM" in ln)
+    assert "4 layers: NemotronHMamba2Mixer x1, NemotronHMoE (no token mixer) x1, full attention x1, " \
+           "NemotronHMLP (no token mixer) x1;" in line, line  # fmt: skip
+    import re
+
+    picked = re.search(r"; exact under cp_method (\w+)$", line)
+    assert picked and picked.group(1) in cp_methods(), line  # auto resolved to a method that computes it
+    assert f"cp_method auto: {picked.group(1)}" in report

@@ -80,10 +80,13 @@ class Family:
 
 #: every family this test proves (helpers add theirs)
 FAMILIES: dict[str, Family] = {
+    # transformers' default pattern M E * - (Mamba-2, MoE, attention, MLP: issue 36) cycled to 5 layers, so that
+    # the state chain crosses two Mamba-2 layers
     "nemotron_h": Family("nemotron_h", dict(
-        hidden_size=32, num_hidden_layers=3, hybrid_override_pattern="M*M", head_dim=8, mamba_num_heads=4,
+        hidden_size=32, hybrid_override_pattern="ME*-M", head_dim=8, mamba_num_heads=4,
         mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, expand=1, intermediate_size=48,
-        chunk_size=8, **_ATTN), _mamba2_rules),
+        chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16, **_ATTN), _mamba2_rules),
     "falcon_h1": Family("falcon_h1", dict(
         hidden_size=32, num_hidden_layers=2, head_dim=8, mamba_d_ssm=32, intermediate_size=48, **_ATTN, **_MAMBA),
         _mamba2_rules),
