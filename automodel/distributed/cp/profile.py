@@ -129,7 +129,8 @@ class LayerSpec:
         window_in_mask_only: a ``SLIDING`` layer whose window reaches only transformers' mask, not the
             attention function (PhiMoE): a method that builds its own mask cannot see it.
         module_path: where the layer's unrecognised module sits in the model (``UNKNOWN``, read from the
-            modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise.
+            modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
+            layer's index as ``<i>`` (:attr:`path_in_stack`).
     """
 
     index: int
@@ -146,6 +147,15 @@ class LayerSpec:
     hybrid_attention: bool = False
     window_in_mask_only: bool = False
     module_path: str = ""
+
+    @property
+    def path_in_stack(self) -> str:
+        """:attr:`module_path` with the layer's index as ``<i>`` (``"model.layers.<i>.mixer"``): the same text for
+        every layer of a stack, so that a refusal groups them (``"layers 0-60: ..."``)."""
+        parts = self.module_path.split(".")
+        if str(self.index) in parts:
+            parts[parts.index(str(self.index))] = "<i>"
+        return ".".join(parts)
 
     @property
     def is_attention(self) -> bool:
@@ -177,7 +187,7 @@ class LayerSpec:
         elif self.kind == MLP_ONLY:
             text = "no token mixer" + (f" ({self.mixer})" if self.mixer else "")
         elif self.kind == UNKNOWN:
-            where = f" at {self.module_path}" if self.module_path else ""
+            where = f" at {self.path_in_stack}" if self.module_path else ""
             text = f"an unrecognised token mixer ({self.mixer or '?'}{where})"
         else:
             text = "full causal attention"
@@ -340,8 +350,6 @@ def _token_local_problem(layer: Any, path: str) -> str | None:
     ``transformers.activations``), or a model's own class named like an MLP / MoE part (:data:`_TOKEN_LOCAL_CLASS`:
     ``NemotronHMLP``, ``NemotronHMoE``, its ``...Experts`` and ``...TopkRouter``) whose forward does none of
     :data:`_SEQUENCE_OPS`. The layer module itself is not judged (its forward dispatches to its parts)."""
-    import torch.nn as nn
-
     for name, sub in layer.named_modules():
         if sub is layer:
             continue
@@ -351,9 +359,10 @@ def _token_local_problem(layer: Any, path: str) -> str | None:
             cls.__name__ in _TOKEN_LOCAL_TORCH or module == "torch.nn.modules.activation"
         ):
             continue
-        if module == "transformers.activations" or (isinstance(sub, nn.Module) and module.endswith(".activations")):
+        if module == "transformers.activations":
             continue
-        if _TOKEN_LOCAL_CLASS.search(cls.__name__) and not _SEQUENCE_OPS.search(_forward_source(cls)):
+        source = _forward_source(cls)  # a forward whose source cannot be read is not known to be token-local
+        if _TOKEN_LOCAL_CLASS.search(cls.__name__) and source and not _SEQUENCE_OPS.search(source):
             continue
         return f"{cls.__name__} at {path}.{name}"
     return None
