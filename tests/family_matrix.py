@@ -158,6 +158,8 @@ class Family:
         try:
             config = AutoConfig.for_model(self.model_type, **kwargs)
         except Exception:  # noqa: BLE001 - a default list of another length (Zamba2's layers_block_type)
+            if target is None:
+                raise
             config = None
         if target is not None and (config is None or layer_pattern(config) != target):
             config = AutoConfig.for_model(self.model_type, layer_types=target, **kwargs)
