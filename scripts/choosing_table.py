@@ -66,7 +66,7 @@ class Row:
 _STATE = {"mamba", "conv", "rglru"}
 ROWS: tuple[Row, ...] = (
     Row("full attention (MHA or GQA; MoE or dense)", "llama",
-        lambda t: t <= {"full", "moe", "abspos", "differential"},
+        lambda t: t <= {"full", "moe", "abspos", "differential", "nope"},
         dict(heads=32, kv=8, head_dim=128, hidden=4096), "Llama-3.1-8B"),
     Row("sliding-window or chunked hybrids (NoPE layers, softcapping)", "gemma3_text",
         lambda t: bool(t & {"sliding", "chunked"}) and not t & ({"sinks"} | _STATE)),
@@ -75,7 +75,8 @@ ROWS: tuple[Row, ...] = (
     Row("linear-attention hybrids (Gated DeltaNet, lightning attention)", "qwen3_next", lambda t: "linear" in t),
     Row("state-space / convolution hybrids (Mamba, Mamba-2, short conv, RG-LRU + attention)", "jamba",
         lambda t: bool(t & _STATE) and bool(t & {"full", "sliding"})),
-    Row("state-space only (Mamba, Mamba-2)", "mamba2", lambda t: t == {"mamba"}),
+    Row("state-space only (Mamba, Mamba-2; MoE or MLP layers between)", "mamba2",
+        lambda t: "mamba" in t and t <= {"mamba", "moe", "mlp"}),
     Row("VLMs (image + text)", "qwen2_vl", lambda t: False),
 )  # fmt: skip
 

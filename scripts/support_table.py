@@ -2,7 +2,9 @@
 """Run the CP family x method matrix and write docs/support_matrix.md.
 
 Launches tests/workers/family_matrix_worker.py on 4 local gloo ranks (CPU), the same run as
-tests/test_family_matrix.py: every family of tests/family_matrix.py, each CP method (ring, ulysses, thd,
+tests/test_family_matrix.py: every row of tests/family_matrix.py (transformers' default config of each family
+scaled down in sizes only, keeping its layer pattern, plus a ``<family>@flagship`` row where the released
+flagship's pattern differs), each CP method (ring, ulysses, thd,
 thd_docs at cp=2; usp at cp=4 = 2 x 2) against one process, on one document per row and on packed rows
 (three documents against each alone, every method that takes them), and the method ``cp_method: auto``
 picks. Writes the table with the counts per column and exits 1 when any cell is wrong or crashes

@@ -167,3 +167,122 @@ def test_profile_line_counts_the_layer_kinds_in_order_and_names_the_heads():
     assert "2 layers: MambaMixer x2; no attention heads;" in mamba
     doge = profile_line(profile_model(_meta("doge", num_hidden_layers=2, head_dim=16)))
     assert "2 layers: unrecognised DogeAttention x2;" in doge
+
+
+# ------------------------------------------------------------------ layers without a token mixer (issue 36)
+
+
+def _nemotron_h():
+    """transformers' default Nemotron-H config (pattern M E * -) scaled down in sizes, on the meta device."""
+    from tests.family_matrix import family_by_name
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(family_by_name("nemotron_h").build_config())
+
+
+def test_nemotron_h_mlp_and_moe_layers_have_no_token_mixer_and_every_method_runs_them():
+    from automodel.distributed.cp import choose_cp_method
+    from automodel.distributed.cp.profile import MLP_ONLY, profile_line
+
+    assert AutoConfig.for_model("nemotron_h").layers_block_type == ["linear_attention", "moe", "full_attention", "mlp"]
+    model = _nemotron_h()
+    profile = profile_model(model)
+    assert [(layer.kind, layer.mixer) for layer in profile.layers] == [
+        (LINEAR, "NemotronHMamba2Mixer"), (MLP_ONLY, "NemotronHMoE"), (FULL, ""), (MLP_ONLY, "NemotronHMLP"),
+    ]  # fmt: skip
+    from_config = profile_model(model.config)  # the config alone names the same kinds
+    assert [layer.kind for layer in from_config.layers] == [LINEAR, MLP_ONLY, FULL, MLP_ONLY]
+    line = profile_line(profile)  # what the dry run prints
+    assert "4 layers: NemotronHMamba2Mixer x1, NemotronHMoE (no token mixer) x1, full attention x1, " \
+           "NemotronHMLP (no token mixer) x1;" in line, line  # fmt: skip
+    assert profile.layers[1].describe() == "no token mixer (NemotronHMoE)"
+    assert {"ulysses", "thd_docs"} <= set(methods_that_run(profile, 64))
+    for packed in (False, True):
+        choice = choose_cp_method(profile, 2, seq_len=64, packed=packed)
+        check_model_for_cp(choice.method, profile, seq_len=64)
+        assert choice.reason.startswith(f"cp_method auto: {choice.name}")
+
+
+class _ShiftMLP(torch.nn.Module):
+    """Named like an MLP, but its forward mixes each token with the one before it."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.up_proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.up_proj(torch.roll(x, 1, dims=1))
+
+
+class _TokenMixer(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.proj(x.cumsum(1))
+
+
+@pytest.mark.parametrize(
+    ("block", "named"),
+    [(_ShiftMLP, "_ShiftMLP at model.layers.3.mixer"), (_TokenMixer, "_TokenMixer at model.layers.3.mixer"),
+     (lambda h: torch.nn.Conv1d(h, h, 3, padding=2), "Conv1d at model.layers.3.mixer")],
+)  # fmt: skip
+def test_a_block_the_config_calls_mlp_must_prove_it_mixes_no_tokens(block, named):
+    """The rule is structural: a layer the config calls ``mlp`` whose modules are not all token-local (an
+    MLP-named class that rolls the sequence, an unknown class, a convolution) is unknown, and every method's
+    refusal names its class, its module path and how to report it."""
+    from automodel.distributed.cp.profile import REPORT_HINT
+
+    model = _nemotron_h()
+    with torch.device("meta"):
+        model.model.layers[3].mixer = block(model.config.hidden_size)
+    profile = profile_model(model)
+    layer = profile.layers[3]
+    assert layer.kind == UNKNOWN and f"{layer.mixer.split(',')[0]} at {layer.module_path}" == named, layer
+    assert [spec.kind for spec in profile.layers[:3]] == [LINEAR, "mlp_only", FULL]
+    assert methods_that_run(profile, 64) == []
+    for method in ("ulysses", "thd_docs", "ring"):
+        with pytest.raises(CPUnsupportedError) as err:
+            check_model_for_cp(method, profile, seq_len=64)
+        msg = str(err.value)
+        assert f"layer 3: an unrecognised token mixer ({named.split(' at ')[0]}, in a layer the config calls " \
+               f"'mlp'" in msg and "at model.layers.<i>.mixer)" in msg, msg  # fmt: skip
+        assert REPORT_HINT in msg and "transformers version" in msg
+
+
+def test_an_unknown_attention_names_its_module_path():
+    doge = profile_model(_meta("doge", num_hidden_layers=2, head_dim=16))
+    assert [layer.module_path for layer in doge.layers] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    # one reason for the stack (the index as <i>), so that a 60-layer model's refusal is one line
+    with pytest.raises(CPUnsupportedError, match=r"layers 0-1: an unrecognised token mixer \(DogeAttention: dynamic "
+                                                 r"mask attention .* at model\.layers\.<i>\.self_attn\) is not "
+                                                 r"known to be exact under ulysses \(if it should"):
+        check_model_for_cp("ulysses", doge, seq_len=64)
+
+
+def test_dry_run_of_nemotron_h_with_auto_names_the_layers_without_a_token_mixer(tmp_path):
+    """``cp_method: auto`` on transformers' default Nemotron-H pattern picks a method, and the dry run's profile
+    line names the MoE and MLP layers as layers without a token mixer."""
+    import yaml
+
+    from automodel.config import load_config
+    from automodel.training.dry_run import dry_run_report
+
+    model = {"_target_": "transformers.NemotronHConfig", "vocab_size": 1024, "hidden_size": 64,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+             "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16,
+             "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "moe_shared_expert_intermediate_size": 64}  # fmt: skip (no layers_block_type: the default M E * -)
+    child = tmp_path / "nemotron_h.yaml"
+    child.write_text(yaml.safe_dump({"defaults": ["cp", "_self_"], "model": {"config": model},
+                                     "distributed": {"cp_method": "auto"}}))  # fmt: skip
+    report = dry_run_report(load_config(["--config", str(child), "recipe.dry_run=true"], world_size=2))
+    line = next(ln for ln in report.splitlines() if "model profile: NemotronHForCausalLM" in ln)
+    assert "4 layers: NemotronHMamba2Mixer x1, NemotronHMoE (no token mixer) x1, full attention x1, " \
+           "NemotronHMLP (no token mixer) x1;" in line, line  # fmt: skip
+    import re
+
+    picked = re.search(r"; exact under cp_method (\w+)$", line)
+    assert picked and picked.group(1) in cp_methods(), line  # auto resolved to a method that computes it
+    assert f"cp_method auto: {picked.group(1)}" in report

@@ -56,17 +56,19 @@ def test_own_loop_section_leads_with_context_parallel():
 
 
 def test_headline_is_the_support_matrix():
-    """The README's "N families x M methods: E exact, R refused, 0 wrong" is what docs/support_matrix.md says."""
+    """The README's "N families x M methods (C configurations): E exact, R refused, 0 wrong" is what
+    docs/support_matrix.md says."""
     readme = README.read_text()
     head = re.search(r"<!-- headline:start -->(.*?)<!-- headline:end -->", readme, re.S).group(1)
     families = int(re.search(r"\*\*(\d+) transformers families", head).group(1))
     methods = re.search(r"× (\d+) CP methods\*\* \(([^)]*)\)", head)
-    exact = int(re.search(r"\*\*(\d+)\s+families train exactly", head).group(1))
+    configurations = int(re.search(r"\((\d+)\s+configurations\)", head).group(1))  # defaults + flagship patterns
+    exact = int(re.search(r"\*\*(\d+)\s+configurations\s+train exactly", head).group(1))
     refused = int(re.search(r"\*\*(\d+) are\s+refused", head).group(1))
     assert "**0 are wrong**" in head
 
     matrix = (REPO / "docs" / "support_matrix.md").read_text()
-    assert f"({families} families" in matrix.replace("\n", " ")
+    assert f"({families} families, {configurations} rows)" in matrix.replace("\n", " ")
     rows = dict(
         (name, tuple(int(x) for x in nums))
         for name, *nums in re.findall(r"^\| ([a-z_ ]+(?: \(cp=4\))?) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", matrix, re.M)
@@ -78,7 +80,7 @@ def test_headline_is_the_support_matrix():
         assert rows[key] == (exact, refused, 0, 0), (name, rows[key])
     for key, counts in rows.items():  # packed and auto columns too
         assert counts[2:] == (0, 0), (key, counts)
-        assert sum(counts) == families, (key, counts)
+        assert sum(counts) == configurations, (key, counts)
 
 
 def test_layout_section_matches_the_tree():

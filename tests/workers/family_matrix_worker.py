@@ -441,6 +441,10 @@ def main(rank: int, world_size: int, families: list[str] | None = None, cell_tim
     dist.all_gather_object(everything, (cells, meta, rebuilt, selftest_result), group=world_agree)
     cp4_cells: dict[str, dict] = {}
     if cp4:
+        # a pair that rebuilt its mesh after a disagreement created more groups: torch names a new group by how
+        # many this process holds, so the others create as many (unused) for the 4 ranks to agree on its name
+        for _ in range(max(e[2] for e in everything[::2]) - rebuilt):
+            dist.new_group(pairs[me], backend="gloo", use_local_synchronization=True)
         known = {name: m["cp4_refused"] for e in everything[::2] for name, m in e[1].items() if "cp4_refused" in m}
         mesh4 = _build_mesh(list(range(4)), cell_timeout_s)
         cp4_cells, _, more = _run_families(selected, cp4_columns, list(range(4)), world_agree, mesh4, row,

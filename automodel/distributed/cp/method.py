@@ -407,7 +407,7 @@ def standard_problem(
     the mixer and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
     layers are exact under every split.
     """
-    from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, UNKNOWN
+    from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, REPORT_HINT, UNKNOWN
 
     if layer.kind == MLP_ONLY:
         return None
@@ -416,7 +416,7 @@ def standard_problem(
 
         return linear_mixer_problem(method, layer)
     if layer.kind == UNKNOWN:
-        return f"{layer.describe()} is not known to be exact under {method}"
+        return f"{layer.describe()} is not known to be exact under {method} ({REPORT_HINT})"
     deferred = (
         seq_len is None and windows_checked_at_call and layer.kind == "sliding_window" and not layer.window_in_mask_only
     )

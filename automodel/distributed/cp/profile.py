@@ -9,8 +9,12 @@ layer's token mixer, which is what decides whether a CP method computes the laye
 - ``chunked_attention``: causal attention inside fixed chunks of ``chunk`` tokens (Llama 4);
 - ``linear_mixer``: linear attention or a state-space / convolution mixer (Gated DeltaNet, Mamba,
   short convolutions): a state carried along the sequence, not a softmax over keys;
-- ``mlp_only``: no token mixer at all (a layer of MLP / MoE only): exact under every split;
-- ``unknown``: a layer this profile does not recognise (refused by every method).
+- ``mlp_only``: no token mixer at all (a block of MLP / MoE only, Nemotron-H's ``mlp`` and ``moe`` layers):
+  nothing moves along the sequence, so every split computes it exactly. Recognised by an explicit rule, never
+  by a name alone: the config's layer type names a block without a token mixer (``mlp``, ``moe``, ...) *and*,
+  when the modules are read, every module of the layer is token-local (:func:`_token_local_problem`);
+- ``unknown``: a layer this profile does not recognise (refused by every method, naming the layer's class and
+  module path and how to report it: :data:`REPORT_HINT`).
 
 Per attention layer it also records attention sinks (gpt-oss), logit softcapping (Gemma 2), the
 query/key and value head sizes (MLA: DeepSeek-V3 has ``v_head_dim != qk_head_dim``), RoPE or NoPE,
@@ -44,6 +48,7 @@ __all__ = [
     "LINEAR",
     "MLP_ONLY",
     "UNKNOWN",
+    "REPORT_HINT",
     "LayerSpec",
     "ModelProfile",
     "profile_line",
@@ -58,6 +63,12 @@ LINEAR = "linear_mixer"
 MLP_ONLY = "mlp_only"
 UNKNOWN = "unknown"
 
+#: what a refusal of an unrecognised layer asks the user to do
+REPORT_HINT = (
+    "if it should run under CP, open an issue with the layer's class name, its module path and your "
+    "transformers version"
+)
+
 # transformers' config.layer_types values -> our kinds (a value not listed here is UNKNOWN)
 _CONFIG_LAYER_TYPES = {
     "full_attention": FULL,
@@ -69,6 +80,9 @@ _CONFIG_LAYER_TYPES = {
     "conv": LINEAR,
     "hybrid": LINEAR,  # attention + a linear/state-space mixer in one layer (Falcon-H1, Zamba2)
     "hybrid_sliding": LINEAR,
+    # blocks without a token mixer (Nemotron-H's "mlp" and "moe" layers): confirmed by _token_local_problem
+    # when the modules are read
+    "mlp": MLP_ONLY,
     "moe": MLP_ONLY,
     "dense": MLP_ONLY,
     "sparse": MLP_ONLY,
@@ -109,11 +123,14 @@ class LayerSpec:
         rope: the layer rotates q/k by position (``False``: NoPE).
         position_scaled: the layer scales its queries by a function of the absolute position read from
             ``cache_position`` (Llama 4's attention temperature on NoPE layers).
-        mixer: class name of the layer's linear/state-space mixer (``LINEAR``) or of what was not
-            recognised (``UNKNOWN``).
+        mixer: class name of the layer's linear/state-space mixer (``LINEAR``), of its MLP / MoE block
+            (``MLP_ONLY``, when read from the modules) or of what was not recognised (``UNKNOWN``).
         hybrid_attention: a ``LINEAR`` layer that also runs attention (Falcon-H1).
         window_in_mask_only: a ``SLIDING`` layer whose window reaches only transformers' mask, not the
             attention function (PhiMoE): a method that builds its own mask cannot see it.
+        module_path: where the layer's unrecognised module sits in the model (``UNKNOWN``, read from the
+            modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
+            layer's index as ``<i>`` (:attr:`path_in_stack`).
     """
 
     index: int
@@ -129,6 +146,16 @@ class LayerSpec:
     mixer: str = ""
     hybrid_attention: bool = False
     window_in_mask_only: bool = False
+    module_path: str = ""
+
+    @property
+    def path_in_stack(self) -> str:
+        """:attr:`module_path` with the layer's index as ``<i>`` (``"model.layers.<i>.mixer"``): the same text for
+        every layer of a stack, so that a refusal groups them (``"layers 0-60: ..."``)."""
+        parts = self.module_path.split(".")
+        if str(self.index) in parts:
+            parts[parts.index(str(self.index))] = "<i>"
+        return ".".join(parts)
 
     @property
     def is_attention(self) -> bool:
@@ -158,9 +185,10 @@ class LayerSpec:
         elif self.kind == LINEAR:
             text = f"a linear-attention / state-space mixer ({self.mixer or 'recurrent state'})"
         elif self.kind == MLP_ONLY:
-            text = "no token mixer"
+            text = "no token mixer" + (f" ({self.mixer})" if self.mixer else "")
         elif self.kind == UNKNOWN:
-            text = f"an unrecognised token mixer ({self.mixer or '?'})"
+            where = f" at {self.path_in_stack}" if self.module_path else ""
+            text = f"an unrecognised token mixer ({self.mixer or '?'}{where})"
         else:
             text = "full causal attention"
         return text
@@ -238,7 +266,7 @@ def _layer_words(layer: LayerSpec) -> str:
     if layer.kind == LINEAR:
         return (layer.mixer or "linear mixer") + (" + attention" if layer.hybrid_attention else "")
     if layer.kind == MLP_ONLY:
-        return "no token mixer"
+        return f"{layer.mixer} (no token mixer)" if layer.mixer else "no token mixer"
     return "unrecognised " + (re.split(r"[,:(]", layer.mixer)[0].strip() or "mixer")
 
 
@@ -284,8 +312,9 @@ def _is_module(obj: Any) -> bool:
     return hasattr(obj, "named_modules") and hasattr(obj, "config")
 
 
-def _decoder_layers(model: Any, n_layers: int) -> list[Any] | None:
-    """The decoder stack: the ``ModuleList`` of ``n_layers`` layers (the language model's, for a VLM)."""
+def _decoder_layers(model: Any, n_layers: int) -> tuple[str, list[Any]] | None:
+    """The decoder stack: ``(its module path, its n_layers layers)``, the ``ModuleList`` of ``n_layers`` layers
+    (the language model's, for a VLM)."""
     import torch.nn as nn
 
     best = None
@@ -297,8 +326,46 @@ def _decoder_layers(model: Any, n_layers: int) -> list[Any] | None:
         first = type(module[0]).__name__
         score = 2 if "Decoder" in first else 1 if ("Layer" in first or "Block" in first) else 0
         if best is None or score > best[0]:
-            best = (score, list(module))
-    return best[1] if best is not None else None
+            best = (score, name, list(module))
+    return (best[1], best[2]) if best is not None else None
+
+
+# Modules that compute each token from that token alone (no sequence interaction). The torch classes are taken
+# by type; a model's own MLP / MoE classes by name, and only when their forward does none of _SEQUENCE_OPS.
+_TOKEN_LOCAL_TORCH = ("Linear", "Identity", "Dropout", "LayerNorm", "RMSNorm")
+_TOKEN_LOCAL_CLASS = re.compile(
+    r"(RMSNorm|LayerNorm|MLP|Mlp|FeedForward|MoE|Moe|MoeBlock|Experts|Expert|Router|TopkRouter|TopKRouter|Gate)$"
+)
+# what a token-local module's forward never does: convolve, scan or shift along the sequence, attend, read
+# positions or a cache
+_SEQUENCE_OPS = re.compile(r"conv|cumsum|cumprod|\broll\(|\bscan|shift|attention|attn|position|cache|seq_len")
+
+
+def _token_local_problem(layer: Any, path: str) -> str | None:
+    """``None`` when every module of ``layer`` computes each token from that token alone; else the first one
+    that is not known to, as ``"<class> at <module path>"``.
+
+    The rule is explicit, so that a sequence mixer is never taken for an MLP: a module is token-local when it
+    is one of torch's :data:`_TOKEN_LOCAL_TORCH` layers or an activation (``torch.nn`` or
+    ``transformers.activations``), or a model's own class named like an MLP / MoE part (:data:`_TOKEN_LOCAL_CLASS`:
+    ``NemotronHMLP``, ``NemotronHMoE``, its ``...Experts`` and ``...TopkRouter``) whose forward does none of
+    :data:`_SEQUENCE_OPS`. The layer module itself is not judged (its forward dispatches to its parts)."""
+    for name, sub in layer.named_modules():
+        if sub is layer:
+            continue
+        cls = type(sub)
+        module = cls.__module__ or ""
+        if module.startswith("torch.nn.") and (
+            cls.__name__ in _TOKEN_LOCAL_TORCH or module == "torch.nn.modules.activation"
+        ):
+            continue
+        if module == "transformers.activations":
+            continue
+        source = _forward_source(cls)  # a forward whose source cannot be read is not known to be token-local
+        if _TOKEN_LOCAL_CLASS.search(cls.__name__) and source and not _SEQUENCE_OPS.search(source):
+            continue
+        return f"{cls.__name__} at {path}.{name}"
+    return None
 
 
 # attention modules whose mask is computed from the layer's own inputs (on a CP rank: from its shard only)
@@ -328,18 +395,37 @@ def _passes_window(cls: type) -> bool:
     return not source or "sliding_window" in source
 
 
-def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
-    """Refine ``base`` (from the config) with what the layer's modules show."""
+def _block_class(layer: Any) -> str:
+    """The class of a mixer-less layer's MLP / MoE block: its ``mixer`` (Nemotron-H) or ``mlp`` attribute, else
+    the layer's own class."""
+    for attr in ("mixer", "mlp", "feed_forward", "block_sparse_moe"):
+        sub = getattr(layer, attr, None)
+        if sub is not None and hasattr(sub, "named_modules"):
+            return type(sub).__name__
+    return type(layer).__name__
+
+
+def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "") -> LayerSpec:
+    """Refine ``base`` (from the config) with what the layer's modules show; ``path`` is the layer's module path
+    (``"model.layers.3"``), named by an ``UNKNOWN`` result."""
     import torch.nn as nn
 
-    attention, linear = None, None
+    if base.kind == MLP_ONLY:  # the config says: no token mixer. Every module must confirm it.
+        problem = _token_local_problem(layer, path)
+        if problem is None:
+            return LayerSpec(**{**base.__dict__, "mixer": _block_class(layer)})
+        cls, _, where = problem.partition(" at ")
+        return LayerSpec(**{**base.__dict__, "kind": UNKNOWN, "module_path": where,
+                            "mixer": f"{cls}, in a layer the config calls {base.mixer or 'mixer-less'!r} (no token "
+                            "mixer), is not known to compute each token alone"})  # fmt: skip
+    attention, linear, attention_path = None, None, path
     # a mixer class with a CP kernel names the layer's mixer wherever it sits (Zamba2's hybrid layer holds it
     # inside a whole Mamba decoder layer; Granite-4.0-H's is named "...MambaLayer", holding a Conv1d)
     linear = next((type(sub).__name__ for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS), None)
     # such a mixer and its submodules are neither attention nor another mixer (its conv; Kimi's KDA is named
     # "...DeltaAttention")
     kernel_mixer = {id(m) for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS for m in sub.modules()}
-    for _, sub in layer.named_modules():
+    for sub_name, sub in layer.named_modules():
         cls = type(sub).__name__
         if sub is layer or id(sub) in kernel_mixer:
             continue
@@ -350,7 +436,7 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
         elif isinstance(sub, nn.Conv1d) and linear is None:
             linear = f"{cls} (a convolution along the sequence)"
         elif cls.endswith("Attention") and attention is None:
-            attention = sub
+            attention, attention_path = sub, f"{path}.{sub_name}" if path else sub_name
     spec = dict(base.__dict__)
     if linear is not None and attention is not None and linear in STATE_MIXERS:
         # attention beside a mixer CP computes (Falcon-H1, Zamba2): it runs through the method's attention, so
@@ -358,8 +444,9 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
         # and linear_support refuses anything but plain causal attention
         cls = type(attention)
         if cls.__name__ in _SHARD_MASKED_ATTENTION or not _dispatches_attention(cls):
-            spec.update(kind=UNKNOWN, mixer=f"{linear} beside {cls.__name__}, which does not dispatch its attention "
-                        "through transformers' AttentionInterface")
+            spec.update(kind=UNKNOWN, module_path=attention_path,
+                        mixer=f"{linear} beside {cls.__name__}, which does not dispatch its attention "
+                        "through transformers' AttentionInterface")  # fmt: skip
             return LayerSpec(**spec)
         spec.update(kind=LINEAR, mixer=linear, hybrid_attention=True)
         if isinstance(getattr(attention, "sinks", None), nn.Parameter):
@@ -375,20 +462,25 @@ def _layer_from_modules(layer: Any, base: LayerSpec) -> LayerSpec:
         spec.update(kind=LINEAR, mixer=linear, hybrid_attention=attention is not None)
         return LayerSpec(**spec)
     if attention is None:
-        if base.kind in (MLP_ONLY, LINEAR, UNKNOWN):
+        if base.kind in (MLP_ONLY, LINEAR):
             return base
-        spec.update(kind=UNKNOWN, mixer=type(layer).__name__ + " (no attention module found)")
+        if base.kind == UNKNOWN:
+            return LayerSpec(**{**spec, "module_path": path, "mixer": f"{base.mixer or '?'}: {type(layer).__name__}"})
+        spec.update(kind=UNKNOWN, module_path=path, mixer=type(layer).__name__ + " (no attention module found)")
         return LayerSpec(**spec)
     if base.kind in (LINEAR, MLP_ONLY, UNKNOWN):  # the config said otherwise, the modules show attention
-        spec.update(kind=UNKNOWN, mixer=f"{type(attention).__name__} (config layer type {base.kind})")
+        spec.update(kind=UNKNOWN, module_path=attention_path,
+                    mixer=f"{type(attention).__name__} (config layer type {base.mixer or base.kind})")
         return LayerSpec(**spec)
     cls = type(attention)
     if cls.__name__ in _SHARD_MASKED_ATTENTION:
-        spec.update(kind=UNKNOWN, mixer=f"{cls.__name__}: {_SHARD_MASKED_ATTENTION[cls.__name__]}")
+        spec.update(kind=UNKNOWN, module_path=attention_path,
+                    mixer=f"{cls.__name__}: {_SHARD_MASKED_ATTENTION[cls.__name__]}")
         return LayerSpec(**spec)
     if not _dispatches_attention(cls):
         spec.update(
             kind=UNKNOWN,
+            module_path=attention_path,
             mixer=f"{cls.__name__}, which computes its own attention and mask instead of dispatching through "
             "transformers' AttentionInterface",
         )
@@ -431,7 +523,7 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     for i in range(n_layers):
         if layer_types is not None and i < len(layer_types):
             kind = _CONFIG_LAYER_TYPES.get(layer_types[i], UNKNOWN)
-            mixer = layer_types[i] if kind in (UNKNOWN, LINEAR) else ""
+            mixer = layer_types[i] if kind in (UNKNOWN, LINEAR, MLP_ONLY) else ""
         else:
             kind, mixer = (SLIDING if window is not None else FULL), ""
         if kind == SLIDING and window is None:
@@ -488,14 +580,18 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     layers = _layers_from_config(text, n_layers)
     from_modules = False
     if is_model:
-        stack = _decoder_layers(model_or_config, n_layers)
-        if stack is None:  # the modules cannot confirm what the config says: nothing is assumed exact
+        found = _decoder_layers(model_or_config, n_layers)
+        if found is None:  # the modules cannot confirm what the config says: nothing is assumed exact
             layers = [
                 LayerSpec(index=i, kind=UNKNOWN, mixer=f"no decoder stack of {n_layers} layers found")
                 for i in range(max(n_layers, 1))
             ]
         else:
-            layers = [_layer_from_modules(layer, spec) for layer, spec in zip(stack, layers)]
+            prefix, stack = found
+            layers = [
+                _layer_from_modules(layer, spec, f"{prefix}.{i}" if prefix else str(i))
+                for i, (layer, spec) in enumerate(zip(stack, layers))
+            ]
             from_modules = True
     heads = _get(text, "num_attention_heads", None)
     kv = _get(text, "num_key_value_heads", None) or heads
