@@ -152,6 +152,13 @@ def test_refused_without_checkpointing():
         apply_activation_offload(model)
 
 
+def test_tensors_of_another_device_stay_where_they_are():
+    store = OffloadStore(StreamCopier(api=object()))  # a CUDA copier: a host tensor is not its to move
+    t = torch.ones(3)
+    assert store.pack(t) is t and store.unpack(t) is t
+    assert store.stats().kept == 1 and store.stats().packed == 0
+
+
 def test_device_without_a_copy_path_is_refused():
     with pytest.raises(ValueError, match="no copy path for device type 'meta'.*activation_offload=false"):
         make_copier(torch.device("meta"))
@@ -229,6 +236,8 @@ class _FakeCuda:
 
 class _LoggingCopier(StreamCopier):
     """StreamCopier on the fake API; each copy logs which stream it ran on (and for to_device, which buffer)."""
+
+    device_type = "cpu"  # the fake "CUDA" tensors are CPU tensors
 
     def __init__(self, api: _FakeCuda, names: dict):
         super().__init__(api)

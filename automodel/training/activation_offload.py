@@ -102,6 +102,7 @@ class Copier:
     """How tensors travel between their device and the host. Subclasses: :class:`HostCopier`, :class:`StreamCopier`."""
 
     pin = False
+    device_type = "cpu"  # the device whose tensors it moves; a saved tensor elsewhere stays where it is
 
     def to_host(self, tensor: torch.Tensor, buf: torch.Tensor) -> None:
         """Start copying ``tensor`` into the host buffer ``buf``; ``tensor`` may be released after the call."""
@@ -162,6 +163,7 @@ class StreamCopier(Copier):
     """
 
     pin = True
+    device_type = "cuda"
 
     def __init__(self, api: Any = None):
         self.api = api if api is not None else _TorchCuda()
@@ -215,7 +217,7 @@ class ActivationOffloadStats:
     """What the store did. Bytes are of the saved tensors (device side) or of host buffers."""
 
     packed: int = 0  # tensors moved to the host
-    kept: int = 0  # saved tensors left where they were (parameters, non-contiguous views)
+    kept: int = 0  # saved tensors left where they were (parameters, non-contiguous views, other devices)
     unpacked: int = 0
     prefetched: int = 0  # unpacks served by a prefetch issued at the layer after
     offloaded_bytes: int = 0  # bytes moved to the host, all micro-batches
@@ -273,12 +275,17 @@ class OffloadStore:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Save hook: ``tensor`` copied into a host buffer; returns the handle autograd keeps (or ``tensor``
-        itself when it is not moved: a parameter, or a non-contiguous tensor)."""
+        itself when it is not moved: a parameter, a non-contiguous tensor, a tensor on another device)."""
         local, spec = tensor, None
         if _is_dtensor(tensor):
             local = tensor._local_tensor
             spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
-        if isinstance(tensor, nn.Parameter) or not local.is_contiguous() or type(local) is not torch.Tensor:
+        if (
+            isinstance(tensor, nn.Parameter)
+            or type(local) is not torch.Tensor
+            or not local.is_contiguous()
+            or local.device.type != self.copier.device_type  # e.g. a host tensor of a CUDA model
+        ):
             self.counts.kept += 1
             return tensor
         with torch.no_grad():
