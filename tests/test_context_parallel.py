@@ -4,7 +4,8 @@ handle (describe, restore), batch conversion and bad arguments.
 The parity checks run in ONE gloo launch of 2 ranks (tests/workers/context_parallel_worker.py): ring,
 ulysses, thd, thd_docs and usp (ulysses_size 2 and 1), fp32 and fp64, on plain rows (right padding and a
 loss mask) and on packed rows given by ``seq_lens`` or by ``position_ids`` restarts, each against every
-document run alone in one process.
+document run alone in one process; and every method with activation checkpointing + activation offload and the
+offloaded optimizer against the same method without them (issue 35).
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ def test_every_method_matches_one_process(results):
                     assert r["checks"][key].get("hf_loss_rel", 0.0) <= 1e-5, (key, r["checks"][key])
     # the ranks hold their own share, not the whole batch: ring's 16 padded tokens of 2 x 13 -> 2 x 8 each
     assert results[0]["checks"][("float32", "ring", "plain")]["local_tokens"] == 16
+
+
+@pytest.mark.dist
+def test_every_method_with_both_offloads_equals_the_run_without(results):
+    # activation offload (with checkpointing) on the plain rows, first dtype (fp32): loss and every gradient are
+    # those of the same method without it, bit for bit; two offloaded AdamW steps on them equal plain ones
+    for r in results:
+        assert sorted(r["offload"]) == sorted(METHODS)
+        for label, check in r["offload"].items():
+            assert check["loss_diff"] == 0.0 and check["grads_equal"], (label, check)
+            assert check["unpacked"] == 2, (label, check)  # both layers' inputs came back from the host store
+            assert check["optimizer_equal"], label
 
 
 @pytest.mark.dist

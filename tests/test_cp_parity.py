@@ -31,6 +31,7 @@ def cp4():
         pad_seq_lens=(61,),
         pad_dtype="float64",
         pad_embeds=False,
+        offload_dtype="float64",  # ring at cp=4 with activation offload and the offloaded optimizer (issue 35)
     )
 
 
@@ -134,3 +135,13 @@ def test_auto_padding_matches_unpadded_single_process_cp2(cp2):
 def test_auto_padding_matches_unpadded_single_process_cp4_fp64(cp4):
     """S=61 at cp=4 is padded to 64 (16 tokens per rank), fp64."""
     _check_pad(cp4, {"S61-input_ids": (64, 16)}, 1e-10)
+
+
+def test_ring_with_both_offloads_equals_the_run_without_cp4_fp64(cp4):
+    # activation checkpointing + activation offload: loss and gradients bit for bit those without them, and
+    # within the parity bars of one process; two offloaded AdamW steps on them equal plain ones
+    for r in cp4:
+        check = r["offload"]
+        assert check["loss_diff"] == 0.0 and check["grads_equal"], check
+        assert check["loss_rel"] <= SDPA_TOL["float64"] and check["grad_rel_max"] <= 10 * SDPA_TOL["float64"], check
+        assert check["unpacked"] == 2 and check["optimizer_equal"], check

@@ -13,7 +13,8 @@ the final weights (ring attention merges the softmax of key blocks in a differen
 FSDP sums gradient shards in another order); dp=2 by ~1e-7 / ~2e-7; Ulysses cp=2 by ~8e-8 / ~2e-6
 (plain rows) and ~8e-8 / ~9e-7 (packed rows). The bounds below (1e-5 relative on losses, 1e-4
 absolute on weights) are the project's parity contract; resume and activation
-checkpointing redo exactly the same arithmetic and are held to 1e-6.
+checkpointing redo exactly the same arithmetic and are held to 1e-6, as are the offload runs (activation
+offload, ``fsdp.offload=optimizer | all``) against the same runs without offload.
 """
 
 from __future__ import annotations
@@ -113,6 +114,33 @@ def test_ranks_agree(runs):
 def test_activation_checkpointing_changes_nothing(runs):
     assert _max_rel(runs["ac"]["losses"], runs["ref"]["losses"]) <= EXACT
     assert _max_weight_diff(runs["ac"]["state"], runs["ref"]["state"]) <= EXACT
+
+
+@pytest.mark.parametrize(
+    ("name", "ref_name"),
+    [("offload", "ref"), ("offload_cp2", "cp2"), ("offload_all_ulysses_cp2", "ulysses_cp2")],
+)
+def test_offload_changes_nothing(runs, name, ref_name):
+    # activation offload (with checkpointing) and fsdp.offload=optimizer | all against the same run without
+    # them: the very same arithmetic (tests/test_activation_offload.py, tests/test_optimizer_offload.py)
+    run, ref = runs[name], runs[ref_name]
+    assert sorted(run["losses"]) == list(range(1, 9))
+    assert _max_rel(run["losses"], ref["losses"]) <= EXACT
+    assert _max_rel(run["val_losses"], ref["val_losses"]) <= EXACT
+    assert _max_weight_diff(run["state"], ref["state"]) <= EXACT
+
+
+@pytest.mark.parametrize("second", ["offload_resume_second", "offload_to_plain", "plain_to_offload"])
+def test_offload_checkpoints_resume_with_and_without_offload(runs, second):
+    # a checkpoint written with optimizer offload resumes with it (the same run) and without it; one written
+    # without offload resumes with it: each continues exactly the uninterrupted run
+    first, run, full = runs["offload_resume_first"], runs[second], runs["dp2"]
+    assert first["stopped_by_sigterm"] is True and first["final_step"] == 4
+    assert sorted(run["losses"]) == [5, 6, 7, 8]
+    assert max(abs(run["losses"][k] - full["losses"][k]) for k in run["losses"]) <= EXACT
+    assert max(abs(first["losses"][k] - full["losses"][k]) for k in first["losses"]) <= EXACT
+    assert run["lr_last"] == pytest.approx(full["lr_last"], rel=1e-12)
+    assert _max_weight_diff(run["state"], full["state"]) <= EXACT
 
 
 def test_sigterm_checkpoint_and_resume_equal_uninterrupted(runs):

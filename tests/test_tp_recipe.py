@@ -2,7 +2,7 @@
 
 Three launched groups (module-scoped fixture; tests/workers/tp_recipe_worker.py): the world-1
 reference, world 2 (tp=2 with gathered logits; tp=2 with loss parallel, exported; tp=2 with loss and
-sequence parallel and activation checkpointing; tp=2 with loss parallel stopped by SIGTERM after
+sequence parallel and activation checkpointing, also with activation offload and fsdp.offload=all; tp=2 with loss parallel stopped by SIGTERM after
 step 3 and resumed) and world 4 (that step-3 checkpoint resumed at dp=2 x tp=2; tp=2 x cp=2 with
 loss parallel under ring (after the CP self-check), under Ulysses and, on packed rows, under THD against the
 packed-rows reference; dp=2 x tp=2). Every run is
@@ -79,6 +79,14 @@ def test_loss_parallel_never_gathers_the_logits(runs, name):
 
 def test_without_loss_parallel_the_logits_are_gathered(runs):
     assert runs["tp2"]["head_outputs"] == [((2, 128, VOCAB), False)]
+
+
+def test_offload_under_tp_changes_nothing(runs):
+    # activation offload and fsdp.offload=all on tp=2 with loss and sequence parallel: the run without them
+    run, ref = runs["tp2_lp_sp_offload"], runs["tp2_lp_sp_ac"]
+    assert sorted(run["losses"]) == list(range(1, STEPS + 1))
+    assert _max_rel(run["losses"], ref["losses"]) <= EXACT
+    assert _max_weight_diff(run["state"], ref["state"]) <= EXACT
 
 
 def test_resume_from_a_tp_checkpoint_continues_exactly(runs):

@@ -12,6 +12,7 @@ import os
 
 from automodel.config.compile_rules import compile_problems
 from automodel.config.logging_rules import logging_problems
+from automodel.config.offload_rules import offload_problems
 from automodel.config.peft_rules import peft_problems
 from automodel.config.sample_rules import sample_problems
 from automodel.config.schema import RecipeConfig
@@ -139,6 +140,7 @@ def check_rules(
 
     problems += tp_problems(cfg)
     problems += compile_problems(cfg)  # compiled autograd / model.compile vs FSDP2 and the CP method
+    problems += offload_problems(cfg)  # model.activation_offload, fsdp.offload
     if isinstance(cfg.loss.chunk_tokens, int) and cfg.loss.chunk_tokens < 1:
         problems.append(
             f"loss.chunk_tokens={cfg.loss.chunk_tokens} must be >= 1 (tokens whose logits are computed at once, "

@@ -117,6 +117,7 @@ def apply_fsdp2(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard``: each decoder layer, then the root.
 
@@ -126,22 +127,32 @@ def apply_fsdp2(
         param_dtype: dtype of the all-gathered parameters in forward/backward (None: as stored).
         reduce_dtype: dtype gradients are reduced in.
         reshard_after_forward: free gathered layer parameters after forward (re-gather in backward).
+        offload: ``fsdp.offload=all``: FSDP2's ``CPUOffloadPolicy`` (sharded parameters, their gradients and
+            so the optimizer state and step on the host, pinned on CUDA; each unit's parameters are copied to
+            the device for its all-gather and freed after it).
 
     Returns:
         ``model`` (now an ``FSDPModule``); parameters are ``DTensor`` shards, gradients are summed
         (not averaged) over the FSDP mesh.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mesh = fsdp_mesh(device_mesh)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
     from automodel.models.vlm_cp import vlm_fsdp_units
 
     for unit in vlm_fsdp_units(model):  # VLMs: vision tower and embedding run outside the root forward
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum: the loss is already normalised globally

@@ -53,6 +53,7 @@ from automodel.errors import UserInputError
 from automodel.training.checkpoint_compat import check_model_signature, write_model_signature
 from automodel.training.checkpoint_manifest import MANIFEST_FILE, fsync_dir, gather_group, write_manifest
 from automodel.training.elastic import check_resume_compatible, warn_if_dropout
+from automodel.training.optimizer_offload import HostOffloadOptimizer
 
 __all__ = [
     "CheckpointLayout",
@@ -212,8 +213,13 @@ class Checkpointer:
         return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
     def _state_dicts(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """The model's and the optimizer's state dicts, keyed by parameter name. An offloaded optimizer
+        (``fsdp.offload=optimizer``) gives its host state through a view over the model's parameters: the same
+        keys and shards as without offload (the tensors are its own, so a load fills them in place)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if isinstance(optimizer, HostOffloadOptimizer):
+            optimizer = optimizer.model_view()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self._sd_options())
         if self.trainable_only:  # ignore_frozen_params keeps the second name of a tied frozen weight
             frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
@@ -345,7 +351,7 @@ class Checkpointer:
                 that does not map to the new batch split). The message names both layouts.
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         path = Path(path)
         meta = read_meta(path)
@@ -374,13 +380,18 @@ class Checkpointer:
         model_sd, optim_sd = self._state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))  # reshards to this layout
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=self._sd_options(),
-        )
+        if isinstance(optimizer, HostOffloadOptimizer):  # its state tensors were loaded in place (host)
+            set_model_state_dict(model, state["model"], options=self._sd_options())
+            optimizer.load_param_groups(state["optim"]["param_groups"])
+            optimizer.sync_from_model()  # the host copies of the parameters: the loaded weights
+        else:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=self._sd_options(),
+            )
         if same_layout:
             set_rng_state(payload["rng"])
         dist.barrier()

@@ -10,13 +10,21 @@ from torch import nn
 __all__ = ["build_optimizer", "build_lr_scheduler", "clip_grad_norm"]
 
 
-def build_optimizer(node: dict, model: nn.Module) -> torch.optim.Optimizer:
-    """``hydra.utils.instantiate(node, params=<trainable parameters>)`` (e.g. ``torch.optim.AdamW``)."""
+def build_optimizer(node: dict, model: nn.Module, offload: bool = False) -> torch.optim.Optimizer:
+    """``hydra.utils.instantiate(node, params=<trainable parameters>)`` (e.g. ``torch.optim.AdamW``).
+
+    ``offload`` (``fsdp.offload=optimizer``): the optimizer is built on host copies of the parameters and
+    wrapped in :class:`automodel.training.optimizer_offload.HostOffloadOptimizer` (state and step on the host).
+    """
     from hydra.utils import instantiate
 
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
+    if offload:
+        from automodel.training.optimizer_offload import HostOffloadOptimizer
+
+        return HostOffloadOptimizer(params, lambda host: instantiate(node, params=host, _convert_="all"))
     return instantiate(node, params=params, _convert_="all")
 
 
@@ -38,6 +46,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None, norm_type: float = 
     ``(dp_shard_cp, tp)`` for TP-sharded weights, 1-D ``dp_shard_cp`` for the norms), which one
     foreach norm cannot mix: each (mesh, placements) group is reduced on its own, and the group norms
     are combined (``(sum n_g^p)^(1/p)``, or their max for ``inf``).
+
+    Gradients offloaded to the host by FSDP2 (``fsdp.offload=all``) on an accelerator mesh: each group's
+    partial norm is moved to the mesh's device before it is reduced (the collective runs there).
     """
     from torch.distributed.tensor import DTensor
 
@@ -51,7 +62,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None, norm_type: float = 
     norms = []
     for members in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type=norm_type, foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if isinstance(norm, DTensor):
+            local = norm.to_local()
+            if local.device.type != norm.device_mesh.device_type:  # host gradients, accelerator collectives
+                norm = DTensor.from_local(local.to(norm.device_mesh.device_type), norm.device_mesh, norm.placements)
+            norm = norm.full_tensor()
+        norms.append(norm)
     total = norms[0] if len(norms) == 1 else torch.nn.utils.get_total_norm(norms, norm_type=norm_type)
     if max_norm is not None and math.isfinite(total.item()):
         for members in groups.values():

@@ -60,7 +60,9 @@ logger = logging.getLogger(__name__)
 IDENTITY_FILE = "run_identity.json"
 
 # model keys that change how, not what, is trained
-_MODEL_NOT_IDENTITY = ("activation_checkpointing", "compile", "compile_backend", "attn_implementation")
+_MODEL_NOT_IDENTITY = (
+    "activation_checkpointing", "activation_offload", "compile", "compile_backend", "attn_implementation",
+)
 
 
 def run_identity(effective: dict[str, Any]) -> dict[str, Any]:

@@ -428,7 +428,7 @@ class FinetuneTrainer:
             self.cp_fn = _with_eager_attention_backward(self.cp_fn, self.model)
 
     def _wrap_model(self) -> None:
-        """LoRA, TP, activation checkpointing, compilation, then FSDP2 (or replication) over dp x cp."""
+        """LoRA, TP, activation checkpointing, compilation, activation offload, then FSDP2 (or replication) over dp x cp."""
         from automodel.models.loader import torch_dtype
         from automodel.models.parallelize import apply_activation_checkpointing, apply_fsdp2, apply_tp
 
@@ -452,6 +452,12 @@ class FinetuneTrainer:
             from automodel.models.compile import compile_decoder_blocks
 
             compile_decoder_blocks(self.model, cfg.model.compile_backend)
+        self.activation_offload = None  # model.activation_offload: the host store of the checkpointed layer inputs
+        if cfg.model.activation_offload:  # after compile: the hooks run outside the compiled code
+            from automodel.training.activation_offload import apply_activation_offload
+
+            self.activation_offload = apply_activation_offload(self.model)
+            logger.info("model.activation_offload: the checkpointed layer inputs live in host memory")
         param_dtype = cfg.fsdp.param_dtype
         if param_dtype == "auto":
             param_dtype = "bfloat16" if self.device.type == "cuda" else None
@@ -462,6 +468,7 @@ class FinetuneTrainer:
                 param_dtype=torch_dtype(param_dtype) if param_dtype else None,
                 reduce_dtype=torch_dtype(cfg.fsdp.reduce_dtype),
                 reshard_after_forward=cfg.fsdp.reshard_after_forward,
+                offload=cfg.fsdp.offload == "all",  # parameters, gradients and optimizer on the host
             )
         else:  # replicated: gradients summed over dp x cp after the backward (automodel.distributed.replicate)
             from automodel.distributed.replicate import broadcast_parameters
@@ -473,7 +480,12 @@ class FinetuneTrainer:
         from automodel.training.optim import build_lr_scheduler, build_optimizer
 
         cfg = self.cfg
-        self.optimizer = build_optimizer(cfg.optimizer, self.model)
+        # fsdp.offload=optimizer: state and step on the host (automodel.training.optimizer_offload)
+        self.optimizer = build_optimizer(cfg.optimizer, self.model, offload=cfg.fsdp.offload == "optimizer")
+        if cfg.fsdp.offload:
+            logger.info("fsdp.offload=%s: %s on the host", cfg.fsdp.offload,
+                        "optimizer state and step" if cfg.fsdp.offload == "optimizer"
+                        else "parameters, gradients, optimizer state and step")  # fmt: skip
         self.scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.step_scheduler.max_steps)
         self.train_context = functools.partial(
             get_train_context,

@@ -7,7 +7,8 @@ over documents. CP: the same batch dict for every method, given three ways (plai
 padding and a loss mask; packed rows by ``seq_lens``; packed rows by ``position_ids`` restarts only),
 ``cp.shard(batch)``, ``model(**local).loss`` (fp64: the same sum from ``.logits`` in fp64, since
 transformers' loss is fp32), ``backward``, ``cp.reduce_gradients()`` and
-``cp.reduce_loss``.
+``cp.reduce_loss``. Then every method once more on the plain rows with activation checkpointing and activation
+offload, and the offloaded optimizer stepping on its gradients (:func:`offload_checks`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,35 @@ def reference(model, rows) -> tuple[float, dict]:
     return total / n_labels, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def offload_checks(mesh, dtype: torch.dtype, plain_runs: dict, batch: dict) -> dict:
+    """Every method on the plain rows with activation checkpointing and activation offload, against the same
+    method without them (``plain_runs``: label -> loss, gradients); then two offloaded optimizer steps on its
+    gradients against plain ones (tests/workers/offload_checks.py)."""
+    from tests.workers.offload_checks import compare_runs, offloaded, optimizer_steps_equal
+
+    model = tiny_llama(2, dtype)
+    store = offloaded(model)
+    out = {}
+    for label, (method, options) in METHODS.items():
+        cp = context_parallel(model, mesh, method=method, **options)
+        model.zero_grad(set_to_none=True)
+        before = store.stats().unpacked
+        ctx, local = cp.shard(batch)
+        with ctx():
+            loss = model(**local).loss
+            loss.backward()
+        cp.reduce_gradients()
+        total = float(cp.reduce_loss(loss))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out[label] = {
+            **compare_runs(total, grads, *plain_runs[label]),
+            "unpacked": store.stats().unpacked - before,  # the 2 layer inputs came back from the host
+            "optimizer_equal": optimizer_steps_equal(list(model.parameters()), [p.grad for p in model.parameters()]),
+        }
+        cp.restore()
+    return out
+
+
 def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
     from tests.toy_cp_method import register
 
@@ -112,6 +142,7 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     cases = batches()
     out: dict = {"checks": {}, "refused": {}, "describe": {}, "restored": {}}
+    plain_runs: dict = {}
     for dtype_name in dtypes:
         model = tiny_llama(2, getattr(torch, dtype_name))
         refs = {name: reference(model, rows) for name, (_, rows) in cases.items()}
@@ -138,6 +169,8 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
                 total = float(cp.reduce_loss(loss))
                 ref_loss, ref_grads = refs[name]
                 grads = {n: p.grad for n, p in model.named_parameters()}
+                if name == "plain" and dtype_name == dtypes[0]:  # the offload checks' references
+                    plain_runs[label] = (total, {n: g.clone() for n, g in grads.items()})
                 out["checks"][(dtype_name, label, name)] = {
                     "loss_rel": abs(total - ref_loss) / abs(ref_loss),
                     "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
@@ -147,6 +180,7 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
                     out["checks"][(dtype_name, label, name)]["hf_loss_rel"] = abs(hf_loss - ref_loss) / abs(ref_loss)
             cp.restore()
             out["restored"][label] = model.config._attn_implementation
+    out["offload"] = offload_checks(mesh, getattr(torch, dtypes[0]), plain_runs, cases["plain"][0])
     # a model the method would not compute exactly is refused when it is prepared, before any work
     flex = tiny_llama(2, torch.float32)
     flex.set_attn_implementation("flex_attention")  # ring replaces only SDPA (eager models are routed)

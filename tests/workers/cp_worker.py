@@ -287,6 +287,45 @@ def mesh_checks(rank: int, world: int) -> dict:
     }
 
 
+def offload_checks(mesh, rank: int, world: int, dtype: torch.dtype) -> dict:
+    """Llama through ring (make_cp_batch_and_ctx) with activation checkpointing + activation offload, against the
+    same without them (bit for bit) and against one process; two offloaded optimizer steps on its gradients."""
+    from tests.workers.offload_checks import compare_runs, offloaded, optimizer_steps_equal
+
+    seq = 16 * world
+    g = torch.Generator().manual_seed(7)
+    input_ids = torch.randint(0, 128, (2, seq), generator=g)
+    labels = torch.randint(0, 128, (2, seq), generator=g)
+    count = int((labels != -100).sum())
+    ref_model = _tiny_model("llama", dtype)
+    ref_loss = _token_loss_sum(ref_model(input_ids=input_ids).logits, labels) / count
+    ref_loss.backward()
+    runs = {}
+    for offload in (False, True):
+        model = _tiny_model("llama", dtype)
+        store = offloaded(model) if offload else None
+        batch = {"input_ids": input_ids.clone(), "labels": labels.clone()}
+        train_ctx, cp_batch = make_cp_batch_and_ctx(mesh, batch)
+        with train_ctx():
+            logits = model(input_ids=cp_batch["input_ids"], position_ids=cp_batch["position_ids"]).logits
+            loss = _token_loss_sum(logits, cp_batch["labels"]) / count
+            loss.backward()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        runs[offload] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, model, store)
+    loss, grads, model, store = runs[True]
+    ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
+    return {
+        **compare_runs(loss, grads, *runs[False][:2]),
+        "loss_rel": abs(loss - ref_loss.item()) / abs(ref_loss.item()),
+        "grad_rel_max": max(float((grads[n] - r).abs().max() / r.abs().max().clamp_min(1e-30)) for n, r in ref_grads.items()),
+        "unpacked": store.stats().unpacked,
+        "optimizer_equal": optimizer_steps_equal(list(model.parameters()), [p.grad for p in model.parameters()]),
+    }
+
+
 def main(
     rank: int,
     world_size: int,
@@ -295,10 +334,12 @@ def main(
     pad_seq_lens=(29, 30),
     pad_dtype="float32",
     pad_embeds=True,
+    offload_dtype: str | None = None,
 ) -> dict:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     dtypes = tuple(getattr(torch, d) for d in model_dtypes)
     return {
+        "offload": offload_checks(mesh, rank, world_size, getattr(torch, offload_dtype)) if offload_dtype else None,
         "pad": pad_checks(mesh, rank, world_size, pad_seq_lens, getattr(torch, pad_dtype), pad_embeds),
         "sdpa": sdpa_checks(mesh, rank, world_size),
         "model": model_checks(mesh, rank, world_size, families=model_families, dtypes=dtypes),

@@ -55,6 +55,8 @@ ULYSSES = "configs/cp_ulysses.yaml"  # cp.yaml with distributed.cp_method=ulysse
 PACKED = ["+data.dataset.pack=true", "data.seq_len=256", "model.attn_implementation=eager"]
 # a sliding-window model (Mistral, window 16 < the 128-token rows): ring runs its windowed layers on the halo kernel
 SLIDING = ["model.config._target_=transformers.MistralConfig", "+model.config.sliding_window=16"]
+# activation offload (needs checkpointing) and the optimizer's state and step on the host
+OFFLOAD = ["model.activation_checkpointing=true", "model.activation_offload=true", "fsdp.offload=optimizer"]
 
 
 def _trainer(
@@ -110,7 +112,7 @@ def _packed_docs(dataset) -> int | None:
 
 
 def single(rank: int, world_size: int, out: str, pretrained: str) -> dict:
-    """World 1: the reference (cp=1, dp=1), the same with activation checkpointing, a run that
+    """World 1: the reference (cp=1, dp=1), the same with activation checkpointing (and with both offloads), a run that
     starts from the exported model of the cp=2 run (``pretrained``) with lr=0, so its final weights
     must be exactly the exported ones, and the packed-rows reference."""
     out_dir = Path(out)
@@ -133,11 +135,14 @@ def single(rank: int, world_size: int, out: str, pretrained: str) -> dict:
             ],
         )
     )
+    # both offloads at cp=1 (issue 35): the checkpointed layer inputs on the host, optimizer state and step too
+    offload = _summary(*_run(world_size, out_dir, "offload", ["distributed.cp_size=1", *OFFLOAD]))
     # packed rows at cp=1: transformers masks documents from the restarting position_ids
     packed_ref = _summary(*_run(world_size, out_dir, "packed_ref", ["distributed.cp_size=1", *PACKED]))
     sliding_ref = _summary(*_run(world_size, out_dir, "sliding_ref", ["distributed.cp_size=1", *SLIDING]))
     return {
-        "ref": ref, "ac": ac, "from_pretrained": from_pretrained, "packed_ref": packed_ref, "sliding_ref": sliding_ref
+        "ref": ref, "ac": ac, "from_pretrained": from_pretrained, "packed_ref": packed_ref, "sliding_ref": sliding_ref,
+        "offload": offload,
     }
 
 
@@ -151,7 +156,8 @@ def _sigterm_at(step_to_stop: int) -> TrainHooks:
 
 def pair(rank: int, world_size: int, out: str) -> dict:
     """World 2: cp=2 (with plot, export, metrics), dp=2, dp=2 stopped by SIGTERM at 4 + resumed, and
-    Ulysses cp=2 on plain and on packed rows."""
+    Ulysses cp=2 on plain and on packed rows; the offload runs (ring cp=2 with both offloads, resumes with and
+    without optimizer offload, Ulysses cp=2 with fsdp.offload=all)."""
     out_dir = Path(out)
     results: dict = {}
 
@@ -197,6 +203,24 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     results["resume_first"] = first
     results["resume_second"] = second
 
+    # offload: ring cp=2 with both offloads; Ulysses cp=2 (below) with FSDP2's parameter offload. Checkpoints: a
+    # run with optimizer offload stopped at 4 and resumed with it; its step-4 checkpoint resumed without
+    # offload; the step-4 checkpoint of the run without offload (above) resumed with it
+    results["offload_cp2"] = _summary(*_run(world_size, out_dir, "offload_cp2", ["distributed.cp_size=2", *OFFLOAD]))
+    off = ["distributed.cp_size=1", "fsdp.offload=optimizer"]
+    off_first = _summary(*_run(world_size, out_dir, "offload_resume", off, hooks=_sigterm_at(4)))
+    off_first.pop("state")
+    results["offload_resume_first"] = off_first
+    results["offload_resume_second"] = _summary(
+        *_run(world_size, out_dir, "offload_resume", [*off, "checkpoint.resume=true"])
+    )
+    results["offload_to_plain"] = _summary(*_run(
+        world_size, out_dir, "offload_to_plain", ["distributed.cp_size=1", f"checkpoint.resume_from={off_first['last_checkpoint']}"]
+    ))  # fmt: skip
+    results["plain_to_offload"] = _summary(
+        *_run(world_size, out_dir, "plain_to_offload", [*off, f"checkpoint.resume_from={first['last_checkpoint']}"])
+    )
+
     # A toy method registered here (tests/toy_cp_method.py), run by the recipe with no other edit; the
     # dry run plans it too (its memory terms and description come from the interface)
     from automodel.training.dry_run import dry_run_report
@@ -222,4 +246,8 @@ def pair(rank: int, world_size: int, out: str) -> dict:
             config=ULYSSES,
         )
     )
+    results["offload_all_ulysses_cp2"] = _summary(*_run(
+        world_size, out_dir, "offload_all_ulysses_cp2",
+        ["distributed.cp_size=2", *OFFLOAD[:2], "fsdp.offload=all"], config=ULYSSES,
+    ))  # fmt: skip
     return results

@@ -100,6 +100,15 @@ def pair(rank: int, world_size: int, out: str) -> dict:
         "tp2_lp_sp_ac",
         [*tp2, *LP, "distributed.sequence_parallel=true", "model.activation_checkpointing=true"],
     )[2]
+    # the same with activation offload (the layer inputs are sequence-parallel shards) and FSDP2's parameter
+    # offload of the 2-D (dp_shard_cp x tp) parameters
+    results["tp2_lp_sp_offload"] = _run(
+        world_size,
+        out_dir,
+        "tp2_lp_sp_offload",
+        [*tp2, *LP, "distributed.sequence_parallel=true", "model.activation_checkpointing=true",
+         "model.activation_offload=true", "fsdp.offload=all"],
+    )[2]  # fmt: skip
 
     first = _run(world_size, out_dir, "resume", [*tp2, *LP], hooks=_sigterm_at(3))[2]
     first.pop("state")
