@@ -55,7 +55,7 @@ def test_ring_refuses_packed_rows_naming_the_methods_that_run_them(results):
     message = results[0]["refused"][("float32", "ring", "packed_restarts")]
     assert "packed rows" in message and "method=ring attends across the whole row" in message
     # usp is not named: it has no configuration at cp_size 2 (ulysses_size must be a proper divisor)
-    assert "methods that run packed rows of this model: ulysses | thd | thd_docs (" in message
+    assert "methods that run packed rows of this model: ulysses | thd | thd_docs; or give it one document" in message
 
 
 @pytest.mark.dist
