@@ -63,7 +63,7 @@ def test_a_model_the_method_does_not_compute_exactly_is_refused_when_prepared(re
     message = results[0]["refused"]["ring_flex"]
     assert "distributed.cp_method=ring does not compute LlamaForCausalLM" in message
     assert "its attention implementation is 'flex_attention'" in message
-    assert "methods that run this model exactly: ulysses " in message
+    assert "set distributed.cp_method to one of the methods that run this model exactly: ulysses. See" in message
 
 
 @pytest.mark.dist
