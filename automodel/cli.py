@@ -28,6 +28,9 @@ What reaches the terminal is what the ranks print, and nothing of the launcher's
   on the lost connection without a traceback (:mod:`automodel.training.peer_loss`) and this command
   prints one line naming the lost rank and exits 4; ``checkpoint.resume=auto`` continues the run from
   the newest good checkpoint.
+- A node lost in a multi-node run: the surviving nodes print the same one line (or, when the lost node
+  hosted the rendezvous store and this command noticed it first, one line saying so) and exit 4, without
+  c10d's C++ stack traces of the failed store calls (``TORCH_CPP_LOG_LEVEL=ERROR`` unless set).
 - A bug (any other failure of a rank) keeps the rank's traceback, followed by one line naming the
   failed ranks and their exit codes; this command exits 1.
 
@@ -179,9 +182,23 @@ def _launcher_parser():
     return parser, takes
 
 
+def _launcher_log() -> bool:
+    return os.environ.get("AUTOMODEL_LAUNCHER_LOG", "") not in ("", "0")
+
+
+def _quiet_cpp_log() -> None:
+    """Keep c10d's C++ warnings off the terminal: when a node goes down, the launcher's (and the ranks')
+    TCPStore clients print each failed store call as a warning with a C++ stack trace of about 25 lines,
+    before the one line this command prints. ``TORCH_CPP_LOG_LEVEL`` is read when torch loads, so this runs
+    before anything imports it (the ranks inherit it); a value the user set is kept, and
+    ``AUTOMODEL_LAUNCHER_LOG=1`` lets the warnings through."""
+    if not _launcher_log():
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def _quiet_launcher() -> None:
     """Keep torch elastic's log messages (warnings included) off the terminal."""
-    if os.environ.get("AUTOMODEL_LAUNCHER_LOG", "") not in ("", "0"):
+    if _launcher_log():
         return
     root = logging.getLogger()
     if not root.handlers:
@@ -300,6 +317,7 @@ def _launch(launcher_argv: list[str], script: Path, recipe_argv: list[str]) -> i
     config, cmd, cmd_args = config_from_args(args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import elastic_launch
 
     interrupted: list[int] = []
@@ -311,6 +329,7 @@ def _launch(launcher_argv: list[str], script: Path, recipe_argv: list[str]) -> i
         raise SignalException("SIGINT: stopping the ranks with SIGTERM", sigval=signal.SIGTERM)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
+    _quiet_cpp_log()  # for the ranks (this process: main() did it before torch loaded)
     _quiet_launcher()
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
@@ -325,6 +344,15 @@ def _launch(launcher_argv: list[str], script: Path, recipe_argv: list[str]) -> i
         if interrupted:
             return EXIT_SIGINT
         return 128 + int(e.sigval)
+    except RendezvousConnectionError:  # the node that hosts the rendezvous store went down (before a rank saw it)
+        if interrupted:
+            return EXIT_SIGINT
+        _error(
+            f"lost the connection to the rendezvous store at {args.rdzv_endpoint or args.master_addr}: the node "
+            "that hosts it went down or its launcher stopped, and this node's ranks were stopped; if a run was "
+            "under way, resume it with checkpoint.resume=auto (it continues from the newest good checkpoint)"
+        )
+        return EXIT_LOST_RANK
     finally:
         signal.signal(signal.SIGINT, previous)
     return EXIT_SIGINT if interrupted else 0
@@ -409,6 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else EXIT_USER_ERROR
     command, rest = argv[0], argv[1:]
+    _quiet_cpp_log()  # before torch loads
     if command == "plan":
         return _plan(rest)
     try:

@@ -110,6 +110,33 @@ def test_command_line_class_change_keeps_the_configs_keys():
     assert load_config(argv, world_size=2).raw["model"]["config"] == expected
 
 
+def test_command_line_class_change_replaces_the_old_class_nested_configs(tmp_path):
+    """Qwen2-VL -> Qwen2.5-VL on the command line: vision_config (embed_dim and mlp_ratio are Qwen2-VL's; its
+    hidden_size is the merger's output, Qwen2.5-VL's is the tower's width) is replaced with Qwen2.5-VL's
+    defaults plus the command line's own vision keys; text_config (every key Qwen2.5-VL's) is kept, as the
+    top-level keys are; a deletion inside the replaced node has nothing left to delete. Config level only."""
+    import transformers
+
+    vlm = ["--config", str(REPO / "configs/vlm_cp.yaml")]
+    shipped = load_config(vlm, world_size=2).raw["model"]["config"]
+    assert {"embed_dim", "mlp_ratio"} <= set(shipped["vision_config"])
+    swap = [*vlm, "model.config._target_=transformers.Qwen2_5_VLConfig", "model.config.vision_config.depth=2",
+            "model.config.vision_config.out_hidden_size=64", "~model.config.vision_config.mlp_ratio"]  # fmt: skip
+    node = load_config(swap, world_size=2).raw["model"]["config"]
+    assert node["_target_"] == "transformers.Qwen2_5_VLConfig"
+    assert node["vision_config"] == {"depth": 2, "out_hidden_size": 64}
+    assert node["text_config"] == shipped["text_config"]
+    assert {k: v for k, v in node.items() if k != "vision_config"} == {
+        **{k: v for k, v in shipped.items() if k != "vision_config"}, "_target_": "transformers.Qwen2_5_VLConfig"}
+    vision = transformers.Qwen2_5_VLConfig(**{k: v for k, v in node.items() if k != "_target_"}).vision_config
+    default = transformers.Qwen2_5_VLConfig().vision_config
+    assert not hasattr(vision, "embed_dim") and not hasattr(vision, "mlp_ratio")
+    assert (vision.depth, vision.out_hidden_size, vision.hidden_size) == (2, 64, default.hidden_size)
+    # the same class on the command line changes nothing; a nested config of the new class's keys is kept
+    same = load_config([*vlm, "model.config._target_=transformers.Qwen2VLConfig"], world_size=2)
+    assert same.raw["model"]["config"] == shipped
+
+
 def test_fold_replaces_on_class_change_only():
     from automodel.config.model_inherit import compose_model_config, model_class
 

@@ -164,7 +164,7 @@ def test_ring_cp_needs_sdpa_or_eager():
     assert "distributed.cp_method=ring with cp_size=2 needs model.attn_implementation in ['sdpa', 'eager']" in msg
     assert "set model.attn_implementation=sdpa (eager for a model without SDPA support, e.g. gpt-oss)" in msg
     # the other methods named pass the same rules (flex: only ulysses at cp=2; usp has no configuration at cp=2)
-    assert "takes attn_implementation='flex_attention' with this config: ulysses (or auto" in msg
+    assert "takes attn_implementation='flex_attention' with this config: ulysses, or auto" in msg
     assert load("model.attn_implementation=flex_attention", "distributed.cp_method=ulysses")
     assert load("model.attn_implementation=eager")  # ring routes an eager model's layers (docs/cp_layer_kinds.md)
     assert load("model.attn_implementation=flex_attention", "distributed.cp_size=1")  # fine without CP
@@ -175,7 +175,7 @@ def test_ring_cp_needs_sdpa_or_eager():
 def test_ring_cp_rejects_packed_rows():
     msg = problems("+data.dataset.pack=true")
     assert "data.dataset.pack=true (several documents per row) with distributed.cp_method=ring" in msg
-    assert "Set another distributed.cp_method that takes packed rows with this config: ulysses | thd | thd_docs (" in msg
+    assert "Set distributed.cp_method to one that takes packed rows with this config: ulysses | thd | thd_docs, or auto" in msg
     for other in ("ulysses", "thd", "thd_docs"):  # each method named passes the same rules
         assert load("+data.dataset.pack=true", f"distributed.cp_method={other}")
     assert load("+data.dataset.pack=true", "distributed.cp_size=1")

@@ -68,7 +68,7 @@ def test_ring_refuses_packed_rows_naming_the_methods_that_run_them(results):
     message = results[0]["refused"][("float32", "ring", "packed_restarts")]
     assert "packed rows" in message and "method=ring attends across the whole row" in message
     # usp is not named: it has no configuration at cp_size 2 (ulysses_size must be a proper divisor)
-    assert "methods that run packed rows of this model: ulysses | thd | thd_docs (" in message
+    assert "methods that run packed rows of this model: ulysses | thd | thd_docs; or give it one document" in message
 
 
 @pytest.mark.dist
@@ -76,7 +76,7 @@ def test_a_model_the_method_does_not_compute_exactly_is_refused_when_prepared(re
     message = results[0]["refused"]["ring_flex"]
     assert "distributed.cp_method=ring does not compute LlamaForCausalLM" in message
     assert "its attention implementation is 'flex_attention'" in message
-    assert "methods that run this model exactly: ulysses " in message
+    assert "set distributed.cp_method to one of the methods that run this model exactly: ulysses. See" in message
 
 
 @pytest.mark.dist

@@ -247,7 +247,7 @@ def test_config_with_auto_that_no_method_can_run_is_one_error_naming_each_method
     with pytest.raises(ConfigError) as info:
         load_config(["--config", "configs/cp.yaml", "distributed.cp_method=auto"], world_size=2)
     (text,) = info.value.problems if hasattr(info.value, "problems") else (str(info.value),)
-    assert "distributed.cp_method=auto found no CP method this config can run: " in text
+    assert "distributed.cp_method=auto found no CP method this config can run. " in text
     for name in ("ring", "ulysses", "thd", "thd_docs"):
         assert f"{name}: test: {name} refused" in text
     assert "usp: no configuration at cp_size=2" in text

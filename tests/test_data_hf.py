@@ -190,6 +190,24 @@ def test_cache_built_once_and_reused(data, tok, tmp_path):
     _same(again, first)
 
 
+def test_no_progress_bars_out_of_order_with_the_log(data, tok, tmp_path, capfd):
+    """datasets' tqdm bars (on stderr, out of order with the log) are off while a source loads and tokenizes,
+    and the user's setting is restored afterwards."""
+    import datasets
+
+    datasets.enable_progress_bars()
+    try:
+        capfd.readouterr()
+        load_hf_source(data["jsonl"], cache_dir=str(tmp_path / "src"))  # a fresh cache: "Generating train split"
+        HFDataset(data["jsonl"], tok, seq_len=64, split="all", format="text", cache_dir=str(tmp_path / "c"),
+                  num_proc=1)  # fmt: skip
+        err = capfd.readouterr().err
+        assert "it/s" not in err and "examples/s" not in err and "%|" not in err, err
+        assert not datasets.are_progress_bars_disabled()
+    finally:
+        datasets.disable_progress_bars()
+
+
 def test_train_and_validation_share_one_tokenization(data, tok, tmp_path):
     kw = dict(seq_len=32, format="text", cache_dir=str(tmp_path / "c"), num_proc=1)
     before = TOKENIZE_CALLS["rows"]

@@ -86,6 +86,109 @@ def test_survivor_of_a_killed_rank_exits_4_with_at_most_one_line(launcher):
         assert "checkpoint.resume=auto" in lines[0]
 
 
+NODE_WORKER = r"""
+import os, sys, time, datetime
+import torch, torch.distributed as dist
+from automodel.training.peer_loss import stop_quietly_if_peer_lost
+from automodel.training.user_errors import RunAborted, exit_process
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+open(os.path.join(os.environ["READY_DIR"], f"rank{rank}"), "w").write(str(os.getpid()))
+def train():
+    t = torch.ones(1000)
+    while True:
+        if os.environ["MODE"] == "idle":  # no collective: the launcher notices the lost node first
+            time.sleep(0.05)
+            continue
+        dist.all_reduce(t)
+        t /= 2
+        time.sleep(0.01)
+try:
+    stop_quietly_if_peer_lost(train)
+except RunAborted as e:
+    exit_process(e.exit_code)
+"""
+
+NODE = r"""
+import sys
+from automodel import cli
+cli.COMMANDS["peer"] = sys.argv[2]  # the command launches this script instead of the recipe
+sys.exit(cli.main(["peer", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   f"127.0.0.1:{sys.argv[1]}", "--rdzv-id", "peer-loss", "--monitor-interval", "0.2",
+                   "--config", "configs/cp.yaml"]))
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", ["collective", "idle"])
+def test_surviving_node_prints_one_line_and_no_cpp_trace(tmp_path, mode):
+    """Two nodes under the ``automodel`` command (c10d rendezvous, as on a cluster); node 0, which hosts the
+    rendezvous store, goes down (its launcher and rank SIGKILLed). The surviving node prints one ``error:`` line
+    and exits 4: no C++ stack trace of c10d's failed TCPStore calls (about 25 lines each before), no Python
+    traceback. ``collective``: its rank is in an all-reduce (the rank or the launcher notices first);
+    ``idle``: its rank runs no collective, so the launcher's rendezvous store call fails first."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(NODE_WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", LAUNCHER_ENV, "TORCH_CPP_LOG_LEVEL")}
+    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", READY_DIR=str(tmp_path), MODE=mode)
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen([sys.executable, "-c", NODE, port, str(worker)], cwd=REPO_ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"rank{r}").is_file() for r in (0, 1)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), [p.poll() for p in nodes]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        # the rendezvous store lives in the launcher that bound the endpoint: that node goes down
+        ranks = {int((tmp_path / f"rank{r}").read_text()): r for r in (0, 1)}
+        host = 0 if nodes[0].poll() is None and _listens(nodes[0].pid, int(port)) else 1
+        lost = [pid for pid, r in ranks.items() if _parent(pid) == nodes[host].pid]
+        for pid in [nodes[host].pid, *lost]:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = nodes[1 - host].communicate(timeout=120)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+        for pid in ranks if "ranks" in locals() else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert nodes[1 - host].returncode == EXIT_LOST_RANK, out
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "checkpoint.resume=auto" in lines[0], out
+    assert "frame #" not in out and "TCPStore" not in out and "Traceback" not in out, out
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` has a listening TCP socket on ``port`` (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A" and cols[9] in inodes:
+                    return True
+    return False
+
+
 def test_peer_loss_is_recognised_and_bugs_are_not():
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:10127: Connection reset by peer.")
     assert is_peer_loss(gloo)

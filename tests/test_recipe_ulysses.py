@@ -121,9 +121,9 @@ def test_heads_not_divisible_by_cp_is_rejected_from_the_inline_config():
         "distributed.cp_method=ulysses splits the attention heads over the CP ranks, but model.config has "
         "num_attention_heads=6, which is not divisible by distributed.cp_size=4" in msg
     )
-    assert "set distributed.cp_size to a divisor of 6 ([2, 3, 6]); or another distributed.cp_method" in msg
+    assert "set distributed.cp_size to a divisor of 6 ([2, 3, 6]); or set distributed.cp_method to one" in msg
     # the methods named pass the same rules: those that do not split heads, and usp with a ulysses_size that divides 6
-    assert "with this config: ring | thd | thd_docs | usp (ulysses_size=2) (or auto" in msg
+    assert "with this config: ring | thd | thd_docs | usp (ulysses_size=2), or auto" in msg
     # config_overrides win over the inline value; ring does not split heads
     assert load("distributed.cp_size=4", "+model.config_overrides.num_attention_heads=8", world=4)
     assert load("distributed.cp_size=4", "model.config.num_attention_heads=6", "model.config.num_key_value_heads=2",
@@ -168,10 +168,10 @@ def test_ulysses_takes_eager_flex_and_packed_rows_ring_does_not():
     msg = problems("+data.dataset.pack=true", config="configs/cp.yaml")
     assert "data.dataset.pack=true (several documents per row) with distributed.cp_method=ring" in msg
     # usp is not named at cp_size 2 (it has no configuration there: ulysses_size must be a proper divisor)
-    assert "takes packed rows with this config: ulysses | thd | thd_docs (or auto" in msg
+    assert "takes packed rows with this config: ulysses | thd | thd_docs, or auto" in msg
     assert "data.dataset.pack=false" in msg
     msg = problems("model.attn_implementation=flex_attention", config="configs/cp.yaml")
-    assert "another distributed.cp_method that takes attn_implementation='flex_attention' with this config: ulysses (" in msg
+    assert "set distributed.cp_method to one that takes attn_implementation='flex_attention' with this config: ulysses, or auto" in msg
 
 
 def test_rows_are_padded_to_one_contiguous_slice_per_rank():

@@ -79,6 +79,8 @@ def test_broken_normaliser_aborts_with_the_figures(results):
         assert msg.startswith("recipe.cp_self_check: one step with distributed.cp_method=ring over cp_size=2")
         assert "loss " in msg and "grad norm " in msg and "rel 1 > 0.0001" in msg
         assert "recipe.cp_self_check=false" in msg
+        assert "Try another distributed.cp_method (" in msg or "No other distributed.cp_method runs" in msg, msg
+        assert "()" not in msg and "(none runs" not in msg, msg  # the fix reads as a sentence either way
 
 
 @pytest.mark.dist

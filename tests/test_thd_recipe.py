@@ -55,7 +55,7 @@ def test_config_loads_and_rules():
 def test_ring_with_packed_rows_is_still_refused():
     msg = problems("distributed.cp_method=ring")
     assert "data.dataset.pack=true (several documents per row) with distributed.cp_method=ring" in msg
-    named = msg.split("takes packed rows with this config: ")[1].split(" (or auto")[0].split(" | ")
+    named = msg.split("takes packed rows with this config: ")[1].split(", or auto")[0].split(" | ")
     assert "thd" in named and "ring" not in named, named
 
 

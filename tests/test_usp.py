@@ -48,7 +48,8 @@ def test_registry_and_binding():
     cfg = load_config(["--config", PACKED, *USP, "distributed.ulysses_size=2"], world_size=4).cfg
     bound = m.configured(cfg)
     assert bound.ulysses_size == 2 and m.ulysses_size is None  # the registered instance stays unbound
-    assert m.recipe_batch_options(cfg) == {"kernel": "portable", "cp_comm_type": "p2p", "ulysses_size": 2}
+    assert m.recipe_batch_options(cfg) == {"kernel": "portable", "cp_comm_type": "p2p", "ulysses_size": 2,
+                                           "document_multiple": 8}  # fmt: skip
     assert bound.batch_function().keywords == {"ulysses_size": 2}
     assert get_cp_method("thd").configured(cfg) is get_cp_method("thd")  # the default: itself
 
@@ -62,8 +63,12 @@ def test_config_rules():
     assert "distributed.ulysses_size=0 must be a positive integer" in msg
     msg = problems("distributed.cp_size=4", "distributed.ulysses_size=2")  # thd selected
     assert "distributed.ulysses_size=2 is read only by distributed.cp_method=usp" in msg
-    msg = problems(*USP, "distributed.ulysses_size=2", "+data.dataset.seq_pad_multiple=4")
-    assert "seq_pad_multiple=4 is not a multiple of 2*cp_size = 2*4 = 8: distributed.cp_method=usp" in msg
+    # usp pads each packed document itself: the data packs as at cp_size 1, any seq_pad_multiple is fine
+    loaded = load_config(["--config", PACKED, *USP, "distributed.ulysses_size=2", "+data.dataset.seq_pad_multiple=4"],
+                         world_size=4)  # fmt: skip
+    assert get_cp_method("usp").dataset_options(loaded.cfg, loaded.cfg.data.dataset) == {}
+    msg = problems("distributed.cp_size=4", "distributed.cp_method=thd", "+data.dataset.seq_pad_multiple=4")
+    assert "seq_pad_multiple=4 is not a multiple of 2*cp_size = 2*4 = 8: distributed.cp_method=thd" in msg  # thd does
     msg = problems(*USP, "distributed.ulysses_size=2", "data.pad_to_multiple_of=4")  # the row multiple
     assert "data.pad_to_multiple_of=4 is not a multiple of 2*cp_size = 2*4 = 8" in msg
     msg = problems(*USP, "distributed.ulysses_size=2", world=6)  # the world size
@@ -152,6 +157,75 @@ def test_usp_computes_every_attention_kind_thd_computes():
     # document (the halo kernel runs it), as under thd
     mistral = profile_model(next(f for f in FAMILIES if f.name == "mistral").build_config())
     assert profile_problems(usp, mistral, None) == profile_problems(usp, mistral, 16) == []
+
+
+# ------------------------------------------------------------------ packing independent of cp_size
+
+
+def test_pad_documents_pads_each_document_slot_and_keeps_every_token():
+    """The batch function pads packed documents itself (not the data): every slot to the multiple, the real
+    tokens, labels and positions of each document unchanged, added slots token 0 / label -100 / positions
+    counting on / padding_mask 1, rows re-laid at a common length (the extra in each row's last document)."""
+    from automodel.distributed.cp.gathered_attention import pad_documents
+
+    docs = [[5, 7, 3], [9, 2, -1000]]  # row 1's second slot holds the collator's row padding (2 of 4)
+    slots = [[5, 7, 3], [9, 6, -1000]]
+    ids = torch.arange(1, 31).reshape(2, 15)
+    labels = ids + 100
+    labels[1, 11:] = -100
+    pos = torch.tensor([list(range(5)) + list(range(7)) + list(range(3)), list(range(9)) + list(range(6))])
+    batch = {"input_ids": ids, "labels": labels, "position_ids": pos, "seq_lens": torch.tensor(docs),
+             "seq_lens_padded": torch.tensor(slots), "padding_mask": torch.zeros(2, 15, dtype=torch.long)}  # fmt: skip
+    out = pad_documents(batch, 4)
+    assert out["seq_lens"] is batch["seq_lens"] and out["input_ids"].shape == (2, 20)
+    assert out["seq_lens_padded"].tolist() == [[8, 8, 4], [12, 8, -1000]]
+    starts = [[0, 8, 16], [0, 12]]
+    for b, row in enumerate(docs):
+        old = 0
+        for n, p, start in zip(row, slots[b], starts[b]):
+            if n < 0:
+                continue
+            for key in ("input_ids", "labels", "position_ids"):
+                assert out[key][b, start : start + p].tolist() == batch[key][b, old : old + p].tolist(), (b, key)
+            q = int(out["seq_lens_padded"][b, starts[b].index(start)])
+            assert out["input_ids"][b, start + p : start + q].tolist() == [0] * (q - p)
+            assert out["labels"][b, start + p : start + q].tolist() == [-100] * (q - p)
+            assert out["padding_mask"][b, start + p : start + q].tolist() == [1] * (q - p)
+            assert out["position_ids"][b, start : start + q].tolist() == list(range(q))
+            old += p
+    assert (out["labels"] != -100).sum() == (labels != -100).sum()  # no label added or lost
+    assert pad_documents(out, 4) is out and pad_documents(out, 2) is out  # already laid out: unchanged
+    mrope = {**batch, "position_ids": pos.expand(3, 2, 15)}  # [3, B, S] positions move the same way
+    assert torch.equal(pad_documents(mrope, 4)["position_ids"], out["position_ids"].expand(3, 2, 20))
+
+
+def test_usp_pads_packed_documents_itself_and_stays_exact():
+    """make_usp_batch_and_ctx on packed rows whose documents (5, 7, 3 tokens) are not padded to 2*cp_size: the
+    loss equals each document run alone (fp64, one process: cp_size 1 pads to 2). The recipe's parity on the
+    same packed rows at cp=1 and cp=4 is test_recipe_parity_cp4_ulysses2_ring2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from automodel.distributed.cp.usp.attention import make_usp_batch_and_ctx, set_usp_attention
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")  # fmt: skip
+    model = LlamaForCausalLM(config).double()
+    docs = [5, 7, 3]
+    ids, labels = torch.randint(0, 64, (1, 15)), torch.randint(0, 64, (1, 15))
+    ce = torch.nn.functional.cross_entropy
+    starts = [0, 5, 12]
+    ref = sum(ce(model(input_ids=ids[:, a : a + n]).logits[0], labels[0, a : a + n], reduction="sum")
+              for a, n in zip(starts, docs))  # fmt: skip
+    batch = {"input_ids": ids, "labels": labels, "position_ids": torch.cat([torch.arange(n) for n in docs])[None],
+             "seq_lens": torch.tensor([docs]), "seq_lens_padded": torch.tensor([docs])}  # fmt: skip
+    set_usp_attention(model)
+    ctx, local = make_usp_batch_and_ctx(None, batch, ulysses_size=1)
+    assert local["input_ids"].shape == (1, 18) and local["cu_seqlens_padded"].tolist() == [0, 6, 14, 18]
+    with ctx():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    got = ce(logits[0], local["labels"][0], reduction="sum")
+    assert abs(got.item() - ref.item()) <= 1e-12 * abs(ref.item())
 
 
 # ------------------------------------------------------------------ simulated two nodes: placement + library parity
@@ -263,7 +337,8 @@ def test_recipe_packs_pads_self_checks_and_plans_nodes(recipe_runs):
     from pathlib import Path
 
     packed = recipe_runs["usp_packed"]
-    assert packed["seq_pad_multiple"] == 8 and packed["packed_docs"] > 8  # automatic 2*cp, several docs per row
+    # packed as at cp_size 1 (the batch function pads each document to 2*cp), several documents per row
+    assert packed["seq_pad_multiple"] == 1 and packed["packed_docs"] > 8
     report = json.loads((Path(packed["run_dir"]) / "cp_self_check.json").read_text())
     assert report["cp_method"] == "usp" and report["passed"]
     dry = recipe_runs["dry_run"]

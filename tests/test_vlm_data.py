@@ -75,7 +75,7 @@ def test_vlm_with_a_method_it_cannot_run_is_rejected_before_weights():
     from automodel.errors import UserInputError
 
     config = Qwen2VLConfig()
-    with pytest.raises(UserInputError, match=r"cp_method=thd does not run VLMs.*methods that run this model exactly: ring \(one document per row\) \| ulysses \("):
+    with pytest.raises(UserInputError, match=r"cp_method=thd does not run VLMs.*methods that run this model exactly: ring \(one document per row\) \| ulysses$"):
         check_model_config_for_cp("thd", config, 2)
     check_model_config_for_cp("ring", config, 2)  # supported
     check_model_config_for_cp("thd", config, 1)  # no CP: no method runs

@@ -123,9 +123,10 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
             config_dir=str(config_path.parent), version_base="1.3", job_name="finetune"
         ):
             # a parent's model.config never merges into a model of another class (model_inherit.py)
-            search = [*search, *model_replacement_overrides(config_path.stem, search, overrides)]
+            deleted = model_replacement_overrides(config_path.stem, search, overrides)
+            search = [*search, *deleted]
             base = compose(config_name=config_path.stem, overrides=search)
-            overrides = _schema_overrides(base, overrides)
+            overrides = _schema_overrides(base, overrides, [d[1:] for d in deleted])
             cfg = compose(config_name=config_path.stem, overrides=[*search, *overrides])
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError([_hydra_message(e, overrides, base, config_path)]) from None
@@ -173,12 +174,14 @@ def _search_path(config_path: Path, overrides: Sequence[str]) -> list[str]:
     return [f"hydra.searchpath=[file://{SHIPPED_CONFIGS.resolve()}]"]
 
 
-def _schema_overrides(base: Any, overrides: Sequence[str]) -> list[str]:
+def _schema_overrides(base: Any, overrides: Sequence[str], replaced: Sequence[str] = ()) -> list[str]:
     """Let ``key=value`` set a schema key that the YAML leaves at its default.
 
     Hydra only changes keys present in the composed YAML (others need ``+``). A key of the schema
     (``recipe.dry_run``, ``export.enabled``, ...) is always legitimate, so such an override becomes
     ``++key=value``. Unknown keys are left alone: Hydra (or the schema check, for ``+key``) rejects them.
+    ``replaced``: dotted keys of nodes taken out for a model of another class (``model_inherit.py``): a key
+    set inside one is the user's own for the new class (``++``); a deletion inside one has nothing to delete.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
@@ -187,7 +190,12 @@ def _schema_overrides(base: Any, overrides: Sequence[str]) -> list[str]:
     out = []
     for raw, o in zip(overrides, parsed):
         key = o.key_or_group
-        if (
+        inside = any(key == r or key.startswith(r + ".") for r in replaced)
+        if inside and o.is_delete():
+            continue
+        if inside and not o.is_add() and not o.is_force_add() and o.package is None:
+            raw = "++" + raw
+        elif (
             not o.is_delete()
             and not o.is_add()
             and not o.is_force_add()

@@ -13,8 +13,13 @@ The class of a ``model.config`` node is the object its ``_target_`` imports (two
 are one class) together with its ``model_type`` (for targets such as ``transformers.AutoConfig.for_model``).
 The command line is not a parent: ``model.config._target_=...`` there edits the composed config's class
 and keeps its other keys (the way the tests swap a tiny model's class and keep its sizes); the
-command line's other ``model.config.*`` overrides apply on top as usual. :func:`model_replacement_overrides` returns the deletions (``~model.config.key``)
-that take the inherited keys out, applied before the user's own overrides (which may set them again).
+command line's other ``model.config.*`` overrides apply on top as usual. A nested config of the new class
+(``vision_config``, ``text_config``: the class's ``sub_configs``) that holds a key the new class's nested
+config does not have was written for the old class (Qwen2-VL's ``embed_dim`` and ``mlp_ratio`` under
+Qwen2.5-VL, whose ``hidden_size`` means another size): it is replaced with the new class's defaults, keeping
+only what the command line sets in it (:func:`swapped_nested_configs`). :func:`model_replacement_overrides`
+returns the deletions (``~model.config.key``) that take the inherited keys out, applied before the user's
+own overrides (which may set them again).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 from automodel.config.typecheck import ConfigError
 
-__all__ = ["model_class", "compose_model_config", "model_replacement_overrides"]
+__all__ = ["model_class", "compose_model_config", "model_replacement_overrides", "swapped_nested_configs"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +142,49 @@ def _command_line(overrides: Sequence[str]) -> set[str]:
     return {o.key_or_group for o in parsed if o.key_or_group.startswith(NODE + ".")}
 
 
+def _command_line_target(overrides: Sequence[str]) -> str | None:
+    """The class the command line sets with ``model.config._target_=...`` (None: it does not)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    for o in reversed(parsed):
+        if o.key_or_group == f"{NODE}._target_" and not o.is_delete():
+            value = o.value()
+            return value if isinstance(value, str) else None
+    return None
+
+
+def swapped_nested_configs(composed: Any, user_overrides: Sequence[str]) -> list[str]:
+    """The nested configs of ``composed`` (the ``model.config`` the config files give, plain data) that a
+    class set on the command line replaces: each ``sub_configs`` entry of the new class whose mapping holds a
+    key the new class's nested config does not define (it was written for the old class). Returns their
+    dotted keys (``model.config.vision_config``); [] when the command line keeps the class."""
+    target = _command_line_target(user_overrides)
+    old = model_class(composed)
+    if target is None or old is None or _canonical(target) == old[0]:
+        return []
+    from hydra.utils import get_object
+
+    try:
+        sub_configs = dict(getattr(get_object(target), "sub_configs", None) or {})
+    except Exception:  # noqa: BLE001 - an unimportable target is reported by the target check
+        return []
+    out = []
+    for key, sub_cls in sub_configs.items():
+        node = composed.get(key)
+        if not isinstance(node, dict) or not isinstance(sub_cls, type):
+            continue
+        known = set(sub_cls().to_dict())
+        foreign = sorted(k for k in node if k not in known and k != "_target_")
+        if foreign:
+            logger.info(
+                "%s=%s: %s.%s holds keys of %s (%s): replaced by %s's defaults and the command line's %s.%s.* keys",
+                f"{NODE}._target_", target, NODE, key, _name(composed), ", ".join(foreign), target, NODE, key,
+            )  # fmt: skip
+            out.append(f"{NODE}.{key}")
+    return out
+
+
 def model_replacement_overrides(config_name: str, search: Sequence[str], user_overrides: Sequence[str]) -> list[str]:
     """Deletions (``~model.config.key``) of the keys a parent config's ``model.config`` would merge into
     a model of another class. Call inside Hydra's ``initialize_config_dir`` of the primary config.
@@ -173,11 +221,12 @@ def model_replacement_overrides(config_name: str, search: Sequence[str], user_ov
             contributions.append((f"{d.config_path}.yaml", node))
     touched = _command_line(user_overrides)
     composed, replaced = compose_model_config(contributions)
+    nested = [f"~{k}" for k in swapped_nested_configs(composed, user_overrides)] if isinstance(composed, dict) else []
     merged: Any = _ABSENT
     for _, node in contributions:  # what Hydra composes: every contribution merged
         merged = _merge(merged, node)
     if not replaced or not isinstance(merged, dict):
-        return []
+        return nested
     leaked = [
         k
         for k in _leaked(merged, composed, NODE)
@@ -188,4 +237,4 @@ def model_replacement_overrides(config_name: str, search: Sequence[str], user_ov
         logger.info(
             "%s: not inherited: %s", "; ".join(replaced), ", ".join(k[len(NODE) + 1 :] for k in leaked)
         )
-    return [f"~{k}" for k in leaked]
+    return [f"~{k}" for k in leaked] + [k for k in nested if k[1:] not in leaked]

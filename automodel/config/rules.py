@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from automodel.config.compile_rules import compile_problems
 from automodel.config.logging_rules import logging_problems
@@ -17,7 +18,7 @@ from automodel.config.peft_rules import peft_problems
 from automodel.config.sample_rules import sample_problems
 from automodel.config.schema import RecipeConfig
 from automodel.distributed.cp import AUTO, CPMethod, cp_methods
-from automodel.distributed.cp.registry import alternative_label
+from automodel.distributed.cp.registry import alternative_label, method_reasons
 from automodel.distributed.tensor_parallel import tp_size_problems
 
 __all__ = [
@@ -116,13 +117,32 @@ def config_alternatives(cfg: RecipeConfig, world_size: int, cuda_available: bool
             if name != cfg.distributed.cp_method and problems <= common]  # fmt: skip
 
 
-def _other_methods(others: list[str], what: str) -> str:
+def _other_methods(others: list[str], what: str) -> str | None:
+    """The fix that names the other methods (an instruction), or ``None`` when no other method passes (the
+    refusal then gives its other fixes only)."""
     if not others:
-        return f"no other distributed.cp_method passes this config's rules ({what})"
+        return None
     return (
-        f"another distributed.cp_method that takes {what} with this config: {' | '.join(others)} (or auto, "
-        "which also checks the model's layers)"
+        f"set distributed.cp_method to one that takes {what} with this config: {' | '.join(others)}, or auto "
+        "(which also checks the model's layers)"
     )
+
+
+def either(*fixes: str | None) -> str:
+    """The fixes of a refusal as one clause: ``a``, ``a or b``, ``a, b, or c`` (``;`` between fixes when one
+    holds a comma); ``None`` entries are left out. Each fix is a complete instruction (``set key=value``)."""
+    items = [f for f in fixes if f]
+    if len(items) <= 1:
+        return "".join(items)
+    sep = "; " if any(", " in re.sub(r"\([^()]*\)", "", f) for f in items) else ", "  # commas outside brackets
+    if len(items) == 2 and sep == ", ":
+        return f"{items[0]} or {items[1]}"
+    return sep.join(items[:-1]) + f"{sep}or {items[-1]}"
+
+
+def _sentence(text: str) -> str:
+    """``text`` with its first letter upper-case (the rest unchanged: keys stay as written)."""
+    return text[:1].upper() + text[1:]
 
 
 def check_rules(
@@ -201,8 +221,9 @@ def check_rules(
         if method.attn_implementations is not None and attn not in method.attn_implementations:
             problems.append(
                 f"distributed.cp_method={method.name} with cp_size={d.cp_size} needs model.attn_implementation "
-                f"in {list(method.attn_implementations)}, got {attn!r}; set {_attn_fix(method.attn_implementations, cfg)}, "
-                f"{other_methods(f'attn_implementation={attn!r}')}, or distributed.cp_size=1"
+                f"in {list(method.attn_implementations)}, got {attn!r}; "
+                + either(f"set {_attn_fix(method.attn_implementations, cfg)}",
+                         other_methods(f"attn_implementation={attn!r}"), "set distributed.cp_size=1")  # fmt: skip
             )
         for key in ("dataset", "validation_dataset"):
             node = getattr(data, key)
@@ -210,8 +231,9 @@ def check_rules(
                 problems.append(
                     f"data.{key}.pack=true (several documents per row) with distributed.cp_method={method.name} "
                     f"and cp_size={d.cp_size}: {method.name} attention is causal over the whole row and would "
-                    f"attend across documents; packed rows need a method that keeps document boundaries. Set "
-                    f"{other_methods('packed rows')}, data.{key}.pack=false, or distributed.cp_size=1"
+                    f"attend across documents; packed rows need a method that keeps document boundaries. "
+                    + _sentence(either(other_methods("packed rows"), f"set data.{key}.pack=false",
+                                       "set distributed.cp_size=1"))  # fmt: skip
                 )
         if isinstance(model.config, dict):  # inline architecture (a pretrained config must match it)
             heads = (model.config_overrides or {}).get(
@@ -221,10 +243,8 @@ def check_rules(
                 configured = method.configured(cfg) if not method.key_problems(cfg) else method
                 problem = configured.head_split_problem(heads, d.cp_size, d.tp_size)
                 if problem is not None:
-                    problems.append(
-                        problem.replace("the model has", "model.config has", 1)
-                        + f"; or {other_methods(f'num_attention_heads={heads}')}"
-                    )
+                    other = other_methods(f"num_attention_heads={heads}")
+                    problems.append(problem.replace("the model has", "model.config has", 1) + (f"; or {other}" if other else ""))
 
     for m in methods.values():  # each method's own keys (e.g. distributed.thd_kernel), whatever is selected
         problems += m.key_problems(cfg)
@@ -317,8 +337,8 @@ def auto_config_problems(cfg: RecipeConfig, world_size: int, cuda_available: boo
             label = name + (" (" + ", ".join(f"{k}={v}" for k, v in options.items()) + ")" if options else "")
             reasons.append(f"{label}: {'; '.join(found)}")
     return [
-        "distributed.cp_method=auto found no CP method this config can run: " + " | ".join(reasons)
-        + "; change what a reason names, or name a distributed.cp_method"
+        f"distributed.cp_method=auto found no CP method this config can run. {method_reasons(reasons)}. Change "
+        "what one method's reasons name (auto then picks that method), or set distributed.cp_size=1"
     ]
 
 

@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from automodel.data.chat_template import record_chat_stops
 from automodel.data.dataset_common import RowsDataset
-from automodel.data.hf_source import load_hf_source
+from automodel.data.hf_source import load_hf_source, no_progress_bars
 from automodel.data.hf_tokenize import HF_FORMATS, first_conversation, required_columns, tokenize_rows
 from automodel.data.node_first import run_local_rank0_first
 from automodel.data.packing import pack_examples, round_up
@@ -195,6 +195,10 @@ class HFDataset(RowsDataset, Dataset):
         self.tokenized_from_cache = False
 
         def prepare() -> Any:
+            with no_progress_bars():  # loading and tokenizing are logged instead
+                return _prepare()
+
+        def _prepare() -> Any:
             src = load_hf_source(path, **opts)
             fmt = choose_format(format, list(src.column_names), self.columns, self.where)
             if fmt == "messages" and not getattr(self.tokenizer, "chat_template", None):

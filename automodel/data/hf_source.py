@@ -27,7 +27,7 @@ from typing import Any
 
 from automodel.errors import UserInputError
 
-__all__ = ["SOURCES", "detect_source", "load_hf_source", "offline_mode"]
+__all__ = ["SOURCES", "detect_source", "load_hf_source", "no_progress_bars", "offline_mode"]
 
 SOURCES = ("auto", "json", "parquet", "arrow", "csv", "disk", "hub")
 _SUFFIXES = {
@@ -117,6 +117,24 @@ def offline_mode(offline: bool) -> Iterator[None]:
             setattr(m, a, v)
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Hide ``datasets``' progress bars inside the block (loading, ``map``), then restore the setting.
+
+    The bars are tqdm lines on stderr that interleave out of order with the recipe's log on stdout; the
+    log says what is loaded or tokenized instead.
+    """
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
 def _expand_files(paths: list[str]) -> list[str]:
     files: list[str] = []
     for p in paths:
@@ -166,7 +184,7 @@ def load_hf_source(
 
     kind = detect_source(path, source)
     try:
-        with offline_mode(offline):
+        with offline_mode(offline), no_progress_bars():
             if kind == "disk":
                 folder = os.path.expanduser(_as_list(path)[0])
                 if not os.path.isdir(folder):

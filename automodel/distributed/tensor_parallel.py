@@ -77,7 +77,7 @@ def tp_size_problems(sizes: dict[str, Any], tp_size: int, *, key_prefix: str = "
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value % tp_size:
             problems.append(
                 f"{key_prefix}.{name}={value} is not divisible by distributed.tp_size={tp_size} ({why}); "
-                f"set distributed.tp_size to a divisor of {value} ({_divisors(value)[:8]}), or tp_size=1"
+                f"set distributed.tp_size to a divisor of {value} ({_divisors(value)[:8]}), or to 1"
             )
     return problems
 

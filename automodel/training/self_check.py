@@ -238,20 +238,21 @@ def _without_cp(trainer: Any) -> Iterator[None]:
 
 def _other_methods(trainer: Any, method: str) -> str:
     """The other registered methods that run the model exactly under this run's sizes, row length and packing
-    (the registry's :func:`~automodel.distributed.cp.registry.alternatives`; all others without a profile)."""
+    (the registry's :func:`~automodel.distributed.cp.registry.alternatives`; all others without a profile), joined by
+    `` | ``; empty: none."""
     from automodel.config.cp_auto import packed_rows
     from automodel.distributed.cp import cp_methods
     from automodel.distributed.cp.registry import alternative_label, alternatives
 
     profile = getattr(trainer, "model_profile", None)
     if profile is None:
-        return " | ".join(n for n in cp_methods() if n != method) or "none runs this model exactly"
+        return " | ".join(n for n in cp_methods() if n != method)
     d = trainer.cfg.distributed
     found = alternatives(
         profile, exclude=method, cp_size=d.cp_size, tp_size=d.tp_size, seq_len=trainer.cfg.data.seq_len,
         packed=packed_rows(trainer.cfg),
     )  # fmt: skip
-    return " | ".join(alternative_label(m, o) for m, o in found) or "none runs this model exactly"
+    return " | ".join(alternative_label(m, o) for m, o in found)
 
 
 def _compute_dtype(trainer: Any) -> torch.dtype:
@@ -349,12 +350,17 @@ def run_cp_self_check(trainer: Any) -> dict[str, Any] | None:
     if trainer.rank == 0:
         (trainer.run_dir / "cp_self_check.json").write_text(json.dumps(report, indent=2))
     if problems:
+        others = _other_methods(trainer, method)
+        try_ = (
+            f"Try another distributed.cp_method ({others}) or a different model.attn_implementation"
+            if others
+            else "No other distributed.cp_method runs this model exactly: try a different model.attn_implementation"
+        )
         raise CPSelfCheckError(
             f"recipe.cp_self_check: one step with distributed.cp_method={method} over cp_size={cp} does not "
             f"match the same step without CP on the same {report['rows']} rows x {row} tokens: "
-            f"{'; '.join(problems)}. This config would train on wrong losses or gradients. Try "
-            f"another distributed.cp_method ({_other_methods(trainer, method)}) or a different "
-            f"model.attn_implementation, check data packing against the method's limits (docs/recipe.md), "
+            f"{'; '.join(problems)}. This config would train on wrong losses or gradients. {try_}, "
+            "check data packing against the method's limits (docs/recipe.md), "
             f"and report it with {trainer.run_dir / 'cp_self_check.json'}; recipe.cp_self_check=false skips "
             f"the check"
         )

@@ -1,10 +1,9 @@
 """configs/cp_packed.yaml with ``cp_method: usp`` in the recipe on gloo ranks (see tests/test_usp.py).
 
 ``quad`` (4 ranks; run inside the simulated two-node launch of tests/workers/usp_worker.py): usp
-cp=4 = ulysses 2 x ring 2 on packed rows (documents padded to 2*cp=8
-automatically, with the CP self-check) and on plain rows, plus the dry run's report for 2 nodes x 2.
-``single`` (1 rank): the same runs at cp=1 (packed documents padded to 8 by hand, so the rows are the
-same). The model has 6 query heads (Ulysses alone cannot split them over cp=4) and 3 KV heads (not
+cp=4 = ulysses 2 x ring 2 on packed rows (packed as at cp=1: usp's batch function pads each document
+to 2*cp=8, with the CP self-check) and on plain rows, plus the dry run's report for 2 nodes x 2.
+``single`` (1 rank): the same runs at cp=1, on the same packed rows (no padding by hand). The model has 6 query heads (Ulysses alone cannot split them over cp=4) and 3 KV heads (not
 divisible by ulysses_size 2: replicated). Every run: recipe_worker's tiny fp32 overrides, 2 steps of 4 rows.
 """
 
@@ -57,7 +56,7 @@ def quad(rank: int, world_size: int, out: str) -> dict:
 
 def single(rank: int, world_size: int, out: str) -> dict:
     out_dir = Path(out)
-    ref = ["distributed.cp_size=1", *PACKED, "+data.dataset.seq_pad_multiple=8", "data.pad_to_multiple_of=8"]
+    ref = ["distributed.cp_size=1", *PACKED]  # the same packed rows: usp pads documents in its own layout
     return {
         "packed_ref": _with_padding(*_run(world_size, out_dir, "packed_ref", ref, config=PACKED_CFG)),
         "plain_ref": _with_padding(

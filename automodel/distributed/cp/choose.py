@@ -38,7 +38,7 @@ from typing import Any
 from automodel.distributed.cp.cost import INTER_NODE_WEIGHT, ExchangeCost, exchange_cost, span_inside_node
 from automodel.distributed.cp.method import CPMethod, ExchangeTerm
 from automodel.distributed.cp.profile import ModelProfile
-from automodel.distributed.cp.registry import alternative_label, cp_methods, run_problems
+from automodel.distributed.cp.registry import alternative_label, cp_methods, method_reasons, run_problems
 from automodel.errors import CPUnsupportedError
 
 __all__ = [
@@ -203,8 +203,9 @@ def choose_cp_method(
         reasons = [f"{c.label}: {'; '.join(c.problems)}" for c in candidates] + empty
         raise CPUnsupportedError(
             f"distributed.cp_method=auto found no CP method that computes {profile.architecture} "
-            f"(model_type={profile.model_type}) exactly at {where}: {' | '.join(reasons)}. Train it with "
-            "distributed.cp_size=1, or change what a reason names. See docs/support_matrix.md"
+            f"(model_type={profile.model_type}) exactly at {where}. {method_reasons(reasons)}. Change what one "
+            "method's reasons name (auto then picks that method), or train it with distributed.cp_size=1. See "
+            "docs/support_matrix.md"
         )
     best = running[0]
     if cp_size <= 1:

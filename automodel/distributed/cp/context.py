@@ -381,10 +381,15 @@ class ContextParallel:
     def _packed_fix(self) -> str:
         found = alternatives(cached_profile(self.model), exclude=self.method.name, cp_size=self.cp_size, packed=True)
         others = [alternative_label(m, o) for m, o in found]
-        runs = f"methods that run packed rows of this model: {' | '.join(others)}" if others else "no method runs them"
+        fix = (
+            f"pass context_parallel(model, mesh, method=...) one of the methods that run packed rows of this "
+            f"model: {' | '.join(others)}; or give it one document per row"
+            if others
+            else "no other method runs packed rows of this model: give it one document per row"
+        )
         return (
             f"method={self.method.name} attends across the whole row and would mix the documents, so it is "
-            f"refused; {runs} (context_parallel(model, mesh, method=...)), or give one document per row"
+            f"refused; {fix}"
         )
 
     def reduce_gradients(self) -> None:

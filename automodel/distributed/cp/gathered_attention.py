@@ -58,6 +58,7 @@ __all__ = [
     "THDPlan",
     "check_thd_kernel",
     "gathered_layer",
+    "pad_documents",
     "shard_batch",
     "thd_attention",
 ]
@@ -427,6 +428,74 @@ def gathered_layer(
 
 # ---------------------------------------------------------------------------------------------------------
 # the batch
+
+
+def pad_documents(batch: dict[str, Any], multiple: int, seq_lens_padding_value: int = -1000) -> dict[str, Any]:
+    """A packed batch with every document's slot padded to a multiple of ``multiple`` (the head-tail partition
+    cuts each document into ``2 * W`` chunks), so packing needs no per-document padding of its own.
+
+    Exact for causal attention: a document's added slots come after its real tokens (``labels`` -100, token 0,
+    positions counting on), so no real token reads them, and the next document starts at its own slot. Rows
+    are laid out again at a common length (a multiple of ``multiple``; the extra joins each row's last
+    document, as the collator does).
+
+    Args:
+        batch: ``input_ids`` / ``labels`` ``[B, S]`` and ``seq_lens`` / ``seq_lens_padded`` ``[B, P]``
+            (``seq_lens_padding_value`` = unused); other ``[B, S]`` tensors (``position_ids``, ``loss_mask``,
+            ``padding_mask``) are moved with the tokens. Not mutated.
+        multiple: what every document slot becomes a multiple of.
+
+    Returns:
+        ``batch`` itself when every slot and the row length are multiples already (or the batch is not
+        packed), else a new dict of the same keys.
+    """
+    lens, slots = batch.get("seq_lens"), batch.get("seq_lens_padded")
+    ids = batch["input_ids"]
+    if lens is None or slots is None or multiple <= 1:
+        return batch
+    bsz, seq = ids.shape
+    used = slots != seq_lens_padding_value
+    if bool((slots[used] % multiple == 0).all()) and seq % multiple == 0:
+        return batch
+    old = slots.masked_fill(~used, 0).tolist()
+    new = [[-(-p // multiple) * multiple for p in row] for row in old]
+    length = max(max(sum(row) for row in new), multiple)
+    length = -(-length // multiple) * multiple
+    # index of each new slot's token in the old row (-1: an added pad slot), and the pad's offset past its slot
+    src = torch.full((bsz, length), -1, dtype=torch.long)
+    step = torch.zeros((bsz, length), dtype=torch.long)
+    new_slots = slots.clone()
+    for b in range(bsz):
+        last = max((i for i, p in enumerate(old[b]) if p), default=None)
+        at_old = at_new = 0
+        for i, (p, q) in enumerate(zip(old[b], new[b])):
+            if not p:
+                continue
+            if i == last:
+                q += length - sum(new[b])
+            src[b, at_new : at_new + p] = torch.arange(at_old, at_old + p)
+            src[b, at_new + p : at_new + q] = at_old + p - 1  # the slot's last token: positions count on from it
+            step[b, at_new + p : at_new + q] = torch.arange(1, q - p + 1)
+            new_slots[b, i] = q
+            at_old, at_new = at_old + p, at_new + q
+    empty = (src < 0).all(dim=1, keepdim=True)  # a row without documents: every slot is padding
+    pad = (step > 0) | empty
+    src = src.clamp(min=0)
+    src, pad, step = src.to(ids.device), pad.to(ids.device), step.to(ids.device)
+    out = dict(batch)
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or key in ("seq_lens", "seq_lens_padded") or value.shape[-2:] != (bsz, seq):
+            continue
+        index = src.expand(*value.shape[:-2], bsz, length)
+        moved = value.gather(-1, index)
+        if key == "position_ids":
+            moved = moved + step.expand_as(moved)
+        else:
+            fill = {"labels": -100, "padding_mask": 1}.get(key, 0)  # padding_mask: 1 marks a pad slot
+            moved = moved.masked_fill(pad.expand_as(moved), fill)
+        out[key] = moved
+    out["seq_lens_padded"] = new_slots.to(slots.device)
+    return out
 
 
 def shard_batch(

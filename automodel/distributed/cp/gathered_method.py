@@ -30,6 +30,9 @@ class GatheredKVMethod(AttentionSwitchingMethod):
     supports_vlm = False  # the vision path hands merged inputs_embeds to ring / ulysses batch functions only
     chunks_per_rank = 2  # TE's partition: chunks r and 2W-1-r of EVERY document (padded to 2*cp)
     layout = "head_tail"
+    #: the data pads every packed document to :meth:`document_multiple` (thd: Transformer Engine's kernel reads
+    #: that padding); ``False``: the batch function pads them itself, so packing is the same at every cp_size
+    pads_documents_in_data = True
 
     # ------------------------------------------------------------------ recipe keys
     def recipe_batch_options(self, cfg: Any) -> dict[str, Any]:
@@ -44,7 +47,8 @@ class GatheredKVMethod(AttentionSwitchingMethod):
     def dataset_options(self, cfg: Any, node: Any) -> dict[str, Any]:
         """``{"seq_pad_multiple": 2*cp}`` for a packed dataset node without its own value, else {}."""
         if (
-            cfg.distributed.cp_size <= 1
+            not self.pads_documents_in_data
+            or cfg.distributed.cp_size <= 1
             or node is None
             or node.get("pack") is not True
             or node.get("seq_pad_multiple") is not None
@@ -80,7 +84,7 @@ class GatheredKVMethod(AttentionSwitchingMethod):
                     "install it or set distributed.thd_kernel=portable"
                 )
         multiple, what = self.document_multiple(cfg)
-        for key in ("dataset", "validation_dataset"):
+        for key in ("dataset", "validation_dataset") if self.pads_documents_in_data else ():
             node = getattr(cfg.data, key)
             if node is None or node.get("pack") is not True:
                 continue

@@ -23,6 +23,7 @@ __all__ = [
     "methods_that_run",
     "alternatives",
     "alternatives_fix",
+    "method_reasons",
     "run_problems",
 ]
 
@@ -152,6 +153,11 @@ def alternative_label(method: CPMethod, options: dict[str, Any]) -> str:
     return f"{method.name} ({opts})" if opts else method.name
 
 
+def method_reasons(reasons: list[str]) -> str:
+    """Each method's refusal (``label: why``) as one sentence, the sentences joined (``auto``'s refusals)."""
+    return ". ".join(r.strip().rstrip(".") for r in reasons)
+
+
 def methods_that_run(
     profile: ModelProfile,
     seq_len: int | None = None,
@@ -167,12 +173,14 @@ def methods_that_run(
 
 
 def alternatives_fix(
-    profile: ModelProfile, *, key: str = "distributed.cp_method=...", **conditions: Any
+    profile: ModelProfile, *, key: str = "distributed.cp_method", **conditions: Any
 ) -> tuple[str, tuple[str, ...]]:
     """The advice of a refusal: ``(text, labels)``, the labels of :func:`alternatives` under ``conditions``
     (its keywords: ``exclude``, ``cp_size``, ``tp_size``, ``seq_len``, ``packed``; each label runs the model
-    exactly under the same conditions). ``packed=None`` (not known yet: the own loop before a batch): the
-    methods that take one document per row only are marked so. ``key``: how the user selects a method."""
+    exactly under the same conditions). The text is an instruction (``set <key> to one of ...``), or, when no
+    method runs the model, says so and what to change. ``packed=None`` (not known yet: the own loop before a
+    batch): the methods that take one document per row only are marked so. ``key``: how the user selects a
+    method."""
     found = alternatives(profile, **conditions)
     labels = tuple(alternative_label(m, o) for m, o in found)
     packed = conditions.get("packed", False)
@@ -188,7 +196,7 @@ def alternatives_fix(
         label + (" (one document per row)" if packed is None and not m.supports_packed else "")
         for label, (m, _) in zip(labels, found)
     ]
-    return f"methods that run this model exactly: {' | '.join(shown)} ({key})", labels
+    return f"set {key} to one of the methods that run this model exactly: {' | '.join(shown)}", labels
 
 
 def _refusal(error: type[UserInputError], message: str, labels: tuple[str, ...]) -> UserInputError:
@@ -279,12 +287,12 @@ def check_model_config_for_cp(
         raise _refusal(
             UserInputError,
             f"distributed.cp_method={m.name} attends across the whole row and would mix the documents of packed "
-            f"rows, so it is refused; {fix}, or one document per row",
+            f"rows, so it is refused; {fix}; or give it one document per row (data.dataset.pack=false)",
             labels,
         )
     problem = m.head_split_problem(profile.num_attention_heads, cp_size, tp_size)
     if problem is not None:
         fix, labels = alternatives_fix(profile, exclude=m.name, **where)
-        raise _refusal(UserInputError, f"{problem}; or another method: {fix}", labels)
+        raise _refusal(UserInputError, f"{problem}; {'or ' if labels else ''}{fix}", labels)
     check_model_for_cp(m, profile, seq_len, cp_size=cp_size, tp_size=tp_size, packed=packed)
     return profile

@@ -51,7 +51,7 @@ import torch
 
 from automodel.distributed.cp import active, hf_attention
 from automodel.distributed.cp.batch_forms import check_batch_forms
-from automodel.distributed.cp.gathered_attention import THDPlan, gathered_layer, shard_batch
+from automodel.distributed.cp.gathered_attention import THDPlan, gathered_layer, pad_documents, shard_batch
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.usp.groups import UspGroups, usp_process_groups
 from automodel.distributed.sp.all_to_all import all_to_all
@@ -206,6 +206,7 @@ def make_usp_batch_and_ctx(
     cp_comm_type: str = "p2p",
     inner_attn: str | None = None,
     seq_lens_padding_value: int = -1000,
+    document_multiple: int | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager[UspContext]], dict[str, Any]]:
     """Shard a BSHD batch (packed or not) for USP and build the context its attention calls need.
 
@@ -213,11 +214,14 @@ def make_usp_batch_and_ctx(
         device_mesh: DeviceMesh with a ``"cp"`` dim, a 1-D CP mesh, a CP ``ProcessGroup``, or ``None``.
         batch: as for ``make_thd_batch_and_ctx`` (identical on every
             CP rank; ``input_ids`` / ``labels`` ``[B, S]``, packed rows add ``position_ids`` and ``seq_lens`` /
-            ``seq_lens_padded`` ``[B, P]``). Every padded document length must be a multiple of ``2 * cp_size``.
+            ``seq_lens_padded`` ``[B, P]``). Packed documents are padded to a multiple of ``2 * cp_size`` here
+            (:func:`~automodel.distributed.cp.gathered_attention.pad_documents`, exact); plain rows must be.
         ulysses_size: ``U``, the Ulysses sub-group size; it divides the CP size (the ring size is ``cp / U``).
         kernel, cp_comm_type: the THD kernel across the ring sub-group (``distributed.thd_kernel``).
         inner_attn: accepted (the recipe binds the model's previous implementation) and unused.
         seq_lens_padding_value: sentinel of unused ``seq_lens`` entries.
+        document_multiple: what each packed document is padded to (``None``: ``2 * cp_size``; the recipe passes
+            ``2 * cp_size * tp_size`` with sequence parallelism); a multiple of ``2 * cp_size``.
 
     Returns:
         ``(ctx_factory, local)``: ``local`` holds ``input_ids``, ``labels``, ``position_ids`` (global
@@ -228,11 +232,16 @@ def make_usp_batch_and_ctx(
 
     Raises:
         ValueError: ``ulysses_size`` not dividing the CP size, a ring share not divisible by ``ulysses_size``
-            (documents not padded to ``2 * cp_size``), anything ``make_thd_batch_and_ctx`` rejects.
+            (plain rows not padded to ``2 * cp_size``), anything ``make_thd_batch_and_ctx`` rejects.
     """
     check_batch_forms("usp", batch)  # refuse what usp does not compute exactly (docs/batch_forms.md)
     del inner_attn
     group, world, rank = resolve_cp_group(device_mesh)
+    # packed documents are padded here, not by the data: packing is the same at every cp_size (and as thd_docs')
+    multiple = document_multiple or 2 * world
+    if multiple % (2 * world):
+        raise ValueError(f"document_multiple={multiple} is not a multiple of 2*cp_size = {2 * world}")
+    batch = pad_documents(batch, multiple, seq_lens_padding_value)
     groups = usp_process_groups(group, world, rank, ulysses_size)
     ring_group, ring_size, ring_rank = resolve_cp_group(groups.ring_group)
     plan, ring_local = shard_batch(
@@ -242,8 +251,7 @@ def make_usp_batch_and_ctx(
     if share % ulysses_size:
         raise ValueError(
             f"the ring rank's share of {share} tokens does not split over distributed.ulysses_size={ulysses_size}: "
-            f"pad every packed document to a multiple of 2*cp_size = {2 * world} "
-            f"(data.dataset.seq_pad_multiple={2 * world}) and rows to a multiple of {2 * world}"
+            f"pad the rows to a multiple of 2*cp_size = {2 * world}"
         )
     n = share // ulysses_size
     start = groups.ulysses_rank * n

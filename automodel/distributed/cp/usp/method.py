@@ -16,7 +16,8 @@ document, sinks (the rank's heads' sink logits) and logit softcapping run the ha
 sub-group (never across a document); MLA value heads run on zero-padded V; Llama 4's query temperature is
 taken at the in-document position. Refused: linear / state-space mixers without a usp kernel
 (:mod:`automodel.distributed.cp.layers.linear_support`). Every packed document is padded to a multiple of
-``2 * cp_size``.
+``2 * cp_size`` by the batch function, not by the data, so packed rows are the same at every ``cp_size`` and
+under every method that does not pad in the data (thd_docs, ulysses, cp_size 1).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class UspMethod(GatheredKVMethod):
     summary = "Ulysses all-to-all inside a node x thd K/V all-gather across nodes, packed documents"
     option_keys = ("ulysses_size",)
     layout_option = "ulysses_size"  # plan layouts: cp64.usp8
+    pads_documents_in_data = False  # make_usp_batch_and_ctx pads each document (exact): rows as at cp_size 1
 
     def __init__(self, ulysses_size: int | None = None) -> None:
         self.ulysses_size = ulysses_size
@@ -70,7 +72,11 @@ class UspMethod(GatheredKVMethod):
         return super().batch_function(prepared, **options)
 
     def recipe_batch_options(self, cfg: Any) -> dict[str, Any]:
-        return {**super().recipe_batch_options(cfg), "ulysses_size": cfg.distributed.ulysses_size}
+        return {
+            **super().recipe_batch_options(cfg),
+            "ulysses_size": cfg.distributed.ulysses_size,
+            "document_multiple": self.document_multiple(cfg)[0],  # the batch function pads packed documents
+        }
 
     # ------------------------------------------------------------------ config
     def configured(self, cfg: Any) -> CPMethod:
