@@ -739,7 +739,9 @@ def remove_tiled_mlp(model: nn.Module) -> int:
     return count
 
 
-def check_tiled_mlp_for_model_config(model_cfg: Any, resolved: Any, *, attn_implementation: str, seed: int) -> None:
+def check_tiled_mlp_for_model_config(
+    model_cfg: Any, resolved: Any, *, attn_implementation: str, seed: int
+) -> None:
     """The recipe's check of ``model.tiled_mlp`` before any weight loads: the model built on the meta device
     (no memory) and checked by :func:`check_tiled_mlp_for_model`. No-op when ``model.tiled_mlp`` is false.
 

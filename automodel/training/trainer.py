@@ -427,7 +427,8 @@ class FinetuneTrainer:
             loss_parallel=d.enable_loss_parallel,
             sequence_parallel=d.sequence_parallel,
         )
-        if cfg.model.tiled_mlp is not False:  # each tile enters the MLP through TP's hooks: tiles of the rank's tokens
+        # each tile enters the MLP through TP's hooks: tiles of the tokens the rank holds after the TP split
+        if cfg.model.tiled_mlp is not False:
             from automodel.models.tiled_mlp import apply_tiled_mlp
 
             apply_tiled_mlp(
