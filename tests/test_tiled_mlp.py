@@ -263,3 +263,31 @@ def test_config_rule():
     assert tiled_mlp_problems(RecipeConfig(model=ModelSection(tiled_mlp=2048))) == []
     (problem,) = tiled_mlp_problems(RecipeConfig(model=ModelSection(tiled_mlp=0)))
     assert "model.tiled_mlp=0 must be false, true" in problem
+    from automodel.config.rules import check_rules
+
+    assert any(
+        "model.tiled_mlp=-4 must be" in p
+        for p in check_rules(RecipeConfig(model=ModelSection(tiled_mlp=-4)), 2)
+    )
+
+
+def test_every_matrix_family_is_tiled_or_refused_before_weights():
+    """Every family of the support matrix (on the meta device): its MLPs are found, or it is refused with the reason."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_matrix import FAMILIES
+
+    refused = {}
+    for fam in FAMILIES:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                fam.build_config(), attn_implementation=fam.attn_implementation()
+            )
+        try:
+            assert check_tiled_mlp_for_model(model, True), fam.name
+        except UserInputError as e:
+            refused[fam.name] = str(e)
+    # no MLP module (OPT's inline MLP, the Mamba family, Nemotron-H's tiny config of Mamba blocks), or RWKV's time shift
+    assert sorted(refused) == ["falcon_mamba", "mamba", "mamba2", "nemotron_h", "opt", "rwkv"], sorted(
+        refused
+    )

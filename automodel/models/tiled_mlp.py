@@ -627,7 +627,11 @@ def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         a, k = place(wrapped)
         return base_call(*a, **k)
 
-    if not tiling.probed and all(spec is None for spec in dspecs) and not xs[0].is_meta:
+    if (
+        not tiling.probed
+        and all(s is None for s in dspecs)
+        and not (xs[0].is_meta or torch.is_inference_mode_enabled())
+    ):
         _probe(self, call, flat_xs, flat)
         tiling.probed = True
     tile = resolve_tile_tokens(tiling.setting, tiling.hidden, tiling.intermediate, n)
