@@ -63,6 +63,7 @@ from automodel.distributed.cp.registry import (
     check_model_config_for_cp,
     get_cp_method,
 )
+from automodel.distributed.cp.separation import cache_off
 
 __all__ = ["BATCH_KEYS", "ContextParallel", "context_parallel", "canonical_batch"]
 
@@ -343,6 +344,8 @@ class ContextParallel:
         self.model, self.mesh, self.method, self.cp_size = model, mesh, method, cp_size
         self.group, self.options = group, options
         self._batch_fn, self._prepared, self._restored = batch_fn, prepared, False
+        #: ``(config, its use_cache before)`` for :meth:`restore` (:func:`context_parallel` turns the cache off)
+        self._use_cache: list[tuple[Any, Any]] = []
         #: what ``method="auto"`` chose and why (``None`` when a method was named)
         self.choice: Choice | None = None
 
@@ -370,7 +373,9 @@ class ContextParallel:
             )
         m = self.method
         multiple = m.row_multiple(self.cp_size)[0]
-        canonical, packed = canonical_batch(batch, multiple, m.supports_packed or self.cp_size <= 1, self._packed_fix())
+        refusal = self._prepared.packed_refusal  # CP size 1: a model that mixes documents, no method for them
+        packed_ok = m.supports_packed or (self.cp_size <= 1 and not refusal)
+        canonical, packed = canonical_batch(batch, multiple, packed_ok, refusal or self._packed_fix())
         n_items = int((canonical["labels"] != -100).sum())
         ctx, local = self._batch_fn(self.mesh, canonical)
         local = {k: local[k] for k in _MODEL_KEYS if k in local}
@@ -408,9 +413,12 @@ class ContextParallel:
         return total
 
     def restore(self) -> None:
-        """Put the model's own attention back (undo the preparation; mutates the model). Idempotent."""
+        """Put the model's own attention (and ``use_cache``) back (undo the preparation; mutates the model).
+        Idempotent."""
         if not self._restored:
             self._prepared.undo()
+            for config, value in self._use_cache:
+                config.use_cache = value
             self._restored = True
 
     def describe(self) -> str:
@@ -424,6 +432,10 @@ class ContextParallel:
             attn = f"attention {p.previous_attn!r} -> {p.current_attn!r}"
         else:
             attn = "attention unchanged" + (" (cp_size 1: no context parallelism)" if self.cp_size <= 1 else "")
+        if p.single_rank:
+            attn += f"; packed rows: {p.single_rank}"
+        elif p.packed_refusal:
+            attn += "; packed rows refused (the model's own forward mixes their documents)"
         chosen = f" ({self.choice.reason})" if self.choice is not None else ""
         return (
             f"context_parallel: method {self.method.name}{chosen} ({self.method.summary}); cp_size {self.cp_size}; "
@@ -502,7 +514,11 @@ def context_parallel(model: Any, mesh: Any, method: str | CPMethod = "thd_docs",
     group, cp_size, _ = resolve_cp_group(mesh)
     m = m.configured(_Options(cp_size, options))
     check_model_config_for_cp(m, cached_profile(model), cp_size)
-    batch_fn, prepared = bind_cp_method(m, model, mesh, cp_size, **options)
+    use_cache = cache_off(model)  # a cache turns transformers' per-document masks off (and CP runs no cache)
+    # CP size 1: rows may be packed; the model's own forward runs them only where it keeps documents apart
+    batch_fn, prepared = bind_cp_method(m, model, mesh, cp_size, packed=None if cp_size <= 1 else False, **options)
     handle = ContextParallel(model, mesh, m, cp_size, group, batch_fn, prepared, options)
+    handle._use_cache = use_cache
     handle.choice = choice
     return handle
+
