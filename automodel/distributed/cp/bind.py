@@ -108,10 +108,15 @@ def _bind_single_rank(
         if packed is None:  # the own loop: refused at the first packed batch
             return no_cp_batch_and_ctx, PreparedModel(packed_refusal=reason)
         raise CPUnsupportedError(reason)
-    prepared = chosen.prepare_model(model, device_mesh)
+    prepared = chosen.prepare_model(model, None)  # one rank: no CP group
     prepared.single_rank = (
         f"the model's own forward {separation.reason}, so {chosen.name}'s document-aware attention computes "
         "each document on the one rank"
     )
     options = batch_options if chosen is m else {}
-    return chosen.batch_function(prepared, **options), prepared
+    fn = chosen.batch_function(prepared, **options)
+
+    def one_rank(device_mesh: Any, batch: dict[str, Any]) -> tuple[Callable[[], Any], dict[str, Any]]:
+        return fn(None, batch)  # CP size 1 whatever the mesh (the self-check's reference runs on a CP mesh)
+
+    return one_rank, prepared
