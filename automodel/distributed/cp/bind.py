@@ -47,7 +47,8 @@ def bind_cp_method(
     - ``packed=False`` (rows hold one document): :func:`no_cp_batch_and_ctx`, an empty :class:`PreparedModel`;
     - ``packed=True`` (the recipe with packing, the self-check's reference) or ``None`` (not known: the own
       loop): the model's own forward where it keeps the documents apart
-      (:func:`~automodel.distributed.cp.separation.document_separation`; with ``trust_own_forward=False``,
+      (:func:`~automodel.distributed.cp.separation.document_separation`; its cache is then turned off, as
+      probed: with a cache transformers builds no per-document mask; with ``trust_own_forward=False``,
       never: the self-check's reference is exact by construction); else the document-aware attention of
       ``method``, or with ``packed=True`` of the first method that runs the model on packed rows
       (:func:`~automodel.distributed.cp.separation.packed_method_at_one`), on the one rank.
@@ -86,6 +87,7 @@ def _bind_single_rank(
     """``cp_size == 1`` on rows that may be packed: see :func:`bind_cp_method`."""
     from automodel.distributed.cp.separation import (
         Separation,
+        cache_off,
         document_separation,
         packed_method_at_one,
         packed_refusal,
@@ -93,7 +95,8 @@ def _bind_single_rank(
 
     if trust_own_forward:
         separation = document_separation(model)
-        if separation.separates:
+        if separation.separates:  # as probed: without a cache (with one, transformers masks no documents)
+            cache_off(model)
             return no_cp_batch_and_ctx, PreparedModel(single_rank=f"the model's own forward {separation.reason}")
     else:
         separation = Separation(False, "is not trusted with packed rows here (the reference must be exact by construction)")
