@@ -8,7 +8,7 @@ this file wires them in order:
 2. tokenizer and model *config* (checked against the run before any weight is read);
 3. datasets and resumable dp loaders;
 4. model (pretrained or from config), the CP method's one-time switch (Ulysses attention; none at
-   cp_size=1), activation checkpointing, FSDP2;
+   cp_size=1, except on packed rows that the model's own forward would mix), activation checkpointing, FSDP2;
 5. optimizer, LR scheduler, checkpointer (and resume);
 6. the loop: ``grad_acc`` micro-batches per step, the loss normalised by the global number of
    label tokens, gradient clipping, validation / checkpoints every N steps, SIGTERM handling;

@@ -33,6 +33,13 @@ by exactly 1). :meth:`ContextParallel.shard` turns it, exactly, into the form th
   packed rows under a method that attends across the whole row (with the methods that run them), left or
   inner padding, padding slots that carry a label, ``position_ids`` that disagree with ``seq_lens``.
 
+**At CP size 1** (``mesh=None``, a CP group of 1) rows may be packed too, and are computed per document:
+the model's own forward where a probe shows that it keeps a packed row's documents apart
+(:func:`~automodel.distributed.cp.separation.document_separation`), else the method's document-aware attention
+on the one rank; a method that attends across the row (ring) then refuses packed batches with the reason.
+:func:`context_parallel` turns the model's cache off (:meth:`ContextParallel.restore` turns it back on): with a
+cache transformers masks no documents.
+
 **The local batch** holds only model arguments: ``input_ids``, ``position_ids``, ``labels`` and
 ``shift_labels`` (this rank's labels: transformers then does not shift them again) and
 ``num_items_in_batch`` (the label count of the whole batch), so ``model(**local).loss`` is this rank's

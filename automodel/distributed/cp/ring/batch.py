@@ -12,8 +12,10 @@ unchanged. Behaviour differs where the reference is unsafe, and the docstrings s
   autograd so its gradient reaches whatever produced it (a vision tower, the embedding);
 - packed multi-document rows are a ``ValueError`` on the ring path (ring attention would attend
   across documents); they belong to the THD path (``use_te=True``);
-- with no CP the batch is returned untouched (a true no-op); with CP a new dict holding its own
-  copies is returned and the caller's batch is never modified;
+- with no CP the batch is returned untouched; on packed rows (restarting ``position_ids``, ``seq_lens``)
+  the context then probes the model at its first forward and refuses one whose own forward mixes the
+  documents (:func:`~automodel.distributed.cp.separation.own_forward_on_packed_rows`); with CP a new dict
+  holding its own copies is returned and the caller's batch is never modified;
 - :func:`_build_position_ids` returns the batch, as the reference does.
 
 Typical use::
@@ -342,7 +344,9 @@ def make_cp_batch_and_ctx(
 
     Returns:
         ``(train_ctx, batch)``. Without CP (no mesh, no ``cp`` dim, cp size 1) and ``use_te=False``:
-        ``(contextlib.nullcontext, batch)`` with ``batch`` the very same object, untouched.
+        ``(contextlib.nullcontext, batch)`` with ``batch`` the very same object, untouched; on packed rows
+        ``train_ctx`` instead probes the model at its first forward inside it and raises
+        ``CPUnsupportedError`` if the model's own forward mixes the documents (its cache is off inside).
 
         Ring path (cp > 1): a **new dict holding its own copies** of the sequence tensors; the
         caller's batch and tensors are never modified. Rows whose length ``S`` is not a multiple of
