@@ -10,8 +10,11 @@ Whether a model's forward separates documents is therefore found **by a check on
 - :func:`document_separation` runs the model itself (as the run will run it, eval mode, no grad, RNG untouched)
   on a tiny probe: two packed rows ``[A, B]`` and ``[A', B]`` (different first documents, the same second one,
   ``position_ids`` restarting at ``B``) and ``B`` alone. It separates documents when ``B``'s logits do not
-  depend on the document before it and equal ``B`` run alone. A model that cannot run the probe (weights on
-  the meta device, a forward that needs other inputs) is taken not to separate them.
+  depend on the document before it and equal ``B`` run alone. The probe checks the model's plumbing (do the
+  positions reach its masks and mixers); windows and chunks are transformers' shared mask code, applied per
+  document once they do. A model that cannot run the probe (weights on the meta device, a forward that needs
+  other inputs) or that has a token mixer the profile does not recognise (DeepSeek sparse attention: its
+  indexer's top-k spans the row once it is longer than the probe) is taken not to separate them.
 - :func:`packed_method_at_one` is the document-aware path where it does not: a CP method that runs the model
   exactly on packed rows, computed on one rank (every method's attention at world size 1 is exact against
   each document alone: thd_docs keeps every document whole and local, thd and ulysses compute per document),
@@ -100,6 +103,14 @@ def _first_param(model: torch.nn.Module) -> torch.Tensor | None:
 
 
 def _probe(model: torch.nn.Module) -> Separation:
+    unknown = _unknown_layers(model)
+    if unknown:  # the probe vouches for the model's plumbing of position_ids, not for mixers it does not know
+        return Separation(
+            False,
+            f"has token mixers the model profile does not recognise ({unknown}), which a probe on a few tokens "
+            "cannot vouch for (their behaviour may change with the row's length, as a sparse-attention indexer's "
+            "top-k does)",
+        )
     param = _first_param(model)
     if param is None or param.is_meta:
         return Separation(False, "could not be probed (its weights are on the meta device)")
@@ -147,6 +158,23 @@ def _probe(model: torch.nn.Module) -> Separation:
     return Separation(True, "computes each document of a packed row as if alone (probed)")
 
 
+def _unknown_layers(model: torch.nn.Module) -> str:
+    """The layers :func:`~automodel.distributed.cp.profile.profile_model` does not recognise, in words (empty:
+    none). Windows and chunks are transformers' shared mask code, applied per document once the positions reach
+    it, which is what the probe checks; a mixer of unknown kind may depend on lengths the probe does not reach."""
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.profile import UNKNOWN
+
+    try:
+        profile = cached_profile(model)
+    except Exception as e:  # noqa: BLE001 - a model the profile cannot read is not vouched for either
+        return f"the profile failed: {type(e).__name__}"
+    layers = [layer for layer in profile.layers if layer.kind == UNKNOWN]
+    if not layers:
+        return ""
+    return f"layers {', '.join(str(layer.index) for layer in layers[:8])}: {layers[0].describe()}"
+
+
 def _logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     out = model(input_ids=ids, position_ids=positions, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
@@ -170,9 +198,9 @@ def packed_refusal(profile: ModelProfile, separation: Separation, how: str) -> s
     ``how``: the sentence's ending naming the fix (e.g. a config key)."""
     return (
         f"packed rows (several documents per row) at CP size 1: {profile.architecture} "
-        f"(model_type={profile.model_type}, attention {profile.attn_implementation!r}) {separation.reason}, so "
-        f"its own forward would train on documents mixed together, and no CP method's document-aware attention "
-        f"runs this model exactly either; {how}"
+        f"(model_type={profile.model_type}, attention {profile.attn_implementation!r}) {separation.reason}: its "
+        f"own forward could train on documents mixed together, and no CP method's document-aware attention runs "
+        f"this model exactly either; {how}"
     )
 
 
@@ -219,7 +247,7 @@ def own_forward_on_packed_rows(entry: str) -> Iterator[None]:
             raise CPUnsupportedError(
                 f"{entry} at CP size 1 runs the model's own forward on packed rows (several documents per row), and "
                 f"{profile.architecture} (model_type={profile.model_type}, attention "
-                f"{profile.attn_implementation!r}) {separation.reason}: it would train on documents mixed "
+                f"{profile.attn_implementation!r}) {separation.reason}: it could train on documents mixed "
                 f"together, so it is refused; {run}, or give one document per row"
             )
         restore.extend(cache_off(model))
