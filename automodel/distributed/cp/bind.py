@@ -47,13 +47,13 @@ def bind_cp_method(
     - ``packed=False`` (rows hold one document): :func:`no_cp_batch_and_ctx`, an empty :class:`PreparedModel`;
     - ``packed=True`` (the recipe with packing, the self-check's reference) or ``None`` (not known: the own
       loop): the model's own forward where it keeps the documents apart
-      (:func:`~automodel.distributed.cp.separation.document_separation`; its cache is then turned off, as
-      probed: with a cache transformers builds no per-document mask; with ``trust_own_forward=False``,
+      (:func:`~automodel.distributed.cp.separation.document_separation`; with ``trust_own_forward=False``,
       never: the self-check's reference is exact by construction); else the document-aware attention of
       ``method``, or with ``packed=True`` of the first method that runs the model on packed rows
       (:func:`~automodel.distributed.cp.separation.packed_method_at_one`), on the one rank.
       ``prepared.single_rank`` says which and why; with ``packed=None`` and a ``method`` that attends across
-      the row, ``prepared.packed_refusal`` is the reason packed batches are refused.
+      the row, ``prepared.packed_refusal`` is the reason packed batches are refused. The model's cache is
+      turned off (``config.use_cache``): with one, transformers builds no per-document mask.
 
     Raises:
         CPUnsupportedError: ``packed=True`` at ``cp_size == 1``, a model whose own forward mixes the documents
@@ -93,24 +93,27 @@ def _bind_single_rank(
         packed_refusal,
     )
 
+    cache_off(model)  # as probed; with a cache transformers masks no documents (and the CP kernels refuse one)
     if trust_own_forward:
         separation = document_separation(model)
-        if separation.separates:  # as probed: without a cache (with one, transformers masks no documents)
-            cache_off(model)
+        if separation.separates:
             return no_cp_batch_and_ctx, PreparedModel(single_rank=f"the model's own forward {separation.reason}")
     else:
         separation = Separation(False, "is not trusted with packed rows here (the reference must be exact by construction)")
     chosen = packed_method_at_one(profile, m)
-    if chosen is None or (packed is None and chosen is not m):
-        how = (
-            "train it with one document per row (data.dataset.pack: false)"
-            if packed
-            else "give it one document per row"
-        )
+    if chosen is None:
+        how = "train it with one document per row (data.dataset.pack: false)" if packed else "give it one document per row"
         reason = packed_refusal(profile, separation, how)
         if packed is None:  # the own loop: refused at the first packed batch
             return no_cp_batch_and_ctx, PreparedModel(packed_refusal=reason)
         raise CPUnsupportedError(reason)
+    if packed is None and chosen is not m:  # the own loop named a method that attends across the row
+        reason = (
+            f"packed rows at CP size 1: {profile.architecture} (model_type={profile.model_type}) {separation.reason}, "
+            f"and method={m.name} has no document-aware attention to run instead; context_parallel(model, mesh, "
+            f"method={chosen.name!r}) computes each document alone at any CP size"
+        )
+        return no_cp_batch_and_ctx, PreparedModel(packed_refusal=reason)
     prepared = chosen.prepare_model(model, None)  # one rank: no CP group
     prepared.single_rank = (
         f"the model's own forward {separation.reason}, so {chosen.name}'s document-aware attention computes "
