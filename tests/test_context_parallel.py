@@ -64,6 +64,18 @@ def test_every_method_with_both_offloads_equals_the_run_without(results):
 
 
 @pytest.mark.dist
+def test_every_method_matches_one_process_with_tiled_mlp(results):
+    """model.tiled_mlp (tiles of 3 tokens) under every method at cp=2, fp64, against the untiled reference."""
+    for r in results:
+        for method in METHODS:
+            for form in ("plain", "packed_seq_lens"):
+                if method in UNPACKED and form != "plain":
+                    continue
+                check = r["tiled"][(method, form)]
+                assert check["loss_rel"] <= 1e-10 and check["grad_rel"] <= 1e-10, (method, form, check)
+
+
+@pytest.mark.dist
 def test_ring_refuses_packed_rows_naming_the_methods_that_run_them(results):
     message = results[0]["refused"][("float32", "ring", "packed_restarts")]
     assert "packed rows" in message and "method=ring attends across the whole row" in message

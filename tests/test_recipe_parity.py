@@ -1,7 +1,8 @@
 """The fine-tuning recipe end to end: parity across dp / cp, resume, export, run outputs.
 
 Two launches for the whole module (module-scoped fixture): a 2-rank gloo group (ring cp=2 with
-export; dp=2; dp=2 stopped by SIGTERM after step 4 and resumed; Ulysses cp=2 on plain rows, and on
+export; ring cp=2 with activation checkpointing and ``model.tiled_mlp``; dp=2; dp=2 stopped by SIGTERM after
+step 4 and resumed; Ulysses cp=2 on plain rows, and on
 packed rows with the eager kernel and activation checkpointing) and a 1-rank group (the
 single-device reference, the same run with activation checkpointing, a run starting from the
 exported model, and the packed-rows reference). All runs are ``configs/cp.yaml`` (Ulysses:
@@ -74,6 +75,7 @@ def test_reference_trains(runs):
         ("ulysses_packed_cp2", "packed_ref"),
         ("toy_cp2", "ref"),  # a method registered by the test (tests/toy_cp_method.py)
         ("sliding_cp2", "sliding_ref"),  # Mistral, window 16 < the row: ring's halo kernel
+        ("tiled_cp2", "ref"),  # FSDP2, ring cp=2, activation checkpointing and model.tiled_mlp=24
     ],
 )
 def test_parallel_run_matches_single_device(runs, name, ref_name):
@@ -82,6 +84,10 @@ def test_parallel_run_matches_single_device(runs, name, ref_name):
     assert _max_rel(run["val_losses"], ref["val_losses"]) <= LOSS_RTOL
     assert _max_rel(run["grad_norms"], ref["grad_norms"]) <= 1e-4
     assert _max_weight_diff(run["state"], ref["state"]) <= WEIGHT_ATOL
+
+
+def test_tiled_mlp_run_tiled_every_mlp(runs):
+    assert runs["tiled_cp2"]["tiled_mlps"] == 2  # both decoder layers' MLPs ran over tiles
 
 
 def test_cp2_matches_cp1_at_same_world_size(runs):

@@ -3,7 +3,8 @@
 One 2-rank gloo group (tests/workers/tp_worker.py) runs every case in fp64 and fp32: Llama with
 gathered logits, with loss parallel, with loss + sequence parallel; Qwen2 (q/k/v biases); Qwen3 with
 tied embeddings (per-head ``q_norm``/``k_norm``, the replicated-with-gradient-all-reduce style)
-with loss parallel and with sequence parallel; Mistral with loss + sequence parallel. Loss and
+with loss parallel and with sequence parallel; Mistral with loss + sequence parallel; Llama with a tiled MLP
+(``model.tiled_mlp``, tiles of 7 tokens) with loss parallel, with and without sequence parallel. Loss and
 every parameter gradient are compared with the unsharded model on the same batch (with -100 labels).
 
 Measured on CPU: fp64 agrees to ~1e-15 relative (loss and gradients), fp32 to ~1e-7 (loss) and

@@ -1,7 +1,7 @@
 """THD attention library parity at cp=4 (one 4-rank gloo launch): GQA with 1 KV head < cp, fp64 and fp32.
 
 Same documents as tests/test_thd_attention.py, padded to multiples of 2*cp=8 (lengths 1, 22, 13, 7:
-the 22-token document is longer than S/cp = 32/4).
+the 22-token document is longer than S/cp = 32/4). Also ``model.tiled_mlp`` at cp=4 (fp64, tiles of 3 tokens).
 """
 
 from __future__ import annotations
@@ -39,3 +39,9 @@ def test_isolation_cp4(results):
     for r in results:
         assert r["isolation"]["others_max_diff"] == 0.0
         assert r["math_blocks"]["loss_rel"] <= 1e-10 and r["math_blocks"]["grad_rel"] <= 1e-8
+
+
+@pytest.mark.dist
+def test_tiled_mlp_cp4(results):
+    for r in results:
+        assert r["tiled_mlp"]["loss_rel"] <= 1e-10 and r["tiled_mlp"]["grad_rel"] <= 1e-8, r["tiled_mlp"]

@@ -17,6 +17,7 @@ from automodel.config.offload_rules import offload_problems
 from automodel.config.peft_rules import peft_problems
 from automodel.config.sample_rules import sample_problems
 from automodel.config.schema import RecipeConfig
+from automodel.config.tiled_mlp_rules import tiled_mlp_problems
 from automodel.distributed.cp import AUTO, CPMethod, cp_methods
 from automodel.distributed.cp.registry import alternative_label, method_reasons
 from automodel.distributed.tensor_parallel import tp_size_problems
@@ -161,6 +162,7 @@ def check_rules(
     problems += tp_problems(cfg)
     problems += compile_problems(cfg)  # compiled autograd / model.compile vs FSDP2 and the CP method
     problems += offload_problems(cfg)  # model.activation_offload, fsdp.offload
+    problems += tiled_mlp_problems(cfg)  # model.tiled_mlp: true, false or tokens per tile >= 1
     if isinstance(cfg.loss.chunk_tokens, int) and cfg.loss.chunk_tokens < 1:
         problems.append(
             f"loss.chunk_tokens={cfg.loss.chunk_tokens} must be >= 1 (tokens whose logits are computed at once, "

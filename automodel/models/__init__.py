@@ -1,5 +1,5 @@
 """Hugging Face causal LMs for the recipe: config resolution and checks (``loader``), activation
-checkpointing and FSDP2 (``parallelize``)."""
+checkpointing and FSDP2 (``parallelize``); the sequence-tiled MLP is :mod:`automodel.models.tiled_mlp`."""
 
 from automodel.models.loader import (
     ResolvedModelConfig,

@@ -68,12 +68,14 @@ class Layout:
     tp: int
     method: str | None = None
     sequence_parallel: bool = False
+    options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
 
     @property
     def text(self) -> str:
         parts = [f"dp {self.dp}"] if self.dp > 1 else []
         if self.cp > 1:
-            parts.append(f"cp {self.cp} {self.method}")
+            opts = "".join(f" {k.split('_')[0]} {v}" for k, v in self.options)  # usp ulysses 8
+            parts.append(f"cp {self.cp} {self.method}{opts}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}" + (" sp" if self.sequence_parallel else ""))
         return " x ".join(parts) or "1 GPU"
@@ -82,6 +84,7 @@ class Layout:
         out = [f"distributed.dp_shard={self.dp}", f"distributed.cp_size={self.cp}", f"distributed.tp_size={self.tp}"]
         if self.cp > 1:
             out.append(f"distributed.cp_method={self.method}")
+            out += [f"distributed.{k}={v}" for k, v in self.options]
         if self.tp > 1:
             out += ["distributed.enable_loss_parallel=true",
                     f"distributed.sequence_parallel={str(self.sequence_parallel).lower()}"]  # fmt: skip
@@ -206,11 +209,10 @@ class PlanSearch:
                     out.append(Layout(dp, 1, tp, None, sp))
                     continue
                 for name, method in cp_methods().items():
-                    if not any(not opts for _, opts in method.auto_configs(cp, self.node)):
-                        continue  # a method that needs options (usp's ulysses_size) is not planned here
-                    if run_problems(method, self.profile, cp_size=cp, tp_size=tp, seq_len=None, packed=False):
-                        continue
-                    out.append(Layout(dp, cp, tp, name, sp))
+                    for bound, opts in method.auto_configs(cp, self.node):  # usp: each ulysses_size
+                        if run_problems(bound, self.profile, cp_size=cp, tp_size=tp, seq_len=None, packed=False):
+                            continue
+                        out.append(Layout(dp, cp, tp, name, sp, tuple(sorted(opts.items()))))
         return out
 
     def row_multiple(self, layout: Layout) -> int:
@@ -218,13 +220,14 @@ class PlanSearch:
 
         if layout.cp == 1:
             return layout.tp if layout.sequence_parallel else 1
-        return get_cp_method(layout.method).row_multiple(layout.cp, layout.tp, layout.sequence_parallel)[0]
+        method = get_cp_method(layout.method, **dict(layout.options))
+        return method.row_multiple(layout.cp, layout.tp, layout.sequence_parallel)[0]
 
     # --- one shape --------------------------------------------------------------------------------------
     def shape(self, layout: Layout, t: Techniques, seq: int) -> RunShape:
         return dataclasses.replace(
             self.base, local_batch=1, seq=seq, cp=layout.cp, tp=layout.tp, dp_shard=layout.dp,
-            cp_method=layout.method or "ring", grad_acc=1,
+            cp_method=layout.method or "ring", cp_options=layout.options, grad_acc=1,
             chunk_tokens=DEFAULT_CHUNK_TOKENS if t.chunked_loss and layout.tp == 1 else None,
             loss_parallel=t.chunked_loss and layout.tp > 1, sequence_parallel=layout.sequence_parallel,
             activation_checkpointing=t.checkpointing, tiled_mlp=t.tiled_mlp,

@@ -4,7 +4,7 @@
 run (model, data, tokenizer, seed, global batch, optimizer but its lr, clipping, loss-free keys
 aside, peft, the recipe name) and their hash. Left out: what may change on a resume without changing
 the run (the parallel layout, local batch size, logging, export, checkpoint keys, activation
-checkpointing, compile) and the schedule keys, which are checked on their own (below).
+checkpointing, compile, the tiled MLP) and the schedule keys, which are checked on their own (below).
 
 ``checkpoint.resume=true|auto`` without a run directory (``recipe.output_dir``) or a checkpoint
 (``checkpoint.resume_from`` / ``checkpoint.dir``) continues the newest run under
@@ -61,7 +61,7 @@ IDENTITY_FILE = "run_identity.json"
 
 # model keys that change how, not what, is trained
 _MODEL_NOT_IDENTITY = (
-    "activation_checkpointing", "activation_offload", "compile", "compile_backend", "attn_implementation",
+    "activation_checkpointing", "activation_offload", "compile", "compile_backend", "attn_implementation", "tiled_mlp",
 )
 
 

@@ -8,7 +8,7 @@ this file wires them in order:
 2. tokenizer and model *config* (checked against the run before any weight is read);
 3. datasets and resumable dp loaders;
 4. model (pretrained or from config), the CP method's one-time switch (Ulysses attention; none at
-   cp_size=1), activation checkpointing, FSDP2;
+   cp_size=1), LoRA, TP, the tiled MLP, activation checkpointing, compilation, FSDP2;
 5. optimizer, LR scheduler, checkpointer (and resume);
 6. the loop: ``grad_acc`` micro-batches per step, the loss normalised by the global number of
    label tokens, gradient clipping, validation / checkpoints every N steps, SIGTERM handling;
@@ -289,6 +289,12 @@ class FinetuneTrainer:
         check_model_config_for_tp(
             resolved.config, cfg.distributed.tp_size, sequence_parallel=cfg.distributed.sequence_parallel
         )
+        if cfg.model.tiled_mlp is not False:  # every layer's MLP found and tileable, on a weightless model
+            from automodel.models.tiled_mlp import check_tiled_mlp_for_model_config
+
+            check_tiled_mlp_for_model_config(
+                cfg.model, resolved, attn_implementation=self.attn_implementation, seed=cfg.recipe.seed
+            )
         if cfg.peft is not None:  # peft.target_modules against a weightless model, before data or weights
             from automodel.models.lora import check_lora_for_model_config
 
@@ -428,7 +434,8 @@ class FinetuneTrainer:
             self.cp_fn = _with_eager_attention_backward(self.cp_fn, self.model)
 
     def _wrap_model(self) -> None:
-        """LoRA, TP, activation checkpointing, compilation, activation offload, then FSDP2 (or replication) over dp x cp."""
+        """LoRA, TP, the tiled MLP, activation checkpointing, compilation, activation offload, then FSDP2 (or
+        replication) over dp x cp."""
         from automodel.models.loader import torch_dtype
         from automodel.models.parallelize import apply_activation_checkpointing, apply_fsdp2, apply_tp
 
@@ -444,6 +451,13 @@ class FinetuneTrainer:
             loss_parallel=d.enable_loss_parallel,
             sequence_parallel=d.sequence_parallel,
         )
+        # each tile enters the MLP through TP's hooks: tiles of the tokens the rank holds after the TP split
+        if cfg.model.tiled_mlp is not False:
+            from automodel.models.tiled_mlp import apply_tiled_mlp
+
+            apply_tiled_mlp(
+                self.model, cfg.model.tiled_mlp, tp_size=d.tp_size, sequence_parallel=d.sequence_parallel
+            )
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if cfg.model.compile or d.enable_compiled_autograd:

@@ -181,6 +181,34 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
             cp.restore()
             out["restored"][label] = model.config._attn_implementation
     out["offload"] = offload_checks(mesh, getattr(torch, dtypes[0]), plain_runs, cases["plain"][0])
+    # model.tiled_mlp: every method with each MLP run over tiles of 3 tokens (not dividing the rank's tokens),
+    # against the same untiled one-process reference
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+
+    out["tiled"] = {}
+    model = tiny_llama(2, torch.float64)
+    refs = {name: reference(model, rows) for name, (_, rows) in cases.items() if name != "packed_restarts"}
+    apply_tiled_mlp(model, 3)
+    for label, (method, options) in METHODS.items():
+        cp = context_parallel(model, mesh, method=method, **options)
+        for name in refs:
+            model.zero_grad(set_to_none=True)
+            try:
+                ctx, local = cp.shard(cases[name][0])
+            except ValueError:
+                continue
+            with ctx():
+                output = model(**local)
+                loss = _ce(output.logits.flatten(0, 1), local["shift_labels"].flatten()) / local["num_items_in_batch"]
+                loss.backward()
+            cp.reduce_gradients()
+            ref_loss, ref_grads = refs[name]
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            out["tiled"][(label, name)] = {
+                "loss_rel": abs(float(cp.reduce_loss(loss)) - ref_loss) / abs(ref_loss),
+                "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+            }
+        cp.restore()
     # a model the method would not compute exactly is refused when it is prepared, before any work
     flex = tiny_llama(2, torch.float32)
     flex.set_attn_implementation("flex_attention")  # ring replaces only SDPA (eager models are routed)

@@ -191,6 +191,19 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     # ring cp=2 on a sliding-window model
     results["sliding_cp2"] = _summary(*_run(world_size, out_dir, "sliding_cp2", ["distributed.cp_size=2", *SLIDING]))
 
+    # ring cp=2 with FSDP2, activation checkpointing and model.tiled_mlp (tiles of 24 of the rank's 2 x 64 tokens)
+    trainer, result = _run(
+        world_size,
+        out_dir,
+        "tiled_cp2",
+        ["distributed.cp_size=2", "model.activation_checkpointing=true", "model.tiled_mlp=24"],
+    )
+    results["tiled_cp2"] = _summary(trainer, result)
+    from automodel.models.tiled_mlp import is_tiled
+
+    results["tiled_cp2"]["tiled_mlps"] = sum(is_tiled(m) for m in trainer.model.modules())
+    del trainer
+
     # cp=1, dp=2
     results["dp2"] = _summary(*_run(world_size, out_dir, "dp2", ["distributed.cp_size=1"]))
 

@@ -194,4 +194,14 @@ def main(rank: int, world_size: int, cases: list[tuple[str, int]]) -> dict:
                 ce = _ce(wrong[0], local["labels"][0])
             dist.all_reduce(ce)
             out["negative_control_loss_rel"] = abs(float(ce) / n_labels - ref_loss) / abs(ref_loss)
+            # model.tiled_mlp: the MLPs over tiles of 3 tokens (not dividing the rank's share) under THD
+            from automodel.models.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
+
+            apply_tiled_mlp(model, 3)
+            t_loss, t_grads, *_ = cp_run(model, mesh, batch, n_labels)
+            remove_tiled_mlp(model)
+            out["tiled_mlp"] = {
+                "loss_rel": abs(t_loss - ref_loss) / abs(ref_loss),
+                "grad_rel": max(rel(t_grads[n], ref_grads[n]) for n in ref_grads),
+            }
     return out

@@ -25,6 +25,10 @@ CASES = {
     "qwen3_tied_lp": ("Qwen3Config", {"tie_word_embeddings": True}, True, False),  # per-head q_norm/k_norm
     "qwen3_tied_sp": ("Qwen3Config", {"tie_word_embeddings": True}, False, True),
     "mistral_lp_sp": ("MistralConfig", {"sliding_window": None}, True, True),
+    # model.tiled_mlp after the TP split: tiles of 7 tokens (not dividing the rank's 64 or, under sequence
+    # parallel, 32 tokens), each all-gathered and reduce-scattered by TP's own hooks
+    "llama_lp_tiled": ("LlamaConfig", {}, True, False, 7),
+    "llama_lp_sp_tiled": ("LlamaConfig", {}, True, True, 7),
 }
 VOCAB = 256
 
@@ -54,9 +58,13 @@ def _case(name: str, mesh, dtype: torch.dtype) -> dict:
 
     from automodel.distributed.tensor_parallel import apply_tensor_parallel
 
-    kind, extra, lp, sp = CASES[name]
+    kind, extra, lp, sp, *tiled = CASES[name]
     ref = _model(kind, extra, dtype)
     model = apply_tensor_parallel(copy.deepcopy(ref), mesh["tp"], loss_parallel=lp, sequence_parallel=sp)
+    if tiled:
+        from automodel.models.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model, tiled[0], tp_size=mesh["tp"].size(), sequence_parallel=sp)
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 33))
     x, y = ids[:, :-1], ids[:, 1:].clone()

@@ -1,0 +1,760 @@
+"""Sequence-tiled MLP (``model.tiled_mlp``): each decoder layer's MLP runs over tiles of its tokens.
+
+An MLP (dense, MoE with its shared experts, the hybrids' feed-forward blocks) computes every token on
+its own, so running it over tiles of the token dimension and concatenating the outputs is exact. What
+tiling saves is the ``[tokens, intermediate]`` activations: without it the gate / up / activation
+tensors of the whole sequence are alive at once (in the forward, and again in the backward or in the
+recompute of activation checkpointing); with it they exist for one tile at a time.
+
+How (:class:`_TiledMLPFunction`, one ``torch.autograd.Function`` per MLP call):
+
+- **forward**: the MLP runs tile by tile under ``no_grad``; only its input is saved (``[N, H]``, the
+  same tensor the first projection saves without tiling), the outputs are concatenated.
+- **backward**: each tile is recomputed with grad enabled and back-propagated on its own slice of the
+  output gradient (``torch.autograd.grad``): the input gradient is written per tile, the parameter
+  gradients are summed across tiles and returned once. The trainable parameters are inputs of the
+  Function, so autograd, FSDP2 (its reduce-scatter after the layer's backward, once) and LoRA (frozen
+  base weights get nothing) see ordinary gradient flow. The RNG state (and autocast state) of the
+  forward is replayed for the recompute.
+
+Tiles are taken along the flattened tokens of the MLP's input (``[B, S, H]`` -> ``B*S`` tokens, each
+tile passed as ``[1, t, H]``; a ``[N, H]`` input is tiled as ``[t, H]``). The MLP module is wrapped by
+swapping its class for a subclass (same name, same ``forward``) whose ``__call__`` tiles: every hook of
+the module runs per tile, so under tensor parallelism with sequence parallel each tile is all-gathered
+and reduce-scattered by TP's own hooks ("tiles of the tokens a rank holds after the TP split"); the
+module's parameter names do not change (checkpoints and the HF export see the same model). The tiled
+call is a ``torch._dynamo.disable`` region: a compiled decoder block (``model.compile``) breaks its
+graph at the MLP, which runs eagerly.
+
+Exactness is checked, not assumed: at each MLP's first call (real weights), a probe on the first 8
+tokens of the real input checks that each output token's gradient reaches no other input token (an MLP
+that mixes tokens, e.g. RWKV's time shift, is refused) and that every trainable tensor the MLP's output
+depends on is one of its own parameters (gradients to anything else would be lost). Random draws
+inside the MLP (dropout, MoE router jitter, LoRA dropout) are refused: per tile they draw other masks
+than on the whole sequence. A model whose router logits feed an auxiliary loss
+(``output_router_logits``) is refused: the logits are recorded by hooks inside the tiles.
+
+Tile size (:func:`resolve_tile_tokens`): an int is tokens per tile; ``true`` takes
+``ceil(N * H / I)`` tokens (``N`` tokens in the call, ``H`` hidden, ``I`` the MLP's per-token
+intermediate width on this rank: :func:`mlp_intermediate_width` over the TP split), rounded up to a
+multiple of :data:`TILE_MULTIPLE`: one tile's ``[t, I]`` intermediate is about the size of the layer's
+``[N, H]`` input, i.e. about ``I / H`` tiles whatever the sequence length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from automodel.errors import UserInputError
+
+__all__ = [
+    "MLP_ATTRIBUTES",
+    "PROBE_TOKENS",
+    "TILE_MULTIPLE",
+    "apply_tiled_mlp",
+    "check_tiled_mlp_for_model",
+    "check_tiled_mlp_for_model_config",
+    "find_mlps",
+    "is_tiled",
+    "mlp_intermediate_width",
+    "remove_tiled_mlp",
+    "resolve_tile_tokens",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``true`` rounds its tile up to a multiple of this many tokens (kernel-friendly shapes)
+TILE_MULTIPLE = 64
+#: tokens of the real input the first-call probe runs on
+PROBE_TOKENS = 8
+#: attribute names under which decoder layers hold their MLP (besides the class-name pattern below)
+MLP_ATTRIBUTES = ("mlp", "feed_forward", "block_sparse_moe", "shared_mlp", "ffn", "mlp_block", "moe")
+_MLP_CLASS = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn|SparseMoe\w*|MoE|Moe)$")
+#: MLP classes that mix tokens (refused before any weight loads; the probe refuses others at the first call)
+_TOKEN_MIXING = {"RwkvFeedForward": "it mixes each token with the previous one (time shift)"}
+_MARK = "_automodel_tiled_mlp"
+_INLINE_MLP = re.compile(r"^(fc\d|c_fc|c_proj|ffn|mlp|w\d|up|down|gate|dense_h_to_4h|dense_4h_to_h)")
+
+
+# ------------------------------------------------------------------ sizes
+
+
+def resolve_tile_tokens(
+    tiled_mlp: bool | int | None, hidden: int, intermediate: int, tokens: int
+) -> int | None:
+    """Tokens per tile for one MLP call of ``tokens`` tokens; ``None`` when tiling is off.
+
+    Args:
+        tiled_mlp: ``model.tiled_mlp``: ``False``/``None`` (off), ``True`` (picked), or tokens per tile (>= 1).
+        hidden: the MLP's input width ``H``.
+        intermediate: the per-token intermediate width ``I`` one rank computes (dense: ``intermediate_size``
+            / tp; MoE: ``top_k * moe_intermediate_size`` plus the shared experts; see
+            :func:`mlp_intermediate_width`).
+        tokens: tokens of the call on this rank (``B * S_local``).
+
+    Returns:
+        ``min(tile, tokens)`` (at least 1): ``True`` gives ``ceil(tokens * hidden / intermediate)`` rounded up
+        to a multiple of :data:`TILE_MULTIPLE`; an int gives itself. A tile >= ``tokens`` means one tile
+        (the MLP runs untiled).
+
+    Raises:
+        ValueError: ``tiled_mlp`` is an int < 1, or ``True`` with a non-positive size.
+    """
+    if tiled_mlp is None or tiled_mlp is False:
+        return None
+    tokens = max(int(tokens), 1)
+    if tiled_mlp is True:
+        if hidden < 1 or intermediate < 1:
+            raise ValueError(
+                f"tiled_mlp=true needs positive sizes, got hidden={hidden} intermediate={intermediate}"
+            )
+        tile = -(-tokens * hidden // intermediate)
+        tile = -(-tile // TILE_MULTIPLE) * TILE_MULTIPLE
+    else:
+        tile = int(tiled_mlp)
+        if tile < 1:
+            raise ValueError(f"model.tiled_mlp={tiled_mlp} must be >= 1 tokens per tile, true or false")
+    return min(tile, tokens)
+
+
+def _first_int(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def hidden_size(config: Any) -> int | None:
+    """The decoder's hidden width from a transformers config (text config of a VLM)."""
+    from automodel.distributed.cp.profile import text_config
+
+    return _first_int(text_config(config), "hidden_size", "n_embd", "d_model")
+
+
+def mlp_intermediate_width(config: Any) -> int | None:
+    """The widest per-token MLP intermediate of the model (the whole MLP, before any TP split).
+
+    Dense: ``intermediate_size`` (``ffn_dim``, ``n_inner``, ...). MoE: ``num_experts_per_tok *
+    moe_intermediate_size`` plus the shared experts (``n_shared_experts * moe_intermediate_size`` or
+    ``shared_expert_intermediate_size``). A model with dense and MoE layers (DeepSeek-V3) gets the larger.
+    ``None`` when the config names none of these (``true`` then assumes ``4 * hidden``).
+    """
+    from automodel.distributed.cp.profile import text_config
+
+    text = text_config(config)
+    dense = _first_int(text, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")
+    top_k = _first_int(text, "num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")
+    widths = [dense] if dense else []
+    if top_k:
+        expert = _first_int(text, "moe_intermediate_size", "expert_intermediate_size") or dense
+        if expert:
+            shared = (_first_int(text, "n_shared_experts", "num_shared_experts") or 0) * expert
+            shared += _first_int(text, "shared_expert_intermediate_size") or 0
+            widths.append(top_k * expert + shared)
+    return max(widths) if widths else None
+
+
+# ------------------------------------------------------------------ finding the MLPs
+
+
+def _is_mlp(attr: str, module: nn.Module) -> bool:
+    return attr in MLP_ATTRIBUTES or bool(_MLP_CLASS.search(type(module).__name__))
+
+
+def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every decoder layer's MLP: ``(qualified name, module)``, each module once (a shared block once).
+
+    Inside each decoder layer (:func:`automodel.models.parallelize.decoder_layers`), the outermost
+    submodules held under one of :data:`MLP_ATTRIBUTES` or whose class name ends like an MLP (``...MLP``,
+    ``...Mlp``, ``...FeedForward``, ``...FFN``, ``...SparseMoeBlock``, ``...MoE``, ``...Moe``); nothing
+    inside a found MLP is listed (a MoE block's experts and shared experts are tiled with it).
+    Layers without one (Mamba or attention-only layers of a hybrid) are skipped.
+
+    Raises:
+        UserInputError: the model has no decoder layers, or no layer has an MLP module.
+    """
+    from automodel.models.parallelize import decoder_layers
+
+    try:
+        layers = decoder_layers(model)
+    except ValueError as e:
+        raise UserInputError(f"model.tiled_mlp: {e}; set model.tiled_mlp=false") from None
+    names = {}
+    for name, module in model.named_modules():
+        names.setdefault(id(module), name)
+    found: dict[int, tuple[str, nn.Module]] = {}
+    layer_ids = {id(layer) for layer in layers}
+
+    def walk(module: nn.Module) -> None:
+        for attr, child in module.named_children():
+            if id(child) in layer_ids:  # a nested decoder layer (Zamba's hybrid): walked on its own
+                continue
+            if _is_mlp(attr, child):
+                found.setdefault(id(child), (names.get(id(child), attr), child))
+            else:
+                walk(child)
+
+    for layer in layers:
+        walk(layer)
+    if not found:
+        inline = sorted(
+            {
+                attr
+                for layer in layers
+                for attr, child in layer.named_children()
+                if isinstance(child, nn.Linear) and _INLINE_MLP.search(attr)
+            }
+        )
+        why = f" (its MLP is inline: {', '.join(inline)} are direct children of the layer)" if inline else ""
+        raise UserInputError(
+            f"model.tiled_mlp: {type(model).__name__} has no MLP module in its decoder layers "
+            f"({type(layers[0]).__name__}){why}; nothing to tile: set model.tiled_mlp=false"
+        )
+    return list(found.values())
+
+
+def _random_draws(name: str, module: nn.Module) -> str | None:
+    """What inside ``module`` draws random numbers in training (dropout, router jitter), or ``None``."""
+    for sub_name, sub in module.named_modules():
+        where = f"{name}.{sub_name}" if sub_name else name
+        if isinstance(sub, nn.Dropout) and sub.p > 0:
+            return f"{where} is a dropout with p={sub.p}"
+        for key, value in vars(sub).items():
+            if (
+                isinstance(value, float)
+                and not isinstance(value, bool)
+                and value > 0
+                and ("dropout" in key or "jitter" in key)
+            ):
+                return f"{where}.{key}={value}"
+    return None
+
+
+def _static_problems(model: nn.Module, mlps: list[tuple[str, nn.Module]]) -> list[str]:
+    from automodel.distributed.cp.profile import text_config
+
+    problems = []
+    config = getattr(model, "config", None)
+    if config is not None and getattr(text_config(config), "output_router_logits", False):
+        problems.append(
+            "the model's config has output_router_logits=true: the router logits for the auxiliary loss are "
+            "recorded by hooks inside each tile, without gradients, so the auxiliary loss would be wrong; set "
+            "model.config_overrides={output_router_logits: false} or model.tiled_mlp=false"
+        )
+    seen: set[type] = set()
+    for name, module in mlps:
+        cls = type(module)
+        why = _TOKEN_MIXING.get(cls.__name__)
+        if why is not None and cls not in seen:
+            problems.append(
+                f"{name} ({cls.__name__}) is not a per-token MLP: {why}; set model.tiled_mlp=false"
+            )
+        seen.add(cls)
+        draws = _random_draws(name, module)
+        if draws is not None:
+            problems.append(
+                f"{draws}: random draws inside the MLP differ per tile from the whole sequence's, so the losses "
+                f"would differ from the run without tiling; set it to 0 (model.config_overrides, peft.dropout) "
+                f"or model.tiled_mlp=false"
+            )
+            break
+    return problems
+
+
+def check_tiled_mlp_for_model(model: nn.Module, tiled_mlp: bool | int) -> list[tuple[str, nn.Module]]:
+    """Refuse ``model`` for ``model.tiled_mlp`` before work; return its MLPs (:func:`find_mlps`).
+
+    Works on a meta-device model (no weights). Checks: an MLP module is found; none is known to mix
+    tokens; nothing inside an MLP draws random numbers; the config does not record router logits for an
+    auxiliary loss; ``tiled_mlp`` is ``true`` or an int >= 1.
+
+    Raises:
+        UserInputError: with every problem found, each naming the module or key and the fix.
+    """
+    if tiled_mlp is not True and (
+        isinstance(tiled_mlp, bool) or not isinstance(tiled_mlp, int) or tiled_mlp < 1
+    ):
+        raise UserInputError(
+            f"model.tiled_mlp={tiled_mlp!r} must be false, true (tile picked from the hidden and MLP sizes) or "
+            f"tokens per tile >= 1"
+        )
+    mlps = find_mlps(model)
+    problems = _static_problems(model, mlps)
+    if problems:
+        raise UserInputError("model.tiled_mlp: " + "; ".join(problems))
+    return mlps
+
+
+# ------------------------------------------------------------------ the tiled call
+
+
+@dataclass
+class _Tiling:
+    """What one wrapped MLP needs at call time (stored on the module)."""
+
+    setting: bool | int
+    hidden: int
+    intermediate: int  # per-token width one rank computes (after the TP split)
+    probed: bool = False
+
+
+@dataclass
+class _OutputSpec:
+    """The structure of the MLP's output: a tensor, or a tuple/list with tensors at some positions."""
+
+    container: type | None  # None: a single tensor
+    values: list[Any] = field(default_factory=list)  # non-tensor entries (tensors: None placeholders)
+    tensor_positions: list[int] = field(default_factory=list)
+    token_dims: list[int] = field(
+        default_factory=list
+    )  # per tensor output: the dim tiles are concatenated on
+    placements: list[Any] = field(
+        default_factory=list
+    )  # per tensor output: DTensor (mesh, placements) or None
+
+
+def _token_dim(t: torch.Tensor, tile: int, flat: bool) -> int:
+    if not flat and t.ndim >= 3 and t.shape[0] == 1 and t.shape[1] == tile:
+        return 1
+    if t.ndim >= 1 and t.shape[0] == tile:
+        return 0
+    raise ValueError(
+        f"model.tiled_mlp: an MLP output of shape {tuple(t.shape)} has no token dimension of the tile's {tile} "
+        f"tokens; this MLP cannot be tiled (set model.tiled_mlp=false)"
+    )
+
+
+def _flatten_output(
+    out: Any, tile: int, flat: bool, spec: _OutputSpec | None
+) -> tuple[list[torch.Tensor], _OutputSpec]:
+    """The output's tensors (local tensors of DTensors) and its structure (checked against ``spec``)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(out, torch.Tensor):
+        items, container = [out], None
+    elif isinstance(out, (tuple, list)):
+        items, container = list(out), type(out)
+    else:
+        raise ValueError(
+            f"model.tiled_mlp: an MLP returned a {type(out).__name__}; only a tensor or a tuple of them can be "
+            f"tiled (set model.tiled_mlp=false)"
+        )
+    tensors, new = [], _OutputSpec(container)
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            new.tensor_positions.append(i)
+            new.values.append(None)
+            if isinstance(item, DTensor):
+                new.placements.append((item.device_mesh, tuple(item.placements)))
+                item = item.to_local()
+            else:
+                new.placements.append(None)
+            new.token_dims.append(_token_dim(item, tile, flat))
+            tensors.append(item)
+        elif item is None or isinstance(item, (int, float, bool, str)):
+            new.values.append(item)
+        else:
+            raise ValueError(
+                f"model.tiled_mlp: an MLP returned a {type(item).__name__} in its output; this MLP cannot be "
+                f"tiled (set model.tiled_mlp=false)"
+            )
+    if spec is not None and (
+        spec.container is not new.container
+        or spec.tensor_positions != new.tensor_positions
+        or spec.token_dims != new.token_dims
+        or spec.values != new.values
+    ):
+        raise ValueError("model.tiled_mlp: the MLP returned differently structured outputs for two tiles")
+    return tensors, new
+
+
+class _Runner:
+    """Runs one MLP call tile by tile. Its token inputs are flat local tensors: ``[1, N, D]`` or ``[N, D]``."""
+
+    def __init__(
+        self, module: nn.Module, call: Callable[..., Any], n_inputs: int, n: int, tile: int, flat: bool
+    ):
+        self.module, self.call, self.n_inputs, self.flat = module, call, n_inputs, flat
+        self.bounds = [(a, min(a + tile, n)) for a in range(0, n, tile)]
+        self.spec: _OutputSpec | None = None
+        self.rng: tuple[Any, Any] | None = None
+        self.autocast: tuple[str, bool, torch.dtype] | None = None
+
+    def tile(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        return x[a:b] if self.flat else x[:, a:b]
+
+    def run(self, tiles: list[torch.Tensor]) -> list[torch.Tensor]:
+        # copies: an MLP may scale its input in place (Mixtral's jitter), which must not reach the saved input
+        out = self.call(*[t.clone() for t in tiles])
+        tensors, self.spec = _flatten_output(out, tiles[0].shape[0 if self.flat else 1], self.flat, self.spec)
+        return tensors
+
+    def forward_all(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        per_tile = [self.run([self.tile(x, a, b) for x in xs]) for a, b in self.bounds]
+        assert self.spec is not None
+        return [torch.cat([t[j] for t in per_tile], dim=d) for j, d in enumerate(self.spec.token_dims)]
+
+    def trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def save_state(self, device: torch.device) -> None:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.rng = (torch.get_rng_state(), cuda)
+        kind = device.type
+        self.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
+    def replay(self, device: torch.device) -> contextlib.ExitStack:
+        """A context that restores the forward's RNG and autocast state (the recompute draws the same numbers)."""
+        stack = contextlib.ExitStack()
+        devices = [device] if device.type == "cuda" else []
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        assert self.rng is not None and self.autocast is not None
+        torch.set_rng_state(self.rng[0])
+        if self.rng[1] is not None:
+            torch.cuda.set_rng_state(self.rng[1], device)
+        kind, enabled, dtype = self.autocast
+        stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        return stack
+
+
+class _TiledMLPFunction(torch.autograd.Function):
+    """``outputs = MLP(*token_inputs)`` computed per tile; ``params`` (the MLP's trainable parameters) receive
+    their gradients through this node, summed over the tiles."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: _Runner, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        xs, params = list(tensors[: runner.n_inputs]), tensors[runner.n_inputs :]
+        runner.save_state(xs[0].device)
+        outs = runner.forward_all(xs)
+        ctx.runner = runner
+        ctx.params = params
+        ctx.save_for_backward(*xs)
+        ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        runner: _Runner = ctx.runner
+        xs = list(ctx.saved_tensors)
+        params = list(ctx.params)
+        current = runner.trainable()
+        if len(current) != len(params) or any(a is not b for a, b in zip(current, params, strict=True)):
+            raise RuntimeError(
+                f"model.tiled_mlp: the trainable parameters of {type(runner.module).__name__} changed between the "
+                f"forward and the backward; their gradients cannot be recomputed per tile"
+            )
+        k = runner.n_inputs
+        needs_x = list(ctx.needs_input_grad[1 : 1 + k])
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[1 + k :]) if need]
+        grad_xs = [torch.zeros_like(x) if need else None for x, need in zip(xs, needs_x, strict=True)]
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        assert runner.spec is not None
+        dims = runner.spec.token_dims
+        with runner.replay(xs[0].device), torch.enable_grad():
+            for a, b in runner.bounds:
+                leaves = [
+                    runner.tile(x, a, b).detach().requires_grad_(need)
+                    for x, need in zip(xs, needs_x, strict=True)
+                ]
+                outs = runner.run(leaves)
+                pairs = [
+                    (out, grad.narrow(dims[j], a, b - a))
+                    for j, (out, grad) in enumerate(zip(outs, grads, strict=True))
+                    if grad is not None and out.requires_grad
+                ]
+                if not pairs:
+                    continue
+                inputs = [leaf for leaf, need in zip(leaves, needs_x, strict=True) if need]
+                inputs += [params[i] for i in wanted]
+                got = list(
+                    torch.autograd.grad(
+                        [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+                    )
+                )
+                for grad_x in grad_xs:
+                    if grad_x is not None:
+                        g = got.pop(0)
+                        if g is not None:
+                            runner.tile(grad_x, a, b).copy_(g)
+                for i, g in zip(wanted, got, strict=True):
+                    if g is None:
+                        continue
+                    if sums[i] is None:
+                        sums[i] = g.clone()  # owned: g may alias an output gradient
+                    else:
+                        sums[i].add_(g)
+                del outs, pairs, got
+        return (None, *grad_xs, *sums)
+
+
+def _token_inputs(
+    args: tuple, kwargs: dict
+) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], tuple[tuple, dict]]]:
+    """The MLP's token inputs (every tensor argument: the hidden states first, then e.g. Bloom's residual,
+    each with the hidden states' leading token dims) and a function that puts tiles in their places."""
+    where = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    where += [("k", key) for key, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    tensors = [args[i] if kind == "a" else kwargs[i] for kind, i in where]
+    if not tensors:
+        raise ValueError("model.tiled_mlp: the MLP was called without a tensor; it cannot be tiled")
+    lead = tensors[0].shape[:-1]
+    if tensors[0].ndim not in (2, 3) or any(
+        t.ndim != tensors[0].ndim or t.shape[:-1] != lead for t in tensors[1:]
+    ):
+        raise ValueError(
+            f"model.tiled_mlp: the MLP was called with tensors of shapes {[tuple(t.shape) for t in tensors]}; only "
+            f"[B, S, D] or [N, D] inputs of the same tokens can be tiled (set model.tiled_mlp=false)"
+        )
+
+    def place(tiles: list[torch.Tensor]) -> tuple[tuple, dict]:
+        new_args, new_kwargs = list(args), dict(kwargs)
+        for (kind, i), t in zip(where, tiles, strict=True):
+            if kind == "a":
+                new_args[i] = t
+            else:
+                new_kwargs[i] = t
+        return tuple(new_args), new_kwargs
+
+    return tensors, place
+
+
+def _graph_leaves(outputs: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The leaf tensors (``AccumulateGrad`` variables) that ``outputs`` depend on through autograd."""
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            yield variable
+        stack.extend(fn for fn, _ in node.next_functions)
+
+
+def _probe(module: nn.Module, call: Callable[..., Any], xs: list[torch.Tensor], flat: bool) -> None:
+    """Refuse ``module`` unless its output tokens depend on their own input tokens only, and its output's
+    trainable leaves are its own parameters. ``xs``: the real flat token inputs (their first tokens are used)."""
+    n = min(PROBE_TOKENS, xs[0].shape[0 if flat else 1])
+    if n < 2:
+        return
+    name = type(module).__name__
+    leaves = [
+        (x[:n] if flat else x[:, :n]).detach().clone().requires_grad_(x.is_floating_point()) for x in xs
+    ]
+    devices = [xs[0].device] if xs[0].device.type == "cuda" else []
+    with (
+        torch.random.fork_rng(devices=devices),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),  # not activation checkpointing's
+    ):
+        outs, spec = _flatten_output(call(*[leaf.clone() for leaf in leaves]), n, flat, None)
+        j = n // 2
+        first = outs[0]
+        token = first[j] if spec.token_dims[0] == 0 else first[0, j]
+        differentiable = [leaf for leaf in leaves if leaf.requires_grad]
+        if token.requires_grad and differentiable:
+            for g in torch.autograd.grad(
+                token.float().sum(), differentiable, retain_graph=True, allow_unused=True
+            ):
+                if g is None:
+                    continue
+                g = g.reshape(n, -1) if flat else g[0].reshape(n, -1)
+                if bool((torch.cat([g[:j], g[j + 1 :]]) != 0).any()):
+                    raise UserInputError(
+                        f"model.tiled_mlp: {name} is not a per-token MLP (output token {j} of a probe depends on "
+                        f"other input tokens), so tiling it would change the results; set model.tiled_mlp=false"
+                    )
+        own = {id(p) for p in module.parameters()} | {id(leaf) for leaf in leaves}
+        foreign = [t for t in _graph_leaves(outs) if id(t) not in own and t.requires_grad]
+        if foreign:
+            raise UserInputError(
+                f"model.tiled_mlp: {name}'s output depends on {len(foreign)} trainable tensor(s) that are not its "
+                f"own parameters (shapes {[tuple(t.shape) for t in foreign[:3]]}); their gradients would be lost "
+                f"in the tiled backward, so it is refused; set model.tiled_mlp=false"
+            )
+
+
+def _local(x: torch.Tensor, flat: bool) -> tuple[torch.Tensor, Any]:
+    """``x``'s local tensor and its DTensor ``(mesh, placements)`` (``None`` for a plain tensor)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(x, DTensor):
+        return x, None
+    placements = tuple(x.placements)
+    token_dim = 0 if flat else 1
+    if any(
+        not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == token_dim)) for p in placements
+    ):
+        raise ValueError(
+            f"model.tiled_mlp: the MLP's input is a DTensor with placements {placements}; tiles are taken along "
+            f"the tokens, which needs it replicated or sharded on the tokens"
+        )
+    return x.to_local(), (x.device_mesh, placements)
+
+
+@torch._dynamo.disable(reason="automodel: the tiled MLP runs its tiles eagerly")
+def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``__call__`` of a tiled MLP: the module's own ``__call__`` (its hooks, its ``forward``) per tile."""
+    from torch.distributed.tensor import DTensor
+
+    tiling: _Tiling = getattr(self, _MARK)
+    base_call = functools.partial(nn.Module.__call__, self)
+    xs, place = _token_inputs(args, kwargs)
+    flat = xs[0].ndim == 2
+    locals_, dspecs = zip(*(_local(x, flat) for x in xs), strict=True)
+    shape = locals_[0].shape
+    n = shape[0] if flat else shape[0] * shape[1]
+    flat_xs = [t if flat else t.reshape(1, n, t.shape[-1]) for t in locals_]
+
+    def call(*tiles: torch.Tensor) -> Any:
+        wrapped = [
+            t if spec is None else DTensor.from_local(t, spec[0], spec[1], run_check=False)
+            for t, spec in zip(tiles, dspecs, strict=True)
+        ]
+        a, k = place(wrapped)
+        return base_call(*a, **k)
+
+    if (
+        not tiling.probed
+        and all(s is None for s in dspecs)
+        and not (xs[0].is_meta or torch.is_inference_mode_enabled())
+    ):
+        _probe(self, call, flat_xs, flat)
+        tiling.probed = True
+    tile = resolve_tile_tokens(tiling.setting, tiling.hidden, tiling.intermediate, n)
+    if tile is None or tile >= n:
+        return base_call(*args, **kwargs)
+    runner = _Runner(self, call, len(flat_xs), n, tile, flat)
+    params = runner.trainable()
+    if torch.is_grad_enabled() and (any(x.requires_grad for x in flat_xs) or params):
+        outs = list(_TiledMLPFunction.apply(runner, *flat_xs, *params))
+    else:
+        with torch.no_grad():
+            outs = runner.forward_all(flat_xs)
+    spec = runner.spec
+    assert spec is not None
+    items = list(spec.values)
+    for pos, out, dim, placement in zip(
+        spec.tensor_positions, outs, spec.token_dims, spec.placements, strict=True
+    ):
+        if dim == 1 and not flat:  # [1, N, ...] -> [B, S, ...] as the untiled MLP returns it
+            out = out.reshape(shape[0], shape[1], *out.shape[2:])
+        if placement is not None:
+            out = DTensor.from_local(out, placement[0], placement[1], run_check=False)
+        items[pos] = out
+    if spec.container is None:
+        return items[0]
+    return spec.container(items)
+
+
+_TILED_CLASSES: dict[type, type] = {}
+
+
+def _tiled_class(cls: type) -> type:
+    """A subclass of ``cls`` with the same name whose ``__call__`` tiles (one per class)."""
+    tiled = _TILED_CLASSES.get(cls)
+    if tiled is None:
+        tiled = type(
+            cls.__name__,
+            (cls,),
+            {"__call__": _tiled_call, "_automodel_untiled_class": cls, "__module__": cls.__module__,
+             "__qualname__": cls.__qualname__},
+        )  # fmt: skip
+        _TILED_CLASSES[cls] = tiled
+    return tiled
+
+
+def is_tiled(module: nn.Module) -> bool:
+    """Whether ``module`` is an MLP wrapped by :func:`apply_tiled_mlp`."""
+    return hasattr(module, _MARK)
+
+
+def apply_tiled_mlp(
+    model: nn.Module, tiled_mlp: bool | int, *, tp_size: int = 1, sequence_parallel: bool = False
+) -> int:
+    """Run every decoder layer's MLP over sequence tiles (in place; idempotent); returns the MLPs wrapped.
+
+    Call after LoRA and TP (any order is exact: the tiles enter the MLP through its hooks), before
+    activation checkpointing, ``torch.compile`` of the blocks and FSDP2. ``tiled_mlp=False`` does nothing.
+
+    Args:
+        model: an HF causal LM (or VLM).
+        tiled_mlp: ``True`` (tile from :func:`resolve_tile_tokens`) or tokens per tile.
+        tp_size, sequence_parallel: the TP split, for ``True``: without sequence parallel a rank computes
+            ``1/tp_size`` of the intermediate (tiles ``tp_size`` times larger); with it, it gathers
+            ``tp_size`` times its tokens per tile (tiles as without TP).
+
+    Mutates ``model``: each MLP module's class becomes a same-named subclass that tiles; parameters,
+    their names and ``forward`` are unchanged. :func:`remove_tiled_mlp` undoes it.
+
+    Raises:
+        UserInputError: as :func:`check_tiled_mlp_for_model`; at an MLP's first call, the probe's refusals.
+    """
+    if tiled_mlp is False or tiled_mlp is None:
+        return 0
+    mlps = check_tiled_mlp_for_model(model, tiled_mlp)
+    config = getattr(model, "config", None)
+    hidden = (hidden_size(config) if config is not None else None) or 1
+    width = mlp_intermediate_width(config) if config is not None else None
+    if tiled_mlp is True and width is None:
+        width = 4 * hidden
+        logger.info(
+            "model.tiled_mlp=true: the config names no MLP width; tiles assume 4 x hidden = %d", width
+        )
+    split = 1 if sequence_parallel else max(int(tp_size), 1)
+    per_rank = max((width or hidden) // split, 1)
+    for _, module in mlps:
+        if is_tiled(module):
+            continue
+        setattr(module, _MARK, _Tiling(tiled_mlp, hidden, per_rank))
+        module.__class__ = _tiled_class(type(module))
+    logger.info(
+        "model.tiled_mlp=%s: %d MLP module(s) run over token tiles (%s)",
+        tiled_mlp,
+        len(mlps),
+        f"{tiled_mlp} tokens per tile"
+        if tiled_mlp is not True
+        else f"ceil(tokens x {hidden} / {per_rank}) rounded up to a multiple of {TILE_MULTIPLE}",
+    )
+    return len(mlps)
+
+
+def remove_tiled_mlp(model: nn.Module) -> int:
+    """Undo :func:`apply_tiled_mlp` on ``model`` (in place); returns the MLPs unwrapped."""
+    count = 0
+    for module in model.modules():
+        if is_tiled(module):
+            module.__class__ = type(module)._automodel_untiled_class
+            delattr(module, _MARK)
+            count += 1
+    return count
+
+
+def check_tiled_mlp_for_model_config(
+    model_cfg: Any, resolved: Any, *, attn_implementation: str, seed: int
+) -> None:
+    """The recipe's check of ``model.tiled_mlp`` before any weight loads: the model built on the meta device
+    (no memory) and checked by :func:`check_tiled_mlp_for_model`. No-op when ``model.tiled_mlp`` is false.
+
+    ``model_cfg``: the config's ``model`` section; ``resolved``: :func:`automodel.models.loader.resolve_model_config`'s
+    result.
+    """
+    if model_cfg.tiled_mlp is False:
+        return
+    from automodel.models.loader import build_model
+
+    model = build_model(model_cfg, resolved, attn_implementation=attn_implementation, seed=seed, meta=True)
+    check_tiled_mlp_for_model(model, model_cfg.tiled_mlp)
