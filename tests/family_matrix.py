@@ -37,9 +37,13 @@ CP4_METHODS = {"usp": {"ulysses_size": 2}}
 USP_CP = 4
 PACKED = " packed"  # a packed column is "<method> packed"
 AUTO_COLUMNS = ("auto", "auto packed")
+#: packed rows at cp_size=1 through the recipe's path (bind_cp_method at cp_size 1, run_micro_batch) against each
+#: document alone: the model's own forward where it keeps documents apart, else a method's document-aware attention
+CP1_PACKED = "cp=1 packed"
 
 __all__ = [
     "AUTO_COLUMNS",
+    "CP1_PACKED",
     "CP",
     "CP4_METHODS",
     "DOC_LENGTHS",
@@ -488,7 +492,7 @@ def columns() -> tuple[tuple[str, ...], tuple[str, ...]]:
     from automodel.distributed.cp import cp_methods
 
     packers = [name for name, m in cp_methods().items() if m.supports_packed]
-    main = METHODS + tuple(m + PACKED for m in packers if m not in CP4_METHODS) + AUTO_COLUMNS
+    main = METHODS + tuple(m + PACKED for m in packers if m not in CP4_METHODS) + (CP1_PACKED,) + AUTO_COLUMNS
     cp4 = tuple(CP4_METHODS) + tuple(m + PACKED for m in packers if m in CP4_METHODS)
     return main, cp4
 
@@ -497,8 +501,8 @@ def table_columns() -> tuple[str, ...]:
     """The table's columns in order: unpacked (cp=2, then cp=4), packed, auto."""
     main, cp4 = columns()
     unpacked = [c for c in main + cp4 if not c.endswith(PACKED) and c not in AUTO_COLUMNS]
-    packed = [c for c in main + cp4 if c.endswith(PACKED) and c not in AUTO_COLUMNS]
-    return tuple(unpacked + packed) + AUTO_COLUMNS
+    packed = [c for c in main + cp4 if c.endswith(PACKED) and c not in AUTO_COLUMNS + (CP1_PACKED,)]
+    return tuple(unpacked + packed) + (CP1_PACKED,) + AUTO_COLUMNS
 
 
 DOC_PATH = "docs/support_matrix.md"
@@ -550,7 +554,7 @@ def cell_text(cell: dict) -> str:
         return f"{cell['picked']}: {cell_text({k: v for k, v in cell.items() if k != 'picked'})}"
     status = cell["status"]
     if status == "exact":
-        return "exact"
+        return "exact" + (f" ({cell['path']})" if cell.get("path") else "")
     if status == "refused":
         return f"refused: {short_reason(cell['detail'])}"
     if status == "crash":
@@ -641,7 +645,11 @@ def render_markdown(result: dict) -> str:
         f"*packed* columns train the same row as three documents ({' + '.join(map(str, DOC_LENGTHS))} tokens, "
         "`seq_lens`, through",
         "`context_parallel`) under every method that takes packed rows, against each document run alone in one",
-        "process. The *auto* columns name the method `cp_method: auto` picks for the model",
+        f"process. The *{CP1_PACKED}* column trains that packed row at `distributed.cp_size=1` through the recipe's",
+        "path (`bind_cp_method` at cp_size 1 with packed rows, `run_micro_batch`) against each document alone: the",
+        "model's own forward where a probe shows it keeps the documents apart (*own forward*), else the named",
+        "method's document-aware attention on the one rank, or packing refused (docs/own_loop.md).",
+        "The *auto* columns name the method `cp_method: auto` picks for the model",
         f"(`choose_cp_method` at cp={CP}, rows of {SEQ} tokens, unpacked / packed) and repeat that method's cell;",
         "an auto cell is **wrong** when it picks a method that is not exact, or refuses, while another column of",
         "the same rows is exact. A cell is:",

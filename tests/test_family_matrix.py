@@ -17,6 +17,7 @@ import pytest
 from tests.dist_harness import REPO_ROOT, run_distributed
 from tests.family_matrix import (
     AUTO_COLUMNS,
+    CP1_PACKED,
     DOC_PATH,
     FAMILIES,
     PACKED,
@@ -72,7 +73,9 @@ def test_reference_is_deterministic_and_uses_the_attention_users_get(matrix):
 def test_exact_or_refused(matrix, family, method):
     cell = matrix[0]["cells"][family][method]
     assert cell["status"] in ("exact", "refused"), f"{family} / {method}: {cell['status']}: {cell['detail']}"
-    if cell["status"] == "refused":
+    if cell["status"] == "refused" and method == CP1_PACKED:  # packing refused at cp_size=1, with the reason
+        assert "at CP size 1" in cell["detail"] and "mixed together" in cell["detail"], cell["detail"]
+    elif cell["status"] == "refused":
         message = cell["detail"]
         name = method.removesuffix(PACKED)
         assert message and (name in message.lower() or "cp_method" in message), (
@@ -89,7 +92,7 @@ def test_every_alternative_a_refusal_names_is_exact(matrix):
     problems, named = [], 0
     for family, cells in matrix[0]["cells"].items():
         for column, cell in cells.items():
-            if column in AUTO_COLUMNS or cell["status"] != "refused":
+            if column in AUTO_COLUMNS + (CP1_PACKED,) or cell["status"] != "refused":
                 continue
             packed = column.endswith(PACKED)
             for alt in cell.get("alternatives", []):
@@ -113,7 +116,7 @@ def test_auto_picks_an_exact_method_whenever_one_exists(matrix, column):
     problems, picked = [], set()
     for family, cells in matrix[0]["cells"].items():
         auto = cells[column]
-        same_rows = [c for c, cell in cells.items() if c not in AUTO_COLUMNS and c.endswith(PACKED) == packed
+        same_rows = [c for c, cell in cells.items() if c not in AUTO_COLUMNS + (CP1_PACKED,) and c.endswith(PACKED) == packed
                      and "usp" not in c and cell["status"] == "exact"]  # fmt: skip (usp: not a candidate at cp=2)
         if same_rows and auto["status"] != "exact":
             problems.append(f"{family}: auto {auto.get('picked', 'refused')} is {auto['status']}; exact: {same_rows}")
@@ -126,6 +129,17 @@ def test_auto_picks_an_exact_method_whenever_one_exists(matrix, column):
             assert all(m in auto["detail"] for m in ("ring", "ulysses", "thd", "thd_docs", "usp")), auto["detail"]
     assert not problems, "\n".join(problems)
     assert len(picked) >= 2, f"auto picked only {picked}: the matrix should exercise more than one choice"
+
+
+def test_packed_rows_at_cp1_are_per_document_for_every_family(matrix):
+    """The cp=1 packed column (the recipe's path at cp_size=1 against each document alone) is exact or refused for
+    every family (test_exact_or_refused), and where a family's own forward mixes the documents of a packed row
+    (gpt-oss) a method's document-aware attention computed them: cp=1 is never silently wrong."""
+    cells = {family: cells[CP1_PACKED] for family, cells in matrix[0]["cells"].items()}
+    paths = {family: cell.get("path") for family, cell in cells.items() if cell["status"] == "exact"}
+    assert paths.get("gpt_oss") not in (None, "own forward"), cells.get("gpt_oss")
+    assert paths.get("llama") == "own forward", cells.get("llama")
+    print("cp=1 packed: " + ", ".join(f"{f}: {p}" for f, p in paths.items() if p != "own forward"))
 
 
 def test_one_rank_failing_in_a_collective_neither_hangs_nor_poisons_the_next_cell(matrix):

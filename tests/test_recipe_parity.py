@@ -76,6 +76,7 @@ def test_reference_trains(runs):
         ("toy_cp2", "ref"),  # a method registered by the test (tests/toy_cp_method.py)
         ("sliding_cp2", "sliding_ref"),  # Mistral, window 16 < the row: ring's halo kernel
         ("tiled_cp2", "ref"),  # FSDP2, ring cp=2, activation checkpointing and model.tiled_mlp=24
+        ("gptoss_packed_cp2", "gptoss_packed_ref"),  # packed gpt-oss: cp=1 per document too (issue 37)
     ],
 )
 def test_parallel_run_matches_single_device(runs, name, ref_name):
@@ -110,6 +111,16 @@ def test_packed_runs_pack_documents_and_differ_from_unpacked(runs):
     assert runs["packed_ref"]["packed_docs"] > 8 and runs["ulysses_packed_cp2"]["packed_docs"] > 8
     assert runs["ref"]["packed_docs"] is None
     assert abs(runs["packed_ref"]["losses"][8] - runs["ref"]["losses"][8]) > 1e-3
+
+
+def test_packed_gptoss_cp1_is_per_document_and_the_self_check_passes(runs):
+    # gpt-oss's own forward lets a packed row's documents attend to each other: at cp_size=1 the recipe runs a
+    # method's document-aware attention on the one rank (the model was switched), Llama keeps its own forward
+    assert runs["gptoss_packed_ref"]["attn_impl"] != "eager" and runs["gptoss_packed_ref"]["packed_docs"] > 8
+    assert runs["packed_ref"]["attn_impl"] == "eager"
+    # the cp=2 run's self-check compared against a per-document reference, and passed
+    check = json.loads((Path(runs["gptoss_packed_cp2"]["run_dir"]) / "cp_self_check.json").read_text())
+    assert check["passed"] and check["grad_norm_rel"] <= 1e-3 and check["loss_rel"] <= 1e-4
 
 
 def test_ranks_agree(runs):

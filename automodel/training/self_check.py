@@ -14,7 +14,12 @@ before the first training step:
    the grad norm), except that the optimizer and LR-scheduler steps are replaced by no-ops;
 3. **without CP**, on the same ranks, with the same weights and rows: the same ``train_step`` with
    the ``cp_size == 1`` batch function (and, for a method that switched the model's attention, the
-   model's own attention restored for this run), so every rank computes the whole slice itself.
+   model's own attention restored for this run), so every rank computes the whole slice itself. The
+   reference is exact by construction: on packed rows it never runs the model's own forward (which
+   may let the documents attend to each other: gpt-oss does) but a CP method's document-aware
+   attention on the one rank (:func:`~automodel.distributed.cp.bind.bind_cp_method` with
+   ``trust_own_forward=False``: each document computed as if alone, proven against the documents run
+   alone in ``tests/test_packed_cp1.py``).
    The sums over the CP ranks (FSDP2's gradient reduce-scatter, the CE all-reduce) then count that
    identical computation ``cp_size`` times, so the reference loss and grad norm are the reported
    figures divided by ``cp_size``;
@@ -225,13 +230,26 @@ def _frozen_run_state(trainer: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _without_cp(trainer: Any) -> Iterator[None]:
     """The trainer's ``cp_size == 1`` pipeline: its ``no_cp_fn`` (a VLM still encodes its images) and the
-    model's own attention back where the CP method prepared it (``trainer.cp_prepared.undo()``)."""
+    model's own attention back where the CP method prepared it (``trainer.cp_prepared.undo()``); on packed
+    rows (not a VLM) a CP method's document-aware attention on the one rank instead of the model's own
+    forward, whatever that forward does with documents (the reference is exact by construction)."""
+    from automodel.config.cp_auto import packed_rows
+    from automodel.distributed.cp.bind import bind_cp_method, no_cp_batch_and_ctx
+    from automodel.distributed.cp.method import PreparedModel
+
     cp_fn = trainer.cp_fn
     trainer.cp_fn = trainer.no_cp_fn
     trainer.cp_prepared.undo()
+    reference = PreparedModel()
     try:
+        if packed_rows(trainer.cfg) and trainer.no_cp_fn is no_cp_batch_and_ctx:
+            trainer.cp_fn, reference = bind_cp_method(
+                trainer.cp_method, trainer.model, trainer.mesh, 1, packed=True, trust_own_forward=False
+            )
+            logger.info("cp self-check: the reference on packed rows: %s", reference.single_rank)
         yield
     finally:
+        reference.undo()
         trainer.cp_fn = cp_fn
         trainer.cp_prepared.redo()
 

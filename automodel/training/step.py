@@ -33,7 +33,8 @@ from automodel.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 __all__ = ["MODEL_INPUT_KEYS", "check_model_for_chunked_loss", "forward_loss_sum", "prepare_batch", "run_micro_batch"]
 
 # What the model sees. seq_lens / seq_lens_padded (packed rows) are metadata for the CP method;
-# at cp_size=1 transformers reads document boundaries from the restarting position_ids.
+# at cp_size=1 the model's own forward reads document boundaries from the restarting position_ids where a
+# probe shows that it does (else a method's document-aware attention runs: automodel.distributed.cp.bind).
 MODEL_INPUT_KEYS = ("input_ids", "inputs_embeds", "position_ids", "attention_mask")
 
 

@@ -8,7 +8,8 @@ this file wires them in order:
 2. tokenizer and model *config* (checked against the run before any weight is read);
 3. datasets and resumable dp loaders;
 4. model (pretrained or from config), the CP method's one-time switch (Ulysses attention; none at
-   cp_size=1), LoRA, TP, the tiled MLP, activation checkpointing, compilation, FSDP2;
+   cp_size=1, except on packed rows that the model's own forward would mix), LoRA, TP, the tiled MLP, activation
+   checkpointing, compilation, activation offload, FSDP2;
 5. optimizer, LR scheduler, checkpointer (and resume);
 6. the loop: ``grad_acc`` micro-batches per step, the loss normalised by the global number of
    label tokens, gradient clipping, validation / checkpoints every N steps, SIGTERM handling;
@@ -405,9 +406,12 @@ class FinetuneTrainer:
         """The CP method's batch/context function ``cp_fn``; the method may prepare the model once.
 
         Ulysses, thd: their own attention implementation around the inner kernel
-        ``model.attn_implementation``. At cp_size=1 nothing is prepared: the model is the plain
-        single-device reference. ``no_cp_fn`` and ``cp_prepared`` (what the method did, and how to
-        undo it) give the same pipeline without CP: the CP self-check's reference.
+        ``model.attn_implementation``. At cp_size=1 nothing is prepared (the model is the plain
+        single-device run), except on packed rows where the model's own forward mixes the documents: a
+        method's document-aware attention then runs on the one rank
+        (:func:`~automodel.distributed.cp.bind.bind_cp_method`). ``no_cp_fn`` and ``cp_prepared`` (what
+        the method did, and how to undo it) give the same pipeline without CP: the CP self-check's
+        reference (on packed rows, a document-aware path on one rank: ``automodel.training.self_check``).
         """
         from automodel.models.vlm_cp import bind_vlm_cp, is_vlm
 
@@ -418,10 +422,21 @@ class FinetuneTrainer:
             )
             self.no_cp_fn, _ = bind_vlm_cp(self.model, self.mesh, self.cp_method, 1, self.attn_implementation)
         else:
+            from automodel.config.cp_auto import packed_rows
+
+            # cp_size=1 on packed rows: the model's own forward where a probe shows it keeps documents apart,
+            # else a method's document-aware attention on the one rank (or packing refused with the reason)
             self.cp_fn, self.cp_prepared = bind_cp_method(
-                self.cp_method, self.model, self.mesh, d.cp_size, **self.cp_method.recipe_batch_options(cfg)
+                self.cp_method,
+                self.model,
+                self.mesh,
+                d.cp_size,
+                packed=d.cp_size <= 1 and packed_rows(cfg),
+                **self.cp_method.recipe_batch_options(cfg),
             )
             self.no_cp_fn = no_cp_batch_and_ctx
+        if self.cp_prepared.single_rank:
+            logger.info("packed rows at cp_size=1: %s", self.cp_prepared.single_rank)
         self.inner_attn = self.cp_prepared.previous_attn
         if self.cp_prepared.switched:
             logger.info(

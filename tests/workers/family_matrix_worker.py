@@ -37,7 +37,17 @@ import torch.nn.functional as F
 
 from automodel.distributed.mesh import ParallelDims
 from automodel.errors import UserInputError
-from tests.family_matrix import AUTO_COLUMNS, CP4_METHODS, DOC_LENGTHS, FAMILIES, PACKED, SEQ, VOCAB, columns
+from tests.family_matrix import (
+    AUTO_COLUMNS,
+    CP1_PACKED,
+    CP4_METHODS,
+    DOC_LENGTHS,
+    FAMILIES,
+    PACKED,
+    SEQ,
+    VOCAB,
+    columns,
+)
 
 LOSS_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -230,8 +240,43 @@ def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: floa
     return out
 
 
+def run_cp1_packed_cell(base: torch.nn.Module, row: dict, ref) -> dict:
+    """The :data:`CP1_PACKED` cell (one process): ``row``'s three documents at ``distributed.cp_size=1`` through the
+    recipe's path (``bind_cp_method`` with packed rows, then ``run_micro_batch``), against ``ref() -> (loss,
+    grads)``, each document alone. The cell's ``path`` says what computed the documents."""
+    import functools
+
+    from automodel.distributed.cp.bind import bind_cp_method
+    from automodel.distributed.train_context import get_train_context
+    from automodel.training.step import prepare_batch, run_micro_batch
+
+    t0 = time.perf_counter()
+    try:
+        model = copy.deepcopy(base)
+        # the schema's default method (ring attends across the row: where the model's own forward mixes the
+        # documents, the first method that runs its packed rows takes over)
+        cp_fn, prepared = bind_cp_method("ring", model, None, 1, packed=True)
+        batch = {k: v.clone() for k, v in row.items()}
+        batch["seq_lens_padded"] = batch["seq_lens"].clone()  # as the packing collator gives them
+        count = int((batch["labels"] != -100).sum())
+        ce = run_micro_batch(model, prepare_batch(batch, torch.device("cpu")), device_mesh=None, cp_fn=cp_fn,
+                             train_context=functools.partial(get_train_context, False, False),
+                             num_label_tokens=count)  # fmt: skip
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        out = compare(*ref(), float(ce) / count, grads)
+        out["path"] = prepared.current_attn if prepared.switched else "own forward"
+    except UserInputError as err:
+        out = {"status": "refused", "detail": str(err).strip(), "alternatives": list(err.alternatives)}
+    except Exception as err:  # noqa: BLE001 - every other exception is the cell's result
+        out = {"status": "crash", "detail": _first_line(err), "traceback": traceback.format_exc()}
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
 def _agree(outcomes: list[dict]) -> tuple[dict, bool]:
     """The cell's outcome from every rank's; ``True`` when the ranks disagreed."""
+    if all(o.get("one_rank") for o in outcomes[1:]):  # a one-process cell: the group's first rank ran it
+        return dict(outcomes[0]), False
     if outcomes[0]["status"] in ("exact", "wrong") and all(o["status"] == "ran" for o in outcomes[1:]):
         return dict(outcomes[0]), False  # every rank ran; the first compared the reduced numbers
     statuses = {o["status"] for o in outcomes}
@@ -262,8 +307,8 @@ def _auto_cell(pristine: torch.nn.Module, cells: dict, packed: bool, cp_size: in
     that method's column; a refusal is the cell's outcome (it must then be that no column is exact)."""
     from automodel.distributed.cp import choose_cp_method, profile_model
 
-    exact = [c for c, cell in cells.items() if c not in AUTO_COLUMNS and c.endswith(PACKED) == packed
-             and cell["status"] == "exact"]  # fmt: skip
+    exact = [c for c, cell in cells.items() if c not in AUTO_COLUMNS + (CP1_PACKED,) and c.endswith(PACKED) == packed
+             and cell["status"] == "exact"]  # fmt: skip (cp=1 packed: no CP method's column)
     try:
         choice = choose_cp_method(profile_model(pristine), cp_size, seq_len=SEQ, packed=packed)
     except UserInputError as err:
@@ -383,6 +428,8 @@ def _run_families(fams: list, columns: tuple[str, ...], ranks: list[int], agree_
                 local = dict(build_err)
             elif column in AUTO_COLUMNS:
                 local = _auto_cell(pristine, cells[fam.name], packed, len(ranks))
+            elif column == CP1_PACKED:  # one process: the group's first rank computes it, the others wait
+                local = run_cp1_packed_cell(pristine, packed_row, lambda: ref(True)) if first else {"one_rank": True}
             else:
                 method = column.removesuffix(PACKED)
                 given = refs.get(packed, (None, None))

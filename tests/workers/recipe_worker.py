@@ -57,6 +57,18 @@ PACKED = ["+data.dataset.pack=true", "data.seq_len=256", "model.attn_implementat
 SLIDING = ["model.config._target_=transformers.MistralConfig", "+model.config.sliding_window=16"]
 # activation offload (needs checkpointing) and the optimizer's state and step on the host
 OFFLOAD = ["model.activation_checkpointing=true", "model.activation_offload=true", "fsdp.offload=optimizer"]
+# packed rows of a tiny gpt-oss (eager attention with sinks, sliding and full layers), whose own forward lets a
+# packed row's documents attend to each other: at cp_size=1 a method's document-aware attention runs on the one
+# rank instead (automodel.distributed.cp.bind), so cp=1 and cp=2 compute each document alone; 4 steps
+GPTOSS_PACKED = [
+    *PACKED,
+    "model.config._target_=transformers.GptOssConfig",
+    "+model.config.head_dim=16",
+    "+model.config.num_local_experts=4",
+    "+model.config.num_experts_per_tok=2",
+    "+model.config.sliding_window=16",
+    "step_scheduler.max_steps=4",
+]
 
 
 def _trainer(
@@ -140,9 +152,13 @@ def single(rank: int, world_size: int, out: str, pretrained: str) -> dict:
     # packed rows at cp=1: transformers masks documents from the restarting position_ids
     packed_ref = _summary(*_run(world_size, out_dir, "packed_ref", ["distributed.cp_size=1", *PACKED]))
     sliding_ref = _summary(*_run(world_size, out_dir, "sliding_ref", ["distributed.cp_size=1", *SLIDING]))
+    gptoss_packed_ref = _summary(
+        *_run(world_size, out_dir, "gptoss_packed_ref", ["distributed.cp_size=1", *GPTOSS_PACKED])
+    )
     return {
         "ref": ref, "ac": ac, "from_pretrained": from_pretrained, "packed_ref": packed_ref, "sliding_ref": sliding_ref,
         "offload": offload,
+        "gptoss_packed_ref": gptoss_packed_ref,
     }
 
 
@@ -263,4 +279,7 @@ def pair(rank: int, world_size: int, out: str) -> dict:
         world_size, out_dir, "offload_all_ulysses_cp2",
         ["distributed.cp_size=2", *OFFLOAD[:2], "fsdp.offload=all"], config=ULYSSES,
     ))  # fmt: skip
+    # packed gpt-oss at cp=2 with the self-check, whose reference is exact by construction (gptoss_packed_ref: cp=1)
+    gptoss = ["distributed.cp_size=2", "distributed.cp_method=thd_docs", "recipe.cp_self_check=true", *GPTOSS_PACKED]
+    results["gptoss_packed_cp2"] = _summary(*_run(world_size, out_dir, "gptoss_packed_cp2", gptoss))
     return results

@@ -33,6 +33,13 @@ by exactly 1). :meth:`ContextParallel.shard` turns it, exactly, into the form th
   packed rows under a method that attends across the whole row (with the methods that run them), left or
   inner padding, padding slots that carry a label, ``position_ids`` that disagree with ``seq_lens``.
 
+**At CP size 1** (``mesh=None``, a CP group of 1) rows may be packed too, and are computed per document:
+the model's own forward where a probe shows that it keeps a packed row's documents apart
+(:func:`~automodel.distributed.cp.separation.document_separation`), else the method's document-aware attention
+on the one rank; a method that attends across the row (ring) then refuses packed batches with the reason.
+:func:`context_parallel` turns the model's cache off (:meth:`ContextParallel.restore` turns it back on): with a
+cache transformers masks no documents.
+
 **The local batch** holds only model arguments: ``input_ids``, ``position_ids``, ``labels`` and
 ``shift_labels`` (this rank's labels: transformers then does not shift them again) and
 ``num_items_in_batch`` (the label count of the whole batch), so ``model(**local).loss`` is this rank's
@@ -63,6 +70,7 @@ from automodel.distributed.cp.registry import (
     check_model_config_for_cp,
     get_cp_method,
 )
+from automodel.distributed.cp.separation import cache_off
 
 __all__ = ["BATCH_KEYS", "ContextParallel", "context_parallel", "canonical_batch"]
 
@@ -343,6 +351,8 @@ class ContextParallel:
         self.model, self.mesh, self.method, self.cp_size = model, mesh, method, cp_size
         self.group, self.options = group, options
         self._batch_fn, self._prepared, self._restored = batch_fn, prepared, False
+        #: ``(config, its use_cache before)`` for :meth:`restore` (:func:`context_parallel` turns the cache off)
+        self._use_cache: list[tuple[Any, Any]] = []
         #: what ``method="auto"`` chose and why (``None`` when a method was named)
         self.choice: Choice | None = None
 
@@ -370,7 +380,9 @@ class ContextParallel:
             )
         m = self.method
         multiple = m.row_multiple(self.cp_size)[0]
-        canonical, packed = canonical_batch(batch, multiple, m.supports_packed or self.cp_size <= 1, self._packed_fix())
+        refusal = self._prepared.packed_refusal  # CP size 1: a model that mixes documents, no method for them
+        packed_ok = m.supports_packed or (self.cp_size <= 1 and not refusal)
+        canonical, packed = canonical_batch(batch, multiple, packed_ok, refusal or self._packed_fix())
         n_items = int((canonical["labels"] != -100).sum())
         ctx, local = self._batch_fn(self.mesh, canonical)
         local = {k: local[k] for k in _MODEL_KEYS if k in local}
@@ -413,9 +425,12 @@ class ContextParallel:
         return total
 
     def restore(self) -> None:
-        """Put the model's own attention back (undo the preparation; mutates the model). Idempotent."""
+        """Put the model's own attention (and ``use_cache``) back (undo the preparation; mutates the model).
+        Idempotent."""
         if not self._restored:
             self._prepared.undo()
+            for config, value in self._use_cache:
+                config.use_cache = value
             self._restored = True
 
     def describe(self) -> str:
@@ -429,6 +444,10 @@ class ContextParallel:
             attn = f"attention {p.previous_attn!r} -> {p.current_attn!r}"
         else:
             attn = "attention unchanged" + (" (cp_size 1: no context parallelism)" if self.cp_size <= 1 else "")
+        if p.single_rank:
+            attn += f"; packed rows: {p.single_rank}"
+        elif p.packed_refusal:
+            attn += "; packed rows refused (the model's own forward mixes their documents)"
         chosen = f" ({self.choice.reason})" if self.choice is not None else ""
         return (
             f"context_parallel: method {self.method.name}{chosen} ({self.method.summary}); cp_size {self.cp_size}; "
@@ -507,7 +526,11 @@ def context_parallel(model: Any, mesh: Any, method: str | CPMethod = "thd_docs",
     group, cp_size, _ = resolve_cp_group(mesh)
     m = m.configured(_Options(cp_size, options))
     check_model_config_for_cp(m, cached_profile(model), cp_size)
-    batch_fn, prepared = bind_cp_method(m, model, mesh, cp_size, **options)
+    use_cache = cache_off(model)  # a cache turns transformers' per-document masks off (and CP runs no cache)
+    # CP size 1: rows may be packed; the model's own forward runs them only where it keeps documents apart
+    batch_fn, prepared = bind_cp_method(m, model, mesh, cp_size, packed=None if cp_size <= 1 else False, **options)
     handle = ContextParallel(model, mesh, m, cp_size, group, batch_fn, prepared, options)
+    handle._use_cache = use_cache
     handle.choice = choice
     return handle
+

@@ -101,11 +101,17 @@ class PreparedModel:
         module: the module whose attention was switched (``None``: nothing was switched).
         previous_attn: its attention implementation before the switch (the inner kernel).
         current_attn: the implementation the method installed.
+        single_rank: at CP size 1 on packed rows, what computes each document and why (empty elsewhere):
+            the model's own forward, or a method's document-aware attention on the one rank
+            (:func:`~automodel.distributed.cp.bind.bind_cp_method`).
+        packed_refusal: at CP size 1 in the own loop, why packed batches are refused (empty: they are not).
     """
 
     module: Any = None
     previous_attn: str | None = None
     current_attn: str | None = None
+    single_rank: str = ""
+    packed_refusal: str = ""
 
     @property
     def switched(self) -> bool:

@@ -210,6 +210,9 @@ def _ulysses_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.
         attention_mask = mask if attention_mask is None else attention_mask
     proj = _project(kernel, mixer, hidden, attention_mask)
     shard = HeadShard(rank, world)
+    if world == 1:  # one rank (CP size 1): every token and head is here; no all-to-all (None is the world group)
+        out = run_documents(kernel, mixer, kernel.core_params(mixer, shard), proj.seq, ctx.document_ids, shard)
+        return kernel.finish(mixer, out, proj.local)
     seq = head_shard(kernel, mixer, proj.seq, group, shard, seq_len=ctx.seq_len)
     out = run_documents(kernel, mixer, kernel.core_params(mixer, shard), seq, ctx.document_ids, shard)
     return kernel.finish(mixer, head_unshard(out, group), proj.local)

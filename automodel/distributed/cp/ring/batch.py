@@ -12,8 +12,10 @@ unchanged. Behaviour differs where the reference is unsafe, and the docstrings s
   autograd so its gradient reaches whatever produced it (a vision tower, the embedding);
 - packed multi-document rows are a ``ValueError`` on the ring path (ring attention would attend
   across documents); they belong to the THD path (``use_te=True``);
-- with no CP the batch is returned untouched (a true no-op); with CP a new dict holding its own
-  copies is returned and the caller's batch is never modified;
+- with no CP the batch is returned untouched; on packed rows (restarting ``position_ids``, ``seq_lens``)
+  the context then probes the model at its first forward and refuses one whose own forward mixes the
+  documents (:func:`~automodel.distributed.cp.separation.own_forward_on_packed_rows`); with CP a new dict
+  holding its own copies is returned and the caller's batch is never modified;
 - :func:`_build_position_ids` returns the batch, as the reference does.
 
 Typical use::
@@ -31,13 +33,14 @@ The ring runs on CUDA (torch's flash / efficient / cuDNN kernels) and on CPU wit
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel.distributed.cp.batch_forms import check_batch_forms
+from automodel.distributed.cp.batch_forms import check_batch_forms, classify_batch
 from automodel.distributed.cp.group import get_cp_mesh as _get_cp_mesh
 from automodel.distributed.cp.guard import check_on_first_forward
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
@@ -45,6 +48,7 @@ from automodel.distributed.cp.layout import head_tail_indices
 from automodel.distributed.cp.ring.causal_mask import no_packed_sequence_detection
 from automodel.distributed.cp.ring.cpu_ring import check_cpu_ring_support, cpu_ring_attention
 from automodel.distributed.cp.ring.router import eager_models_routed, install_ring_router, ring_layer_kernels
+from automodel.distributed.cp.separation import PACKED_FORMS, own_forward_on_packed_rows
 from automodel.distributed.cp.te_batch import _shard_thd_chunk_for_te, make_cp_batch_for_te
 from automodel.distributed.train_context import get_train_context
 
@@ -340,7 +344,9 @@ def make_cp_batch_and_ctx(
 
     Returns:
         ``(train_ctx, batch)``. Without CP (no mesh, no ``cp`` dim, cp size 1) and ``use_te=False``:
-        ``(contextlib.nullcontext, batch)`` with ``batch`` the very same object, untouched.
+        ``(contextlib.nullcontext, batch)`` with ``batch`` the very same object, untouched; on packed rows
+        ``train_ctx`` instead probes the model at its first forward inside it and raises
+        ``CPUnsupportedError`` if the model's own forward mixes the documents (its cache is off inside).
 
         Ring path (cp > 1): a **new dict holding its own copies** of the sequence tensors; the
         caller's batch and tensors are never modified. Rows whose length ``S`` is not a multiple of
@@ -378,7 +384,10 @@ def make_cp_batch_and_ctx(
         )
     if cp_mesh is None or cp_mesh.size() == 1:
         _primary_sequence_tensor(batch)  # both / neither is an error with or without CP
-        return contextlib.nullcontext, batch
+        if PACKED_FORMS.isdisjoint(classify_batch(batch)):
+            return contextlib.nullcontext, batch
+        # packed rows run by the model's own forward: probed at its first call, refused if it mixes documents
+        return functools.partial(own_forward_on_packed_rows, "make_cp_batch_and_ctx"), batch
     check_batch_forms("ring", batch)  # refuse what ring does not compute exactly (docs/batch_forms.md)
 
     cp_size = cp_mesh.size()
