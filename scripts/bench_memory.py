@@ -17,25 +17,47 @@ Llama-shaped model (small hidden size, realistic vocabulary) with ring CP and Ad
 - the longest sequence whose step peak plus persistent state fits ``--budget-gib`` per rank: searched
   with the planner, then verified by one measured run at that length.
 
-    nice python scripts/bench_memory.py                              # the table in docs/benchmarks.md
-    nice python scripts/bench_memory.py --vocabs 32000 --seq-lens 1024 2048 --no-search
+Then (``--wide also``, the default; ``--wide only`` for these alone) the memory techniques of issue 35, in one
+process, on the same weights and batch (AdamW with lr 0: every row's loss must be equal):
+
+- a **wide MLP** (hidden 128, MLP 16384, 4 layers, 4096 tokens, checkpointing, ``loss.chunk_tokens=256``)
+  without and with ``model.tiled_mlp=true`` (step peak by RSS as above; the tiled / untiled ratio, target
+  <= 0.6), then tiled with ``model.activation_offload`` and ``fsdp.offload=optimizer``;
+- a **deep, narrow** model (hidden 256, MLP 1024, 8 layers), where the checkpointed layer inputs that
+  activation offload moves are a large part of the peak: without, with activation offload, with both offloads.
+
+On a CPU the "device" and the host are one memory, so RSS cannot show what an offload moved: those rows
+count the **tracked allocations** (:class:`AllocationTracker`, the bytes of the storages ops create, as a
+device allocator would) with the offload's host buffers and the host optimizer's step left out: the
+device-side step peak and persistent state (parameters + optimizer state on the device) as the planner
+defines them, and the host bytes. Each row prints the plan, the measurement and the error; the script exits 1
+when a row is off by more than ``--tolerance`` (10%), the tiled ratio is above 0.6 or the losses differ.
+
+    nice python scripts/bench_memory.py                              # the tables in docs/benchmarks.md
+    nice python scripts/bench_memory.py --vocabs 32000 --seq-lens 1024 2048 --no-search --wide no
+    nice python scripts/bench_memory.py --wide only                  # the issue-35 rows alone (~10 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from automodel.distributed.launch import run_on_ranks  # noqa: E402
 from automodel.training.cpu_memory import MMAP_ENV, peak_rss_mib, reset_peak_rss, rss_mib  # noqa: E402
+
+MIB = 2**20
 
 
 def measure_worker(rank: int, world: int, cases: list[dict], model_kw: dict, warmup_seq: int = 256) -> list[dict]:
@@ -143,6 +165,217 @@ def longest_planned(dims, cp: int, chunk: int | None, ac: bool, budget: float, c
     return lo * 256
 
 
+# --- wide-MLP rows (issue 35): model.tiled_mlp, model.activation_offload, fsdp.offload=optimizer ------------
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Device-allocator bookkeeping on CPU: the bytes of the live storages that ops create while active
+    (``current``, ``peak``); an output sharing an input's storage (a view, an in-place op) is not new memory.
+    Inside :meth:`host` nothing is counted: what the offload code allocates on the host (the host optimizer's
+    step) is not device memory. On a CPU the "device" and the host are one memory, so RSS cannot show what
+    an offload moved; these counts can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        self.paused = False
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {id(t.untyped_storage()) for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self.live and key not in inputs:  # new memory
+                    self.live[key] = storage.nbytes()
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key)
+        return out
+
+    @contextlib.contextmanager
+    def host(self):  # noqa: ANN201
+        paused, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = paused
+
+
+WIDE_SETTINGS = [  # (label, model.tiled_mlp, model.activation_offload, fsdp.offload, measured by)
+    ("AC+chunked", False, False, False, "rss"),
+    ("AC+chunked+tiled_mlp", True, False, False, "rss"),
+    ("AC+chunked+tiled_mlp", True, False, False, "tracked"),
+    ("+activation_offload", True, True, False, "tracked"),
+    ("+fsdp.offload=optimizer", True, True, "optimizer", "tracked"),
+]
+DEEP_SETTINGS = [  # many layers, a narrow MLP: what activation offload moves is a large part of the peak
+    ("AC+chunked", False, False, False, "tracked"),
+    ("+activation_offload", False, True, False, "tracked"),
+    ("+fsdp.offload=optimizer", False, True, "optimizer", "tracked"),
+]
+
+
+def wide_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int, settings: list) -> list[dict]:
+    """One measured training step per row of ``settings`` (:data:`WIDE_SETTINGS`) on the same weights (AdamW
+    lr 0, the same batch: the losses must be equal); per row ``{"peak_mib", "persist_mib", "host_mib", "loss",
+    "time"}``.
+
+    ``rss`` rows: the peak RSS above the RSS before the step (a warm-up step of 256 tokens first).
+    ``tracked`` rows: a fresh optimizer, a warm-up forward + backward (the offload store's host pool fills)
+    and first optimizer step: ``persist_mib`` = the parameters plus the device bytes that step leaves
+    allocated (its state; the host optimizer's are not counted); then the tracked step: ``peak_mib`` = the
+    :class:`AllocationTracker` peak of forward + loss + backward + optimizer step (the host optimizer's
+    step not counted), ``host_mib`` = the store's pool and the host optimizer's copies.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from automodel.models.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
+    from automodel.training.activation_offload import apply_activation_offload
+    from automodel.training.optimizer_offload import HostOffloadOptimizer
+    from automodel.training.step import forward_loss_sum
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False, **model_kw)
+    base_model = AutoModelForCausalLM.from_config(config)
+    state = {k: v.clone() for k, v in base_model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=g)
+    labels = torch.randint(0, config.vocab_size, (1, seq), generator=g)
+
+    def adamw(params: list) -> torch.optim.Optimizer:
+        # lr 0: every row trains the same weights; foreach: what AdamW runs on a GPU (its temporaries planned)
+        return torch.optim.AdamW(params, lr=0.0, foreach=True)
+
+    def fwd_bwd(model: torch.nn.Module, n: int) -> torch.Tensor:
+        loss = forward_loss_sum(model, {"input_ids": ids[:, :n]}, labels[:, :n], chunk) / n
+        loss.backward()
+        return loss.detach()
+
+    out = []
+    for _, tiled, act_offload, offload, how in settings:
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(state)
+        remove_tiled_mlp(model)
+        apply_tiled_mlp(model, tiled)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        store = apply_activation_offload(model) if act_offload else None
+        params = list(model.parameters())
+        opt = HostOffloadOptimizer(params, adamw) if offload == "optimizer" else adamw(params)
+        row: dict = {"persist_mib": sum(p.numel() * p.element_size() for p in params) / MIB, "host_mib": 0.0}
+        if how == "rss":
+            fwd_bwd(model, 256)  # warm-up: AdamW states, lazy imports, the tiled MLP's first-call probe
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            base = rss_mib()
+            reset_peak_rss()
+            start = time.perf_counter()
+            loss = fwd_bwd(model, seq)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            row.update(peak_mib=peak_rss_mib() - base, time=time.perf_counter() - start)
+        else:
+            fwd_bwd(model, seq)  # warm-up (untracked): the store's host pool, the probe
+            made = AllocationTracker()  # the first step creates the optimizer state: its device bytes
+            with made, (made.host() if offload else contextlib.nullcontext()):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            row["persist_mib"] += made.current / MIB
+            gc.collect()
+            tracker = AllocationTracker()
+            start = time.perf_counter()
+            with tracker:
+                loss = fwd_bwd(model, seq)
+                with tracker.host() if offload else contextlib.nullcontext():
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+            row.update(peak_mib=tracker.peak / MIB, time=time.perf_counter() - start)
+            host = (store.peak_host_bytes() if store else 0) + (opt.host_bytes() if offload else 0)
+            row["host_mib"] = host / MIB
+        row["loss"] = loss.item()
+        out.append(row)
+        del model, opt, store, params
+        gc.collect()
+    return out
+
+
+def wide_rows(args: argparse.Namespace) -> bool:
+    """Print the wide-MLP table and the deep one (plan against measurement per row, the tiled / untiled ratio,
+    the losses); ``True`` when every row is within ``--tolerance`` of the plan, the ratio <= 0.6 and the
+    losses equal."""
+    wide = (args.wide_hidden, args.wide_intermediate, args.wide_layers)
+    ok = technique_rows(args, "Wide MLP", *wide, WIDE_SETTINGS)
+    deep = (args.deep_hidden, 4 * args.deep_hidden, args.deep_layers)
+    return technique_rows(args, "Deep, narrow MLP", *deep, DEEP_SETTINGS) and ok
+
+
+def technique_rows(args: argparse.Namespace, title: str, h: int, i: int, layers: int, settings: list) -> bool:
+    """One table of :func:`wide_rows`: ``settings`` on a Llama shape of hidden ``h``, MLP ``i``, ``layers``."""
+    from automodel.training.memory_plan import RunShape, plan_memory
+
+    seq, chunk = args.wide_seq, 256
+    model_kw = dict(
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=layers,
+        num_attention_heads=max(h // 32, 1),
+        num_key_value_heads=max(h // 64, 1),
+        vocab_size=args.wide_vocab,
+    )
+    dims = _dims(model_kw)
+    (rows,) = run_on_ranks(
+        "scripts.bench_memory:wide_worker", 1, args.timeout, model_kw=model_kw, seq=seq, chunk=chunk,
+        settings=settings,
+    )
+    print(
+        f"\n{title}: hidden {h}, MLP {i}, {layers} layers, vocab {args.wide_vocab}, fp32, {seq} tokens, one "
+        f"process, activation checkpointing, loss.chunk_tokens={chunk}, AdamW; rss = peak RSS above the RSS "
+        "before the step, tracked = peak of the allocations ops make (device-side: not the offload's host "
+        "buffers nor the host optimizer's), forward + loss + backward + AdamW (foreach) step\n",
+        flush=True,
+    )
+    print("| setting | measured by | step peak MiB measured | planned | error | persistent MiB measured | planned "
+          "| error | host MiB measured | planned | loss | step s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ok = True
+    for (label, tiled, act_offload, offload, how), r in zip(settings, rows, strict=True):
+        shape = RunShape(local_batch=1, seq=seq, chunk_tokens=chunk, activation_checkpointing=True,
+                         tiled_mlp=tiled, activation_offload=act_offload, offload=offload)  # fmt: skip
+        plan = plan_memory(dims, shape)
+        peak_plan = _planned_without_fsdp(plan) / MIB
+        persist_plan = plan.persistent_bytes / MIB
+        err = (peak_plan - r["peak_mib"]) / r["peak_mib"]
+        persist = ""
+        if how == "tracked":  # the persistent state is counted by the tracker only (RSS holds both sides)
+            perr = (persist_plan - r["persist_mib"]) / r["persist_mib"]
+            ok &= abs(perr) <= args.tolerance
+            persist = f"{r['persist_mib']:.0f} | {persist_plan:.0f} | {perr:+.0%}"
+        else:
+            persist = "- | - | -"
+        ok &= abs(err) <= args.tolerance
+        host = f"{r['host_mib']:.0f} | {plan.host_bytes / MIB:.0f}" if how == "tracked" else "- | -"
+        print(f"| {label} | {how} | {r['peak_mib']:.0f} | {peak_plan:.0f} | {err:+.0%} | {persist} | {host} | "
+              f"{r['loss']:.6f} | {r['time']:.1f} |", flush=True)  # fmt: skip
+    same = len({r["loss"] for r in rows}) == 1
+    print(f"\nlosses equal in every row: {same}")
+    if settings[0][1:] == (False, False, False, "rss") and settings[1][1:] == (True, False, False, "rss"):
+        ratio = rows[1]["peak_mib"] / rows[0]["peak_mib"]
+        print(f"step peak (rss) tiled / untiled: {ratio:.3f} (target <= 0.6)")
+        ok &= ratio <= 0.6
+    return ok and same
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
@@ -155,9 +388,21 @@ def main() -> None:
     parser.add_argument("--verify-max", type=int, default=8192, help="measure the found length only up to this")
     parser.add_argument("--no-search", action="store_true")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--wide", choices=("also", "only", "no"), default="also",
+                        help="the wide-MLP rows (tiled MLP, activation offload, optimizer offload): also, only, no")
+    parser.add_argument("--wide-hidden", type=int, default=128)
+    parser.add_argument("--wide-intermediate", type=int, default=16384)
+    parser.add_argument("--wide-layers", type=int, default=4)
+    parser.add_argument("--wide-vocab", type=int, default=32000)
+    parser.add_argument("--wide-seq", type=int, default=4096, help="tokens of the wide and the deep rows")
+    parser.add_argument("--deep-hidden", type=int, default=256)
+    parser.add_argument("--deep-layers", type=int, default=8)
+    parser.add_argument("--tolerance", type=float, default=0.10, help="the wide rows' plan error that fails (exit 1)")
     args = parser.parse_args()
     for key, value in MMAP_ENV.items():  # read by the spawned interpreters' glibc at start-up
         os.environ.setdefault(key, value)
+    if args.wide == "only":
+        sys.exit(0 if wide_rows(args) else 1)
     from automodel.training.memory_plan import plan_memory
 
     h = args.hidden_size
@@ -218,6 +463,8 @@ def main() -> None:
         print("| vocab | cp | setting | longest seq | verification (step peak + persistent state) |")
         print("|---|---|---|---|---|")
         print("\n".join(longest), flush=True)
+    if args.wide == "also" and not wide_rows(args):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -141,9 +141,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON summary: a directory (gpu_check.json inside) or a .json path; default $OUT or .")
     p.add_argument("--dry", action="store_true", help="CPU smoke mode: the backend checks with flex/math blocks on CPU")
     p.add_argument("--budget-s", type=float, default=480.0, help="total wall limit in seconds (default 480: 8 minutes)")
-    p.add_argument("--only", default=None, help="comma-separated groups: env,blocks,varlen,methods,recipe,throughput,te")
+    p.add_argument("--only", default=None, help="comma-separated groups: env,blocks,varlen,methods,recipe,throughput,te,memory")
     p.add_argument("--skip", default="", help="comma-separated groups to skip")
     p.add_argument("--recipe-steps", type=int, default=4, help="training steps per recipe check (the first is warm-up)")
+    p.add_argument("--memory-budget-s", type=float, default=180.0,
+                   help="time of the memory check (the plan's longest row; a fraction of it when too slow)")
     args = p.parse_args(argv)
     args.only = set(filter(None, args.only.split(","))) if args.only else None
     args.skip = set(filter(None, args.skip.split(",")))
@@ -741,6 +743,122 @@ def check_te_partition() -> Result:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# memory: the plan's longest row for this GPU, measured
+
+
+MEMORY_CONFIG = "configs/llama3_2_1b_32k_cp4.yaml"  # the Llama-3.2-1B shape (model.config), random weights
+MEMORY_SKIP_ENV = "GPU_CHECK_SKIP_MEMORY"  # set to 1 to skip the memory check
+#: the measured allocated peak may exceed the plan (persistent + step peak) by this fraction before a FAIL
+MEMORY_TOLERANCE = 0.10
+_MEMORY_OVERRIDES = ["model.pretrained_model_name_or_path=null", "data.tokenizer=null", "recipe.gpus=1",
+                     "distributed.cp_size=1"]  # fmt: skip
+
+
+def gpu_type_for(name: str) -> str:
+    """The plan's GPU type for a device name (``"NVIDIA H200"`` -> ``"h200"``); ``"h100"`` when unknown (its
+    spec gives the step estimate; the capacity comes from the device itself)."""
+    from automodel.training.plan_search import DEVICE_MEMORY_MIB
+
+    low = name.lower()
+    return next((k for k in DEVICE_MEMORY_MIB if k in low), "h100")
+
+
+def memory_row(gpu_type: str, capacity_gib: float | None, steps: int, time_s: float) -> dict[str, Any]:
+    """CPU-side: the longest row ``automodel plan`` finds for one GPU of ``capacity_gib`` (all technique sets),
+    and the row length the check runs: the whole row when ``steps`` steps of it fit ``time_s`` by the plan's
+    step estimate, else the longest fraction (1/2, 1/4, ...) that does, with the plan computed for that length.
+
+    Returns: ``row`` (tokens), ``seq`` (tokens run), ``fraction``, ``techniques`` (the set's short form),
+    ``overrides`` (the recipe's keys for the layout and the set), ``plan_persistent_gib``,
+    ``plan_step_peak_gib``, ``plan_total_gib``, ``plan_host_gib``, ``est_step_s`` (at ``seq``) and
+    ``row_step_s`` (at the whole row).
+    """
+    from automodel.training.memory_plan import plan_memory
+    from automodel.training.plan_search import build_search, longest_row
+
+    search, _, _, _ = build_search(str(ROOT / MEMORY_CONFIG), list(_MEMORY_OVERRIDES), 1, gpu_type, capacity_gib)
+    best = longest_row(search.search())
+    if best.tokens <= 0:
+        raise ValueError(f"the plan fits no row of {MEMORY_CONFIG} on one {gpu_type} ({capacity_gib} GiB)")
+    layout, t = best.layout, best.techniques
+    m = max(search.row_multiple(layout), 1024)
+    seq, fraction = best.tokens, 1
+    while seq > m and steps * search.estimate(layout, t, seq)[0] > time_s:
+        fraction *= 2
+        seq = max(m, best.tokens // fraction // m * m)
+    plan = plan_memory(search.d, search.shape(layout, t, seq))
+    gib = 2**30
+    return {
+        "row": best.tokens, "seq": seq, "fraction": fraction, "techniques": t.text(layout.tp),
+        "overrides": [*layout.overrides(), *t.overrides(layout.tp)],
+        "plan_persistent_gib": plan.persistent_bytes / gib, "plan_step_peak_gib": plan.step_peak_bytes / gib,
+        "plan_total_gib": plan.total_bytes / gib, "plan_host_gib": plan.host_bytes / gib,
+        "est_step_s": search.estimate(layout, t, seq)[0], "row_step_s": best.step_s,
+    }  # fmt: skip
+
+
+_REPORT_PEAKS = (
+    "import atexit, runpy, sys, torch\n"
+    "def _peaks():\n"
+    "    if torch.cuda.is_available():\n"
+    "        print(f'gpu_check peaks: allocated {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB, '\n"
+    "              f'reserved {torch.cuda.max_memory_reserved() / 2**30:.3f} GiB', flush=True)\n"
+    "atexit.register(_peaks)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+_PEAKS = re.compile(r"gpu_check peaks: allocated ([\d.]+) GiB, reserved ([\d.]+) GiB")
+
+
+def parse_peaks(text: str) -> dict[str, float]:
+    """The wrapper's last ``gpu_check peaks`` line: ``{"allocated_gib", "reserved_gib"}`` (empty if none)."""
+    found = _PEAKS.findall(text)
+    return {"allocated_gib": float(found[-1][0]), "reserved_gib": float(found[-1][1])} if found else {}
+
+
+def check_memory(gpu_name: str, capacity_gib: float, budget: float, steps: int = 2) -> Result:
+    """The plan's longest row for this GPU (Llama-3.2-1B shape, bf16, random weights, the row's techniques),
+    ``steps`` recipe steps: torch's peak allocated and reserved memory against the plan, and tokens/s. FAIL
+    when the allocated peak exceeds the plan's persistent state + step peak by more than
+    :data:`MEMORY_TOLERANCE`; a row too slow for the budget runs at a fraction, planned at that length."""
+    name = "memory/llama3.2-1b"
+    if os.environ.get(MEMORY_SKIP_ENV, "").strip() not in ("", "0"):
+        return Result(name, "SKIP", f"{MEMORY_SKIP_ENV} is set")
+    gpu_type = gpu_type_for(gpu_name)
+    row = memory_row(gpu_type, capacity_gib, steps, time_s=0.5 * budget)
+    note = (f"plan's longest row on one {gpu_type} ({capacity_gib:.1f} GiB): {row['row']} tokens, {row['techniques']}"
+            + ("" if row["fraction"] == 1 else
+               f"; one step there is ~{row['row_step_s']:.0f} s by the plan's estimate, too slow for the budget: "
+               f"run at 1/{row['fraction']} of the row ({row['seq']} tokens), planned at that length"))  # fmt: skip
+    print(f"INFO {name:40s} {note}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        over = [*_common_overrides(tmp, steps), *_MEMORY_OVERRIDES, *row["overrides"], f"data.seq_len={row['seq']}",
+                "logging.log_every_steps=1"]  # fmt: skip
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # fmt: skip
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+        cmd = [sys.executable, "-c", _REPORT_PEAKS, str(ROOT / "recipes" / "finetune.py"),
+               "--config", str(ROOT / MEMORY_CONFIG), *over]  # fmt: skip
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(budget, 10.0), env=env, cwd=ROOT)
+    text = p.stdout + p.stderr
+    steps_seen, peaks = parse_steps(text), parse_peaks(text)
+    if p.returncode != 0 or not steps_seen or not peaks:
+        return Result(name, "FAIL", f"rc={p.returncode}: {_tail(text)}")
+    plan_total = row["plan_total_gib"]
+    figs: dict[str, Any] = {
+        "seq": row["seq"], "allocated_gib": peaks["allocated_gib"], "reserved_gib": peaks["reserved_gib"],
+        "plan_gib": plan_total, "plan_persistent_gib": row["plan_persistent_gib"],
+        "plan_step_peak_gib": row["plan_step_peak_gib"], "allocated_vs_plan": peaks["allocated_gib"] / plan_total,
+        "reserved_vs_plan": peaks["reserved_gib"] / plan_total, "tokens_per_s": steps_seen[-1]["tokens_per_s"],
+        "step_s": steps_seen[-1]["step_time_s"], "est_step_s": row["est_step_s"], "loss": steps_seen[-1]["loss"],
+    }  # fmt: skip
+    ok = peaks["allocated_gib"] <= plan_total * (1 + MEMORY_TOLERANCE) and math.isfinite(steps_seen[-1]["loss"])
+    return Result(name, "PASS" if ok else "FAIL", note, figs)
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -764,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(torch._dynamo.config, knob, 64)
     runner.run("blocks", "blocks", lambda: block_checks(device, not cuda, 120.0), 130)
     if not cuda:
-        for group in ("varlen", "methods", "recipe", "throughput"):
+        for group in ("varlen", "methods", "recipe", "throughput", "memory"):
             runner.add(Result(group, "SKIP", "needs a CUDA device" + (" (--dry)" if args.dry else "")))
         runner.add(Result("te_partition", "SKIP", "needs a CUDA device"))
     else:
@@ -778,6 +896,9 @@ def main(argv: list[str] | None = None) -> int:
             for seq in (8192, 32768):
                 runner.run("recipe", f"recipe/{model}/{seq // 1024}k",
                            lambda m=model, s=seq: check_recipe(m, s, args.recipe_steps, min(90.0, runner.left() - 5), gpu), 45)
+        capacity = torch.cuda.get_device_properties(device).total_memory / 2**30
+        runner.run("memory", "memory/llama3.2-1b",
+                   lambda: check_memory(gpu, capacity, min(args.memory_budget_s, runner.left() - 5)), 60)
         runner.run("methods", "methods/ws2", lambda: check_methods_ws2(runner.left() - 5), 40)
     path = summary_path(args.out)
     data = write_summary(runner, env, path)

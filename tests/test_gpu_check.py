@@ -86,3 +86,31 @@ def test_dry_mode_runs_the_cpu_block_check(gc, tmp_path, capsys):
         assert gc.check_block("sdpa_flash", "window", torch.bfloat16, torch.device("cpu")).status == "SKIP"
     finally:
         flex._validate_device = validate
+
+
+def test_memory_check_cpu_parts(gc, monkeypatch):
+    assert gc.parse_args([]).memory_budget_s == 180.0 and gc.parse_args(["--memory-budget-s", "60"]).memory_budget_s == 60
+    assert gc.gpu_type_for("NVIDIA H200") == "h200" and gc.gpu_type_for("NVIDIA H100 80GB HBM3") == "h100"
+    assert gc.gpu_type_for("Some GPU") == "h100"
+    text = "x\ngpu_check peaks: allocated 1.000 GiB, reserved 2.000 GiB\ngpu_check peaks: allocated 10.500 GiB, reserved 12.250 GiB"
+    assert gc.parse_peaks(text) == {"allocated_gib": 10.5, "reserved_gib": 12.25} and gc.parse_peaks("none") == {}
+    monkeypatch.setenv(gc.MEMORY_SKIP_ENV, "1")
+    res = gc.check_memory("NVIDIA H100", 79.2, 180.0)
+    assert res.status == "SKIP" and gc.MEMORY_SKIP_ENV in res.detail
+
+
+def test_memory_row_is_the_plans_longest_row_or_a_planned_fraction(gc):
+    from automodel.training.memory_plan import plan_memory
+    from automodel.training.plan_search import build_search, longest_row
+
+    whole = gc.memory_row("h100", 79.2, 2, time_s=1e9)  # no time limit: the whole row
+    search, _, _, _ = build_search(str(ROOT / gc.MEMORY_CONFIG), list(gc._MEMORY_OVERRIDES), 1, "h100", 79.2)
+    best = longest_row(search.search())
+    assert whole["row"] == whole["seq"] == best.tokens > 500_000 and whole["fraction"] == 1
+    assert whole["plan_total_gib"] <= 79.2 - 1.0 and whole["techniques"] == best.techniques.text(1)
+    assert "model.activation_checkpointing=true" in whole["overrides"]
+    part = gc.memory_row("h100", 79.2, 2, time_s=60.0)  # too slow for a minute: a fraction, planned there
+    assert part["row"] == best.tokens and part["fraction"] > 1 and part["seq"] <= best.tokens // part["fraction"]
+    assert 2 * part["est_step_s"] <= 60.0 or part["seq"] == 1024
+    plan = plan_memory(search.d, search.shape(best.layout, best.techniques, part["seq"]))
+    assert part["plan_total_gib"] == plan.total_bytes / 2**30 < whole["plan_total_gib"]

@@ -9,13 +9,13 @@ import re
 import pytest
 
 from automodel.cli import main
+from automodel.models.tiled_mlp import resolve_tile_tokens
 from automodel.training.memory_plan import (
     DEFAULT_CHUNK_TOKENS,
     ModelDims,
     RunShape,
     loss_auto_choice,
     plan_memory,
-    tile_tokens_for,
 )
 
 CONFIG_8B = "configs/llama3_1_8b_tp2_cp4.yaml"
@@ -72,7 +72,7 @@ def test_tiled_mlp_counts_one_tile_instead_of_the_row():
     # the four [N, I] intermediates of every layer go; one tile's 4 recomputed + 2 gradients come
     saved = plain.terms["activations"].bytes - tiled.terms["activations"].bytes
     assert saved == pytest.approx(d.layers * 4096 * 4 * d.intermediate * 4 - 6 * 512 * d.intermediate * 4)
-    assert tile_tokens_for(4096, 14336, 131072) == 4096 and tile_tokens_for(128, 16384, 1000) == 125
+    assert resolve_tile_tokens(True, 4096, 14336, 131072) == 4096 and resolve_tile_tokens(True, 128, 16384, 1000) == 125
     auto = plan_memory(d, dataclasses.replace(r, tiled_mlp=True))
     assert "125" not in auto.terms["activations"].note and "128 tokens per tile" in auto.terms["activations"].note
 

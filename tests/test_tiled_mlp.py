@@ -20,7 +20,6 @@ from torch import nn
 
 from automodel.errors import UserInputError
 from automodel.models.tiled_mlp import (
-    TILE_MULTIPLE,
     apply_tiled_mlp,
     check_tiled_mlp_for_model,
     find_mlps,
@@ -122,7 +121,7 @@ def test_activation_checkpointing_lora_and_true():
                     if "lora_B" in n:
                         p.normal_(0, 0.1)
         ref = _step(model, ids)
-        apply_tiled_mlp(model, True)  # 150 x 64 / 128 -> 75 -> 128 tokens: two tiles
+        apply_tiled_mlp(model, True)  # 150 tokens, hidden 64: three tiles of 50
         apply_activation_checkpointing(model)
         loss_rel, grad_rel = _compare(ref, _step(model, ids))
         assert loss_rel <= 1e-12 and grad_rel <= 1e-12, (lora, loss_rel, grad_rel)
@@ -169,10 +168,12 @@ def test_resolve_tile_tokens():
     assert resolve_tile_tokens(False, 128, 16384, 4096) is None
     assert resolve_tile_tokens(1000, 128, 16384, 4096) == 1000
     assert resolve_tile_tokens(10_000, 128, 16384, 4096) == 4096  # one tile: untiled
-    # true: ceil(N * H / I) rounded up to TILE_MULTIPLE: 4096 x 128 / 16384 = 32 -> 64
-    assert resolve_tile_tokens(True, 128, 16384, 4096) == TILE_MULTIPLE == 64
-    assert resolve_tile_tokens(True, 4096, 14336, 131072) == 37504  # Llama-3-8B: 3.5 tiles -> 4
-    assert resolve_tile_tokens(True, 64, 32, 100) == 100  # an MLP narrower than hidden: one tile
+    # true: equal tiles of at most H tokens: 4096 / 128 = 32 tiles of 128; 1000 tokens: 8 tiles of 125
+    assert resolve_tile_tokens(True, 128, 16384, 4096) == 128
+    assert resolve_tile_tokens(True, 128, 16384, 1000) == 125
+    assert resolve_tile_tokens(True, 4096, 14336, 131072) == 4096  # Llama-3-8B: 32 tiles
+    assert resolve_tile_tokens(True, 4096, 14336, 1_000_001) == 4082  # 245 equal tiles, none over 4096
+    assert resolve_tile_tokens(True, 64, 32, 100) == 100  # an MLP no wider than hidden: one tile
     with pytest.raises(ValueError, match="must be >= 1"):
         resolve_tile_tokens(0, 128, 256, 10)
 

@@ -34,11 +34,10 @@ inside the MLP (dropout, MoE router jitter, LoRA dropout) are refused: per tile 
 than on the whole sequence. A model whose router logits feed an auxiliary loss
 (``output_router_logits``) is refused: the logits are recorded by hooks inside the tiles.
 
-Tile size (:func:`resolve_tile_tokens`): an int is tokens per tile; ``true`` takes
-``ceil(N * H / I)`` tokens (``N`` tokens in the call, ``H`` hidden, ``I`` the MLP's per-token
-intermediate width on this rank: :func:`mlp_intermediate_width` over the TP split), rounded up to a
-multiple of :data:`TILE_MULTIPLE`: one tile's ``[t, I]`` intermediate is about the size of the layer's
-``[N, H]`` input, i.e. about ``I / H`` tiles whatever the sequence length.
+Tile size (:func:`resolve_tile_tokens`, the one rule the memory planner uses too): an int is tokens per
+tile; ``true`` cuts the ``N`` tokens of the call into equal tiles of at most ``H`` (hidden) tokens, so that
+one tile's ``[t, I]`` intermediate is no larger than one MLP weight ``[I, H]`` whatever the sequence length
+(an MLP no wider than ``H`` is not cut: tiling it saves nothing).
 """
 
 from __future__ import annotations
@@ -59,7 +58,6 @@ from automodel.errors import UserInputError
 __all__ = [
     "MLP_ATTRIBUTES",
     "PROBE_TOKENS",
-    "TILE_MULTIPLE",
     "apply_tiled_mlp",
     "check_tiled_mlp_for_model",
     "check_tiled_mlp_for_model_config",
@@ -72,8 +70,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: ``true`` rounds its tile up to a multiple of this many tokens (kernel-friendly shapes)
-TILE_MULTIPLE = 64
 #: tokens of the real input the first-call probe runs on
 PROBE_TOKENS = 8
 #: attribute names under which decoder layers hold their MLP (besides the class-name pattern below)
@@ -102,9 +98,11 @@ def resolve_tile_tokens(
         tokens: tokens of the call on this rank (``B * S_local``).
 
     Returns:
-        ``min(tile, tokens)`` (at least 1): ``True`` gives ``ceil(tokens * hidden / intermediate)`` rounded up
-        to a multiple of :data:`TILE_MULTIPLE`; an int gives itself. A tile >= ``tokens`` means one tile
-        (the MLP runs untiled).
+        ``min(tile, tokens)`` (at least 1): ``True`` gives equal tiles of at most ``hidden`` tokens,
+        ``ceil(tokens / ceil(tokens / hidden))`` (one tile's ``[t, intermediate]`` intermediate is no larger
+        than one ``[intermediate, hidden]`` weight), or ``tokens`` when ``intermediate <= hidden`` (tiling
+        saves nothing); an int gives itself. A tile >= ``tokens`` means one tile (the MLP runs untiled).
+        ``automodel.training.memory_plan`` plans with this function.
 
     Raises:
         ValueError: ``tiled_mlp`` is an int < 1, or ``True`` with a non-positive size.
@@ -117,8 +115,10 @@ def resolve_tile_tokens(
             raise ValueError(
                 f"tiled_mlp=true needs positive sizes, got hidden={hidden} intermediate={intermediate}"
             )
-        tile = -(-tokens * hidden // intermediate)
-        tile = -(-tile // TILE_MULTIPLE) * TILE_MULTIPLE
+        if intermediate <= hidden:
+            return tokens
+        tiles = -(-tokens // hidden)
+        tile = -(-tokens // tiles)
     else:
         tile = int(tiled_mlp)
         if tile < 1:
@@ -727,7 +727,7 @@ def apply_tiled_mlp(
         len(mlps),
         f"{tiled_mlp} tokens per tile"
         if tiled_mlp is not True
-        else f"ceil(tokens x {hidden} / {per_rank}) rounded up to a multiple of {TILE_MULTIPLE}",
+        else f"equal tiles of at most {hidden} tokens",
     )
     return len(mlps)
 

@@ -84,7 +84,6 @@ __all__ = [
     "run_shape_from_config",
     "DEFAULT_CHUNK_TOKENS",
     "AUTO_LOSS_SHARE",
-    "tile_tokens_for",
     "host_bytes",
     "loss_auto_choice",
     "resolve_chunk_tokens",
@@ -168,7 +167,7 @@ class RunShape:
     loss_parallel: bool = False  # distributed.enable_loss_parallel (tp > 1): logits stay [N, V / tp]
     sequence_parallel: bool = False  # distributed.sequence_parallel (tp > 1): residual stream [N / tp, h]
     fsdp_enabled: bool = True  # fsdp.enabled=false: every rank holds the whole model (replicated)
-    tiled_mlp: bool | int = False  # model.tiled_mlp: the MLP over tiles of T tokens (True: tile_tokens_for)
+    tiled_mlp: bool | int = False  # model.tiled_mlp: the MLP over tiles of T tokens (True: resolve_tile_tokens)
     activation_offload: bool = False  # model.activation_offload: checkpointed layer inputs on the host
     offload: bool | str = False  # fsdp.offload: False | "optimizer" | "all"
     cp_options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
@@ -256,29 +255,15 @@ class MemoryPlan:
         return max(cands, key=cands.get)
 
 
-def tile_tokens_for(hidden: int, intermediate: int, local_tokens: int) -> int:
-    """``model.tiled_mlp: true``'s tile: equal tiles of at most ``hidden`` tokens over ``local_tokens``.
-
-    A tile of ``hidden`` tokens makes each ``[T, intermediate]`` intermediate the size of one MLP weight
-    (``[intermediate, hidden]``): small next to the ``[local_tokens, hidden]`` tensors a long row keeps, and a
-    GEMM of ``hidden`` rows still runs near the peak. The tiles are made equal: ``ceil(local_tokens / tiles)``
-    tokens each, ``tiles = ceil(local_tokens / hidden)``. ``intermediate`` does not change the rule (it is
-    named so that the rule can weigh it; the model's own :mod:`automodel.models.tiled_mlp` resolves the same
-    way). Pure.
-    """
-    del intermediate
-    n = max(1, int(local_tokens))
-    tiles = -(-n // max(1, int(hidden)))
-    return -(-n // tiles)
-
-
 def _mlp_tile(d: ModelDims, r: RunShape) -> int | None:
-    """Tokens per MLP tile of ``r`` (``None``: the MLP is not tiled)."""
+    """Tokens per MLP tile of ``r`` (``None``: the MLP is not tiled, or in one tile, which the model runs
+    untiled): :func:`automodel.models.tiled_mlp.resolve_tile_tokens`, the rule the model tiles with."""
     if r.tiled_mlp is False or r.tiled_mlp is None:
         return None
-    if r.tiled_mlp is True:
-        return tile_tokens_for(d.hidden, d.intermediate, r.local_tokens)
-    return min(int(r.tiled_mlp), r.local_tokens)
+    from automodel.models.tiled_mlp import resolve_tile_tokens
+
+    tile = resolve_tile_tokens(r.tiled_mlp, d.hidden, max(d.intermediate // r.tp, 1), r.local_tokens)
+    return tile if tile is not None and tile < r.local_tokens else None
 
 
 def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, possibly on the meta device)
@@ -401,12 +386,15 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
         saved = n * (kept * h * c / s + outside)
         # by the time backward recomputes a layer, the final norm's and LM head's saved tensors are freed:
         # the recompute phase holds the kept inputs, the ids and the recomputed layer (negative: what it drops)
-        recompute = n * (layer + 2 * h * c / s - (outside - 24)) + s2 + tile_bytes
+        # untiled, the MLP's backward adds two [N, I / tp] gradients to its recomputed intermediates (tiled:
+        # two per tile, in tile_bytes); measured on CPU by scripts/bench_memory.py's wide-MLP rows
+        mlp_grads = 0.0 if tile else 2 * i / tp * c
+        recompute = n * (layer + mlp_grads + 2 * h * c / s - (outside - 24)) + s2 + tile_bytes
         if r.activation_offloaded:
             note = f"{kept} of {d.layers} layer inputs on the device (the others on the host)"
         else:
             note = f"{d.layers} layer inputs kept"
-        note += f"; one layer recomputed in backward: {_fmt(n * (layer + 2 * h * c / s) + s2 + tile_bytes)}{tiled}"
+        note += f"; one layer recomputed in backward: {_fmt(n * (layer + mlp_grads + 2 * h * c / s) + s2 + tile_bytes)}{tiled}"
         return saved, recompute, note
     saved = n * (d.layers * layer + outside) + d.layers * s2 + tile_bytes
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (eager: an S^2 term per layer)" if s2 else "") + tiled

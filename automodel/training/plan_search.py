@@ -35,6 +35,7 @@ __all__ = [
     "Techniques",
     "Found",
     "PlanSearch",
+    "build_search",
     "device_budget_gib",
     "host_budget_gib",
     "longest_row",
@@ -413,6 +414,20 @@ def plan_report(config: str, overrides: list[str], gpus: int, gpu_type: str, gpu
     Raises:
         ConfigError: the config does not type-check; ValueError: the model cannot be built.
     """
+    search, text, capacity, host_node = build_search(config, overrides, gpus, gpu_type, gpu_memory_gib,
+                                                     host_memory_gib)  # fmt: skip
+    return plan_lines(search, text, capacity, host_node)
+
+
+def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gpu_memory_gib: float | None = None,
+                 host_memory_gib: float | None = None) -> tuple[PlanSearch, str, float, float]:  # fmt: skip
+    """The :class:`PlanSearch` of a config file and its overrides (the model on the meta device), with the
+    model's one-line description, the GPU's capacity (GiB) and the node's host memory (GiB): what
+    :func:`plan_report` prints, for callers that measure a row (``scripts/gpu_check.py``'s memory check).
+
+    Raises:
+        ConfigError: the config does not type-check; ValueError: the model cannot be built.
+    """
     from automodel.config import RecipeConfig
     from automodel.config.compose import compose_config, resolve_config_path
     from automodel.config.typecheck import ConfigError, to_dataclass
@@ -449,4 +464,4 @@ def plan_report(config: str, overrides: list[str], gpus: int, gpu_type: str, gpu
     host_node, on_node = host_budget_gib(gpus, spec.gpus_per_node, host_memory_gib)
     search = PlanSearch(dims, profile, base, gpus, spec, gpu_type, budget * _GIB, host_node / on_node * _GIB, tp_ok)
     text = f"{type(model).__name__} ({dims.params / 1e9:.2f}B parameters, {dims.layers} layers, hidden {dims.hidden})"
-    return plan_lines(search, text, capacity, host_node)
+    return search, text, capacity, host_node
