@@ -134,3 +134,16 @@ def test_shipped_longest_configs_fit_their_gpus_in_the_dry_run(config):
     out = dry_run_report(load_config(["--config", config, "recipe.dry_run=true", "recipe.memory_budget_gib=78.6475"],
                                      world_size=8))  # fmt: skip
     assert "-> fits" in out, out[-3000:]  # 81,559 MiB less the 1 GiB reserve (plan_search)
+
+
+def test_usp_is_searched_at_each_ulysses_size_with_its_keys():
+    """usp is planned once per ulysses_size (its bound options), and the layout's overrides select that size."""
+    from automodel.training.plan_search import Techniques, build_search
+
+    search, *_ = build_search("configs/llama3_1_8b_tp2_cp4.yaml", [], 8, "h100")
+    usp = {lay.options: lay for lay in search.layouts() if lay.method == "usp" and lay.cp == 8 and lay.tp == 1}
+    assert sorted(usp) == [(("ulysses_size", 2),), (("ulysses_size", 4),)]
+    lay = usp[(("ulysses_size", 4),)]
+    assert "distributed.ulysses_size=4" in lay.overrides() and lay.text == "cp 8 usp ulysses 4"
+    # the memory plan and the step estimate see the bound size
+    assert search.shape(lay, Techniques(chunked_loss=True), 65536).method.ulysses_size == 4
