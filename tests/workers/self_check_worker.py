@@ -20,6 +20,9 @@ from tests.workers.recipe_worker import CP, PACKED, TINY, ULYSSES
 TWO_STEPS = ["step_scheduler.max_steps=2", "step_scheduler.val_every_steps=null"]
 # a self-check slice shorter than the rows (seq_len 128): 2 micro-batches x 2 rows x 64 tokens
 CHECK = ["recipe.cp_self_check=true", "recipe.cp_self_check_tokens=60", "distributed.cp_size=2"]
+# the broken normaliser replaces the plain loss (token_cross_entropy_sum): keep loss.chunk_tokens' auto from
+# choosing the chunked loss, which would not call it
+PLAIN_LOSS = ["loss.chunk_tokens=null"]
 
 
 def _trainer(out: Path, name: str, config: str, overrides: list[str], world: int) -> FinetuneTrainer:
@@ -112,7 +115,7 @@ def main(rank: int, world_size: int, out: str) -> dict:
     original = step.token_cross_entropy_sum
     step.token_cross_entropy_sum = _mean_normalised_ce
     try:
-        broken = _trainer(out_dir, "broken", CP, CHECK, world_size)
+        broken = _trainer(out_dir, "broken", CP, [*CHECK, *PLAIN_LOSS], world_size)
         try:
             broken.setup()
             results["broken"] = {"raised": None}
@@ -140,7 +143,7 @@ def _recipe_exit(out_dir: Path) -> dict:
     spec = importlib.util.spec_from_file_location("finetune_recipe", path)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    argv = ["--config", CP, *TINY, *TWO_STEPS, f"recipe.output_dir={out_dir / 'recipe'}", *CHECK]
+    argv = ["--config", CP, *TINY, *TWO_STEPS, f"recipe.output_dir={out_dir / 'recipe'}", *CHECK, *PLAIN_LOSS]
     printed = io.StringIO()
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda *a, **k: None  # the test harness still needs the group

@@ -186,8 +186,13 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) 
 def packed_method_at_one(profile: ModelProfile, preferred: CPMethod | None = None) -> CPMethod | None:
     """The CP method whose document-aware attention computes ``profile``'s model on packed rows at CP size 1:
     ``preferred`` (the run's method) if it runs them exactly, else the first registered one that does
-    (:func:`~automodel.distributed.cp.registry.alternatives`); ``None``: no method does."""
-    if preferred is not None and not run_problems(preferred, profile, cp_size=1, packed=True):
+    (:func:`~automodel.distributed.cp.registry.alternatives`); ``None``: no method does. A method that needs
+    options to split a group (usp's ``ulysses_size``) has no one-rank form of its own: another one runs instead."""
+    if (
+        preferred is not None
+        and not preferred.option_keys
+        and not run_problems(preferred, profile, cp_size=1, packed=True)
+    ):
         return preferred
     found = alternatives(profile, cp_size=1, packed=True)
     return found[0][0] if found else None
