@@ -745,6 +745,8 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, d
     ``loss.chunk_tokens: auto`` is resolved by :func:`loss_auto_choice` on ``dims`` (the plain loss when
     ``dims`` is not given: the run and the dry run resolve it into the config first).
     """
+    from automodel.config.cp_auto import packed_rows
+
     nbytes = {"float32": 4, "bfloat16": 2, "float16": 2}
     compute = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
     shape = RunShape(
@@ -769,17 +771,11 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, d
         activation_offload=cfg.model.activation_offload,
         offload=cfg.fsdp.offload,
         cp_options=_cp_options(cfg),
-        packed=_packed_rows(cfg),
+        packed=packed_rows(cfg),
     )
     if cfg.loss.chunk_tokens == "auto" and dims is not None:
         shape = dataclasses.replace(shape, chunk_tokens=loss_auto_choice(dims, shape)[0])
     return shape
-
-
-def _packed_rows(cfg) -> bool:  # noqa: ANN001
-    from automodel.config.cp_auto import packed_rows
-
-    return packed_rows(cfg)
 
 
 def _cp_options(cfg) -> tuple[tuple[str, Any], ...]:  # noqa: ANN001
