@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Set up a working environment for automodel in ./.venv (created if missing).
+# Set up a working environment for automodel in ./.venv (created if missing), at the pinned versions.
 #
-# - Installs torch==2.13.0 only when no torch is importable: on our CPU machines that resolves to a
-#   local CPU build, and an unpinned `torch` would pull gigabytes of CUDA wheels. A torch that is
-#   already installed (e.g. a CUDA build on a GPU host, such as 2.11.0+cu130) is left alone; one outside
-#   the tested range (torch>=2.11,<2.16, pyproject.toml) is an error rather than replaced. Other tested releases:
+# - Installs exactly the versions in constraints.txt (pip -c): torch, transformers, peft, datasets, Hydra
+#   and everything they pull, as CI last passed with them, so that a clean clone installs today what
+#   passed yesterday, whatever was released since. Users who `pip install` the package themselves get
+#   pyproject.toml's ranges. AUTOMODEL_PINS=none installs from the ranges here too (the newest releases
+#   they allow); AUTOMODEL_PINS=/path/file uses another pin file. Moving the pins: scripts/update_pins.sh.
+# - Installs torch (the pinned release: on our CPU machines a local CPU build) only when no torch is
+#   importable. A torch that is already installed (e.g. a CUDA build on a GPU host, such as 2.11.0+cu130)
+#   is left alone, and its pin is dropped for this install; one outside the tested range
+#   (torch>=2.11,<2.16, pyproject.toml) is an error rather than replaced. Other tested releases:
 #   scripts/compat.sh.
 # - Installs the package in editable mode with the `dev` extra (pytest, ruff) and the tracker extras
 #   (`tensorboard`, `wandb`: logging.tensorboard / logging.wandb, which the tests exercise).
-# - Idempotent and fast on a second run: a stamp records the hash of pyproject.toml.
+# - Idempotent and fast on a second run: a stamp records the hash of pyproject.toml and the pins.
 #
 # Use AUTOMODEL_VENV=/path to choose another venv, or AUTOMODEL_VENV=none to install into the
 # current interpreter (e.g. a GPU container that ships its own torch).
@@ -34,7 +39,12 @@ fi
 
 stamp="$venv/.automodel-setup-stamp"
 [ "$venv" = "none" ] && stamp="$root/.setup-stamp"
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+pins="${AUTOMODEL_PINS:-$root/constraints.txt}"
+if [ "$pins" != "none" ] && [ ! -f "$pins" ]; then
+  echo "[setup] error: pin file $pins does not exist (AUTOMODEL_PINS=none installs from pyproject.toml's ranges)" >&2
+  exit 2
+fi
+want="$(cat "$root/pyproject.toml" "$([ "$pins" = none ] && echo /dev/null || echo "$pins")" | sha256sum | cut -d' ' -f1) $pins"
 cmd_ok=1  # the `automodel` console command (scripts/run.sh uses it) is installed with the package
 [ "$venv" != "none" ] && [ ! -x "$venv/bin/automodel" ] && cmd_ok=0
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$cmd_ok" = 1 ] && "$py" -c "import torch, transformers, automodel" 2>/dev/null; then
@@ -43,9 +53,13 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ "$cmd_ok" = 1 ] && "$
 fi
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+pinned_torch=2.13.0
+[ "$pins" != "none" ] && pinned_torch="$(sed -n 's/^torch==\([^ #]*\).*/\1/p' "$pins")"
+pin_args=()
+kept_torch=0
 if ! "$py" -c "import torch" 2>/dev/null; then
-  echo "[setup] no torch found: installing torch==2.13.0"
-  "$py" -m pip install --quiet "torch==2.13.0"
+  echo "[setup] no torch found: installing torch==${pinned_torch:-2.13.0}"
+  "$py" -m pip install --quiet "torch==${pinned_torch:-2.13.0}"
 else
   have="$("$py" -c 'import torch; print(torch.__version__)')"
   # pyproject.toml allows torch>=2.11,<2.16 (the tested releases); outside it, pip would replace the
@@ -57,8 +71,25 @@ else
     exit 1
   fi
   echo "[setup] keeping installed torch $have"
+  [ "${have%%+*}" != "$pinned_torch" ] && kept_torch=1
 fi
-echo "[setup] installing automodel (editable, with the dev, tensorboard and wandb extras)"
-"$py" -m pip install --quiet -e "$root[dev,tensorboard,wandb]"
+if [ "$pins" != "none" ]; then
+  use="$pins"
+  if [ "$kept_torch" = 1 ]; then
+    # The host's torch stays: drop the pins of torch and of what only a torch build brings (triton, nvidia-*).
+    use="$(mktemp)"; trap 'rm -f "$use"' EXIT
+    grep -v -E '^(torch|triton|nvidia-[a-z0-9-]+)==' "$pins" > "$use"
+    echo "[setup] the pins say torch==$pinned_torch; keeping the installed torch instead"
+  fi
+  pin_args=(-c "$use")
+  echo "[setup] installing automodel (editable, with the dev, tensorboard and wandb extras) at the versions pinned in $pins"
+else
+  echo "[setup] installing automodel (editable, with the dev, tensorboard and wandb extras) from pyproject.toml's ranges (AUTOMODEL_PINS=none)"
+fi
+"$py" -m pip install --quiet "${pin_args[@]}" -e "$root[dev,tensorboard,wandb]"
+if [ "$pins" != "none" ]; then
+  except=(); [ "$kept_torch" = 1 ] && except=(--except torch)
+  "$py" "$root/scripts/pins.py" check "$pins" "${except[@]}" | sed 's/^/[setup] /'
+fi
 echo "$want" > "$stamp"
 echo "[setup] done: $("$py" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")')"
