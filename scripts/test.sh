@@ -11,7 +11,10 @@ echo "[test] ruff"
 "$py" -m ruff check automodel recipes scripts tests examples
 echo "[test] pytest"
 set +e
-AUTOMODEL_REQUIRE_EXTRAS=1 "$py" -m pytest "$@"  # setup.sh installed the tracker extras: their tests must run
+pins="${AUTOMODEL_PINS:-$root/constraints.txt}"
+[ "$pins" = none ] && pins=""
+# tests/test_pins.py checks that the environment holds the versions setup.sh pinned (none: AUTOMODEL_PINS=none)
+AUTOMODEL_REQUIRE_EXTRAS=1 AUTOMODEL_PINS_FILE="$pins" "$py" -m pytest "$@"  # setup.sh installed the tracker extras: their tests must run
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -141,7 +141,7 @@ def test_quick_start_uses_the_console_command():
     run_sh = (REPO / "scripts" / "run.sh").read_text()
     assert 'bash "$root/scripts/setup.sh"' in run_sh and '"$automodel" finetune' in run_sh
     setup = (REPO / "scripts" / "setup.sh").read_text()
-    assert "pip install --quiet -e" in setup and "$venv/bin/automodel" in setup
+    assert "pip install --quiet \"${pin_args[@]}\" -e" in setup and "$venv/bin/automodel" in setup
 
 
 def test_target_keys_are_added_without_plus_and_typos_get_no_plus_advice():
