@@ -54,7 +54,7 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-@pytest.mark.parametrize("model_type", sorted(m for m, f in worker.FAMILIES.items() if f.fp64_rules is worker._mamba2_rules))
+@pytest.mark.parametrize("model_type", sorted(m for m, f in worker.FAMILIES.items() if f.fp64_rules in worker.MAMBA2_RULES))
 def test_a_mamba2_row_cut_into_pieces_and_chained_is_the_whole_row(model_type, monkeypatch):
     mixer = _mixer(model_type)
     hidden = torch.randn(2, 40, mixer.hidden_size, dtype=torch.float64)
@@ -79,6 +79,42 @@ def test_the_fp64_reference_scan_is_transformers_scan():
     ref, ref_state = m.mamba2_chunk_scan(x, dt, a, b, c, **kw)
     out, state = m2.recurrent_mamba2_scan(x, dt, a, b, c, **kw)
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4) and torch.allclose(state, ref_state, rtol=1e-4, atol=1e-4)
+
+
+def test_the_core_clamps_dt_with_the_mixers_own_time_step_limit(monkeypatch):
+    """The CP core reads the limit from the mixer, as transformers' forward does (Nemotron-H's changed in
+    transformers 5.25 from ``(time_step_min, inf)`` to ``config.time_step_limit``): with a limit that binds at
+    both ends, a row cut into pieces and chained is still the whole row, and the limit moves the result."""
+    mixer = _mixer("nemotron_h")
+    monkeypatch.setattr(sys.modules[type(mixer).__module__], "mamba2_chunk_scan", m2.recurrent_mamba2_scan)
+    hidden = torch.randn(2, 40, mixer.hidden_size, dtype=torch.float64)
+    free = mixer(hidden)
+    monkeypatch.setattr(mixer, "time_step_limit", (0.5, 1.0))
+    clamped = mixer(hidden)
+    assert _rel(clamped, free) > 1e-3  # the limit binds
+    assert _rel(_chained(mixer, hidden, [13, 14, 30]), clamped) < 1e-13
+
+
+def test_nemotron_h_router_under_the_fp64_rules_gives_a_token_the_same_numbers_in_any_call():
+    """Nemotron-H's router computes in fp32 (an fp32 matmul whose rows depend on the row count); the fp64
+    cases run it one row per call (``one_row_at_a_time``): a token's routing weights are then the same bits
+    whatever rows share its call, and they are transformers' router's numbers (to fp32 round-off)."""
+    model = worker.build_model(worker.FAMILIES["nemotron_h"], torch.float64)
+    modeling = sys.modules[type(model).__module__]
+    router = next(m for m in model.modules() if type(m).__name__ == "NemotronHTopkRouter")
+    hidden = torch.randn(3, 20, model.config.hidden_size, dtype=torch.float64)
+    theirs = router(hidden)
+    original = modeling.NemotronHTopkRouter.forward
+    with worker.swapped(modeling, worker.FAMILIES["nemotron_h"].fp64_rules(modeling)):
+        ours = router(hidden)
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        for start, count in ((0, 1), (5, 13), (17, 29), (31, 2), (40, 20)):
+            part = router(rows[start : start + count])
+            assert all(torch.equal(p, o[start : start + count]) for p, o in zip(part, ours)), (start, count)
+    assert modeling.NemotronHTopkRouter.forward is original  # restored
+    assert [(o.shape, o.dtype) for o in ours] == [(t.shape, t.dtype) for t in theirs]
+    assert torch.equal(ours[2].sort(-1).values, theirs[2].sort(-1).values)
+    assert torch.allclose(ours[1], theirs[1], rtol=1e-6, atol=0)
 
 
 def test_head_shard_holds_the_groups_of_its_heads():

@@ -3,7 +3,9 @@
 :data:`FAMILIES` lists the model families (tiny configs) and, per family, the functions of its transformers
 module that compute in fp32 whatever the dtype, with a dtype-keeping replacement (``fp64_rules``): the fp64
 cases swap them in BOTH runs, so that the CP kernels are proven to fp64 round-off; the fp32 cases run
-transformers' own kernels. A new mixer family is one more entry.
+transformers' own kernels. A rule may also name a class attribute (``"Class.forward"``): Nemotron-H's router
+keeps its fp32 arithmetic but runs one token row per call (:func:`one_row_at_a_time`). A new mixer family is
+one more entry.
 
 On every rank, per family and case: the single-process reference (each document of a packed row ALONE
 through the unmodified model; two unpacked rows as one batch for ring), then, on the packed row, thd,
@@ -15,9 +17,11 @@ whole on one rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +46,55 @@ def _mamba2_rules(modeling) -> dict[str, Callable]:
     from automodel.distributed.cp.layers.mamba2 import recurrent_mamba2_scan
 
     return {"mamba2_chunk_scan": recurrent_mamba2_scan}
+
+
+def one_row_at_a_time(forward: Callable) -> Callable:
+    """``forward(self, hidden [..., D])`` called on one token row at a time, its outputs (a tuple of ``[rows,
+    ...]`` tensors) concatenated over the rows: the result for a token no longer depends on how many rows the
+    call holds. Nemotron-H's router computes its logits with an fp32 matmul even in an fp64 model, and that
+    matmul's result for a row depends on the row count (CPU-dependent blocking; measured on AVX-512: one
+    routing weight differs by 6e-8 between the 13 rows one rank holds and the same token in its document run
+    alone, which moves every later gradient by 2e-8 at cp=4 under thd_docs). Per row, both runs compute the
+    same fp32 numbers, and the fp64 cases prove the CP kernels, not the matmul's blocking."""
+
+    @functools.wraps(forward)
+    def per_row(self, hidden_states: torch.Tensor):
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if rows.shape[0] == 0:
+            return forward(self, hidden_states)
+        parts = [forward(self, rows[i : i + 1]) for i in range(rows.shape[0])]
+        return tuple(torch.cat(outs) for outs in zip(*parts))
+
+    return per_row
+
+
+def _nemotron_h_rules(modeling) -> dict[str, Callable]:
+    return {**_mamba2_rules(modeling),
+            "NemotronHTopkRouter.forward": one_row_at_a_time(modeling.NemotronHTopkRouter.forward)}
+
+
+#: the fp64 rules of the Mamba2 families (tests/test_state_mixers.py runs its single-process Mamba2 checks on them)
+MAMBA2_RULES = (_mamba2_rules, _nemotron_h_rules)
+
+
+@contextlib.contextmanager
+def swapped(modeling, rules: dict[str, Callable]) -> Iterator[None]:
+    """``rules`` (``{name: replacement}``, a name a module attribute or ``"Class.attribute"``) swapped into the
+    ``modeling`` module for the block; the originals are restored after (mutates ``modeling``)."""
+    targets = []
+    for name, fn in rules.items():
+        owner, attr = (getattr(modeling, name.split(".")[0]), name.split(".")[1]) if "." in name else (modeling, name)
+        targets.append((owner, attr, vars(owner).get(attr), attr in vars(owner), fn))
+    try:
+        for owner, attr, _, _, fn in targets:
+            setattr(owner, attr, fn)
+        yield
+    finally:
+        for owner, attr, old, had, _ in reversed(targets):
+            if had:
+                setattr(owner, attr, old)
+            else:
+                delattr(owner, attr)
 
 
 def _gdn_rules(modeling) -> dict[str, Callable]:
@@ -82,12 +135,14 @@ class Family:
 FAMILIES: dict[str, Family] = {
     # transformers' default kinds M E * - (Mamba-2, MoE, attention, MLP: issue 36), the MoE layer first and a
     # second Mamba-2 layer last: its router computes in fp32 whatever the dtype, so a Mamba-2 layer before it
-    # would get fp32-level gradients in the fp64 reference too (the family matrix runs the default order, fp32)
+    # would get fp32-level gradients in the fp64 reference too (the family matrix runs the default order, fp32);
+    # the fp64 cases run the router one token row per call (one_row_at_a_time: its fp32 matmul's rows depend
+    # on the row count)
     "nemotron_h": Family("nemotron_h", dict(
         hidden_size=32, hybrid_override_pattern="EM*-M", head_dim=8, mamba_num_heads=4,
         mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, expand=1, intermediate_size=48,
         chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        moe_shared_expert_intermediate_size=16, **_ATTN), _mamba2_rules),
+        moe_shared_expert_intermediate_size=16, **_ATTN), _nemotron_h_rules),
     "falcon_h1": Family("falcon_h1", dict(
         hidden_size=32, num_hidden_layers=2, head_dim=8, mamba_d_ssm=32, intermediate_size=48, **_ATTN, **_MAMBA),
         _mamba2_rules),
@@ -226,15 +281,8 @@ def exact_reference(base, family: Family, data, run) -> tuple[float, dict]:
     in (``run``: :func:`reference` or :func:`ring_reference`)."""
     model = copy.deepcopy(base).double()
     modeling = sys.modules[type(model).__module__]
-    patches = family.fp64_rules(modeling)
-    saved = {name: getattr(modeling, name) for name in patches}
-    try:
-        for name, fn in patches.items():
-            setattr(modeling, name, fn)
+    with swapped(modeling, family.fp64_rules(modeling)):
         return run(model, data)
-    finally:
-        for name, fn in saved.items():
-            setattr(modeling, name, fn)
 
 
 def run_family(family: Family, group, cp: int, methods: tuple[str, ...]) -> dict:
@@ -246,12 +294,9 @@ def run_family(family: Family, group, cp: int, methods: tuple[str, ...]) -> dict
         base = build_model(family, getattr(torch, dtype_name))
         modeling = sys.modules[type(base).__module__]
         patches = family.fp64_rules(modeling) if rule == "fp64" else {}
-        saved = {name: getattr(modeling, name) for name in patches}
         docs, row = documents(cp)
         rows = ring_rows()
-        try:
-            for name, fn in patches.items():
-                setattr(modeling, name, fn)
+        with swapped(modeling, patches):
             ref = reference(copy.deepcopy(base), docs)
             for method in methods:
                 if family.methods is not None and method not in family.methods:
@@ -279,9 +324,6 @@ def run_family(family: Family, group, cp: int, methods: tuple[str, ...]) -> dict
                 ref_loss = (_ce(logits.detach(), rows["labels"]) / count).item()
                 loss, grads, _ = cp_step("ulysses", copy.deepcopy(base), rows, group)
                 out[(dtype_name, rule, "ulysses+left_padding")] = compare(ref_loss, _grads(model), loss, grads)
-        finally:
-            for name, fn in saved.items():
-                setattr(modeling, name, fn)
     return out
 
 
