@@ -5,7 +5,8 @@ The parity checks run in ONE gloo launch of 2 ranks (tests/workers/context_paral
 ulysses, thd, thd_docs and usp (ulysses_size 2 and 1), fp32 and fp64, on plain rows (right padding and a
 loss mask) and on packed rows given by ``seq_lens`` or by ``position_ids`` restarts, each against every
 document run alone in one process; and every method with activation checkpointing + activation offload and the
-offloaded optimizer against the same method without them (issue 35).
+offloaded optimizer against the same method without them (issue 35); and Falcon (its mask materialised) under
+every method, fp32 and fp64, every batch form.
 """
 
 from __future__ import annotations
@@ -73,6 +74,36 @@ def test_every_method_matches_one_process_with_tiled_mlp(results):
                     continue
                 check = r["tiled"][(method, form)]
                 assert check["loss_rel"] <= 1e-10 and check["grad_rel"] <= 1e-10, (method, form, check)
+
+
+@pytest.mark.dist
+def test_falcon_is_exact_under_every_method_where_it_dispatches_its_attention(results):
+    """Falcon with RoPE and grouped KV heads: from transformers 5.25 its attention goes through the
+    AttentionInterface with the causal mask materialised (ring proves it plain causal and drops it); every method,
+    fp32 and fp64, plain rows (padding, loss mask) and packed rows against each document alone. Where the installed
+    FalconAttention computes its own attention (5.17), every method refuses it when the model is prepared."""
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    from automodel.distributed.cp.profile import _dispatches_attention
+    from tests.workers.context_parallel_worker import FALCON_METHODS
+
+    for r in results:
+        falcon = r["falcon"]
+        if not _dispatches_attention(FalconAttention):
+            assert not falcon["checks"] and sorted(falcon["refused"]) == sorted(FALCON_METHODS)
+            for label, message in falcon["refused"].items():
+                assert "FalconAttention, which computes its own attention" in message, (label, message)
+            continue
+        for dtype, (loss_bar, grad_bar) in BARS.items():
+            for method in FALCON_METHODS:
+                for form in FORMS:
+                    key = (dtype, method, form)
+                    if method in UNPACKED and form != "plain":
+                        assert "packed rows" in falcon["refused"][key], key
+                        continue
+                    check = falcon["checks"][key]
+                    assert check["loss_rel"] <= loss_bar and check["grad_rel"] <= grad_bar, (key, check)
+                    assert check["grads"] == 19, (key, check)  # every parameter has a gradient
 
 
 @pytest.mark.dist

@@ -286,3 +286,40 @@ def test_dry_run_of_nemotron_h_with_auto_names_the_layers_without_a_token_mixer(
     picked = re.search(r"; exact under cp_method (\w+)$", line)
     assert picked and picked.group(1) in cp_methods(), line  # auto resolved to a method that computes it
     assert f"cp_method auto: {picked.group(1)}" in report
+
+
+def _falcon(**kw):
+    from transformers import FalconConfig
+
+    config = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **kw)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def test_falcon_runs_where_it_dispatches_its_attention_and_alibi_is_refused_everywhere():
+    # transformers >= 5.25's FalconAttention calls the AttentionInterface (5.17's computes its own): RoPE Falcon
+    # is then full causal attention; with ALiBi the bias rides in the mask transformers builds, which a CP
+    # method's attention replaces, so every method refuses it on every release, naming the bias when it can
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    from automodel.distributed.cp.profile import _dispatches_attention
+
+    dispatches = _dispatches_attention(FalconAttention)
+    for kw, kv in ((dict(), 1), (dict(new_decoder_architecture=True, num_kv_heads=2), 2), (dict(multi_query=False), 4)):
+        rope = profile_model(_falcon(**kw))
+        assert not dispatches or rope.num_key_value_heads == kv, kw  # 5.17's config has no num_key_value_heads
+        assert [layer.kind for layer in rope.layers] == [FULL if dispatches else UNKNOWN] * 2, kw
+        assert (set(methods_that_run(rope, 64)) >= {"ring", "ulysses", "thd", "thd_docs", "usp"}) == dispatches
+    alibi = _falcon(alibi=True)
+    for profile in (profile_model(alibi), profile_model(alibi.config)):
+        assert [layer.kind for layer in profile.layers] == [UNKNOWN] * 2
+        assert methods_that_run(profile, 64) == []
+        for method in cp_methods():
+            with pytest.raises(CPUnsupportedError) as err:
+                check_model_for_cp(method, profile, seq_len=64)
+            if dispatches or not profile.from_modules:
+                assert "ALiBi position bias in its attention mask (config.alibi=True)" in str(err.value), method
+            else:
+                assert "computes its own attention" in str(err.value), method
+    if dispatches:
+        assert profile_model(alibi).layers[0].path_in_stack == "transformer.h.<i>.self_attention"

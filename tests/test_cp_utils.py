@@ -242,6 +242,34 @@ def test_packed_sequence_detection_is_off_only_inside():
     assert masking_utils.find_packed_sequence_indices(jumpy) is not None
 
 
+def test_ring_drops_only_a_mask_that_is_plain_causal_over_the_shard():
+    # Falcon (transformers >= 5.25) hands SDPA the causal mask it materialised on the rank's shard: ring proves it
+    # says nothing but causality and drops it; any other mask (a bias, padding, documents) is refused
+    from automodel.errors import CPUnsupportedError
+
+    check = hf_causal_mask.check_plain_causal_mask
+    q, k = torch.zeros(1, 4, 6, 8), torch.zeros(1, 1, 6, 8)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    lowest = torch.finfo(torch.float32).min
+    check(allowed[None, None].clone(), q, k, "FalconAttention")  # transformers' bool mask
+    check(torch.zeros(1, 1, 6, 6).masked_fill(~allowed, lowest), q, k, "FalconAttention")  # its float form
+    check(torch.zeros(2, 4, 6, 6).masked_fill(~allowed, float("-inf")), q, k, "FalconAttention")
+    padded = allowed.clone()
+    padded[:, 5] = False  # the last token is padding
+    documents = allowed.clone()
+    documents[3:, :3] = False  # two documents of 3 tokens
+    alibi = torch.arange(6.0).expand(6, 6).masked_fill(~allowed, lowest)  # a position bias on the allowed scores
+    wrong_shape = torch.ones(1, 1, 6, 12, dtype=torch.bool).tril(6)  # plain causal, but not over these keys
+    for mask in (padded[None, None], documents[None, None], alibi[None, None], wrong_shape, allowed.long()):
+        with pytest.raises(CPUnsupportedError, match=r"cp_method=ring: FalconAttention was given an attention mask "
+                                                     r"of shape .* that is not plain causal"):  # fmt: skip
+            check(mask, q, k, "FalconAttention")
+    proven = allowed[None, None].clone()
+    check(proven, q, k, "FalconAttention")  # remembered (weakly): the next layers pass the same object
+    with pytest.raises(CPUnsupportedError):  # another object is read again
+        check(padded[None, None].clone(), q, k, "FalconAttention")
+
+
 def test_reference_names_are_exported():
     for name in (
         "make_cp_batch_and_ctx",

@@ -8,7 +8,8 @@ padding and a loss mask; packed rows by ``seq_lens``; packed rows by ``position_
 ``cp.shard(batch)``, ``model(**local).loss`` (fp64: the same sum from ``.logits`` in fp64, since
 transformers' loss is fp32), ``backward``, ``cp.reduce_gradients()`` and
 ``cp.reduce_loss``. Then every method once more on the plain rows with activation checkpointing and activation
-offload, and the offloaded optimizer stepping on its gradients (:func:`offload_checks`).
+offload, and the offloaded optimizer stepping on its gradients (:func:`offload_checks`); and a tiny Falcon under
+every method (:func:`falcon_checks`), whose attention materialises its causal mask.
 """
 
 from __future__ import annotations
@@ -135,6 +136,61 @@ def offload_checks(mesh, dtype: torch.dtype, plain_runs: dict, batch: dict) -> d
     return out
 
 
+#: the methods the Falcon checks run (every registered one, usp as a Ulysses sub-group of 2 and auto packed)
+FALCON_METHODS = ("ring", "ulysses", "thd", "thd_docs", "usp", "auto")
+
+
+def tiny_falcon(dtype: torch.dtype):
+    """A 2-layer Falcon with RoPE and grouped KV heads (``new_decoder_architecture``: 4 query heads, 2 KV heads,
+    two layer norms in parallel attention); its default (multi-query) form runs in the family matrix."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       new_decoder_architecture=True, num_kv_heads=2, max_position_embeddings=256,
+                       attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(1234)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def falcon_checks(mesh, dtypes: list[str], cases: dict) -> dict:
+    """Falcon (its attention dispatched through transformers' ``AttentionInterface`` from 5.25, with the causal
+    mask materialised) under every method, in each dtype, on every batch form against each document run alone:
+    ``{"checks": {(dtype, label, form): {...}}, "refused": {(dtype, label, form) or label: message}}``. Where the
+    installed Falcon computes its own attention (5.17), every method refuses it when prepared."""
+    out: dict = {"checks": {}, "refused": {}}
+    for dtype_name in dtypes:
+        model = tiny_falcon(getattr(torch, dtype_name))
+        refs = {name: reference(model, rows) for name, (_, rows) in cases.items()}
+        for label in FALCON_METHODS:
+            method, options = METHODS[label]
+            try:
+                cp = context_parallel(model, mesh, method=method, **options)
+            except CPUnsupportedError as e:
+                out["refused"][label] = str(e)
+                continue
+            for name, (batch, _) in cases.items():
+                model.zero_grad(set_to_none=True)
+                try:
+                    ctx, local = cp.shard(batch)
+                except ValueError as e:
+                    out["refused"][(dtype_name, label, name)] = str(e)
+                    continue
+                with ctx():
+                    logits = model(**{k: v for k, v in local.items() if k != "labels"}).logits
+                    loss = _ce(logits.flatten(0, 1), local["shift_labels"].flatten()) / local["num_items_in_batch"]
+                    loss.backward()
+                cp.reduce_gradients()
+                ref_loss, ref_grads = refs[name]
+                grads = {n: p.grad for n, p in model.named_parameters()}
+                out["checks"][(dtype_name, label, name)] = {
+                    "loss_rel": abs(float(cp.reduce_loss(loss)) - ref_loss) / abs(ref_loss),
+                    "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+                    "grads": len(ref_grads),
+                }
+            cp.restore()
+    return out
+
+
 def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
     from tests.toy_cp_method import register
 
@@ -209,6 +265,7 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
                 "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
             }
         cp.restore()
+    out["falcon"] = falcon_checks(mesh, dtypes, cases)
     # a model the method would not compute exactly is refused when it is prepared, before any work
     flex = tiny_llama(2, torch.float32)
     flex.set_attn_implementation("flex_attention")  # ring replaces only SDPA (eager models are routed)

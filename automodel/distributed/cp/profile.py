@@ -374,6 +374,15 @@ _SHARD_MASKED_ATTENTION = {
 }
 
 
+def _mask_bias(text: Any) -> str | None:
+    """The position bias a model adds to the attention mask it builds, in words, or ``None``: Falcon's ALiBi
+    (``config.alibi``), which transformers >= 5.25 folds into the mask it hands to the attention function. A CP
+    method's attention builds its own mask (or none) and would drop the bias, so such a layer is ``UNKNOWN``."""
+    if _get(text, "alibi", False) is True:
+        return "an ALiBi position bias in its attention mask (config.alibi=True), which CP attention replaces"
+    return None
+
+
 @functools.cache
 def _forward_source(cls: type) -> str:
     try:
@@ -405,9 +414,9 @@ def _block_class(layer: Any) -> str:
     return type(layer).__name__
 
 
-def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "") -> LayerSpec:
+def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: str | None = None) -> LayerSpec:
     """Refine ``base`` (from the config) with what the layer's modules show; ``path`` is the layer's module path
-    (``"model.layers.3"``), named by an ``UNKNOWN`` result."""
+    (``"model.layers.3"``), named by an ``UNKNOWN`` result; ``mask_bias`` is :func:`_mask_bias` of the config."""
     import torch.nn as nn
 
     if base.kind == MLP_ONLY:  # the config says: no token mixer. Every module must confirm it.
@@ -484,6 +493,9 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "") -> LayerSpe
             mixer=f"{cls.__name__}, which computes its own attention and mask instead of dispatching through "
             "transformers' AttentionInterface",
         )
+        return LayerSpec(**spec)
+    if mask_bias:
+        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=f"{cls.__name__} with {mask_bias}")
         return LayerSpec(**spec)
     if base.kind == SLIDING and not _passes_window(cls):
         spec["window_in_mask_only"] = True
@@ -578,6 +590,7 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     text = text_config(config)
     n_layers = int(_get(text, "num_hidden_layers", 0) or 0)
     layers = _layers_from_config(text, n_layers)
+    bias = _mask_bias(text)
     from_modules = False
     if is_model:
         found = _decoder_layers(model_or_config, n_layers)
@@ -589,10 +602,13 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
         else:
             prefix, stack = found
             layers = [
-                _layer_from_modules(layer, spec, f"{prefix}.{i}" if prefix else str(i))
+                _layer_from_modules(layer, spec, f"{prefix}.{i}" if prefix else str(i), bias)
                 for i, (layer, spec) in enumerate(zip(stack, layers))
             ]
             from_modules = True
+    if bias and not from_modules:  # the config alone: its attention layers carry the bias
+        layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias}"})
+                  if spec.is_attention else spec for spec in layers]  # fmt: skip
     heads = _get(text, "num_attention_heads", None)
     kv = _get(text, "num_key_value_heads", None) or heads
     head_dim = _get(text, "head_dim", None) or (

@@ -19,15 +19,30 @@ ring parity test (tests/test_cp_parity.py) fails rather than the training silent
 
 Packed multi-document rows are *not* supported by the ring path (``make_cp_batch_and_ctx``
 rejects them); use the THD path or Ulysses for those.
+
+A model may still materialise its causal mask: Falcon (transformers >= 5.25) builds it with
+``allow_is_causal_skip=False`` so that ALiBi variants can add their bias onto it, and hands the local
+``[B, 1, n, n]`` mask to SDPA even without ALiBi. Torch's ring cannot take a mask (it dies in DTensor
+sharding propagation), and that mask says nothing the ring does not compute already: causality over the
+rank's shard, which the ring computes over the whole row. :func:`check_plain_causal_mask` proves that the
+mask is exactly that (every allowed entry ``True`` / ``0``, every other one ``False`` / at most half the
+dtype's lowest value) so that the router can drop it, and refuses any other mask (a bias, padding, a
+document boundary): a mask ring would ignore must never change the numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["no_packed_sequence_detection"]
+import torch
+
+__all__ = ["check_plain_causal_mask", "no_packed_sequence_detection"]
+
+_PROVEN: list[Any] = [None]  # a weak reference to the last mask proven plain causal (every layer gets the same)
 
 
 def _no_packed_sequences(position_ids):  # noqa: ANN001, ANN202 - mirrors the patched function
@@ -55,3 +70,44 @@ def no_packed_sequence_detection() -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+def _is_plain_causal(mask: torch.Tensor, n_q: int, n_kv: int) -> bool:
+    """Whether ``mask`` (``[..., n_q, n_kv]``, bool: ``True`` = attend; float: added to the scores) is exactly the
+    causal mask of the last ``n_q`` of ``n_kv`` tokens."""
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (n_q, n_kv):
+        return False
+    allowed = torch.ones(n_q, n_kv, dtype=torch.bool, device=mask.device).tril(n_kv - n_q)
+    if mask.dtype == torch.bool:
+        return bool((mask == allowed).all())
+    if not mask.is_floating_point():
+        return False
+    blocked = mask <= torch.finfo(mask.dtype).min / 2  # -inf or the dtype's lowest value: exp() is exactly 0
+    return bool(((mask == 0) == allowed).all() and (blocked == ~allowed).all())
+
+
+def check_plain_causal_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, where: str) -> None:
+    """Prove that ``mask``, the attention mask transformers built on this rank's shard, is plain causal over
+    the shard, so that ring may drop it (module docstring). Reads only; remembers the last proven mask (a
+    weak reference) so that the layers after the first cost nothing.
+
+    Args:
+        mask: ``[B | 1, H | 1, n, m]`` bool or float; query: ``[B, Hq, n, D]``; key: ``[B, Hkv, m, D]``.
+        where: the attention module's class name, for the message.
+
+    Raises:
+        CPUnsupportedError: the mask is anything else (a position bias such as ALiBi, padding, documents).
+    """
+    proven = _PROVEN[0]
+    if proven is not None and proven() is mask:
+        return
+    if not _is_plain_causal(mask, query.shape[-2], key.shape[-2]):
+        from automodel.errors import CPUnsupportedError
+
+        raise CPUnsupportedError(
+            f"distributed.cp_method=ring: {where} was given an attention mask of shape {tuple(mask.shape)} "
+            f"({mask.dtype}) that is not plain causal (a position bias, padding or document boundaries); ring "
+            "computes plain causal attention over the whole row and cannot apply it. Use "
+            "distributed.cp_method=ulysses or thd_docs, whose attention builds the mask itself"
+        )
+    _PROVEN[0] = weakref.ref(mask)

@@ -7,7 +7,11 @@ the local mapping). Inside :func:`ring_layer_kernels` every layer call goes thro
 :func:`~automodel.distributed.cp.layers.strategy.run_layer` with the wrapped function (torch's ring)
 as the native kernel, so sliding-window, chunked and sink layers run the halo kernel on the rank's
 head-tail shard and MLA layers run the ring on zero-padded value heads; outside it the router passes
-every call through unchanged. An ``sdpa`` model's attention implementation stays ``sdpa``.
+every call through unchanged. A call for torch's ring (a full layer) that comes with a causal mask (a
+model that materialises it: Falcon on transformers >= 5.25) runs without it once
+:func:`~automodel.distributed.cp.ring.causal_mask.check_plain_causal_mask` has proven it plain causal over
+the shard, and is refused otherwise (the halo kernel builds its own window or chunk mask).
+An ``sdpa`` model's attention implementation stays ``sdpa``.
 
 The router is installed once and stays (idempotent): a wrapper installed later around ``sdpa``
 (``models/compile.py``'s graph break, compiled autograd's eager backward) wraps the router and keeps
@@ -39,6 +43,7 @@ from automodel.distributed.cp.active import activate, current
 from automodel.distributed.cp.hf_attention import AttentionCall, hf_attention_function
 from automodel.distributed.cp.layers.strategy import run_layer
 from automodel.distributed.cp.layout import ring_layout
+from automodel.distributed.cp.ring.causal_mask import check_plain_causal_mask
 
 __all__ = ["RING_EAGER_ATTN_NAME", "eager_models_routed", "install_ring_router", "ring_layer_kernels"]
 
@@ -68,8 +73,11 @@ def _router(inner: Callable) -> Callable:
         layout = current("ring")
         if layout is None or _ROUTING:
             return call.run(inner)
-
         def native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            if call.attention_mask is not None and call.causal():  # a model that materialises its causal mask
+                check_plain_causal_mask(call.attention_mask, q, k, call.module_name)
+                # what the ring computes already, over the whole row
+                return call.run(inner, query=q, key=k, value=v, scaling=scale, attention_mask=None)[0]
             return call.run(inner, query=q, key=k, value=v, scaling=scale)[0]
 
         return _route(call, layout, native, apply_softcap=False)  # sdpa refuses softcapping: so does its reference
