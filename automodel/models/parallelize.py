@@ -36,13 +36,24 @@ logger = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of ``model`` (by ``_no_split_modules`` class names).
+    """The repeated transformer blocks of ``model`` (by ``_no_split_modules`` class names), outermost only.
+
+    Some models name a block and a part of it (Mamba: ``MambaBlock`` and its ``MambaMixer``; Zamba: the hybrid
+    layer and the Mamba layer inside it): the part is left out, since it belongs to its block (FSDP2 cannot
+    shard a parameter that its block's ``fully_shard`` already made a ``DTensor``).
 
     Raises:
         ValueError: no such modules are found (the model does not name its blocks).
     """
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers: list[nn.Module] = []
+    inside: set[int] = set()  # modules below a block already listed (modules() visits a block before its parts)
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        if type(m).__name__ in names:
+            layers.append(m)
+            inside.update(id(s) for s in m.modules())
     if not layers:
         raise ValueError(
             f"{type(model).__name__} declares no decoder block classes (_no_split_modules={sorted(names)}); "

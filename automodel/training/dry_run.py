@@ -202,7 +202,6 @@ def _model_lines(plan: _Plan, model: Any, resolved: Any, tok_desc: str, profile:
     from automodel.training.memory_plan import model_dims
 
     cfg, attn = plan.cfg, plan.cfg.model.attn_implementation or "sdpa"
-    c = _text_config(model)
     n_params = sum(p.numel() for p in model.parameters())
     n_unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     master = _BYTES[cfg.model.dtype]
@@ -220,10 +219,9 @@ def _model_lines(plan: _Plan, model: Any, resolved: Any, tok_desc: str, profile:
 
         out.append(f"{profile_line(profile)}; exact under cp_method {plan.method.name}")
     out.append(f"tokenizer: {tok_desc}")
-    heads, kv, head_dim = _heads(c)
+    heads = f"heads {dims.heads} (kv {dims.kv_heads}, head_dim {dims.head_dim})" if dims.heads else "no attention"
     out.append(
-        f"layers {c.num_hidden_layers}, hidden {c.hidden_size}, heads {heads} (kv {kv}, head_dim {head_dim}), "
-        f"vocab {c.vocab_size}, parameters {n_unique / 1e6:.1f}M"
+        f"layers {dims.layers}, hidden {dims.hidden}, {heads}, vocab {dims.vocab}, parameters {n_unique / 1e6:.1f}M"
         + (f" ({n_params / 1e6:.1f}M counting tied weights twice)" if n_params != n_unique else "")
     )
     over = f"FSDP over {plan.fsdp_size}"
@@ -249,19 +247,13 @@ def _text_config(model: Any) -> Any:
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
-def _heads(c: Any) -> tuple[int, int, int]:
-    """``(attention heads, kv heads, head_dim)`` of a text config."""
-    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
-    return heads, kv, getattr(c, "head_dim", None) or c.hidden_size // heads
-
-
 def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
     """Per-rank shapes of one micro-batch, the logits with the loss, the activations kept for backward."""
     from automodel.training.memory_plan import plan_memory, run_shape_from_config
 
     cfg, d, sizes = plan.cfg, plan.cfg.distributed, plan.sizes
-    c, tp, seq, local_seq = _text_config(model), sizes["tp"], plan.seq, plan.local_seq
-    heads, kv, head_dim = _heads(c)
+    tp, seq, local_seq = sizes["tp"], plan.seq, plan.local_seq
+    heads, kv, head_dim = dims.heads, dims.kv_heads, dims.head_dim  # 0: a model without attention (Mamba)
     compute_name = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
     b = cfg.step_scheduler.local_batch_size
     out.append("--- per-rank shapes of one micro-batch (identical on every rank) ---")
@@ -271,27 +263,28 @@ def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
     )
     sp = d.sequence_parallel and tp > 1
     out.append(
-        f"hidden states            [{b}, {local_seq // tp if sp else local_seq}, {c.hidden_size}] {compute_name}"
+        f"hidden states            [{b}, {local_seq // tp if sp else local_seq}, {dims.hidden}] {compute_name}"
         + (f" between blocks (sequence parallel: 1/{tp} of the rank's tokens; gathered for the projections)" if sp else "")
     )
-    out.append(
-        f"attention q / k,v        [{b}, {heads // tp}, {local_seq}, {head_dim}] / [{b}, {kv // tp}, {local_seq}, {head_dim}]"
-        + (f" (tp {tp}: {heads // tp} of {heads} heads, {kv // tp} of {kv} kv heads)" if tp > 1 else "")
-    )
+    if heads:
+        out.append(
+            f"attention q / k,v        [{b}, {heads // tp}, {local_seq}, {head_dim}] / [{b}, {kv // tp}, {local_seq}, {head_dim}]"
+            + (f" (tp {tp}: {heads // tp} of {heads} heads, {kv // tp} of {kv} kv heads)" if tp > 1 else "")
+        )
     attn = cfg.model.attn_implementation or "sdpa"
-    if sizes["cp"] > 1:  # the method's own exchange (ring rotation, Ulysses all-to-all, thd all-gather)
+    if sizes["cp"] > 1 and heads:  # the method's own exchange (ring rotation, Ulysses all-to-all, thd all-gather)
         out.extend(plan.method.describe_attention(b, heads // tp, kv // tp, head_dim, seq, sizes["cp"], attn))
     shape = run_shape_from_config(cfg, sizes, seq, plan.grad_acc)  # predicted per-rank peak, term by term
     loss_term = plan_memory(dims, shape).terms["logits and loss"]  # the one logits figure of the report
     lp = tp > 1 and d.enable_loss_parallel
     out.append(
-        f"logits                   [{b}, {local_seq}, {c.vocab_size // tp if lp else c.vocab_size}] {compute_name}"
+        f"logits                   [{b}, {local_seq}, {dims.vocab // tp if lp else dims.vocab}] {compute_name}"
         + (f" (loss parallel: V / tp {tp})" if lp else " (gathered over tp)" if tp > 1 else "")
         + f"; with the loss: {_gib(loss_term.bytes)} (the 'logits and loss' term below: {loss_term.note})"
     )
-    per_layer_act = b * (local_seq // tp if sp else local_seq) * c.hidden_size * _BYTES[compute_name]
+    per_layer_act = b * (local_seq // tp if sp else local_seq) * dims.hidden * _BYTES[compute_name]
     out.append(
-        f"layer inputs kept for backward: {c.num_hidden_layers} x {_gib(per_layer_act)}"
+        f"layer inputs kept for backward: {dims.layers} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
     )
 
