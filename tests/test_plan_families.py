@@ -10,6 +10,7 @@ No process group, no weights: a fraction of a second per family.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -29,9 +30,10 @@ def family_config(fam, directory) -> str:
     accepted = _accepted_keys(type(config))[0]
     node = {k: v for k, v in config.to_diff_dict().items()
             if k not in ("model_type", "transformers_version") and (accepted is None or k in accepted)}  # fmt: skip
-    node = {"_target_": f"transformers.{type(config).__name__}", **node, "vocab_size": 1024}
-    doc = {"defaults": ["cp", "_self_"], "model": {"config": node, "attn_implementation": fam.attn_implementation()},
-           "loss": {"chunk_tokens": "auto"}}  # fmt: skip
+    doc = yaml.safe_load(Path("configs/cp.yaml").read_text())  # whole (no defaults list: one compose is cheaper)
+    doc["model"]["config"] = {"_target_": f"transformers.{type(config).__name__}", **node, "vocab_size": 1024}
+    doc["model"]["attn_implementation"] = fam.attn_implementation()
+    doc["loss"] = {"chunk_tokens": "auto"}
     path = directory / f"{fam.name.replace('@', '_')}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return str(path)
