@@ -186,6 +186,7 @@ def _meta_model(plan: _Plan) -> tuple[Any, Any, str, Any]:
         seq_len=cfg.data.seq_len,
         vocab_needed=vocab_needed,
         trust_remote_code=cfg.model.trust_remote_code,
+        allow_position_extrapolation=cfg.model.allow_position_extrapolation,
     )
     check_model_config_for_tp(resolved.config, d.tp_size, sequence_parallel=d.sequence_parallel)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
@@ -296,13 +297,65 @@ def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
 
     cfg, sizes = plan.cfg, plan.sizes
     shape = run_shape_from_config(cfg, sizes, plan.seq, plan.grad_acc)
+    node = gpus_per_node(cfg, plan.world)
     out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=plan.world))
+    out.extend(_host_lines(dims, shape, node))
     out.extend(
         step_estimate_lines(
-            dims, shape, sizes, plan.world, cfg.step_scheduler.global_batch_size, cfg.recipe.gpu_type,
-            cfg.recipe.plan_nproc_per_node,
+            dims, shape, sizes, plan.world, cfg.step_scheduler.global_batch_size, cfg.recipe.gpu_type, node,
         )
     )  # fmt: skip
+    if cfg.recipe.gpu_type is not None:
+        out.append(_row_step_line(plan, dims, shape, node))
+
+
+def gpus_per_node(cfg: Any, world: int) -> int:
+    """The GPUs (ranks) per node the dry run plans with, as ``automodel plan --gpus-per-node`` does:
+    ``recipe.plan_nproc_per_node`` (``automodel finetune --nproc-per-node`` sets it for a dry run), else the
+    world over ``recipe.plan_nnodes``, else the world on one node of at most the GPU's usual node (8)."""
+    from automodel.config.gpu_specs import GPU_SPECS
+
+    if cfg.recipe.plan_nproc_per_node:
+        return cfg.recipe.plan_nproc_per_node
+    if cfg.recipe.plan_nnodes:
+        return max(1, world // cfg.recipe.plan_nnodes)
+    full = GPU_SPECS[cfg.recipe.gpu_type.lower()].gpus_per_node if cfg.recipe.gpu_type else 8
+    return min(world, full)
+
+
+def _host_lines(dims: Any, shape: Any, node: int) -> list[str]:
+    """Host memory per node (what ``automodel plan`` limits by): the pinned host terms of each rank x its ranks."""
+    from automodel.training.memory_plan import plan_memory
+    from automodel.training.plan_search import HOST_GIB_PER_GPU
+
+    p = plan_memory(dims, shape)
+    per_node, limit = p.host_bytes * node, HOST_GIB_PER_GPU * node * 2**30
+    what = ", ".join(f"{t.name} {_gib(t.bytes)}" for t in p.host) or "nothing offloaded"
+    verdict = "fits" if per_node <= limit else "EXCEEDS it: lower data.seq_len or turn an offload off"
+    return [f"host memory per node: {_gib(per_node)} = {node} rank(s) x {_gib(p.host_bytes)} ({what}); automodel "
+            f"plan's usual limit {HOST_GIB_PER_GPU * node} GiB ({HOST_GIB_PER_GPU} GiB per GPU, --host-memory-gib) "
+            f"-> {verdict}"]  # fmt: skip
+
+
+def _row_step_line(plan: _Plan, dims: Any, shape: Any, node: int) -> str:
+    """The step of one row per data-parallel rank (``automodel plan``'s step column) next to the global batch's."""
+    import dataclasses
+
+    from automodel.training.plan_search import row_step_seconds
+    from automodel.training.step_estimate import gpu_spec
+
+    cfg = plan.cfg
+    row = dataclasses.replace(shape, local_batch=1, grad_acc=1)
+    seconds = row_step_seconds(dims, row, plan.sizes, plan.world, gpu_spec(cfg.recipe.gpu_type), cfg.recipe.gpu_type,
+                               node)  # fmt: skip
+    rows = cfg.step_scheduler.global_batch_size
+    return (f"estimated step per row: {_seconds(seconds)} for one row of {plan.seq} tokens per data-parallel rank "
+            f"({plan.sizes['dp']} row(s); automodel plan's step column, the memory techniques' own time included); "
+            f"the step above is the config's global batch of {rows} rows")  # fmt: skip
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s" if s < 60 else f"{s / 60:.1f} min"
 
 
 def dry_run_report(loaded: LoadedConfig) -> str:
