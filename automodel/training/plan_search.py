@@ -416,8 +416,8 @@ def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_no
         f"automodel plan: {model_text} on {search.gpus} x {search.spec.name}",
         f"device budget {budget:.1f} GiB per GPU ({capacity_gib:.1f} GiB less {DEVICE_RESERVE_GIB:g} GiB reserve); "
         f"host {host_node_gib:g} GiB per node of {search.node} GPU(s)",
-        "memory: the planner's prediction (docs/long_context.md); step: an ESTIMATE (docs/estimate.md) of one "
-        "optimizer step of one row per data-parallel rank",
+        "memory: the planner's prediction (docs/long_context.md); step: an ESTIMATE (docs/estimate.md) of one",
+        "  optimizer step of one row per data-parallel rank (the dry run prints it beside its global batch's)",
         LEGEND,
         "",
         f"{'layout':<24} {'techniques':<28} {'tokens/row':>11} {'GPU GiB':>8} {'host GiB':>9} {'step (est.)':>11}",
