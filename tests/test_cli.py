@@ -168,4 +168,5 @@ def test_dry_run_plans_the_launchs_gpus_per_node(capfd):
     assert cli.main(["finetune", "--config", CP, "--nproc-per-node", "4", "recipe.dry_run=true",
                      "recipe.gpu_type=h100"]) == 0  # fmt: skip
     out = capfd.readouterr().out
-    assert "(planned for world size 4)" in out and "4 GPUs per node assumed" in out and "= 4 rank(s) x" in out
+    assert "(planned for world size 4)" in out and "4 GPUs per node assumed" in out
+    assert "= 4 rank(s) x" in out and "limit 1024 GiB per node of 4 GPUs" in out

@@ -297,9 +297,10 @@ def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
 
     cfg, sizes = plan.cfg, plan.sizes
     shape = run_shape_from_config(cfg, sizes, plan.seq, plan.grad_acc)
-    node = gpus_per_node(cfg, plan.world)
+    node_gpus = gpus_per_node(cfg, plan.world)
+    node = min(plan.world, node_gpus)  # the run's ranks on a node, as automodel plan counts them
     out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=plan.world))
-    out.extend(_host_lines(dims, shape, node))
+    out.extend(_host_lines(dims, shape, node, node_gpus))
     out.extend(
         step_estimate_lines(
             dims, shape, sizes, plan.world, cfg.step_scheduler.global_batch_size, cfg.recipe.gpu_type, node,
@@ -310,31 +311,32 @@ def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
 
 
 def gpus_per_node(cfg: Any, world: int) -> int:
-    """The GPUs (ranks) per node the dry run plans with, as ``automodel plan --gpus-per-node`` does:
-    ``recipe.plan_nproc_per_node`` (``automodel finetune --nproc-per-node`` sets it for a dry run), else the
-    world over ``recipe.plan_nnodes``, else the world on one node of at most the GPU's usual node (8)."""
+    """The GPUs of a node the dry run plans with, as ``automodel plan --gpus-per-node`` does:
+    ``recipe.plan_nproc_per_node`` (``automodel finetune --nproc-per-node N recipe.dry_run=true`` sets it), else
+    the world over ``recipe.plan_nnodes``, else the GPU's usual node (8, ``gpu_specs``). The run's ranks on a node
+    are the world up to that many (the step estimate's and the plan's node)."""
     from automodel.config.gpu_specs import GPU_SPECS
 
     if cfg.recipe.plan_nproc_per_node:
         return cfg.recipe.plan_nproc_per_node
     if cfg.recipe.plan_nnodes:
         return max(1, world // cfg.recipe.plan_nnodes)
-    full = GPU_SPECS[cfg.recipe.gpu_type.lower()].gpus_per_node if cfg.recipe.gpu_type else 8
-    return min(world, full)
+    return GPU_SPECS[cfg.recipe.gpu_type.lower()].gpus_per_node if cfg.recipe.gpu_type else 8
 
 
-def _host_lines(dims: Any, shape: Any, node: int) -> list[str]:
-    """Host memory per node (what ``automodel plan`` limits by): the pinned host terms of each rank x its ranks."""
+def _host_lines(dims: Any, shape: Any, node: int, node_gpus: int) -> list[str]:
+    """Host memory per node (what ``automodel plan`` limits by): the pinned host terms of each rank x the run's
+    ranks on a node, against the plan's default: :data:`HOST_GIB_PER_GPU` per GPU of the node."""
     from automodel.training.memory_plan import plan_memory
     from automodel.training.plan_search import HOST_GIB_PER_GPU
 
     p = plan_memory(dims, shape)
-    per_node, limit = p.host_bytes * node, HOST_GIB_PER_GPU * node * 2**30
+    per_node, limit = p.host_bytes * node, HOST_GIB_PER_GPU * node_gpus * 2**30
     what = ", ".join(f"{t.name} {_gib(t.bytes)}" for t in p.host) or "nothing offloaded"
     verdict = "fits" if per_node <= limit else "EXCEEDS it: lower data.seq_len or turn an offload off"
     return [f"host memory per node: {_gib(per_node)} = {node} rank(s) x {_gib(p.host_bytes)} ({what}); automodel "
-            f"plan's usual limit {HOST_GIB_PER_GPU * node} GiB ({HOST_GIB_PER_GPU} GiB per GPU, --host-memory-gib) "
-            f"-> {verdict}"]  # fmt: skip
+            f"plan's usual limit {HOST_GIB_PER_GPU * node_gpus} GiB per node of {node_gpus} GPUs ({HOST_GIB_PER_GPU} "
+            f"GiB per GPU; --gpus-per-node, --host-memory-gib) -> {verdict}"]  # fmt: skip
 
 
 def _row_step_line(plan: _Plan, dims: Any, shape: Any, node: int) -> str:
