@@ -382,10 +382,12 @@ def ablation(search: PlanSearch, results: list[Found]) -> list[tuple[str, Found 
     rows.append(("+ context parallelism", best(lambda f: f.techniques == loss and f.layout.cp > 1) if cp_any else None))
     tiled = dataclasses.replace(loss, tiled_mlp=True)
     rows.append(("+ tiled MLP", best(lambda f: f.techniques == tiled and (f.layout.cp > 1 or not cp_any))))
-    act = dataclasses.replace(tiled, activation_offload=True)
+    usable = set(search.techniques)  # a technique the model cannot use is left out of the rows after it
+    act = dataclasses.replace(tiled if tiled in usable else loss, activation_offload=True)
     rows.append(("+ activation offload", best(lambda f: f.techniques == act and (f.layout.cp > 1 or not cp_any))))
-    rows.append(("all (+ fsdp.offload)", best(lambda f: f.techniques.activation_offload and f.techniques.tiled_mlp
-                                              and f.techniques.chunked_loss and bool(f.techniques.offload))))  # fmt: skip
+    rows.append(("all (+ fsdp.offload)", best(lambda f: f.techniques == dataclasses.replace(act, offload=f.techniques.offload)
+                                              and bool(f.techniques.offload)) if act in usable else
+                 best(lambda f: f.techniques.chunked_loss and bool(f.techniques.offload))))  # fmt: skip
     return rows
 
 
