@@ -199,6 +199,23 @@ def test_printed_overrides_reproduce_each_row_and_the_recipe_accepts_them(capsys
                             seq_len=tokens)  # the recipe's position check passes with the printed scaling  # fmt: skip
 
 
+def test_an_inline_models_longest_row_keys_pass_the_config_rules_only_with_their_scaling(capsys):
+    """configs/cp.yaml's tiny Llama (2,048 positions, model.config inline): the winner's keys carry the YaRN scaling
+    its row needs; the config rules (before any rank starts) accept them, and refuse the row without the scaling."""
+    from automodel.config import ConfigError, load_config
+
+    out = _plan_config(capsys, "configs/cp.yaml", "--gpus", "2", "--gpu-type", "h100")
+    lines = out.splitlines()
+    keys = [k for ln in lines[lines.index("the longest row's config keys (add --show-overrides for every row's):") + 1:-1]
+            for k in ln.split()]  # fmt: skip
+    rope = [k for k in keys if k.startswith("++model.config_overrides.")]
+    assert len(rope) == 2 and "past the model's positions" in lines[-1]
+    cfg = load_config(["--config", "configs/cp.yaml", *keys], world_size=2).cfg
+    assert cfg.model.config_overrides["rope_parameters"]["rope_type"] == "yarn"
+    with pytest.raises(ConfigError, match=r"is past LlamaConfig\.max_position_embeddings=2048"):
+        load_config(["--config", "configs/cp.yaml", *[k for k in keys if k not in rope]], world_size=2)
+
+
 def _plan_config(capsys, config: str, *args: str) -> str:
     assert main(["plan", "--config", config, *args]) == 0
     return capsys.readouterr().out
