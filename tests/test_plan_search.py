@@ -157,7 +157,7 @@ def _rows_with_keys(out: str) -> list[tuple[str, int, float, list[str]]]:
     """``(row text, tokens, GPU GiB, config keys)`` of each table row that prints its keys under it."""
     rows, lines = [], out.splitlines()
     for i, line in enumerate(lines):
-        m = re.match(r"^(\S.{52}) +([\d,]+)\*? +([\d.]+) ", line)
+        m = re.match(r"^(\S.{52}) +([\d,]+)\*? +([\d.]+) +(\d+) +([\d.]+ (?:ms|s|min))$", line)
         if not m or i + 1 >= len(lines) or not lines[i + 1].startswith("    "):
             continue
         keys = []
@@ -166,7 +166,11 @@ def _rows_with_keys(out: str) -> list[tuple[str, int, float, list[str]]]:
                 break
             keys += nxt.split()
         rows.append((m.group(1).strip(), int(m.group(2).replace(",", "")), float(m.group(3)), keys))
+        _ROW_COLUMNS[tuple(keys)] = (int(m.group(4)), m.group(5))
     return rows
+
+
+_ROW_COLUMNS: dict[tuple[str, ...], tuple[int, str]] = {}  # a row's keys -> (host GiB per node, step) as printed
 
 
 def test_printed_overrides_reproduce_each_row_and_the_recipe_accepts_them(capsys):
@@ -197,6 +201,15 @@ def test_printed_overrides_reproduce_each_row_and_the_recipe_accepts_them(capsys
         assert config.rope_parameters["rope_type"] == "yarn" and config.max_position_embeddings >= tokens
         check_model_for_run(config, attn_implementation="sdpa", cp_size=sizes["cp"], cp_method=cfg.distributed.cp_method,
                             seq_len=tokens)  # the recipe's position check passes with the printed scaling  # fmt: skip
+    # the dry run of the longest row's keys prints the plan's step (per row) and host memory per node
+    from automodel.training.dry_run import dry_run_report
+
+    host, step = _ROW_COLUMNS[tuple(winner_keys)]
+    report = dry_run_report(load_config(["--config", QWEN3, "recipe.dry_run=true", "recipe.gpu_type=h100", NO_SCALING,
+                                         *winner_keys], world_size=8))  # fmt: skip
+    assert f"estimated step per row: {step} for one row of " in report, report[-2500:]
+    per_node = re.search(r"^host memory per node: ([\d.]+) GiB = 8 rank\(s\)", report, re.M)
+    assert per_node and round(float(per_node.group(1))) == host, report[-2500:]
 
 
 def test_an_inline_models_longest_row_keys_pass_the_config_rules_only_with_their_scaling(capsys):
