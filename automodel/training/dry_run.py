@@ -244,10 +244,6 @@ def _model_lines(plan: _Plan, model: Any, resolved: Any, tok_desc: str, profile:
     return dims
 
 
-def _text_config(model: Any) -> Any:
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
 def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
     """Per-rank shapes of one micro-batch, the logits with the loss, the activations kept for backward."""
     from automodel.training.memory_plan import plan_memory, run_shape_from_config
@@ -297,7 +293,7 @@ def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
 
     cfg, sizes = plan.cfg, plan.sizes
     shape = run_shape_from_config(cfg, sizes, plan.seq, plan.grad_acc)
-    node_gpus = gpus_per_node(cfg, plan.world)
+    node_gpus = _gpus_per_node(cfg, plan.world)
     node = min(plan.world, node_gpus)  # the run's ranks on a node, as automodel plan counts them
     out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=plan.world))
     out.extend(_host_lines(dims, shape, node, node_gpus))
@@ -310,7 +306,7 @@ def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
         out.append(_row_step_line(plan, dims, shape, node))
 
 
-def gpus_per_node(cfg: Any, world: int) -> int:
+def _gpus_per_node(cfg: Any, world: int) -> int:
     """The GPUs of a node the dry run plans with, as ``automodel plan --gpus-per-node`` does:
     ``recipe.plan_nproc_per_node`` (``automodel finetune --nproc-per-node N recipe.dry_run=true`` sets it), else
     the world over ``recipe.plan_nnodes``, else the GPU's usual node (8, ``gpu_specs``). The run's ranks on a node
