@@ -49,7 +49,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["COMMANDS", "EXIT_USER_ERROR", "main", "recipe_script", "split_argv"]
+__all__ = ["COMMANDS", "EXIT_USER_ERROR", "FINETUNE_USAGE", "PLAN_USAGE", "USAGE", "main", "recipe_script", "split_argv"]
 
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3  # automodel.training.nonfinite.EXIT_NONFINITE
@@ -84,7 +84,7 @@ _LAUNCHER_OPTIONS = (
     "--shutdown-timeout",
 )
 
-USAGE = """\
+FINETUNE_USAGE = """\
 usage: automodel finetune [--config PATH] [LAUNCHER OPTIONS] [OVERRIDE ...]
 
   --config PATH          a recipe YAML (default: configs/cp.yaml); relative paths are also looked up
@@ -99,17 +99,28 @@ usage: automodel finetune [--config PATH] [LAUNCHER OPTIONS] [OVERRIDE ...]
 Exit codes: 0 done, 2 a mistake in the input (one error: line), 3 a non-finite loss, gradient or
 weight (one error: line; recipe.on_nonfinite), 4 a rank was lost (resume with checkpoint.resume=auto),
 143 / 130 stopped by SIGTERM / SIGINT after a checkpoint, 1 anything else.
-
-usage: automodel plan --config PATH --gpus N --gpu-type h100|h200|a100|l40s
-                      [--gpu-memory-gib G] [--host-memory-gib H] [OVERRIDE ...]
-
-  the longest row that fits per layout (dp x cp x tp, each exact CP method) and memory technique, searched
-  over the memory planner on the meta device (no GPU, no weights); the table, an ablation and a last line
-  `longest: <tokens> tokens per row (...)`. --gpu-memory-gib: the GPU's memory instead of its data sheet's;
-  --host-memory-gib: host memory per node (default 256 GiB per GPU of a full node). docs/long_context.md
 """
 
-_PLAN_OPTIONS = {"--gpus": int, "--gpu-type": str, "--gpu-memory-gib": float, "--host-memory-gib": float}
+PLAN_USAGE = """\
+usage: automodel plan --config PATH --gpus N --gpu-type a100|h100|h200|l40s [--gpus-per-node M]
+                      [--gpu-memory-gib G] [--host-memory-gib H] [--show-overrides] [OVERRIDE ...]
+
+  the longest row that fits per layout (dp x cp x tp, each exact CP method) and memory technique, searched
+  over the memory planner on the meta device (no GPU, no weights); the table, an ablation, the longest row's
+  config keys and a last line `longest: <tokens> tokens per row (...)`. Rows past the model's positions
+  (max_position_embeddings) are marked * with the RoPE scaling they need.
+  --gpus-per-node M      GPUs per node (default 8; the launch's --nproc-per-node)
+  --gpu-memory-gib G     the GPU's memory instead of its data sheet's (more than the 1 GiB reserve)
+  --host-memory-gib H    host memory per node (default 256 GiB per GPU of the node)
+  --show-overrides       under every row, the config keys that reproduce it
+Exit codes: 0 planned, 2 a mistake in the input or nothing fits (one error: line). docs/long_context.md
+"""
+
+USAGE = FINETUNE_USAGE + "\n" + PLAN_USAGE
+
+_PLAN_OPTIONS = {"--gpus": int, "--gpu-type": str, "--gpu-memory-gib": float, "--host-memory-gib": float,
+                 "--gpus-per-node": int}  # fmt: skip
+_PLAN_FLAGS = ("--show-overrides",)
 
 
 class _UsageError(Exception):
@@ -311,6 +322,9 @@ def _launch(launcher_argv: list[str], script: Path, recipe_argv: list[str]) -> i
         env = dict(os.environ)
         if "--nproc-per-node" in given or "--nnodes" in given:
             env["WORLD_SIZE"] = str(nproc * max_nodes)
+        if "--nproc-per-node" in given and not any(a.lstrip("+").startswith("recipe.plan_nproc_per_node=")
+                                                   for a in recipe_argv):  # fmt: skip
+            recipe_argv = [*recipe_argv, f"recipe.plan_nproc_per_node={nproc}"]  # the plan's GPUs per node
         return subprocess.call([sys.executable, str(script), *recipe_argv], env=env)
 
     args.signals_to_handle = "SIGTERM,SIGHUP,SIGQUIT"  # SIGINT: below, turned into SIGTERM for the ranks
@@ -367,7 +381,9 @@ def _plan_args(argv: Sequence[str]) -> tuple[dict[str, object], list[str]]:
     while i < len(args):
         arg = args[i]
         name, eq, value = arg.partition("=")
-        if name in _PLAN_OPTIONS:
+        if arg in _PLAN_FLAGS:
+            opts[arg] = True
+        elif name in _PLAN_OPTIONS:
             if not eq:
                 if i + 1 >= len(args):
                     raise _UsageError(f"{arg} needs a value (see automodel plan --help)")
@@ -382,8 +398,8 @@ def _plan_args(argv: Sequence[str]) -> tuple[dict[str, object], list[str]]:
                 rest.append(args[i + 1])
                 i += 1
         elif arg.startswith("-"):
-            raise _UsageError(f"unknown option {arg!r}; automodel plan takes --config PATH, {', '.join(_PLAN_OPTIONS)} "
-                              "and key=value overrides (see --help)")  # fmt: skip
+            raise _UsageError(f"unknown option {arg!r}; automodel plan takes --config PATH, "
+                              f"{', '.join([*_PLAN_OPTIONS, *_PLAN_FLAGS])} and key=value overrides (see --help)")  # fmt: skip
         else:
             rest.append(arg)
         i += 1
@@ -393,22 +409,26 @@ def _plan_args(argv: Sequence[str]) -> tuple[dict[str, object], list[str]]:
 def _plan(argv: Sequence[str]) -> int:
     """``automodel plan``: print the longest-row table of :mod:`automodel.training.plan_search`."""
     if "-h" in argv or "--help" in argv:
-        print(USAGE, end="")
+        print(PLAN_USAGE, end="")
         return 0
     try:
         opts, rest = _plan_args(argv)
         from automodel.config.compose import parse_argv
-        from automodel.config.gpu_specs import GPU_SPECS
         from automodel.config.typecheck import ConfigError
+        from automodel.training.plan_search import DEVICE_MEMORY_MIB, check_plan_gpu
 
         gpus, gpu_type = opts.get("--gpus"), str(opts.get("--gpu-type", "")).lower()
         if not isinstance(gpus, int) or gpus < 1:
             raise _UsageError("automodel plan needs --gpus N (N >= 1): the GPUs to plan for")
-        if gpu_type not in GPU_SPECS:
-            raise _UsageError(f"automodel plan needs --gpu-type, one of {', '.join(sorted(GPU_SPECS))}")
-        for key in ("--gpu-memory-gib", "--host-memory-gib"):
+        if not gpu_type:
+            raise _UsageError(f"automodel plan needs --gpu-type, one of {', '.join(sorted(DEVICE_MEMORY_MIB))}")
+        for key in ("--gpu-memory-gib", "--host-memory-gib", "--gpus-per-node"):
             if key in opts and not float(opts[key]) > 0:  # type: ignore[arg-type]
                 raise _UsageError(f"{key}={opts[key]} must be > 0")
+        try:
+            check_plan_gpu(gpu_type, opts.get("--gpu-memory-gib"))  # type: ignore[arg-type]
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
         try:
             config, overrides, _ = parse_argv(rest)
         except ConfigError as e:
@@ -422,7 +442,8 @@ def _plan(argv: Sequence[str]) -> int:
 
     try:
         lines = plan_report(config, overrides, gpus, gpu_type, opts.get("--gpu-memory-gib"),  # type: ignore[arg-type]
-                            opts.get("--host-memory-gib"))  # type: ignore[arg-type]  # fmt: skip
+                            opts.get("--host-memory-gib"), show_overrides=bool(opts.get("--show-overrides")),  # type: ignore[arg-type]
+                            gpus_per_node=opts.get("--gpus-per-node"))  # type: ignore[arg-type]  # fmt: skip
     except (ConfigError, ValueError) as e:
         _error(str(e))
         return EXIT_USER_ERROR
@@ -444,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command not in COMMANDS:
             raise _UsageError(f"unknown command {command!r}; the commands are: {', '.join(COMMANDS)}")
         if "-h" in rest or "--help" in rest:
-            print(USAGE, end="")
+            print(FINETUNE_USAGE, end="")
             return 0
         _quiet_launcher()
         _, takes = _launcher_parser()

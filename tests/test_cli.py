@@ -149,3 +149,24 @@ def test_target_keys_are_added_without_plus_and_typos_get_no_plus_advice():
 
     raw = compose_config(REPO / "configs/cp.yaml", ["optimizer.foreach=false"])  # an AdamW argument the YAML lacks
     assert raw["optimizer"]["foreach"] is False
+
+
+def test_each_command_prints_its_own_usage(capsys):
+    assert cli.main(["finetune", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: automodel finetune") and "automodel plan" not in out
+    assert cli.main(["plan", "-h"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: automodel plan") and "automodel finetune" not in out
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: automodel finetune" in out and "usage: automodel plan" in out
+
+
+def test_dry_run_plans_the_launchs_gpus_per_node(capfd):
+    """``--nproc-per-node 4`` reaches the dry run as its GPUs per node (automodel plan's --gpus-per-node)."""
+    assert cli.main(["finetune", "--config", CP, "--nproc-per-node", "4", "recipe.dry_run=true",
+                     "recipe.gpu_type=h100"]) == 0  # fmt: skip
+    out = capfd.readouterr().out
+    assert "(planned for world size 4)" in out and "4 GPUs per node assumed" in out
+    assert "= 4 rank(s) x" in out and "limit 1024 GiB per node of 4 GPUs" in out

@@ -50,3 +50,32 @@ def test_step_time_estimate_for_a_named_gpu(report):
     assert "set recipe.gpu_type" in cpu and "ESTIMATE" not in cpu
     with pytest.raises(ConfigError, match=r"recipe.gpu_type='v100' is not a known GPU; use one of"):
         load_config(["--config", LLAMA, "recipe.dry_run=true", "recipe.gpu_type=v100"])
+
+
+def _seconds(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * {"ms": 1e-3, "s": 1.0, "min": 60.0}[unit]
+
+
+def test_host_memory_per_node_and_the_step_per_row_beside_the_global_batch(report):
+    """The dry run prints what automodel plan limits and prints: host memory per node, and the step of one row per
+    data-parallel rank (the plan's step column) next to the step of the config's global batch."""
+    host = re.search(r"^host memory per node: (\S+ \w+) = 8 rank\(s\) x .*; automodel plan's usual limit 2048 GiB "
+                     r"per node of 8 GPUs \(256 GiB per GPU; --gpus-per-node, --host-memory-gib\) -> fits$", report,
+                     re.M)  # fmt: skip
+    assert host, report
+    glob = re.search(r"^estimated step time: ([\d.]+ m?s)", report, re.M).group(1)
+    row = re.search(r"^estimated step per row: ([\d.]+ m?s) for one row of 32768 tokens per data-parallel rank \(2 "
+                    r"row\(s\); automodel plan's step column.*global batch of 16 rows$", report, re.M)  # fmt: skip
+    assert row, report
+    assert _seconds(row.group(1)) < _seconds(glob) / 4  # 16 rows over dp 2: 8 micro-batches per rank
+
+
+def test_gpus_per_node_are_the_plans():
+    """As automodel plan --gpus 4 [--gpus-per-node M]: the run's ranks on a node (the estimate's node) are the world
+    up to M, and the host limit is 256 GiB per GPU of the node (M = 8 unless the config or the launch says)."""
+    base = ["--config", "configs/cp.yaml", "recipe.dry_run=true", "recipe.gpu_type=h100"]
+    four = dry_run_report(load_config(base, world_size=4))
+    assert "4 GPUs per node assumed" in four and "= 4 rank(s) x" in four and "limit 2048 GiB per node of 8 GPUs" in four
+    two = dry_run_report(load_config([*base, "recipe.plan_nproc_per_node=2"], world_size=4))
+    assert "2 GPUs per node assumed" in two and "= 2 rank(s) x" in two and "limit 512 GiB per node of 2 GPUs" in two

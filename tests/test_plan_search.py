@@ -147,3 +147,120 @@ def test_usp_is_searched_at_each_ulysses_size_with_its_keys():
     assert "distributed.ulysses_size=4" in lay.overrides() and lay.text == "cp 8 usp ulysses 4"
     # the memory plan and the step estimate see the bound size
     assert search.shape(lay, Techniques(chunked_loss=True), 65536).method.ulysses_size == 4
+
+
+QWEN3 = "configs/qwen3_1_7b_64k_cp8.yaml"
+NO_SCALING = "model.config_overrides=null"  # Qwen3's own 32,768 positions, no YaRN
+
+
+def _rows_with_keys(out: str) -> list[tuple[str, int, float, list[str]]]:
+    """``(row text, tokens, GPU GiB, config keys)`` of each table row that prints its keys under it."""
+    rows, lines = [], out.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\S.{52}) +([\d,]+)\*? +([\d.]+) +(\d+) +([\d.]+ (?:ms|s|min))$", line)
+        if not m or i + 1 >= len(lines) or not lines[i + 1].startswith("    "):
+            continue
+        keys = []
+        for nxt in lines[i + 1:]:
+            if not nxt.startswith("    "):
+                break
+            keys += nxt.split()
+        rows.append((m.group(1).strip(), int(m.group(2).replace(",", "")), float(m.group(3)), keys))
+        _ROW_COLUMNS[tuple(keys)] = (int(m.group(4)), m.group(5))
+    return rows
+
+
+_ROW_COLUMNS: dict[tuple[str, ...], tuple[int, str]] = {}  # a row's keys -> (host GiB per node, step) as printed
+
+
+def test_printed_overrides_reproduce_each_row_and_the_recipe_accepts_them(capsys):
+    """Every row's keys (--show-overrides), applied to the config, give the row's plan: its seq_len, layout and
+    techniques, and the planner's GPU total; past the model's positions they add the YaRN scaling the recipe needs."""
+    from automodel.config import load_config, parallel_sizes
+    from automodel.models.loader import check_model_for_run, resolve_model_config
+    from automodel.training.memory_plan import run_shape_from_config
+    from automodel.training.plan_search import build_search
+
+    out = _plan_config(capsys, QWEN3, "--gpus", "8", "--gpu-type", "h100", "--show-overrides", NO_SCALING)
+    rows = _rows_with_keys(out)
+    assert len(rows) >= 12, out  # 8 layouts + 6 ablation rows, each with its keys
+    tail = out.splitlines()
+    assert tail[-1].startswith("longest: ") and "past the model's positions" in tail[-1]
+    winner_keys = [k for ln in tail[tail.index("the longest row's config keys (add --show-overrides for every "
+                                               "row's):") + 1:-1] for k in ln.split()]  # fmt: skip
+    assert any(keys == winner_keys for *_, keys in rows)
+    search, *_ = build_search(QWEN3, [NO_SCALING], 8, "h100")
+    for text, tokens, gib, keys in rows[:3] + rows[-2:]:
+        assert f"data.seq_len={tokens}" in keys and (tokens > 32768) == any("rope_parameters" in k for k in keys)
+        cfg = load_config(["--config", QWEN3, "recipe.dry_run=true", NO_SCALING, *keys], world_size=8).cfg
+        sizes, problems = parallel_sizes(cfg, 8)
+        assert not problems and sizes["dp"] * sizes["cp"] * sizes["tp"] == 8
+        planned = plan_memory(search.d, run_shape_from_config(cfg, sizes, tokens, 1, dims=search.d))
+        assert planned.total_bytes / GIB == pytest.approx(gib, abs=0.05), text
+        config = resolve_model_config(cfg.model, dry_run=True).config
+        assert config.rope_parameters["rope_type"] == "yarn" and config.max_position_embeddings >= tokens
+        check_model_for_run(config, attn_implementation="sdpa", cp_size=sizes["cp"], cp_method=cfg.distributed.cp_method,
+                            seq_len=tokens)  # the recipe's position check passes with the printed scaling  # fmt: skip
+    # the dry run of the longest row's keys prints the plan's step (per row) and host memory per node
+    from automodel.training.dry_run import dry_run_report
+
+    host, step = _ROW_COLUMNS[tuple(winner_keys)]
+    report = dry_run_report(load_config(["--config", QWEN3, "recipe.dry_run=true", "recipe.gpu_type=h100", NO_SCALING,
+                                         *winner_keys], world_size=8))  # fmt: skip
+    assert f"estimated step per row: {step} for one row of " in report, report[-2500:]
+    per_node = re.search(r"^host memory per node: ([\d.]+) GiB = 8 rank\(s\)", report, re.M)
+    assert per_node and round(float(per_node.group(1))) == host, report[-2500:]
+
+
+def test_an_inline_models_longest_row_keys_pass_the_config_rules_only_with_their_scaling(capsys):
+    """configs/cp.yaml's tiny Llama (2,048 positions, model.config inline): the winner's keys carry the YaRN scaling
+    its row needs; the config rules (before any rank starts) accept them, and refuse the row without the scaling."""
+    from automodel.config import ConfigError, load_config
+
+    out = _plan_config(capsys, "configs/cp.yaml", "--gpus", "2", "--gpu-type", "h100")
+    lines = out.splitlines()
+    keys = [k for ln in lines[lines.index("the longest row's config keys (add --show-overrides for every row's):") + 1:-1]
+            for k in ln.split()]  # fmt: skip
+    rope = [k for k in keys if k.startswith("++model.config_overrides.")]
+    assert len(rope) == 2 and "past the model's positions" in lines[-1]
+    cfg = load_config(["--config", "configs/cp.yaml", *keys], world_size=2).cfg
+    assert cfg.model.config_overrides["rope_parameters"]["rope_type"] == "yarn"
+    with pytest.raises(ConfigError, match=r"is past LlamaConfig\.max_position_embeddings=2048"):
+        load_config(["--config", "configs/cp.yaml", *[k for k in keys if k not in rope]], world_size=2)
+
+
+def _plan_config(capsys, config: str, *args: str) -> str:
+    assert main(["plan", "--config", config, *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_refuses_unknown_gpus_and_budgets_below_the_reserve_in_one_line(capsys):
+    assert main(["plan", "--config", CONFIG_8B, "--gpus", "8", "--gpu-type", "b200"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --gpu-type 'b200' is not a GPU automodel plan knows; use one of a100, h100, h200, l40s "
+                   "(for another GPU: the nearest one with its memory, --gpu-memory-gib G)"]  # fmt: skip
+    assert main(["plan", "--config", CONFIG_8B, "--gpus", "8", "--gpu-type", "h100", "--gpu-memory-gib", "0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --gpu-memory-gib 0.5 leaves nothing to plan with: 1 GiB")
+    # above the reserve but too small for the 8B model's state on one GPU: no row fits, one line, exit 2
+    assert main(["plan", "--config", CONFIG_8B, "--gpus", "1", "--gpu-type", "h100", "--gpu-memory-gib", "2"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1 and err[0].startswith("error: no layout of 1 x h100 fits a row:")
+    assert "the budget is 1.00 GiB" in err[0]
+
+
+def test_plan_help_is_plans_own(capsys):
+    assert main(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: automodel plan ") and "automodel finetune" not in out and "--show-overrides" in out
+
+
+def test_gpus_per_node_keeps_tp_in_a_node_and_shares_its_host_memory(capsys):
+    out = _plan(capsys, "--gpus", "8", "--gpu-type", "h100", "--gpus-per-node", "4")
+    assert "host 1024 GiB per node of 4 GPU(s)" in out
+    from automodel.training.plan_search import build_search
+
+    eight, *_ = build_search(CONFIG_8B, [], 8, "h100")
+    four, *_ = build_search(CONFIG_8B, [], 8, "h100", gpus_per_node=4)
+    assert max(lay.tp for lay in eight.layouts()) == 8 and max(lay.tp for lay in four.layouts()) == 4

@@ -77,6 +77,52 @@ def test_raise_sites_are_user_input_errors(tmp_path):
         resolve_model_config(ModelSection(pretrained_model_name_or_path=str(tmp_path / "model")), dry_run=True)
 
 
+def test_seq_len_past_the_positions_is_refused_unless_scaled_or_allowed():
+    """A RoPE model past max_position_embeddings trains on positions it never saw: refused with the YaRN keys that
+    cover the row, unless the config sets a RoPE scaling or model.allow_position_extrapolation=true; a position
+    table (GPT-2) is refused even then. The dry run (the run's own check, before weights) refuses it too."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from automodel.config import ConfigError, load_config
+    from automodel.models.loader import check_model_for_run, model_positions
+    from automodel.training.dry_run import dry_run_report
+
+    llama = LlamaConfig(max_position_embeddings=2048, rope_theta=10000.0)
+    run = dict(attn_implementation="sdpa", cp_size=1, cp_method="ring")
+    check_model_for_run(llama, seq_len=2048, **run)
+    with pytest.raises(UserInputError) as e:
+        check_model_for_run(llama, seq_len=5000, **run)
+    assert str(e.value) == (
+        "data.seq_len=5000 is past LlamaConfig.max_position_embeddings=2048: the model was never trained on the "
+        "positions past it and would train with extrapolated ones; set a RoPE scaling that covers them, e.g. YaRN: "
+        "++model.config_overrides.max_position_embeddings=6144 ++model.config_overrides.rope_parameters={rope_type:"
+        "yarn,factor:3.0,original_max_position_embeddings:2048,rope_theta:10000.0}; or set "
+        "model.allow_position_extrapolation=true to train past them as they are (docs/long_context.md)"
+    )
+    check_model_for_run(llama, seq_len=5000, allow_position_extrapolation=True, **run)
+    scaled = LlamaConfig(max_position_embeddings=6144, rope_parameters={
+        "rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 2048, "rope_theta": 10000.0})  # fmt: skip
+    assert model_positions(scaled).scaling == "yarn"
+    check_model_for_run(scaled, seq_len=6144, **run)
+    check_model_for_run(scaled, seq_len=9000, **run)  # past the scaled positions: the user's scaling, trained as set
+    with pytest.raises(UserInputError, match=r"past GPT2Config\.max_position_embeddings=1024, the rows of its "
+                                             r"position table; lower data\.seq_len to at most 1024"):  # fmt: skip
+        check_model_for_run(GPT2Config(), seq_len=2048, allow_position_extrapolation=True, **run)
+    # an inline model.config: the config rules refuse it (before any rank starts); a pretrained one: the model checks
+    base = ["--config", str(CONFIG), "recipe.dry_run=true", "data.seq_len=4096"]
+    with pytest.raises(ConfigError, match=r"data\.seq_len=4096 is past LlamaConfig\.max_position_embeddings=2048"):
+        load_config(base, world_size=2)
+    assert "dry run: nothing was trained" in dry_run_report(
+        load_config([*base, "model.allow_position_extrapolation=true"], world_size=2))
+    yarn = ["++model.config_overrides.max_position_embeddings=4096", "++model.config_overrides.rope_parameters={rope_type:"
+            "yarn,factor:2.0,original_max_position_embeddings:2048,rope_theta:10000.0}"]  # fmt: skip
+    assert "dry run: nothing was trained" in dry_run_report(load_config([*base, *yarn], world_size=2))
+    loaded = load_config(["--config", "configs/qwen3_1_7b_64k_cp8.yaml", "recipe.dry_run=true", "model.config_overrides=null",
+                          "data.seq_len=65536"], world_size=16)  # pretrained: its config is read by the model checks
+    with pytest.raises(UserInputError, match=r"data\.seq_len=65536 is past Qwen3Config\.max_position_embeddings=32768"):
+        dry_run_report(loaded)
+
+
 def test_user_error_is_found_through_hydra_instantiate(tmp_path):
     from hydra.utils import instantiate
 

@@ -20,6 +20,7 @@ from typing import Any
 from automodel.config.compose import USAGE, compose_config, parse_argv, resolve_config_path
 from automodel.config.gpu_specs import gpu_problems
 from automodel.config.plan_layouts import plan_layout_problems
+from automodel.config.positions import inline_position_problems
 from automodel.config.rules import check_rules, parallel_sizes
 from automodel.config.schedule_rules import schedule_problems
 from automodel.config.schema import RecipeConfig
@@ -97,6 +98,8 @@ def validate_config(
     world = world_size if world_size is not None else planned_world_size(cfg)
     problems += check_rules(cfg, world, cuda_available=cuda_available)
     problems += schedule_problems(cfg) + gpu_problems(cfg) + plan_layout_problems(cfg, world)
+    if not problems:  # an inline model.config's positions against data.seq_len (a pretrained one: the model checks)
+        problems += inline_position_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg, world

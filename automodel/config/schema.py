@@ -110,6 +110,9 @@ class ModelSection:
     trust_remote_code: bool = False
     revision: str | None = None
     allow_download: bool = False  # false: hub ids (model and data.tokenizer) from the local cache only
+    # true: train a RoPE model on a data.seq_len past its max_position_embeddings without a RoPE scaling
+    # (positions it never saw, extrapolated); false refuses such a run (automodel.models.loader.position_problem)
+    allow_position_extrapolation: bool = False
 
 
 @dataclass

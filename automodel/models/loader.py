@@ -27,6 +27,12 @@ from typing import Any
 
 import torch
 
+from automodel.config.positions import (
+    ModelPositions,
+    model_positions,
+    position_problem,
+    rope_scaling_overrides,
+)
 from automodel.config.schema import ModelSection
 from automodel.data.hub_offline import (
     env_offline,
@@ -43,6 +49,10 @@ __all__ = [
     "check_attn_supported",
     "check_model_for_run",
     "build_model",
+    "ModelPositions",
+    "model_positions",
+    "position_problem",
+    "rope_scaling_overrides",
     "torch_dtype",
     "causal_lm_class",
 ]
@@ -241,11 +251,14 @@ def check_model_for_run(
     seq_len: int,
     vocab_needed: int | None = None,
     trust_remote_code: bool = False,
+    allow_position_extrapolation: bool = False,
 ) -> None:
     """Check that a model with ``config`` can train this run; raise ``ValueError`` naming the fix.
 
     Checks: the config is a causal LM; the model supports ``attn_implementation``; the tokenizer's
-    ``vocab_needed`` ids fit the embedding. Whether the CP method computes every layer kind exactly
+    ``vocab_needed`` ids fit the embedding; ``seq_len`` is within the model's positions
+    (:func:`position_problem`: past them only with a RoPE scaling or ``allow_position_extrapolation``).
+    Whether the CP method computes every layer kind exactly
     (windows, chunks, sinks, linear mixers ...) is :func:`automodel.models.cp_check.check_model_for_cp_run`.
     """
     cls = causal_lm_class(config)
@@ -260,14 +273,17 @@ def check_model_for_run(
             f"the tokenizer has {vocab_needed} token ids but the model's vocab_size is {config.vocab_size}; "
             f"use the model's own tokenizer (data.tokenizer) or raise model.config.vocab_size to >= {vocab_needed}"
         )
-    max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos is not None and seq_len > max_pos:
+    problem = position_problem(config, seq_len, allow_position_extrapolation)
+    if problem is not None:
+        raise UserInputError(problem)
+    positions = model_positions(config)
+    if positions.limit is not None and seq_len > positions.limit:  # allowed: by a RoPE scaling or the user's flag
+        how = (f"the {positions.scaling} RoPE scaling the config sets" if positions.scaling
+               else "model.allow_position_extrapolation=true")  # fmt: skip
         logger.warning(
-            "data.seq_len=%d exceeds %s.max_position_embeddings=%d; positions past it are extrapolated",
-            seq_len,
-            type(config).__name__,
-            max_pos,
-        )
+            "data.seq_len=%d is past %s.max_position_embeddings=%d: positions past it are extrapolated (%s)",
+            seq_len, type(config).__name__, positions.limit, how,
+        )  # fmt: skip
 
 
 def build_model(

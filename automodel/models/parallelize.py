@@ -30,19 +30,31 @@ __all__ = [
     "apply_tp",
     "fsdp_mesh",
     "apply_fsdp2",
+    "fsdp_units",
 ]
 
 logger = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of ``model`` (by ``_no_split_modules`` class names).
+    """The repeated transformer blocks of ``model`` (by ``_no_split_modules`` class names), outermost only.
+
+    Some models name a block and a part of it (Mamba: ``MambaBlock`` and its ``MambaMixer``; Zamba: the hybrid
+    layer and the Mamba layer inside it): the part is left out, since it belongs to its block (FSDP2 cannot
+    shard a parameter that its block's ``fully_shard`` already made a ``DTensor``).
 
     Raises:
         ValueError: no such modules are found (the model does not name its blocks).
     """
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers: list[nn.Module] = []
+    inside: set[int] = set()  # modules below a block already listed (modules() visits a block before its parts)
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        if type(m).__name__ in names:
+            layers.append(m)
+            inside.update(id(s) for s in m.modules())
     if not layers:
         raise ValueError(
             f"{type(model).__name__} declares no decoder block classes (_no_split_modules={sorted(names)}); "
@@ -110,6 +122,29 @@ def fsdp_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     return get_submesh(device_mesh, "dp_shard_cp")
 
 
+def fsdp_units(layers: list[nn.Module]) -> list[nn.Module | list[nn.Module]]:
+    """The ``fully_shard`` units of ``layers``: each layer alone, except layers that share parameters (Zamba's hybrid
+    layers share one attention block), which form one unit (a list, one FSDP2 parameter group), in first-use order.
+    FSDP2 refuses a parameter that a second group would manage."""
+    owner: dict[int, int] = {}  # parameter id -> its unit's index
+    units: list[list[nn.Module]] = []
+    for layer in layers:
+        joined = sorted({owner[id(p)] for p in layer.parameters() if id(p) in owner})
+        if joined:  # merge every unit this layer shares a parameter with into the first
+            first = joined[0]
+            for other in joined[1:]:
+                units[first].extend(units[other])
+                units[other] = []
+            units[first].append(layer)
+        else:
+            first = len(units)
+            units.append([layer])
+        for m in units[first]:
+            for p in m.parameters():
+                owner[id(p)] = first
+    return [u[0] if len(u) == 1 else u for u in units if u]
+
+
 def apply_fsdp2(
     model: nn.Module,
     device_mesh: DeviceMesh,
@@ -119,7 +154,8 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     offload: bool = False,
 ) -> nn.Module:
-    """Shard ``model`` in place with ``fully_shard``: each decoder layer, then the root.
+    """Shard ``model`` in place with ``fully_shard``: each decoder layer (layers sharing parameters together,
+    :func:`fsdp_units`), then the root.
 
     Args:
         model: an HF causal LM on its compute device, identical on every rank.
@@ -146,8 +182,8 @@ def apply_fsdp2(
     mesh = fsdp_mesh(device_mesh)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    for unit in fsdp_units(decoder_layers(model)):
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy)
     from automodel.models.vlm_cp import vlm_fsdp_units
 
     for unit in vlm_fsdp_units(model):  # VLMs: vision tower and embedding run outside the root forward

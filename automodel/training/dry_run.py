@@ -186,6 +186,7 @@ def _meta_model(plan: _Plan) -> tuple[Any, Any, str, Any]:
         seq_len=cfg.data.seq_len,
         vocab_needed=vocab_needed,
         trust_remote_code=cfg.model.trust_remote_code,
+        allow_position_extrapolation=cfg.model.allow_position_extrapolation,
     )
     check_model_config_for_tp(resolved.config, d.tp_size, sequence_parallel=d.sequence_parallel)
     model = build_model(cfg.model, resolved, attn_implementation=attn, seed=cfg.recipe.seed, meta=True)
@@ -202,7 +203,6 @@ def _model_lines(plan: _Plan, model: Any, resolved: Any, tok_desc: str, profile:
     from automodel.training.memory_plan import model_dims
 
     cfg, attn = plan.cfg, plan.cfg.model.attn_implementation or "sdpa"
-    c = _text_config(model)
     n_params = sum(p.numel() for p in model.parameters())
     n_unique = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     master = _BYTES[cfg.model.dtype]
@@ -220,10 +220,9 @@ def _model_lines(plan: _Plan, model: Any, resolved: Any, tok_desc: str, profile:
 
         out.append(f"{profile_line(profile)}; exact under cp_method {plan.method.name}")
     out.append(f"tokenizer: {tok_desc}")
-    heads, kv, head_dim = _heads(c)
+    heads = f"heads {dims.heads} (kv {dims.kv_heads}, head_dim {dims.head_dim})" if dims.heads else "no attention"
     out.append(
-        f"layers {c.num_hidden_layers}, hidden {c.hidden_size}, heads {heads} (kv {kv}, head_dim {head_dim}), "
-        f"vocab {c.vocab_size}, parameters {n_unique / 1e6:.1f}M"
+        f"layers {dims.layers}, hidden {dims.hidden}, {heads}, vocab {dims.vocab}, parameters {n_unique / 1e6:.1f}M"
         + (f" ({n_params / 1e6:.1f}M counting tied weights twice)" if n_params != n_unique else "")
     )
     over = f"FSDP over {plan.fsdp_size}"
@@ -245,23 +244,13 @@ def _model_lines(plan: _Plan, model: Any, resolved: Any, tok_desc: str, profile:
     return dims
 
 
-def _text_config(model: Any) -> Any:
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-def _heads(c: Any) -> tuple[int, int, int]:
-    """``(attention heads, kv heads, head_dim)`` of a text config."""
-    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", c.num_attention_heads)
-    return heads, kv, getattr(c, "head_dim", None) or c.hidden_size // heads
-
-
 def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
     """Per-rank shapes of one micro-batch, the logits with the loss, the activations kept for backward."""
     from automodel.training.memory_plan import plan_memory, run_shape_from_config
 
     cfg, d, sizes = plan.cfg, plan.cfg.distributed, plan.sizes
-    c, tp, seq, local_seq = _text_config(model), sizes["tp"], plan.seq, plan.local_seq
-    heads, kv, head_dim = _heads(c)
+    tp, seq, local_seq = sizes["tp"], plan.seq, plan.local_seq
+    heads, kv, head_dim = dims.heads, dims.kv_heads, dims.head_dim  # 0: a model without attention (Mamba)
     compute_name = "bfloat16" if cfg.fsdp.param_dtype == "auto" else cfg.fsdp.param_dtype
     b = cfg.step_scheduler.local_batch_size
     out.append("--- per-rank shapes of one micro-batch (identical on every rank) ---")
@@ -271,27 +260,28 @@ def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
     )
     sp = d.sequence_parallel and tp > 1
     out.append(
-        f"hidden states            [{b}, {local_seq // tp if sp else local_seq}, {c.hidden_size}] {compute_name}"
+        f"hidden states            [{b}, {local_seq // tp if sp else local_seq}, {dims.hidden}] {compute_name}"
         + (f" between blocks (sequence parallel: 1/{tp} of the rank's tokens; gathered for the projections)" if sp else "")
     )
-    out.append(
-        f"attention q / k,v        [{b}, {heads // tp}, {local_seq}, {head_dim}] / [{b}, {kv // tp}, {local_seq}, {head_dim}]"
-        + (f" (tp {tp}: {heads // tp} of {heads} heads, {kv // tp} of {kv} kv heads)" if tp > 1 else "")
-    )
+    if heads:
+        out.append(
+            f"attention q / k,v        [{b}, {heads // tp}, {local_seq}, {head_dim}] / [{b}, {kv // tp}, {local_seq}, {head_dim}]"
+            + (f" (tp {tp}: {heads // tp} of {heads} heads, {kv // tp} of {kv} kv heads)" if tp > 1 else "")
+        )
     attn = cfg.model.attn_implementation or "sdpa"
-    if sizes["cp"] > 1:  # the method's own exchange (ring rotation, Ulysses all-to-all, thd all-gather)
+    if sizes["cp"] > 1 and heads:  # the method's own exchange (ring rotation, Ulysses all-to-all, thd all-gather)
         out.extend(plan.method.describe_attention(b, heads // tp, kv // tp, head_dim, seq, sizes["cp"], attn))
     shape = run_shape_from_config(cfg, sizes, seq, plan.grad_acc)  # predicted per-rank peak, term by term
     loss_term = plan_memory(dims, shape).terms["logits and loss"]  # the one logits figure of the report
     lp = tp > 1 and d.enable_loss_parallel
     out.append(
-        f"logits                   [{b}, {local_seq}, {c.vocab_size // tp if lp else c.vocab_size}] {compute_name}"
+        f"logits                   [{b}, {local_seq}, {dims.vocab // tp if lp else dims.vocab}] {compute_name}"
         + (f" (loss parallel: V / tp {tp})" if lp else " (gathered over tp)" if tp > 1 else "")
         + f"; with the loss: {_gib(loss_term.bytes)} (the 'logits and loss' term below: {loss_term.note})"
     )
-    per_layer_act = b * (local_seq // tp if sp else local_seq) * c.hidden_size * _BYTES[compute_name]
+    per_layer_act = b * (local_seq // tp if sp else local_seq) * dims.hidden * _BYTES[compute_name]
     out.append(
-        f"layer inputs kept for backward: {c.num_hidden_layers} x {_gib(per_layer_act)}"
+        f"layer inputs kept for backward: {dims.layers} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
     )
 
@@ -303,13 +293,67 @@ def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
 
     cfg, sizes = plan.cfg, plan.sizes
     shape = run_shape_from_config(cfg, sizes, plan.seq, plan.grad_acc)
+    node_gpus = _gpus_per_node(cfg, plan.world)
+    node = min(plan.world, node_gpus)  # the run's ranks on a node, as automodel plan counts them
     out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=plan.world))
+    out.extend(_host_lines(dims, shape, node, node_gpus))
     out.extend(
         step_estimate_lines(
-            dims, shape, sizes, plan.world, cfg.step_scheduler.global_batch_size, cfg.recipe.gpu_type,
-            cfg.recipe.plan_nproc_per_node,
+            dims, shape, sizes, plan.world, cfg.step_scheduler.global_batch_size, cfg.recipe.gpu_type, node,
         )
     )  # fmt: skip
+    if cfg.recipe.gpu_type is not None:
+        out.append(_row_step_line(plan, dims, shape, node))
+
+
+def _gpus_per_node(cfg: Any, world: int) -> int:
+    """The GPUs of a node the dry run plans with, as ``automodel plan --gpus-per-node`` does:
+    ``recipe.plan_nproc_per_node`` (``automodel finetune --nproc-per-node N recipe.dry_run=true`` sets it), else
+    the world over ``recipe.plan_nnodes``, else the GPU's usual node (8, ``gpu_specs``). The run's ranks on a node
+    are the world up to that many (the step estimate's and the plan's node)."""
+    from automodel.config.gpu_specs import GPU_SPECS
+
+    if cfg.recipe.plan_nproc_per_node:
+        return cfg.recipe.plan_nproc_per_node
+    if cfg.recipe.plan_nnodes:
+        return max(1, world // cfg.recipe.plan_nnodes)
+    return GPU_SPECS[cfg.recipe.gpu_type.lower()].gpus_per_node if cfg.recipe.gpu_type else 8
+
+
+def _host_lines(dims: Any, shape: Any, node: int, node_gpus: int) -> list[str]:
+    """Host memory per node (what ``automodel plan`` limits by): the pinned host terms of each rank x the run's
+    ranks on a node, against the plan's default: :data:`HOST_GIB_PER_GPU` per GPU of the node."""
+    from automodel.training.memory_plan import plan_memory
+    from automodel.training.plan_search import HOST_GIB_PER_GPU
+
+    p = plan_memory(dims, shape)
+    per_node, limit = p.host_bytes * node, HOST_GIB_PER_GPU * node_gpus * 2**30
+    what = ", ".join(f"{t.name} {_gib(t.bytes)}" for t in p.host) or "nothing offloaded"
+    verdict = "fits" if per_node <= limit else "EXCEEDS it: lower data.seq_len or turn an offload off"
+    return [f"host memory per node: {_gib(per_node)} = {node} rank(s) x {_gib(p.host_bytes)} ({what}); automodel "
+            f"plan's usual limit {HOST_GIB_PER_GPU * node_gpus} GiB per node of {node_gpus} GPUs ({HOST_GIB_PER_GPU} "
+            f"GiB per GPU; --gpus-per-node, --host-memory-gib) -> {verdict}"]  # fmt: skip
+
+
+def _row_step_line(plan: _Plan, dims: Any, shape: Any, node: int) -> str:
+    """The step of one row per data-parallel rank (``automodel plan``'s step column) next to the global batch's."""
+    import dataclasses
+
+    from automodel.training.plan_search import row_step_seconds
+    from automodel.training.step_estimate import gpu_spec
+
+    cfg = plan.cfg
+    row = dataclasses.replace(shape, local_batch=1, grad_acc=1)
+    seconds = row_step_seconds(dims, row, plan.sizes, plan.world, gpu_spec(cfg.recipe.gpu_type), cfg.recipe.gpu_type,
+                               node)  # fmt: skip
+    rows = cfg.step_scheduler.global_batch_size
+    return (f"estimated step per row: {_seconds(seconds)} for one row of {plan.seq} tokens per data-parallel rank "
+            f"({plan.sizes['dp']} row(s); automodel plan's step column, the memory techniques' own time included); "
+            f"the step above is the config's global batch of {rows} rows")  # fmt: skip
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s" if s < 60 else f"{s / 60:.1f} min"
 
 
 def dry_run_report(loaded: LoadedConfig) -> str:

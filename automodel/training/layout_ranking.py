@@ -99,6 +99,7 @@ def _model_problem(cfg: Any, resolved: Any, model: Any) -> str | None:
         check_model_for_run(
             resolved.config, attn_implementation=attn, cp_size=d.cp_size, cp_method=d.cp_method,
             seq_len=cfg.data.seq_len, vocab_needed=None, trust_remote_code=cfg.model.trust_remote_code,
+            allow_position_extrapolation=cfg.model.allow_position_extrapolation,
         )  # fmt: skip
         check_model_config_for_tp(resolved.config, d.tp_size, sequence_parallel=d.sequence_parallel)
         check_model_for_cp_run(cfg, resolved, attn, model)

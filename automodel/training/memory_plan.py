@@ -275,9 +275,12 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     from automodel.models.parallelize import decoder_layers
 
     c = cached_profile(model)
-    heads = c.num_attention_heads
+    heads = c.num_attention_heads or 0  # 0: a model without attention (Mamba, RWKV, xLSTM): no attention terms
     kv = c.num_key_value_heads or heads
-    head_dim = c.head_dim or c.hidden_size // heads
+    head_dim = (c.head_dim or c.hidden_size // heads) if heads else 0
+    inter = c.intermediate_size
+    if isinstance(inter, (list, tuple)):  # a width per layer (Gemma 3n): the widest
+        inter = max(inter)
     unique = {id(p): p for p in model.parameters()}.values()
     try:
         layers = decoder_layers(model)
@@ -289,7 +292,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     return ModelDims(
         layers=c.num_hidden_layers,
         hidden=c.hidden_size,
-        intermediate=c.intermediate_size or 4 * c.hidden_size,
+        intermediate=inter or 4 * c.hidden_size,
         heads=heads,
         kv_heads=kv,
         head_dim=head_dim,

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
 from automodel.config.gpu_specs import GPUSpec
+from automodel.errors import UserInputError
+from automodel.models.loader import ModelPositions, rope_scaling_overrides
 from automodel.training.memory_plan import DEFAULT_CHUNK_TOKENS, ModelDims, RunShape, plan_memory
 
 __all__ = [
@@ -36,10 +39,13 @@ __all__ = [
     "Found",
     "PlanSearch",
     "build_search",
+    "check_plan_gpu",
     "device_budget_gib",
     "host_budget_gib",
     "longest_row",
     "plan_lines",
+    "row_step_seconds",
+    "usable_techniques",
 ]
 
 _GIB = 2**30
@@ -85,9 +91,8 @@ class Layout:
         if self.cp > 1:
             out.append(f"distributed.cp_method={self.method}")
             out += [f"distributed.{k}={v}" for k, v in self.options]
-        if self.tp > 1:
-            out += ["distributed.enable_loss_parallel=true",
-                    f"distributed.sequence_parallel={str(self.sequence_parallel).lower()}"]  # fmt: skip
+        out += [f"distributed.enable_loss_parallel={str(self.tp > 1).lower()}",
+                f"distributed.sequence_parallel={str(self.sequence_parallel).lower()}"]  # fmt: skip
         return out
 
 
@@ -158,6 +163,18 @@ class Found:
     def text(self) -> str:
         return f"{self.layout.text}; {self.techniques.text(self.layout.tp)}"
 
+    def overrides(self, positions: ModelPositions | None = None) -> list[str]:
+        """The config keys that reproduce this row: the layout, the techniques, one row per data-parallel rank
+        (``local_batch_size`` 1, ``global_batch_size`` dp: the plan's step) and ``data.seq_len``; past the
+        model's positions (``positions``) also the YaRN RoPE scaling that covers the row
+        (:func:`~automodel.models.loader.rope_scaling_overrides`; the recipe refuses the row without one)."""
+        keys = [*self.layout.overrides(), "distributed.dp_replicate=1", *self.techniques.overrides(self.layout.tp),
+                "step_scheduler.local_batch_size=1", f"step_scheduler.global_batch_size={self.layout.dp}",
+                f"data.seq_len={self.tokens}"]  # fmt: skip
+        if positions is not None and not positions.scaling:
+            keys += rope_scaling_overrides(positions, self.tokens)
+        return keys
+
 
 def device_budget_gib(gpu_type: str, gpu_memory_gib: float | None = None) -> tuple[float, float]:
     """``(capacity, budget)`` GiB per GPU: the driver's total (or ``gpu_memory_gib``) and that less the reserve."""
@@ -184,12 +201,21 @@ class PlanSearch:
     """
 
     def __init__(self, dims: ModelDims, profile: Any, base: RunShape, gpus: int, spec: GPUSpec, gpu_type: str,
-                 budget_bytes: float, host_gpu_bytes: float, tp_ok: Any = None) -> None:  # fmt: skip
+                 budget_bytes: float, host_gpu_bytes: float, tp_ok: Any = None, *,
+                 positions: ModelPositions | None = None, gpus_per_node: int | None = None,
+                 techniques: list[Techniques] | None = None) -> None:  # fmt: skip
         self.d, self.profile, self.base, self.gpus, self.spec = dims, profile, base, gpus, spec
         self.gpu_type = gpu_type.lower()
         self.budget, self.host = budget_bytes, host_gpu_bytes
         self.tp_ok = tp_ok or (lambda tp: True)
-        self.node = min(gpus, spec.gpus_per_node)
+        self.gpus_per_node = gpus_per_node or spec.gpus_per_node
+        self.node = min(gpus, self.gpus_per_node)
+        self.positions = positions or ModelPositions(None, False)
+        self.techniques = techniques if techniques is not None else all_techniques()
+
+    def past_positions(self, tokens: int) -> bool:
+        """Whether a row of ``tokens`` is past the model's positions (``max_position_embeddings``)."""
+        return self.positions.limit is not None and tokens > self.positions.limit
 
     # --- layouts ------------------------------------------------------------------------------------------
     def layouts(self) -> list[Layout]:
@@ -198,7 +224,7 @@ class PlanSearch:
         from automodel.distributed.cp.registry import run_problems
 
         d, out = self.d, []
-        for tp in (t for t in (1, 2, 4, 8) if self.gpus % t == 0 and t <= self.spec.gpus_per_node):
+        for tp in (t for t in (1, 2, 4, 8) if self.gpus % t == 0 and t <= self.gpus_per_node):
             if tp > 1 and not (d.tp_capable and all(x % tp == 0 for x in (d.heads, d.kv_heads, d.intermediate,
                                                                          d.vocab)) and self.tp_ok(tp)):  # fmt: skip
                 continue
@@ -246,10 +272,13 @@ class PlanSearch:
     def longest(self, layout: Layout, t: Techniques) -> Found:
         """Binary search over multiples of the layout's row multiple (memory grows with the row)."""
         m = self.row_multiple(layout)
-        if not self.fits(layout, t, m):
+        cap = _MAX_ROW  # a position table (GPT-2, OPT) has no rows past its length; RoPE rows past it are marked
+        if self.positions.limit is not None and not self.positions.rope:
+            cap = self.positions.limit
+        if m > cap or not self.fits(layout, t, m):
             return Found(layout, t, 0)
         lo, hi = 1, 2
-        while hi * m <= _MAX_ROW and self.fits(layout, t, hi * m):
+        while hi * m <= cap and self.fits(layout, t, hi * m):
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -268,19 +297,26 @@ class PlanSearch:
     def estimate(self, layout: Layout, t: Techniques, seq: int) -> tuple[float, float]:
         """``(step seconds, tokens/s/GPU)``: :func:`~automodel.training.step_estimate.estimate_step` for one row
         per data-parallel rank, plus :func:`technique_seconds` (what the estimate does not model yet)."""
-        from automodel.training.step_estimate import estimate_step
-
         r = self.shape(layout, t, seq)
         sizes = {"dp_replicate": 1, "dp_shard": layout.dp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp}
-        est = estimate_step(self.d, r, sizes, self.gpus, layout.dp, self.spec, self.node)
-        extra = technique_seconds(self.d, r, self.spec, self.gpu_type, est.compute_s)
-        step = est.step_s + sum(extra.values())
+        step = row_step_seconds(self.d, r, sizes, self.gpus, self.spec, self.gpu_type, self.node)
         return step, layout.dp * seq / step / self.gpus
 
     # --- the whole search ---------------------------------------------------------------------------------
     def search(self) -> list[Found]:
         """The longest row of every layout with every technique set."""
-        return [self.longest(layout, t) for layout in self.layouts() for t in all_techniques()]
+        return [self.longest(layout, t) for layout in self.layouts() for t in self.techniques]
+
+
+def row_step_seconds(d: ModelDims, r: RunShape, sizes: dict[str, int], gpus: int, spec: GPUSpec, gpu_type: str,
+                     gpus_per_node: int) -> float:  # fmt: skip
+    """The plan's step column: one optimizer step of ``r`` (one row per data-parallel rank in the plan) by
+    :func:`~automodel.training.step_estimate.estimate_step`, plus :func:`technique_seconds`. The dry run
+    prints it for its config's row next to the step of its global batch."""
+    from automodel.training.step_estimate import estimate_step
+
+    est = estimate_step(d, r, sizes, gpus, sizes["dp"] * r.local_batch * r.grad_acc, spec, gpus_per_node)
+    return est.step_s + sum(technique_seconds(d, r, spec, gpu_type, est.compute_s).values())
 
 
 def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, compute_s: float) -> dict[str, float]:
@@ -346,10 +382,12 @@ def ablation(search: PlanSearch, results: list[Found]) -> list[tuple[str, Found 
     rows.append(("+ context parallelism", best(lambda f: f.techniques == loss and f.layout.cp > 1) if cp_any else None))
     tiled = dataclasses.replace(loss, tiled_mlp=True)
     rows.append(("+ tiled MLP", best(lambda f: f.techniques == tiled and (f.layout.cp > 1 or not cp_any))))
-    act = dataclasses.replace(tiled, activation_offload=True)
+    usable = set(search.techniques)  # a technique the model cannot use is left out of the rows after it
+    act = dataclasses.replace(tiled if tiled in usable else loss, activation_offload=True)
     rows.append(("+ activation offload", best(lambda f: f.techniques == act and (f.layout.cp > 1 or not cp_any))))
-    rows.append(("all (+ fsdp.offload)", best(lambda f: f.techniques.activation_offload and f.techniques.tiled_mlp
-                                              and f.techniques.chunked_loss and bool(f.techniques.offload))))  # fmt: skip
+    rows.append(("all (+ fsdp.offload)", best(lambda f: f.techniques == dataclasses.replace(act, offload=f.techniques.offload)
+                                              and bool(f.techniques.offload)) if act in usable else
+                 best(lambda f: f.techniques.chunked_loss and bool(f.techniques.offload))))  # fmt: skip
     return rows
 
 
@@ -363,15 +401,25 @@ LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: lo
 
 
 def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,
-               top: int = 8) -> list[str]:  # fmt: skip
-    """The report: the best technique set of the best ``top`` layouts, the ablation and the last line."""
+               top: int = 8, show_overrides: bool = False) -> list[str]:  # fmt: skip
+    """The report: the best technique set of the best ``top`` layouts, the ablation, the longest row's config keys
+    and the last line ``longest: ...``. ``show_overrides``: every row's keys under it (the longest row's always).
+    A row past the model's positions is marked ``*`` and a note names the RoPE scaling it needs.
+
+    Raises:
+        UserInputError: no row fits any layout (the message names the smallest need and the budget).
+    """
     results = search.search()
     budget = search.budget / _GIB
+    best = longest_row(results)
+    if not best.tokens:
+        raise UserInputError(_nothing_fits(search, results))
     out = [
         f"automodel plan: {model_text} on {search.gpus} x {search.spec.name}",
         f"device budget {budget:.1f} GiB per GPU ({capacity_gib:.1f} GiB less {DEVICE_RESERVE_GIB:g} GiB reserve); "
         f"host {host_node_gib:g} GiB per node of {search.node} GPU(s)",
-        "memory: the planner's prediction (docs/long_context.md); step: an ESTIMATE (docs/estimate.md)",
+        "memory: the planner's prediction (docs/long_context.md); step: an ESTIMATE (docs/estimate.md) of one",
+        "  optimizer step of one row per data-parallel rank (the dry run prints it beside its global batch's)",
         LEGEND,
         "",
         f"{'layout':<24} {'techniques':<28} {'tokens/row':>11} {'GPU GiB':>8} {'host GiB':>9} {'step (est.)':>11}",
@@ -383,56 +431,117 @@ def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_no
             per_layout[f.layout] = f
     ranked = sorted(per_layout.values(), key=lambda f: (-f.tokens, f.step_s))
     for f in ranked[:top]:
-        out.append(_row(f.layout.text, f.techniques.text(f.layout.tp), f))
+        out.append(_row(f.layout.text, f.techniques.text(f.layout.tp), f, search))
+        out.extend(_override_lines(search, f) if show_overrides and f.tokens else [])
     if len(ranked) > top:
         out.append(f"... {len(ranked) - top} more layouts (shorter rows)")
     out.append("")
     out.append("ablation (each row adds a technique to the row above, on its best layout):")
     for label, f in ablation(search, results):
         if f is None:
-            out.append(f"{label:<24} (not with {search.gpus} GPU)")
+            why = f"not with {search.gpus} GPU" if label == "+ context parallelism" else "not for this model"
+            out.append(f"{label:<24} ({why})")
             continue
-        out.append(_row(label, f.layout.text, f))
-    best = longest_row(results)
+        out.append(_row(label, f.layout.text, f, search))
+        out.extend(_override_lines(search, f) if show_overrides and f.tokens else [])
     out.append("")
-    out.append(f"longest: {best.tokens} tokens per row ({best.text})")
+    pos = search.positions
+    if any(search.past_positions(f.tokens) for f in results):
+        if pos.scaling:
+            note = (f"* past max_position_embeddings={pos.limit:,}: positions past the ones its {pos.scaling} RoPE "
+                    "scaling was set for are extrapolated (the recipe trains them as configured)")  # fmt: skip
+        else:
+            note = (f"* past the model's {pos.limit:,} positions (max_position_embeddings): the recipe refuses such a "
+                    "row unless the config sets a RoPE scaling that covers it (the row's keys below add YaRN: "
+                    "++model.config_overrides.rope_parameters=...) or model.allow_position_extrapolation=true")  # fmt: skip
+        out.extend(textwrap.wrap(note, width=120, subsequent_indent="  ", break_on_hyphens=False))
+    out.append("the longest row's config keys (add --show-overrides for every row's):")
+    out.extend(_override_lines(search, best))
+    mark = "; past the model's positions" if search.past_positions(best.tokens) else ""
+    out.append(f"longest: {best.tokens} tokens per row ({best.text}{mark})")
     return out
 
 
-def _row(first: str, second: str, f: Found) -> str:
+def _override_lines(search: PlanSearch, f: Found, width: int = 120) -> list[str]:
+    """``f``'s config keys, wrapped at ``width`` characters (indented 4)."""
+    return textwrap.wrap(" ".join(f.overrides(search.positions)), width=width, initial_indent="    ",
+                         subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)  # fmt: skip
+
+
+def _nothing_fits(search: PlanSearch, results: list[Found]) -> str:
+    """The one-line refusal when no layout fits even its shortest row."""
+    need = []
+    for f in results:
+        m = search.row_multiple(f.layout)
+        need.append((search.usage(f.layout, f.techniques, m)[0], m, f))
+    dev, m, f = min(need, key=lambda x: x[0])
+    return (f"no layout of {search.gpus} x {search.gpu_type} fits a row: the smallest plan ({f.text}, {m} tokens) "
+            f"needs {dev / _GIB:.2f} GiB per GPU, the budget is {search.budget / _GIB:.2f} GiB (the GPU's memory less "
+            f"the {DEVICE_RESERVE_GIB:g} GiB reserve); plan for more GPUs (--gpus), or a larger GPU")  # fmt: skip
+
+
+def _row(first: str, second: str, f: Found, search: PlanSearch | None = None) -> str:
     text = f"{first[:24]:<24} {second[:28]:<28}" if len(second) <= 28 else f"{first[:24]:<24} {second}\n{'':<53}"
     if not f.tokens:
         return f"{text} {'-':>11} {'does not fit':>20}"
     host = f"{f.host_node_gib:.0f}" if f.host_node_gib else "0"
-    return f"{text} {_fmt_tokens(f.tokens):>11} {f.device_gib:>8.1f} {host:>9} {_fmt_s(f.step_s):>11}"
+    past = "*" if search is not None and search.past_positions(f.tokens) else ""
+    return f"{text} {_fmt_tokens(f.tokens) + past:>11} {f.device_gib:>8.1f} {host:>9} {_fmt_s(f.step_s):>11}"
 
 
 def plan_report(config: str, overrides: list[str], gpus: int, gpu_type: str, gpu_memory_gib: float | None = None,
-                host_memory_gib: float | None = None) -> list[str]:  # fmt: skip
+                host_memory_gib: float | None = None, *, show_overrides: bool = False,
+                gpus_per_node: int | None = None) -> list[str]:  # fmt: skip
     """``automodel plan``'s lines for a config file and its overrides (the model on the meta device).
 
     Raises:
-        ConfigError: the config does not type-check; ValueError: the model cannot be built.
+        ConfigError: the config does not type-check; ValueError: the model cannot be built, the GPU type is
+        unknown, the budget is not above the reserve, or no row fits.
     """
     search, text, capacity, host_node = build_search(config, overrides, gpus, gpu_type, gpu_memory_gib,
-                                                     host_memory_gib)  # fmt: skip
-    return plan_lines(search, text, capacity, host_node)
+                                                     host_memory_gib, gpus_per_node=gpus_per_node)  # fmt: skip
+    return plan_lines(search, text, capacity, host_node, show_overrides=show_overrides)
+
+
+def check_plan_gpu(gpu_type: str, gpu_memory_gib: float | None = None) -> None:
+    """Refuse an unknown ``gpu_type`` (naming the known ones) or a GPU memory not above :data:`DEVICE_RESERVE_GIB`.
+
+    Raises:
+        UserInputError: the one-line reason.
+    """
+    if gpu_type.lower() not in DEVICE_MEMORY_MIB:
+        raise UserInputError(
+            f"--gpu-type {gpu_type!r} is not a GPU automodel plan knows; use one of {', '.join(sorted(DEVICE_MEMORY_MIB))} "
+            "(for another GPU: the nearest one with its memory, --gpu-memory-gib G)"
+        )
+    if gpu_memory_gib is not None and gpu_memory_gib <= DEVICE_RESERVE_GIB:
+        raise UserInputError(
+            f"--gpu-memory-gib {gpu_memory_gib:g} leaves nothing to plan with: {DEVICE_RESERVE_GIB:g} GiB of each GPU is "
+            "the reserve for the CUDA context, cuBLAS and NCCL workspaces and the allocator; give the GPU's whole "
+            "memory in GiB (more than the reserve)"
+        )
 
 
 def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gpu_memory_gib: float | None = None,
-                 host_memory_gib: float | None = None) -> tuple[PlanSearch, str, float, float]:  # fmt: skip
+                 host_memory_gib: float | None = None, *,
+                 gpus_per_node: int | None = None) -> tuple[PlanSearch, str, float, float]:  # fmt: skip
     """The :class:`PlanSearch` of a config file and its overrides (the model on the meta device), with the
     model's one-line description, the GPU's capacity (GiB) and the node's host memory (GiB): what
     :func:`plan_report` prints, for callers that measure a row (``scripts/gpu_check.py``'s memory check).
 
+    ``gpus_per_node``: GPUs per node (default: :data:`~automodel.config.gpu_specs.GPUSpec.gpus_per_node`, 8); the
+    search keeps tp within a node and shares the node's host memory among its GPUs.
+
     Raises:
-        ConfigError: the config does not type-check; ValueError: the model cannot be built.
+        ConfigError: the config does not type-check; ValueError: the model cannot be built, the GPU type is
+        unknown or the budget is not above the reserve (:func:`check_plan_gpu`).
     """
+    check_plan_gpu(gpu_type, gpu_memory_gib)
     from automodel.config import RecipeConfig
     from automodel.config.compose import compose_config, resolve_config_path
     from automodel.config.typecheck import ConfigError, to_dataclass
     from automodel.distributed.cp.guard import cached_profile
-    from automodel.models.loader import build_model, resolve_model_config
+    from automodel.models.loader import build_model, model_positions, resolve_model_config
     from automodel.models.parallelize import check_model_config_for_tp
     from automodel.training.memory_plan import model_dims, run_shape_from_config
     from automodel.training.step_estimate import gpu_spec
@@ -460,8 +569,26 @@ def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gp
         return True
 
     spec = gpu_spec(gpu_type)
+    per_node = gpus_per_node or spec.gpus_per_node
     capacity, budget = device_budget_gib(gpu_type, gpu_memory_gib)
-    host_node, on_node = host_budget_gib(gpus, spec.gpus_per_node, host_memory_gib)
-    search = PlanSearch(dims, profile, base, gpus, spec, gpu_type, budget * _GIB, host_node / on_node * _GIB, tp_ok)
+    host_node, on_node = host_budget_gib(gpus, per_node, host_memory_gib)
+    search = PlanSearch(dims, profile, base, gpus, spec, gpu_type, budget * _GIB, host_node / on_node * _GIB, tp_ok,
+                        positions=model_positions(resolved.config), gpus_per_node=per_node,
+                        techniques=usable_techniques(model))  # fmt: skip
     text = f"{type(model).__name__} ({dims.params / 1e9:.2f}B parameters, {dims.layers} layers, hidden {dims.hidden})"
     return search, text, capacity, host_node
+
+
+def usable_techniques(model: Any) -> list[Techniques]:
+    """:func:`all_techniques` less those the recipe refuses for ``model`` (on the meta device): checkpointing (and
+    so activation offload) where the model does not support it, the tiled MLP where it finds no MLP to tile."""
+    from automodel.models.tiled_mlp import check_tiled_mlp_for_model
+
+    out = all_techniques()
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        out = [t for t in out if not t.checkpointing]
+    try:
+        check_tiled_mlp_for_model(model, True)
+    except UserInputError:
+        out = [t for t in out if not t.tiled_mlp]
+    return out

@@ -282,6 +282,7 @@ class FinetuneTrainer:
             seq_len=cfg.data.seq_len,
             vocab_needed=len(self.tokenizer),
             trust_remote_code=cfg.model.trust_remote_code,
+            allow_position_extrapolation=cfg.model.allow_position_extrapolation,
         )
         # exact or refused, before data or weights load: every layer kind of the model (profiled on the meta
         # device), its heads against the method's split, VLM or not (automodel.distributed.cp)

@@ -121,7 +121,7 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         rank of the dry run's sample batch (packed: lognormal documents, median :data:`SAMPLE_MEDIAN`; else
         one document per row, split over every rank)."""
         cp = r.cp
-        if cp <= 1:
+        if cp <= 1 or not d.heads:  # no attention layer (Mamba): no K and V to exchange
             return []
         rows = max(1, r.local_batch)
         lengths = sample_lengths(r.seq, SAMPLE_MEDIAN, rows=rows) if packed else [r.seq] * rows
