@@ -10,11 +10,19 @@ cd "$root"
 echo "[test] ruff"
 "$py" -m ruff check automodel recipes scripts tests examples
 echo "[test] pytest"
+# pytest-xdist (the dev extra) on 2 workers: each module whole on one worker, the longest first (tests/conftest.py);
+# AUTOMODEL_TEST_WORKERS=0 (or a later -n 0) runs serially
+workers="${AUTOMODEL_TEST_WORKERS:-2}"
+xdist=()
+if [ "$workers" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then
+  xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
 set +e
 pins="${AUTOMODEL_PINS:-$root/constraints.txt}"
 [ "$pins" = none ] && pins=""
-# tests/test_pins.py checks that the environment holds the versions setup.sh pinned (none: AUTOMODEL_PINS=none)
-AUTOMODEL_REQUIRE_EXTRAS=1 AUTOMODEL_PINS_FILE="$pins" "$py" -m pytest "$@"  # setup.sh installed the tracker extras: their tests must run
+# tests/test_pins.py checks that the environment holds the versions setup.sh pinned (none: AUTOMODEL_PINS=none);
+# setup.sh installed the tracker extras: their tests must run
+AUTOMODEL_REQUIRE_EXTRAS=1 AUTOMODEL_PINS_FILE="$pins" "$py" -m pytest ${xdist[@]+"${xdist[@]}"} "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

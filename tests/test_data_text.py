@@ -173,3 +173,26 @@ def test_errors_name_the_value_and_the_fix(tok, tmp_path):
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match=r"cannot tell the format of .*data\.csv.*file_format"):
         TextDataset(path=str(tmp_path / "data.csv"), tokenizer=tok, seq_len=8, split="all")
+
+
+def test_tokenized_documents_are_memoised_exactly(tok, docs):
+    """automodel.data.encode_cache: the second encoding of a corpus is the memoised one, equal to the tokenizer's
+    own output; one changed character, or a tokenizer with another vocabulary, is encoded afresh."""
+    from automodel.data import encode_cache
+
+    sample = docs[:50]
+    want = tok(sample, add_special_tokens=False, verbose=False)["input_ids"]
+    first = encode_cache.encode_documents(tok, sample)
+    again = encode_cache.encode_documents(tok, list(sample))
+    assert [e.tolist() for e in first] == want and [e.tolist() for e in again] == want
+    assert again[0].base is first[0].base and not again[0].flags.writeable  # the memo, read-only
+    changed = [sample[0] + "!", *sample[1:]]
+    got = encode_cache.encode_documents(tok, changed)
+    assert got[0].base is not first[0].base
+    assert got[0].tolist() == tok(changed[0], add_special_tokens=False)["input_ids"]
+    other = load_tokenizer(None)
+    other.add_tokens(["zzqq"])
+    with_added = encode_cache.encode_documents(other, ["a zzqq b"])
+    assert with_added[0].tolist() == other("a zzqq b", add_special_tokens=False)["input_ids"]
+    plain = encode_cache.encode_documents(tok, ["a zzqq b"])[0].tolist()
+    assert plain == tok("a zzqq b", add_special_tokens=False)["input_ids"] != with_added[0].tolist()

@@ -1,8 +1,12 @@
 """Every CP method on every family of tests/family_matrix.py: exact, or refused with a clear error.
 
-One launched group of 4 gloo ranks runs the whole matrix (tests/workers/family_matrix_worker.py): two
+A launched group of 4 gloo ranks runs the matrix (tests/workers/family_matrix_worker.py): two
 pairs share out the families for the methods at cp=2 (unpacked and packed rows) and the ``auto`` columns,
-then all 4 run usp (2 x 2, unpacked and packed); the tests below assert on rank 0's result. DESIGN.md "Exact or refused": a cell that runs
+then all 4 run usp (2 x 2, unpacked and packed); the tests below assert on rank 0's result. CI runs the
+families of :data:`CI_FAMILIES` (every layer kind, both attention implementations, every column: unpacked,
+packed and cp=1 packed rows, ``auto``; test_ci_subset_covers_every_layer_kind holds it) in one launch; the
+whole matrix is a second launch behind the ``slow`` marker (``bash scripts/test.sh -m slow``: the other
+families' cells, every cross-family check again and the published table) and scripts/support_table.py. DESIGN.md "Exact or refused": a cell that runs
 with different numbers (wrong) or dies with anything but ``automodel.errors.UserInputError`` (crash) fails;
 ``auto`` must pick an exact method whenever one column of the same rows is exact. The published table,
 docs/support_matrix.md, is generated from the same run by scripts/support_table.py.
@@ -34,19 +38,64 @@ LAUNCH_TIMEOUT_S = 300
 WORKER = "tests.workers.family_matrix_worker:main"
 
 
-@pytest.fixture(scope="module")
-def matrix():
+#: the families CI runs (every column each): every layer kind of FAMILIES and both attention implementations at least
+#: once (test_ci_subset_covers_every_layer_kind), and the rows the cross-family tests name (llama, gpt_oss); the
+#: other rows run in the slow launch of the whole matrix
+CI_FAMILIES = (
+    "llama", "mistral", "gemma2", "gpt2", "bloom", "smollm3", "diffllama", "doge", "mixtral", "minicpm3",
+    "deepseek_v32", "gpt_oss", "llama4_text", "qwen3_next", "falcon_h1", "nemotron_h", "recurrent_gemma", "rwkv",
+    "xlstm", "lfm2@flagship", "mamba",
+)  # fmt: skip
+
+
+def _launch(families: tuple[str, ...] | None, **kwargs) -> list[dict]:
     t0 = time.perf_counter()
-    ranks = run_distributed(WORKER, world_size=4, timeout=LAUNCH_TIMEOUT_S, selftest_timeout_s=2.0)
-    print(f"family matrix: worker {ranks[0]['seconds']:.1f} s (cp=2 pairs {ranks[0]['pair_seconds']:.1f} s), "
-          f"launch {time.perf_counter() - t0:.1f} s")
+    ranks = run_distributed(WORKER, world_size=4, timeout=LAUNCH_TIMEOUT_S,
+                            families=list(families) if families else None, **kwargs)  # fmt: skip
+    print(f"family matrix ({len(ranks[0]['cells'])} families): worker {ranks[0]['seconds']:.1f} s (cp=2 pairs "
+          f"{ranks[0]['pair_seconds']:.1f} s), launch {time.perf_counter() - t0:.1f} s")
     return ranks
 
 
-def test_every_family_ran_every_method_on_every_rank(matrix):
+@pytest.fixture(scope="module")
+def matrix():
+    """The CI launch: the families of CI_FAMILIES, after the one-rank-failing self-test."""
+    return _launch(CI_FAMILIES, selftest_timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def full_matrix():
+    """The slow launch: every family (what scripts/support_table.py runs)."""
+    return _launch(None)
+
+
+@pytest.fixture(params=["ci", pytest.param("full", marks=pytest.mark.slow)])
+def any_matrix(request):
+    """The cross-family checks, on the CI launch and (slow) on the whole matrix."""
+    return request.getfixturevalue("matrix" if request.param == "ci" else "full_matrix")
+
+
+def _families_of(result: dict) -> list[str]:
+    ran = set(result["cells"])
+    return [f.name for f in FAMILIES if f.name in ran]
+
+
+def test_ci_subset_covers_every_layer_kind():
+    by_name = {f.name: f for f in FAMILIES}
+    assert set(CI_FAMILIES) <= set(by_name), set(CI_FAMILIES) - set(by_name)
+    every = {k for f in FAMILIES for k in f.kinds.split("+")}
+    covered = {k for name in CI_FAMILIES for k in by_name[name].kinds.split("+")}
+    assert every == covered, f"add a family with layer kinds {sorted(every - covered)} to CI_FAMILIES"
+    attns = {f.attn for f in FAMILIES}
+    assert attns == {by_name[name].attn for name in CI_FAMILIES}, attns
+
+
+def test_every_family_ran_every_method_on_every_rank(any_matrix, request):
+    matrix = any_matrix
     result = matrix[0]
     assert len(FAMILIES) >= 30
-    assert list(result["cells"]) == [f.name for f in FAMILIES]
+    want = [f.name for f in FAMILIES if request.node.callspec.params["any_matrix"] == "full" or f.name in CI_FAMILIES]
+    assert list(result["cells"]) == want
     for name, cells in result["cells"].items():
         assert tuple(cells) == table_columns(), name
     assert "usp" in table_columns() and "thd_docs packed" in table_columns() and "ring packed" not in table_columns()
@@ -54,10 +103,10 @@ def test_every_family_ran_every_method_on_every_rank(matrix):
     assert all(s == statuses[0] for s in statuses), "the ranks recorded different outcomes"
 
 
-def test_reference_is_deterministic_and_uses_the_attention_users_get(matrix):
+def test_reference_is_deterministic_and_uses_the_attention_users_get(any_matrix):
     problems = []
-    for fam in FAMILIES:
-        meta = matrix[0]["meta"][fam.name]
+    for fam in (f for f in FAMILIES if f.name in any_matrix[0]["meta"]):
+        meta = any_matrix[0]["meta"][fam.name]
         if not meta.get("deterministic"):
             problems.append(f"{fam.name}: two single-process steps differ (dropout? a sampling router?)")
         if meta.get("attn_used") != fam.attn_implementation():
@@ -69,8 +118,12 @@ def test_reference_is_deterministic_and_uses_the_attention_users_get(matrix):
 
 
 @pytest.mark.parametrize("method", table_columns())
-@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
-def test_exact_or_refused(matrix, family, method):
+@pytest.mark.parametrize(
+    "family", [pytest.param(f.name, marks=() if f.name in CI_FAMILIES else pytest.mark.slow) for f in FAMILIES]
+)
+def test_exact_or_refused(request, family, method):
+    """Every cell: the CI families' from the CI launch, the others' (slow) from the whole matrix."""
+    matrix = request.getfixturevalue("matrix" if family in CI_FAMILIES else "full_matrix")
     cell = matrix[0]["cells"][family][method]
     assert cell["status"] in ("exact", "refused"), f"{family} / {method}: {cell['status']}: {cell['detail']}"
     if cell["status"] == "refused" and method == CP1_PACKED:  # packing refused at cp_size=1, with the reason
@@ -83,14 +136,14 @@ def test_exact_or_refused(matrix, family, method):
         )
 
 
-def test_every_alternative_a_refusal_names_is_exact(matrix):
+def test_every_alternative_a_refusal_names_is_exact(any_matrix):
     """A refused cell's message names the methods that run the model instead (``err.alternatives``): each one's
     cell of the same rows is exact in this computed run (a usp alternative at cp=4: its own column; a method
     that takes no packed rows, named while the rows are not known yet: its unpacked column)."""
     from automodel.distributed.cp import get_cp_method
 
     problems, named = [], 0
-    for family, cells in matrix[0]["cells"].items():
+    for family, cells in any_matrix[0]["cells"].items():
         for column, cell in cells.items():
             if column in AUTO_COLUMNS + (CP1_PACKED,) or cell["status"] != "refused":
                 continue
@@ -109,12 +162,12 @@ def test_every_alternative_a_refusal_names_is_exact(matrix):
 
 
 @pytest.mark.parametrize("column", AUTO_COLUMNS)
-def test_auto_picks_an_exact_method_whenever_one_exists(matrix, column):
+def test_auto_picks_an_exact_method_whenever_one_exists(any_matrix, column):
     """``cp_method: auto`` never refuses a model that a method computes, never picks one that is not exact, and
     the methods it picks are the ones its chooser names (the worker marks a violation ``wrong``)."""
     packed = column.endswith(PACKED)
     problems, picked = [], set()
-    for family, cells in matrix[0]["cells"].items():
+    for family, cells in any_matrix[0]["cells"].items():
         auto = cells[column]
         same_rows = [c for c, cell in cells.items() if c not in AUTO_COLUMNS + (CP1_PACKED,) and c.endswith(PACKED) == packed
                      and "usp" not in c and cell["status"] == "exact"]  # fmt: skip (usp: not a candidate at cp=2)
@@ -131,11 +184,11 @@ def test_auto_picks_an_exact_method_whenever_one_exists(matrix, column):
     assert len(picked) >= 2, f"auto picked only {picked}: the matrix should exercise more than one choice"
 
 
-def test_packed_rows_at_cp1_are_per_document_for_every_family(matrix):
+def test_packed_rows_at_cp1_are_per_document_for_every_family(any_matrix):
     """The cp=1 packed column (the recipe's path at cp_size=1 against each document alone) is exact or refused for
     every family (test_exact_or_refused), and where a family's own forward mixes the documents of a packed row
     (gpt-oss) a method's document-aware attention computed them: cp=1 is never silently wrong."""
-    cells = {family: cells[CP1_PACKED] for family, cells in matrix[0]["cells"].items()}
+    cells = {family: cells[CP1_PACKED] for family, cells in any_matrix[0]["cells"].items()}
     paths = {family: cell.get("path") for family, cell in cells.items() if cell["status"] == "exact"}
     assert paths.get("gpt_oss") not in (None, "own forward"), cells.get("gpt_oss")
     assert paths.get("llama") == "own forward", cells.get("llama")
@@ -149,10 +202,11 @@ def test_one_rank_failing_in_a_collective_neither_hangs_nor_poisons_the_next_cel
     assert selftest["fresh_group"] and selftest["fresh_group_works"], selftest
 
 
-def test_docs_table_is_current(matrix):
+@pytest.mark.slow
+def test_docs_table_is_current(full_matrix):
     path = REPO_ROOT / DOC_PATH
     assert path.exists(), f"{DOC_PATH} is missing; generate it with: {REGENERATE}"
-    assert table_section(path.read_text()) == table_section(render_markdown(matrix[0])), (
+    assert table_section(path.read_text()) == table_section(render_markdown(full_matrix[0])), (
         f"{DOC_PATH} does not match this run's results; regenerate it with: {REGENERATE}"
     )
 

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from automodel.data.dataset_common import RowsDataset
+from automodel.data.encode_cache import encode_documents
 from automodel.data.examples import shift_example, split_long_sequence
 from automodel.data.file_readers import detect_format, read_jsonl, read_text_documents, resolve_files
 from automodel.data.packing import pack_examples
@@ -128,13 +129,13 @@ class TextDataset(RowsDataset, Dataset):
                 "val_fraction, or use split='all' with a separate validation file"
             )
         self.num_documents = len(docs)
-        encoded = self.tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]
+        encoded = encode_documents(self.tokenizer, docs)  # memoised per process (exact key)
         self.num_tokens = sum(len(e) + 1 for e in encoded)
 
         if not pack:
-            stream = np.fromiter(
-                (t for e in encoded for t in (*e, eos)), dtype=np.int64, count=self.num_tokens
-            )
+            # every document followed by EOS, in order
+            ends = np.cumsum([len(e) for e in encoded], dtype=np.int64)
+            stream = np.insert(np.concatenate(encoded) if encoded else np.zeros(0, np.int64), ends, eos)
             n_rows = len(stream) // (self.seq_len + 1)
             if n_rows == 0:
                 raise UserInputError(
@@ -148,7 +149,7 @@ class TextDataset(RowsDataset, Dataset):
         else:
             pieces = []
             for e in encoded:
-                x = np.asarray([*e, eos], dtype=np.int64)
+                x = np.append(e, eos).astype(np.int64, copy=False)
                 pieces += [shift_example(x[s:t]) for s, t in split_long_sequence(len(x), self.seq_len)]
             if not pieces:
                 raise UserInputError(f"split {split!r} of {where} has no document with at least 2 tokens")

@@ -1,13 +1,20 @@
 """Run a function on N local gloo ranks and collect what each rank returns.
 
 For tests and benchmarks on one machine (CPU, gloo on 127.0.0.1): one call starts ``world_size``
-spawned processes, initialises ``torch.distributed`` in each, calls the target, and returns the
+processes, initialises ``torch.distributed`` in each, calls the target, and returns the
 per-rank results. A failure on any rank, or a hang past ``timeout``, raises ``RuntimeError``
 carrying every failed rank's traceback, and every worker is killed so a hang never blocks.
 
 The target is named ``"package.module:function"`` (importable in the workers: they inherit the
 parent's ``sys.path``) and is called as ``function(rank, world_size, **kwargs)``; whatever it
 returns must be picklable (tensors are fine). Each worker runs with one intra-op thread.
+
+Start-up: importing torch and transformers costs a rank ~5 s of CPU, more than many tests' work. The ranks
+are therefore forked from a ``forkserver`` that imported :data:`PRELOAD` once per launching process (the
+target's own modules are imported in each rank, as with ``spawn``). The server runs under the environment
+of the launch (a launch after a change of ``os.environ``, other than :data:`IGNORED_ENV`, restarts it), so a
+variable read at interpreter start or at import reaches the ranks as with ``spawn``;
+``AUTOMODEL_LAUNCH_START=spawn`` starts a fresh interpreter per rank instead.
 """
 
 from __future__ import annotations
@@ -24,7 +31,44 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_on_ranks"]
+__all__ = ["PRELOAD", "RANK_ENV", "free_port", "run_on_ranks"]
+
+#: third-party modules the forkserver imports once, so that a forked rank finds them imported already
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+)
+
+#: set by each rank itself (:func:`_worker`), so a change of them in the launching process changes nothing
+RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+#: also left out of the comparison: pytest names the running test in it, which no rank reads
+IGNORED_ENV = (*RANK_ENV, "PYTEST_CURRENT_TEST")
+
+_forkserver_env: dict[str, str] | None = None  # the environment the running forkserver started with
+
+
+def _start_context():
+    """``forkserver`` with :data:`PRELOAD`, started under the launching process's current environment (a server
+    started under another one is stopped first); ``spawn`` where that cannot be done or is asked for."""
+    global _forkserver_env
+    if os.environ.get("AUTOMODEL_LAUNCH_START", "forkserver") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    env = {k: v for k, v in os.environ.items() if k not in IGNORED_ENV}
+    if _forkserver_env is not None and env != _forkserver_env:
+        stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)  # CPython's (3.8+), no public one
+        if stop is None:
+            return mp.get_context("spawn")
+        stop()  # the next start runs a server under this environment
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    _forkserver_env = env
+    return ctx
 
 
 def free_port() -> int:
@@ -68,7 +112,7 @@ def run_on_ranks(target: str, world_size: int = 2, timeout: float = 600.0, **kwa
     Raises:
         RuntimeError: a rank failed (its traceback is in the message) or ``timeout`` seconds passed.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
