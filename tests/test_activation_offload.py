@@ -290,6 +290,10 @@ def test_a_technique_that_did_not_act_is_named():
     assert "moved 68 tensors to the host, more than the 2 layer inputs" in problems[1]
     report["activation_offload"] = {"tensors": 0, "layer_inputs": 2}
     assert technique_problems(report)[1] == "model.activation_offload=true but no tensor was moved to the host"
+    report["activation_offload"] = {"tensors": 1, "layer_inputs": 2}  # e.g. a pending collective's result kept
+    assert technique_problems(report)[1] == (
+        "model.activation_offload=true moved only 1 of the 2 layer inputs to the host: the others stayed on the device"
+    )
 
 
 # ---------------------------------------------------------------- the CUDA path's scheduling, on a fake API

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.distributed.torch_internals import wait_async_collective
 from automodel.models.block_call import apply_activation_checkpointing, block_call, outermost_blocks
 
 __all__ = [
@@ -335,6 +336,9 @@ class OffloadStore:
         if _is_dtensor(tensor):
             local = tensor._local_tensor
             spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+        # a pending collective's result (the first layer's input under TP with sequence parallel) is waited for:
+        # its values are the tensor's, and it is a plain tensor then
+        local = wait_async_collective(local)
         if (
             isinstance(tensor, nn.Parameter)
             or type(local) is not torch.Tensor

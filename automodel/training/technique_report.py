@@ -13,8 +13,8 @@ logs one line per technique that is on, with what it did, from the counters the 
 - tiled MLP (:class:`automodel.models.tiled_mlp.TileCounts`): MLP calls, tiles, the largest tile, the tiles
   recomputed by the tiled backward.
 
-A technique that is on but did not act (a layer not recomputed, the offload moving more than the layer inputs
-or nothing) is a WARNING line naming what to report; :func:`technique_problems` lists them.
+A technique that is on but did not act (a layer not recomputed, the offload moving more or fewer tensors than
+the layer inputs) is a WARNING line naming what to report; :func:`technique_problems` lists them.
 """
 
 from __future__ import annotations
@@ -142,5 +142,10 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
                 f"model.activation_offload=true moved {off['tensors']} tensors to the host, more than the "
                 f"{off['layer_inputs']} layer inputs checkpointing keeps: the layers' activations are offloaded "
                 f"instead of recomputed"
+            )
+        elif off["tensors"] < off["layer_inputs"]:
+            problems.append(
+                f"model.activation_offload=true moved only {off['tensors']} of the {off['layer_inputs']} layer "
+                f"inputs to the host: the others stayed on the device"
             )
     return problems
