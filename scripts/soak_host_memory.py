@@ -12,8 +12,13 @@ with a tiny model (2 layers of width 64, rows of ``--seq-len`` tokens, 2 rows pe
 per step: small enough for 2 loaded cores), no checkpoints, no export, validation every 100 steps; the
 overrides after ``--`` come last. Every ``--every`` steps rank 0 prints one line: the step, the resident
 memory (``/proc/self/statm``) of the largest rank in MiB, its change since step ``--settle``, the peak resident
-memory (``VmHWM``), and the activation-offload pool's host bytes. The last line gives the growth from step
-``--settle`` to the end; the exit status is 1 when it is above ``--max-growth`` percent (default 2).
+memory (``VmHWM``), and the activation-offload pool's host bytes (the largest rank's). The last line gives the
+growth from step ``--settle`` to the end; the exit status is 1 when the resident memory grew by more than
+``--max-growth`` percent (default 5) or the offload pool reached a new high in the second half of the run.
+
+Measured (docs/benchmarks.md, "Host memory over a long run"): with activation offload the pool stays at one
+micro-batch's layer inputs and the resident memory creeps by ~2-3% over a few hundred steps with or without
+the offload (the allocator and the run's own bookkeeping, not the store).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=int, default=25, help="print every N steps")
     parser.add_argument("--settle", type=int, default=25, help="growth is measured from this step")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--max-growth", type=float, default=2.0, help="percent; above it the exit status is 1")
+    parser.add_argument("--max-growth", type=float, default=5.0, help="percent; above it the exit status is 1")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (1: shared cores)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -124,8 +129,11 @@ def main(argv: list[str]) -> int:
             first, last = settled[0], settled[-1]
             growth = 100.0 * (last[1] - first[1]) / first[1]
             print(f"rss from step {first[0]} to {last[0]}: {first[1]:.1f} -> {last[1]:.1f} MiB ({growth:+.2f}%); "
-                  f"peak {last[2]:.1f} MiB; run dir {out}")  # fmt: skip
-            status = 1 if growth > args.max_growth else 0
+                  f"peak {last[2]:.1f} MiB; offload pool {first[3] / 2**20:.3f} -> {last[3] / 2**20:.3f} MiB; "
+                  f"run dir {out}")  # fmt: skip
+            half = max(len(settled) // 2, 1)  # the pool follows the shapes (it may shrink and refill): no new high
+            pool_grew = max(r[3] for r in settled[half:]) > max(r[3] for r in settled[:half])
+            status = 1 if growth > args.max_growth or pool_grew else 0
     if dist.is_initialized():
         dist.destroy_process_group()
     return status
