@@ -450,7 +450,8 @@ class FinetuneTrainer:
 
     def _wrap_model(self) -> None:
         """LoRA, TP, the tiled MLP, activation checkpointing, compilation, activation offload, then FSDP2 (or
-        replication) over dp x cp."""
+        replication) over dp x cp. Checkpointing, compilation and offload share each decoder block's
+        :class:`~automodel.models.block_call.BlockCall`, which fixes their order whatever order they are applied in."""
         from automodel.models.loader import torch_dtype
         from automodel.models.parallelize import apply_activation_checkpointing, apply_fsdp2, apply_tp
 
@@ -482,7 +483,7 @@ class FinetuneTrainer:
 
             compile_decoder_blocks(self.model, cfg.model.compile_backend)
         self.activation_offload = None  # model.activation_offload: the host store of the checkpointed layer inputs
-        if cfg.model.activation_offload:  # after compile: the hooks run outside the compiled code
+        if cfg.model.activation_offload:  # its hooks sit outside the checkpoint and the compiled code
             from automodel.training.activation_offload import apply_activation_offload
 
             self.activation_offload = apply_activation_offload(self.model)
