@@ -2,7 +2,7 @@
 
 Two launches for the module: a 2-rank gloo group (tests/workers/compile_worker.py:pair: cp=2 with
 compiled autograd under ring and Ulysses, ``model.compile`` under ring and Ulysses (with activation
-checkpointing) and thd (packed documents) with FSDP2, both together under ring for 10 steps, one-micro-batch gradient checks,
+checkpointing, activation offload and the tiled MLP: each observably on, issue 41) and thd (packed documents) with FSDP2, both together under ring for 10 steps, one-micro-batch gradient checks,
 and ``fsdp.enabled=false``'s checkpoint / resume / export) and a 1-rank group (the eager
 cp=1 reference, 10 steps). Every run is ``configs/cp.yaml`` (Ulysses: ``configs/cp_ulysses.yaml``)
 with the tiny fp32 overrides, ``data.seq_len=64``, no validation, backend ``aot_eager`` except one
@@ -62,6 +62,22 @@ def test_compile_time_is_reported_apart_and_first_step_only(runs, name):
     assert run["graphs_compiled"][0] > 0 and run["compile_time_s"][0] > 0
     assert sum(run["graphs_compiled"][1:]) <= MAX_GRAPHS_AFTER_FIRST_STEP
     assert all(t > 0 for t in run["step_time_s"])
+
+
+def test_compiled_blocks_are_recomputed_offloaded_and_tiled_under_fsdp2(runs):
+    """Issue 41: compile, checkpointing, activation offload and the tiled MLP together under FSDP2 (Ulysses cp=2):
+    each compiled block recomputed once per micro-batch, only its input (``[2, 32, 64]`` fp32) on the host, each
+    MLP call in 4 tiles of 16 tokens."""
+    report = runs["ulysses_compile"]["techniques"]
+    m = report["micro_batches"]
+    ac = report["activation_checkpointing"]
+    assert ac["layers"] == ac["layers_recomputed"] == 2 and ac["recomputed_per_layer"] == [m, m]
+    off = report["activation_offload"]
+    assert off["tensors"] == off["layer_inputs"] == 2 * m
+    assert off["per_layer"] == {str(i): {"tensors": m, "bytes": m * 2 * 32 * 64 * 4} for i in range(2)}
+    tm = report["tiled_mlp"]
+    assert tm["calls"] == tm["tiled_calls"] == 2 * 2 * m and tm["tiles"] == 4 * tm["calls"]
+    assert tm["max_tile_tokens"] == 16 and tm["backward_tiles"] == tm["tiles"] // 2
 
 
 def test_recompiles_over_ten_steps(runs):

@@ -61,6 +61,8 @@ def test_every_method_with_both_offloads_equals_the_run_without(results):
         for label, check in r["offload"].items():
             assert check["loss_diff"] == 0.0 and check["grads_equal"], (label, check)
             assert check["unpacked"] == 2, (label, check)  # both layers' inputs came back from the host store
+            # issue 41: only those went there, and each layer was recomputed in the backward
+            assert check["packed"] == 2 and check["recomputed"] == 2, (label, check)
             assert check["optimizer_equal"], label
 
 

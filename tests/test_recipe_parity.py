@@ -133,6 +133,40 @@ def test_activation_checkpointing_changes_nothing(runs):
     assert _max_weight_diff(runs["ac"]["state"], runs["ref"]["state"]) <= EXACT
 
 
+@pytest.mark.parametrize("name", ["ac", "offload", "offload_cp2", "offload_all_ulysses_cp2", "tiled_cp2"])
+def test_each_technique_acted_in_the_first_step(runs, name):
+    """Issue 41: under FSDP2 (ring and Ulysses at cp=2 on 2 ranks; cp=1 on one), every decoder layer is recomputed
+    once per micro-batch, activation offload moves exactly one tensor per layer and micro-batch (the hidden states
+    entering it, [2, 128 / cp, 64] fp32), the tiled MLP runs in tiles of 24 tokens; the run log says so after
+    step 1. Before the fix, offload under FSDP2 ran each layer once and moved every activation to the host."""
+    run = runs[name]
+    report, log = run["techniques"], run["technique_log"]
+    m = report["micro_batches"]
+    assert m == 4  # global batch 8 = 2 rows x 4 micro-batches per rank
+    ac = report["activation_checkpointing"]
+    assert ac["layers"] == ac["layers_recomputed"] == 2 and ac["recomputed_per_layer"] == [m, m]
+    assert ac["checkpointed_calls"] == 2 * m
+    assert any("step 1: activation checkpointing: 2 of 2 decoder layers recomputed in the backward (8 " in line
+               for line in log), log  # fmt: skip
+    assert not any("WARNING" in line for line in log), log
+    if "offload" in name:
+        off = report["activation_offload"]
+        cp = 1 if name == "offload" else 2
+        layer_input = 2 * (128 // cp) * 64 * 4
+        assert off["tensors"] == off["layer_inputs"] == 2 * m
+        assert off["per_layer"] == {str(i): {"tensors": m, "bytes": m * layer_input} for i in range(2)}
+        assert layer_input * 2 <= off["host_bytes"] <= layer_input * 2 * 9 // 8  # one micro-batch's, rounded up
+        assert any(f"activation offload: {2 * m} tensor(s)" in line for line in log), log
+    else:
+        assert "activation_offload" not in report
+    if name == "tiled_cp2":  # tiles of 24 of the rank's 2 x 64 tokens; the checkpoint's recomputation tiles again
+        tm = report["tiled_mlp"]
+        assert tm["mlps"] == 2 and tm["calls"] == tm["tiled_calls"] == 2 * 2 * m
+        assert tm["max_tile_tokens"] == 24 and tm["max_tokens"] == 128 and tm["tiles"] == 6 * 2 * 2 * m
+        assert tm["backward_tiles"] == tm["tiles"] // 2
+        assert any("tiled MLP: 2 MLP(s)" in line for line in log), log
+
+
 @pytest.mark.parametrize(
     ("name", "ref_name"),
     [("offload", "ref"), ("offload_cp2", "cp2"), ("offload_all_ulysses_cp2", "ulysses_cp2")],

@@ -89,6 +89,22 @@ def test_offload_under_tp_changes_nothing(runs):
     assert _max_weight_diff(run["state"], ref["state"]) <= EXACT
 
 
+@pytest.mark.parametrize("name", ["tp2_lp_sp_ac", "tp2_lp_sp_offload"])
+def test_checkpointing_and_offload_act_under_tp(runs, name):
+    """Issue 41: under TP with sequence parallel and FSDP2 every layer is recomputed once per micro-batch, and
+    offload moves one tensor per layer and micro-batch: the layer input, a sequence-parallel shard
+    ``[2, 128 / tp, 64]`` fp32."""
+    report = runs[name]["techniques"]
+    m = report["micro_batches"]
+    ac = report["activation_checkpointing"]
+    assert ac["layers"] == ac["layers_recomputed"] == 2 and ac["recomputed_per_layer"] == [m, m]
+    if name.endswith("offload"):
+        off = report["activation_offload"]
+        assert off["tensors"] == off["layer_inputs"] == 2 * m
+        assert off["per_layer"] == {str(i): {"tensors": m, "bytes": m * 2 * (128 // TP) * 64 * 4} for i in range(2)}
+    assert not any("WARNING" in line for line in runs[name]["technique_log"])
+
+
 def test_resume_from_a_tp_checkpoint_continues_exactly(runs):
     first, second, whole = runs["resume_first"], runs["resume_second"], runs["tp2_lp"]
     assert first["stopped_by_sigterm"] and first["final_step"] == 3

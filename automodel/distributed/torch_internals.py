@@ -50,6 +50,8 @@ The private torch symbols, and where automodel uses them:
   ``torch._dynamo.utils.calculate_time_spent`` — training/compile_stats;
 - ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` — cpu_ring
   (through :func:`cpu_flash_attention_ops`) and thd_attention (directly).
+- ``torch.distributed._functional_collectives.AsyncCollectiveTensor`` (``.wait()``) —
+  training/activation_offload (:func:`wait_async_collective`: a tensor TP's redistribution left pending).
 
 A public torch API that is new in 2.13 is here too: ``torch.distributed.all_gather_single``, called
 ``all_gather_into_tensor`` before (:data:`all_gather_single`: sp/, multimodal/; cp/exchange/gather.py
@@ -131,6 +133,7 @@ __all__ = [
     "templated_ring_attention_backward",
     "torch_release",
     "transformers_chunks_per_document",
+    "wait_async_collective",
 ]
 
 #: The torch releases the parity subset passes on (``scripts/compat.sh``).
@@ -369,6 +372,17 @@ def _restoring_context_parallel(
 def context_parallel_unshard(mesh: Any, buffers: list[torch.Tensor], seq_dims: list[int]) -> list[torch.Tensor]:
     """torch's ``context_parallel_unshard``: the full tensors back from head-tail sequence shards."""
     return _resolve(f"{CP_ATTENTION}:context_parallel_unshard", "ring context parallelism")(mesh, buffers, seq_dims)
+
+
+def wait_async_collective(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or the plain tensor it stands for when it is an ``AsyncCollectiveTensor`` (a functional
+    collective's pending result, e.g. the local shard of a DTensor that TP's sequence-parallel redistribution
+    made): waited for. Without the class (another torch), ``tensor``."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:
+        return tensor
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 def cpu_flash_attention_ops() -> tuple[Any, Any]:

@@ -1,5 +1,6 @@
-"""Hugging Face causal LMs for the recipe: config resolution and checks (``loader``), activation
-checkpointing and FSDP2 (``parallelize``); the sequence-tiled MLP is :mod:`automodel.models.tiled_mlp`."""
+"""Hugging Face causal LMs for the recipe: config resolution and checks (``loader``), TP and FSDP2
+(``parallelize``), the decoder blocks and their one wrapper for activation checkpointing, compile and offload
+(``block_call``); the sequence-tiled MLP is :mod:`automodel.models.tiled_mlp`."""
 
 from automodel.models.loader import (
     ResolvedModelConfig,

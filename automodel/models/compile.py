@@ -1,10 +1,11 @@
 """``torch.compile`` of a Hugging Face causal LM one decoder block at a time (``model.compile: true``).
 
-Each decoder block's ``forward`` is replaced by its compiled version (``torch.compile(block.forward)``,
-as torchtitan compiles per block). The module objects, their classes and their parameter names are
-unchanged, so FSDP2, activation checkpointing (transformers' ``GradientCheckpointingLayer.__call__``
-wraps the block's ``forward``), checkpoints and the HF export see the same model. The forward hooks
-of FSDP2 run outside the compiled code.
+Each decoder block's forward is compiled (``torch.compile`` of the class's ``forward`` bound to the block,
+as torchtitan compiles per block) and becomes the inner forward of the block's
+:class:`~automodel.models.block_call.BlockCall`: inside activation checkpointing (the recomputation in the
+backward runs the compiled code again) and inside activation offload's hooks, whatever order they are
+applied in. The module objects, their classes and their parameter names are unchanged, so FSDP2,
+checkpoints and the HF export see the same model. The forward hooks of FSDP2 run outside the compiled code.
 
 Graph breaks at the CP collectives: the attention kernel of every CP method runs outside the
 compiled graph (:func:`compile_decoder_blocks` wraps the attention implementation the model uses
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from automodel.distributed.compiled_autograd import check_compile_backend
-from automodel.models.parallelize import decoder_layers
+from automodel.models.block_call import block_call, outermost_blocks
 
 __all__ = ["compile_decoder_blocks", "attention_outside_graph", "attention_backward_eager"]
 
@@ -74,7 +75,9 @@ def _break_at_attention(model: nn.Module) -> str:
 def compile_decoder_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """Compile every decoder block's ``forward`` in place (``dynamic=False``, graph breaks allowed).
 
-    Call after the CP method has switched the model's attention (Ulysses) and before or after FSDP2.
+    Call after the CP method has switched the model's attention (Ulysses); before or after FSDP2, activation
+    checkpointing and activation offload (each block's :class:`~automodel.models.block_call.BlockCall` keeps the
+    order: offload's hooks, the checkpoint, the compiled forward).
 
     Args:
         model: an HF causal LM (its blocks found by :func:`automodel.models.parallelize.decoder_layers`).
@@ -84,15 +87,19 @@ def compile_decoder_blocks(model: nn.Module, backend: str = "inductor") -> int:
         The number of blocks compiled.
 
     Raises:
-        ValueError: unknown backend, or no decoder blocks.
+        ValueError: unknown backend, no decoder blocks, or a block compiled already.
     """
     check_compile_backend(backend)
     attn = _break_at_attention(model)
-    layers = decoder_layers(model)
+    layers = outermost_blocks(model)
     for layer in layers:
-        forward = layer.forward
+        call = block_call(layer)
+        if call.inner is not None:
+            raise ValueError(f"{type(layer).__name__} is compiled already (model.compile applies once)")
+        # the class's forward (transformers' checkpointing flag is off: it runs the block as is)
+        forward = type(layer).forward.__get__(layer)
         compiled = torch.compile(forward, backend=backend, dynamic=False, fullgraph=False)
-        layer.forward = functools.wraps(forward)(compiled)
+        call.inner = functools.wraps(forward)(compiled)
     logger.info(
         "model.compile: %d decoder blocks compiled (backend %s, static shapes); attention %r runs outside the graph",
         len(layers),

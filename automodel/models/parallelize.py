@@ -1,4 +1,6 @@
-"""Activation checkpointing and FSDP2 (``fully_shard``) for Hugging Face decoder models.
+"""Tensor parallelism and FSDP2 (``fully_shard``) for Hugging Face decoder models; activation checkpointing
+(:func:`apply_activation_checkpointing`) and the decoder blocks (:func:`decoder_layers`) come from
+:mod:`automodel.models.block_call`.
 
 FSDP2 shards every decoder layer (one all-gather / reduce-scatter group each) and then the root
 (embeddings, final norm, LM head) over ``mesh["dp_shard_cp"]`` — the ranks of one CP group hold
@@ -22,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from automodel.distributed.mesh import get_submesh
 from automodel.errors import UserInputError
+from automodel.models.block_call import apply_activation_checkpointing, decoder_layers
 
 __all__ = [
     "decoder_layers",
@@ -34,46 +37,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of ``model`` (by ``_no_split_modules`` class names), outermost only.
-
-    Some models name a block and a part of it (Mamba: ``MambaBlock`` and its ``MambaMixer``; Zamba: the hybrid
-    layer and the Mamba layer inside it): the part is left out, since it belongs to its block (FSDP2 cannot
-    shard a parameter that its block's ``fully_shard`` already made a ``DTensor``).
-
-    Raises:
-        ValueError: no such modules are found (the model does not name its blocks).
-    """
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers: list[nn.Module] = []
-    inside: set[int] = set()  # modules below a block already listed (modules() visits a block before its parts)
-    for m in model.modules():
-        if id(m) in inside:
-            continue
-        if type(m).__name__ in names:
-            layers.append(m)
-            inside.update(id(s) for s in m.modules())
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} declares no decoder block classes (_no_split_modules={sorted(names)}); "
-            f"cannot wrap it layer by layer"
-        )
-    return layers
-
-
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer's activations in backward (non-reentrant). Mutates ``model``.
-
-    Uses transformers' own per-layer checkpointing, so parameter names and the model class are
-    unchanged (checkpoints and the HF export see the same keys).
-    """
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise UserInputError(
-            f"{type(model).__name__} does not support gradient checkpointing; set model.activation_checkpointing=false"
-        )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_model_config_for_tp(model_config: Any, tp_size: int, *, sequence_parallel: bool = False) -> None:

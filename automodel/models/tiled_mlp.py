@@ -66,6 +66,8 @@ __all__ = [
     "mlp_intermediate_width",
     "remove_tiled_mlp",
     "resolve_tile_tokens",
+    "tile_counts",
+    "TileCounts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -299,6 +301,22 @@ def check_tiled_mlp_for_model(model: nn.Module, tiled_mlp: bool | int) -> list[t
 
 
 @dataclass
+class TileCounts:
+    """What one tiled MLP did since the last :meth:`reset` (the run log reports it after the first step)."""
+
+    calls: int = 0  # calls of the MLP (a checkpointed layer's recomputation calls it again)
+    tiled_calls: int = 0  # calls run over more than one tile
+    tiles: int = 0  # tiles run by the tiled calls' forwards
+    backward_tiles: int = 0  # tiles recomputed by the tiled backward
+    max_tile_tokens: int = 0  # the largest tile (tokens)
+    max_tokens: int = 0  # the most tokens of one call
+
+    def reset(self) -> None:
+        self.calls = self.tiled_calls = self.tiles = self.backward_tiles = 0
+        self.max_tile_tokens = self.max_tokens = 0
+
+
+@dataclass
 class _Tiling:
     """What one wrapped MLP needs at call time (stored on the module)."""
 
@@ -306,6 +324,7 @@ class _Tiling:
     hidden: int
     intermediate: int  # per-token width one rank computes (after the TP split)
     probed: bool = False
+    counts: TileCounts = field(default_factory=TileCounts)
 
 
 @dataclass
@@ -389,6 +408,7 @@ class _Runner:
         self.spec: _OutputSpec | None = None
         self.rng: tuple[Any, Any] | None = None
         self.autocast: tuple[str, bool, torch.dtype] | None = None
+        self.counts: TileCounts = getattr(module, _MARK).counts
 
     def tile(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
         return x[a:b] if self.flat else x[:, a:b]
@@ -462,6 +482,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         assert runner.spec is not None
         dims = runner.spec.token_dims
         with runner.replay(xs[0].device), torch.enable_grad():
+            runner.counts.backward_tiles += len(runner.bounds)
             for a, b in runner.bounds:
                 leaves = [
                     runner.tile(x, a, b).detach().requires_grad_(need)
@@ -635,9 +656,15 @@ def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _probe(self, call, flat_xs, flat)
         tiling.probed = True
     tile = resolve_tile_tokens(tiling.setting, tiling.hidden, tiling.intermediate, n)
+    counts = tiling.counts
+    counts.calls += 1
+    counts.max_tokens = max(counts.max_tokens, n)
     if tile is None or tile >= n:
         return base_call(*args, **kwargs)
     runner = _Runner(self, call, len(flat_xs), n, tile, flat)
+    counts.tiled_calls += 1
+    counts.tiles += len(runner.bounds)
+    counts.max_tile_tokens = max(counts.max_tile_tokens, min(tile, n))
     params = runner.trainable()
     if torch.is_grad_enabled() and (any(x.requires_grad for x in flat_xs) or params):
         outs = list(_TiledMLPFunction.apply(runner, *flat_xs, *params))
@@ -675,6 +702,11 @@ def _tiled_class(cls: type) -> type:
         )  # fmt: skip
         _TILED_CLASSES[cls] = tiled
     return tiled
+
+
+def tile_counts(model: nn.Module) -> list[TileCounts]:
+    """The :class:`TileCounts` of every tiled MLP of ``model``, in module order (empty: nothing tiled)."""
+    return [getattr(m, _MARK).counts for m in model.modules() if is_tiled(m)]
 
 
 def is_tiled(module: nn.Module) -> bool:

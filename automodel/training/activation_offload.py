@@ -2,35 +2,44 @@
 checkpointing keeps for the backward live in host memory, not on the device.
 
 With non-reentrant checkpointing each decoder layer keeps only its inputs (the hidden states ``[B, S, H]``
-that enter it) for the backward, which recomputes the layer from them. :func:`apply_activation_offload` wraps
-every decoder block's ``forward`` (outside the checkpoint, and outside ``torch.compile``'s code when the block
-is compiled) in :func:`torch.autograd.graph.saved_tensors_hooks` whose pack hook moves each tensor saved
-there into an :class:`OffloadStore` and whose unpack hook brings it back. Only what is saved outside the
-checkpoint's own hooks reaches them: the block's inputs; the recomputation runs in the backward, where these
-hooks are not active, so it is untouched. The values come back bit for bit: the loss and every gradient are
-those of the run without offload.
+that enter it) for the backward, which recomputes the layer from them. :func:`apply_activation_offload` puts
+:func:`torch.autograd.graph.saved_tensors_hooks` around each block's checkpoint: it is the ``outer`` context
+of the block's :class:`~automodel.models.block_call.BlockCall`, so the hooks sit exactly outside the checkpoint
+(and outside ``torch.compile``'s code, inside FSDP2's and TP's module hooks) whatever order checkpointing,
+compile, offload and FSDP2 are applied in and whatever transformers release runs. Only what the checkpoint
+saves outside its own hooks reaches them: the block's positional tensor inputs (the hidden states); the
+recomputation runs in the backward, where these hooks are not active, so it is untouched. The pack hook moves
+each such tensor into an :class:`OffloadStore` and the unpack hook brings it back. The values come back bit for
+bit: the loss and every gradient are those of the run without offload.
 
 The store's copies (one :class:`Copier` per device type):
 
-- CUDA (:class:`StreamCopier`): pinned host buffers from a pool (:class:`HostBufferPool`, reused by shape
-  and dtype, so the steady state allocates nothing), device -> host copies on a side stream that waits for
-  the compute stream at that point (``wait_stream``) and ``record_stream`` on the source so its memory is not
-  reused before the copy ends; host -> device copies on the side stream into memory allocated on the compute
-  stream, with one event per copy that the compute stream waits on before the tensor is used. When the
-  backward unpacks layer ``i``'s input, the inputs of layer ``i - 1`` (the previous wrapped call) are
-  prefetched, so their copy overlaps layer ``i``'s recomputation and backward. Nothing else synchronises the
-  compute stream.
+- CUDA (:class:`StreamCopier`): pinned host buffers from a pool (:class:`HostBufferPool`), device -> host
+  copies on a side stream that waits for the compute stream at that point (``wait_stream``) and
+  ``record_stream`` on the source so its memory is not reused before the copy ends; host -> device copies on
+  the side stream into memory allocated on the compute stream, with one event per copy that the compute stream
+  waits on before the tensor is used. When the backward unpacks layer ``i``'s input, the inputs of layer
+  ``i - 1`` (the previous wrapped call) are prefetched, so their copy overlaps layer ``i``'s recomputation and
+  backward. Nothing else synchronises the compute stream.
 - CPU (:class:`HostCopier`): the same store, pool, order and prefetch with synchronous copies: the saved
   tensor is copied into a pool buffer (its own storage) and released; the backward gets a fresh copy. The
   original tensor is really freed (tests hold a weak reference to it), which is what lets CI prove the
   path exact.
 
+The pool (host memory steady over a long run): buffers are byte buffers handed out as views, a request served
+by the smallest free buffer that holds it (at most twice its size), a new one rounded up to 1/8 of a power of
+two (rows of slightly different lengths share buffers). When a new micro-batch's forward begins, the free
+buffers that served nothing since the previous one are dropped, so the pool follows the training shapes and
+keeps none of another shape (the self-check's: the trainer also clears the pool after it). With fixed shapes
+the steady state allocates nothing.
+
 What it removes from the device (the memory planner's term): every checkpointed layer input of the
 micro-batch except those in flight, i.e. the current layer's (being recomputed) and the prefetched previous
 layer's: ``(L - 2) * B * S_local * H * bytes`` instead of ``L * ...`` at the backward's start; the forward
 holds one layer input at a time. Host memory: the pool holds one buffer per offloaded tensor of a micro-batch
-(``L * B * S_local * H * bytes`` for the hidden states, pinned on CUDA), reused step after step;
-:meth:`OffloadStore.stats` reports it (``host_bytes`` and ``peak_host_bytes``).
+(``L * B * S_local * H * bytes`` for the hidden states, pinned on CUDA, rounded up by at most 1/8), reused step
+after step; :meth:`OffloadStore.stats` reports it (``host_bytes`` and ``peak_host_bytes``) and
+:meth:`OffloadStore.per_layer` what each layer moved.
 """
 
 from __future__ import annotations
@@ -45,7 +54,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel.models.parallelize import decoder_layers
+from automodel.distributed.torch_internals import wait_async_collective
+from automodel.models.block_call import apply_activation_checkpointing, block_call, outermost_blocks
 
 __all__ = [
     "ActivationOffloadStats",
@@ -59,43 +69,83 @@ __all__ = [
 ]
 
 
-class HostBufferPool:
-    """Host buffers reused by ``(shape, dtype)``: :meth:`acquire` hands out a free one or allocates.
+def _capacity(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of 1/8 of its highest power of two (at most 12.5% more)."""
+    if nbytes <= 64:
+        return max(nbytes, 1)
+    step = 1 << max(nbytes.bit_length() - 4, 0)
+    return -(-nbytes // step) * step
 
-    ``pin``: page-locked memory (CUDA: the only kind a copy on a side stream overlaps with compute).
-    ``host_bytes`` is what the pool holds (free and in use); ``peak_in_use_bytes`` the most handed out at once.
+
+class HostBufferPool:
+    """Host byte buffers reused across micro-batches: :meth:`acquire` hands out a view of a free one or allocates.
+
+    A request of ``n`` bytes takes the smallest free buffer of at least ``n`` and at most ``2 * capacity(n)``
+    bytes; a new buffer has ``capacity(n)`` bytes (``n`` rounded up by at most 1/8). :meth:`trim` drops the free
+    buffers that served nothing since the previous trim: called when a micro-batch's forward begins, it keeps
+    the pool at what the training shapes use. ``pin``: page-locked memory (CUDA: the only kind a copy on a side
+    stream overlaps with compute).
+
+    ``host_bytes`` is what the pool holds (free and in use); ``peak_in_use_bytes`` the most handed out at once
+    (bytes of the requests); ``allocations`` how many buffers it has allocated in all.
     """
 
     def __init__(self, pin: bool = False):
         self.pin = pin
-        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._free: list[torch.Tensor] = []  # uint8 buffers, by capacity (ascending)
+        self._in_use: dict[int, tuple[torch.Tensor, int]] = {}  # id(view) -> (its buffer, requested bytes)
+        self._served: set[int] = set()  # id(buffer) of those handed out since the previous trim
         self.host_bytes = 0
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
+        self.allocations = 0
 
     def acquire(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous host tensor of ``shape`` and ``dtype`` (contents undefined)."""
-        free = self._free.get((tuple(shape), dtype))
-        if free:
-            buf = free.pop()
+        """A contiguous host tensor of ``shape`` and ``dtype`` (contents undefined), a view of a pool buffer."""
+        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        limit = 2 * _capacity(nbytes)
+        at = next((i for i, b in enumerate(self._free) if nbytes <= b.numel() <= limit), None)
+        if at is not None:
+            buf = self._free.pop(at)
         else:
-            buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.pin)
-            self.host_bytes += buf.numel() * buf.element_size()
-        self.in_use_bytes += buf.numel() * buf.element_size()
+            buf = torch.empty(_capacity(nbytes), dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            self.host_bytes += buf.numel()
+            self.allocations += 1
+        view = buf[:nbytes].view(dtype).view(shape)
+        self._in_use[id(view)] = (buf, nbytes)
+        self._served.add(id(buf))
+        self.in_use_bytes += nbytes
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        return buf
+        return view
 
-    def release(self, buf: torch.Tensor) -> None:
-        """Give ``buf`` back for reuse."""
-        self.in_use_bytes -= buf.numel() * buf.element_size()
-        self._free.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
+    def release(self, view: torch.Tensor) -> None:
+        """Give ``view`` (from :meth:`acquire`) back for reuse."""
+        buf, nbytes = self._in_use.pop(id(view))
+        self.in_use_bytes -= nbytes
+        self._free.append(buf)
+        self._free.sort(key=torch.Tensor.numel)
+
+    def trim(self) -> int:
+        """Drop the free buffers that were not handed out since the previous trim; returns the bytes dropped."""
+        keep = [b for b in self._free if id(b) in self._served]
+        dropped = sum(b.numel() for b in self._free) - sum(b.numel() for b in keep)
+        self._free = keep
+        self.host_bytes -= dropped
+        self._served = {id(buf) for buf, _ in self._in_use.values()}
+        return dropped
 
     def clear(self) -> None:
-        """Drop the free buffers (the ones in use stay theirs)."""
-        for bufs in self._free.values():
-            for buf in bufs:
-                self.host_bytes -= buf.numel() * buf.element_size()
+        """Drop the free buffers (the ones in use stay theirs) and forget what was served."""
+        self.host_bytes -= sum(b.numel() for b in self._free)
         self._free.clear()
+        self._served = {id(buf) for buf, _ in self._in_use.values()}
+
+
+def _numel(shape: torch.Size | tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 class Copier:
@@ -256,22 +306,28 @@ class OffloadStore:
         self._calls: list[list] = []  # the forward's layer calls in order, each a list of weakrefs to handles
         self._backward_started = False
         self._current: list | None = None
+        self._layer: int | None = None
+        self._per_layer: dict[int, list[int]] = {}  # layer index -> [tensors, bytes] moved since reset_counts
         self.counts = ActivationOffloadStats()
 
     # ------------------------------------------------------------ the hooks
     @contextlib.contextmanager
-    def layer_call(self) -> Iterator[None]:
-        """Around one decoder block's forward: what it saves (outside the checkpoint) goes to the host."""
+    def layer_call(self, layer: int | None = None) -> Iterator[None]:
+        """Around one decoder block's checkpointed call: what it saves outside the checkpoint goes to the host.
+
+        ``layer``: the block's index, under which :meth:`per_layer` counts what it moved."""
         if self._backward_started:  # a new forward after a backward (the next micro-batch)
             self._calls, self._backward_started = [], False
+            self.pool.trim()  # buffers of shapes this micro-batch's predecessor did not use
         group: list = []
         self._calls.append(group)
         previous, self._current = self._current, group
+        previous_layer, self._layer = self._layer, layer
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
-            self._current = previous
+            self._current, self._layer = previous, previous_layer
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Save hook: ``tensor`` copied into a host buffer; returns the handle autograd keeps (or ``tensor``
@@ -280,6 +336,9 @@ class OffloadStore:
         if _is_dtensor(tensor):
             local = tensor._local_tensor
             spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+        # a pending collective's result (the first layer's input under TP with sequence parallel) is waited for:
+        # its values are the tensor's, and it is a plain tensor then
+        local = wait_async_collective(local)
         if (
             isinstance(tensor, nn.Parameter)
             or type(local) is not torch.Tensor
@@ -296,6 +355,10 @@ class OffloadStore:
         group.append(weakref.ref(handle))
         nbytes = buf.numel() * buf.element_size()
         weakref.finalize(handle, self._release, buf, nbytes)
+        if self._layer is not None:
+            moved = self._per_layer.setdefault(self._layer, [0, 0])
+            moved[0] += 1
+            moved[1] += nbytes
         c = self.counts
         c.packed += 1
         c.offloaded_bytes += nbytes
@@ -341,6 +404,17 @@ class OffloadStore:
         return ActivationOffloadStats(**{**c.__dict__, "host_bytes": self.pool.host_bytes,
                                          "peak_host_bytes": self.pool.peak_in_use_bytes})  # fmt: skip
 
+    def per_layer(self) -> dict[int, tuple[int, int]]:
+        """Layer index -> (tensors, bytes) moved to the host since :meth:`reset_counts` (all micro-batches)."""
+        return {i: (n, b) for i, (n, b) in sorted(self._per_layer.items())}
+
+    def reset_counts(self) -> None:
+        """Zero the counters and :meth:`per_layer` (live bytes stay: they are still held); the pool's peak too."""
+        live = self.counts.live_bytes
+        self.counts = ActivationOffloadStats(live_bytes=live, peak_live_bytes=live)
+        self._per_layer.clear()
+        self.pool.peak_in_use_bytes = self.pool.in_use_bytes
+
     def peak_host_bytes(self) -> int:
         """The most host bytes held at once for layer inputs (one micro-batch's, at the end of its forward)."""
         return self.pool.peak_in_use_bytes
@@ -361,46 +435,41 @@ def _rebuild(local: torch.Tensor, spec: Any) -> torch.Tensor:
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-_WRAPPED = "_automodel_activation_offload"
-
-
 def apply_activation_offload(model: nn.Module, store: OffloadStore | None = None) -> OffloadStore:
     """Offload the inputs that activation checkpointing keeps, for every decoder block of ``model``. Mutates it.
 
-    Call after activation checkpointing and after ``model.compile`` (the hooks must be outside the compiled
-    code), before or after FSDP2 (its hooks run around ``forward``, outside these). Each block's ``forward``
-    becomes ``forward`` run inside :meth:`OffloadStore.layer_call`; parameter names and classes are unchanged.
+    Any order against ``model.compile`` and FSDP2: the store's hooks become the ``outer`` context of each block's
+    :class:`~automodel.models.block_call.BlockCall`, exactly outside the checkpoint. A model whose checkpointing
+    transformers' own ``gradient_checkpointing_enable`` turned on is switched to
+    :func:`automodel.models.parallelize.apply_activation_checkpointing` (the same recomputation; transformers'
+    place of the checkpoint moves between releases). Parameter names and classes are unchanged.
 
     Args:
         model: an HF causal LM with checkpointing enabled on its decoder blocks.
         store: the store to use; default one for the device of the model's first parameter.
 
     Returns:
-        The store (its :meth:`~OffloadStore.stats` report what was offloaded).
+        The store (its :meth:`~OffloadStore.stats` and :meth:`~OffloadStore.per_layer` report what was offloaded).
 
     Raises:
         ValueError: a decoder block is not checkpointed (offload keeps only what checkpointing keeps), or the
-            blocks are wrapped already.
+            blocks are offloaded already.
     """
-    layers = decoder_layers(model)
-    plain = [type(layer).__name__ for layer in layers if not getattr(layer, "gradient_checkpointing", False)]
+    blocks = outermost_blocks(model)
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in blocks):
+        apply_activation_checkpointing(model)  # transformers' checkpointing: ours instead, the same recompute
+    calls = [block_call(b) for b in blocks]
+    plain = [type(b).__name__ for b, c in zip(blocks, calls, strict=True) if not c.checkpoint]
     if plain:
         raise ValueError(
             f"activation offload moves the layer inputs that activation checkpointing keeps, but {len(plain)} "
             f"decoder block(s) ({plain[0]}) are not checkpointed; enable checkpointing first "
             f"(model.activation_checkpointing=true)"
         )
-    if any(getattr(layer, _WRAPPED, False) for layer in layers):
+    if any(c.outer is not None for c in calls):
         raise ValueError("activation offload is applied to this model already")
     if store is None:
         store = OffloadStore(make_copier(next(model.parameters()).device))
-    for layer in layers:
-        inner = layer.forward  # the class's checkpointing forward, or its compiled version (model.compile)
-
-        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-            with store.layer_call():
-                return _inner(*args, **kwargs)
-
-        layer.forward = functools.wraps(inner)(forward)
-        setattr(layer, _WRAPPED, True)
+    for index, call in enumerate(calls):
+        call.outer = functools.partial(store.layer_call, index)
     return store

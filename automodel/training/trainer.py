@@ -451,7 +451,8 @@ class FinetuneTrainer:
 
     def _wrap_model(self) -> None:
         """LoRA, TP, the tiled MLP, activation checkpointing, compilation, activation offload, then FSDP2 (or
-        replication) over dp x cp."""
+        replication) over dp x cp. Checkpointing, compilation and offload share each decoder block's
+        :class:`~automodel.models.block_call.BlockCall`, which fixes their order whatever order they are applied in."""
         from automodel.models.loader import torch_dtype
         from automodel.models.parallelize import apply_activation_checkpointing, apply_fsdp2, apply_tp
 
@@ -483,7 +484,7 @@ class FinetuneTrainer:
 
             compile_decoder_blocks(self.model, cfg.model.compile_backend)
         self.activation_offload = None  # model.activation_offload: the host store of the checkpointed layer inputs
-        if cfg.model.activation_offload:  # after compile: the hooks run outside the compiled code
+        if cfg.model.activation_offload:  # its hooks sit outside the checkpoint and the compiled code
             from automodel.training.activation_offload import apply_activation_offload
 
             self.activation_offload = apply_activation_offload(self.model)
@@ -709,6 +710,32 @@ class FinetuneTrainer:
         self._all_reduce(totals[1:], self.dp_group)
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
+    def _reset_techniques(self) -> None:
+        """Counters of the per-layer techniques zeroed; the offload pool emptied (no buffer of the self-check's
+        shapes stays for the run)."""
+        from automodel.training.technique_report import reset_technique_counts
+
+        self.technique_report = None
+        reset_technique_counts(self.model, self.activation_offload)
+        if self.activation_offload is not None:
+            self.activation_offload.pool.clear()
+
+    def _report_techniques(self) -> None:
+        """Once, after the first training step: what each technique did (``automodel.training.technique_report``),
+        one line each; a technique that is on but did not act is a warning."""
+        from automodel.training.technique_report import (
+            collect_technique_report,
+            technique_lines,
+            technique_problems,
+        )
+
+        report = collect_technique_report(self.model, self.activation_offload, self.grad_acc)
+        self.technique_report = report
+        for line in technique_lines(report):
+            logger.info("step %d: %s", self.step, line)
+        for problem in technique_problems(report):
+            logger.warning("step %d: %s; please report it with this log (docs/long_context.md)", self.step, problem)
+
     def _fixed_length(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With ``model.compile`` / compiled autograd: ``batch`` right-padded to one length (no recompiles)."""
         cfg = self.cfg
@@ -831,6 +858,7 @@ class FinetuneTrainer:
         tok_rates: list[float] = []
         self.nonfinite_in_row = 0  # recipe.on_nonfinite=skip: steps skipped in a row
         last_saved_step = self.step if self.resumed_from is not None else -1
+        self._reset_techniques()  # what the first training step does is reported (not the self-check's steps)
         try:
             with SigtermFlag() as sigterm:
                 while self.step < sched.max_steps:
@@ -839,6 +867,8 @@ class FinetuneTrainer:
                     step_batches = [next(batches) for _ in range(self.grad_acc)]
                     record = self.train_step(step_batches)
                     self.step += 1
+                    if self.technique_report is None:
+                        self._report_techniques()
                     self._record_step(record, result, metrics, trackers, bar)  # a non-finite step may stop here
                     if self.step > result.start_step + 1 or sched.max_steps - result.start_step == 1:
                         tok_rates.append(record["tokens_per_s"])  # the first step includes warm-up
@@ -958,6 +988,7 @@ class FinetuneTrainer:
             "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
             "export_dir": str(result.export_dir) if result.export_dir else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "techniques": getattr(self, "technique_report", None),  # what each technique did in the first step
         }
         (result.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if losses and summary["stopped_by_nonfinite"] is None:

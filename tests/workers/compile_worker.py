@@ -54,6 +54,7 @@ def _go(world: int, out: Path, name: str, overrides: list[str], config: str = CP
         "compile_time_s": [r["compile_time_s"] for r in records],
         "graphs_compiled": [r["graphs_compiled"] for r in records],
         "step_time_s": [r["step_time_s"] for r in records],
+        "techniques": trainer.technique_report,
     }
 
 
@@ -134,8 +135,10 @@ def pair(rank: int, world_size: int, out: str) -> dict:
         "ring_ca": (CP, [*aot, *CA]),
         "ulysses_ca": (ULYSSES, [*aot, *CA]),
         "ring_compile": (CP, [*aot, "model.compile=true"]),
-        # with activation checkpointing: the compiled block forward is recomputed in the backward
-        "ulysses_compile": (ULYSSES, [*aot, "model.compile=true", "model.activation_checkpointing=true"]),
+        # with activation checkpointing: the compiled block forward is recomputed in the backward; with
+        # activation offload and the tiled MLP (tiles of 16 of the rank's 2 x 32 tokens) too, under FSDP2
+        "ulysses_compile": (ULYSSES, [*aot, "model.compile=true", "model.activation_checkpointing=true",
+                                      "model.activation_offload=true", "model.tiled_mlp=16"]),  # fmt: skip
         "ring_both": (CP, [*aot, *CA, "model.compile=true", "step_scheduler.max_steps=10"]),
         "thd_compile": (PACKED_CFG, [*aot, "model.compile=true", "distributed.cp_method=thd"]),  # packed documents, FSDP2
         # the one inductor run (C++ code generated on CPU): ~15-25 s of compilation on 2 cores

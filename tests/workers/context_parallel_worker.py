@@ -111,6 +111,7 @@ def offload_checks(mesh, dtype: torch.dtype, plain_runs: dict, batch: dict) -> d
     """Every method on the plain rows with activation checkpointing and activation offload, against the same
     method without them (``plain_runs``: label -> loss, gradients); then two offloaded optimizer steps on its
     gradients against plain ones (tests/workers/offload_checks.py)."""
+    from automodel.models.block_call import block_calls
     from tests.workers.offload_checks import compare_runs, offloaded, optimizer_steps_equal
 
     model = tiny_llama(2, dtype)
@@ -119,7 +120,8 @@ def offload_checks(mesh, dtype: torch.dtype, plain_runs: dict, batch: dict) -> d
     for label, (method, options) in METHODS.items():
         cp = context_parallel(model, mesh, method=method, **options)
         model.zero_grad(set_to_none=True)
-        before = store.stats().unpacked
+        before = store.stats()
+        recomputed = sum(c.counts.recomputed for c in block_calls(model))
         ctx, local = cp.shard(batch)
         with ctx():
             loss = model(**local).loss
@@ -129,7 +131,9 @@ def offload_checks(mesh, dtype: torch.dtype, plain_runs: dict, batch: dict) -> d
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         out[label] = {
             **compare_runs(total, grads, *plain_runs[label]),
-            "unpacked": store.stats().unpacked - before,  # the 2 layer inputs came back from the host
+            "unpacked": store.stats().unpacked - before.unpacked,  # the 2 layer inputs came back from the host
+            "packed": store.stats().packed - before.packed,  # and nothing else went there (issue 41)
+            "recomputed": sum(c.counts.recomputed for c in block_calls(model)) - recomputed,  # each layer once
             "optimizer_equal": optimizer_steps_equal(list(model.parameters()), [p.grad for p in model.parameters()]),
         }
         cp.restore()

@@ -113,7 +113,15 @@ def _summary(trainer: FinetuneTrainer, result) -> dict:
         "inner_attn": trainer.inner_attn,
         "attn_impl": trainer.model.config._attn_implementation,
         "packed_docs": _packed_docs(trainer.train_dataset),
+        "techniques": trainer.technique_report,  # what checkpointing / offload / tiled MLP did in step 1
+        "technique_log": _technique_log(Path(result.run_dir) / "logs" / f"rank_{trainer.rank}.log"),
     }
+
+
+def _technique_log(path: Path) -> list[str]:
+    """The run log's lines about what each technique did (automodel.training.technique_report)."""
+    keys = ("activation checkpointing:", "activation offload:", "tiled MLP:", "not recomputed", "to the host, more")
+    return [line for line in path.read_text().splitlines() if any(k in line for k in keys)]
 
 
 def _packed_docs(dataset) -> int | None:

@@ -1,0 +1,151 @@
+"""What each per-layer memory technique did, for the run log once after the first training step.
+
+A technique is only worth its memory term if it runs: a wrapper order (FSDP2's class swap, ``torch.compile``,
+a new transformers release) can switch one off without changing a number (issue 41). The trainer resets the
+counters before its first step (after the CP self-check, whose steps are not training), and after that step
+logs one line per technique that is on, with what it did, from the counters the techniques keep themselves:
+
+- activation checkpointing (:class:`automodel.models.block_call.BlockCounts`): checkpointed calls and their
+  recomputations in the backward, per decoder layer; every layer recomputed once per micro-batch;
+- activation offload (:class:`automodel.training.activation_offload.OffloadStore`): tensors and bytes moved to
+  the host per layer (the layer's inputs: one ``[B, S_local, H]`` hidden-state tensor per micro-batch), the
+  host pool;
+- tiled MLP (:class:`automodel.models.tiled_mlp.TileCounts`): MLP calls, tiles, the largest tile, the tiles
+  recomputed by the tiled backward.
+
+A technique that is on but did not act (a layer not recomputed, the offload moving more or fewer tensors than
+the layer inputs) is a WARNING line naming what to report; :func:`technique_problems` lists them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from automodel.models.block_call import block_calls
+from automodel.models.tiled_mlp import tile_counts
+from automodel.training.activation_offload import OffloadStore
+
+__all__ = ["collect_technique_report", "reset_technique_counts", "technique_lines", "technique_problems"]
+
+
+def reset_technique_counts(model: nn.Module, store: OffloadStore | None) -> None:
+    """Zero every counter the techniques keep on ``model`` (and ``store``'s). Mutates them."""
+    for call in block_calls(model):
+        call.counts.reset()
+    for counts in tile_counts(model):
+        counts.reset()
+    if store is not None:
+        store.reset_counts()
+
+
+def collect_technique_report(model: nn.Module, store: OffloadStore | None, micro_batches: int) -> dict[str, Any]:
+    """What the techniques did since :func:`reset_technique_counts`: a JSON-able dict with one entry per technique
+    that is on (``activation_checkpointing``, ``activation_offload``, ``tiled_mlp``); ``micro_batches`` is how
+    many forward/backward passes that was."""
+    report: dict[str, Any] = {"micro_batches": micro_batches}
+    calls = block_calls(model)
+    checkpointed = calls if any(c.checkpoint for c in calls) else []  # every block, when checkpointing is on
+    if checkpointed:
+        report["activation_checkpointing"] = {
+            "layers": len(checkpointed),
+            "layers_recomputed": sum(c.counts.recomputed > 0 for c in checkpointed),
+            "checkpointed_calls": sum(c.counts.checkpointed for c in checkpointed),
+            "recomputed": sum(c.counts.recomputed for c in checkpointed),
+            "recomputed_per_layer": [c.counts.recomputed for c in checkpointed],
+        }
+    if store is not None:
+        per_layer = store.per_layer()
+        stats = store.stats()
+        report["activation_offload"] = {
+            "layers": len(per_layer),
+            "tensors": sum(n for n, _ in per_layer.values()),
+            "bytes": sum(b for _, b in per_layer.values()),
+            "per_layer": {str(i): {"tensors": n, "bytes": b} for i, (n, b) in per_layer.items()},
+            # the positional tensor inputs of the checkpointed calls: what checkpointing keeps, all offload may move
+            "layer_inputs": sum(c.counts.input_tensors for c in checkpointed),
+            "host_bytes": stats.host_bytes,
+            "peak_host_bytes": stats.peak_host_bytes,
+        }
+    tiles = tile_counts(model)
+    if tiles:
+        report["tiled_mlp"] = {
+            "mlps": len(tiles),
+            "calls": sum(t.calls for t in tiles),
+            "tiled_calls": sum(t.tiled_calls for t in tiles),
+            "tiles": sum(t.tiles for t in tiles),
+            "backward_tiles": sum(t.backward_tiles for t in tiles),
+            "max_tile_tokens": max(t.max_tile_tokens for t in tiles),
+            "max_tokens": max(t.max_tokens for t in tiles),
+        }
+    return report
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def technique_lines(report: dict[str, Any]) -> list[str]:
+    """One log line per technique in ``report`` (:func:`collect_technique_report`)."""
+    m = report["micro_batches"]
+    lines = []
+    ac = report.get("activation_checkpointing")
+    if ac is not None:
+        lines.append(
+            f"activation checkpointing: {ac['layers_recomputed']} of {ac['layers']} decoder layers recomputed in "
+            f"the backward ({ac['recomputed']} recomputation(s) of {ac['checkpointed_calls']} checkpointed "
+            f"call(s), {m} micro-batch(es))"
+        )
+    off = report.get("activation_offload")
+    if off is not None:
+        per = off["per_layer"]
+        shapes = {(v["tensors"], v["bytes"]) for v in per.values()}
+        if len(shapes) == 1:
+            (n, b) = next(iter(shapes))
+            each = f"each of {off['layers']} layers: {n} tensor(s), {_size(b)}"
+        else:
+            each = ", ".join(f"layer {i}: {v['tensors']} tensor(s), {_size(v['bytes'])}" for i, v in per.items())
+        lines.append(
+            f"activation offload: {off['tensors']} tensor(s), {_size(off['bytes'])} moved to the host over {m} "
+            f"micro-batch(es) ({each}; the layer inputs: {off['layer_inputs']}); host pool {_size(off['host_bytes'])}"
+        )
+    tm = report.get("tiled_mlp")
+    if tm is not None:
+        lines.append(
+            f"tiled MLP: {tm['mlps']} MLP(s), {tm['calls']} call(s) of up to {tm['max_tokens']} tokens, "
+            f"{tm['tiled_calls']} run in {tm['tiles']} tile(s) of at most {tm['max_tile_tokens']} tokens; "
+            f"{tm['backward_tiles']} tile(s) recomputed by the tiled backward"
+        )
+    return lines
+
+
+def technique_problems(report: dict[str, Any]) -> list[str]:
+    """What a technique that is on failed to do in ``report`` (empty: each did its job)."""
+    problems = []
+    ac = report.get("activation_checkpointing")
+    if ac is not None and ac["layers_recomputed"] < ac["layers"]:
+        missing = [i for i, n in enumerate(ac["recomputed_per_layer"]) if n == 0]
+        problems.append(
+            f"model.activation_checkpointing=true but {len(missing)} of {ac['layers']} decoder layers (e.g. layer "
+            f"{missing[0]}) were not recomputed in the backward: checkpointing is off for them"
+        )
+    off = report.get("activation_offload")
+    if off is not None:
+        if off["tensors"] == 0:
+            problems.append("model.activation_offload=true but no tensor was moved to the host")
+        elif off["tensors"] > off["layer_inputs"]:
+            problems.append(
+                f"model.activation_offload=true moved {off['tensors']} tensors to the host, more than the "
+                f"{off['layer_inputs']} layer inputs checkpointing keeps: the layers' activations are offloaded "
+                f"instead of recomputed"
+            )
+        elif off["tensors"] < off["layer_inputs"]:
+            problems.append(
+                f"model.activation_offload=true moved only {off['tensors']} of the {off['layer_inputs']} layer "
+                f"inputs to the host: the others stayed on the device"
+            )
+    return problems
