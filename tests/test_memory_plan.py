@@ -69,9 +69,13 @@ def test_model_dims_counts_parameters_once():
 def test_cp_divides_activations_and_logits_but_not_the_chunked_loss():
     d = _dims()
     one = plan_memory(d, RunShape(local_batch=1, seq=16384))
-    two = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2))
+    two = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2, cp_method="ulysses"))  # SDPA's GQA, as at cp 1
     for term in ("activations", "logits and loss"):
         assert two.terms[term].bytes == pytest.approx(one.terms[term].bytes / 2, rel=1e-3)
+    # the CP block kernels (ring) save K/V repeated to the query heads: 2 h per token and layer more
+    ring = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2))
+    extra = ring.terms["activations"].bytes - two.terms["activations"].bytes
+    assert extra == pytest.approx(2 * 32 * 4 * 8192 * 2, rel=1e-9)
     assert one.terms["logits and loss"].bytes == pytest.approx(3 * 16384 * 2048 * 4 + 16384 * 32 * 4)
     chunked = [plan_memory(d, RunShape(local_batch=1, seq=s, chunk_tokens=256)) for s in (4096, 65536)]
     loss = [p.terms["logits and loss"].bytes for p in chunked]
@@ -208,7 +212,7 @@ def test_tp_activations_split_heads_and_mlp_but_not_the_residual_stream_unless_s
         plan_memory(d, dataclasses.replace(shape, **kw)).terms["activations"].bytes
         for kw in ({}, {"tp": 2, "loss_parallel": True}, {"tp": 2, "loss_parallel": True, "sequence_parallel": True})
     )
-    split_per_layer = (h + 2 * h + 2 * kv + 2 * h + 4 * i) * c + 4 * 4  # q, repeated K/V, k/v, attn out x2, MLP; LSE
+    split_per_layer = (h + 2 * kv + 2 * h + 4 * i) * c + 4 * 4  # q, k/v (SDPA's own GQA), attn out x2, MLP; LSE
     assert one - two == pytest.approx(n * 2 * split_per_layer / 2)  # only the split half is gone
     stream = 2 * 5 * h * c + 4 * h * c  # two layers' norms + residual, embedding output + final norm
     gathered = 2 * 2 * h * c + h * c  # the attention and the MLP block gather their input once; the LM head too
