@@ -225,6 +225,18 @@ class PlanSearch:
 
     # --- one shape --------------------------------------------------------------------------------------
     def shape(self, layout: Layout, t: Techniques, seq: int) -> RunShape:
+        r = self._shape(layout, t, seq)
+        if self.attention_backend == "auto" and layout.cp > 1:  # the CP block kernels follow their own rule
+            from automodel.training.memory_plan import planned_kernel
+
+            kernel, rule = planned_kernel("auto", self.gpu_type, r, self.d)
+            r = dataclasses.replace(r, attention_kernel=kernel, attention_kernel_rule=rule)
+        return r
+
+    #: ``model.attention_backend`` of the config (``auto``: each layout's kernel by auto's rule)
+    attention_backend = "auto"
+
+    def _shape(self, layout: Layout, t: Techniques, seq: int) -> RunShape:
         return dataclasses.replace(
             self.base, local_batch=1, seq=seq, cp=layout.cp, tp=layout.tp, dp_shard=layout.dp,
             cp_method=layout.method or "ring", cp_options=layout.options, grad_acc=1,
@@ -372,6 +384,7 @@ def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_no
         f"device budget {budget:.1f} GiB per GPU ({capacity_gib:.1f} GiB less {DEVICE_RESERVE_GIB:g} GiB reserve); "
         f"host {host_node_gib:g} GiB per node of {search.node} GPU(s)",
         "memory: the planner's prediction (docs/long_context.md); step: an ESTIMATE (docs/estimate.md)",
+        _kernel_line(search),
         LEGEND,
         "",
         f"{'layout':<24} {'techniques':<28} {'tokens/row':>11} {'GPU GiB':>8} {'host GiB':>9} {'step (est.)':>11}",
@@ -397,6 +410,17 @@ def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_no
     out.append("")
     out.append(f"longest: {best.tokens} tokens per row ({best.text})")
     return out
+
+
+def _kernel_line(search: PlanSearch) -> str:
+    """Which attention kernel the rows are planned for, and why (its backward buffers are in every row)."""
+    from automodel.distributed.cp.attention_kernels import kernel_label
+
+    import textwrap
+
+    base = search.base
+    text = f"attention kernel: {kernel_label(base.attention_kernel)}; {base.attention_kernel_rule}"
+    return "\n".join(textwrap.wrap(text, 116, subsequent_indent="  "))
 
 
 def _row(first: str, second: str, f: Found) -> str:
@@ -434,7 +458,7 @@ def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gp
     from automodel.distributed.cp.guard import cached_profile
     from automodel.models.loader import build_model, resolve_model_config
     from automodel.models.parallelize import check_model_config_for_tp
-    from automodel.training.memory_plan import model_dims, run_shape_from_config
+    from automodel.training.memory_plan import model_dims, planned_kernel, run_shape_from_config
     from automodel.training.step_estimate import gpu_spec
 
     raw = compose_config(resolve_config_path(config), overrides)
@@ -451,6 +475,10 @@ def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gp
         apply_lora(model, cfg.peft, seed=cfg.recipe.seed)
     dims, profile = model_dims(model), cached_profile(model)
     base = run_shape_from_config(cfg, {"cp": 1, "tp": 1, "dp_shard": 1}, 1, 1)
+    # the kernel for the GPU asked for (the config's recipe.gpu_type may name another); cp 1's path, SDPA: the
+    # search's CP layouts keep this kernel (a pin applies to every path; auto's rule differs only for cuDNN)
+    kernel, rule = planned_kernel(cfg.model.attention_backend, gpu_type, base, dims)
+    base = dataclasses.replace(base, attention_kernel=kernel, attention_kernel_rule=rule)
 
     def tp_ok(tp: int) -> bool:
         try:
@@ -463,5 +491,6 @@ def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gp
     capacity, budget = device_budget_gib(gpu_type, gpu_memory_gib)
     host_node, on_node = host_budget_gib(gpus, spec.gpus_per_node, host_memory_gib)
     search = PlanSearch(dims, profile, base, gpus, spec, gpu_type, budget * _GIB, host_node / on_node * _GIB, tp_ok)
+    search.attention_backend = cfg.model.attention_backend
     text = f"{type(model).__name__} ({dims.params / 1e9:.2f}B parameters, {dims.layers} layers, hidden {dims.hidden})"
     return search, text, capacity, host_node
