@@ -414,9 +414,9 @@ def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_no
 
 def _kernel_line(search: PlanSearch) -> str:
     """Which attention kernel the rows are planned for, and why (its backward buffers are in every row)."""
-    from automodel.distributed.cp.attention_kernels import kernel_label
-
     import textwrap
+
+    from automodel.distributed.cp.attention_kernels import kernel_label
 
     base = search.base
     text = f"attention kernel: {kernel_label(base.attention_kernel)}; {base.attention_kernel_rule}"
