@@ -11,9 +11,12 @@ prediction against measurement. Two figures, reported separately because they ar
   *above* that state at any moment. It is the largest of three phases, each a sum of terms:
 
   - ``loss``: end of forward / start of backward: the saved activations, the logits-and-loss
-    peak, the FSDP2 buffers, the gradients of earlier micro-batches (grad_acc > 1);
-  - ``recompute`` (activation checkpointing only): backward through one layer: the saved layer
-    inputs, one layer's recomputed activations and its backward temporaries, the gradients, buffers;
+    peak, the FSDP2 buffers live then (the root module gathered; the layers are resharded), the
+    gradients of earlier micro-batches (grad_acc > 1); no attention buffers (every layer's attention is done);
+  - ``recompute`` (activation checkpointing) / ``backward`` (without): backward through one layer: the saved
+    layer inputs (and one layer's recomputed activations and backward temporaries), the CP attention workspace,
+    the attention kernel's backward buffers, the FSDP2 buffers, and the gradients written so far (the LM
+    head's and the layers' reached; :func:`_grads_in_backward`);
   - ``optimizer``: all gradients, the FSDP2 buffers and the optimizer's temporaries.
 
 Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
@@ -48,6 +51,13 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the all-to-all buffers of q, k, v and
   the output (in and out: ``2 (2 h + 2 kv') c``, ``kv'`` the kv heads sent). ``eager`` attention saves
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
+* attention kernel: what the CUDA attention kernel the run uses (``RunShape.attention_kernel``, from
+  ``model.attention_backend`` and, for ``auto``, the GPU: :func:`planned_kernel`) allocates in one call's
+  backward beyond its gradients, e.g. flash's fp32 dQ accumulator and, under GQA, dK/dV for every query head
+  (:func:`automodel.distributed.cp.attention_kernels.kernel_buffers`, cited per buffer in docs/long_context.md);
+  0 for the CPU kernels the activations are calibrated on.
+* mixture-of-experts layers: the MLP's saved tensors are each routed copy's (``k (2 h + 4 I_e)``), the shared
+  experts' (``4 I_s``) and the router's fp32 probabilities (``4 E + 16 k`` bytes) per token (:func:`_mlp_saved`).
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
   gradient alive together in backward, ``3 N V 4``, plus the hidden-state gradient ``N h c``.
   Under TP without loss parallel the LM head's output is gathered: the same ``3 N V 4`` on every TP
