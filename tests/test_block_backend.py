@@ -391,3 +391,10 @@ def test_varlen_call_matches_the_real_op_schema(monkeypatch):
         out = cuda_blocks.varlen_documents(q, k, k, cu, 70, True, window, 0.1)
         assert out.shape == q.shape
     assert cuda_blocks.varlen_documents(q, k, k, cu, 70, False, 16, None) is None  # a window is causal
+    from automodel.distributed.cp import attention_kernels as ak
+
+    ak._PINNED.append(bb.CUDNN)  # a pinned non-flash kernel: the per-document blocks run it, not varlen (flash)
+    try:
+        assert cuda_blocks.varlen_documents(q, k, k, cu, 70, True, None, 0.1) is None
+    finally:
+        ak._PINNED.pop()

@@ -448,10 +448,13 @@ def varlen_documents(
         scale: softmax scale (``None``: ``D ** -0.5``).
 
     Returns:
-        ``[T, Hq, D]`` in ``q``'s dtype, differentiable w.r.t. q, k, v (varlen_attn's own backward).
+        ``[T, Hq, D]`` in ``q``'s dtype, differentiable w.r.t. q, k, v (varlen_attn's own backward). ``None`` too
+        where ``model.attention_backend`` pins a kernel other than flash (the per-document blocks then run it).
     """
     spec = BlockSpec(q.dtype, q.shape[-1], v.shape[-1], causal=causal, grouped=q.shape[1] != k.shape[1])
     if window is not None and not causal:
+        return None
+    if pinned_kernel() not in (None, FLASH):  # varlen_attn is flash: a pinned other kernel runs per document block
         return None
     if not varlen_applies(spec, cuda_caps(q.device)):
         return None
