@@ -415,8 +415,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     mlp = 0 if tile else mlp  # tiled: the MLP's forward keeps only its input (the second norm's output)
     split = (h + repeated + 2 * kv + 2 * h + mlp) / tp
     layer = (stream + split + gathered) * c + d.heads * 4 / tp + router
-    # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each
-    tile_bytes = 6 * tile * i / tp * c if tile else 0.0
+    # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each, and
+    # the tile's own gradients of the MLP's three weights (``got`` in automodel.models.tiled_mlp, summed into a
+    # second copy that becomes the layer's gradient): 3 h I / tp; measured by scripts/bench_memory.py's wide rows
+    tile_bytes = (6 * tile * i / tp + 3 * h * i / tp) * c if tile else 0.0
     # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head
     # gathers its input: h), ids/labels/positions (24 B, every TP rank holds them). Offloaded, the
     # embedding output is the first layer's input: on the host with the others.
