@@ -24,7 +24,9 @@ process, on the same weights and batch (AdamW with lr 0: every row's loss must b
   without and with ``model.tiled_mlp=true`` (step peak by RSS as above; the tiled / untiled ratio, target
   <= 0.6), then tiled with ``model.activation_offload`` and ``fsdp.offload=optimizer``;
 - a **deep, narrow** model (hidden 256, MLP 1024, 8 layers), where the checkpointed layer inputs that
-  activation offload moves are a large part of the peak: without, with activation offload, with both offloads.
+  activation offload moves are a large part of the peak: without, with activation offload, with both offloads;
+- a **mixture of experts** (Mixtral-like: 4 experts, top-2, 2 layers) without and with checkpointing: the
+  routed experts' saved activations and the router (issue 41).
 
 On a CPU the "device" and the host are one memory, so RSS cannot show what an offload moved: those rows
 count the **tracked allocations** (:class:`AllocationTracker`, the bytes of the storages ops create, as a
@@ -310,6 +312,89 @@ def wide_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int, set
     return out
 
 
+MOE_SETTINGS = [("MoE, no checkpointing", False), ("MoE + checkpointing", True)]  # (label, checkpointing)
+
+
+def moe_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int) -> list[dict]:
+    """A Mixtral-like model (routed experts, top-k): one tracked training step per row of :data:`MOE_SETTINGS`
+    on the same weights and batch; per row ``{"peak_mib", "persist_mib", "loss", "time"}`` as the ``tracked``
+    rows of :func:`wide_worker` (the device-side step peak above the persistent state)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from automodel.training.step import forward_loss_sum
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = MixtralConfig(max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False, **model_kw)
+    state = AutoModelForCausalLM.from_config(config).state_dict()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=g)
+    labels = torch.randint(0, config.vocab_size, (1, seq), generator=g)
+    out = []
+    for _, ac in MOE_SETTINGS:
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(state)
+        if ac:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+
+        def fwd_bwd(model: torch.nn.Module) -> torch.Tensor:
+            loss = forward_loss_sum(model, {"input_ids": ids}, labels, chunk) / seq
+            loss.backward()
+            return loss.detach()
+
+        fwd_bwd(model)  # warm-up (untracked), then the first optimizer step creates the state
+        made = AllocationTracker()
+        with made:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        persist = (sum(p.numel() * p.element_size() for p in model.parameters()) + made.current) / MIB
+        gc.collect()
+        tracker = AllocationTracker()
+        start = time.perf_counter()
+        with tracker:
+            loss = fwd_bwd(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out.append({"peak_mib": tracker.peak / MIB, "persist_mib": persist, "loss": loss.item(),
+                    "time": time.perf_counter() - start})  # fmt: skip
+        del model, opt
+        gc.collect()
+    return out
+
+
+def moe_rows(args: argparse.Namespace) -> bool:
+    """The mixture-of-experts table: plan against the tracked measurement, with and without checkpointing."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from automodel.training.memory_plan import RunShape, model_dims, plan_memory
+
+    seq, chunk = args.wide_seq, 256
+    model_kw = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=args.wide_vocab)  # fmt: skip
+    with torch.device("meta"):
+        dims = model_dims(AutoModelForCausalLM.from_config(MixtralConfig(use_cache=False, **model_kw)))
+    (rows,) = run_on_ranks("scripts.bench_memory:moe_worker", 1, args.timeout, model_kw=model_kw, seq=seq, chunk=chunk)
+    print(
+        f"\nMixture of experts (Mixtral-like): hidden 128, expert MLP 512, 4 experts, top-2, 2 layers, vocab "
+        f"{args.wide_vocab}, fp32, {seq} tokens, one process, loss.chunk_tokens={chunk}, AdamW; tracked = peak of "
+        "the allocations ops make, forward + loss + backward + AdamW (foreach) step\n",
+        flush=True,
+    )
+    print("| setting | step peak MiB measured | planned | error | persistent MiB measured | planned | error | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    ok = True
+    for (label, ac), r in zip(MOE_SETTINGS, rows, strict=True):
+        plan = plan_memory(dims, RunShape(local_batch=1, seq=seq, chunk_tokens=chunk, activation_checkpointing=ac))
+        peak, persist = _planned_without_fsdp(plan) / MIB, plan.persistent_bytes / MIB
+        err, perr = (peak - r["peak_mib"]) / r["peak_mib"], (persist - r["persist_mib"]) / r["persist_mib"]
+        ok &= abs(err) <= args.tolerance and abs(perr) <= args.tolerance
+        print(f"| {label} | {r['peak_mib']:.0f} | {peak:.0f} | {err:+.0%} | {r['persist_mib']:.0f} | {persist:.0f} | "
+              f"{perr:+.0%} | {r['loss']:.6f} |", flush=True)  # fmt: skip
+    return ok
+
+
 def wide_rows(args: argparse.Namespace) -> bool:
     """Print the wide-MLP table and the deep one (plan against measurement per row, the tiled / untiled ratio,
     the losses); ``True`` when every row is within ``--tolerance`` of the plan, the ratio <= 0.6 and the
@@ -317,7 +402,8 @@ def wide_rows(args: argparse.Namespace) -> bool:
     wide = (args.wide_hidden, args.wide_intermediate, args.wide_layers)
     ok = technique_rows(args, "Wide MLP", *wide, WIDE_SETTINGS)
     deep = (args.deep_hidden, 4 * args.deep_hidden, args.deep_layers)
-    return technique_rows(args, "Deep, narrow MLP", *deep, DEEP_SETTINGS) and ok
+    ok = technique_rows(args, "Deep, narrow MLP", *deep, DEEP_SETTINGS) and ok
+    return moe_rows(args) and ok
 
 
 def technique_rows(args: argparse.Namespace, title: str, h: int, i: int, layers: int, settings: list) -> bool:

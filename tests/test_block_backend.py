@@ -57,6 +57,65 @@ def test_selection_table(device, spec, caps, kernel):
     assert choice.reason
 
 
+H100_CUDNN = bb.CudaCaps(capability=(9, 0), flash_op=True, efficient_op=True, flex=True, varlen=True, cudnn_op=True)
+
+
+@pytest.mark.parametrize(
+    "spec, pinned, caps, problem",
+    [
+        (_spec(causal=True, grouped=True), bb.CUDNN, H100_CUDNN, None),
+        (_spec(causal=True), bb.CUDNN, H100, "no sdpa_cudnn op"),
+        (_spec(d=192, dv=192), bb.CUDNN, H100_CUDNN, "up to 128"),
+        (_spec(masked=True), bb.CUDNN, H100_CUDNN, "no mask"),
+        (_spec(causal=True, square=False), bb.FLASH, H100, "no mask"),
+        (_spec(F32), bb.FLASH, H100, "fp16/bf16"),
+        (_spec(softcap=True), bb.EFFICIENT, H100, "FlexAttention"),
+        (_spec(masked=True), bb.EFFICIENT, H100, None),
+        (_spec(sinks=True), bb.FLEX, NO_FLEX, "not available"),
+        (_spec(F64, sinks=True), bb.MATH, NO_OPS, None),
+    ],
+)
+def test_a_pinned_kernel_runs_every_block_or_raises(spec, pinned, caps, problem):
+    """model.attention_backend pins a kernel: the selection returns it for every block it takes, and a block it
+    cannot take is a ValueError naming the pin and the reason (never another kernel)."""
+    if problem is None:
+        assert bb.select_backend("cuda", spec, caps, pinned).kernel == pinned
+        return
+    with pytest.raises(ValueError, match=rf"pins '{pinned}'.*{problem}"):
+        bb.select_backend("cuda", spec, caps, pinned)
+
+
+def test_the_pin_reaches_the_cuda_slot(monkeypatch):
+    """attention_backend_context pins the block kernel the CUDA slot runs (stand-in ops on CPU); auto and a CPU
+    device change nothing."""
+    from automodel.distributed.cp import attention_kernels as ak
+
+    seen = []
+    monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device: H100_CUDNN)
+    monkeypatch.setattr(cuda_blocks, "_op", _Ops())
+    monkeypatch.setattr(cuda_blocks, "_philox", lambda kernel, device: (torch.empty(()), torch.empty(())))
+    real = bb.select_backend
+    monkeypatch.setattr(cuda_blocks, "select_backend",
+                        lambda dev, spec, caps, pinned=None: seen.append(pinned) or real("cuda", spec, caps, pinned))
+    q, k, v = _inputs(d=8, dv=8)
+    q, k, v = (t.to(BF16) for t in (q, k, v))
+    with ak.attention_backend_context("auto"):
+        cuda_blocks.cuda_block_forward(q, k, v, True, None, None, None, None)
+    with ak.attention_backend_context("cudnn", device_type="cpu"):
+        cuda_blocks.cuda_block_forward(q, k, v, True, None, None, None, None)
+    ak._PINNED.append(bb.CUDNN)  # what the context pushes on CUDA (its sdpa_kernel part needs no GPU to test)
+    try:
+        cuda_blocks.cuda_block_forward(q, k, v, True, None, None, None, None)
+        with pytest.raises(ValueError, match="pins 'sdpa_cudnn'"):
+            cuda_blocks.cuda_block_forward(q, k, v, True, None, torch.ones(12, 12, dtype=torch.bool), None, None)
+    finally:
+        ak._PINNED.pop()
+    assert seen[:3] == [None, None, bb.CUDNN]
+    with pytest.raises(ValueError, match="not one of"):
+        with ak.attention_backend_context("fa3"):
+            pass
+
+
 def test_varlen_padding_and_layer_kind():
     assert bb.varlen_applies(_spec(causal=True), H100)
     assert not bb.varlen_applies(_spec(causal=True), V100)  # no varlen / sm70
@@ -73,7 +132,7 @@ def test_varlen_padding_and_layer_kind():
 def test_math_fallback_warns_once_per_layer_kind(caplog, monkeypatch):
     monkeypatch.setattr(cuda_blocks, "_WARNED", set())
     monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device: NO_FLEX)
-    monkeypatch.setattr(cuda_blocks, "select_backend", lambda dev, spec, caps: bb.select_backend("cuda", spec, caps))
+    monkeypatch.setattr(cuda_blocks, "select_backend", lambda dev, spec, caps, pinned=None: bb.select_backend("cuda", spec, caps))
     q = torch.randn(1, 2, 4, 8)
     with caplog.at_level(logging.WARNING, logger="automodel.distributed.cp.blocks"):
         for _ in range(3):
@@ -207,6 +266,18 @@ class _Ops:
         return out, padded.float(), torch.empty(()), torch.empty(())
 
     @staticmethod
+    def _scaled_dot_product_cudnn_attention(q, k, v, bias, want_lse, p, causal, debug, *, scale):
+        assert bias is None and want_lse
+        out, lse, _ = _ref_attn(q, k, v, None, causal, scale)
+        return out, lse.float()[..., None], None, None, q.shape[2], k.shape[2], torch.empty(()), torch.empty(()), None
+
+    @staticmethod
+    def _scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse, s1, s2, bias, cq, ck, n, m, p, causal,
+                                                     *, scale):  # fmt: skip
+        assert lse.shape == (*q.shape[:3], 1) and bias is None and (n, m) == (q.shape[2], k.shape[2])
+        return _ref_bwd(dout, q, k, v, None, out, lse[..., 0].to(q.dtype), causal, scale)
+
+    @staticmethod
     def _scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cq, ck, n, m, p, causal, s1, s2, *, scale):
         assert lse.shape == q.shape[:3]
         return _ref_bwd(dout, q, k, v, None, out, lse.to(q.dtype), causal, scale)
@@ -223,7 +294,7 @@ class _Ops:
 
 
 _SDPA_CASES = [(bb.EFFICIENT, kind) for kind in ("causal", "per-document", "window", "chunk", "full", "rect")]
-_SDPA_CASES += [(bb.FLASH, kind) for kind in ("causal", "full")]  # the selection sends no mask to the flash op
+_SDPA_CASES += [(k, kind) for k in (bb.FLASH, bb.CUDNN) for kind in ("causal", "full")]  # no mask to flash / cuDNN
 
 
 @pytest.mark.parametrize("kernel, kind", _SDPA_CASES)
@@ -295,7 +366,7 @@ def test_ulysses_documents_in_one_call_assemble_like_the_blocks(monkeypatch):
     assert doc_blocks._one_call(q, k, v, segments, True, 0.4) is None  # CPU: no one-call kernel
 
 
-@pytest.mark.parametrize("kernel", [bb.FLASH, bb.EFFICIENT])
+@pytest.mark.parametrize("kernel", [bb.FLASH, bb.EFFICIENT, bb.CUDNN])
 def test_sdpa_calls_match_the_real_op_schemas(kernel):
     """The real aten ops on the meta device (their registered shapes): every argument the glue passes is one
     the installed torch's schema takes, and the outputs come back in the block's shapes."""
@@ -320,3 +391,10 @@ def test_varlen_call_matches_the_real_op_schema(monkeypatch):
         out = cuda_blocks.varlen_documents(q, k, k, cu, 70, True, window, 0.1)
         assert out.shape == q.shape
     assert cuda_blocks.varlen_documents(q, k, k, cu, 70, False, 16, None) is None  # a window is causal
+    from automodel.distributed.cp import attention_kernels as ak
+
+    ak._PINNED.append(bb.CUDNN)  # a pinned non-flash kernel: the per-document blocks run it, not varlen (flash)
+    try:
+        assert cuda_blocks.varlen_documents(q, k, k, cu, 70, True, None, 0.1) is None
+    finally:
+        ak._PINNED.pop()

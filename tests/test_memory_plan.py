@@ -69,9 +69,13 @@ def test_model_dims_counts_parameters_once():
 def test_cp_divides_activations_and_logits_but_not_the_chunked_loss():
     d = _dims()
     one = plan_memory(d, RunShape(local_batch=1, seq=16384))
-    two = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2))
+    two = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2, cp_method="ulysses"))  # SDPA's GQA, as at cp 1
     for term in ("activations", "logits and loss"):
         assert two.terms[term].bytes == pytest.approx(one.terms[term].bytes / 2, rel=1e-3)
+    # the CP block kernels (ring) save K/V repeated to the query heads: 2 h per token and layer more
+    ring = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2))
+    extra = ring.terms["activations"].bytes - two.terms["activations"].bytes
+    assert extra == pytest.approx(2 * 32 * 4 * 8192 * 2, rel=1e-9)
     assert one.terms["logits and loss"].bytes == pytest.approx(3 * 16384 * 2048 * 4 + 16384 * 32 * 4)
     chunked = [plan_memory(d, RunShape(local_batch=1, seq=s, chunk_tokens=256)) for s in (4096, 65536)]
     loss = [p.terms["logits and loss"].bytes for p in chunked]
@@ -208,7 +212,7 @@ def test_tp_activations_split_heads_and_mlp_but_not_the_residual_stream_unless_s
         plan_memory(d, dataclasses.replace(shape, **kw)).terms["activations"].bytes
         for kw in ({}, {"tp": 2, "loss_parallel": True}, {"tp": 2, "loss_parallel": True, "sequence_parallel": True})
     )
-    split_per_layer = (h + 2 * h + 2 * kv + 2 * h + 4 * i) * c + 4 * 4  # q, repeated K/V, k/v, attn out x2, MLP; LSE
+    split_per_layer = (h + 2 * kv + 2 * h + 4 * i) * c + 4 * 4  # q, k/v (SDPA's own GQA), attn out x2, MLP; LSE
     assert one - two == pytest.approx(n * 2 * split_per_layer / 2)  # only the split half is gone
     stream = 2 * 5 * h * c + 4 * h * c  # two layers' norms + residual, embedding output + final norm
     gathered = 2 * 2 * h * c + h * c  # the attention and the MLP block gather their input once; the LM head too
@@ -341,3 +345,78 @@ def test_dry_run_describes_the_thd_exchange_and_the_layer_kinds(capsys):
     assert "all-gather (thd)" in out and "thd: K/V of the whole row" in out
     assert "model profile: LlamaForCausalLM (llama), 4 layers: full attention x4; 4 heads, 2 kv heads of" in out
     assert "exact under cp_method thd" in out
+
+
+# --- issue 41: the attention kernel's backward buffers, MoE layers, what each phase holds -------------------
+
+
+def test_the_planned_kernels_backward_buffers_join_one_layers_backward():
+    from automodel.distributed.cp import attention_kernels as ak
+    from automodel.distributed.cp.block_backend import CUDNN, FLASH
+
+    d = _dims()  # 2 heads, 1 KV head of 16
+    n = 4096
+    for ac, phase in ((False, "backward"), (True, "recompute")):
+        base = RunShape(local_batch=1, seq=n, activation_checkpointing=ac, compute_bytes=2)
+        cpu, flash = plan_memory(d, base), plan_memory(d, dataclasses.replace(base, attention_kernel=FLASH))
+        expected = 128 * (n // 128) * 2 * 32 * 4 + 2 * n * 4 + 2 * n * 2 * 16 * 2  # dq_accum, softmax_d, dK/dV x H
+        assert flash.terms["attention kernel"].bytes == expected and cpu.terms["attention kernel"].bytes == 0
+        assert flash.phases[phase]["attention kernel"] == expected
+        assert sum(flash.phases[phase].values()) - sum(cpu.phases[phase].values()) == expected
+        assert "attention kernel" not in flash.phases["loss"] and "attention workspace" not in flash.phases["loss"]
+    # Llama-3.1-8B under Ulysses over 8 GPUs at 3.94M tokens: 4 query heads, 1 KV head per GPU; flash ~15 GiB
+    big = dataclasses.replace(_dims(), heads=32, kv_heads=8, head_dim=128, hidden=4096)
+    r = RunShape(local_batch=1, seq=3_939_600, cp=8, cp_method="ulysses", activation_checkpointing=True,
+                 compute_bytes=2, attention_kernel=FLASH)  # fmt: skip
+    call = plan_memory(big, r).terms["attention kernel"]
+    s128 = -(-3_939_600 // 128) * 128
+    assert call.bytes == s128 * 4 * 128 * 4 + 4 * s128 * 4 + 2 * 3_939_600 * 4 * 128 * 2
+    assert 14.5 < call.bytes / 2**30 < 15.5 and "4 heads (1 KV)" in call.note
+    cudnn = plan_memory(big, dataclasses.replace(r, attention_kernel=CUDNN)).terms["attention kernel"].bytes
+    assert cudnn == 3_939_600 * 4 * 128 * 4 + 3_939_600 * 4 * 4  # dK/dV at the KV heads: no expansion
+    assert ak.kernel_label(FLASH) in "\n".join(memory_plan_lines(big, r))
+
+
+def test_moe_layers_plan_their_routed_and_shared_experts():
+    """Per token and MoE layer: k routed copies each save their input, gate/up, silu(gate), the product and
+    the weighted output (k (2 h + 4 I_e)), shared experts a dense MLP (4 I_s), the router fp32 probabilities over
+    E experts plus top-k weights and indices (4 E + 16 k bytes)."""
+    dense = _dims()
+    n, h, c = 4096, 32, 4
+    moe = dataclasses.replace(dense, experts=8, top_k=2, expert_intermediate=48, shared_intermediate=64)
+    r = RunShape(local_batch=1, seq=n)
+    got = plan_memory(moe, r).terms["activations"].bytes - plan_memory(dense, r).terms["activations"].bytes
+    per_layer = (2 * (2 * h + 4 * 48) + 4 * 64 - 4 * 128) * c + 4 * 8 + 16 * 2
+    assert got == n * 2 * per_layer
+    # checkpointed: one recomputed layer, plus its MLP backward's 2 (k I_e + I_s) gradients instead of 2 I
+    ra = dataclasses.replace(r, activation_checkpointing=True)
+    got = plan_memory(moe, ra).terms["activations"].bytes - plan_memory(dense, ra).terms["activations"].bytes
+    assert got == n * (per_layer + (2 * (2 * 48 + 64) - 2 * 128) * c)
+    with torch.device("meta"):
+        from transformers import MixtralConfig
+
+        mixtral = model_dims(AutoModelForCausalLM.from_config(MixtralConfig(
+            hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            num_local_experts=4, num_experts_per_tok=2, vocab_size=256)))  # fmt: skip
+    assert (mixtral.experts, mixtral.top_k, mixtral.expert_intermediate, mixtral.shared_intermediate) == (4, 2, 96, 0)
+
+
+def test_each_phase_counts_only_what_is_live():
+    """The loss phase: the root stays gathered, the layers are resharded, no attention buffers; backward through
+    the last layer: the LM head's gradient and that layer's, not every gradient (the embedding's comes last)."""
+    d = _dims()  # untied: embedding 2048 x 32 looked up, LM head 2048 x 32
+    r = RunShape(local_batch=1, seq=4096, cp=2, dp_shard=1, cp_method="ulysses", compute_bytes=2)
+    plan = plan_memory(d, r)
+    assert plan.phases["loss"]["communication buffers"] == d.root_params * 2
+    assert plan.phases["backward"]["communication buffers"] == plan.terms["communication buffers"].bytes
+    head = d.root_params - d.lookup_params  # LM head + final norm
+    assert plan.phases["backward"]["gradients"] == (head + d.layer_params) * 4 / 2
+    assert plan.terms["gradients"].bytes == d.params * 4 / 2  # the optimizer phase holds them all
+    # checkpointed: while layer l (from the last) recomputes, l + 1 layers' gradients exist and l inputs are freed
+    ra = dataclasses.replace(r, activation_checkpointing=True)
+    inp = 2048 * 32 * 2  # one kept [N, h] input in bf16
+    layer = d.layer_params * 4 / 2
+    expected = head * 4 / 2 + layer + max(0.0, (d.layers - 1) * (layer - inp))
+    assert plan_memory(d, ra).phases["recompute"]["gradients"] == expected
+    keep = plan_memory(d, dataclasses.replace(r, reshard_after_forward=False))
+    assert keep.phases["loss"]["communication buffers"] == (d.root_params + d.layers * d.layer_params) * 2

@@ -29,6 +29,7 @@ class GPUSpec:
     hbm_gb_s: float  # HBM bandwidth per GPU, GB/s
     network: str
     gpus_per_node: int = 8
+    capability: tuple[int, int] = (9, 0)  # CUDA compute capability: which attention kernel torch picks (auto)
 
     def inter_node_gb_s(self, ranks_per_node: int) -> float:
         """GB/s one rank gets across nodes while every rank of its node sends: the node's NICs shared."""
@@ -41,9 +42,9 @@ GPU_SPECS: dict[str, GPUSpec] = {
     "h200": GPUSpec("NVIDIA H200 SXM 141GB", 989.0, 141, 450.0, 400.0, 4800.0,
                     "NVLink 4 (900 GB/s both ways); 8 x 400 Gb/s NICs per node"),
     "a100": GPUSpec("NVIDIA A100 SXM4 80GB", 312.0, 80, 300.0, 200.0, 2039.0,
-                    "NVLink 3 (600 GB/s both ways); 8 x 200 Gb/s NICs per node"),
+                    "NVLink 3 (600 GB/s both ways); 8 x 200 Gb/s NICs per node", capability=(8, 0)),
     "l40s": GPUSpec("NVIDIA L40S 48GB", 362.0, 48, 32.0, 200.0, 864.0,
-                    "PCIe 4.0 x16, no NVLink; 8 x 200 Gb/s NICs per node"),
+                    "PCIe 4.0 x16, no NVLink; 8 x 200 Gb/s NICs per node", capability=(8, 9)),
 }
 
 

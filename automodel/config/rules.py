@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 
+from automodel.config.attention_rules import attention_backend_problems
 from automodel.config.compile_rules import compile_problems
 from automodel.config.logging_rules import logging_problems
 from automodel.config.offload_rules import offload_problems
@@ -163,6 +164,7 @@ def check_rules(
     problems += compile_problems(cfg)  # compiled autograd / model.compile vs FSDP2 and the CP method
     problems += offload_problems(cfg)  # model.activation_offload, fsdp.offload
     problems += tiled_mlp_problems(cfg)  # model.tiled_mlp: true, false or tokens per tile >= 1
+    problems += attention_backend_problems(cfg)  # model.attention_backend: a kernel name the run can pin
     if isinstance(cfg.loss.chunk_tokens, int) and cfg.loss.chunk_tokens < 1:
         problems.append(
             f"loss.chunk_tokens={cfg.loss.chunk_tokens} must be >= 1 (tokens whose logits are computed at once, "

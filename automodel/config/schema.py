@@ -100,6 +100,9 @@ class ModelSection:
     )
     dtype: DType = "float32"  # dtype of the master weights
     attn_implementation: str | None = None  # None: "sdpa" (required by ring CP; ulysses: the inner kernel)
+    # The CUDA attention kernel: auto (torch's pick for the GPU) | flash | cudnn | efficient | flex | math
+    # (automodel.distributed.cp.attention_kernels; the memory plan counts the kernel's backward buffers)
+    attention_backend: str = "auto"
     activation_checkpointing: bool = False
     # Sequence-tiled MLP (automodel.models.tiled_mlp): false | true (tile picked from hidden and MLP sizes) | tokens per tile
     tiled_mlp: bool | int = False

@@ -18,6 +18,8 @@ def get_train_context(
     cp_context: contextlib.AbstractContextManager | None = None,
     *,
     compiled_autograd_backend: str = "inductor",
+    attention_backend: str = "auto",
+    device_type: str = "cuda",
 ) -> Callable[[], contextlib.AbstractContextManager]:
     """Return a factory of the context every forward+backward runs in: ``with train_ctx(): ...``.
 
@@ -30,6 +32,8 @@ def get_train_context(
             (:mod:`automodel.distributed.replicate`).
         cp_context: a context from :func:`create_context_parallel_ctx` (single use: each CP batch
             needs a fresh one, which :func:`make_cp_batch_and_ctx` provides).
+        attention_backend: ``model.attention_backend``; on a ``device_type`` ``"cuda"`` run a pinned kernel runs
+            every attention call (:func:`automodel.distributed.cp.attention_kernels.attention_backend_context`).
     """
 
     @contextlib.contextmanager
@@ -43,6 +47,10 @@ def get_train_context(
                 from automodel.distributed.compiled_autograd import compiled_autograd
 
                 stack.enter_context(compiled_autograd(compiled_autograd_backend))
+            if attention_backend != "auto":
+                from automodel.distributed.cp.attention_kernels import attention_backend_context
+
+                stack.enter_context(attention_backend_context(attention_backend, device_type))
             if cp_context is not None:
                 stack.enter_context(cp_context)
             yield

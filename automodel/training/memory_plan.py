@@ -11,9 +11,12 @@ prediction against measurement. Two figures, reported separately because they ar
   *above* that state at any moment. It is the largest of three phases, each a sum of terms:
 
   - ``loss``: end of forward / start of backward: the saved activations, the logits-and-loss
-    peak, the FSDP2 buffers, the gradients of earlier micro-batches (grad_acc > 1);
-  - ``recompute`` (activation checkpointing only): backward through one layer: the saved layer
-    inputs, one layer's recomputed activations and its backward temporaries, the gradients, buffers;
+    peak, the FSDP2 buffers live then (the root module gathered; the layers are resharded), the
+    gradients of earlier micro-batches (grad_acc > 1); no attention buffers (every layer's attention is done);
+  - ``recompute`` (activation checkpointing) / ``backward`` (without): backward through one layer: the saved
+    layer inputs (and one layer's recomputed activations and backward temporaries), the CP attention workspace,
+    the attention kernel's backward buffers, the FSDP2 buffers, and the gradients written so far (the LM
+    head's and the layers' reached; :func:`_grads_in_backward`);
   - ``optimizer``: all gradients, the FSDP2 buffers and the optimizer's temporaries.
 
 Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
@@ -48,6 +51,13 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the all-to-all buffers of q, k, v and
   the output (in and out: ``2 (2 h + 2 kv') c``, ``kv'`` the kv heads sent). ``eager`` attention saves
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
+* attention kernel: what the CUDA attention kernel the run uses (``RunShape.attention_kernel``, from
+  ``model.attention_backend`` and, for ``auto``, the GPU: :func:`planned_kernel`) allocates in one call's
+  backward beyond its gradients, e.g. flash's fp32 dQ accumulator and, under GQA, dK/dV for every query head
+  (:func:`automodel.distributed.cp.attention_kernels.kernel_buffers`, cited per buffer in docs/long_context.md);
+  0 for the CPU kernels the activations are calibrated on.
+* mixture-of-experts layers: the MLP's saved tensors are each routed copy's (``k (2 h + 4 I_e)``), the shared
+  experts' (``4 I_s``) and the router's fp32 probabilities (``4 E + 16 k`` bytes) per token (:func:`_mlp_saved`).
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
   gradient alive together in backward, ``3 N V 4``, plus the hidden-state gradient ``N h c``.
   Under TP without loss parallel the LM head's output is gathered: the same ``3 N V 4`` on every TP
@@ -118,6 +128,13 @@ class ModelDims:
     tp_root_params: int = 0
     # the input-embedding table when the LM head does not share it: looked up, never multiplied (step estimate)
     lookup_params: int = 0
+    # a mixture of experts (0: dense): routed experts per layer, experts per token, one expert's MLP width and
+    # the shared experts' total width (Qwen-MoE / DeepSeek style; 0: none). ``intermediate`` is then the width
+    # of a dense layer's MLP where the model mixes both, else the expert width.
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
 
     @property
     def matmul_params(self) -> int:
@@ -172,6 +189,10 @@ class RunShape:
     offload: bool | str = False  # fsdp.offload: False | "optimizer" | "all"
     cp_options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
     packed: bool = False  # rows hold several documents (data.dataset.pack)
+    #: the attention kernel planned for (automodel.distributed.cp.attention_kernels: "cpu" = torch's CPU kernels,
+    #: which the activations are calibrated on; a CUDA kernel adds what its backward allocates)
+    attention_kernel: str = "cpu"
+    attention_kernel_rule: str = ""  # why that kernel (model.attention_backend, or auto's rule for the GPU)
 
     @property
     def method(self):  # noqa: ANN201 - a CPMethod
@@ -196,6 +217,12 @@ class RunShape:
         return self.activation_offload and self.activation_checkpointing
 
     @property
+    def kernel_path(self) -> str:
+        """``"sdpa"`` (torch's SDPA dispatch: no CP, or a method's inner sdpa kernel) or ``"blocks"`` (the CP block
+        kernels): :meth:`automodel.distributed.cp.CPMethod.kernel_path`."""
+        return self.method.kernel_path(self.packed) if self.cp > 1 else "sdpa"
+
+    @property
     def stream_split(self) -> int:
         """What the residual stream (norms, layer inputs, embedding output) is divided by: tp under SP, else 1."""
         return self.tp if self.sequence_parallel else 1
@@ -213,6 +240,7 @@ TERMS = (
     "gradients",
     "activations",
     "attention workspace",
+    "attention kernel",
     "logits and loss",
     "communication buffers",
     "optimizer temporaries",
@@ -308,7 +336,24 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         ),
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
         lookup_params=_lookup_params(model),
+        **_moe_sizes(model),
     )
+
+
+def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
+    """The mixture-of-experts sizes of :class:`ModelDims` from the (text) config; empty for a dense model."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(getattr(text, k, None), int)), 0)  # fmt: skip
+    top_k = getattr(text, "num_experts_per_tok", 0) or 0
+    if not experts or not top_k:
+        return {}
+    width = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0) or 0
+    shared = getattr(text, "shared_expert_intermediate_size", None) or 0
+    if not shared and getattr(text, "n_shared_experts", None):
+        shared = text.n_shared_experts * width
+    return {"experts": experts, "top_k": top_k, "expert_intermediate": width, "shared_intermediate": shared}
 
 
 def _lookup_params(model) -> int:  # noqa: ANN001
@@ -358,7 +403,9 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     """(saved activations, extra of one recomputed layer in backward, note), bytes per rank on the device."""
     n, c, tp, s = r.local_tokens, r.compute_bytes, r.tp, r.stream_split
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
-    repeated = 2 * h if d.kv_heads < d.heads else 0  # GQA: the kernel saves K/V repeated to all heads
+    # GQA: the CP block kernels save K/V repeated to all heads; torch's SDPA (no CP, Ulysses' inner sdpa kernel)
+    # takes the KV heads as they are (transformers passes enable_gqa without a mask): measured on CPU
+    repeated = 2 * h if d.kv_heads < d.heads and r.kernel_path == "blocks" else 0
     # the residual stream: two RMSNorms (input, output: 4 h) and the residual (h); whole on every TP
     # rank unless sequence parallel splits it; then the attention and the MLP block each all-gather
     # their input once, and their projections save that gathered [N, h] for the weight gradients
@@ -367,11 +414,14 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     # per head / MLP column, split over TP: q, k, v, the repeated K/V, the attention output and its
     # transposed copy, gate, up, silu(gate), silu(gate) * up; plus the kernel's fp32 LSE
     tile = _mlp_tile(d, r)
-    mlp = 0 if tile else 4 * i  # tiled: the MLP's forward keeps only its input (the second norm's output)
+    mlp, router, mlp_grad = _mlp_saved(d)
+    mlp = 0 if tile else mlp  # tiled: the MLP's forward keeps only its input (the second norm's output)
     split = (h + repeated + 2 * kv + 2 * h + mlp) / tp
-    layer = (stream + split + gathered) * c + d.heads * 4 / tp
-    # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each
-    tile_bytes = 6 * tile * i / tp * c if tile else 0.0
+    layer = (stream + split + gathered) * c + d.heads * 4 / tp + router
+    # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each, and
+    # the tile's own gradients of the MLP's three weights (``got`` in automodel.models.tiled_mlp, summed into a
+    # second copy that becomes the layer's gradient): 3 h I / tp; measured by scripts/bench_memory.py's wide rows
+    tile_bytes = (6 * tile * i / tp + 3 * h * i / tp) * c if tile else 0.0
     # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head
     # gathers its input: h), ids/labels/positions (24 B, every TP rank holds them). Offloaded, the
     # embedding output is the first layer's input: on the host with the others.
@@ -391,7 +441,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
         # the recompute phase holds the kept inputs, the ids and the recomputed layer (negative: what it drops)
         # untiled, the MLP's backward adds two [N, I / tp] gradients to its recomputed intermediates (tiled:
         # two per tile, in tile_bytes); measured on CPU by scripts/bench_memory.py's wide-MLP rows
-        mlp_grads = 0.0 if tile else 2 * i / tp * c
+        mlp_grads = 0.0 if tile else mlp_grad / tp * c
         recompute = n * (layer + mlp_grads + 2 * h * c / s - (outside - 24)) + s2 + tile_bytes
         if r.activation_offloaded:
             note = f"{kept} of {d.layers} layer inputs on the device (the others on the host)"
@@ -404,6 +454,23 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
     return saved, 0.0, note
+
+
+def _mlp_saved(d: ModelDims) -> tuple[float, float, float]:
+    """``(saved values, router bytes, backward gradient values)`` per token of one layer's MLP (elements in the
+    compute dtype, except the router's fp32 bytes).
+
+    Dense: gate, up, silu(gate), silu(gate) * up (``4 I``); in backward two ``[N, I]`` gradients (``2 I``).
+    Mixture of experts (transformers' expert loop, e.g. ``MixtralExperts``): each of a token's ``k`` routed
+    copies saves its gathered input (``h``), the fused gate/up output (``2 I_e``), silu(gate) and the product
+    (``2 I_e``) and the expert output scaled by its routing weight (``h``): ``k (2 h + 4 I_e)``; shared experts
+    are a dense MLP of their width (``4 I_s``); the router keeps its fp32 probabilities over the ``E`` experts
+    and the top-k weights and indices (``4 E + 16 k`` bytes). In backward ``2 (k I_e + I_s)`` gradients.
+    """
+    if not d.experts:
+        return 4 * d.intermediate, 0.0, 2 * d.intermediate
+    k, ie, shared = d.top_k, d.expert_intermediate, d.shared_intermediate
+    return k * (2 * d.hidden + 4 * ie) + 4 * shared, 4 * d.experts + 16 * k, 2 * (k * ie + shared)
 
 
 def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
@@ -534,28 +601,101 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         "optimizer temporaries": MemoryTerm("optimizer temporaries", opt_temp,
                                             "the step runs on the host" if host_step else "one gradient-sized temporary"),
     }  # fmt: skip
+    kernel, kernel_note = _kernel_term(d, r)
+    terms["attention kernel"] = MemoryTerm("attention kernel", kernel, kernel_note)
     earlier_grads = grads if r.grad_acc > 1 and r.offload != "all" else 0.0
+    # at the loss the layers' attention is done and FSDP2 holds only what stays gathered (_comm_at_loss)
     phases = {
         "loss": {
             "gradients": earlier_grads,
             "activations": saved,
-            "attention workspace": attn,
             "logits and loss": loss,
-            "communication buffers": comm,
+            "communication buffers": _comm_at_loss(d, r),
         },
         "optimizer": {"gradients": grads if r.offload != "all" else 0.0, "communication buffers": comm,
                       "optimizer temporaries": opt_temp},
     }  # fmt: skip
+    # backward through the last layer (the first one backward reaches): its attention workspace and the kernel's
+    # backward buffers; the gradients written so far (_grads_in_backward), not all of them
+    kept_input = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
     if r.activation_checkpointing:
+        per_input = 0.0 if r.activation_offloaded else kept_input  # offloaded: two on the device throughout
         phases["recompute"] = {
-            "gradients": grads,
+            "gradients": max(earlier_grads, _grads_in_backward(d, r, per_input)),
             "activations": saved + recompute,
             "attention workspace": attn,
+            "attention kernel": kernel,
             "communication buffers": comm,
         }
-    else:  # the attention workspace of the last layer's forward, on top of all but its own activations
-        phases["loss"]["attention workspace"] = 0.0 if loss >= attn else attn
+    else:
+        phases["backward"] = {
+            "gradients": max(earlier_grads, _grads_in_backward(d, r, float("inf"))),
+            "activations": saved,
+            "attention workspace": attn,
+            "attention kernel": kernel,
+            "communication buffers": comm,
+        }
     return MemoryPlan(persistent, terms, phases, host_bytes(d, r))
+
+
+def _grads_in_backward(d: ModelDims, r: RunShape, per_input: float) -> float:
+    """The gradients on the device while backward runs through the layers (bytes per rank).
+
+    Backward reaches the layers after the LM head (and final norm): its gradient is there from the first layer
+    on; each layer adds its own (FSDP2: its shard, reduce-scattered as the layer ends); the input embedding's
+    comes last, after every layer's activations are freed. While layer ``l`` (counted from the last) runs, the
+    head's and ``l + 1`` layers' gradients exist and ``l`` layer inputs (``per_input`` bytes each, the kept
+    inputs the activations count) are freed: the peak is at the first layer when an input outweighs a layer's
+    gradient, else at the last: ``head + layer + max(0, (L - 1) (layer - per_input))``.
+    """
+    if r.offload == "all":  # the shards go to the host as each reduce-scatter ends; the head's is in grads
+        return _gradient_bytes(d, r)[0]
+    share = d.local_trainable(r.tp) / max(d.local_params(r.tp), 1)  # LoRA: only the adapters have gradients
+    head = (d.root_params - d.tp_root_params + d.tp_root_params / r.tp) - d.lookup_params / (r.tp if d.tp_root_params else 1)
+    layer = d.layer_params - d.tp_layer_params + d.tp_layer_params / r.tp
+    scale = share * r.master_bytes / r.fsdp
+    head_b, layer_b = max(head, 0) * scale, layer * scale
+    return head_b + layer_b + max(0.0, (d.layers - 1) * (layer_b - per_input))
+
+
+def _comm_at_loss(d: ModelDims, r: RunShape) -> float:
+    """FSDP2's buffers live at the loss: the root module stays gathered from forward to backward; the decoder
+    layers are resharded after their forward (all of them stay gathered with ``fsdp.reshard_after_forward=false``);
+    no gradient waits for its reduce-scatter yet."""
+    if not r.fsdp_enabled or (r.fsdp == 1 and r.compute_bytes == r.master_bytes and r.offload != "all"):
+        return 0.0
+    root = d.root_params - d.tp_root_params + d.tp_root_params / r.tp
+    layer = d.layer_params - d.tp_layer_params + d.tp_layer_params / r.tp
+    return root * r.compute_bytes + (0 if r.reshard_after_forward else d.layers * layer * r.compute_bytes)
+
+
+def kernel_call(d: ModelDims, r: RunShape):  # noqa: ANN201 - an attention_kernels.KernelCall
+    """One attention kernel call of one rank (:class:`automodel.distributed.cp.attention_kernels.KernelCall`): the
+    CP method's :meth:`~automodel.distributed.cp.CPMethod.kernel_call_tokens` (no CP: all heads over the row)."""
+    from automodel.distributed.cp.attention_kernels import KernelCall
+
+    if r.cp > 1:
+        heads, kv_heads, q, k = r.method.kernel_call_tokens(d, r)
+    else:
+        heads, kv_heads, q, k = d.heads // r.tp, max(1, d.kv_heads // r.tp), r.seq, r.seq
+    return KernelCall(batch=r.local_batch, q_tokens=q, k_tokens=k, heads=max(heads, 1), kv_heads=kv_heads,
+                      head_dim=-(-d.head_dim // 8) * 8, dtype_bytes=r.compute_bytes,
+                      native_gqa=r.kernel_path == "sdpa")  # fmt: skip
+
+
+def _kernel_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
+    """What the planned attention kernel's backward allocates for one layer's call, beyond its gradients (the CPU
+    kernels, which the activations are calibrated on: nothing): :func:`~automodel.distributed.cp.attention_kernels.kernel_buffers`."""
+    from automodel.distributed.cp.attention_kernels import CPU_KERNEL, kernel_buffers, kernel_label
+
+    if r.attention_kernel == CPU_KERNEL or not d.heads:
+        return 0.0, f"{kernel_label(r.attention_kernel)}: calibrated in the activations"
+    call = kernel_call(d, r)
+    bufs = kernel_buffers(r.attention_kernel, call)
+    total = sum(b.bytes for b in bufs)
+    parts = ", ".join(f"{b.name} {_fmt(b.bytes)}" for b in bufs) or "none beyond its gradients"
+    return total, (f"{kernel_label(r.attention_kernel)} backward, one call of [{call.batch}, {call.heads} heads "
+                   f"({call.kv_heads} KV), {call.q_tokens} x {call.k_tokens} tokens]: {parts}")  # fmt: skip
 
 
 def _fmt(n_bytes: float) -> str:
@@ -688,6 +828,9 @@ def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = N
         + (f"; the same on each of the tp {r.tp} ranks" if r.tp > 1 else "")
         + f"); compute {r.compute_bytes} B, master {r.master_bytes} B"
     )
+    from automodel.distributed.cp.attention_kernels import kernel_label
+
+    out.append(f"attention kernel planned for: {kernel_label(r.attention_kernel)} ({r.attention_kernel_rule or 'the default'})")
     out.append(f"persistent between steps: {_fmt(plan.persistent_bytes)}")
     for t in plan.persistent:
         out.append(f"  {t.name:<24}{_fmt(t.bytes):>12}  {t.note}")
@@ -776,9 +919,38 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, d
         cp_options=_cp_options(cfg),
         packed=packed_rows(cfg),
     )
+    kernel, rule = planned_kernel(cfg.model.attention_backend, cfg.recipe.gpu_type, shape, dims)
+    shape = dataclasses.replace(shape, attention_kernel=kernel, attention_kernel_rule=rule)
     if cfg.loss.chunk_tokens == "auto" and dims is not None:
         shape = dataclasses.replace(shape, chunk_tokens=loss_auto_choice(dims, shape)[0])
     return shape
+
+
+def planned_kernel(backend: str, gpu_type: str | None, r: RunShape, dims: ModelDims | None = None) -> tuple[str, str]:
+    """``(kernel, why)``: the attention kernel the plan counts for ``model.attention_backend=backend`` on
+    ``gpu_type`` (``None``: an H100-class GPU, compute capability 9.0, as the dry run plans bf16 for CUDA).
+
+    A pinned kernel is what runs; ``auto`` follows
+    :func:`automodel.distributed.cp.attention_kernels.auto_kernel` with the GPU's compute capability
+    (:data:`automodel.config.gpu_specs.GPU_SPECS`), the installed torch's cuDNN (unknown on a CPU-only torch:
+    the rule then plans flash, the larger) and the path the run's attention takes (``r.kernel_path``).
+    """
+    from automodel.config.gpu_specs import GPU_SPECS
+    from automodel.distributed.cp import AUTO
+    from automodel.distributed.cp.attention_kernels import AUTO_BACKEND, KERNEL_OF_BACKEND, auto_kernel
+
+    if backend != AUTO_BACKEND:
+        return KERNEL_OF_BACKEND[backend], f"pinned by model.attention_backend={backend}"
+    spec = GPU_SPECS.get((gpu_type or "h100").lower())
+    capability = spec.capability if spec is not None else (9, 0)
+    import torch
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    path = "sdpa" if r.cp == 1 or r.cp_method == AUTO else r.kernel_path
+    head_dim = dims.head_dim if dims is not None and dims.head_dim else 128
+    kernel, why = auto_kernel(path, capability, cudnn, half=r.compute_bytes == 2, head_dim=head_dim)
+    where = f"{gpu_type}" if spec is not None and gpu_type else "an H100-class GPU (recipe.gpu_type not set)"
+    return kernel, f"auto on {where}: {why}"
 
 
 def _cp_options(cfg) -> tuple[tuple[str, Any], ...]:  # noqa: ANN001

@@ -251,6 +251,18 @@ class PlanSearch:
 
     # --- one shape --------------------------------------------------------------------------------------
     def shape(self, layout: Layout, t: Techniques, seq: int) -> RunShape:
+        r = self._shape(layout, t, seq)
+        if self.attention_backend == "auto" and layout.cp > 1:  # the CP block kernels follow their own rule
+            from automodel.training.memory_plan import planned_kernel
+
+            kernel, rule = planned_kernel("auto", self.gpu_type, r, self.d)
+            r = dataclasses.replace(r, attention_kernel=kernel, attention_kernel_rule=rule)
+        return r
+
+    #: ``model.attention_backend`` of the config (``auto``: each layout's kernel by auto's rule)
+    attention_backend = "auto"
+
+    def _shape(self, layout: Layout, t: Techniques, seq: int) -> RunShape:
         return dataclasses.replace(
             self.base, local_batch=1, seq=seq, cp=layout.cp, tp=layout.tp, dp_shard=layout.dp,
             cp_method=layout.method or "ring", cp_options=layout.options, grad_acc=1,
@@ -420,6 +432,7 @@ def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_no
         f"host {host_node_gib:g} GiB per node of {search.node} GPU(s)",
         "memory: the planner's prediction (docs/long_context.md); step: an ESTIMATE (docs/estimate.md) of one",
         "  optimizer step of one row per data-parallel rank (the dry run prints it beside its global batch's)",
+        _kernel_line(search),
         LEGEND,
         "",
         f"{'layout':<24} {'techniques':<28} {'tokens/row':>11} {'GPU GiB':>8} {'host GiB':>9} {'step (est.)':>11}",
@@ -478,6 +491,17 @@ def _nothing_fits(search: PlanSearch, results: list[Found]) -> str:
     return (f"no layout of {search.gpus} x {search.gpu_type} fits a row: the smallest plan ({f.text}, {m} tokens) "
             f"needs {dev / _GIB:.2f} GiB per GPU, the budget is {search.budget / _GIB:.2f} GiB (the GPU's memory less "
             f"the {DEVICE_RESERVE_GIB:g} GiB reserve); plan for more GPUs (--gpus), or a larger GPU")  # fmt: skip
+
+
+def _kernel_line(search: PlanSearch) -> str:
+    """Which attention kernel the rows are planned for, and why (its backward buffers are in every row)."""
+    import textwrap
+
+    from automodel.distributed.cp.attention_kernels import kernel_label
+
+    base = search.base
+    text = f"attention kernel: {kernel_label(base.attention_kernel)}; {base.attention_kernel_rule}"
+    return "\n".join(textwrap.wrap(text, 116, subsequent_indent="  "))
 
 
 def _row(first: str, second: str, f: Found, search: PlanSearch | None = None) -> str:
@@ -543,7 +567,7 @@ def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gp
     from automodel.distributed.cp.guard import cached_profile
     from automodel.models.loader import build_model, model_positions, resolve_model_config
     from automodel.models.parallelize import check_model_config_for_tp
-    from automodel.training.memory_plan import model_dims, run_shape_from_config
+    from automodel.training.memory_plan import model_dims, planned_kernel, run_shape_from_config
     from automodel.training.step_estimate import gpu_spec
 
     raw = compose_config(resolve_config_path(config), overrides)
@@ -560,6 +584,10 @@ def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gp
         apply_lora(model, cfg.peft, seed=cfg.recipe.seed)
     dims, profile = model_dims(model), cached_profile(model)
     base = run_shape_from_config(cfg, {"cp": 1, "tp": 1, "dp_shard": 1}, 1, 1)
+    # the kernel for the GPU asked for (the config's recipe.gpu_type may name another); cp 1's path, SDPA: the
+    # search's CP layouts keep this kernel (a pin applies to every path; auto's rule differs only for cuDNN)
+    kernel, rule = planned_kernel(cfg.model.attention_backend, gpu_type, base, dims)
+    base = dataclasses.replace(base, attention_kernel=kernel, attention_kernel_rule=rule)
 
     def tp_ok(tp: int) -> bool:
         try:
@@ -575,6 +603,7 @@ def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gp
     search = PlanSearch(dims, profile, base, gpus, spec, gpu_type, budget * _GIB, host_node / on_node * _GIB, tp_ok,
                         positions=model_positions(resolved.config), gpus_per_node=per_node,
                         techniques=usable_techniques(model))  # fmt: skip
+    search.attention_backend = cfg.model.attention_backend
     text = f"{type(model).__name__} ({dims.params / 1e9:.2f}B parameters, {dims.layers} layers, hidden {dims.hidden})"
     return search, text, capacity, host_node
 

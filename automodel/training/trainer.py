@@ -523,7 +523,12 @@ class FinetuneTrainer:
             cfg.distributed.enable_loss_parallel,
             cfg.distributed.enable_compiled_autograd,
             compiled_autograd_backend=cfg.model.compile_backend,
+            attention_backend=cfg.model.attention_backend,
+            device_type=self.device.type,
         )
+        if cfg.model.attention_backend != "auto":
+            where = "every attention call runs it" if self.device.type == "cuda" else "CPU runs keep torch's CPU kernels"
+            logger.info("model.attention_backend=%s: %s", cfg.model.attention_backend, where)
         from automodel.training.compile_stats import CompileClock
 
         self.compile_clock = CompileClock()

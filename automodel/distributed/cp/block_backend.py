@@ -17,6 +17,9 @@ The kernels, in order of preference:
 - ``"flex"``: FlexAttention (``torch.nn.attention.flex_attention``, compiled with Triton): soft-capping
   (a ``score_mod``), sinks (its log-sum-exp is differentiable, so the sink column joins by an exact
   merge), and any mask the two above take.
+- ``"sdpa_cudnn"``: ``aten._scaled_dot_product_cudnn_attention`` and its backward (cuDNN's fused
+  attention): only where ``model.attention_backend=cudnn`` pins it: fp16/bf16, compute capability >= 8.0,
+  head size <= 128 after padding, native GQA, no mask (``causal`` only on a square block).
 - ``"math"``: exact math, only where nothing above applies (fp64, or an install without the ops); the
   caller logs one warning per layer kind and reason.
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "CUDNN",
     "EFFICIENT",
     "FLASH",
     "FLEX",
@@ -42,6 +46,7 @@ __all__ = [
     "CudaCaps",
     "layer_kind",
     "padded_head_dim",
+    "pin_problem",
     "select_backend",
     "varlen_applies",
 ]
@@ -50,12 +55,15 @@ FLASH = "sdpa_flash"
 EFFICIENT = "sdpa_efficient"
 FLEX = "flex"
 MATH = "math"
-#: every kernel :func:`select_backend` may name
-KERNELS = (FLASH, EFFICIENT, FLEX, MATH)
+CUDNN = "sdpa_cudnn"
+#: every kernel :func:`select_backend` may name (cuDNN only where ``model.attention_backend`` pins it)
+KERNELS = (FLASH, EFFICIENT, FLEX, MATH, CUDNN)
 
 _HALF = (torch.float16, torch.bfloat16)
 #: the largest head size torch's flash kernel takes
 FLASH_MAX_HEAD_DIM = 256
+#: the largest head size the cuDNN kernel takes (torch's check_cudnn_tensor_shapes, sdp_utils.cpp)
+CUDNN_MAX_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,7 @@ class CudaCaps:
             ``_scaled_dot_product_efficient_attention`` with their backward ops.
         flex: ``torch.nn.attention.flex_attention`` imports and Triton is there to compile it.
         varlen: ``torch.nn.attention.varlen.varlen_attn`` imports (torch >= 2.10).
+        cudnn_op: torch has ``aten._scaled_dot_product_cudnn_attention`` with its backward and cuDNN is there.
     """
 
     capability: tuple[int, int]
@@ -99,6 +108,7 @@ class CudaCaps:
     efficient_op: bool = True
     flex: bool = True
     varlen: bool = False
+    cudnn_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,19 +142,62 @@ def layer_kind(spec: BlockSpec) -> str:
     return " ".join(parts)
 
 
-def select_backend(device_type: str, spec: BlockSpec, caps: CudaCaps | None) -> Choice:
+def pin_problem(kernel: str, spec: BlockSpec, caps: CudaCaps) -> str | None:
+    """Why the pinned ``kernel`` cannot compute a block like ``spec`` on a device with ``caps`` (``None``: it can)."""
+    half, sm80 = spec.dtype in _HALF, tuple(caps.capability) >= (8, 0)
+    needs_mask = spec.masked or (spec.causal and not spec.square)
+    dim = padded_head_dim(spec)
+    if kernel == MATH:
+        return None
+    if kernel == FLEX:
+        return None if caps.flex else "FlexAttention (torch.nn.attention.flex_attention with Triton) is not available"
+    if spec.sinks or spec.softcap:
+        return "sinks / soft-capping need FlexAttention (model.attention_backend=flex or auto)"
+    if kernel == EFFICIENT:
+        if not caps.efficient_op:
+            return "this torch has no memory-efficient SDPA op"
+        if spec.dtype not in (*_HALF, torch.float32) or (spec.dtype == torch.bfloat16 and not sm80):
+            return f"the memory-efficient kernel takes fp32/fp16 (bf16 from compute capability 8.0), not {spec.dtype}"
+        return None
+    limit, op = (FLASH_MAX_HEAD_DIM, caps.flash_op) if kernel == FLASH else (CUDNN_MAX_HEAD_DIM, caps.cudnn_op)
+    if not op:
+        return f"this torch / device has no {kernel} op"
+    if not (half and sm80):
+        return f"{kernel} takes fp16/bf16 on compute capability >= 8.0, not {spec.dtype} on {tuple(caps.capability)}"
+    if dim > limit:
+        return f"{kernel} takes head sizes up to {limit}, this block's is {dim}"
+    if needs_mask:
+        return f"{kernel} takes no mask (windows, chunks, documents inside a block, rectangular causal blocks)"
+    return None
+
+
+def select_backend(device_type: str, spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = None) -> Choice:
     """The kernel for one block on a device of type ``device_type`` (pure: no device is touched).
 
     Args:
         device_type: ``"cuda"`` (anything else: ``"math"``; the CPU keeps its own slot in ``blocks``).
         spec: the block's features.
         caps: the CUDA device's capabilities (``None``: unknown, ``"math"``).
+        pinned: a kernel ``model.attention_backend`` pins (:mod:`automodel.distributed.cp.attention_kernels`);
+            ``None``: the table below.
 
     Returns:
         A :class:`Choice`; its ``reason`` says why (for ``"math"``, what a fused kernel lacked).
+
+    Raises:
+        ValueError: the pinned kernel cannot compute this block (never a silent fallback to another kernel).
     """
     if device_type != "cuda" or caps is None:
         return Choice(MATH, f"device type {device_type!r} has no fused kernel in this slot")
+    if pinned is not None:
+        problem = pin_problem(pinned, spec, caps)
+        if problem:
+            raise ValueError(
+                f"model.attention_backend pins {pinned!r}, which cannot compute a {layer_kind(spec)} attention block "
+                f"({spec.dtype}, head size {spec.head_dim}/{spec.value_dim}): {problem}; set model.attention_backend="
+                "auto (each block runs the kernel that takes it) or pin a kernel that takes this block"
+            )
+        return Choice(pinned, "pinned by model.attention_backend")
     if spec.dtype not in (*_HALF, torch.float32):
         return Choice(MATH, f"dtype {spec.dtype} is taken by no fused CUDA attention kernel (fp16/bf16/fp32 are)")
     sm80 = tuple(caps.capability) >= (8, 0)

@@ -11,6 +11,9 @@ of queries ``[B, Hq, n, D]`` against keys ``[B, Hkv, m, D]`` and values ``[B, Hk
   LSE, so the merged ones give the exact gradient, as in torch's ring attention). K/V are repeated per
   query head (GQA) and their gradients summed back; head sizes are zero-padded to one multiple of 8
   (MLA), which is exact; a mask or a rectangular causal block becomes an additive bias (efficient only).
+- cuDNN (``aten._scaled_dot_product_cudnn_attention`` and its ``_backward``, which take the output and the
+  LSE as well, as torch's own ring attention uses them): only where ``model.attention_backend=cudnn`` pins
+  it (:func:`~automodel.distributed.cp.attention_kernels.pinned_kernel`); the same padding and K/V repeat.
 - FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA): soft-capping as a
   ``score_mod``, masks as a block mask, native GQA, and sinks joined by an exact merge of the sink
   column with its differentiable LSE. Its explicit backward recomputes the block under autograd and
@@ -21,7 +24,9 @@ of queries ``[B, Hq, n, D]`` against keys ``[B, Hkv, m, D]`` and values ``[B, Hk
 Under autograd (``block_forward`` with inputs that require grad: the halo kernel, Ulysses' document
 blocks) the fused forward is an autograd function whose backward is the fused backward; its LSE carries
 no gradient, and a graph that needs one raises instead of dropping it (blocks with sinks run FlexAttention,
-whose LSE is differentiable). This module imports no other module of the package.
+whose LSE is differentiable). A kernel pinned by ``model.attention_backend`` runs every block or raises
+(:func:`~automodel.distributed.cp.block_backend.select_backend`). This module imports no other module of the
+package but the kernel table and the pin.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from typing import Any
 
 import torch
 
+from automodel.distributed.cp.attention_kernels import pinned_kernel
 from automodel.distributed.cp.block_backend import (
+    CUDNN,
     EFFICIENT,
     FLASH,
     FLEX,
@@ -99,6 +106,7 @@ def _caps_of(index: int) -> CudaCaps:
         efficient_op=_has_op("_scaled_dot_product_efficient_attention"),
         flex=flex_available("cuda"),
         varlen=varlen_available(),
+        cudnn_op=_has_op("_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available(),
     )
 
 
@@ -132,7 +140,7 @@ def _choose(q, k, v, causal, allowed, sinks, softcap, kernel: str | None) -> tup
     spec = _spec(q, k, v, causal, allowed, sinks, softcap)
     if kernel is not None:
         return kernel, spec
-    choice = select_backend(q.device.type, spec, cuda_caps(q.device))
+    choice = select_backend(q.device.type, spec, cuda_caps(q.device), pinned_kernel())
     if choice.kernel == MATH:
         _warn_math(spec, choice.reason)
     return choice.kernel, spec
@@ -205,6 +213,9 @@ def _philox(kernel: str, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     if kernel == FLASH:
         got = _op("_scaled_dot_product_flash_attention")(x, x, x, 0.0, False, False, scale=1.0)
         return got[6], got[7]
+    if kernel == CUDNN:
+        got = _op("_scaled_dot_product_cudnn_attention")(x, x, x, None, True, 0.0, False, False, scale=1.0)
+        return got[6], got[7]
     got = _op("_scaled_dot_product_efficient_attention")(x, x, x, None, True, 0.0, False, scale=1.0)
     return got[2], got[3]
 
@@ -229,6 +240,9 @@ def _sdpa_forward(kernel, q, k, v, causal, scale, allowed):
     sc = _scale(scale, d)
     if kernel == FLASH:
         out, lse = _op("_scaled_dot_product_flash_attention")(qp, kp, vp, 0.0, is_causal, False, scale=sc)[:2]
+    elif kernel == CUDNN:
+        out, lse = _op("_scaled_dot_product_cudnn_attention")(qp, kp, vp, None, True, 0.0, is_causal, False, scale=sc)[:2]
+        lse = lse.reshape(lse.shape[:3])  # cuDNN's LSE is [B, H, n, 1]
     else:
         out, lse = _op("_scaled_dot_product_efficient_attention")(
             qp, kp, vp, bias, True, 0.0, is_causal, scale=sc
@@ -246,6 +260,11 @@ def _sdpa_backward(kernel, dout, q, k, v, out, lse, causal, scale, allowed):
     if kernel == FLASH:
         dq, dk, dvv = _op("_scaled_dot_product_flash_attention_backward")(
             dop, qp, kp, vp, op, lse.float().contiguous(), None, None, n, m, 0.0, is_causal, seed, offset, scale=sc
+        )[:3]
+    elif kernel == CUDNN:
+        dq, dk, dvv = _op("_scaled_dot_product_cudnn_attention_backward")(
+            dop, qp, kp, vp, op, lse.float().unsqueeze(-1).contiguous(), seed, offset, None, None, None, n, m, 0.0,
+            is_causal, scale=sc,
         )[:3]
     else:
         lse_p = lse.new_zeros(*lse.shape[:-1], -(-n // 32) * 32, dtype=torch.float32)
@@ -429,10 +448,13 @@ def varlen_documents(
         scale: softmax scale (``None``: ``D ** -0.5``).
 
     Returns:
-        ``[T, Hq, D]`` in ``q``'s dtype, differentiable w.r.t. q, k, v (varlen_attn's own backward).
+        ``[T, Hq, D]`` in ``q``'s dtype, differentiable w.r.t. q, k, v (varlen_attn's own backward). ``None`` too
+        where ``model.attention_backend`` pins a kernel other than flash (the per-document blocks then run it).
     """
     spec = BlockSpec(q.dtype, q.shape[-1], v.shape[-1], causal=causal, grouped=q.shape[1] != k.shape[1])
     if window is not None and not causal:
+        return None
+    if pinned_kernel() not in (None, FLASH):  # varlen_attn is flash: a pinned other kernel runs per document block
         return None
     if not varlen_applies(spec, cuda_caps(q.device)):
         return None

@@ -34,6 +34,11 @@ class GatheredKVMethod(AttentionSwitchingMethod):
     #: that padding); ``False``: the batch function pads them itself, so packing is the same at every cp_size
     pads_documents_in_data = True
 
+    def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:
+        """The rank's chunks (``local_tokens / local_batch`` queries) against the gathered K/V of the whole row
+        (a later chunk sees up to all of it)."""
+        return d.heads // r.tp, max(1, d.kv_heads // r.tp), r.local_tokens // r.local_batch, r.seq
+
     # ------------------------------------------------------------------ recipe keys
     def recipe_batch_options(self, cfg: Any) -> dict[str, Any]:
         return {"kernel": cfg.distributed.thd_kernel, "cp_comm_type": cfg.distributed.thd_cp_comm_type}

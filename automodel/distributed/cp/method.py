@@ -282,6 +282,20 @@ class CPMethod:
         """Bytes per rank the CP attention holds beyond the layer's own activations, and a note."""
         raise NotImplementedError
 
+    def kernel_path(self, packed: bool) -> str:
+        """How this method's attention reaches a CUDA kernel: ``"blocks"`` (the CP block kernels,
+        :mod:`automodel.distributed.cp.cuda_blocks`) or ``"sdpa"`` (torch's SDPA dispatch, e.g. an unchanged
+        inner ``sdpa`` kernel); ``packed``: rows hold several documents. Default: the block kernels."""
+        return "blocks"
+
+    def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:
+        """``(heads, kv heads, query tokens, key tokens)`` per row of ONE attention kernel call on a rank (what a
+        kernel's backward buffers scale with: :func:`automodel.distributed.cp.attention_kernels.kernel_buffers`).
+        Default: the block kernels of a method whose rank holds ``local_tokens / local_batch`` queries, each block
+        against at most as many keys (a ring step, a document's chunk); all heads ``/ tp``."""
+        q = r.local_tokens // r.local_batch
+        return d.heads // r.tp, max(1, d.kv_heads // r.tp), q, q
+
     def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
         """What one rank sends per attention layer and micro-batch: the method's one declaration of its
         exchange (read through :func:`automodel.distributed.cp.cost.exchange_cost`; ``d``: the model's sizes,

@@ -51,6 +51,17 @@ class UlyssesMethod(AttentionSwitchingMethod):
     def attention_extent(self, d: Any, r: Any) -> tuple[int, int, int]:
         return d.heads // r.tp // r.cp, r.seq, r.seq  # H/cp heads over the whole row
 
+    def kernel_path(self, packed: bool) -> str:
+        """The inner ``sdpa`` kernel runs through torch's SDPA dispatch; packed rows run the block kernels per
+        document (``doc_blocks``)."""
+        return "blocks" if packed else "sdpa"
+
+    def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:
+        """``H / cp`` query heads over the whole row; KV heads replicated up to ``cp`` where it does not divide them."""
+        kv_local = max(1, d.kv_heads // r.tp)
+        kv_seen = max(1, kv_local * (r.cp // math.gcd(kv_local, r.cp)) // r.cp)
+        return d.heads // r.tp // r.cp, kv_seen, r.seq, r.seq
+
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
         n, c, tp = r.local_tokens, r.compute_bytes, r.tp
         h = d.hidden / tp

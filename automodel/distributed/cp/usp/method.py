@@ -148,6 +148,14 @@ class UspMethod(GatheredKVMethod):
             return []
         return [("cp ulysses (all-to-all)", u, True), ("cp ring (K/V all-gather)", cp_size // u, False)]
 
+    def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:
+        """After the all-to-all: ``H / U`` query heads for ``U`` ranks' queries, against the gathered K/V of the row
+        (``U = 1`` without a bound ``ulysses_size``: an upper bound)."""
+        u = self.ulysses_size or 1
+        kv_local = max(1, d.kv_heads // r.tp)
+        kv_seen = max(1, kv_local * (u // math.gcd(kv_local, u)) // u)
+        return d.heads // r.tp // u, kv_seen, u * r.local_tokens // r.local_batch, r.seq
+
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
         """thd's terms for ``H/U`` heads (each rank gathers K/V of the whole row for its heads), plus the
         all-to-all buffers of q, k, v and the output. Without a bound ``ulysses_size`` (the memory planner
