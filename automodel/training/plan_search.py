@@ -495,8 +495,6 @@ def _nothing_fits(search: PlanSearch, results: list[Found]) -> str:
 
 def _kernel_line(search: PlanSearch) -> str:
     """Which attention kernel the rows are planned for, and why (its backward buffers are in every row)."""
-    import textwrap
-
     from automodel.distributed.cp.attention_kernels import kernel_label
 
     base = search.base
