@@ -34,3 +34,14 @@ def test_ranks_fork_from_a_preloaded_server_under_the_launching_environment(monk
     spawned = run_distributed(TARGET, world_size=2, timeout=120, key=KEY)
     assert all(r["value"] == "set before the launch" and not r["preloaded"] for r in spawned)
     assert spawned[0]["parent"] == os.getpid()
+
+
+def test_a_hang_names_where_each_rank_waits():
+    """A time-out kills the ranks and reports each one's stack (faulthandler on SIGUSR1), so a hang in CI says where
+    it hung; the rendezvous is a file in the launch's folder (no TCP port two launches could share)."""
+    with pytest.raises(RuntimeError) as info:
+        run_distributed("tests.workers.launch_probe:wait_for_a_peer_that_never_comes", world_size=2, timeout=8)
+    text = str(info.value)
+    assert "timed out after 8s" in text
+    assert "rank 0: no result" in text and "rank 1: no result" in text
+    assert "in wait_for_a_peer_that_never_comes" in text and "all_reduce" in text  # rank 0 waits in the collective

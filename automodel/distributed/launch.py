@@ -3,7 +3,9 @@
 For tests and benchmarks on one machine (CPU, gloo on 127.0.0.1): one call starts ``world_size``
 processes, initialises ``torch.distributed`` in each, calls the target, and returns the
 per-rank results. A failure on any rank, or a hang past ``timeout``, raises ``RuntimeError``
-carrying every failed rank's traceback, and every worker is killed so a hang never blocks.
+carrying every failed rank's traceback (after a hang: every thread's stack, where it waited), and every worker
+is killed so a hang never blocks. The ranks meet through a file in the launch's own temporary folder
+(``init_method=file://``), so launches running at once never share a rendezvous.
 
 The target is named ``"package.module:function"`` (importable in the workers: they inherit the
 parent's ``sys.path``) and is called as ``function(rank, world_size, **kwargs)``; whatever it
@@ -19,8 +21,10 @@ variable read at interpreter start or at import reaches the ranks as with ``spaw
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -89,12 +93,18 @@ def _worker(target: str, rank: int, world_size: int, port: int, kwargs: dict, ou
     )
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.pt"
+    # SIGUSR1 (sent by run_on_ranks on a time-out, before the kill) writes every thread's stack here
+    stacks = open(Path(out_dir) / f"rank{rank}.stacks", "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         import torch.distributed as dist
 
         from automodel.distributed.mesh import destroy_distributed
 
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # The rendezvous is a file in this launch's own folder, not a TCP port: two launches at once (pytest-xdist
+        # workers) can never meet in one store, as they could through a port that free_port() handed to both.
+        dist.init_process_group("gloo", init_method=f"file://{Path(out_dir) / 'store'}", rank=rank,
+                                world_size=world_size)  # fmt: skip
         module_name, fn_name = target.split(":")
         fn = getattr(importlib.import_module(module_name), fn_name)
         result = fn(rank, world_size, **kwargs)
@@ -129,6 +139,10 @@ def run_on_ranks(target: str, world_size: int = 2, timeout: float = 600.0, **kwa
                 timed_out = True
                 break
         if timed_out:
+            for p in procs:  # where each rank waits: its stacks, written by faulthandler (see _worker)
+                if p.is_alive() and p.pid is not None:
+                    os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(2.0)
             for p in procs:
                 if p.is_alive():
                     p.kill()
@@ -138,7 +152,9 @@ def run_on_ranks(target: str, world_size: int = 2, timeout: float = 600.0, **kwa
         for r in range(world_size):
             f = Path(out_dir) / f"rank{r}.pt"
             if not f.exists():
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                stacks = Path(out_dir) / f"rank{r}.stacks"
+                where = stacks.read_text()[-6000:] if timed_out and stacks.exists() else ""
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})" + (f"; its stacks:\n{where}" if where else ""))
                 results.append(None)
                 continue
             payload = torch.load(f, weights_only=False)
