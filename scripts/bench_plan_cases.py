@@ -255,7 +255,7 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
 
                 def local_tokens(mesh, batch):  # noqa: ANN001, ANN202 - the CP method's batch of this rank
                     factory, local = cp_fn(mesh, batch)
-                    tokens.append(local["input_ids"].numel())
+                    tokens.append(local)  # ring shards it in place when its context opens: counted after the step
                     return factory, local
 
                 trainer.cp_fn = local_tokens
@@ -266,7 +266,7 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
                 finally:
                     trainer.cp_fn = cp_fn
                 phases["optimizer"] = tracker.peak
-                steps.append({"peak_mib": max(phases.values()) / MIB, "tokens": sum(tokens),
+                steps.append({"peak_mib": max(phases.values()) / MIB, "tokens": sum(b["input_ids"].numel() for b in tokens),
                               "phases_mib": {k: v / MIB for k, v in phases.items()}})  # fmt: skip
                 return record
 

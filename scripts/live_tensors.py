@@ -24,7 +24,8 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
     local shard), recursively."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
-        return [x for name in names for x in _plain(getattr(t, name))]
+        inner = (getattr(t, name) for name in names)
+        return [x for t in inner if isinstance(t, torch.Tensor) for x in _plain(t)]
     return [t]
 
 
