@@ -29,8 +29,8 @@ process, on the same weights and batch (AdamW with lr 0: every row's loss must b
   routed experts' saved activations and the router (issue 41).
 
 On a CPU the "device" and the host are one memory, so RSS cannot show what an offload moved: those rows
-count the **tracked allocations** (:class:`AllocationTracker`, the bytes of the storages ops create, as a
-device allocator would) with the offload's host buffers and the host optimizer's step left out: the
+count the **tracked allocations** (:class:`scripts.live_tensors.AllocationTracker`, the bytes of the storages
+ops create, as a device allocator would) with the offload's host buffers and the host optimizer's step left out: the
 device-side step peak and persistent state (parameters + optimizer state on the device) as the planner
 defines them, and the host bytes. Each row prints the plan, the measurement and the error; the script exits 1
 when a row is off by more than ``--tolerance`` (10%), the tiled ratio is above 0.6 or the losses differ.
@@ -48,16 +48,15 @@ import gc
 import os
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from automodel.distributed.launch import run_on_ranks  # noqa: E402
 from automodel.training.cpu_memory import MMAP_ENV, peak_rss_mib, reset_peak_rss, rss_mib  # noqa: E402
+from scripts.live_tensors import AllocationTracker  # noqa: E402
 
 MIB = 2**20
 
@@ -168,48 +167,6 @@ def longest_planned(dims, cp: int, chunk: int | None, ac: bool, budget: float, c
 
 
 # --- wide-MLP rows (issue 35): model.tiled_mlp, model.activation_offload, fsdp.offload=optimizer ------------
-
-
-class AllocationTracker(TorchDispatchMode):
-    """Device-allocator bookkeeping on CPU: the bytes of the live storages that ops create while active
-    (``current``, ``peak``); an output sharing an input's storage (a view, an in-place op) is not new memory.
-    Inside :meth:`host` nothing is counted: what the offload code allocates on the host (the host optimizer's
-    step) is not device memory. On a CPU the "device" and the host are one memory, so RSS cannot show what
-    an offload moved; these counts can."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-        self.paused = False
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        if self.paused:
-            return out
-        leaves = torch.utils._pytree.tree_leaves
-        inputs = {id(t.untyped_storage()) for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = id(storage)
-                if key not in self.live and key not in inputs:  # new memory
-                    self.live[key] = storage.nbytes()
-                    self.current += storage.nbytes()
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(storage, self._free, key)
-        return out
-
-    @contextlib.contextmanager
-    def host(self):  # noqa: ANN201
-        paused, self.paused = self.paused, True
-        try:
-            yield
-        finally:
-            self.paused = paused
 
 
 WIDE_SETTINGS = [  # (label, model.tiled_mlp, model.activation_offload, fsdp.offload, measured by)

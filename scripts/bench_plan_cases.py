@@ -1,0 +1,333 @@
+#!/usr/bin/env python
+"""The memory plan against live tensor bytes measured through the real recipe, on shapes the project does not pick
+(issue 41, "How it is judged": every case within 10%).
+
+Each case is a config of the recipe (``configs/cp.yaml`` with inline ``model.config`` overrides: a few layers,
+small vocabulary, rows of about two thousand tokens, fp32, FSDP2 on as by default) trained for three optimizer steps
+by :class:`automodel.training.trainer.FinetuneTrainer` on 2 gloo ranks
+(:func:`automodel.distributed.launch.run_on_ranks`, the way ``tests/workers/recipe_worker.py`` runs it). Steps 2
+and 3 are measured on each rank; the first step creates what persists (the AdamW states, FSDP2's lazily made
+buffers, the activation-offload store's host pool) and is not measured.
+
+**Measured**: the peak, over one whole ``train_step`` (batch preparation, forward, loss, backward, gradient
+clipping, optimizer step, ``zero_grad``), of the bytes of the tensor storages that step creates and still holds
+(:class:`scripts.live_tensors.AllocationTracker`, a dispatch mode: what a device allocator would hand out), plus
+FSDP2's resizes of the unsharded parameters' storages (:func:`scripts.live_tensors.fsdp2_storage_resizes`: FSDP2
+keeps those storages between steps and resizes them without an op). What existed before the step (parameter shards,
+AdamW states, the offload store's pool) is not counted: that is the planner's *persistent state*. Host memory is not
+counted either (it is not device memory; on a CPU the two are one memory): the host optimizer's step under
+``fsdp.offload=optimizer`` and any buffer the activation-offload pool allocates. The largest over the two ranks and
+the two steps is reported; its per-phase peaks (forward with the loss, backward, after backward) are printed under
+the table.
+
+**Planned**: the planner's "step peak" (what ``recipe.dry_run=true`` prints) for the same config:
+:func:`automodel.training.memory_plan.plan_memory` on the trainer's own model
+(:func:`~automodel.training.memory_plan.model_dims`) and the :class:`~automodel.training.memory_plan.RunShape` of
+the validated config (:func:`~automodel.training.memory_plan.run_shape_from_config`, with the run's resolved
+``loss.chunk_tokens`` and gradient accumulation), except the attention kernel: the dry run of a config without
+``recipe.gpu_type`` plans the CUDA kernel of an H100 (its backward's own buffers); here the kernels that run are
+torch's CPU kernels, so the plan counts those (``attention_kernel="cpu"``, what the activations are calibrated on).
+Nothing else is left out: FSDP2's buffers, the gradients and the optimizer's temporaries are measured and planned.
+
+Remaining definitional difference: the plan is per rank for ``seq / cp`` tokens; ``thd_docs`` places whole documents
+by attention cost, so its ranks hold unequal token counts (the tokens per rank are printed) and the larger rank is
+compared with the plan.
+
+    PYTHONPATH=. nice python scripts/bench_plan_cases.py                  # the table in docs/benchmarks.md
+    PYTHONPATH=. nice python scripts/bench_plan_cases.py --cases moe_thd_docs --seq-len 1024
+
+Exit 1 when a case is off by more than ``--tolerance`` (10%) or fails to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from automodel.distributed.launch import run_on_ranks  # noqa: E402
+
+MIB = 2**20
+MEASURED_STEPS = (2, 3)
+
+# every case: fp32 (master and compute), one row of data.seq_len tokens per step (cp=2, dp=1: no accumulation),
+# no validation, checkpoint, export or self-check (they do not change a training step)
+BASE = [
+    "model.dtype=float32",
+    "fsdp.param_dtype=float32",
+    "model.config.vocab_size=1024",
+    "step_scheduler.global_batch_size=1",
+    "step_scheduler.local_batch_size=1",
+    f"step_scheduler.max_steps={max(MEASURED_STEPS)}",
+    "step_scheduler.val_every_steps=null",
+    "step_scheduler.ckpt_every_steps=null",
+    "lr_scheduler.warmup_steps=1",
+    "checkpoint.enabled=false",
+    "export.enabled=false",
+    "logging.progress_bar=false",
+    "logging.plot=false",
+    "recipe.cp_self_check=false",
+]
+# Qwen3-like: grouped-query attention (8 query / 2 KV heads of 32), per-head q/k norms, untied head
+QWEN3 = [
+    "model.config._target_=transformers.Qwen3Config",
+    "model.config.hidden_size=256",
+    "model.config.intermediate_size=768",
+    "model.config.num_hidden_layers=4",
+    "model.config.num_attention_heads=8",
+    "model.config.num_key_value_heads=2",
+    "+model.config.head_dim=32",
+    "model.config.tie_word_embeddings=false",
+]
+ULYSSES_AC = ["distributed.cp_method=ulysses", "model.activation_checkpointing=true", "loss.chunk_tokens=256"]
+# Mixtral-like: 4 routed experts, top-2, over whole documents packed per row, document-aware CP (thd_docs)
+MIXTRAL = [
+    "model.config._target_=transformers.MixtralConfig",
+    "model.config.hidden_size=192",
+    "model.config.intermediate_size=384",
+    "model.config.num_hidden_layers=3",
+    "model.config.num_attention_heads=6",
+    "model.config.num_key_value_heads=2",
+    "+model.config.num_local_experts=4",
+    "+model.config.num_experts_per_tok=2",
+    "model.config.tie_word_embeddings=false",
+    "+data.dataset.pack=true",
+    "distributed.cp_method=thd_docs",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
+# Gemma-3-like: sliding-window and full layers (window 256 < the local rows), four norms per layer, scaled embedding,
+# tied head; ring attention (the windowed layers on the halo kernel)
+GEMMA3 = [
+    "model.config._target_=transformers.Gemma3TextConfig",
+    "model.config.hidden_size=160",
+    "model.config.intermediate_size=640",
+    "model.config.num_hidden_layers=4",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=1",
+    "+model.config.head_dim=40",
+    "+model.config.sliding_window=256",
+    "+model.config.layer_types=[sliding_attention,sliding_attention,sliding_attention,full_attention]",
+    "~model.config.rope_theta",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    label: str
+    overrides: tuple[str, ...]
+
+
+CASES = [
+    Case("qwen3_ulysses", "Qwen3-like GQA, ulysses cp=2, checkpointing, chunked loss", (*QWEN3, *ULYSSES_AC)),
+    Case("qwen3_tiled_offload", "the same + model.tiled_mlp + model.activation_offload",
+         (*QWEN3, *ULYSSES_AC, "model.tiled_mlp=true", "model.activation_offload=true")),
+    Case("moe_thd_docs", "Mixtral-like MoE (4 experts, top-2), thd_docs, packed rows, checkpointing", tuple(MIXTRAL)),
+    Case("gemma3_ring", "Gemma-3-like sliding windows, ring, checkpointing", tuple(GEMMA3)),
+    Case("qwen3_no_ac", "the first case without checkpointing",
+         (*QWEN3, *ULYSSES_AC, "model.activation_checkpointing=false")),
+    Case("qwen3_offload_opt", "the first case + fsdp.offload=optimizer",
+         (*QWEN3, *ULYSSES_AC, "fsdp.offload=optimizer")),
+]  # fmt: skip
+
+
+@contextlib.contextmanager
+def _phase_marks(tracker, phases: dict[str, int]):  # noqa: ANN001, ANN202
+    """While active, ``Tensor.backward`` splits the tracker's peak into phases: ``forward+loss`` (until backward
+    starts), ``backward`` (until it returns), and what comes after it (``optimizer``, set by the caller)."""
+    original = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        phases["forward+loss"] = max(phases.get("forward+loss", 0), tracker.peak)
+        tracker.peak = tracker.current
+        original(self, *args, **kwargs)
+        phases["backward"] = max(phases.get("backward", 0), tracker.peak)
+        tracker.peak = tracker.current
+
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
+
+
+@contextlib.contextmanager
+def _host_side(trainer, tracker):  # noqa: ANN001, ANN202
+    """What runs on the host is not counted: the host optimizer's step (``fsdp.offload=optimizer``) and a buffer the
+    activation-offload pool allocates (its copies to and from the device are counted)."""
+    from automodel.training.activation_offload import HostBufferPool
+    from automodel.training.optimizer_offload import HostOffloadOptimizer
+
+    acquire = HostBufferPool.acquire
+
+    def host_acquire(self, shape, dtype):  # noqa: ANN001, ANN202
+        with tracker.host():
+            return acquire(self, shape, dtype)
+
+    HostBufferPool.acquire = host_acquire
+    opt = trainer.optimizer
+    offloaded = isinstance(opt, HostOffloadOptimizer)
+    own = opt.__dict__.get("step")  # the LR scheduler's wrapper of the step, an instance attribute
+    if offloaded:
+        step = opt.step
+
+        def host_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            with tracker.host():
+                return step(*args, **kwargs)
+
+        opt.step = host_step
+    try:
+        yield
+    finally:
+        HostBufferPool.acquire = acquire
+        if offloaded:
+            if own is None:
+                del opt.step
+            else:
+                opt.step = own
+
+
+def _plan(trainer, world: int) -> dict:  # noqa: ANN001
+    """The planner's figures for the trainer's config (see the module docstring): step peak, its phases, persistent."""
+    from automodel.config import parallel_sizes
+    from automodel.distributed.cp.attention_kernels import CPU_KERNEL
+    from automodel.training.memory_plan import model_dims, plan_memory, run_shape_from_config
+    from automodel.training.row_padding import pad_multiple
+
+    cfg = trainer.cfg
+    sizes, _ = parallel_sizes(cfg, world)
+    mult = pad_multiple(cfg)
+    seq = -(-cfg.data.seq_len // mult) * mult
+    dims = model_dims(trainer.model)
+    shape = run_shape_from_config(cfg, sizes, seq, trainer.grad_acc, dims=dims)
+    shape = dataclasses.replace(shape, attention_kernel=CPU_KERNEL)
+    p = plan_memory(dims, shape)
+    return {
+        "step_peak_mib": p.step_peak_bytes / MIB,
+        "peak_phase": p.peak_phase,
+        "phases_mib": {k: sum(v.values()) / MIB for k, v in p.phases.items()},
+        "persistent_mib": p.persistent_bytes / MIB,
+        "terms_mib": {k: v / MIB for k, v in p.phases[p.peak_phase].items()},
+        "local_tokens": shape.local_tokens,
+        "chunk_tokens": shape.chunk_tokens,
+    }
+
+
+def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len: int) -> list[dict]:
+    """Run each case's recipe on this rank; per case ``{"steps": [{"peak_mib", "phases_mib", "tokens"}], "plan"}``
+    (the plan on rank 0 only) or ``{"error": text}``."""
+    import traceback
+
+    from automodel.config import load_config
+    from automodel.training.trainer import FinetuneTrainer
+    from scripts.live_tensors import AllocationTracker, fsdp2_storage_resizes
+
+    torch.set_num_threads(1)
+    results = []
+    for case in cases:
+        argv = ["--config", "configs/cp.yaml", *BASE, f"data.seq_len={seq_len}",
+                f"model.config.max_position_embeddings={seq_len}", *case["overrides"],
+                f"recipe.output_dir={Path(out_root) / case['name']}"]  # fmt: skip
+        try:
+            trainer = FinetuneTrainer(load_config(argv, world_size=world))
+            trainer.setup()
+            steps: list[dict] = []
+            original = trainer.train_step
+
+            def train_step(batches: list, trainer=trainer, original=original, steps=steps) -> dict:  # noqa: ANN001
+                if trainer.step + 1 not in MEASURED_STEPS:
+                    return original(batches)
+                gc.collect()
+                tracker, phases, tokens = AllocationTracker(), {}, []
+                cp_fn = trainer.cp_fn
+
+                def local_tokens(mesh, batch):  # noqa: ANN001, ANN202 - the CP method's batch of this rank
+                    factory, local = cp_fn(mesh, batch)
+                    tokens.append(local)  # ring shards it in place when its context opens: counted after the step
+                    return factory, local
+
+                trainer.cp_fn = local_tokens
+                try:
+                    with _host_side(trainer, tracker), fsdp2_storage_resizes(tracker), _phase_marks(tracker, phases):
+                        with tracker:
+                            record = original(batches)
+                finally:
+                    trainer.cp_fn = cp_fn
+                phases["optimizer"] = tracker.peak
+                steps.append({"peak_mib": max(phases.values()) / MIB, "tokens": sum(b["input_ids"].numel() for b in tokens),
+                              "phases_mib": {k: v / MIB for k, v in phases.items()}})  # fmt: skip
+                return record
+
+            trainer.train_step = train_step
+            trainer.train()
+            results.append({"steps": steps, "plan": _plan(trainer, world) if rank == 0 else None})
+            del trainer, train_step
+            gc.collect()
+        except Exception:  # noqa: BLE001 - reported per case; the other cases still run
+            results.append({"error": traceback.format_exc()})
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=[c.name for c in CASES], choices=[c.name for c in CASES])
+    parser.add_argument("--seq-len", type=int, default=2048, help="data.seq_len: global tokens of the one row")
+    parser.add_argument("--tolerance", type=float, default=0.10)
+    parser.add_argument("--timeout", type=float, default=1200.0)
+    args = parser.parse_args()
+    cases = [c for c in CASES if c.name in args.cases]
+    with tempfile.TemporaryDirectory() as out_root:
+        per_rank = run_on_ranks(
+            "scripts.bench_plan_cases:case_worker", 2, args.timeout,
+            cases=[{"name": c.name, "overrides": list(c.overrides)} for c in cases], out_root=out_root,
+            seq_len=args.seq_len,
+        )  # fmt: skip
+    print(f"\nPer rank (2 gloo ranks, cp=2, FSDP2 over both), fp32, data.seq_len={args.seq_len}, one row per step; "
+          "step peak in MiB, the larger of 2 ranks x steps 2-3\n")  # fmt: skip
+    print("| case | planned MiB | measured MiB | error |")
+    print("|---|---:|---:|---:|")
+    ok, notes = True, []
+    for i, case in enumerate(cases):
+        got = [r[i] for r in per_rank]
+        errors = [g["error"] for g in got if "error" in g]
+        if errors:
+            ok = False
+            print(f"| {case.label} | - | - | failed |")
+            notes.append(f"{case.name}: {errors[0]}")
+            continue
+        plan = got[0]["plan"]
+        steps = [s for g in got for s in g["steps"]]
+        worst = max(steps, key=lambda s: s["peak_mib"])
+        measured, planned = worst["peak_mib"], plan["step_peak_mib"]
+        err = (planned - measured) / measured
+        ok &= abs(err) <= args.tolerance
+        flag = "**" if abs(err) > args.tolerance else ""
+        print(f"| {case.label} | {planned:.1f} | {measured:.1f} | {flag}{err:+.1%}{flag} |", flush=True)
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in worst["phases_mib"].items())
+        planned_phases = ", ".join(f"{k} {v:.1f}" for k, v in plan["phases_mib"].items())
+        terms = ", ".join(f"{k} {v:.1f}" for k, v in plan["terms_mib"].items() if v)
+        by_rank = "; ".join(f"rank {r}: " + ", ".join(f"{s['peak_mib']:.1f} ({s['tokens']} tokens)" for s in g["steps"])
+                            for r, g in enumerate(got))  # fmt: skip
+        notes.append(f"{case.name}: measured phases [{phases}]; planned phases [{planned_phases}], peak "
+                     f"{plan['peak_phase']} = {terms}; planned {plan['local_tokens']} local tokens, chunk "
+                     f"{plan['chunk_tokens']}, persistent {plan['persistent_mib']:.1f}; per rank and step: {by_rank}")  # fmt: skip
+    print()
+    for n in notes:
+        print(f"- {n}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

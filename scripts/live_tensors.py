@@ -1,0 +1,120 @@
+"""Live tensor bytes on CPU, counted as a device allocator would: shared by the memory benchmarks.
+
+:class:`AllocationTracker` counts the storages that ops create while it is active (``current``, ``peak``).
+On a CPU the "device" and the host are one memory, so RSS cannot show what an offload moved; these counts can
+(``scripts/bench_memory.py``'s tracked rows, ``scripts/bench_plan_cases.py``). :func:`fsdp2_storage_resizes`
+adds what FSDP2 allocates without an op: it keeps each unsharded parameter's storage between steps and
+resizes it (``UntypedStorage.resize_``, invisible to a dispatch mode) when it gathers and frees the parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+__all__ = ["AllocationTracker", "fsdp2_storage_resizes"]
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that own memory under ``t``: ``t`` itself, or a wrapper subclass's inner tensors (a DTensor's
+    local shard), recursively."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, name) for name in names)
+        return [x for t in inner if isinstance(t, torch.Tensor) for x in _plain(t)]
+    return [t]
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Device-allocator bookkeeping on CPU: the bytes of the live storages that ops create while active
+    (``current``, ``peak``); an output sharing an input's storage (a view, an in-place op) is not new memory.
+    A wrapper subclass (an FSDP2 ``DTensor``) is counted by its inner tensors (its local shard).
+    Inside :meth:`host` nothing is counted: what the offload code allocates on the host (the host optimizer's
+    step) is not device memory. :meth:`resized` adds a storage's change of size made without an op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        self.paused = False
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key)
+
+    def _add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {
+            id(p.untyped_storage())
+            for t in leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+            for p in _plain(t)
+        }
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor):
+                for p in _plain(t):
+                    storage = p.untyped_storage()
+                    key = id(storage)
+                    if key not in self.live and key not in inputs:  # new memory
+                        self.live[key] = storage.nbytes()
+                        self._add(storage.nbytes())
+                        weakref.finalize(storage, self._free, key)
+        return out
+
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """``storage`` went from ``before`` bytes to its size now without an op (``resize_``): count the change."""
+        if self.paused:
+            return
+        change = storage.nbytes() - before
+        key = id(storage)
+        if key in self.live:  # created while tracked: its finalizer frees its new size
+            self.live[key] += change
+        self._add(change)
+
+    @contextlib.contextmanager
+    def host(self):  # noqa: ANN201
+        paused, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = paused
+
+
+@contextlib.contextmanager
+def fsdp2_storage_resizes(tracker: AllocationTracker) -> Iterator[None]:
+    """While active, FSDP2's storage resizes (``alloc_storage`` / ``free_storage`` of
+    ``torch.distributed.fsdp._fully_shard``: gathering and freeing the unsharded parameters) are counted by
+    ``tracker`` (:meth:`AllocationTracker.resized`). Patches the two functions in the modules that call them."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def counted(fn):  # noqa: ANN001, ANN202
+        def wrapper(tensor: torch.Tensor) -> None:
+            storage = tensor.untyped_storage()
+            before = storage.nbytes()
+            fn(tensor)
+            tracker.resized(storage, before)
+
+        return wrapper
+
+    patched = [(_fsdp_param, "alloc_storage", counted(alloc)), (_fsdp_param, "free_storage", counted(free)),
+               (_fsdp_param_group, "alloc_storage", counted(alloc))]  # fmt: skip
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
+    try:
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
