@@ -156,6 +156,17 @@ def tiny_falcon(dtype: torch.dtype):
     return AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 
+def _zero_grad_and_shard(model, cp, batch: dict, refused: dict, key: tuple):
+    """Clear ``model``'s gradients and shard ``batch`` for ``cp``: ``(ctx, local)``, or ``None`` with the refusal
+    recorded under ``key`` in ``refused`` (a batch form the method does not take)."""
+    model.zero_grad(set_to_none=True)
+    try:
+        return cp.shard(batch)
+    except ValueError as e:
+        refused[key] = str(e)
+        return None
+
+
 def falcon_checks(mesh, dtypes: list[str], cases: dict) -> dict:
     """Falcon (its attention dispatched through transformers' ``AttentionInterface`` from 5.25, with the causal
     mask materialised) under every method, in each dtype, on every batch form against each document run alone:
@@ -173,12 +184,10 @@ def falcon_checks(mesh, dtypes: list[str], cases: dict) -> dict:
                 out["refused"][label] = str(e)
                 continue
             for name, (batch, _) in cases.items():
-                model.zero_grad(set_to_none=True)
-                try:
-                    ctx, local = cp.shard(batch)
-                except ValueError as e:
-                    out["refused"][(dtype_name, label, name)] = str(e)
+                sharded = _zero_grad_and_shard(model, cp, batch, out["refused"], (dtype_name, label, name))
+                if sharded is None:
                     continue
+                ctx, local = sharded
                 with ctx():
                     logits = model(**{k: v for k, v in local.items() if k != "labels"}).logits
                     loss = _ce(logits.flatten(0, 1), local["shift_labels"].flatten()) / local["num_items_in_batch"]
@@ -212,12 +221,10 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
             if cp.choice is not None:
                 out.setdefault("chosen", {})[label] = (cp.method.name, cp.choice.reason)
             for name, (batch, _) in cases.items():
-                model.zero_grad(set_to_none=True)
-                try:
-                    ctx, local = cp.shard(batch)
-                except ValueError as e:
-                    out["refused"][(dtype_name, label, name)] = str(e)
+                sharded = _zero_grad_and_shard(model, cp, batch, out["refused"], (dtype_name, label, name))
+                if sharded is None:
                     continue
+                ctx, local = sharded
                 with ctx():
                     output = model(**local)
                     loss = output.loss  # transformers' loss: cross-entropy in fp32 whatever the dtype
