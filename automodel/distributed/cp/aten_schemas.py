@@ -1,0 +1,199 @@
+"""The aten attention ops the CUDA block kernels call (and their lower-level siblings), with their schema in every
+supported torch release, 2.11 through 2.15, and the layout of the log-sum-exp each returns.
+
+Taken from each release's ``native_functions.yaml`` (``torchgen/packaged/ATen/native/`` of the torch 2.11.0, 2.12.1,
+2.13.0, 2.14.1 and 2.15.0 wheels); tests/test_aten_meta.py checks the installed torch's schemas
+(``torch._C._jit_get_schemas_for_operator``) against the entry for its version and calls every op the glue uses on
+the meta device. The six ``_scaled_dot_product_*`` ops :mod:`automodel.distributed.cp.cuda_blocks` calls have one
+schema across 2.11-2.15, so the glue has one call per op; the differences are in ops it does not call
+(``_flash_attention_forward`` gained ``block_table`` / ``num_splits`` in 2.12, ``_cudnn_attention_forward``
+``seqused_k`` / ``block_table`` in 2.14; all keyword-only, so positional callers are unaffected). A release that
+changes a called op makes :func:`schema_problem` name it, and the glue must then branch on
+:func:`torch_release`.
+
+The log-sum-exp (:data:`LSE_LAYOUT`, from each release's ``torch/_meta_registrations.py``, the same in 2.11-2.15):
+flash ``[B, H, n]`` fp32; memory-efficient ``[B, H, ceil(n / 32) * 32]`` fp32 on CUDA (``[B, H, n]`` on ROCm); cuDNN
+``[B, H, n, 1]`` fp32. The glue returns ``[B, H, n]`` fp32 from each and hands each backward its own layout back.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["CALLED_OPS", "LSE_LAYOUT", "SCHEMAS", "SUPPORTED_RELEASES", "installed_schema", "schema_for",
+           "schema_problem", "torch_release"]
+
+#: the releases the tables cover
+SUPPORTED_RELEASES = ("2.11", "2.12", "2.13", "2.14", "2.15")
+#: the ops cuda_blocks calls (each with its backward)
+CALLED_OPS = (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+)  # fmt: skip
+#: kernel name (block_backend) -> the LSE its forward returns
+LSE_LAYOUT = {
+    "sdpa_flash": "[B, H, n] fp32",
+    "sdpa_efficient": "[B, H, ceil(n / 32) * 32] fp32 (CUDA; [B, H, n] on ROCm)",
+    "sdpa_cudnn": "[B, H, n, 1] fp32",
+}
+
+#: op -> {(first release, last release): schema}
+SCHEMAS: dict[str, dict[tuple[str, str], str]] = {
+    "_scaled_dot_product_flash_attention": {
+        ("2.11", "2.15"): (
+            "_scaled_dot_product_flash_attention(Tensor query, Tensor key, Tensor value, float dropout_p=0.0, "
+            "bool is_causal=False, bool return_debug_mask=False, *, float? scale=None) -> (Tensor output, Tensor "
+            "logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, Tensor rng_state, Tensor "
+            "unused, Tensor debug_attn_mask)"
+        ),
+    },
+    "_scaled_dot_product_flash_attention_backward": {
+        ("2.11", "2.15"): (
+            "_scaled_dot_product_flash_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor "
+            "value, Tensor out, Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, "
+            "float dropout_p, bool is_causal, Tensor philox_seed, Tensor philox_offset, *, float? scale=None) -> "
+            "(Tensor grad_query, Tensor grad_key, Tensor grad_value)"
+        ),
+    },
+    "_scaled_dot_product_efficient_attention": {
+        ("2.11", "2.15"): (
+            "_scaled_dot_product_efficient_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, "
+            "bool compute_log_sumexp, float dropout_p=0.0, bool is_causal=False, *, float? scale=None) -> (Tensor "
+            "output, Tensor log_sumexp, Tensor philox_seed, Tensor philox_offset)"
+        ),
+    },
+    "_scaled_dot_product_efficient_attention_backward": {
+        ("2.11", "2.15"): (
+            "_scaled_dot_product_efficient_attention_backward(Tensor grad_out_, Tensor query, Tensor key, Tensor "
+            "value, Tensor attn_bias, Tensor out, Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, "
+            "float dropout_p, bool[4] grad_input_mask, bool is_causal=False, *, float? scale=None) -> (Tensor, "
+            "Tensor, Tensor, Tensor)"
+        ),
+    },
+    "_scaled_dot_product_cudnn_attention": {
+        ("2.11", "2.15"): (
+            "_scaled_dot_product_cudnn_attention(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, bool "
+            "compute_log_sumexp, float dropout_p=0.0, bool is_causal=False, bool return_debug_mask=False, *, "
+            "float? scale=None) -> (Tensor output, Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt "
+            "max_q, SymInt max_k, Tensor philox_seed, Tensor philox_offset, Tensor debug_attn_mask)"
+        ),
+    },
+    "_scaled_dot_product_cudnn_attention_backward": {
+        ("2.11", "2.15"): (
+            "_scaled_dot_product_cudnn_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor "
+            "value, Tensor out, Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, Tensor attn_bias, "
+            "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, *, "
+            "float? scale=None) -> (Tensor, Tensor, Tensor)"
+        ),
+    },
+    "_flash_attention_forward": {
+        ("2.11", "2.11"): (
+            "_flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? "
+            "cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, *, "
+            "float? scale=None, SymInt? window_size_left=None, SymInt? window_size_right=None, Tensor? "
+            "seqused_k=None, Tensor? alibi_slopes=None) -> (Tensor output, Tensor softmax_logsumexp, Tensor "
+            "rng_state, Tensor unused, Tensor debug_attn_mask)"
+        ),
+        ("2.12", "2.15"): (
+            "_flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? "
+            "cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, *, "
+            "float? scale=None, SymInt? window_size_left=None, SymInt? window_size_right=None, Tensor? "
+            "seqused_k=None, Tensor? alibi_slopes=None, Tensor? block_table=None, int? num_splits=None) -> "
+            "(Tensor output, Tensor softmax_logsumexp, Tensor rng_state, Tensor unused, Tensor debug_attn_mask)"
+        ),
+    },
+    "_flash_attention_backward": {
+        ("2.11", "2.15"): (
+            "_flash_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+            "Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, "
+            "bool is_causal, Tensor rng_state, Tensor unused, *, float? scale=None, SymInt? "
+            "window_size_left=None, SymInt? window_size_right=None) -> (Tensor, Tensor, Tensor)"
+        ),
+    },
+    "_cudnn_attention_forward": {
+        ("2.11", "2.13"): (
+            "_cudnn_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, Tensor? "
+            "cum_seq_q, Tensor? cum_seq_k, SymInt max_q, SymInt max_k, bool compute_log_sumexp, float "
+            "dropout_p=0.0, bool is_causal=False, bool return_debug_mask=False, *, float? scale=None) -> (Tensor "
+            "output, Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, Tensor "
+            "philox_seed, Tensor philox_offset, Tensor debug_attn_mask)"
+        ),
+        ("2.14", "2.15"): (
+            "_cudnn_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, Tensor? "
+            "cum_seq_q, Tensor? cum_seq_k, SymInt max_q, SymInt max_k, bool compute_log_sumexp, float "
+            "dropout_p=0.0, bool is_causal=False, bool return_debug_mask=False, *, float? scale=None, Tensor? "
+            "seqused_k=None, Tensor? block_table=None) -> (Tensor output, Tensor logsumexp, Tensor cum_seq_q, "
+            "Tensor cum_seq_k, SymInt max_q, SymInt max_k, Tensor philox_seed, Tensor philox_offset, Tensor "
+            "debug_attn_mask)"
+        ),
+    },
+    "_cudnn_attention_backward": {
+        ("2.11", "2.15"): (
+            "_cudnn_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+            "Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, Tensor attn_bias, Tensor cum_seq_q, "
+            "Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, *, float? scale=None) "
+            "-> (Tensor, Tensor, Tensor)"
+        ),
+    },
+    "_efficient_attention_forward": {
+        ("2.11", "2.15"): (
+            "_efficient_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? bias, Tensor? "
+            "cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, float dropout_p, int "
+            "custom_mask_type, bool compute_log_sumexp=False, *, float? scale=None, Tensor? seqlen_k=None, int? "
+            "window_size=None) -> (Tensor output, Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, "
+            "SymInt max_seqlen_batch_q, SymInt max_seqlen_batch_k)"
+        ),
+    },
+    "_efficient_attention_backward": {
+        ("2.11", "2.15"): (
+            "_efficient_attention_backward(Tensor grad_out_, Tensor query, Tensor key, Tensor value, Tensor? "
+            "bias, Tensor out, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt "
+            "max_seqlen_k, Tensor logsumexp, float dropout_p, Tensor philox_seed, Tensor philox_offset, int "
+            "custom_mask_type, bool bias_requires_grad, *, float? scale=None, int? num_splits_key=None, int? "
+            "window_size=None, bool shared_storage_dqdkdv=False) -> (Tensor, Tensor, Tensor, Tensor)"
+        ),
+    },
+}
+
+
+def torch_release(version: str) -> str:
+    """``"2.13"`` of ``"2.13.0+cu130"``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return f"{major}.{minor}"
+
+
+def _key(release: str) -> tuple[int, int]:
+    a, b = release.split(".")
+    return int(a), int(b)
+
+
+def schema_for(op: str, release: str) -> str | None:
+    """The schema of aten ``op`` in torch ``release`` (``"2.11"``), or ``None`` outside the table."""
+    for (first, last), schema in SCHEMAS.get(op, {}).items():
+        if _key(first) <= _key(release) <= _key(last):
+            return schema
+    return None
+
+
+def installed_schema(op: str) -> str | None:
+    """The installed torch's schema of aten ``op`` (its default overload), in ``native_functions.yaml``'s spelling."""
+    import torch
+
+    for s in torch._C._jit_get_schemas_for_operator(f"aten::{op}"):
+        text = str(s).removeprefix("aten::")
+        if text.startswith(op + "("):
+            return re.sub(r"=(-?\d+)\.(?=[,)])", r"=\1.0", text)
+    return None
+
+
+def schema_problem(op: str, version: str) -> str | None:
+    """Why the installed torch's ``op`` differs from the table for its ``version`` (``None``: it matches, or the
+    release is outside the table)."""
+    want = schema_for(op, torch_release(version))
+    if want is None:
+        return None
+    got = installed_schema(op)
+    if got != want:
+        return f"aten::{op} in torch {version} is {got!r}, the table (aten_schemas.SCHEMAS) has {want!r}"
+    return None
