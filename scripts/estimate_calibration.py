@@ -1,20 +1,25 @@
-"""Print the step estimate's calibration table (docs/estimate.md): our estimate against published runs.
+"""Print the step estimate's calibration tables (docs/estimate.md): our estimate against published runs.
 
     PYTHONPATH=. python scripts/estimate_calibration.py
 
-Pure arithmetic (no model is built): Llama-3.1-8B's sizes by hand, the estimate of
-:mod:`automodel.training.step_estimate` for each published layout on 8 H100s, and the published figure.
+The first table is pure arithmetic (no model is built): Llama-3.1-8B's sizes by hand, the estimate of
+:mod:`automodel.training.step_estimate` for each published layout on 8 H100s, and the published figure. The
+second (:func:`long_run_rows`) runs the recipe's dry run (the model on the meta device) of the shipped configs
+that reproduce TRL's and ALST's published multi-million-token runs and compares the estimated step time.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 from automodel.config.gpu_specs import GPU_SPECS
 from automodel.training.memory_plan import ModelDims, RunShape
 from automodel.training.step_estimate import HBM_FRACTION, StepEstimate, estimate_step
 
-__all__ = ["llama31_8b_dims", "fsdp_cp_step", "fsdp_cp_estimate", "with_speedups", "fit_speedups", "CASES"]
+__all__ = ["llama31_8b_dims", "fsdp_cp_step", "fsdp_cp_estimate", "with_speedups", "fit_speedups", "CASES",
+           "LONG_RUNS", "dry_run_step", "long_run_rows"]
 
 
 def llama31_8b_dims() -> ModelDims:
@@ -84,6 +89,59 @@ CASES = [
 ]
 
 
+# (label, published seconds per step (low, high), the source, the dry run's arguments, the kernel assumed: None is
+# the config's own (model.attention_backend), else the attention term is recomputed for that kernel)
+LONG_RUNS = [
+    ("TRL: Qwen3-8B, 1,048,576 tokens, ring CP 8 over FSDP2, cuDNN", (364.0, 380.0),
+     "TRL v1.13.0 release notes (380 s); transformers PR #48324 (373 s)",
+     ["--config", "configs/qwen3_8b_1m_ring_8gpu.yaml"], None),
+    ("the same run with the flash kernel (before cuDNN)", (606.0, 606.0), "transformers PR #48324 (606 s)",
+     ["--config", "configs/qwen3_8b_1m_ring_8gpu.yaml", "model.attention_backend=flash"], None),
+    ("ALST: Llama-3.1-8B, 3.7M tokens, Ulysses 8, FlashAttention-2", (6455.0, 6455.0),
+     "ALST (arXiv:2506.13996): 1 h 47 min 35 s per iteration; its config runs flash_attention_2",
+     ["--config", "configs/llama3_1_8b_longest_8gpu.yaml", "data.seq_len=3700000"], "sdpa_flash"),
+    ("the same, had it run FlashAttention-3", (6455.0, 6455.0), "as above",
+     ["--config", "configs/llama3_1_8b_longest_8gpu.yaml", "data.seq_len=3700000"], "flash3"),
+]
+
+
+@functools.cache
+def _dry_run(args: tuple[str, ...]) -> tuple[Any, str]:
+    from automodel.config import load_config
+    from automodel.training.dry_run import dry_run_report
+
+    loaded = load_config([*args, "recipe.dry_run=true"])
+    return loaded, dry_run_report(loaded)
+
+
+def dry_run_step(args: list[str], kernel: str | None = None) -> tuple[float, str]:
+    """``(estimated step seconds, the kernel)`` of the recipe's dry run of ``args`` (a config and overrides, with
+    ``recipe.gpu_type`` set). With ``kernel``, the attention term is recomputed for it (the estimate adds the
+    attention time to the step, and the methods here hide no communication under it)."""
+    from automodel.config.gpu_specs import GPU_SPECS
+    from automodel.training.attention_speed import attention_seconds
+
+    loaded, report = _dry_run(tuple(args))
+    step = float(re.search(r"estimated step time: ([\d.]+) s", report).group(1))
+    attn_s = float(re.search(r"attention at \d+% -> ([\d.]+) s", report).group(1))
+    planned = re.search(r"attention kernel: (\S+) ", report).group(1)
+    if kernel is None:
+        return step, planned
+    cfg = loaded.cfg
+    flops = float(re.search(r"causal attention ([\d.]+) \(", report).group(1)) * 1e12
+    spec = GPU_SPECS[cfg.recipe.gpu_type]
+    return step - attn_s + attention_seconds(flops, kernel, spec, cfg.model.activation_checkpointing), kernel
+
+
+def long_run_rows() -> list[tuple[str, tuple[float, float], str, str, float]]:
+    """``(label, published (low, high), source, kernel, estimated step seconds)`` of every :data:`LONG_RUNS` case."""
+    rows = []
+    for label, published, source, args, kernel in LONG_RUNS:
+        step, used = dry_run_step(args, kernel)
+        rows.append((label, published, source, used, step))
+    return rows
+
+
 def main() -> None:
     f8, keep = fit_speedups()
     print(f"Float8 on the matrix products: {f8:.2f}x; torch.compile keeps {keep:.0%} of the elementwise time "
@@ -96,6 +154,13 @@ def main() -> None:
         fast = with_speedups(est, f8, keep) if how == "Float8 + compile" else ours
         print(f"{label:<68} {published:>9,} {how:<17} {ours:>11,.0f} {ours / published:5.2f} {fast:>20,.0f} "
               f"{fast / published:5.2f}")
+    print()
+    print("| published run (8 H100s) | published s/step | source | kernel | ours (s) | ours / published |")
+    print("| --- | ---: | --- | --- | ---: | ---: |")
+    for label, (low, high), source, kernel, step in long_run_rows():
+        pub = f"{low:,.0f}" if low == high else f"{low:,.0f}-{high:,.0f}"
+        ratio = f"{step / low:.2f}" if low == high else f"{step / high:.2f}-{step / low:.2f}"
+        print(f"| {label} | {pub} | {source} | {kernel} | {step:,.0f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -37,12 +37,16 @@ def _tiny() -> ModelDims:
                      params=10_000, trainable=10_000, layer_params=3500, root_params=3000, lookup_params=1000)  # fmt: skip
 
 
-def _llama8b() -> ModelDims:
-    """Llama-3.1-8B's sizes, from scripts/estimate_calibration.py (the calibration table's model)."""
+def _calibration():
     spec = importlib.util.spec_from_file_location("estimate_calibration", ROOT / "scripts" / "estimate_calibration.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.llama31_8b_dims()
+    return mod
+
+
+def _llama8b() -> ModelDims:
+    """Llama-3.1-8B's sizes, from scripts/estimate_calibration.py (the calibration table's model)."""
+    return _calibration().llama31_8b_dims()
 
 
 def _sizes(cp: int = 1, tp: int = 1, dp_shard: int = 1) -> dict[str, int]:
@@ -181,7 +185,9 @@ def test_llama_8b_on_8_h100s_targets_and_ranking(capsys):
     long = capsys.readouterr().out
     t32, t256 = _throughput(short), _throughput(long)
     assert 2000 <= t32 <= 5500, t32  # torchtitan (Float8 + compile): 3,890
-    assert 4.5 <= t32 / t256 <= 9.5, (t32, t256)  # torchtitan: 7.1
+    # torchtitan: 7.1 on its 500 W H100s with its own ring; the kernels' published speeds (attention_speed) give
+    # the long row a larger share of the peak than its run got (docs/estimate.md, "The known gap")
+    assert 4.0 <= t32 / t256 <= 9.5, (t32, t256)
     assert "parameters 8030.3M" in short and "N = 7.50B" in short  # the untied embedding table is a lookup
     # the attention term: 8 L S d per token (checkpointing), S = 262144, d = 4096, 32768 tokens on the rank
     attn = float(re.search(r"causal attention ([\d.]+) \(6 L S d per token", long).group(1))
@@ -266,3 +272,42 @@ def test_llama_8b_1m_tokens_on_64_h100s_estimate_ranks_methods_as_auto_does():
     ]))  # fmt: skip
     exposed = re.search(r"CP attention over 64 \(ring\): [\d.]+ GiB .* -> [\d.]+ s \(([\d.]+) s of it exposed\)", ring_est)
     assert float(exposed.group(1)) > 1.0 and _throughput(ring_est) < _throughput(report)
+
+
+def test_attention_speed_per_kernel_and_gpu():
+    """Each kernel's fractions per GPU from the published figures (attention_speed): flash on H100 from the
+    FlashAttention-3 paper (335 / 322 TFLOP/s, the backward at 0.8 x), cuDNN ranked ahead of flash on Hopper by
+    transformers PR #48163's 1.7x (behind on A100, 0.82x; even on L40S), FlashAttention-3 ahead of both on H100."""
+    from automodel.distributed.cp import block_backend as bb
+    from automodel.training.attention_speed import FLASH3, attention_seconds, kernel_speed
+
+    flash = kernel_speed(bb.FLASH, H100)
+    assert flash.forward == pytest.approx(335 / 989) and flash.backward == pytest.approx(0.8 * 322 / 989)
+    # forward once + backward (2x the forward's FLOPs); checkpointing adds a forward
+    assert flash.fraction(False) == pytest.approx(3 / (1 / flash.forward + 2 / flash.backward))
+    assert flash.fraction(True) == pytest.approx(4 / (2 / flash.forward + 2 / flash.backward))
+    for gpu, lo, hi in (("h100", 1.7, 2.3), ("h200", 1.7, 2.3), ("a100", 0.8, 0.85), ("l40s", 1.0, 1.0)):
+        spec = GPU_SPECS[gpu]
+        ratio = attention_seconds(1e15, bb.FLASH, spec, True) / attention_seconds(1e15, bb.CUDNN, spec, True)
+        assert lo - 1e-9 <= ratio <= hi + 1e-9, (gpu, ratio)
+    fa3 = kernel_speed(FLASH3, H100).fraction(True)
+    assert fa3 > kernel_speed(bb.FLASH, H100).fraction(True) and fa3 == pytest.approx(4 / (2 * 989 / 616 + 2 * 989 / (0.8 * 561)))
+    assert kernel_speed(FLASH3, GPU_SPECS["a100"]).fraction(True) == kernel_speed(bb.FLASH, GPU_SPECS["a100"]).fraction(True)
+    order = [kernel_speed(k, H100).fraction(True) for k in (bb.MATH, bb.EFFICIENT, bb.FLEX, bb.FLASH, bb.CUDNN)]
+    assert order == sorted(order)
+    assert "ASSUMED" in kernel_speed(bb.FLASH, GPU_SPECS["l40s"]).source  # no published L40S figure: said so
+
+
+def test_published_long_row_runs_within_25_percent():
+    """The dry runs of the shipped configs that reproduce TRL's 1M-token Qwen3-8B run (cuDNN, and flash before it)
+    and ALST's 3.7M-token Llama-3.1-8B run land within 25% of the published step times; docs/estimate.md's table
+    shows these very figures. ALST's run with FlashAttention-3 (the kernel it did not run) is shown, not bounded."""
+    rows = {label: (pub, kernel, step) for label, pub, _, kernel, step in _calibration().long_run_rows()}
+    doc = (ROOT / "docs" / "estimate.md").read_text()
+    for label, ((low, high), _kernel, step) in rows.items():
+        assert f"| {step:,.0f} |" in doc, (label, step)
+        if "FlashAttention-3" in label:
+            continue
+        assert 0.75 <= step / high and step / low <= 1.25, (label, step, low, high)
+    trl = [step for label, (_, _, step) in rows.items() if label.startswith(("TRL", "the same run with the flash"))]
+    assert trl[1] / trl[0] == pytest.approx(606 / 373, rel=0.1)  # flash over cuDNN, as transformers PR #48324 measured

@@ -15,8 +15,8 @@ Per optimizer step and per rank (BF16 compute, the recipe's settings: no Float8,
   heads) and ``1 / tp`` of the matrix products of its ``rows * S / cp`` tokens.
 - **compute time**: matrix products at the achieved throughput of their GEMM shapes
   (:func:`gemm_efficiency`: a roofline, :data:`GEMM_PEAK_FRACTION` of the peak for large GEMMs, memory
-  bound for thin ones); attention at :data:`ATTENTION_PEAK_FRACTION` of the peak (flash attention
-  forward + backward); the memory-bound rest (norms, RoPE, activations, residual adds, the loss, the
+  bound for thin ones); attention at the achieved fraction of the peak of the planned kernel on that
+  GPU, per pass (:mod:`automodel.training.attention_speed`, each constant cited); the memory-bound rest (norms, RoPE, activations, residual adds, the loss, the
   optimizer step) as bytes over :data:`HBM_FRACTION` of the HBM bandwidth (:func:`memory_bound_bytes`);
   at least :data:`HOST_S_PER_LAYER` per layer and micro-batch (eager PyTorch's launch floor, small models).
 - **communication**, bytes each rank sends per step (ring algorithms: ``(n - 1) / n`` of the data), over
@@ -41,13 +41,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from automodel.config.gpu_specs import GPU_SPECS, GPUSpec
+from automodel.distributed.cp.attention_kernels import kernel_label
 from automodel.distributed.cp.cost import exchange_cost
 from automodel.distributed.cp.method import ExchangeTerm
+from automodel.training.attention_speed import attention_seconds, kernel_speed
 from automodel.training.memory_plan import ModelDims, RunShape
 
 __all__ = [
     "GEMM_PEAK_FRACTION",
-    "ATTENTION_PEAK_FRACTION",
     "HBM_FRACTION",
     "LINK_FRACTION",
     "HOST_S_PER_LAYER",
@@ -67,11 +68,6 @@ __all__ = [
 #: big square GEMMs alone; back to back in a step (power and clock limits) we take 0.6, which puts
 #: torchtitan's plain-FSDP BF16 Llama-3.1-8B run (33% MFU, docs/estimate.md) within our band.
 GEMM_PEAK_FRACTION = 0.60
-#: Flash attention forward + backward (torch SDPA's flash kernel, FlashAttention-2 class), counted against
-#: the causal (halved) FLOPs: the FlashAttention-3 paper (arXiv:2407.08608) puts FlashAttention-2's forward
-#: at about 35% of an H100's peak and its backward is slower (about 25%); inside a step we take 0.22, what
-#: torchtitan's 32K-token CP 1 run implies once its Float8 matrix products are taken out (docs/estimate.md).
-ATTENTION_PEAK_FRACTION = 0.22
 #: Streaming (memory-bound) kernels and GEMM operand traffic reach about 80% of the HBM data sheet.
 HBM_FRACTION = 0.80
 #: NCCL collectives reach about 80% of the link's data-sheet bandwidth (bus bandwidth).
@@ -269,7 +265,7 @@ def estimate_step(
     per_step = {k: v * (1 if k == "optimizer" else r.grad_acc) for k, v in mem.items()}
     est = StepEstimate(
         matmul_flops=mm, attention_flops=attn, matmul_eff=eff, matmul_s=mm / (peak * eff),
-        attention_s=attn / (peak * ATTENTION_PEAK_FRACTION), memory_bytes=per_step,
+        attention_s=attention_seconds(attn, r.attention_kernel, spec, r.activation_checkpointing), memory_bytes=per_step,
         memory_s=sum(per_step.values()) / (spec.hbm_gb_s * 1e9 * HBM_FRACTION),
         host_s=r.grad_acc * d.layers * HOST_S_PER_LAYER * (4 / 3 if r.activation_checkpointing else 1.0),
         tokens_per_step=global_rows * r.seq, world=world,
@@ -323,6 +319,7 @@ def step_estimate_lines(
     spec = gpu_spec(gpu_type)
     node = nproc_per_node or spec.gpus_per_node
     est = estimate_step(d, r, sizes, world, global_rows, spec, node)
+    speed = kernel_speed(r.attention_kernel, spec)
     out = [f"--- step-time ESTIMATE on {spec.name} (data-sheet peaks x the achieved fractions of docs/estimate.md; "
            f"BF16, no Float8 / torch.compile; nothing measured; {spec.network}) ---"]  # fmt: skip
     ac = " + the recomputed forward" if r.activation_checkpointing else ""
@@ -335,8 +332,10 @@ def step_estimate_lines(
     out.append(
         f"  matrix products at {est.matmul_eff:.0%} of the BF16 peak ({spec.bf16_tflops:.0f} TFLOP/s; GEMMs of "
         f"{r.local_tokens} tokens per rank{tp_note}) -> {_fmt_s(est.matmul_s)}; "
-        f"attention at {ATTENTION_PEAK_FRACTION:.0%} (flash attention forward + backward) -> {_fmt_s(est.attention_s)}"
+        f"attention at {speed.fraction(r.activation_checkpointing):.0%} -> {_fmt_s(est.attention_s)}"
     )
+    out.append(f"  attention kernel: {kernel_label(r.attention_kernel)}: forward {speed.forward:.0%}, backward "
+               f"{speed.backward:.0%} of the peak ({speed.source})")  # fmt: skip
     parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in est.memory_bytes.items())
     out.append(
         f"  memory-bound work ({parts}) at {HBM_FRACTION:.0%} of {spec.hbm_gb_s / 1e3:.2f} TB/s HBM -> {_fmt_s(est.memory_s)}"

@@ -67,6 +67,7 @@ _LABELS = {
     FLEX: "flex (FlexAttention, Triton)",
     MATH: "math (exact, a score matrix per call)",
     CPU_KERNEL: "cpu (torch's CPU flash kernel)",
+    "flash3": "flash3 (FlashAttention-3, flash-attn's Hopper build; the step estimate of published runs only)",
 }
 
 # a plain list (not a ContextVar): autograd may run the backward on another thread
