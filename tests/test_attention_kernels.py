@@ -40,7 +40,9 @@ def test_config_names_the_kernels_and_refuses_what_cannot_run():
         ("sdpa", (9, 0), 91600, True, 192, bb.FLASH),  # head size past cuDNN's 128
         ("sdpa", (8, 0), 91600, True, 128, bb.FLASH),  # A100: SDPA's default order
         ("sdpa", (8, 9), 91600, True, 128, bb.FLASH),  # L40S
-        ("blocks", (9, 0), 91600, True, 128, bb.FLASH),  # the CP block kernels: their own table
+        ("blocks", (9, 0), 91600, True, 128, bb.CUDNN),  # the CP block kernels follow the same rule (issue 44)
+        ("blocks", (9, 0), 91500, True, 128, bb.FLASH),
+        ("blocks", (8, 0), 91600, True, 128, bb.FLASH),
         ("sdpa", (9, 0), 91600, False, 128, bb.EFFICIENT),  # fp32
         ("sdpa", (7, 0), None, True, 128, bb.EFFICIENT),  # V100
         ("sdpa", None, None, True, 128, ak.CPU_KERNEL),

@@ -33,7 +33,8 @@ def get_train_context(
         cp_context: a context from :func:`create_context_parallel_ctx` (single use: each CP batch
             needs a fresh one, which :func:`make_cp_batch_and_ctx` provides).
         attention_backend: ``model.attention_backend``; on a ``device_type`` ``"cuda"`` run a pinned kernel runs
-            every attention call (:func:`automodel.distributed.cp.attention_kernels.attention_backend_context`).
+            every attention call, and ``auto`` sets SDPA's priority to the block kernels' rule
+            (:func:`automodel.distributed.cp.attention_kernels.attention_backend_context`).
     """
 
     @contextlib.contextmanager
@@ -47,7 +48,7 @@ def get_train_context(
                 from automodel.distributed.compiled_autograd import compiled_autograd
 
                 stack.enter_context(compiled_autograd(compiled_autograd_backend))
-            if attention_backend != "auto":
+            if device_type == "cuda" or attention_backend != "auto":  # auto on CUDA: SDPA's order is the blocks'
                 from automodel.distributed.cp.attention_kernels import attention_backend_context
 
                 stack.enter_context(attention_backend_context(attention_backend, device_type))

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from automodel.config import LoadedConfig
 from automodel.data.collator import label_token_count
 from automodel.distributed.cp import get_cp_method
+from automodel.distributed.cp.attention_kernels import run_kernel_line
 from automodel.distributed.cp.bind import bind_cp_method, no_cp_batch_and_ctx
 from automodel.distributed.mesh import ParallelDims, default_backend, get_submesh, init_distributed
 from automodel.errors import UserInputError
@@ -526,9 +527,12 @@ class FinetuneTrainer:
             attention_backend=cfg.model.attention_backend,
             device_type=self.device.type,
         )
-        if cfg.model.attention_backend != "auto":
-            where = "every attention call runs it" if self.device.type == "cuda" else "CPU runs keep torch's CPU kernels"
-            logger.info("model.attention_backend=%s: %s", cfg.model.attention_backend, where)
+        cuda = self.device.type == "cuda"
+        logger.info("%s", run_kernel_line(
+            cfg.model.attention_backend, self.device.type,
+            tuple(torch.cuda.get_device_capability(self.device)) if cuda else None,
+            torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None,
+        ))  # fmt: skip
         from automodel.training.compile_stats import CompileClock
 
         self.compile_clock = CompileClock()

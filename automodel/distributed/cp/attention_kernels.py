@@ -25,7 +25,15 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from automodel.distributed.cp.block_backend import CUDNN, EFFICIENT, FLASH, FLEX, MATH
+from automodel.distributed.cp.block_backend import (
+    CUDNN,
+    CUDNN_PREFERRED_CAPABILITIES,
+    CUDNN_PREFERRED_MIN_VERSION,
+    EFFICIENT,
+    FLASH,
+    FLEX,
+    MATH,
+)
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -39,6 +47,8 @@ __all__ = [
     "attention_backend_context",
     "attention_backend_problem",
     "auto_kernel",
+    "auto_sdpa_order",
+    "run_kernel_line",
     "kernel_buffers",
     "kernel_label",
     "pinned_kernel",
@@ -51,11 +61,8 @@ ATTENTION_BACKENDS = (AUTO_BACKEND, "flash", "cudnn", "efficient", "flex", "math
 KERNEL_OF_BACKEND = {"flash": FLASH, "cudnn": CUDNN, "efficient": EFFICIENT, "flex": FLEX, "math": MATH}
 #: the planner's name for torch's CPU kernels (the CPU flash kernel; what the planner is calibrated on)
 CPU_KERNEL = "cpu"
-#: torch's SDPA puts cuDNN first on these compute capabilities (H100/H200, B200, B300) when the runtime
-#: cuDNN is newer than 9.15.0 (``check_prefer_cudnn_attention`` in aten/src/ATen/native/transformers/cuda/
-#: sdp_utils.cpp); elsewhere its order is flash, memory-efficient, math, cuDNN
-CUDNN_PREFERRED_CAPABILITIES = ((9, 0), (10, 0), (10, 3))
-CUDNN_PREFERRED_MIN_VERSION = 91500  # strictly greater than this (cuDNN 9.15.1 and newer)
+# CUDNN_PREFERRED_CAPABILITIES / CUDNN_PREFERRED_MIN_VERSION (block_backend): torch's SDPA puts cuDNN first there;
+# elsewhere its order is flash, memory-efficient, math, cuDNN
 #: the largest head size the cuDNN and flash kernels take
 _CUDNN_MAX_HEAD_DIM = 128
 _FLASH_MAX_HEAD_DIM = 256
@@ -114,14 +121,28 @@ def attention_backend_context(name: str, device_type: str = "cuda") -> Iterator[
     raises ``ValueError`` naming the block and the kernels that can), and torch's SDPA dispatch runs it
     (``torch.nn.attention.sdpa_kernel``: a call it cannot take raises torch's "No available kernel" error,
     never a silent fallback). ``flex`` pins the CP blocks only; SDPA-dispatched attention under ``flex``
-    needs ``model.attn_implementation=flex_attention`` (the config rules say so). ``auto``, and any pin off
-    CUDA: nothing changes. Mutates a module-level stack seen by every thread; nests.
+    needs ``model.attn_implementation=flex_attention`` (the config rules say so). ``auto`` on a CUDA device
+    sets SDPA's priority to :func:`auto_sdpa_order` (the block kernels' rule, so Ulysses' inner kernel follows
+    it); off CUDA (or without a GPU) nothing changes. Mutates a module-level stack seen by every thread; nests.
     """
     problem = attention_backend_problem(name)
     if problem:
         raise ValueError(problem)
-    if device_type != "cuda" or name == AUTO_BACKEND:
+    if device_type != "cuda":
         yield
+        return
+    if name == AUTO_BACKEND:
+        import torch
+
+        if not torch.cuda.is_available():
+            yield
+            return
+        from torch.nn.attention import sdpa_kernel
+
+        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        order = auto_sdpa_order(tuple(torch.cuda.get_device_capability()), version)
+        with sdpa_kernel([_sdpa_backend(k) for k in order], set_priority=True):
+            yield
         return
     kernel = KERNEL_OF_BACKEND[name]
     with contextlib.ExitStack() as stack:
@@ -132,6 +153,33 @@ def attention_backend_context(name: str, device_type: str = "cuda") -> Iterator[
         _PINNED.append(kernel)
         stack.callback(_PINNED.pop)
         yield
+
+
+def run_kernel_line(name: str, device_type: str, capability: tuple[int, int] | None = None,
+                    cudnn_version: int | None = None) -> str:  # fmt: skip
+    """The run log's line saying which attention kernels run (pure; the trainer logs it once)."""
+    if device_type != "cuda":
+        pinned = f"; model.attention_backend={name} applies on CUDA only" if name != AUTO_BACKEND else ""
+        return (f"attention kernels on {device_type}: torch's CPU kernels (SDPA's CPU flash kernel; the CP blocks' CPU "
+                f"flash kernel, exact math for blocks it does not take){pinned}")  # fmt: skip
+    if name != AUTO_BACKEND:
+        return f"attention kernels: {kernel_label(KERNEL_OF_BACKEND[name])}, pinned by model.attention_backend={name}"
+    order = auto_sdpa_order(capability, cudnn_version) if capability is not None else [FLASH, EFFICIENT, MATH, CUDNN]
+    gpu = f"compute capability {capability[0]}.{capability[1]}" if capability else "this GPU"
+    return (f"attention kernels (auto on {gpu}, cuDNN {cudnn_version}): SDPA tries {', '.join(order)}; the CP blocks "
+            f"log their kernel per layer kind (logger automodel.distributed.cp.blocks)")  # fmt: skip
+
+
+def auto_sdpa_order(capability: tuple[int, int], cudnn_version: int | None) -> list[str]:
+    """The order ``auto`` gives torch's SDPA dispatch (HF ``sdpa`` without CP, Ulysses' inner kernel) on a GPU of
+    ``capability`` with a runtime cuDNN ``cudnn_version``: the block kernels' rule (cuDNN first where
+    :data:`CUDNN_PREFERRED_CAPABILITIES` and a cuDNN newer than 9.15.0, else flash, memory-efficient, math, cuDNN),
+    set with ``sdpa_kernel(..., set_priority=True)`` so the inner kernel follows it on any torch. Pure."""
+    if cudnn_version is not None and tuple(capability) in CUDNN_PREFERRED_CAPABILITIES and (
+        cudnn_version > CUDNN_PREFERRED_MIN_VERSION
+    ):
+        return [CUDNN, FLASH, EFFICIENT, MATH]
+    return [FLASH, EFFICIENT, MATH, CUDNN]
 
 
 def auto_kernel(
@@ -155,21 +203,23 @@ def auto_kernel(
     ``check_prefer_cudnn_attention``): cuDNN first on compute capability 9.0 / 10.0 / 10.3 with a runtime
     cuDNN newer than 9.15.0, else flash (fp16/bf16, compute capability >= 8.0, head size <= 256), else the
     memory-efficient kernel. With the cuDNN version unknown (a CPU-only torch plans for a GPU), the flash
-    kernel is assumed: of the two it allocates more in its backward, so the plan is an upper bound. The
-    block kernels take flash for an unmasked fp16/bf16 block and the memory-efficient kernel otherwise.
+    kernel is assumed: of the two it allocates more in its backward, so the plan is an upper bound. The CP
+    block kernels follow the same rule for their unmasked blocks (``select_backend`` with
+    ``CudaCaps.cudnn_preferred``) and take the memory-efficient kernel for masked ones.
     """
     if capability is None:
         return CPU_KERNEL, "no GPU: torch's CPU kernels"
     cap = tuple(capability)
     flash_ok = half and cap >= (8, 0) and head_dim <= _FLASH_MAX_HEAD_DIM
-    if path == "sdpa" and half and cap in CUDNN_PREFERRED_CAPABILITIES and head_dim <= _CUDNN_MAX_HEAD_DIM:
+    if half and cap in CUDNN_PREFERRED_CAPABILITIES and head_dim <= _CUDNN_MAX_HEAD_DIM:
         if cudnn_version is None:
             if flash_ok:
                 return FLASH, (f"compute capability {cap[0]}.{cap[1]}: torch's SDPA prefers cuDNN only with a cuDNN "
                                "newer than 9.15.0, and the cuDNN version is unknown here; planned for flash, whose "
                                "backward allocates more (pin model.attention_backend=cudnn to plan cuDNN)")  # fmt: skip
         elif cudnn_version > CUDNN_PREFERRED_MIN_VERSION:
-            return CUDNN, f"compute capability {cap[0]}.{cap[1]} with cuDNN {cudnn_version}: torch's SDPA tries cuDNN first"
+            who = "torch's SDPA tries" if path == "sdpa" else "the CP block kernels run"
+            return CUDNN, f"compute capability {cap[0]}.{cap[1]} with cuDNN {cudnn_version}: {who} cuDNN first"
     if flash_ok:
         where = "torch's SDPA order (flash first)" if path == "sdpa" else "the CP block kernels (flash for unmasked blocks)"
         return FLASH, f"fp16/bf16 on compute capability {cap[0]}.{cap[1]}: {where}"

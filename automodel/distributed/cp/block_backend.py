@@ -18,8 +18,12 @@ The kernels, in order of preference:
   (a ``score_mod``), sinks (its log-sum-exp is differentiable, so the sink column joins by an exact
   merge), and any mask the two above take.
 - ``"sdpa_cudnn"``: ``aten._scaled_dot_product_cudnn_attention`` and its backward (cuDNN's fused
-  attention): only where ``model.attention_backend=cudnn`` pins it: fp16/bf16, compute capability >= 8.0,
-  head size <= 128 after padding, native GQA, no mask (``causal`` only on a square block).
+  attention): fp16/bf16, compute capability >= 8.0, head size <= 128 after padding, no mask (``causal`` only on
+  a square block). ``auto`` puts it before flash where torch's SDPA does (``CudaCaps.cudnn_preferred``: compute
+  capability 9.0 / 10.0 / 10.3 with a runtime cuDNN newer than 9.15.0; on Hopper it runs training shapes
+  1.7-2.3x faster than flash, transformers PR #48163), else only where ``model.attention_backend=cudnn`` pins it.
+  A block it cannot take there runs the next kernel, and :attr:`Choice.fallback` says why (logged once per
+  layer kind and reason).
 - ``"math"``: exact math, only where nothing above applies (fp64, or an install without the ops); the
   caller logs one warning per layer kind and reason.
 
@@ -45,9 +49,12 @@ __all__ = [
     "Choice",
     "CudaCaps",
     "layer_kind",
+    "GpuInfo",
+    "caps_for",
     "padded_head_dim",
     "pin_problem",
     "select_backend",
+    "select_kernel",
     "varlen_applies",
 ]
 
@@ -101,6 +108,7 @@ class CudaCaps:
         flex: ``torch.nn.attention.flex_attention`` imports and Triton is there to compile it.
         varlen: ``torch.nn.attention.varlen.varlen_attn`` imports (torch >= 2.10).
         cudnn_op: torch has ``aten._scaled_dot_product_cudnn_attention`` with its backward and cuDNN is there.
+        cudnn_preferred: ``auto`` runs cuDNN before flash (the GPU and runtime cuDNN torch's SDPA prefers it on).
     """
 
     capability: tuple[int, int]
@@ -109,14 +117,17 @@ class CudaCaps:
     flex: bool = True
     varlen: bool = False
     cudnn_op: bool = False
+    cudnn_preferred: bool = False
 
 
 @dataclass(frozen=True)
 class Choice:
-    """A kernel and why it was chosen (for ``"math"``: the reason no fused kernel applies)."""
+    """A kernel and why it was chosen (for ``"math"``: the reason no fused kernel applies). ``fallback``: the
+    preferred kernel of this GPU could not take the block, and why (empty: it ran the preferred one)."""
 
     kernel: str
     reason: str
+    fallback: str = ""
 
 
 def padded_head_dim(spec: BlockSpec) -> int:
@@ -210,6 +221,18 @@ def select_backend(device_type: str, spec: BlockSpec, caps: CudaCaps | None, pin
         return Choice(MATH, f"{what} need FlexAttention (torch.nn.attention.flex_attention with Triton), not available")
     needs_mask = spec.masked or (spec.causal and not spec.square)
     dim = padded_head_dim(spec)
+    fallback = ""
+    if caps.cudnn_preferred:
+        problem = pin_problem(CUDNN, spec, caps)
+        if problem is None:
+            return Choice(CUDNN, "no mask, fp16/bf16 on a GPU and cuDNN torch's SDPA prefers cuDNN on: cuDNN")
+        fallback = f"cuDNN (preferred on this GPU) cannot take it: {problem.removeprefix(CUDNN + ' ')}"
+    choice = _after_cudnn(spec, caps, needs_mask, dim)
+    return Choice(choice.kernel, choice.reason, fallback)
+
+
+def _after_cudnn(spec: BlockSpec, caps: CudaCaps, needs_mask: bool, dim: int) -> Choice:
+    sm80 = tuple(caps.capability) >= (8, 0)
     if needs_mask:
         if caps.efficient_op:
             return Choice(EFFICIENT, "a mask: memory-efficient SDPA with an additive bias")
@@ -234,3 +257,76 @@ def varlen_applies(spec: BlockSpec, caps: CudaCaps | None) -> bool:
     if spec.masked or spec.sinks or spec.softcap or spec.head_dim != spec.value_dim:
         return False
     return spec.head_dim % 8 == 0 and spec.head_dim <= FLASH_MAX_HEAD_DIM
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the selection from what a GPU, a torch and a cuDNN are (pure: tests per GPU and release, the dry run's plan)
+
+#: torch's SDPA puts cuDNN first on these compute capabilities (H100/H200, B200, B300) when the runtime cuDNN is
+#: newer than 9.15.0 (``check_prefer_cudnn_attention``, aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, torch
+#: 2.11-2.15); ``auto`` follows the same rule for the CP blocks. Not Ampere, Ada or sm120 (RTX PRO 6000): cuDNN is
+#: slower or even there (0.82x A100, 1.00x L40S, 0.88x RTX PRO 6000; transformers PR #48163)
+CUDNN_PREFERRED_CAPABILITIES = ((9, 0), (10, 0), (10, 3))
+CUDNN_PREFERRED_MIN_VERSION = 91500  # strictly greater than this (cuDNN 9.15.1 and newer)
+#: compute capability of the GPUs the docs name (``GpuInfo.named``)
+GPU_CAPABILITIES = {"a100": (8, 0), "a10g": (8, 6), "l40s": (8, 9), "h100": (9, 0), "h200": (9, 0),
+                    "b200": (10, 0), "b300": (10, 3), "rtx pro 6000": (12, 0)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """A GPU by name and compute capability (``torch.cuda.get_device_name`` / ``get_device_capability``)."""
+
+    name: str
+    capability: tuple[int, int]
+
+    @staticmethod
+    def named(name: str) -> GpuInfo:
+        """One of :data:`GPU_CAPABILITIES` (``"h100"``, case-insensitive)."""
+        key = name.lower()
+        if key not in GPU_CAPABILITIES:
+            raise ValueError(f"GPU {name!r} is not in the table {sorted(GPU_CAPABILITIES)}; give GpuInfo(name, capability)")
+        return GpuInfo(name, GPU_CAPABILITIES[key])
+
+
+def caps_for(gpu: GpuInfo, torch_version: str, cudnn_version: int | None) -> CudaCaps:
+    """The :class:`CudaCaps` of ``gpu`` with a torch of ``torch_version`` (a CUDA build: Triton and flash, efficient
+    and cuDNN ops in every supported release, ``aten_schemas``) and a runtime cuDNN ``cudnn_version``
+    (``torch.backends.cudnn.version()``: 91900 is 9.19.0; ``None``: none, or unknown)."""
+    from automodel.distributed.cp import aten_schemas
+
+    release = aten_schemas.torch_release(torch_version)
+    if release not in aten_schemas.SUPPORTED_RELEASES:
+        raise ValueError(
+            f"torch {torch_version} is outside the releases the kernel table covers ({', '.join(aten_schemas.SUPPORTED_RELEASES)}); "
+            "add its schemas to automodel/distributed/cp/aten_schemas.py"
+        )
+
+    def has(op: str) -> bool:
+        return aten_schemas.schema_for(op, release) is not None and aten_schemas.schema_for(op + "_backward", release) is not None
+
+    cap = tuple(gpu.capability)
+    cudnn_op = has("_scaled_dot_product_cudnn_attention") and cudnn_version is not None and cap >= (8, 0)
+    return CudaCaps(
+        capability=cap, flash_op=has("_scaled_dot_product_flash_attention"),
+        efficient_op=has("_scaled_dot_product_efficient_attention"), flex=True, varlen=True, cudnn_op=cudnn_op,
+        cudnn_preferred=cudnn_op and cap in CUDNN_PREFERRED_CAPABILITIES and cudnn_version > CUDNN_PREFERRED_MIN_VERSION,
+    )  # fmt: skip
+
+
+def select_kernel(
+    gpu: GpuInfo, torch_version: str, cudnn_version: int | None, spec: BlockSpec, *, varlen: bool = False,
+    pinned: str | None = None,
+) -> Choice:  # fmt: skip
+    """The kernel that computes a block like ``spec`` (its dtype, head sizes, causal square / full / rectangular
+    shape, mask, GQA) on ``gpu`` with this torch and cuDNN; ``varlen``: the block is all documents of a packed
+    row, which one ``varlen_attn`` call (flash) takes where it applies. Pure; the docs' table (docs/gpu.md,
+    "Which kernel runs") is this function per GPU.
+
+    Raises:
+        ValueError: a ``pinned`` kernel cannot take the block, or the torch release is outside the table.
+    """
+    caps = caps_for(gpu, torch_version, cudnn_version)
+    if varlen and pinned in (None, FLASH) and varlen_applies(spec, caps):
+        return Choice(FLASH, "all documents of the row in one varlen_attn call (flash)")
+    return select_backend("cuda", spec, caps, pinned)

@@ -33,6 +33,7 @@ forward is recomputed later (activation checkpointing), so the recomputation run
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -61,6 +62,16 @@ _DEVICE_SLOT = {"cpu": "flash", "cuda": "cuda"}
 _FORCED: list[str] = []
 # name -> (forward, backward) of a registered backend (the "cuda" slot: cuda_blocks, registered below)
 _REGISTERED: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+_logger = logging.getLogger("automodel.distributed.cp.blocks")
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def _log_cpu_kernel(name: str, device: torch.device, what: str) -> None:
+    """One INFO line per device type and backend: which kernel the blocks off CUDA run (the run log names it)."""
+    key = (torch.device(device).type, name)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        _logger.info("attention blocks on %s run %s", key[0], what)
 
 
 def _check_name(name: str) -> None:
@@ -267,7 +278,11 @@ def block_forward(
         if got is not None:
             return got
     elif name == "flash":
+        _log_cpu_kernel(name, q.device, "torch's CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu)")
         return _flash_forward(q, k, v, causal, scale, allowed)
+    if q.device.type != "cuda":
+        _log_cpu_kernel("math", q.device, "exact math for blocks the CPU flash kernel does not take (sinks, "
+                        "soft-capping, unequal value heads, rectangular causal blocks, forced math)")  # fmt: skip
     return _math_forward(q, k, v, causal, scale, allowed, sinks, softcap)
 
 

@@ -12,8 +12,9 @@ of queries ``[B, Hq, n, D]`` against keys ``[B, Hkv, m, D]`` and values ``[B, Hk
   query head (GQA) and their gradients summed back; head sizes are zero-padded to one multiple of 8
   (MLA), which is exact; a mask or a rectangular causal block becomes an additive bias (efficient only).
 - cuDNN (``aten._scaled_dot_product_cudnn_attention`` and its ``_backward``, which take the output and the
-  LSE as well, as torch's own ring attention uses them): only where ``model.attention_backend=cudnn`` pins
-  it (:func:`~automodel.distributed.cp.attention_kernels.pinned_kernel`); the same padding and K/V repeat.
+  LSE as well, as torch's own ring attention uses them): under ``auto`` before flash on the GPUs and cuDNN
+  versions torch's SDPA prefers it on (``CudaCaps.cudnn_preferred``), or where ``model.attention_backend=cudnn``
+  pins it (:func:`~automodel.distributed.cp.attention_kernels.pinned_kernel`); the same padding and K/V repeat.
 - FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA): soft-capping as a
   ``score_mod``, masks as a block mask, native GQA, and sinks joined by an exact merge of the sink
   column with its differentiable LSE. Its explicit backward recomputes the block under autograd and
@@ -40,11 +41,14 @@ import torch
 from automodel.distributed.cp.attention_kernels import pinned_kernel
 from automodel.distributed.cp.block_backend import (
     CUDNN,
+    CUDNN_PREFERRED_CAPABILITIES,
+    CUDNN_PREFERRED_MIN_VERSION,
     EFFICIENT,
     FLASH,
     FLEX,
     MATH,
     BlockSpec,
+    Choice,
     CudaCaps,
     layer_kind,
     padded_head_dim,
@@ -107,7 +111,15 @@ def _caps_of(index: int) -> CudaCaps:
         flex=flex_available("cuda"),
         varlen=varlen_available(),
         cudnn_op=_has_op("_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available(),
+        cudnn_preferred=_cudnn_preferred(tuple(torch.cuda.get_device_capability(index))),
     )
+
+
+def _cudnn_preferred(capability: tuple[int, int]) -> bool:
+    """The rule of ``block_backend.CUDNN_PREFERRED_CAPABILITIES`` for this process's cuDNN."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return (version is not None and capability in CUDNN_PREFERRED_CAPABILITIES
+            and version > CUDNN_PREFERRED_MIN_VERSION)  # fmt: skip
 
 
 def cuda_caps(device: torch.device) -> CudaCaps | None:
@@ -143,7 +155,21 @@ def _choose(q, k, v, causal, allowed, sinks, softcap, kernel: str | None) -> tup
     choice = select_backend(q.device.type, spec, cuda_caps(q.device), pinned_kernel())
     if choice.kernel == MATH:
         _warn_math(spec, choice.reason)
+    else:
+        _log_kernel(spec, choice)
     return choice.kernel, spec
+
+
+def _log_kernel(spec: BlockSpec, choice: Choice) -> None:
+    """One INFO line per layer kind and kernel: which kernel runs its blocks (and, where the GPU's preferred
+    kernel could not take them, why): the run log names the kernel that ran."""
+    key = (layer_kind(spec), choice.kernel + "|" + choice.fallback)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    extra = f"; {choice.fallback}" if choice.fallback else ""
+    logger.info("CUDA attention blocks of layer kind '%s' (%s) run %s (%s%s)", key[0], spec.dtype, choice.kernel,
+                choice.reason, extra)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""The attention kernel as a pure function of the GPU, the torch release, the runtime cuDNN and the block
+(block_backend.select_kernel), per GPU and version: auto runs cuDNN where torch's SDPA prefers it (Hopper and
+B200/B300 with cuDNN > 9.15), flash elsewhere; a block the preferred kernel cannot take falls back with the reason,
+logged once per layer kind; the same rule orders SDPA for Ulysses' inner kernel; the run log names the kernels."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from automodel.distributed.cp import attention_kernels as ak
+from automodel.distributed.cp import block_backend as bb
+from automodel.distributed.cp import cuda_blocks
+from automodel.distributed.train_context import get_train_context
+
+BF16, F32 = torch.bfloat16, torch.float32
+CUDNN_919, CUDNN_915, CUDNN_91 = 91900, 91500, 90100  # 9.19.0 (torch 2.11's wheel), 9.15.0, 9.1.0
+
+
+def _spec(dtype=BF16, d=128, dv=128, **kw):
+    return bb.BlockSpec(dtype=dtype, head_dim=d, value_dim=dv, **kw)
+
+
+CAUSAL, FULL, RECT = _spec(causal=True, grouped=True), _spec(grouped=True), _spec(causal=True, square=False)
+
+
+@pytest.mark.parametrize(
+    "gpu, torch_version, cudnn, spec, kernel",
+    [
+        # Hopper with a cuDNN newer than 9.15.0: cuDNN for the unmasked blocks (the diagonal and full blocks)
+        ("h100", "2.11.0+cu130", CUDNN_919, CAUSAL, bb.CUDNN),
+        ("h200", "2.15.0", CUDNN_919, FULL, bb.CUDNN),
+        ("b200", "2.13.0", CUDNN_919, CAUSAL, bb.CUDNN),
+        ("b300", "2.14.1", CUDNN_919, CAUSAL, bb.CUDNN),
+        # cuDNN 9.15.0 is not newer than 9.15.0; an old cuDNN; none: flash
+        ("h100", "2.12.1", CUDNN_915, CAUSAL, bb.FLASH),
+        ("h100", "2.13.0", CUDNN_91, CAUSAL, bb.FLASH),
+        ("h100", "2.13.0", None, CAUSAL, bb.FLASH),
+        # where cuDNN is slower or even (transformers PR #48163): flash
+        ("a100", "2.11.0", CUDNN_919, CAUSAL, bb.FLASH),
+        ("l40s", "2.11.0", CUDNN_919, CAUSAL, bb.FLASH),
+        ("rtx pro 6000", "2.15.0", CUDNN_919, CAUSAL, bb.FLASH),
+        ("a10g", "2.15.0", CUDNN_919, FULL, bb.FLASH),
+        # a causal rectangle (head-tail chunks, halos): a mask, the memory-efficient kernel everywhere
+        ("h100", "2.11.0", CUDNN_919, RECT, bb.EFFICIENT),
+        ("a100", "2.11.0", CUDNN_919, RECT, bb.EFFICIENT),
+        # head size past cuDNN's 128 / fp32 / past flash's 256
+        ("h100", "2.11.0", CUDNN_919, _spec(d=192, dv=192, causal=True), bb.FLASH),
+        ("h100", "2.11.0", CUDNN_919, _spec(F32, causal=True), bb.EFFICIENT),
+        ("h100", "2.11.0", CUDNN_919, _spec(d=320, dv=320), bb.EFFICIENT),
+        # MLA padded to 128 stays on cuDNN; sinks go to FlexAttention
+        ("h100", "2.11.0", CUDNN_919, _spec(d=128, dv=64, causal=True), bb.CUDNN),
+        ("h100", "2.11.0", CUDNN_919, _spec(sinks=True, causal=True), bb.FLEX),
+    ],
+)
+def test_selection_per_gpu_torch_and_cudnn(gpu, torch_version, cudnn, spec, kernel):
+    choice = bb.select_kernel(bb.GpuInfo.named(gpu), torch_version, cudnn, spec)
+    assert choice.kernel == kernel, choice
+    assert choice.reason
+
+
+@pytest.mark.parametrize(
+    "spec, kernel, why",
+    [
+        (RECT, bb.EFFICIENT, "takes no mask"),
+        (_spec(masked=True), bb.EFFICIENT, "takes no mask"),
+        (_spec(d=192, dv=192), bb.FLASH, "head sizes up to 128"),
+        (_spec(F32), bb.EFFICIENT, "fp16/bf16"),
+    ],
+)
+def test_a_block_cudnn_cannot_take_falls_back_with_the_reason(spec, kernel, why):
+    choice = bb.select_kernel(bb.GpuInfo.named("h100"), "2.13.0", CUDNN_919, spec)
+    assert choice.kernel == kernel and why in choice.fallback and "preferred on this GPU" in choice.fallback
+    # where cuDNN is not preferred there is nothing to fall back from
+    assert bb.select_kernel(bb.GpuInfo.named("a100"), "2.13.0", CUDNN_919, spec).fallback == ""
+
+
+def test_pins_varlen_and_versions():
+    h100 = bb.GpuInfo.named("H100")
+    # a pin runs every block it takes, on any GPU and cuDNN, and refuses the rest (never another kernel)
+    assert bb.select_kernel(h100, "2.13.0", CUDNN_919, CAUSAL, pinned=bb.FLASH).kernel == bb.FLASH
+    assert bb.select_kernel(bb.GpuInfo.named("a100"), "2.13.0", CUDNN_919, CAUSAL, pinned=bb.CUDNN).kernel == bb.CUDNN
+    with pytest.raises(ValueError, match="no sdpa_cudnn op"):  # no cuDNN in the process
+        bb.select_kernel(h100, "2.13.0", None, CAUSAL, pinned=bb.CUDNN)
+    with pytest.raises(ValueError, match="takes no mask"):
+        bb.select_kernel(h100, "2.13.0", CUDNN_919, RECT, pinned=bb.CUDNN)
+    # all documents of a packed row: one varlen_attn call (flash) where it applies, unless another kernel is pinned
+    docs = _spec(causal=True)
+    assert bb.select_kernel(h100, "2.11.0", CUDNN_919, docs, varlen=True).reason.startswith("all documents")
+    assert bb.select_kernel(h100, "2.11.0", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN).kernel == bb.CUDNN
+    assert bb.select_kernel(h100, "2.11.0", CUDNN_919, _spec(masked=True), varlen=True).kernel == bb.EFFICIENT
+    # releases outside the schema table are refused with the fix; the GPU table names its GPUs
+    with pytest.raises(ValueError, match="torch 2.10.0 is outside"):
+        bb.select_kernel(h100, "2.10.0", CUDNN_919, CAUSAL)
+    with pytest.raises(ValueError, match="not in the table"):
+        bb.GpuInfo.named("tpu")
+    caps = bb.caps_for(bb.GpuInfo("custom", (9, 0)), "2.15.0", CUDNN_919)
+    assert caps.cudnn_preferred and caps.cudnn_op and caps.flash_op and caps.efficient_op and caps.varlen
+
+
+def test_the_rule_is_the_planners_and_sdpas():
+    """auto_kernel (the planner's and the dry run's kernel) and auto_sdpa_order (what auto sets for torch's SDPA
+    dispatch, Ulysses' inner kernel included) give what select_kernel gives an unmasked block, per GPU."""
+    for gpu in ("h100", "h200", "b200", "a100", "l40s"):
+        info = bb.GpuInfo.named(gpu)
+        for cudnn in (CUDNN_919, CUDNN_915, None):
+            block = bb.select_kernel(info, "2.13.0", cudnn, CAUSAL).kernel
+            assert ak.auto_kernel("blocks", info.capability, cudnn)[0] == block, (gpu, cudnn)
+            assert ak.auto_sdpa_order(info.capability, cudnn)[0] == block, (gpu, cudnn)
+    assert ak.auto_sdpa_order((9, 0), CUDNN_919) == [bb.CUDNN, bb.FLASH, bb.EFFICIENT, bb.MATH]
+    assert ak.auto_sdpa_order((8, 0), CUDNN_919) == [bb.FLASH, bb.EFFICIENT, bb.MATH, bb.CUDNN]
+
+
+def test_the_run_log_names_the_kernels():
+    assert "torch's CPU kernels" in ak.run_kernel_line("auto", "cpu")
+    assert "applies on CUDA only" in ak.run_kernel_line("cudnn", "cpu")
+    assert "cudnn (cuDNN fused attention), pinned" in ak.run_kernel_line("cudnn", "cuda", (9, 0), CUDNN_919)
+    line = ak.run_kernel_line("auto", "cuda", (9, 0), CUDNN_919)
+    assert "SDPA tries sdpa_cudnn, sdpa_flash" in line and "compute capability 9.0" in line
+    # no GPU here: auto's SDPA order is entered only where a GPU is, and changes nothing otherwise
+    flags = (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.cudnn_sdp_enabled)
+    before = [f() for f in flags]
+    with get_train_context(False, False, attention_backend="auto", device_type="cuda")():
+        assert ak.pinned_kernel() is None and [f() for f in flags] == before
+
+
+def test_each_layer_kind_logs_its_kernel_once(caplog, monkeypatch):
+    """The CUDA slot logs one INFO line per layer kind and kernel (with the fallback reason where the GPU's
+    preferred kernel could not take the block): stand-in caps and a stand-in kernel, on CPU."""
+    caps = bb.caps_for(bb.GpuInfo.named("h100"), "2.13.0", CUDNN_919)
+    monkeypatch.setattr(cuda_blocks, "_WARNED", set())
+    monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device: caps)
+    monkeypatch.setattr(cuda_blocks, "select_backend", lambda dev, spec, c, pinned=None: bb.select_backend("cuda", spec, c))
+    monkeypatch.setattr(cuda_blocks, "_sdpa_forward", lambda kernel, q, k, v, *a: (q, q[..., 0].float()))
+    q = torch.zeros(1, 2, 16, 64, dtype=BF16)
+    mask = torch.ones(16, 16, dtype=torch.bool)
+    with caplog.at_level(logging.INFO, logger="automodel.distributed.cp.blocks"):
+        for _ in range(3):
+            cuda_blocks.cuda_block_forward(q, q, q, True, None, None, None, None)  # diagonal block: cuDNN
+            cuda_blocks.cuda_block_forward(q, q, q, False, None, mask, None, None)  # a document mask: efficient
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "layer kind 'causal'" in lines[0] and "run sdpa_cudnn" in lines[0]
+    assert "'masked (window/chunk/document) full'" in lines[1] and "run sdpa_efficient" in lines[1]
+    assert "cuDNN (preferred on this GPU) cannot take it: takes no mask" in lines[1]
