@@ -16,6 +16,10 @@ Checks (docs/gpu.md says what each line means):
   against the fp32 math blocks on random inputs, forward (output, LSE) and backward (merged-LSE explicit
   backward): causal, per-document, window, chunk, sinks, softcap, MLA, GQA; fp32 (bar 1e-5 on outputs)
   and bf16 (bar 2e-2). Also ``blocks/select``: the kernel the CUDA slot picks per kind.
+- ``kernels/<kernel>/<shape>/<dtype>``: each kernel the GPU has (cuDNN, flash, memory-efficient, FlexAttention) on
+  each block shape the methods use (causal square, full, causal rectangle, GQA) against the fp32 math blocks,
+  forward and backward; ``kernels/<kernel>/speed/<32k|128k>``: its causal forward+backward TFLOP/s against what
+  the step estimate assumes; ``kernels/paste/<kernel>``: a row for docs/gpu.md.
 - ``varlen``: one ``varlen_attn`` call against per-document blocks (causal and a window).
 - ``methods/<method>/ws1``: thd, thd_docs, ulysses and ring through the recipe at world size 1 on CUDA
   (a tiny Llama, a few steps, finite loss); ``methods/ws2``: what ran for 2 processes on the one GPU.
@@ -141,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON summary: a directory (gpu_check.json inside) or a .json path; default $OUT or .")
     p.add_argument("--dry", action="store_true", help="CPU smoke mode: the backend checks with flex/math blocks on CPU")
     p.add_argument("--budget-s", type=float, default=480.0, help="total wall limit in seconds (default 480: 8 minutes)")
-    p.add_argument("--only", default=None, help="comma-separated groups: env,blocks,varlen,methods,recipe,throughput,te,memory")
+    p.add_argument("--only", default=None, help="comma-separated groups: env,blocks,kernels,varlen,methods,recipe,throughput,te,memory")
     p.add_argument("--skip", default="", help="comma-separated groups to skip")
     p.add_argument("--recipe-steps", type=int, default=4, help="training steps per recipe check (the first is warm-up)")
     p.add_argument("--memory-budget-s", type=float, default=180.0,
@@ -232,12 +236,12 @@ def _case(kind: str, device: torch.device, dtype: torch.dtype, n: int = 256, see
 
 def _kernel_takes(kernel: str, kind: str, dtype: torch.dtype) -> str | None:
     """Why ``kernel`` does not take the case (None: it does) - the selection table's rules."""
-    if kernel in ("sdpa_flash", "sdpa_efficient") and kind in ("sinks", "softcap"):
+    if kernel in ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn") and kind in ("sinks", "softcap"):
         return "sinks/softcap: FlexAttention only"
-    if kernel == "sdpa_flash" and kind in ("per-document", "window", "chunk"):
-        return "a mask: not the flash op"
-    if kernel == "sdpa_flash" and dtype == torch.float32:
-        return "fp32: not the flash op"
+    if kernel in ("sdpa_flash", "sdpa_cudnn") and kind in ("per-document", "window", "chunk"):
+        return f"a mask: not the {kernel} op"
+    if kernel in ("sdpa_flash", "sdpa_cudnn") and dtype == torch.float32:
+        return f"fp32: not the {kernel} op"
     return None
 
 
@@ -310,7 +314,8 @@ def block_checks(device: torch.device, dry: bool, budget_s: float = 1e9) -> list
         kernels, dtypes = ["flex"], [torch.float32]
     else:
         caps = cuda_blocks.cuda_caps(device)
-        kernels = [k for k, ok in (("sdpa_flash", caps.flash_op), ("sdpa_efficient", caps.efficient_op), ("flex", caps.flex)) if ok]
+        kernels = [k for k, ok in (("sdpa_cudnn", caps.cudnn_op), ("sdpa_flash", caps.flash_op),
+                                   ("sdpa_efficient", caps.efficient_op), ("flex", caps.flex)) if ok]
         dtypes = [torch.float32, torch.bfloat16]
     for kernel in kernels:
         for kind in KINDS:
@@ -324,6 +329,184 @@ def block_checks(device: torch.device, dry: bool, budget_s: float = 1e9) -> list
                 except Exception as e:  # noqa: BLE001
                     out.append(Result(f"blocks/{kernel}/{kind}/{str(dtype).replace('torch.', '')}", "FAIL",
                                       f"{type(e).__name__}: {str(e)[:200]}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# each kernel the GPU has: exact against fp32 math per block shape, and its forward+backward speed
+
+#: the block shapes the CP methods hand the kernels: ring's diagonal block (causal square), its off-diagonal
+#: blocks (full), head-tail chunks and halos (a causal rectangle, lower-right aligned), and GQA on the diagonal
+KERNEL_SHAPES = ("causal", "full", "rect", "gqa")
+#: tokens of the speed check (one row, causal): 32K and 128K on a GPU, a few hundred in --dry
+SPEED_TOKENS, DRY_SPEED_TOKENS = (32768, 131072), (64, 128)
+#: the speed check's heads: 16 query heads of 128 over 4 KV heads (a CP rank's share of an 8B model's 32 / 8)
+SPEED_HEADS, SPEED_KV_HEADS, SPEED_HEAD_DIM = 16, 4, 128
+
+
+def _shape_case(shape: str, device: torch.device, dtype: torch.dtype, n: int, seed: int = 0):
+    """``q, k, v, causal`` of one block shape: ``n`` queries (``2 n`` keys for the rectangle)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hq, hkv, d = 8, (2 if shape == "gqa" else 8), 128 if device.type == "cuda" else 16
+    m = 2 * n if shape == "rect" else n
+
+    def rnd(*size):
+        return torch.randn(*size, generator=g).to(device=device, dtype=dtype)
+
+    return rnd(1, hq, n, d), rnd(1, hkv, m, d), rnd(1, hkv, m, d), shape != "full"
+
+
+def _kernel_caps(device: torch.device, dry: bool):
+    from automodel.distributed.cp import block_backend as bb
+    from automodel.distributed.cp import cuda_blocks
+
+    if dry:  # the CPU smoke mode: FlexAttention's eager form is the one kernel that runs here
+        return bb.CudaCaps((9, 0), flash_op=False, efficient_op=False, flex=True, cudnn_op=False)
+    return cuda_blocks.cuda_caps(device)
+
+
+def kernels_of(device: torch.device, dry: bool) -> list[str]:
+    """The kernels this GPU and torch have (``--dry``: FlexAttention on CPU), in the selection's order."""
+    from automodel.distributed.cp import block_backend as bb
+
+    caps = _kernel_caps(device, dry)
+    have = ((bb.CUDNN, caps.cudnn_op), (bb.FLASH, caps.flash_op), (bb.EFFICIENT, caps.efficient_op), (bb.FLEX, caps.flex))
+    return [k for k, ok in have if ok]
+
+
+def check_kernel_exact(kernel: str, shape: str, dtype: torch.dtype, device: torch.device, dry: bool) -> Result:
+    """One kernel on one block shape: forward (output, LSE) and the explicit backward (given the block's own output
+    and LSE, as a merged block) against the fp32 math blocks; SKIP where the kernel does not take the shape."""
+    from automodel.distributed.cp import block_backend as bb
+    from automodel.distributed.cp import blocks
+
+    name = f"kernels/{kernel}/{shape}/{str(dtype).replace('torch.', '')}"
+    q, k, v, causal = _shape_case(shape, device, dtype, 512 if device.type == "cuda" and not dry else 32)
+    spec = bb.BlockSpec(dtype, q.shape[-1], v.shape[-1], causal=causal, square=q.shape[2] == k.shape[2],
+                        grouped=q.shape[1] != k.shape[1])  # fmt: skip
+    why = bb.pin_problem(kernel, spec, _kernel_caps(device, dry))
+    if why:
+        return Result(name, "SKIP", why)
+    scale = q.shape[-1] ** -0.5
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    ref_out, ref_lse = blocks.block_forward(q32, k32, v32, causal=causal, scale=scale, backend="math")
+    out, lse = blocks.block_forward(q, k, v, causal=causal, scale=scale, kernel=kernel)
+    dout = torch.randn_like(ref_out)
+    ref_g = blocks.block_backward(dout, q32, k32, v32, ref_out, ref_lse, causal=causal, scale=scale, backend="math")
+    got_g = blocks.block_backward(dout.to(dtype), q, k, v, ref_out.to(dtype), ref_lse, causal=causal, scale=scale,
+                                  kernel=kernel)  # fmt: skip
+    e_out, e_lse = _err(out, ref_out), _err(lse, ref_lse)
+    e_grad = max(_rel(a, b) for a, b in zip(got_g, ref_g))
+    bar = FP32_BAR if dtype == torch.float32 else BF16_BAR
+    ok = e_out <= bar and e_grad <= GRAD_BARS[dtype] and e_lse <= max(bar, 1e-4)
+    return Result(name, "PASS" if ok else "FAIL", "" if ok else f"bars: out {bar}, lse {max(bar, 1e-4)}, grad {GRAD_BARS[dtype]}",
+                  {"out_err": e_out, "lse_err": e_lse, "grad_rel": e_grad})
+
+
+def kernel_tflops(kernel: str, tokens: int, device: torch.device, iters: int = 3) -> tuple[float, float]:
+    """``(TFLOP/s, seconds)`` of one causal forward+backward over one row of ``tokens`` with ``kernel`` (our block
+    glue under autograd, as the methods run it), bf16 on a GPU (fp32 on CPU), FLOPs counted as the estimate counts
+    them: causal halved, backward twice the forward (``3 x 2 S^2 H D``)."""
+    from automodel.distributed.cp import blocks
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    d = SPEED_HEAD_DIM if device.type == "cuda" else 16
+    q = torch.randn(1, SPEED_HEADS, tokens, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, SPEED_KV_HEADS, tokens, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn(1, SPEED_HEADS, tokens, d, device=device, dtype=dtype)
+
+    def step() -> None:
+        out, _ = blocks.block_forward(q, k, v, causal=True, kernel=kernel)
+        torch.autograd.backward(out, dout)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    sync()
+    seconds = (time.perf_counter() - t0) / iters
+    flops = 3 * 2.0 * tokens * tokens * SPEED_HEADS * d
+    return flops / seconds / 1e12, seconds
+
+
+def _estimate_tflops(kernel: str, gpu_name: str) -> float | None:
+    """What the step estimate assumes for ``kernel`` on this GPU (forward + backward, no recompute), TFLOP/s."""
+    from automodel.config.gpu_specs import GPU_SPECS
+    from automodel.training.attention_speed import kernel_speed
+
+    if not gpu_name:  # no GPU (--dry): the estimate is for GPUs
+        return None
+    key = gpu_type_for(gpu_name)
+    if key not in GPU_SPECS:
+        return None
+    spec = GPU_SPECS[key]
+    return kernel_speed(kernel, spec).fraction(False) * spec.bf16_tflops
+
+
+#: the header of docs/gpu.md's "Attention kernels measured" table, whose rows kernel_checks prints
+PASTE_HEADER = ("| date | GPU | torch | kernel | against fp32 math (bf16 and fp32 where taken) | TFLOP/s 32K | "
+                "TFLOP/s 128K | the estimate's |")
+
+
+def paste_row(kernel: str, exact: list[Result], speed: dict[int, float], env: dict[str, Any]) -> str:
+    """One markdown row for docs/gpu.md's "Attention kernels measured" table (:data:`PASTE_HEADER`)."""
+    ran = [r for r in exact if r.status in ("PASS", "FAIL")]
+    verdict = "exact" if ran and all(r.status == "PASS" for r in ran) else ("NOT exact" if ran else "not run")
+    shapes = ", ".join(sorted({r.name.split("/")[2] for r in ran}))
+    worst = max((r.figures.get("grad_rel", 0.0) for r in ran), default=float("nan"))
+    figs = " | ".join(f"{speed[t]:.3g}" if t in speed else "-" for t in sorted(speed) or SPEED_TOKENS)
+    est = _estimate_tflops(kernel, env.get("gpu", ""))
+    return (f"| {time.strftime('%Y-%m-%d')} | {env.get('gpu', env.get('device'))} | {env.get('torch')} | {kernel} | "
+            f"{verdict} ({shapes}; worst grad_rel {worst:.2g}) | {figs} | {f'{est:.0f}' if est else '-'} |")
+
+
+def kernel_checks(device: torch.device, dry: bool, budget_s: float = 1e9, env: dict[str, Any] | None = None) -> list[Result]:
+    """Per kernel the GPU has: exactness on every block shape in bf16 (and fp32 where the kernel takes it), then
+    forward+backward TFLOP/s at 32K and 128K tokens (``dry``: FlexAttention on CPU, small blocks, a few hundred
+    tokens), then one ``kernels/paste/<kernel>`` line: a docs/gpu.md table row. FlexAttention compiles per shape,
+    so it goes last; past ``budget_s`` the rest is skipped with the reason."""
+    deadline = time.monotonic() + budget_s
+    env = env or {"device": str(device), "torch": torch.__version__}
+    out: list[Result] = []
+    dtypes = [torch.float32] if dry else [torch.bfloat16, torch.float32]
+    tokens = DRY_SPEED_TOKENS if dry else SPEED_TOKENS
+    if dry:
+        import torch.nn.attention.flex_attention as fa
+
+        fa._validate_device = lambda *a, **k: None  # CPU smoke: the eager reference supports backward
+    for kernel in kernels_of(device, dry):
+        exact: list[Result] = []
+        speed: dict[int, float] = {}
+        for shape in KERNEL_SHAPES:
+            for dtype in dtypes:
+                name = f"kernels/{kernel}/{shape}/{str(dtype).replace('torch.', '')}"
+                if time.monotonic() > deadline:
+                    exact.append(Result(name, "SKIP", f"the kernels' budget ({budget_s:.0f} s) is spent"))
+                    continue
+                try:
+                    exact.append(check_kernel_exact(kernel, shape, dtype, device, dry))
+                except Exception as e:  # noqa: BLE001
+                    exact.append(Result(name, "FAIL", f"{type(e).__name__}: {str(e)[:200]}"))
+        out += exact
+        for t in tokens:
+            name = f"kernels/{kernel}/speed/{t // 1024}k" if t >= 1024 else f"kernels/{kernel}/speed/{t}"
+            if time.monotonic() > deadline:
+                out.append(Result(name, "SKIP", f"the kernels' budget ({budget_s:.0f} s) is spent"))
+                continue
+            try:
+                tf, sec = kernel_tflops(kernel, t, device, iters=1 if dry else 3)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: one line, the next kernel goes on
+                out.append(Result(name, "FAIL", f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            speed[t] = tf
+            est = _estimate_tflops(kernel, env.get("gpu", ""))
+            figs = {"tflops": tf, "s_per_fwd_bwd": sec} | ({"estimate_tflops": est, "vs_estimate": tf / est} if est else {})
+            out.append(Result(name, "INFO", "causal fwd+bwd, 1 row, 16 heads / 4 KV heads" + (" (dry: CPU)" if dry else ""), figs))
+        out.append(Result(f"kernels/paste/{kernel}", "INFO", paste_row(kernel, exact, speed, env)))
+    if out:
+        out.append(Result("kernels/paste/header", "INFO", PASTE_HEADER))
     return out
 
 
@@ -881,6 +1064,10 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(torch._dynamo.config, knob):
                 setattr(torch._dynamo.config, knob, 64)
     runner.run("blocks", "blocks", lambda: block_checks(device, not cuda, 120.0), 130)
+    if cuda or args.dry:
+        runner.run("kernels", "kernels", lambda: kernel_checks(device, not cuda, 90.0, env), 100)
+    else:
+        runner.add(Result("kernels", "SKIP", "needs a CUDA device (or --dry)"))
     if not cuda:
         for group in ("varlen", "methods", "recipe", "throughput", "memory"):
             runner.add(Result(group, "SKIP", "needs a CUDA device" + (" (--dry)" if args.dry else "")))

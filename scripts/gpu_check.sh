@@ -3,7 +3,9 @@
 #
 #   bash scripts/gpu_check.sh                 # all checks, <= 8 minutes, JSON summary to $OUT (or .)
 #   bash scripts/gpu_check.sh --dry           # CPU smoke mode (seconds): flex/math block checks only
-#   bash scripts/gpu_check.sh --only blocks   # groups: env,blocks,varlen,methods,recipe,throughput,te,memory
+#   bash scripts/gpu_check.sh --only blocks   # groups: env,blocks,kernels,varlen,methods,recipe,throughput,te,memory
+#   bash scripts/gpu_check.sh --only env,kernels  # each attention kernel: exact per block shape, TFLOP/s at 32K/128K,
+#                                                 # rows for docs/gpu.md (~2 minutes)
 #   bash scripts/gpu_check.sh --only env,memory   # the memory check alone (~3 minutes)
 #
 # What the GPU machine has: Python 3.12, torch 2.11.0+cu130, transformers 5.17.0, triton, pyyaml, peft,
@@ -29,11 +31,12 @@
 #   PYTHON                  the interpreter (default python3, the image's torch)
 #   GPU_CHECK_SKIP_MEMORY   1: skip the memory check (its time: --memory-budget-s, default 180 s)
 # Expected run time (estimated: never run on a GPU yet): up to 2 minutes for the block checks
-# (FlexAttention compiles per block shape; a budget of 120 s, the rest skipped with the reason), under a
+# (FlexAttention compiles per block shape; a budget of 120 s, the rest skipped with the reason), up to 1.5
+# minutes for the per-kernel checks (exactness per block shape, forward+backward at 32K and 128K tokens), under a
 # minute for varlen / throughput / TE / thd kernels / the methods at world size 1, ~4 minutes for the four
 # recipe runs (Llama-3.2-1B and Qwen3-1.7B shapes, random weights, 8K and 32K tokens, bf16, cp=1, chunked
 # loss), up to 3 minutes for the memory check (the plan's longest row), then the 2-process method checks in what is left; 8 minutes at most (the wall limit), plus the
-# machine's start (a minute or two). Order: env, blocks, varlen, throughput, te, thd kernels, methods at
+# machine's start (a minute or two). Order: env, blocks, kernels, varlen, throughput, te, thd kernels, methods at
 # world size 1, recipe, memory, methods with 2 processes. Prints one line per check (PASS/FAIL/SKIP/INFO) and
 # exits 1 if any check failed. docs/gpu.md says what each line means and holds the results.
 set -uo pipefail

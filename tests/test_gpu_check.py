@@ -114,3 +114,36 @@ def test_memory_row_is_the_plans_longest_row_or_a_planned_fraction(gc):
     assert 2 * part["est_step_s"] <= 60.0 or part["seq"] == 1024
     plan = plan_memory(search.d, search.shape(best.layout, best.techniques, part["seq"]))
     assert part["plan_total_gib"] == plan.total_bytes / 2**30 < whole["plan_total_gib"]
+
+
+def test_kernels_group_in_dry_mode(gc, tmp_path, monkeypatch):
+    """--dry runs the per-kernel group on CPU (FlexAttention's eager form): every block shape the methods use
+    against fp32 math, the forward+backward speed at a few hundred tokens, and the docs/gpu.md rows."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    monkeypatch.setattr(flex, "_validate_device", flex._validate_device)  # the dry mode patches it; restored after
+    assert gc.main(["--dry", "--only", "env,kernels", "--out", str(tmp_path)]) == 0
+    res = {x["name"]: x for x in json.loads((tmp_path / "gpu_check.json").read_text())["results"]}
+    for shape in gc.KERNEL_SHAPES:
+        got = res[f"kernels/flex/{shape}/float32"]
+        assert got["status"] == "PASS" and got["figures"]["out_err"] <= gc.FP32_BAR, got
+    for tokens in gc.DRY_SPEED_TOKENS:
+        got = res[f"kernels/flex/speed/{tokens}"]
+        assert got["status"] == "INFO" and got["figures"]["tflops"] > 0 and "estimate_tflops" not in got["figures"]
+    row = res["kernels/paste/flex"]["detail"]
+    assert row.count("|") == gc.PASTE_HEADER.count("|") and "| flex | exact (causal, full, gqa, rect;" in row
+    assert res["kernels/paste/header"]["detail"] == gc.PASTE_HEADER
+    assert gc.PASTE_HEADER in (ROOT / "docs" / "gpu.md").read_text()
+
+
+def test_kernel_exactness_skips_what_the_selection_refuses_and_rows_say_failures(gc, monkeypatch):
+    from automodel.distributed.cp import block_backend as bb
+
+    h100 = bb.caps_for(bb.GpuInfo.named("h100"), "2.11.0", 91900)
+    monkeypatch.setattr(gc, "_kernel_caps", lambda device, dry: h100)
+    assert gc.kernels_of(torch.device("cpu"), False) == [bb.CUDNN, bb.FLASH, bb.EFFICIENT, bb.FLEX]
+    skip = gc.check_kernel_exact(bb.CUDNN, "rect", torch.bfloat16, torch.device("cpu"), False)
+    assert skip.status == "SKIP" and "takes no mask" in skip.detail
+    assert gc.check_kernel_exact(bb.FLASH, "causal", torch.float32, torch.device("cpu"), False).status == "SKIP"
+    failed = [gc.Result("kernels/sdpa_cudnn/causal/bfloat16", "FAIL", figures={"grad_rel": 0.5})]
+    row = gc.paste_row(bb.CUDNN, failed, {32768: 480.0, 131072: 500.0}, {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"})
+    assert "| NOT exact (causal; worst grad_rel 0.5) | 480 | 500 | 474 |" in row  # the estimate: 0.4796 x 989
