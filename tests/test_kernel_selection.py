@@ -145,3 +145,29 @@ def test_each_layer_kind_logs_its_kernel_once(caplog, monkeypatch):
     assert "layer kind 'causal'" in lines[0] and "run sdpa_cudnn" in lines[0]
     assert "'masked (window/chunk/document) full'" in lines[1] and "run sdpa_efficient" in lines[1]
     assert "cuDNN (preferred on this GPU) cannot take it: takes no mask" in lines[1]
+
+
+def test_the_dry_run_names_the_kernel_per_layer_kind():
+    """kernel_plan: one line per attention layer kind with each block shape's kernel (a hybrid model: full and
+    sliding-window layers, sinks), and the recipe's dry run prints them for the planned GPU."""
+    from automodel.config import load_config
+    from automodel.distributed.cp.kernel_plan import layer_kind_kernel_lines
+    from automodel.distributed.cp.profile import FULL, SLIDING, LayerSpec, ModelProfile
+    from automodel.training.dry_run import dry_run_report
+
+    layers = (LayerSpec(0, FULL, qk_head_dim=64, v_head_dim=64), LayerSpec(1, SLIDING, window=128, sinks=True),
+              LayerSpec(2, FULL, qk_head_dim=64, v_head_dim=64))  # fmt: skip
+    profile = ModelProfile("x", "X", layers, 8, 2, 64, False, "sdpa", False)
+    h100 = bb.GpuInfo.named("h100")
+    lines = layer_kind_kernel_lines(profile, h100, "2.11.0", CUDNN_919)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("  full attention: diagonal sdpa_cudnn; off-diagonal sdpa_cudnn; causal rectangle")
+    assert "sdpa_efficient (cuDNN cannot take it)" in lines[0]
+    assert lines[1] == "  sliding window 128 (sinks): masked blocks flex"
+    a100 = layer_kind_kernel_lines(profile, bb.GpuInfo.named("a100"), "2.11.0", CUDNN_919, packed=True)
+    assert "diagonal sdpa_flash" in a100[0] and "whole documents: one varlen_attn call (flash)" in a100[0]
+    pinned = layer_kind_kernel_lines(profile, h100, "2.11.0", CUDNN_919, pinned=bb.CUDNN)
+    assert "REFUSED: sdpa_cudnn takes no mask" in pinned[0] and "REFUSED" in pinned[1]
+    report = dry_run_report(load_config(["--config", "configs/cp.yaml", "recipe.dry_run=true", "recipe.gpu_type=a100"]))
+    i = report.index("--- attention kernels per layer kind on NVIDIA A100")
+    assert report[i:].splitlines()[1].startswith("  full attention: diagonal sdpa_flash; off-diagonal sdpa_flash")

@@ -286,6 +286,39 @@ def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
     )
 
 
+def _kernel_lines(plan: _Plan, profile: Any, out: list[str]) -> None:
+    """The attention kernel of each layer kind's blocks on the planned GPU (``recipe.gpu_type``, else an H100),
+    with this torch and its cuDNN (unknown on a CPU-only torch: cuDNN not assumed), ``model.attention_backend``'s
+    pin, as the run's CUDA block kernels select them (``block_backend.select_kernel``)."""
+    import torch
+
+    from automodel.config.cp_auto import packed_rows
+    from automodel.config.gpu_specs import GPU_SPECS
+    from automodel.distributed.cp.attention_kernels import AUTO_BACKEND, KERNEL_OF_BACKEND
+    from automodel.distributed.cp.block_backend import GpuInfo
+    from automodel.distributed.cp.kernel_plan import layer_kind_kernel_lines
+
+    cfg = plan.cfg
+    if profile is None or not any(layer.is_attention for layer in profile.layers):
+        return
+    gpu_type = (cfg.recipe.gpu_type or "h100").lower()
+    spec = GPU_SPECS.get(gpu_type)
+    gpu = GpuInfo(spec.name if spec else gpu_type, spec.capability if spec else (9, 0))
+    cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() and torch.backends.cudnn.is_available() else None
+    backend = cfg.model.attention_backend
+    pinned = None if backend == AUTO_BACKEND else KERNEL_OF_BACKEND[backend]
+    cudnn_text = f"cuDNN {cudnn}" if cudnn else "cuDNN unknown here (a CPU-only torch): not assumed"
+    if cudnn is None and backend == "cudnn":  # the pin says the run has one: planned as torch 2.11's wheel (9.19)
+        cudnn, cudnn_text = 91900, "cuDNN unknown here: 9.19 assumed (pinned)"
+    out.append(f"--- attention kernels per layer kind on {gpu.name} (model.attention_backend={backend}; torch "
+               f"{torch.__version__.split('+')[0]}, {cudnn_text}) ---")  # fmt: skip
+    try:
+        out.extend(layer_kind_kernel_lines(profile, gpu, torch.__version__, cudnn, pinned=pinned,
+                                           packed=packed_rows(cfg)))  # fmt: skip
+    except ValueError as e:  # a torch outside the kernel table
+        out.append(f"  not planned: {e}")
+
+
 def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
     """The per-rank memory plan against the budget and the step-time estimate."""
     from automodel.training.memory_plan import memory_plan_lines, run_shape_from_config
@@ -375,6 +408,7 @@ def dry_run_report(loaded: LoadedConfig) -> str:
         plan.cfg.loss.chunk_tokens, reason = resolve_chunk_tokens(plan.cfg, dims, plan.sizes, plan.seq, plan.grad_acc)
         out.append(reason)
     _shape_lines(plan, model, dims, out)
+    _kernel_lines(plan, profile, out)
     _memory_and_time_lines(plan, dims, out)
     if loaded.cfg.recipe.plan_layouts:  # recipe.plan_layouts: each layout estimated (or refused), fastest first
         from automodel.training.layout_ranking import layout_ranking_lines
