@@ -171,3 +171,17 @@ def test_the_dry_run_names_the_kernel_per_layer_kind():
     report = dry_run_report(load_config(["--config", "configs/cp.yaml", "recipe.dry_run=true", "recipe.gpu_type=a100"]))
     i = report.index("--- attention kernels per layer kind on NVIDIA A100")
     assert report[i:].splitlines()[1].startswith("  full attention: diagonal sdpa_flash; off-diagonal sdpa_flash")
+
+
+def test_the_cuda_slot_reads_the_process_cudnn_and_torchs_switch(monkeypatch):
+    """cuda_blocks' caps prefer cuDNN by the same rule with this process's cuDNN, and TORCH_CUDNN_SDPA_DEPRIORITIZED
+    (torch's own switch off) turns it off for the blocks as it does for SDPA."""
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: CUDNN_919)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    assert cuda_blocks._cudnn_preferred((9, 0)) and not cuda_blocks._cudnn_preferred((8, 0))
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert not cuda_blocks._cudnn_preferred((9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: CUDNN_915)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+    assert not cuda_blocks._cudnn_preferred((9, 0))

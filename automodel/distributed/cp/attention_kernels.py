@@ -22,6 +22,7 @@ Nothing here imports torch.distributed or transformers; the config rules read :d
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -140,6 +141,8 @@ def attention_backend_context(name: str, device_type: str = "cuda") -> Iterator[
         from torch.nn.attention import sdpa_kernel
 
         version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0") not in ("", "0"):  # torch's switch, honoured
+            version = None
         order = auto_sdpa_order(tuple(torch.cuda.get_device_capability()), version)
         with sdpa_kernel([_sdpa_backend(k) for k in order], set_priority=True):
             yield

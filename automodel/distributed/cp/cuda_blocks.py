@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 import torch
@@ -117,6 +118,8 @@ def _caps_of(index: int) -> CudaCaps:
 
 def _cudnn_preferred(capability: tuple[int, int]) -> bool:
     """The rule of ``block_backend.CUDNN_PREFERRED_CAPABILITIES`` for this process's cuDNN."""
+    if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0") not in ("", "0"):  # torch's own switch, honoured here
+        return False
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return (version is not None and capability in CUDNN_PREFERRED_CAPABILITIES
             and version > CUDNN_PREFERRED_MIN_VERSION)  # fmt: skip
