@@ -293,7 +293,11 @@ def test_attention_speed_per_kernel_and_gpu():
     fa3 = kernel_speed(FLASH3, H100).fraction(True)
     assert fa3 > kernel_speed(bb.FLASH, H100).fraction(True) and fa3 == pytest.approx(4 / (2 * 989 / 616 + 2 * 989 / (0.8 * 561)))
     assert kernel_speed(FLASH3, GPU_SPECS["a100"]).fraction(True) == kernel_speed(bb.FLASH, GPU_SPECS["a100"]).fraction(True)
-    order = [kernel_speed(k, H100).fraction(True) for k in (bb.MATH, bb.EFFICIENT, bb.FLEX, bb.FLASH, bb.CUDNN)]
+    # H100: FlexAttention ahead of FlashAttention-2 (GTC 2025: ~1.25x forward, ~1.03x backward); A100: behind it
+    order = [kernel_speed(k, H100).fraction(True) for k in (bb.MATH, bb.EFFICIENT, bb.FLASH, bb.FLEX, bb.CUDNN)]
+    assert order == sorted(order)
+    a100 = GPU_SPECS["a100"]
+    order = [kernel_speed(k, a100).fraction(True) for k in (bb.MATH, bb.EFFICIENT, bb.CUDNN, bb.FLEX, bb.FLASH)]
     assert order == sorted(order)
     assert "ASSUMED" in kernel_speed(bb.FLASH, GPU_SPECS["l40s"]).source  # no published L40S figure: said so
 

@@ -30,14 +30,16 @@ FLASH3 = "flash3"
 #: number): FlashAttention-3 paper arXiv:2407.08608 (forward causal / backward, head dim 128, 16K tokens: FA2 335 /
 #: 322, cuDNN 539 / 516, FA3 616 / 561, standard attention 35 / 181 TFLOP/s at 8K); FlashAttention-2 paper
 #: arXiv:2307.08691 (A100: up to 73% of the peak forward, 63% backward); transformers PR #48163 (cuDNN over flash:
-#: 1.7-2.3x on Hopper, 0.82x A100, 1.00x L40S); the PyTorch FlexAttention blog (90% of FlashAttention-2 forward,
-#: 85% backward); NVIDIA/TileGym PR #49 (SDPA memory-efficient over SDPA flash, causal, head dim 128, 8K: 0.43
+#: 1.7-2.3x on Hopper, 0.82x A100, 1.00x L40S); the PyTorch FlexAttention blog (A100: 90% of FlashAttention-2
+#: forward, 85% backward) and the GTC 2025 FlexAttention session abstract (H100: ~25% faster than FlashAttention-2
+#: forward, ~3% backward); NVIDIA/TileGym PR #49 (SDPA memory-efficient over SDPA flash, causal, head dim 128, 8K: 0.43
 #: forward, 0.42 backward)
 SOURCES = {
     "fa3": "FlashAttention-3 paper, H100 SXM5, head dim 128, 16K",
     "fa2": "FlashAttention-2 paper, A100 maxima",
     "cudnn_pr": "transformers PR #48163",
-    "flex": "PyTorch FlexAttention blog",
+    "flex": "PyTorch FlexAttention blog (A100)",
+    "flex_h100": "GTC 2025 FlexAttention session (H100)",
     "efficient": "NVIDIA/TileGym PR #49",
     "math": "FlashAttention-3 paper, standard attention, H100",
     "same_die": "H200 = H100's compute and peak",
@@ -71,6 +73,9 @@ _A100_FA2 = KernelSpeed(0.73, 0.8 * 0.63, SOURCES["fa2"])
 _FLASH = {"h100": _H100_FA2, "h200": _H100_FA2, "a100": _A100_FA2, "l40s": _A100_FA2}
 _CUDNN_RATIO = {"h100": 1.7, "h200": 1.7, "a100": 0.82, "l40s": 1.00}
 _RATIOS = {EFFICIENT: (0.43, 0.42, SOURCES["efficient"]), FLEX: (0.90, 0.85, SOURCES["flex"])}
+#: FlexAttention on Hopper: ~1.25x FlashAttention-2 forward, ~1.03x backward (its Triton kernels use Hopper's
+#: instructions, FlashAttention-2's do not)
+_HOPPER_RATIOS = {FLEX: (1.25, 1.03, SOURCES["flex_h100"])}
 
 
 def _gpu_key(spec: GPUSpec) -> str:
@@ -95,7 +100,7 @@ def kernel_speed(kernel: str, spec: GPUSpec) -> KernelSpeed:
         return KernelSpeed(flash.forward * r, flash.backward * r, f"{r:.2f} x flash, {SOURCES['cudnn_pr']}; flash: "
                            f"{flash.source}{note}")  # fmt: skip
     if kernel in _RATIOS:
-        rf, rb, src = _RATIOS[kernel]
+        rf, rb, src = (_HOPPER_RATIOS if key in ("h100", "h200") else {}).get(kernel, _RATIOS[kernel])
         return KernelSpeed(flash.forward * rf, flash.backward * rb, f"{src}; flash: {flash.source}{note}")
     if kernel == MATH:
         return KernelSpeed(_H100_MATH.forward, _H100_MATH.backward, _H100_MATH.source)
