@@ -424,13 +424,18 @@ def standard_problem(
     ``chunks``, ``sinks``, logit ``softcap``, ``mla`` (value heads of another size) and
     ``position_scaled`` queries (Llama 4's temperature, corrected to the global position). Linear /
     state-space mixers are exact where :mod:`~automodel.distributed.cp.layers.linear_support` lists a kernel for
-    the mixer and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
+    the mixer and the method, sparse attention (DSA) where :mod:`~automodel.distributed.cp.layers.sparse_support`
+    lists its class and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
     layers are exact under every split.
     """
-    from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, REPORT_HINT, UNKNOWN
+    from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, REPORT_HINT, SPARSE, UNKNOWN
 
     if layer.kind == MLP_ONLY:
         return None
+    if layer.kind == SPARSE:
+        from automodel.distributed.cp.layers.sparse_support import sparse_attention_problem
+
+        return sparse_attention_problem(method, layer)
     if layer.kind == LINEAR:
         from automodel.distributed.cp.layers.linear_support import linear_mixer_problem
 
