@@ -33,7 +33,6 @@ ties among equal scores resolve differently from the document alone's).
 from __future__ import annotations
 
 import inspect
-import sys
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +52,8 @@ __all__ = [
     "dsa_attention",
     "install_sparse_attention",
     "placement_of",
+    "rope_halves",
+    "rope_interleaved",
     "select_topk",
     "uninstall_sparse_attention",
 ]
@@ -415,11 +416,36 @@ class _ConfigView:
         return getattr(self._config, name)
 
 
+def rope_halves(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
+    """RoPE on dimensions split in two halves (``x[:d/2]`` pairs with ``x[d/2:]``): DeepSeek-V3.2's indexer.
+    ``cos`` / ``sin`` ``[B, n, d]`` are ``cat(freqs, freqs)``; the same operations in the same order as
+    transformers' ``apply_rotary_pos_emb``, so the scores are the same numbers."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    return (q * cos) + (rotate(q) * sin), (k * cos) + (rotate(k) * sin)
+
+
+def rope_interleaved(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
+    """RoPE on dimensions in (even, odd) pairs, written out in halves: GLM-5's and dots3's indexer (transformers'
+    ``apply_rotary_pos_emb_interleave``, the same operations in the same order)."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2, k1, k2 = q[..., 0::2], q[..., 1::2], k[..., 0::2], k[..., 1::2]
+    return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+            torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1))  # fmt: skip
+
+
+_ROPE_KERNELS = {"half": rope_halves, "interleaved": rope_interleaved}
+
+
 def _rope_function(indexer: Any):
     layout = getattr(indexer, "_automodel_dsa_rope", None)
     if layout is None:
         raise CPUnsupportedError(f"{type(indexer).__name__}: no DSA kernel installed for this indexer")
-    return getattr(sys.modules[type(indexer).__module__], _ROPE[layout])
+    return _ROPE_KERNELS[layout]
 
 
 def _active() -> tuple[str, Any] | None:
