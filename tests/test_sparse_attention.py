@@ -230,3 +230,24 @@ def test_packed_row_in_one_process_equals_each_document_alone_fp64(family, overr
             assert p.grad is None, name  # the indexer trains without gradient, as in transformers
             continue
         assert float((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) < 1e-12, name
+
+
+# ------------------------------------------------------------------ cp_method: auto
+
+
+def test_auto_costs_the_gathered_latent_kv_and_indexer_keys():
+    from automodel.distributed.cp.choose import choose_cp_method
+    from automodel.distributed.cp.cost import exchange_cost
+
+    profile = profile_model(family_by_name("deepseek_v32").build_config())
+    assert {layer.sparse_widths for layer in profile.layers} == {(32 + 8, 16)}  # kv_lora + rope, index_head_dim
+    n = 4096 // 4
+    for method in ("ring", "ulysses", "thd", "thd_docs"):
+        (term,) = exchange_cost(get_cp_method(method), profile, seq_len=4096, cp_size=4).terms
+        assert "latent KV and indexer keys" in term.what, (method, term)
+        assert (term.forward_bytes, term.backward_bytes) == (3 * n * 56 * 2, 3 * n * 40 * 2)  # bf16; no indexer grad
+    usp = exchange_cost(get_cp_method("usp").with_options(ulysses_size=2), profile, seq_len=4096, cp_size=4).terms
+    assert [(t.group, t.forward_bytes) for t in usp] == [(2, n * 56 * 2), (2, 2 * n * 56 * 2)]
+    choice = choose_cp_method(profile, cp_size=4, seq_len=4096)
+    assert choice.method.name in ("ring", "ulysses", "thd", "thd_docs", "usp")
+    assert all("DSA" in t.what for t in choice.candidates[0].terms)

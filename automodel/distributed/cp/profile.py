@@ -134,6 +134,7 @@ class LayerSpec:
             of its MLP / MoE block
             (``MLP_ONLY``, when read from the modules) or of what was not recognised (``UNKNOWN``).
         hybrid_attention: a ``LINEAR`` layer that also runs attention (Falcon-H1).
+        sparse_widths: a ``SPARSE`` layer's gathered state per token, ``(latent KV, indexer key)`` elements.
         window_in_mask_only: a ``SLIDING`` layer whose window reaches only transformers' mask, not the
             attention function (PhiMoE): a method that builds its own mask cannot see it.
         module_path: where the layer's unrecognised module sits in the model (``UNKNOWN``, read from the
@@ -155,6 +156,9 @@ class LayerSpec:
     hybrid_attention: bool = False
     window_in_mask_only: bool = False
     module_path: str = ""
+    #: a ``SPARSE`` layer's per-token state every rank gathers: ``(latent KV width, indexer key width)`` in
+    #: elements (``kv_lora_rank + qk_rope_head_dim``, ``index_head_dim``); ``None`` where the config has none
+    sparse_widths: tuple[int, int] | None = None
 
     @property
     def path_in_stack(self) -> str:
@@ -555,6 +559,9 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     if qk is None and _get(text, "qk_nope_head_dim", None) is not None:
         qk = _get(text, "qk_nope_head_dim") + (_get(text, "qk_rope_head_dim", 0) or 0)
     v = _get(text, "v_head_dim", None)
+    latent = (_get(text, "kv_lora_rank", None) or 0) + (_get(text, "qk_rope_head_dim", None) or 0)
+    index_dim = _get(text, "index_head_dim", None)
+    widths = (int(latent), int(index_dim)) if latent and isinstance(index_dim, int) else None
     layers = []
     for i in range(n_layers):
         if layer_types is not None and i < len(layer_types):
@@ -579,6 +586,7 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
                 rope=rope,
                 position_scaled=temperature and not rope,
                 mixer=mixer,
+                sparse_widths=widths if kind == SPARSE else None,
             )
         )
     return layers
