@@ -38,7 +38,7 @@ CP2 = {
 # DeepSeek sparse attention (top-k 16 per document), fp64 with every MLP dense (no fp32 MoE router)
 DSA = {
     f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True, dense_mlp=dtype == "float64")
-    for fam in ("deepseek_v32", "glm_moe_dsa")
+    for fam in ("deepseek_v32", "glm_moe_dsa", "dots3_note_text")
     for dtype in ("float32", "float64")
 }
 CP2.update(DSA)

@@ -63,12 +63,12 @@ MODEL_CASES = {
     for docs in ([[48] if method.startswith("ring") else [21, 34, 9]])
 }
 
-# DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: top-k 16 of rows of 48 and documents of 9-34 tokens, so the
+# DeepSeek sparse attention (DeepSeek-V3.2, GLM-5, dots3: top-k 16 of rows of 48 and documents of 9-34 tokens, so the
 # indexer selects and early queries see fewer keys than the top-k): fp32 with the families' MoE layers, fp64 with
 # every MLP dense (MoE routers compute in fp32 whatever the model's dtype) to show fp64's own round-off; ring on one
 # row, thd and Ulysses on packed rows against every document alone. A negative control: Ulysses fed each rank's
 # LOCAL positions (the indexer's and the attention's RoPE misplaced on every rank after the first) must differ.
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text")  # dots3: two DSA layers, one sliding-window
 DSA_CASES = {
     f"{family}/{method}/{dtype}" + ("/dense" if dtype == "float64" else ""): dict(
         family=family, method=method, dtype=dtype, docs=[48] if method == "ring" else [21, 34, 9],
@@ -83,7 +83,7 @@ DSA_NEGATIVE = {
         family="deepseek_v32", method="ulysses_local_positions", dtype="float64", docs=[48], dense_mlp=True
     )
 }
-DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dense")}
+DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dense") and "dots3" not in name}
 DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}
 
 

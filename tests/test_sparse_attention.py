@@ -99,6 +99,19 @@ def test_a_method_without_a_dsa_kernel_and_an_unknown_indexed_class_are_refused(
     assert spec.kind == UNKNOWN and "OtherSparseAttention" in spec.mixer and "without a CP kernel" in spec.mixer
 
 
+def test_dots3_runs_the_kernel_on_its_indexed_layers_only():
+    from automodel.distributed.cp.profile import SLIDING
+
+    fam = family_by_name("dots3_note_text")
+    model = fam.build_model(0)
+    profile = profile_model(model)
+    assert [layer.kind for layer in profile.layers] == [SPARSE, SPARSE, SLIDING]  # its default pattern, cut to 3
+    assert install_sparse_attention(model, profile) == 2
+    assert [layer.self_attn.__dict__.get("forward") is not None for layer in model.model.layers] == [True, True, False]
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        assert profile_problems(get_cp_method(method), profile, 64) == [], method
+
+
 # ------------------------------------------------------------------ the indexer's RoPE layout
 
 

@@ -562,11 +562,12 @@ def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
     """
     from automodel.distributed.cp.profile import SPARSE
 
-    listed = {layer.mixer for layer in profile.layers if layer.kind == SPARSE}
+    sparse = {layer.index: layer.mixer for layer in profile.layers if layer.kind == SPARSE}
     count = 0
     for module in model.modules():
         name = type(module).__name__
-        if name not in listed or name not in DSA_ATTENTION:
+        # dots3's class runs its sliding-window layers too: only the layers the profile calls sparse get the kernel
+        if name not in DSA_ATTENTION or sparse.get(getattr(module, "layer_idx", None)) != name:
             continue
         indexer = getattr(module, "indexer", None)
         if indexer is not None:
