@@ -78,6 +78,13 @@ DSA_CASES = {
     for method in ("ring", "thd", "ulysses")
     for dtype in ("float32", "float64")
 }
+DSA_CASES.update({  # GLM-5 with a "shared" indexer layer: layer 1 reuses layer 0's top-k (global token ids)
+    f"glm_moe_dsa/{method}/float64/dense/shared": dict(
+        family="glm_moe_dsa", method=method, dtype="float64", docs=[48] if method == "ring" else [21, 34, 9],
+        dense_mlp=True, config={"indexer_types": ["full", "shared"]},
+    )
+    for method in ("ring", "thd")
+})
 DSA_NEGATIVE = {
     "deepseek_v32/ulysses_local_positions/float64/dense": dict(
         family="deepseek_v32", method="ulysses_local_positions", dtype="float64", docs=[48], dense_mlp=True

@@ -179,17 +179,21 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
 
 def build_case_model(case: dict):
     """The family's tiny model; ``dense_mlp``: every MLP dense (no MoE router, which computes in fp32 whatever the
-    model's dtype), the attention layer pattern unchanged, so that an fp64 run shows fp64's round-off."""
+    model's dtype), the attention layer pattern unchanged, so that an fp64 run shows fp64's round-off; ``config``:
+    config attributes set before the model is built."""
     from transformers import AutoModelForCausalLM
 
     from tests.family_matrix import family_by_name
 
     fam = family_by_name(case["family"])
-    if not case.get("dense_mlp"):
+    if not case.get("dense_mlp") and not case.get("config"):
         return fam.build_model(0)
     config = fam.build_config()
     n = config.num_hidden_layers
-    config.first_k_dense_replace, config.mlp_layer_types = n, ["dense"] * n
+    if case.get("dense_mlp"):
+        config.first_k_dense_replace, config.mlp_layer_types = n, ["dense"] * n
+    for key, value in case.get("config", {}).items():  # e.g. GLM-5's indexer_types
+        setattr(config, key, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32)
     return model.train(fam.train_mode)
