@@ -51,6 +51,7 @@ __all__ = [
     "Placement",
     "dsa_attention",
     "install_sparse_attention",
+    "installed_on",
     "placement_of",
     "rope_halves",
     "rope_interleaved",
@@ -583,6 +584,11 @@ def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
     if count:
         _register()
     return count
+
+
+def installed_on(model: torch.nn.Module) -> int:
+    """How many attention modules of ``model`` carry the CP DSA forward."""
+    return sum(1 for module in model.modules() if module.__dict__.get(_MARK, False))
 
 
 def uninstall_sparse_attention(model: torch.nn.Module) -> None:
