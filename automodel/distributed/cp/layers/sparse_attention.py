@@ -47,6 +47,7 @@ from automodel.errors import CPUnsupportedError
 
 __all__ = [
     "DSA_ATTN_NAME",
+    "QUERY_BLOCK",
     "DsaStep",
     "Placement",
     "dsa_attention",
@@ -61,6 +62,8 @@ __all__ = [
 
 #: the attention function a DSA layer looks up under CP (registered in transformers' AttentionInterface)
 DSA_ATTN_NAME = "automodel_dsa"
+#: queries per block of the indexer's scores and of the attention (whose blocks are recomputed in the backward)
+QUERY_BLOCK = 256
 _MARK = "_automodel_cp_dsa"
 _ROPE = {"half": "apply_rotary_pos_emb", "interleaved": "apply_rotary_pos_emb_interleave"}
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -301,25 +304,34 @@ def select_topk(
         length = torch.where(real, end - start, ids + 1 - start)
         groups = torch.stack([start, length], 1).unique(dim=0)
         for d, L in groups.tolist():
-            sel = ((start == d) & (length == L)).nonzero().flatten()
-            rows = sel.to(q.device)
+            every = ((start == d) & (length == L)).nonzero().flatten()
             key = keys[b, d : d + L].float()
-            scores = torch.matmul(q[b, rows].float(), key.transpose(0, 1)) * scale  # [m, H, L]
-            index = torch.matmul(weights[b, rows].unsqueeze(-2), F.relu(scores)).squeeze(-2)  # [m, L]
-            pos = (ids[sel] - d).to(q.device)
-            visible = torch.arange(L, device=q.device)[None, :] <= pos[:, None]
-            if place.key_valid is not None:
-                visible = visible & place.key_valid[r][d : d + L].to(q.device)[None, :]
-            if fill is None:
-                index = index.masked_fill(~visible, float("-inf"))
-            else:
-                dtype = torch.promote_types(index.dtype, fill)
-                index = index.to(dtype) + torch.where(visible, 0.0, torch.finfo(fill).min).to(dtype)
-            k = min(topk, L)
-            top = index.topk(k, dim=-1).indices
-            chosen = torch.where(visible.gather(1, top), top + d, torch.full_like(top, -1))
-            out[b, rows, :k] = chosen
+            for sel in every.split(QUERY_BLOCK):  # [m, H, L] scores per block of queries (each row on its own)
+                _select_block(out, b, r, sel, d, L, q, weights, key, place, topk, scale, fill)
     return out
+
+
+def _select_block(
+    out: torch.Tensor, b: int, r: int, sel: torch.Tensor, d: int, L: int, q: torch.Tensor, weights: torch.Tensor,
+    key: torch.Tensor, place: Placement, topk: int, scale: float, fill: torch.dtype | None,
+) -> None:  # fmt: skip
+    """:func:`select_topk` for the local queries ``sel`` of row ``b`` (placement row ``r``) whose document starts at
+    ``d`` and is scored over ``L`` keys (``key`` ``[L, D]`` fp32); writes their slots of ``out``."""
+    rows = sel.to(q.device)
+    scores = torch.matmul(q[b, rows].float(), key.transpose(0, 1)) * scale  # [m, H, L]
+    index = torch.matmul(weights[b, rows].unsqueeze(-2), F.relu(scores)).squeeze(-2)  # [m, L]
+    pos = (place.ids[sel] - d).to(q.device)
+    visible = torch.arange(L, device=q.device)[None, :] <= pos[:, None]
+    if place.key_valid is not None:
+        visible = visible & place.key_valid[r][d : d + L].to(q.device)[None, :]
+    if fill is None:
+        index = index.masked_fill(~visible, float("-inf"))
+    else:
+        dtype = torch.promote_types(index.dtype, fill)
+        index = index.to(dtype) + torch.where(visible, 0.0, torch.finfo(fill).min).to(dtype)
+    k = min(topk, L)
+    top = index.topk(k, dim=-1).indices
+    out[b, rows, :k] = torch.where(visible.gather(1, top), top + d, torch.full_like(top, -1))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -393,13 +405,30 @@ def dsa_attention(
     if key.shape[1] != Hq:  # transformers' repeat_kv: each KV head serves Hq / Hkv consecutive query heads
         key = key.repeat_interleave(Hq // key.shape[1], dim=1)
         value = value.repeat_interleave(Hq // value.shape[1], dim=1)
-    # plain math, not F.scaled_dot_product_attention: inside ring's context torch replaces that with its ring
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [B, H, n, T]
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # exp() of it is 0 (as eager's mask)
+    if n <= QUERY_BLOCK or not torch.is_grad_enabled():
+        out = _masked_attention(query, key, value, mask, scale)
+    else:  # blocks of queries, recomputed in the backward: one block's [B, H, block, T] scores at a time
+        from torch.utils.checkpoint import checkpoint
+
+        out = torch.cat([
+            checkpoint(_masked_attention, query[:, :, i : i + QUERY_BLOCK], key, value,
+                       mask[:, :, i : i + QUERY_BLOCK], scale, use_reentrant=False)
+            for i in range(0, n, QUERY_BLOCK)
+        ], dim=2)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:  # fmt: skip
+    """Softmax attention ``[B, H, m, Dqk] x [B, H, T, Dqk] -> [B, H, m, Dv]`` over the keys ``mask`` ``[B, 1, m, T]``
+    allows. Plain math, not ``F.scaled_dot_product_attention``: inside ring's context torch replaces that with its
+    ring. A masked score is the dtype's lowest value, whose ``exp`` is 0 (as transformers' eager mask)."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     softmax_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(value.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    return torch.matmul(probs, value)
 
 
 # ---------------------------------------------------------------------------------------------------------
