@@ -545,6 +545,10 @@ def dsa_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _run(self, call, placement_of(method, ctx))
 
 
+# a compiled model runs the DSA layer outside its graph (per-document loops, collectives), as every CP attention
+_DSA_FORWARD = torch._dynamo.disable(dsa_module_forward, reason="automodel: CP DSA runs outside the compiled graph")
+
+
 def dsa_indexer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor,
                         position_embeddings: Any, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
     """The installed forward of a DSA indexer: :meth:`DsaStep.select` when the module's forward handed it a
@@ -607,7 +611,7 @@ def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
                 indexer._automodel_dsa_rope = DSA_ATTENTION[name]
                 setattr(indexer, _MARK, True)
         if not getattr(module, _MARK, False):
-            module.forward = types.MethodType(dsa_module_forward, module)
+            module.forward = types.MethodType(_DSA_FORWARD, module)
             setattr(module, _MARK, True)
         count += 1
     if count:
