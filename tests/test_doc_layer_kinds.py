@@ -66,6 +66,8 @@ def cp4():
 def _check(ranks: list[dict], name: str) -> None:
     kind = "fp32" if name.endswith("float32") else "fp64_fp32_inside" if name.split("/")[0] in FP32_INSIDE else "fp64"
     loss_tol, grad_tol = TOLERANCES[kind]
+    if kind == "fp64" and name in DSA:  # every MLP dense: fp64's own round-off (measured 2e-16 and 1e-15)
+        loss_tol, grad_tol = 1e-14, 1e-13
     for rank in ranks:
         r = rank[name]
         assert r["loss_rel"] <= loss_tol, (name, r)

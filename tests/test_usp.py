@@ -301,6 +301,8 @@ def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):
     ranks, _ = two_nodes
     kind = "fp64_fp32_inside" if dtype == "float64" and family in FP32_INSIDE else dtype
     loss_tol, grad_tol = KIND_TOLERANCES[kind]
+    if dtype == "float64" and family.endswith("_dense"):  # DSA, every MLP dense: measured 2e-16 and 1e-15
+        loss_tol, grad_tol = 1e-14, 1e-13
     for result in ranks:
         got = result["layer_kinds"][(family, dtype)]
         assert got["attn"] == "usp" and not got["missing"], got
