@@ -68,7 +68,8 @@ def _model(family: str, dtype=torch.float32, **overrides):
 def test_profile_names_dsa_layers_and_every_builtin_method_runs_them(family):
     fam = family_by_name(family)
     config = fam.build_config()
-    assert config.index_topk < 64 and set(config.layer_types) == {"indexed_attention"}  # top-k really selects
+    assert config.index_topk < 64  # top-k really selects
+    assert set(config.layer_types) <= {"indexed_attention", "deepseek_sparse_attention"}  # (transformers < 5.25)
     with torch.device("meta"):
         model = fam.build_model(0)
     profile = profile_model(model)

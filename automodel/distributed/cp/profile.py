@@ -82,6 +82,7 @@ _CONFIG_LAYER_TYPES = {
     "sliding_attention": SLIDING,
     "chunked_attention": CHUNKED,
     "indexed_attention": SPARSE,  # DSA; confirmed by its attention class when the modules are read
+    "deepseek_sparse_attention": SPARSE,  # DeepSeek-V3.2's name for it in transformers < 5.25
     "linear_attention": LINEAR,
     "mamba": LINEAR,
     "conv": LINEAR,

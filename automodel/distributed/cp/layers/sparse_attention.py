@@ -346,12 +346,16 @@ class DsaStep:
         self.place = place
         self.eager = attn_implementation == "eager"
 
-    def update(self, k_pass: torch.Tensor, k_rot: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        """``k_pass`` ``[B, 1, n, r]``, ``k_rot`` ``[B, 1, n, p]`` -> the same for all ``T`` tokens."""
-        r = k_pass.shape[-1]
-        both = torch.cat([k_pass, k_rot.to(k_pass.dtype)], dim=-1).squeeze(1)
-        full = self.place.gather(both).unsqueeze(1)
-        return full[..., :r], full[..., r:].to(k_rot.dtype)
+    def update(self, first: torch.Tensor, second: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """``first`` ``[B, h, n, r]``, ``second`` ``[B, h, n, p]`` -> the same for all ``T`` tokens: the latents
+        (``h = 1``: ``k_pass`` and ``k_rot``, transformers >= 5.25), or the expanded keys and values (transformers
+        < 5.25 caches those)."""
+        B, h, n, r = first.shape
+        both = torch.cat([first, second.to(first.dtype)], dim=-1)  # [B, h, n, r + p]
+        width = both.shape[-1]
+        full = self.place.gather(both.transpose(1, 2).reshape(B, n, h * width))
+        full = full.view(B, -1, h, width).transpose(1, 2)
+        return full[..., :r], full[..., r:].to(second.dtype)
 
     def select(self, indexer: Any, hidden: torch.Tensor, q_resid: torch.Tensor, position_embeddings: Any) -> torch.Tensor:
         """The indexer's top-k for this rank's queries (global token ids, ``-1`` empty), without gradient."""
@@ -521,8 +525,9 @@ def _run(module: torch.nn.Module, call: dict[str, Any], place: Placement) -> Any
     call["attention_mask"] = place.mask(hidden.shape[0], hidden.device)
     config = module.config
     module.config = _ConfigView(config)
+    cache_name = "cache" if "cache" in _SIGNATURES[type(module)].parameters else "past_key_values"
     try:
-        return type(module).forward(module, cache=DsaStep(place, config._attn_implementation), **call)
+        return type(module).forward(module, **{cache_name: DsaStep(place, config._attn_implementation)}, **call)
     finally:
         module.config = config
 
