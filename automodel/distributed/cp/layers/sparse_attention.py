@@ -50,6 +50,7 @@ __all__ = [
     "QUERY_BLOCK",
     "DsaStep",
     "Placement",
+    "Stage",
     "dsa_attention",
     "install_sparse_attention",
     "installed_on",
