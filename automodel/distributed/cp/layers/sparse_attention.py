@@ -223,8 +223,12 @@ def placement_of(method: str, ctx: Any) -> Placement:
     cached = getattr(ctx, "_automodel_dsa_placement", None)
     if cached is not None:
         return cached
-    if method == "ring":  # a TokenLayout: every row split head-tail, one document per row
+    if method == "ring":  # a TokenLayout: every row split head-tail, one document per row, right-padded maybe
         out = _from_layout(ctx)
+        real = getattr(ctx, "real_length", None)
+        if real is not None:
+            out.key_valid = (torch.arange(out.total) < real)[None]
+            out.doc_end = torch.full_like(out.doc_end, real)
     elif method == "thd":  # a THDPlan: documents padded to multiples of 2W, head-tail each
         out = _from_layout(ctx.token_layout(), _real_ends_thd(ctx))
     elif method == "thd_docs":  # a DocPlan: documents unpadded, whole or split

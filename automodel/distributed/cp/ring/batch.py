@@ -77,7 +77,7 @@ def get_cp_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 @contextlib.contextmanager
 def _refuse_inexact_models(
-    cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: DeviceMesh
+    cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: DeviceMesh, real_length: int | None = None
 ) -> Iterator[None]:
     """``cp_context``, plus the ring method's exactness check at the model's first forward inside it
     (:mod:`automodel.distributed.cp.guard`): a flex model, a layer kind ring does not compute (an
@@ -98,7 +98,7 @@ def _refuse_inexact_models(
 
         with (
             check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len), install),
-            ring_layer_kernels(cp_mesh, seq_len),
+            ring_layer_kernels(cp_mesh, seq_len, real_length),
             cp_context,
         ):
             yield
@@ -432,4 +432,5 @@ def make_cp_batch_and_ctx(
         row = torch.tensor([0, padded_len], device=device)
         index = head_tail_indices(row, cp_size, cp_mesh.get_local_rank())
         ctx = _shard_embeds_on_entry(ctx, batch, index)
-    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len, cp_mesh)), batch
+    real_length = primary.shape[1]  # before the right padding
+    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len, cp_mesh, real_length)), batch
