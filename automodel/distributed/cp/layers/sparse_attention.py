@@ -240,13 +240,17 @@ def placement_of(method: str, ctx: Any) -> Placement:
             at += n
         S = ctx.seq_len
         start = torch.zeros(1, S, dtype=torch.int64) if ctx.document_ids is None else _starts_of(ctx.document_ids.cpu())
+        # the caller's padding mask: those keys are masked, the row keeps its length (one process on the same
+        # batch scores the padded row); padding inside packed documents (seq_lens within seq_lens_padded) also
+        # shortens the document's row to its real length (each document alone has that row)
         valid = None if ctx.padding_mask is None else ctx.padding_mask.cpu().bool()
         real = getattr(ctx, "real_tokens", None)
-        if real is not None:  # padding inside packed documents (seq_lens within seq_lens_padded)
+        if real is not None:
+            real = real.cpu().bool()
             valid = real if valid is None else valid & real
-        if valid is not None and start.shape[0] != valid.shape[0]:
-            start = start.expand(valid.shape[0], S).contiguous()
-        out = Placement([Stage.of(ctx.group, rank_ids)], rank_ids[ctx.rank], start, _ends(start, valid), valid)
+        rows = max(start.shape[0], 1 if valid is None else valid.shape[0])
+        start = start.expand(rows, S).contiguous()
+        out = Placement([Stage.of(ctx.group, rank_ids)], rank_ids[ctx.rank], start, _ends(start, real), valid)
     elif method == "usp":  # thd's placement over the ring sub-group, each share cut in U contiguous slices
         g, plan = ctx.groups, ctx.plan
         layout = plan.token_layout()
