@@ -372,6 +372,14 @@ FAMILIES: list[Family] = [
                                              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                              first_k_dense_replace=1, index_n_heads=2, index_head_dim=16,
                                              index_topk=WINDOW), "dsa+mla+moe"),
+    Family("dots3_note_text", "dots3_note_text", dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=16,
+        head_dim=24, n_routed_experts=4, num_experts_per_tok=2, index_topk=WINDOW, index_head_dim=16, index_n_heads=2,
+        shared_experts_intermediate_size=32, swa_num_attention_heads=4, swa_num_key_value_heads=4,
+        swa_q_lora_rank=48, swa_kv_lora_rank=32, swa_head_dim=24, swa_qk_nope_head_dim=16, swa_v_head_dim=8,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+        "dsa+sliding+mla+moe"),
     # --- attention sinks, chunked attention
     Family("gpt_oss", "gpt_oss", _kw(**_MOE),
            "sinks+sliding+full+moe", attn="eager"),

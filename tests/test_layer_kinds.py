@@ -4,7 +4,7 @@ The halo kernel (automodel/distributed/cp/layers/masked_attention.py) against a 
 gradients of q, k, v and the sinks, fp64 and fp32) on ring and thd layouts at cp=2 and cp=4, the halo
 it exchanges (exact token ids), and tiny models of the families through ring (one row; the eager families
 gemma2, vaultgemma, granite_swa and gpt-oss included), thd and Ulysses (packed rows against every document
-alone) in fp32 and fp64.
+alone) in fp32 and fp64; DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) the same way at cp=2 and cp=4.
 """
 
 from __future__ import annotations
@@ -63,18 +63,57 @@ MODEL_CASES = {
     for docs in ([[48] if method.startswith("ring") else [21, 34, 9]])
 }
 
+# DeepSeek sparse attention (DeepSeek-V3.2, GLM-5, dots3: top-k 16 of rows of 48 and documents of 9-34 tokens, so the
+# indexer selects and early queries see fewer keys than the top-k): fp32 with the families' MoE layers, fp64 with
+# every MLP dense (MoE routers compute in fp32 whatever the model's dtype) to show fp64's own round-off; ring on one
+# row, thd and Ulysses on packed rows against every document alone. A negative control: Ulysses fed each rank's
+# LOCAL positions (the indexer's and the attention's RoPE misplaced on every rank after the first) must differ.
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text")  # dots3: two DSA layers, one sliding-window
+DSA_CASES = {
+    f"{family}/{method}/{dtype}" + ("/dense" if dtype == "float64" else ""): dict(
+        family=family, method=method, dtype=dtype, docs=[48] if method == "ring" else [21, 34, 9],
+        dense_mlp=dtype == "float64",
+    )
+    for family in DSA_FAMILIES
+    for method in ("ring", "thd", "ulysses")
+    for dtype in ("float32", "float64")
+}
+DSA_CASES.update({  # GLM-5 with a "shared" indexer layer: layer 1 reuses layer 0's top-k (global token ids)
+    f"glm_moe_dsa/{method}/float64/dense/shared": dict(
+        family="glm_moe_dsa", method=method, dtype="float64", docs=[48] if method == "ring" else [21, 34, 9],
+        dense_mlp=True, config={"indexer_types": ["full", "shared"]},
+    )
+    for method in ("ring", "thd")
+})
+DSA_CASES.update({  # ring rows right-padded to split evenly (45, 47 -> 48): the top-k row is the real length,
+    # as one process has it (with the padded length the zero scores' ties resolve otherwise: 0.15-0.27 off)
+    f"{family}/ring/float64/dense/{n}": dict(family=family, method="ring", dtype="float64", docs=[n], dense_mlp=True)
+    for family, n in (("deepseek_v32", 45), ("glm_moe_dsa", 47))
+})
+DSA_NEGATIVE = {
+    "deepseek_v32/ulysses_local_positions/float64/dense": dict(
+        family="deepseek_v32", method="ulysses_local_positions", dtype="float64", docs=[48], dense_mlp=True
+    )
+}
+DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dense") and "dots3" not in name}
+DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
+DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}
+
 
 @pytest.fixture(scope="module")
 def cp2():
     return run_distributed(
         "tests.workers.layer_kinds_worker:main", world_size=2, timeout=600, kernel_cases=KERNEL_CP2,
-        model_cases=MODEL_CASES,
+        model_cases={**MODEL_CASES, **DSA_CASES, **DSA_NEGATIVE},
     )
 
 
 @pytest.fixture(scope="module")
 def cp4():
-    return run_distributed("tests.workers.layer_kinds_worker:main", world_size=4, timeout=600, kernel_cases=KERNEL_CP4)
+    return run_distributed(
+        "tests.workers.layer_kinds_worker:main", world_size=4, timeout=600, kernel_cases=KERNEL_CP4,
+        model_cases={**DSA_CP4, **DSA_NEGATIVE},
+    )
 
 
 def _tol(case: dict) -> float:
@@ -143,3 +182,25 @@ def test_output_layout_is_transformers():
     assert out.shape == (1, 8, 2, 3) and out.is_contiguous()
     with pytest.raises(ValueError, match="got 7 local tokens, but the CP layout gives this rank 8"):
         halo_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], layout, window=3)
+
+
+@pytest.mark.parametrize("name", list(DSA_CASES))
+def test_sparse_attention_matches_one_process_cp2(cp2, name):
+    loss_tol, grad_tol = DSA_TOLERANCES[DSA_CASES[name]["dtype"]]
+    for rank in cp2:
+        r = rank[name]
+        assert r["loss_rel"] <= loss_tol and r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
+
+
+@pytest.mark.parametrize("name", list(DSA_CP4))
+def test_sparse_attention_matches_one_process_cp4(cp4, name):
+    loss_tol, grad_tol = DSA_TOLERANCES[DSA_CP4[name]["dtype"]]
+    for rank in cp4:
+        r = rank[name]
+        assert r["loss_rel"] <= loss_tol and r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
+
+
+def test_sparse_attention_comparison_sees_rope_at_local_positions(cp2, cp4):
+    for ranks in (cp2, cp4):
+        r = ranks[0]["deepseek_v32/ulysses_local_positions/float64/dense"]
+        assert r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-5, r

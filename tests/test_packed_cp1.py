@@ -89,16 +89,23 @@ def test_the_probe_finds_gptoss_mixing_documents_and_llama_keeping_them_apart():
     assert not gptoss.separates and "attend to each other" in gptoss.reason
     assert document_separation(_model("llama")).separates
     assert document_separation(_model("mistral")).separates
-    # a mixer the profile does not know (DeepSeek sparse attention: its indexer's top-k spans the whole row once
-    # it is longer than the probe, which the family matrix's cp=1 packed cell caught) is not vouched for
+    # DeepSeek sparse attention through transformers' indexer (its top-k over the whole packed row, which the family
+    # matrix's cp=1 packed cell caught) is not vouched for; with the CP DSA kernel installed it is probed
     config = AutoConfig.for_model(
         "deepseek_v32", vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
         moe_intermediate_size=32, index_n_heads=2, index_head_dim=16, index_topk=4,
     )  # fmt: skip
-    found = document_separation(AutoModelForCausalLM.from_config(config))
-    assert not found.separates and "does not recognise" in found.reason
+    dsa = AutoModelForCausalLM.from_config(config)
+    found = document_separation(dsa)
+    assert not found.separates and "over the whole packed row" in found.reason
+    from automodel.distributed.cp import profile_model
+    from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
+
+    dsa = AutoModelForCausalLM.from_config(config)  # a fresh model: the probe's answer is kept per model
+    install_sparse_attention(dsa, profile_model(dsa))  # the CP kernel takes the top-k per document: probed
+    assert document_separation(dsa).separates
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=VOCAB, num_hidden_layers=1))
     found = document_separation(meta)

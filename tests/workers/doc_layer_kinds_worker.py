@@ -63,7 +63,12 @@ def model_case(case: dict, mesh) -> dict:
     from tests.family_matrix import VOCAB
 
     dtype = getattr(torch, case["dtype"])
-    base = build_model(case["family"])
+    if case.get("dense_mlp"):  # DSA with every MLP dense (no fp32 MoE router)
+        from tests.workers.layer_kinds_worker import build_case_model
+
+        base = build_case_model(case)
+    else:
+        base = build_model(case["family"])
     if dtype == torch.float64 and hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
     base = base.to(dtype)

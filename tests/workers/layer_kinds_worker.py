@@ -165,6 +165,8 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
 
         inner = set_ulysses_attention(model, mesh)
         ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner)
+    if method == "ulysses_local_positions":  # a negative control: RoPE at each rank's local index, not the global one
+        local = {**local, "position_ids": torch.arange(local["input_ids"].shape[1])[None]}
     with ctx():
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         ce = _ce(logits.flatten(0, 1), local["labels"].flatten())
@@ -175,11 +177,33 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
     return float(loss) / n_labels, grads
 
 
+def build_case_model(case: dict):
+    """The family's tiny model; ``dense_mlp``: every MLP dense (no MoE router, which computes in fp32 whatever the
+    model's dtype), the attention layer pattern unchanged, so that an fp64 run shows fp64's round-off; ``config``:
+    config attributes set before the model is built."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.family_matrix import family_by_name
+
+    fam = family_by_name(case["family"])
+    if not case.get("dense_mlp") and not case.get("config"):
+        return fam.build_model(0)
+    config = fam.build_config()
+    n = config.num_hidden_layers
+    if case.get("dense_mlp"):
+        config.first_k_dense_replace, config.mlp_layer_types = n, ["dense"] * n
+    for key, value in case.get("config", {}).items():  # e.g. GLM-5's indexer_types
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32)
+    return model.train(fam.train_mode)
+
+
 def model_case(case: dict, mesh, world: int) -> dict:
-    from tests.family_matrix import VOCAB, family_by_name
+    from tests.family_matrix import VOCAB
 
     dtype = getattr(torch, case["dtype"])
-    base = family_by_name(case["family"]).build_model(0)
+    base = build_case_model(case)
     if dtype == torch.float64 and hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
     base = base.to(dtype)

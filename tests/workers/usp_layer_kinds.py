@@ -4,7 +4,8 @@ Run inside tests/workers/usp_worker.py's 4-rank launch. Tiny models of tests/fam
 and fp64, on two packed rows of documents run alone in one process (the reference): sliding windows
 (Mistral), sinks with windows and eager attention (gpt-oss), softcapping with windows and eager attention
 (Gemma 2), MLA value heads (DeepSeek-V3), chunked attention and NoPE layers with Llama 4's query temperature
-(switched on, with a ``floor_scale`` small enough that the temperature changes along a document). Windows
+(switched on, with a ``floor_scale`` small enough that the temperature changes along a document), DeepSeek
+sparse attention (DeepSeek-V3.2, GLM-5; every MLP dense, top-k 16 of documents up to 34 tokens). Windows
 and chunks are 16 tokens; every document is cut into 4 chunks over the ring sub-group (6 to 10 tokens), so
 each window's halo crosses every ring boundary of its document, from one or two chunks back.
 """
@@ -22,7 +23,7 @@ from tests.workers.thd_attention_worker import _ce, pack
 ULYSSES = 2
 #: two packed rows; padded to 8 (2 * cp) the documents are 24, 40, 16 and 32, 24 tokens
 ROWS = [[21, 34, 9], [30, 18]]
-FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature")
+FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense")
 CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")]
 
 
@@ -37,6 +38,10 @@ def _model(family: str, dtype: torch.dtype):
         config.attn_temperature_tuning, config.floor_scale = True, 4  # layer 1 (NoPE) scales its queries
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32).train()
+    elif family.endswith("_dense"):  # DSA with every MLP dense (no fp32 router): fp64 shows fp64's round-off
+        from tests.workers.layer_kinds_worker import build_case_model
+
+        model = build_case_model({"family": family.removesuffix("_dense"), "dense_mlp": True})
     else:
         model = family_by_name(family).build_model(0)
     if dtype == torch.float64 and hasattr(model, "set_experts_implementation"):

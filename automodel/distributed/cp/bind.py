@@ -65,9 +65,11 @@ def bind_cp_method(
             return no_cp_batch_and_ctx, PreparedModel()
         from automodel.distributed.cp.guard import cached_profile
         from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
+        from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
 
         profile = cached_profile(model)
         install_linear_mixers(model, profile)
+        install_sparse_attention(model, profile)  # DSA: top-k per packed document
         if packed is False:
             return no_cp_batch_and_ctx, PreparedModel()
         return _bind_single_rank(m, model, device_mesh, profile, packed, trust_own_forward, batch_options)

@@ -19,7 +19,7 @@ Pure arithmetic on sizes: no torch, no process group.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -113,6 +113,29 @@ def _sizes(model: Any) -> SimpleNamespace:
                            hidden=getattr(model, "hidden", model.heads * model.head_dim))  # fmt: skip
 
 
+def _scaled(term: ExchangeTerm, factor: float) -> ExchangeTerm:
+    return replace(term, forward_bytes=term.forward_bytes * factor, backward_bytes=term.backward_bytes * factor)
+
+
+def _with_sparse_layers(method: CPMethod, profile: ModelProfile, r: Any, terms: tuple) -> tuple:
+    """The terms per attention layer of a model with DSA layers: the method's own attention exchange for its
+    share of the other attention layers, :meth:`CPMethod.sparse_exchange_terms` for the DSA layers' share (the
+    latent KV and indexer keys gathered whatever the method)."""
+    from automodel.distributed.cp.profile import SPARSE
+
+    sparse = [layer for layer in profile.layers if layer.kind == SPARSE]
+    if not sparse:
+        return terms
+    attention = [layer for layer in profile.layers if layer.is_attention or layer.hybrid_attention]
+    share = len(sparse) / max(1, len(attention))
+    widths = next((layer.sparse_widths for layer in sparse if layer.sparse_widths), None)
+    if widths is None:  # sizes not known: as much as one KV head of the model's head size and an indexer key
+        head = _sizes(profile).head_dim
+        widths = (2 * head, head)
+    dsa = tuple(_scaled(t, share) for t in method.sparse_exchange_terms(widths, r))
+    return tuple(_scaled(t, 1 - share) for t in terms if share < 1) + dsa
+
+
 def exchange_cost(
     method: CPMethod,
     model: ModelProfile | Any,
@@ -148,5 +171,7 @@ def exchange_cost(
         local_tokens=max(1, local_batch * seq_len // max(1, cp_size)),
     )  # fmt: skip
     terms = tuple(method.exchange_terms(_sizes(model), r, packed)) if cp_size > 1 else ()
+    if cp_size > 1 and isinstance(model, ModelProfile):
+        terms = _with_sparse_layers(method, model, r, terms)
     across = tuple(not span_inside_node(t.span * tp_size, ranks_per_node) for t in terms)
     return ExchangeCost(method, terms, across)

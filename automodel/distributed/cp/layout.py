@@ -150,6 +150,9 @@ class TokenLayout:
     doc_start: torch.Tensor
     calls: int = 0
     halo_transport: str = "all_to_all"
+    #: ring rows right-padded to split evenly: the real row length (the tokens from it on are padding); ``None``:
+    #: no padding (the DSA kernel's top-k row is the real length, as one process has it)
+    real_length: int | None = None
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property

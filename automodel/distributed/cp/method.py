@@ -317,6 +317,18 @@ class CPMethod:
         per_layer = (cp - 1) * n * 2 * kv * r.compute_bytes
         return [ExchangeTerm("K and V of the other ranks' tokens", cp, cp, per_layer, 2 * per_layer)]
 
+    def sparse_exchange_terms(self, widths: tuple[int, int], r: Any) -> list[ExchangeTerm]:
+        """What one rank sends per DSA layer (:mod:`~automodel.distributed.cp.layers.sparse_attention`):
+        ``widths`` = ``(latent KV, indexer key)`` elements per token, all-gathered over the CP group (forward);
+        the latent KV's gradient reduce-scattered back (backward; the indexer has none). Default: one group of
+        ``r.cp`` ranks, whatever the method's split (every built-in method gathers the same state)."""
+        latent, index = widths
+        if r.cp <= 1:
+            return []
+        sent = (r.cp - 1) * r.local_tokens * r.compute_bytes
+        return [ExchangeTerm("latent KV and indexer keys of the other ranks' tokens (DSA)", r.cp, r.cp,
+                             sent * (latent + index), sent * latent)]  # fmt: skip
+
     def options(self) -> dict[str, Any]:
         """The ``distributed.<key>`` values bound to this instance (usp: ``ulysses_size``); default none."""
         return {}
@@ -424,13 +436,18 @@ def standard_problem(
     ``chunks``, ``sinks``, logit ``softcap``, ``mla`` (value heads of another size) and
     ``position_scaled`` queries (Llama 4's temperature, corrected to the global position). Linear /
     state-space mixers are exact where :mod:`~automodel.distributed.cp.layers.linear_support` lists a kernel for
-    the mixer and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
+    the mixer and the method, sparse attention (DSA) where :mod:`~automodel.distributed.cp.layers.sparse_support`
+    lists its class and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
     layers are exact under every split.
     """
-    from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, REPORT_HINT, UNKNOWN
+    from automodel.distributed.cp.profile import LINEAR, MLP_ONLY, REPORT_HINT, SPARSE, UNKNOWN
 
     if layer.kind == MLP_ONLY:
         return None
+    if layer.kind == SPARSE:
+        from automodel.distributed.cp.layers.sparse_support import sparse_attention_problem
+
+        return sparse_attention_problem(method, layer)
     if layer.kind == LINEAR:
         from automodel.distributed.cp.layers.linear_support import linear_mixer_problem
 

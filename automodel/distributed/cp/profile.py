@@ -7,6 +7,9 @@ layer's token mixer, which is what decides whether a CP method computes the laye
 - ``full_attention``: causal softmax attention over the whole row;
 - ``sliding_window``: causal attention limited to the last ``window`` tokens;
 - ``chunked_attention``: causal attention inside fixed chunks of ``chunk`` tokens (Llama 4);
+- ``sparse_attention``: DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5, dots3's ``indexed_attention``):
+  latent attention whose keys an indexer chooses per query (the top ``index_topk`` of the query's document),
+  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`);
 - ``linear_mixer``: linear attention or a state-space / convolution mixer (Gated DeltaNet, Mamba,
   short convolutions): a state carried along the sequence, not a softmax over keys;
 - ``mlp_only``: no token mixer at all (a block of MLP / MoE only, Nemotron-H's ``mlp`` and ``moe`` layers):
@@ -40,11 +43,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
+from automodel.distributed.cp.layers.sparse_support import DSA_ATTENTION
 
 __all__ = [
     "FULL",
     "SLIDING",
     "CHUNKED",
+    "SPARSE",
     "LINEAR",
     "MLP_ONLY",
     "UNKNOWN",
@@ -59,6 +64,7 @@ __all__ = [
 FULL = "full_attention"
 SLIDING = "sliding_window"
 CHUNKED = "chunked_attention"
+SPARSE = "sparse_attention"
 LINEAR = "linear_mixer"
 MLP_ONLY = "mlp_only"
 UNKNOWN = "unknown"
@@ -75,6 +81,8 @@ _CONFIG_LAYER_TYPES = {
     "attention": FULL,
     "sliding_attention": SLIDING,
     "chunked_attention": CHUNKED,
+    "indexed_attention": SPARSE,  # DSA; confirmed by its attention class when the modules are read
+    "deepseek_sparse_attention": SPARSE,  # DeepSeek-V3.2's name for it in transformers < 5.25
     "linear_attention": LINEAR,
     "mamba": LINEAR,
     "conv": LINEAR,
@@ -114,7 +122,7 @@ class LayerSpec:
 
     Attributes:
         index: the layer's index in the decoder stack.
-        kind: one of ``FULL``, ``SLIDING``, ``CHUNKED``, ``LINEAR``, ``MLP_ONLY``, ``UNKNOWN``.
+        kind: one of ``FULL``, ``SLIDING``, ``CHUNKED``, ``SPARSE``, ``LINEAR``, ``MLP_ONLY``, ``UNKNOWN``.
         window: the sliding window in tokens (``SLIDING``).
         chunk: the attention chunk in tokens (``CHUNKED``).
         sinks: the attention has per-head sink logits (gpt-oss).
@@ -123,9 +131,11 @@ class LayerSpec:
         rope: the layer rotates q/k by position (``False``: NoPE).
         position_scaled: the layer scales its queries by a function of the absolute position read from
             ``cache_position`` (Llama 4's attention temperature on NoPE layers).
-        mixer: class name of the layer's linear/state-space mixer (``LINEAR``), of its MLP / MoE block
+        mixer: class name of the layer's linear/state-space mixer (``LINEAR``), of its DSA attention (``SPARSE``),
+            of its MLP / MoE block
             (``MLP_ONLY``, when read from the modules) or of what was not recognised (``UNKNOWN``).
         hybrid_attention: a ``LINEAR`` layer that also runs attention (Falcon-H1).
+        sparse_widths: a ``SPARSE`` layer's gathered state per token, ``(latent KV, indexer key)`` elements.
         window_in_mask_only: a ``SLIDING`` layer whose window reaches only transformers' mask, not the
             attention function (PhiMoE): a method that builds its own mask cannot see it.
         module_path: where the layer's unrecognised module sits in the model (``UNKNOWN``, read from the
@@ -147,6 +157,9 @@ class LayerSpec:
     hybrid_attention: bool = False
     window_in_mask_only: bool = False
     module_path: str = ""
+    #: a ``SPARSE`` layer's per-token state every rank gathers: ``(latent KV width, indexer key width)`` in
+    #: elements (``kv_lora_rank + qk_rope_head_dim``, ``index_head_dim``); ``None`` where the config has none
+    sparse_widths: tuple[int, int] | None = None
 
     @property
     def path_in_stack(self) -> str:
@@ -159,7 +172,7 @@ class LayerSpec:
 
     @property
     def is_attention(self) -> bool:
-        return self.kind in (FULL, SLIDING, CHUNKED)
+        return self.kind in (FULL, SLIDING, CHUNKED, SPARSE)
 
     @property
     def mla(self) -> bool:
@@ -182,6 +195,8 @@ class LayerSpec:
             text = f"sliding-window attention (window {self.window})"
         elif self.kind == CHUNKED:
             text = f"chunked attention (chunk {self.chunk})"
+        elif self.kind == SPARSE:
+            text = f"sparse attention chosen by an indexer (DSA, {self.mixer or 'indexed_attention'})"
         elif self.kind == LINEAR:
             text = f"a linear-attention / state-space mixer ({self.mixer or 'recurrent state'})"
         elif self.kind == MLP_ONLY:
@@ -263,6 +278,8 @@ def _layer_words(layer: LayerSpec) -> str:
         return f"sliding window {layer.window}"
     if layer.kind == CHUNKED:
         return f"chunked attention {layer.chunk}"
+    if layer.kind == SPARSE:
+        return "sparse attention (DSA)"
     if layer.kind == LINEAR:
         return (layer.mixer or "linear mixer") + (" + attention" if layer.hybrid_attention else "")
     if layer.kind == MLP_ONLY:
@@ -482,6 +499,18 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
                     mixer=f"{type(attention).__name__} (config layer type {base.mixer or base.kind})")
         return LayerSpec(**spec)
     cls = type(attention)
+    if base.kind == SPARSE:  # the config says indexed_attention: the attention class must be a DSA one we know
+        if cls.__name__ not in DSA_ATTENTION:
+            spec.update(kind=UNKNOWN, module_path=attention_path,
+                        mixer=f"{cls.__name__} (config layer type indexed_attention), a sparse attention without a "
+                        "CP kernel")  # fmt: skip
+            return LayerSpec(**spec)
+        spec["mixer"] = cls.__name__
+    elif getattr(attention, "indexer", None) is not None:  # an indexer where the config names other attention
+        spec.update(kind=UNKNOWN, module_path=attention_path,
+                    mixer=f"{cls.__name__} with an indexer ({type(attention.indexer).__name__}) in a layer the config "
+                    f"calls {base.kind}")  # fmt: skip
+        return LayerSpec(**spec)
     if cls.__name__ in _SHARD_MASKED_ATTENTION:
         spec.update(kind=UNKNOWN, module_path=attention_path,
                     mixer=f"{cls.__name__}: {_SHARD_MASKED_ATTENTION[cls.__name__]}")
@@ -531,6 +560,9 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     if qk is None and _get(text, "qk_nope_head_dim", None) is not None:
         qk = _get(text, "qk_nope_head_dim") + (_get(text, "qk_rope_head_dim", 0) or 0)
     v = _get(text, "v_head_dim", None)
+    latent = (_get(text, "kv_lora_rank", None) or 0) + (_get(text, "qk_rope_head_dim", None) or 0)
+    index_dim = _get(text, "index_head_dim", None)
+    widths = (int(latent), int(index_dim)) if latent and isinstance(index_dim, int) else None
     layers = []
     for i in range(n_layers):
         if layer_types is not None and i < len(layer_types):
@@ -555,6 +587,7 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
                 rope=rope,
                 position_scaled=temperature and not rope,
                 mixer=mixer,
+                sparse_widths=widths if kind == SPARSE else None,
             )
         )
     return layers

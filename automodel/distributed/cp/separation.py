@@ -13,8 +13,9 @@ Whether a model's forward separates documents is therefore found **by a check on
   depend on the document before it and equal ``B`` run alone. The probe checks the model's plumbing (do the
   positions reach its masks and mixers); windows and chunks are transformers' shared mask code, applied per
   document once they do. A model that cannot run the probe (weights on the meta device, a forward that needs
-  other inputs) or that has a token mixer the profile does not recognise (DeepSeek sparse attention: its
-  indexer's top-k spans the row once it is longer than the probe) is taken not to separate them.
+  other inputs) or that has a token mixer the profile does not recognise is taken not to separate them; so is
+  DeepSeek sparse attention run by transformers' own indexer (its top-k is taken over the whole packed row, and
+  equal scores resolve differently from the document alone); with the CP DSA kernel installed it is probed.
 - :func:`packed_method_at_one` is the document-aware path where it does not: a CP method that runs the model
   exactly on packed rows, computed on one rank (every method's attention at world size 1 is exact against
   each document alone: thd_docs keeps every document whole and local, thd and ulysses compute per document),
@@ -103,6 +104,14 @@ def _first_param(model: torch.nn.Module) -> torch.Tensor | None:
 
 
 def _probe(model: torch.nn.Module) -> Separation:
+    sparse = _sparse_layers_without_kernel(model)
+    if sparse:  # transformers' DSA takes each query's top-k over the whole row: not the document alone's
+        return Separation(
+            False,
+            f"runs DeepSeek sparse attention ({sparse}) with transformers' indexer, which takes each query's top-k "
+            "over the whole packed row: equal scores resolve differently from the document alone (the CP DSA "
+            "kernel, installed by bind_cp_method and every CP method, takes it per document)",
+        )
     unknown = _unknown_layers(model)
     if unknown:  # the probe vouches for the model's plumbing of position_ids, not for mixers it does not know
         return Separation(
@@ -156,6 +165,23 @@ def _probe(model: torch.nn.Module) -> Separation:
             f"{off:.2g} of their scale)",
         )
     return Separation(True, "computes each document of a packed row as if alone (probed)")
+
+
+def _sparse_layers_without_kernel(model: torch.nn.Module) -> str:
+    """The DSA layers (``sparse_attention``) whose attention module does not carry the CP DSA kernel
+    (:func:`~automodel.distributed.cp.layers.sparse_attention.install_sparse_attention`), in words (empty: none)."""
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.layers.sparse_attention import installed_on
+    from automodel.distributed.cp.profile import SPARSE
+
+    try:
+        profile = cached_profile(model)
+    except Exception:  # noqa: BLE001 - _unknown_layers reports it
+        return ""
+    sparse = [layer for layer in profile.layers if layer.kind == SPARSE]
+    if not sparse or installed_on(model) >= len(sparse):
+        return ""
+    return f"layers {', '.join(str(layer.index) for layer in sparse[:8])}: {sparse[0].describe()}"
 
 
 def _unknown_layers(model: torch.nn.Module) -> str:

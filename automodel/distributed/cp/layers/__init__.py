@@ -16,7 +16,10 @@ all-to-all). The layer kinds that kernel does not compute are routed here, per l
 - :mod:`.state_chain`: the shared kernels of every mixer: the per-document loop, the Ulysses head shard and
   the state chain (:mod:`automodel.distributed.cp.exchange.state`);
 - :mod:`.linear_mixer`: the installed forward, dispatching per method (ulysses, thd, thd_docs, ring, usp);
-- :mod:`.linear_support`: which linear mixers each method runs exactly (no torch import).
+- :mod:`.linear_support`: which linear mixers each method runs exactly (no torch import);
+- :mod:`.sparse_attention`: DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, dots3), queries local, the
+  latent KV and the indexer keys all-gathered, top-k per document; :mod:`.sparse_support`: which DSA classes
+  and methods it runs (no torch import).
 
 Which tokens each rank holds comes from :mod:`automodel.distributed.cp.layout`. docs/cp_layer_kinds.md
 describes the exchange pattern.

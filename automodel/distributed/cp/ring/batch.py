@@ -44,6 +44,7 @@ from automodel.distributed.cp.batch_forms import check_batch_forms, classify_bat
 from automodel.distributed.cp.group import get_cp_mesh as _get_cp_mesh
 from automodel.distributed.cp.guard import check_on_first_forward
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
+from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
 from automodel.distributed.cp.layout import head_tail_indices
 from automodel.distributed.cp.ring.causal_mask import no_packed_sequence_detection
 from automodel.distributed.cp.ring.cpu_ring import check_cpu_ring_support, cpu_ring_attention
@@ -76,7 +77,7 @@ def get_cp_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 @contextlib.contextmanager
 def _refuse_inexact_models(
-    cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: DeviceMesh
+    cp_context: contextlib.AbstractContextManager, seq_len: int, cp_mesh: DeviceMesh, real_length: int | None = None
 ) -> Iterator[None]:
     """``cp_context``, plus the ring method's exactness check at the model's first forward inside it
     (:mod:`automodel.distributed.cp.guard`): a flex model, a layer kind ring does not compute (an
@@ -92,11 +93,12 @@ def _refuse_inexact_models(
 
         def install(model: Any, profile: Any) -> None:
             install_linear_mixers(model, profile, "ring")  # Gated DeltaNet: the state chain (docs/linear_mixers.md)
+            install_sparse_attention(model, profile)  # DSA: latent KV and indexer keys gathered
             route_eager(model, profile)  # an eager model: its layers routed as sdpa's are (router.py)
 
         with (
             check_on_first_forward(lambda profile: check_model_for_cp("ring", profile, seq_len), install),
-            ring_layer_kernels(cp_mesh, seq_len),
+            ring_layer_kernels(cp_mesh, seq_len, real_length),
             cp_context,
         ):
             yield
@@ -430,4 +432,5 @@ def make_cp_batch_and_ctx(
         row = torch.tensor([0, padded_len], device=device)
         index = head_tail_indices(row, cp_size, cp_mesh.get_local_rank())
         ctx = _shard_embeds_on_entry(ctx, batch, index)
-    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len, cp_mesh)), batch
+    real_length = primary.shape[1]  # before the right padding
+    return get_train_context(False, False, _refuse_inexact_models(ctx, padded_len, cp_mesh, real_length)), batch

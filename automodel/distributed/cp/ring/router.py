@@ -110,15 +110,18 @@ def install_ring_router() -> None:
 
 
 @contextlib.contextmanager
-def ring_layer_kernels(cp_mesh: Any, seq_len: int) -> Iterator[None]:
+def ring_layer_kernels(cp_mesh: Any, seq_len: int, real_length: int | None = None) -> Iterator[None]:
     """Inside the block, transformers' ``sdpa`` attention runs each layer's kernel for ring CP over
     ``cp_mesh`` (rows of ``seq_len`` tokens, head-tail). Installs the router if needed (see the module
     docstring) if it never was. Re-entrant. The ring's
     :class:`~automodel.distributed.cp.layout.TokenLayout` is the active ``"ring"`` context
-    (:mod:`automodel.distributed.cp.active`): the router and the linear mixers' state chain read it."""
+    (:mod:`automodel.distributed.cp.active`): the router and the linear mixers' state chain read it;
+    ``real_length``: the rows' length before they were right-padded to ``seq_len`` (the DSA kernel reads it)."""
     if not _INSTALLED:
         install_ring_router()
     layout = ring_layout(seq_len, cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
+    if real_length is not None and real_length < seq_len:  # rows right-padded to split evenly
+        layout.real_length = real_length
     with activate("ring", layout, require_attention=False):
         yield
 

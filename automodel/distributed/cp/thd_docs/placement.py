@@ -103,7 +103,7 @@ class CostModel:
         inter = intermediate_size or 4 * hidden
         full, windows, chunks = 0, [], []
         for layer in profile.layers:
-            if layer.kind == "full_attention":
+            if layer.kind in ("full_attention", "sparse_attention"):  # DSA: its indexer scores every pair
                 full += 1
             elif layer.kind == "sliding_window" and layer.window:
                 windows.append(int(layer.window))

@@ -50,6 +50,7 @@ from automodel.distributed.cp.active import activate, current, not_switched_mess
 from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
+from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
 from automodel.distributed.cp.layers.strategy import call_spec, config_chunk, correct_query_temperature
 from automodel.distributed.cp.ulysses.doc_blocks import Segment, document_block_attention, document_segments
 from automodel.distributed.sp.all_to_all import all_to_all, even_split_sizes
@@ -106,6 +107,19 @@ def document_ids_from_seq_lens(seq_lens: torch.Tensor, seq_len: int) -> torch.Te
     return ended.sum(-1)
 
 
+def real_tokens_of(seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` bool (CPU): True at the tokens inside their document's real length. ``seq_lens`` /
+    ``seq_lens_padded``: ``[B, P]`` real and padded document lengths (``-1000`` sentinel: none); tokens after
+    a row's last padded document are not real."""
+    padded = seq_lens_padded.long().cpu().clamp(min=0)
+    real = seq_lens.long().cpu().clamp(min=0)
+    ids = document_ids_from_seq_lens(padded, seq_len)  # [B, S]
+    starts = torch.cat([torch.zeros_like(padded[:, :1]), padded.cumsum(-1)], dim=1)  # [B, P+1]
+    at = ids.clamp(max=padded.shape[1] - 1)
+    position = torch.arange(seq_len)[None, :] - starts.gather(1, at)
+    return (ids < padded.shape[1]) & (position < real.gather(1, at))
+
+
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``[1, S]`` document index of every token of ONE packed row from ``[P+1]`` cumulative lengths."""
     cu = cu_seqlens.reshape(-1).long()
@@ -148,6 +162,10 @@ class UlyssesContext:
     padding_mask: torch.Tensor | None = None
     document_ids: torch.Tensor | None = None
     calls: int = 0
+    #: ``[B, S]`` bool (CPU), True at the tokens inside their document's real length (``seq_lens`` within
+    #: ``seq_lens_padded``), ``None`` when the batch gave no padded lengths: the DSA kernel's top-k row is the
+    #: document's real length (:mod:`automodel.distributed.cp.layers.sparse_attention`)
+    real_tokens: torch.Tensor | None = None
     #: where attention chunks count from: ``"document"`` (each document's first token: packed rows of
     #: seq_lens, each document alone), ``"position"`` (the tokens' position_ids: transformers 5.23+ on rows
     #: packed by restarting position_ids) or ``"row"`` (the row start: transformers < 5.23 there;
@@ -535,6 +553,7 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
 
     check_model_for_cp("ulysses", cached_profile(model), seq_len=None)
     install_linear_mixers(model, cached_profile(model), "ulysses")  # docs/linear_mixers.md
+    install_sparse_attention(model, cached_profile(model))  # DSA: latent KV and indexer keys gathered
     return hf.switch_attention(model, ULYSSES_ATTN_NAME, ulysses_attention_forward, "ulysses", catch=False)
 
 
@@ -646,6 +665,8 @@ def make_ulysses_batch_and_ctx(
 
     documents = document_ids.to(device) if document_ids is not None else None
     ctx = UlyssesContext(group, world, rank, inner_attn, position_ids, padding_mask, documents)
+    if batch.get("seq_lens_padded") is not None and batch.get("seq_lens") is not None:
+        ctx.real_tokens = real_tokens_of(batch["seq_lens"], batch["seq_lens_padded"], seq_len)
     if from_restarts:  # documents as transformers finds them: its chunks too (torch_internals)
         from automodel.distributed.torch_internals import transformers_chunks_per_document
 

@@ -193,6 +193,24 @@ class UspMethod(GatheredKVMethod):
             )
         return out
 
+    def sparse_exchange_terms(self, widths: tuple[int, int], r: Any) -> list[ExchangeTerm]:
+        """A DSA layer's state all-gathered over the Ulysses sub-group (``U`` consecutive ranks), then over the
+        ring sub-group (``R`` ranks strided over the CP group): the gradient of the latent KV back the same
+        way."""
+        u = self.ulysses_size
+        if u is None or u <= 1 or r.cp <= 1 or r.cp % u:
+            return super().sparse_exchange_terms(widths, r)
+        latent, index = widths
+        ring, c, n = r.cp // u, r.compute_bytes, r.local_tokens
+        inner = (u - 1) * n * c
+        out = [ExchangeTerm(f"latent KV and indexer keys (DSA, ulysses {u})", u, u, inner * (latent + index),
+                            inner * latent)]  # fmt: skip
+        if ring > 1:
+            outer = (ring - 1) * u * n * c
+            out.append(ExchangeTerm(f"latent KV and indexer keys (DSA, ring {ring})", ring, r.cp,
+                                    outer * (latent + index), outer * latent))  # fmt: skip
+        return out
+
     def options(self) -> dict[str, Any]:
         return {} if self.ulysses_size is None else {"ulysses_size": self.ulysses_size}
 

@@ -1,0 +1,59 @@
+"""Which sparse-attention layers (DeepSeek Sparse Attention, DSA) each built-in CP method runs exactly (no torch
+import: the profile and the config rules read it).
+
+A DSA layer is multi-head latent attention whose keys are chosen per query by an *indexer*: a few light heads
+score every earlier token of the query's document, and the query attends to the ``index_topk`` best only. Under
+CP (:mod:`automodel.distributed.cp.layers.sparse_attention`) the queries stay on their rank; the small
+per-token state the layer attends to, the compressed (latent) KV and the indexer keys, is all-gathered over the
+CP group in global order, so that every rank scores its queries against exactly the keys one process scores,
+selects the same top-k and attends to the same keys. The latent KV's gradient returns to its owners by
+reduce-scatter; the indexer runs without gradient, as in transformers.
+
+- ``ring``, ``thd``, ``thd_docs``, ``ulysses``: the latent KV and indexer keys all-gathered over the CP group
+  (Ulysses' contiguous split is a sequence split like the others for this layer: no head all-to-all);
+- ``usp``: all-gathered over the Ulysses sub-group, then over the ring sub-group.
+
+Packed rows: each query's top-k is taken over its own document's tokens only (a row of the document's real
+length, as the document alone has), so no selection crosses a document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DSA_ATTENTION", "SPARSE_METHODS", "sparse_attention_problem"]
+
+#: attention class -> the RoPE its indexer applies to its query and key (``"half"``: transformers'
+#: ``apply_rotary_pos_emb``, the rotary dimensions split in two halves, DeepSeek-V3.2; ``"interleaved"``:
+#: ``apply_rotary_pos_emb_interleave``, the dimensions in (even, odd) pairs, GLM-5 and dots3) and the function
+#: of the modeling file that computes it (checked against the indexer's source when the kernel is installed)
+DSA_ATTENTION: dict[str, str] = {
+    "DeepseekV32Attention": "half",
+    "GlmMoeDsaAttention": "interleaved",
+    "Dots3NoteTextAttention": "interleaved",
+}
+
+#: method name -> how it runs a DSA layer
+SPARSE_METHODS = {
+    "ring": "latent KV and indexer keys all-gathered over the CP group; queries local",
+    "thd": "latent KV and indexer keys all-gathered over the CP group; queries local; top-k per document",
+    "thd_docs": "latent KV and indexer keys all-gathered over the CP group; queries local; top-k per document",
+    "ulysses": "latent KV and indexer keys all-gathered over the CP group (a sequence split, no head all-to-all)",
+    "usp": "latent KV and indexer keys all-gathered over the Ulysses sub-group, then the ring sub-group",
+}
+
+
+def sparse_attention_problem(method: str, layer: Any) -> str | None:
+    """Why ``method`` does not compute the ``sparse_attention`` layer ``layer`` exactly (``None``: it does). A layer
+    read from the config alone (``mixer`` empty: its class is not known yet) is judged again when the modules are
+    read, before the first step."""
+    if layer.mixer and layer.mixer not in DSA_ATTENTION:
+        return (
+            f"{layer.describe()}: the CP kernel knows the DSA attention of {', '.join(sorted(DSA_ATTENTION))} only"
+        )
+    if method in SPARSE_METHODS:
+        return None
+    return (
+        f"{layer.describe()} selects each query's keys from the whole document, which {method} splits over the "
+        f"ranks without gathering the indexer keys (methods with a DSA kernel: {', '.join(SPARSE_METHODS)})"
+    )

@@ -1,0 +1,293 @@
+"""DeepSeek Sparse Attention (DSA) under CP: the profile, the refusals and each known failure mode, in one process.
+
+The multi-process parity (ring, thd, Ulysses at cp 2 and 4: tests/test_layer_kinds.py; thd_docs at cp 2 and 4:
+tests/test_doc_layer_kinds.py; usp 2 x 2: tests/test_usp.py; every column of the support matrix:
+tests/test_family_matrix.py) runs in launches that already exist. Here, without a launch:
+
+- the profile names DSA layers ``sparse_attention`` with their class; every built-in method runs them, a method
+  without a DSA kernel (the toy method) and an unknown indexed attention class are refused with the reason;
+- the indexer's RoPE layout: the CP indexer selects exactly what transformers' indexer selects for DeepSeek-V3.2
+  (rotary halves) and GLM-5 (interleaved pairs), and the other layout selects differently (the check can fail);
+- top-k larger than the visible prefix: early queries get ``-1`` slots, which select nothing and are never read
+  as an index (the attention equals a dense reference over the selected keys);
+- packed rows: no selection crosses a document, and each document's selection equals the document's alone;
+- a packed row at cp=1 through the installed forward (GLM-5 with a ``shared`` layer reusing the previous
+  layer's top-k) equals each document alone, loss and every gradient in fp64.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from automodel.distributed.cp import get_cp_method, profile_model
+from automodel.distributed.cp.layers.sparse_attention import (
+    DsaStep,
+    Placement,
+    Stage,
+    dsa_attention,
+    install_sparse_attention,
+    select_topk,
+)
+from automodel.distributed.cp.method import profile_problems
+from automodel.distributed.cp.profile import SPARSE, UNKNOWN
+from tests.family_matrix import family_by_name
+
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def _one_rank(doc_lengths: list[int]) -> Placement:
+    """The placement of one rank holding a row of packed documents (no padding)."""
+    total = sum(doc_lengths)
+    ids = torch.arange(total)
+    start = torch.repeat_interleave(
+        torch.tensor([sum(doc_lengths[:i]) for i in range(len(doc_lengths))]), torch.tensor(doc_lengths)
+    )
+    end = start + torch.repeat_interleave(torch.tensor(doc_lengths), torch.tensor(doc_lengths))
+    return Placement([Stage.of(None, [ids])], ids, start[None], end[None])
+
+
+def _model(family: str, dtype=torch.float32, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    fam = family_by_name(family)
+    config = fam.build_config()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32)
+    return model.to(dtype).train()
+
+
+# ------------------------------------------------------------------ the profile and the refusals
+
+
+@pytest.mark.parametrize("family", DSA_FAMILIES)
+def test_profile_names_dsa_layers_and_every_builtin_method_runs_them(family):
+    fam = family_by_name(family)
+    config = fam.build_config()
+    assert config.index_topk < 64  # top-k really selects
+    assert set(config.layer_types) <= {"indexed_attention", "deepseek_sparse_attention"}  # (transformers < 5.25)
+    with torch.device("meta"):
+        model = fam.build_model(0)
+    profile = profile_model(model)
+    assert {layer.kind for layer in profile.layers} == {SPARSE}
+    assert {layer.mixer for layer in profile.layers} == {type(model.model.layers[0].self_attn).__name__}
+    assert "sparse attention (DSA)" in __import__("automodel.distributed.cp.profile", fromlist=["x"]).profile_line(profile)
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        assert profile_problems(get_cp_method(method), profile, 64) == [], method
+
+
+def test_a_method_without_a_dsa_kernel_and_an_unknown_indexed_class_are_refused():
+    from automodel.distributed.cp.profile import LayerSpec, _layer_from_modules
+    from tests.toy_cp_method import ToyGather
+
+    with torch.device("meta"):
+        model = family_by_name("deepseek_v32").build_model(0)
+    problems = profile_problems(ToyGather(), profile_model(model), 64)
+    assert problems and "selects each query's keys from the whole document" in problems[0], problems
+    assert "ring, thd, thd_docs, ulysses, usp" in problems[0]
+
+    class OtherSparseAttention(torch.nn.Module):  # an indexed attention of a family without a CP kernel
+        def forward(self, hidden_states, attention_interface=None):
+            return hidden_states
+
+    layer = torch.nn.Module()
+    layer.self_attn = OtherSparseAttention()
+    spec = _layer_from_modules(layer, LayerSpec(0, SPARSE), "model.layers.0")
+    assert spec.kind == UNKNOWN and "OtherSparseAttention" in spec.mixer and "without a CP kernel" in spec.mixer
+
+
+def test_dots3_runs_the_kernel_on_its_indexed_layers_only():
+    from automodel.distributed.cp.profile import SLIDING
+
+    fam = family_by_name("dots3_note_text")
+    model = fam.build_model(0)
+    profile = profile_model(model)
+    assert [layer.kind for layer in profile.layers] == [SPARSE, SPARSE, SLIDING]  # its default pattern, cut to 3
+    assert install_sparse_attention(model, profile) == 2
+    assert [layer.self_attn.__dict__.get("forward") is not None for layer in model.model.layers] == [True, True, False]
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        assert profile_problems(get_cp_method(method), profile, 64) == [], method
+
+
+# ------------------------------------------------------------------ the indexer's RoPE layout
+
+
+def _indexer_inputs(model, seq: int, seed: int = 1):
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, seq, model.config.hidden_size, generator=g)
+    q_resid = torch.randn(1, seq, model.config.q_lora_rank, generator=g)
+    positions = torch.arange(seq)[None]
+    return attn, hidden, q_resid, model.model.rotary_emb(hidden, positions)
+
+
+@pytest.mark.parametrize("family, other", [("deepseek_v32", "interleaved"), ("glm_moe_dsa", "half")])
+def test_indexer_selects_what_transformers_selects_with_the_family_rope_layout(family, other):
+    model = _model(family)
+    seq = 40
+    attn, hidden, q_resid, pe = _indexer_inputs(model, seq)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()[None]
+    reference = attn.indexer(hidden, q_resid, pe, causal, None).long()[0]  # transformers' indexer, one process
+    install_sparse_attention(model, profile_model(model))
+    place = _one_rank([seq])
+    ours = DsaStep(place, "sdpa").select(attn.indexer, hidden, q_resid, pe)[0]
+
+    def visible_sets(idx):
+        return [sorted(i for i in row.tolist() if 0 <= i <= q) for q, row in enumerate(idx)]
+
+    assert visible_sets(ours) == visible_sets(reference)
+    assert ours.shape == (seq, model.config.index_topk)
+    attn.indexer._automodel_dsa_rope = other  # the other family's layout: the selection must change
+    wrong = DsaStep(place, "sdpa").select(attn.indexer, hidden, q_resid, pe)[0]
+    assert visible_sets(wrong) != visible_sets(reference)
+
+
+# ------------------------------------------------------------------ top-k larger than the prefix, -1 slots
+
+
+def _select_inputs(lengths: list[int], topk: int, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(1, total, 3, 8, generator=g)
+    weights = torch.randn(1, total, 3, generator=g)
+    keys = torch.randn(1, total, 8, generator=g)
+    return q, weights, keys
+
+
+def test_early_queries_get_minus_one_slots_that_select_nothing_and_are_never_read():
+    topk, seq = 8, 24
+    place = _one_rank([seq])
+    q, w, k = _select_inputs([seq], topk)
+    idx = select_topk(q, w, k, place, topk, 0.3)
+    for pos in range(seq):  # a query sees pos + 1 keys: all of them while that is fewer than top-k
+        row = idx[0, pos]
+        chosen = sorted(i for i in row.tolist() if i >= 0)
+        assert (row == -1).sum() == max(0, topk - (pos + 1))
+        assert all(i <= pos for i in chosen)
+        if pos < topk:
+            assert chosen == list(range(pos + 1))
+    # the attention: -1 slots at the end of the row would index past it; they select nothing
+    g = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 2, seq, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    key = torch.randn(1, 2, seq, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(1, 2, seq, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = place.mask(1, torch.device("cpu"))
+    module = torch.nn.Module()
+    out, _ = dsa_attention(module, query, key, value, mask, scaling=0.4, indices=idx)
+    selected = torch.zeros(seq, seq, dtype=torch.bool)
+    for pos in range(seq):
+        selected[pos, [i for i in idx[0, pos].tolist() if i >= 0]] = True
+    scores = (query @ key.transpose(-1, -2) * 0.4).masked_fill(~selected, float("-inf"))
+    reference = (scores.softmax(-1) @ value).transpose(1, 2)
+    assert torch.allclose(out, reference, rtol=0, atol=1e-14)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (query, key, value))
+
+
+# ------------------------------------------------------------------ packed rows
+
+
+def test_packed_selection_stays_in_each_document_and_equals_the_document_alone():
+    lengths, topk = [5, 20, 7, 12], 6
+    place = _one_rank(lengths)
+    q, w, k = _select_inputs(lengths, topk)
+    idx = select_topk(q, w, k, place, topk, 0.5)[0]
+    at = 0
+    for n in lengths:
+        rows = idx[at : at + n]
+        assert ((rows == -1) | ((rows >= at) & (rows < at + n))).all()  # nothing from another document
+        alone = select_topk(q[:, at : at + n], w[:, at : at + n], k[:, at : at + n], _one_rank([n]), topk, 0.5)[0]
+        shifted = torch.where(alone >= 0, alone + at, alone)
+        assert torch.equal(rows[:, : alone.shape[1]], shifted)
+        assert (rows[:, alone.shape[1] :] == -1).all()
+        at += n
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("deepseek_v32", {}),
+    ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}),  # layer 1 reuses layer 0's top-k
+])  # fmt: skip
+def test_packed_row_in_one_process_equals_each_document_alone_fp64(family, overrides):
+    from tests.family_matrix import VOCAB
+
+    n_layers = family_by_name(family).build_config().num_hidden_layers
+    model = _model(family, torch.float64, first_k_dense_replace=n_layers, mlp_layer_types=["dense"] * n_layers,
+                   **overrides)  # fmt: skip
+    if overrides:
+        assert model.model.layers[1].self_attn.indexer is None
+    lengths = [9, 30, 21]
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, VOCAB, (sum(lengths),), generator=g)
+    labels = torch.randint(3, VOCAB, (sum(lengths),), generator=g)
+    reference = copy.deepcopy(model)
+    ref_loss, at = 0.0, 0
+    for n in lengths:  # each document alone, transformers' own forward
+        out = reference(input_ids=ids[None, at : at + n], position_ids=torch.arange(n)[None], use_cache=False)
+        loss = torch.nn.functional.cross_entropy(out.logits[0], labels[at : at + n], reduction="sum")
+        loss.backward()
+        ref_loss += float(loss.detach())
+        at += n
+    assert install_sparse_attention(model, profile_model(model)) == n_layers
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    out = model(input_ids=ids[None], position_ids=positions, use_cache=False)
+    loss = torch.nn.functional.cross_entropy(out.logits[0], labels, reduction="sum")
+    loss.backward()
+    assert abs(float(loss.detach()) - ref_loss) / abs(ref_loss) < 1e-14
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        ref = grads[name].grad
+        if ref is None:
+            assert p.grad is None, name  # the indexer trains without gradient, as in transformers
+            continue
+        assert float((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) < 1e-12, name
+
+
+# ------------------------------------------------------------------ cp_method: auto
+
+
+def test_auto_costs_the_gathered_latent_kv_and_indexer_keys():
+    from automodel.distributed.cp.choose import choose_cp_method
+    from automodel.distributed.cp.cost import exchange_cost
+
+    profile = profile_model(family_by_name("deepseek_v32").build_config())
+    assert {layer.sparse_widths for layer in profile.layers} == {(32 + 8, 16)}  # kv_lora + rope, index_head_dim
+    n = 4096 // 4
+    for method in ("ring", "ulysses", "thd", "thd_docs"):
+        (term,) = exchange_cost(get_cp_method(method), profile, seq_len=4096, cp_size=4).terms
+        assert "latent KV and indexer keys" in term.what, (method, term)
+        assert (term.forward_bytes, term.backward_bytes) == (3 * n * 56 * 2, 3 * n * 40 * 2)  # bf16; no indexer grad
+    usp = exchange_cost(get_cp_method("usp").with_options(ulysses_size=2), profile, seq_len=4096, cp_size=4).terms
+    assert [(t.group, t.forward_bytes) for t in usp] == [(2, n * 56 * 2), (2, 2 * n * 56 * 2)]
+    choice = choose_cp_method(profile, cp_size=4, seq_len=4096)
+    assert choice.method.name in ("ring", "ulysses", "thd", "thd_docs", "usp")
+    assert all("DSA" in t.what for t in choice.candidates[0].terms)
+
+
+def test_query_blocks_select_and_attend_as_one_block(monkeypatch):
+    import automodel.distributed.cp.layers.sparse_attention as dsa
+
+    lengths, topk = [13, 30, 21], 6
+    place = _one_rank(lengths)
+    q, w, k = _select_inputs(lengths, topk)
+    g = torch.Generator().manual_seed(8)
+    total = sum(lengths)
+    qkv = [torch.randn(1, 2, total, d, generator=g, dtype=torch.float64) for d in (6, 6, 5)]
+    mask = place.mask(1, torch.device("cpu"))
+
+    def run():
+        idx = select_topk(q, w, k, place, topk, 0.5)
+        leaves = [x.clone().requires_grad_(True) for x in qkv]
+        out, _ = dsa_attention(torch.nn.Module(), *leaves, mask, scaling=0.4, indices=idx)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        return idx, out.detach(), [x.grad for x in leaves]
+
+    whole = run()
+    monkeypatch.setattr(dsa, "QUERY_BLOCK", 5)  # blocks of 5 queries, recomputed in the backward
+    blocked = run()
+    assert torch.equal(whole[0], blocked[0])
+    assert torch.allclose(whole[1], blocked[1], rtol=0, atol=1e-14)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-13) for a, b in zip(whole[2], blocked[2]))
