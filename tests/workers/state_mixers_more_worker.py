@@ -38,7 +38,7 @@ from tests.workers.cp_steps import (
 
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
-FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax", "recurrent_gemma", "mamba", "falcon_mamba",
+FAMILIES = ("jamba", "lfm2", "lfm2_moe", "lfm3", "kimi_linear", "minimax", "recurrent_gemma", "mamba", "falcon_mamba",
             "zamba")
 
 

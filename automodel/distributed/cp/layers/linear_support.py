@@ -55,6 +55,7 @@ STATE_MIXERS: dict[str, str] = {
     "ZambaMambaMixer": "mamba1",
     "Lfm2ShortConv": "short_conv",  # cp/layers/short_conv.py
     "Lfm2MoeShortConv": "short_conv",
+    "Lfm3ShortConv": "short_conv",
     "KimiLinearDeltaAttention": "kimi_delta",  # cp/layers/kimi_delta.py
     "MiniMaxLightningAttention": "lightning",  # cp/layers/lightning.py
     "RecurrentGemmaRecurrentBlock": "rg_lru",  # cp/layers/rg_lru.py
