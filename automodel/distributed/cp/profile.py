@@ -88,7 +88,9 @@ _CONFIG_LAYER_TYPES = {
     "sparse": MLP_ONLY,
 }
 # class names of token mixers that carry a state along the sequence
-_LINEAR_MIXER = re.compile(r"DeltaNet|Mamba|SSM|ShortConv|LinearAttention|Lightning|Rwkv|Retention|Hyena|Mixer$")
+_LINEAR_MIXER = re.compile(
+    r"DeltaNet|Mamba|SSM|ShortConv|LinearAttention|Lightning|Rwkv|Retention|Hyena|Mixer$|LSTMLayer$"
+)
 # class names the pattern above matches that are attention (Kimi-Linear's MLA layers)
 _NOT_LINEAR_MIXERS = {"KimiLinearAttention"}
 

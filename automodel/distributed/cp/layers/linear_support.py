@@ -32,6 +32,7 @@ GATED_DELTANET_MIXERS = {
     "Qwen3NextGatedDeltaNet": "qkvz",
     "Qwen3_5GatedDeltaNet": "split",
     "Qwen3_5MoeGatedDeltaNet": "split",
+    "LaraMiniGatedDeltaNet": "split",  # Qwen3.5's class under another name (transformers 5.25's lara_mini)
     "OlmoHybridGatedDeltaNet": "olmo",
 }
 
