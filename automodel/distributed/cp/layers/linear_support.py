@@ -58,6 +58,7 @@ STATE_MIXERS: dict[str, str] = {
     "Lfm2MoeShortConv": "short_conv",
     "Lfm3ShortConv": "short_conv",
     "KimiLinearDeltaAttention": "kimi_delta",  # cp/layers/kimi_delta.py
+    "BailingHybridDeltaAttention": "kimi_delta",
     "MiniMaxLightningAttention": "lightning",  # cp/layers/lightning.py
     "RecurrentGemmaRecurrentBlock": "rg_lru",  # cp/layers/rg_lru.py
 }
