@@ -452,7 +452,8 @@ FAMILIES: list[Family] = [
            pattern=_LFM2_FLAGSHIP,
            note="LFM2-1.2B's layers: two short convolutions to one attention layer (full_attn_idxs 2, 5, 8, ...); "
            "the default config has attention on every layer"),
-    # --- decoder families new in transformers 5.x (docs/support_matrix.md; tests/family_matrix.py NEW_IN_5X)
+    # --- decoder families of transformers 5.25 new to the table: the default config of each, scaled in sizes by
+    # the same rule (the keys it has of _DENSE, small experts, MLA ranks, indexer and linear-attention heads)
     Family("hy_v3", "hy_v3", _kw(drop=('attention_dropout', 'pad_token_id', 'bos_token_id', 'eos_token_id'), moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
            "full+moe"),
     Family("mimo_v2_flash", "mimo_v2_flash", _kw(drop=('attention_dropout', 'pad_token_id', 'eos_token_id'), moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, v_head_dim=8),
