@@ -13,11 +13,18 @@ picks. Writes the table with the counts per column and exits 1 when any cell is 
     PYTHONPATH=. python scripts/support_table.py                  # rewrite docs/support_matrix.md
     PYTHONPATH=. python scripts/support_table.py --check          # only compare the table with the file
     PYTHONPATH=. python scripts/support_table.py --families llama,mistral --out /tmp/m.md --traceback
+    PYTHONPATH=. python scripts/support_table.py --json /tmp/m.json               # also keep the raw result
+    PYTHONPATH=. python scripts/support_table.py --families hy_v4,lfm3 --merge /tmp/m.json  # rerun rows, keep the rest
+
+``--merge`` reruns only ``--families`` and takes every other row from a result that ``--json`` saved (rows in the
+order of tests/family_matrix.py; the saved result must have the same columns and must come from the same
+transformers release, which is checked). The merged result is written back to that file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -45,6 +52,36 @@ def run_matrix(families: list[str] | None = None, timeout: float = 600.0) -> dic
     return run_distributed(WORKER, world_size=4, timeout=timeout, families=families)[0]
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """``old`` with the rows of ``new`` replacing (or adding) theirs, in the row order of tests/family_matrix.py.
+
+    Raises:
+        ValueError: the two results have different columns or come from different transformers releases.
+    """
+    from tests.family_matrix import FAMILIES
+
+    if old.get("methods") != new.get("methods"):
+        raise ValueError(f"--merge: the saved result has columns {old.get('methods')}, this run {new.get('methods')}; "
+                         "rerun the whole matrix")
+    if old.get("transformers") != new.get("transformers"):
+        raise ValueError(f"--merge: the saved result is from transformers {old.get('transformers')}, this run from "
+                         f"{new.get('transformers')}; rerun the whole matrix")
+    merged = dict(old)
+    cells = {**old["cells"], **new["cells"]}
+    meta = {**old["meta"], **new["meta"]}
+    order = [f.name for f in FAMILIES if f.name in cells]
+    merged["cells"] = {name: cells[name] for name in order}
+    merged["meta"] = {name: meta[name] for name in order}
+    merged["seconds"] = old.get("seconds", 0.0) + new.get("seconds", 0.0)
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / DOC_PATH), help="where to write the markdown")
@@ -52,11 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the launch is killed")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file's table is stale")
     parser.add_argument("--traceback", action="store_true", help="print the traceback of every crashed cell")
+    parser.add_argument("--json", default=None, help="also write the raw result (cells, meta, columns) here")
+    parser.add_argument("--merge", default=None,
+                        help="a --json result: rerun only --families and keep its other rows; written back")
     args = parser.parse_args(argv)
 
     families = args.families.split(",") if args.families else None
+    if args.merge and not families:
+        parser.error("--merge needs --families (the rows to rerun)")
     t0 = time.perf_counter()
     result = run_matrix(families, args.timeout)
+    result["transformers"] = _transformers_version()
+    if args.merge:
+        result = merge_results(json.loads(Path(args.merge).read_text()), result)
+        Path(args.merge).write_text(json.dumps(result, default=str))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, default=str))
     print(f"matrix: {len(result['cells'])} families x {len(result['methods'])} methods, worker "
           f"{result['seconds']:.1f} s, launch {time.perf_counter() - t0:.1f} s")
     for column, counts in column_counts(result).items():

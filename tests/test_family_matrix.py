@@ -24,6 +24,7 @@ from tests.family_matrix import (
     CP1_PACKED,
     DOC_PATH,
     FAMILIES,
+    OUT_OF_SCOPE,
     PACKED,
     REGENERATE,
     UNBUILDABLE,
@@ -40,11 +41,12 @@ WORKER = "tests.workers.family_matrix_worker:main"
 
 #: the families CI runs (every column each): every layer kind of FAMILIES and both attention implementations at least
 #: once (test_ci_subset_covers_every_layer_kind), and the rows the cross-family tests name (llama, gpt_oss); the
-#: other rows run in the slow launch of the whole matrix
+#: other rows run in the slow launch of the whole matrix. Of transformers 5.25's new families: LFM3 (its short
+#: convolutions beside full and sliding attention), ZAYA (cca) and CPM-Ant (relpos)
 CI_FAMILIES = (
     "llama", "mistral", "gemma2", "gpt2", "bloom", "smollm3", "diffllama", "doge", "mixtral", "minicpm3",
     "deepseek_v32", "gpt_oss", "llama4_text", "qwen3_next", "falcon_h1", "nemotron_h", "recurrent_gemma", "rwkv",
-    "xlstm", "lfm2@flagship", "mamba",
+    "xlstm", "lfm2@flagship", "mamba", "lfm3", "zaya", "cpmant",
 )  # fmt: skip
 
 
@@ -88,6 +90,21 @@ def test_ci_subset_covers_every_layer_kind():
     assert every == covered, f"add a family with layer kinds {sorted(every - covered)} to CI_FAMILIES"
     attns = {f.attn for f in FAMILIES}
     assert attns == {by_name[name].attn for name in CI_FAMILIES}, attns
+
+
+def test_every_causal_lm_type_of_transformers_is_a_row_or_listed_out():
+    """Each ``model_type`` of the installed transformers' causal-LM mapping is a row of the matrix, a decoder family
+    left out with the reason (UNBUILDABLE), or out of scope (OUT_OF_SCOPE: encoders, decoders of encoder-decoder
+    models, multimodal wrappers), and in one of them only."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    rows = {f.model_type for f in FAMILIES}
+    groups = {"rows": rows, "UNBUILDABLE": set(UNBUILDABLE), "OUT_OF_SCOPE": set(OUT_OF_SCOPE)}
+    for a, b in (("rows", "UNBUILDABLE"), ("rows", "OUT_OF_SCOPE"), ("UNBUILDABLE", "OUT_OF_SCOPE")):
+        assert not groups[a] & groups[b], f"{sorted(groups[a] & groups[b])} are in both {a} and {b}"
+    missing = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - rows - set(UNBUILDABLE) - set(OUT_OF_SCOPE))
+    assert not missing, f"causal-LM types neither in tests/family_matrix.py nor listed out: {missing}"
+    assert {"bert", "bart", "gemma3"} <= set(OUT_OF_SCOPE) and "lfm3" in rows
 
 
 def test_every_family_ran_every_method_on_every_rank(any_matrix, request):

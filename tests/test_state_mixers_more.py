@@ -1,4 +1,4 @@
-"""Jamba's Mamba, LFM2's short conv and Kimi's delta attention under CP (cp/layers/mamba1.py, short_conv.py,
+"""Jamba's Mamba, LFM2's and LFM3's short conv, Kimi's and Bailing-Hybrid's delta attention under CP (cp/layers/mamba1.py, short_conv.py,
 kimi_delta.py; docs/linear_mixers.md).
 
 Single process: each kernel's pieces chained (state handed on) and its head / channel shards are the
@@ -21,7 +21,7 @@ from automodel.distributed.cp.profile import LINEAR, LayerSpec
 from tests.dist_harness import run_distributed
 from tests.workers import state_mixers_more_worker as worker
 
-MIXER_ATTR = {"jamba": "mamba", "lfm2": "conv", "lfm2_moe": "conv", "kimi_linear": "self_attn", "minimax": "self_attn",
+MIXER_ATTR = {"jamba": "mamba", "lfm2": "conv", "lfm2_moe": "conv", "lfm3": "conv", "bailing_hybrid": "self_attn", "kimi_linear": "self_attn", "minimax": "self_attn",
               "recurrent_gemma": "temporal_block", "mamba": "mixer", "falcon_mamba": "mixer",
               "zamba": "mamba"}
 #: the first layer's name prefix in parameter names (Mamba's stack is the ``backbone``)
@@ -134,11 +134,12 @@ def test_transformers_kernels_chain_to_fp32_round_off():
     """fp32 with transformers' own kernels: the conv chains bit for bit; the scan and the chunked rule to
     round-off (Kimi's rule pads every piece to its 64-token chunk)."""
     hidden = torch.randn(1, 90, 64, generator=torch.Generator().manual_seed(1))
-    for family in ("lfm2", "jamba", "kimi_linear", "minimax", "recurrent_gemma", "mamba", "falcon_mamba", "zamba"):
+    for family in ("lfm2", "lfm3", "jamba", "kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma", "mamba",
+                   "falcon_mamba", "zamba"):
         mixer = _mixer(family, torch.float32)
         whole = _forward(mixer, hidden)
         err = _rel(_chained(mixer, hidden, [30, 31, 64]), whole)
-        assert err == 0 if family == "lfm2" else err < 1e-6, (family, err)
+        assert err == 0 if family in ("lfm2", "lfm3") else err < 1e-6, (family, err)
 
 
 def test_the_fp64_references_are_transformers_kernels():
@@ -167,7 +168,8 @@ def test_the_fp64_references_are_transformers_kernels():
 def test_the_profile_names_these_mixers_and_every_method_computes_them():
     from automodel.distributed.cp.profile import profile_model
 
-    expected = {"jamba": "JambaMambaMixer", "lfm2": "Lfm2ShortConv", "lfm2_moe": "Lfm2MoeShortConv",
+    expected = {"jamba": "JambaMambaMixer", "lfm2": "Lfm2ShortConv", "lfm2_moe": "Lfm2MoeShortConv", "lfm3": "Lfm3ShortConv",
+                "bailing_hybrid": "BailingHybridDeltaAttention",
                 "kimi_linear": "KimiLinearDeltaAttention", "minimax": "MiniMaxLightningAttention",
                 "recurrent_gemma": "RecurrentGemmaRecurrentBlock", "mamba": "MambaMixer",
                 "falcon_mamba": "FalconMambaMixer", "zamba": "ZambaMambaMixer"}
@@ -178,7 +180,8 @@ def test_the_profile_names_these_mixers_and_every_method_computes_them():
         if family == "zamba":  # its second layer is a hybrid one: shared attention beside its own mixer
             assert (layers[1].kind, layers[1].mixer, layers[1].hybrid_attention) == (LINEAR, mixer, True), layers[1]
             assert linear_mixer_problem("usp", layers[1]) is None
-        elif family not in LAYER0:  # Mamba and FalconMamba have no attention layer
+        elif family not in LAYER0 and family != "bailing_hybrid":  # Mamba and FalconMamba have no attention layer,
+            # this test's Bailing-Hybrid none either (state_mixers_more_worker.py)
             assert any(layer.kind != LINEAR for layer in layers), layers  # Kimi's KimiLinearAttention is MLA
         for method in ("ulysses", "thd", "ring", "thd_docs", "usp"):
             assert linear_mixer_problem(method, first) is None

@@ -38,7 +38,7 @@ from tests.workers.cp_steps import (
 
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
-FAMILIES = ("jamba", "lfm2", "lfm2_moe", "kimi_linear", "minimax", "recurrent_gemma", "mamba", "falcon_mamba",
+FAMILIES = ("jamba", "lfm2", "lfm2_moe", "lfm3", "kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma", "mamba", "falcon_mamba",
             "zamba")
 
 
@@ -60,6 +60,12 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
         config.layers_block_type = ["linear_attention", "hybrid"]  # what the config names "mamba" after __init__
     if family == "kimi_linear":  # dense MLPs: its MoE router computes in fp32, which would blur the fp64 proof
         config.mlp_layer_types = ["dense"] * config.num_hidden_layers
+    if family == "bailing_hybrid":  # two delta-attention layers, dense MLPs (as Kimi's, above). No MLA layer: its
+        # output gate computes sigmoid(g_proj(x).float()) in any dtype, which would blur the fp64 proof by 6e-10
+        # (its MLA runs in the family matrix, exact in fp32)
+        config.num_hidden_layers = 2
+        config.layer_types = ["linear_attention", "linear_attention"]
+        config.mlp_layer_types = ["dense", "dense"]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=dtype,
                                              experts_implementation="eager")  # grouped_mm: no fp64
@@ -75,6 +81,8 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
                 module.x_proj_weight.normal_(0.0, 0.2)
             if name == "KimiLinearDeltaAttention":
                 module.o_norm.weight.uniform_(0.5, 1.5)
+    if family == "bailing_hybrid":  # its conv is built in fp32 whatever the dtype: the model's dtype throughout
+        model = model.to(dtype)
     return model.train()
 
 
@@ -106,6 +114,16 @@ def _forget_gate(self, hidden_states):
     return -torch.exp(self.A_log) * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
 
 
+def _bailing_forget_gate(self, hidden_states):
+    """``BailingHybridForgetGate.forward`` in the input's dtype (its own computes in fp32)."""
+    shape = (*hidden_states.shape[:2], self.num_heads, self.head_dim)
+    gate = self.f_proj(hidden_states).view(shape) + self.dt_bias.view(1, 1, self.num_heads, self.head_dim)
+    rate = self.A_log.exp().view(1, 1, self.num_heads, 1)
+    if self.safe_gate:
+        return self.lower_bound * torch.sigmoid(rate * gate)
+    return -rate * torch.where(gate > 20.0, gate, torch.log(1.0 + torch.exp(gate)))
+
+
 def _rnn_scan_fp64(modeling) -> Any:
     """``RecurrentGemmaRglru._rnn_scan`` accumulating in fp64 (its default accumulates in fp32)."""
     cls = getattr(modeling, "RecurrentGemmaRglru", None)
@@ -133,7 +151,10 @@ def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str
              (getattr(modeling, "RecurrentGemmaRglru", None), "_rnn_scan", _rnn_scan_fp64(modeling)),
              (getattr(modeling, "KimiLinearRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "KimiLinearRMSNormGated", None), "forward", _rms_norm_gated),
-             (getattr(modeling, "KimiLinearForgetGate", None), "forward", _forget_gate)]
+             (getattr(modeling, "KimiLinearForgetGate", None), "forward", _forget_gate),
+             (getattr(modeling, "BailingHybridRMSNorm", None), "forward", _rms_norm),
+             (getattr(modeling, "BailingHybridRMSNormGated", None), "forward", _rms_norm_gated),
+             (getattr(modeling, "BailingHybridForgetGate", None), "forward", _bailing_forget_gate)]
     undo = []
     for owner, name, new in swaps:
         if owner is not None and new is not None and hasattr(owner, name):

@@ -169,6 +169,16 @@ FAMILIES: dict[str, Family] = {
         layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8, **_ATTN),
         _gdn_rules, chunk_rules=_gdn_chunk, methods=("thd_docs", "usp")),
+    # transformers 5.25's LaraMini: Qwen3.5's Gated DeltaNet class under its own name (linear_support.py), beside a
+    # sliding-window layer; every method. Its MoE blocks keep one routed expert (and the shared one): the router
+    # computes in fp32 whatever the dtype, and a softmax over one logit is exactly 1 with a zero gradient, so the
+    # fp64 proof is not blurred by it (with 4 experts the mixer's conv gradient moves 2e-12 in fp64)
+    "lara_mini": Family("lara_mini", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8,
+        layer_types=["linear_attention", "sliding_attention"], sliding_window=6, linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8,
+        num_experts=1, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16, **_ATTN),
+        _gdn_rules, chunk_rules=_gdn_chunk),
 }
 
 
@@ -178,7 +188,8 @@ def build_model(family: Family, dtype: torch.dtype):
     config = AutoConfig.for_model(family.model_type, vocab_size=VOCAB, tie_word_embeddings=False, pad_token_id=0,
                                   **family.config)
     torch.manual_seed(0)
-    kwargs = {"experts_implementation": "eager"} if family.model_type in ("granitemoehybrid", "nemotron_h") else {}
+    kwargs = {"experts_implementation": "eager"} if family.model_type in ("granitemoehybrid", "nemotron_h",
+                                                                          "lara_mini") else {}
     if family.attn is not None:
         kwargs["attn_implementation"] = family.attn
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)

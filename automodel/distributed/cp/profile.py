@@ -96,7 +96,9 @@ _CONFIG_LAYER_TYPES = {
     "sparse": MLP_ONLY,
 }
 # class names of token mixers that carry a state along the sequence
-_LINEAR_MIXER = re.compile(r"DeltaNet|Mamba|SSM|ShortConv|LinearAttention|Lightning|Rwkv|Retention|Hyena|Mixer$")
+_LINEAR_MIXER = re.compile(
+    r"DeltaNet|Mamba|SSM|ShortConv|LinearAttention|Lightning|Rwkv|Retention|Hyena|Mixer$|LSTMLayer$"
+)
 # class names the pattern above matches that are attention (Kimi-Linear's MLA layers)
 _NOT_LINEAR_MIXERS = {"KimiLinearAttention"}
 
@@ -341,7 +343,11 @@ def _decoder_layers(model: Any, n_layers: int) -> tuple[str, list[Any]] | None:
         if any(part in name.lower() for part in ("vision", "visual", "audio", "encoder")):
             continue
         first = type(module[0]).__name__
+        # LongCat-Flash counts its attention sublayers (two per decoder layer) as num_hidden_layers: the stack of
+        # that length is the ModuleList of one layer's attention modules
         score = 2 if "Decoder" in first else 1 if ("Layer" in first or "Block" in first) else 0
+        if score == 0 and _calls_attention_interface(type(module[0])):
+            score = 1
         if best is None or score > best[0]:
             best = (score, name, list(module))
     return (best[1], best[2]) if best is not None else None
@@ -415,6 +421,14 @@ def _dispatches_attention(cls: type) -> bool:
     return not source or "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
 
 
+def _calls_attention_interface(cls: type) -> bool:
+    """The module's own forward (readable source) calls its attention kernel through transformers'
+    ``ALL_ATTENTION_FUNCTIONS``: an attention module whatever its class is named (LongCat-Flash's
+    ``LongcatFlashMLA``), so the profile reads it as one (its head sizes, window, sinks) instead of finding
+    "no attention module"."""
+    return "ALL_ATTENTION_FUNCTIONS" in _forward_source(cls)
+
+
 def _passes_window(cls: type) -> bool:
     """The attention module hands its window to the kernel (``sliding_window=``), not only to the mask."""
     source = _forward_source(cls)
@@ -445,6 +459,8 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
                             "mixer": f"{cls}, in a layer the config calls {base.mixer or 'mixer-less'!r} (no token "
                             "mixer), is not known to compute each token alone"})  # fmt: skip
     attention, linear, attention_path = None, None, path
+    if _calls_attention_interface(type(layer)):  # the stack's entries are attention modules (LongCat-Flash)
+        attention = layer
     # a mixer class with a CP kernel names the layer's mixer wherever it sits (Zamba2's hybrid layer holds it
     # inside a whole Mamba decoder layer; Granite-4.0-H's is named "...MambaLayer", holding a Conv1d)
     linear = next((type(sub).__name__ for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS), None)
@@ -461,7 +477,8 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
             linear = cls
         elif isinstance(sub, nn.Conv1d) and linear is None:
             linear = f"{cls} (a convolution along the sequence)"
-        elif cls.endswith("Attention") and attention is None:
+        elif (cls.endswith("Attention") or _calls_attention_interface(type(sub))) and attention is None:
+            # an attention module by its name, or by what its forward does (LongCat-Flash's LongcatFlashMLA)
             attention, attention_path = sub, f"{path}.{sub_name}" if path else sub_name
     spec = dict(base.__dict__)
     if linear is not None and attention is not None and linear in STATE_MIXERS:

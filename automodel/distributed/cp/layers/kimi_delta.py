@@ -1,4 +1,6 @@
-"""Kimi-Linear's delta attention (``KimiLinearDeltaAttention``, KDA) as a CP mixer kernel.
+"""Kimi-Linear's delta attention (``KimiLinearDeltaAttention``, KDA) as a CP mixer kernel, and Bailing-Hybrid's
+(``BailingHybridDeltaAttention``: the same computation with a one-matrix output gate ``g_proj`` instead of
+``g_b_proj(g_a_proj(.))``, and its own token-local forget gate, read through the module as here).
 
 transformers' ``KimiLinearDeltaAttention.forward`` is, on a row of tokens ``hidden [B, n, D]`` (no cache):
 
@@ -36,7 +38,7 @@ from automodel.distributed.cp.layers.short_conv import conv_with_halo, model_mod
 __all__ = ["KDA_MIXERS", "KimiDeltaKernel", "recurrent_kda_reference"]
 
 #: the transformers classes this kernel computes
-KDA_MIXERS = ("KimiLinearDeltaAttention",)
+KDA_MIXERS = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
 
 
 class KimiDeltaKernel(MixerKernel):
@@ -49,7 +51,8 @@ class KimiDeltaKernel(MixerKernel):
         shape = (*hidden.shape[:2], -1, mixer.head_dim)
         q, k, v = (proj(hidden).reshape(shape) for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj))
         seq = {"q": q, "k": k, "v": v, "g": mixer.forget_gate(hidden), "beta": torch.sigmoid(mixer.b_proj(hidden))}
-        return Projected(seq, mixer.g_b_proj(mixer.g_a_proj(hidden)).reshape(shape))
+        gate = mixer.g_proj(hidden) if hasattr(mixer, "g_proj") else mixer.g_b_proj(mixer.g_a_proj(hidden))
+        return Projected(seq, gate.reshape(shape))
 
     def seq_heads(self, mixer: torch.nn.Module) -> dict[str, int]:
         return dict.fromkeys(("q", "k", "v", "g", "beta"), mixer.num_heads)

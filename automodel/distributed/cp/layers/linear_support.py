@@ -32,6 +32,7 @@ GATED_DELTANET_MIXERS = {
     "Qwen3NextGatedDeltaNet": "qkvz",
     "Qwen3_5GatedDeltaNet": "split",
     "Qwen3_5MoeGatedDeltaNet": "split",
+    "LaraMiniGatedDeltaNet": "split",  # Qwen3.5's class under another name (transformers 5.25's lara_mini)
     "OlmoHybridGatedDeltaNet": "olmo",
 }
 
@@ -55,7 +56,9 @@ STATE_MIXERS: dict[str, str] = {
     "ZambaMambaMixer": "mamba1",
     "Lfm2ShortConv": "short_conv",  # cp/layers/short_conv.py
     "Lfm2MoeShortConv": "short_conv",
+    "Lfm3ShortConv": "short_conv",
     "KimiLinearDeltaAttention": "kimi_delta",  # cp/layers/kimi_delta.py
+    "BailingHybridDeltaAttention": "kimi_delta",
     "MiniMaxLightningAttention": "lightning",  # cp/layers/lightning.py
     "RecurrentGemmaRecurrentBlock": "rg_lru",  # cp/layers/rg_lru.py
 }

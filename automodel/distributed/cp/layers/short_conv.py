@@ -1,6 +1,8 @@
-"""LFM2's gated short convolution (``Lfm2ShortConv``, ``Lfm2MoeShortConv``) as a CP mixer kernel.
+"""LFM2's gated short convolution (``Lfm2ShortConv``, ``Lfm2MoeShortConv``, and LFM3's ``Lfm3ShortConv``, the same
+computation) as a CP mixer kernel.
 
-transformers' ``Lfm2ShortConv.forward`` is, on a row of tokens ``hidden [B, n, D]`` (no cache):
+transformers' ``Lfm2ShortConv.forward`` (and ``Lfm3ShortConv.forward``, which calls the conv through the module's
+``causal_conv1d_forward`` and so its ``causal_conv1d_fn``) is, on a row of tokens ``hidden [B, n, D]`` (no cache):
 
 1. project (token-local): ``in_proj`` -> ``B, C, x`` (``D`` channels each); the conv input is ``B * x``;
 2. core (mixes the sequence): the depthwise causal conv (kernel ``K = conv_L_cache``, no activation) over
@@ -34,7 +36,7 @@ from automodel.distributed.cp.layers.mixer_kernel import (
 __all__ = ["SHORT_CONV_MIXERS", "ShortConvKernel", "conv_with_halo", "model_module"]
 
 #: the transformers classes this kernel computes
-SHORT_CONV_MIXERS = ("Lfm2ShortConv", "Lfm2MoeShortConv")
+SHORT_CONV_MIXERS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 
 
 def model_module(mixer: torch.nn.Module) -> Any:
