@@ -25,13 +25,16 @@ from tests.family_matrix import FAMILIES, family_by_name
 def family_config(fam, directory) -> str:
     """A recipe config (a YAML file in ``directory``) whose ``model.config`` is ``fam``'s tiny config: the keys
     that differ from the class's defaults and that the class's ``__init__`` takes (the typecheck refuses others),
-    with the vocabulary of the shipped tokenizer (1024 ids)."""
+    with the vocabulary of the shipped tokenizer (1024 ids; the per-layer embedding of Gemma 3n / 4 too)."""
     config = fam.build_config()
     accepted = _accepted_keys(type(config))[0]
     node = {k: v for k, v in config.to_diff_dict().items()
             if k not in ("model_type", "transformers_version") and (accepted is None or k in accepted)}  # fmt: skip
     doc = yaml.safe_load(Path("configs/cp.yaml").read_text())  # whole (no defaults list: one compose is cheaper)
-    doc["model"]["config"] = {"_target_": f"transformers.{type(config).__name__}", **node, "vocab_size": 1024}
+    vocab = {"vocab_size": 1024}
+    if getattr(config, "vocab_size_per_layer_input", None) == config.vocab_size:  # Gemma 3n / 4's per-layer table
+        vocab["vocab_size_per_layer_input"] = 1024  # (Gemma 4 looks every id up in it: an id past it is an IndexError)
+    doc["model"]["config"] = {"_target_": f"transformers.{type(config).__name__}", **node, **vocab}
     doc["model"]["attn_implementation"] = fam.attn_implementation()
     doc["loss"] = {"chunk_tokens": "auto"}
     path = directory / f"{fam.name.replace('@', '_')}.yaml"
