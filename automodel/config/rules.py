@@ -86,9 +86,12 @@ def _sdpa_less_class(cfg: RecipeConfig) -> str | None:
 
         config_cls = get_object(node["_target_"])
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[config_cls]
-        cap = node.get("attn_logit_softcapping", getattr(config_cls(), "attn_logit_softcapping", None))
     except Exception:  # noqa: BLE001 - a target that is not a transformers config class: not known here
         return None
+    try:  # the cap the inline config sets, else its class's default
+        cap = node.get("attn_logit_softcapping", getattr(config_cls(), "attn_logit_softcapping", None))
+    except Exception:  # noqa: BLE001 - a config class that needs arguments: its class decides alone
+        cap = None
     return None if sdpa_problem(cls, SimpleNamespace(attn_logit_softcapping=cap)) is None else cls.__name__
 
 
