@@ -329,3 +329,15 @@ def test_falcon_runs_where_it_dispatches_its_attention_and_alibi_is_refused_ever
                 assert "computes its own attention" in str(err.value), method
     if dispatches:
         assert profile_model(alibi).layers[0].path_in_stack == "transformer.h.<i>.self_attention"
+
+
+def test_own_loop_refuses_a_softcapping_model_that_runs_sdpa():
+    """transformers 5.17 lets Gemma 2 run SDPA without its logit cap; CP methods apply the cap, so ``context_parallel``
+    refuses it before the mesh is read (5.25 refuses SDPA for the class itself; the switch is made by hand here)."""
+    from automodel.distributed.cp import context_parallel
+
+    model = _gemma2(num_hidden_layers=2)
+    model.config._attn_implementation = "sdpa"  # what 5.17's default picks
+    with pytest.raises(UserInputError, match=r"Gemma2ForCausalLM soft-caps its attention logits "
+                       r"\(attn_logit_softcapping=50\.0\) but runs attn_implementation='sdpa'.*attn_implementation='eager'"):  # fmt: skip
+        context_parallel(model, None, "ring")
