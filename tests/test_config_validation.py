@@ -232,6 +232,27 @@ def test_model_without_sdpa_is_rejected_naming_eager():
         _check(Gemma2Config(num_hidden_layers=1))
 
 
+def test_sdpa_is_refused_where_it_would_drop_the_attention_softcap_on_any_transformers():
+    """transformers 5.17 lets Gemma 2 run SDPA, which ignores ``attn_logit_softcapping``; 5.25 refuses the class. The
+    recipe refuses it on both, naming eager, and says why where the class alone would allow it."""
+    from transformers import Gemma2Config
+
+    from automodel.distributed.torch_internals import sdpa_problem
+
+    class CapsWithSdpa:  # a class that claims SDPA (Gemma2ForCausalLM on 5.17)
+        _supports_sdpa = True
+
+    assert sdpa_problem(CapsWithSdpa, Gemma2Config(num_hidden_layers=1)) == (
+        "SDPA cannot apply its attention logit softcapping (attn_logit_softcapping=50.0)"
+    )
+    assert sdpa_problem(CapsWithSdpa, Gemma2Config(num_hidden_layers=1, attn_logit_softcapping=None)) is None
+    assert sdpa_problem(type("NoSdpa", (), {})) == "NoSdpa has no SDPA path"
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM cannot run attn_implementation='sdpa'; set "
+                       r"model\.attn_implementation=eager"):  # fmt: skip
+        _check(Gemma2Config(num_hidden_layers=1, attn_logit_softcapping=30.0), cp_size=1)
+    _check(Gemma2Config(num_hidden_layers=1), attn_implementation="eager")
+
+
 def test_sliding_window_shorter_than_the_row_and_softcap_run_under_ring_ulysses_thd():
     from transformers import Gemma2Config, MistralConfig
 

@@ -26,14 +26,20 @@ from automodel.errors import CPUnsupportedError, UserInputError
 SMALL = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 
 
-def _meta(model_type: str, **kw):
+def _meta(model_type: str, attn_implementation: str | None = None, **kw):
     config = AutoConfig.for_model(model_type, **(SMALL | kw))
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+
+
+def _gemma2(**kw):
+    """Gemma 2 as the recipe builds it on every transformers release: eager (its logit softcapping has no SDPA
+    path; transformers 5.25 defaults to eager, 5.17 to an SDPA that drops the cap, which the recipe refuses)."""
+    return _meta("gemma2", attn_implementation="eager", sliding_window=16, head_dim=16, **kw)
 
 
 def test_profile_reads_each_layer_kind_from_the_modules():
-    gemma2 = profile_model(_meta("gemma2", num_hidden_layers=4, sliding_window=16, head_dim=16))
+    gemma2 = profile_model(_gemma2(num_hidden_layers=4))
     assert [layer.kind for layer in gemma2.layers] == [SLIDING, FULL, SLIDING, FULL]
     assert gemma2.layers[0].window == 16 and gemma2.layers[1].window is None
     assert all(layer.softcap == 50.0 for layer in gemma2.layers) and gemma2.attn_implementation == "eager"
@@ -88,7 +94,7 @@ def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
     check_model_for_cp("ring", profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16)), seq_len=64)
     assert isinstance(err.value, UserInputError)  # the recipe prints it as one error: line
 
-    gemma2 = profile_model(_meta("gemma2", num_hidden_layers=2, sliding_window=16, head_dim=16))
+    gemma2 = profile_model(_gemma2(num_hidden_layers=2))
     check_model_for_cp("ring", gemma2, seq_len=64)  # eager: ring routes it, the halo kernel applies the cap
     assert {"ring", "ulysses", "thd", "thd_docs", "usp"} <= set(methods_that_run(gemma2, 64))
     mistral = profile_model(_meta("mistral", num_hidden_layers=2, sliding_window=16))
@@ -152,7 +158,7 @@ def test_profile_line_counts_the_layer_kinds_in_order_and_names_the_heads():
         "model profile: LlamaForCausalLM (llama), 4 layers: full attention x4; 4 heads, 2 kv heads of 16; "
         "attn_implementation=sdpa"
     )
-    gemma2 = profile_line(profile_model(_meta("gemma2", num_hidden_layers=4, sliding_window=16, head_dim=16)))
+    gemma2 = profile_line(profile_model(_gemma2(num_hidden_layers=4)))
     assert "4 layers: sliding window 16 x2, full attention x2; logit softcapping;" in gemma2
     assert gemma2.endswith("attn_implementation=eager")
     nxt = profile_line(profile_model(_meta("qwen3_next", num_hidden_layers=4, head_dim=16)))
@@ -323,3 +329,15 @@ def test_falcon_runs_where_it_dispatches_its_attention_and_alibi_is_refused_ever
                 assert "computes its own attention" in str(err.value), method
     if dispatches:
         assert profile_model(alibi).layers[0].path_in_stack == "transformer.h.<i>.self_attention"
+
+
+def test_own_loop_refuses_a_softcapping_model_that_runs_sdpa():
+    """transformers 5.17 lets Gemma 2 run SDPA without its logit cap; CP methods apply the cap, so ``context_parallel``
+    refuses it before the mesh is read (5.25 refuses SDPA for the class itself; the switch is made by hand here)."""
+    from automodel.distributed.cp import context_parallel
+
+    model = _gemma2(num_hidden_layers=2)
+    model.config._attn_implementation = "sdpa"  # what 5.17's default picks
+    with pytest.raises(UserInputError, match=r"Gemma2ForCausalLM soft-caps its attention logits "
+                       r"\(attn_logit_softcapping=50\.0\) but runs attn_implementation='sdpa'.*attn_implementation='eager'"):  # fmt: skip
+        context_parallel(model, None, "ring")

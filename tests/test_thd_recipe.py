@@ -157,6 +157,21 @@ def test_recipe_parity_cp2(runs, name, ref):
 
 
 @pytest.mark.dist
+def test_checkpointing_and_offload_act_under_thd(runs):
+    """Issue 41: under thd (packed rows, cp=2) with FSDP2 every layer is recomputed once per micro-batch and offload
+    moves one tensor per layer and micro-batch, the layer input; the run log names no technique that did not act."""
+    report, log = runs["thd_sliding_packed_cp2"]["techniques"], runs["thd_sliding_packed_cp2"]["technique_log"]
+    m = report["micro_batches"]
+    assert m == 4  # global batch 8 = 2 rows x 4 micro-batches (dp 1)
+    ac = report["activation_checkpointing"]
+    assert ac["layers"] == ac["layers_recomputed"] == 2 and ac["recomputed_per_layer"] == [m, m]
+    off = report["activation_offload"]
+    assert off["tensors"] == off["layer_inputs"] == 2 * m
+    assert [off["per_layer"][str(i)]["tensors"] for i in range(2)] == [m, m]
+    assert not any("WARNING" in line for line in log), log
+
+
+@pytest.mark.dist
 def test_packed_rows_really_packed_and_padded_automatically(runs):
     assert runs["thd_packed_cp2"]["seq_pad_multiple"] == 4  # automatic 2*cp
     assert runs["packed_ref"]["seq_pad_multiple"] == 4

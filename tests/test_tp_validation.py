@@ -123,7 +123,8 @@ def test_plan_extends_transformers_plan():
     plain = tp_plan(model, loss_parallel=True)
     for pattern, kind in model.config.base_model_tp_plan.items():  # transformers' own entries, all mapped
         style = plain["model." + pattern]
-        expected = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}.get(kind)
+        # embedding_rowwise: transformers 5.17's entry for a tied embedding (5.25 has none)
+        expected = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "embedding_rowwise": RowwiseParallel}.get(kind)
         assert isinstance(style, expected) if expected else type(style).__name__ == "ReplicatedWithGradAllReduce"
     assert isinstance(plain["model.embed_tokens"], RowwiseParallel)  # beyond transformers: vocab-sharded
     assert not plain["lm_head"].use_local_output  # loss parallel: the DTensor logits reach the loss
@@ -136,3 +137,24 @@ def test_plan_extends_transformers_plan():
     }
     assert sp["lm_head"].use_local_output  # gathered logits without loss parallel
     assert set(TP_MODEL_TYPES) == {"llama", "qwen2", "qwen3", "mistral"}
+
+
+def test_plan_takes_the_tied_embedding_entry_of_older_transformers():
+    """transformers 5.17 adds ``embed_tokens: embedding_rowwise`` to a tied model's plan (5.25 does not): the same
+    vocabulary-sharded embedding the plan makes anyway, on every release; that style anywhere else is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def plan_with(extra: dict) -> dict:
+        config = LlamaConfig(num_hidden_layers=1, tie_word_embeddings=True)
+        config.base_model_tp_plan = {k: v for k, v in config.base_model_tp_plan.items() if k != "embed_tokens"} | extra
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return tp_plan(model, loss_parallel=True, sequence_parallel=True)
+
+    without, with_entry = plan_with({}), plan_with({"embed_tokens": "embedding_rowwise"})
+    assert sorted(without) == sorted(with_entry)
+    assert all(type(without[k]) is type(with_entry[k]) and vars(without[k]) == vars(with_entry[k]) for k in without)
+    with pytest.raises(ValueError, match=r"uses 'embedding_rowwise' for 'layers\.\*\.mlp\.up_proj', which this "
+                       r"recipe does not map"):  # fmt: skip
+        plan_with({"layers.*.mlp.up_proj": "embedding_rowwise"})

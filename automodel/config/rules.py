@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from types import SimpleNamespace
 
 from automodel.config.attention_rules import attention_backend_problems
 from automodel.config.compile_rules import compile_problems
@@ -73,20 +74,25 @@ def parallel_sizes(cfg: RecipeConfig, world_size: int) -> tuple[dict[str, int], 
 
 
 def _sdpa_less_class(cfg: RecipeConfig) -> str | None:
-    """The causal-LM class of an inline ``model.config`` when it has no SDPA path (gpt-oss); ``None``: it has
-    one, or the class is not known from the config alone (a pretrained config is read later)."""
+    """The causal-LM class of an inline ``model.config`` when it has no exact SDPA path (gpt-oss; Gemma 2's
+    softcapping); ``None``: it has one, or the class is not known from the config alone (a pretrained config is read later)."""
     node = cfg.model.config
     if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
         return None
     try:
         from hydra.utils import get_object
 
-        from automodel.distributed.torch_internals import MODEL_FOR_CAUSAL_LM_MAPPING
+        from automodel.distributed.torch_internals import MODEL_FOR_CAUSAL_LM_MAPPING, sdpa_problem
 
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[get_object(node["_target_"])]
+        config_cls = get_object(node["_target_"])
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[config_cls]
     except Exception:  # noqa: BLE001 - a target that is not a transformers config class: not known here
         return None
-    return None if getattr(cls, "_supports_sdpa", False) else cls.__name__
+    try:  # the cap the inline config sets, else its class's default
+        cap = node.get("attn_logit_softcapping", getattr(config_cls(), "attn_logit_softcapping", None))
+    except Exception:  # noqa: BLE001 - a config class that needs arguments: its class decides alone
+        cap = None
+    return None if sdpa_problem(cls, SimpleNamespace(attn_logit_softcapping=cap)) is None else cls.__name__
 
 
 def _attn_fix(accepted: tuple[str, ...], cfg: RecipeConfig) -> str:

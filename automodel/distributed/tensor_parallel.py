@@ -175,10 +175,12 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool, sequence_parallel: bool = 
     """The ``parallelize_module`` plan for ``model``: fully-qualified module pattern -> torch ``ParallelStyle``.
 
     Built from ``model.config.base_model_tp_plan`` (transformers' plan: ``colwise``, ``rowwise``,
-    ``replicated_with_grad_allreduce``) plus the embedding, the final norm and the LM head (see the module
-    docstring). With ``sequence_parallel`` every RMSNorm is ``SequenceParallel``, each attention and MLP
-    block all-gathers its ``Shard(1)`` input once (``PrepareModuleInput``) for its column-parallel
-    projections, and the row-parallel ones return ``Shard(1)`` (reduce-scatter).
+    ``replicated_with_grad_allreduce``; the ``embed_tokens: embedding_rowwise`` entry that transformers 5.17
+    (not 5.25) adds for tied embeddings is the vocabulary-sharded embedding this plan makes anyway) plus the
+    embedding, the final norm and the LM head (see the module docstring). With ``sequence_parallel`` every
+    RMSNorm is ``SequenceParallel``, each attention and MLP block all-gathers its ``Shard(1)`` input once
+    (``PrepareModuleInput``) for its column-parallel projections, and the row-parallel ones return
+    ``Shard(1)`` (reduce-scatter).
 
     Raises:
         ValueError: the config has no TP plan, or names a style this module does not map.
@@ -204,6 +206,8 @@ def tp_plan(model: nn.Module, *, loss_parallel: bool, sequence_parallel: bool = 
     seq = Shard(1)
     plan: dict[str, Any] = {}
     for pattern, kind in hf_plan.items():
+        if kind == "embedding_rowwise" and pattern == "embed_tokens":
+            continue  # transformers 5.17 (not 5.25) adds it for tied embeddings: the vocabulary-sharded embedding below
         if kind not in _HF_STYLES:
             raise ValueError(
                 f"transformers' TP plan of {type(model).__name__} uses {kind!r} for {pattern!r}, which this recipe "

@@ -127,6 +127,7 @@ __all__ = [
     "missing_transformers_internals",
     "require",
     "seq_shard_strategy_context",
+    "sdpa_problem",
     "set_rotate_method",
     "sharding_rule_api",
     "templated_ring_attention",
@@ -530,6 +531,23 @@ def transformers_chunks_per_document() -> bool:
         return True
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     return (major, minor) >= (5, 23)
+
+
+def sdpa_problem(model_class: Any, config: Any = None) -> str | None:
+    """Why ``model_class`` (with ``config``) cannot run ``attn_implementation="sdpa"`` exactly; ``None``: it can.
+
+    Two reasons: the class has no SDPA path (``_supports_sdpa`` false: gpt-oss), or the config soft-caps the
+    attention logits (``attn_logit_softcapping``: Gemma 2, VaultGemma), which SDPA cannot apply. transformers
+    5.25 marks such classes ``_supports_sdpa = False`` itself; 5.17 .. 5.24 let Gemma 2 pick SDPA and run it
+    without the cap (its ``sdpa_attention_forward`` ignores ``softcap``), so the class flag alone would let a
+    run train a different model on the older releases. Pure: reads the class and the config.
+    """
+    if not getattr(model_class, "_supports_sdpa", False):
+        return f"{getattr(model_class, '__name__', model_class)} has no SDPA path"
+    cap = getattr(config, "attn_logit_softcapping", None) if config is not None else None
+    if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap:
+        return f"SDPA cannot apply its attention logit softcapping (attn_logit_softcapping={cap})"
+    return None
 
 
 def missing_transformers_internals() -> list[str]:

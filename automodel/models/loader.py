@@ -219,13 +219,20 @@ def causal_lm_class(config: Any) -> type | None:
 
 
 def check_attn_supported(config: Any, attn_implementation: str, cp_method: str | None = None) -> None:
-    """Refuse ``attn_implementation="sdpa"`` for a model class without SDPA support (gpt-oss ...), naming
-    ``model.attn_implementation=eager``, the one fix that works: every built-in CP method runs eager models.
+    """Refuse ``attn_implementation="sdpa"`` for a model class without SDPA support (gpt-oss ...) or whose
+    config soft-caps the attention logits (Gemma 2: SDPA would drop the cap on transformers < 5.25;
+    :func:`~automodel.distributed.torch_internals.sdpa_problem`), naming ``model.attn_implementation=eager``,
+    the one fix that works: every built-in CP method runs eager models.
 
     ``cp_method``: the run's (``None``: no CP); said to run eager models when it does.
     """
+    from automodel.distributed.torch_internals import sdpa_problem
+
     cls = causal_lm_class(config)
-    if cls is None or attn_implementation != "sdpa" or getattr(cls, "_supports_sdpa", False):
+    if cls is None or attn_implementation != "sdpa":
+        return
+    problem = sdpa_problem(cls, config)
+    if problem is None:
         return
     runs_eager = ""
     if cp_method is not None:
@@ -236,9 +243,10 @@ def check_attn_supported(config: Any, attn_implementation: str, cp_method: str |
             runs_eager = " (distributed.cp_method=auto then picks among the methods that run eager models)"
         elif method is not None and (method.attn_implementations is None or "eager" in method.attn_implementations):
             runs_eager = f" (distributed.cp_method={cp_method} runs eager models)"
+    why = "" if problem.endswith("has no SDPA path") else f": {problem}"
     raise UserInputError(
         f"{cls.__name__} cannot run attn_implementation='sdpa'; set "
-        f"model.attn_implementation=eager{runs_eager}"
+        f"model.attn_implementation=eager{runs_eager}{why}"
     )
 
 

@@ -487,6 +487,22 @@ def _choose(model: Any, mesh: Any, options: dict[str, Any]) -> tuple[CPMethod, C
     return choice.method, choice
 
 
+def _refuse_sdpa_without_softcap(model: Any) -> None:
+    """Refuse a model whose attention soft-caps its logits but runs SDPA (Gemma 2 on transformers 5.17 .. 5.24, which
+    let it pick SDPA and drop the cap there): every CP method applies the cap, the one-device model does not, so
+    the two would differ. The recipe refuses the same config before loading (``models/loader.py``)."""
+    from automodel.errors import UserInputError
+
+    profile = cached_profile(model)
+    caps = sorted({layer.softcap for layer in profile.layers if layer.softcap})
+    if profile.attn_implementation == "sdpa" and caps:
+        raise UserInputError(
+            f"{profile.architecture} soft-caps its attention logits (attn_logit_softcapping={caps[0]}) but runs "
+            f"attn_implementation='sdpa', which drops the cap on this transformers; load the model with "
+            f"attn_implementation='eager'"
+        )
+
+
 def context_parallel(model: Any, mesh: Any, method: str | CPMethod = "thd_docs", **options: Any) -> ContextParallel:
     """Check ``model`` against a CP method and prepare it (once); returns the handle that shards batches.
 
@@ -510,6 +526,7 @@ def context_parallel(model: Any, mesh: Any, method: str | CPMethod = "thd_docs",
             check: the layers, the reason and the methods that would run it); with ``auto``: a model that no
             method computes exactly (each method's reasons).
     """
+    _refuse_sdpa_without_softcap(model)
     choice = None
     if isinstance(method, str) and method == AUTO:
         options = dict(options)
