@@ -33,6 +33,9 @@ CP2 = {
     },
     **{f"{fam}/unpacked/float64": dict(family=fam, dtype="float64", rows=[[48]], packed=False) for fam in FAMILIES},
     "gpt_oss/whole/float64": dict(family="gpt_oss", dtype="float64", rows=[[32, 32]], packed=True),
+    # Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py; issue 43)
+    "gemma4_text/packed/float64": dict(family="gemma4_text", dtype="float64", rows=[[70, 24, 22]], packed=True,
+                                       exact_norms=True),
 }
 CP4_ROWS = [[96, 48, 24], [48, 48, 24]]
 CP4 = {

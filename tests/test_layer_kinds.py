@@ -62,6 +62,14 @@ MODEL_CASES = {
     for dtype in ("float32", "float64")
     for docs in ([[48] if method.startswith("ring") else [21, 34, 9]])
 }
+# Gemma 4 (issue 43): sliding and full layers with their own RoPE and head sizes (16 and 512), per-layer inputs,
+# scores unscaled after the q/k norms; packed rows against each document alone in fp64, its RMSNorms in fp64
+# (tests/workers/exact_norms.py: transformers computes them in fp32, whose round-off, 3e-7 here, would hide a leak)
+MODEL_CASES.update({
+    f"gemma4_text/{method}/float64": dict(family="gemma4_text", method=method, dtype="float64", docs=[21, 34, 9],
+                                          exact_norms=True)
+    for method in ("thd", "ulysses")
+})
 
 
 @pytest.fixture(scope="module")

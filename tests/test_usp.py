@@ -304,6 +304,19 @@ def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):
         assert got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, (family, dtype, got)
 
 
+@pytest.mark.dist
+def test_two_node_run_computes_gemma4_in_fp64(two_nodes):
+    """Gemma 4 (sliding and full layers with their own RoPE and head sizes, per-layer inputs, unscaled scores) at
+    cp=4 = 2 x 2 on packed rows against each document alone, fp64 with its RMSNorms in fp64
+    (tests/workers/exact_norms.py): fp64 round-off, so no document leak hides under fp32's."""
+    ranks, _ = two_nodes
+    loss_tol, grad_tol = KIND_TOLERANCES["float64"]
+    for result in ranks:
+        got = result["layer_kinds"][("gemma4_text", "float64")]
+        assert got["attn"] == "usp" and not got["missing"], got
+        assert got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, got
+
+
 # ------------------------------------------------------------------ recipe parity at cp=4 = 2 x 2
 
 

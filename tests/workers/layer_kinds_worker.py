@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from automodel.distributed.cp.layers.masked_attention import halo_attention
 from automodel.distributed.cp.layout import ring_layout, thd_layout
 from tests.workers.cp_steps import reduce_over_group
+from tests.workers.exact_norms import norms_in_input_dtype
 from tests.workers.thd_attention_worker import _ce, pack
 
 SENTINEL = -1000
@@ -176,9 +177,16 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
 
 
 def model_case(case: dict, mesh, world: int) -> dict:
+    """One model case; ``case["exact_norms"]``: an fp64 model's Gemma RMSNorms compute in fp64
+    (tests/workers/exact_norms.py)."""
+    dtype = getattr(torch, case["dtype"])
+    with norms_in_input_dtype(case.get("exact_norms", False) and dtype == torch.float64):
+        return _model_case(case, mesh, world, dtype)
+
+
+def _model_case(case: dict, mesh, world: int, dtype: torch.dtype) -> dict:
     from tests.family_matrix import VOCAB, family_by_name
 
-    dtype = getattr(torch, case["dtype"])
     base = family_by_name(case["family"]).build_model(0)
     if dtype == torch.float64 and hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
