@@ -435,6 +435,8 @@ def standard_problem(
         from automodel.distributed.cp.layers.linear_support import linear_mixer_problem
 
         return linear_mixer_problem(method, layer)
+    if layer.kind == UNKNOWN and layer.known_gap:  # known, and no CP kernel for it: the reason, no report request
+        return f"{layer.describe()} is not exact under {method}: {layer.known_gap}"
     if layer.kind == UNKNOWN:
         return f"{layer.describe()} is not known to be exact under {method} ({REPORT_HINT})"
     deferred = (

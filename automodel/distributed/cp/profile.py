@@ -131,6 +131,9 @@ class LayerSpec:
         module_path: where the layer's unrecognised module sits in the model (``UNKNOWN``, read from the
             modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
             layer's index as ``<i>`` (:attr:`path_in_stack`).
+        known_gap: an ``UNKNOWN`` layer whose computation is known (ALiBi, GPT-Neo's own masks, Doge's dynamic
+            mask): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
+            ``""`` for a layer nobody has looked at.
     """
 
     index: int
@@ -147,6 +150,7 @@ class LayerSpec:
     hybrid_attention: bool = False
     window_in_mask_only: bool = False
     module_path: str = ""
+    known_gap: str = ""
 
     @property
     def path_in_stack(self) -> str:
@@ -186,6 +190,8 @@ class LayerSpec:
             text = f"a linear-attention / state-space mixer ({self.mixer or 'recurrent state'})"
         elif self.kind == MLP_ONLY:
             text = "no token mixer" + (f" ({self.mixer})" if self.mixer else "")
+        elif self.kind == UNKNOWN and self.known_gap:
+            text = self.mixer + (f" (at {self.path_in_stack})" if self.module_path else "")
         elif self.kind == UNKNOWN:
             where = f" at {self.path_in_stack}" if self.module_path else ""
             text = f"an unrecognised token mixer ({self.mixer or '?'}{where})"
@@ -267,7 +273,8 @@ def _layer_words(layer: LayerSpec) -> str:
         return (layer.mixer or "linear mixer") + (" + attention" if layer.hybrid_attention else "")
     if layer.kind == MLP_ONLY:
         return f"{layer.mixer} (no token mixer)" if layer.mixer else "no token mixer"
-    return "unrecognised " + (re.split(r"[,:(]", layer.mixer)[0].strip() or "mixer")
+    name = re.split(r"[,:(]", layer.mixer)[0].strip() or "mixer"
+    return f"{name} (no CP kernel)" if layer.known_gap else "unrecognised " + name
 
 
 def profile_line(profile: ModelProfile) -> str:
@@ -368,18 +375,69 @@ def _token_local_problem(layer: Any, path: str) -> str | None:
     return None
 
 
-# attention modules whose mask is computed from the layer's own inputs (on a CP rank: from its shard only)
-_SHARD_MASKED_ATTENTION = {
-    "DogeAttention": "dynamic mask attention (a learned key mask computed from the values)",
+# Attention layers whose computation is known, and which no CP method computes exactly yet: what each computes
+# (the layer's ``mixer`` text) and why no method does, with what would (``known_gap``). Each is an UNKNOWN layer,
+# refused by every method with this reason instead of the request to report an unrecognised layer.
+#: ALiBi needs nothing but positions: what a CP kernel would do, and why none does today
+_ALIBI_EXACT = (
+    "ALiBi itself can be exact under CP (slope_h * (j - i) depends only on the two positions, in the document for "
+    "packed rows: ulysses would add it with each rank's head slopes over its whole rows, ring / thd / thd_docs in "
+    "their block kernels from each block's query and key positions), but no CP method applies it yet"
+)
+_OWN_CODE = (
+    "the layer computes its scores, mask and softmax in its own code over the keys it is given, which under CP "
+    "are this rank's tokens only, so every method would drop the other ranks' keys and take positions from the "
+    "rank's local index; "
+)
+#: class name -> (what it computes, why no method computes it and what would)
+_KNOWN_ATTENTION = {
+    "BloomAttention": (
+        "BloomAttention: ALiBi attention in its own code (each score of head h gets slope_h * j, j the key's index "
+        "in the row, then the softmax)",
+        _OWN_CODE + _ALIBI_EXACT,
+    ),
+    "MptAttention": (
+        "MptAttention: ALiBi attention in its own code (each score of head h gets slope_h * (j - S + 1) over the S "
+        "keys it is given, then the softmax)",
+        _OWN_CODE + _ALIBI_EXACT,
+    ),
+    "GPTNeoAttention": (
+        "GPTNeoAttention: causal and local-window masks in its own code (a mask buffer indexed by the number of "
+        "queries and keys it is given, then the softmax, in fp32)",
+        _OWN_CODE + "its window itself would be exact under every method (the halo kernel, as for Mistral), once "
+        "the layer hands q, k and v to the method's attention, which is not implemented yet",
+    ),
+    "DogeAttention": (
+        "DogeAttention: dynamic mask attention (each score of head h gets a bias exp(A_h * softplus(dt_proj(v_j))) "
+        "computed from the key's own value; past keep_window_size keys only the top keep_window_size of them per "
+        "query are kept)",
+        "it hands the bias to the attention function as its mask, which every CP method replaces by its own "
+        "(causal, per document), so the bias would be dropped; it can be exact under CP (the bias is one number "
+        "per head and key: it would travel with K/V, and the top-k needs only those numbers of the query's "
+        "visible keys), but no CP method applies it yet",
+    ),
+}
+#: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
+#: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
+_MODEL_TYPE_ATTENTION = {
+    "bloom": "BloomAttention",
+    "mpt": "MptAttention",
+    "gpt_neo": "GPTNeoAttention",
+    "doge": "DogeAttention",
 }
 
 
-def _mask_bias(text: Any) -> str | None:
-    """The position bias a model adds to the attention mask it builds, in words, or ``None``: Falcon's ALiBi
-    (``config.alibi``), which transformers >= 5.25 folds into the mask it hands to the attention function. A CP
-    method's attention builds its own mask (or none) and would drop the bias, so such a layer is ``UNKNOWN``."""
+def _mask_bias(text: Any) -> tuple[str, str] | None:
+    """``(the bias in words, why no CP method computes it)`` for a position bias the model adds to the attention
+    mask it builds, or ``None``: Falcon's ALiBi (``config.alibi``), which transformers >= 5.25 folds into the mask
+    it hands to the attention function. A CP method's attention builds its own mask (or none) and would drop the
+    bias, so such a layer is ``UNKNOWN``."""
     if _get(text, "alibi", False) is True:
-        return "an ALiBi position bias in its attention mask (config.alibi=True), which CP attention replaces"
+        return (
+            "an ALiBi position bias in its attention mask (config.alibi=True): each score of head h gets "
+            "slope_h * j / sqrt(head_dim), j the key's index in the row, slopes and products in bf16",
+            "every CP method builds its own mask (or none) and would drop the bias; " + _ALIBI_EXACT,
+        )
     return None
 
 
@@ -452,7 +510,7 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         # it must dispatch through AttentionInterface; what it applies (window, sinks, softcap) is recorded
         # and linear_support refuses anything but plain causal attention
         cls = type(attention)
-        if cls.__name__ in _SHARD_MASKED_ATTENTION or not _dispatches_attention(cls):
+        if cls.__name__ in _KNOWN_ATTENTION or not _dispatches_attention(cls):
             spec.update(kind=UNKNOWN, module_path=attention_path,
                         mixer=f"{linear} beside {cls.__name__}, which does not dispatch its attention "
                         "through transformers' AttentionInterface")  # fmt: skip
@@ -482,9 +540,9 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
                     mixer=f"{type(attention).__name__} (config layer type {base.mixer or base.kind})")
         return LayerSpec(**spec)
     cls = type(attention)
-    if cls.__name__ in _SHARD_MASKED_ATTENTION:
-        spec.update(kind=UNKNOWN, module_path=attention_path,
-                    mixer=f"{cls.__name__}: {_SHARD_MASKED_ATTENTION[cls.__name__]}")
+    if cls.__name__ in _KNOWN_ATTENTION:
+        mixer, gap = _KNOWN_ATTENTION[cls.__name__]
+        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=mixer, known_gap=gap)
         return LayerSpec(**spec)
     if not _dispatches_attention(cls):
         spec.update(
@@ -495,7 +553,8 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         )
         return LayerSpec(**spec)
     if mask_bias:
-        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=f"{cls.__name__} with {mask_bias}")
+        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=f"{cls.__name__} with {mask_bias[0]}",
+                    known_gap=mask_bias[1])  # fmt: skip
         return LayerSpec(**spec)
     if base.kind == SLIDING and not _passes_window(cls):
         spec["window_in_mask_only"] = True
@@ -606,8 +665,13 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
                 for i, (layer, spec) in enumerate(zip(stack, layers))
             ]
             from_modules = True
+    known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
+    if known and not from_modules:  # BLOOM, MPT, GPT-Neo, Doge from their config alone
+        layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
+                  if spec.is_attention else spec for spec in layers]  # fmt: skip
     if bias and not from_modules:  # the config alone: its attention layers carry the bias
-        layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias}"})
+        layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias[0]}",
+                               "known_gap": bias[1]})
                   if spec.is_attention else spec for spec in layers]  # fmt: skip
     heads = _get(text, "num_attention_heads", None)
     kv = _get(text, "num_key_value_heads", None) or heads
