@@ -70,6 +70,19 @@ MODEL_CASES.update({
                                           exact_norms=True)
     for method in ("thd", "ulysses")
 })
+# KV shared across layers (Gemma 3n's and Gemma 4's later layers reuse the K/V of the last layer of their type that
+# computes them; Gemma 4's full layers with K = V): 12 / 10 layers, the second half sharing; fp64, norms in fp64
+SHARED_KV = {
+    "gemma4_text": dict(num_hidden_layers=12, num_kv_shared_layers=6, attention_k_eq_v=True),
+    "gemma3n_text": dict(num_hidden_layers=10, num_kv_shared_layers=5, intermediate_size=[128] * 10,
+                         activation_sparsity_pattern=[0.95] * 2 + [0.0] * 8),
+}
+MODEL_CASES.update({
+    f"{family}@shared_kv/{method}/float64": dict(family=family, method=method, dtype="float64", docs=[21, 34, 9],
+                                                exact_norms=True, config=config)
+    for family, config in SHARED_KV.items()
+    for method in ("thd", "ulysses")
+})
 
 
 @pytest.fixture(scope="module")

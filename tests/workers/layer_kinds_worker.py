@@ -178,7 +178,7 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
 
 def model_case(case: dict, mesh, world: int) -> dict:
     """One model case; ``case["exact_norms"]``: an fp64 model's Gemma RMSNorms compute in fp64
-    (tests/workers/exact_norms.py)."""
+    (tests/workers/exact_norms.py); ``case["config"]``: config keys over the family's (its sizes kept)."""
     dtype = getattr(torch, case["dtype"])
     with norms_in_input_dtype(case.get("exact_norms", False) and dtype == torch.float64):
         return _model_case(case, mesh, world, dtype)
@@ -187,7 +187,15 @@ def model_case(case: dict, mesh, world: int) -> dict:
 def _model_case(case: dict, mesh, world: int, dtype: torch.dtype) -> dict:
     from tests.family_matrix import VOCAB, family_by_name
 
-    base = family_by_name(case["family"]).build_model(0)
+    fam = family_by_name(case["family"])
+    if case.get("config"):  # the family's sizes with other switches (Gemma's KV shared across layers)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(fam.model_type, **{**fam.config_kwargs, **case["config"]})
+        base = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation()).train()
+    else:
+        base = fam.build_model(0)
     if dtype == torch.float64 and hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
     base = base.to(dtype)
