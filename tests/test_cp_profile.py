@@ -264,11 +264,9 @@ def test_an_unknown_attention_names_its_module_path():
 #: issue 43: attention layers whose computation is known and which no CP method computes yet, each refused by every
 #: method with what it computes and why no method does (not the request to report an unrecognised layer)
 KNOWN_GAPS = {
-    "bloom": ("BloomAttention: ALiBi attention in its own code", "ALiBi itself can be exact under CP"),
-    "mpt": ("MptAttention: ALiBi attention in its own code", "ALiBi itself can be exact under CP"),
     "gpt_neo": ("GPTNeoAttention: causal and local-window masks in its own code", "its window itself would be exact"),
     "doge": ("DogeAttention: dynamic mask attention", "which every CP method replaces by its own"),
-    "falcon_alibi": ("ALiBi position bias in its attention mask (config.alibi=True)", "ALiBi itself can be exact"),
+    "falcon_alibi": ("ALiBi position bias in its attention mask (config.alibi=True)", "ALiBi itself is exact"),
 }
 
 
@@ -356,3 +354,23 @@ def test_falcon_runs_where_it_dispatches_its_attention_and_alibi_is_refused_ever
                 assert "computes its own attention" in str(err.value), method
     if dispatches:
         assert profile_model(alibi).layers[0].path_in_stack == "transformer.h.<i>.self_attention"
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt"])
+def test_alibi_layers_run_under_ulysses_only(name):
+    """BLOOM's and MPT's ALiBi layers (their own attention code, made to dispatch: cp/layers/alibi.py) are full
+    causal attention with ALiBi: ulysses applies the bias (its rank's head slopes over whole rows); every other
+    method refuses them with the reason, from the model and from its config alone."""
+    from tests.family_matrix import family_by_name
+
+    config = family_by_name(name).build_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for profile in (profile_model(model), profile_model(config)):
+        assert all(layer.kind == FULL and layer.alibi for layer in profile.layers), profile.layers
+        assert methods_that_run(profile, 64) == ["ulysses"]
+        assert methods_that_run(profile, 64, packed=True) == ["ulysses"]
+        for method in set(cp_methods()) - {"ulysses"}:
+            with pytest.raises(CPUnsupportedError, match=f"ALiBi .* which {method}'s kernel does not apply yet: it "
+                                                         "is exact only under ulysses"):  # fmt: skip
+                check_model_for_cp(method, profile, seq_len=64)

@@ -70,6 +70,13 @@ MODEL_CASES.update({
                                           exact_norms=True)
     for method in ("thd", "ulysses")
 })
+# ALiBi (issue 43): BLOOM's and MPT's attention, in their own code, handed to Ulysses (cp/layers/alibi.py); packed
+# rows against each document alone (both compute their softmax in fp32, so fp64 agrees to fp32 round-off)
+MODEL_CASES.update({
+    f"{family}/ulysses/{dtype}": dict(family=family, method="ulysses", dtype=dtype, docs=[21, 34, 9])
+    for family in ("bloom", "mpt")
+    for dtype in ("float32", "float64")
+})
 # KV shared across layers (Gemma 3n's and Gemma 4's later layers reuse the K/V of the last layer of their type that
 # computes them; Gemma 4's full layers with K = V): 12 / 10 layers, the second half sharing; fp64, norms in fp64
 SHARED_KV = {
@@ -137,7 +144,7 @@ def test_the_halo_is_the_window_before_each_chunk(cp2, cp4):
 # granite_swa, the MoE routers of
 # deepseek_v3 and llama4_text: Ulysses, which leaves attention math to the model, shows the same
 # ~1e-7), so their fp64 runs agree to fp32 round-off through the model, not to fp64's.
-FP32_INSIDE = ("gemma2", "vaultgemma", "granite_swa", "deepseek_v3", "llama4_text")
+FP32_INSIDE = ("gemma2", "vaultgemma", "granite_swa", "deepseek_v3", "llama4_text", "bloom", "mpt")
 TOLERANCES = {"fp64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "fp32": (1e-5, 1e-4)}
 
 

@@ -417,12 +417,14 @@ def standard_problem(
     mla: bool = False,
     position_scaled: bool = False,
     windows_checked_at_call: bool = False,
+    alibi: bool = False,
 ) -> str | None:
     """The reason shared by the built-in methods for a layer they do not compute exactly (``None``: exact).
 
     The keyword flags say what the method's kernel applies exactly: sliding ``windows``, attention
     ``chunks``, ``sinks``, logit ``softcap``, ``mla`` (value heads of another size) and
-    ``position_scaled`` queries (Llama 4's temperature, corrected to the global position). Linear /
+    ``position_scaled`` queries (Llama 4's temperature, corrected to the global position), ``alibi`` (ALiBi's
+    per-head bias from the key's position in its document, BLOOM's and MPT's). Linear /
     state-space mixers are exact where :mod:`~automodel.distributed.cp.layers.linear_support` lists a kernel for
     the mixer and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
     layers are exact under every split.
@@ -459,6 +461,12 @@ def standard_problem(
         return (
             f"value heads of size {layer.v_head_dim} and query/key heads of size {layer.qk_head_dim} (MLA), which "
             f"{method}'s kernel does not take"
+        )
+    if layer.alibi and not alibi:
+        return (
+            f"ALiBi (each score of head h gets slope_h * (j - i), computed in the layer's own code), which {method}'s "
+            "kernel does not apply yet: it is exact only under ulysses, which adds it with each rank's head slopes "
+            "over whole rows (a block kernel would add it from each block's query and key positions)"
         )
     if layer.position_scaled and not position_scaled:
         return (

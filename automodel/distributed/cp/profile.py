@@ -134,6 +134,8 @@ class LayerSpec:
         known_gap: an ``UNKNOWN`` layer whose computation is known (ALiBi, GPT-Neo's own masks, Doge's dynamic
             mask): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
             ``""`` for a layer nobody has looked at.
+        alibi: the layer adds ALiBi's per-head bias ``slope_h * (j - i)`` to its scores in its own code (BLOOM,
+            MPT: :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v to a method that applies it).
     """
 
     index: int
@@ -151,6 +153,7 @@ class LayerSpec:
     window_in_mask_only: bool = False
     module_path: str = ""
     known_gap: str = ""
+    alibi: bool = False
 
     @property
     def path_in_stack(self) -> str:
@@ -196,7 +199,7 @@ class LayerSpec:
             where = f" at {self.path_in_stack}" if self.module_path else ""
             text = f"an unrecognised token mixer ({self.mixer or '?'}{where})"
         else:
-            text = "full causal attention"
+            text = "full causal attention" + (" with an ALiBi bias" if self.alibi else "")
         return text
 
 
@@ -264,7 +267,7 @@ class ModelProfile:
 def _layer_words(layer: LayerSpec) -> str:
     """A layer's token mixer in a few words, for :func:`profile_line` (``"sliding window 4096"``)."""
     if layer.kind == FULL:
-        return "full attention"
+        return "full attention" + (" (ALiBi)" if layer.alibi else "")
     if layer.kind == SLIDING:
         return f"sliding window {layer.window}"
     if layer.kind == CHUNKED:
@@ -380,9 +383,9 @@ def _token_local_problem(layer: Any, path: str) -> str | None:
 # refused by every method with this reason instead of the request to report an unrecognised layer.
 #: ALiBi needs nothing but positions: what a CP kernel would do, and why none does today
 _ALIBI_EXACT = (
-    "ALiBi itself can be exact under CP (slope_h * (j - i) depends only on the two positions, in the document for "
-    "packed rows: ulysses would add it with each rank's head slopes over its whole rows, ring / thd / thd_docs in "
-    "their block kernels from each block's query and key positions), but no CP method applies it yet"
+    "ALiBi itself is exact under CP (slope_h * (j - i) depends only on the two positions, in the document for "
+    "packed rows): ulysses adds it for BLOOM's and MPT's layers, which hand it q, k and v; this layer's bias rides "
+    "in the mask transformers builds, which no method reads yet"
 )
 _OWN_CODE = (
     "the layer computes its scores, mask and softmax in its own code over the keys it is given, which under CP "
@@ -391,16 +394,6 @@ _OWN_CODE = (
 )
 #: class name -> (what it computes, why no method computes it and what would)
 _KNOWN_ATTENTION = {
-    "BloomAttention": (
-        "BloomAttention: ALiBi attention in its own code (each score of head h gets slope_h * j, j the key's index "
-        "in the row, then the softmax)",
-        _OWN_CODE + _ALIBI_EXACT,
-    ),
-    "MptAttention": (
-        "MptAttention: ALiBi attention in its own code (each score of head h gets slope_h * (j - S + 1) over the S "
-        "keys it is given, then the softmax)",
-        _OWN_CODE + _ALIBI_EXACT,
-    ),
     "GPTNeoAttention": (
         "GPTNeoAttention: causal and local-window masks in its own code (a mask buffer indexed by the number of "
         "queries and keys it is given, then the softmax, in fp32)",
@@ -420,11 +413,13 @@ _KNOWN_ATTENTION = {
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
 _MODEL_TYPE_ATTENTION = {
-    "bloom": "BloomAttention",
-    "mpt": "MptAttention",
     "gpt_neo": "GPTNeoAttention",
     "doge": "DogeAttention",
 }
+#: attention classes that add ALiBi in their own code, made to dispatch by :mod:`~automodel.distributed.cp.layers.alibi`
+#: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
+_ALIBI_LAYERS = ("BloomAttention", "MptAttention")
+_ALIBI_MODEL_TYPES = ("bloom", "mpt")
 
 
 def _mask_bias(text: Any) -> tuple[str, str] | None:
@@ -540,6 +535,10 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
                     mixer=f"{type(attention).__name__} (config layer type {base.mixer or base.kind})")
         return LayerSpec(**spec)
     cls = type(attention)
+    if cls.__name__ in _ALIBI_LAYERS and base.kind == FULL:
+        dim = getattr(attention, "head_dim", None)
+        spec.update(alibi=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
+        return LayerSpec(**spec)
     if cls.__name__ in _KNOWN_ATTENTION:
         mixer, gap = _KNOWN_ATTENTION[cls.__name__]
         spec.update(kind=UNKNOWN, module_path=attention_path, mixer=mixer, known_gap=gap)
@@ -665,6 +664,8 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
                 for i, (layer, spec) in enumerate(zip(stack, layers))
             ]
             from_modules = True
+    if str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES and not from_modules:
+        layers = [LayerSpec(**{**spec.__dict__, "alibi": True}) if spec.kind == FULL else spec for spec in layers]
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
     if known and not from_modules:  # BLOOM, MPT, GPT-Neo, Doge from their config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
