@@ -40,7 +40,7 @@ def test_every_family_of_the_matrix_is_in_one_row_or_refused(chooser):
     assert sorted(covered) == sorted(fam.name for fam in FAMILIES)
     refused = {f for f, _, _ in chooser.refused}
     assert len(refused) == 7 and {"rwkv", "xlstm", "doge"} <= refused and not refused & {"falcon", "bloom", "mpt"}
-    assert sorted(chooser.members["bloom"]) == ["bloom", "mpt"]  # ALiBi in their own code: ulysses (issue 43)
+    assert sorted(chooser.members["bloom"]) == ["bloom", "mpt"]  # ALiBi in their own code (issue 43)
 
 
 def test_the_rules_of_thumb_on_the_page_hold(chooser):
@@ -51,8 +51,9 @@ def test_the_rules_of_thumb_on_the_page_hold(chooser):
     for family, cells in rows.items():
         for (_, _, packed), cell in zip(CELLS, cells):
             assert not (packed and "ring" in cell.exact), family  # ring never takes packed rows
-        if family == "bloom":  # ALiBi: ulysses only, at every size where it splits the heads
-            assert [c.pick for c in cells] == ["ulysses"] * 4 and all(c.exact == ["ulysses"] for c in cells), cells
+        if family == "bloom":  # ALiBi: ulysses, thd and thd_docs; not ring, nor usp
+            assert [c.pick for c in cells] == ["ulysses", "thd_docs"] * 2, cells
+            assert all(c.exact == ["ulysses", "thd", "thd_docs"] for c in cells), cells
             continue
         if family in ("qwen2_vl", "mamba2"):
             continue

@@ -357,10 +357,11 @@ def test_falcon_runs_where_it_dispatches_its_attention_and_alibi_is_refused_ever
 
 
 @pytest.mark.parametrize("name", ["bloom", "mpt"])
-def test_alibi_layers_run_under_ulysses_only(name):
+def test_alibi_layers_run_under_ulysses_thd_and_thd_docs(name):
     """BLOOM's and MPT's ALiBi layers (their own attention code, made to dispatch: cp/layers/alibi.py) are full
-    causal attention with ALiBi: ulysses applies the bias (its rank's head slopes over whole rows); every other
-    method refuses them with the reason, from the model and from its config alone."""
+    causal attention with ALiBi: ulysses (its rank's head slopes over whole rows), thd and thd_docs (the halo kernel
+    with the bias of each key's in-document position) apply it; ring and usp refuse them with the reason, from the
+    model and from its config alone."""
     from tests.family_matrix import family_by_name
 
     config = family_by_name(name).build_config()
@@ -368,9 +369,9 @@ def test_alibi_layers_run_under_ulysses_only(name):
         model = AutoModelForCausalLM.from_config(config)
     for profile in (profile_model(model), profile_model(config)):
         assert all(layer.kind == FULL and layer.alibi for layer in profile.layers), profile.layers
-        assert methods_that_run(profile, 64) == ["ulysses"]
-        assert methods_that_run(profile, 64, packed=True) == ["ulysses"]
-        for method in set(cp_methods()) - {"ulysses"}:
-            with pytest.raises(CPUnsupportedError, match=f"ALiBi .* which {method}'s kernel does not apply yet: it "
-                                                         "is exact only under ulysses"):  # fmt: skip
+        exact = {"ulysses", "thd", "thd_docs"}
+        assert set(methods_that_run(profile, 64)) == set(methods_that_run(profile, 64, packed=True)) == exact
+        for method in set(cp_methods()) - exact:
+            with pytest.raises(CPUnsupportedError, match=f"ALiBi .* which {method} does not apply yet: ulysses "
+                                                         r"\(each rank's head slopes"):  # fmt: skip
                 check_model_for_cp(method, profile, seq_len=64)

@@ -70,11 +70,13 @@ MODEL_CASES.update({
                                           exact_norms=True)
     for method in ("thd", "ulysses")
 })
-# ALiBi (issue 43): BLOOM's and MPT's attention, in their own code, handed to Ulysses (cp/layers/alibi.py); packed
-# rows against each document alone (both compute their softmax in fp32, so fp64 agrees to fp32 round-off)
+# ALiBi (issue 43): BLOOM's and MPT's attention, in their own code, handed to Ulysses and thd (cp/layers/alibi.py;
+# thd_docs: tests/test_doc_layer_kinds.py); packed rows against each document alone (both compute their softmax in
+# fp32, so fp64 agrees to fp32 round-off)
 MODEL_CASES.update({
-    f"{family}/ulysses/{dtype}": dict(family=family, method="ulysses", dtype=dtype, docs=[21, 34, 9])
+    f"{family}/{method}/{dtype}": dict(family=family, method=method, dtype=dtype, docs=[21, 34, 9])
     for family in ("bloom", "mpt")
+    for method in ("ulysses", "thd")
     for dtype in ("float32", "float64")
 })
 # KV shared across layers (Gemma 3n's and Gemma 4's later layers reuse the K/V of the last layer of their type that

@@ -464,9 +464,9 @@ def standard_problem(
         )
     if layer.alibi and not alibi:
         return (
-            f"ALiBi (each score of head h gets slope_h * (j - i), computed in the layer's own code), which {method}'s "
-            "kernel does not apply yet: it is exact only under ulysses, which adds it with each rank's head slopes "
-            "over whole rows (a block kernel would add it from each block's query and key positions)"
+            f"ALiBi (each score of head h gets slope_h * (j - i), computed in the layer's own code), which {method} "
+            "does not apply yet: ulysses (each rank's head slopes over whole rows), thd and thd_docs (the bias from "
+            "each key's position in its document, in their block kernel) compute it exactly"
         )
     if layer.position_scaled and not position_scaled:
         return (
