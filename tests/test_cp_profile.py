@@ -357,11 +357,12 @@ def test_falcon_runs_where_it_dispatches_its_attention_and_alibi_is_refused_ever
 
 
 @pytest.mark.parametrize("name", ["bloom", "mpt"])
-def test_alibi_layers_run_under_ulysses_thd_and_thd_docs(name):
+def test_alibi_layers_run_under_every_method(name):
     """BLOOM's and MPT's ALiBi layers (their own attention code, made to dispatch: cp/layers/alibi.py) are full
-    causal attention with ALiBi: ulysses (its rank's head slopes over whole rows), thd and thd_docs (the halo kernel
-    with the bias of each key's in-document position) apply it; ring and usp refuse them with the reason, from the
-    model and from its config alone."""
+    causal attention with ALiBi, which every built-in method applies (ulysses: its rank's head slopes over whole
+    rows; ring, thd, thd_docs, usp: the halo kernel with the bias of each key's in-document position), from the
+    model and from its config alone; a method that does not say it applies ALiBi refuses them with the reason."""
+    from automodel.distributed.cp.method import standard_problem
     from tests.family_matrix import family_by_name
 
     config = family_by_name(name).build_config()
@@ -369,9 +370,7 @@ def test_alibi_layers_run_under_ulysses_thd_and_thd_docs(name):
         model = AutoModelForCausalLM.from_config(config)
     for profile in (profile_model(model), profile_model(config)):
         assert all(layer.kind == FULL and layer.alibi for layer in profile.layers), profile.layers
-        exact = {"ulysses", "thd", "thd_docs"}
-        assert set(methods_that_run(profile, 64)) == set(methods_that_run(profile, 64, packed=True)) == exact
-        for method in set(cp_methods()) - exact:
-            with pytest.raises(CPUnsupportedError, match=f"ALiBi .* which {method} does not apply yet: ulysses "
-                                                         r"\(each rank's head slopes"):  # fmt: skip
-                check_model_for_cp(method, profile, seq_len=64)
+        assert set(methods_that_run(profile, 64)) == set(cp_methods())
+        assert set(methods_that_run(profile, 64, packed=True)) == set(cp_methods()) - {"ring"}  # ring: one document
+        reason = standard_problem("mine", profile.layers[0], 64)
+        assert reason.startswith("ALiBi (each score of head h gets slope_h * (j - i)") and "which mine does" in reason

@@ -27,6 +27,8 @@ FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature")
 #: Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py): per-layer-type RoPE and head sizes,
 #: sliding and full layers, per-layer inputs; scores unscaled (scaling 1.0 after the q/k norms)
 CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")] + [("gemma4_text", "float64")]
+#: ALiBi in BLOOM's own attention code (cp/layers/alibi.py), handed to usp: each Ulysses rank's head slopes
+CASES += [("bloom", "float32"), ("bloom", "float64")]
 EXACT_NORMS = ("gemma4_text",)
 
 

@@ -465,8 +465,8 @@ def standard_problem(
     if layer.alibi and not alibi:
         return (
             f"ALiBi (each score of head h gets slope_h * (j - i), computed in the layer's own code), which {method} "
-            "does not apply yet: ulysses (each rank's head slopes over whole rows), thd and thd_docs (the bias from "
-            "each key's position in its document, in their block kernel) compute it exactly"
+            "does not apply: the built-in methods do (ulysses with each rank's head slopes over whole rows; ring, "
+            "thd, thd_docs and usp with the bias of each key's position in its document, in the halo kernel)"
         )
     if layer.position_scaled and not position_scaled:
         return (

@@ -36,15 +36,18 @@ def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: floa
 
 
 def _bias_block(q, kbuf, vbuf, bbuf, key_index, allowed, scale: float):
-    """:func:`_block` with a per-key score bias ``bbuf`` ``[B, Hq, n + h]`` (ALiBi's ``slope_h * position``): one
-    SDPA call with the bias as a float mask (masked keys at the dtype's lowest value)."""
+    """:func:`_block` with a per-key score bias ``bbuf`` ``[B, Hq, n + h]`` (ALiBi's ``slope_h * position``), in
+    exact math: scores plus the bias, masked keys at the lowest value, softmax in fp32 (fp64 for fp64 inputs). Not
+    SDPA: inside torch's ring context (ring CP) an SDPA call would be taken for the ring's own."""
     k = kbuf.index_select(2, key_index)
     v = vbuf.index_select(2, key_index)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    mask = bbuf.index_select(2, key_index)[:, :, None, :].masked_fill(~allowed, torch.finfo(q.dtype).min)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale + bbuf.index_select(2, key_index)[:, :, None, :]
+    probs = torch.softmax(scores.masked_fill(~allowed, torch.finfo(acc).min), dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def halo_attention(
@@ -79,7 +82,7 @@ def halo_attention(
             the exact math blocks also where the CPU flash kernel would run).
         key_bias: ``[B, Hq, n]`` a bias added to every score of each local key (ALiBi's ``slope_h * position``,
             :mod:`~automodel.distributed.cp.layers.alibi`): it travels with K and V to the ranks whose halo holds
-            the key, and each block runs one SDPA call with it as a float mask (not with sinks or softcap).
+            the key, and each block adds it in exact math (scores ``[B, Hq, block, m]``; not with sinks or softcap).
 
     Returns:
         ``[B, n, Hq, Dv]`` contiguous (transformers' attention-function layout), differentiable w.r.t. query, key,
