@@ -79,6 +79,8 @@ ROWS: tuple[Row, ...] = (
         lambda t: bool(t & _STATE) and bool(t & {"full", "sliding"})),
     Row("state-space only (Mamba, Mamba-2; MoE or MLP layers between)", "mamba2",
         lambda t: "mamba" in t and t <= {"mamba", "moe", "mlp"}),
+    Row("ALiBi in the layer's own code (BLOOM, MPT)", "bloom", lambda t: "alibi" in t,
+        dict(heads=32, kv=32, head_dim=128, hidden=4096), "BLOOM-7B1"),
     Row("VLMs (image + text)", "qwen2_vl", lambda t: False),
 )  # fmt: skip
 

@@ -23,7 +23,7 @@ from tests.dist_harness import run_distributed
 WINDOW = 16  # tests/family_matrix.py: the families' windows and attention chunks
 FAMILIES = ("mistral", "gemma2", "gpt_oss", "deepseek_v3", "llama4_text")
 # a part in fp32 even for fp64 models (gemma2's eager softmax, the MoE routers): tests/test_layer_kinds.py
-FP32_INSIDE = ("gemma2", "deepseek_v3", "llama4_text")
+FP32_INSIDE = ("gemma2", "deepseek_v3", "llama4_text", "bloom", "mpt")  # BLOOM, MPT: their softmax
 TOLERANCES = {"fp64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "fp32": (1e-5, 1e-4)}
 
 CP2 = {
@@ -34,6 +34,12 @@ CP2 = {
     },
     **{f"{fam}/unpacked/float64": dict(family=fam, dtype="float64", rows=[[48]], packed=False) for fam in FAMILIES},
     "gpt_oss/whole/float64": dict(family="gpt_oss", dtype="float64", rows=[[32, 32]], packed=True),
+    # ALiBi in BLOOM's and MPT's own attention code, handed to thd_docs (cp/layers/alibi.py; issue 43)
+    **{f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True)
+       for fam in ("bloom", "mpt") for dtype in ("float32", "float64")},
+    # Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py; issue 43)
+    "gemma4_text/packed/float64": dict(family="gemma4_text", dtype="float64", rows=[[70, 24, 22]], packed=True,
+                                       exact_norms=True),
 }
 # DeepSeek sparse attention (top-k 16 per document), fp64 with every MLP dense (no fp32 MoE router)
 DSA = {

@@ -309,6 +309,32 @@ def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):
         assert got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, (family, dtype, got)
 
 
+@pytest.mark.dist
+def test_two_node_run_computes_gemma4_in_fp64(two_nodes):
+    """Gemma 4 (sliding and full layers with their own RoPE and head sizes, per-layer inputs, unscaled scores) at
+    cp=4 = 2 x 2 on packed rows against each document alone, fp64 with its RMSNorms in fp64
+    (tests/workers/exact_norms.py): fp64 round-off, so no document leak hides under fp32's."""
+    ranks, _ = two_nodes
+    loss_tol, grad_tol = KIND_TOLERANCES["float64"]
+    for result in ranks:
+        got = result["layer_kinds"][("gemma4_text", "float64")]
+        assert got["attn"] == "usp" and not got["missing"], got
+        assert got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, got
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_two_node_run_computes_alibi(two_nodes, dtype):
+    """BLOOM's ALiBi layers (their own attention code, handed to usp: cp/layers/alibi.py) at cp=4 = 2 x 2 on packed
+    rows against each document alone: each Ulysses rank's head slopes, the bias of each key's in-document position
+    in the halo kernel over the ring sub-group. BLOOM's softmax is fp32, so fp64 agrees to fp32 round-off."""
+    ranks, _ = two_nodes
+    loss_tol, grad_tol = KIND_TOLERANCES["fp64_fp32_inside" if dtype == "float64" else dtype]
+    for result in ranks:
+        got = result["layer_kinds"][("bloom", dtype)]
+        assert not got["missing"] and got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, got
+
+
 # ------------------------------------------------------------------ recipe parity at cp=4 = 2 x 2
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.workers.cp_steps import reduce_over_group
+from tests.workers.exact_norms import norms_in_input_dtype
 from tests.workers.layer_kinds_worker import _docs, _reference
 from tests.workers.thd_attention_worker import _ce, pack
 
@@ -60,6 +61,14 @@ def _doc_step(model, batch, mesh, n_labels):
 
 
 def model_case(case: dict, mesh) -> dict:
+    """One model case; ``case["exact_norms"]``: an fp64 model's Gemma RMSNorms compute in fp64
+    (tests/workers/exact_norms.py)."""
+    dtype = getattr(torch, case["dtype"])
+    with norms_in_input_dtype(case.get("exact_norms", False) and dtype == torch.float64):
+        return _model_case(case, mesh, dtype)
+
+
+def _model_case(case: dict, mesh, dtype: torch.dtype) -> dict:
     from tests.family_matrix import VOCAB
 
     dtype = getattr(torch, case["dtype"])

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from automodel.distributed.cp.layers.masked_attention import halo_attention
 from automodel.distributed.cp.layout import ring_layout, thd_layout
 from tests.workers.cp_steps import reduce_over_group
+from tests.workers.exact_norms import norms_in_input_dtype
 from tests.workers.thd_attention_worker import _ce, pack
 
 SENTINEL = -1000
@@ -180,7 +181,8 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
 def build_case_model(case: dict):
     """The family's tiny model; ``dense_mlp``: every MLP dense (no MoE router, which computes in fp32 whatever the
     model's dtype), the attention layer pattern unchanged, so that an fp64 run shows fp64's round-off; ``config``:
-    config attributes set before the model is built."""
+    config attributes set before the model is built (with ``dense_mlp``, on the built config: GLM-5's
+    indexer_types), or else given to the config's constructor over the family's keys (Gemma's KV sharing)."""
     from transformers import AutoModelForCausalLM
 
     from tests.family_matrix import family_by_name
@@ -188,6 +190,12 @@ def build_case_model(case: dict):
     fam = family_by_name(case["family"])
     if not case.get("dense_mlp") and not case.get("config"):
         return fam.build_model(0)
+    if not case.get("dense_mlp"):  # config keys given to the constructor, the family's sizes kept (Gemma's KV sharing)
+        from transformers import AutoConfig
+
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(fam.model_type, **{**fam.config_kwargs, **case["config"]})
+        return AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation()).train()
     config = fam.build_config()
     n = config.num_hidden_layers
     if case.get("dense_mlp"):
@@ -200,9 +208,16 @@ def build_case_model(case: dict):
 
 
 def model_case(case: dict, mesh, world: int) -> dict:
+    """One model case; ``case["exact_norms"]``: an fp64 model's Gemma RMSNorms compute in fp64
+    (tests/workers/exact_norms.py); ``case["config"]``, ``case["dense_mlp"]``: see :func:`build_case_model`."""
+    dtype = getattr(torch, case["dtype"])
+    with norms_in_input_dtype(case.get("exact_norms", False) and dtype == torch.float64):
+        return _model_case(case, mesh, world, dtype)
+
+
+def _model_case(case: dict, mesh, world: int, dtype: torch.dtype) -> dict:
     from tests.family_matrix import VOCAB
 
-    dtype = getattr(torch, case["dtype"])
     base = build_case_model(case)
     if dtype == torch.float64 and hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel

@@ -17,6 +17,7 @@ import copy
 import torch
 
 from tests.workers.cp_steps import reduce_over_group
+from tests.workers.exact_norms import norms_in_input_dtype
 from tests.workers.layer_kinds_worker import _docs, _reference
 from tests.workers.thd_attention_worker import _ce, pack
 
@@ -24,7 +25,12 @@ ULYSSES = 2
 #: two packed rows; padded to 8 (2 * cp) the documents are 24, 40, 16 and 32, 24 tokens
 ROWS = [[21, 34, 9], [30, 18]]
 FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense")
-CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")]
+#: Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py): per-layer-type RoPE and head sizes,
+#: sliding and full layers, per-layer inputs; scores unscaled (scaling 1.0 after the q/k norms)
+CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")] + [("gemma4_text", "float64")]
+#: ALiBi in BLOOM's own attention code (cp/layers/alibi.py), handed to usp: each Ulysses rank's head slopes
+CASES += [("bloom", "float32"), ("bloom", "float64")]
+EXACT_NORMS = ("gemma4_text",)
 
 
 def _model(family: str, dtype: torch.dtype):
@@ -65,20 +71,23 @@ def _usp_step(model, mesh, batch, n_labels: int) -> tuple[float, dict, str]:
 
 def layer_kind_cases(mesh, world_size: int) -> dict:
     """``{(family, dtype): {loss_rel, grad_rel, missing, attn}}`` for :data:`CASES` (every rank calls it)."""
-    from tests.family_matrix import VOCAB
-
     out = {}
     for family, dtype_name in CASES:
         dtype = getattr(torch, dtype_name)
-        base = _model(family, dtype)
-        rows = [_docs(lengths, VOCAB, seed=5 + i) for i, lengths in enumerate(ROWS)]
-        docs = [d for row in rows for d in row]
-        n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
-        ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
-        loss, grads, attn = _usp_step(copy.deepcopy(base), mesh, pack(rows, 2 * world_size), n_labels)
-        worst = max(float((grads[n] - g).abs().max() / max(g.abs().max().item(), 1e-30)) for n, g in ref_grads.items())
-        missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
-        out[(family, dtype_name)] = {
-            "loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing, "attn": attn,
-        }
+        with norms_in_input_dtype(family in EXACT_NORMS and dtype == torch.float64):
+            out[(family, dtype_name)] = _case(family, dtype, mesh, world_size)
     return out
+
+
+def _case(family: str, dtype: torch.dtype, mesh, world_size: int) -> dict:
+    from tests.family_matrix import VOCAB
+
+    base = _model(family, dtype)
+    rows = [_docs(lengths, VOCAB, seed=5 + i) for i, lengths in enumerate(ROWS)]
+    docs = [d for row in rows for d in row]
+    n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
+    ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
+    loss, grads, attn = _usp_step(copy.deepcopy(base), mesh, pack(rows, 2 * world_size), n_labels)
+    worst = max(float((grads[n] - g).abs().max() / max(g.abs().max().item(), 1e-30)) for n, g in ref_grads.items())
+    missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
+    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing, "attn": attn}

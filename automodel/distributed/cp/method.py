@@ -429,12 +429,14 @@ def standard_problem(
     mla: bool = False,
     position_scaled: bool = False,
     windows_checked_at_call: bool = False,
+    alibi: bool = False,
 ) -> str | None:
     """The reason shared by the built-in methods for a layer they do not compute exactly (``None``: exact).
 
     The keyword flags say what the method's kernel applies exactly: sliding ``windows``, attention
     ``chunks``, ``sinks``, logit ``softcap``, ``mla`` (value heads of another size) and
-    ``position_scaled`` queries (Llama 4's temperature, corrected to the global position). Linear /
+    ``position_scaled`` queries (Llama 4's temperature, corrected to the global position), ``alibi`` (ALiBi's
+    per-head bias from the key's position in its document, BLOOM's and MPT's). Linear /
     state-space mixers are exact where :mod:`~automodel.distributed.cp.layers.linear_support` lists a kernel for
     the mixer and the method, sparse attention (DSA) where :mod:`~automodel.distributed.cp.layers.sparse_support`
     lists its class and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
@@ -452,6 +454,8 @@ def standard_problem(
         from automodel.distributed.cp.layers.linear_support import linear_mixer_problem
 
         return linear_mixer_problem(method, layer)
+    if layer.kind == UNKNOWN and layer.known_gap:  # known, and no CP kernel for it: the reason, no report request
+        return f"{layer.describe()} is not exact under {method}: {layer.known_gap}"
     if layer.kind == UNKNOWN:
         return f"{layer.describe()} is not known to be exact under {method} ({REPORT_HINT})"
     deferred = (
@@ -474,6 +478,12 @@ def standard_problem(
         return (
             f"value heads of size {layer.v_head_dim} and query/key heads of size {layer.qk_head_dim} (MLA), which "
             f"{method}'s kernel does not take"
+        )
+    if layer.alibi and not alibi:
+        return (
+            f"ALiBi (each score of head h gets slope_h * (j - i), computed in the layer's own code), which {method} "
+            "does not apply: the built-in methods do (ulysses with each rank's head slopes over whole rows; ring, "
+            "thd, thd_docs and usp with the bias of each key's position in its document, in the halo kernel)"
         )
     if layer.position_scaled and not position_scaled:
         return (

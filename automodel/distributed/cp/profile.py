@@ -143,6 +143,11 @@ class LayerSpec:
         module_path: where the layer's unrecognised module sits in the model (``UNKNOWN``, read from the
             modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
             layer's index as ``<i>`` (:attr:`path_in_stack`).
+        known_gap: an ``UNKNOWN`` layer whose computation is known (ALiBi, GPT-Neo's own masks, Doge's dynamic
+            mask): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
+            ``""`` for a layer nobody has looked at.
+        alibi: the layer adds ALiBi's per-head bias ``slope_h * (j - i)`` to its scores in its own code (BLOOM,
+            MPT: :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v to a method that applies it).
     """
 
     index: int
@@ -162,6 +167,8 @@ class LayerSpec:
     #: a ``SPARSE`` layer's per-token state every rank gathers: ``(latent KV width, indexer key width)`` in
     #: elements (``kv_lora_rank + qk_rope_head_dim``, ``index_head_dim``); ``None`` where the config has none
     sparse_widths: tuple[int, int] | None = None
+    known_gap: str = ""
+    alibi: bool = False
 
     @property
     def path_in_stack(self) -> str:
@@ -203,11 +210,13 @@ class LayerSpec:
             text = f"a linear-attention / state-space mixer ({self.mixer or 'recurrent state'})"
         elif self.kind == MLP_ONLY:
             text = "no token mixer" + (f" ({self.mixer})" if self.mixer else "")
+        elif self.kind == UNKNOWN and self.known_gap:
+            text = self.mixer + (f" (at {self.path_in_stack})" if self.module_path else "")
         elif self.kind == UNKNOWN:
             where = f" at {self.path_in_stack}" if self.module_path else ""
             text = f"an unrecognised token mixer ({self.mixer or '?'}{where})"
         else:
-            text = "full causal attention"
+            text = "full causal attention" + (" with an ALiBi bias" if self.alibi else "")
         return text
 
 
@@ -275,7 +284,7 @@ class ModelProfile:
 def _layer_words(layer: LayerSpec) -> str:
     """A layer's token mixer in a few words, for :func:`profile_line` (``"sliding window 4096"``)."""
     if layer.kind == FULL:
-        return "full attention"
+        return "full attention" + (" (ALiBi)" if layer.alibi else "")
     if layer.kind == SLIDING:
         return f"sliding window {layer.window}"
     if layer.kind == CHUNKED:
@@ -286,7 +295,8 @@ def _layer_words(layer: LayerSpec) -> str:
         return (layer.mixer or "linear mixer") + (" + attention" if layer.hybrid_attention else "")
     if layer.kind == MLP_ONLY:
         return f"{layer.mixer} (no token mixer)" if layer.mixer else "no token mixer"
-    return "unrecognised " + (re.split(r"[,:(]", layer.mixer)[0].strip() or "mixer")
+    name = re.split(r"[,:(]", layer.mixer)[0].strip() or "mixer"
+    return f"{name} (no CP kernel)" if layer.known_gap else "unrecognised " + name
 
 
 def profile_line(profile: ModelProfile) -> str:
@@ -391,18 +401,61 @@ def _token_local_problem(layer: Any, path: str) -> str | None:
     return None
 
 
-# attention modules whose mask is computed from the layer's own inputs (on a CP rank: from its shard only)
-_SHARD_MASKED_ATTENTION = {
-    "DogeAttention": "dynamic mask attention (a learned key mask computed from the values)",
+# Attention layers whose computation is known, and which no CP method computes exactly yet: what each computes
+# (the layer's ``mixer`` text) and why no method does, with what would (``known_gap``). Each is an UNKNOWN layer,
+# refused by every method with this reason instead of the request to report an unrecognised layer.
+#: ALiBi needs nothing but positions: what a CP kernel would do, and why none does today
+_ALIBI_EXACT = (
+    "ALiBi itself is exact under CP (slope_h * (j - i) depends only on the two positions, in the document for "
+    "packed rows): ulysses adds it for BLOOM's and MPT's layers, which hand it q, k and v; this layer's bias rides "
+    "in the mask transformers builds, which no method reads yet"
+)
+_OWN_CODE = (
+    "the layer computes its scores, mask and softmax in its own code over the keys it is given, which under CP "
+    "are this rank's tokens only, so every method would drop the other ranks' keys and take positions from the "
+    "rank's local index; "
+)
+#: class name -> (what it computes, why no method computes it and what would)
+_KNOWN_ATTENTION = {
+    "GPTNeoAttention": (
+        "GPTNeoAttention: causal and local-window masks in its own code (a mask buffer indexed by the number of "
+        "queries and keys it is given, then the softmax, in fp32)",
+        _OWN_CODE + "its window itself would be exact under every method (the halo kernel, as for Mistral), once "
+        "the layer hands q, k and v to the method's attention, which is not implemented yet",
+    ),
+    "DogeAttention": (
+        "DogeAttention: dynamic mask attention (each score of head h gets a bias exp(A_h * softplus(dt_proj(v_j))) "
+        "computed from the key's own value; past keep_window_size keys only the top keep_window_size of them per "
+        "query are kept)",
+        "it hands the bias to the attention function as its mask, which every CP method replaces by its own "
+        "(causal, per document), so the bias would be dropped; it can be exact under CP (the bias is one number "
+        "per head and key: it would travel with K/V, and the top-k needs only those numbers of the query's "
+        "visible keys), but no CP method applies it yet",
+    ),
 }
+#: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
+#: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
+_MODEL_TYPE_ATTENTION = {
+    "gpt_neo": "GPTNeoAttention",
+    "doge": "DogeAttention",
+}
+#: attention classes that add ALiBi in their own code, made to dispatch by :mod:`~automodel.distributed.cp.layers.alibi`
+#: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
+_ALIBI_LAYERS = ("BloomAttention", "MptAttention")
+_ALIBI_MODEL_TYPES = ("bloom", "mpt")
 
 
-def _mask_bias(text: Any) -> str | None:
-    """The position bias a model adds to the attention mask it builds, in words, or ``None``: Falcon's ALiBi
-    (``config.alibi``), which transformers >= 5.25 folds into the mask it hands to the attention function. A CP
-    method's attention builds its own mask (or none) and would drop the bias, so such a layer is ``UNKNOWN``."""
+def _mask_bias(text: Any) -> tuple[str, str] | None:
+    """``(the bias in words, why no CP method computes it)`` for a position bias the model adds to the attention
+    mask it builds, or ``None``: Falcon's ALiBi (``config.alibi``), which transformers >= 5.25 folds into the mask
+    it hands to the attention function. A CP method's attention builds its own mask (or none) and would drop the
+    bias, so such a layer is ``UNKNOWN``."""
     if _get(text, "alibi", False) is True:
-        return "an ALiBi position bias in its attention mask (config.alibi=True), which CP attention replaces"
+        return (
+            "an ALiBi position bias in its attention mask (config.alibi=True): each score of head h gets "
+            "slope_h * j / sqrt(head_dim), j the key's index in the row, slopes and products in bf16",
+            "every CP method builds its own mask (or none) and would drop the bias; " + _ALIBI_EXACT,
+        )
     return None
 
 
@@ -486,7 +539,7 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         # it must dispatch through AttentionInterface; what it applies (window, sinks, softcap) is recorded
         # and linear_support refuses anything but plain causal attention
         cls = type(attention)
-        if cls.__name__ in _SHARD_MASKED_ATTENTION or not _dispatches_attention(cls):
+        if cls.__name__ in _KNOWN_ATTENTION or not _dispatches_attention(cls):
             spec.update(kind=UNKNOWN, module_path=attention_path,
                         mixer=f"{linear} beside {cls.__name__}, which does not dispatch its attention "
                         "through transformers' AttentionInterface")  # fmt: skip
@@ -528,9 +581,13 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
                     mixer=f"{cls.__name__} with an indexer ({type(attention.indexer).__name__}) in a layer the config "
                     f"calls {base.kind}")  # fmt: skip
         return LayerSpec(**spec)
-    if cls.__name__ in _SHARD_MASKED_ATTENTION:
-        spec.update(kind=UNKNOWN, module_path=attention_path,
-                    mixer=f"{cls.__name__}: {_SHARD_MASKED_ATTENTION[cls.__name__]}")
+    if cls.__name__ in _ALIBI_LAYERS and base.kind == FULL:
+        dim = getattr(attention, "head_dim", None)
+        spec.update(alibi=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
+        return LayerSpec(**spec)
+    if cls.__name__ in _KNOWN_ATTENTION:
+        mixer, gap = _KNOWN_ATTENTION[cls.__name__]
+        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=mixer, known_gap=gap)
         return LayerSpec(**spec)
     if not _dispatches_attention(cls):
         spec.update(
@@ -541,7 +598,8 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         )
         return LayerSpec(**spec)
     if mask_bias:
-        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=f"{cls.__name__} with {mask_bias}")
+        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=f"{cls.__name__} with {mask_bias[0]}",
+                    known_gap=mask_bias[1])  # fmt: skip
         return LayerSpec(**spec)
     if base.kind == SLIDING and not _passes_window(cls):
         spec["window_in_mask_only"] = True
@@ -656,8 +714,15 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
                 for i, (layer, spec) in enumerate(zip(stack, layers))
             ]
             from_modules = True
+    if str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES and not from_modules:
+        layers = [LayerSpec(**{**spec.__dict__, "alibi": True}) if spec.kind == FULL else spec for spec in layers]
+    known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
+    if known and not from_modules:  # BLOOM, MPT, GPT-Neo, Doge from their config alone
+        layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
+                  if spec.is_attention else spec for spec in layers]  # fmt: skip
     if bias and not from_modules:  # the config alone: its attention layers carry the bias
-        layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias}"})
+        layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias[0]}",
+                               "known_gap": bias[1]})
                   if spec.is_attention else spec for spec in layers]  # fmt: skip
     heads = _get(text, "num_attention_heads", None)
     kv = _get(text, "num_key_value_heads", None) or heads

@@ -35,6 +35,21 @@ def _block(q, kbuf, vbuf, sinks, key_index, allowed, scale: float, softcap: floa
     return block_forward(q, k, v, scale=scale, allowed=allowed, sinks=sinks, softcap=softcap, backend=backend)[0]
 
 
+def _bias_block(q, kbuf, vbuf, bbuf, key_index, allowed, scale: float):
+    """:func:`_block` with a per-key score bias ``bbuf`` ``[B, Hq, n + h]`` (ALiBi's ``slope_h * position``), in
+    exact math: scores plus the bias, masked keys at the lowest value, softmax in fp32 (fp64 for fp64 inputs). Not
+    SDPA: inside torch's ring context (ring CP) an SDPA call would be taken for the ring's own."""
+    k = kbuf.index_select(2, key_index)
+    v = vbuf.index_select(2, key_index)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale + bbuf.index_select(2, key_index)[:, :, None, :]
+    probs = torch.softmax(scores.masked_fill(~allowed, torch.finfo(acc).min), dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 def halo_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -48,6 +63,7 @@ def halo_attention(
     scale: float | None = None,
     block: int = DEFAULT_BLOCK,
     backend: str | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this rank's tokens within their documents, windows / chunks applied.
 
@@ -64,6 +80,9 @@ def halo_attention(
         block: queries per block (memory: see the module docstring).
         backend: the block backend (:func:`~automodel.distributed.cp.blocks.resolve_backend`; ``"math"``:
             the exact math blocks also where the CPU flash kernel would run).
+        key_bias: ``[B, Hq, n]`` a bias added to every score of each local key (ALiBi's ``slope_h * position``,
+            :mod:`~automodel.distributed.cp.layers.alibi`): it travels with K and V to the ranks whose halo holds
+            the key, and each block adds it in exact math (scores ``[B, Hq, block, m]``; not with sinks or softcap).
 
     Returns:
         ``[B, n, Hq, Dv]`` contiguous (transformers' attention-function layout), differentiable w.r.t. query, key,
@@ -78,18 +97,32 @@ def halo_attention(
         )
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if key_bias is not None and (sinks is not None or softcap):
+        raise ValueError("halo attention takes a key bias without sinks or softcapping")
     plan = layout.halo_plan(window, chunk, block)
-    rows = torch.cat([key.permute(2, 0, 1, 3).reshape(n, -1), value.permute(2, 0, 1, 3).reshape(n, -1)], dim=1)
+    parts = [key.permute(2, 0, 1, 3).reshape(n, -1), value.permute(2, 0, 1, 3).reshape(n, -1)]
+    if key_bias is not None:
+        parts.append(key_bias.to(key.dtype).permute(2, 0, 1).reshape(n, -1))
+    rows = torch.cat(parts, dim=1)
     halo = halo_exchange(rows, plan)
     h = halo.shape[0]
     k_halo = halo[:, : b * hkv * d].reshape(h, b, hkv, d).permute(1, 2, 0, 3)
-    v_halo = halo[:, b * hkv * d :].reshape(h, b, hkv, dv).permute(1, 2, 0, 3)
+    v_halo = halo[:, b * hkv * d : b * hkv * (d + dv)].reshape(h, b, hkv, dv).permute(1, 2, 0, 3)
     kbuf = torch.cat([key, k_halo], dim=2)
     vbuf = torch.cat([value, v_halo], dim=2)
     scale = scale if scale is not None else d**-0.5
     _, blocks = plan.on(query.device)
     # decided here, not in the block: the backward recomputes each block the same way
     backend = resolve_backend(query.device, backend, sinks=sinks is not None, softcap=softcap, equal_heads=dv == d)
+    if key_bias is not None:
+        b_halo = halo[:, b * hkv * (d + dv) :].reshape(h, b, hq).permute(1, 2, 0)
+        bbuf = torch.cat([key_bias.to(key.dtype), b_halo], dim=2)
+        outs = [
+            checkpoint(_bias_block, query[:, :, q0:q1], kbuf, vbuf, bbuf, key_index, allowed, scale,
+                       use_reentrant=False)  # fmt: skip
+            for q0, q1, key_index, allowed in blocks
+        ]
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
     outs = [
         checkpoint(
             _block, query[:, :, q0:q1], kbuf, vbuf, sinks, key_index, allowed, scale, softcap, backend,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from automodel.distributed.cp.layers.alibi import key_bias
 from automodel.distributed.cp.layers.masked_attention import halo_attention
 from automodel.distributed.cp.layout import TokenLayout
 from automodel.distributed.cp.profile import CHUNKED, FULL, SLIDING, LayerSpec
@@ -85,6 +86,7 @@ def call_spec(module: Any, query: torch.Tensor, value: torch.Tensor, kwargs: dic
         v_head_dim=value.shape[-1],
         rope=bool(getattr(module, "use_rope", True)),
         position_scaled=bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True),
+        alibi=kwargs.get("alibi_slopes") is not None,
     )
     return spec, sinks
 
@@ -94,7 +96,7 @@ def choose_kernel(
 ) -> str:
     """``HALO``, ``PAD_V`` or ``NATIVE`` for ``spec`` on documents of at most ``longest`` tokens; the native
     kernel takes full layers with what ``native_applies`` names (sinks, softcap, MLA)."""
-    if not spec.attends_like_full(longest):
+    if spec.alibi or not spec.attends_like_full(longest):  # ALiBi: the halo kernel's key bias, full prefix
         return HALO
     if spec.sinks and NATIVE_SINKS not in native_applies:
         return HALO
@@ -200,6 +202,9 @@ def run_layer(
             f"distributed.cp_method={method}: attention dropout ({dropout}) is not implemented by the "
             f"{spec.describe()} kernel; set the model's attention_dropout to 0"
         )
+    bias = None
+    if spec.alibi:  # slope_h * the key's position in its document (cp/layers/alibi.py), every row alike
+        bias = key_bias(kwargs["alibi_slopes"], layout.positions()[None], query.dtype).expand(query.shape[0], -1, -1)
     return halo_attention(
         query,
         key,
@@ -210,4 +215,5 @@ def run_layer(
         sinks=sinks,
         softcap=spec.softcap if apply_softcap else None,
         scale=scale,
+        key_bias=bias,
     )

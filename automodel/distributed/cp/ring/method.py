@@ -34,7 +34,7 @@ class RingMethod(CPMethod):
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(
             self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
-            position_scaled=True,
+            position_scaled=True, alibi=True,
         )
 
     def config_problems(self, cfg: Any, cuda_available: bool | None) -> list[str]:

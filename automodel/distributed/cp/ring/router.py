@@ -170,7 +170,7 @@ def eager_models_routed() -> Iterator[Callable[[Any, Any], None]]:
         CPUnsupportedError: an eager VLM (its vision attention would follow the switch), or a model that
             does not accept the switch (its attention is not dispatched through ``AttentionInterface``).
     """
-    from automodel.distributed.cp.hf_attention import switch_attention
+    from automodel.distributed.cp.hf_attention import register_attention, switch_attention
 
     switched: list[Any] = []
 
@@ -185,6 +185,13 @@ def eager_models_routed() -> Iterator[Callable[[Any, Any], None]]:
                 "a VLM (its vision attention would be switched too); set model.attn_implementation=sdpa or use "
                 "distributed.cp_method=ulysses"
             )
+        from automodel.distributed.cp.layers.alibi import dispatch_alibi_layers
+
+        if dispatch_alibi_layers(model, {"ring": RING_EAGER_ATTN_NAME}):
+            # BLOOM, MPT: their ALiBi layers hand q, k, v to the eager router inside the ring context (their classes
+            # dispatch nothing, so the model keeps `eager`); run_layer gives them the halo kernel with the bias
+            register_attention(RING_EAGER_ATTN_NAME, _EAGER_ROUTER)
+            return
         switch_attention(model, RING_EAGER_ATTN_NAME, _EAGER_ROUTER, "ring", alternative=": set model.attn_implementation=sdpa")
         switched.append(model)
 

@@ -116,6 +116,11 @@ def set_thd_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
 
     install_linear_mixers(model, cached_profile(model), "thd")  # docs/linear_mixers.md
     install_sparse_attention(model, cached_profile(model))  # DSA: latent KV and indexer keys gathered
+    from automodel.distributed.cp.layers.alibi import dispatch_alibi_layers
+
+    if dispatch_alibi_layers(model, {_METHOD: THD_ATTN_NAME}):  # BLOOM, MPT: their ALiBi layers, inside a THD context
+        hf_attention.register_attention(THD_ATTN_NAME, thd_attention_forward)
+        return model.config._attn_implementation
     return hf_attention.switch_attention(
         model, THD_ATTN_NAME, thd_attention_forward, "thd", alternative=": use distributed.cp_method=ring (unpacked rows)"
     )

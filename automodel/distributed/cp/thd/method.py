@@ -31,7 +31,7 @@ class ThdMethod(GatheredKVMethod):
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(
             self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
-            position_scaled=True, windows_checked_at_call=True,
+            position_scaled=True, windows_checked_at_call=True, alibi=True,
         )
 
     def _switch(self) -> tuple[Any, str]:

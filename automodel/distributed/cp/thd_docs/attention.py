@@ -394,6 +394,11 @@ def set_doc_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
 
     install_linear_mixers(model, cached_profile(model), DOC_ATTN_NAME)  # docs/linear_mixers.md
     install_sparse_attention(model, cached_profile(model))  # DSA: latent KV and indexer keys gathered
+    from automodel.distributed.cp.layers.alibi import dispatch_alibi_layers
+
+    if dispatch_alibi_layers(model, {_METHOD: DOC_ATTN_NAME}):  # BLOOM, MPT: their ALiBi layers, inside a context
+        register_doc_attention()
+        return model.config._attn_implementation
     return hf_attention.switch_attention(
         model, DOC_ATTN_NAME, doc_attention_forward, DOC_ATTN_NAME, alternative=": use distributed.cp_method=ring (unpacked rows)"
     )

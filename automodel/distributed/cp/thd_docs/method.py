@@ -70,7 +70,7 @@ class ThdDocsMethod(AttentionSwitchingMethod):
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(
             self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
-            position_scaled=True, windows_checked_at_call=True,
+            position_scaled=True, windows_checked_at_call=True, alibi=True,
         )
 
     def row_multiple(

@@ -49,6 +49,7 @@ from automodel.distributed.cp import hf_attention as hf
 from automodel.distributed.cp.active import activate, current, not_switched_message
 from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import resolve_cp_group
+from automodel.distributed.cp.layers.alibi import dispatch_alibi_layers, key_bias
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
 from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
 from automodel.distributed.cp.layers.strategy import call_spec, config_chunk, correct_query_temperature
@@ -384,6 +385,7 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
     module, query, key, value = call.module, call.query, call.key, call.value
     attention_mask, dropout, scaling, is_causal = call.attention_mask, call.dropout, call.scaling, call.is_causal
     kwargs = dict(call.kwargs)
+    slopes = kwargs.pop("alibi_slopes", None)  # [H] fp32: an ALiBi layer (automodel.distributed.cp.layers.alibi)
     world, seq_len = ctx.world_size, ctx.seq_len
     bsz, n_q, n_local, head_dim = query.shape
     n_kv = key.shape[1]
@@ -414,14 +416,16 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
         query = correct_query_temperature(module, query, ctx.shard(ctx.document_positions(), dim=1))
     # Packed / padded rows with sdpa or eager: one kernel call per document block, no [S, S] mask.
     blocks = None
-    if (
+    if slopes is not None:
+        attention_mask = _no_mask(attention_mask)
+    elif (
         attention_mask is None
         and kwargs.get("sliding_window") is None
         and chunk is None
         and ctx.inner_attn in ("sdpa", "eager")
     ):
         blocks = ctx.document_blocks()
-    if blocks is not None:
+    if blocks is not None or slopes is not None:
         mask = None
     elif attention_mask is None:
         mask = ctx.global_mask(
@@ -475,10 +479,14 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
         kwargs["position_ids"] = ctx.position_ids.to(query.device)
     if is_causal is not None:
         kwargs["is_causal"] = is_causal
-    inner = _inner_function(ctx.inner_attn, module)
-    if blocks is not None:
+    if slopes is not None:
+        local_heads = query.shape[1]
+        slopes = slopes[ctx.rank * local_heads : (ctx.rank + 1) * local_heads] if world > 1 else slopes
+        out = _alibi_attention(ctx, query, key, value, slopes, scaling, groups, dropout)
+    elif blocks is not None:
         block_kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal", "position_ids")}
         # sdpa: the shared blocks (what transformers' sdpa computes per block); eager: the model's own function
+        inner = _inner_function(ctx.inner_attn, module)
         block_fn = None if ctx.inner_attn == "sdpa" and not dropout else inner
         out = document_block_attention(
             block_fn,
@@ -494,11 +502,43 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
             **block_kwargs,
         )
     else:
+        inner = _inner_function(ctx.inner_attn, module)
         out, _ = inner(inner_module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     # out: [B, S, Hq/W, D] (HF attention functions return sequence-major outputs)
     if world > 1:
         out = all_to_all(out, ctx.group, scatter_dim=1, gather_dim=2)
     return out, None
+
+
+def _no_mask(attention_mask: Any) -> None:
+    if attention_mask is not None:
+        raise ValueError("Ulysses attention with ALiBi builds its own mask; the layer must pass attention_mask=None")
+    return None
+
+
+def _alibi_attention(ctx: UlyssesContext, query, key, value, slopes, scaling, groups: int, dropout: float):
+    """``[B, S, Hl, D]``: causal attention over whole rows for this rank's ``Hl`` heads with ALiBi's bias
+    ``slopes[h] * position(j)`` (``position``: the key's index in its document, as each document alone; the
+    query's own term is a constant per row, which the softmax cancels), documents and padding masked.
+
+    ``query`` ``[B, Hl, S, D]``, ``key`` / ``value`` ``[B, Hl / groups, S, D]`` after the all-to-all; ``slopes``
+    ``[Hl]`` fp32, this rank's heads. One fused SDPA call with the bias as a float mask ``[B, Hl, S, S]`` (the
+    memory of the eager kernel the model itself runs)."""
+    if dropout:
+        raise ValueError(f"Ulysses attention with ALiBi does not apply attention dropout ({dropout}); set it to 0")
+    device, seq = query.device, ctx.seq_len
+    bias = key_bias(slopes, ctx.document_positions().to(device), query.dtype)  # [B, Hl, S]
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None]
+    if ctx.document_ids is not None:
+        ids = ctx.document_ids.to(device)
+        allowed = allowed & (ids[:, :, None] == ids[:, None, :])
+    if ctx.padding_mask is not None:
+        allowed = allowed & ctx.padding_mask.to(device)[:, None, :]
+    mask = bias[:, :, None, :].masked_fill(~allowed[:, None], torch.finfo(query.dtype).min)
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2)
 
 
 ulysses_attention_forward = hf.hf_attention_function(_ulysses_attention, "ulysses_attention_forward")
@@ -554,6 +594,11 @@ def set_ulysses_attention(model: torch.nn.Module, device_mesh: Any = None) -> st
     check_model_for_cp("ulysses", cached_profile(model), seq_len=None)
     install_linear_mixers(model, cached_profile(model), "ulysses")  # docs/linear_mixers.md
     install_sparse_attention(model, cached_profile(model))  # DSA: latent KV and indexer keys gathered
+    if dispatch_alibi_layers(model, {"ulysses": ULYSSES_ATTN_NAME}):
+        # BLOOM, MPT: inside a Ulysses context their ALiBi layers hand q, k, v to Ulysses' attention; their
+        # classes dispatch nothing, so the model keeps its implementation (the inner kernel is not used)
+        hf.register_attention(ULYSSES_ATTN_NAME, ulysses_attention_forward)
+        return model.config._attn_implementation
     return hf.switch_attention(model, ULYSSES_ATTN_NAME, ulysses_attention_forward, "ulysses", catch=False)
 
 

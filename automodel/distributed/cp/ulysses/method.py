@@ -35,7 +35,7 @@ class UlyssesMethod(AttentionSwitchingMethod):
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(
             self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
-            position_scaled=True,
+            position_scaled=True, alibi=True,
         )
 
     def _switch(self) -> tuple[Any, str]:

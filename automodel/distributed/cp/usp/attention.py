@@ -152,6 +152,9 @@ def _usp_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
         sinks = _own_head_sinks(call, n_q, u, g.ulysses_rank)
         if sinks is not None:
             kwargs["s_aux"] = sinks
+        if kwargs.get("alibi_slopes") is not None:  # ALiBi (cp/layers/alibi.py): this rank's heads' slopes
+            per = n_q // u
+            kwargs["alibi_slopes"] = kwargs["alibi_slopes"].narrow(0, g.ulysses_rank * per, per)
         # transformers scaled each query by a function of its index in ITS rank's T/W tokens (Llama 4)
         local_index = torch.arange(call.query.shape[2], device=query.device).repeat(u)
     out = gathered_layer(
@@ -197,6 +200,11 @@ def set_usp_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
 
     install_linear_mixers(model, cached_profile(model), "usp")  # docs/linear_mixers.md
     install_sparse_attention(model, cached_profile(model))  # DSA: latent KV and indexer keys gathered
+    from automodel.distributed.cp.layers.alibi import dispatch_alibi_layers
+
+    if dispatch_alibi_layers(model, {_METHOD: USP_ATTN_NAME}):  # BLOOM, MPT: their ALiBi layers, inside a context
+        register_usp_attention()
+        return model.config._attn_implementation
     return hf_attention.switch_attention(model, USP_ATTN_NAME, usp_attention_forward, "usp")
 
 

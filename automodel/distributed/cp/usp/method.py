@@ -52,7 +52,7 @@ class UspMethod(GatheredKVMethod):
         judged there against the longest document, like thd's, when the row length is not known here."""
         return standard_problem(
             self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
-            position_scaled=True, windows_checked_at_call=True,
+            position_scaled=True, windows_checked_at_call=True, alibi=True,
         )
 
     # ------------------------------------------------------------------ model and batch

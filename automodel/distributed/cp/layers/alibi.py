@@ -1,0 +1,151 @@
+"""ALiBi attention layers that compute their attention in their own code (BLOOM, MPT), made to dispatch.
+
+``BloomAttention`` adds ``slope_h * j`` (``j``: the key's index in the row) to each score of head ``h`` and
+``MptAttention`` ``slope_h * (j - S + 1)`` over its ``S`` keys; both then take the softmax over the keys they are
+given. Each differs from ALiBi's ``slope_h * (j - i)`` by a constant per query, which the softmax cancels, so the
+bias needs nothing but positions: a method that sees whole rows per head subset (Ulysses) adds
+``slope_h * position(j)`` for its heads, ``position`` the key's index in its document (its row without documents:
+what each document alone gets).
+
+Neither layer calls transformers' ``AttentionInterface``, so a CP method cannot reach its attention. While a context
+of a method that applies ALiBi is active (:func:`dispatch_alibi_layers`), each such layer's ``forward`` computes its q, k, v and
+output projection as the original does and hands q, k, v with its slopes to the method's attention function
+(``alibi_slopes=[H]`` fp32); outside it the original forward runs.
+The patch is on the instances (mutates the model); :func:`restore_alibi_layers` undoes it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["ALIBI_LAYERS", "alibi_slopes", "dispatch_alibi_layers", "key_bias", "restore_alibi_layers"]
+
+#: the attention classes this module makes dispatch
+ALIBI_LAYERS = ("BloomAttention", "MptAttention")
+_PATCHED = "_automodel_alibi_forward"  # marks a patched instance
+
+
+def alibi_slopes(module: torch.nn.Module, device: torch.device | None = None) -> torch.Tensor:
+    """``[H]`` fp32: the slope of each head of ``module`` as its model computes it (the bias of the key after the
+    first minus the first key's, which transformers' builders give exactly)."""
+    name = type(module).__name__
+    if name == "BloomAttention":
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+        bias = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long, device=device), module.num_heads, torch.float32)
+        return (bias[:, 0, 1] - bias[:, 0, 0]).float()  # [H, 1, 2]: (0, slope)
+    if name == "MptAttention":
+        from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+        config = module._automodel_config
+        bias = build_mpt_alibi_tensor(module.n_heads, 2, config.attn_config.alibi_bias_max, device=device)
+        return (bias[:, 0, 1] - bias[:, 0, 0]).float()  # [H, 1, 2]: (-slope, 0)
+    raise TypeError(f"{name} is not an ALiBi layer this module knows ({', '.join(ALIBI_LAYERS)})")
+
+
+def _dispatching(module: torch.nn.Module) -> str | None:
+    """The attention implementation to hand the layer's q, k, v to: the one registered for the innermost active
+    CP context's method, where that method applies ALiBi; else ``None`` (the layer's own forward)."""
+    from automodel.distributed.cp.active import innermost
+
+    top = innermost()
+    return module._automodel_alibi_impls.get(top[0]) if top is not None else None
+
+
+def _attend(module: torch.nn.Module, impl: str, query, key, value, scaling: float) -> torch.Tensor:
+    """``[B, n, H, D]``: ``impl``'s attention of ``[B, H, n, D]`` q, k, v with the module's slopes."""
+    from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
+
+    fn = ALL_ATTENTION_FUNCTIONS[impl]
+    slopes = alibi_slopes(module, query.device)
+    out, _ = fn(module, query, key, value, None, dropout=0.0, scaling=scaling, alibi_slopes=slopes)
+    return out
+
+
+def _no_dropout(module: torch.nn.Module, p: float) -> None:
+    if p and module.training:
+        raise ValueError(
+            f"{type(module).__name__} has attention dropout {p}, which the CP attention with ALiBi does not apply; "
+            "set the model's attention dropout to 0"
+        )
+
+
+def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                   output_attentions=False, **kwargs):  # fmt: skip
+    impl = _dispatching(self)
+    if impl is None:
+        return type(self).forward(self, hidden_states, residual, alibi, attention_mask, layer_past=layer_past,
+                                  use_cache=use_cache, output_attentions=output_attentions, **kwargs)  # fmt: skip
+    from transformers.models.bloom.modeling_bloom import dropout_add
+
+    if layer_past is not None:
+        raise ValueError("BloomAttention under CP: no KV cache (pass use_cache=False)")
+    _no_dropout(self, self.attention_dropout.p)
+    batch, n, _ = hidden_states.shape
+    query, key, value = self._reshape(self.query_key_value(hidden_states))  # [B, H, n, D] each
+    context = _attend(self, impl, query, key, value, self.inv_norm_factor).reshape(batch, n, -1)
+    if self.pretraining_tp > 1 and self.slow_but_exact:  # as BloomAttention: the dense layer in slices
+        slices = self.hidden_size / self.pretraining_tp
+        output = torch.zeros_like(context)
+        for i in range(self.pretraining_tp):
+            output = output + torch.nn.functional.linear(
+                context[:, :, int(i * slices) : int((i + 1) * slices)],
+                self.dense.weight[:, int(i * slices) : int((i + 1) * slices)],
+            )
+    else:
+        output = self.dense(context)
+    return dropout_add(output, residual, self.hidden_dropout, self.training), None
+
+
+def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
+    impl = _dispatching(self)
+    if impl is None:
+        return type(self).forward(self, hidden_states, position_bias, cache, attention_mask, **kwargs)
+    if cache is not None:
+        raise ValueError("MptAttention under CP: no KV cache (pass use_cache=False)")
+    _no_dropout(self, self.attn_dropout_p)
+    batch, n = hidden_states.shape[:2]
+    mixed = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    query, key, value = (x.reshape(batch, n, self.n_heads, self.head_dim).transpose(1, 2) for x in mixed.chunk(3, 2))
+    context = _attend(self, impl, query, key, value, self.softmax_scale).reshape(batch, n, -1)
+    return self.out_proj(context), None
+
+
+_FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward}
+
+
+def dispatch_alibi_layers(model: torch.nn.Module, impls: dict[str, str]) -> int:
+    """Make every :data:`ALIBI_LAYERS` module of ``model`` hand its attention, while a context of a method of
+    ``impls`` is the innermost active one (:mod:`automodel.distributed.cp.active`), to the attention function
+    registered under that method's name in ``impls`` (method -> implementation name), which must apply
+    ``alibi_slopes``. The model's config is left as it is (its mask code runs as without CP; the layers ignore
+    the mask). Mutates the modules (an instance ``forward``); idempotent. Returns how many."""
+    count = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name not in _FORWARDS:
+            continue
+        module._automodel_config = model.config
+        module._automodel_alibi_impls = {**getattr(module, "_automodel_alibi_impls", {}), **impls}
+        if not getattr(module, _PATCHED, False):
+            module.forward = functools.partial(_FORWARDS[name], module)
+            setattr(module, _PATCHED, True)
+        count += 1
+    return count
+
+
+def restore_alibi_layers(model: torch.nn.Module) -> None:
+    """Undo :func:`dispatch_alibi_layers` (the modules' own forward again). Mutates the modules."""
+    for module in model.modules():
+        if getattr(module, _PATCHED, False):
+            for attr in ("forward", _PATCHED, "_automodel_config", "_automodel_alibi_impls"):
+                module.__dict__.pop(attr, None)
+
+
+def key_bias(slopes: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, H, S]`` in ``dtype``: ``slopes [H]`` times each key's ``positions [B, S]`` (its index in its document)."""
+    return (slopes.to(torch.float64)[None, :, None] * positions.to(slopes.device, torch.float64)[:, None, :]).to(dtype)
