@@ -502,6 +502,8 @@ FAMILIES: list[Family] = [
            "dsa+mla+moe"),
     Family("hy_v4", "hy_v4", _kw(drop=('attention_dropout',), num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=16),
            "dsa+mla+moe"),
+    Family("deepseek_v4", "deepseek_v4", _kw(drop=('attention_dropout', 'intermediate_size'), num_key_value_heads=1, head_dim=16, q_lora_rank=48, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, o_groups=2, o_lora_rank=32, index_n_heads=2, index_head_dim=16, index_topk=16),
+           "hca+csa+moe", layers=4),
     Family("lfm3", "lfm3", _kw(drop=('attention_dropout',)),
            "conv+full+sliding"),
     Family("aria_text", "aria_text", _kw(drop=('attention_dropout',), moe_num_experts=4, moe_topk=2),
@@ -562,8 +564,6 @@ FAMILIES: list[Family] = [
 
 #: decoder-only causal-LM types of transformers' mapping (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) that have no row, and why
 UNBUILDABLE: dict[str, str] = {
-    "deepseek_v4": "its rows come with the compressed / sparse attention work (issue 43 item 1); refused today as an "
-    "unrecognised token mixer at its compressed-attention layers",
     "gemma4_assistant": "a draft model: its default config does not validate (hidden_size_per_layer_input must be 0), "
     "and its forward reads the backbone's key/value states",
     "gemma4_unified_assistant": "a draft model: its forward needs the backbone's inputs_embeds and shared key/value "

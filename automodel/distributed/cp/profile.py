@@ -432,12 +432,22 @@ _KNOWN_ATTENTION = {
         "per head and key: it would travel with K/V, and the top-k needs only those numbers of the query's "
         "visible keys), but no CP method applies it yet",
     ),
+    "DeepseekV4Attention": (
+        "DeepseekV4Attention: sliding-window multi-query attention with per-head sinks over the last window of "
+        "tokens plus compressed KV entries (each the learned pooling of a block of 4 or 128 tokens, CSA layers "
+        "choosing their blocks with an indexer)",
+        "a rank holding part of the row would need the compressed entries of every earlier block, pooled over "
+        "tokens that other ranks hold, and the indexer's keys of those blocks; it can be exact under CP (gather "
+        "the compressors' per-token inputs as DSA gathers its latent KV, pool whole blocks in global order, "
+        "window and sinks through the halo kernel), but no CP method computes it yet",
+    ),
 }
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
 _MODEL_TYPE_ATTENTION = {
     "gpt_neo": "GPTNeoAttention",
     "doge": "DogeAttention",
+    "deepseek_v4": "DeepseekV4Attention",
 }
 #: attention classes that add ALiBi in their own code, made to dispatch by :mod:`~automodel.distributed.cp.layers.alibi`
 #: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
@@ -563,6 +573,11 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         if base.kind == UNKNOWN:
             return LayerSpec(**{**spec, "module_path": path, "mixer": f"{base.mixer or '?'}: {type(layer).__name__}"})
         spec.update(kind=UNKNOWN, module_path=path, mixer=type(layer).__name__ + " (no attention module found)")
+        return LayerSpec(**spec)
+    if base.kind == UNKNOWN and type(attention).__name__ in _KNOWN_ATTENTION:  # a layer type of its own (DeepSeek-V4)
+        mixer, gap = _KNOWN_ATTENTION[type(attention).__name__]
+        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=f"{mixer} ({base.mixer or 'its own layer type'})",
+                    known_gap=gap)  # fmt: skip
         return LayerSpec(**spec)
     if base.kind in (LINEAR, MLP_ONLY, UNKNOWN):  # the config said otherwise, the modules show attention
         spec.update(kind=UNKNOWN, module_path=attention_path,
@@ -717,9 +732,9 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     if str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "alibi": True}) if spec.kind == FULL else spec for spec in layers]
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
-    if known and not from_modules:  # BLOOM, MPT, GPT-Neo, Doge from their config alone
+    if known and not from_modules:  # GPT-Neo, Doge, DeepSeek-V4 from their config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
-                  if spec.is_attention else spec for spec in layers]  # fmt: skip
+                  if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
     if bias and not from_modules:  # the config alone: its attention layers carry the bias
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias[0]}",
                                "known_gap": bias[1]})
