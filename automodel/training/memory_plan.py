@@ -265,6 +265,8 @@ class MemoryPlan:
     host: list[MemoryTerm] = field(default_factory=list)  # pinned host memory per rank (offload), see host_bytes
     #: the moment a phase's figure is taken at, where it has several: ``"MLP"`` or ``"attention"`` of a layer
     moments: dict[str, str] = field(default_factory=dict)
+    #: every moment of those phases, ``{phase: {moment: {term: bytes}}}``; the phase is its largest
+    by_moment: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def host_bytes(self) -> float:
@@ -469,7 +471,9 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     body = (stream + gathered + attn) * c + lse
     layer = body + saved_mlp * c + router
     grads = 2 * h * c / s  # the gradients at the layer's output and input
-    qkv_grads = (h + 2 * kv) / tp * c if d.heads else 0.0  # dq, dk, dv of the attention's backward
+    # the attention's backward: dq, dk, dv take the place of the attention output's gradient and the MLP's freed
+    # tensors, and Ulysses' all-to-all buffers (the CP workspace) hold them; not counted apart (never the peak on
+    # CPU, where the MLP's backward is: scripts/bench_plan_cases.py)
     # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head gathers its
     # input: h), ids/labels/positions (24 B, every TP rank holds them) and RoPE's cos and sin ([N, head_dim] each,
     # made once per forward, kept for the backward). Offloaded, the embedding output is the first layer's input:
@@ -493,9 +497,9 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         fwd_a = n * (kept + always + h * c / s + body) + s2
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
-        # gradients (_mlp_moments); the attention's backward the attention's tensors, dq/dk/dv and the kernel's S^2
+        # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body + bwd_mlp * c + router + grads) + s2 + tile_bytes
-        bwd_a = n * (kept + always + body + qkv_grads + grads) + s2
+        bwd_a = n * (kept + always + body + grads) + s2
         if r.activation_offloaded:
             note = f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
         else:
@@ -509,7 +513,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body + bwd_mlp * c + router + grads) + s2 + tile_bytes
-    bwd_a = before + n * (body + qkv_grads + grads) + s2
+    bwd_a = before + n * (body + grads) + s2
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (eager: an S^2 term per layer)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
@@ -682,24 +686,25 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     # forward: the last layer in flight, FSDP2's root and layers gathered (the current one and the prefetched
     # next) and no gradient yet; its MLP's moment, or its attention's with the CP workspace
     comm_fwd = _comm_in_forward(d, r)
-    forward = max(
-        ({"gradients": earlier_grads, "activations": acts.fwd_mlp, "communication buffers": comm_fwd}, "MLP"),
-        ({"gradients": earlier_grads, "activations": acts.fwd_attn, "attention workspace": attn,
-          "communication buffers": comm_fwd}, "attention"),
-        key=lambda m: sum(m[0].values()),
-    )  # fmt: skip
+    forward = {
+        "MLP": {"gradients": earlier_grads, "activations": acts.fwd_mlp, "communication buffers": comm_fwd},
+        "attention": {"gradients": earlier_grads, "activations": acts.fwd_attn, "attention workspace": attn,
+                      "communication buffers": comm_fwd},
+    }  # fmt: skip
     # backward through a layer (with checkpointing: the recomputed one; without: the last, the first reached): its
     # MLP's backward, without the CP workspace (backward reaches the attention after the MLP), or its attention's
     # with the workspace and the kernel's backward buffers; the gradients written so far (_grads_in_backward)
     kept_input = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
     per_input = (0.0 if r.activation_offloaded else kept_input) if r.activation_checkpointing else float("inf")
     grads_bwd = max(earlier_grads, _grads_in_backward(d, r, per_input))
-    backward = max(
-        ({"gradients": grads_bwd, "activations": acts.bwd_mlp, "communication buffers": comm}, "MLP"),
-        ({"gradients": grads_bwd, "activations": acts.bwd_attn, "attention workspace": attn,
-          "attention kernel": kernel, "communication buffers": comm}, "attention"),
-        key=lambda m: sum(m[0].values()),
-    )  # fmt: skip
+    backward = {
+        "MLP": {"gradients": grads_bwd, "activations": acts.bwd_mlp, "communication buffers": comm},
+        "attention": {"gradients": grads_bwd, "activations": acts.bwd_attn, "attention workspace": attn,
+                      "attention kernel": kernel, "communication buffers": comm},
+    }  # fmt: skip
+    bwd_name = "recompute" if r.activation_checkpointing else "backward"
+    by_moment = {"forward": forward, bwd_name: backward}
+    moments = {phase: max(alts, key=lambda m: sum(alts[m].values())) for phase, alts in by_moment.items()}
     act_peak = max(acts.saved, acts.fwd_mlp, acts.fwd_attn, acts.bwd_mlp, acts.bwd_attn)
     terms = {
         "gradients": MemoryTerm("gradients", grads, grads_note),
@@ -714,19 +719,18 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     # at the loss the layers' attention is done and FSDP2 holds only what stays gathered (_comm_at_loss); at the
     # optimizer step FSDP2 has freed its buffers (the replicated model's flat all-reduce buffer stays)
     phases = {
-        "forward": forward[0],
+        "forward": forward[moments["forward"]],
         "loss": {
             "gradients": earlier_grads,
             "activations": acts.saved,
             "logits and loss": loss,
             "communication buffers": _comm_at_loss(d, r),
         },
-        "recompute" if r.activation_checkpointing else "backward": backward[0],
+        bwd_name: backward[moments[bwd_name]],
         "optimizer": {"gradients": grads if r.offload != "all" else 0.0,
                       "communication buffers": 0.0 if r.fsdp_enabled else comm, "optimizer temporaries": opt_temp},
     }  # fmt: skip
-    moments = {"forward": forward[1], "recompute" if r.activation_checkpointing else "backward": backward[1]}
-    return MemoryPlan(persistent, terms, phases, host_bytes(d, r), moments)
+    return MemoryPlan(persistent, terms, phases, host_bytes(d, r), moments, by_moment)
 
 
 def _grads_in_backward(d: ModelDims, r: RunShape, per_input: float) -> float:
