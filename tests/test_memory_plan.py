@@ -394,19 +394,19 @@ def test_moe_layers_plan_their_routed_and_shared_experts():
     per_layer = (2 * (2 * h + 4 * 48) + 4 * 64 - 4 * 128) * c + 4 * 8 + 16 * 2
     assert got == n * 2 * per_layer
     # checkpointed, the recomputed layer's MLP backward: the expert loop (transformers' eager experts) at its bound,
-    # everything saved plus 2 (k I_e + I_s) gradients, against the dense MLP's 5 I (the product freed, 2 gradients)
+    # everything saved plus 2 (k I_e + I_s) gradients, against the dense MLP's 6 I (the product freed, 3 gradients)
     ra = dataclasses.replace(r, activation_checkpointing=True)
 
     def mlp_moment(dims):  # noqa: ANN001, ANN202
         return plan_memory(dims, ra).by_moment["recompute"]["MLP"]["activations"]
 
     loop = (2 * (2 * h + 4 * 48) + 4 * 64 + 2 * (2 * 48 + 64)) * c + 4 * 8 + 16 * 2
-    assert mlp_moment(moe) - mlp_moment(dense) == n * (loop - 5 * 128 * c)
+    assert mlp_moment(moe) - mlp_moment(dense) == n * (loop - 6 * 128 * c)
     # torch._grouped_mm (transformers' grouped_mm experts): the down projection's output and the product are freed
-    # when the backward reaches the gate/up gradients: k (h + 5 I_e) per token, the shared experts' 4 I_s beside
+    # when the gated product's backward holds its 3 gradients: k (h + 6 I_e) per token, the shared experts' 4 I_s
     grouped = dataclasses.replace(moe, experts_impl="grouped_mm")
-    moment = max(2 * (h + 5 * 48) + 4 * 64, 2 * (2 * h + 4 * 48) + 5 * 64) * c + 4 * 8 + 16 * 2
-    assert mlp_moment(grouped) - mlp_moment(dense) == n * (moment - 5 * 128 * c)
+    moment = max(2 * (h + 6 * 48) + 4 * 64, 2 * (2 * h + 4 * 48) + 6 * 64) * c + 4 * 8 + 16 * 2
+    assert mlp_moment(grouped) - mlp_moment(dense) == n * (moment - 6 * 128 * c)
     with torch.device("meta"):
         from transformers import MixtralConfig
 

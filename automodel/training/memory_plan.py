@@ -532,31 +532,32 @@ class _MLPMoments:
 
 
 def _mlp_moments(d: ModelDims) -> _MLPMoments:
-    """The MLP's saved tensors and its peaks (:class:`_MLPMoments`), measured by ``scripts/bench_plan_cases.py``.
+    """The MLP's saved tensors and its peaks (:class:`_MLPMoments`), per token, elements in the compute dtype.
 
     Dense (gate, up, silu(gate), silu(gate) * up saved: ``4 I``): the forward peaks with gate, silu(gate) and up
-    in flight (``3 I``); the backward has freed the product (the down projection's input) once it reaches the
-    gate/up gradients and holds two ``[N, I]`` gradients beside the other three: ``5 I``.
+    in flight (``3 I``); in the backward the down projection has freed the product (its input) and the product's
+    backward holds its incoming gradient and both of its own beside gate, silu(gate) and up: ``6 I`` (a probe of
+    one checkpointed MLP with the live-tensor tracker: 6.0 ``[N, I]`` plus the ``[N, h]`` gradients).
 
     Mixture of experts, ``torch._grouped_mm`` (transformers' ``grouped_mm`` experts, the default of 5.17 and
     5.25): each of a token's ``k`` routed copies saves its gathered input (``h``), the fused gate/up output
     (``2 I_e``), silu(gate) and the product (``2 I_e``) and the down projection's output for the routing weight
-    (``h``): ``k (2 h + 4 I_e)``; the forward peaks at the product (``k (h + 4 I_e)``), the backward at the gate/up
-    gradients, the down output and the product freed, two ``[I_e]`` gradients per copy: ``k (h + 5 I_e)``.
-    Shared experts are a dense MLP of their width (``4 I_s`` saved, ``5 I_s`` at their backward). The expert loop
-    (``experts_implementation="eager"``) is planned at its bound: everything saved, plus ``2 (k I_e + I_s)``
-    gradients. The router keeps its fp32 probabilities over the ``E`` experts and the top-k weights and indices
-    (``4 E + 16 k`` bytes).
+    (``h``): ``k (2 h + 4 I_e)``; the forward peaks at the product (``k (h + 4 I_e)``); in the backward the down
+    output and the product are freed by the time the gated product's backward holds its three gradients:
+    ``k (h + 6 I_e)``. Shared experts are a dense MLP of their width (``4 I_s`` saved, ``6 I_s`` at their
+    backward). The expert loop (``experts_implementation="eager"``) is planned at its bound: everything saved,
+    plus ``2 (k I_e + I_s)`` gradients. The router keeps its fp32 probabilities over the ``E`` experts and the
+    top-k weights and indices (``4 E + 16 k`` bytes).
     """
     if not d.experts:
         i = d.intermediate
-        return _MLPMoments(4 * i, 3 * i, 5 * i, 0.0)
+        return _MLPMoments(4 * i, 3 * i, 6 * i, 0.0)
     k, ie, sh, h = d.top_k, d.expert_intermediate, d.shared_intermediate, d.hidden
     saved = k * (2 * h + 4 * ie) + 4 * sh
     router = 4 * d.experts + 16 * k
     if d.experts_impl == "grouped_mm":
         forward = k * (h + 4 * ie) + 4 * sh
-        backward = max(k * (h + 5 * ie) + 4 * sh, saved + sh)
+        backward = max(k * (h + 6 * ie) + 4 * sh, saved + 2 * sh)
     else:
         forward, backward = saved, saved + 2 * (k * ie + sh)
     return _MLPMoments(saved, forward, backward, router)
