@@ -8,16 +8,22 @@ prediction against measurement. Two figures, reported separately because they ar
   parameters (master dtype) and of the AdamW states (two per trainable parameter, master dtype).
   Gradients do not persist (the trainer zeroes them with ``set_to_none=True``).
 * **step peak**: the most one step (forward, loss, backward, optimizer step of one micro-batch) holds
-  *above* that state at any moment. It is the largest of three phases, each a sum of terms:
+  *above* that state at any moment. It is the largest of four phases, each a sum of terms; a phase with
+  several moments is the largest of them (:attr:`MemoryPlan.by_moment`, measured by ``scripts/bench_plan_cases.py``):
 
+  - ``forward``: the last decoder layer in flight: the activations kept so far and the layer's own in flight,
+    at its MLP (:func:`_mlp_moments`) or at its attention (with the CP workspace), FSDP2's root and two layers
+    gathered (the current one and the prefetched next: :func:`_comm_in_forward`), no gradient yet;
   - ``loss``: end of forward / start of backward: the saved activations, the logits-and-loss
     peak, the FSDP2 buffers live then (the root module gathered; the layers are resharded), the
     gradients of earlier micro-batches (grad_acc > 1); no attention buffers (every layer's attention is done);
-  - ``recompute`` (activation checkpointing) / ``backward`` (without): backward through one layer: the saved
-    layer inputs (and one layer's recomputed activations and backward temporaries), the CP attention workspace,
-    the attention kernel's backward buffers, the FSDP2 buffers, and the gradients written so far (the LM
-    head's and the layers' reached; :func:`_grads_in_backward`);
-  - ``optimizer``: all gradients, the FSDP2 buffers and the optimizer's temporaries.
+  - ``recompute`` (activation checkpointing) / ``backward`` (without): backward through one layer (the recomputed
+    one; without checkpointing the last): the saved layer inputs and the layer's activations, the FSDP2 buffers
+    and the gradients written so far (the LM head's and the layers' reached; :func:`_grads_in_backward`), at two
+    moments: the MLP's backward (its gradients, no CP workspace: backward reaches the attention after the MLP)
+    and the attention's (the MLP's tensors freed; the CP attention workspace and the attention kernel's backward
+    buffers);
+  - ``optimizer``: all gradients and the optimizer's temporaries (FSDP2 has freed its buffers by then).
 
 Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
 same on every rank of a TP group; ``h`` hidden, ``I`` MLP width, ``kv`` = kv_heads * head_dim, ``V``
@@ -32,13 +38,17 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
   tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
   outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
-  kernel saves them (2 h: CPU and ring kernels repeat them to all heads; 0 without GQA), the
+  kernel saves them (2 h where the method's kernel is given them repeated to all heads, ring's torch SDPA;
+  0 without GQA, under torch's SDPA with ``enable_gqa`` and the block kernels: ``CPMethod.saves_repeated_kv``), the
   attention output and its transposed copy (2 h), the residual (h), and gate, up, silu(gate),
   silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
-  ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B).
+  ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B) and
+  RoPE's cos and sin (``2 head_dim c``). Per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
+  output: ``2 (h + kv) c`` more per layer; each hidden-size norm beyond two (Gemma's four) ``2 h c``. The MLP's
+  moments (what the forward holds in flight, what its backward holds) are :func:`_mlp_moments`'s.
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
-  layer at a time and holds its activations plus the gradients at its output and input (``2 h c``;
-  its other backward temporaries replace saved tensors it has already freed).
+  layer at a time and holds its activations plus the gradients at its output and input (``2 h c``)
+  and, at the MLP's backward, the MLP's gradients.
   Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
   ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
