@@ -36,6 +36,7 @@ compared with the plan.
 
     PYTHONPATH=. nice python scripts/bench_plan_cases.py                  # the table in docs/benchmarks.md
     PYTHONPATH=. nice python scripts/bench_plan_cases.py --cases moe_thd_docs --seq-len 1024
+    PYTHONPATH=. nice python scripts/bench_plan_cases.py --cases qwen3_ulysses --snapshots /tmp/snaps  # what is live
 
 Exit 1 when a case's step peak is off by more than ``--tolerance`` (10%), a measured phase is above its planned
 phase by more than the tolerance (a plan below what runs is the dangerous direction; a phase planned above what
@@ -153,12 +154,20 @@ def _phase_marks(tracker, phases: dict[str, int]):  # noqa: ANN001, ANN202
     starts), ``backward`` (until it returns), and what comes after it (``optimizer``, set by the caller)."""
     original = torch.Tensor.backward
 
+    snap = getattr(tracker, "report", None)  # a PeakSnapshots tracker (--snapshots): each phase's peak storages
+
     def backward(self: torch.Tensor, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        if snap and tracker.peak >= phases.get("forward+loss", 0):
+            phases["forward+loss report"] = snap("forward+loss")
         phases["forward+loss"] = max(phases.get("forward+loss", 0), tracker.peak)
         tracker.peak = tracker.current
         original(self, *args, **kwargs)
+        if snap and tracker.peak >= phases.get("backward", 0):
+            phases["backward report"] = snap("backward")
         phases["backward"] = max(phases.get("backward", 0), tracker.peak)
         tracker.peak = tracker.current
+        if snap:
+            tracker.snapshot = None
 
     torch.Tensor.backward = backward
     try:
@@ -241,14 +250,16 @@ def measured_vs_planned_phases(planned: dict[str, float]) -> dict[str, float]:
     }
 
 
-def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len: int) -> list[dict]:
+def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len: int,
+                snapshots: str | None = None) -> list[dict]:
     """Run each case's recipe on this rank; per case ``{"steps": [{"peak_mib", "phases_mib", "tokens"}], "plan"}``
-    (the plan on rank 0 only) or ``{"error": text}``."""
+    (the plan on rank 0 only) or ``{"error": text}``. ``snapshots``: a folder for each measured step's live
+    storages at each phase's peak (:class:`scripts.live_tensors.PeakSnapshots`)."""
     import traceback
 
     from automodel.config import load_config
     from automodel.training.trainer import FinetuneTrainer
-    from scripts.live_tensors import AllocationTracker, fsdp2_storage_resizes
+    from scripts.live_tensors import AllocationTracker, PeakSnapshots, fsdp2_storage_resizes
 
     torch.set_num_threads(1)
     results = []
@@ -262,11 +273,11 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
             steps: list[dict] = []
             original = trainer.train_step
 
-            def train_step(batches: list, trainer=trainer, original=original, steps=steps) -> dict:  # noqa: ANN001
+            def train_step(batches: list, trainer=trainer, original=original, steps=steps, name=case["name"]) -> dict:  # noqa: ANN001
                 if trainer.step + 1 not in MEASURED_STEPS:
                     return original(batches)
                 gc.collect()
-                tracker, phases, tokens = AllocationTracker(), {}, []
+                tracker, phases, tokens = (PeakSnapshots() if snapshots else AllocationTracker()), {}, []
                 cp_fn = trainer.cp_fn
 
                 def local_tokens(mesh, batch):  # noqa: ANN001, ANN202 - the CP method's batch of this rank
@@ -282,6 +293,11 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
                 finally:
                     trainer.cp_fn = cp_fn
                 phases["optimizer"] = tracker.peak
+                reports = [phases.pop(k) for k in ("forward+loss report", "backward report") if k in phases]
+                if snapshots:
+                    reports.append(tracker.report("optimizer"))
+                    path = Path(snapshots) / f"{name}_rank{rank}_step{trainer.step + 1}.txt"
+                    path.write_text("\n".join(reports) + "\n")
                 steps.append({"peak_mib": max(phases.values()) / MIB, "tokens": sum(b["input_ids"].numel() for b in tokens),
                               "phases_mib": {k: v / MIB for k, v in phases.items()}})  # fmt: skip
                 return record
@@ -302,13 +318,16 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=2048, help="data.seq_len: global tokens of the one row")
     parser.add_argument("--tolerance", type=float, default=0.10)
     parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--snapshots", metavar="DIR", help="write the live storages at each phase's peak (slower)")
     args = parser.parse_args()
     cases = [c for c in CASES if c.name in args.cases]
+    if args.snapshots:
+        Path(args.snapshots).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as out_root:
         per_rank = run_on_ranks(
             "scripts.bench_plan_cases:case_worker", 2, args.timeout,
             cases=[{"name": c.name, "overrides": list(c.overrides)} for c in cases], out_root=out_root,
-            seq_len=args.seq_len,
+            seq_len=args.seq_len, snapshots=str(Path(args.snapshots).resolve()) if args.snapshots else None,
         )  # fmt: skip
     print(f"\nPer rank (2 gloo ranks, cp=2, FSDP2 over both), fp32, data.seq_len={args.seq_len}, one row per step; "
           "step peak in MiB, the larger of 2 ranks x steps 2-3\n")  # fmt: skip
