@@ -554,7 +554,8 @@ def _mlp_moments(d: ModelDims) -> _MLPMoments:
     (``2 I_e``), silu(gate) and the product (``2 I_e``) and the down projection's output for the routing weight
     (``h``): ``k (2 h + 4 I_e)``; the forward peaks at the product (``k (h + 4 I_e)``); in the backward the down
     output and the product are freed by the time the gated product's backward holds its three gradients:
-    ``k (h + 6 I_e)``. Shared experts are a dense MLP of their width (``4 I_s`` saved, ``6 I_s`` at their
+    ``k (h + 6 I_e)`` (a probe of one Mixtral block: 6.5 ``[k N, I_e]`` at the backward's peak beside the experts'
+    weight gradients, 4.5 at the forward's). Shared experts are a dense MLP of their width (``4 I_s`` saved, ``6 I_s`` at their
     backward). The expert loop (``experts_implementation="eager"``) is planned at its bound: everything saved,
     plus ``2 (k I_e + I_s)`` gradients. The router keeps its fp32 probabilities over the ``E`` experts and the
     top-k weights and indices (``4 E + 16 k`` bytes).
