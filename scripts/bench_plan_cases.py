@@ -17,7 +17,8 @@ keeps those storages between steps and resizes them without an op). What existed
 AdamW states, the offload store's pool) is not counted: that is the planner's *persistent state*. Host memory is not
 counted either (it is not device memory; on a CPU the two are one memory): the host optimizer's step under
 ``fsdp.offload=optimizer`` and any buffer the activation-offload pool allocates. The largest over the two ranks and
-the two steps is reported; its per-phase peaks (forward with the loss, backward, after backward) are printed under
+the two steps is reported; so is each phase's peak (forward with the loss, backward, after backward) beside the
+planned phase that must bound it (:func:`measured_vs_planned_phases`); the terms are printed under
 the table.
 
 **Planned**: the planner's "step peak" (what ``recipe.dry_run=true`` prints) for the same config:
@@ -35,8 +36,12 @@ compared with the plan.
 
     PYTHONPATH=. nice python scripts/bench_plan_cases.py                  # the table in docs/benchmarks.md
     PYTHONPATH=. nice python scripts/bench_plan_cases.py --cases moe_thd_docs --seq-len 1024
+    PYTHONPATH=. nice python scripts/bench_plan_cases.py --cases qwen3_ulysses --snapshots /tmp/snaps  # what is live
 
-Exit 1 when a case is off by more than ``--tolerance`` (10%) or fails to run.
+Exit 1 when a case's step peak is off by more than ``--tolerance`` (10%), a measured phase is above its planned
+phase by more than the tolerance (a plan below what runs is the dangerous direction; a phase planned above what
+is measured, e.g. the optimizer's temporaries of torch's foreach AdamW on CUDA against the per-parameter loop it
+runs on a CPU, is not an error), or a case fails to run.
 """
 
 from __future__ import annotations
@@ -149,12 +154,20 @@ def _phase_marks(tracker, phases: dict[str, int]):  # noqa: ANN001, ANN202
     starts), ``backward`` (until it returns), and what comes after it (``optimizer``, set by the caller)."""
     original = torch.Tensor.backward
 
+    snap = getattr(tracker, "report", None)  # a PeakSnapshots tracker (--snapshots): each phase's peak storages
+
     def backward(self: torch.Tensor, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        if snap and tracker.peak >= phases.get("forward+loss", 0):
+            phases["forward+loss report"] = snap("forward+loss")
         phases["forward+loss"] = max(phases.get("forward+loss", 0), tracker.peak)
         tracker.peak = tracker.current
         original(self, *args, **kwargs)
+        if snap and tracker.peak >= phases.get("backward", 0):
+            phases["backward report"] = snap("backward")
         phases["backward"] = max(phases.get("backward", 0), tracker.peak)
         tracker.peak = tracker.current
+        if snap:
+            tracker.snapshot = None
 
     torch.Tensor.backward = backward
     try:
@@ -219,20 +232,34 @@ def _plan(trainer, world: int) -> dict:  # noqa: ANN001
         "peak_phase": p.peak_phase,
         "phases_mib": {k: sum(v.values()) / MIB for k, v in p.phases.items()},
         "persistent_mib": p.persistent_bytes / MIB,
+        "moments": dict(p.moments),
         "terms_mib": {k: v / MIB for k, v in p.phases[p.peak_phase].items()},
         "local_tokens": shape.local_tokens,
         "chunk_tokens": shape.chunk_tokens,
     }
 
 
-def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len: int) -> list[dict]:
+def measured_vs_planned_phases(planned: dict[str, float]) -> dict[str, float]:
+    """The planned figure each measured phase is checked against (MiB): ``forward+loss`` (until backward starts)
+    by the larger of the planned ``forward`` (a layer in flight) and ``loss``; ``backward`` by ``recompute`` (with
+    checkpointing) or ``backward``; ``optimizer`` (clipping, the step, ``zero_grad``) by ``optimizer``."""
+    return {
+        "forward+loss": max(planned.get("forward", 0.0), planned["loss"]),
+        "backward": planned.get("recompute", planned.get("backward", 0.0)),
+        "optimizer": planned["optimizer"],
+    }
+
+
+def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len: int,
+                snapshots: str | None = None) -> list[dict]:
     """Run each case's recipe on this rank; per case ``{"steps": [{"peak_mib", "phases_mib", "tokens"}], "plan"}``
-    (the plan on rank 0 only) or ``{"error": text}``."""
+    (the plan on rank 0 only) or ``{"error": text}``. ``snapshots``: a folder for each measured step's live
+    storages at each phase's peak (:class:`scripts.live_tensors.PeakSnapshots`)."""
     import traceback
 
     from automodel.config import load_config
     from automodel.training.trainer import FinetuneTrainer
-    from scripts.live_tensors import AllocationTracker, fsdp2_storage_resizes
+    from scripts.live_tensors import AllocationTracker, PeakSnapshots, fsdp2_storage_resizes
 
     torch.set_num_threads(1)
     results = []
@@ -246,11 +273,11 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
             steps: list[dict] = []
             original = trainer.train_step
 
-            def train_step(batches: list, trainer=trainer, original=original, steps=steps) -> dict:  # noqa: ANN001
+            def train_step(batches: list, trainer=trainer, original=original, steps=steps, name=case["name"]) -> dict:  # noqa: ANN001
                 if trainer.step + 1 not in MEASURED_STEPS:
                     return original(batches)
                 gc.collect()
-                tracker, phases, tokens = AllocationTracker(), {}, []
+                tracker, phases, tokens = (PeakSnapshots() if snapshots else AllocationTracker()), {}, []
                 cp_fn = trainer.cp_fn
 
                 def local_tokens(mesh, batch):  # noqa: ANN001, ANN202 - the CP method's batch of this rank
@@ -266,6 +293,11 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
                 finally:
                     trainer.cp_fn = cp_fn
                 phases["optimizer"] = tracker.peak
+                reports = [phases.pop(k) for k in ("forward+loss report", "backward report") if k in phases]
+                if snapshots:
+                    reports.append(tracker.report("optimizer"))
+                    path = Path(snapshots) / f"{name}_rank{rank}_step{trainer.step + 1}.txt"
+                    path.write_text("\n".join(reports) + "\n")
                 steps.append({"peak_mib": max(phases.values()) / MIB, "tokens": sum(b["input_ids"].numel() for b in tokens),
                               "phases_mib": {k: v / MIB for k, v in phases.items()}})  # fmt: skip
                 return record
@@ -286,25 +318,29 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=2048, help="data.seq_len: global tokens of the one row")
     parser.add_argument("--tolerance", type=float, default=0.10)
     parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--snapshots", metavar="DIR", help="write the live storages at each phase's peak (slower)")
     args = parser.parse_args()
     cases = [c for c in CASES if c.name in args.cases]
+    if args.snapshots:
+        Path(args.snapshots).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as out_root:
         per_rank = run_on_ranks(
             "scripts.bench_plan_cases:case_worker", 2, args.timeout,
             cases=[{"name": c.name, "overrides": list(c.overrides)} for c in cases], out_root=out_root,
-            seq_len=args.seq_len,
+            seq_len=args.seq_len, snapshots=str(Path(args.snapshots).resolve()) if args.snapshots else None,
         )  # fmt: skip
     print(f"\nPer rank (2 gloo ranks, cp=2, FSDP2 over both), fp32, data.seq_len={args.seq_len}, one row per step; "
           "step peak in MiB, the larger of 2 ranks x steps 2-3\n")  # fmt: skip
-    print("| case | planned MiB | measured MiB | error |")
-    print("|---|---:|---:|---:|")
+    print("| case | planned MiB | measured MiB | error | forward+loss planned / measured | backward planned / "
+          "measured | optimizer planned / measured |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
     ok, notes = True, []
     for i, case in enumerate(cases):
         got = [r[i] for r in per_rank]
         errors = [g["error"] for g in got if "error" in g]
         if errors:
             ok = False
-            print(f"| {case.label} | - | - | failed |")
+            print(f"| {case.label} | - | - | failed | - | - | - |")
             notes.append(f"{case.name}: {errors[0]}")
             continue
         plan = got[0]["plan"]
@@ -314,9 +350,18 @@ def main() -> int:
         err = (planned - measured) / measured
         ok &= abs(err) <= args.tolerance
         flag = "**" if abs(err) > args.tolerance else ""
-        print(f"| {case.label} | {planned:.1f} | {measured:.1f} | {flag}{err:+.1%}{flag} |", flush=True)
+        cells = []
+        for phase, pmib in measured_vs_planned_phases(plan["phases_mib"]).items():
+            mmib = max(s["phases_mib"].get(phase, 0.0) for s in steps)  # each phase's largest over ranks and steps
+            above = mmib > pmib * (1 + args.tolerance)  # a measured phase above its plan: the dangerous direction
+            ok &= not above
+            mark = "**" if above else ""
+            cells.append(f"{mark}{pmib:.1f} / {mmib:.1f}{mark}")
+        print(f"| {case.label} | {planned:.1f} | {measured:.1f} | {flag}{err:+.1%}{flag} | {' | '.join(cells)} |",
+              flush=True)  # fmt: skip
         phases = ", ".join(f"{k} {v:.1f}" for k, v in worst["phases_mib"].items())
-        planned_phases = ", ".join(f"{k} {v:.1f}" for k, v in plan["phases_mib"].items())
+        planned_phases = ", ".join(f"{k} {v:.1f}" + (f" ({plan['moments'][k]})" if k in plan["moments"] else "")
+                                   for k, v in plan["phases_mib"].items())  # fmt: skip
         terms = ", ".join(f"{k} {v:.1f}" for k, v in plan["terms_mib"].items() if v)
         by_rank = "; ".join(f"rank {r}: " + ", ".join(f"{s['peak_mib']:.1f} ({s['tokens']} tokens)" for s in g["steps"])
                             for r, g in enumerate(got))  # fmt: skip

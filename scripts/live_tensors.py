@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["AllocationTracker", "fsdp2_storage_resizes"]
+__all__ = ["AllocationTracker", "PeakSnapshots", "fsdp2_storage_resizes"]
 
 
 def _plain(t: torch.Tensor) -> list[torch.Tensor]:
@@ -88,6 +88,63 @@ class AllocationTracker(TorchDispatchMode):
             yield
         finally:
             self.paused = paused
+
+
+class PeakSnapshots(AllocationTracker):
+    """An :class:`AllocationTracker` that also records, at every new peak, which storages are live and where each
+    was made (the op, its output shapes and, for storages of 64 KiB or more, the last frames of the Python stack
+    in automodel, transformers or torch.distributed): what a plan's term is checked against. Slow (a stack walk
+    per large allocation): a diagnostic, not a benchmark. :meth:`report` prints the last peak's storages grouped
+    by where they were made; reset ``peak`` (to ``current``) and ``snapshot`` (to ``None``) to start a phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: dict[int, str] = {}
+        self.unowned = 0  # resizes of storages made before tracking began (FSDP2's unsharded parameters)
+        self.snapshot: tuple[int, dict[int, int], dict[int, str], int] | None = None
+
+    def _add(self, nbytes: int) -> None:
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+            self.snapshot = (self.current, dict(self.live), dict(self.where), self.unowned)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        import traceback
+
+        before = set(self.live)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        new = set(self.live) - before
+        if new:
+            frames = ""
+            if any(self.live[k] >= 64 * 1024 for k in new):
+                keep = ("automodel", "transformers", "torch/distributed", "torch/utils/checkpoint")
+                stack = [f for f in traceback.extract_stack()[:-2] if any(k in f.filename for k in keep)]
+                frames = " <- " + " | ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}:{f.name}" for f in stack[-4:])
+            shapes = [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            for k in new:
+                self.where[k] = f"{func} {shapes[:2]}{frames}"
+        return out
+
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        if not self.paused and id(storage) not in self.live:
+            self.unowned += storage.nbytes() - before
+        super().resized(storage, before)
+
+    def report(self, title: str, min_bytes: int = 32 * 1024) -> str:
+        """The last recorded peak's live storages, grouped by where they were made, largest first (MiB)."""
+        if self.snapshot is None:
+            return f"{title}: no peak recorded"
+        total, live, where, unowned = self.snapshot
+        groups: dict[str, int] = {}
+        for key, nbytes in live.items():
+            label = where.get(key, "(the allocation that made this peak)")
+            groups[label] = groups.get(label, 0) + nbytes
+        lines = [f"{title}: {total / 2**20:.2f} MiB, of which FSDP2's resized parameter storages {unowned / 2**20:.2f}"]
+        lines += [f"  {b / 2**20:7.2f}  {w}" for w, b in sorted(groups.items(), key=lambda kv: -kv[1]) if b >= min_bytes]
+        small = sum(b for b in groups.values() if b < min_bytes)
+        lines.append(f"  {small / 2**20:7.2f}  (groups under {min_bytes // 1024} KiB)")
+        return "\n".join(lines)
 
 
 @contextlib.contextmanager

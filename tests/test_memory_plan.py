@@ -89,8 +89,9 @@ def test_activation_checkpointing_keeps_layer_inputs_and_recomputes_one_layer():
     off = plan_memory(d, RunShape(local_batch=1, seq=4096, chunk_tokens=256))
     on = plan_memory(d, RunShape(local_batch=1, seq=4096, chunk_tokens=256, activation_checkpointing=True))
     assert off.peak_phase == "loss" and on.peak_phase == "recompute"
-    # the 2 layer inputs (the first is the embedding output) and the final norm (3 h)
-    assert on.phases["loss"]["activations"] == 4096 * (2 * 32 * 4 + 3 * 32 * 4 + 24)
+    # the 2 layer inputs (the first is the embedding output), the final norm (3 h), ids/labels/positions and
+    # RoPE's cos and sin ([N, head_dim] each)
+    assert on.phases["loss"]["activations"] == 4096 * (2 * 32 * 4 + 3 * 32 * 4 + 24 + 2 * 16 * 4)
     assert on.step_peak_bytes < off.step_peak_bytes
 
 
@@ -208,8 +209,8 @@ def test_tp_activations_split_heads_and_mlp_but_not_the_residual_stream_unless_s
     n, h, i, c = 4096, 64, 256, 4
     kv = 2 * 16
     shape = RunShape(local_batch=1, seq=n)
-    one, two, sp = (
-        plan_memory(d, dataclasses.replace(shape, **kw)).terms["activations"].bytes
+    one, two, sp = (  # what the forward saves (the loss phase)
+        plan_memory(d, dataclasses.replace(shape, **kw)).phases["loss"]["activations"]
         for kw in ({}, {"tp": 2, "loss_parallel": True}, {"tp": 2, "loss_parallel": True, "sequence_parallel": True})
     )
     split_per_layer = (h + 2 * kv + 2 * h + 4 * i) * c + 4 * 4  # q, k/v (SDPA's own GQA), attn out x2, MLP; LSE
@@ -361,8 +362,12 @@ def test_the_planned_kernels_backward_buffers_join_one_layers_backward():
         cpu, flash = plan_memory(d, base), plan_memory(d, dataclasses.replace(base, attention_kernel=FLASH))
         expected = 128 * (n // 128) * 2 * 32 * 4 + 2 * n * 4 + 2 * n * 2 * 16 * 2  # dq_accum, softmax_d, dK/dV x H
         assert flash.terms["attention kernel"].bytes == expected and cpu.terms["attention kernel"].bytes == 0
-        assert flash.phases[phase]["attention kernel"] == expected
-        assert sum(flash.phases[phase].values()) - sum(cpu.phases[phase].values()) == expected
+        # the kernel's buffers join the attention's backward moment, not the MLP's (backward reaches it later)
+        attn_flash, attn_cpu = flash.by_moment[phase]["attention"], cpu.by_moment[phase]["attention"]
+        assert attn_flash["attention kernel"] == expected
+        assert sum(attn_flash.values()) - sum(attn_cpu.values()) == expected
+        assert "attention kernel" not in flash.by_moment[phase]["MLP"]
+        assert sum(flash.phases[phase].values()) == max(sum(m.values()) for m in flash.by_moment[phase].values())
         assert "attention kernel" not in flash.phases["loss"] and "attention workspace" not in flash.phases["loss"]
     # Llama-3.1-8B under Ulysses over 8 GPUs at 3.94M tokens: 4 query heads, 1 KV head per GPU; flash ~15 GiB
     big = dataclasses.replace(_dims(), heads=32, kv_heads=8, head_dim=128, hidden=4096)
@@ -385,13 +390,23 @@ def test_moe_layers_plan_their_routed_and_shared_experts():
     n, h, c = 4096, 32, 4
     moe = dataclasses.replace(dense, experts=8, top_k=2, expert_intermediate=48, shared_intermediate=64)
     r = RunShape(local_batch=1, seq=n)
-    got = plan_memory(moe, r).terms["activations"].bytes - plan_memory(dense, r).terms["activations"].bytes
+    got = plan_memory(moe, r).phases["loss"]["activations"] - plan_memory(dense, r).phases["loss"]["activations"]
     per_layer = (2 * (2 * h + 4 * 48) + 4 * 64 - 4 * 128) * c + 4 * 8 + 16 * 2
     assert got == n * 2 * per_layer
-    # checkpointed: one recomputed layer, plus its MLP backward's 2 (k I_e + I_s) gradients instead of 2 I
+    # checkpointed, the recomputed layer's MLP backward: the expert loop (transformers' eager experts) at its bound,
+    # everything saved plus 2 (k I_e + I_s) gradients, against the dense MLP's 6 I (the product freed, 3 gradients)
     ra = dataclasses.replace(r, activation_checkpointing=True)
-    got = plan_memory(moe, ra).terms["activations"].bytes - plan_memory(dense, ra).terms["activations"].bytes
-    assert got == n * (per_layer + (2 * (2 * 48 + 64) - 2 * 128) * c)
+
+    def mlp_moment(dims):  # noqa: ANN001, ANN202
+        return plan_memory(dims, ra).by_moment["recompute"]["MLP"]["activations"]
+
+    loop = (2 * (2 * h + 4 * 48) + 4 * 64 + 2 * (2 * 48 + 64)) * c + 4 * 8 + 16 * 2
+    assert mlp_moment(moe) - mlp_moment(dense) == n * (loop - 6 * 128 * c)
+    # torch._grouped_mm (transformers' grouped_mm experts): the down projection's output and the product are freed
+    # when the gated product's backward holds its 3 gradients: k (h + 6 I_e) per token, the shared experts' 4 I_s
+    grouped = dataclasses.replace(moe, experts_impl="grouped_mm")
+    moment = max(2 * (h + 6 * 48) + 4 * 64, 2 * (2 * h + 4 * 48) + 6 * 64) * c + 4 * 8 + 16 * 2
+    assert mlp_moment(grouped) - mlp_moment(dense) == n * (moment - 6 * 128 * c)
     with torch.device("meta"):
         from transformers import MixtralConfig
 
@@ -399,6 +414,7 @@ def test_moe_layers_plan_their_routed_and_shared_experts():
             hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             num_local_experts=4, num_experts_per_tok=2, vocab_size=256)))  # fmt: skip
     assert (mixtral.experts, mixtral.top_k, mixtral.expert_intermediate, mixtral.shared_intermediate) == (4, 2, 96, 0)
+    assert mixtral.experts_impl == "grouped_mm"  # the default of transformers 5.17 to 5.25
 
 
 def test_each_phase_counts_only_what_is_live():

@@ -81,7 +81,7 @@ def test_tiled_mlp_counts_one_tile_instead_of_the_row():
     plain, tiled = plan_memory(d, r), plan_memory(d, dataclasses.replace(r, tiled_mlp=512))
     # the four [N, I] intermediates of every layer go; one tile's 4 recomputed + 2 gradients come, and the tile's
     # gradients of the MLP's three [I, h] weights beside their running sum (issue 41)
-    saved = plain.terms["activations"].bytes - tiled.terms["activations"].bytes
+    saved = plain.phases["loss"]["activations"] - tiled.phases["loss"]["activations"]
     tile = 6 * 512 * d.intermediate * 4 + 3 * d.hidden * d.intermediate * 4
     assert saved == pytest.approx(d.layers * 4096 * 4 * d.intermediate * 4 - tile)
     assert resolve_tile_tokens(True, 4096, 14336, 131072) == 4096 and resolve_tile_tokens(True, 128, 16384, 1000) == 125

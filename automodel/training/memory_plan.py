@@ -8,16 +8,22 @@ prediction against measurement. Two figures, reported separately because they ar
   parameters (master dtype) and of the AdamW states (two per trainable parameter, master dtype).
   Gradients do not persist (the trainer zeroes them with ``set_to_none=True``).
 * **step peak**: the most one step (forward, loss, backward, optimizer step of one micro-batch) holds
-  *above* that state at any moment. It is the largest of three phases, each a sum of terms:
+  *above* that state at any moment. It is the largest of four phases, each a sum of terms; a phase with
+  several moments is the largest of them (:attr:`MemoryPlan.by_moment`, measured by ``scripts/bench_plan_cases.py``):
 
+  - ``forward``: the last decoder layer in flight: the activations kept so far and the layer's own in flight,
+    at its MLP (:func:`_mlp_moments`) or at its attention (with the CP workspace), FSDP2's root and two layers
+    gathered (the current one and the prefetched next: :func:`_comm_in_forward`), no gradient yet;
   - ``loss``: end of forward / start of backward: the saved activations, the logits-and-loss
     peak, the FSDP2 buffers live then (the root module gathered; the layers are resharded), the
     gradients of earlier micro-batches (grad_acc > 1); no attention buffers (every layer's attention is done);
-  - ``recompute`` (activation checkpointing) / ``backward`` (without): backward through one layer: the saved
-    layer inputs (and one layer's recomputed activations and backward temporaries), the CP attention workspace,
-    the attention kernel's backward buffers, the FSDP2 buffers, and the gradients written so far (the LM
-    head's and the layers' reached; :func:`_grads_in_backward`);
-  - ``optimizer``: all gradients, the FSDP2 buffers and the optimizer's temporaries.
+  - ``recompute`` (activation checkpointing) / ``backward`` (without): backward through one layer (the recomputed
+    one; without checkpointing the last): the saved layer inputs and the layer's activations, the FSDP2 buffers
+    and the gradients written so far (the LM head's and the layers' reached; :func:`_grads_in_backward`), at two
+    moments: the MLP's backward (its gradients, no CP workspace: backward reaches the attention after the MLP)
+    and the attention's (the MLP's tensors freed; the CP attention workspace and the attention kernel's backward
+    buffers);
+  - ``optimizer``: all gradients and the optimizer's temporaries (FSDP2 has freed its buffers by then).
 
 Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
 same on every rank of a TP group; ``h`` hidden, ``I`` MLP width, ``kv`` = kv_heads * head_dim, ``V``
@@ -32,13 +38,17 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
   tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
   outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
-  kernel saves them (2 h: CPU and ring kernels repeat them to all heads; 0 without GQA), the
+  kernel saves them (2 h where the method's kernel is given them repeated to all heads, ring's torch SDPA;
+  0 without GQA, under torch's SDPA with ``enable_gqa`` and the block kernels: ``CPMethod.saves_repeated_kv``), the
   attention output and its transposed copy (2 h), the residual (h), and gate, up, silu(gate),
   silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
-  ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B).
+  ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B) and
+  RoPE's cos and sin (``2 head_dim c``). Per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
+  output: ``2 (h + kv) c`` more per layer; each hidden-size norm beyond two (Gemma's four) ``2 h c``. The MLP's
+  moments (what the forward holds in flight, what its backward holds) are :func:`_mlp_moments`'s.
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
-  layer at a time and holds its activations plus the gradients at its output and input (``2 h c``;
-  its other backward temporaries replace saved tensors it has already freed).
+  layer at a time and holds its activations plus the gradients at its output and input (``2 h c``)
+  and, at the MLP's backward, the MLP's gradients.
   Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
   ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
@@ -57,7 +67,7 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   (:func:`automodel.distributed.cp.attention_kernels.kernel_buffers`, cited per buffer in docs/long_context.md);
   0 for the CPU kernels the activations are calibrated on.
 * mixture-of-experts layers: the MLP's saved tensors are each routed copy's (``k (2 h + 4 I_e)``), the shared
-  experts' (``4 I_s``) and the router's fp32 probabilities (``4 E + 16 k`` bytes) per token (:func:`_mlp_saved`).
+  experts' (``4 I_s``) and the router's fp32 probabilities (``4 E + 16 k`` bytes) per token (:func:`_mlp_moments`).
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
   gradient alive together in backward, ``3 N V 4``, plus the hidden-state gradient ``N h c``.
   Under TP without loss parallel the LM head's output is gathered: the same ``3 N V 4`` on every TP
@@ -135,6 +145,14 @@ class ModelDims:
     top_k: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    #: how transformers runs the routed experts (``config._experts_implementation``): ``"grouped_mm"`` (one
+    #: ``torch._grouped_mm`` over the tokens sorted by expert, transformers >= 5.2x) or ``"eager"`` (the expert loop)
+    experts_impl: str = "eager"
+    #: per-head query/key norms (Qwen3, Gemma 3, OLMo 2: ``q_norm`` / ``k_norm``): they save their input and
+    #: normalized output, ``2 (h + kv)`` more per token and layer
+    qk_norm: bool = False
+    #: hidden-size norms per decoder layer (Llama: 2; Gemma 2/3: 4, around each block)
+    layer_norms: int = 2
 
     @property
     def matmul_params(self) -> int:
@@ -255,6 +273,10 @@ class MemoryPlan:
     terms: dict[str, MemoryTerm]
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     host: list[MemoryTerm] = field(default_factory=list)  # pinned host memory per rank (offload), see host_bytes
+    #: the moment a phase's figure is taken at, where it has several: ``"MLP"`` or ``"attention"`` of a layer
+    moments: dict[str, str] = field(default_factory=dict)
+    #: every moment of those phases, ``{phase: {moment: {term: bytes}}}``; the phase is its largest
+    by_moment: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def host_bytes(self) -> float:
@@ -336,8 +358,17 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         ),
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
         lookup_params=_lookup_params(model),
+        layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
+        qk_norm=any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for layer in layers[:1] for name, _ in layer.named_modules()),
         **_moe_sizes(model),
     )
+
+
+def _layer_norms(layer, hidden: int) -> int:  # noqa: ANN001
+    """Norms over the hidden size in one decoder layer (per-head q/k norms are not counted); at least 2."""
+    count = sum(1 for m in layer.modules() if "norm" in type(m).__name__.lower()
+                and getattr(getattr(m, "weight", None), "shape", None) is not None and tuple(m.weight.shape) == (hidden,))  # fmt: skip
+    return max(count, 2)
 
 
 def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
@@ -353,7 +384,10 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
     shared = getattr(text, "shared_expert_intermediate_size", None) or 0
     if not shared and getattr(text, "n_shared_experts", None):
         shared = text.n_shared_experts * width
-    return {"experts": experts, "top_k": top_k, "expert_intermediate": width, "shared_intermediate": shared}
+    impl = getattr(text, "_experts_implementation", None)
+    impl = impl.get("", impl) if isinstance(impl, dict) else impl
+    return {"experts": experts, "top_k": top_k, "expert_intermediate": width, "shared_intermediate": shared,
+            "experts_impl": "grouped_mm" if impl == "grouped_mm" else "eager"}  # fmt: skip
 
 
 def _lookup_params(model) -> int:  # noqa: ANN001
@@ -399,78 +433,145 @@ def _tp_sharded_params(model) -> set[int]:  # noqa: ANN001
     return out
 
 
-def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
-    """(saved activations, extra of one recomputed layer in backward, note), bytes per rank on the device."""
+@dataclass(frozen=True)
+class _Activations:
+    """Activation bytes per rank at each moment of a step (the CP workspace and the kernel's buffers apart).
+
+    ``saved``: at the loss (what the forward keeps for backward); ``fwd_mlp`` / ``fwd_attn``: while the last
+    decoder layer's forward runs its MLP / its attention; ``bwd_mlp`` / ``bwd_attn``: while backward runs through
+    the MLP / the attention of a layer (with checkpointing: of the recomputed layer; without: of the last layer,
+    the first backward reaches)."""
+
+    saved: float
+    fwd_mlp: float
+    fwd_attn: float
+    bwd_mlp: float
+    bwd_attn: float
+    note: str
+
+
+def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
+    """The activations at each moment of a step, bytes per rank on the device (:class:`_Activations`)."""
     n, c, tp, s = r.local_tokens, r.compute_bytes, r.tp, r.stream_split
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
-    # GQA: the CP block kernels save K/V repeated to all heads; torch's SDPA (no CP, Ulysses' inner sdpa kernel)
-    # takes the KV heads as they are (transformers passes enable_gqa without a mask): measured on CPU
-    repeated = 2 * h if d.kv_heads < d.heads and r.kernel_path == "blocks" else 0
-    # the residual stream: two RMSNorms (input, output: 4 h) and the residual (h); whole on every TP
-    # rank unless sequence parallel splits it; then the attention and the MLP block each all-gather
-    # their input once, and their projections save that gathered [N, h] for the weight gradients
-    stream = 5 * h / s
+    # GQA: K/V repeated to all query heads are saved only where the method's CPU kernel is given them (torch's
+    # ring through transformers' sdpa); the block kernels and torch's SDPA with enable_gqa keep the KV heads
+    repeated = 2 * h if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed) else 0
+    # the residual stream: each hidden-size norm saves its input's normalized copy and its output (2 h; Llama:
+    # two norms, Gemma 3: four), and the residual (h); whole on every TP rank unless sequence parallel splits
+    # it; then the attention and the MLP block each all-gather their input once, and their projections save
+    # that gathered [N, h] for the weight gradients
+    stream = (2 * d.layer_norms + 1) * h / s
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
-    # per head / MLP column, split over TP: q, k, v, the repeated K/V, the attention output and its
-    # transposed copy, gate, up, silu(gate), silu(gate) * up; plus the kernel's fp32 LSE
+    # per head, split over TP: q after RoPE, k and v, the repeated K/V, the attention output and its transposed
+    # copy; per-head q/k norms (Qwen3, Gemma 3) save their input and normalized output (2 (h + kv))
+    qk = 2 * (h + kv) if d.qk_norm and d.heads else 0
+    attn = (h + repeated + 2 * kv + 2 * h + qk) / tp if d.heads else 0.0
+    lse = d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
     tile = _mlp_tile(d, r)
-    mlp, router, mlp_grad = _mlp_saved(d)
-    mlp = 0 if tile else mlp  # tiled: the MLP's forward keeps only its input (the second norm's output)
-    split = (h + repeated + 2 * kv + 2 * h + mlp) / tp
-    layer = (stream + split + gathered) * c + d.heads * 4 / tp + router
+    mlp = _mlp_moments(d)
+    saved_mlp, fwd_mlp, bwd_mlp = (0.0, 0.0, 0.0) if tile else (mlp.saved / tp, mlp.forward / tp, mlp.backward / tp)
+    router = mlp.router
     # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each, and
     # the tile's own gradients of the MLP's three weights (``got`` in automodel.models.tiled_mlp, summed into a
     # second copy that becomes the layer's gradient): 3 h I / tp; measured by scripts/bench_memory.py's wide rows
     tile_bytes = (6 * tile * i / tp + 3 * h * i / tp) * c if tile else 0.0
-    # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head
-    # gathers its input: h), ids/labels/positions (24 B, every TP rank holds them). Offloaded, the
-    # embedding output is the first layer's input: on the host with the others.
+    tile_fwd = 3 * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
+    # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
+    body = (stream + gathered + attn) * c + lse
+    layer = body + saved_mlp * c + router
+    grads = 2 * h * c / s  # the gradients at the layer's output and input
+    # the attention's backward: dq, dk, dv take the place of the attention output's gradient and the MLP's freed
+    # tensors, and Ulysses' all-to-all buffers (the CP workspace) hold them; not counted apart (never the peak on
+    # CPU, where the MLP's backward is: scripts/bench_plan_cases.py)
+    # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head gathers its
+    # input: h), ids/labels/positions (24 B, every TP rank holds them) and RoPE's cos and sin ([N, head_dim] each,
+    # made once per forward, kept for the backward). Offloaded, the embedding output is the first layer's input:
+    # on the host with the others.
     embed = 0.0 if r.activation_offloaded else h * c / s
-    outside = embed + 3 * h * c / s + (h * c if gathered else 0) + 24
+    rope = 2 * d.head_dim * c if d.heads else 0
+    final = 3 * h * c / s + (h * c if gathered else 0)  # freed once backward has passed the final norm
+    always = 24 + rope
     s2 = 0.0
     if r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
         s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if r.activation_checkpointing:
-        # the embedding output is the first layer's checkpointed input (one tensor, counted with the inputs)
-        outside -= embed
-        kept = min(2, d.layers) if r.activation_offloaded else d.layers
-        saved = n * (kept * h * c / s + outside)
-        # by the time backward recomputes a layer, the final norm's and LM head's saved tensors are freed:
-        # the recompute phase holds the kept inputs, the ids and the recomputed layer (negative: what it drops)
-        # untiled, the MLP's backward adds two [N, I / tp] gradients to its recomputed intermediates (tiled:
-        # two per tile, in tile_bytes); measured on CPU by scripts/bench_memory.py's wide-MLP rows
-        mlp_grads = 0.0 if tile else mlp_grad / tp * c
-        recompute = n * (layer + mlp_grads + 2 * h * c / s - (outside - 24)) + s2 + tile_bytes
+        # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
+        kept = (min(2, d.layers) if r.activation_offloaded else d.layers) * h * c / s
+        saved = n * (kept + final + always)
+        # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
+        # intermediates in flight; or its attention's tensors
+        fwd_m = n * (kept + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
+        fwd_a = n * (kept + always + h * c / s + body) + s2
+        # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
+        # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
+        # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
+        bwd_m = n * (kept + always + body + bwd_mlp * c + router + grads) + s2 + tile_bytes
+        bwd_a = n * (kept + always + body + grads) + s2
         if r.activation_offloaded:
-            note = f"{kept} of {d.layers} layer inputs on the device (the others on the host)"
+            note = f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
         else:
             note = f"{d.layers} layer inputs kept"
-        note += f"; one layer recomputed in backward: {_fmt(n * (layer + mlp_grads + 2 * h * c / s) + s2 + tile_bytes)}{tiled}"
-        return saved, recompute, note
-    saved = n * (d.layers * layer + outside) + d.layers * s2 + tile_bytes
+        note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
+        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
+    before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * s2  # the layers before the last
+    saved = n * (d.layers * layer + embed + final + always) + d.layers * s2 + tile_bytes
+    fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd
+    fwd_a = before + n * body + s2
+    # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
+    # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
+    bwd_m = before + n * (body + bwd_mlp * c + router + grads) + s2 + tile_bytes
+    bwd_a = before + n * (body + grads) + s2
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (eager: an S^2 term per layer)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
-    return saved, 0.0, note
+    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
 
 
-def _mlp_saved(d: ModelDims) -> tuple[float, float, float]:
-    """``(saved values, router bytes, backward gradient values)`` per token of one layer's MLP (elements in the
-    compute dtype, except the router's fp32 bytes).
+@dataclass(frozen=True)
+class _MLPMoments:
+    """Per token of one layer's MLP, elements in the compute dtype (``router``: fp32 bytes): what the forward
+    saves, what is live at the forward's peak inside the MLP, and at the backward's peak inside it."""
 
-    Dense: gate, up, silu(gate), silu(gate) * up (``4 I``); in backward two ``[N, I]`` gradients (``2 I``).
-    Mixture of experts (transformers' expert loop, e.g. ``MixtralExperts``): each of a token's ``k`` routed
-    copies saves its gathered input (``h``), the fused gate/up output (``2 I_e``), silu(gate) and the product
-    (``2 I_e``) and the expert output scaled by its routing weight (``h``): ``k (2 h + 4 I_e)``; shared experts
-    are a dense MLP of their width (``4 I_s``); the router keeps its fp32 probabilities over the ``E`` experts
-    and the top-k weights and indices (``4 E + 16 k`` bytes). In backward ``2 (k I_e + I_s)`` gradients.
+    saved: float
+    forward: float
+    backward: float
+    router: float
+
+
+def _mlp_moments(d: ModelDims) -> _MLPMoments:
+    """The MLP's saved tensors and its peaks (:class:`_MLPMoments`), per token, elements in the compute dtype.
+
+    Dense (gate, up, silu(gate), silu(gate) * up saved: ``4 I``): the forward peaks with gate, silu(gate) and up
+    in flight (``3 I``); in the backward the down projection has freed the product (its input) and the product's
+    backward holds its incoming gradient and both of its own beside gate, silu(gate) and up: ``6 I`` (a probe of
+    one checkpointed MLP with the live-tensor tracker: 6.0 ``[N, I]`` plus the ``[N, h]`` gradients).
+
+    Mixture of experts, ``torch._grouped_mm`` (transformers' ``grouped_mm`` experts, the default of 5.17 and
+    5.25): each of a token's ``k`` routed copies saves its gathered input (``h``), the fused gate/up output
+    (``2 I_e``), silu(gate) and the product (``2 I_e``) and the down projection's output for the routing weight
+    (``h``): ``k (2 h + 4 I_e)``; the forward peaks at the product (``k (h + 4 I_e)``); in the backward the down
+    output and the product are freed by the time the gated product's backward holds its three gradients:
+    ``k (h + 6 I_e)`` (a probe of one Mixtral block: 6.5 ``[k N, I_e]`` at the backward's peak beside the experts'
+    weight gradients, 4.5 at the forward's). Shared experts are a dense MLP of their width (``4 I_s`` saved, ``6 I_s`` at their
+    backward). The expert loop (``experts_implementation="eager"``) is planned at its bound: everything saved,
+    plus ``2 (k I_e + I_s)`` gradients. The router keeps its fp32 probabilities over the ``E`` experts and the
+    top-k weights and indices (``4 E + 16 k`` bytes).
     """
     if not d.experts:
-        return 4 * d.intermediate, 0.0, 2 * d.intermediate
-    k, ie, shared = d.top_k, d.expert_intermediate, d.shared_intermediate
-    return k * (2 * d.hidden + 4 * ie) + 4 * shared, 4 * d.experts + 16 * k, 2 * (k * ie + shared)
+        i = d.intermediate
+        return _MLPMoments(4 * i, 3 * i, 6 * i, 0.0)
+    k, ie, sh, h = d.top_k, d.expert_intermediate, d.shared_intermediate, d.hidden
+    saved = k * (2 * h + 4 * ie) + 4 * sh
+    router = 4 * d.experts + 16 * k
+    if d.experts_impl == "grouped_mm":
+        forward = k * (h + 4 * ie) + 4 * sh
+        backward = max(k * (h + 6 * ie) + 4 * sh, saved + 2 * sh)
+    else:
+        forward, backward = saved, saved + 2 * (k * ie + sh)
+    return _MLPMoments(saved, forward, backward, router)
 
 
 def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
@@ -586,56 +687,62 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
                    "AdamW exp_avg, exp_avg_sq" if r.offload is False else f"on the host (fsdp.offload={r.offload})"),
     ]  # fmt: skip
     grads, grads_note = _gradient_bytes(d, r)
-    saved, recompute, act_note = _activation_terms(d, r)
+    acts = _activation_terms(d, r)
     attn, attn_note = _attention_workspace(d, r)
     loss, loss_note = _loss_term(d, r)
     comm, comm_note = _comm_buffers(d, r)
     host_step = r.offload in ("optimizer", "all")  # the optimizer step runs on the host
     opt_temp = 0.0 if host_step else grads
+    kernel, kernel_note = _kernel_term(d, r)
+    earlier_grads = grads if r.grad_acc > 1 and r.offload != "all" else 0.0
+    # forward: the last layer in flight, FSDP2's root and layers gathered (the current one and the prefetched
+    # next) and no gradient yet; its MLP's moment, or its attention's with the CP workspace
+    comm_fwd = _comm_in_forward(d, r)
+    forward = {
+        "MLP": {"gradients": earlier_grads, "activations": acts.fwd_mlp, "communication buffers": comm_fwd},
+        "attention": {"gradients": earlier_grads, "activations": acts.fwd_attn, "attention workspace": attn,
+                      "communication buffers": comm_fwd},
+    }  # fmt: skip
+    # backward through a layer (with checkpointing: the recomputed one; without: the last, the first reached): its
+    # MLP's backward, without the CP workspace (backward reaches the attention after the MLP), or its attention's
+    # with the workspace and the kernel's backward buffers; the gradients written so far (_grads_in_backward)
+    kept_input = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
+    per_input = (0.0 if r.activation_offloaded else kept_input) if r.activation_checkpointing else float("inf")
+    grads_bwd = max(earlier_grads, _grads_in_backward(d, r, per_input))
+    backward = {
+        "MLP": {"gradients": grads_bwd, "activations": acts.bwd_mlp, "communication buffers": comm},
+        "attention": {"gradients": grads_bwd, "activations": acts.bwd_attn, "attention workspace": attn,
+                      "attention kernel": kernel, "communication buffers": comm},
+    }  # fmt: skip
+    bwd_name = "recompute" if r.activation_checkpointing else "backward"
+    by_moment = {"forward": forward, bwd_name: backward}
+    moments = {phase: max(alts, key=lambda m: sum(alts[m].values())) for phase, alts in by_moment.items()}
+    act_peak = max(acts.saved, acts.fwd_mlp, acts.fwd_attn, acts.bwd_mlp, acts.bwd_attn)
     terms = {
         "gradients": MemoryTerm("gradients", grads, grads_note),
-        "activations": MemoryTerm("activations", saved + recompute, act_note),
+        "activations": MemoryTerm("activations", act_peak, acts.note),
         "attention workspace": MemoryTerm("attention workspace", attn, attn_note),
         "logits and loss": MemoryTerm("logits and loss", loss, loss_note),
         "communication buffers": MemoryTerm("communication buffers", comm, comm_note),
         "optimizer temporaries": MemoryTerm("optimizer temporaries", opt_temp,
                                             "the step runs on the host" if host_step else "one gradient-sized temporary"),
     }  # fmt: skip
-    kernel, kernel_note = _kernel_term(d, r)
     terms["attention kernel"] = MemoryTerm("attention kernel", kernel, kernel_note)
-    earlier_grads = grads if r.grad_acc > 1 and r.offload != "all" else 0.0
-    # at the loss the layers' attention is done and FSDP2 holds only what stays gathered (_comm_at_loss)
+    # at the loss the layers' attention is done and FSDP2 holds only what stays gathered (_comm_at_loss); at the
+    # optimizer step FSDP2 has freed its buffers (the replicated model's flat all-reduce buffer stays)
     phases = {
+        "forward": forward[moments["forward"]],
         "loss": {
             "gradients": earlier_grads,
-            "activations": saved,
+            "activations": acts.saved,
             "logits and loss": loss,
             "communication buffers": _comm_at_loss(d, r),
         },
-        "optimizer": {"gradients": grads if r.offload != "all" else 0.0, "communication buffers": comm,
-                      "optimizer temporaries": opt_temp},
+        bwd_name: backward[moments[bwd_name]],
+        "optimizer": {"gradients": grads if r.offload != "all" else 0.0,
+                      "communication buffers": 0.0 if r.fsdp_enabled else comm, "optimizer temporaries": opt_temp},
     }  # fmt: skip
-    # backward through the last layer (the first one backward reaches): its attention workspace and the kernel's
-    # backward buffers; the gradients written so far (_grads_in_backward), not all of them
-    kept_input = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
-    if r.activation_checkpointing:
-        per_input = 0.0 if r.activation_offloaded else kept_input  # offloaded: two on the device throughout
-        phases["recompute"] = {
-            "gradients": max(earlier_grads, _grads_in_backward(d, r, per_input)),
-            "activations": saved + recompute,
-            "attention workspace": attn,
-            "attention kernel": kernel,
-            "communication buffers": comm,
-        }
-    else:
-        phases["backward"] = {
-            "gradients": max(earlier_grads, _grads_in_backward(d, r, float("inf"))),
-            "activations": saved,
-            "attention workspace": attn,
-            "attention kernel": kernel,
-            "communication buffers": comm,
-        }
-    return MemoryPlan(persistent, terms, phases, host_bytes(d, r))
+    return MemoryPlan(persistent, terms, phases, host_bytes(d, r), moments, by_moment)
 
 
 def _grads_in_backward(d: ModelDims, r: RunShape, per_input: float) -> float:
@@ -656,6 +763,19 @@ def _grads_in_backward(d: ModelDims, r: RunShape, per_input: float) -> float:
     scale = share * r.master_bytes / r.fsdp
     head_b, layer_b = max(head, 0) * scale, layer * scale
     return head_b + layer_b + max(0.0, (d.layers - 1) * (layer_b - per_input))
+
+
+def _comm_in_forward(d: ModelDims, r: RunShape) -> float:
+    """FSDP2's buffers while a decoder layer's forward runs: the root module gathered, the current layer gathered
+    and the next one's all-gather output (the prefetch; every layer with ``fsdp.reshard_after_forward=false``);
+    no gradient yet. ``fsdp.offload=all`` adds the layer's shard copied from the host."""
+    if not r.fsdp_enabled or (r.fsdp == 1 and r.compute_bytes == r.master_bytes and r.offload != "all"):
+        return 0.0
+    root = d.root_params - d.tp_root_params + d.tp_root_params / r.tp
+    layer = d.layer_params - d.tp_layer_params + d.tp_layer_params / r.tp
+    gathered = 2 if r.reshard_after_forward else d.layers
+    extra = layer / r.fsdp * r.master_bytes if r.offload == "all" else 0.0
+    return root * r.compute_bytes + gathered * layer * r.compute_bytes + extra
 
 
 def _comm_at_loss(d: ModelDims, r: RunShape) -> float:

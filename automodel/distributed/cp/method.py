@@ -288,6 +288,12 @@ class CPMethod:
         inner ``sdpa`` kernel); ``packed``: rows hold several documents. Default: the block kernels."""
         return "blocks"
 
+    def saves_repeated_kv(self, packed: bool) -> bool:
+        """Whether a grouped-query layer's saved activations hold K/V repeated to the query heads (the memory
+        planner's ``2 h`` per token). Default no: the block kernels (``blocks._BlockedAttention``, the document
+        blocks) save this rank's q, k, v at the KV heads; ``packed``: rows hold several documents."""
+        return False
+
     def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:
         """``(heads, kv heads, query tokens, key tokens)`` per row of ONE attention kernel call on a rank (what a
         kernel's backward buffers scale with: :func:`automodel.distributed.cp.attention_kernels.kernel_buffers`).

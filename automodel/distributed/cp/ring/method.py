@@ -54,6 +54,11 @@ class RingMethod(CPMethod):
 
         return make_cp_batch_and_ctx
 
+    def saves_repeated_kv(self, packed: bool) -> bool:
+        """Full layers run torch's ring attention through transformers' ``sdpa`` function, which repeats K/V to the
+        query heads (measured by ``scripts/bench_memory.py``'s ring rows)."""
+        return True
+
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
         n, c, tp = r.local_tokens, r.compute_bytes, r.tp
         h, kv = d.hidden / tp, d.kv_heads * d.head_dim / tp
