@@ -46,7 +46,7 @@ WORKER = "tests.workers.family_matrix_worker:main"
 CI_FAMILIES = (
     "llama", "mistral", "gemma2", "gpt2", "bloom", "smollm3", "diffllama", "doge", "mixtral", "minicpm3",
     "deepseek_v32", "gpt_oss", "llama4_text", "qwen3_next", "falcon_h1", "nemotron_h", "recurrent_gemma", "rwkv",
-    "xlstm", "lfm2@flagship", "mamba", "lfm3", "zaya", "cpmant",
+    "xlstm", "lfm2@flagship", "mamba", "lfm3", "zaya", "cpmant", "deepseek_v4",
 )  # fmt: skip
 
 
