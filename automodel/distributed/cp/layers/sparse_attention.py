@@ -1,7 +1,7 @@
 """DeepSeek Sparse Attention (DSA) under CP: queries local, the latent KV and the indexer keys all-gathered.
 
 A DSA layer (DeepSeek-V3.2 ``DeepseekV32Attention``, GLM-5 ``GlmMoeDsaAttention``, dots3's ``indexed_attention``
-layers) is multi-head latent attention whose keys an *indexer* picks per query: light heads score every visible
+layers, HY-V4 ``HYV4Attention``) is multi-head latent attention whose keys an *indexer* picks per query: light heads score every visible
 token, ``score[q, t] = sum_h w[q, h] * relu(q_h . k_t) / sqrt(d)``, and the query attends to the ``index_topk``
 best. What a query needs of the other tokens is small: the compressed (latent) KV ``[kv_lora_rank +
 qk_rope_head_dim]`` the attention expands into keys and values, and the indexer key ``[index_head_dim]``.
@@ -23,8 +23,10 @@ with three things changed for the call:
   against the whole gathered row, masked to the same document, causal, and the selected keys (``-1`` slots
   select nothing), in the input dtype.
 
-The attention mask the model built (a method's, for local tokens) is replaced by the layout's. GLM-5's
-``shared`` layers reuse the previous layer's indices (global token ids) unchanged. Outside a CP context the
+The attention mask the model built (a method's, for local tokens) is replaced by the layout's. GLM-5's and HY-V4's
+``shared`` layers reuse the previous layer's indices (global token ids) unchanged. HY-V4's per-head sinks (the
+module's ``s_aux``) join each query's softmax over its selected keys; its indexer rotates the last dimensions
+(:data:`~.sparse_support.DSA_ROPE_LAST`). Outside a CP context the
 module runs its class's forward, except on packed rows (``position_ids`` restart): there the same kernel runs
 on one rank, each query's top-k taken over its own document (transformers takes it over the whole row, whose
 ties among equal scores resolve differently from the document alone's).
