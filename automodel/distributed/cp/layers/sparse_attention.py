@@ -342,7 +342,8 @@ def _select_block(
         index = index.masked_fill(~visible, float("-inf"))
     else:
         dtype = torch.promote_types(index.dtype, fill)
-        index = index.to(dtype) + torch.where(visible, 0.0, torch.finfo(fill).min).to(dtype)
+        lowest = torch.tensor(torch.finfo(fill).min, dtype=dtype, device=q.device)  # fp64's: not a float32 scalar
+        index = index.to(dtype) + torch.where(visible, torch.zeros((), dtype=dtype, device=q.device), lowest)
     k = min(topk, L)
     top = index.topk(k, dim=-1).indices
     out[b, rows, :k] = torch.where(visible.gather(1, top), top + d, torch.full_like(top, -1))
