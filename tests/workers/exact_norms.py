@@ -35,7 +35,9 @@ def _forward(offset: float):
 
 
 def _hy_v4_unweighted(self, x: torch.Tensor) -> torch.Tensor:
-    return torch.rsqrt(x.square().mean(-1, keepdim=True) + self.variance_epsilon)
+    eps = getattr(self, "variance_epsilon", None)
+    eps = self.eps if eps is None else eps  # transformers 5.17-5.24 name it eps
+    return torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
 def _hy_v4_connection(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,7 +44,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from automodel.distributed.cp.active import innermost
-from automodel.distributed.cp.layers.sparse_support import DSA_ATTENTION, DSA_ROPE_LAST, SPARSE_METHODS
+from automodel.distributed.cp.layers.sparse_support import (
+    DSA_ATTENTION,
+    DSA_ROPE_BY_RELEASE,
+    DSA_ROPE_LAST,
+    SPARSE_METHODS,
+)
 from automodel.errors import CPUnsupportedError
 
 __all__ = [
@@ -602,6 +607,16 @@ def dsa_indexer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, q_re
     return type(self).forward(self, hidden_states, q_resid, position_embeddings, *args, **kwargs)
 
 
+def _release_layout(indexer: torch.nn.Module) -> str:
+    """The RoPE layout whose function the installed indexer's forward calls (``"interleaved"`` when it calls
+    ``apply_rotary_pos_emb_interleave``, else ``"half"``; :func:`_check_indexer` then checks that one is called)."""
+    try:
+        source = inspect.getsource(type(indexer).forward)
+    except (OSError, TypeError):
+        source = ""
+    return "interleaved" if f"{_ROPE['interleaved']}(" in source else "half"
+
+
 def _check_indexer(module: torch.nn.Module, indexer: torch.nn.Module, layout: str, rope_last: bool = False) -> None:
     """Refuse an indexer whose forward is not the scoring :meth:`DsaStep.select` computes (a transformers release
     that changed it): its RoPE function, which end of q it rotates, ReLU, the per-head weights and the top-k must
@@ -650,10 +665,11 @@ def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
             continue
         indexer = getattr(module, "indexer", None)
         if indexer is not None:
-            _check_indexer(module, indexer, DSA_ATTENTION[name], name in DSA_ROPE_LAST)
+            layout = _release_layout(indexer) if name in DSA_ROPE_BY_RELEASE else DSA_ATTENTION[name]
+            _check_indexer(module, indexer, layout, name in DSA_ROPE_LAST)
             if not getattr(indexer, _MARK, False):
                 indexer.forward = types.MethodType(dsa_indexer_forward, indexer)
-                indexer._automodel_dsa_rope = DSA_ATTENTION[name]
+                indexer._automodel_dsa_rope = layout
                 indexer._automodel_dsa_rope_last = name in DSA_ROPE_LAST
                 setattr(indexer, _MARK, True)
         if not getattr(module, _MARK, False):
