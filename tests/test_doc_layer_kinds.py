@@ -43,8 +43,9 @@ CP2 = {
 }
 # DeepSeek sparse attention (top-k 16 per document), fp64 with every MLP dense (no fp32 MoE router)
 DSA = {
-    f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True, dense_mlp=dtype == "float64")
-    for fam in ("deepseek_v32", "glm_moe_dsa", "dots3_note_text")
+    f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True, dense_mlp=dtype == "float64",
+                                  exact_norms=fam == "hy_v4")  # HY-V4's hyper-connections in fp64 (exact_norms.py)
+    for fam in ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4")
     for dtype in ("float32", "float64")
 }
 CP2.update(DSA)
@@ -56,6 +57,8 @@ CP4 = {
     "mistral/unpacked/float32": dict(family="mistral", dtype="float32", rows=[[48]], packed=False),
     "deepseek_v32/packed/float64": dict(family="deepseek_v32", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True),
     "glm_moe_dsa/packed/float64": dict(family="glm_moe_dsa", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True),
+    "hy_v4/packed/float64": dict(family="hy_v4", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True,
+                                 exact_norms=True),
 }
 
 

@@ -102,21 +102,24 @@ MODEL_CASES.update({
 # every MLP dense (MoE routers compute in fp32 whatever the model's dtype) to show fp64's own round-off; ring on one
 # row, thd and Ulysses on packed rows against every document alone. A negative control: Ulysses fed each rank's
 # LOCAL positions (the indexer's and the attention's RoPE misplaced on every rank after the first) must differ.
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text")  # dots3: two DSA layers, one sliding-window
+# HY-V4: DSA plus per-head sinks, an output gate and hyper-connections, its indexer's RoPE on the last dimensions;
+# in fp64 its hyper-connections compute in fp64 (exact_norms: transformers computes them in fp32 whatever the dtype)
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4")  # dots3: two DSA layers, one sliding-window
 DSA_CASES = {
     f"{family}/{method}/{dtype}" + ("/dense" if dtype == "float64" else ""): dict(
         family=family, method=method, dtype=dtype, docs=[48] if method == "ring" else [21, 34, 9],
-        dense_mlp=dtype == "float64",
+        dense_mlp=dtype == "float64", exact_norms=family == "hy_v4",
     )
     for family in DSA_FAMILIES
     for method in ("ring", "thd", "ulysses")
     for dtype in ("float32", "float64")
 }
-DSA_CASES.update({  # GLM-5 with a "shared" indexer layer: layer 1 reuses layer 0's top-k (global token ids)
-    f"glm_moe_dsa/{method}/float64/dense/shared": dict(
-        family="glm_moe_dsa", method=method, dtype="float64", docs=[48] if method == "ring" else [21, 34, 9],
-        dense_mlp=True, config={"indexer_types": ["full", "shared"]},
+DSA_CASES.update({  # GLM-5, HY-V4 with a "shared" indexer layer: layer 1 reuses layer 0's top-k (global token ids)
+    f"{family}/{method}/float64/dense/shared": dict(
+        family=family, method=method, dtype="float64", docs=[48] if method == "ring" else [21, 34, 9],
+        dense_mlp=True, config={"indexer_types": ["full", "shared"]}, exact_norms=family == "hy_v4",
     )
+    for family in ("glm_moe_dsa", "hy_v4")
     for method in ("ring", "thd")
 })
 DSA_CASES.update({  # ring rows right-padded to split evenly (45, 47 -> 48): the top-k row is the real length,
@@ -131,6 +134,7 @@ DSA_NEGATIVE = {
 }
 DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dense") and "dots3" not in name}
 DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
+DSA_CP4.update({name: DSA_CASES[name] for name in ("hy_v4/ring/float64/dense/shared", "hy_v4/thd/float64/dense/shared")})
 DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}
 
 

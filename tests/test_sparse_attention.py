@@ -11,8 +11,9 @@ tests/test_family_matrix.py) runs in launches that already exist. Here, without 
 - top-k larger than the visible prefix: early queries get ``-1`` slots, which select nothing and are never read
   as an index (the attention equals a dense reference over the selected keys);
 - packed rows: no selection crosses a document, and each document's selection equals the document's alone;
-- a packed row at cp=1 through the installed forward (GLM-5 with a ``shared`` layer reusing the previous
-  layer's top-k) equals each document alone, loss and every gradient in fp64.
+- a packed row at cp=1 through the installed forward (GLM-5 and HY-V4 with a ``shared`` layer reusing the previous
+  layer's top-k; HY-V4's sinks, gate and hyper-connections) equals each document alone, loss and every gradient in
+  fp64; HY-V4's indexer rotates its last dimensions (rotating the first selects differently).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from automodel.distributed.cp.method import profile_problems
 from automodel.distributed.cp.profile import SPARSE, UNKNOWN
 from tests.family_matrix import family_by_name
 
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4")
 
 
 def _one_rank(doc_lengths: list[int]) -> Placement:
@@ -125,8 +126,12 @@ def _indexer_inputs(model, seq: int, seed: int = 1):
     return attn, hidden, q_resid, model.model.rotary_emb(hidden, positions)
 
 
-@pytest.mark.parametrize("family, other", [("deepseek_v32", "interleaved"), ("glm_moe_dsa", "half")])
-def test_indexer_selects_what_transformers_selects_with_the_family_rope_layout(family, other):
+@pytest.mark.parametrize("family, attr, other", [
+    ("deepseek_v32", "_automodel_dsa_rope", "interleaved"),
+    ("glm_moe_dsa", "_automodel_dsa_rope", "half"),
+    ("hy_v4", "_automodel_dsa_rope_last", False),  # HY-V4 rotates the last dimensions: the first ones differ
+])  # fmt: skip
+def test_indexer_selects_what_transformers_selects_with_the_family_rope_layout(family, attr, other):
     model = _model(family)
     seq = 40
     attn, hidden, q_resid, pe = _indexer_inputs(model, seq)
@@ -141,7 +146,7 @@ def test_indexer_selects_what_transformers_selects_with_the_family_rope_layout(f
 
     assert visible_sets(ours) == visible_sets(reference)
     assert ours.shape == (seq, model.config.index_topk)
-    attn.indexer._automodel_dsa_rope = other  # the other family's layout: the selection must change
+    setattr(attn.indexer, attr, other)  # the other family's layout: the selection must change
     wrong = DsaStep(place, "sdpa").select(attn.indexer, hidden, q_resid, pe)[0]
     assert visible_sets(wrong) != visible_sets(reference)
 
@@ -210,8 +215,16 @@ def test_packed_selection_stays_in_each_document_and_equals_the_document_alone()
 @pytest.mark.parametrize("family, overrides", [
     ("deepseek_v32", {}),
     ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}),  # layer 1 reuses layer 0's top-k
+    ("hy_v4", {"indexer_types": ["full", "shared"]}),  # and per-head sinks, an output gate, hyper-connections
 ])  # fmt: skip
 def test_packed_row_in_one_process_equals_each_document_alone_fp64(family, overrides):
+    from tests.workers.exact_norms import norms_in_input_dtype
+
+    with norms_in_input_dtype(family == "hy_v4"):  # HY-V4's hyper-connections in fp64 (transformers: fp32)
+        _packed_row_equals_documents_alone(family, overrides)
+
+
+def _packed_row_equals_documents_alone(family: str, overrides: dict) -> None:
     from tests.family_matrix import VOCAB
 
     n_layers = family_by_name(family).build_config().num_hidden_layers
@@ -267,7 +280,8 @@ def test_auto_costs_the_gathered_latent_kv_and_indexer_keys():
     assert all("DSA" in t.what for t in choice.candidates[0].terms)
 
 
-def test_query_blocks_select_and_attend_as_one_block(monkeypatch):
+@pytest.mark.parametrize("sinks", [False, True])  # HY-V4's per-head sinks ride along into the recomputed blocks
+def test_query_blocks_select_and_attend_as_one_block(monkeypatch, sinks):
     import automodel.distributed.cp.layers.sparse_attention as dsa
 
     lengths, topk = [13, 30, 21], 6
@@ -278,12 +292,16 @@ def test_query_blocks_select_and_attend_as_one_block(monkeypatch):
     qkv = [torch.randn(1, 2, total, d, generator=g, dtype=torch.float64) for d in (6, 6, 5)]
     mask = place.mask(1, torch.device("cpu"))
 
+    sink = torch.tensor([0.3, -1.2], dtype=torch.float64) if sinks else None
+
     def run():
         idx = select_topk(q, w, k, place, topk, 0.5)
         leaves = [x.clone().requires_grad_(True) for x in qkv]
-        out, _ = dsa_attention(torch.nn.Module(), *leaves, mask, scaling=0.4, indices=idx)
+        extra = [] if sink is None else [sink.clone().requires_grad_(True)]
+        out, _ = dsa_attention(torch.nn.Module(), *leaves, mask, scaling=0.4, indices=idx,
+                               **({"s_aux": extra[0]} if extra else {}))  # fmt: skip
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        return idx, out.detach(), [x.grad for x in leaves]
+        return idx, out.detach(), [x.grad for x in leaves + extra]
 
     whole = run()
     monkeypatch.setattr(dsa, "QUERY_BLOCK", 5)  # blocks of 5 queries, recomputed in the backward

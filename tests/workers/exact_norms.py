@@ -1,4 +1,5 @@
-"""RMSNorms in the input's dtype, so that an fp64 model is fp64 end to end (the fp64 parity cases of the Gemma families).
+"""RMSNorms in the input's dtype, so that an fp64 model is fp64 end to end (the fp64 parity cases of the Gemma families
+and of HY-V4's hyper-connections).
 
 Gemma 3, Gemma 3n and Gemma 4 compute every RMSNorm in fp32 whatever the model's dtype (``x.float()``, then
 ``.type_as(x)``): an fp64 model keeps fp32 round-off in each norm, so CP against one process agrees to ~1e-7 there,
@@ -14,6 +15,7 @@ import importlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 
 #: (module, class, the weight's offset: Gemma 3 scales by ``1 + weight``, Gemma 3n and 4 by ``weight``)
 NORMS = (
@@ -32,9 +34,44 @@ def _forward(offset: float):
     return forward
 
 
+def _hy_v4_unweighted(self, x: torch.Tensor) -> torch.Tensor:
+    eps = getattr(self, "variance_epsilon", None)
+    eps = self.eps if eps is None else eps  # transformers 5.17-5.24 name it eps
+    return torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def _hy_v4_connection(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = streams.flatten(2)
+    mixes = F.linear(flat, self.fn.to(flat.dtype)) * self.input_norm(flat)
+    pre_b, post_b = self.base.to(flat.dtype).split(self.hc_mult, dim=-1)
+    pre_scale, post_scale = self.scale.to(flat.dtype).unbind(0)
+    pre_logits, post_logits = mixes.split(self.hc_mult, dim=-1)
+    pre = torch.sigmoid(pre_logits * pre_scale + pre_b) + self.hc_eps
+    post = self.hc_post_magnitude * torch.sigmoid(post_logits * post_scale + post_b) + self.hc_eps
+    return post, torch.sum(pre.unsqueeze(-1) * streams, dim=2)
+
+
+def _hy_v4_head(self, x: torch.Tensor) -> torch.Tensor:
+    flat = x.flatten(2)
+    mixes = F.linear(flat, self.hc_fn.to(flat.dtype)) * self.input_norm(flat)
+    pre = torch.sigmoid(mixes * self.hc_scale.to(flat.dtype) + self.hc_base.to(flat.dtype)) + self.eps
+    return (pre.unsqueeze(-1) * x).sum(dim=2)
+
+
+#: HY-V4's hyper-connections (token-local: each token's streams mixed by weights computed from that token alone)
+#: and their unweighted RMSNorm compute in fp32 whatever the model's dtype (``.float()``): the same formulas in the
+#: input's dtype
+HY_V4 = (
+    ("transformers.models.hy_v4.modeling_hy_v4", "HYV4UnweightedRMSNorm", _hy_v4_unweighted),
+    ("transformers.models.hy_v4.modeling_hy_v4", "HYV4HyperConnection", _hy_v4_connection),
+    ("transformers.models.hy_v4.modeling_hy_v4", "HYV4HyperHead", _hy_v4_head),
+)
+
+
 @contextlib.contextmanager
 def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
-    """Patch the Gemma RMSNorm classes of :data:`NORMS` (those the installed transformers has) to compute in the
+    """Patch the Gemma RMSNorm classes of :data:`NORMS` and HY-V4's of :data:`HY_V4` (those the installed
+    transformers has) to compute in the
     input's dtype; restored on exit. ``enabled=False``: nothing changes."""
     saved = []
     try:
@@ -46,6 +83,13 @@ def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
                     continue
                 saved.append((cls, cls.forward))
                 cls.forward = _forward(offset)
+            for module_name, class_name, forward in HY_V4:
+                try:
+                    cls = getattr(importlib.import_module(module_name), class_name)
+                except (ImportError, AttributeError):
+                    continue
+                saved.append((cls, cls.forward))
+                cls.forward = forward
         yield
     finally:
         for cls, forward in saved:

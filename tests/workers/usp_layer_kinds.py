@@ -24,13 +24,14 @@ from tests.workers.thd_attention_worker import _ce, pack
 ULYSSES = 2
 #: two packed rows; padded to 8 (2 * cp) the documents are 24, 40, 16 and 32, 24 tokens
 ROWS = [[21, 34, 9], [30, 18]]
-FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense")
+FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense",
+            "hy_v4_dense")
 #: Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py): per-layer-type RoPE and head sizes,
 #: sliding and full layers, per-layer inputs; scores unscaled (scaling 1.0 after the q/k norms)
 CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")] + [("gemma4_text", "float64")]
 #: ALiBi in BLOOM's own attention code (cp/layers/alibi.py), handed to usp: each Ulysses rank's head slopes
 CASES += [("bloom", "float32"), ("bloom", "float64")]
-EXACT_NORMS = ("gemma4_text",)
+EXACT_NORMS = ("gemma4_text", "hy_v4_dense")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
 
 
 def _model(family: str, dtype: torch.dtype):

@@ -7,7 +7,7 @@ layer's token mixer, which is what decides whether a CP method computes the laye
 - ``full_attention``: causal softmax attention over the whole row;
 - ``sliding_window``: causal attention limited to the last ``window`` tokens;
 - ``chunked_attention``: causal attention inside fixed chunks of ``chunk`` tokens (Llama 4);
-- ``sparse_attention``: DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5, dots3's ``indexed_attention``):
+- ``sparse_attention``: DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5, dots3's ``indexed_attention``, HY-V4):
   latent attention whose keys an indexer chooses per query (the top ``index_topk`` of the query's document),
   recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`);
 - ``linear_mixer``: linear attention or a state-space / convolution mixer (Gated DeltaNet, Mamba,

@@ -1,7 +1,7 @@
 """DeepSeek Sparse Attention (DSA) under CP: queries local, the latent KV and the indexer keys all-gathered.
 
 A DSA layer (DeepSeek-V3.2 ``DeepseekV32Attention``, GLM-5 ``GlmMoeDsaAttention``, dots3's ``indexed_attention``
-layers) is multi-head latent attention whose keys an *indexer* picks per query: light heads score every visible
+layers, HY-V4 ``HYV4Attention``) is multi-head latent attention whose keys an *indexer* picks per query: light heads score every visible
 token, ``score[q, t] = sum_h w[q, h] * relu(q_h . k_t) / sqrt(d)``, and the query attends to the ``index_topk``
 best. What a query needs of the other tokens is small: the compressed (latent) KV ``[kv_lora_rank +
 qk_rope_head_dim]`` the attention expands into keys and values, and the indexer key ``[index_head_dim]``.
@@ -23,8 +23,10 @@ with three things changed for the call:
   against the whole gathered row, masked to the same document, causal, and the selected keys (``-1`` slots
   select nothing), in the input dtype.
 
-The attention mask the model built (a method's, for local tokens) is replaced by the layout's. GLM-5's
-``shared`` layers reuse the previous layer's indices (global token ids) unchanged. Outside a CP context the
+The attention mask the model built (a method's, for local tokens) is replaced by the layout's. GLM-5's and HY-V4's
+``shared`` layers reuse the previous layer's indices (global token ids) unchanged. HY-V4's per-head sinks (the
+module's ``s_aux``) join each query's softmax over its selected keys; its indexer rotates the last dimensions
+(:data:`~.sparse_support.DSA_ROPE_LAST`). Outside a CP context the
 module runs its class's forward, except on packed rows (``position_ids`` restart): there the same kernel runs
 on one rank, each query's top-k taken over its own document (transformers takes it over the whole row, whose
 ties among equal scores resolve differently from the document alone's).
@@ -42,7 +44,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from automodel.distributed.cp.active import innermost
-from automodel.distributed.cp.layers.sparse_support import DSA_ATTENTION, SPARSE_METHODS
+from automodel.distributed.cp.layers.sparse_support import (
+    DSA_ATTENTION,
+    DSA_ROPE_BY_RELEASE,
+    DSA_ROPE_LAST,
+    SPARSE_METHODS,
+)
 from automodel.errors import CPUnsupportedError
 
 __all__ = [
@@ -281,7 +288,7 @@ def select_topk(
     keys: torch.Tensor,
     place: Placement,
     topk: int,
-    scale: float,
+    scale: float | None,
     fill: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Each local query's top-k keys, in global token ids (``-1``: an empty slot).
@@ -290,7 +297,8 @@ def select_topk(
         q: ``[B, n, H, D]`` the indexer's queries (RoPE applied), this rank's tokens.
         weights: ``[B, n, H]`` fp32 per-head weights (``weights_proj`` times ``H ** -0.5``).
         keys: ``[B, T, D]`` the indexer keys of every token in global order (RoPE applied).
-        place: the step's :class:`Placement`; topk: ``index_topk``; scale: the indexer's ``softmax_scale``.
+        place: the step's :class:`Placement`; topk: ``index_topk``; scale: the indexer's ``softmax_scale`` on the
+            scores (``None``: already in ``weights``, HY-V4's order of the same product).
         fill: ``None``: masked scores are ``-inf`` (transformers with a boolean mask: sdpa); a dtype: they are
             the score plus that dtype's lowest value (transformers' additive mask: eager).
 
@@ -322,12 +330,14 @@ def select_topk(
 
 def _select_block(
     out: torch.Tensor, b: int, r: int, sel: torch.Tensor, d: int, L: int, q: torch.Tensor, weights: torch.Tensor,
-    key: torch.Tensor, place: Placement, topk: int, scale: float, fill: torch.dtype | None,
+    key: torch.Tensor, place: Placement, topk: int, scale: float | None, fill: torch.dtype | None,
 ) -> None:  # fmt: skip
     """:func:`select_topk` for the local queries ``sel`` of row ``b`` (placement row ``r``) whose document starts at
     ``d`` and is scored over ``L`` keys (``key`` ``[L, D]`` fp32); writes their slots of ``out``."""
     rows = sel.to(q.device)
-    scores = torch.matmul(q[b, rows].float(), key.transpose(0, 1)) * scale  # [m, H, L]
+    scores = torch.matmul(q[b, rows].float(), key.transpose(0, 1))  # [m, H, L]
+    if scale is not None:  # else the scale is in the weights (HY-V4)
+        scores = scores * scale
     index = torch.matmul(weights[b, rows].unsqueeze(-2), F.relu(scores)).squeeze(-2)  # [m, L]
     pos = (place.ids[sel] - d).to(q.device)
     visible = torch.arange(L, device=q.device)[None, :] <= pos[:, None]
@@ -337,7 +347,8 @@ def _select_block(
         index = index.masked_fill(~visible, float("-inf"))
     else:
         dtype = torch.promote_types(index.dtype, fill)
-        index = index.to(dtype) + torch.where(visible, 0.0, torch.finfo(fill).min).to(dtype)
+        lowest = torch.tensor(torch.finfo(fill).min, dtype=dtype, device=q.device)  # fp64's: not a float32 scalar
+        index = index.to(dtype) + torch.where(visible, torch.zeros((), dtype=dtype, device=q.device), lowest)
     k = min(topk, L)
     top = index.topk(k, dim=-1).indices
     out[b, rows, :k] = torch.where(visible.gather(1, top), top + d, torch.full_like(top, -1))
@@ -374,16 +385,27 @@ class DsaStep:
             rope = _rope_function(indexer)
             cos, sin = position_embeddings
             q = indexer.wq_b(q_resid).view(B, n, heads, dim)
-            q_rot, q_pass = torch.split(q, [rope_dim, dim - rope_dim], dim=-1)
-            k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
-            k_rot, k_pass = torch.split(k, [rope_dim, dim - rope_dim], dim=-1)
-            q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-            q = torch.cat([q_rot, q_pass], dim=-1)
-            k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
             weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * heads**-0.5
+            if getattr(indexer, "_automodel_dsa_rope_last", False):  # HY-V4: RoPE on the last dims, scale on weights
+                q_pass, q_rot = torch.split(q, [dim - rope_dim, rope_dim], dim=-1)
+                norm_dtype = indexer.k_norm.weight.dtype
+                k = indexer.k_norm(indexer.wk(hidden).to(norm_dtype)).to(hidden.dtype).unsqueeze(2)
+                k_pass, k_rot = torch.split(k, [dim - rope_dim, rope_dim], dim=-1)
+                q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+                q = torch.cat([q_pass, q_rot], dim=-1)
+                k = torch.cat([k_pass, k_rot], dim=-1).squeeze(2)
+                weights, scale = weights * indexer.softmax_scale, None
+            else:
+                q_rot, q_pass = torch.split(q, [rope_dim, dim - rope_dim], dim=-1)
+                k = indexer.k_norm(indexer.wk(hidden)).unsqueeze(2)
+                k_rot, k_pass = torch.split(k, [rope_dim, dim - rope_dim], dim=-1)
+                q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+                q = torch.cat([q_rot, q_pass], dim=-1)
+                k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+                scale = indexer.softmax_scale
             keys = self.place.gather(k)
             fill = hidden.dtype if self.eager else None
-            return select_topk(q, weights, keys, self.place, indexer.index_topk, indexer.softmax_scale, fill)
+            return select_topk(q, weights, keys, self.place, indexer.index_topk, scale, fill)
 
 
 def dsa_attention(
@@ -419,28 +441,40 @@ def dsa_attention(
         key = key.repeat_interleave(Hq // key.shape[1], dim=1)
         value = value.repeat_interleave(Hq // value.shape[1], dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    sinks = kwargs.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.nn.Parameter):  # eager reads the module's
+        sinks = module.sinks
     if n <= QUERY_BLOCK or not torch.is_grad_enabled():
-        out = _masked_attention(query, key, value, mask, scale)
+        out = _masked_attention(query, key, value, mask, scale, sinks)
     else:  # blocks of queries, recomputed in the backward: one block's [B, H, block, T] scores at a time
         from torch.utils.checkpoint import checkpoint
 
         out = torch.cat([
             checkpoint(_masked_attention, query[:, :, i : i + QUERY_BLOCK], key, value,
-                       mask[:, :, i : i + QUERY_BLOCK], scale, use_reentrant=False)
+                       mask[:, :, i : i + QUERY_BLOCK], scale, sinks, use_reentrant=False)
             for i in range(0, n, QUERY_BLOCK)
         ], dim=2)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
 def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:  # fmt: skip
+                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Softmax attention ``[B, H, m, Dqk] x [B, H, T, Dqk] -> [B, H, m, Dv]`` over the keys ``mask`` ``[B, 1, m, T]``
     allows. Plain math, not ``F.scaled_dot_product_attention``: inside ring's context torch replaces that with its
-    ring. A masked score is the dtype's lowest value, whose ``exp`` is 0 (as transformers' eager mask)."""
+    ring. A masked score is the dtype's lowest value, whose ``exp`` is 0 (as transformers' eager mask). ``sinks``
+    ``[H]``: a per-head logit joins every query's softmax and its probability is dropped (HY-V4, as its eager
+    attention: the max subtracted first)."""
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     softmax_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(value.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(value.dtype)
+        return torch.matmul(probs, value)
+    B, H, m, _ = scores.shape
+    sink = sinks.to(scores.dtype).reshape(1, H, 1, 1).expand(B, H, m, 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=softmax_dtype)[..., :-1].to(value.dtype)
     return torch.matmul(probs, value)
 
 
@@ -573,14 +607,26 @@ def dsa_indexer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, q_re
     return type(self).forward(self, hidden_states, q_resid, position_embeddings, *args, **kwargs)
 
 
-def _check_indexer(module: torch.nn.Module, indexer: torch.nn.Module, layout: str) -> None:
-    """Refuse an indexer whose forward is not the scoring :meth:`DsaStep.select` computes (a transformers release
-    that changed it): its RoPE function, ReLU, the per-head weights and the top-k must all be there."""
+def _release_layout(indexer: torch.nn.Module) -> str:
+    """The RoPE layout whose function the installed indexer's forward calls (``"interleaved"`` when it calls
+    ``apply_rotary_pos_emb_interleave``, else ``"half"``; :func:`_check_indexer` then checks that one is called)."""
     try:
         source = inspect.getsource(type(indexer).forward)
     except (OSError, TypeError):
         source = ""
-    needed = (f"{_ROPE[layout]}(", "relu", "weights_proj", "topk", "softmax_scale")
+    return "interleaved" if f"{_ROPE['interleaved']}(" in source else "half"
+
+
+def _check_indexer(module: torch.nn.Module, indexer: torch.nn.Module, layout: str, rope_last: bool = False) -> None:
+    """Refuse an indexer whose forward is not the scoring :meth:`DsaStep.select` computes (a transformers release
+    that changed it): its RoPE function, which end of q it rotates, ReLU, the per-head weights and the top-k must
+    all be there."""
+    try:
+        source = inspect.getsource(type(indexer).forward)
+    except (OSError, TypeError):
+        source = ""
+    split = "q_pass, q_rot = torch.split(q," if rope_last else "q_rot, q_pass = torch.split(q,"
+    needed = (f"{_ROPE[layout]}(", split, "relu", "weights_proj", "topk", "softmax_scale")
     missing = [word for word in needed if word not in source]
     attrs = [a for a in ("wq_b", "wk", "k_norm", "weights_proj", "n_heads", "head_dim", "qk_rope_head_dim",
                          "index_topk", "softmax_scale") if not hasattr(indexer, a)]  # fmt: skip
@@ -619,10 +665,12 @@ def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
             continue
         indexer = getattr(module, "indexer", None)
         if indexer is not None:
-            _check_indexer(module, indexer, DSA_ATTENTION[name])
+            layout = _release_layout(indexer) if name in DSA_ROPE_BY_RELEASE else DSA_ATTENTION[name]
+            _check_indexer(module, indexer, layout, name in DSA_ROPE_LAST)
             if not getattr(indexer, _MARK, False):
                 indexer.forward = types.MethodType(dsa_indexer_forward, indexer)
-                indexer._automodel_dsa_rope = DSA_ATTENTION[name]
+                indexer._automodel_dsa_rope = layout
+                indexer._automodel_dsa_rope_last = name in DSA_ROPE_LAST
                 setattr(indexer, _MARK, True)
         if not getattr(module, _MARK, False):
             module.forward = types.MethodType(_DSA_FORWARD, module)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DSA_ATTENTION", "SPARSE_METHODS", "sparse_attention_problem"]
+__all__ = ["DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "SPARSE_METHODS", "sparse_attention_problem"]
 
 #: attention class -> the RoPE its indexer applies to its query and key (``"half"``: transformers'
 #: ``apply_rotary_pos_emb``, the rotary dimensions split in two halves, DeepSeek-V3.2; ``"interleaved"``:
@@ -31,7 +31,18 @@ DSA_ATTENTION: dict[str, str] = {
     "DeepseekV32Attention": "half",
     "GlmMoeDsaAttention": "interleaved",
     "Dots3NoteTextAttention": "interleaved",
+    "HYV4Attention": "interleaved",  # transformers >= 5.25; 5.17-5.24 rotate halves (DSA_ROPE_BY_RELEASE)
 }
+
+#: attention classes whose indexer's RoPE layout changed between transformers releases: the layout is the one
+#: whose function the installed indexer's source calls (HY-V4: halves in 5.17-5.24, interleaved pairs from 5.25)
+DSA_ROPE_BY_RELEASE: frozenset[str] = frozenset({"HYV4Attention"})
+
+#: attention classes whose indexer rotates the LAST ``qk_rope_head_dim`` dimensions of its query and key (HY-V4's
+#: "flipped" RoPE; the others rotate the first ones), normalises its key in the norm's own dtype (fp32) and applies
+#: ``softmax_scale`` to the per-head weights instead of the scores (the same numbers: a positive factor through a
+#: ReLU); their attention adds per-head sinks to the softmax (``s_aux``) and gates its output (token-local)
+DSA_ROPE_LAST: frozenset[str] = frozenset({"HYV4Attention"})
 
 #: method name -> how it runs a DSA layer
 SPARSE_METHODS = {
