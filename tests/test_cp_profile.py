@@ -270,7 +270,6 @@ def test_an_unknown_attention_names_its_module_path():
 #: issue 43: attention layers whose computation is known and which no CP method computes yet, each refused by every
 #: method with what it computes and why no method does (not the request to report an unrecognised layer)
 KNOWN_GAPS = {
-    "gpt_neo": ("GPTNeoAttention: causal and local-window masks in its own code", "its window itself would be exact"),
     "doge": ("DogeAttention: dynamic mask attention", "which every CP method replaces by its own"),
     "falcon_alibi": ("ALiBi position bias in its attention mask (config.alibi=True)", "ALiBi itself is exact"),
 }
@@ -392,3 +391,23 @@ def test_alibi_layers_run_under_every_method(name):
         assert set(methods_that_run(profile, 64, packed=True)) == set(cp_methods()) - {"ring"}  # ring: one document
         reason = standard_problem("mine", profile.layers[0], 64)
         assert reason.startswith("ALiBi (each score of head h gets slope_h * (j - i)") and "which mine does" in reason
+
+
+def test_gpt_neo_layers_run_under_every_method():
+    """GPT-Neo's global and local layers (masks in its own code, made to dispatch: cp/layers/alibi.py) are full causal
+    and sliding-window attention (its ``window_size``), from the model and from its config alone, which every
+    built-in method computes; a method that does not install the dispatch refuses them with the reason."""
+    from automodel.distributed.cp.method import standard_problem
+    from tests.family_matrix import WINDOW, family_by_name
+
+    config = family_by_name("gpt_neo").build_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for profile in (profile_model(model), profile_model(config)):
+        assert [(layer.kind, layer.window) for layer in profile.layers] == [(FULL, None), (SLIDING, WINDOW)]
+        assert all(layer.own_code and not layer.alibi and not layer.known_gap for layer in profile.layers)
+        assert set(methods_that_run(profile, 64)) == set(cp_methods())
+        assert set(methods_that_run(profile, 64, packed=True)) == set(cp_methods()) - {"ring"}  # ring: one document
+        reason = standard_problem("mine", profile.layers[1], 64, windows=True)
+        assert reason.startswith("sliding-window attention (window 16) computed in the layer's own code (GPT-Neo), "
+                                 "which mine does not reach"), reason

@@ -82,7 +82,15 @@ MODEL_CASES.update({
     for method in ("ring", "ulysses", "thd")
     for dtype in ("float32", "float64")
 })
-ALIBI = ("bloom", "mpt")  # their layers dispatch inside a CP context; the model's implementation stays eager
+# GPT-Neo (issue 43): global and local-window masks in its own code, scores unscaled, softmax in fp32; the layer hands
+# q, k, v (and its window) to ring, Ulysses and thd (cp/layers/alibi.py; thd_docs: tests/test_doc_layer_kinds.py)
+MODEL_CASES.update({
+    f"gpt_neo/{method}/{dtype}": dict(family="gpt_neo", method=method, dtype=dtype,
+                                      docs=[48] if method == "ring" else [21, 34, 9])
+    for method in ("ring", "ulysses", "thd")
+    for dtype in ("float32", "float64")
+})
+ALIBI = ("bloom", "mpt", "gpt_neo")  # their layers dispatch inside a CP context; the model's implementation stays eager
 # KV shared across layers (Gemma 3n's and Gemma 4's later layers reuse the K/V of the last layer of their type that
 # computes them; Gemma 4's full layers with K = V): 12 / 10 layers, the second half sharing; fp64, norms in fp64
 SHARED_KV = {
@@ -189,7 +197,8 @@ def test_the_halo_is_the_window_before_each_chunk(cp2, cp4):
 # granite_swa, the MoE routers of
 # deepseek_v3, llama4_text and longcat_flash: Ulysses, which leaves attention math to the model, shows the same
 # ~1e-7), so their fp64 runs agree to fp32 round-off through the model, not to fp64's.
-FP32_INSIDE = ("gemma2", "vaultgemma", "granite_swa", "deepseek_v3", "llama4_text", "longcat_flash", "bloom", "mpt")
+FP32_INSIDE = ("gemma2", "vaultgemma", "granite_swa", "deepseek_v3", "llama4_text", "longcat_flash", "bloom", "mpt",
+               "gpt_neo")
 TOLERANCES = {"fp64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "fp32": (1e-5, 1e-4)}
 
 

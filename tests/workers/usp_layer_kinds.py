@@ -30,6 +30,8 @@ FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature",
 CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")] + [("gemma4_text", "float64")]
 #: ALiBi in BLOOM's own attention code (cp/layers/alibi.py), handed to usp: each Ulysses rank's head slopes
 CASES += [("bloom", "float32"), ("bloom", "float64")]
+#: GPT-Neo's global and local-window masks in its own code (cp/layers/alibi.py), handed to usp with its window
+CASES += [("gpt_neo", "float32"), ("gpt_neo", "float64")]
 EXACT_NORMS = ("gemma4_text",)
 
 

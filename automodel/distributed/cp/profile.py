@@ -148,6 +148,9 @@ class LayerSpec:
             ``""`` for a layer nobody has looked at.
         alibi: the layer adds ALiBi's per-head bias ``slope_h * (j - i)`` to its scores in its own code (BLOOM,
             MPT: :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v to a method that applies it).
+        own_code: the layer computes its attention in its own code and
+            :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v (and its window) to the method's
+            attention (GPT-Neo; BLOOM and MPT, with ``alibi``): a method must install that dispatch.
     """
 
     index: int
@@ -169,6 +172,7 @@ class LayerSpec:
     sparse_widths: tuple[int, int] | None = None
     known_gap: str = ""
     alibi: bool = False
+    own_code: bool = False
 
     @property
     def path_in_stack(self) -> str:
@@ -417,12 +421,6 @@ _OWN_CODE = (
 )
 #: class name -> (what it computes, why no method computes it and what would)
 _KNOWN_ATTENTION = {
-    "GPTNeoAttention": (
-        "GPTNeoAttention: causal and local-window masks in its own code (a mask buffer indexed by the number of "
-        "queries and keys it is given, then the softmax, in fp32)",
-        _OWN_CODE + "its window itself would be exact under every method (the halo kernel, as for Mistral), once "
-        "the layer hands q, k and v to the method's attention, which is not implemented yet",
-    ),
     "DogeAttention": (
         "DogeAttention: dynamic mask attention (each score of head h gets a bias exp(A_h * softplus(dt_proj(v_j))) "
         "computed from the key's own value; past keep_window_size keys only the top keep_window_size of them per "
@@ -445,7 +443,6 @@ _KNOWN_ATTENTION = {
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
 _MODEL_TYPE_ATTENTION = {
-    "gpt_neo": "GPTNeoAttention",
     "doge": "DogeAttention",
     "deepseek_v4": "DeepseekV4Attention",
 }
@@ -453,6 +450,9 @@ _MODEL_TYPE_ATTENTION = {
 #: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
 _ALIBI_LAYERS = ("BloomAttention", "MptAttention")
 _ALIBI_MODEL_TYPES = ("bloom", "mpt")
+#: GPT-Neo: the wrapper class the profile finds and the classes inside it that the same module makes dispatch
+#: (global / local masks in their own code, handed to the method as causal or ``sliding_window`` attention)
+_GPT_NEO = ("GPTNeoAttention", ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"))
 
 
 def _mask_bias(text: Any) -> tuple[str, str] | None:
@@ -598,7 +598,16 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         return LayerSpec(**spec)
     if cls.__name__ in _ALIBI_LAYERS and base.kind == FULL:
         dim = getattr(attention, "head_dim", None)
-        spec.update(alibi=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
+        spec.update(alibi=True, own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
+        return LayerSpec(**spec)
+    if cls.__name__ == _GPT_NEO[0] and base.kind in (FULL, SLIDING):
+        inner = getattr(attention, "attention", None)
+        if type(inner).__name__ not in _GPT_NEO[1]:
+            spec.update(kind=UNKNOWN, module_path=attention_path,
+                        mixer=f"GPTNeoAttention holding {type(inner).__name__}, not one of {', '.join(_GPT_NEO[1])}")
+            return LayerSpec(**spec)  # fmt: skip
+        dim = getattr(inner, "head_dim", None)
+        spec.update(own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
         return LayerSpec(**spec)
     if cls.__name__ in _KNOWN_ATTENTION:
         mixer, gap = _KNOWN_ATTENTION[cls.__name__]
@@ -653,6 +662,10 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     latent = (_get(text, "kv_lora_rank", None) or 0) + (_get(text, "qk_rope_head_dim", None) or 0)
     index_dim = _get(text, "index_head_dim", None)
     widths = (int(latent), int(index_dim)) if latent and isinstance(index_dim, int) else None
+    gpt_neo = _get(text, "attention_layers", None) if str(_get(text, "model_type", "")) == "gpt_neo" else None
+    if layer_types is None and isinstance(gpt_neo, (list, tuple)):  # GPT-Neo: "global" / "local" (its window_size)
+        layer_types = ["sliding_attention" if t == "local" else "full_attention" for t in gpt_neo]
+        window = int(_get(text, "window_size", 0) or 0) or None
     layers = []
     for i in range(n_layers):
         if layer_types is not None and i < len(layer_types):
@@ -730,7 +743,10 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
             ]
             from_modules = True
     if str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES and not from_modules:
-        layers = [LayerSpec(**{**spec.__dict__, "alibi": True}) if spec.kind == FULL else spec for spec in layers]
+        layers = [LayerSpec(**{**spec.__dict__, "alibi": True, "own_code": True}) if spec.kind == FULL else spec
+                  for spec in layers]  # fmt: skip
+    if str(_get(text, "model_type", "")) == "gpt_neo" and not from_modules:
+        layers = [LayerSpec(**{**spec.__dict__, "own_code": True}) if spec.is_attention else spec for spec in layers]
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
     if known and not from_modules:  # GPT-Neo, Doge, DeepSeek-V4 from their config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})

@@ -1,4 +1,4 @@
-"""ALiBi attention layers that compute their attention in their own code (BLOOM, MPT), made to dispatch.
+"""Attention layers that compute their attention in their own code (BLOOM's and MPT's ALiBi, GPT-Neo), made to dispatch.
 
 ``BloomAttention`` adds ``slope_h * j`` (``j``: the key's index in the row) to each score of head ``h`` and
 ``MptAttention`` ``slope_h * (j - S + 1)`` over its ``S`` keys; both then take the softmax over the keys they are
@@ -12,6 +12,13 @@ of a method that applies ALiBi is active (:func:`dispatch_alibi_layers`), each s
 output projection as the original does and hands q, k, v with its slopes to the method's attention function
 (``alibi_slopes=[H]`` fp32); outside it the original forward runs.
 The patch is on the instances (mutates the model); :func:`restore_alibi_layers` undoes it.
+
+GPT-Neo's ``GPTNeoSelfAttention`` builds causal (``global``) and local-window (``local``: each query sees its last
+``window_size`` keys, itself included) masks from a buffer indexed by the number of queries and keys it is given,
+does not scale its scores and takes the softmax in fp32. Inside a context it hands q, k, v to the method's attention
+with ``scaling=1.0`` and, on a local layer, ``sliding_window=window_size`` (transformers' convention: the same keys),
+which every method computes exactly (the halo kernel under ring, thd, thd_docs and usp, the global mask under
+Ulysses); no slopes.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ import functools
 
 import torch
 
-__all__ = ["ALIBI_LAYERS", "alibi_slopes", "dispatch_alibi_layers", "key_bias", "restore_alibi_layers"]
+__all__ = ["ALIBI_LAYERS", "OWN_CODE_LAYERS", "alibi_slopes", "dispatch_alibi_layers", "key_bias", "restore_alibi_layers"]
 
 #: the attention classes this module makes dispatch
 ALIBI_LAYERS = ("BloomAttention", "MptAttention")
+#: every class this module makes dispatch: the ALiBi layers and GPT-Neo's (its flash variant computes the same)
+OWN_CODE_LAYERS = (*ALIBI_LAYERS, "GPTNeoSelfAttention", "GPTNeoFlashAttention2")
 _PATCHED = "_automodel_alibi_forward"  # marks a patched instance
 
 
@@ -115,7 +124,30 @@ def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=
     return self.out_proj(context), None
 
 
-_FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward}
+def _gpt_neo_forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
+                     output_attentions=False, **kwargs):  # fmt: skip
+    impl = _dispatching(self)
+    if impl is None:
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, layer_past=layer_past,
+                                  use_cache=use_cache, output_attentions=output_attentions, **kwargs)  # fmt: skip
+    if layer_past is not None:
+        raise ValueError("GPTNeoSelfAttention under CP: no KV cache (pass use_cache=False)")
+    _no_dropout(self, self.attn_dropout.p)
+    from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
+
+    batch, n, _ = hidden_states.shape
+    query, key, value = (
+        self._split_heads(proj(hidden_states), self.num_heads, self.head_dim)  # [B, H, n, D]
+        for proj in (self.q_proj, self.k_proj, self.v_proj)
+    )
+    window = {"sliding_window": int(self.config.window_size)} if self.attention_type == "local" else {}
+    # GPT-Neo does not scale its scores (scaling 1.0); its own mask is replaced by the method's (causal, per document)
+    out, _ = ALL_ATTENTION_FUNCTIONS[impl](self, query, key, value, None, dropout=0.0, scaling=1.0, **window)
+    return self.resid_dropout(self.out_proj(out.reshape(batch, n, -1))), None
+
+
+_FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward,
+             "GPTNeoSelfAttention": _gpt_neo_forward, "GPTNeoFlashAttention2": _gpt_neo_forward}  # fmt: skip
 
 
 def dispatch_alibi_layers(model: torch.nn.Module, impls: dict[str, str]) -> int:
@@ -130,6 +162,9 @@ def dispatch_alibi_layers(model: torch.nn.Module, impls: dict[str, str]) -> int:
         if name not in _FORWARDS:
             continue
         module._automodel_config = model.config
+        if not hasattr(module, "num_key_value_groups"):  # GPT-Neo: the methods' inner kernels read it
+            module.num_key_value_groups = 1
+            module._automodel_set_groups = True
         module._automodel_alibi_impls = {**getattr(module, "_automodel_alibi_impls", {}), **impls}
         if not getattr(module, _PATCHED, False):
             module.forward = functools.partial(_FORWARDS[name], module)
@@ -142,6 +177,8 @@ def restore_alibi_layers(model: torch.nn.Module) -> None:
     """Undo :func:`dispatch_alibi_layers` (the modules' own forward again). Mutates the modules."""
     for module in model.modules():
         if getattr(module, _PATCHED, False):
+            if module.__dict__.pop("_automodel_set_groups", False):
+                module.__dict__.pop("num_key_value_groups", None)
             for attr in ("forward", _PATCHED, "_automodel_config", "_automodel_alibi_impls"):
                 module.__dict__.pop(attr, None)
 

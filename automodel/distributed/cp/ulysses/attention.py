@@ -355,12 +355,17 @@ def _inner_function(name: str, module: torch.nn.Module) -> Callable:
     if name == "eager":
         # The model's own eager function (models differ: softcapping, sinks, ...), as HF would pick it.
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if fn is None:
+        if fn is None and hasattr(module, "_automodel_alibi_impls"):
+            # a layer made to dispatch by cp/layers/alibi.py (GPT-Neo) has no eager function of its own: the same
+            # softmax(q k^T * scaling + mask) v over the global mask, in transformers' sdpa
+            name = "sdpa"
+        elif fn is None:
             raise ValueError(
                 f"{type(module).__name__} defines no eager_attention_forward in {type(module).__module__}; "
                 "use inner_attn='sdpa'"
             )
-        return fn
+        else:
+            return fn
     from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[name]
