@@ -37,6 +37,10 @@ CP2 = {
     # ALiBi in BLOOM's and MPT's own attention code, handed to thd_docs (cp/layers/alibi.py; issue 43)
     **{f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True)
        for fam in ("bloom", "mpt") for dtype in ("float32", "float64")},
+    # Falcon with alibi=True: its bf16 ALiBi, computed by the kernel for each key's in-document position (issue 43)
+    **{f"falcon@alibi/packed/{dtype}": dict(family="falcon", dtype=dtype, rows=[[70, 24, 22]], packed=True,
+                                            config={"alibi": True})
+       for dtype in ("float32", "float64")},
     # GPT-Neo's global and local-window masks in its own code, handed to thd_docs with its window (issue 43)
     **{f"gpt_neo/packed/{dtype}": dict(family="gpt_neo", dtype=dtype, rows=[[70, 24, 22]], packed=True)
        for dtype in ("float32", "float64")},

@@ -411,8 +411,9 @@ def _token_local_problem(layer: Any, path: str) -> str | None:
 #: ALiBi needs nothing but positions: what a CP kernel would do, and why none does today
 _ALIBI_EXACT = (
     "ALiBi itself is exact under CP (slope_h * (j - i) depends only on the two positions, in the document for "
-    "packed rows): ulysses adds it for BLOOM's and MPT's layers, which hand it q, k and v; this layer's bias rides "
-    "in the mask transformers builds, which no method reads yet"
+    "packed rows): every built-in method applies it for BLOOM's, MPT's and (transformers >= 5.25) Falcon's "
+    "layers, which hand it q, k and v; this layer's bias rides in the mask transformers builds, which no method "
+    "reads"
 )
 _OWN_CODE = (
     "the layer computes its scores, mask and softmax in its own code over the keys it is given, which under CP "
@@ -450,9 +451,22 @@ _MODEL_TYPE_ATTENTION = {
 #: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
 _ALIBI_LAYERS = ("BloomAttention", "MptAttention")
 _ALIBI_MODEL_TYPES = ("bloom", "mpt")
+#: Falcon with ``config.alibi=True``: its attention class and model type, made to dispatch by the same module (the
+#: bias transformers folds into the mask, slopes and products in bf16, computed by the kernel the same way)
+_FALCON_ALIBI = ("FalconAttention", "falcon")
 #: GPT-Neo: the wrapper class the profile finds and the classes inside it that the same module makes dispatch
 #: (global / local masks in their own code, handed to the method as causal or ``sliding_window`` attention)
 _GPT_NEO = ("GPTNeoAttention", ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"))
+
+
+def _falcon_dispatches() -> bool:
+    """transformers' ``FalconAttention`` hands q, k, v to ``AttentionInterface`` (>= 5.25; 5.17's computes its own
+    attention, which :mod:`~automodel.distributed.cp.layers.alibi` does not reproduce: refused there)."""
+    try:
+        from transformers.models.falcon.modeling_falcon import FalconAttention
+    except ImportError:
+        return False
+    return _dispatches_attention(FalconAttention)
 
 
 def _mask_bias(text: Any) -> tuple[str, str] | None:
@@ -596,7 +610,8 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
                     mixer=f"{cls.__name__} with an indexer ({type(attention.indexer).__name__}) in a layer the config "
                     f"calls {base.kind}")  # fmt: skip
         return LayerSpec(**spec)
-    if cls.__name__ in _ALIBI_LAYERS and base.kind == FULL:
+    falcon_alibi = cls.__name__ == _FALCON_ALIBI[0] and mask_bias and _dispatches_attention(cls)  # 5.25's class
+    if (cls.__name__ in _ALIBI_LAYERS or falcon_alibi) and base.kind == FULL:
         dim = getattr(attention, "head_dim", None)
         spec.update(alibi=True, own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
         return LayerSpec(**spec)
@@ -742,7 +757,8 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
                 for i, (layer, spec) in enumerate(zip(stack, layers))
             ]
             from_modules = True
-    if str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES and not from_modules:
+    falcon_alibi = str(_get(text, "model_type", "")) == _FALCON_ALIBI[1] and bias is not None and _falcon_dispatches()
+    if (str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES or falcon_alibi) and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "alibi": True, "own_code": True}) if spec.kind == FULL else spec
                   for spec in layers]  # fmt: skip
     if str(_get(text, "model_type", "")) == "gpt_neo" and not from_modules:
@@ -751,7 +767,7 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     if known and not from_modules:  # GPT-Neo, Doge, DeepSeek-V4 from their config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
                   if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
-    if bias and not from_modules:  # the config alone: its attention layers carry the bias
+    if bias and not from_modules and not falcon_alibi:  # the config alone: its attention layers carry the bias
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias[0]}",
                                "known_gap": bias[1]})
                   if spec.is_attention else spec for spec in layers]  # fmt: skip
