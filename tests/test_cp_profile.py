@@ -373,11 +373,10 @@ def test_falcon_alibi_bias_is_transformers_bf16_bias():
     (where bf16 rounds the product); without the bf16 rounding it differs."""
     import math
 
+    from transformers import FalconConfig
     from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
     from automodel.distributed.cp.layers.alibi import alibi_slopes, key_bias
-
-    from transformers import FalconConfig
 
     config = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=16, alibi=True)
     with torch.device("meta"):
