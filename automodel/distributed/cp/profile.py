@@ -143,8 +143,8 @@ class LayerSpec:
         module_path: where the layer's unrecognised module sits in the model (``UNKNOWN``, read from the
             modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
             layer's index as ``<i>`` (:attr:`path_in_stack`).
-        known_gap: an ``UNKNOWN`` layer whose computation is known (ALiBi, GPT-Neo's own masks, Doge's dynamic
-            mask): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
+        known_gap: an ``UNKNOWN`` layer whose computation is known (an ALiBi bias in the mask of a class that
+            does not dispatch it, Doge's dynamic mask, DeepSeek-V4's compressed attention): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
             ``""`` for a layer nobody has looked at.
         alibi: the layer adds ALiBi's per-head bias ``slope_h * (j - i)`` to its scores in its own code (BLOOM,
             MPT: :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v to a method that applies it).
