@@ -427,9 +427,12 @@ _KNOWN_ATTENTION = {
         "computed from the key's own value; past keep_window_size keys only the top keep_window_size of them per "
         "query are kept)",
         "it hands the bias to the attention function as its mask, which every CP method replaces by its own "
-        "(causal, per document), so the bias would be dropped; it can be exact under CP (the bias is one number "
-        "per head and key: it would travel with K/V, and the top-k needs only those numbers of the query's "
-        "visible keys), but no CP method applies it yet",
+        "(causal, per document), so the bias would be dropped; it can be exact under CP but needs a kernel no "
+        "method has: the bias is one number per head and key, learned (A and dt_proj get its gradient), so it "
+        "would travel with K/V as ALiBi's does in the halo kernel with its gradient sent back to the key's rank, "
+        "and through Ulysses' head all-to-all; and on rows longer than keep_window_size each query keeps only the "
+        "keep_window_size keys of largest bias among the keys it sees (in its document), which needs the bias of "
+        "every earlier key of the document on the query's rank (an all-gather of [heads, tokens])",
     ),
     "DeepseekV4Attention": (
         "DeepseekV4Attention: sliding-window multi-query attention with per-head sinks over the last window of "
