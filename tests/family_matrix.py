@@ -259,6 +259,9 @@ FAMILIES: list[Family] = [
     Family("diffllama", "diffllama", _kw(), "full+differential"),
     Family("doge", "doge", _kw(), "full+dynamic-mask"),
     Family("falcon", "falcon", _kw(drop=("head_dim", "num_key_value_heads")), "full"),
+    Family("falcon@flagship", "falcon", _kw(drop=("head_dim", "num_key_value_heads"), alibi=True, multi_query=False),
+           "full+alibi", note="Falcon-RW-1B's and -7B's ALiBi (alibi=True) with a K/V head per query head "
+           "(multi_query=False); the default config is Falcon-7B's RoPE with one K/V head"),
     Family("gptj", "gptj", dict(vocab_size=VOCAB, n_embd=64, n_head=4, n_positions=256, rotary_dim=8,
                                 tie_word_embeddings=False), "full", layer_key="n_layer"),
     Family("codegen", "codegen", dict(vocab_size=VOCAB, n_embd=64, n_head=4, n_positions=256,

@@ -270,9 +270,7 @@ def test_an_unknown_attention_names_its_module_path():
 #: issue 43: attention layers whose computation is known and which no CP method computes yet, each refused by every
 #: method with what it computes and why no method does (not the request to report an unrecognised layer)
 KNOWN_GAPS = {
-    "gpt_neo": ("GPTNeoAttention: causal and local-window masks in its own code", "its window itself would be exact"),
     "doge": ("DogeAttention: dynamic mask attention", "which every CP method replaces by its own"),
-    "falcon_alibi": ("ALiBi position bias in its attention mask (config.alibi=True)", "ALiBi itself is exact"),
 }
 
 
@@ -333,12 +331,14 @@ def _falcon(**kw):
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def test_falcon_runs_where_it_dispatches_its_attention_and_alibi_is_refused_everywhere():
+def test_falcon_runs_where_it_dispatches_its_attention_alibi_too():
     # transformers >= 5.25's FalconAttention calls the AttentionInterface (5.17's computes its own): RoPE Falcon
-    # is then full causal attention; with ALiBi the bias rides in the mask transformers builds, which a CP
-    # method's attention replaces, so every method refuses it on every release, naming the bias when it can
+    # is then full causal attention; with ALiBi the bias rides in the mask transformers builds, which a CP method's
+    # attention replaces, so cp/layers/alibi.py makes the layer hand q, k, v and its bf16 slopes to the method (every
+    # built-in one applies them); on 5.17 every method refuses both, naming the bias from the config alone
     from transformers.models.falcon.modeling_falcon import FalconAttention
 
+    from automodel.distributed.cp.method import standard_problem
     from automodel.distributed.cp.profile import _dispatches_attention
 
     dispatches = _dispatches_attention(FalconAttention)
@@ -346,20 +346,48 @@ def test_falcon_runs_where_it_dispatches_its_attention_and_alibi_is_refused_ever
         rope = profile_model(_falcon(**kw))
         assert not dispatches or rope.num_key_value_heads == kv, kw  # 5.17's config has no num_key_value_heads
         assert [layer.kind for layer in rope.layers] == [FULL if dispatches else UNKNOWN] * 2, kw
+        assert not any(layer.alibi or layer.own_code for layer in rope.layers), kw
         assert (set(methods_that_run(rope, 64)) >= {"ring", "ulysses", "thd", "thd_docs", "usp"}) == dispatches
     alibi = _falcon(alibi=True)
     for profile in (profile_model(alibi), profile_model(alibi.config)):
+        if dispatches:
+            assert all(layer.kind == FULL and layer.alibi and layer.own_code for layer in profile.layers)
+            assert set(methods_that_run(profile, 64)) == set(cp_methods())
+            assert set(methods_that_run(profile, 64, packed=True)) == set(cp_methods()) - {"ring"}
+            assert standard_problem("mine", profile.layers[0], 64).startswith("ALiBi (each score of head h")
+            continue
         assert [layer.kind for layer in profile.layers] == [UNKNOWN] * 2
         assert methods_that_run(profile, 64) == []
         for method in cp_methods():
             with pytest.raises(CPUnsupportedError) as err:
                 check_model_for_cp(method, profile, seq_len=64)
-            if dispatches or not profile.from_modules:
+            if not profile.from_modules:
                 assert "ALiBi position bias in its attention mask (config.alibi=True)" in str(err.value), method
             else:
                 assert "computes its own attention" in str(err.value), method
-    if dispatches:
-        assert profile_model(alibi).layers[0].path_in_stack == "transformer.h.<i>.self_attention"
+
+
+def test_falcon_alibi_bias_is_transformers_bf16_bias():
+    """Falcon's bias as the CP kernels compute it (``key_bias`` with the divisor) equals what transformers folds into
+    the mask: bf16(bf16(slope) * j) / sqrt(d), 16 heads (slopes 2^(-k/2): not exact in bf16) and positions past 256
+    (where bf16 rounds the product); without the bf16 rounding it differs."""
+    import math
+
+    from transformers import FalconConfig
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    from automodel.distributed.cp.layers.alibi import alibi_slopes, key_bias
+
+    config = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=16, alibi=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    layer = next(m for m in model.modules() if type(m).__name__ == "FalconAttention")
+    slopes = alibi_slopes(layer, torch.device("cpu"))
+    positions = torch.arange(600)[None]
+    for dtype in (torch.float32, torch.float64):
+        want = build_alibi_tensor(torch.ones(1, 600, dtype=torch.long), 16, dtype).view(1, 16, 600) / math.sqrt(4)
+        assert torch.equal(key_bias(slopes, positions, dtype, math.sqrt(4)), want)
+        assert not torch.equal(key_bias(slopes, positions, dtype) / math.sqrt(4), want)
 
 
 def test_own_loop_refuses_a_softcapping_model_that_runs_sdpa():
@@ -392,3 +420,23 @@ def test_alibi_layers_run_under_every_method(name):
         assert set(methods_that_run(profile, 64, packed=True)) == set(cp_methods()) - {"ring"}  # ring: one document
         reason = standard_problem("mine", profile.layers[0], 64)
         assert reason.startswith("ALiBi (each score of head h gets slope_h * (j - i)") and "which mine does" in reason
+
+
+def test_gpt_neo_layers_run_under_every_method():
+    """GPT-Neo's global and local layers (masks in its own code, made to dispatch: cp/layers/alibi.py) are full causal
+    and sliding-window attention (its ``window_size``), from the model and from its config alone, which every
+    built-in method computes; a method that does not install the dispatch refuses them with the reason."""
+    from automodel.distributed.cp.method import standard_problem
+    from tests.family_matrix import WINDOW, family_by_name
+
+    config = family_by_name("gpt_neo").build_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for profile in (profile_model(model), profile_model(config)):
+        assert [(layer.kind, layer.window) for layer in profile.layers] == [(FULL, None), (SLIDING, WINDOW)]
+        assert all(layer.own_code and not layer.alibi and not layer.known_gap for layer in profile.layers)
+        assert set(methods_that_run(profile, 64)) == set(cp_methods())
+        assert set(methods_that_run(profile, 64, packed=True)) == set(cp_methods()) - {"ring"}  # ring: one document
+        reason = standard_problem("mine", profile.layers[1], 64, windows=True)
+        assert reason.startswith("sliding-window attention (window 16) computed in the layer's own code (GPT-Neo), "
+                                 "which mine does not reach"), reason

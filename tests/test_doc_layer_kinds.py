@@ -23,7 +23,7 @@ from tests.dist_harness import run_distributed
 WINDOW = 16  # tests/family_matrix.py: the families' windows and attention chunks
 FAMILIES = ("mistral", "gemma2", "gpt_oss", "deepseek_v3", "llama4_text")
 # a part in fp32 even for fp64 models (gemma2's eager softmax, the MoE routers): tests/test_layer_kinds.py
-FP32_INSIDE = ("gemma2", "deepseek_v3", "llama4_text", "bloom", "mpt")  # BLOOM, MPT: their softmax
+FP32_INSIDE = ("gemma2", "deepseek_v3", "llama4_text", "bloom", "mpt", "gpt_neo")  # BLOOM, MPT, GPT-Neo: their softmax
 TOLERANCES = {"fp64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "fp32": (1e-5, 1e-4)}
 
 CP2 = {
@@ -37,6 +37,13 @@ CP2 = {
     # ALiBi in BLOOM's and MPT's own attention code, handed to thd_docs (cp/layers/alibi.py; issue 43)
     **{f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True)
        for fam in ("bloom", "mpt") for dtype in ("float32", "float64")},
+    # Falcon with alibi=True: its bf16 ALiBi, computed by the kernel for each key's in-document position (issue 43)
+    **{f"falcon@alibi/packed/{dtype}": dict(family="falcon", dtype=dtype, rows=[[70, 24, 22]], packed=True,
+                                            config={"alibi": True})
+       for dtype in ("float32", "float64")},
+    # GPT-Neo's global and local-window masks in its own code, handed to thd_docs with its window (issue 43)
+    **{f"gpt_neo/packed/{dtype}": dict(family="gpt_neo", dtype=dtype, rows=[[70, 24, 22]], packed=True)
+       for dtype in ("float32", "float64")},
     # Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py; issue 43)
     "gemma4_text/packed/float64": dict(family="gemma4_text", dtype="float64", rows=[[70, 24, 22]], packed=True,
                                        exact_norms=True),

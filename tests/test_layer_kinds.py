@@ -82,7 +82,23 @@ MODEL_CASES.update({
     for method in ("ring", "ulysses", "thd")
     for dtype in ("float32", "float64")
 })
-ALIBI = ("bloom", "mpt")  # their layers dispatch inside a CP context; the model's implementation stays eager
+# GPT-Neo (issue 43): global and local-window masks in its own code, scores unscaled, softmax in fp32; the layer hands
+# q, k, v (and its window) to ring, Ulysses and thd (cp/layers/alibi.py; thd_docs: tests/test_doc_layer_kinds.py)
+MODEL_CASES.update({
+    f"gpt_neo/{method}/{dtype}": dict(family="gpt_neo", method=method, dtype=dtype,
+                                      docs=[48] if method == "ring" else [21, 34, 9])
+    for method in ("ring", "ulysses", "thd")
+    for dtype in ("float32", "float64")
+})
+# Falcon with alibi=True (issue 43): transformers folds bf16(bf16(slope) * j) / sqrt(d) into the mask; the layer hands
+# q, k, v and its slopes to the method, whose kernel computes the same bias for each key's position in its document
+MODEL_CASES.update({
+    f"falcon@alibi/{method}/{dtype}": dict(family="falcon", method=method, dtype=dtype, config={"alibi": True},
+                                           docs=[48] if method == "ring" else [21, 34, 9])
+    for method in ("ring", "ulysses", "thd")
+    for dtype in ("float32", "float64")
+})
+ALIBI = ("bloom", "mpt", "gpt_neo")  # their layers dispatch inside a CP context; the model's implementation stays eager
 # KV shared across layers (Gemma 3n's and Gemma 4's later layers reuse the K/V of the last layer of their type that
 # computes them; Gemma 4's full layers with K = V): 12 / 10 layers, the second half sharing; fp64, norms in fp64
 SHARED_KV = {
@@ -193,7 +209,8 @@ def test_the_halo_is_the_window_before_each_chunk(cp2, cp4):
 # granite_swa, the MoE routers of
 # deepseek_v3, llama4_text and longcat_flash: Ulysses, which leaves attention math to the model, shows the same
 # ~1e-7), so their fp64 runs agree to fp32 round-off through the model, not to fp64's.
-FP32_INSIDE = ("gemma2", "vaultgemma", "granite_swa", "deepseek_v3", "llama4_text", "longcat_flash", "bloom", "mpt")
+FP32_INSIDE = ("gemma2", "vaultgemma", "granite_swa", "deepseek_v3", "llama4_text", "longcat_flash", "bloom", "mpt",
+               "gpt_neo")
 TOLERANCES = {"fp64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "fp32": (1e-5, 1e-4)}
 
 
@@ -207,7 +224,7 @@ def test_models_match_one_process(cp2, name):
         assert r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
     family, method = name.split("/")[:2]
     want = ("eager", "eager") if family in ALIBI else ("ring_eager", "eager")
-    if method == "ring" and family_by_name(family).attn == "eager":  # routed inside the context, eager again after
+    if method == "ring" and family_by_name(family.split("@")[0]).attn == "eager":  # routed inside the context, eager again after
         assert all(rank[name]["attn"] == want for rank in cp2), [rank[name]["attn"] for rank in cp2]
 
 

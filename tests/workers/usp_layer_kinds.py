@@ -31,6 +31,10 @@ FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature",
 CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")] + [("gemma4_text", "float64")]
 #: ALiBi in BLOOM's own attention code (cp/layers/alibi.py), handed to usp: each Ulysses rank's head slopes
 CASES += [("bloom", "float32"), ("bloom", "float64")]
+#: GPT-Neo's global and local-window masks in its own code (cp/layers/alibi.py), handed to usp with its window
+CASES += [("gpt_neo", "float32"), ("gpt_neo", "float64")]
+#: Falcon with alibi=True: its bf16 ALiBi for each Ulysses rank's heads, the key's in-document position
+CASES += [("falcon_alibi", "float32"), ("falcon_alibi", "float64")]
 EXACT_NORMS = ("gemma4_text", "hy_v4_dense")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
 
 
@@ -45,6 +49,10 @@ def _model(family: str, dtype: torch.dtype):
         config.attn_temperature_tuning, config.floor_scale = True, 4  # layer 1 (NoPE) scales its queries
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32).train()
+    elif family == "falcon_alibi":
+        from tests.workers.layer_kinds_worker import build_case_model
+
+        model = build_case_model({"family": "falcon", "config": {"alibi": True}})
     elif family.endswith("_dense"):  # DSA with every MLP dense (no fp32 router): fp64 shows fp64's round-off
         from tests.workers.layer_kinds_worker import build_case_model
 

@@ -442,7 +442,8 @@ def standard_problem(
     The keyword flags say what the method's kernel applies exactly: sliding ``windows``, attention
     ``chunks``, ``sinks``, logit ``softcap``, ``mla`` (value heads of another size) and
     ``position_scaled`` queries (Llama 4's temperature, corrected to the global position), ``alibi`` (ALiBi's
-    per-head bias from the key's position in its document, BLOOM's and MPT's). Linear /
+    per-head bias from the key's position in its document, BLOOM's and MPT's; a method with it installs
+    :mod:`~automodel.distributed.cp.layers.alibi`, which GPT-Neo's layers need too). Linear /
     state-space mixers are exact where :mod:`~automodel.distributed.cp.layers.linear_support` lists a kernel for
     the mixer and the method, sparse attention (DSA) where :mod:`~automodel.distributed.cp.layers.sparse_support`
     lists its class and the method; unrecognised layers are refused by every built-in method; ``mlp_only``
@@ -484,6 +485,11 @@ def standard_problem(
         return (
             f"value heads of size {layer.v_head_dim} and query/key heads of size {layer.qk_head_dim} (MLA), which "
             f"{method}'s kernel does not take"
+        )
+    if layer.own_code and not layer.alibi and not alibi:
+        return (
+            f"{layer.describe()} computed in the layer's own code (GPT-Neo), which {method} does not reach: the "
+            "built-in methods make the layer hand q, k and v to their attention (cp/layers/alibi.py)"
         )
     if layer.alibi and not alibi:
         return (

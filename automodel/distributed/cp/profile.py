@@ -143,11 +143,14 @@ class LayerSpec:
         module_path: where the layer's unrecognised module sits in the model (``UNKNOWN``, read from the
             modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
             layer's index as ``<i>`` (:attr:`path_in_stack`).
-        known_gap: an ``UNKNOWN`` layer whose computation is known (ALiBi, GPT-Neo's own masks, Doge's dynamic
-            mask): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
+        known_gap: an ``UNKNOWN`` layer whose computation is known (an ALiBi bias in the mask of a class that
+            does not dispatch it, Doge's dynamic mask, DeepSeek-V4's compressed attention): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
             ``""`` for a layer nobody has looked at.
         alibi: the layer adds ALiBi's per-head bias ``slope_h * (j - i)`` to its scores in its own code (BLOOM,
             MPT: :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v to a method that applies it).
+        own_code: the layer computes its attention in its own code and
+            :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v (and its window) to the method's
+            attention (GPT-Neo; BLOOM and MPT, with ``alibi``): a method must install that dispatch.
     """
 
     index: int
@@ -169,6 +172,7 @@ class LayerSpec:
     sparse_widths: tuple[int, int] | None = None
     known_gap: str = ""
     alibi: bool = False
+    own_code: bool = False
 
     @property
     def path_in_stack(self) -> str:
@@ -407,8 +411,9 @@ def _token_local_problem(layer: Any, path: str) -> str | None:
 #: ALiBi needs nothing but positions: what a CP kernel would do, and why none does today
 _ALIBI_EXACT = (
     "ALiBi itself is exact under CP (slope_h * (j - i) depends only on the two positions, in the document for "
-    "packed rows): ulysses adds it for BLOOM's and MPT's layers, which hand it q, k and v; this layer's bias rides "
-    "in the mask transformers builds, which no method reads yet"
+    "packed rows): every built-in method applies it for BLOOM's, MPT's and (transformers >= 5.25) Falcon's "
+    "layers, which hand it q, k and v; this layer's bias rides in the mask transformers builds, which no method "
+    "reads"
 )
 _OWN_CODE = (
     "the layer computes its scores, mask and softmax in its own code over the keys it is given, which under CP "
@@ -417,20 +422,17 @@ _OWN_CODE = (
 )
 #: class name -> (what it computes, why no method computes it and what would)
 _KNOWN_ATTENTION = {
-    "GPTNeoAttention": (
-        "GPTNeoAttention: causal and local-window masks in its own code (a mask buffer indexed by the number of "
-        "queries and keys it is given, then the softmax, in fp32)",
-        _OWN_CODE + "its window itself would be exact under every method (the halo kernel, as for Mistral), once "
-        "the layer hands q, k and v to the method's attention, which is not implemented yet",
-    ),
     "DogeAttention": (
         "DogeAttention: dynamic mask attention (each score of head h gets a bias exp(A_h * softplus(dt_proj(v_j))) "
         "computed from the key's own value; past keep_window_size keys only the top keep_window_size of them per "
         "query are kept)",
         "it hands the bias to the attention function as its mask, which every CP method replaces by its own "
-        "(causal, per document), so the bias would be dropped; it can be exact under CP (the bias is one number "
-        "per head and key: it would travel with K/V, and the top-k needs only those numbers of the query's "
-        "visible keys), but no CP method applies it yet",
+        "(causal, per document), so the bias would be dropped; it can be exact under CP but needs a kernel no "
+        "method has: the bias is one number per head and key, learned (A and dt_proj get its gradient), so it "
+        "would travel with K/V as ALiBi's does in the halo kernel with its gradient sent back to the key's rank, "
+        "and through Ulysses' head all-to-all; and on rows longer than keep_window_size each query keeps only the "
+        "keep_window_size keys of largest bias among the keys it sees (in its document), which needs the bias of "
+        "every earlier key of the document on the query's rank (an all-gather of [heads, tokens])",
     ),
     "DeepseekV4Attention": (
         "DeepseekV4Attention: sliding-window multi-query attention with per-head sinks over the last window of "
@@ -445,7 +447,6 @@ _KNOWN_ATTENTION = {
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
 _MODEL_TYPE_ATTENTION = {
-    "gpt_neo": "GPTNeoAttention",
     "doge": "DogeAttention",
     "deepseek_v4": "DeepseekV4Attention",
 }
@@ -453,6 +454,22 @@ _MODEL_TYPE_ATTENTION = {
 #: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
 _ALIBI_LAYERS = ("BloomAttention", "MptAttention")
 _ALIBI_MODEL_TYPES = ("bloom", "mpt")
+#: Falcon with ``config.alibi=True``: its attention class and model type, made to dispatch by the same module (the
+#: bias transformers folds into the mask, slopes and products in bf16, computed by the kernel the same way)
+_FALCON_ALIBI = ("FalconAttention", "falcon")
+#: GPT-Neo: the wrapper class the profile finds and the classes inside it that the same module makes dispatch
+#: (global / local masks in their own code, handed to the method as causal or ``sliding_window`` attention)
+_GPT_NEO = ("GPTNeoAttention", ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"))
+
+
+def _falcon_dispatches() -> bool:
+    """transformers' ``FalconAttention`` hands q, k, v to ``AttentionInterface`` (>= 5.25; 5.17's computes its own
+    attention, which :mod:`~automodel.distributed.cp.layers.alibi` does not reproduce: refused there)."""
+    try:
+        from transformers.models.falcon.modeling_falcon import FalconAttention
+    except ImportError:
+        return False
+    return _dispatches_attention(FalconAttention)
 
 
 def _mask_bias(text: Any) -> tuple[str, str] | None:
@@ -596,9 +613,19 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
                     mixer=f"{cls.__name__} with an indexer ({type(attention.indexer).__name__}) in a layer the config "
                     f"calls {base.kind}")  # fmt: skip
         return LayerSpec(**spec)
-    if cls.__name__ in _ALIBI_LAYERS and base.kind == FULL:
+    falcon_alibi = cls.__name__ == _FALCON_ALIBI[0] and mask_bias and _dispatches_attention(cls)  # 5.25's class
+    if (cls.__name__ in _ALIBI_LAYERS or falcon_alibi) and base.kind == FULL:
         dim = getattr(attention, "head_dim", None)
-        spec.update(alibi=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
+        spec.update(alibi=True, own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
+        return LayerSpec(**spec)
+    if cls.__name__ == _GPT_NEO[0] and base.kind in (FULL, SLIDING):
+        inner = getattr(attention, "attention", None)
+        if type(inner).__name__ not in _GPT_NEO[1]:
+            spec.update(kind=UNKNOWN, module_path=attention_path,
+                        mixer=f"GPTNeoAttention holding {type(inner).__name__}, not one of {', '.join(_GPT_NEO[1])}")
+            return LayerSpec(**spec)  # fmt: skip
+        dim = getattr(inner, "head_dim", None)
+        spec.update(own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
         return LayerSpec(**spec)
     if cls.__name__ in _KNOWN_ATTENTION:
         mixer, gap = _KNOWN_ATTENTION[cls.__name__]
@@ -653,6 +680,10 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     latent = (_get(text, "kv_lora_rank", None) or 0) + (_get(text, "qk_rope_head_dim", None) or 0)
     index_dim = _get(text, "index_head_dim", None)
     widths = (int(latent), int(index_dim)) if latent and isinstance(index_dim, int) else None
+    gpt_neo = _get(text, "attention_layers", None) if str(_get(text, "model_type", "")) == "gpt_neo" else None
+    if layer_types is None and isinstance(gpt_neo, (list, tuple)):  # GPT-Neo: "global" / "local" (its window_size)
+        layer_types = ["sliding_attention" if t == "local" else "full_attention" for t in gpt_neo]
+        window = int(_get(text, "window_size", 0) or 0) or None
     layers = []
     for i in range(n_layers):
         if layer_types is not None and i < len(layer_types):
@@ -729,13 +760,17 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
                 for i, (layer, spec) in enumerate(zip(stack, layers))
             ]
             from_modules = True
-    if str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES and not from_modules:
-        layers = [LayerSpec(**{**spec.__dict__, "alibi": True}) if spec.kind == FULL else spec for spec in layers]
+    falcon_alibi = str(_get(text, "model_type", "")) == _FALCON_ALIBI[1] and bias is not None and _falcon_dispatches()
+    if (str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES or falcon_alibi) and not from_modules:
+        layers = [LayerSpec(**{**spec.__dict__, "alibi": True, "own_code": True}) if spec.kind == FULL else spec
+                  for spec in layers]  # fmt: skip
+    if str(_get(text, "model_type", "")) == "gpt_neo" and not from_modules:
+        layers = [LayerSpec(**{**spec.__dict__, "own_code": True}) if spec.is_attention else spec for spec in layers]
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
     if known and not from_modules:  # GPT-Neo, Doge, DeepSeek-V4 from their config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
                   if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
-    if bias and not from_modules:  # the config alone: its attention layers carry the bias
+    if bias and not from_modules and not falcon_alibi:  # the config alone: its attention layers carry the bias
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias[0]}",
                                "known_gap": bias[1]})
                   if spec.is_attention else spec for spec in layers]  # fmt: skip

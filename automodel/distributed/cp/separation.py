@@ -120,6 +120,13 @@ def _probe(model: torch.nn.Module) -> Separation:
             "cannot vouch for (their behaviour may change with the row's length, as a sparse-attention indexer's "
             "top-k does)",
         )
+    if _alibi_layers(model):  # the bias of a key's index in the row: Falcon's rounds it to bf16 (not shift-invariant)
+        return Separation(
+            False,
+            "adds ALiBi from each key's index in the packed row (Falcon rounds slope x index to bf16, so the bias "
+            "differs from the document alone's past the probe's few tokens); the CP methods' attention adds it for "
+            "each key's index in its document",
+        )
     param = _first_param(model)
     if param is None or param.is_meta:
         return Separation(False, "could not be probed (its weights are on the meta device)")
@@ -199,6 +206,16 @@ def _unknown_layers(model: torch.nn.Module) -> str:
     if not layers:
         return ""
     return f"layers {', '.join(str(layer.index) for layer in layers[:8])}: {layers[0].describe()}"
+
+
+def _alibi_layers(model: torch.nn.Module) -> bool:
+    """Whether the model's profile has ALiBi layers in the layer's own code (BLOOM, MPT, Falcon with alibi=True)."""
+    from automodel.distributed.cp.guard import cached_profile
+
+    try:
+        return any(layer.alibi for layer in cached_profile(model).layers)
+    except Exception:  # noqa: BLE001 - _unknown_layers reports a profile that fails
+        return False
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

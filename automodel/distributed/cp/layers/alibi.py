@@ -1,4 +1,4 @@
-"""ALiBi attention layers that compute their attention in their own code (BLOOM, MPT), made to dispatch.
+"""Attention layers that compute their attention in their own code (BLOOM's and MPT's ALiBi, GPT-Neo), made to dispatch.
 
 ``BloomAttention`` adds ``slope_h * j`` (``j``: the key's index in the row) to each score of head ``h`` and
 ``MptAttention`` ``slope_h * (j - S + 1)`` over its ``S`` keys; both then take the softmax over the keys they are
@@ -12,18 +12,28 @@ of a method that applies ALiBi is active (:func:`dispatch_alibi_layers`), each s
 output projection as the original does and hands q, k, v with its slopes to the method's attention function
 (``alibi_slopes=[H]`` fp32); outside it the original forward runs.
 The patch is on the instances (mutates the model); :func:`restore_alibi_layers` undoes it.
+
+GPT-Neo's ``GPTNeoSelfAttention`` builds causal (``global``) and local-window (``local``: each query sees its last
+``window_size`` keys, itself included) masks from a buffer indexed by the number of queries and keys it is given,
+does not scale its scores and takes the softmax in fp32. Inside a context it hands q, k, v to the method's attention
+with ``scaling=1.0`` and, on a local layer, ``sliding_window=window_size`` (transformers' convention: the same keys),
+which every method computes exactly (the halo kernel under ring, thd, thd_docs and usp, the global mask under
+Ulysses); no slopes.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
-__all__ = ["ALIBI_LAYERS", "alibi_slopes", "dispatch_alibi_layers", "key_bias", "restore_alibi_layers"]
+__all__ = ["ALIBI_LAYERS", "OWN_CODE_LAYERS", "alibi_slopes", "dispatch_alibi_layers", "key_bias", "restore_alibi_layers"]
 
 #: the attention classes this module makes dispatch
-ALIBI_LAYERS = ("BloomAttention", "MptAttention")
+ALIBI_LAYERS = ("BloomAttention", "MptAttention", "FalconAttention")  # Falcon's with config.alibi=True only
+#: every class this module makes dispatch: the ALiBi layers and GPT-Neo's (its flash variant computes the same)
+OWN_CODE_LAYERS = (*ALIBI_LAYERS, "GPTNeoSelfAttention", "GPTNeoFlashAttention2")
 _PATCHED = "_automodel_alibi_forward"  # marks a patched instance
 
 
@@ -42,6 +52,11 @@ def alibi_slopes(module: torch.nn.Module, device: torch.device | None = None) ->
         config = module._automodel_config
         bias = build_mpt_alibi_tensor(module.n_heads, 2, config.attn_config.alibi_bias_max, device=device)
         return (bias[:, 0, 1] - bias[:, 0, 0]).float()  # [H, 1, 2]: (-slope, 0)
+    if name == "FalconAttention":
+        from transformers.models.falcon.modeling_falcon import build_alibi_tensor as build_falcon_alibi
+
+        bias = build_falcon_alibi(torch.ones(1, 2, dtype=torch.long, device=device), module.num_heads, torch.float32)
+        return bias[:, 0, 1].float()  # [H, 1, 2]: (0, bf16(slope)), the slopes rounded to bf16 as Falcon has them
     raise TypeError(f"{name} is not an ALiBi layer this module knows ({', '.join(ALIBI_LAYERS)})")
 
 
@@ -54,13 +69,14 @@ def _dispatching(module: torch.nn.Module) -> str | None:
     return module._automodel_alibi_impls.get(top[0]) if top is not None else None
 
 
-def _attend(module: torch.nn.Module, impl: str, query, key, value, scaling: float) -> torch.Tensor:
-    """``[B, n, H, D]``: ``impl``'s attention of ``[B, H, n, D]`` q, k, v with the module's slopes."""
+def _attend(module: torch.nn.Module, impl: str, query, key, value, scaling: float, **extra) -> torch.Tensor:
+    """``[B, n, H, D]``: ``impl``'s attention of ``[B, H, n, D]`` q, k, v with the module's slopes (``extra``:
+    ``falcon_alibi_divisor``, see :func:`key_bias`)."""
     from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
 
     fn = ALL_ATTENTION_FUNCTIONS[impl]
     slopes = alibi_slopes(module, query.device)
-    out, _ = fn(module, query, key, value, None, dropout=0.0, scaling=scaling, alibi_slopes=slopes)
+    out, _ = fn(module, query, key, value, None, dropout=0.0, scaling=scaling, alibi_slopes=slopes, **extra)
     return out
 
 
@@ -115,7 +131,58 @@ def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=
     return self.out_proj(context), None
 
 
-_FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward}
+def _gpt_neo_forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
+                     output_attentions=False, **kwargs):  # fmt: skip
+    impl = _dispatching(self)
+    if impl is None:
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, layer_past=layer_past,
+                                  use_cache=use_cache, output_attentions=output_attentions, **kwargs)  # fmt: skip
+    if layer_past is not None:
+        raise ValueError("GPTNeoSelfAttention under CP: no KV cache (pass use_cache=False)")
+    _no_dropout(self, self.attn_dropout.p)
+    from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
+
+    batch, n, _ = hidden_states.shape
+    query, key, value = (
+        self._split_heads(proj(hidden_states), self.num_heads, self.head_dim)  # [B, H, n, D]
+        for proj in (self.q_proj, self.k_proj, self.v_proj)
+    )
+    window = {"sliding_window": int(self.config.window_size)} if self.attention_type == "local" else {}
+    # GPT-Neo does not scale its scores (scaling 1.0); its own mask is replaced by the method's (causal, per document)
+    out, _ = ALL_ATTENTION_FUNCTIONS[impl](self, query, key, value, None, dropout=0.0, scaling=1.0, **window)
+    return self.resid_dropout(self.out_proj(out.reshape(batch, n, -1))), None
+
+
+def _falcon_forward(self, hidden_states, attention_mask=None, position_ids=None, layer_past=None, use_cache=False,
+                    output_attentions=False, position_embeddings=None, **kwargs):  # fmt: skip
+    impl = _dispatching(self)
+    if impl is None:
+        return type(self).forward(self, hidden_states, attention_mask, position_ids=position_ids,
+                                  layer_past=layer_past, use_cache=use_cache, output_attentions=output_attentions,
+                                  position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+    if layer_past is not None:
+        raise ValueError("FalconAttention under CP: no KV cache (pass use_cache=False)")
+    _no_dropout(self, self.attention_dropout)
+    shape = hidden_states.shape[:-1]
+    fused = self.query_key_value(hidden_states).view(*shape, -1, self.head_dim)
+    if self.new_decoder_architecture:  # as FalconAttention: each KV group's queries, then its key and value
+        grouped = fused.view(*shape, self.num_kv_heads, -1, self.head_dim)
+        query, key, value = grouped[..., :-2, :].flatten(-3, -2), grouped[..., -2, :], grouped[..., -1, :]
+    elif self.multi_query:
+        query, key, value = fused.split([self.num_heads, 1, 1], dim=-2)
+    else:
+        query, key, value = fused.unflatten(-2, (self.num_heads, 3)).unbind(-2)
+    query, key, value = (x.transpose(1, 2) for x in (query, key, value))  # [B, H, n, D]; ALiBi: no RoPE
+    # transformers folds bf16(bf16(slope_h) * j) / sqrt(head_dim) into the mask: the divisor and the bf16 product
+    # travel to the kernel, which computes them the same way for each key's position in its document
+    context = _attend(self, impl, query, key, value, self.scaling,
+                      falcon_alibi_divisor=math.sqrt(self.config.hidden_size // self.num_heads))  # fmt: skip
+    return self.dense(context.reshape(*shape, -1)), None
+
+
+_FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward,
+             "GPTNeoSelfAttention": _gpt_neo_forward, "GPTNeoFlashAttention2": _gpt_neo_forward,
+             "FalconAttention": _falcon_forward}  # fmt: skip
 
 
 def dispatch_alibi_layers(model: torch.nn.Module, impls: dict[str, str]) -> int:
@@ -127,9 +194,12 @@ def dispatch_alibi_layers(model: torch.nn.Module, impls: dict[str, str]) -> int:
     count = 0
     for module in model.modules():
         name = type(module).__name__
-        if name not in _FORWARDS:
-            continue
+        if name not in _FORWARDS or (name == "FalconAttention" and getattr(module.config, "alibi", False) is not True):
+            continue  # Falcon without ALiBi dispatches through AttentionInterface itself
         module._automodel_config = model.config
+        if not hasattr(module, "num_key_value_groups"):  # GPT-Neo: the methods' inner kernels read it
+            module.num_key_value_groups = 1
+            module._automodel_set_groups = True
         module._automodel_alibi_impls = {**getattr(module, "_automodel_alibi_impls", {}), **impls}
         if not getattr(module, _PATCHED, False):
             module.forward = functools.partial(_FORWARDS[name], module)
@@ -142,10 +212,21 @@ def restore_alibi_layers(model: torch.nn.Module) -> None:
     """Undo :func:`dispatch_alibi_layers` (the modules' own forward again). Mutates the modules."""
     for module in model.modules():
         if getattr(module, _PATCHED, False):
+            if module.__dict__.pop("_automodel_set_groups", False):
+                module.__dict__.pop("num_key_value_groups", None)
             for attr in ("forward", _PATCHED, "_automodel_config", "_automodel_alibi_impls"):
                 module.__dict__.pop(attr, None)
 
 
-def key_bias(slopes: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, H, S]`` in ``dtype``: ``slopes [H]`` times each key's ``positions [B, S]`` (its index in its document)."""
+def key_bias(
+    slopes: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, falcon_divisor: float | None = None
+) -> torch.Tensor:
+    """``[B, H, S]`` in ``dtype``: ``slopes [H]`` times each key's ``positions [B, S]`` (its index in its document).
+
+    ``falcon_divisor``: Falcon's ALiBi as transformers builds it (``build_alibi_tensor``, then the mask): the product
+    of the bf16 slope and the integer position rounded to bf16, cast to ``dtype``, divided by ``falcon_divisor``
+    (``sqrt(head_dim)``); the same torch ops, so each document gets the bias it gets alone."""
+    if falcon_divisor is not None:
+        product = slopes.bfloat16()[None, :, None] * positions.to(slopes.device, torch.long)[:, None, :]  # bf16
+        return product.to(dtype) / falcon_divisor
     return (slopes.to(torch.float64)[None, :, None] * positions.to(slopes.device, torch.float64)[:, None, :]).to(dtype)

@@ -204,7 +204,8 @@ def run_layer(
         )
     bias = None
     if spec.alibi:  # slope_h * the key's position in its document (cp/layers/alibi.py), every row alike
-        bias = key_bias(kwargs["alibi_slopes"], layout.positions()[None], query.dtype).expand(query.shape[0], -1, -1)
+        bias = key_bias(kwargs["alibi_slopes"], layout.positions()[None], query.dtype,
+                        kwargs.get("falcon_alibi_divisor")).expand(query.shape[0], -1, -1)  # fmt: skip
     return halo_attention(
         query,
         key,

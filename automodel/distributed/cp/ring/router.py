@@ -175,9 +175,10 @@ def eager_models_routed() -> Iterator[Callable[[Any, Any], None]]:
     switched: list[Any] = []
 
     def route(model: Any, profile: Any) -> None:
-        if profile.attn_implementation != "eager" or model in switched:
-            return
-        if profile.is_vlm:
+        eager = profile.attn_implementation == "eager"
+        if model in switched or not (eager or any(layer.own_code for layer in profile.layers)):
+            return  # an sdpa model's own-code layers (Falcon's ALiBi) dispatch as an eager model's do
+        if eager and profile.is_vlm:
             from automodel.errors import CPUnsupportedError
 
             raise CPUnsupportedError(
@@ -191,6 +192,8 @@ def eager_models_routed() -> Iterator[Callable[[Any, Any], None]]:
             # BLOOM, MPT: their ALiBi layers hand q, k, v to the eager router inside the ring context (their classes
             # dispatch nothing, so the model keeps `eager`); run_layer gives them the halo kernel with the bias
             register_attention(RING_EAGER_ATTN_NAME, _EAGER_ROUTER)
+            return
+        if not eager:
             return
         switch_attention(model, RING_EAGER_ATTN_NAME, _EAGER_ROUTER, "ring", alternative=": set model.attn_implementation=sdpa")
         switched.append(model)

@@ -355,12 +355,17 @@ def _inner_function(name: str, module: torch.nn.Module) -> Callable:
     if name == "eager":
         # The model's own eager function (models differ: softcapping, sinks, ...), as HF would pick it.
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if fn is None:
+        if fn is None and hasattr(module, "_automodel_alibi_impls"):
+            # a layer made to dispatch by cp/layers/alibi.py (GPT-Neo) has no eager function of its own: the same
+            # softmax(q k^T * scaling + mask) v over the global mask, in transformers' sdpa
+            name = "sdpa"
+        elif fn is None:
             raise ValueError(
                 f"{type(module).__name__} defines no eager_attention_forward in {type(module).__module__}; "
                 "use inner_attn='sdpa'"
             )
-        return fn
+        else:
+            return fn
     from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[name]
@@ -386,6 +391,7 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
     attention_mask, dropout, scaling, is_causal = call.attention_mask, call.dropout, call.scaling, call.is_causal
     kwargs = dict(call.kwargs)
     slopes = kwargs.pop("alibi_slopes", None)  # [H] fp32: an ALiBi layer (automodel.distributed.cp.layers.alibi)
+    falcon_divisor = kwargs.pop("falcon_alibi_divisor", None)  # Falcon's bf16 ALiBi (cp/layers/alibi.py key_bias)
     world, seq_len = ctx.world_size, ctx.seq_len
     bsz, n_q, n_local, head_dim = query.shape
     n_kv = key.shape[1]
@@ -482,7 +488,7 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
     if slopes is not None:
         local_heads = query.shape[1]
         slopes = slopes[ctx.rank * local_heads : (ctx.rank + 1) * local_heads] if world > 1 else slopes
-        out = _alibi_attention(ctx, query, key, value, slopes, scaling, groups, dropout)
+        out = _alibi_attention(ctx, query, key, value, slopes, scaling, groups, dropout, falcon_divisor)
     elif blocks is not None:
         block_kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal", "position_ids")}
         # sdpa: the shared blocks (what transformers' sdpa computes per block); eager: the model's own function
@@ -516,7 +522,8 @@ def _no_mask(attention_mask: Any) -> None:
     return None
 
 
-def _alibi_attention(ctx: UlyssesContext, query, key, value, slopes, scaling, groups: int, dropout: float):
+def _alibi_attention(ctx: UlyssesContext, query, key, value, slopes, scaling, groups: int, dropout: float,
+                     falcon_divisor: float | None = None):  # fmt: skip
     """``[B, S, Hl, D]``: causal attention over whole rows for this rank's ``Hl`` heads with ALiBi's bias
     ``slopes[h] * position(j)`` (``position``: the key's index in its document, as each document alone; the
     query's own term is a constant per row, which the softmax cancels), documents and padding masked.
@@ -527,7 +534,7 @@ def _alibi_attention(ctx: UlyssesContext, query, key, value, slopes, scaling, gr
     if dropout:
         raise ValueError(f"Ulysses attention with ALiBi does not apply attention dropout ({dropout}); set it to 0")
     device, seq = query.device, ctx.seq_len
-    bias = key_bias(slopes, ctx.document_positions().to(device), query.dtype)  # [B, Hl, S]
+    bias = key_bias(slopes, ctx.document_positions().to(device), query.dtype, falcon_divisor)  # [B, Hl, S]
     allowed = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None]
     if ctx.document_ids is not None:
         ids = ctx.document_ids.to(device)
