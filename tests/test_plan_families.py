@@ -34,6 +34,8 @@ def family_config(fam, directory) -> str:
     vocab = {"vocab_size": 1024}
     if getattr(config, "vocab_size_per_layer_input", None) == config.vocab_size:  # Gemma 3n / 4's per-layer table
         vocab["vocab_size_per_layer_input"] = 1024  # (Gemma 4 looks every id up in it: an id past it is an IndexError)
+    if getattr(config, "unpadded_vocab_size", None) == config.vocab_size:  # Inkling 2: logits cut to it
+        vocab["unpadded_vocab_size"] = 1024
     doc["model"]["config"] = {"_target_": f"transformers.{type(config).__name__}", **node, **vocab}
     doc["model"]["attn_implementation"] = fam.attn_implementation()
     doc["loss"] = {"chunk_tokens": "auto"}

@@ -61,3 +61,84 @@ def test_model_without_a_linear_head_is_rejected():
 
     with pytest.raises(ValueError, match="loss.chunk_tokens needs a causal LM.*set loss.chunk_tokens=null"):
         check_model_for_chunked_loss(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("family", "transform"),
+    [
+        ("gemma2", r"final_logit_softcapping=30\.0"),
+        ("cohere", r"logit_scale=0\.0625"),
+        ("minicpm3", r"dim_model_base=256"),
+        ("recurrent_gemma", r"logits_soft_cap=30\.0"),
+    ],
+)
+def test_a_model_whose_logits_are_transformed_refuses_the_chunked_loss(family, transform):
+    """The chunked loss computes ``head(hidden)``; a model whose logits add a final transform (soft-capping, a logit
+    scale, MiniCPM's width scaling) would train another loss: the probe refuses it with the transform named, the
+    chunked and the plain loss of the same row differ (what the refusal prevents), and the model is left as it
+    was (train mode, RNG)."""
+    import torch
+
+    from automodel.training.step import check_model_for_chunked_loss, forward_loss_sum
+    from tests.family_matrix import family_by_name
+
+    model = family_by_name(family).build_model(0).double()
+    x = torch.randint(3, 100, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = forward_loss_sum(model, {"input_ids": x}, x, None)
+        chunked = forward_loss_sum(model, {"input_ids": x}, x, 8)
+    assert abs(float(plain - chunked)) > 1e-12 * abs(float(plain))
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match=rf"logits are not that: .*{transform}.*set\s+loss\.chunk_tokens=null"):
+        check_model_for_chunked_loss(model)
+    assert model.training and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mamba", "granite"])
+def test_a_model_whose_logits_are_its_head_passes_the_probe(family):
+    """Models whose logits are exactly the LM head of the base model's hidden states (Mamba's fp32 cast of the
+    logits included; Granite's default logits_scaling of 1) keep the chunked loss, and it equals the plain loss."""
+    import torch
+
+    from automodel.training.step import check_model_for_chunked_loss, forward_loss_sum
+    from tests.family_matrix import family_by_name
+
+    model = family_by_name(family).build_model(0)
+    check_model_for_chunked_loss(model)
+    x = torch.randint(3, 100, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = forward_loss_sum(model, {"input_ids": x}, x, None)
+        chunked = forward_loss_sum(model, {"input_ids": x}, x, 8)
+    assert abs(float(plain - chunked)) <= 1e-5 * abs(float(plain))
+
+
+def test_modernbert_decoder_prediction_head_refuses_the_chunked_loss():
+    """ModernBERT-decoder's ``get_decoder()`` is its output Linear and its logits pass a prediction head first."""
+    from automodel.training.step import check_model_for_chunked_loss
+    from tests.family_matrix import family_by_name
+
+    with pytest.raises(ValueError, match=r"loss.chunk_tokens needs a causal LM .*decoder=Linear"):
+        check_model_for_chunked_loss(family_by_name("modernbert-decoder").build_model(0))
+
+
+def test_the_planner_keeps_the_plain_loss_for_a_transformed_head():
+    """``loss.chunk_tokens: auto`` is resolved by the planner from a meta model: for Gemma 2 (soft-capped logits) it
+    plans and runs the plain loss, naming the transform; for Llama the logits' share of the peak decides."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from automodel.training.memory_plan import RunShape, loss_auto_choice, model_dims
+    from tests.family_matrix import family_by_name
+
+    dims = {}
+    for name in ("gemma2", "llama"):
+        with torch.device("meta"):
+            dims[name] = model_dims(AutoModelForCausalLM.from_config(family_by_name(name).build_config()))
+    assert dims["gemma2"].logit_transform == "final_logit_softcapping=30.0" and dims["llama"].logit_transform == ""
+    fields = {f.name for f in dataclasses.fields(RunShape)}
+    shape = RunShape(**{k: v for k, v in dict(local_batch=1, seq=1 << 16, cp=1, tp=1, dp_shard=1).items() if k in fields})
+    value, reason = loss_auto_choice(dims["gemma2"], shape)
+    assert value is None and "final_logit_softcapping=30.0" in reason
+    assert "not its LM head" not in loss_auto_choice(dims["llama"], shape)[1]  # decided by the logits' share

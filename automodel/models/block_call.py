@@ -159,11 +159,29 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             layers.append(m)
             inside.update(id(s) for s in m.modules())
     if not layers:
+        layers = _stack_of_layers(model)
+    if not layers:
         raise ValueError(
-            f"{type(model).__name__} declares no decoder block classes (_no_split_modules={sorted(names)}); "
-            f"cannot wrap it layer by layer"
+            f"{type(model).__name__} declares no decoder block classes (_no_split_modules={sorted(names)}) and has "
+            f"no single ModuleList of its config's num_hidden_layers layers; cannot wrap it layer by layer"
         )
     return layers
+
+
+def _stack_of_layers(model: nn.Module) -> list[nn.Module]:
+    """The blocks of a model that names none in ``_no_split_modules`` (BioGPT, CTRL, OpenAI GPT, CPM-Ant): the one
+    ``nn.ModuleList`` of ``config.num_hidden_layers`` modules outside vision / audio towers, or ``[]`` where there
+    is none or more than one."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n <= 0:
+        return []
+    stacks = [
+        m for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) == n and not any(w in name.lower() for w in ("vision", "visual", "audio"))
+    ]  # fmt: skip
+    return list(stacks[0]) if len(stacks) == 1 else []
 
 
 def outermost_blocks(model: nn.Module) -> list[nn.Module]:

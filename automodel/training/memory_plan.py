@@ -153,6 +153,9 @@ class ModelDims:
     qk_norm: bool = False
     #: hidden-size norms per decoder layer (Llama: 2; Gemma 2/3: 4, around each block)
     layer_norms: int = 2
+    #: a final transform of the LM head's output (``"final_logit_softcapping=30.0"``; "" none): the chunked loss
+    #: cannot compute it, so ``loss.chunk_tokens: auto`` plans and runs the plain loss
+    logit_transform: str = ""
 
     @property
     def matmul_params(self) -> int:
@@ -323,6 +326,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     once per model), the parameter counts from its parameters."""
     from automodel.distributed.cp.guard import cached_profile
     from automodel.models.parallelize import decoder_layers
+    from automodel.training.step import logit_transform_of
 
     c = cached_profile(model)
     heads = c.num_attention_heads or 0  # 0: a model without attention (Mamba, RWKV, xLSTM): no attention terms
@@ -360,6 +364,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         lookup_params=_lookup_params(model),
         layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
         qk_norm=any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for layer in layers[:1] for name, _ in layer.named_modules()),
+        logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
     )
 
@@ -983,6 +988,9 @@ def loss_auto_choice(d: ModelDims, r: RunShape) -> tuple[int | None, str]:
     if r.tp > 1:
         return None, (f"loss.chunk_tokens auto: off (tp_size {r.tp}: the chunked loss does not compose with tensor "
                       "parallelism; distributed.enable_loss_parallel shards the logits instead)")  # fmt: skip
+    if d.logit_transform:
+        return None, (f"loss.chunk_tokens auto: off (the plain loss): the model's logits are not its LM head of the "
+                      f"final hidden states ({d.logit_transform}), which the chunked loss computes")  # fmt: skip
     plain = plan_memory(d, dataclasses.replace(r, chunk_tokens=None))
     loss, peak = plain.terms["logits and loss"].bytes, plain.step_peak_bytes
     share = loss / peak if peak > 0 else 0.0

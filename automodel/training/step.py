@@ -30,7 +30,15 @@ from torch import nn
 from automodel.training.chunked_loss import chunked_linear_cross_entropy_sum
 from automodel.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
-__all__ = ["MODEL_INPUT_KEYS", "check_model_for_chunked_loss", "forward_loss_sum", "prepare_batch", "run_micro_batch"]
+__all__ = [
+    "MODEL_INPUT_KEYS",
+    "check_model_for_chunked_loss",
+    "forward_loss_sum",
+    "logit_transform_of",
+    "logits_are_head_of_hidden",
+    "prepare_batch",
+    "run_micro_batch",
+]
 
 # What the model sees. seq_lens / seq_lens_padded (packed rows) are metadata for the CP method;
 # at cp_size=1 the model's own forward reads document boundaries from the restarting position_ids where a
@@ -74,10 +82,16 @@ def prepare_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]
 
 
 def check_model_for_chunked_loss(model: nn.Module) -> None:
-    """``ValueError`` unless ``model`` can return hidden states without logits (``loss.chunk_tokens``).
+    """``ValueError`` unless ``model``'s loss can be computed chunk by chunk from its final hidden states
+    (``loss.chunk_tokens``), exactly.
 
     Needs transformers' ``get_decoder()`` (the base model, whose first output is the final hidden
-    states), ``get_output_embeddings()`` (the LM head, a ``Linear``) and a ``logits_to_keep`` argument.
+    states), ``get_output_embeddings()`` (the LM head, a ``Linear``) and a ``logits_to_keep`` argument, and the
+    model's logits must be that head applied to those hidden states and nothing else: a probe
+    (:func:`logits_are_head_of_hidden`) runs the model once on a few tokens and refuses a final transform
+    (Gemma 2's logit soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``, MiniCPM's width
+    scaling, ModernBERT-decoder's prediction head), which the chunked loss would leave out. Does not modify
+    ``model`` (its train/eval mode and the RNG state are restored).
     """
     import inspect
 
@@ -85,12 +99,103 @@ def check_model_for_chunked_loss(model: nn.Module) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-    if not isinstance(head, nn.Linear) or decoder is None or decoder is model or not takes_keep:
+    if not isinstance(head, nn.Linear) or decoder is None or decoder is model or decoder is head or not takes_keep:
         raise ValueError(
             f"loss.chunk_tokens needs a causal LM with a Linear LM head (get_output_embeddings), a base model "
             f"(get_decoder) and a logits_to_keep argument; {name} lacks one (head={type(head).__name__}, "
             f"decoder={type(decoder).__name__}, logits_to_keep={takes_keep}); set loss.chunk_tokens=null"
         )
+    why = logits_are_head_of_hidden(model)
+    if why is not None:
+        raise ValueError(
+            f"loss.chunk_tokens computes the logits as the LM head of the base model's final hidden states, but "
+            f"{name}'s logits are not that: {why}; the chunked loss would train another loss; set "
+            f"loss.chunk_tokens=null (or auto, which keeps the plain loss for this model)"
+        )
+
+
+#: config attributes of known final transforms between the LM head and the logits, named in the probe's reason
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling", "dim_model_base",
+                     "scale_width")  # fmt: skip
+
+
+def logit_transform_of(model: nn.Module) -> str:
+    """The final transform a causal LM applies to its LM head's output, read from its structure and config
+    (meta tensors are fine): ``"final_logit_softcapping=30.0"``, ``"a prediction head"`` or ``""`` for none known.
+    What the planner reads before a model exists; the run's check is the probe (:func:`logits_are_head_of_hidden`)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if head is not None and decoder is head:
+        return "a prediction head before its output Linear"
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    named = [f"{k}={getattr(config, k)}" for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+    return ", ".join(named)
+
+
+class _NotHidden(Exception):
+    pass
+
+
+def logits_are_head_of_hidden(model: nn.Module, n_tokens: int = 8) -> str | None:
+    """``None`` when ``model(input_ids).logits`` equals its LM head (``get_output_embeddings()``) applied to its base
+    model's (``get_decoder()``) first output, else the reason.
+
+    The probe runs the model once under ``torch.no_grad`` in eval mode on ``n_tokens`` token ids, with the base
+    model's output hidden states ``[1, n, H]`` scaled so that the head's logits reach about 100 in magnitude: a
+    soft-cap, a logit scale or any extra layer then changes them by far more than round-off, where random
+    initial weights alone would give logits too small to show a soft-cap. Does not modify ``model``: the
+    scaling lives in a forward hook removed afterwards, the train/eval mode and the RNG state are restored.
+    A model on the meta device is not probed (``None``).
+    """
+    head = model.get_output_embeddings()
+    decoder = model.get_decoder()
+    if head.weight.device.type == "meta":
+        return None
+    seen: dict[str, torch.Tensor] = {}
+
+    def scale_hidden(module: nn.Module, args: Any, output: Any) -> Any:
+        hidden = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", None)
+        if not isinstance(hidden, torch.Tensor) or hidden.shape[-1] != head.in_features:
+            raise _NotHidden(type(hidden).__name__ if not isinstance(hidden, torch.Tensor) else str(tuple(hidden.shape)))
+        peak = float(nn.functional.linear(hidden, head.weight, head.bias).abs().max())
+        scaled = hidden * (100.0 / peak if peak > 0 else 1.0)
+        seen["hidden"] = scaled
+        if isinstance(output, tuple):
+            return (scaled, *output[1:])
+        output.last_hidden_state = scaled
+        return output
+
+    vocab = head.out_features
+    ids = (torch.arange(n_tokens, device=head.weight.device) * 7 + 3) % vocab
+    training = model.training
+    handle = decoder.register_forward_hook(scale_hidden)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            logits = model(input_ids=ids[None], use_cache=False).logits
+    except _NotHidden as e:
+        return f"its base model's ({type(decoder).__name__}) first output is not hidden states of width {head.in_features} ({e})"
+    except Exception as e:  # noqa: BLE001 - any failure: the loss cannot be shown to be the head's
+        return f"the probe forward on {n_tokens} tokens failed ({type(e).__name__}: {str(e)[:200]})"
+    finally:
+        handle.remove()
+        model.train(training)
+    if "hidden" not in seen:
+        return f"its base model ({type(decoder).__name__}) did not run in the model's forward"
+    with torch.no_grad():
+        expected = nn.functional.linear(seen["hidden"], head.weight, head.bias).float()
+    logits = logits.float()
+    if logits.shape != expected.shape:
+        return f"its logits {tuple(logits.shape)} are not the head's {tuple(expected.shape)}"
+    err = float((logits - expected).abs().max()) / max(float(expected.abs().max()), 1e-30)
+    tol = 2e-2 if head.weight.dtype in (torch.float16, torch.bfloat16) else 1e-3  # the same product, maybe recast
+    if err <= tol:
+        return None
+    config = getattr(model, "config", None)
+    named = [f"{k}={getattr(config, k)}" for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+    return (f"they differ from the head of the hidden states by {err:.2g} of their largest value (a final transform"
+            + (f": {', '.join(named)}" if named else ", e.g. soft-capping, a logit scale or a prediction head") + ")")
 
 
 def forward_loss_sum(
