@@ -289,8 +289,8 @@ def test_every_matrix_family_is_tiled_or_refused_before_weights():
             assert check_tiled_mlp_for_model(model, True), fam.name
         except UserInputError as e:
             refused[fam.name] = str(e)
-    # no MLP module (OPT's inline MLP, the Mamba family), or RWKV's time shift; Nemotron-H's default pattern
+    # no MLP module (OPT's, BioGPT's and XGLM's inline MLP, the Mamba family), or RWKV's time shift; Nemotron-H's default pattern
     # (M E * -) has an MoE and an MLP layer, tiled (its Mamba and attention layers have no MLP to tile)
-    assert sorted(refused) == ["falcon_mamba", "mamba", "mamba2", "opt", "rwkv"], sorted(
+    assert sorted(refused) == ["biogpt", "falcon_mamba", "mamba", "mamba2", "opt", "rwkv", "xglm"], sorted(
         refused
-    )
+    )  # BioGPT and XGLM: an inline MLP (fc1, fc2) like OPT's
