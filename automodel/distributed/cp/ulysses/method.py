@@ -16,10 +16,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, standard_problem
+from automodel.distributed.cp.head_chunks import head_chunked_exchange
+from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, ExchangeTerm, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 
 __all__ = ["UlyssesMethod"]
+
+
+def _chunks(r: Any) -> int:
+    """``distributed.ulysses_head_chunks`` of a memory-plan / cost shape (1 where it carries none)."""
+    return max(1, int(getattr(r, "head_chunks", 1) or 1))
+
+
+def _head_chunks_option(cfg: Any) -> dict[str, Any]:
+    chunks = getattr(cfg.distributed, "ulysses_head_chunks", 1)
+    return {"head_chunks": chunks} if isinstance(chunks, int) and chunks > 1 else {}
 
 
 class UlyssesMethod(AttentionSwitchingMethod):
@@ -37,6 +48,13 @@ class UlyssesMethod(AttentionSwitchingMethod):
             self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
             position_scaled=True,
         )
+
+    def head_chunk_ranks(self, cp_size: int) -> int | None:
+        return cp_size
+
+    def recipe_batch_options(self, cfg: Any) -> dict[str, Any]:
+        """``head_chunks``: ``distributed.ulysses_head_chunks`` (``auto`` resolved by the trainer before binding)."""
+        return {**super().recipe_batch_options(cfg), **_head_chunks_option(cfg)}
 
     def _switch(self) -> tuple[Any, str]:
         from automodel.distributed.cp.ulysses.attention import ULYSSES_ATTN_NAME, set_ulysses_attention
@@ -57,17 +75,42 @@ class UlyssesMethod(AttentionSwitchingMethod):
         return "blocks" if packed else "sdpa"
 
     def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:
-        """``H / cp`` query heads over the whole row; KV heads replicated up to ``cp`` where it does not divide them."""
+        """``H / cp`` query heads over the whole row; KV heads replicated up to ``cp`` where it does not divide them;
+        with ``distributed.ulysses_head_chunks`` G, one call sees ``1/G`` of them."""
+        g = _chunks(r)
         kv_local = max(1, d.kv_heads // r.tp)
         kv_seen = max(1, kv_local * (r.cp // math.gcd(kv_local, r.cp)) // r.cp)
-        return d.heads // r.tp // r.cp, kv_seen, r.seq, r.seq
+        return max(1, d.heads // r.tp // r.cp // g), max(1, kv_seen // g), r.seq, r.seq
 
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
-        n, c, tp = r.local_tokens, r.compute_bytes, r.tp
+        """The all-to-all buffers of q, k, v and the output (sent and received: ``2 (2 h + 2 kv') c n``); with head
+        chunks ``G`` those of one group (``/ G``), plus the gradient of the local q, k, v the groups' gradients are
+        stacked into (``(h + 2 kv') c n``, :func:`~automodel.distributed.cp.head_chunks.run_head_groups`)."""
+        n, c, tp, g = r.local_tokens, r.compute_bytes, r.tp, _chunks(r)
         h = d.hidden / tp
-        kv_local = d.kv_heads // tp
+        kv_local = max(1, d.kv_heads // tp)
         kv_sent = kv_local * (r.cp // math.gcd(kv_local, r.cp)) * d.head_dim
-        return 2 * (2 * h + 2 * kv_sent) * c * n, "ulysses all-to-all buffers of q, k, v and the output"
+        buffers = 2 * (2 * h + 2 * kv_sent) * c * n
+        if g == 1:
+            return buffers, "ulysses all-to-all buffers of q, k, v and the output"
+        stacked = (h + 2 * kv_sent) * c * n
+        return buffers / g + stacked, (
+            f"ulysses all-to-all buffers of q, k, v and the output for 1 of {g} head groups, and the q, k, v "
+            "gradient the groups' are stacked into"
+        )
+
+    def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
+        """The all-to-all of q, k, v and the output (:meth:`CPMethod.exchange_terms`); with head chunks ``G`` one
+        per group, and the backward's recomputation of each group's q, k, v all-to-all
+        (:func:`~automodel.distributed.cp.head_chunks.head_chunked_exchange`)."""
+        terms = super().exchange_terms(d, r, packed)
+        g = _chunks(r)
+        if g == 1 or not terms:
+            return terms
+        kv_local = max(1, d.kv_heads // r.tp)
+        kv = kv_local * d.head_dim
+        q = d.heads // r.tp * d.head_dim
+        return [head_chunked_exchange(t, g, (q + 2 * kv) / (2 * q + 2 * kv)) for t in terms]
 
     def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
         kv_sent = kv * (cp_size // math.gcd(kv, cp_size))  # kv heads are replicated when cp does not divide them
