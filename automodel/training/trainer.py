@@ -751,7 +751,9 @@ class FinetuneTrainer:
             technique_problems,
         )
 
-        report = collect_technique_report(self.model, self.activation_offload, self.grad_acc)
+        chunks = self.cfg.distributed.ulysses_head_chunks if self.cfg.distributed.cp_size > 1 else 1
+        chunks = chunks if isinstance(chunks, int) and self.cp_method.head_chunk_ranks(self.cfg.distributed.cp_size) else 1
+        report = collect_technique_report(self.model, self.activation_offload, self.grad_acc, chunks)
         self.technique_report = report
         for line in technique_lines(report):
             logger.info("step %d: %s", self.step, line)

@@ -31,6 +31,7 @@ attention module); the output projection runs on the gathered local output.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ __all__ = [
     "kv_heads_per_rank",
     "run_head_groups",
     "ALL_TO_ALL_LATENCY_S",
+    "HEAD_GROUP_COUNTS",
+    "HeadGroupCounts",
     "head_chunked_exchange",
 ]
 
@@ -53,6 +56,29 @@ ALL_TO_ALL_LATENCY_S = 30e-6
 
 #: the config key
 HEAD_CHUNKS_KEY = "distributed.ulysses_head_chunks"
+
+
+@dataclass
+class HeadGroupCounts:
+    """What :func:`run_head_groups` did in this process since :meth:`reset` (the run log's technique line):
+    attention calls run in head groups, the groups run in their forwards, and all group runs (the backward's
+    recomputations are the difference)."""
+
+    calls: int = 0
+    groups: int = 0
+    group_runs: int = 0
+    max_groups: int = 0
+
+    def reset(self) -> None:
+        self.calls = self.groups = self.group_runs = self.max_groups = 0
+
+    @property
+    def recomputed(self) -> int:
+        return self.group_runs - self.groups
+
+
+#: the process's counts (one process runs one rank's attention)
+HEAD_GROUP_COUNTS = HeadGroupCounts()
 
 
 def kv_heads_per_rank(kv_heads: int, world: int) -> int:
@@ -130,10 +156,15 @@ def run_head_groups(
         return fn(0, query, key, value)
     qs, ks, vs = (_group(x, world, chunks) for x in (query, key, value))
     grad = torch.is_grad_enabled()
+    counts = HEAD_GROUP_COUNTS
+    counts.calls += 1
+    counts.groups += chunks
+    counts.max_groups = max(counts.max_groups, chunks)
     outs = []
     for g in range(chunks):
 
         def one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: int = g) -> torch.Tensor:
+            counts.group_runs += 1  # again when the backward recomputes the group
             return fn(g, q.flatten(1, 2), k.flatten(1, 2), v.flatten(1, 2))
 
         if grad:  # its full-row tensors are recomputed in the backward, one group at a time
