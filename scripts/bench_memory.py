@@ -29,7 +29,8 @@ process, on the same weights and batch (AdamW with lr 0: every row's loss must b
   routed experts' saved activations and the router (issue 41).
 
 Then (``--headwise also``, the default; ``--headwise only`` for these alone) **headwise Ulysses** (issue 42): Ulysses
-at cp=2 on a model with 16 heads / 8 KV heads, with ``distributed.ulysses_head_chunks`` 1, 2 and 4: the tracked step
+at cp=2 on a model with 16 heads / 8 KV heads (tiled MLP, so the step peaks in the attention's backward), with
+``distributed.ulysses_head_chunks`` 1, 2 and 4: the tracked step
 peak against the plan, one attention block's tracked peak against ``1/G`` of the unchunked one plus the
 projections, the step's CPU time against the unchunked one, and the losses (equal).
 
@@ -446,6 +447,9 @@ def headwise_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int,
     config = LlamaConfig(max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False, **model_kw)
     model = AutoModelForCausalLM.from_config(config)
     inner = set_ulysses_attention(model, mesh)
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+
+    apply_tiled_mlp(model, True)  # the MLP's backward moment below the attention's: where head groups matter
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
@@ -514,7 +518,7 @@ def headwise_rows(args: argparse.Namespace) -> bool:
     print(
         f"\nHeadwise Ulysses (distributed.ulysses_head_chunks): hidden {h}, {heads} heads / {kv} KV heads of "
         f"{h // heads}, MLP {2 * h}, {layers} layers, vocab {args.headwise_vocab}, fp32, {seq} tokens, cp={cp} "
-        f"(Ulysses, sdpa), activation checkpointing, loss.chunk_tokens={chunk}, AdamW; tracked peaks (the rank's "
+        f"(Ulysses, sdpa), activation checkpointing, tiled MLP, loss.chunk_tokens={chunk}, AdamW; tracked peaks (the rank's "
         "larger); block = one attention module's forward + backward alone; projections = the local q, k, v, output "
         f"and their gradients = {projections:.1f} MiB\n",
         flush=True,
@@ -529,7 +533,7 @@ def headwise_rows(args: argparse.Namespace) -> bool:
         blk = max(r[chunks]["block_mib"] for r in ranks)
         cpu = max(r[chunks]["cpu_s"] for r in ranks)
         shape = RunShape(local_batch=1, seq=seq, cp=cp, cp_method="ulysses", chunk_tokens=chunk,
-                         activation_checkpointing=True, head_chunks=chunks)  # fmt: skip
+                         activation_checkpointing=True, head_chunks=chunks, tiled_mlp=True)  # fmt: skip
         planned = _planned_without_fsdp(plan_memory(dims, shape)) / MIB
         err = (planned - peak) / peak
         bound = max(r[1]["block_mib"] for r in ranks) / chunks + projections

@@ -135,7 +135,7 @@ LLAMA_8B = _llama_8b()
 
 
 def _shape(chunks: int, method: str = "ulysses", cp: int = 2, **kw) -> RunShape:
-    return RunShape(local_batch=1, seq=1 << 20, cp=cp, cp_method=method, activation_checkpointing=True,
+    return RunShape(local_batch=1, seq=1 << 20, cp=cp, cp_method=method, activation_checkpointing=True, tiled_mlp=True,
                     chunk_tokens=1024, compute_bytes=2, head_chunks=chunks, attention_kernel="flash", **kw)  # fmt: skip
 
 
@@ -144,10 +144,12 @@ def test_the_plan_counts_one_head_group_of_buffers():
     whole, half = plan_memory(d, _shape(1)), plan_memory(d, _shape(4))
     n, c = (1 << 20) // 2, 2
     h, kv = d.hidden, d.kv_heads * d.head_dim
-    a2a = 2 * (2 * h + 2 * kv) * c * n
-    assert whole.terms["attention workspace"].bytes == a2a
-    assert half.terms["attention workspace"].bytes == a2a / 4 + (h + 2 * kv) * c * n  # + the stacked q, k, v gradient
+    grads = (2 * h + 2 * kv) * c * n  # the backward's full-row dO, dQ, dK, dV of the rank's heads
+    assert whole.terms["attention workspace"].bytes == grads
+    assert half.terms["attention workspace"].bytes == grads / 4 + 3 / 4 * (h + 2 * kv) * c * n  # + the groups done
     assert half.terms["attention kernel"].bytes == pytest.approx(whole.terms["attention kernel"].bytes / 4)
+    # the attention's backward is the peak once the tiled MLP shrinks the MLP's: fewer buffers, a lower total
+    assert half.peak_phase == whole.peak_phase == "attention backward"
     assert half.total_bytes < whole.total_bytes
     assert head_chunk_options(d, _shape(1)) == [1, 2, 4] and head_chunk_options(d, _shape(1, cp=8)) == [1]
     assert head_chunk_options(d, _shape(1, method="ring")) == [1]
@@ -157,6 +159,10 @@ def test_the_plan_counts_one_head_group_of_buffers():
         d, dataclasses.replace(usp, head_chunks=1)).terms["attention workspace"].bytes  # fmt: skip
     pick, why = head_chunks_auto_choice(d, _shape(1))
     assert pick in (2, 4) and "distributed.ulysses_head_chunks=auto" in why
+    # without the tiled MLP the MLP's backward is the peak: more head groups would not lower it, auto keeps 1
+    untiled = dataclasses.replace(_shape(1), tiled_mlp=False)
+    assert plan_memory(d, untiled).peak_phase == "recompute"
+    assert head_chunks_auto_choice(d, untiled)[0] == 1
 
 
 def test_the_estimate_charges_the_recomputed_forward_and_each_groups_all_to_all():

@@ -356,7 +356,7 @@ def test_the_planned_kernels_backward_buffers_join_one_layers_backward():
 
     d = _dims()  # 2 heads, 1 KV head of 16
     n = 4096
-    for ac, phase in ((False, "backward"), (True, "recompute")):
+    for ac, phase in ((False, "backward"), (True, "attention backward")):  # with checkpointing: after the MLP's
         base = RunShape(local_batch=1, seq=n, activation_checkpointing=ac, compute_bytes=2)
         cpu, flash = plan_memory(d, base), plan_memory(d, dataclasses.replace(base, attention_kernel=FLASH))
         expected = 128 * (n // 128) * 2 * 32 * 4 + 2 * n * 4 + 2 * n * 2 * 16 * 2  # dq_accum, softmax_d, dK/dV x H

@@ -8,7 +8,7 @@ prediction against measurement. Two figures, reported separately because they ar
   parameters (master dtype) and of the AdamW states (two per trainable parameter, master dtype).
   Gradients do not persist (the trainer zeroes them with ``set_to_none=True``).
 * **step peak**: the most one step (forward, loss, backward, optimizer step of one micro-batch) holds
-  *above* that state at any moment. It is the largest of three phases, each a sum of terms:
+  *above* that state at any moment. It is the largest of the phases, each a sum of terms:
 
   - ``loss``: end of forward / start of backward: the saved activations, the logits-and-loss
     peak, the FSDP2 buffers live then (the root module gathered; the layers are resharded), the
@@ -16,7 +16,10 @@ prediction against measurement. Two figures, reported separately because they ar
   - ``recompute`` (activation checkpointing) / ``backward`` (without): backward through one layer: the saved
     layer inputs (and one layer's recomputed activations and backward temporaries), the CP attention workspace,
     the attention kernel's backward buffers, the FSDP2 buffers, and the gradients written so far (the LM
-    head's and the layers' reached; :func:`_grads_in_backward`);
+    head's and the layers' reached; :func:`_grads_in_backward`). With checkpointing this is two moments:
+    ``recompute``, the MLP's backward (the whole recomputed layer, the MLP's gradients, no CP attention
+    buffers: they are not live then), and ``attention backward``, after it (the recomputed layer less the
+    MLP's intermediates, gradients and tile, plus the CP attention workspace and the kernel's buffers);
   - ``optimizer``: all gradients, the FSDP2 buffers and the optimizer's temporaries.
 
 Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
@@ -48,8 +51,11 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   ``+ 2 h c`` per layer, and the LM head's gathered input ``+ h c`` outside.
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
-  additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the all-to-all buffers of q, k, v and
-  the output (in and out: ``2 (2 h + 2 kv') c``, ``kv'`` the kv heads sent). ``eager`` attention saves
+  additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the backward's full-row gradients of the
+  output, q, k and v around their all-to-alls (``(2 h + 2 kv') c``, ``kv'`` the kv heads sent; the received
+  q, k, v and output the kernel saves are activations), ``/ G`` with ``distributed.ulysses_head_chunks=G``
+  plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); in the
+  ``attention backward`` phase, not beside the MLP's backward. ``eager`` attention saves
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
 * attention kernel: what the CUDA attention kernel the run uses (``RunShape.attention_kernel``, from
   ``model.attention_backend`` and, for ``auto``, the GPU: :func:`planned_kernel`) allocates in one call's
@@ -404,8 +410,10 @@ def _tp_sharded_params(model) -> set[int]:  # noqa: ANN001
     return out
 
 
-def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
-    """(saved activations, extra of one recomputed layer in backward, note), bytes per rank on the device."""
+def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str, float]:
+    """(saved activations, extra of one recomputed layer in backward, note, the part of that extra only the MLP's
+    backward holds), bytes per rank on the device. The last: the recomputed MLP intermediates, their gradients and
+    the tiled MLP's tile, freed before the backward reaches the layer's attention (0 without checkpointing)."""
     n, c, tp, s = r.local_tokens, r.compute_bytes, r.tp, r.stream_split
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     # GQA: the CP block kernels save K/V repeated to all heads; torch's SDPA (no CP, Ulysses' inner sdpa kernel)
@@ -453,12 +461,13 @@ def _activation_terms(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
         else:
             note = f"{d.layers} layer inputs kept"
         note += f"; one layer recomputed in backward: {_fmt(n * (layer + mlp_grads + 2 * h * c / s) + s2 + tile_bytes)}{tiled}"
-        return saved, recompute, note
+        mlp_only = n * (mlp / tp * c + mlp_grads) + tile_bytes
+        return saved, recompute, note, mlp_only
     saved = n * (d.layers * layer + outside) + d.layers * s2 + tile_bytes
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (eager: an S^2 term per layer)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
-    return saved, 0.0, note
+    return saved, 0.0, note, 0.0
 
 
 def _mlp_saved(d: ModelDims) -> tuple[float, float, float]:
@@ -591,7 +600,7 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
                    "AdamW exp_avg, exp_avg_sq" if r.offload is False else f"on the host (fsdp.offload={r.offload})"),
     ]  # fmt: skip
     grads, grads_note = _gradient_bytes(d, r)
-    saved, recompute, act_note = _activation_terms(d, r)
+    saved, recompute, act_note, mlp_only = _activation_terms(d, r)
     attn, attn_note = _attention_workspace(d, r)
     loss, loss_note = _loss_term(d, r)
     comm, comm_note = _comm_buffers(d, r)
@@ -625,9 +634,19 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     kept_input = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
     if r.activation_checkpointing:
         per_input = 0.0 if r.activation_offloaded else kept_input  # offloaded: two on the device throughout
+        grads_now = max(earlier_grads, _grads_in_backward(d, r, per_input))
+        # two moments of the recomputed layer's backward: its MLP's (the whole recomputed layer with the MLP's
+        # gradients) and then its attention's, when the MLP's intermediates and gradients are freed and the CP
+        # all-to-all / gather buffers and the kernel's backward buffers are live (measured: scripts/bench_memory.py's
+        # headwise rows; docs/benchmarks.md's snapshots of the MLP moment, where the CP workspace is not live)
         phases["recompute"] = {
-            "gradients": max(earlier_grads, _grads_in_backward(d, r, per_input)),
+            "gradients": grads_now,
             "activations": saved + recompute,
+            "communication buffers": comm,
+        }
+        phases["attention backward"] = {
+            "gradients": grads_now,
+            "activations": saved + recompute - mlp_only,
             "attention workspace": attn,
             "attention kernel": kernel,
             "communication buffers": comm,

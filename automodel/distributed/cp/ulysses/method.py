@@ -83,20 +83,23 @@ class UlyssesMethod(AttentionSwitchingMethod):
         return max(1, d.heads // r.tp // r.cp // g), max(1, kv_seen // g), r.seq, r.seq
 
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
-        """The all-to-all buffers of q, k, v and the output (sent and received: ``2 (2 h + 2 kv') c n``); with head
-        chunks ``G`` those of one group (``/ G``), plus the gradient of the local q, k, v the groups' gradients are
-        stacked into (``(h + 2 kv') c n``, :func:`~automodel.distributed.cp.head_chunks.run_head_groups`)."""
+        """What the attention's backward holds beyond the layer's activations (which count the received q, k, v
+        and output the kernel saves): the full-row gradients of the output, q, k and v for the rank's heads before
+        their all-to-alls, ``(2 h + 2 kv') c n`` (``kv'``: KV heads replicated up to ``cp``). With head chunks ``G``
+        those of one group (``/ G``), and the local q, k, v gradients of the groups done, waiting to be stacked
+        (up to ``(G-1)/G (h + 2 kv') c n``, :func:`~automodel.distributed.cp.head_chunks.run_head_groups`).
+        Measured on CPU at cp 2 (``scripts/bench_memory.py --headwise only``)."""
         n, c, tp, g = r.local_tokens, r.compute_bytes, r.tp, _chunks(r)
         h = d.hidden / tp
         kv_local = max(1, d.kv_heads // tp)
         kv_sent = kv_local * (r.cp // math.gcd(kv_local, r.cp)) * d.head_dim
-        buffers = 2 * (2 * h + 2 * kv_sent) * c * n
+        grads = (2 * h + 2 * kv_sent) * c * n
         if g == 1:
-            return buffers, "ulysses all-to-all buffers of q, k, v and the output"
-        stacked = (h + 2 * kv_sent) * c * n
-        return buffers / g + stacked, (
-            f"ulysses all-to-all buffers of q, k, v and the output for 1 of {g} head groups, and the q, k, v "
-            "gradient the groups' are stacked into"
+            return grads, "ulysses: the full-row gradients of the output, q, k and v around their all-to-alls"
+        waiting = (g - 1) / g * (h + 2 * kv_sent) * c * n
+        return grads / g + waiting, (
+            f"ulysses, 1 of {g} head groups at a time: the group's full-row gradients of the output, q, k and v "
+            "around their all-to-alls, and the local q, k, v gradients of the groups done"
         )
 
     def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
