@@ -484,7 +484,8 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
         kwargs["position_ids"] = ctx.position_ids.to(query.device)
     if is_causal is not None:
         kwargs["is_causal"] = is_causal
-    inner = _inner_function(ctx.inner_attn, module)
+    # ALiBi layers (their own code) have no inner function of their module: _alibi_attention instead
+    inner = _inner_function(ctx.inner_attn, module) if slopes is None else None
 
     def heads_attention(g: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # group g (all heads when chunks == 1): q [B, W*h_g, n_r, D] -> [B, h_g, S, D], the inner kernel, and back
