@@ -29,6 +29,8 @@ CP2_CASES = {
                                           ckpt=True, offload=True),
     "llama_compile_ckpt_plain_f32": dict(family="llama", heads=8, kv=4, dtype="float32", form="plain", chunks=2,
                                          ckpt=True, compile=True),
+    # ALiBi (BLOOM's own attention code): each head group takes its heads' slopes
+    "bloom_alibi_packed_f64": dict(family="bloom", heads=4, kv=None, dtype="float64", form="packed", chunks=2),
 }
 # at cp=4 (4 ranks): Ulysses over all of them, and usp 2 x 2 (head groups inside the Ulysses sub-group)
 CP4_CASES = {
@@ -190,7 +192,7 @@ def assert_case(name: str, case: dict, got: dict) -> None:
     f64 = case["dtype"] == "float64"
     assert got["loss_vs_unchunked"] <= (1e-15 if f64 else 1e-6), (name, got)
     assert got["grad_vs_unchunked"] <= (1e-14 if f64 else 1e-6), (name, got)
-    fp32_inside = case["family"] in ("gemma2", "gpt_oss")  # eager softmax in fp32 (tests/test_layer_kinds.py)
+    fp32_inside = case["family"] in ("gemma2", "gpt_oss", "bloom")  # softmax in fp32 inside (tests/test_layer_kinds.py)
     loss_tol, grad_tol = (1e-12, 1e-10) if f64 and not fp32_inside else (1e-5, 1e-4)
     assert got["loss_vs_reference"] <= loss_tol and got["grad_vs_reference"] <= grad_tol, (name, got)
     assert got["zero_grads"] == [], (name, got)
