@@ -41,6 +41,8 @@ CP4_CASES = {
                                 method="usp2"),
     "usp2_sinks_packed_f32": dict(family="gpt_oss", heads=4, kv=None, dtype="float32", form="packed", chunks=2,
                                   method="usp2"),
+    "usp2_bloom_alibi_packed_f64": dict(family="bloom", heads=4, kv=None, dtype="float64", form="packed", chunks=2,
+                                        method="usp2"),
 }
 DOCS = [21, 34, 9]
 
