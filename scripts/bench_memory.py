@@ -28,6 +28,12 @@ process, on the same weights and batch (AdamW with lr 0: every row's loss must b
 - a **mixture of experts** (Mixtral-like: 4 experts, top-2, 2 layers) without and with checkpointing: the
   routed experts' saved activations and the router (issue 41).
 
+Then (``--headwise also``, the default; ``--headwise only`` for these alone) **headwise Ulysses** (issue 42): Ulysses
+at cp=2 on a model with 16 heads / 8 KV heads (tiled MLP, so the step peaks in the attention's backward), with
+``distributed.ulysses_head_chunks`` 1, 2 and 4: the tracked step
+peak against the plan, one attention block's tracked peak against ``1/G`` of the unchunked one plus the
+projections, the step's CPU time against the unchunked one, and the losses (equal).
+
 On a CPU the "device" and the host are one memory, so RSS cannot show what an offload moved: those rows
 count the **tracked allocations** (:class:`scripts.live_tensors.AllocationTracker`, the bytes of the storages
 ops create, as a device allocator would) with the offload's host buffers and the host optimizer's step left out: the
@@ -38,6 +44,7 @@ when a row is off by more than ``--tolerance`` (10%), the tiled ratio is above 0
     nice python scripts/bench_memory.py                              # the tables in docs/benchmarks.md
     nice python scripts/bench_memory.py --vocabs 32000 --seq-lens 1024 2048 --no-search --wide no
     nice python scripts/bench_memory.py --wide only                  # the issue-35 rows alone (~10 min)
+    nice python scripts/bench_memory.py --headwise only              # headwise Ulysses at cp=2 (issue 42)
 """
 
 from __future__ import annotations
@@ -419,6 +426,130 @@ def technique_rows(args: argparse.Namespace, title: str, h: int, i: int, layers:
     return ok and same
 
 
+# --- headwise Ulysses (issue 42): distributed.ulysses_head_chunks at cp=2 ------------------------------------------
+
+
+def headwise_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int, counts: list[int]) -> dict:
+    """Ulysses at cp=``world`` with ``ulysses_head_chunks`` each of ``counts``, the same weights and batch (AdamW lr 0:
+    every loss equal). Per count: ``step`` (tracked step peak of forward + loss + backward + the gradients'
+    all-reduce + AdamW, and its CPU seconds), ``block`` (tracked peak of one attention module's forward and backward
+    alone, its inputs made before) and the loss."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
+    from automodel.training.step import forward_loss_sum
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    config = LlamaConfig(max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False, **model_kw)
+    model = AutoModelForCausalLM.from_config(config)
+    inner = set_ulysses_attention(model, mesh)
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+
+    apply_tiled_mlp(model, True)  # the MLP's backward moment below the attention's: where head groups matter
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (1, seq), generator=g),
+             "labels": torch.randint(0, config.vocab_size, (1, seq), generator=g)}  # fmt: skip
+
+    def step(chunks: int) -> torch.Tensor:
+        ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner, head_chunks=chunks)
+        with ctx():
+            loss = forward_loss_sum(model, {"input_ids": local["input_ids"], "position_ids": local["position_ids"]},
+                                    local["labels"], chunk) / seq  # fmt: skip
+            loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total
+
+    def block(chunks: int) -> int:
+        attn = model.model.layers[0].self_attn
+        ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner, head_chunks=chunks)
+        n = local["input_ids"].shape[1]
+        hidden = torch.randn(1, n, config.hidden_size, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        pos = model.model.rotary_emb(hidden, local["position_ids"])
+        grad = torch.randn(1, n, config.hidden_size, generator=torch.Generator().manual_seed(3))
+        tracker = AllocationTracker()
+        with ctx(), tracker:
+            out = attn(hidden, position_embeddings=pos, attention_mask=None)[0]
+            out.backward(grad)
+            del out
+        model.zero_grad(set_to_none=True)
+        return tracker.peak
+
+    out = {}
+    for chunks in counts:
+        step(chunks)  # warm-up (untracked): AdamW state, lazy imports
+        gc.collect()
+        tracker = AllocationTracker()
+        cpu = time.process_time()
+        with tracker:
+            loss = step(chunks)
+        cpu = time.process_time() - cpu
+        gc.collect()
+        untracked = []  # the step's CPU time without the tracker's per-op bookkeeping: the cost of the head groups
+        for _ in range(3):
+            t0 = time.process_time()
+            step(chunks)
+            untracked.append(time.process_time() - t0)
+        out[chunks] = {"peak_mib": tracker.peak / MIB, "cpu_s": min(untracked), "loss": loss.item(),
+                       "block_mib": block(chunks) / MIB}  # fmt: skip
+    return out
+
+
+def headwise_rows(args: argparse.Namespace) -> bool:
+    """The headwise-Ulysses table: per ``ulysses_head_chunks`` the step peak measured against the plan (within
+    ``--tolerance``), one attention block's peak against ``1/G`` of the unchunked one plus the projections (the
+    local q, k, v and output and their gradients), the CPU time of the step against the unchunked one, the losses."""
+    from automodel.training.memory_plan import RunShape, plan_memory
+
+    h, heads, kv, layers, seq, cp, chunk = 256, 16, 8, 2, args.headwise_seq, 2, 256
+    model_kw = dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=heads,
+                    num_key_value_heads=kv, vocab_size=args.headwise_vocab)  # fmt: skip
+    dims = _dims(model_kw)
+    counts = [1, 2, 4]
+    ranks = run_on_ranks("scripts.bench_memory:headwise_worker", cp, args.timeout, model_kw=model_kw, seq=seq,
+                         chunk=chunk, counts=counts)  # fmt: skip
+    n, c = seq // cp, 4
+    projections = 2 * (2 * h + 2 * kv * (h // heads)) * n * c / MIB  # local q, k, v, output and their gradients
+    print(
+        f"\nHeadwise Ulysses (distributed.ulysses_head_chunks): hidden {h}, {heads} heads / {kv} KV heads of "
+        f"{h // heads}, MLP {2 * h}, {layers} layers, vocab {args.headwise_vocab}, fp32, {seq} tokens, cp={cp} "
+        f"(Ulysses, sdpa), activation checkpointing, tiled MLP, loss.chunk_tokens={chunk}, AdamW; tracked peaks (the rank's "
+        "larger); block = one attention module's forward + backward alone; projections = the local q, k, v, output "
+        f"and their gradients = {projections:.1f} MiB\n",
+        flush=True,
+    )
+    print("| head chunks | step peak MiB measured | planned | error | block peak MiB | bound: block(1) / G + projections "
+          "| step CPU s (best of 3, untracked) | vs unchunked | loss |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    ok = True
+    base = ranks[0][1]
+    for chunks in counts:
+        peak = max(r[chunks]["peak_mib"] for r in ranks)
+        blk = max(r[chunks]["block_mib"] for r in ranks)
+        cpu = max(r[chunks]["cpu_s"] for r in ranks)
+        shape = RunShape(local_batch=1, seq=seq, cp=cp, cp_method="ulysses", chunk_tokens=chunk,
+                         activation_checkpointing=True, head_chunks=chunks, tiled_mlp=True)  # fmt: skip
+        planned = _planned_without_fsdp(plan_memory(dims, shape)) / MIB
+        err = (planned - peak) / peak
+        bound = max(r[1]["block_mib"] for r in ranks) / chunks + projections
+        ok &= abs(err) <= args.tolerance and blk <= bound
+        ok &= ranks[0][chunks]["loss"] == base["loss"]
+        print(f"| {chunks} | {peak:.1f} | {planned:.1f} | {err:+.0%} | {blk:.1f} | {bound:.1f} | {cpu:.2f} | "
+              f"{cpu / max(r[1]['cpu_s'] for r in ranks):.2f} | {ranks[0][chunks]['loss']:.6f} |", flush=True)  # fmt: skip
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
@@ -441,9 +572,15 @@ def main() -> None:
     parser.add_argument("--deep-hidden", type=int, default=256)
     parser.add_argument("--deep-layers", type=int, default=8)
     parser.add_argument("--tolerance", type=float, default=0.10, help="the wide rows' plan error that fails (exit 1)")
+    parser.add_argument("--headwise", choices=("also", "only", "no"), default="also",
+                        help="the headwise-Ulysses rows (distributed.ulysses_head_chunks at cp=2): also, only, no")
+    parser.add_argument("--headwise-seq", type=int, default=8192)
+    parser.add_argument("--headwise-vocab", type=int, default=2048)
     args = parser.parse_args()
     for key, value in MMAP_ENV.items():  # read by the spawned interpreters' glibc at start-up
         os.environ.setdefault(key, value)
+    if args.headwise == "only":
+        sys.exit(0 if headwise_rows(args) else 1)
     if args.wide == "only":
         sys.exit(0 if wide_rows(args) else 1)
     from automodel.training.memory_plan import plan_memory
@@ -507,6 +644,8 @@ def main() -> None:
         print("|---|---|---|---|---|")
         print("\n".join(longest), flush=True)
     if args.wide == "also" and not wide_rows(args):
+        sys.exit(1)
+    if args.headwise == "also" and not headwise_rows(args):
         sys.exit(1)
 
 

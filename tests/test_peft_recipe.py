@@ -68,6 +68,12 @@ def test_cp2_matches_single_device(runs, name):
 
 def test_the_cp_methods_really_ran(runs):
     assert runs["ulysses_cp2"]["attn_impl"] == "ulysses"
+    # headwise Ulysses ran in 2 head groups: the 2 layers' calls of the first step's micro-batches (and their
+    # checkpointed recomputation) 2 groups each, and the backward recomputed each group of the recomputed calls
+    hw = runs["ulysses_cp2"]["headwise"]
+    assert hw["head_chunks"] == 2 and hw["calls"] > 0 and hw["groups"] == 2 * hw["calls"]
+    assert hw["recomputed"] * 2 == hw["groups"], hw
+    assert runs["ring_cp2"]["headwise"] is None
     assert runs["ring_cp2"]["attn_impl"] == "sdpa"
 
 

@@ -153,8 +153,11 @@ def test_usp_is_searched_at_each_ulysses_size_with_its_keys():
     from automodel.training.plan_search import Techniques, build_search
 
     search, *_ = build_search("configs/llama3_1_8b_tp2_cp4.yaml", [], 8, "h100")
-    usp = {lay.options: lay for lay in search.layouts() if lay.method == "usp" and lay.cp == 8 and lay.tp == 1}
+    layouts = [lay for lay in search.layouts() if lay.method == "usp" and lay.cp == 8 and lay.tp == 1]
+    usp = {lay.options: lay for lay in layouts if lay.head_chunks == 1}
     assert sorted(usp) == [(("ulysses_size", 2),), (("ulysses_size", 4),)]
+    # and each in every head-group count its Ulysses level allows (8 KV heads over 2 ranks: 4 each; over 4: 2)
+    assert sorted((lay.options[0][1], lay.head_chunks) for lay in layouts) == [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
     lay = usp[(("ulysses_size", 4),)]
     assert "distributed.ulysses_size=4" in lay.overrides() and lay.text == "cp 8 usp ulysses 4"
     # the memory plan and the step estimate see the bound size

@@ -19,6 +19,8 @@ from automodel.distributed.cp.ulysses.attention import (
     set_ulysses_attention,
 )
 from tests.dist_harness import run_distributed
+from tests.workers.headwise_worker import CP2_CASES as HEADWISE_CP2
+from tests.workers.headwise_worker import assert_case
 from tests.workers.ulysses_worker import CASES, make_batch, tiny_llama
 
 REL = 1e-5
@@ -195,3 +197,20 @@ def test_clear_errors(results):
     assert "3 query heads are not divisible by cp_size=2" in errs["heads_call"]
     assert "no Ulysses attention ran inside the Ulysses context" in errs["not_switched"]
     assert "the device mesh has dims ('dp',) and none is named 'cp'" in errs["no_cp_dim"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(HEADWISE_CP2))
+def test_headwise_ulysses_is_exact_cp2(results, name):
+    """distributed.ulysses_head_chunks at cp=2: GQA, windows (Mistral), sinks (gpt-oss, eager), softcapping (Gemma 2,
+    eager), plain and packed rows, checkpointing with activation offload, compiled blocks: the same loss and every
+    gradient as the unchunked run and as one process (tests/workers/headwise_worker.py)."""
+    for r in range(2):
+        assert_case(name, HEADWISE_CP2[name], results[r]["headwise"][name])
+
+
+@pytest.mark.dist
+def test_headwise_refuses_a_count_that_splits_a_kv_group(results):
+    msg = results[0]["headwise"]["refusal"]
+    assert "distributed.ulysses_head_chunks=3 does not divide the 2 KV head(s) each rank holds" in msg
+    assert "set distributed.ulysses_head_chunks to one of [1, 2]" in msg

@@ -23,6 +23,8 @@ import torch
 from automodel.config import ConfigError, load_config
 from automodel.distributed.cp import get_cp_method, profile_problems
 from tests.dist_harness import run_distributed
+from tests.workers.headwise_worker import CP4_CASES as HEADWISE_CP4
+from tests.workers.headwise_worker import assert_case
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
@@ -240,7 +242,7 @@ def two_nodes(tmp_path_factory):
     t0 = time.perf_counter()
     # the timeout stops both nodes; the launch runs the library checks and the recipe runs (one startup)
     args = ["--out", str(out), "--recipe-out", str(recipe_out)]
-    launch_nodes("tests.workers.usp_worker", args, nnodes=2, nproc_per_node=2, timeout=240, log_dir=out)
+    launch_nodes("tests.workers.usp_worker", args, nnodes=2, nproc_per_node=2, timeout=360, log_dir=out)
     seconds = time.perf_counter() - t0
     print(f"simulated two-node launch: {seconds:.1f} s")
     ranks = []
@@ -280,6 +282,17 @@ def test_two_node_run_matches_one_process(two_nodes, case, tol):
         assert got["local_tokens"] * 4 == got["total_tokens"]
     assert ranks[0]["negative_control_grad_rel"] > 1e-2  # the comparison can fail
     assert all("no USP attention ran inside the USP context" in r["forgotten_switch"] for r in ranks)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(HEADWISE_CP4))
+def test_headwise_ulysses_is_exact_cp4(two_nodes, name):
+    """distributed.ulysses_head_chunks at cp=4: Ulysses over the 4 ranks (with checkpointing) and usp 2 x 2 (head
+    groups inside the Ulysses sub-group; gpt-oss's sinks): the unchunked run's loss and gradients, and one process's."""
+    ranks, _ = two_nodes
+    for result in ranks:
+        assert_case(name, HEADWISE_CP4[name], result["headwise"][name])
+    assert "does not divide the 1 KV head(s) each rank holds" in ranks[0]["headwise"]["refusal"]
 
 
 # These families compute a part in fp32 even for fp64 inputs (Gemma 2's eager softmax, the MoE routers of

@@ -21,6 +21,7 @@ from automodel.config.sample_rules import sample_problems
 from automodel.config.schema import RecipeConfig
 from automodel.config.tiled_mlp_rules import tiled_mlp_problems
 from automodel.distributed.cp import AUTO, CPMethod, cp_methods
+from automodel.distributed.cp.head_chunks import HEAD_CHUNKS_KEY, head_chunks_problem
 from automodel.distributed.cp.registry import alternative_label, method_reasons
 from automodel.distributed.tensor_parallel import tp_size_problems
 
@@ -258,6 +259,7 @@ def check_rules(
 
     for m in methods.values():  # each method's own keys (e.g. distributed.thd_kernel), whatever is selected
         problems += m.key_problems(cfg)
+    problems += head_chunk_problems(cfg, method)
     if method is not None:  # what the selected method needs of the rest of the config
         problems += method.config_problems(cfg, cuda_available)
 
@@ -313,6 +315,40 @@ def check_rules(
     if auto and not problems:  # the rest is fine: some method's rules must pass too (the model comes later)
         problems += auto_config_problems(cfg, world_size, cuda_available)
     return problems
+
+
+def head_chunk_problems(cfg: RecipeConfig, method: CPMethod | None) -> list[str]:
+    """``distributed.ulysses_head_chunks``: ``auto`` or a positive integer; above 1 only with a method that runs
+    heads in groups (:meth:`CPMethod.head_chunk_ranks`: ulysses, usp) at ``cp_size > 1``, and dividing the KV heads
+    a rank holds after the head all-to-all where an inline ``model.config`` gives the heads (a pretrained config:
+    :func:`automodel.models.cp_check.check_model_for_cp_run`, before any weight loads)."""
+    d = cfg.distributed
+    chunks = d.ulysses_head_chunks
+    problem = head_chunks_problem(chunks, None, None, 1)
+    if problem is not None:
+        return [problem]
+    if chunks in (1, AUTO) or method is None:  # cp_method auto: a method that takes no head chunks fails here
+        return []
+    ranks = method.configured(cfg).head_chunk_ranks(d.cp_size) if not method.key_problems(cfg) else None
+    if ranks is None or d.cp_size <= 1:
+        return [
+            f"{HEAD_CHUNKS_KEY}={chunks} runs the heads of a head-splitting CP method in groups, but "
+            f"distributed.cp_method={d.cp_method} with cp_size={d.cp_size} splits no heads by all-to-all; set "
+            f"{HEAD_CHUNKS_KEY}=1, or distributed.cp_method=ulysses (or usp) with cp_size > 1"
+        ]
+    if not isinstance(cfg.model.config, dict):
+        return []
+    overrides = cfg.model.config_overrides or {}
+    heads = overrides.get("num_attention_heads", cfg.model.config.get("num_attention_heads"))
+    kv = overrides.get("num_key_value_heads", cfg.model.config.get("num_key_value_heads", heads))
+    if not (isinstance(heads, int) and isinstance(kv, int) and heads >= 1 and kv >= 1):
+        return []
+    tp = max(1, d.tp_size)
+    where = f"cp_size={d.cp_size}" if ranks == d.cp_size else f"distributed.ulysses_size={ranks}"
+    if tp > 1:
+        where += f", tp_size={tp}"
+    problem = head_chunks_problem(chunks, heads // tp, max(1, kv // tp), ranks, where)
+    return [problem.replace("KV heads over", "KV heads of model.config over", 1)] if problem else []
 
 
 def config_with_method(cfg: RecipeConfig, method: str, options: dict | None = None) -> RecipeConfig:

@@ -87,6 +87,9 @@ class DistributedSection:
     thd_kernel: str = "portable"  # cp_method=thd: portable (exact, any device) | flash_attn | te (CUDA)
     thd_cp_comm_type: str = "p2p"  # cp_method=thd with thd_kernel=te: p2p | all_gather | a2a | a2a+p2p
     ulysses_size: int | None = None  # cp_method=usp: Ulysses sub-group size (divides cp_size; ring = cp_size / it)
+    # cp_method=ulysses / usp: run each attention's heads in this many groups, one after another, forward and
+    # backward (automodel.distributed.cp.head_chunks; exact): 1 = all at once, auto = picked from the memory plan
+    ulysses_head_chunks: int | Literal["auto"] = 1
 
 
 @dataclass

@@ -54,4 +54,27 @@ def check_model_for_cp_run(
     profile = profile_for_run(cfg, resolved, attn_implementation, model)
     method = get_cp_method(d.cp_method).configured(cfg)  # its options bound (usp: the heads over ulysses_size)
     check_model_config_for_cp(method, profile, d.cp_size, d.tp_size, seq_len=cfg.data.seq_len, packed=packed_rows(cfg))
+    _check_head_chunks(cfg, method, profile)
     return profile
+
+
+def _check_head_chunks(cfg: Any, method: Any, profile: ModelProfile) -> None:
+    """``distributed.ulysses_head_chunks`` against the model's heads (a pretrained config too), before weights load.
+
+    Raises:
+        automodel.errors.UserInputError: the count does not divide the KV heads a rank holds after the all-to-all.
+    """
+    from automodel.distributed.cp.head_chunks import head_chunks_problem
+    from automodel.errors import UserInputError
+
+    d = cfg.distributed
+    chunks, ranks = d.ulysses_head_chunks, method.head_chunk_ranks(d.cp_size)
+    heads = profile.num_attention_heads
+    if not isinstance(chunks, int) or chunks <= 1 or not ranks or not heads:
+        return
+    tp = max(1, d.tp_size)
+    kv = profile.num_key_value_heads or heads
+    where = f"cp_size={d.cp_size}" if ranks == d.cp_size else f"distributed.ulysses_size={ranks}"
+    problem = head_chunks_problem(chunks, heads // tp, max(1, kv // tp), ranks, where + (f", tp_size={tp}" if tp > 1 else ""))
+    if problem is not None:
+        raise UserInputError(problem)

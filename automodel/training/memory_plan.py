@@ -58,8 +58,11 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   ``+ 2 h c`` per layer, and the LM head's gathered input ``+ h c`` outside.
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
-  additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the all-to-all buffers of q, k, v and
-  the output (in and out: ``2 (2 h + 2 kv') c``, ``kv'`` the kv heads sent). ``eager`` attention saves
+  additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the backward's full-row gradients of the
+  output, q, k and v around their all-to-alls (``(2 h + 2 kv') c``, ``kv'`` the kv heads sent; the received
+  q, k, v and output the kernel saves are activations), ``/ G`` with ``distributed.ulysses_head_chunks=G``
+  plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); at the
+  attention's moments (forward and backward), not beside the MLP's. ``eager`` attention saves
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
 * attention kernel: what the CUDA attention kernel the run uses (``RunShape.attention_kernel``, from
   ``model.attention_backend`` and, for ``auto``, the GPU: :func:`planned_kernel`) allocates in one call's
@@ -107,6 +110,9 @@ __all__ = [
     "host_bytes",
     "loss_auto_choice",
     "resolve_chunk_tokens",
+    "resolve_head_chunks",
+    "head_chunks_auto_choice",
+    "head_chunk_options",
 ]
 
 DEFAULT_CHUNK_TOKENS = 1024  # what a suggestion (and ``loss.chunk_tokens: auto``) turns the chunked loss on with
@@ -209,6 +215,8 @@ class RunShape:
     activation_offload: bool = False  # model.activation_offload: checkpointed layer inputs on the host
     offload: bool | str = False  # fsdp.offload: False | "optimizer" | "all"
     cp_options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
+    #: distributed.ulysses_head_chunks (ulysses, usp): attention heads in this many groups, one at a time
+    head_chunks: int = 1
     packed: bool = False  # rows hold several documents (data.dataset.pack)
     #: the attention kernel planned for (automodel.distributed.cp.attention_kernels: "cpu" = torch's CPU kernels,
     #: which the activations are calibrated on; a CUDA kernel adds what its backward allocates)
@@ -1011,6 +1019,49 @@ def resolve_chunk_tokens(cfg, dims: ModelDims, sizes: dict[str, int], seq: int, 
     return loss_auto_choice(dims, run_shape_from_config(cfg, sizes, seq, grad_acc, dims=dims))
 
 
+#: ``ulysses_head_chunks: auto`` takes more head groups only while they lower the planned peak by more than this
+#: share of it (each group costs latency, and the backward recomputes the attention forward)
+HEAD_CHUNKS_GAIN = 0.01
+
+
+def head_chunk_options(d: ModelDims, r: RunShape) -> list[int]:
+    """The ``distributed.ulysses_head_chunks`` values the run's method and model allow (``[1]``: none but 1)."""
+    from automodel.distributed.cp.head_chunks import head_chunk_choices
+
+    ranks = r.method.head_chunk_ranks(r.cp) if r.cp > 1 else None
+    if not ranks or not d.heads:
+        return [1]
+    return head_chunk_choices(max(1, d.kv_heads // r.tp), ranks)
+
+
+def head_chunks_auto_choice(d: ModelDims, r: RunShape) -> tuple[int, str]:
+    """``ulysses_head_chunks: auto``: the fewest head groups whose planned per-rank total is within
+    :data:`HEAD_CHUNKS_GAIN` of the lowest over every allowed count (:func:`head_chunk_options`), and why."""
+    options = head_chunk_options(d, r)
+    if options == [1]:
+        return 1, "distributed.ulysses_head_chunks=auto: 1 (the method or the model allows no other head groups)"
+    totals = {g: plan_memory(d, dataclasses.replace(r, head_chunks=g)).total_bytes for g in options}
+    best = min(totals.values())
+    pick = min(g for g, t in totals.items() if t <= best * (1 + HEAD_CHUNKS_GAIN))
+    shown = ", ".join(f"{g}: {_fmt(t)}" for g, t in totals.items())
+    return pick, (
+        f"distributed.ulysses_head_chunks=auto: {pick} (planned per-rank totals by head groups {shown}; the fewest "
+        f"groups within {HEAD_CHUNKS_GAIN:.0%} of the lowest)"
+    )
+
+
+def resolve_head_chunks(cfg, dims: ModelDims, sizes: dict[str, int], seq: int, grad_acc: int) -> tuple[int, str | None]:  # noqa: ANN001
+    """``cfg.distributed.ulysses_head_chunks`` with ``auto`` resolved by :func:`head_chunks_auto_choice`:
+    ``(value, reason or None)``. ``cfg`` is not mutated."""
+    value = cfg.distributed.ulysses_head_chunks
+    if value != "auto":
+        return value, None
+    r = run_shape_from_config(cfg, sizes, seq, grad_acc, dims=dims)
+    if cfg.distributed.cp_size <= 1 or cfg.distributed.cp_method == "auto":
+        return 1, "distributed.ulysses_head_chunks=auto: 1 (no head-splitting CP method)"
+    return head_chunks_auto_choice(dims, r)
+
+
 def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, dims: ModelDims | None = None) -> RunShape:  # noqa: ANN001
     """The :class:`RunShape` of a validated :class:`~automodel.config.schema.RecipeConfig`.
 
@@ -1045,6 +1096,7 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, d
         activation_offload=cfg.model.activation_offload,
         offload=cfg.fsdp.offload,
         cp_options=_cp_options(cfg),
+        head_chunks=_head_chunks(cfg),
         packed=packed_rows(cfg),
     )
     kernel, rule = planned_kernel(cfg.model.attention_backend, cfg.recipe.gpu_type, shape, dims)
@@ -1079,6 +1131,17 @@ def planned_kernel(backend: str, gpu_type: str | None, r: RunShape, dims: ModelD
     kernel, why = auto_kernel(path, capability, cudnn, half=r.compute_bytes == 2, head_dim=head_dim)
     where = f"{gpu_type}" if spec is not None and gpu_type else "an H100-class GPU (recipe.gpu_type not set)"
     return kernel, f"auto on {where}: {why}"
+
+
+def _head_chunks(cfg) -> int:  # noqa: ANN001
+    """``distributed.ulysses_head_chunks`` for the plan: the integer, 1 for a method that takes none or at cp_size 1
+    (``auto`` not resolved yet: 1; :func:`resolve_head_chunks` resolves it)."""
+    from automodel.distributed.cp import AUTO, get_cp_method
+
+    chunks, d = cfg.distributed.ulysses_head_chunks, cfg.distributed
+    if not isinstance(chunks, int) or chunks <= 1 or d.cp_size <= 1 or d.cp_method == AUTO:
+        return 1
+    return chunks if get_cp_method(d.cp_method).head_chunk_ranks(d.cp_size) else 1
 
 
 def _cp_options(cfg) -> tuple[tuple[str, Any], ...]:  # noqa: ANN001

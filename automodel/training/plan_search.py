@@ -75,13 +75,15 @@ class Layout:
     method: str | None = None
     sequence_parallel: bool = False
     options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
+    head_chunks: int = 1  # distributed.ulysses_head_chunks (ulysses, usp): head groups run one at a time
 
     @property
     def text(self) -> str:
         parts = [f"dp {self.dp}"] if self.dp > 1 else []
         if self.cp > 1:
             opts = "".join(f" {k.split('_')[0]} {v}" for k, v in self.options)  # usp ulysses 8
-            parts.append(f"cp {self.cp} {self.method}{opts}")
+            heads = f" h/{self.head_chunks}" if self.head_chunks > 1 else ""  # ulysses h/4: heads in 4 groups
+            parts.append(f"cp {self.cp} {self.method}{opts}{heads}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}" + (" sp" if self.sequence_parallel else ""))
         return " x ".join(parts) or "1 GPU"
@@ -91,6 +93,8 @@ class Layout:
         if self.cp > 1:
             out.append(f"distributed.cp_method={self.method}")
             out += [f"distributed.{k}={v}" for k, v in self.options]
+            if self.head_chunks > 1:
+                out.append(f"distributed.ulysses_head_chunks={self.head_chunks}")
         out += [f"distributed.enable_loss_parallel={str(self.tp > 1).lower()}",
                 f"distributed.sequence_parallel={str(self.sequence_parallel).lower()}"]  # fmt: skip
         return out
@@ -238,8 +242,19 @@ class PlanSearch:
                     for bound, opts in method.auto_configs(cp, self.node):  # usp: each ulysses_size
                         if run_problems(bound, self.profile, cp_size=cp, tp_size=tp, seq_len=None, packed=False):
                             continue
-                        out.append(Layout(dp, cp, tp, name, sp, tuple(sorted(opts.items()))))
+                        for chunks in self.head_chunk_counts(bound, cp, tp):  # headwise Ulysses: each count
+                            out.append(Layout(dp, cp, tp, name, sp, tuple(sorted(opts.items())), chunks))
         return out
+
+    def head_chunk_counts(self, method: Any, cp: int, tp: int) -> list[int]:
+        """``distributed.ulysses_head_chunks`` values to search for ``method`` at ``cp x tp``: 1, and for a method that
+        splits heads by all-to-all every divisor of the KV heads a rank holds after it (a group is whole KV heads)."""
+        from automodel.distributed.cp.head_chunks import head_chunk_choices
+
+        ranks = method.head_chunk_ranks(cp)
+        if not ranks or not self.d.heads:
+            return [1]
+        return head_chunk_choices(max(1, self.d.kv_heads // tp), ranks)
 
     def row_multiple(self, layout: Layout) -> int:
         from automodel.distributed.cp import get_cp_method
@@ -265,7 +280,7 @@ class PlanSearch:
     def _shape(self, layout: Layout, t: Techniques, seq: int) -> RunShape:
         return dataclasses.replace(
             self.base, local_batch=1, seq=seq, cp=layout.cp, tp=layout.tp, dp_shard=layout.dp,
-            cp_method=layout.method or "ring", cp_options=layout.options, grad_acc=1,
+            cp_method=layout.method or "ring", cp_options=layout.options, head_chunks=layout.head_chunks, grad_acc=1,
             chunk_tokens=DEFAULT_CHUNK_TOKENS if t.chunked_loss and layout.tp == 1 else None,
             loss_parallel=t.chunked_loss and layout.tp > 1, sequence_parallel=layout.sequence_parallel,
             activation_checkpointing=t.checkpointing, tiled_mlp=t.tiled_mlp,
@@ -409,7 +424,8 @@ def longest_row(results: list[Found]) -> Found:
 
 
 LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: loss parallel under tp), tile tiled MLP,\n"
-          "  aoff activation offload, off:opt / off:all fsdp.offload=optimizer / all")
+          "  aoff activation offload, off:opt / off:all fsdp.offload=optimizer / all; a layout's h/G: headwise Ulysses,\n"
+          "  the attention heads in G groups one at a time (distributed.ulysses_head_chunks=G)")
 
 
 def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,

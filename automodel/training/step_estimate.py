@@ -203,7 +203,8 @@ def comm_terms(d: ModelDims, r: RunShape, sizes: dict[str, int], node: int) -> l
     if cp > 1:  # the method's one declaration (exchange_cost; cp_method auto ranks methods by the same)
         method = r.method  # its options bound (usp: ulysses_size)
         cost = exchange_cost(method, d, seq_len=r.seq, cp_size=cp, tp_size=tp, ranks_per_node=node,
-                             packed=r.packed, local_batch=r.local_batch, compute_bytes=r.compute_bytes)  # fmt: skip
+                             packed=r.packed, local_batch=r.local_batch, compute_bytes=r.compute_bytes,
+                             head_chunks=head_groups(r))  # fmt: skip
         label = ", ".join([method.name, *(f"{k}={v}" for k, v in method.options().items())])
         ac = r.activation_checkpointing
         for t, across in cost.items():
@@ -260,6 +261,10 @@ def estimate_step(
     rank_tokens = r.grad_acc * r.local_tokens  # tokens of the rank's rows (its 1/cp share) per step
     mm = mm_tok * rank_tokens / tp
     attn = attn_tok * rank_tokens / tp  # attn_tok averages a causal row; head-tail chunks balance it over cp
+    passes = 4 if r.activation_checkpointing else 3  # forward attention passes: backward 2, recomputed forward 1
+    if head_groups(r) > 1:  # headwise Ulysses: the backward recomputes each head group's attention forward
+        attn *= (passes + 1) / passes
+        passes += 1
     eff = matmul_efficiency(d, r.local_tokens, tp, spec, r.compute_bytes)
     mem = memory_bound_bytes(d, r)
     per_step = {k: v * (1 if k == "optimizer" else r.grad_acc) for k, v in mem.items()}
@@ -271,7 +276,6 @@ def estimate_step(
         tokens_per_step=global_rows * r.seq, world=world,
     )  # fmt: skip
     # one layer's forward attention per micro-batch: backward is twice it, a recomputed forward once more
-    passes = 4 if r.activation_checkpointing else 3
     forward_attention_s = est.attention_s / (r.grad_acc * max(1, d.layers) * passes)
     for t in comm_terms(d, r, sizes, node):
         bw = (spec.intra_node_gb_s if t.intra_node else spec.inter_node_gb_s(node)) * 1e9 * LINK_FRACTION
@@ -291,6 +295,14 @@ def estimate_step(
     first_layer = est.overlapped_s / max(1, d.layers)  # the first all-gather / last reduce-scatter wait
     est.step_s = max(est.compute_s + est.exposed_s, est.overlapped_s) + first_layer
     return est
+
+
+def head_groups(r: RunShape) -> int:
+    """The head groups the run's attention runs one at a time (``distributed.ulysses_head_chunks``; 1 without CP or
+    with a method that takes none)."""
+    if r.cp <= 1 or r.head_chunks <= 1 or not r.method.head_chunk_ranks(r.cp):
+        return 1
+    return r.head_chunks
 
 
 def _fmt_bytes(n: float) -> str:
@@ -326,7 +338,10 @@ def step_estimate_lines(
     out.append(
         f"compute: {(est.matmul_flops + est.attention_flops) / 1e12:.1f} TFLOP per rank per step = matrix products "
         f"{est.matmul_flops / 1e12:.1f} (6N{ac}, N = {d.matmul_params / 1e9:.2f}B) + causal attention "
-        f"{est.attention_flops / 1e12:.1f} (6 L S d per token{ac}, S = {r.seq})"
+        f"{est.attention_flops / 1e12:.1f} (6 L S d per token{ac}"
+        + (f" + the attention forward once more: {head_groups(r)} head groups, each recomputed in the backward"
+           if head_groups(r) > 1 else "")
+        + f", S = {r.seq})"
     )
     tp_note = f", tp {sizes['tp']}" if sizes["tp"] > 1 else ""
     out.append(

@@ -11,7 +11,9 @@ logs one line per technique that is on, with what it did, from the counters the 
   the host per layer (the layer's inputs: one ``[B, S_local, H]`` hidden-state tensor per micro-batch), the
   host pool;
 - tiled MLP (:class:`automodel.models.tiled_mlp.TileCounts`): MLP calls, tiles, the largest tile, the tiles
-  recomputed by the tiled backward.
+  recomputed by the tiled backward;
+- headwise Ulysses (:data:`automodel.distributed.cp.head_chunks.HEAD_GROUP_COUNTS`): attention calls run in head
+  groups, the groups run in the forward and recomputed in the backward.
 
 A technique that is on but did not act (a layer not recomputed, the offload moving more or fewer tensors than
 the layer inputs) is a WARNING line naming what to report; :func:`technique_problems` lists them.
@@ -23,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from automodel.distributed.cp.head_chunks import HEAD_GROUP_COUNTS
 from automodel.models.block_call import block_calls
 from automodel.models.tiled_mlp import tile_counts
 from automodel.training.activation_offload import OffloadStore
@@ -38,13 +41,21 @@ def reset_technique_counts(model: nn.Module, store: OffloadStore | None) -> None
         counts.reset()
     if store is not None:
         store.reset_counts()
+    HEAD_GROUP_COUNTS.reset()
 
 
-def collect_technique_report(model: nn.Module, store: OffloadStore | None, micro_batches: int) -> dict[str, Any]:
+def collect_technique_report(
+    model: nn.Module, store: OffloadStore | None, micro_batches: int, head_chunks: int = 1
+) -> dict[str, Any]:
     """What the techniques did since :func:`reset_technique_counts`: a JSON-able dict with one entry per technique
-    that is on (``activation_checkpointing``, ``activation_offload``, ``tiled_mlp``); ``micro_batches`` is how
-    many forward/backward passes that was."""
+    that is on (``activation_checkpointing``, ``activation_offload``, ``tiled_mlp``, ``headwise_ulysses`` when
+    ``head_chunks`` (``distributed.ulysses_head_chunks``) is above 1); ``micro_batches`` is how many
+    forward/backward passes that was."""
     report: dict[str, Any] = {"micro_batches": micro_batches}
+    if head_chunks > 1:
+        c = HEAD_GROUP_COUNTS
+        report["headwise_ulysses"] = {"head_chunks": head_chunks, "calls": c.calls, "groups": c.groups,
+                                      "recomputed": c.recomputed, "max_groups": c.max_groups}  # fmt: skip
     calls = block_calls(model)
     checkpointed = calls if any(c.checkpoint for c in calls) else []  # every block, when checkpointing is on
     if checkpointed:
@@ -120,6 +131,13 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
             f"{tm['tiled_calls']} run in {tm['tiles']} tile(s) of at most {tm['max_tile_tokens']} tokens; "
             f"{tm['backward_tiles']} tile(s) recomputed by the tiled backward"
         )
+    hw = report.get("headwise_ulysses")
+    if hw is not None:
+        lines.append(
+            f"headwise Ulysses: {hw['calls']} attention call(s) in {hw['head_chunks']} head groups each, "
+            f"{hw['groups']} group(s) run one at a time in the forward and {hw['recomputed']} recomputed group by "
+            f"group in the backward ({m} micro-batch(es))"
+        )
     return lines
 
 
@@ -148,4 +166,10 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
                 f"model.activation_offload=true moved only {off['tensors']} of the {off['layer_inputs']} layer "
                 f"inputs to the host: the others stayed on the device"
             )
+    hw = report.get("headwise_ulysses")
+    if hw is not None and (hw["calls"] == 0 or hw["groups"] != hw["calls"] * hw["head_chunks"]):
+        problems.append(
+            f"distributed.ulysses_head_chunks={hw['head_chunks']} but {hw['calls']} attention call(s) ran "
+            f"{hw['groups']} head group(s): the attention did not run in head groups"
+        )
     return problems

@@ -375,6 +375,8 @@ class FinetuneTrainer:
             self._resolve_loss_auto()
         if cfg.loss.chunk_tokens is not None:
             check_model_for_chunked_loss(self.model)
+        if cfg.distributed.ulysses_head_chunks == "auto":  # from the memory planner too, before the batch is bound
+            self._resolve_head_chunks_auto()
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info(
             "model: %s, %.2fM parameters, dtype %s",
@@ -402,6 +404,21 @@ class FinetuneTrainer:
             except ValueError as e:
                 value, reason = None, f"{reason}; but this model cannot use it ({str(e).split(';')[0]}): the plain loss"
         cfg.loss.chunk_tokens = value
+        logger.info("%s", reason)
+
+    def _resolve_head_chunks_auto(self) -> None:
+        """``distributed.ulysses_head_chunks: auto`` -> an integer in ``self.cfg`` (mutated), the reason logged
+        (:func:`automodel.training.memory_plan.head_chunks_auto_choice`)."""
+        from automodel.config import parallel_sizes
+        from automodel.training.memory_plan import model_dims, resolve_head_chunks
+
+        cfg = self.cfg
+        sizes, _ = parallel_sizes(cfg, self.world_size)
+        mult = pad_multiple(cfg)
+        seq = -(-cfg.data.seq_len // mult) * mult
+        cfg.distributed.ulysses_head_chunks, reason = resolve_head_chunks(
+            cfg, model_dims(self.model), sizes, seq, self.grad_acc
+        )
         logger.info("%s", reason)
 
     def _bind_cp_method(self) -> None:
@@ -738,7 +755,9 @@ class FinetuneTrainer:
             technique_problems,
         )
 
-        report = collect_technique_report(self.model, self.activation_offload, self.grad_acc)
+        chunks = self.cfg.distributed.ulysses_head_chunks if self.cfg.distributed.cp_size > 1 else 1
+        chunks = chunks if isinstance(chunks, int) and self.cp_method.head_chunk_ranks(self.cfg.distributed.cp_size) else 1
+        report = collect_technique_report(self.model, self.activation_offload, self.grad_acc, chunks)
         self.technique_report = report
         for line in technique_lines(report):
             logger.info("step %d: %s", self.step, line)

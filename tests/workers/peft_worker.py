@@ -24,6 +24,7 @@ _OWN = {
     "step_scheduler.max_steps": str(STEPS),
     "step_scheduler.val_every_steps": "3",
     "step_scheduler.val_max_batches": "1",
+    "model.config.num_key_value_heads": "4",  # 2 KV heads per rank at cp=2: the Ulysses run takes 2 head groups
 }
 TINY = [o for o in RECIPE_TINY if o.split("=", 1)[0] not in _OWN] + [f"{k}={v}" for k, v in _OWN.items()]
 
@@ -61,6 +62,7 @@ def _summary(trainer: FinetuneTrainer, result) -> dict:
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
         "attn_impl": trainer.model.config._attn_implementation,
         "lr_last": trainer.optimizer.param_groups[0]["lr"],
+        "headwise": (trainer.technique_report or {}).get("headwise_ulysses"),  # the run log's technique line
     }
 
 
@@ -147,7 +149,8 @@ def single(rank: int, world_size: int, out: str) -> dict:
 
 
 def pair(rank: int, world_size: int, out: str) -> dict:
-    """World 2: ring cp=2 with activation checkpointing and the export; Ulysses cp=2; ring cp=2
+    """World 2: ring cp=2 with activation checkpointing and the export; Ulysses cp=2 in 2 head groups with
+    checkpointing and activation offload; ring cp=2
     stopped by SIGTERM after step 3 and resumed from its adapter-only checkpoint."""
     out_dir = Path(out)
     results: dict = {}
@@ -178,8 +181,11 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     results["export"] = _logits_checks(trainer, Path(result.export_dir), rank)
     del trainer
 
+    # headwise Ulysses (2 head groups) with LoRA, FSDP2, checkpointing and activation offload: still the reference
     results["ulysses_cp2"] = _run(
-        world_size, out_dir, "ulysses_cp2", ["distributed.cp_size=2", "distributed.cp_method=ulysses"]
+        world_size, out_dir, "ulysses_cp2", ["distributed.cp_size=2", "distributed.cp_method=ulysses",
+                                             "distributed.ulysses_head_chunks=2", "model.activation_checkpointing=true",
+                                             "model.activation_offload=true"],
     )
 
     first = _run(world_size, out_dir, "resume", ring, hooks=_sigterm_at(3))

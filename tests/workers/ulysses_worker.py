@@ -197,4 +197,7 @@ def main(rank: int, world_size: int) -> dict:
     out = {name: run_case(rank, world_size, name) for name in CASES}
     out["naive_logit_rel"] = naive_local_attention(rank, world_size)
     out["errors"] = errors(rank, world_size)
+    from tests.workers.headwise_worker import CP2_CASES, checks
+
+    out["headwise"] = checks(rank, world_size, CP2_CASES)  # distributed.ulysses_head_chunks at cp=2
     return out

@@ -158,6 +158,9 @@ def check(rank: int, world_size: int, node: int | None = None) -> dict:
     from tests.workers.usp_layer_kinds import layer_kind_cases
 
     out["layer_kinds"] = layer_kind_cases(mesh, world_size)  # windows, sinks, softcap, MLA, chunks + temperature
+    from tests.workers.headwise_worker import CP4_CASES, checks
+
+    out["headwise"] = checks(rank, world_size, CP4_CASES)  # ulysses_head_chunks: Ulysses at cp=4, usp 2 x 2
     return out
 
 

@@ -147,6 +147,7 @@ def exchange_cost(
     packed: bool = False,
     local_batch: int = 1,
     compute_bytes: int = COMPUTE_BYTES,
+    head_chunks: int = 1,
 ) -> ExchangeCost:
     """What one rank of ``method`` sends per attention layer and micro-batch, inside a node and across nodes.
 
@@ -162,13 +163,15 @@ def exchange_cost(
         packed: rows hold several documents (thd_docs then exchanges only split documents).
         local_batch: rows per micro-batch on the rank.
         compute_bytes: bytes per exchanged element (2: bf16).
+        head_chunks: ``distributed.ulysses_head_chunks`` (Ulysses, usp: one all-to-all per head group, the
+            backward recomputing each group's; :func:`automodel.distributed.cp.head_chunks.head_chunked_exchange`).
 
     Returns:
         the :class:`ExchangeCost`. Pure.
     """
     r = SimpleNamespace(
         cp=cp_size, tp=tp_size, seq=seq_len, local_batch=local_batch, compute_bytes=compute_bytes,
-        local_tokens=max(1, local_batch * seq_len // max(1, cp_size)),
+        local_tokens=max(1, local_batch * seq_len // max(1, cp_size)), head_chunks=head_chunks,
     )  # fmt: skip
     terms = tuple(method.exchange_terms(_sizes(model), r, packed)) if cp_size > 1 else ()
     if cp_size > 1 and isinstance(model, ModelProfile):

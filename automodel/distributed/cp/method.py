@@ -72,6 +72,11 @@ class ExchangeTerm:
     backward_bytes: float
     forward_overlap: float = 0.0
     backward_overlap: float = 0.0
+    #: fixed seconds per layer for collectives that add latency beyond their bytes (headwise Ulysses: one
+    #: all-to-all per head group, ``distributed.ulysses_head_chunks``), in the forward and in the backward; never
+    #: hidden under the attention compute
+    forward_latency_s: float = 0.0
+    backward_latency_s: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -90,7 +95,8 @@ class ExchangeTerm:
         backward). ``recompute``: activation checkpointing runs the forward, and its exchange, once more."""
         fwd = max(0.0, self.forward_bytes / bytes_per_s - self.forward_overlap * forward_attention_s)
         bwd = max(0.0, self.backward_bytes / bytes_per_s - self.backward_overlap * 2 * forward_attention_s)
-        return fwd * (2 if recompute else 1) + bwd
+        fwd += self.forward_latency_s
+        return fwd * (2 if recompute else 1) + bwd + self.backward_latency_s
 
 
 @dataclass
@@ -227,6 +233,12 @@ class CPMethod:
             f"distributed.cp_size={cp_size}; set distributed.cp_size to a divisor of {local} ({divisors})"
             + (" or a smaller distributed.tp_size" if tp_size > 1 else "")
         )
+
+    def head_chunk_ranks(self, cp_size: int) -> int | None:
+        """The ranks one attention call's heads are split over by an all-to-all, when the method can run them in
+        head groups (``distributed.ulysses_head_chunks``, :mod:`automodel.distributed.cp.head_chunks`): Ulysses
+        the CP group, usp its Ulysses sub-group. ``None`` (the default): the method takes no head chunks."""
+        return None
 
     # ------------------------------------------------------------------ model and batch
     def prepare_model(self, model: Any, device_mesh: Any) -> PreparedModel:

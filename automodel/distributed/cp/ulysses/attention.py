@@ -49,6 +49,7 @@ from automodel.distributed.cp import hf_attention as hf
 from automodel.distributed.cp.active import activate, current, not_switched_message
 from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import resolve_cp_group
+from automodel.distributed.cp.head_chunks import head_chunks_problem, run_head_groups
 from automodel.distributed.cp.layers.alibi import dispatch_alibi_layers, key_bias
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
 from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
@@ -153,6 +154,7 @@ class UlyssesContext:
         padding_mask: ``[B, S]`` bool GLOBAL padding mask (True = real token) or ``None``.
         document_ids: ``[B, S]`` int64 document index per token for packed rows, or ``None``.
         calls: how many attention calls ran under this context (for the forgotten-switch check).
+        head_chunks: head groups per attention call, run one at a time (``distributed.ulysses_head_chunks``).
     """
 
     group: ProcessGroup | None
@@ -172,6 +174,11 @@ class UlyssesContext:
     #: packed by restarting position_ids) or ``"row"`` (the row start: transformers < 5.23 there;
     #: torch_internals.transformers_chunks_per_document)
     chunk_origin: str = "document"
+    #: distributed.ulysses_head_chunks: the head groups each attention call runs one after another
+    #: (:mod:`automodel.distributed.cp.head_chunks`; 1: all heads at once)
+    head_chunks: int = 1
+    #: head groups run so far (forward, and again where the backward recomputes one): observably chunked
+    head_group_runs: int = 0
     _masks: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -459,61 +466,80 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
         )
 
     groups = n_q // n_kv
-    if world > 1:
-        if n_kv % world != 0:
-            # Replicate each kv head f times (f divides groups because world | n_q), so that rank r's
-            # query heads find their kv heads among the ones it receives.
-            f = world // math.gcd(n_kv, world)
-            key = key.repeat_interleave(f, dim=1)
-            value = value.repeat_interleave(f, dim=1)
-            groups //= f
-        group = ctx.group
-        query = all_to_all(query, group, scatter_dim=1, gather_dim=2, gather_size=seq_len)
-        key = all_to_all(key, group, scatter_dim=1, gather_dim=2, gather_size=seq_len)
-        value = all_to_all(value, group, scatter_dim=1, gather_dim=2, gather_size=seq_len)
+    if world > 1 and n_kv % world != 0:
+        # Replicate each kv head f times (f divides groups because world | n_q), so that rank r's
+        # query heads find their kv heads among the ones it receives.
+        f = world // math.gcd(n_kv, world)
+        key = key.repeat_interleave(f, dim=1)
+        value = value.repeat_interleave(f, dim=1)
+        groups //= f
+    chunks = ctx.head_chunks
+    problem = head_chunks_problem(chunks, n_q, n_kv, world, f"cp_size={world}")
+    if problem is not None:
+        raise ValueError(problem)
 
-    inner_module = module
-    if sinks is not None and world > 1:  # per-head sinks are sharded with the heads
+    rank_sinks = None
+    if sinks is not None and (world > 1 or chunks > 1):  # per-head sinks are sharded with the heads
         local_heads = n_q // world
-        sinks = sinks[ctx.rank * local_heads : (ctx.rank + 1) * local_heads]
-        if kwargs.get("s_aux") is not None:
-            kwargs["s_aux"] = sinks
-        inner_module = _KVGroupsOverride(module, groups, **({"sinks": sinks} if hasattr(module, "sinks") else {}))
-    elif getattr(module, "num_key_value_groups", groups) != groups:
-        inner_module = _KVGroupsOverride(module, groups)
+        rank_sinks = sinks[ctx.rank * local_heads : (ctx.rank + 1) * local_heads]
+    rank_slopes = None  # [Hq / W] fp32: this rank's ALiBi slopes
+    if slopes is not None:
+        local_heads = n_q // max(world, 1)
+        rank_slopes = slopes[ctx.rank * local_heads : (ctx.rank + 1) * local_heads] if world > 1 else slopes
     if "position_ids" in kwargs:
         kwargs["position_ids"] = ctx.position_ids.to(query.device)
     if is_causal is not None:
         kwargs["is_causal"] = is_causal
-    if slopes is not None:
-        local_heads = query.shape[1]
-        slopes = slopes[ctx.rank * local_heads : (ctx.rank + 1) * local_heads] if world > 1 else slopes
-        out = _alibi_attention(ctx, query, key, value, slopes, scaling, groups, dropout, falcon_divisor)
-    elif blocks is not None:
-        block_kwargs = {k: v for k, v in kwargs.items() if k not in ("is_causal", "position_ids")}
-        # sdpa: the shared blocks (what transformers' sdpa computes per block); eager: the model's own function
-        inner = _inner_function(ctx.inner_attn, module)
-        block_fn = None if ctx.inner_attn == "sdpa" and not dropout else inner
-        out = document_block_attention(
-            block_fn,
-            inner_module,
-            query,
-            key,
-            value,
-            blocks,
-            is_causal=causal,
-            needs_mask=ctx.inner_attn == "eager",
-            dropout=dropout,
-            scaling=scaling,
-            **block_kwargs,
-        )
-    else:
-        inner = _inner_function(ctx.inner_attn, module)
-        out, _ = inner(inner_module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-    # out: [B, S, Hq/W, D] (HF attention functions return sequence-major outputs)
-    if world > 1:
-        out = all_to_all(out, ctx.group, scatter_dim=1, gather_dim=2)
-    return out, None
+    # ALiBi layers (their own code) have no inner function of their module: _alibi_attention instead
+    inner = _inner_function(ctx.inner_attn, module) if slopes is None else None
+
+    def heads_attention(g: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # group g (all heads when chunks == 1): q [B, W*h_g, n_r, D] -> [B, h_g, S, D], the inner kernel, and back
+        call_kwargs = dict(kwargs)
+        ctx.head_group_runs += 1
+        if world > 1:
+            group = ctx.group
+            query = all_to_all(query, group, scatter_dim=1, gather_dim=2, gather_size=seq_len)
+            key = all_to_all(key, group, scatter_dim=1, gather_dim=2, gather_size=seq_len)
+            value = all_to_all(value, group, scatter_dim=1, gather_dim=2, gather_size=seq_len)
+        inner_module = module
+        if rank_sinks is not None:
+            own = rank_sinks.narrow(0, g * (rank_sinks.shape[0] // chunks), rank_sinks.shape[0] // chunks)
+            if call_kwargs.get("s_aux") is not None:
+                call_kwargs["s_aux"] = own
+            inner_module = _KVGroupsOverride(module, groups, **({"sinks": own} if hasattr(module, "sinks") else {}))
+        elif getattr(module, "num_key_value_groups", groups) != groups:
+            inner_module = _KVGroupsOverride(module, groups)
+        if rank_slopes is not None:  # ALiBi: this rank's slopes of group g's heads
+            h_g = rank_slopes.shape[0] // chunks
+            out = _alibi_attention(ctx, query, key, value, rank_slopes.narrow(0, g * h_g, h_g), scaling, groups, dropout,
+                                   falcon_divisor)
+        elif blocks is not None:
+            block_kwargs = {k: v for k, v in call_kwargs.items() if k not in ("is_causal", "position_ids")}
+            # sdpa: the shared blocks (what transformers' sdpa computes per block); eager: the model's own function
+            block_fn = None if ctx.inner_attn == "sdpa" and not dropout else inner
+            out = document_block_attention(
+                block_fn,
+                inner_module,
+                query,
+                key,
+                value,
+                blocks,
+                is_causal=causal,
+                needs_mask=ctx.inner_attn == "eager",
+                dropout=dropout,
+                scaling=scaling,
+                **block_kwargs,
+            )
+        else:
+            out, _ = inner(inner_module, query, key, value, mask, dropout=dropout, scaling=scaling, **call_kwargs)
+        # out: [B, S, h_g, D] (HF attention functions return sequence-major outputs)
+        if world > 1:
+            out = all_to_all(out, ctx.group, scatter_dim=1, gather_dim=2)
+        return out
+
+    # distributed.ulysses_head_chunks: one head group at a time, the backward too (head_chunks.py)
+    return run_head_groups(heads_attention, query, key, value, max(world, 1), chunks), None
 
 
 def _no_mask(attention_mask: Any) -> None:
@@ -639,6 +665,7 @@ def make_ulysses_batch_and_ctx(
     device_mesh: Any,
     batch: dict[str, Any],
     inner_attn: str = "sdpa",
+    head_chunks: int = 1,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager[UlyssesContext]], dict[str, Any]]:
     """Shard a BSHD batch for Ulysses CP and build the context its attention calls need.
 
@@ -655,6 +682,9 @@ def make_ulysses_batch_and_ctx(
             (``[B, P]``, ``-1000`` = no document) or ``cu_seqlens`` (``[P+1]``, only for ``B == 1``),
             which define document boundaries and take precedence over ``position_ids``.
         inner_attn: ``"sdpa"``, ``"eager"`` or ``"flex_attention"``.
+        head_chunks: ``distributed.ulysses_head_chunks``: each attention call runs its heads in this many groups,
+            one after another, forward and backward (:mod:`automodel.distributed.cp.head_chunks`; exact). It must
+            divide the KV heads a rank holds after the all-to-all (checked at the first attention call).
 
     Returns:
         ``(ctx_factory, local_batch)``. ``local_batch`` holds this rank's contiguous slice (near-even
@@ -716,7 +746,10 @@ def make_ulysses_batch_and_ctx(
         document_ids = None
 
     documents = document_ids.to(device) if document_ids is not None else None
-    ctx = UlyssesContext(group, world, rank, inner_attn, position_ids, padding_mask, documents)
+    problem = head_chunks_problem(head_chunks, None, None, world)
+    if problem is not None or head_chunks == "auto":
+        raise ValueError(problem or "head_chunks='auto' is resolved by the recipe from the plan; pass an integer")
+    ctx = UlyssesContext(group, world, rank, inner_attn, position_ids, padding_mask, documents, head_chunks=head_chunks)
     if batch.get("seq_lens_padded") is not None and batch.get("seq_lens") is not None:
         ctx.real_tokens = real_tokens_of(batch["seq_lens"], batch["seq_lens_padded"], seq_len)
     if from_restarts:  # documents as transformers finds them: its chunks too (torch_internals)

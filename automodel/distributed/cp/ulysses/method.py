@@ -16,10 +16,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, standard_problem
+from automodel.distributed.cp.head_chunks import head_chunked_exchange
+from automodel.distributed.cp.method import AttentionSwitchingMethod, BatchFn, ExchangeTerm, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 
 __all__ = ["UlyssesMethod"]
+
+
+def _chunks(r: Any) -> int:
+    """``distributed.ulysses_head_chunks`` of a memory-plan / cost shape (1 where it carries none)."""
+    return max(1, int(getattr(r, "head_chunks", 1) or 1))
+
+
+def _head_chunks_option(cfg: Any) -> dict[str, Any]:
+    chunks = getattr(cfg.distributed, "ulysses_head_chunks", 1)
+    return {"head_chunks": chunks} if isinstance(chunks, int) and chunks > 1 else {}
 
 
 class UlyssesMethod(AttentionSwitchingMethod):
@@ -37,6 +48,13 @@ class UlyssesMethod(AttentionSwitchingMethod):
             self.name, layer, seq_len, windows=True, chunks=True, sinks=True, softcap=True, mla=True,
             position_scaled=True, alibi=True,
         )
+
+    def head_chunk_ranks(self, cp_size: int) -> int | None:
+        return cp_size
+
+    def recipe_batch_options(self, cfg: Any) -> dict[str, Any]:
+        """``head_chunks``: ``distributed.ulysses_head_chunks`` (``auto`` resolved by the trainer before binding)."""
+        return {**super().recipe_batch_options(cfg), **_head_chunks_option(cfg)}
 
     def _switch(self) -> tuple[Any, str]:
         from automodel.distributed.cp.ulysses.attention import ULYSSES_ATTN_NAME, set_ulysses_attention
@@ -57,17 +75,45 @@ class UlyssesMethod(AttentionSwitchingMethod):
         return "blocks" if packed else "sdpa"
 
     def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:
-        """``H / cp`` query heads over the whole row; KV heads replicated up to ``cp`` where it does not divide them."""
+        """``H / cp`` query heads over the whole row; KV heads replicated up to ``cp`` where it does not divide them;
+        with ``distributed.ulysses_head_chunks`` G, one call sees ``1/G`` of them."""
+        g = _chunks(r)
         kv_local = max(1, d.kv_heads // r.tp)
         kv_seen = max(1, kv_local * (r.cp // math.gcd(kv_local, r.cp)) // r.cp)
-        return d.heads // r.tp // r.cp, kv_seen, r.seq, r.seq
+        return max(1, d.heads // r.tp // r.cp // g), max(1, kv_seen // g), r.seq, r.seq
 
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
-        n, c, tp = r.local_tokens, r.compute_bytes, r.tp
+        """What the attention's backward holds beyond the layer's activations (which count the received q, k, v
+        and output the kernel saves): the full-row gradients of the output, q, k and v for the rank's heads before
+        their all-to-alls, ``(2 h + 2 kv') c n`` (``kv'``: KV heads replicated up to ``cp``). With head chunks ``G``
+        those of one group (``/ G``), and the local q, k, v gradients of the groups done, waiting to be stacked
+        (up to ``(G-1)/G (h + 2 kv') c n``, :func:`~automodel.distributed.cp.head_chunks.run_head_groups`).
+        Measured on CPU at cp 2 (``scripts/bench_memory.py --headwise only``)."""
+        n, c, tp, g = r.local_tokens, r.compute_bytes, r.tp, _chunks(r)
         h = d.hidden / tp
-        kv_local = d.kv_heads // tp
+        kv_local = max(1, d.kv_heads // tp)
         kv_sent = kv_local * (r.cp // math.gcd(kv_local, r.cp)) * d.head_dim
-        return 2 * (2 * h + 2 * kv_sent) * c * n, "ulysses all-to-all buffers of q, k, v and the output"
+        grads = (2 * h + 2 * kv_sent) * c * n
+        if g == 1:
+            return grads, "ulysses: the full-row gradients of the output, q, k and v around their all-to-alls"
+        waiting = (g - 1) / g * (h + 2 * kv_sent) * c * n
+        return grads / g + waiting, (
+            f"ulysses, 1 of {g} head groups at a time: the group's full-row gradients of the output, q, k and v "
+            "around their all-to-alls, and the local q, k, v gradients of the groups done"
+        )
+
+    def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
+        """The all-to-all of q, k, v and the output (:meth:`CPMethod.exchange_terms`); with head chunks ``G`` one
+        per group, and the backward's recomputation of each group's q, k, v all-to-all
+        (:func:`~automodel.distributed.cp.head_chunks.head_chunked_exchange`)."""
+        terms = super().exchange_terms(d, r, packed)
+        g = _chunks(r)
+        if g == 1 or not terms:
+            return terms
+        kv_local = max(1, d.kv_heads // r.tp)
+        kv = kv_local * d.head_dim
+        q = d.heads // r.tp * d.head_dim
+        return [head_chunked_exchange(t, g, (q + 2 * kv) / (2 * q + 2 * kv)) for t in terms]
 
     def describe_attention(self, b: int, heads: int, kv: int, head_dim: int, seq: int, cp_size: int, attn: str) -> list[str]:
         kv_sent = kv * (cp_size // math.gcd(kv, cp_size))  # kv heads are replicated when cp does not divide them

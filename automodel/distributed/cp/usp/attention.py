@@ -53,6 +53,7 @@ from automodel.distributed.cp import active, hf_attention
 from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.gathered_attention import THDPlan, gathered_layer, pad_documents, shard_batch
 from automodel.distributed.cp.group import resolve_cp_group
+from automodel.distributed.cp.head_chunks import head_chunks_problem, run_head_groups
 from automodel.distributed.cp.usp.groups import UspGroups, usp_process_groups
 from automodel.distributed.sp.all_to_all import all_to_all
 
@@ -82,11 +83,15 @@ class UspContext:
         groups: this rank's Ulysses / ring sub-groups (:class:`~automodel.distributed.cp.usp.groups.UspGroups`).
         plan: the ring sub-group's :class:`~automodel.distributed.cp.gathered_attention.THDPlan`.
         calls: attention calls run under this context (for the forgotten-switch check).
+        head_chunks: head groups per attention call, run one at a time (``distributed.ulysses_head_chunks``,
+            :mod:`automodel.distributed.cp.head_chunks`).
     """
 
     groups: UspGroups
     plan: THDPlan
     calls: int = 0
+    head_chunks: int = 1
+    head_group_runs: int = 0  # head groups run so far (forward, and each recomputation in the backward)
 
 
 def current_usp_context() -> UspContext | None:
@@ -144,26 +149,47 @@ def _usp_call(call: hf_attention.AttentionCall) -> tuple[torch.Tensor, None]:
         )
     if n_q % n_kv:
         raise ValueError(f"query heads ({n_q}) must be a multiple of key/value heads ({n_kv})")
-    kwargs, local_index = dict(call.kwargs), None
+    chunks = ctx.head_chunks
+    problem = head_chunks_problem(chunks, n_q, n_kv, u, f"distributed.ulysses_size={u}")
+    if problem is not None:
+        raise ValueError(problem)
+    sinks, local_index = None, None
+    slopes = call.kwargs.get("alibi_slopes")  # [Hq] fp32: ALiBi (cp/layers/alibi.py)
+    if slopes is not None and u > 1:  # this rank's heads' slopes
+        per = n_q // u
+        slopes = slopes.narrow(0, g.ulysses_rank * per, per)
     if u > 1:
         key, value = _replicate_kv(key, u), _replicate_kv(value, u)
-        # every Ulysses rank holds T/W tokens: the gathered sequence is the ring rank's share, in order
-        query, key, value = (all_to_all(x, g.ulysses_group, scatter_dim=1, gather_dim=2) for x in (query, key, value))
         sinks = _own_head_sinks(call, n_q, u, g.ulysses_rank)
-        if sinks is not None:
-            kwargs["s_aux"] = sinks
-        if kwargs.get("alibi_slopes") is not None:  # ALiBi (cp/layers/alibi.py): this rank's heads' slopes
-            per = n_q // u
-            kwargs["alibi_slopes"] = kwargs["alibi_slopes"].narrow(0, g.ulysses_rank * per, per)
         # transformers scaled each query by a function of its index in ITS rank's T/W tokens (Llama 4)
         local_index = torch.arange(call.query.shape[2], device=query.device).repeat(u)
-    out = gathered_layer(
-        call.replace(query=query, key=key, value=value, kwargs=kwargs), ctx.plan, local_index=local_index, method=_METHOD
-    )
-    # out: [1, T/R, Hq/U, D]
-    if u > 1:
-        out = all_to_all(out, g.ulysses_group, scatter_dim=1, gather_dim=2)
-    return out, None
+    elif chunks > 1:
+        sinks = _own_head_sinks(call, n_q, 1, 0)
+
+    def heads_attention(j: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # head group j (all heads when chunks == 1): the Ulysses all-to-all, thd's call across the ring, and back
+        kwargs = dict(call.kwargs)
+        ctx.head_group_runs += 1
+        if u > 1:
+            # every Ulysses rank holds T/W tokens: the gathered sequence is the ring rank's share, in order
+            query, key, value = (all_to_all(x, g.ulysses_group, scatter_dim=1, gather_dim=2) for x in (query, key, value))
+        if sinks is not None:
+            per = sinks.shape[-1] // chunks
+            kwargs["s_aux"] = sinks.narrow(-1, j * per, per)
+        if slopes is not None:  # group j's heads' slopes
+            per = slopes.shape[0] // chunks
+            kwargs["alibi_slopes"] = slopes.narrow(0, j * per, per)
+        out = gathered_layer(
+            call.replace(query=query, key=key, value=value, kwargs=kwargs), ctx.plan, local_index=local_index,
+            method=_METHOD,
+        )
+        # out: [1, T/R, h_j, D]
+        if u > 1:
+            out = all_to_all(out, g.ulysses_group, scatter_dim=1, gather_dim=2)
+        return out
+
+    # distributed.ulysses_head_chunks: one head group at a time, the backward too (head_chunks.py)
+    return run_head_groups(heads_attention, query, key, value, u, chunks), None
 
 
 usp_attention_forward = hf_attention.hf_attention_function(_usp_call, "usp_attention_forward")
@@ -217,6 +243,7 @@ def make_usp_batch_and_ctx(
     inner_attn: str | None = None,
     seq_lens_padding_value: int = -1000,
     document_multiple: int | None = None,
+    head_chunks: int = 1,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager[UspContext]], dict[str, Any]]:
     """Shard a BSHD batch (packed or not) for USP and build the context its attention calls need.
 
@@ -232,6 +259,9 @@ def make_usp_batch_and_ctx(
         seq_lens_padding_value: sentinel of unused ``seq_lens`` entries.
         document_multiple: what each packed document is padded to (``None``: ``2 * cp_size``; the recipe passes
             ``2 * cp_size * tp_size`` with sequence parallelism); a multiple of ``2 * cp_size``.
+        head_chunks: ``distributed.ulysses_head_chunks``: the heads after the Ulysses all-to-all run in this many
+            groups, one after another, forward and backward (:mod:`automodel.distributed.cp.head_chunks`; exact);
+            it divides the KV heads a Ulysses rank holds (checked at the first attention call).
 
     Returns:
         ``(ctx_factory, local)``: ``local`` holds ``input_ids``, ``labels``, ``position_ids`` (global
@@ -269,7 +299,10 @@ def make_usp_batch_and_ctx(
         k: (v.narrow(-1, start, n).contiguous() if k in _TOKEN_KEYS and isinstance(v, torch.Tensor) else v)
         for k, v in ring_local.items()
     }
-    ctx = UspContext(groups=groups, plan=plan)
+    problem = head_chunks_problem(head_chunks, None, None, ulysses_size)
+    if problem is not None or head_chunks == "auto":
+        raise ValueError(problem or "head_chunks='auto' is resolved by the recipe from the plan; pass an integer")
+    ctx = UspContext(groups=groups, plan=plan, head_chunks=head_chunks)
 
     def ctx_factory() -> contextlib.AbstractContextManager[UspContext]:
         return usp_context(ctx)

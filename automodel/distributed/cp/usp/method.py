@@ -26,11 +26,22 @@ import math
 from typing import Any
 
 from automodel.distributed.cp.gathered_method import GatheredKVMethod
+from automodel.distributed.cp.head_chunks import head_chunked_exchange
 from automodel.distributed.cp.method import BatchFn, CPMethod, ExchangeTerm, PreparedModel, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 from automodel.distributed.cp.subgroups import ulysses_size_problem as _ulysses_size_problem
 
 __all__ = ["UspMethod"]
+
+
+def _chunks(r: Any) -> int:
+    """``distributed.ulysses_head_chunks`` of a memory-plan / cost shape (1 where it carries none)."""
+    return max(1, int(getattr(r, "head_chunks", 1) or 1))
+
+
+def _head_chunks_option(cfg: Any) -> dict[str, Any]:
+    chunks = getattr(cfg.distributed, "ulysses_head_chunks", 1)
+    return {"head_chunks": chunks} if isinstance(chunks, int) and chunks > 1 else {}
 
 
 class UspMethod(GatheredKVMethod):
@@ -76,7 +87,11 @@ class UspMethod(GatheredKVMethod):
             **super().recipe_batch_options(cfg),
             "ulysses_size": cfg.distributed.ulysses_size,
             "document_multiple": self.document_multiple(cfg)[0],  # the batch function pads packed documents
+            **_head_chunks_option(cfg),
         }
+
+    def head_chunk_ranks(self, cp_size: int) -> int | None:
+        return self.ulysses_size if self.ulysses_size else cp_size
 
     # ------------------------------------------------------------------ config
     def configured(self, cfg: Any) -> CPMethod:
@@ -151,10 +166,10 @@ class UspMethod(GatheredKVMethod):
     def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:
         """After the all-to-all: ``H / U`` query heads for ``U`` ranks' queries, against the gathered K/V of the row
         (``U = 1`` without a bound ``ulysses_size``: an upper bound)."""
-        u = self.ulysses_size or 1
+        u, g = self.ulysses_size or 1, _chunks(r)
         kv_local = max(1, d.kv_heads // r.tp)
         kv_seen = max(1, kv_local * (u // math.gcd(kv_local, u)) // u)
-        return d.heads // r.tp // u, kv_seen, u * r.local_tokens // r.local_batch, r.seq
+        return max(1, d.heads // r.tp // u // g), max(1, kv_seen // g), u * r.local_tokens // r.local_batch, r.seq
 
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
         """thd's terms for ``H/U`` heads (each rank gathers K/V of the whole row for its heads), plus the
@@ -167,8 +182,17 @@ class UspMethod(GatheredKVMethod):
         row_tokens = r.local_batch * r.seq
         gather = 8 * kv_heads * d.head_dim * c * row_tokens  # backward: K/V again + dK/dV
         partial = r.local_tokens * (d.hidden / tp + d.heads / tp) * 4
-        a2a = 2 * (2 * d.hidden / tp + 2 * kv_local * (u // math.gcd(kv_local, u)) * d.head_dim) * c * n
+        kv_sent = kv_local * (u // math.gcd(kv_local, u)) * d.head_dim
+        a2a = 2 * (2 * d.hidden / tp + 2 * kv_sent) * c * n
         what = f"ulysses {u} x ring" if self.ulysses_size else "ulysses x ring (upper bound: ulysses_size 1)"
+        g = _chunks(r)
+        if g > 1:  # one head group's buffers at a time; the local q, k, v gradient the groups' are stacked into
+            stacked = (d.hidden / tp + 2 * kv_sent) * c * n
+            return (gather + partial + a2a) / g + stacked, (
+                f"usp ({what}), 1 of {g} head groups at a time: all-to-all buffers of q, k, v and the output; K/V "
+                "of the whole row for its heads all-gathered, dK/dV before the reduce-scatter; the q, k, v gradient "
+                "the groups' are stacked into"
+            )
         return gather + partial + a2a, (
             f"usp ({what}): all-to-all buffers of q, k, v and the output; K/V of the whole row for H/U heads "
             "all-gathered per layer, dK/dV before the reduce-scatter"
@@ -185,12 +209,14 @@ class UspMethod(GatheredKVMethod):
         kv_local = max(1, d.kv_heads // r.tp)
         kv_sent = kv_local * (u // math.gcd(kv_local, u)) * d.head_dim  # KV heads replicated up to U
         a2a = 2 * (u - 1) / u * n * (2 * d.heads // r.tp * d.head_dim + 2 * kv_sent) * c
+        g = _chunks(r)
+        q = d.heads // r.tp * d.head_dim
         out = [ExchangeTerm(f"all-to-all of q, k, v and the output (ulysses {u})", u, u, a2a / 2, a2a / 2)]
+        out = [head_chunked_exchange(out[0], g, (q + 2 * kv_sent) / (2 * q + 2 * kv_sent))]
         if ring > 1:  # after the all-to-all: u * n tokens for kv_sent / u heads, K and V of the other ring ranks
             gather = (ring - 1) * n * 2 * kv_sent * c  # forward; backward: K/V again + dK/dV reduce-scattered
-            out.append(
-                ExchangeTerm(f"K and V of the other ring ranks' tokens (ring {ring})", ring, r.cp, gather, 2 * gather)
-            )
+            term = ExchangeTerm(f"K and V of the other ring ranks' tokens (ring {ring})", ring, r.cp, gather, 2 * gather)
+            out.append(head_chunked_exchange(term, g, 1.0, collectives=1) if g > 1 else term)
         return out
 
     def sparse_exchange_terms(self, widths: tuple[int, int], r: Any) -> list[ExchangeTerm]:
