@@ -14,6 +14,7 @@ import torch
 from automodel.config import ConfigError, load_config
 from automodel.distributed.cp import get_cp_method
 from tests.dist_harness import run_distributed
+from tests.technique_checks import assert_two_layers_recomputed_and_inputs_offloaded
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-4
@@ -160,15 +161,9 @@ def test_recipe_parity_cp2(runs, name, ref):
 def test_checkpointing_and_offload_act_under_thd(runs):
     """Issue 41: under thd (packed rows, cp=2) with FSDP2 every layer is recomputed once per micro-batch and offload
     moves one tensor per layer and micro-batch, the layer input; the run log names no technique that did not act."""
-    report, log = runs["thd_sliding_packed_cp2"]["techniques"], runs["thd_sliding_packed_cp2"]["technique_log"]
-    m = report["micro_batches"]
-    assert m == 4  # global batch 8 = 2 rows x 4 micro-batches (dp 1)
-    ac = report["activation_checkpointing"]
-    assert ac["layers"] == ac["layers_recomputed"] == 2 and ac["recomputed_per_layer"] == [m, m]
-    off = report["activation_offload"]
-    assert off["tensors"] == off["layer_inputs"] == 2 * m
-    assert [off["per_layer"][str(i)]["tensors"] for i in range(2)] == [m, m]
-    assert not any("WARNING" in line for line in log), log
+    run = runs["thd_sliding_packed_cp2"]
+    # global batch 8 = 2 rows x 4 micro-batches (dp 1)
+    assert_two_layers_recomputed_and_inputs_offloaded(run["techniques"], run["technique_log"], 4)
 
 
 @pytest.mark.dist

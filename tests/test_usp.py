@@ -23,6 +23,7 @@ import torch
 from automodel.config import ConfigError, load_config
 from automodel.distributed.cp import get_cp_method, profile_problems
 from tests.dist_harness import run_distributed
+from tests.technique_checks import assert_two_layers_recomputed_and_inputs_offloaded
 from tests.workers.headwise_worker import CP4_CASES as HEADWISE_CP4
 from tests.workers.headwise_worker import assert_case
 
@@ -384,15 +385,9 @@ def test_recipe_parity_cp4_ulysses2_ring2(recipe_runs, name, ref):
 def test_checkpointing_and_offload_act_under_usp(recipe_runs):
     """Issue 41: under usp (cp=4 = 2 x 2) with FSDP2 every layer is recomputed once per micro-batch and offload moves
     one tensor per layer and micro-batch, the layer input; the run log names no technique that did not act."""
-    report, log = recipe_runs["usp_plain"]["techniques"], recipe_runs["usp_plain"]["technique_log"]
-    m = report["micro_batches"]
-    assert m == 2  # global batch 4 = 2 rows x 2 micro-batches (dp 1)
-    ac = report["activation_checkpointing"]
-    assert ac["layers"] == ac["layers_recomputed"] == 2 and ac["recomputed_per_layer"] == [m, m]
-    off = report["activation_offload"]
-    assert off["tensors"] == off["layer_inputs"] == 2 * m
-    assert [off["per_layer"][str(i)]["tensors"] for i in range(2)] == [m, m]
-    assert not any("WARNING" in line for line in log), log
+    run = recipe_runs["usp_plain"]
+    # global batch 4 = 2 rows x 2 micro-batches (dp 1)
+    assert_two_layers_recomputed_and_inputs_offloaded(run["techniques"], run["technique_log"], 2)
 
 
 @pytest.mark.dist

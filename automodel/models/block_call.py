@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from automodel.distributed.cp.profile import text_config
 from automodel.errors import UserInputError
 
 __all__ = [
@@ -173,7 +174,7 @@ def _stack_of_layers(model: nn.Module) -> list[nn.Module]:
     ``nn.ModuleList`` of ``config.num_hidden_layers`` modules outside vision / audio towers, or ``[]`` where there
     is none or more than one."""
     config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    config = text_config(config) if config is not None else None
     n = getattr(config, "num_hidden_layers", None)
     if not isinstance(n, int) or n <= 0:
         return []

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.distributed.cp.profile import text_config
 from automodel.training.chunked_loss import chunked_linear_cross_entropy_sum
 from automodel.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
@@ -128,7 +129,7 @@ def logit_transform_of(model: nn.Module) -> str:
     if head is not None and decoder is head:
         return "a prediction head before its output Linear"
     config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    config = text_config(config) if config is not None else None
     named = [f"{k}={getattr(config, k)}" for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
     return ", ".join(named)
 
@@ -192,10 +193,9 @@ def logits_are_head_of_hidden(model: nn.Module, n_tokens: int = 8) -> str | None
     tol = 2e-2 if head.weight.dtype in (torch.float16, torch.bfloat16) else 1e-3  # the same product, maybe recast
     if err <= tol:
         return None
-    config = getattr(model, "config", None)
-    named = [f"{k}={getattr(config, k)}" for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
+    named = logit_transform_of(model)
     return (f"they differ from the head of the hidden states by {err:.2g} of their largest value (a final transform"
-            + (f": {', '.join(named)}" if named else ", e.g. soft-capping, a logit scale or a prediction head") + ")")
+            + (f": {named}" if named else ", e.g. soft-capping, a logit scale or a prediction head") + ")")
 
 
 def forward_loss_sum(

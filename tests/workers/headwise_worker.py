@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.workers.cp_steps import reduce_over_group
+from tests.workers.layer_kinds_worker import _docs, _reference
 from tests.workers.thd_attention_worker import _ce, pack
 
 # name: family, KV heads (None: as many as query heads), dtype, rows, head chunks, method, extras
@@ -64,29 +65,6 @@ def _model(case: dict, world: int):
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
     return model.train(family.train_mode)
-
-
-def _docs(vocab: int) -> list[dict]:
-    g = torch.Generator().manual_seed(3)
-    docs = []
-    for n in DOCS:
-        ids = torch.randint(3, vocab, (n,), generator=g)
-        labels = torch.randint(3, vocab, (n,), generator=g)
-        labels[torch.rand(n, generator=g) < 0.2] = -100
-        docs.append({"input_ids": ids, "labels": labels})
-    return docs
-
-
-def _reference(model, docs, n_labels):
-    model.zero_grad(set_to_none=True)
-    total = 0.0
-    for d in docs:
-        n = d["input_ids"].numel()
-        logits = model(input_ids=d["input_ids"][None], position_ids=torch.arange(n)[None], use_cache=False).logits
-        ce = _ce(logits[0], d["labels"])
-        (ce / n_labels).backward()
-        total += float(ce.detach())
-    return total / n_labels, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _batch(form: str, docs: list[dict], multiple: int) -> dict:
@@ -146,7 +124,7 @@ def _worst(grads: dict, ref: dict) -> float:
 
 def one_case(case: dict, mesh, world: int) -> dict:
     base = _model(case, world)
-    docs = _docs(base.config.vocab_size)
+    docs = _docs(DOCS, base.config.vocab_size)
     n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
     ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
     batch = _batch(case["form"], docs, 2 * world)
@@ -169,7 +147,7 @@ def refusal(world: int) -> str:
     case = dict(family="llama", heads=8, kv=4, dtype="float32", form="plain", chunks=3)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model = _model(case, world)
-    batch = _batch("plain", _docs(model.config.vocab_size), 2 * world)
+    batch = _batch("plain", _docs(DOCS, model.config.vocab_size), 2 * world)
     try:
         _cp_run(case, model, batch, mesh, 1, 3)
     except ValueError as e:
