@@ -21,8 +21,9 @@ set +e
 pins="${AUTOMODEL_PINS:-$root/constraints.txt}"
 [ "$pins" = none ] && pins=""
 # tests/test_pins.py checks that the environment holds the versions setup.sh pinned (none: AUTOMODEL_PINS=none);
-# setup.sh installed the tracker extras: their tests must run
-AUTOMODEL_REQUIRE_EXTRAS=1 AUTOMODEL_PINS_FILE="$pins" "$py" -m pytest ${xdist[@]+"${xdist[@]}"} "$@"
+# setup.sh installed the tracker extras: their tests must run. --durations prints the 25 slowest tests, the figures
+# that keep CI under its 20-minute budget
+AUTOMODEL_REQUIRE_EXTRAS=1 AUTOMODEL_PINS_FILE="$pins" "$py" -m pytest --durations=25 ${xdist[@]+"${xdist[@]}"} "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
