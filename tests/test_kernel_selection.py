@@ -185,3 +185,55 @@ def test_the_cuda_slot_reads_the_process_cudnn_and_torchs_switch(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: CUDNN_915)
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
     assert not cuda_blocks._cudnn_preferred((9, 0))
+
+
+def test_gqa_reaches_cudnn_grouped_and_is_repeated_for_the_others():
+    """The selection says whether grouped K/V are repeated: cuDNN takes them as they are on torch 2.11-2.15
+    (aten_schemas.GROUPED_KV), flash and memory-efficient get them repeated; equal heads need neither."""
+    h100, a100 = bb.GpuInfo.named("h100"), bb.GpuInfo.named("a100")
+    for version in ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"):
+        c = bb.select_kernel(h100, version, CUDNN_919, CAUSAL)
+        assert (c.kernel, c.expand_kv) == (bb.CUDNN, False) and "grouped K/V as they are" in c.reason, version
+    c = bb.select_kernel(a100, "2.13.0", CUDNN_919, CAUSAL)
+    assert (c.kernel, c.expand_kv) == (bb.FLASH, True) and "repeated per query head" in c.reason
+    assert not bb.select_kernel(a100, "2.13.0", CUDNN_919, CAUSAL, pinned=bb.CUDNN).expand_kv
+    rect_gqa = bb.BlockSpec(BF16, 128, 128, causal=True, square=False, grouped=True)
+    assert bb.select_kernel(h100, "2.13.0", CUDNN_919, rect_gqa).expand_kv  # the memory-efficient kernel
+    equal = bb.select_kernel(h100, "2.13.0", CUDNN_919, _spec(causal=True))
+    assert not equal.expand_kv and "K/V" not in equal.reason
+    no_gqa = bb.CudaCaps((9, 0), cudnn_op=True, cudnn_preferred=True, cudnn_gqa=False)  # a release outside the table
+    assert bb.select_backend("cuda", CAUSAL, no_gqa).expand_kv
+    assert bb.caps_for(h100, "2.11.0", CUDNN_919).cudnn_gqa and not bb.caps_for(h100, "2.11.0", None).cudnn_gqa
+
+
+def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
+    """All documents of a packed row: cuDNN's packed-row call on torch >= 2.14 with cuDNN >= 9.18 on Hopper (where
+    auto prefers cuDNN, or pinned), flash's varlen_attn elsewhere, per-document blocks where a pin rules both out."""
+    h100, a100 = bb.GpuInfo.named("h100"), bb.GpuInfo.named("a100")
+    docs = _spec(causal=True, grouped=True)
+    for version in ("2.14.1", "2.15.0"):
+        c = bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True)
+        assert (c.kernel, c.varlen, c.expand_kv) == (bb.CUDNN, True, True) and "cum_seq_q" in c.reason
+        assert bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True, max_len=129).kernel == bb.CUDNN
+    for version in ("2.11.0", "2.12.1", "2.13.0"):  # varlen_attn keeps its cuDNN path off there
+        c = bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True)
+        assert (c.kernel, c.varlen) == (bb.FLASH, True), version
+    flash_cases = [
+        (h100, "2.14.1", 91700, {}),  # cuDNN older than 9.18
+        (a100, "2.15.0", CUDNN_919, {}),  # compute capability 8.0
+        (h100, "2.15.0", CUDNN_919, {"window": 128}),  # a window: cuDNN's call takes none
+        (h100, "2.15.0", CUDNN_919, {"max_len": 128}),  # documents of at most 128 tokens
+    ]
+    for gpu, version, cudnn, kw in flash_cases:
+        c = bb.select_kernel(gpu, version, cudnn, docs, varlen=True, **kw)
+        assert (c.kernel, c.varlen) == (bb.FLASH, True), (gpu, version, cudnn, kw, c)
+    # pins: cuDNN where torch has no packed-row cuDNN call, and flash where torch's varlen_attn would itself run
+    # cuDNN, fall back to per-document blocks of the pinned kernel (never another kernel)
+    c = bb.select_kernel(h100, "2.13.0", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)
+    assert (c.kernel, c.varlen) == (bb.CUDNN, False)
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)
+    assert (c.kernel, c.varlen) == (bb.FLASH, False)
+    caps = bb.caps_for(h100, "2.14.1", CUDNN_919)
+    assert "this torch's varlen_attn runs cuDNN" in bb.varlen_refusal(docs, caps, bb.FLASH)
+    assert "packed-row cuDNN call" in bb.varlen_refusal(docs, bb.caps_for(h100, "2.13.0", CUDNN_919), bb.CUDNN)
+    assert bb.varlen_choice(docs, caps, bb.EFFICIENT) is None
