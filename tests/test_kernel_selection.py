@@ -237,3 +237,37 @@ def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
     assert "this torch's varlen_attn runs cuDNN" in bb.varlen_refusal(docs, caps, bb.FLASH)
     assert "packed-row cuDNN call" in bb.varlen_refusal(docs, bb.caps_for(h100, "2.13.0", CUDNN_919), bb.CUDNN)
     assert bb.varlen_choice(docs, caps, bb.EFFICIENT) is None
+
+
+def test_ulysses_inner_sdpa_logs_the_kernel_that_ran(caplog, monkeypatch):
+    """Ulysses' inner sdpa call logs the kernel torch's SDPA dispatch runs for its own tensors under the active pin
+    (aten._fused_sdp_choice): on CPU the CPU flash kernel; under a math pin (what attention_backend_context enters
+    on CUDA for model.attention_backend=math) math. One line per kind and kernel, not per layer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from automodel.distributed.cp.ulysses import attention as ua
+    from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
+    from tests.workers.ulysses_worker import make_batch, tiny_llama
+
+    monkeypatch.setattr(ua, "_INNER_LOGGED", set())
+    model = tiny_llama(2, "sdpa")
+    set_ulysses_attention(model)
+    batch = make_batch("plain")
+
+    def run():
+        ctx_factory, local = make_ulysses_batch_and_ctx(None, batch, inner_attn="sdpa")
+        with ctx_factory():
+            model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+
+    with caplog.at_level(logging.INFO, logger="automodel.distributed.cp.blocks"):
+        run()
+        with sdpa_kernel([SDPBackend.MATH]):
+            run()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ulysses' inner sdpa")]
+    assert len(lines) == 2, lines
+    assert "torch's SDPA runs sdpa_flash" in lines[0] and "causal" in lines[0]
+    assert "torch's SDPA runs math" in lines[1]
+    q, k = torch.zeros(1, 4, 16, 8), torch.zeros(1, 2, 16, 8)
+    assert ak.sdpa_dispatch_choice(q, k, k, None, 0.0, True, None) == bb.FLASH  # CPU flash, GQA
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert ak.sdpa_dispatch_choice(q, k, k, None, 0.0, True, None) == bb.MATH
