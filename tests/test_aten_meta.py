@@ -187,15 +187,19 @@ class _CudnnVarlenStandIn:
         assert a["cum_seq_k"] is cu and cu.dtype == torch.int32 and a["attn_bias"] is None
         assert q.shape[1] == k.shape[1] == v.shape[1] and a["compute_log_sumexp"] and a["dropout_p"] == 0.0
         assert a["max_q"] == a["max_k"] == int((cu[1:] - cu[:-1]).max())
-        out, lse, _ = _doc_attention(q, k, v, cu, a["is_causal"], a["scale"])
-        return out, lse.float()[..., None], cu, cu, a["max_q"], a["max_k"], torch.empty(()), torch.empty(()), None
+        acc = torch.promote_types(q.dtype, torch.float32)  # the kernel accumulates in fp32 (fp64 stays fp64)
+        out, lse, _ = _doc_attention(q.to(acc), k.to(acc), v.to(acc), cu, a["is_causal"], a["scale"])
+        return (out.to(q.dtype), lse.float()[..., None], cu, cu, a["max_q"], a["max_k"], torch.empty(()),
+                torch.empty(()), None)
 
     @staticmethod
     def _cudnn_attention_backward(a):
         q, k, v, cu, lse = a["query"], a["key"], a["value"], a["cum_seq_q"], a["logsumexp"]
         assert lse.shape == (*q.shape[:2], 1) and lse.dtype == torch.float32 and a["attn_bias"] is None
+        dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
+        q, k, v = q.to(acc), k.to(acc), v.to(acc)
         _, _, probs = _doc_attention(q, k, v, cu, a["is_causal"], a["scale"])
-        dout, out, scale = a["grad_out"], a["out"], a["scale"]
+        dout, out, scale = a["grad_out"].to(acc), a["out"].to(acc), a["scale"]
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for (s, e), p in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), probs):
             do = dout[s:e]
@@ -204,7 +208,7 @@ class _CudnnVarlenStandIn:
             ds = p * (dp - (do * out[s:e]).sum(-1).transpose(0, 1)[..., None]) * scale
             dq[s:e] = torch.einsum("hnm,mhd->nhd", ds, k[s:e])
             dk[s:e] = torch.einsum("hnm,nhd->mhd", ds, q[s:e])
-        return dq, dk, dv
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 @pytest.mark.parametrize("causal", [True, False])
