@@ -257,6 +257,7 @@ def test_the_release_tables():
     assert not aten_schemas.cudnn_varlen_runs("2.15", 91900, (8, 0))
     assert aten_schemas.cudnn_varlen_runs("2.15", 91900, (10, 3))
     assert not aten_schemas.takes_grouped_kv(bb.CUDNN, "2.10")
+    assert [aten_schemas.varlen_follows_sdpa(r) for r in aten_schemas.SUPPORTED_RELEASES] == [False] * 4 + [True]
     for op in aten_schemas.VARLEN_OPS:
         firsts = {aten_schemas.schema_for(op, r).split(", *")[0] for r in aten_schemas.SUPPORTED_RELEASES}
         assert len(firsts) == 1, op

@@ -233,6 +233,11 @@ def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
     assert (c.kernel, c.varlen) == (bb.CUDNN, False)
     c = bb.select_kernel(h100, "2.14.1", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)
     assert (c.kernel, c.varlen) == (bb.FLASH, False)
+    # torch 2.15's varlen_attn follows the flash pin (sdpa_kernel): one flash call
+    c = bb.select_kernel(h100, "2.15.0", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)
+    assert (c.kernel, c.varlen) == (bb.FLASH, True)
+    c = bb.select_kernel(h100, "2.15.0", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)
+    assert (c.kernel, c.varlen) == (bb.CUDNN, True)
     caps = bb.caps_for(h100, "2.14.1", CUDNN_919)
     assert "this torch's varlen_attn runs cuDNN" in bb.varlen_refusal(docs, caps, bb.FLASH)
     assert "packed-row cuDNN call" in bb.varlen_refusal(docs, bb.caps_for(h100, "2.13.0", CUDNN_919), bb.CUDNN)

@@ -33,7 +33,9 @@ attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)``
 positional signature (2.14 adds keyword-only ``seqused_k`` / ``block_table``), but torch itself runs it only from 2.14:
 ``torch.nn.attention.varlen``'s ``_should_use_cudnn`` returns ``False`` in 2.11-2.13 (and its unused cuDNN backward
 call there passes the arguments in another order than the schema); from 2.14 ``varlen_attn`` calls it with a runtime
-cuDNN >= 9.18 on compute capability 9.x / 10.x for equal head counts, no window and documents past 128 tokens. The
+cuDNN >= 9.18 on compute capability 9.x / 10.x for equal head counts, no window and documents past 128 tokens (2.15:
+also GQA and shorter documents with cuDNN >= 9.24, and only where SDPA's enabled backends and priority put cuDNN
+before flash: :func:`varlen_follows_sdpa`). The
 glue uses it on exactly those torch releases and conditions, hands the LSE back to the backward as returned, and
 repeats grouped K/V as torch does. It has no meta kernel in 2.11-2.15, so tests/test_aten_meta.py checks its
 schema and runs the glue against a stand-in bound to that schema.
@@ -44,7 +46,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["CALLED_OPS", "CUDNN_VARLEN_FIRST_RELEASE", "CUDNN_VARLEN_MIN_CUDNN", "GROUPED_KV", "LSE_LAYOUT",
-           "SCHEMAS", "SUPPORTED_RELEASES", "VARLEN_OPS", "cudnn_varlen_runs", "installed_schema", "schema_for",
+           "SCHEMAS", "SUPPORTED_RELEASES", "VARLEN_FOLLOWS_SDPA_FIRST_RELEASE", "VARLEN_OPS", "cudnn_varlen_runs", "varlen_follows_sdpa", "installed_schema", "schema_for",
            "schema_problem", "takes_grouped_kv", "torch_release"]
 
 #: the releases the tables cover
@@ -69,6 +71,10 @@ GROUPED_KV = {"sdpa_cudnn": ("2.11", "2.15")}
 #: torch's own varlen_attn runs the packed-row cuDNN call from this release, with a runtime cuDNN >= this
 CUDNN_VARLEN_FIRST_RELEASE = "2.14"
 CUDNN_VARLEN_MIN_CUDNN = 91800
+#: from this release varlen_attn picks cuDNN or flash by SDPA's enabled backends and priority (``sdpa_kernel``;
+#: ``torch.nn.attention.varlen._select_backend``), so a flash pin or auto's order decides; 2.14 runs cuDNN whenever
+#: its gate passes
+VARLEN_FOLLOWS_SDPA_FIRST_RELEASE = "2.15"
 
 #: op -> {(first release, last release): schema}
 SCHEMAS: dict[str, dict[tuple[str, str], str]] = {
@@ -233,6 +239,12 @@ def cudnn_varlen_runs(release: str, cudnn_version: int | None, capability: tuple
     if release not in SUPPORTED_RELEASES or _key(release) < _key(CUDNN_VARLEN_FIRST_RELEASE):
         return False
     return cudnn_version is not None and cudnn_version >= CUDNN_VARLEN_MIN_CUDNN and capability[0] in (9, 10)
+
+
+def varlen_follows_sdpa(release: str) -> bool:
+    """Whether torch ``release``'s ``varlen_attn`` chooses between cuDNN and flash by SDPA's enabled backends and
+    priority (:data:`VARLEN_FOLLOWS_SDPA_FIRST_RELEASE`), inside the releases this table covers."""
+    return release in SUPPORTED_RELEASES and _key(release) >= _key(VARLEN_FOLLOWS_SDPA_FIRST_RELEASE)
 
 
 def schema_problem(op: str, version: str) -> str | None:

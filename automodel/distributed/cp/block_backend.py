@@ -119,7 +119,9 @@ class CudaCaps:
         cudnn_varlen: the packed-row cuDNN op (``aten._cudnn_attention_forward`` / ``_backward`` with
             ``cum_seq_q`` / ``cum_seq_k``) is one torch itself runs (``varlen_attn`` from torch 2.14 with a runtime
             cuDNN >= 9.18 on compute capability 9.x / 10.x; ``aten_schemas.CUDNN_VARLEN_*``). torch's own
-            ``varlen_attn`` then runs cuDNN for equal heads and no window, whatever a pin says.
+            ``varlen_attn`` then runs cuDNN for equal heads and no window, whatever a pin says (2.14).
+        varlen_follows_sdpa: the installed torch's ``varlen_attn`` picks cuDNN or flash by SDPA's enabled backends
+            and priority (torch >= 2.15), so under a flash pin or auto's order it runs flash when asked.
     """
 
     capability: tuple[int, int]
@@ -131,6 +133,7 @@ class CudaCaps:
     cudnn_preferred: bool = False
     cudnn_gqa: bool = False
     cudnn_varlen: bool = False
+    varlen_follows_sdpa: bool = False
 
 
 @dataclass(frozen=True)
@@ -315,20 +318,23 @@ def varlen_choice(
       on this GPU (``caps.cudnn_preferred``) or ``model.attention_backend=cudnn`` pins it: no window, head sizes
       <= 128, the longest document (``max_len``, ``None``: unknown, assumed long) past 128 tokens;
     - else flash through ``varlen_attn`` (causal, full, or a sliding ``window``) under ``auto`` or a flash pin,
-      except where that torch's ``varlen_attn`` would itself run cuDNN (``caps.cudnn_varlen``, no window, documents
-      past 128 tokens): a flash pin (or ``auto`` where cuDNN is not preferred) then runs per-document blocks;
+      except where that torch's ``varlen_attn`` would itself run cuDNN regardless of SDPA's backends (torch 2.14:
+      ``caps.cudnn_varlen`` without ``caps.varlen_follows_sdpa``, no window, documents past 128 tokens): a flash pin
+      (or ``auto`` where cuDNN is not preferred) then runs per-document blocks. From 2.15 ``varlen_attn`` follows
+      the flash pin (``sdpa_kernel``) and auto's order, so it runs flash there;
     - ``None`` for any other pin (the per-document blocks run the pinned kernel) or where neither applies.
     """
     if not varlen_applies(spec, caps) or (window is not None and not spec.causal):
         return None
     assert caps is not None
     long_docs = max_len is None or max_len >= CUDNN_VARLEN_MIN_MAX_LEN
-    torch_runs_cudnn = caps.cudnn_varlen and window is None and long_docs
+    cudnn_takes = caps.cudnn_varlen and window is None and long_docs
     want_cudnn = pinned == CUDNN or (pinned is None and caps.cudnn_preferred)
-    if want_cudnn and torch_runs_cudnn and padded_head_dim(spec) <= CUDNN_MAX_HEAD_DIM:
+    if want_cudnn and cudnn_takes and padded_head_dim(spec) <= CUDNN_MAX_HEAD_DIM:
         return Choice(CUDNN, "all documents of the row in one cuDNN varlen call (aten._cudnn_attention_forward "
                       "with cum_seq_q / cum_seq_k)", expand_kv=spec.grouped, varlen=True)  # fmt: skip
-    if pinned not in (None, FLASH) or torch_runs_cudnn:
+    # torch 2.14's varlen_attn runs cuDNN whenever its gate passes; 2.15's follows the flash pin / auto's order
+    if pinned not in (None, FLASH) or (cudnn_takes and not caps.varlen_follows_sdpa):
         return None
     return Choice(FLASH, "all documents of the row in one varlen_attn call (flash)", expand_kv=spec.grouped,
                   varlen=True)  # fmt: skip
@@ -345,9 +351,10 @@ def varlen_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = 
         return "a window without causal masking"
     if pinned not in (None, FLASH, CUDNN):
         return f"model.attention_backend pins {pinned}, which has no packed-row call"
-    if caps.cudnn_varlen and window is None and (max_len is None or max_len >= CUDNN_VARLEN_MIN_MAX_LEN):
-        return ("this torch's varlen_attn runs cuDNN for these documents, and the flash kernel is pinned or cuDNN is "
-                "not preferred here")  # fmt: skip
+    if (caps.cudnn_varlen and not caps.varlen_follows_sdpa and window is None
+            and (max_len is None or max_len >= CUDNN_VARLEN_MIN_MAX_LEN)):  # fmt: skip
+        return ("this torch's varlen_attn runs cuDNN for these documents (torch 2.14: whatever SDPA's backends), and "
+                "the flash kernel is pinned or cuDNN is not preferred here")  # fmt: skip
     if pinned == CUDNN:
         why = []
         if not caps.cudnn_varlen:
@@ -417,6 +424,7 @@ def caps_for(gpu: GpuInfo, torch_version: str, cudnn_version: int | None) -> Cud
         cudnn_preferred=cudnn_op and cap in CUDNN_PREFERRED_CAPABILITIES and cudnn_version > CUDNN_PREFERRED_MIN_VERSION,
         cudnn_gqa=cudnn_op and aten_schemas.takes_grouped_kv(CUDNN, release),
         cudnn_varlen=cudnn_op and aten_schemas.cudnn_varlen_runs(release, cudnn_version, cap),
+        varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(release),
     )  # fmt: skip
 
 

@@ -121,6 +121,7 @@ def _caps_of(index: int) -> CudaCaps:
             torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
             tuple(torch.cuda.get_device_capability(index)),
         ),
+        varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(aten_schemas.torch_release(torch.__version__)),
     )
 
 
