@@ -266,7 +266,10 @@ def test_ulysses_inner_sdpa_logs_the_kernel_that_ran(caplog, monkeypatch):
 
     with caplog.at_level(logging.INFO, logger="automodel.distributed.cp.blocks"):
         run()
-        with sdpa_kernel([SDPBackend.MATH]):
+        run()
+        # the recipe's train context with model.attention_backend=math as on a GPU (its sdpa_kernel pin needs none):
+        # the inner kernel transformers runs inside Ulysses is the pinned one
+        with get_train_context(False, False, attention_backend="math", device_type="cuda")():
             run()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ulysses' inner sdpa")]
     assert len(lines) == 2, lines
