@@ -279,3 +279,21 @@ def test_ulysses_inner_sdpa_logs_the_kernel_that_ran(caplog, monkeypatch):
     assert ak.sdpa_dispatch_choice(q, k, k, None, 0.0, True, None) == bb.FLASH  # CPU flash, GQA
     with sdpa_kernel([SDPBackend.MATH]):
         assert ak.sdpa_dispatch_choice(q, k, k, None, 0.0, True, None) == bb.MATH
+
+
+def test_the_dry_run_says_how_gqa_and_packed_rows_run():
+    """kernel_plan's line per layer kind says which kernels get grouped K/V and which repeated, and which call takes
+    the whole documents of a packed row (cuDNN's packed-row call on torch >= 2.14, flash's varlen_attn before)."""
+    from automodel.distributed.cp.kernel_plan import layer_kind_kernel_lines
+    from automodel.distributed.cp.profile import FULL, LayerSpec, ModelProfile
+
+    profile = ModelProfile("x", "X", (LayerSpec(0, FULL, qk_head_dim=128, v_head_dim=128),), 8, 2, 128, False, "sdpa",
+                           False)  # fmt: skip
+    h100 = bb.GpuInfo.named("h100")
+    old = layer_kind_kernel_lines(profile, h100, "2.13.0", CUDNN_919, packed=True)[0]
+    assert "GQA: grouped K/V as they are to sdpa_cudnn, K/V repeated per query head for sdpa_efficient" in old
+    assert "whole documents: one varlen_attn call (flash)" in old
+    new = layer_kind_kernel_lines(profile, h100, "2.14.1", CUDNN_919, packed=True)[0]
+    assert "whole documents: one cuDNN varlen call (aten._cudnn_attention_forward)" in new
+    a100 = layer_kind_kernel_lines(profile, bb.GpuInfo.named("a100"), "2.14.1", CUDNN_919)[0]
+    assert "GQA: K/V repeated per query head for sdpa_efficient, sdpa_flash" in a100
