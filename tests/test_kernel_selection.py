@@ -297,3 +297,28 @@ def test_the_dry_run_says_how_gqa_and_packed_rows_run():
     assert "whole documents: one cuDNN varlen call (aten._cudnn_attention_forward)" in new
     a100 = layer_kind_kernel_lines(profile, bb.GpuInfo.named("a100"), "2.14.1", CUDNN_919)[0]
     assert "GQA: K/V repeated per query head for sdpa_efficient, sdpa_flash" in a100
+
+
+def test_the_cuda_slot_caps_of_this_process(monkeypatch):
+    """cuda_blocks' caps of a device (stand-in: an H100 with cuDNN 9.19 in this process's torch): cuDNN preferred,
+    grouped K/V for cuDNN, and the packed-row cuDNN call exactly where this torch release runs it itself."""
+    from automodel.distributed.cp import aten_schemas
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: CUDNN_919)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    caps = cuda_blocks._caps_of.__wrapped__(0)
+    release = aten_schemas.torch_release(torch.__version__)
+    assert caps.cudnn_op and caps.cudnn_preferred and caps.cudnn_gqa == aten_schemas.takes_grouped_kv(bb.CUDNN, release)
+    assert caps.cudnn_varlen == aten_schemas.cudnn_varlen_runs(release, CUDNN_919, (9, 0))
+    want = bb.caps_for(bb.GpuInfo.named("h100"), torch.__version__, CUDNN_919)
+    assert (caps.cudnn_gqa, caps.cudnn_varlen, caps.varlen_follows_sdpa) == (
+        want.cudnn_gqa, want.cudnn_varlen, want.varlen_follows_sdpa)
+    for version, runs, follows in (("2.14.1", True, False), ("2.15.0", True, True), ("2.12.1", False, False)):
+        monkeypatch.setattr(torch, "__version__", version)  # the ops are the same in 2.11-2.15 (aten_schemas)
+        got = cuda_blocks._caps_of.__wrapped__(0)
+        assert (got.cudnn_varlen, got.varlen_follows_sdpa) == (runs, follows), version
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    none = cuda_blocks._caps_of.__wrapped__(0)
+    assert not (none.cudnn_op or none.cudnn_gqa or none.cudnn_varlen or none.cudnn_preferred)

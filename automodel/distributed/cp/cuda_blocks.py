@@ -107,21 +107,22 @@ def varlen_available() -> bool:
 
 @functools.cache
 def _caps_of(index: int) -> CudaCaps:
+    capability = tuple(torch.cuda.get_device_capability(index))
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    cudnn_op = _has_op("_scaled_dot_product_cudnn_attention") and cudnn is not None
+    release = aten_schemas.torch_release(torch.__version__)
     return CudaCaps(
-        capability=tuple(torch.cuda.get_device_capability(index)),
+        capability=capability,
         flash_op=_has_op("_scaled_dot_product_flash_attention"),
         efficient_op=_has_op("_scaled_dot_product_efficient_attention"),
         flex=flex_available("cuda"),
         varlen=varlen_available(),
-        cudnn_op=_has_op("_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available(),
-        cudnn_preferred=_cudnn_preferred(tuple(torch.cuda.get_device_capability(index))),
-        cudnn_gqa=_cudnn_takes_grouped_kv(),
-        cudnn_varlen=_has_op("_cudnn_attention_forward") and aten_schemas.cudnn_varlen_runs(
-            aten_schemas.torch_release(torch.__version__),
-            torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-            tuple(torch.cuda.get_device_capability(index)),
-        ),
-        varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(aten_schemas.torch_release(torch.__version__)),
+        cudnn_op=cudnn_op,
+        cudnn_preferred=cudnn_op and _cudnn_preferred(capability),
+        cudnn_gqa=cudnn_op and _cudnn_takes_grouped_kv(),
+        cudnn_varlen=cudnn_op and all(hasattr(torch.ops.aten, op) for op in aten_schemas.VARLEN_OPS)
+        and aten_schemas.cudnn_varlen_runs(release, cudnn, capability),
+        varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(release),
     )
 
 
