@@ -503,12 +503,6 @@ class _CudnnVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _varlen_unrepeat(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[T, Hkv*groups, D]`` -> ``[T, Hkv, D]`` (the query heads of a KV head summed): the gradient of the repeat."""
-    t, h, d = x.shape
-    return x if groups == 1 else x.view(t, h // groups, groups, d).sum(2)
-
-
 def _log_varlen(spec: BlockSpec, what: str) -> None:
     key = ("documents " + layer_kind(spec), what)
     if key not in _WARNED:

@@ -553,7 +553,11 @@ def _log_inner_kernel(query, key, value, mask, dropout: float, is_causal, scalin
     """One INFO line per (device, dtype, head size, masked or causal, kernel): the kernel torch's SDPA runs for
     Ulysses' inner ``sdpa`` call (``attention_kernels.sdpa_dispatch_choice`` on the call's own tensors, under the
     ``model.attention_backend`` pin / priority the train context entered), so the run log names the kernel that
-    ran. Logger ``automodel.distributed.cp.blocks``, with the block kernels' lines."""
+    ran. Logger ``automodel.distributed.cp.blocks``, with the block kernels' lines. Nothing under ``torch.compile``
+    tracing (no graph break) or with INFO off."""
+    log = logging.getLogger("automodel.distributed.cp.blocks")
+    if not log.isEnabledFor(logging.INFO) or torch.compiler.is_compiling():
+        return
     causal = mask is None and (is_causal is None or bool(is_causal)) and query.shape[2] > 1
     kernel = sdpa_dispatch_choice(query, key, value, mask, dropout, causal, scaling)
     what = "masked" if mask is not None else ("causal" if causal else "full")
@@ -562,10 +566,10 @@ def _log_inner_kernel(query, key, value, mask, dropout: float, is_causal, scalin
         return
     _INNER_LOGGED.add(key_)
     where = "" if query.device.type == "cuda" else f" ({query.device.type}: torch's {query.device.type} kernels)"
-    logging.getLogger("automodel.distributed.cp.blocks").info(
-        "Ulysses' inner sdpa attention (%s, %s, head size %d, %s%s): torch's SDPA runs %s",
+    log.info(
+        "Ulysses' inner sdpa attention (%s, %s, head size %d, %s%s): torch's SDPA runs %s%s",
         query.device.type, query.dtype, query.shape[-1], what,
-        ", grouped K/V" if key.shape[1] != query.shape[1] else "", kernel or "an unreported kernel" + where,
+        ", grouped K/V" if key.shape[1] != query.shape[1] else "", kernel or "an unreported kernel", where,
     )
 
 
