@@ -336,8 +336,12 @@ def block_checks(device: torch.device, dry: bool, budget_s: float = 1e9) -> list
 # each kernel the GPU has: exact against fp32 math per block shape, and its forward+backward speed
 
 #: the block shapes the CP methods hand the kernels: ring's diagonal block (causal square), its off-diagonal
-#: blocks (full), head-tail chunks and halos (a causal rectangle, lower-right aligned), and GQA on the diagonal
-KERNEL_SHAPES = ("causal", "full", "rect", "gqa")
+#: blocks (full), head-tail chunks and halos (a causal rectangle, lower-right aligned), GQA on the diagonal (K/V
+#: grouped: cuDNN takes them as they are, the others repeated), and ``varlen``: all documents of a packed row in one
+#: call (Ulysses' document blocks: cuDNN's packed-row op or flash's varlen_attn, with GQA)
+KERNEL_SHAPES = ("causal", "full", "rect", "gqa", "varlen")
+#: the documents of the varlen shape (each past 128 tokens: cuDNN's packed-row call takes them)
+VARLEN_DOC_LENS = (300, 500, 224)
 #: tokens of the speed check (one row, causal): 32K and 128K on a GPU, a few hundred in --dry
 SPEED_TOKENS, DRY_SPEED_TOKENS = (32768, 131072), (64, 128)
 #: the speed check's heads: 16 query heads of 128 over 4 KV heads (a CP rank's share of an 8B model's 32 / 8)
@@ -381,6 +385,8 @@ def check_kernel_exact(kernel: str, shape: str, dtype: torch.dtype, device: torc
     from automodel.distributed.cp import blocks
 
     name = f"kernels/{kernel}/{shape}/{str(dtype).replace('torch.', '')}"
+    if shape == "varlen":
+        return check_kernel_varlen(kernel, dtype, device, dry)
     q, k, v, causal = _shape_case(shape, device, dtype, 512 if device.type == "cuda" and not dry else 32)
     spec = bb.BlockSpec(dtype, q.shape[-1], v.shape[-1], causal=causal, square=q.shape[2] == k.shape[2],
                         grouped=q.shape[1] != k.shape[1])  # fmt: skip
@@ -401,6 +407,53 @@ def check_kernel_exact(kernel: str, shape: str, dtype: torch.dtype, device: torc
     ok = e_out <= bar and e_grad <= GRAD_BARS[dtype] and e_lse <= max(bar, 1e-4)
     return Result(name, "PASS" if ok else "FAIL", "" if ok else f"bars: out {bar}, lse {max(bar, 1e-4)}, grad {GRAD_BARS[dtype]}",
                   {"out_err": e_out, "lse_err": e_lse, "grad_rel": e_grad})
+
+
+def check_kernel_varlen(kernel: str, dtype: torch.dtype, device: torch.device, dry: bool) -> Result:
+    """One packed row of three causal documents (:data:`VARLEN_DOC_LENS`, 8 query heads over 2 KV heads) in ONE call
+    of ``kernel`` (``cuda_blocks.varlen_documents`` with the kernel pinned: cuDNN's packed-row op or flash's
+    ``varlen_attn``), forward and backward (autograd, the call's own backward) against per-document fp32 math; SKIP
+    with the selection's reason where the kernel has no packed-row call here."""
+    from automodel.distributed.cp import attention_kernels as ak
+    from automodel.distributed.cp import block_backend as bb
+    from automodel.distributed.cp import blocks, cuda_blocks
+
+    name = f"kernels/{kernel}/varlen/{str(dtype).replace('torch.', '')}"
+    if dry:
+        return Result(name, "SKIP", "a packed-row call needs CUDA (--dry runs FlexAttention only)")
+    d, hq, hkv, lens = 128, 8, 2, VARLEN_DOC_LENS
+    caps = _kernel_caps(device, dry)
+    spec = bb.BlockSpec(dtype, d, d, causal=True, grouped=True)
+    choice = bb.varlen_choice(spec, caps, kernel, max_len=max(lens))
+    if choice is None or choice.kernel != kernel:
+        return Result(name, "SKIP", bb.varlen_refusal(spec, caps, kernel, max_len=max(lens)))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    t = sum(lens)
+    q32 = torch.randn(t, hq, d, generator=g)
+    k32, v32 = (torch.randn(t, hkv, d, generator=g) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    scale = d**-0.5
+    leaves = [x.to(device=device, dtype=dtype).requires_grad_(True) for x in (q32, k32, v32)]
+    ak._PINNED.append(kernel)  # what attention_backend_context pushes for model.attention_backend=<kernel>
+    try:
+        out = cuda_blocks.varlen_documents(*leaves, cu, max(lens), True, None, scale)
+    finally:
+        ak._PINNED.pop()
+    if out is None:
+        return Result(name, "SKIP", "varlen_documents took no packed-row call (see the log line of this layer kind)")
+    refs = [x.to(device).requires_grad_(True) for x in (q32, k32, v32)]
+    ref = torch.cat([blocks.block_forward(*(x[a:b].transpose(0, 1)[None] for x in refs), causal=True, scale=scale,
+                                          backend="math")[0][0].transpose(0, 1)
+                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])  # fmt: skip
+    dout = torch.randn(ref.shape, generator=g).to(device)
+    got_g = torch.autograd.grad(out, leaves, dout.to(dtype))
+    ref_g = torch.autograd.grad(ref, refs, dout)
+    e_out = _err(out, ref)
+    e_grad = max(_rel(a, b) for a, b in zip(got_g, ref_g))
+    bar = FP32_BAR if dtype == torch.float32 else BF16_BAR
+    ok = e_out <= bar and e_grad <= GRAD_BARS[dtype]
+    return Result(name, "PASS" if ok else "FAIL", choice.reason if ok else f"bars: out {bar}, grad {GRAD_BARS[dtype]}",
+                  {"out_err": e_out, "grad_rel": e_grad})
 
 
 def kernel_tflops(kernel: str, tokens: int, device: torch.device, iters: int = 3) -> tuple[float, float]:

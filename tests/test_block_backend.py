@@ -265,17 +265,28 @@ class _Ops:
         padded[..., :n] = lse
         return out, padded.float(), torch.empty(()), torch.empty(())
 
+    #: the K/V head counts the cuDNN stand-in received (grouped heads go to cuDNN as they are)
+    cudnn_kv_heads: list = []
+
     @staticmethod
     def _scaled_dot_product_cudnn_attention(q, k, v, bias, want_lse, p, causal, debug, *, scale):
-        assert bias is None and want_lse
-        out, lse, _ = _ref_attn(q, k, v, None, causal, scale)
+        assert bias is None and want_lse and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
+        _Ops.cudnn_kv_heads.append(k.shape[1])
+        g = q.shape[1] // k.shape[1]  # cuDNN takes grouped heads (aten_schemas.GROUPED_KV)
+        out, lse, _ = _ref_attn(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, causal, scale)
         return out, lse.float()[..., None], None, None, q.shape[2], k.shape[2], torch.empty(()), torch.empty(()), None
 
     @staticmethod
     def _scaled_dot_product_cudnn_attention_backward(dout, q, k, v, out, lse, s1, s2, bias, cq, ck, n, m, p, causal,
                                                      *, scale):  # fmt: skip
         assert lse.shape == (*q.shape[:3], 1) and bias is None and (n, m) == (q.shape[2], k.shape[2])
-        return _ref_bwd(dout, q, k, v, None, out, lse[..., 0].to(q.dtype), causal, scale)
+        _Ops.cudnn_kv_heads.append(k.shape[1])
+        g = q.shape[1] // k.shape[1]
+        dq, dk, dv = _ref_bwd(dout, q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, out,
+                              lse[..., 0].to(q.dtype), causal, scale)  # fmt: skip
+        b, _, m_, d = dk.shape
+        # grouped dK/dV, in K/V's own head count, as the op returns them
+        return dq, dk.view(b, k.shape[1], g, m_, d).sum(2), dv.view(b, v.shape[1], g, m_, dv.shape[-1]).sum(2)
 
     @staticmethod
     def _scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cq, ck, n, m, p, causal, s1, s2, *, scale):
@@ -302,6 +313,7 @@ _SDPA_CASES += [(k, kind) for k in (bb.FLASH, bb.CUDNN) for kind in ("causal", "
 def test_sdpa_glue_matches_the_math_blocks(monkeypatch, kernel, kind, shape):
     monkeypatch.setattr(cuda_blocks, "_op", _Ops())
     monkeypatch.setattr(cuda_blocks, "_philox", lambda kernel, device: (torch.empty(()), torch.empty(())))
+    _Ops.cudnn_kv_heads.clear()
     dims = dict(d=8, dv=8) if shape == "gqa" else dict(hq=2, hkv=2, d=12, dv=6)
     kw = dict(causal=True) if kind == "rect" else _kinds()[kind]
     q, k, v = _inputs(**dims, m=16 if kind == "rect" else 12)
@@ -324,6 +336,8 @@ def test_sdpa_glue_matches_the_math_blocks(monkeypatch, kernel, kind, shape):
     o, l_ = blocks.block_forward(*leaves, scale=0.4, kernel=kernel, **kw)
     with pytest.raises(RuntimeError, match="log-sum-exp got a gradient"):
         torch.autograd.grad((o * dout).sum() + l_.sum(), leaves)
+    if kernel == bb.CUDNN:  # grouped K/V reached the op unrepeated (forward and backward), on every call
+        assert _Ops.cudnn_kv_heads and set(_Ops.cudnn_kv_heads) == {k.shape[1]}
 
 
 def test_cpu_keeps_its_backends():

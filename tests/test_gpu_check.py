@@ -125,6 +125,9 @@ def test_kernels_group_in_dry_mode(gc, tmp_path, monkeypatch):
     res = {x["name"]: x for x in json.loads((tmp_path / "gpu_check.json").read_text())["results"]}
     for shape in gc.KERNEL_SHAPES:
         got = res[f"kernels/flex/{shape}/float32"]
+        if shape == "varlen":  # FlexAttention has no packed-row call (and --dry has no CUDA)
+            assert got["status"] == "SKIP" and "needs CUDA" in got["detail"], got
+            continue
         assert got["status"] == "PASS" and got["figures"]["out_err"] <= gc.FP32_BAR, got
     for tokens in gc.DRY_SPEED_TOKENS:
         got = res[f"kernels/flex/speed/{tokens}"]
@@ -147,3 +150,22 @@ def test_kernel_exactness_skips_what_the_selection_refuses_and_rows_say_failures
     failed = [gc.Result("kernels/sdpa_cudnn/causal/bfloat16", "FAIL", figures={"grad_rel": 0.5})]
     row = gc.paste_row(bb.CUDNN, failed, {32768: 480.0, 131072: 500.0}, {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0"})
     assert "| NOT exact (causal; worst grad_rel 0.5) | 480 | 500 | 474 |" in row  # the estimate: 0.4796 x 989
+
+
+def test_the_varlen_kernel_check_runs_the_packed_row_call(gc, monkeypatch):
+    """The kernels group's ``varlen`` shape end to end on CPU: cuDNN's packed-row call (stand-in ops bound to the
+    installed torch's schemas, tests/test_aten_meta.py) with H100 / torch 2.14 / cuDNN 9.19 caps, in bf16 against
+    per-document fp32 math; flash pinned there SKIPs with the reason (torch's varlen_attn would run cuDNN)."""
+    from automodel.distributed.cp import block_backend as bb
+    from automodel.distributed.cp import cuda_blocks
+    from tests.test_aten_meta import _CudnnVarlenStandIn
+
+    caps = bb.caps_for(bb.GpuInfo.named("h100"), "2.14.1", 91900)
+    monkeypatch.setattr(gc, "_kernel_caps", lambda device, dry: caps)
+    monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device: caps)
+    monkeypatch.setattr(cuda_blocks, "_op", _CudnnVarlenStandIn())
+    got = gc.check_kernel_exact(bb.CUDNN, "varlen", torch.bfloat16, torch.device("cpu"), False)
+    assert got.status == "PASS" and got.figures["out_err"] <= gc.BF16_BAR and "cum_seq_q" in got.detail, got
+    skip = gc.check_kernel_exact(bb.FLASH, "varlen", torch.bfloat16, torch.device("cpu"), False)
+    assert skip.status == "SKIP" and "varlen_attn runs cuDNN" in skip.detail, skip
+    assert gc.check_kernel_exact(bb.CUDNN, "varlen", torch.float32, torch.device("cpu"), False).status == "SKIP"

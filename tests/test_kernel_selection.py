@@ -185,3 +185,140 @@ def test_the_cuda_slot_reads_the_process_cudnn_and_torchs_switch(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: CUDNN_915)
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
     assert not cuda_blocks._cudnn_preferred((9, 0))
+
+
+def test_gqa_reaches_cudnn_grouped_and_is_repeated_for_the_others():
+    """The selection says whether grouped K/V are repeated: cuDNN takes them as they are on torch 2.11-2.15
+    (aten_schemas.GROUPED_KV), flash and memory-efficient get them repeated; equal heads need neither."""
+    h100, a100 = bb.GpuInfo.named("h100"), bb.GpuInfo.named("a100")
+    for version in ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"):
+        c = bb.select_kernel(h100, version, CUDNN_919, CAUSAL)
+        assert (c.kernel, c.expand_kv) == (bb.CUDNN, False) and "grouped K/V as they are" in c.reason, version
+    c = bb.select_kernel(a100, "2.13.0", CUDNN_919, CAUSAL)
+    assert (c.kernel, c.expand_kv) == (bb.FLASH, True) and "repeated per query head" in c.reason
+    assert not bb.select_kernel(a100, "2.13.0", CUDNN_919, CAUSAL, pinned=bb.CUDNN).expand_kv
+    rect_gqa = bb.BlockSpec(BF16, 128, 128, causal=True, square=False, grouped=True)
+    assert bb.select_kernel(h100, "2.13.0", CUDNN_919, rect_gqa).expand_kv  # the memory-efficient kernel
+    equal = bb.select_kernel(h100, "2.13.0", CUDNN_919, _spec(causal=True))
+    assert not equal.expand_kv and "K/V" not in equal.reason
+    no_gqa = bb.CudaCaps((9, 0), cudnn_op=True, cudnn_preferred=True, cudnn_gqa=False)  # a release outside the table
+    assert bb.select_backend("cuda", CAUSAL, no_gqa).expand_kv
+    assert bb.caps_for(h100, "2.11.0", CUDNN_919).cudnn_gqa and not bb.caps_for(h100, "2.11.0", None).cudnn_gqa
+
+
+def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
+    """All documents of a packed row: cuDNN's packed-row call on torch >= 2.14 with cuDNN >= 9.18 on Hopper (where
+    auto prefers cuDNN, or pinned), flash's varlen_attn elsewhere, per-document blocks where a pin rules both out."""
+    h100, a100 = bb.GpuInfo.named("h100"), bb.GpuInfo.named("a100")
+    docs = _spec(causal=True, grouped=True)
+    for version in ("2.14.1", "2.15.0"):
+        c = bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True)
+        assert (c.kernel, c.varlen, c.expand_kv) == (bb.CUDNN, True, True) and "cum_seq_q" in c.reason
+        assert bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True, max_len=129).kernel == bb.CUDNN
+    for version in ("2.11.0", "2.12.1", "2.13.0"):  # varlen_attn keeps its cuDNN path off there
+        c = bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True)
+        assert (c.kernel, c.varlen) == (bb.FLASH, True), version
+    flash_cases = [
+        (h100, "2.14.1", 91700, {}),  # cuDNN older than 9.18
+        (a100, "2.15.0", CUDNN_919, {}),  # compute capability 8.0
+        (h100, "2.15.0", CUDNN_919, {"window": 128}),  # a window: cuDNN's call takes none
+        (h100, "2.15.0", CUDNN_919, {"max_len": 128}),  # documents of at most 128 tokens
+    ]
+    for gpu, version, cudnn, kw in flash_cases:
+        c = bb.select_kernel(gpu, version, cudnn, docs, varlen=True, **kw)
+        assert (c.kernel, c.varlen) == (bb.FLASH, True), (gpu, version, cudnn, kw, c)
+    # pins: cuDNN where torch has no packed-row cuDNN call, and flash where torch's varlen_attn would itself run
+    # cuDNN, fall back to per-document blocks of the pinned kernel (never another kernel)
+    c = bb.select_kernel(h100, "2.13.0", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)
+    assert (c.kernel, c.varlen) == (bb.CUDNN, False)
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)
+    assert (c.kernel, c.varlen) == (bb.FLASH, False)
+    # torch 2.15's varlen_attn follows the flash pin (sdpa_kernel): one flash call
+    c = bb.select_kernel(h100, "2.15.0", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)
+    assert (c.kernel, c.varlen) == (bb.FLASH, True)
+    c = bb.select_kernel(h100, "2.15.0", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)
+    assert (c.kernel, c.varlen) == (bb.CUDNN, True)
+    caps = bb.caps_for(h100, "2.14.1", CUDNN_919)
+    assert "this torch's varlen_attn runs cuDNN" in bb.varlen_refusal(docs, caps, bb.FLASH)
+    assert "packed-row cuDNN call" in bb.varlen_refusal(docs, bb.caps_for(h100, "2.13.0", CUDNN_919), bb.CUDNN)
+    assert bb.varlen_choice(docs, caps, bb.EFFICIENT) is None
+
+
+def test_ulysses_inner_sdpa_logs_the_kernel_that_ran(caplog, monkeypatch):
+    """Ulysses' inner sdpa call logs the kernel torch's SDPA dispatch runs for its own tensors under the active pin
+    (aten._fused_sdp_choice): on CPU the CPU flash kernel; under a math pin (what attention_backend_context enters
+    on CUDA for model.attention_backend=math) math. One line per kind and kernel, not per layer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from automodel.distributed.cp.ulysses import attention as ua
+    from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
+    from tests.workers.ulysses_worker import make_batch, tiny_llama
+
+    monkeypatch.setattr(ua, "_INNER_LOGGED", set())
+    model = tiny_llama(2, "sdpa")
+    set_ulysses_attention(model)
+    batch = make_batch("plain")
+
+    def run():
+        ctx_factory, local = make_ulysses_batch_and_ctx(None, batch, inner_attn="sdpa")
+        with ctx_factory():
+            model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+
+    with caplog.at_level(logging.INFO, logger="automodel.distributed.cp.blocks"):
+        run()
+        run()
+        # the recipe's train context with model.attention_backend=math as on a GPU (its sdpa_kernel pin needs none):
+        # the inner kernel transformers runs inside Ulysses is the pinned one
+        with get_train_context(False, False, attention_backend="math", device_type="cuda")():
+            run()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ulysses' inner sdpa")]
+    assert len(lines) == 2, lines
+    assert "torch's SDPA runs sdpa_flash" in lines[0] and "causal" in lines[0]
+    assert "torch's SDPA runs math" in lines[1]
+    q, k = torch.zeros(1, 4, 16, 8), torch.zeros(1, 2, 16, 8)
+    assert ak.sdpa_dispatch_choice(q, k, k, None, 0.0, True, None) == bb.FLASH  # CPU flash, GQA
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert ak.sdpa_dispatch_choice(q, k, k, None, 0.0, True, None) == bb.MATH
+
+
+def test_the_dry_run_says_how_gqa_and_packed_rows_run():
+    """kernel_plan's line per layer kind says which kernels get grouped K/V and which repeated, and which call takes
+    the whole documents of a packed row (cuDNN's packed-row call on torch >= 2.14, flash's varlen_attn before)."""
+    from automodel.distributed.cp.kernel_plan import layer_kind_kernel_lines
+    from automodel.distributed.cp.profile import FULL, LayerSpec, ModelProfile
+
+    profile = ModelProfile("x", "X", (LayerSpec(0, FULL, qk_head_dim=128, v_head_dim=128),), 8, 2, 128, False, "sdpa",
+                           False)  # fmt: skip
+    h100 = bb.GpuInfo.named("h100")
+    old = layer_kind_kernel_lines(profile, h100, "2.13.0", CUDNN_919, packed=True)[0]
+    assert "GQA: grouped K/V as they are to sdpa_cudnn, K/V repeated per query head for sdpa_efficient" in old
+    assert "whole documents: one varlen_attn call (flash)" in old
+    new = layer_kind_kernel_lines(profile, h100, "2.14.1", CUDNN_919, packed=True)[0]
+    assert "whole documents: one cuDNN varlen call (aten._cudnn_attention_forward)" in new
+    a100 = layer_kind_kernel_lines(profile, bb.GpuInfo.named("a100"), "2.14.1", CUDNN_919)[0]
+    assert "GQA: K/V repeated per query head for sdpa_efficient, sdpa_flash" in a100
+
+
+def test_the_cuda_slot_caps_of_this_process(monkeypatch):
+    """cuda_blocks' caps of a device (stand-in: an H100 with cuDNN 9.19 in this process's torch): cuDNN preferred,
+    grouped K/V for cuDNN, and the packed-row cuDNN call exactly where this torch release runs it itself."""
+    from automodel.distributed.cp import aten_schemas
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: CUDNN_919)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    caps = cuda_blocks._caps_of.__wrapped__(0)
+    release = aten_schemas.torch_release(torch.__version__)
+    assert caps.cudnn_op and caps.cudnn_preferred and caps.cudnn_gqa == aten_schemas.takes_grouped_kv(bb.CUDNN, release)
+    assert caps.cudnn_varlen == aten_schemas.cudnn_varlen_runs(release, CUDNN_919, (9, 0))
+    want = bb.caps_for(bb.GpuInfo.named("h100"), torch.__version__, CUDNN_919)
+    assert (caps.cudnn_gqa, caps.cudnn_varlen, caps.varlen_follows_sdpa) == (
+        want.cudnn_gqa, want.cudnn_varlen, want.varlen_follows_sdpa)
+    for version, runs, follows in (("2.14.1", True, False), ("2.15.0", True, True), ("2.12.1", False, False)):
+        monkeypatch.setattr(torch, "__version__", version)  # the ops are the same in 2.11-2.15 (aten_schemas)
+        got = cuda_blocks._caps_of.__wrapped__(0)
+        assert (got.cudnn_varlen, got.varlen_follows_sdpa) == (runs, follows), version
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    none = cuda_blocks._caps_of.__wrapped__(0)
+    assert not (none.cudnn_op or none.cudnn_gqa or none.cudnn_varlen or none.cudnn_preferred)

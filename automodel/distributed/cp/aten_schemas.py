@@ -14,14 +14,40 @@ changes a called op makes :func:`schema_problem` name it, and the glue must then
 The log-sum-exp (:data:`LSE_LAYOUT`, from each release's ``torch/_meta_registrations.py``, the same in 2.11-2.15):
 flash ``[B, H, n]`` fp32; memory-efficient ``[B, H, ceil(n / 32) * 32]`` fp32 on CUDA (``[B, H, n]`` on ROCm); cuDNN
 ``[B, H, n, 1]`` fp32. The glue returns ``[B, H, n]`` fp32 from each and hands each backward its own layout back.
+
+Grouped heads (:data:`GROUPED_KV`): cuDNN's op takes K/V with fewer heads than Q (a divisor) and its backward returns
+dK/dV with K/V's own head count. Its graph is built from each tensor's own sizes and strides
+(``aten/src/ATen/native/cudnn/MHA.cpp``, ``build_graph`` / ``build_graph_backward``: ``set_dim(k.sizes())``; the
+nested-tensor graphs carry ``h_q``, ``h_k``, ``h_v`` explicitly), the meta kernels of 2.11-2.15 allocate
+``grad_key = empty_like(key)`` (``meta__scaled_dot_product_cudnn_backward``), the cuDNN maintainers state the op
+never rejected unequal head counts that divide (pytorch/pytorch issue #139586, 2024-11) and SDPA's gate lets GQA
+through to cuDNN with ``requires_same_num_heads=false`` since PR #150337 (2025-04), before 2.11. Flash and
+memory-efficient keep K/V repeated by the glue (their grouped paths expand dK/dV inside the kernel anyway).
+
+The packed-row cuDNN call (:func:`cudnn_varlen_runs`): ``_cudnn_attention_forward(query [T, Hq, D], key [T, Hk, D],
+value [T, Hk, Dv], attn_bias=None, cum_seq_q [N+1] int32, cum_seq_k, max_q, max_k, compute_log_sumexp,
+dropout_p, is_causal, return_debug_mask, *, scale)`` returns ``(out [T, Hq, Dv], logsumexp [T, Hq, 1] fp32
+(MHA.cpp, ``run_cudnn_SDP_fprop_nestedtensor``), cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset,
+debug)``; ``_cudnn_attention_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset,
+attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)``. The op is in 2.11-2.15 with one
+positional signature (2.14 adds keyword-only ``seqused_k`` / ``block_table``), but torch itself runs it only from 2.14:
+``torch.nn.attention.varlen``'s ``_should_use_cudnn`` returns ``False`` in 2.11-2.13 (and its unused cuDNN backward
+call there passes the arguments in another order than the schema); from 2.14 ``varlen_attn`` calls it with a runtime
+cuDNN >= 9.18 on compute capability 9.x / 10.x for equal head counts, no window and documents past 128 tokens (2.15:
+also GQA and shorter documents with cuDNN >= 9.24, and only where SDPA's enabled backends and priority put cuDNN
+before flash: :func:`varlen_follows_sdpa`). The
+glue uses it on exactly those torch releases and conditions, hands the LSE back to the backward as returned, and
+repeats grouped K/V as torch does. It has no meta kernel in 2.11-2.15, so tests/test_aten_meta.py checks its
+schema and runs the glue against a stand-in bound to that schema.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["CALLED_OPS", "LSE_LAYOUT", "SCHEMAS", "SUPPORTED_RELEASES", "installed_schema", "schema_for",
-           "schema_problem", "torch_release"]
+__all__ = ["CALLED_OPS", "CUDNN_VARLEN_FIRST_RELEASE", "CUDNN_VARLEN_MIN_CUDNN", "GROUPED_KV", "LSE_LAYOUT",
+           "SCHEMAS", "SUPPORTED_RELEASES", "VARLEN_FOLLOWS_SDPA_FIRST_RELEASE", "VARLEN_OPS", "cudnn_varlen_runs", "varlen_follows_sdpa", "installed_schema", "schema_for",
+           "schema_problem", "takes_grouped_kv", "torch_release"]
 
 #: the releases the tables cover
 SUPPORTED_RELEASES = ("2.11", "2.12", "2.13", "2.14", "2.15")
@@ -31,12 +57,24 @@ CALLED_OPS = (
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
 )  # fmt: skip
+#: the packed-row cuDNN ops the glue calls where :func:`cudnn_varlen_runs` (positional arguments only)
+VARLEN_OPS = ("_cudnn_attention_forward", "_cudnn_attention_backward")
 #: kernel name (block_backend) -> the LSE its forward returns
 LSE_LAYOUT = {
     "sdpa_flash": "[B, H, n] fp32",
     "sdpa_efficient": "[B, H, ceil(n / 32) * 32] fp32 (CUDA; [B, H, n] on ROCm)",
     "sdpa_cudnn": "[B, H, n, 1] fp32",
+    "cudnn_varlen": "[T, H, 1] fp32 (packed rows: one row per token of all documents)",
 }
+#: kernel -> (first release, last release) whose op takes K/V with fewer heads than Q and returns grouped dK/dV
+GROUPED_KV = {"sdpa_cudnn": ("2.11", "2.15")}
+#: torch's own varlen_attn runs the packed-row cuDNN call from this release, with a runtime cuDNN >= this
+CUDNN_VARLEN_FIRST_RELEASE = "2.14"
+CUDNN_VARLEN_MIN_CUDNN = 91800
+#: from this release varlen_attn picks cuDNN or flash by SDPA's enabled backends and priority (``sdpa_kernel``;
+#: ``torch.nn.attention.varlen._select_backend``), so a flash pin or auto's order decides; 2.14 runs cuDNN whenever
+#: its gate passes
+VARLEN_FOLLOWS_SDPA_FIRST_RELEASE = "2.15"
 
 #: op -> {(first release, last release): schema}
 SCHEMAS: dict[str, dict[tuple[str, str], str]] = {
@@ -185,6 +223,28 @@ def installed_schema(op: str) -> str | None:
         if text.startswith(op + "("):
             return re.sub(r"=(-?\d+)\.(?=[,)])", r"=\1.0", text)
     return None
+
+
+def takes_grouped_kv(kernel: str, release: str) -> bool:
+    """Whether ``kernel``'s op in torch ``release`` (``"2.13"``) takes fewer K/V heads than Q heads (:data:`GROUPED_KV`;
+    a release outside the table: ``False``, K/V are repeated)."""
+    span = GROUPED_KV.get(kernel)
+    return span is not None and _key(span[0]) <= _key(release) <= _key(span[1])
+
+
+def cudnn_varlen_runs(release: str, cudnn_version: int | None, capability: tuple[int, int]) -> bool:
+    """Whether torch ``release`` runs the packed-row cuDNN call itself on a GPU of ``capability`` with a runtime
+    ``cudnn_version`` (``torch.nn.attention.varlen._should_use_cudnn``: torch >= 2.14, cuDNN >= 9.18, 9.x / 10.x),
+    inside the releases this table covers."""
+    if release not in SUPPORTED_RELEASES or _key(release) < _key(CUDNN_VARLEN_FIRST_RELEASE):
+        return False
+    return cudnn_version is not None and cudnn_version >= CUDNN_VARLEN_MIN_CUDNN and capability[0] in (9, 10)
+
+
+def varlen_follows_sdpa(release: str) -> bool:
+    """Whether torch ``release``'s ``varlen_attn`` chooses between cuDNN and flash by SDPA's enabled backends and
+    priority (:data:`VARLEN_FOLLOWS_SDPA_FIRST_RELEASE`), inside the releases this table covers."""
+    return release in SUPPORTED_RELEASES and _key(release) >= _key(VARLEN_FOLLOWS_SDPA_FIRST_RELEASE)
 
 
 def schema_problem(op: str, version: str) -> str | None:

@@ -50,6 +50,7 @@ __all__ = [
     "auto_kernel",
     "auto_sdpa_order",
     "run_kernel_line",
+    "sdpa_dispatch_choice",
     "kernel_buffers",
     "kernel_label",
     "pinned_kernel",
@@ -156,6 +157,28 @@ def attention_backend_context(name: str, device_type: str = "cuda") -> Iterator[
         _PINNED.append(kernel)
         stack.callback(_PINNED.pop)
         yield
+
+
+#: ``torch.nn.attention.SDPBackend`` values -> kernel names
+_SDPA_BACKEND_NAMES = {0: MATH, 1: FLASH, 2: EFFICIENT, 3: CUDNN}
+
+
+def sdpa_dispatch_choice(query, key, value, attn_mask, dropout_p: float, is_causal: bool,  # noqa: ANN001
+                         scale: float | None) -> str | None:  # fmt: skip
+    """The kernel torch's SDPA dispatch runs for a call with these tensors (``[B, H, S, D]``; fewer K/V heads: GQA)
+    under the active ``sdpa_kernel`` pin / priority, as :func:`attention_backend_context` set it:
+    ``aten._fused_sdp_choice`` (the selection ``scaled_dot_product_attention`` itself makes; one schema in torch
+    2.11-2.15). A :data:`~automodel.distributed.cp.block_backend.KERNELS` name (on CPU ``sdpa_flash`` is the CPU
+    flash kernel), or ``None`` where torch does not say. Touches no data (a CPU-side check of shapes, dtypes and
+    flags)."""
+    import torch
+
+    try:
+        index = torch.ops.aten._fused_sdp_choice(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                                                 scale=scale, enable_gqa=key.shape[-3] != query.shape[-3])  # fmt: skip
+    except (RuntimeError, TypeError, AttributeError):  # no viable kernel (SDPA raises the same at the call), old torch
+        return None
+    return _SDPA_BACKEND_NAMES.get(int(index))
 
 
 def run_kernel_line(name: str, device_type: str, capability: tuple[int, int] | None = None,

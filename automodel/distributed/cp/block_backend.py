@@ -51,11 +51,14 @@ __all__ = [
     "layer_kind",
     "GpuInfo",
     "caps_for",
+    "expands_kv",
     "padded_head_dim",
     "pin_problem",
     "select_backend",
     "select_kernel",
     "varlen_applies",
+    "varlen_choice",
+    "varlen_refusal",
 ]
 
 FLASH = "sdpa_flash"
@@ -83,7 +86,9 @@ class BlockSpec:
         causal: lower-right causal; square: the block has as many queries as keys.
         masked: an explicit ``allowed`` mask (windows, chunks, documents inside a block).
         sinks: per-head sink logits; softcap: logit soft-capping.
-        grouped: fewer key/value heads than query heads (GQA; K/V are repeated for the fused ops).
+        grouped: fewer key/value heads than query heads (GQA). cuDNN takes them as they are where the installed
+            torch's op does (``CudaCaps.cudnn_gqa``); flash and memory-efficient get K/V repeated per query head
+            (:attr:`Choice.expand_kv` says which).
     """
 
     dtype: torch.dtype
@@ -109,6 +114,14 @@ class CudaCaps:
         varlen: ``torch.nn.attention.varlen.varlen_attn`` imports (torch >= 2.10).
         cudnn_op: torch has ``aten._scaled_dot_product_cudnn_attention`` with its backward and cuDNN is there.
         cudnn_preferred: ``auto`` runs cuDNN before flash (the GPU and runtime cuDNN torch's SDPA prefers it on).
+        cudnn_gqa: the cuDNN op takes fewer key/value heads than query heads and returns grouped dK/dV
+            (``aten_schemas.GROUPED_KV``: torch 2.11-2.15), so K/V are not repeated for it.
+        cudnn_varlen: the packed-row cuDNN op (``aten._cudnn_attention_forward`` / ``_backward`` with
+            ``cum_seq_q`` / ``cum_seq_k``) is one torch itself runs (``varlen_attn`` from torch 2.14 with a runtime
+            cuDNN >= 9.18 on compute capability 9.x / 10.x; ``aten_schemas.CUDNN_VARLEN_*``). torch's own
+            ``varlen_attn`` then runs cuDNN for equal heads and no window, whatever a pin says (2.14).
+        varlen_follows_sdpa: the installed torch's ``varlen_attn`` picks cuDNN or flash by SDPA's enabled backends
+            and priority (torch >= 2.15), so under a flash pin or auto's order it runs flash when asked.
     """
 
     capability: tuple[int, int]
@@ -118,16 +131,40 @@ class CudaCaps:
     varlen: bool = False
     cudnn_op: bool = False
     cudnn_preferred: bool = False
+    cudnn_gqa: bool = False
+    cudnn_varlen: bool = False
+    varlen_follows_sdpa: bool = False
 
 
 @dataclass(frozen=True)
 class Choice:
     """A kernel and why it was chosen (for ``"math"``: the reason no fused kernel applies). ``fallback``: the
-    preferred kernel of this GPU could not take the block, and why (empty: it ran the preferred one)."""
+    preferred kernel of this GPU could not take the block, and why (empty: it ran the preferred one).
+    ``expand_kv``: grouped K/V are repeated per query head for this kernel (and dK/dV summed back); ``False`` for
+    equal heads and for kernels that take grouped heads (cuDNN where ``CudaCaps.cudnn_gqa``, FlexAttention).
+    ``varlen``: one call takes all documents of a packed row (:func:`varlen_choice`)."""
 
     kernel: str
     reason: str
     fallback: str = ""
+    expand_kv: bool = False
+    varlen: bool = False
+
+
+def expands_kv(kernel: str, spec: BlockSpec, caps: CudaCaps | None) -> bool:
+    """Whether the glue repeats grouped K/V per query head for ``kernel`` (``False`` without GQA, for
+    FlexAttention and math, and for cuDNN where the installed torch's op takes grouped heads)."""
+    if not spec.grouped or kernel in (FLEX, MATH):
+        return False
+    return not (kernel == CUDNN and caps is not None and caps.cudnn_gqa)
+
+
+def _with_kv(choice: Choice, spec: BlockSpec, caps: CudaCaps | None) -> Choice:
+    expand = expands_kv(choice.kernel, spec, caps)
+    reason = choice.reason
+    if spec.grouped and choice.kernel in (FLASH, EFFICIENT, CUDNN):
+        reason += "; grouped K/V repeated per query head" if expand else "; grouped K/V as they are (no repeat)"
+    return Choice(choice.kernel, reason, choice.fallback, expand, choice.varlen)
 
 
 def padded_head_dim(spec: BlockSpec) -> int:
@@ -208,7 +245,11 @@ def select_backend(device_type: str, spec: BlockSpec, caps: CudaCaps | None, pin
                 f"({spec.dtype}, head size {spec.head_dim}/{spec.value_dim}): {problem}; set model.attention_backend="
                 "auto (each block runs the kernel that takes it) or pin a kernel that takes this block"
             )
-        return Choice(pinned, "pinned by model.attention_backend")
+        return _with_kv(Choice(pinned, "pinned by model.attention_backend"), spec, caps)
+    return _with_kv(_select(spec, caps), spec, caps)
+
+
+def _select(spec: BlockSpec, caps: CudaCaps) -> Choice:
     if spec.dtype not in (*_HALF, torch.float32):
         return Choice(MATH, f"dtype {spec.dtype} is taken by no fused CUDA attention kernel (fp16/bf16/fp32 are)")
     sm80 = tuple(caps.capability) >= (8, 0)
@@ -257,6 +298,76 @@ def varlen_applies(spec: BlockSpec, caps: CudaCaps | None) -> bool:
     if spec.masked or spec.sinks or spec.softcap or spec.head_dim != spec.value_dim:
         return False
     return spec.head_dim % 8 == 0 and spec.head_dim <= FLASH_MAX_HEAD_DIM
+
+
+#: the packed-row cuDNN call needs documents longer than this (torch's ``varlen_attn`` and its nested-tensor gate,
+#: ``check_cudnn_query_seq_len_nested``: "cuDNN attention does not support nested tensor query sequence length <= 128")
+CUDNN_VARLEN_MIN_MAX_LEN = 129
+
+
+def varlen_choice(
+    spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = None, *, window: int | None = None,
+    max_len: int | None = None,
+) -> Choice | None:  # fmt: skip
+    """The one call that takes all documents of a packed row (causal or full inside each document), or ``None``:
+    each document then runs as blocks (:func:`select_backend`). Pure.
+
+    - cuDNN (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``, K/V repeated
+      per query head as torch's own ``varlen_attn`` does) where the installed torch runs that op itself
+      (``caps.cudnn_varlen``: torch >= 2.14, cuDNN >= 9.18, compute capability 9.x / 10.x) and ``auto`` prefers cuDNN
+      on this GPU (``caps.cudnn_preferred``) or ``model.attention_backend=cudnn`` pins it: no window, head sizes
+      <= 128, the longest document (``max_len``, ``None``: unknown, assumed long) past 128 tokens;
+    - else flash through ``varlen_attn`` (causal, full, or a sliding ``window``) under ``auto`` or a flash pin,
+      except where that torch's ``varlen_attn`` would itself run cuDNN regardless of SDPA's backends (torch 2.14:
+      ``caps.cudnn_varlen`` without ``caps.varlen_follows_sdpa``, no window, documents past 128 tokens): a flash pin
+      (or ``auto`` where cuDNN is not preferred) then runs per-document blocks. From 2.15 ``varlen_attn`` follows
+      the flash pin (``sdpa_kernel``) and auto's order, so it runs flash there;
+    - ``None`` for any other pin (the per-document blocks run the pinned kernel) or where neither applies.
+    """
+    if not varlen_applies(spec, caps) or (window is not None and not spec.causal):
+        return None
+    assert caps is not None
+    long_docs = max_len is None or max_len >= CUDNN_VARLEN_MIN_MAX_LEN
+    cudnn_takes = caps.cudnn_varlen and window is None and long_docs
+    want_cudnn = pinned == CUDNN or (pinned is None and caps.cudnn_preferred)
+    if want_cudnn and cudnn_takes and padded_head_dim(spec) <= CUDNN_MAX_HEAD_DIM:
+        return Choice(CUDNN, "all documents of the row in one cuDNN varlen call (aten._cudnn_attention_forward "
+                      "with cum_seq_q / cum_seq_k)", expand_kv=spec.grouped, varlen=True)  # fmt: skip
+    # torch 2.14's varlen_attn runs cuDNN whenever its gate passes; 2.15's follows the flash pin / auto's order
+    if pinned not in (None, FLASH) or (cudnn_takes and not caps.varlen_follows_sdpa):
+        return None
+    return Choice(FLASH, "all documents of the row in one varlen_attn call (flash)", expand_kv=spec.grouped,
+                  varlen=True)  # fmt: skip
+
+
+def varlen_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = None, *, window: int | None = None,
+                   max_len: int | None = None) -> str:  # fmt: skip
+    """Why :func:`varlen_choice` is ``None`` for these arguments (one line, for the log)."""
+    if caps is None or not caps.varlen:
+        return "this torch has no varlen_attn (torch >= 2.10) or the device is not CUDA"
+    if not varlen_applies(spec, caps):
+        return "varlen_attn takes fp16/bf16 on compute capability >= 8.0, equal head sizes <= 256 (multiples of 8), no sinks or soft-capping"
+    if window is not None and not spec.causal:
+        return "a window without causal masking"
+    if pinned not in (None, FLASH, CUDNN):
+        return f"model.attention_backend pins {pinned}, which has no packed-row call"
+    if (caps.cudnn_varlen and not caps.varlen_follows_sdpa and window is None
+            and (max_len is None or max_len >= CUDNN_VARLEN_MIN_MAX_LEN)):  # fmt: skip
+        return ("this torch's varlen_attn runs cuDNN for these documents (torch 2.14: whatever SDPA's backends), and "
+                "the flash kernel is pinned or cuDNN is not preferred here")  # fmt: skip
+    if pinned == CUDNN:
+        why = []
+        if not caps.cudnn_varlen:
+            why.append("this torch / cuDNN has no packed-row cuDNN call torch itself runs (torch >= 2.14, cuDNN >= 9.18, "
+                       "compute capability 9.x / 10.x)")  # fmt: skip
+        if window is not None:
+            why.append("cuDNN's packed-row call takes no window")
+        if max_len is not None and max_len < CUDNN_VARLEN_MIN_MAX_LEN:
+            why.append(f"the longest document ({max_len} tokens) is not past 128 tokens")
+        if padded_head_dim(spec) > CUDNN_MAX_HEAD_DIM:
+            why.append(f"head size {padded_head_dim(spec)} is past cuDNN's {CUDNN_MAX_HEAD_DIM}")
+        return "; ".join(why) or "cuDNN's packed-row call does not apply"
+    return "varlen_attn does not apply"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -311,22 +422,29 @@ def caps_for(gpu: GpuInfo, torch_version: str, cudnn_version: int | None) -> Cud
         capability=cap, flash_op=has("_scaled_dot_product_flash_attention"),
         efficient_op=has("_scaled_dot_product_efficient_attention"), flex=True, varlen=True, cudnn_op=cudnn_op,
         cudnn_preferred=cudnn_op and cap in CUDNN_PREFERRED_CAPABILITIES and cudnn_version > CUDNN_PREFERRED_MIN_VERSION,
+        cudnn_gqa=cudnn_op and aten_schemas.takes_grouped_kv(CUDNN, release),
+        cudnn_varlen=cudnn_op and aten_schemas.cudnn_varlen_runs(release, cudnn_version, cap),
+        varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(release),
     )  # fmt: skip
 
 
 def select_kernel(
     gpu: GpuInfo, torch_version: str, cudnn_version: int | None, spec: BlockSpec, *, varlen: bool = False,
-    pinned: str | None = None,
+    pinned: str | None = None, window: int | None = None, max_len: int | None = None,
 ) -> Choice:  # fmt: skip
     """The kernel that computes a block like ``spec`` (its dtype, head sizes, causal square / full / rectangular
     shape, mask, GQA) on ``gpu`` with this torch and cuDNN; ``varlen``: the block is all documents of a packed
-    row, which one ``varlen_attn`` call (flash) takes where it applies. Pure; the docs' table (docs/gpu.md,
-    "Which kernel runs") is this function per GPU.
+    row (a sliding ``window``, the longest document ``max_len``), which one call takes where
+    :func:`varlen_choice` applies (cuDNN's packed-row op or flash's ``varlen_attn``), else the per-document
+    blocks' kernel. :attr:`Choice.expand_kv` says whether grouped K/V are repeated for it. Pure; the docs' table
+    (docs/gpu.md, "Which kernel runs") is this function per GPU.
 
     Raises:
         ValueError: a ``pinned`` kernel cannot take the block, or the torch release is outside the table.
     """
     caps = caps_for(gpu, torch_version, cudnn_version)
-    if varlen and pinned in (None, FLASH) and varlen_applies(spec, caps):
-        return Choice(FLASH, "all documents of the row in one varlen_attn call (flash)")
+    if varlen:
+        choice = varlen_choice(spec, caps, pinned, window=window, max_len=max_len)
+        if choice is not None:
+            return choice
     return select_backend("cuda", spec, caps, pinned)

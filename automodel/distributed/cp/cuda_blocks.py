@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from automodel.distributed.cp import aten_schemas
 from automodel.distributed.cp.attention_kernels import pinned_kernel
 from automodel.distributed.cp.block_backend import (
     CUDNN,
@@ -54,7 +55,8 @@ from automodel.distributed.cp.block_backend import (
     layer_kind,
     padded_head_dim,
     select_backend,
-    varlen_applies,
+    varlen_choice,
+    varlen_refusal,
 )
 
 __all__ = [
@@ -105,15 +107,29 @@ def varlen_available() -> bool:
 
 @functools.cache
 def _caps_of(index: int) -> CudaCaps:
+    capability = tuple(torch.cuda.get_device_capability(index))
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    cudnn_op = _has_op("_scaled_dot_product_cudnn_attention") and cudnn is not None
+    release = aten_schemas.torch_release(torch.__version__)
     return CudaCaps(
-        capability=tuple(torch.cuda.get_device_capability(index)),
+        capability=capability,
         flash_op=_has_op("_scaled_dot_product_flash_attention"),
         efficient_op=_has_op("_scaled_dot_product_efficient_attention"),
         flex=flex_available("cuda"),
         varlen=varlen_available(),
-        cudnn_op=_has_op("_scaled_dot_product_cudnn_attention") and torch.backends.cudnn.is_available(),
-        cudnn_preferred=_cudnn_preferred(tuple(torch.cuda.get_device_capability(index))),
+        cudnn_op=cudnn_op,
+        cudnn_preferred=cudnn_op and _cudnn_preferred(capability),
+        cudnn_gqa=cudnn_op and _cudnn_takes_grouped_kv(),
+        cudnn_varlen=cudnn_op and all(hasattr(torch.ops.aten, op) for op in aten_schemas.VARLEN_OPS)
+        and aten_schemas.cudnn_varlen_runs(release, cudnn, capability),
+        varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(release),
     )
+
+
+@functools.cache
+def _cudnn_takes_grouped_kv() -> bool:
+    """The installed torch's cuDNN op takes fewer K/V heads than Q heads (``aten_schemas.GROUPED_KV``)."""
+    return aten_schemas.takes_grouped_kv(CUDNN, aten_schemas.torch_release(torch.__version__))
 
 
 def _cudnn_preferred(capability: tuple[int, int]) -> bool:
@@ -250,9 +266,11 @@ def _philox(kernel: str, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 def _sdpa_inputs(q, k, v, causal, allowed, kernel):
-    """Padded, head-repeated inputs and the kernel's ``is_causal`` / bias."""
+    """Padded inputs (K/V repeated per query head unless the kernel takes grouped heads: cuDNN where
+    ``aten_schemas.GROUPED_KV`` says so) and the kernel's ``is_causal`` / bias; ``g``: the repeat (1: none)."""
     b, hq, n, d = q.shape
-    g, m = hq // k.shape[1], k.shape[2]
+    m = k.shape[2]
+    g = hq // k.shape[1] if kernel != CUDNN or not _cudnn_takes_grouped_kv() else 1
     dim = padded_head_dim(BlockSpec(q.dtype, d, v.shape[-1]))
     qp, kp, vp = _pad(q, dim), _repeat(_pad(k, dim), g), _repeat(_pad(v, dim), g)
     bias, is_causal = None, bool(causal)
@@ -460,13 +478,47 @@ def cuda_block_backward(
 # one varlen call for all documents of packed rows
 
 
+class _CudnnVarlen(torch.autograd.Function):
+    """All documents of a packed stream in one cuDNN call (``aten._cudnn_attention_forward`` with ``cum_seq_q`` /
+    ``cum_seq_k``) and its backward op; q/k/v ``[T, H, D]`` with equal head counts (the caller repeats grouped K/V,
+    as torch's own ``varlen_attn`` does). The LSE (``[T, H, 1]`` fp32, ``aten_schemas.LSE_LAYOUT``) stays inside:
+    it is handed back to the backward op as the forward returned it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, causal, scale):  # type: ignore[override]
+        got = _op("_cudnn_attention_forward")(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, causal, False,
+                                              scale=scale)  # fmt: skip
+        out, lse, seed, offset = got[0], got[1], got[6], got[7]
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu)
+        ctx.args = (max_len, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse, seed, offset, cu = ctx.saved_tensors
+        max_len, causal, scale = ctx.args
+        dq, dk, dv = _op("_cudnn_attention_backward")(
+            dout.contiguous(), q, k, v, out, lse, seed, offset, None, cu, cu, max_len, max_len, 0.0, causal, scale=scale
+        )[:3]
+        return dq, dk, dv, None, None, None, None
+
+
+def _log_varlen(spec: BlockSpec, what: str) -> None:
+    key = ("documents " + layer_kind(spec), what)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.info("CUDA attention of whole documents, layer kind '%s' (%s): %s", layer_kind(spec), spec.dtype, what)
+
+
 def varlen_documents(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, causal: bool,
     window: int | None, scale: float | None,
 ) -> torch.Tensor | None:
-    """Attention of every document of a packed token stream in ONE ``varlen_attn`` call, or ``None`` where it
-    does not apply (not CUDA, no ``varlen_attn``, dtype / head size / device it does not take). The CUDA
-    slot of ``blocks.documents_forward`` (its arguments, in order, without ``backend``).
+    """Attention of every document of a packed token stream in ONE call, or ``None`` where no such call applies
+    (the caller runs per-document blocks). The CUDA slot of ``blocks.documents_forward`` (its arguments, in order,
+    without ``backend``). The call is :func:`~automodel.distributed.cp.block_backend.varlen_choice`'s: cuDNN's
+    packed-row op where the installed torch runs it itself and cuDNN is preferred or pinned, else flash's
+    ``varlen_attn``; which one (or why neither) is logged once per layer kind.
 
     Args:
         q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (K/V are repeated per query head for GQA).
@@ -477,23 +529,30 @@ def varlen_documents(
         scale: softmax scale (``None``: ``D ** -0.5``).
 
     Returns:
-        ``[T, Hq, D]`` in ``q``'s dtype, differentiable w.r.t. q, k, v (varlen_attn's own backward). ``None`` too
-        where ``model.attention_backend`` pins a kernel other than flash (the per-document blocks then run it).
+        ``[T, Hq, D]`` in ``q``'s dtype, differentiable w.r.t. q, k, v (the call's own backward). ``None`` too
+        where ``model.attention_backend`` pins a kernel without a packed-row call (the per-document blocks then
+        run it).
     """
     spec = BlockSpec(q.dtype, q.shape[-1], v.shape[-1], causal=causal, grouped=q.shape[1] != k.shape[1])
-    if window is not None and not causal:
+    caps = cuda_caps(q.device)
+    if caps is None:
         return None
-    if pinned_kernel() not in (None, FLASH):  # varlen_attn is flash: a pinned other kernel runs per document block
+    choice = varlen_choice(spec, caps, pinned_kernel(), window=window, max_len=max_len)
+    if choice is None:
+        _log_varlen(spec, "per-document blocks (" + varlen_refusal(spec, caps, pinned_kernel(), window=window,
+                                                                    max_len=max_len) + ")")  # fmt: skip
         return None
-    if not varlen_applies(spec, cuda_caps(q.device)):
-        return None
-    from torch.nn.attention.varlen import varlen_attn
-
+    _log_varlen(spec, f"{choice.kernel} ({choice.reason})")
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    sc = _scale(scale, q.shape[-1])
+    if choice.kernel == CUDNN:
+        return _CudnnVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu.contiguous(), int(max_len),
+                                  bool(causal), sc)  # fmt: skip
+    from torch.nn.attention.varlen import varlen_attn
+
     left = -1 if window is None else window - 1
     window_size = (left, 0) if causal else (-1, -1)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=_scale(scale, q.shape[-1]), window_size=window_size)
-
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=sc, window_size=window_size)

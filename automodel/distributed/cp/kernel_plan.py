@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from automodel.distributed.cp.block_backend import BlockSpec, GpuInfo, caps_for, pin_problem, select_kernel
+from automodel.distributed.cp.block_backend import (
+    CUDNN,
+    EFFICIENT,
+    FLASH,
+    BlockSpec,
+    GpuInfo,
+    caps_for,
+    pin_problem,
+    select_kernel,
+)
 from automodel.distributed.cp.profile import CHUNKED, FULL, SLIDING, ModelProfile
 
 __all__ = ["layer_kind_kernel_lines"]
@@ -59,6 +68,7 @@ def layer_kind_kernel_lines(
                        ("causal rectangle (head-tail chunks, halos, where a method makes them)",
                         BlockSpec(causal=True, square=False, **common))]  # fmt: skip
         parts = []
+        grouped_to, repeated_for = set(), set()
         for what, spec in shapes:
             problem = pin_problem(pinned, spec, caps_for(gpu, torch_version, cudnn_version)) if pinned else None
             if problem:
@@ -66,10 +76,17 @@ def layer_kind_kernel_lines(
                 continue
             choice = select_kernel(gpu, torch_version, cudnn_version, spec, pinned=pinned)
             parts.append(f"{what} {choice.kernel}" + (" (cuDNN cannot take it)" if choice.fallback else ""))
-        if packed and layer.kind == FULL and not layer.sinks and not layer.softcap and pinned in (None, "sdpa_flash"):
+            if grouped and choice.kernel in (CUDNN, FLASH, EFFICIENT):
+                (repeated_for if choice.expand_kv else grouped_to).add(choice.kernel)
+        if packed and layer.kind == FULL and not layer.sinks and not layer.softcap and pinned in (None, FLASH, CUDNN):
             docs = select_kernel(gpu, torch_version, cudnn_version, BlockSpec(causal=True, **common), varlen=True,
                                  pinned=pinned)  # fmt: skip
-            if docs.reason.startswith("all documents"):
-                parts.append("whole documents: one varlen_attn call (flash)")
+            if docs.varlen:
+                parts.append("whole documents: one varlen_attn call (flash)" if docs.kernel == FLASH else
+                             "whole documents: one cuDNN varlen call (aten._cudnn_attention_forward)")  # fmt: skip
+        if grouped_to or repeated_for:
+            gqa = [f"grouped K/V as they are to {', '.join(sorted(grouped_to))}"] if grouped_to else []
+            gqa += [f"K/V repeated per query head for {', '.join(sorted(repeated_for))}"] if repeated_for else []
+            parts.append("GQA: " + ", ".join(gqa))
         out.append(f"  {_kind_text(layer)}: " + "; ".join(parts))
     return out

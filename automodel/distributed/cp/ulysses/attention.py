@@ -36,6 +36,7 @@ heads its query heads use; gradients of the copies are summed back by autograd.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -47,6 +48,7 @@ from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp import hf_attention as hf
 from automodel.distributed.cp.active import activate, current, not_switched_message
+from automodel.distributed.cp.attention_kernels import sdpa_dispatch_choice
 from automodel.distributed.cp.batch_forms import check_batch_forms
 from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.head_chunks import head_chunks_problem, run_head_groups
@@ -532,6 +534,8 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
                 **block_kwargs,
             )
         else:
+            if ctx.inner_attn == "sdpa":
+                _log_inner_kernel(query, key, value, mask, dropout, call_kwargs.get("is_causal"), scaling)
             out, _ = inner(inner_module, query, key, value, mask, dropout=dropout, scaling=scaling, **call_kwargs)
         # out: [B, S, h_g, D] (HF attention functions return sequence-major outputs)
         if world > 1:
@@ -540,6 +544,33 @@ def _ulysses_attention(call: hf.AttentionCall) -> tuple[torch.Tensor, None]:
 
     # distributed.ulysses_head_chunks: one head group at a time, the backward too (head_chunks.py)
     return run_head_groups(heads_attention, query, key, value, max(world, 1), chunks), None
+
+
+_INNER_LOGGED: set[tuple] = set()
+
+
+def _log_inner_kernel(query, key, value, mask, dropout: float, is_causal, scaling) -> None:  # noqa: ANN001
+    """One INFO line per (device, dtype, head size, masked or causal, kernel): the kernel torch's SDPA runs for
+    Ulysses' inner ``sdpa`` call (``attention_kernels.sdpa_dispatch_choice`` on the call's own tensors, under the
+    ``model.attention_backend`` pin / priority the train context entered), so the run log names the kernel that
+    ran. Logger ``automodel.distributed.cp.blocks``, with the block kernels' lines. Nothing under ``torch.compile``
+    tracing (no graph break) or with INFO off."""
+    log = logging.getLogger("automodel.distributed.cp.blocks")
+    if not log.isEnabledFor(logging.INFO) or torch.compiler.is_compiling():
+        return
+    causal = mask is None and (is_causal is None or bool(is_causal)) and query.shape[2] > 1
+    kernel = sdpa_dispatch_choice(query, key, value, mask, dropout, causal, scaling)
+    what = "masked" if mask is not None else ("causal" if causal else "full")
+    key_ = (query.device.type, query.dtype, query.shape[-1], what, kernel)
+    if key_ in _INNER_LOGGED:
+        return
+    _INNER_LOGGED.add(key_)
+    where = "" if query.device.type == "cuda" else f" ({query.device.type}: torch's {query.device.type} kernels)"
+    log.info(
+        "Ulysses' inner sdpa attention (%s, %s, head size %d, %s%s): torch's SDPA runs %s%s",
+        query.device.type, query.dtype, query.shape[-1], what,
+        ", grouped K/V" if key.shape[1] != query.shape[1] else "", kernel or "an unreported kernel", where,
+    )
 
 
 def _no_mask(attention_mask: Any) -> None:
