@@ -230,6 +230,11 @@ def _ulysses_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.
         mask = ctx.shard(ctx.padding_mask.to(hidden.device), 1)
         hidden = hidden * mask[..., None].to(hidden.dtype)
         attention_mask = mask if attention_mask is None else attention_mask
+    if world > 1 and type(kernel).contiguous_shard is not MixerKernel.contiguous_shard:
+        # a kernel that exchanges a halo of its contiguous slice instead (RWKV's token shift)
+        out = kernel.contiguous_shard(mixer, hidden, group, rank, world, _local_starts(ctx, hidden))
+        if out is not None:
+            return out
     proj = _project(kernel, mixer, hidden, attention_mask)
     shard = HeadShard(rank, world)
     if world == 1:  # one rank (CP size 1): every token and head is here; no all-to-all (None is the world group)
@@ -238,6 +243,19 @@ def _ulysses_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.
     seq = head_shard(kernel, mixer, proj.seq, group, shard, seq_len=ctx.seq_len)
     out = run_documents(kernel, mixer, kernel.core_params(mixer, shard), seq, ctx.document_ids, shard)
     return kernel.finish(mixer, head_unshard(out, group), proj.local)
+
+
+def _local_starts(ctx: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` bool: this Ulysses rank's tokens that start a document (the row's first token; with packed rows
+    every token whose document id differs from the token before it)."""
+    bsz = hidden.shape[0]
+    ids = ctx.document_ids
+    first = torch.zeros(bsz, ctx.seq_len, dtype=torch.bool)
+    first[:, 0] = True
+    if ids is not None:
+        ids = ids.cpu()
+        first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return ctx.shard(first.expand(bsz, -1), 1).to(hidden.device)
 
 
 def _check_one_row(mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any, method: str, batch_fn: str) -> None:

@@ -38,6 +38,7 @@ Everything is per channel: a Ulysses rank holding channels ``[c0, c1)`` runs the
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -110,6 +111,48 @@ class TokenShiftKernel(MixerKernel):
 
     def finish(self, mixer: torch.nn.Module, out: torch.Tensor, local: Any) -> torch.Tensor:
         return out.squeeze(-1)
+
+    def contiguous_shard(self, mixer, hidden, group, rank, world, starts):  # type: ignore[override]
+        """Under Ulysses: one token from the rank before (:class:`_PreviousToken`), zeros at document starts."""
+        before = _PreviousToken.apply(hidden, group, rank, world)
+        shifted = torch.cat([before[:, None], hidden[:, :-1]], dim=1)
+        return shifted * (~starts)[..., None].to(hidden.dtype)
+
+
+class _PreviousToken(torch.autograd.Function):
+    """``x [B, n, D]`` (this rank's contiguous slice) -> ``[B, D]``: the last token of rank ``rank - 1``'s slice
+    (zeros on rank 0). One point-to-point message each way; the backward returns the gradient the same way."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, world):  # type: ignore[override]
+        ctx.group, ctx.rank, ctx.world, ctx.shape = group, rank, world, x.shape
+        before = x.new_zeros(x.shape[0], x.shape[2])
+        _swap([x[:, -1].contiguous()] if rank + 1 < world else [], before if rank > 0 else None, group, rank, world)
+        return before
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        group, rank, world = ctx.group, ctx.rank, ctx.world
+        grad_last = grad.new_zeros(ctx.shape[0], ctx.shape[2])
+        # the reverse: this rank's gradient of what it received goes back; the next rank's comes in
+        _swap([grad.contiguous()] if rank > 0 else [], grad_last if rank + 1 < world else None, group, rank, world,
+              backward=True)
+        grad_x = grad.new_zeros(ctx.shape)
+        grad_x[:, -1] = grad_last
+        return grad_x, None, None, None
+
+
+def _swap(sends: list, recv: Any, group: Any, rank: int, world: int, backward: bool = False) -> None:
+    """Send ``sends`` to the next rank (the previous one when ``backward``) and receive into ``recv`` from the
+    previous (the next), all posted at once."""
+    import torch.distributed as dist
+
+    from automodel.distributed.cp.exchange.p2p import batch_p2p
+
+    ahead, behind = (rank - 1, rank + 1) if backward else (rank + 1, rank - 1)
+    peer = functools.partial(dist.get_global_rank, group) if group is not None else (lambda r: r)
+    batch_p2p(sends, [peer(ahead) for _ in sends], [] if recv is None else [recv],
+              [] if recv is None else [peer(behind)], group)
 
 
 class RwkvKernel(MixerKernel):
