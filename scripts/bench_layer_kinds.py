@@ -188,19 +188,40 @@ MIXERS: dict[str, tuple[str, dict]] = {
                                   intermediate_size=256, num_local_experts=2, num_experts_per_tok=1)),
     "rg_lru": ("recurrent_gemma", dict(hidden_size=256, lru_width=256, num_hidden_layers=1, block_types=["recurrent"],
                                        num_attention_heads=4, num_key_value_heads=4, intermediate_size=256)),
+    # RWKV's time mixing with its token shift (a TokenShift under CP: its hand-off counted with the WKV state's);
+    # two layers: its weight init divides by num_hidden_layers - 1
+    "rwkv": ("rwkv", dict(hidden_size=256, attention_hidden_size=256, num_hidden_layers=2, context_length=65536)),
+    "xlstm": ("xlstm", dict(hidden_size=256, embedding_dim=256, num_heads=4, num_hidden_layers=1, chunk_size=64)),
 }
 MIXER_METHODS = ("ulysses", "ring", "thd", "thd_docs", "usp")
 
 
 def _mixer_module(family: str) -> torch.nn.Module:
+    import types
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from automodel.distributed.cp.layers.linear_mixer import linear_mixer_forward
     from automodel.distributed.cp.layers.mixer_kernel import kernel_for
+    from automodel.distributed.cp.layers.rwkv import TOKEN_SHIFT_OWNERS, TokenShift
 
     model_type, config = MIXERS[family]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, **config))
-    return next(m for m in model.modules() if kernel_for(m) is not None)
+    mixer = next(m for m in model.modules() if kernel_for(m) is not None)
+    attr = TOKEN_SHIFT_OWNERS.get(type(mixer).__name__)
+    if attr:  # what the CP install does to RWKV: its one-token shift runs under the method too
+        shift = TokenShift(getattr(mixer, attr), mixer.config.hidden_size)
+        shift.forward = types.MethodType(linear_mixer_forward, shift)
+        setattr(mixer, attr, shift)
+    return mixer
+
+
+def _token_shift(mixer: torch.nn.Module) -> torch.nn.Module | None:
+    """The :class:`TokenShift` inside ``mixer`` (RWKV), else ``None``."""
+    from automodel.distributed.cp.layers.rwkv import TokenShift
+
+    return next((m for m in mixer.modules() if isinstance(m, TokenShift)), None)
 
 
 def _method_context(method: str, seq: int, group: Any, world: int, rank: int) -> tuple[Any, slice | torch.Tensor]:
@@ -291,12 +312,16 @@ def _mixer_worker(rank: int, world: int, seq_lens: list[int], families: list[str
                 totals = torch.tensor([sent[0] + counted_state, counted_state], dtype=torch.float64)
                 dist.all_reduce(totals, op=dist.ReduceOp.MAX)
                 expected = 0
+                parts = [(kernel, mixer)]
+                if _token_shift(mixer) is not None:
+                    parts.append((kernel_for(_token_shift(mixer)), _token_shift(mixer)))
                 if method in ("ring", "thd", "thd_docs"):
-                    expected = max(chain_module.chain_bytes_per_rank(kernel, mixer, world, r) for r in range(world))
+                    expected = max(sum(chain_module.chain_bytes_per_rank(k, m, world, r) for k, m in parts)
+                                   for r in range(world))
                 elif method == "usp":
                     shard = HeadShard(0, 2)
-                    expected = max(chain_module.chain_bytes_per_rank(kernel, mixer, world // 2, r, shard=shard)
-                                   for r in range(world // 2))
+                    expected = max(sum(chain_module.chain_bytes_per_rank(k, m, world // 2, r, shard=shard)
+                                       for k, m in parts) for r in range(world // 2))
                 out[f"{seq}/{family}/{method}"] = {
                     "bytes": int(totals[0].item()), "state": int(totals[1].item()), "expected_state": expected,
                     "seconds": statistics.median(times) if times else float("nan"),

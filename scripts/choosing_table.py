@@ -64,6 +64,7 @@ class Row:
 
 
 _STATE = {"mamba", "conv", "rglru"}
+_RECURRENT = {"mamba", "rwkv", "xlstm"}  # models of recurrent layers alone (no attention layer)
 ROWS: tuple[Row, ...] = (
     Row("full attention (MHA or GQA; MoE or dense)", "llama",
         lambda t: t <= {"full", "moe", "abspos", "differential", "nope"},
@@ -77,8 +78,8 @@ ROWS: tuple[Row, ...] = (
     Row("linear-attention hybrids (Gated DeltaNet, lightning attention)", "qwen3_next", lambda t: "linear" in t),
     Row("state-space / convolution hybrids (Mamba, Mamba-2, short conv, RG-LRU + attention)", "jamba",
         lambda t: bool(t & _STATE) and bool(t & {"full", "sliding"})),
-    Row("state-space only (Mamba, Mamba-2; MoE or MLP layers between)", "mamba2",
-        lambda t: "mamba" in t and t <= {"mamba", "moe", "mlp"}),
+    Row("state-space only (Mamba, Mamba-2, RWKV, xLSTM; MoE or MLP layers between)", "mamba2",
+        lambda t: bool(t & _RECURRENT) and t <= _RECURRENT | {"moe", "mlp"}),
     Row("ALiBi in the layer's own code (BLOOM, MPT)", "bloom", lambda t: "alibi" in t,
         dict(heads=32, kv=32, head_dim=128, hidden=4096), "BLOOM-7B1"),
     Row("VLMs (image + text)", "qwen2_vl", lambda t: False),

@@ -451,7 +451,9 @@ FAMILIES: list[Family] = [
                                                 use_mambapy=True, tie_word_embeddings=False), "mamba", attn="eager"),
     Family("rwkv", "rwkv", dict(vocab_size=VOCAB, hidden_size=64, context_length=256,
                                 attention_hidden_size=64, tie_word_embeddings=False), "rwkv", attn="eager"),
-    Family("xlstm", "xlstm", dict(vocab_size=VOCAB, hidden_size=64, embedding_dim=64, num_heads=4, mode="train",
+    # the default config's mode ("inference": chunkwise on whole chunks, token by token for the rest, any length);
+    # "train" needs every row a multiple of chunk_size (a packed row's documents alone are not)
+    Family("xlstm", "xlstm", dict(vocab_size=VOCAB, hidden_size=64, embedding_dim=64, num_heads=4,
                                   chunk_size=WINDOW, tie_word_embeddings=False), "xlstm", attn="eager"),
     Family("lfm2_moe", "lfm2_moe", _kw(drop=("head_dim",), num_experts=4,
                                        num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1),

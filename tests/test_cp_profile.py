@@ -6,6 +6,8 @@ pins what the profile reads from a model and what the refusal says.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -84,7 +86,11 @@ def test_profile_from_a_config_alone_and_an_unrecognised_stack():
 
 
 def test_refusal_names_the_kind_the_layers_the_method_and_what_would_run():
-    profile = profile_model(_meta("rwkv", num_hidden_layers=3))  # RWKV's RwkvSelfAttention: no CP kernel
+    rwkv = profile_model(_meta("rwkv", num_hidden_layers=3))
+    check_model_for_cp("ring", rwkv, seq_len=64)  # RwkvSelfAttention has a kernel (cp/layers/rwkv.py)
+    # the same layers with a mixer class no kernel computes (a retention layer, say)
+    profile = dataclasses.replace(rwkv, layers=tuple(dataclasses.replace(layer, mixer="RetNetRetention")
+                                                     for layer in rwkv.layers))
     with pytest.raises(CPUnsupportedError) as err:
         check_model_for_cp("ring", profile, seq_len=64)
     msg = str(err.value)

@@ -39,7 +39,7 @@ from tests.workers.cp_steps import (
 VOCAB = 128
 DOCS = (13, 29, 6)  # real lengths; each is padded to a multiple of 2*cp (cp=4: the 6-token one is 8 one-token chunks)
 FAMILIES = ("jamba", "lfm2", "lfm2_moe", "lfm3", "kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma", "mamba", "falcon_mamba",
-            "zamba")
+            "zamba", "rwkv", "xlstm")
 
 
 def build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -66,6 +66,11 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
         config.num_hidden_layers = 2
         config.layer_types = ["linear_attention", "linear_attention"]
         config.mlp_layer_types = ["dense", "dense"]
+    if family == "xlstm" and dtype == torch.float64:  # its norms reduce in fp32 unless told not to, and its
+        # token-by-token part keeps its state in inference_state_dtype (fp32; the config's validator offers no
+        # fp64): both in the model's dtype, in both runs
+        config.norm_reduction_force_float32 = False
+        config.__dict__["inference_state_dtype"] = "float64"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=dtype,
                                              experts_implementation="eager")  # grouped_mm: no fp64
@@ -79,6 +84,13 @@ def _build_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
                 module.dt_proj_bias.uniform_(-4.0, -1.0)
                 module.D.uniform_(0.5, 1.5)
                 module.x_proj_weight.normal_(0.0, 0.2)
+            if name in ("xLSTMLayer", "xLSTMFeedForward"):  # the init zeroes every "gate" weight: the gates
+                # would not depend on the token (and the feed-forward's output would be zero)
+                for sub_name, sub in module.named_children():
+                    if "gate" in sub_name and isinstance(sub, torch.nn.Linear):
+                        sub.weight.normal_(0.0, 0.1)
+                if name == "xLSTMLayer":  # input gates near exp(-10) leave little to the state: nearer 1
+                    module.igate_preact.bias.uniform_(-2.0, 1.0)
             if name == "KimiLinearDeltaAttention":
                 module.o_norm.weight.uniform_(0.5, 1.5)
     if family == "bailing_hybrid":  # its conv is built in fp32 whatever the dtype: the model's dtype throughout
@@ -134,13 +146,14 @@ def fp64_patches(model: torch.nn.Module, kernels: str) -> list[tuple[object, str
     """Swap in the dtype-keeping pieces for ``kernels == "fp64"``: the model module's scan / rule (the
     references of :mod:`automodel.distributed.cp.layers.mamba1` / :mod:`.kimi_delta`) and the forwards of the
     classes that compute in fp32 (RMS norms, Kimi's forget gate). Returns ``(owner, name, original)`` to undo."""
-    from automodel.distributed.cp.layers import kimi_delta, mamba1
+    from automodel.distributed.cp.layers import kimi_delta, mamba1, rwkv
 
     if kernels != "fp64":
         return []
     modeling = sys.modules[type(model).__module__]
     swaps = [(modeling, "mamba_selective_scan", mamba1.selective_scan_reference),
              (modeling, "chunk_kimi_delta_attention", kimi_delta.recurrent_kda_reference),
+             (modeling, "rwkv_linear_attention_cpu", rwkv.wkv_reference),
              (getattr(modeling, "JambaRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "MiniMaxRMSNorm", None), "forward", _rms_norm),
              (getattr(modeling, "MambaRMSNorm", None), "forward", _rms_norm),
@@ -240,7 +253,7 @@ def fp32_movement(family: str) -> list[float]:
     ``grad_rel_floored``, on the packed documents alone): the fp32 model against its fp64 copy (transformers' kernels),
     the documents run in the reverse order (the gradients summed in another order), packed in one row (state
     restarted per document) instead of one by one, and for Kimi's chunked rule every chunk size of 1, 2, 4,
-    8, 16 against its 64. The CP runs' fp32
+    8, 16 against its 64, and for xLSTM's chunkwise kernel every chunk size of 1, 2, 4, 8 against its 16. The CP runs' fp32
     tolerance (tests/test_state_mixers_more.py) is this amount, no looser."""
     from automodel.distributed.cp.guard import cached_profile
     from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
@@ -265,6 +278,15 @@ def fp32_movement(family: str) -> list[float]:
                 moved.append(compare(*ref, *reference(copy.deepcopy(base), docs)))
         finally:
             modeling.chunk_kimi_delta_attention = original
+    if family == "xlstm":  # its chunkwise kernel at other chunk sizes (CP's pieces cut its chunks elsewhere)
+        for size in (1, 2, 4, 8):
+            model = copy.deepcopy(base)
+            for block in model.base_model.blocks:
+                config = copy.deepcopy(block.mlstm_layer.config)
+                config.chunk_size = size
+                block.mlstm_layer.config = config
+                block.mlstm_layer.mlstm_backend = type(block.mlstm_layer.mlstm_backend)(config)
+            moved.append(compare(*ref, *reference(model, docs)))
     return [max(m["loss_rel"], *m["grad_rel_floored"].values()) for m in moved]
 
 

@@ -174,6 +174,19 @@ def require_hf_model(model: Any, message: str, error: type[Exception] = ValueErr
         raise error(f"{type(model).__name__} is not a transformers PreTrainedModel{message}")
 
 
+def _no_attention(model: Any) -> bool:
+    """Whether ``model`` has no attention layer at all: every layer of its profile is a linear / state-space
+    mixer alone (RWKV, xLSTM) or token-local. Such a model may refuse an attention implementation (RWKV's
+    ``RwkvSelfAttention`` is named like attention, so transformers will not switch it); nothing in it would
+    call one, so the switch is not needed."""
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.profile import LINEAR, MLP_ONLY
+
+    layers = cached_profile(model).layers
+    return bool(layers) and all(
+        (layer.kind == LINEAR and not layer.hybrid_attention) or layer.kind == MLP_ONLY for layer in layers)
+
+
 def switch_attention(
     model: Any, name: str, forward: Callable[..., Any], method: str, *, alternative: str = "", catch: bool = True
 ) -> str:
@@ -192,7 +205,8 @@ def switch_attention(
 
     Raises:
         CPUnsupportedError: the model refused ``name`` or kept another implementation (its attention is
-            not dispatched through ``AttentionInterface``).
+            not dispatched through ``AttentionInterface``). A model without any attention layer (RWKV) keeps its
+            implementation instead: nothing in it calls one.
     """
     previous = model.config._attn_implementation
     register_attention(name, forward)
@@ -200,13 +214,15 @@ def switch_attention(
     try:
         model.set_attn_implementation(name)
     except (ValueError, TypeError, KeyError, NotImplementedError) as err:
+        if _no_attention(model):
+            return previous
         if not catch:
             raise
         raise CPUnsupportedError(
             f"distributed.cp_method={method}: {cls} refused attn_implementation={name!r} ({err}); its attention "
             f"cannot be swapped, so distributed.cp_method={method} cannot run it{alternative}"
         ) from err
-    if model.config._attn_implementation != name:
+    if model.config._attn_implementation != name and not _no_attention(model):
         raise CPUnsupportedError(
             f"distributed.cp_method={method}: {cls} did not accept attn_implementation={name!r} (its attention is "
             f"not dispatched through transformers' AttentionInterface); distributed.cp_method={method} cannot run "

@@ -34,6 +34,7 @@ from automodel.distributed.cp.active import innermost
 from automodel.distributed.cp.layers import mixers as _mixers  # noqa: F401
 from automodel.distributed.cp.layers.linear_support import LINEAR_METHODS
 from automodel.distributed.cp.layers.mixer_kernel import HeadShard, MixerKernel, kernel_for
+from automodel.distributed.cp.layers.rwkv import TOKEN_SHIFT_OWNERS, TokenShift
 from automodel.distributed.cp.layers.state_chain import (
     Chain,
     head_shard,
@@ -69,6 +70,7 @@ def install_linear_mixers(
         holder.hook = model.register_forward_pre_hook(_record_positions, with_kwargs=True)
         setattr(model, _HOLDER, holder)
     listed = {layer.mixer for layer in profile.layers if layer.kind == LINEAR}
+    _install_token_shifts(model, listed)
     count = 0
     for module in model.modules():
         name = type(module).__name__
@@ -82,8 +84,27 @@ def install_linear_mixers(
     return count
 
 
+def _install_token_shifts(model: torch.nn.Module, listed: set[str]) -> None:
+    """Replace the one-token ``time_shift`` of every module of :data:`TOKEN_SHIFT_OWNERS` (RWKV's time mixing and
+    its feed-forward) by a :class:`TokenShift`, which the loop below gives the CP forward, when the profile lists
+    a mixer of that model (RWKV's ``RwkvSelfAttention``). Mutates ``model``; idempotent."""
+    if not listed & set(TOKEN_SHIFT_OWNERS):
+        return
+    for module in list(model.modules()):
+        attr = TOKEN_SHIFT_OWNERS.get(type(module).__name__)
+        current = getattr(module, attr, None) if attr else None
+        if isinstance(current, torch.nn.Module) and not isinstance(current, TokenShift):
+            setattr(module, attr, TokenShift(current, module.config.hidden_size))
+    listed.add(TokenShift.__name__)
+
+
 def uninstall_linear_mixers(model: torch.nn.Module) -> None:
     """Give every mixer :func:`install_linear_mixers` changed its class's forward back (mutates ``model``)."""
+    for module in list(model.modules()):
+        attr = TOKEN_SHIFT_OWNERS.get(type(module).__name__)
+        shift = getattr(module, attr, None) if attr else None
+        if isinstance(shift, TokenShift):
+            setattr(module, attr, shift.original)
     for module in model.modules():
         if getattr(module, _MARK, False):
             del module.forward
@@ -128,7 +149,8 @@ def linear_mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *ar
     return _METHODS[method](kernel, self, hidden_states, ctx, mask)
 
 
-_CACHE_NAMES = ("cache", "cache_params", "past_key_values", "past_key_value")
+# "state": RWKV's and xLSTM's recurrent state passed in (a cache by another name)
+_CACHE_NAMES = ("cache", "cache_params", "past_key_values", "past_key_value", "state")
 _SIGNATURES: dict[type, inspect.Signature] = {}
 
 
@@ -208,6 +230,11 @@ def _ulysses_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.
         mask = ctx.shard(ctx.padding_mask.to(hidden.device), 1)
         hidden = hidden * mask[..., None].to(hidden.dtype)
         attention_mask = mask if attention_mask is None else attention_mask
+    if world > 1 and type(kernel).contiguous_shard is not MixerKernel.contiguous_shard:
+        # a kernel that exchanges a halo of its contiguous slice instead (RWKV's token shift)
+        out = kernel.contiguous_shard(mixer, hidden, group, rank, world, _local_starts(ctx, hidden))
+        if out is not None:
+            return out
     proj = _project(kernel, mixer, hidden, attention_mask)
     shard = HeadShard(rank, world)
     if world == 1:  # one rank (CP size 1): every token and head is here; no all-to-all (None is the world group)
@@ -216,6 +243,19 @@ def _ulysses_forward(kernel: MixerKernel, mixer: torch.nn.Module, hidden: torch.
     seq = head_shard(kernel, mixer, proj.seq, group, shard, seq_len=ctx.seq_len)
     out = run_documents(kernel, mixer, kernel.core_params(mixer, shard), seq, ctx.document_ids, shard)
     return kernel.finish(mixer, head_unshard(out, group), proj.local)
+
+
+def _local_starts(ctx: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` bool: this Ulysses rank's tokens that start a document (the row's first token; with packed rows
+    every token whose document id differs from the token before it)."""
+    bsz = hidden.shape[0]
+    ids = ctx.document_ids
+    first = torch.zeros(bsz, ctx.seq_len, dtype=torch.bool)
+    first[:, 0] = True
+    if ids is not None:
+        ids = ids.cpu()
+        first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return ctx.shard(first.expand(bsz, -1), 1).to(hidden.device)
 
 
 def _check_one_row(mixer: torch.nn.Module, hidden: torch.Tensor, plan: Any, method: str, batch_fn: str) -> None:

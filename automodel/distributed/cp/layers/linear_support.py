@@ -61,6 +61,8 @@ STATE_MIXERS: dict[str, str] = {
     "BailingHybridDeltaAttention": "kimi_delta",
     "MiniMaxLightningAttention": "lightning",  # cp/layers/lightning.py
     "RecurrentGemmaRecurrentBlock": "rg_lru",  # cp/layers/rg_lru.py
+    "RwkvSelfAttention": "rwkv",  # cp/layers/rwkv.py (and the token shift of RwkvFeedForward)
+    "xLSTMLayer": "xlstm",  # cp/layers/xlstm.py
 }
 
 #: method name -> how it runs a supported mixer

@@ -172,6 +172,17 @@ class MixerKernel:
         """Token-local output work: ``out [B, n, H_out, d]`` and ``local`` -> ``[B, n, D]``."""
         raise NotImplementedError
 
+    def contiguous_shard(
+        self, mixer: torch.nn.Module, hidden: torch.Tensor, group: Any, rank: int, world: int,
+        starts: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Ulysses' alternative to the head shard: the whole forward on this rank's contiguous slice ``hidden
+        [B, n, D]`` of the row (rank ``rank`` of ``world`` over ``group``, slices in rank order), with
+        ``starts [B, n]`` bool marking the tokens that start a document. A kernel that needs only a few tokens
+        of the slice before it (RWKV's one-token shift) exchanges those and returns ``[B, n, D]``; the default
+        ``None`` means: use the head shard."""
+        return None
+
     def state_numbers(self, mixer: torch.nn.Module) -> int:
         """Numbers in one document's state for all heads and one row (the chain's message size per document
         and hop; the benchmark's byte formula). Default: from :meth:`state_like` with all heads."""

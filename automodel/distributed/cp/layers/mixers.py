@@ -9,7 +9,9 @@ from automodel.distributed.cp.layers import (  # noqa: F401
     mamba1,
     mamba2,
     rg_lru,
+    rwkv,
     short_conv,
+    xlstm,
 )
 
 __all__: list[str] = []
