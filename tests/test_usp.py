@@ -325,6 +325,20 @@ def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("case", [("doge_random_A", "float32"), ("doge_random_A", "float64"), ("doge", "float64")])
+def test_two_node_run_computes_doge_dynamic_mask(two_nodes, case):
+    """Doge's dynamic mask attention at cp=4 = 2 x 2 on packed rows (K and V gathered over both sub-groups, each
+    query's top 8 keys by bias over its document's row), A ~ N(0, 1) and A = 0 (all ties), against each document
+    alone; fp64 with its RMSNorms in fp64."""
+    ranks, _ = two_nodes
+    loss_tol, grad_tol = (1e-14, 1e-12) if case[1] == "float64" else KIND_TOLERANCES["float32"]
+    for result in ranks:
+        got = result["layer_kinds"][case]
+        assert got["attn"] == "usp" and not got["missing"], got
+        assert got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, (case, got)
+
+
+@pytest.mark.dist
 def test_two_node_run_computes_gemma4_in_fp64(two_nodes):
     """Gemma 4 (sliding and full layers with their own RoPE and head sizes, per-layer inputs, unscaled scores) at
     cp=4 = 2 x 2 on packed rows against each document alone, fp64 with its RMSNorms in fp64

@@ -72,7 +72,7 @@ def _model_case(case: dict, mesh, dtype: torch.dtype) -> dict:
     from tests.family_matrix import VOCAB
 
     dtype = getattr(torch, case["dtype"])
-    if case.get("dense_mlp") or case.get("config"):  # DSA with every MLP dense (no fp32 MoE router); Falcon's ALiBi
+    if case.get("dense_mlp") or case.get("config") or case.get("random_A"):  # DSA with every MLP dense (no fp32 MoE router); Falcon's ALiBi
         from tests.workers.layer_kinds_worker import build_case_model
 
         base = build_case_model(case)

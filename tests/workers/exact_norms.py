@@ -68,9 +68,17 @@ HY_V4 = (
 )
 
 
+def _doge_norm(self, x: torch.Tensor) -> torch.Tensor:
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+#: Doge's RMSNorm computes in fp32 whatever the model's dtype (``.to(torch.float32)``): the formula in the input's dtype
+OTHER = (("transformers.models.doge.modeling_doge", "DogeRMSNorm", _doge_norm),)
+
+
 @contextlib.contextmanager
 def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
-    """Patch the Gemma RMSNorm classes of :data:`NORMS` and HY-V4's of :data:`HY_V4` (those the installed
+    """Patch the Gemma RMSNorm classes of :data:`NORMS`, HY-V4's of :data:`HY_V4` and Doge's (those the installed
     transformers has) to compute in the
     input's dtype; restored on exit. ``enabled=False``: nothing changes."""
     saved = []
@@ -83,7 +91,7 @@ def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
                     continue
                 saved.append((cls, cls.forward))
                 cls.forward = _forward(offset)
-            for module_name, class_name, forward in HY_V4:
+            for module_name, class_name, forward in (*HY_V4, *OTHER):
                 try:
                     cls = getattr(importlib.import_module(module_name), class_name)
                 except (ImportError, AttributeError):

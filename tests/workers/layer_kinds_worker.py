@@ -179,7 +179,7 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
 
 
 def build_case_model(case: dict):
-    """The family's tiny model; ``dense_mlp``: every MLP dense (no MoE router, which computes in fp32 whatever the
+    """The family's tiny model; ``random_A``: Doge's ``A`` drawn from N(0, 1); ``dense_mlp``: every MLP dense (no MoE router, which computes in fp32 whatever the
     model's dtype), the attention layer pattern unchanged, so that an fp64 run shows fp64's round-off; ``config``:
     config attributes set before the model is built (with ``dense_mlp``, on the built config: GLM-5's
     indexer_types), or else given to the config's constructor over the family's keys (Gemma's KV sharing)."""
@@ -188,6 +188,13 @@ def build_case_model(case: dict):
     from tests.family_matrix import family_by_name
 
     fam = family_by_name(case["family"])
+    if case.get("random_A"):  # Doge: A ~ N(0, 1) (zeros at init: every key's bias 1, the top-k all ties)
+        model = build_case_model({k: v for k, v in case.items() if k != "random_A"})
+        g = torch.Generator().manual_seed(7)
+        for module in model.modules():
+            if type(module).__name__ == "DogeAttention":
+                module.A.data = torch.randn(module.A.shape, generator=g)
+        return model
     if not case.get("dense_mlp") and not case.get("config"):
         return fam.build_model(0)
     if not case.get("dense_mlp"):  # config keys given to the constructor, the family's sizes kept (Gemma's KV sharing)

@@ -35,7 +35,10 @@ CASES += [("bloom", "float32"), ("bloom", "float64")]
 CASES += [("gpt_neo", "float32"), ("gpt_neo", "float64")]
 #: Falcon with alibi=True: its bf16 ALiBi for each Ulysses rank's heads, the key's in-document position
 CASES += [("falcon_alibi", "float32"), ("falcon_alibi", "float64")]
-EXACT_NORMS = ("gemma4_text", "hy_v4_dense")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
+#: Doge's dynamic mask attention (K and V gathered over both sub-groups, top-k 8 per document): A ~ N(0, 1), and A = 0
+#: (every bias 1, the top-k all ties); fp64 with its RMSNorms in fp64
+CASES += [("doge_random_A", "float32"), ("doge_random_A", "float64"), ("doge", "float64")]
+EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "doge_random_A", "doge")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
 
 
 def _model(family: str, dtype: torch.dtype):
@@ -53,6 +56,10 @@ def _model(family: str, dtype: torch.dtype):
         from tests.workers.layer_kinds_worker import build_case_model
 
         model = build_case_model({"family": "falcon", "config": {"alibi": True}})
+    elif family == "doge_random_A":
+        from tests.workers.layer_kinds_worker import build_case_model
+
+        model = build_case_model({"family": "doge", "random_A": True})
     elif family.endswith("_dense"):  # DSA with every MLP dense (no fp32 router): fp64 shows fp64's round-off
         from tests.workers.layer_kinds_worker import build_case_model
 
