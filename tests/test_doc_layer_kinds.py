@@ -44,6 +44,11 @@ CP2 = {
     # GPT-Neo's global and local-window masks in its own code, handed to thd_docs with its window (issue 43)
     **{f"gpt_neo/packed/{dtype}": dict(family="gpt_neo", dtype=dtype, rows=[[70, 24, 22]], packed=True)
        for dtype in ("float32", "float64")},
+    # GPT-NeoX-Japanese, OpenAI GPT, XGLM: causal attention in their own code, handed to thd_docs (issue 43); XGLM in
+    # fp64 with torch's default dtype fp64 (transformers' XGLM clamps its scores with a tensor of the default dtype)
+    **{f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True,
+                                     **({"default_dtype": dtype} if fam == "xglm" else {}))
+       for fam in ("gpt_neox_japanese", "openai-gpt", "xglm") for dtype in ("float32", "float64")},
     # Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py; issue 43)
     "gemma4_text/packed/float64": dict(family="gemma4_text", dtype="float64", rows=[[70, 24, 22]], packed=True,
                                        exact_norms=True),

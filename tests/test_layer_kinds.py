@@ -90,6 +90,19 @@ MODEL_CASES.update({
     for method in ("ring", "ulysses", "thd")
     for dtype in ("float32", "float64")
 })
+# GPT-NeoX-Japanese, OpenAI GPT, XGLM (issue 43): causal attention in their own code (scores, mask, softmax), handed
+# as q, k, v to ring, Ulysses and thd (cp/layers/alibi.py; thd_docs: tests/test_doc_layer_kinds.py); OpenAI GPT's learned
+# and XGLM's sinusoidal absolute positions read the position_ids each method hands the model (global, in-document)
+OWN_CODE = ("gpt_neox_japanese", "openai-gpt", "xglm")
+MODEL_CASES.update({
+    f"{family}/{method}/{dtype}": dict(family=family, method=method, dtype=dtype,
+                                       docs=[48] if method == "ring" else [21, 34, 9],
+                                       # XGLM's clamp is torch.full((), fp64's min) in the default dtype: fp64 there
+                                       **({"default_dtype": dtype} if family == "xglm" else {}))
+    for family in OWN_CODE
+    for method in ("ring", "ulysses", "thd")
+    for dtype in ("float32", "float64")
+})
 # Falcon with alibi=True (issue 43): transformers folds bf16(bf16(slope) * j) / sqrt(d) into the mask; the layer hands
 # q, k, v and its slopes to the method, whose kernel computes the same bias for each key's position in its document
 MODEL_CASES.update({
@@ -98,7 +111,7 @@ MODEL_CASES.update({
     for method in ("ring", "ulysses", "thd")
     for dtype in ("float32", "float64")
 })
-ALIBI = ("bloom", "mpt", "gpt_neo")  # their layers dispatch inside a CP context; the model's implementation stays eager
+ALIBI = ("bloom", "mpt", "gpt_neo", *OWN_CODE)  # their layers dispatch inside a CP context; the model's implementation stays eager
 # KV shared across layers (Gemma 3n's and Gemma 4's later layers reuse the K/V of the last layer of their type that
 # computes them; Gemma 4's full layers with K = V): 12 / 10 layers, the second half sharing; fp64, norms in fp64
 SHARED_KV = {
@@ -167,7 +180,14 @@ DSA_NEGATIVE = {
     "doge/ulysses_local_positions/float64": dict(
         family="doge", method="ulysses_local_positions", dtype="float64", docs=[48], random_A=True, exact_norms=True
     ),
+    # absolute positions (OpenAI GPT's learned, XGLM's sinusoidal) at each rank's local index: must differ
+    "openai-gpt/ulysses_local_positions/float64": dict(family="openai-gpt", method="ulysses_local_positions",
+                                                       dtype="float64", docs=[48]),
+    "xglm/ulysses_local_positions/float64": dict(family="xglm", method="ulysses_local_positions", dtype="float64",
+                                                 docs=[48], default_dtype="float64"),
 }
+#: cp 4: the own-code families in fp64 (ring, thd, Ulysses)
+OWN_CODE_CP4 = {name: case for name, case in MODEL_CASES.items() if name.split("/")[0] in OWN_CODE and "64" in name}
 DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dense") and "dots3" not in name}
 DSA_CP4.update({name: case for name, case in DOGE_CASES.items() if "float64" in name})
 DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
@@ -193,7 +213,7 @@ def cp2():
 def cp4():
     return run_distributed(
         "tests.workers.layer_kinds_worker:main", world_size=4, timeout=600, kernel_cases=KERNEL_CP4,
-        model_cases={**DSA_CP4, **DSA_NEGATIVE},
+        model_cases={**DSA_CP4, **DSA_NEGATIVE, **OWN_CODE_CP4},
     )
 
 
@@ -283,8 +303,16 @@ def test_sparse_attention_matches_one_process_cp4(cp4, name):
         assert r["loss_rel"] <= loss_tol and r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
 
 
+@pytest.mark.parametrize("name", list(OWN_CODE_CP4))
+def test_own_code_attention_matches_one_process_cp4(cp4, name):
+    for rank in cp4:
+        r = rank[name]
+        assert r["loss_rel"] <= 1e-12 and r["grad_rel"] <= 1e-10 and not r["missing"], (name, r)
+
+
 def test_sparse_attention_comparison_sees_rope_at_local_positions(cp2, cp4):
     for ranks in (cp2, cp4):
-        for name in ("deepseek_v32/ulysses_local_positions/float64/dense", "doge/ulysses_local_positions/float64"):
+        for name in ("deepseek_v32/ulysses_local_positions/float64/dense", "doge/ulysses_local_positions/float64",
+                     "openai-gpt/ulysses_local_positions/float64", "xglm/ulysses_local_positions/float64"):
             r = ranks[0][name]
             assert r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-5, (name, r)

@@ -352,16 +352,17 @@ def test_two_node_run_computes_gemma4_in_fp64(two_nodes):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["bloom", "gpt_neo", "falcon_alibi"])
+@pytest.mark.parametrize("family", ["bloom", "gpt_neo", "falcon_alibi", "gpt_neox_japanese", "openai-gpt", "xglm"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_two_node_run_computes_own_code_attention(two_nodes, family, dtype):
     """Attention in the layer's own code, handed to usp (cp/layers/alibi.py), at cp=4 = 2 x 2 on packed rows against
     each document alone: BLOOM's ALiBi (each Ulysses rank's head slopes, the bias of each key's in-document position
     in the halo kernel over the ring sub-group), Falcon's (alibi=True: the bf16 bias transformers puts in its mask,
-    computed the same way) and GPT-Neo's global and local-window layers (its window in the halo kernel, scores
-    unscaled). BLOOM and GPT-Neo take the softmax in fp32, so fp64 agrees to fp32 round-off."""
+    computed the same way), GPT-Neo's global and local-window layers (its window in the halo kernel, scores
+    unscaled), and plain causal attention (GPT-NeoX-Japanese; OpenAI GPT and XGLM with learned and sinusoidal
+    absolute positions). BLOOM and GPT-Neo take the softmax in fp32, so fp64 agrees to fp32 round-off."""
     ranks, _ = two_nodes
-    fp32_inside = dtype == "float64" and family != "falcon_alibi"
+    fp32_inside = dtype == "float64" and family in ("bloom", "gpt_neo")
     loss_tol, grad_tol = KIND_TOLERANCES["fp64_fp32_inside" if fp32_inside else dtype]
     for result in ranks:
         got = result["layer_kinds"][(family, dtype)]

@@ -462,6 +462,17 @@ _FALCON_ALIBI = ("FalconAttention", "falcon")
 #: GPT-Neo: the wrapper class the profile finds and the classes inside it that the same module makes dispatch
 #: (global / local masks in their own code, handed to the method as causal or ``sliding_window`` attention)
 _GPT_NEO = ("GPTNeoAttention", ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"))
+#: plain causal attention in the layer's own code (scores, causal mask and softmax), made to hand q, k, v to the method
+#: by the same module: class (OpenAI GPT's is ``Attention`` in ``modeling_openai``) -> its model type
+_PLAIN_OWN_CODE = {"GPTNeoXJapaneseAttention": "gpt_neox_japanese", "OpenAIGPTAttention": "openai-gpt",
+                   "XGLMAttention": "xglm"}  # fmt: skip
+
+
+def _own_code_key(cls: type) -> str:
+    """``cls``'s name as :data:`_PLAIN_OWN_CODE` knows it (OpenAI GPT's ``Attention``: ``"OpenAIGPTAttention"``)."""
+    if cls.__name__ == "Attention" and cls.__module__.endswith("modeling_openai"):
+        return "OpenAIGPTAttention"
+    return cls.__name__
 
 
 #: Doge: its model type and the attention class made exact by cp/layers/dynamic_mask.py (the kind ``SPARSE``)
@@ -671,6 +682,14 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         dim = getattr(inner, "head_dim", None)
         spec.update(own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
         return LayerSpec(**spec)
+    if _own_code_key(cls) in _PLAIN_OWN_CODE and base.kind == FULL:  # GPT-NeoX-Japanese, OpenAI GPT, XGLM
+        heads = next((getattr(attention, a) for a in ("num_heads", "num_attention_heads", "n_head")
+                      if isinstance(getattr(attention, a, None), int)), None)  # fmt: skip
+        width = getattr(attention, "embed_dim", None) or getattr(attention, "hidden_size", None) or getattr(
+            attention, "split_size", None)
+        dim = width // heads if isinstance(width, int) and heads else None
+        spec.update(own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if dim else {}))
+        return LayerSpec(**spec)
     if cls.__name__ in _KNOWN_ATTENTION:
         mixer, gap = _KNOWN_ATTENTION[cls.__name__]
         spec.update(kind=UNKNOWN, module_path=attention_path, mixer=mixer, known_gap=gap)
@@ -827,7 +846,7 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     if (str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES or falcon_alibi) and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "alibi": True, "own_code": True}) if spec.kind == FULL else spec
                   for spec in layers]  # fmt: skip
-    if str(_get(text, "model_type", "")) == "gpt_neo" and not from_modules:
+    if str(_get(text, "model_type", "")) in ("gpt_neo", *_PLAIN_OWN_CODE.values()) and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "own_code": True}) if spec.is_attention else spec for spec in layers]
     if str(_get(text, "model_type", "")) == _DOGE[0] and not from_modules:
         attn = attn_implementation or getattr(config, "_attn_implementation", None)
