@@ -287,6 +287,9 @@ def test_doge_dynamic_mask_attention_is_sparse_attention_every_method_runs():
 #: method with what it computes and why no method does (not the request to report an unrecognised layer)
 KNOWN_GAPS = {  # Doge's attention is exact (dynamic_mask.py); its cross-domain MoE (is_moe=True) mixes tokens
     "doge_moe": ("DogeCDMoE: Doge's cross-domain mixture of experts", "a token's expert choice depends on tokens"),
+    # CPM-Ant: non-causal attention over the whole row (a later token changes earlier logits), its prompt prefix
+    "cpmant": ("CPM-Ant's attention (CpmAntAttention): every token sees every token of its row",
+               "CP methods compute causal attention"),
 }
 
 

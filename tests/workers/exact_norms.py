@@ -22,6 +22,8 @@ NORMS = (
     ("transformers.models.gemma3.modeling_gemma3", "Gemma3RMSNorm", 1.0),
     ("transformers.models.gemma3n.modeling_gemma3n", "Gemma3nRMSNorm", 0.0),
     ("transformers.models.gemma4.modeling_gemma4", "Gemma4RMSNorm", 0.0),
+    ("transformers.models.moshi.modeling_moshi", "MoshiRMSNorm", 0.0),  # Moshi's too (x.float(), then back)
+    ("transformers.models.hrm_text.modeling_hrm_text", "HrmTextRMSNorm", 0.0),  # HRM's (no weight)
 )
 
 

@@ -353,6 +353,9 @@ def _decoder_layers(model: Any, n_layers: int) -> tuple[str, list[Any]] | None:
     (the language model's, for a VLM)."""
     import torch.nn as nn
 
+    looped = _looped_stacks(model, n_layers)
+    if looped is not None:
+        return looped
     best = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) != n_layers or n_layers == 0:
@@ -368,6 +371,26 @@ def _decoder_layers(model: Any, n_layers: int) -> tuple[str, list[Any]] | None:
         if best is None or score > best[0]:
             best = (score, name, list(module))
     return (best[1], best[2]) if best is not None else None
+
+
+def _looped_stacks(model: Any, n_layers: int) -> tuple[str, list[Any]] | None:
+    """HRM (``hrm_text``): two stacks of ``num_layers_per_stack`` decoder layers, ``L_module`` and ``H_module``, run in
+    a loop: per high cycle ``L_cycles`` passes of L, then one of H; the config counts the passes' layers as
+    ``num_hidden_layers`` (``per_stack * H_cycles * (L_cycles + 1)``, transformers' cache slots). Returns the stack of
+    those ``n_layers`` slots in order, each the module it runs (``"<prefix>.{L,H}_module.layers"``), or ``None``."""
+    for name, module in model.named_modules():
+        low, high = getattr(module, "L_module", None), getattr(module, "H_module", None)
+        config = getattr(module, "config", None)
+        per = _get(config, "num_layers_per_stack", None)
+        cycles = (_get(config, "H_cycles", None), _get(config, "L_cycles", None))
+        if low is None or high is None or not isinstance(per, int) or not all(isinstance(c, int) for c in cycles):
+            continue
+        h, l_cycles = cycles
+        if per * h * (l_cycles + 1) != n_layers or len(getattr(low, "layers", [])) != per:
+            continue
+        slots = [(high if (i // per) % (l_cycles + 1) == l_cycles else low).layers[i % per] for i in range(n_layers)]
+        return (f"{name}.L_module.layers" if name else "L_module.layers"), slots
+    return None
 
 
 # Modules that compute each token from that token alone (no sequence interaction). The torch classes are taken
@@ -447,6 +470,20 @@ _KNOWN_TOKEN_MIXING = {
         "either; Doge's attention is exact under every method (dynamic_mask), use is_moe=False",
     ),
 }
+#: model types that are not causal language models in the sense CP computes (whatever their layers): model type ->
+#: (what they compute, why no CP method computes it); every layer is UNKNOWN with this reason, from the config too
+_KNOWN_MODELS = {
+    "cpmant": (
+        "CPM-Ant's attention (CpmAntAttention): every token sees every token of its row (its mask ORs in a "
+        "'context' flag that the model sets for every token: a later token changes earlier logits), with "
+        "prompt_length learned prompt tokens prepended to each row inside the model, a bucketed relative-position "
+        "bias per head from the row's own token indices and a padding mask that counts the row's non-zero tokens "
+        "as if they were right-aligned",
+        "CP methods compute causal attention, per document on packed rows; this non-causal attention over the whole "
+        "row, its prompt prefix (one copy per row, not per rank) and its row-wide padding count would need every "
+        "rank to see the whole row (and a packed document its neighbours), which no method does",
+    ),
+}
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
 _MODEL_TYPE_ATTENTION = {
@@ -515,6 +552,30 @@ def _doge_from_config(text: Any, spec: LayerSpec, attn: str | None = None) -> La
     kv = (_get(text, "num_key_value_heads", None) or 0) * (spec.qk_head_dim or 0)
     return LayerSpec(**{**spec.__dict__, "kind": SPARSE, "mixer": _DOGE[1], "window": None,
                         "sparse_widths": (2 * kv, 0) if kv else None})  # fmt: skip
+
+
+#: model types whose config names a sliding window that no code of their model applies: model type -> its modeling
+#: module. Moshi's ``sliding_window`` (3000 by default) is stored by its decoder layer and never read: its attention
+#: does not hand it to the kernel and its model builds a full causal mask (transformers 5.17 and 5.25: the logits with
+#: a window of 4 and of 1000 are equal), so its layers are full causal attention. Checked against the installed
+#: module's source (:func:`_window_unused`): a release that applies the window gets the window back.
+_WINDOW_UNUSED = {"moshi": "transformers.models.moshi.modeling_moshi"}
+
+
+@functools.cache
+def _window_unused(model_type: str) -> bool:
+    """The installed transformers' modeling module of ``model_type`` (:data:`_WINDOW_UNUSED`) neither passes a window
+    to an attention function nor builds a sliding-window mask."""
+    name = _WINDOW_UNUSED.get(model_type)
+    if name is None:
+        return False
+    try:
+        import importlib
+
+        source = inspect.getsource(importlib.import_module(name))
+    except (ImportError, OSError, TypeError):
+        return False
+    return "sliding_window=" not in source and "sliding_window_causal_mask" not in source
 
 
 def _falcon_dispatches() -> bool:
@@ -745,6 +806,8 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     layer_types = _get(text, "layer_types", None)
     window = _get(text, "sliding_window", None)
     window = int(window) if isinstance(window, int) and window > 0 else None
+    if window is not None and layer_types is None and _window_unused(str(_get(text, "model_type", ""))):
+        window = None  # Moshi: a window no code applies (full causal attention)
     if _get(text, "use_sliding_window", True) is False:
         window = None
     chunk = _get(text, "attention_chunk_size", None)
@@ -851,6 +914,10 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     if str(_get(text, "model_type", "")) == _DOGE[0] and not from_modules:
         attn = attn_implementation or getattr(config, "_attn_implementation", None)
         layers = [_doge_from_config(text, spec, attn) if spec.is_attention else spec for spec in layers]
+    model_gap = _KNOWN_MODELS.get(str(_get(text, "model_type", "")))
+    if model_gap:  # CPM-Ant: not causal attention, whatever the modules show (its stack sits in an "encoder")
+        layers = [LayerSpec(index=i, kind=UNKNOWN, mixer=model_gap[0], known_gap=model_gap[1])
+                  for i in range(max(n_layers, 1))]  # fmt: skip
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
     if known and not from_modules:  # GPT-Neo, Doge, DeepSeek-V4 from their config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
