@@ -75,6 +75,7 @@ ROWS: tuple[Row, ...] = (
     Row("MLA (DeepSeek-V2/V3 style latent attention)", "deepseek_v3",
         lambda t: "mla" in t and not t & {"linear", "sinks", "dsa"}),
     Row("DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, dots3)", "deepseek_v32", lambda t: "dsa" in t),
+    Row("dynamic mask attention (Doge: K and V gathered, top-k per document)", "doge", lambda t: "dynamic-mask" in t),
     Row("linear-attention hybrids (Gated DeltaNet, lightning attention)", "qwen3_next", lambda t: "linear" in t),
     Row("state-space / convolution hybrids (Mamba, Mamba-2, short conv, RG-LRU + attention)", "jamba",
         lambda t: bool(t & _STATE) and bool(t & {"full", "sliding"})),

@@ -257,7 +257,8 @@ FAMILIES: list[Family] = [
     Family("bitnet", "bitnet", _kw(), "full"),
     Family("persimmon", "persimmon", _kw(drop=("head_dim",), hidden_dropout=0.0), "full"),
     Family("diffllama", "diffllama", _kw(), "full+differential"),
-    Family("doge", "doge", _kw(), "full+dynamic-mask"),
+    # keep_window_size (a size: the top-k of the dynamic mask) shorter than the rows, so each query's top-k runs
+    Family("doge", "doge", _kw(keep_window_size=8), "full+dynamic-mask"),
     Family("falcon", "falcon", _kw(drop=("head_dim", "num_key_value_heads")), "full"),
     Family("falcon@flagship", "falcon", _kw(drop=("head_dim", "num_key_value_heads"), alibi=True, multi_query=False),
            "full+alibi", note="Falcon-RW-1B's and -7B's ALiBi (alibi=True) with a K/V head per query head "

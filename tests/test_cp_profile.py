@@ -178,7 +178,9 @@ def test_profile_line_counts_the_layer_kinds_in_order_and_names_the_heads():
     mamba = profile_line(profile_model(_meta("mamba", num_hidden_layers=2, state_size=4, expand=2)))
     assert "2 layers: MambaMixer x2; no attention heads;" in mamba
     doge = profile_line(profile_model(_meta("doge", num_hidden_layers=2, head_dim=16)))
-    assert "2 layers: DogeAttention (no CP kernel) x2;" in doge
+    assert "2 layers: dynamic mask attention (Doge) x2;" in doge
+    doge_moe = profile_line(profile_model(_meta("doge", num_hidden_layers=2, head_dim=16, is_moe=True, num_experts=16)))
+    assert "2 layers: DogeCDMoE (no CP kernel) x2;" in doge_moe
 
 
 # ------------------------------------------------------------------ layers without a token mixer (issue 36)
@@ -263,20 +265,37 @@ def test_a_block_the_config_calls_mlp_must_prove_it_mixes_no_tokens(block, named
         assert REPORT_HINT in msg and "transformers version" in msg
 
 
-def test_an_unknown_attention_names_its_module_path():
-    doge = profile_model(_meta("doge", num_hidden_layers=2, head_dim=16))
-    assert [layer.module_path for layer in doge.layers] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+def test_a_known_token_mixing_block_names_its_module_path():
+    doge = profile_model(_meta("doge", num_hidden_layers=2, head_dim=16, is_moe=True, num_experts=16))
+    assert [layer.module_path for layer in doge.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     # one reason for the stack (the index as <i>), so that a 60-layer model's refusal is one line
-    with pytest.raises(CPUnsupportedError, match=r"layers 0-1: DogeAttention: dynamic mask attention .* \(at "
-                                                 r"model\.layers\.<i>\.self_attn\) is not exact under ulysses: it "
-                                                 r"hands the bias"):
+    with pytest.raises(CPUnsupportedError, match=r"layers 0-1: DogeCDMoE: Doge's cross-domain mixture of experts .* "
+                                                 r"\(at model\.layers\.<i>\.mlp\) is not exact under ulysses: a "
+                                                 r"token's expert choice depends on tokens elsewhere"):
         check_model_for_cp("ulysses", doge, seq_len=64)
+
+
+def test_doge_dynamic_mask_attention_is_sparse_attention_every_method_runs():
+    """Doge (issue 43): its attention is the kind ``sparse_attention`` (K and V gathered, cp/layers/dynamic_mask.py)
+    from the model and from its config alone, and every built-in method runs it."""
+    from tests.family_matrix import family_by_name
+
+    config = family_by_name("doge").build_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for profile in (profile_model(model), profile_model(config)):
+        assert all(layer.kind == "sparse_attention" and layer.mixer == "DogeAttention" for layer in profile.layers)
+        assert profile.layers[0].sparse_widths == (2 * 2 * 16, 0)  # K and V: 2 KV heads of 16
+        assert sorted(methods_that_run(profile, 64)) == sorted(cp_methods())
 
 
 #: issue 43: attention layers whose computation is known and which no CP method computes yet, each refused by every
 #: method with what it computes and why no method does (not the request to report an unrecognised layer)
-KNOWN_GAPS = {
-    "doge": ("DogeAttention: dynamic mask attention", "which every CP method replaces by its own"),
+KNOWN_GAPS = {  # Doge's attention is exact (dynamic_mask.py); its cross-domain MoE (is_moe=True) mixes tokens
+    "doge_moe": ("DogeCDMoE: Doge's cross-domain mixture of experts", "a token's expert choice depends on tokens"),
+    # CPM-Ant: non-causal attention over the whole row (a later token changes earlier logits), its prompt prefix
+    "cpmant": ("CPM-Ant's attention (CpmAntAttention): every token sees every token of its row",
+               "CP methods compute causal attention"),
 }
 
 
@@ -286,9 +305,11 @@ def test_known_attention_without_a_cp_kernel_is_refused_by_every_method_with_its
     from tests.family_matrix import family_by_name
 
     what, why = KNOWN_GAPS[name]
-    config = family_by_name(name.removesuffix("_alibi")).build_config()
+    config = family_by_name(name.removesuffix("_alibi").removesuffix("_moe")).build_config()
     if name == "falcon_alibi":
         config.alibi = True
+    if name == "doge_moe":
+        config.is_moe, config.num_experts = True, 16
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     for profile in (profile_model(model), profile_model(config)):  # the model, and its config alone (before loading)

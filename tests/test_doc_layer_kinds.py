@@ -44,6 +44,11 @@ CP2 = {
     # GPT-Neo's global and local-window masks in its own code, handed to thd_docs with its window (issue 43)
     **{f"gpt_neo/packed/{dtype}": dict(family="gpt_neo", dtype=dtype, rows=[[70, 24, 22]], packed=True)
        for dtype in ("float32", "float64")},
+    # GPT-NeoX-Japanese, OpenAI GPT, XGLM: causal attention in their own code, handed to thd_docs (issue 43); XGLM in
+    # fp64 with torch's default dtype fp64 (transformers' XGLM clamps its scores with a tensor of the default dtype)
+    **{f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True,
+                                     **({"default_dtype": dtype} if fam == "xglm" else {}))
+       for fam in ("gpt_neox_japanese", "openai-gpt", "xglm") for dtype in ("float32", "float64")},
     # Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py; issue 43)
     "gemma4_text/packed/float64": dict(family="gemma4_text", dtype="float64", rows=[[70, 24, 22]], packed=True,
                                        exact_norms=True),
@@ -55,6 +60,16 @@ DSA = {
     for fam in ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4")
     for dtype in ("float32", "float64")
 }
+# Doge's dynamic mask attention (keep_window_size 8: every document's queries take a top-k), A ~ N(0, 1) and A = 0
+# (every bias 1: all ties, resolved as in the document alone), fp64 with its RMSNorms in fp64
+DOGE = {
+    f"doge/packed/{dtype}" + ("" if random_a else "/A0"): dict(family="doge", dtype=dtype, rows=[[70, 24, 22]],
+                                                                packed=True, random_A=random_a, exact_norms=True)
+    for dtype in ("float32", "float64")
+    for random_a in (True, False)
+    if random_a or dtype == "float64"
+}
+DSA.update(DOGE)
 CP2.update(DSA)
 CP4_ROWS = [[96, 48, 24], [48, 48, 24]]
 CP4 = {
@@ -66,6 +81,8 @@ CP4 = {
     "glm_moe_dsa/packed/float64": dict(family="glm_moe_dsa", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True),
     "hy_v4/packed/float64": dict(family="hy_v4", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True,
                                  exact_norms=True),
+    "doge/packed/float64": dict(family="doge", dtype="float64", rows=CP4_ROWS, packed=True, random_A=True,
+                                exact_norms=True),
 }
 
 
@@ -84,6 +101,8 @@ def _check(ranks: list[dict], name: str) -> None:
     loss_tol, grad_tol = TOLERANCES[kind]
     if kind == "fp64" and name in DSA:  # every MLP dense: fp64's own round-off (measured 2e-16 and 1e-15)
         loss_tol, grad_tol = 1e-14, 1e-13
+    if kind == "fp64" and name.startswith("doge/"):  # its RMSNorms in fp64 (exact_norms.py)
+        loss_tol, grad_tol = 1e-14, 1e-12
     for rank in ranks:
         r = rank[name]
         assert r["loss_rel"] <= loss_tol, (name, r)

@@ -309,3 +309,64 @@ def test_query_blocks_select_and_attend_as_one_block(monkeypatch, sinks):
     assert torch.equal(whole[0], blocked[0])
     assert torch.allclose(whole[1], blocked[1], rtol=0, atol=1e-14)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-13) for a, b in zip(whole[2], blocked[2]))
+
+
+# ------------------------------------------------------------------ Doge's dynamic mask attention (issue 43)
+
+
+@pytest.mark.parametrize("random_a", [True, False])  # A = 0 (its initialisation): every key's bias 1, all ties
+def test_doge_packed_row_in_one_process_equals_each_document_alone_fp64(random_a):
+    """Doge's kernel (cp/layers/dynamic_mask.py) on one rank: a packed row of documents longer than keep_window_size
+    (8) equals each document alone, loss and every gradient in fp64 (its RMSNorms in fp64); transformers' own forward
+    on the packed row does not (its top-k row is the whole row, so ties among equal biases, as equal token ids give
+    in the first layer, resolve otherwise than in the document alone)."""
+    from tests.family_matrix import VOCAB
+    from tests.workers.exact_norms import norms_in_input_dtype
+    from tests.workers.layer_kinds_worker import build_case_model
+
+    with norms_in_input_dtype(True):
+        model = build_case_model({"family": "doge", "random_A": random_a}).to(torch.float64)
+        lengths = [21, 30, 9]
+        g = torch.Generator().manual_seed(6)
+        ids = torch.randint(3, VOCAB, (sum(lengths),), generator=g)
+        labels = torch.randint(3, VOCAB, (sum(lengths),), generator=g)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        own = copy.deepcopy(model)
+        reference = copy.deepcopy(model)
+        ref_loss, ref_logits, at = 0.0, [], 0
+        for n in lengths:
+            out = reference(input_ids=ids[None, at : at + n], position_ids=torch.arange(n)[None], use_cache=False)
+            ref_logits.append(out.logits[0].detach())
+            loss = torch.nn.functional.cross_entropy(out.logits[0], labels[at : at + n], reduction="sum")
+            loss.backward()
+            ref_loss += float(loss.detach())
+            at += n
+        n_layers = model.config.num_hidden_layers
+        assert install_sparse_attention(model, profile_model(model)) == n_layers
+        out = model(input_ids=ids[None], position_ids=positions, use_cache=False)
+        loss = torch.nn.functional.cross_entropy(out.logits[0], labels, reduction="sum")
+        loss.backward()
+        assert abs(float(loss.detach()) - ref_loss) / abs(ref_loss) < 1e-14
+        grads = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            ref = grads[name].grad
+            assert float((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) < 1e-12, name
+        with torch.no_grad():
+            theirs = own(input_ids=ids[None], position_ids=positions, use_cache=False).logits[0]
+        assert float((theirs - torch.cat(ref_logits)).abs().max()) > 1e-3  # the negative control
+
+
+def test_doge_top_k_keeps_the_largest_biases_of_the_document_only():
+    from automodel.distributed.cp.layers.dynamic_mask import drop_beyond_top_k
+
+    lengths, keep = [5, 12], 4
+    place = _one_rank(lengths)
+    T = sum(lengths)
+    bias = torch.arange(T, dtype=torch.float64).flip(0)[None, None]  # earlier keys larger
+    visible = place.mask(1, torch.device("cpu"))
+    mask = bias[:, :, None, :].expand(1, 1, T, T).masked_fill(~visible, torch.finfo(torch.float64).min)
+    kept = visible[0, 0] & ~drop_beyond_top_k(mask, place, keep)[0, 0]
+    for q in range(T):  # each query keeps its document's first min(keep, seen) keys (the largest biases it sees)
+        d = 0 if q < 5 else 5
+        assert kept[q].nonzero().flatten().tolist() == list(range(d, d + min(keep, q - d + 1))), q
+    assert not drop_beyond_top_k(mask, place, 12).any()  # no document longer than keep: no top-k

@@ -325,6 +325,20 @@ def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("case", [("doge_random_A", "float32"), ("doge_random_A", "float64"), ("doge", "float64")])
+def test_two_node_run_computes_doge_dynamic_mask(two_nodes, case):
+    """Doge's dynamic mask attention at cp=4 = 2 x 2 on packed rows (K and V gathered over both sub-groups, each
+    query's top 8 keys by bias over its document's row), A ~ N(0, 1) and A = 0 (all ties), against each document
+    alone; fp64 with its RMSNorms in fp64."""
+    ranks, _ = two_nodes
+    loss_tol, grad_tol = (1e-14, 1e-12) if case[1] == "float64" else KIND_TOLERANCES["float32"]
+    for result in ranks:
+        got = result["layer_kinds"][case]
+        assert got["attn"] == "usp" and not got["missing"], got
+        assert got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, (case, got)
+
+
+@pytest.mark.dist
 def test_two_node_run_computes_gemma4_in_fp64(two_nodes):
     """Gemma 4 (sliding and full layers with their own RoPE and head sizes, per-layer inputs, unscaled scores) at
     cp=4 = 2 x 2 on packed rows against each document alone, fp64 with its RMSNorms in fp64
@@ -338,16 +352,17 @@ def test_two_node_run_computes_gemma4_in_fp64(two_nodes):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["bloom", "gpt_neo", "falcon_alibi"])
+@pytest.mark.parametrize("family", ["bloom", "gpt_neo", "falcon_alibi", "gpt_neox_japanese", "openai-gpt", "xglm"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_two_node_run_computes_own_code_attention(two_nodes, family, dtype):
     """Attention in the layer's own code, handed to usp (cp/layers/alibi.py), at cp=4 = 2 x 2 on packed rows against
     each document alone: BLOOM's ALiBi (each Ulysses rank's head slopes, the bias of each key's in-document position
     in the halo kernel over the ring sub-group), Falcon's (alibi=True: the bf16 bias transformers puts in its mask,
-    computed the same way) and GPT-Neo's global and local-window layers (its window in the halo kernel, scores
-    unscaled). BLOOM and GPT-Neo take the softmax in fp32, so fp64 agrees to fp32 round-off."""
+    computed the same way), GPT-Neo's global and local-window layers (its window in the halo kernel, scores
+    unscaled), and plain causal attention (GPT-NeoX-Japanese; OpenAI GPT and XGLM with learned and sinusoidal
+    absolute positions). BLOOM and GPT-Neo take the softmax in fp32, so fp64 agrees to fp32 round-off."""
     ranks, _ = two_nodes
-    fp32_inside = dtype == "float64" and family != "falcon_alibi"
+    fp32_inside = dtype == "float64" and family in ("bloom", "gpt_neo")
     loss_tol, grad_tol = KIND_TOLERANCES["fp64_fp32_inside" if fp32_inside else dtype]
     for result in ranks:
         got = result["layer_kinds"][(family, dtype)]

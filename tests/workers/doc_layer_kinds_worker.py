@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.workers.cp_steps import reduce_over_group
 from tests.workers.exact_norms import norms_in_input_dtype
-from tests.workers.layer_kinds_worker import _docs, _reference
+from tests.workers.layer_kinds_worker import _docs, _reference, default_dtype, worst_grad
 from tests.workers.thd_attention_worker import _ce, pack
 
 
@@ -64,7 +64,7 @@ def model_case(case: dict, mesh) -> dict:
     """One model case; ``case["exact_norms"]``: an fp64 model's Gemma RMSNorms compute in fp64
     (tests/workers/exact_norms.py)."""
     dtype = getattr(torch, case["dtype"])
-    with norms_in_input_dtype(case.get("exact_norms", False) and dtype == torch.float64):
+    with norms_in_input_dtype(case.get("exact_norms", False) and dtype == torch.float64), default_dtype(case):
         return _model_case(case, mesh, dtype)
 
 
@@ -72,7 +72,7 @@ def _model_case(case: dict, mesh, dtype: torch.dtype) -> dict:
     from tests.family_matrix import VOCAB
 
     dtype = getattr(torch, case["dtype"])
-    if case.get("dense_mlp") or case.get("config"):  # DSA with every MLP dense (no fp32 MoE router); Falcon's ALiBi
+    if case.get("dense_mlp") or case.get("config") or case.get("random_A"):  # DSA with every MLP dense (no fp32 MoE router); Falcon's ALiBi
         from tests.workers.layer_kinds_worker import build_case_model
 
         base = build_case_model(case)
@@ -91,9 +91,7 @@ def _model_case(case: dict, mesh, dtype: torch.dtype) -> dict:
     else:  # one document per row (equal lengths), no seq_lens
         batch = {k: torch.stack([d[k] for d in docs]) for k in ("input_ids", "labels")}
     loss, grads, info = _doc_step(copy.deepcopy(base), batch, mesh, n_labels)
-    worst = max(
-        float((grads[n] - g).abs().max() / max(g.abs().max().item(), 1e-30)) for n, g in ref_grads.items()
-    )
+    worst = worst_grad(grads, ref_grads)
     missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
     return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing,
             "n_params": len(ref_grads), **info}

@@ -22,6 +22,8 @@ NORMS = (
     ("transformers.models.gemma3.modeling_gemma3", "Gemma3RMSNorm", 1.0),
     ("transformers.models.gemma3n.modeling_gemma3n", "Gemma3nRMSNorm", 0.0),
     ("transformers.models.gemma4.modeling_gemma4", "Gemma4RMSNorm", 0.0),
+    ("transformers.models.moshi.modeling_moshi", "MoshiRMSNorm", 0.0),  # Moshi's too (x.float(), then back)
+    ("transformers.models.hrm_text.modeling_hrm_text", "HrmTextRMSNorm", 0.0),  # HRM's (no weight)
 )
 
 
@@ -68,9 +70,17 @@ HY_V4 = (
 )
 
 
+def _doge_norm(self, x: torch.Tensor) -> torch.Tensor:
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+#: Doge's RMSNorm computes in fp32 whatever the model's dtype (``.to(torch.float32)``): the formula in the input's dtype
+OTHER = (("transformers.models.doge.modeling_doge", "DogeRMSNorm", _doge_norm),)
+
+
 @contextlib.contextmanager
 def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
-    """Patch the Gemma RMSNorm classes of :data:`NORMS` and HY-V4's of :data:`HY_V4` (those the installed
+    """Patch the Gemma RMSNorm classes of :data:`NORMS`, HY-V4's of :data:`HY_V4` and Doge's (those the installed
     transformers has) to compute in the
     input's dtype; restored on exit. ``enabled=False``: nothing changes."""
     saved = []
@@ -83,7 +93,7 @@ def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
                     continue
                 saved.append((cls, cls.forward))
                 cls.forward = _forward(offset)
-            for module_name, class_name, forward in HY_V4:
+            for module_name, class_name, forward in (*HY_V4, *OTHER):
                 try:
                     cls = getattr(importlib.import_module(module_name), class_name)
                 except (ImportError, AttributeError):

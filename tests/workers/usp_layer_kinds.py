@@ -18,7 +18,7 @@ import torch
 
 from tests.workers.cp_steps import reduce_over_group
 from tests.workers.exact_norms import norms_in_input_dtype
-from tests.workers.layer_kinds_worker import _docs, _reference
+from tests.workers.layer_kinds_worker import _docs, _reference, default_dtype, worst_grad
 from tests.workers.thd_attention_worker import _ce, pack
 
 ULYSSES = 2
@@ -35,7 +35,12 @@ CASES += [("bloom", "float32"), ("bloom", "float64")]
 CASES += [("gpt_neo", "float32"), ("gpt_neo", "float64")]
 #: Falcon with alibi=True: its bf16 ALiBi for each Ulysses rank's heads, the key's in-document position
 CASES += [("falcon_alibi", "float32"), ("falcon_alibi", "float64")]
-EXACT_NORMS = ("gemma4_text", "hy_v4_dense")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
+#: Doge's dynamic mask attention (K and V gathered over both sub-groups, top-k 8 per document): A ~ N(0, 1), and A = 0
+#: (every bias 1, the top-k all ties); fp64 with its RMSNorms in fp64
+CASES += [("doge_random_A", "float32"), ("doge_random_A", "float64"), ("doge", "float64")]
+#: GPT-NeoX-Japanese, OpenAI GPT, XGLM: causal attention in their own code, handed to usp (cp/layers/alibi.py)
+CASES += [(family, dtype) for family in ("gpt_neox_japanese", "openai-gpt", "xglm") for dtype in ("float32", "float64")]
+EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "doge_random_A", "doge")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
 
 
 def _model(family: str, dtype: torch.dtype):
@@ -53,6 +58,10 @@ def _model(family: str, dtype: torch.dtype):
         from tests.workers.layer_kinds_worker import build_case_model
 
         model = build_case_model({"family": "falcon", "config": {"alibi": True}})
+    elif family == "doge_random_A":
+        from tests.workers.layer_kinds_worker import build_case_model
+
+        model = build_case_model({"family": "doge", "random_A": True})
     elif family.endswith("_dense"):  # DSA with every MLP dense (no fp32 router): fp64 shows fp64's round-off
         from tests.workers.layer_kinds_worker import build_case_model
 
@@ -83,7 +92,9 @@ def layer_kind_cases(mesh, world_size: int) -> dict:
     out = {}
     for family, dtype_name in CASES:
         dtype = getattr(torch, dtype_name)
-        with norms_in_input_dtype(family in EXACT_NORMS and dtype == torch.float64):
+        # XGLM clamps its scores with a tensor of torch's default dtype: fp64 for its fp64 case
+        with norms_in_input_dtype(family in EXACT_NORMS and dtype == torch.float64), \
+                default_dtype({"default_dtype": dtype_name} if family == "xglm" else {}):
             out[(family, dtype_name)] = _case(family, dtype, mesh, world_size)
     return out
 
@@ -97,6 +108,6 @@ def _case(family: str, dtype: torch.dtype, mesh, world_size: int) -> dict:
     n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
     ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
     loss, grads, attn = _usp_step(copy.deepcopy(base), mesh, pack(rows, 2 * world_size), n_labels)
-    worst = max(float((grads[n] - g).abs().max() / max(g.abs().max().item(), 1e-30)) for n, g in ref_grads.items())
+    worst = worst_grad(grads, ref_grads)
     missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
     return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing, "attn": attn}

@@ -338,8 +338,9 @@ class CPMethod:
     def sparse_exchange_terms(self, widths: tuple[int, int], r: Any) -> list[ExchangeTerm]:
         """What one rank sends per DSA layer (:mod:`~automodel.distributed.cp.layers.sparse_attention`):
         ``widths`` = ``(latent KV, indexer key)`` elements per token, all-gathered over the CP group (forward);
-        the latent KV's gradient reduce-scattered back (backward; the indexer has none). Default: one group of
-        ``r.cp`` ranks, whatever the method's split (every built-in method gathers the same state)."""
+        the latent KV's gradient reduce-scattered back (backward; the indexer has none). Doge's dynamic mask attention
+        gathers K and V the same way (``widths`` = ``(2 * Hkv * D, 0)``; the term keeps DSA's words). Default: one group of ``r.cp`` ranks,
+        whatever the method's split (every built-in method gathers the same state)."""
         latent, index = widths
         if r.cp <= 1:
             return []

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
-from automodel.distributed.cp.layers.sparse_support import DSA_ATTENTION
+from automodel.distributed.cp.layers.sparse_support import DSA_ATTENTION, DYNAMIC_MASK_ATTENTION
 
 __all__ = [
     "FULL",
@@ -144,7 +144,7 @@ class LayerSpec:
             modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
             layer's index as ``<i>`` (:attr:`path_in_stack`).
         known_gap: an ``UNKNOWN`` layer whose computation is known (an ALiBi bias in the mask of a class that
-            does not dispatch it, Doge's dynamic mask, DeepSeek-V4's compressed attention): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
+            does not dispatch it, DeepSeek-V4's compressed attention): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
             ``""`` for a layer nobody has looked at.
         alibi: the layer adds ALiBi's per-head bias ``slope_h * (j - i)`` to its scores in its own code (BLOOM,
             MPT: :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v to a method that applies it).
@@ -208,6 +208,9 @@ class LayerSpec:
             text = f"sliding-window attention (window {self.window})"
         elif self.kind == CHUNKED:
             text = f"chunked attention (chunk {self.chunk})"
+        elif self.kind == SPARSE and self.mixer in DYNAMIC_MASK_ATTENTION:
+            text = (f"dynamic mask attention ({self.mixer}: a learned bias per key, and past keep_window_size visible "
+                    "keys only the top keep_window_size by bias)")  # fmt: skip
         elif self.kind == SPARSE:
             text = f"sparse attention chosen by an indexer (DSA, {self.mixer or 'indexed_attention'})"
         elif self.kind == LINEAR:
@@ -294,7 +297,7 @@ def _layer_words(layer: LayerSpec) -> str:
     if layer.kind == CHUNKED:
         return f"chunked attention {layer.chunk}"
     if layer.kind == SPARSE:
-        return "sparse attention (DSA)"
+        return "dynamic mask attention (Doge)" if layer.mixer in DYNAMIC_MASK_ATTENTION else "sparse attention (DSA)"
     if layer.kind == LINEAR:
         return (layer.mixer or "linear mixer") + (" + attention" if layer.hybrid_attention else "")
     if layer.kind == MLP_ONLY:
@@ -350,6 +353,9 @@ def _decoder_layers(model: Any, n_layers: int) -> tuple[str, list[Any]] | None:
     (the language model's, for a VLM)."""
     import torch.nn as nn
 
+    looped = _looped_stacks(model, n_layers)
+    if looped is not None:
+        return looped
     best = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) != n_layers or n_layers == 0:
@@ -365,6 +371,26 @@ def _decoder_layers(model: Any, n_layers: int) -> tuple[str, list[Any]] | None:
         if best is None or score > best[0]:
             best = (score, name, list(module))
     return (best[1], best[2]) if best is not None else None
+
+
+def _looped_stacks(model: Any, n_layers: int) -> tuple[str, list[Any]] | None:
+    """HRM (``hrm_text``): two stacks of ``num_layers_per_stack`` decoder layers, ``L_module`` and ``H_module``, run in
+    a loop: per high cycle ``L_cycles`` passes of L, then one of H; the config counts the passes' layers as
+    ``num_hidden_layers`` (``per_stack * H_cycles * (L_cycles + 1)``, transformers' cache slots). Returns the stack of
+    those ``n_layers`` slots in order, each the module it runs (``"<prefix>.{L,H}_module.layers"``), or ``None``."""
+    for name, module in model.named_modules():
+        low, high = getattr(module, "L_module", None), getattr(module, "H_module", None)
+        config = getattr(module, "config", None)
+        per = _get(config, "num_layers_per_stack", None)
+        cycles = (_get(config, "H_cycles", None), _get(config, "L_cycles", None))
+        if low is None or high is None or not isinstance(per, int) or not all(isinstance(c, int) for c in cycles):
+            continue
+        h, l_cycles = cycles
+        if per * h * (l_cycles + 1) != n_layers or len(getattr(low, "layers", [])) != per:
+            continue
+        slots = [(high if (i // per) % (l_cycles + 1) == l_cycles else low).layers[i % per] for i in range(n_layers)]
+        return (f"{name}.L_module.layers" if name else "L_module.layers"), slots
+    return None
 
 
 # Modules that compute each token from that token alone (no sequence interaction). The torch classes are taken
@@ -422,18 +448,6 @@ _OWN_CODE = (
 )
 #: class name -> (what it computes, why no method computes it and what would)
 _KNOWN_ATTENTION = {
-    "DogeAttention": (
-        "DogeAttention: dynamic mask attention (each score of head h gets a bias exp(A_h * softplus(dt_proj(v_j))) "
-        "computed from the key's own value; past keep_window_size keys only the top keep_window_size of them per "
-        "query are kept)",
-        "it hands the bias to the attention function as its mask, which every CP method replaces by its own "
-        "(causal, per document), so the bias would be dropped; it can be exact under CP but needs a kernel no "
-        "method has: the bias is one number per head and key, learned (A and dt_proj get its gradient), so it "
-        "would travel with K/V as ALiBi's does in the halo kernel with its gradient sent back to the key's rank, "
-        "and through Ulysses' head all-to-all; and on rows longer than keep_window_size each query keeps only the "
-        "keep_window_size keys of largest bias among the keys it sees (in its document), which needs the bias of "
-        "every earlier key of the document on the query's rank (an all-gather of [heads, tokens])",
-    ),
     "DeepseekV4Attention": (
         "DeepseekV4Attention: sliding-window multi-query attention with per-head sinks over the last window of "
         "tokens plus compressed KV entries (each the learned pooling of a block of 4 or 128 tokens, CSA layers "
@@ -444,10 +458,35 @@ _KNOWN_ATTENTION = {
         "window and sinks through the halo kernel), but no CP method computes it yet",
     ),
 }
+#: MLP / MoE blocks beside attention that mix tokens (a known computation no CP method reproduces): class name ->
+#: (what it computes, why no method computes it); the layer is UNKNOWN with this reason
+_KNOWN_TOKEN_MIXING = {
+    "DogeCDMoE": (
+        "DogeCDMoE: Doge's cross-domain mixture of experts (config.is_moe=True), whose router mixes tokens: it views "
+        "the router logits [B, S, 2 * num_keys] as [2, B * S, num_keys], so token t of the flattened batch is routed "
+        "by the logits of tokens t // 2 and B * S / 2 + t // 2 (transformers' own comment: not causal)",
+        "a token's expert choice depends on tokens elsewhere in the batch (later in its row, other documents, other "
+        "rows), which a rank holding part of the row does not have and which a packed document alone does not see "
+        "either; Doge's attention is exact under every method (dynamic_mask), use is_moe=False",
+    ),
+}
+#: model types that are not causal language models in the sense CP computes (whatever their layers): model type ->
+#: (what they compute, why no CP method computes it); every layer is UNKNOWN with this reason, from the config too
+_KNOWN_MODELS = {
+    "cpmant": (
+        "CPM-Ant's attention (CpmAntAttention): every token sees every token of its row (its mask ORs in a "
+        "'context' flag that the model sets for every token: a later token changes earlier logits), with "
+        "prompt_length learned prompt tokens prepended to each row inside the model, a bucketed relative-position "
+        "bias per head from the row's own token indices and a padding mask that counts the row's non-zero tokens "
+        "as if they were right-aligned",
+        "CP methods compute causal attention, per document on packed rows; this non-causal attention over the whole "
+        "row, its prompt prefix (one copy per row, not per rank) and its row-wide padding count would need every "
+        "rank to see the whole row (and a packed document its neighbours), which no method does",
+    ),
+}
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
 _MODEL_TYPE_ATTENTION = {
-    "doge": "DogeAttention",
     "deepseek_v4": "DeepseekV4Attention",
 }
 #: attention classes that add ALiBi in their own code, made to dispatch by :mod:`~automodel.distributed.cp.layers.alibi`
@@ -460,6 +499,83 @@ _FALCON_ALIBI = ("FalconAttention", "falcon")
 #: GPT-Neo: the wrapper class the profile finds and the classes inside it that the same module makes dispatch
 #: (global / local masks in their own code, handed to the method as causal or ``sliding_window`` attention)
 _GPT_NEO = ("GPTNeoAttention", ("GPTNeoSelfAttention", "GPTNeoFlashAttention2"))
+#: plain causal attention in the layer's own code (scores, causal mask and softmax), made to hand q, k, v to the method
+#: by the same module: class (OpenAI GPT's is ``Attention`` in ``modeling_openai``) -> its model type
+_PLAIN_OWN_CODE = {"GPTNeoXJapaneseAttention": "gpt_neox_japanese", "OpenAIGPTAttention": "openai-gpt",
+                   "XGLMAttention": "xglm"}  # fmt: skip
+
+
+def _own_code_key(cls: type) -> str:
+    """``cls``'s name as :data:`_PLAIN_OWN_CODE` knows it (OpenAI GPT's ``Attention``: ``"OpenAIGPTAttention"``)."""
+    if cls.__name__ == "Attention" and cls.__module__.endswith("modeling_openai"):
+        return "OpenAIGPTAttention"
+    return cls.__name__
+
+
+#: Doge: its model type and the attention class made exact by cp/layers/dynamic_mask.py (the kind ``SPARSE``)
+_DOGE = ("doge", "DogeAttention")
+
+
+#: transformers 5.17-5.24's Doge under sdpa: what it computes, and why no CP method reproduces it
+_DOGE_UNMASKED = (
+    "DogeAttention with attn_implementation={attn} on transformers {version}: its model lets transformers skip the "
+    "causal mask (create_causal_mask returns None under sdpa), so the dynamic mask, the bias alone, is all the "
+    "attention gets and every token attends to later tokens of its row",
+    "one process computes non-causal attention, which a CP method (causal, per document) does not reproduce; use "
+    "attn_implementation=eager or transformers >= 5.25 (which always builds Doge's mask)",
+)
+
+
+def _doge_unmasked(attn: str | None) -> tuple[str, str] | None:
+    """``(what, why)`` where the installed transformers' ``DogeModel`` skips the causal mask under ``attn`` (sdpa by
+    default; 5.17-5.24: no ``allow_is_causal_skip=False``), else ``None``."""
+    if attn == "eager":
+        return None
+    try:
+        import transformers
+        from transformers.models.doge.modeling_doge import DogeModel
+    except ImportError:
+        return None
+    if "allow_is_causal_skip=False" in _forward_source(DogeModel):
+        return None
+    return _DOGE_UNMASKED[0].format(attn=attn or "sdpa", version=transformers.__version__), _DOGE_UNMASKED[1]
+
+
+def _doge_from_config(text: Any, spec: LayerSpec, attn: str | None = None) -> LayerSpec:
+    """A Doge attention layer from its config alone: dynamic mask attention (``SPARSE``, K and V gathered), or with
+    ``is_moe`` the refused cross-domain MoE (:data:`_KNOWN_TOKEN_MIXING`), or (transformers < 5.25, sdpa) the
+    refused unmasked attention (:func:`_doge_unmasked`)."""
+    unmasked = _doge_unmasked(attn)
+    if _get(text, "is_moe", False) or unmasked:
+        mixer, gap = unmasked or _KNOWN_TOKEN_MIXING["DogeCDMoE"]
+        return LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": mixer, "known_gap": gap})
+    kv = (_get(text, "num_key_value_heads", None) or 0) * (spec.qk_head_dim or 0)
+    return LayerSpec(**{**spec.__dict__, "kind": SPARSE, "mixer": _DOGE[1], "window": None,
+                        "sparse_widths": (2 * kv, 0) if kv else None})  # fmt: skip
+
+
+#: model types whose config names a sliding window that no code of their model applies: model type -> its modeling
+#: module. Moshi's ``sliding_window`` (3000 by default) is stored by its decoder layer and never read: its attention
+#: does not hand it to the kernel and its model builds a full causal mask (transformers 5.17 and 5.25: the logits with
+#: a window of 4 and of 1000 are equal), so its layers are full causal attention. Checked against the installed
+#: module's source (:func:`_window_unused`): a release that applies the window gets the window back.
+_WINDOW_UNUSED = {"moshi": "transformers.models.moshi.modeling_moshi"}
+
+
+@functools.cache
+def _window_unused(model_type: str) -> bool:
+    """The installed transformers' modeling module of ``model_type`` (:data:`_WINDOW_UNUSED`) neither passes a window
+    to an attention function nor builds a sliding-window mask."""
+    name = _WINDOW_UNUSED.get(model_type)
+    if name is None:
+        return False
+    try:
+        import importlib
+
+        source = inspect.getsource(importlib.import_module(name))
+    except (ImportError, OSError, TypeError):
+        return False
+    return "sliding_window=" not in source and "sliding_window_causal_mask" not in source
 
 
 def _falcon_dispatches() -> bool:
@@ -627,9 +743,36 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         dim = getattr(inner, "head_dim", None)
         spec.update(own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))
         return LayerSpec(**spec)
+    if _own_code_key(cls) in _PLAIN_OWN_CODE and base.kind == FULL:  # GPT-NeoX-Japanese, OpenAI GPT, XGLM
+        heads = next((getattr(attention, a) for a in ("num_heads", "num_attention_heads", "n_head")
+                      if isinstance(getattr(attention, a, None), int)), None)  # fmt: skip
+        width = getattr(attention, "embed_dim", None) or getattr(attention, "hidden_size", None) or getattr(
+            attention, "split_size", None)
+        dim = width // heads if isinstance(width, int) and heads else None
+        spec.update(own_code=True, **({"qk_head_dim": dim, "v_head_dim": dim} if dim else {}))
+        return LayerSpec(**spec)
     if cls.__name__ in _KNOWN_ATTENTION:
         mixer, gap = _KNOWN_ATTENTION[cls.__name__]
         spec.update(kind=UNKNOWN, module_path=attention_path, mixer=mixer, known_gap=gap)
+        return LayerSpec(**spec)
+    mixing = next(((f"{path}.{n}" if path else n, type(m).__name__) for n, m in layer.named_modules()
+                   if type(m).__name__ in _KNOWN_TOKEN_MIXING), None)  # fmt: skip
+    if mixing is not None:
+        mixer, gap = _KNOWN_TOKEN_MIXING[mixing[1]]
+        spec.update(kind=UNKNOWN, module_path=mixing[0], mixer=mixer, known_gap=gap)
+        return LayerSpec(**spec)
+    doge = cls.__name__ in DYNAMIC_MASK_ATTENTION
+    unmasked = _doge_unmasked(getattr(getattr(attention, "config", None), "_attn_implementation", None)) if doge else None
+    if unmasked:
+        spec.update(kind=UNKNOWN, module_path=attention_path, mixer=unmasked[0], known_gap=unmasked[1])
+        return LayerSpec(**spec)
+    if doge and base.kind in (FULL, SLIDING):
+        # Doge: K and V gathered (cp/layers/dynamic_mask.py); its window (config.sliding_window) in the kernel's mask
+        dim = getattr(attention, "head_dim", None)
+        kv = getattr(attention.k_proj, "out_features", None) if hasattr(attention, "k_proj") else None
+        spec.update(kind=SPARSE, mixer=cls.__name__, window=None,
+                    sparse_widths=(2 * kv, 0) if isinstance(kv, int) else None,
+                    **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))  # fmt: skip
         return LayerSpec(**spec)
     if not _dispatches_attention(cls):
         spec.update(
@@ -663,6 +806,8 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     layer_types = _get(text, "layer_types", None)
     window = _get(text, "sliding_window", None)
     window = int(window) if isinstance(window, int) and window > 0 else None
+    if window is not None and layer_types is None and _window_unused(str(_get(text, "model_type", ""))):
+        window = None  # Moshi: a window no code applies (full causal attention)
     if _get(text, "use_sliding_window", True) is False:
         window = None
     chunk = _get(text, "attention_chunk_size", None)
@@ -764,8 +909,15 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     if (str(_get(text, "model_type", "")) in _ALIBI_MODEL_TYPES or falcon_alibi) and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "alibi": True, "own_code": True}) if spec.kind == FULL else spec
                   for spec in layers]  # fmt: skip
-    if str(_get(text, "model_type", "")) == "gpt_neo" and not from_modules:
+    if str(_get(text, "model_type", "")) in ("gpt_neo", *_PLAIN_OWN_CODE.values()) and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "own_code": True}) if spec.is_attention else spec for spec in layers]
+    if str(_get(text, "model_type", "")) == _DOGE[0] and not from_modules:
+        attn = attn_implementation or getattr(config, "_attn_implementation", None)
+        layers = [_doge_from_config(text, spec, attn) if spec.is_attention else spec for spec in layers]
+    model_gap = _KNOWN_MODELS.get(str(_get(text, "model_type", "")))
+    if model_gap:  # CPM-Ant: not causal attention, whatever the modules show (its stack sits in an "encoder")
+        layers = [LayerSpec(index=i, kind=UNKNOWN, mixer=model_gap[0], known_gap=model_gap[1])
+                  for i in range(max(n_layers, 1))]  # fmt: skip
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
     if known and not from_modules:  # GPT-Neo, Doge, DeepSeek-V4 from their config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})

@@ -19,6 +19,10 @@ does not scale its scores and takes the softmax in fp32. Inside a context it han
 with ``scaling=1.0`` and, on a local layer, ``sliding_window=window_size`` (transformers' convention: the same keys),
 which every method computes exactly (the halo kernel under ring, thd, thd_docs and usp, the global mask under
 Ulysses); no slopes.
+
+GPT-NeoX-Japanese's ``GPTNeoXJapaneseAttention``, OpenAI GPT's ``Attention`` (:func:`dispatch_key`:
+``"OpenAIGPTAttention"``) and ``XGLMAttention`` compute plain causal attention in their own code; inside a context
+each hands q, k, v (GPT-NeoX-Japanese's after its partial RoPE) to the method's attention with its own scale.
 """
 
 from __future__ import annotations
@@ -28,12 +32,25 @@ import math
 
 import torch
 
-__all__ = ["ALIBI_LAYERS", "OWN_CODE_LAYERS", "alibi_slopes", "dispatch_alibi_layers", "key_bias", "restore_alibi_layers"]
+__all__ = [
+    "ALIBI_LAYERS",
+    "OWN_CODE_LAYERS",
+    "PLAIN_OWN_CODE_LAYERS",
+    "alibi_slopes",
+    "dispatch_alibi_layers",
+    "dispatch_key",
+    "key_bias",
+    "restore_alibi_layers",
+]
 
 #: the attention classes this module makes dispatch
 ALIBI_LAYERS = ("BloomAttention", "MptAttention", "FalconAttention")  # Falcon's with config.alibi=True only
-#: every class this module makes dispatch: the ALiBi layers and GPT-Neo's (its flash variant computes the same)
-OWN_CODE_LAYERS = (*ALIBI_LAYERS, "GPTNeoSelfAttention", "GPTNeoFlashAttention2")
+#: causal attention in the layer's own code, no bias (GPT-NeoX-Japanese, OpenAI GPT's ``Attention``, XGLM): keys of
+#: :func:`dispatch_key`
+PLAIN_OWN_CODE_LAYERS = ("GPTNeoXJapaneseAttention", "OpenAIGPTAttention", "XGLMAttention")
+#: every class this module makes dispatch: the ALiBi layers, GPT-Neo's (its flash variant computes the same), the
+#: plain ones
+OWN_CODE_LAYERS = (*ALIBI_LAYERS, "GPTNeoSelfAttention", "GPTNeoFlashAttention2", *PLAIN_OWN_CODE_LAYERS)
 _PATCHED = "_automodel_alibi_forward"  # marks a patched instance
 
 
@@ -153,6 +170,65 @@ def _gpt_neo_forward(self, hidden_states, attention_mask=None, layer_past=None, 
     return self.resid_dropout(self.out_proj(out.reshape(batch, n, -1))), None
 
 
+def _plain(module, impl: str, query, key, value, scaling: float) -> torch.Tensor:
+    """``[B, n, H, D]``: ``impl``'s causal attention (per document, the method's mask) of ``[B, H, n, D]`` q, k, v."""
+    from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
+
+    out, _ = ALL_ATTENTION_FUNCTIONS[impl](module, query, key, value, None, dropout=0.0, scaling=scaling)
+    return out
+
+
+def _gpt_neox_japanese_forward(self, hidden_states, attention_mask=None, position_ids=None, layer_past=None,
+                               use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):  # fmt: skip
+    impl = _dispatching(self)
+    if impl is None:
+        return type(self).forward(self, hidden_states, attention_mask, position_ids, layer_past=layer_past,
+                                  use_cache=use_cache, output_attentions=output_attentions,
+                                  position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+    if layer_past is not None:
+        raise ValueError("GPTNeoXJapaneseAttention under CP: no KV cache (pass use_cache=False)")
+    _no_dropout(self, self.attention_dropout.p)
+    from transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese import apply_rotary_pos_emb
+
+    qkv = self.query_key_value(hidden_states)  # as the class: [B, n, H, 3 * D], q | k | v per head
+    qkv = qkv.view(*qkv.shape[:-1], self.num_attention_heads, 3 * self.head_size)
+    query, key, value = (qkv[..., i * self.head_size : (i + 1) * self.head_size].permute(0, 2, 1, 3) for i in range(3))
+    cos, sin = position_embeddings  # from the positions the model was given (global, in-document)
+    q_rot, k_rot = apply_rotary_pos_emb(query[..., : self.rotary_ndims], key[..., : self.rotary_ndims], cos, sin)
+    query = torch.cat((q_rot, query[..., self.rotary_ndims :]), dim=-1).contiguous()
+    key = torch.cat((k_rot, key[..., self.rotary_ndims :]), dim=-1).contiguous()
+    out = _plain(self, impl, query, key, value, 1.0 / self.norm_factor)  # its scores divided by sqrt(head_size)
+    return self.dense(out.reshape(*hidden_states.shape[:-1], -1)), None, self.dense_bias
+
+
+def _openai_gpt_forward(self, x, attention_mask=None, output_attentions=False):
+    impl = _dispatching(self)
+    if impl is None:
+        return type(self).forward(self, x, attention_mask=attention_mask, output_attentions=output_attentions)
+    _no_dropout(self, self.attn_dropout.p)
+    query, key, value = self.c_attn(x).split(self.split_size, dim=2)
+    query, key, value = (self.split_heads(t) for t in (query, key, value))  # [B, H, n, D] each
+    # its own mask (a causal buffer: masked scores -1e4, whose exp is 0 as the method's) replaced by the method's;
+    # scores divided by sqrt(head_dim) where the block scales them (every block of OpenAIGPTModel)
+    out = _plain(self, impl, query, key, value, value.shape[-1] ** -0.5 if self.scale else 1.0)
+    return [self.resid_dropout(self.c_proj(out.reshape(*x.shape[:-1], -1)))]
+
+
+def _xglm_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
+    impl = _dispatching(self)
+    if impl is None:
+        return type(self).forward(self, hidden_states, key_value_states=key_value_states, cache=cache,
+                                  attention_mask=attention_mask, **kwargs)  # fmt: skip
+    if cache is not None or key_value_states is not None:
+        raise ValueError("XGLMAttention under CP: self-attention without a KV cache only (pass use_cache=False)")
+    _no_dropout(self, self.dropout)
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    query = (self.q_proj(hidden_states) * self.scaling).view(shape).transpose(1, 2)  # scaled before the product
+    key, value = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.k_proj, self.v_proj))
+    out = _plain(self, impl, query, key, value, 1.0)
+    return self.out_proj(out.reshape(*hidden_states.shape[:-1], self.embed_dim)), None
+
+
 def _falcon_forward(self, hidden_states, attention_mask=None, position_ids=None, layer_past=None, use_cache=False,
                     output_attentions=False, position_embeddings=None, **kwargs):  # fmt: skip
     impl = _dispatching(self)
@@ -182,7 +258,16 @@ def _falcon_forward(self, hidden_states, attention_mask=None, position_ids=None,
 
 _FORWARDS = {"BloomAttention": _bloom_forward, "MptAttention": _mpt_forward,
              "GPTNeoSelfAttention": _gpt_neo_forward, "GPTNeoFlashAttention2": _gpt_neo_forward,
-             "FalconAttention": _falcon_forward}  # fmt: skip
+             "FalconAttention": _falcon_forward, "GPTNeoXJapaneseAttention": _gpt_neox_japanese_forward,
+             "OpenAIGPTAttention": _openai_gpt_forward, "XGLMAttention": _xglm_forward}  # fmt: skip
+
+
+def dispatch_key(cls: type) -> str:
+    """The name this module knows an attention class by: its class name, except OpenAI GPT's ``Attention``
+    (``"OpenAIGPTAttention"``, a name no other model's class shares)."""
+    if cls.__name__ == "Attention" and cls.__module__.endswith("modeling_openai"):
+        return "OpenAIGPTAttention"
+    return cls.__name__
 
 
 def dispatch_alibi_layers(model: torch.nn.Module, impls: dict[str, str]) -> int:
@@ -193,7 +278,7 @@ def dispatch_alibi_layers(model: torch.nn.Module, impls: dict[str, str]) -> int:
     the mask). Mutates the modules (an instance ``forward``); idempotent. Returns how many."""
     count = 0
     for module in model.modules():
-        name = type(module).__name__
+        name = dispatch_key(type(module))
         if name not in _FORWARDS or (name == "FalconAttention" and getattr(module.config, "alibi", False) is not True):
             continue  # Falcon without ALiBi dispatches through AttentionInterface itself
         module._automodel_config = model.config

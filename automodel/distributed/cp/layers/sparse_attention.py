@@ -44,16 +44,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from automodel.distributed.cp.active import innermost
+from automodel.distributed.cp.layers.dynamic_mask import dynamic_mask, dynamic_mask_attention
 from automodel.distributed.cp.layers.sparse_support import (
     DSA_ATTENTION,
     DSA_ROPE_BY_RELEASE,
     DSA_ROPE_LAST,
+    DYNAMIC_MASK_ATTENTION,
     SPARSE_METHODS,
 )
 from automodel.errors import CPUnsupportedError
 
 __all__ = [
     "DSA_ATTN_NAME",
+    "DYNAMIC_MASK_ATTN_NAME",
     "QUERY_BLOCK",
     "DsaStep",
     "Placement",
@@ -70,6 +73,8 @@ __all__ = [
 
 #: the attention function a DSA layer looks up under CP (registered in transformers' AttentionInterface)
 DSA_ATTN_NAME = "automodel_dsa"
+#: the attention function Doge's dynamic mask attention looks up under CP (:mod:`~.dynamic_mask`)
+DYNAMIC_MASK_ATTN_NAME = "automodel_dynamic_mask"
 #: queries per block of the indexer's scores and of the attention (whose blocks are recomputed in the backward)
 QUERY_BLOCK = 256
 _MARK = "_automodel_cp_dsa"
@@ -483,11 +488,12 @@ def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 class _ConfigView:
-    """The module's config with ``_attn_implementation`` = :data:`DSA_ATTN_NAME` (for one call)."""
+    """The module's config with ``_attn_implementation`` = ``name`` (:data:`DSA_ATTN_NAME` by default; for one
+    call)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, name: str = DSA_ATTN_NAME) -> None:
         object.__setattr__(self, "_config", config)
-        object.__setattr__(self, "_attn_implementation", DSA_ATTN_NAME)
+        object.__setattr__(self, "_attn_implementation", name)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._config, name)
@@ -593,8 +599,44 @@ def dsa_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _run(self, call, placement_of(method, ctx))
 
 
+def _run_dynamic_mask(module: torch.nn.Module, call: dict[str, Any], place: Placement) -> Any:
+    """Doge's own forward on ``place`` (:mod:`~.dynamic_mask`): the cache gathers K and V, the dynamic mask is the
+    document's, the attention function :data:`DYNAMIC_MASK_ATTN_NAME`. Restores the module afterwards."""
+    call["attention_mask"] = None  # the placement's documents replace the method's mask
+    config = module.config
+    module.config = _ConfigView(config, DYNAMIC_MASK_ATTN_NAME)
+    module.prepare_dynamic_mask = types.MethodType(lambda self, **kw: dynamic_mask(self, place, **kw), module)
+    cache_name = "cache" if "cache" in _SIGNATURES[type(module)].parameters else "past_key_values"
+    try:
+        return type(module).forward(module, **{cache_name: DsaStep(place, None)}, **call)
+    finally:
+        module.config = config
+        del module.prepare_dynamic_mask
+
+
+def dynamic_mask_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The installed forward of a Doge attention module: the class's forward outside a CP context (per document on
+    packed rows), :func:`_run_dynamic_mask` on the context's placement inside one."""
+    call = _bound(self, args, kwargs)
+    cache = call.pop("past_key_values", None) or call.pop("cache", None)
+    active = _active()
+    if active is None:
+        place = _packed_placement(call) if cache is None else None
+        return type(self).forward(self, *args, **kwargs) if place is None else _run_dynamic_mask(self, call, place)
+    method, ctx = active
+    if cache is not None:
+        raise CPUnsupportedError(
+            f"distributed.cp_method={method}: {type(self).__name__} got a cache; CP runs training forwards only "
+            "(call the model with use_cache=False)"
+        )
+    ctx.calls += 1
+    return _run_dynamic_mask(self, call, placement_of(method, ctx))
+
+
 # a compiled model runs the DSA layer outside its graph (per-document loops, collectives), as every CP attention
 _DSA_FORWARD = torch._dynamo.disable(dsa_module_forward, reason="automodel: CP DSA runs outside the compiled graph")
+_DYNAMIC_MASK_FORWARD = torch._dynamo.disable(dynamic_mask_module_forward,
+                                              reason="automodel: CP dynamic mask attention runs outside the graph")
 
 
 def dsa_indexer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor,
@@ -645,6 +687,8 @@ def _register() -> None:
 
     if ALL_ATTENTION_FUNCTIONS._global_mapping.get(DSA_ATTN_NAME) is not dsa_attention:
         ALL_ATTENTION_FUNCTIONS._global_mapping[DSA_ATTN_NAME] = dsa_attention
+    if ALL_ATTENTION_FUNCTIONS._global_mapping.get(DYNAMIC_MASK_ATTN_NAME) is not dynamic_mask_attention:
+        ALL_ATTENTION_FUNCTIONS._global_mapping[DYNAMIC_MASK_ATTN_NAME] = dynamic_mask_attention
 
 
 def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
@@ -660,6 +704,12 @@ def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
     count = 0
     for module in model.modules():
         name = type(module).__name__
+        if name in DYNAMIC_MASK_ATTENTION and sparse.get(getattr(module, "layer_idx", None)) == name:
+            if not getattr(module, _MARK, False):  # Doge: K and V gathered, top-k per document (dynamic_mask.py)
+                module.forward = types.MethodType(_DYNAMIC_MASK_FORWARD, module)
+                setattr(module, _MARK, True)
+            count += 1
+            continue
         # dots3's class runs its sliding-window layers too: only the layers the profile calls sparse get the kernel
         if name not in DSA_ATTENTION or sparse.get(getattr(module, "layer_idx", None)) != name:
             continue

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "SPARSE_METHODS", "sparse_attention_problem"]
+__all__ = [
+    "DSA_ATTENTION",
+    "DSA_ROPE_BY_RELEASE",
+    "DSA_ROPE_LAST",
+    "DYNAMIC_MASK_ATTENTION",
+    "SPARSE_METHODS",
+    "sparse_attention_problem",
+]
 
 #: attention class -> the RoPE its indexer applies to its query and key (``"half"``: transformers'
 #: ``apply_rotary_pos_emb``, the rotary dimensions split in two halves, DeepSeek-V3.2; ``"interleaved"``:
@@ -33,6 +40,12 @@ DSA_ATTENTION: dict[str, str] = {
     "Dots3NoteTextAttention": "interleaved",
     "HYV4Attention": "interleaved",  # transformers >= 5.25; 5.17-5.24 rotate halves (DSA_ROPE_BY_RELEASE)
 }
+
+#: attention classes whose keys are chosen per query by a learned per-key score rather than an indexer (Doge's dynamic
+#: mask attention: each key's bias ``exp(A_h * softplus(dt_proj(v_j)))``, added to its scores, and past
+#: ``keep_window_size`` visible keys only the top ``keep_window_size`` by bias kept): the same placement, K and V
+#: all-gathered instead of the latents (:mod:`~automodel.distributed.cp.layers.dynamic_mask`)
+DYNAMIC_MASK_ATTENTION: frozenset[str] = frozenset({"DogeAttention"})
 
 #: attention classes whose indexer's RoPE layout changed between transformers releases: the layout is the one
 #: whose function the installed indexer's source calls (HY-V4: halves in 5.17-5.24, interleaved pairs from 5.25)
@@ -58,10 +71,9 @@ def sparse_attention_problem(method: str, layer: Any) -> str | None:
     """Why ``method`` does not compute the ``sparse_attention`` layer ``layer`` exactly (``None``: it does). A layer
     read from the config alone (``mixer`` empty: its class is not known yet) is judged again when the modules are
     read, before the first step."""
-    if layer.mixer and layer.mixer not in DSA_ATTENTION:
-        return (
-            f"{layer.describe()}: the CP kernel knows the DSA attention of {', '.join(sorted(DSA_ATTENTION))} only"
-        )
+    known = {*DSA_ATTENTION, *DYNAMIC_MASK_ATTENTION}
+    if layer.mixer and layer.mixer not in known:
+        return f"{layer.describe()}: the CP kernel knows the sparse attention of {', '.join(sorted(known))} only"
     if method in SPARSE_METHODS:
         return None
     return (
