@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
-from automodel.distributed.cp.layers.sparse_support import DSA_ATTENTION
+from automodel.distributed.cp.layers.sparse_support import COMPRESSED_ATTENTION, DSA_ATTENTION
 
 __all__ = [
     "FULL",
@@ -83,6 +83,9 @@ _CONFIG_LAYER_TYPES = {
     "chunked_attention": CHUNKED,
     "indexed_attention": SPARSE,  # DSA; confirmed by its attention class when the modules are read
     "deepseek_sparse_attention": SPARSE,  # DeepSeek-V3.2's name for it in transformers < 5.25
+    # DeepSeek-V4's window + compressed entries (its sliding_attention layers too, from its model type)
+    "compressed_sparse_attention": SPARSE,
+    "heavily_compressed_attention": SPARSE,
     "linear_attention": LINEAR,
     "mamba": LINEAR,
     "conv": LINEAR,
@@ -144,7 +147,7 @@ class LayerSpec:
             modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
             layer's index as ``<i>`` (:attr:`path_in_stack`).
         known_gap: an ``UNKNOWN`` layer whose computation is known (an ALiBi bias in the mask of a class that
-            does not dispatch it, Doge's dynamic mask, DeepSeek-V4's compressed attention): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
+            does not dispatch it, Doge's dynamic mask): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
             ``""`` for a layer nobody has looked at.
         alibi: the layer adds ALiBi's per-head bias ``slope_h * (j - i)`` to its scores in its own code (BLOOM,
             MPT: :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v to a method that applies it).
@@ -208,6 +211,8 @@ class LayerSpec:
             text = f"sliding-window attention (window {self.window})"
         elif self.kind == CHUNKED:
             text = f"chunked attention (chunk {self.chunk})"
+        elif self.kind == SPARSE and self.mixer in COMPRESSED_ATTENTION:
+            text = f"sliding-window attention with sinks and compressed KV entries ({self.mixer})"
         elif self.kind == SPARSE:
             text = f"sparse attention chosen by an indexer (DSA, {self.mixer or 'indexed_attention'})"
         elif self.kind == LINEAR:
@@ -293,6 +298,8 @@ def _layer_words(layer: LayerSpec) -> str:
         return f"sliding window {layer.window}"
     if layer.kind == CHUNKED:
         return f"chunked attention {layer.chunk}"
+    if layer.kind == SPARSE and layer.mixer in COMPRESSED_ATTENTION:
+        return "compressed attention (DeepSeek-V4)"
     if layer.kind == SPARSE:
         return "sparse attention (DSA)"
     if layer.kind == LINEAR:
@@ -434,21 +441,11 @@ _KNOWN_ATTENTION = {
         "keep_window_size keys of largest bias among the keys it sees (in its document), which needs the bias of "
         "every earlier key of the document on the query's rank (an all-gather of [heads, tokens])",
     ),
-    "DeepseekV4Attention": (
-        "DeepseekV4Attention: sliding-window multi-query attention with per-head sinks over the last window of "
-        "tokens plus compressed KV entries (each the learned pooling of a block of 4 or 128 tokens, CSA layers "
-        "choosing their blocks with an indexer)",
-        "a rank holding part of the row would need the compressed entries of every earlier block, pooled over "
-        "tokens that other ranks hold, and the indexer's keys of those blocks; it can be exact under CP (gather "
-        "the compressors' per-token inputs as DSA gathers its latent KV, pool whole blocks in global order, "
-        "window and sinks through the halo kernel), but no CP method computes it yet",
-    ),
 }
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
 _MODEL_TYPE_ATTENTION = {
     "doge": "DogeAttention",
-    "deepseek_v4": "DeepseekV4Attention",
 }
 #: attention classes that add ALiBi in their own code, made to dispatch by :mod:`~automodel.distributed.cp.layers.alibi`
 #: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
@@ -591,7 +588,15 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
             return LayerSpec(**{**spec, "module_path": path, "mixer": f"{base.mixer or '?'}: {type(layer).__name__}"})
         spec.update(kind=UNKNOWN, module_path=path, mixer=type(layer).__name__ + " (no attention module found)")
         return LayerSpec(**spec)
-    if base.kind == UNKNOWN and type(attention).__name__ in _KNOWN_ATTENTION:  # a layer type of its own (DeepSeek-V4)
+    if type(attention).__name__ in COMPRESSED_ATTENTION and (base.is_attention or base.kind == UNKNOWN):
+        # DeepSeek-V4: every layer type of it (window only, HCA, CSA) runs the compressed-attention kernel
+        dim = getattr(attention, "head_dim", None)
+        spec.update(kind=SPARSE, mixer=type(attention).__name__, window=getattr(attention, "sliding_window", None),
+                    sinks=True, sparse_widths=_compressed_widths(getattr(attention, "config", None),
+                                                                 getattr(attention, "layer_type", "")),
+                    **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))  # fmt: skip
+        return LayerSpec(**spec)
+    if base.kind == UNKNOWN and type(attention).__name__ in _KNOWN_ATTENTION:  # a layer type of its own
         mixer, gap = _KNOWN_ATTENTION[type(attention).__name__]
         spec.update(kind=UNKNOWN, module_path=attention_path, mixer=f"{mixer} ({base.mixer or 'its own layer type'})",
                     known_gap=gap)  # fmt: skip
@@ -657,6 +662,24 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
     if isinstance(v, int):
         spec["v_head_dim"] = v
     return LayerSpec(**spec)
+
+
+#: DeepSeek-V4's model type: every attention layer is its compressed attention (``COMPRESSED_ATTENTION``)
+_COMPRESSED_MODEL_TYPES = ("deepseek_v4",)
+
+
+def _compressed_widths(text: Any, layer_type: str) -> tuple[int, int] | None:
+    """A DeepSeek-V4 layer's gathered state per token, ``(with gradient, without)`` in elements: the window's K = V
+    (``head_dim``) plus the compressor's ``kv_proj`` and ``gate_proj`` outputs (HCA ``2 * head_dim``, CSA ``4 * head_dim``),
+    and the CSA indexer's (``4 * index_head_dim``, no gradient); ``None`` where the config has no head size."""
+    head = _get(text, "head_dim", None)
+    if not isinstance(head, int):
+        return None
+    if layer_type == "compressed_sparse_attention":
+        return 5 * head, 4 * int(_get(text, "index_head_dim", 0) or 0)
+    if layer_type == "heavily_compressed_attention":
+        return 3 * head, 0
+    return head, 0
 
 
 def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
@@ -766,8 +789,15 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
                   for spec in layers]  # fmt: skip
     if str(_get(text, "model_type", "")) == "gpt_neo" and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "own_code": True}) if spec.is_attention else spec for spec in layers]
+    if str(_get(text, "model_type", "")) in _COMPRESSED_MODEL_TYPES and not from_modules:  # DeepSeek-V4's config
+        types_ = _get(text, "layer_types", None) or []
+        layers = [LayerSpec(**{**spec.__dict__, "kind": SPARSE, "mixer": "", "sinks": True,
+                               "window": _get(text, "sliding_window", None),
+                               "sparse_widths": _compressed_widths(text, types_[spec.index] if spec.index < len(types_)
+                                                                   else "")})
+                  if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
-    if known and not from_modules:  # GPT-Neo, Doge, DeepSeek-V4 from their config alone
+    if known and not from_modules:  # Doge from their config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
                   if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
     if bias and not from_modules and not falcon_alibi:  # the config alone: its attention layers carry the bias

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "SPARSE_METHODS", "sparse_attention_problem"]
+__all__ = ["COMPRESSED_ATTENTION", "DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "SPARSE_METHODS", "sparse_attention_problem"]
 
 #: attention class -> the RoPE its indexer applies to its query and key (``"half"``: transformers'
 #: ``apply_rotary_pos_emb``, the rotary dimensions split in two halves, DeepSeek-V3.2; ``"interleaved"``:
@@ -44,7 +44,12 @@ DSA_ROPE_BY_RELEASE: frozenset[str] = frozenset({"HYV4Attention"})
 #: ReLU); their attention adds per-head sinks to the softmax (``s_aux``) and gates its output (token-local)
 DSA_ROPE_LAST: frozenset[str] = frozenset({"HYV4Attention"})
 
-#: method name -> how it runs a DSA layer
+#: attention classes of DeepSeek-V4's kind: a sliding window with sinks plus compressed KV entries (HCA), chosen by an
+#: indexer on CSA layers (:mod:`~automodel.distributed.cp.layers.compressed_attention`): the window's K = V and the
+#: compressors' per-token projections all-gathered, whole blocks pooled per document in global order
+COMPRESSED_ATTENTION: frozenset[str] = frozenset({"DeepseekV4Attention"})
+
+#: method name -> how it runs a DSA layer (and a DeepSeek-V4 compressed-attention layer: the same gathers)
 SPARSE_METHODS = {
     "ring": "latent KV and indexer keys all-gathered over the CP group; queries local",
     "thd": "latent KV and indexer keys all-gathered over the CP group; queries local; top-k per document",
@@ -58,10 +63,9 @@ def sparse_attention_problem(method: str, layer: Any) -> str | None:
     """Why ``method`` does not compute the ``sparse_attention`` layer ``layer`` exactly (``None``: it does). A layer
     read from the config alone (``mixer`` empty: its class is not known yet) is judged again when the modules are
     read, before the first step."""
-    if layer.mixer and layer.mixer not in DSA_ATTENTION:
-        return (
-            f"{layer.describe()}: the CP kernel knows the DSA attention of {', '.join(sorted(DSA_ATTENTION))} only"
-        )
+    if layer.mixer and layer.mixer not in DSA_ATTENTION and layer.mixer not in COMPRESSED_ATTENTION:
+        known = sorted(DSA_ATTENTION) + sorted(COMPRESSED_ATTENTION)
+        return f"{layer.describe()}: the CP kernel knows the sparse attention of {', '.join(known)} only"
     if method in SPARSE_METHODS:
         return None
     return (
