@@ -143,6 +143,28 @@ DSA_CASES.update({  # ring rows right-padded to split evenly (45, 47 -> 48): the
     f"{family}/ring/float64/dense/{n}": dict(family=family, method="ring", dtype="float64", docs=[n], dense_mlp=True)
     for family, n in (("deepseek_v32", 45), ("glm_moe_dsa", 47))
 })
+# DeepSeek-V4 (cp/layers/compressed_attention.py): a window with sinks (layer 0 alone), HCA (blocks of 8) and CSA (blocks
+# of 4, overlapping pools, the indexer keeping 3 per query) in one model, the sinks, pooling biases and hash routing
+# drawn afresh; fp64 with its fp32 casts (norms, RoPE, hyper-connections, pooling softmax) in fp64 (exact_norms).
+# Ring on rows of 48 and 45 (right-padded to split evenly: blocks pooled over the real length), thd and Ulysses on
+# packed rows against each document alone
+V4_CONFIG = {
+    "num_hidden_layers": 4, "sliding_window": 8, "index_topk": 3,
+    "layer_types": ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
+                    "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+}  # fmt: skip
+V4_RANDOM = ("sinks", "position_bias", "tid2eid")
+V4_CASES = {
+    f"deepseek_v4/{method}/{dtype}" + (f"/{n}" if n else ""): dict(
+        family="deepseek_v4", method=method, dtype=dtype, docs=[n or 48] if method == "ring" else [21, 34, 9],
+        config=V4_CONFIG, randomize=V4_RANDOM, exact_norms=True,
+    )
+    for method in ("ring", "thd", "ulysses")
+    for dtype in ("float32", "float64")
+    for n in ((0, 45) if method == "ring" and dtype == "float64" else (0,))
+}
+DSA_CASES.update(V4_CASES)
 DSA_NEGATIVE = {
     "deepseek_v32/ulysses_local_positions/float64/dense": dict(
         family="deepseek_v32", method="ulysses_local_positions", dtype="float64", docs=[48], dense_mlp=True
@@ -151,6 +173,7 @@ DSA_NEGATIVE = {
 DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dense") and "dots3" not in name}
 DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
 DSA_CP4.update({name: DSA_CASES[name] for name in ("hy_v4/ring/float64/dense/shared", "hy_v4/thd/float64/dense/shared")})
+DSA_CP4.update({name: case for name, case in V4_CASES.items() if case["dtype"] == "float64"})
 DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}
 
 
@@ -240,20 +263,26 @@ def test_output_layout_is_transformers():
         halo_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], layout, window=3)
 
 
+def _sparse_close(r: dict, name: str, dtype: str) -> bool:
+    """DSA: every gradient to the tolerance relative to its own largest entry. DeepSeek-V4: relative to its largest
+    entry floored at 1e-3 of the model's largest (the table's measure): the final hyper-connection's scalar scale
+    has a gradient summed over every token that nearly cancels, so its own relative round-off is 10x the rest's
+    (fp64: 1.8e-13 against 3e-14 floored), which says nothing about the kernel."""
+    loss_tol, grad_tol = DSA_TOLERANCES[dtype]
+    grad = r["grad_rel_floored"] if name.startswith("deepseek_v4/") else r["grad_rel"]
+    return r["loss_rel"] <= loss_tol and grad <= grad_tol and not r["missing"]
+
+
 @pytest.mark.parametrize("name", list(DSA_CASES))
 def test_sparse_attention_matches_one_process_cp2(cp2, name):
-    loss_tol, grad_tol = DSA_TOLERANCES[DSA_CASES[name]["dtype"]]
     for rank in cp2:
-        r = rank[name]
-        assert r["loss_rel"] <= loss_tol and r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
+        assert _sparse_close(rank[name], name, DSA_CASES[name]["dtype"]), (name, rank[name])
 
 
 @pytest.mark.parametrize("name", list(DSA_CP4))
 def test_sparse_attention_matches_one_process_cp4(cp4, name):
-    loss_tol, grad_tol = DSA_TOLERANCES[DSA_CP4[name]["dtype"]]
     for rank in cp4:
-        r = rank[name]
-        assert r["loss_rel"] <= loss_tol and r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
+        assert _sparse_close(rank[name], name, DSA_CP4[name]["dtype"]), (name, rank[name])
 
 
 def test_sparse_attention_comparison_sees_rope_at_local_positions(cp2, cp4):

@@ -35,7 +35,11 @@ CASES += [("bloom", "float32"), ("bloom", "float64")]
 CASES += [("gpt_neo", "float32"), ("gpt_neo", "float64")]
 #: Falcon with alibi=True: its bf16 ALiBi for each Ulysses rank's heads, the key's in-document position
 CASES += [("falcon_alibi", "float32"), ("falcon_alibi", "float64")]
-EXACT_NORMS = ("gemma4_text", "hy_v4_dense")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
+#: DeepSeek-V4: window + sinks, HCA and CSA layers (tests/test_layer_kinds.py's V4_CONFIG), sinks, pooling biases
+#: and hash routing drawn afresh
+CASES += [("deepseek_v4", "float32"), ("deepseek_v4", "float64")]
+#: HY-V4: its hyper-connections in fp64; DeepSeek-V4: its norms, RoPE, hyper-connections and pooling (exact_norms.py)
+EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "deepseek_v4")
 
 
 def _model(family: str, dtype: torch.dtype):
@@ -53,6 +57,12 @@ def _model(family: str, dtype: torch.dtype):
         from tests.workers.layer_kinds_worker import build_case_model
 
         model = build_case_model({"family": "falcon", "config": {"alibi": True}})
+    elif family == "deepseek_v4":
+        from tests.test_layer_kinds import V4_CONFIG, V4_RANDOM
+        from tests.workers.layer_kinds_worker import build_case_model, randomize
+
+        model = build_case_model({"family": family, "config": V4_CONFIG})
+        randomize(model, V4_RANDOM)
     elif family.endswith("_dense"):  # DSA with every MLP dense (no fp32 router): fp64 shows fp64's round-off
         from tests.workers.layer_kinds_worker import build_case_model
 
@@ -97,6 +107,6 @@ def _case(family: str, dtype: torch.dtype, mesh, world_size: int) -> dict:
     n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
     ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
     loss, grads, attn = _usp_step(copy.deepcopy(base), mesh, pack(rows, 2 * world_size), n_labels)
-    worst = max(float((grads[n] - g).abs().max() / max(g.abs().max().item(), 1e-30)) for n, g in ref_grads.items())
-    missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
-    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing, "attn": attn}
+    from tests.workers.layer_kinds_worker import grad_errors
+
+    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), **grad_errors(grads, ref_grads), "attn": attn}
