@@ -168,7 +168,12 @@ DSA_CASES.update(V4_CASES)
 DSA_NEGATIVE = {
     "deepseek_v32/ulysses_local_positions/float64/dense": dict(
         family="deepseek_v32", method="ulysses_local_positions", dtype="float64", docs=[48], dense_mlp=True
-    )
+    ),
+    # DeepSeek-V4 fed each rank's LOCAL positions: its queries' and window keys' RoPE, its indexer's query RoPE
+    "deepseek_v4/ulysses_local_positions/float64": dict(
+        family="deepseek_v4", method="ulysses_local_positions", dtype="float64", docs=[48], config=V4_CONFIG,
+        randomize=V4_RANDOM, exact_norms=True,
+    ),
 }
 DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dense") and "dots3" not in name}
 DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
@@ -287,5 +292,6 @@ def test_sparse_attention_matches_one_process_cp4(cp4, name):
 
 def test_sparse_attention_comparison_sees_rope_at_local_positions(cp2, cp4):
     for ranks in (cp2, cp4):
-        r = ranks[0]["deepseek_v32/ulysses_local_positions/float64/dense"]
-        assert r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-5, r
+        for name in ("deepseek_v32/ulysses_local_positions/float64/dense", "deepseek_v4/ulysses_local_positions/float64"):
+            r = ranks[0][name]
+            assert r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-5, (name, r)

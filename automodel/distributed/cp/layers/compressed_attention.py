@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from automodel.distributed.cp.layers.sparse_attention import (
+    _SIGNATURES,
     QUERY_BLOCK,
     Placement,
     _active,
@@ -328,8 +329,9 @@ def _run(module: torch.nn.Module, call: dict[str, Any], place: Placement) -> Any
     config = module.config
     module.config = _ConfigView(config)
     module._automodel_v4_step = step
+    cache_name = "cache" if "cache" in _SIGNATURES[type(module)].parameters else "past_key_values"  # < 5.25
     try:
-        return type(module).forward(module, cache=step, **call)
+        return type(module).forward(module, **{cache_name: step}, **call)
     finally:
         module.config = config
         del module._automodel_v4_step
