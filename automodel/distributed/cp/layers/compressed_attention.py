@@ -233,6 +233,18 @@ class CompressedStep:
         return picks
 
 
+def _query_blocks(ids: torch.Tensor) -> list[slice]:
+    """This rank's queries ``ids`` ``[n]`` (global ids, local order) in blocks of at most :data:`QUERY_BLOCK`, each a
+    run of consecutive ids (a block never spans a gap: ring's two chunks, thd's documents), so that the window keys a
+    block reaches are at most ``QUERY_BLOCK + window - 1``."""
+    n = int(ids.numel())
+    gaps = ((ids[1:] != ids[:-1] + 1).nonzero().flatten() + 1).tolist() if n > 1 else []
+    blocks = []
+    for lo, hi in zip([0, *gaps], [*gaps, n]):
+        blocks += [slice(i, min(hi, i + QUERY_BLOCK)) for i in range(lo, hi, QUERY_BLOCK)]
+    return blocks
+
+
 def compressed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -264,9 +276,8 @@ def compressed_attention(
     B, H, n, _ = query.shape
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     ids = place.ids.to(query.device)
-    outs = []
-    for i in range(0, n, QUERY_BLOCK):
-        blk = slice(i, min(n, i + QUERY_BLOCK))
+    outs, blocks = [], _query_blocks(place.ids)
+    for blk in blocks:
         q_ids = ids[blk]
         top = int(q_ids.max()) + 1
         low = max(0, int(q_ids.min()) - window + 1) if window else 0
@@ -297,7 +308,7 @@ def compressed_attention(
                 parts.append(key[:, :, T + first : T + last])
         k_blk = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         args = (query[:, :, blk], k_blk, k_blk, mask[:, None], scale, sinks)
-        if torch.is_grad_enabled() and n > QUERY_BLOCK:
+        if torch.is_grad_enabled() and len(blocks) > 1:
             from torch.utils.checkpoint import checkpoint
 
             outs.append(checkpoint(_masked_attention, *args, use_reentrant=False))
