@@ -9,7 +9,9 @@ layer's token mixer, which is what decides whether a CP method computes the laye
 - ``chunked_attention``: causal attention inside fixed chunks of ``chunk`` tokens (Llama 4);
 - ``sparse_attention``: DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5, dots3's ``indexed_attention``, HY-V4):
   latent attention whose keys an indexer chooses per query (the top ``index_topk`` of the query's document),
-  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`);
+  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`); and
+  DeepSeek-V4's attention, a window with sinks plus compressed KV entries that an indexer chooses on its CSA layers
+  (:data:`~automodel.distributed.cp.layers.sparse_support.COMPRESSED_ATTENTION`: every layer of ``deepseek_v4``);
 - ``linear_mixer``: linear attention or a state-space / convolution mixer (Gated DeltaNet, Mamba,
   short convolutions): a state carried along the sequence, not a softmax over keys;
 - ``mlp_only``: no token mixer at all (a block of MLP / MoE only, Nemotron-H's ``mlp`` and ``moe`` layers):
