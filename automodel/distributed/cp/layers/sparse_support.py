@@ -68,6 +68,12 @@ def sparse_attention_problem(method: str, layer: Any) -> str | None:
         return f"{layer.describe()}: the CP kernel knows the sparse attention of {', '.join(known)} only"
     if method in SPARSE_METHODS:
         return None
+    if layer.mixer in COMPRESSED_ATTENTION:
+        return (
+            f"{layer.describe()} pools blocks of every earlier token of the document into the entries each query "
+            f"attends, which {method} splits over the ranks without gathering the compressors' inputs (methods with "
+            f"its kernel: {', '.join(SPARSE_METHODS)})"
+        )
     return (
         f"{layer.describe()} selects each query's keys from the whole document, which {method} splits over the "
         f"ranks without gathering the indexer keys (methods with a DSA kernel: {', '.join(SPARSE_METHODS)})"
