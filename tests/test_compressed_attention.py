@@ -31,9 +31,8 @@ from automodel.distributed.cp.layers.sparse_attention import Placement, Stage
 from automodel.distributed.cp.layers.sparse_layers import install_sparse_attention, installed_on
 from automodel.distributed.cp.method import profile_problems
 from automodel.distributed.cp.profile import SPARSE, profile_line
-from tests.test_layer_kinds import V4_CONFIG, V4_RANDOM
 from tests.workers.exact_norms import norms_in_input_dtype
-from tests.workers.layer_kinds_worker import build_case_model, randomize
+from tests.workers.layer_kinds_worker import V4_CONFIG, V4_RANDOM, build_case_model, randomize
 
 
 def _model(dtype=torch.float64):

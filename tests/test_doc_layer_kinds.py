@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_harness import run_distributed
+from tests.workers.layer_kinds_worker import V4_CONFIG, V4_RANDOM
 
 WINDOW = 16  # tests/family_matrix.py: the families' windows and attention chunks
 FAMILIES = ("mistral", "gemma2", "gpt_oss", "deepseek_v3", "llama4_text")
@@ -56,10 +57,8 @@ DSA = {
     for dtype in ("float32", "float64")
 }
 CP2.update(DSA)
-# DeepSeek-V4: window + sinks, HCA and CSA layers (tests/test_layer_kinds.py's V4_CONFIG), sinks, pooling biases and
+# DeepSeek-V4: window + sinks, HCA and CSA layers (tests/workers/layer_kinds_worker.py's V4_CONFIG), sinks, pooling biases and
 # hash routing drawn afresh, fp64 with its fp32 casts in fp64; the split document's blocks straddle the ranks
-from tests.test_layer_kinds import V4_CONFIG, V4_RANDOM  # noqa: E402
-
 V4 = {
     f"deepseek_v4/packed/{dtype}": dict(family="deepseek_v4", dtype=dtype, rows=[[70, 24, 22]], packed=True,
                                         config=V4_CONFIG, randomize=V4_RANDOM, exact_norms=True)

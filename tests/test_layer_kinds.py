@@ -14,6 +14,7 @@ import torch
 
 from tests.dist_harness import run_distributed
 from tests.family_matrix import family_by_name
+from tests.workers.layer_kinds_worker import V4_CONFIG, V4_RANDOM
 
 pytestmark = pytest.mark.dist
 
@@ -148,13 +149,6 @@ DSA_CASES.update({  # ring rows right-padded to split evenly (45, 47 -> 48): the
 # drawn afresh; fp64 with its fp32 casts (norms, RoPE, hyper-connections, pooling softmax) in fp64 (exact_norms).
 # Ring on rows of 48 and 45 (right-padded to split evenly: blocks pooled over the real length), thd and Ulysses on
 # packed rows against each document alone
-V4_CONFIG = {
-    "num_hidden_layers": 4, "sliding_window": 8, "index_topk": 3,
-    "layer_types": ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
-                    "compressed_sparse_attention"],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-}  # fmt: skip
-V4_RANDOM = ("sinks", "position_bias", "tid2eid")
 V4_CASES = {
     f"deepseek_v4/{method}/{dtype}" + (f"/{n}" if n else ""): dict(
         family="deepseek_v4", method=method, dtype=dtype, docs=[n or 48] if method == "ring" else [21, 34, 9],

@@ -26,6 +26,16 @@ from tests.workers.exact_norms import norms_in_input_dtype
 from tests.workers.thd_attention_worker import _ce, pack
 
 SENTINEL = -1000
+#: DeepSeek-V4's test model (tests/test_layer_kinds.py, test_doc_layer_kinds.py, test_usp.py,
+#: test_compressed_attention.py): a window with sinks (layer 0 alone), HCA (blocks of 8) and CSA (blocks of 4,
+#: overlapping pools, the indexer keeping 3 per query), and the parameters drawn afresh (:func:`randomize`)
+V4_CONFIG = {
+    "num_hidden_layers": 4, "sliding_window": 8, "index_topk": 3,
+    "layer_types": ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
+                    "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+}  # fmt: skip
+V4_RANDOM = ("sinks", "position_bias", "tid2eid")
 ATTN_SEEN: list[tuple[str, str]] = []  # the model's attention implementation inside and after each CP step
 
 

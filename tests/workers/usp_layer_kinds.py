@@ -35,7 +35,7 @@ CASES += [("bloom", "float32"), ("bloom", "float64")]
 CASES += [("gpt_neo", "float32"), ("gpt_neo", "float64")]
 #: Falcon with alibi=True: its bf16 ALiBi for each Ulysses rank's heads, the key's in-document position
 CASES += [("falcon_alibi", "float32"), ("falcon_alibi", "float64")]
-#: DeepSeek-V4: window + sinks, HCA and CSA layers (tests/test_layer_kinds.py's V4_CONFIG), sinks, pooling biases
+#: DeepSeek-V4: window + sinks, HCA and CSA layers (layer_kinds_worker.V4_CONFIG), sinks, pooling biases
 #: and hash routing drawn afresh
 CASES += [("deepseek_v4", "float32"), ("deepseek_v4", "float64")]
 #: HY-V4: its hyper-connections in fp64; DeepSeek-V4: its norms, RoPE, hyper-connections and pooling (exact_norms.py)
@@ -58,8 +58,7 @@ def _model(family: str, dtype: torch.dtype):
 
         model = build_case_model({"family": "falcon", "config": {"alibi": True}})
     elif family == "deepseek_v4":
-        from tests.test_layer_kinds import V4_CONFIG, V4_RANDOM
-        from tests.workers.layer_kinds_worker import build_case_model, randomize
+        from tests.workers.layer_kinds_worker import V4_CONFIG, V4_RANDOM, build_case_model, randomize
 
         model = build_case_model({"family": family, "config": V4_CONFIG})
         randomize(model, V4_RANDOM)
