@@ -90,36 +90,55 @@ def _weights(gate: torch.Tensor) -> torch.Tensor:
     return sys.modules[__name__].pool_weights(gate)  # looked up per call: the fp64 tests patch it
 
 
-def _pool(module: torch.nn.Module, kv: torch.Tensor, gate: torch.Tensor, rate: int, dim: int, overlap: bool,
-          rope: Any) -> torch.Tensor:  # fmt: skip
-    """One document's compressed entries, as transformers' compressor computes them for the document alone.
+def _pool(module: torch.nn.Module, kv: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, rate: int, dim: int,
+          overlap: bool, rope: Any) -> torch.Tensor:  # fmt: skip
+    """Every document's compressed entries in one batch, each as transformers' compressor computes it for the
+    document alone (the same operations on the same numbers per block).
 
     Args:
         module: the compressor (or indexer): its ``position_bias``, ``kv_norm``, ``rotary_emb``.
-        kv, gate: ``[L, C]`` the document's per-token projections (``C`` = ``2 * dim`` when ``overlap``, else ``dim``),
-            ``L`` a multiple of ``rate``.
-        overlap: CSA's two series (entry ``w`` pools the first series of block ``w - 1`` and the second of block ``w``).
+        kv, gate: ``[N, rate, C]`` the per-token projections of ``N`` blocks (``C`` = ``2 * dim`` when ``overlap``,
+            else ``dim``), in document order.
+        index: ``[N]`` int64 each block's index in its document (``w``; 0: the document's first block).
+        overlap: CSA's two series: entry ``w`` pools the first series of block ``w - 1`` (none for ``w`` = 0, weight
+            0 as transformers' ``-inf`` gates give it) and the second of block ``w``.
         rope: the modeling file's ``apply_rotary_pos_emb``.
 
     Returns:
-        ``[L // rate, dim]``: entry ``w`` normalised and rotated at position ``rate * w``.
+        ``[N, dim]``: entry ``w`` normalised and rotated at position ``rate * w``.
     """
-    n = kv.shape[0] // rate
-    chunk_kv = kv.view(1, n, rate, -1)
-    chunk_gate = gate.view(1, n, rate, -1) + module.position_bias
+    chunk_kv = kv[None]
+    chunk_gate = gate[None] + module.position_bias
     if overlap:
-        new_kv = chunk_kv.new_zeros((1, n, 2 * rate, dim))
-        new_gate = chunk_gate.new_full((1, n, 2 * rate, dim), float("-inf"))
-        new_kv[:, :, rate:] = chunk_kv[..., dim:]
-        new_gate[:, :, rate:] = chunk_gate[..., dim:]
-        if n > 1:
-            new_kv[:, 1:, :rate] = chunk_kv[:, :-1, :, :dim]
-            new_gate[:, 1:, :rate] = chunk_gate[:, :-1, :, :dim]
-        chunk_kv, chunk_gate = new_kv, new_gate
-    pooled = module.kv_norm((chunk_kv * _weights(chunk_gate).to(chunk_kv.dtype)).sum(dim=2))
-    positions = (torch.arange(n, device=pooled.device) * rate)[None]
+        first = (index == 0).view(1, -1, 1, 1)
+        prev_kv = torch.cat([chunk_kv.new_zeros((1, 1, rate, dim)), chunk_kv[:, :-1, :, :dim]], dim=1)
+        prev_gate = torch.cat([chunk_gate.new_full((1, 1, rate, dim), float("-inf")), chunk_gate[:, :-1, :, :dim]], 1)
+        prev_kv = torch.where(first, torch.zeros((), dtype=prev_kv.dtype, device=prev_kv.device), prev_kv)
+        prev_gate = torch.where(first, torch.full((), float("-inf"), dtype=prev_gate.dtype, device=prev_gate.device),
+                                prev_gate)  # fmt: skip
+        chunk_kv = torch.cat([prev_kv, chunk_kv[..., dim:]], dim=2)
+        chunk_gate = torch.cat([prev_gate, chunk_gate[..., dim:]], dim=2)
+    pooled = module.kv_norm((chunk_kv * _weights(chunk_gate).to(chunk_kv.dtype)).sum(dim=2))  # [1, N, dim]
+    positions = (index.to(pooled.device) * rate)[None]
     cos, sin = module.rotary_emb(pooled, position_ids=positions, layer_type=module.rope_layer_type)
     return rope(pooled.unsqueeze(1), cos, sin).squeeze(1)[0]
+
+
+def _blocks(place: Placement, row: int, rate: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, tuple[int, int]]]:
+    """The blocks of ``rate`` tokens of every document of placement row ``row`` (from its start, up to its real end):
+    ``([N, rate]`` the blocks' token ids, ``[N]`` each block's index in its document, ``{document start: (its
+    first entry on the row's entry axis, its number of entries)})``."""
+    tokens, index, doc_of, at = [], [], {}, 0
+    for d, e in _documents(place, row):
+        count = (e - d) // rate
+        doc_of[d] = (at, count)
+        if count:
+            tokens.append(d + torch.arange(count * rate).view(count, rate))
+            index.append(torch.arange(count))
+        at += count
+    if not tokens:
+        return torch.zeros(0, rate, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), doc_of
+    return torch.cat(tokens), torch.cat(index), doc_of
 
 
 class CompressedStep:
@@ -166,23 +185,19 @@ class CompressedStep:
         rows, lo, hi, offsets, index_rows = [], [], [], [], []
         for b in range(B):
             r = place.row(b)
-            entries, index_keys, at = [], [], 0
-            doc_of = {}
-            for d, e in _documents(place, r):
-                usable = (e - d) // rate * rate
-                doc_of[d] = (at, usable // rate)
-                if usable:
-                    seg = full[b, d : d + usable]
-                    entries.append(_pool(compressor, seg[:, :width], seg[:, width:], rate, dim, overlap, rope))
-                    if indexer is not None:
-                        with torch.no_grad():
-                            iseg = index_full[b, d : d + usable]
-                            half = iseg.shape[-1] // 2
-                            index_keys.append(_pool(indexer, iseg[:, :half], iseg[:, half:], rate, indexer.head_dim,
-                                                    True, rope))  # fmt: skip
-                at += usable // rate
-            rows.append(torch.cat(entries) if entries else full.new_zeros((0, dim)))
-            index_rows.append(index_keys)
+            tokens, index, doc_of = _blocks(place, r, rate)
+            if tokens.shape[0]:
+                seg = full[b][tokens.to(full.device)]  # [N, rate, 2 * width]
+                rows.append(_pool(compressor, seg[..., :width], seg[..., width:], index, rate, dim, overlap, rope))
+                if indexer is not None:
+                    with torch.no_grad():
+                        iseg = index_full[b][tokens.to(full.device)]
+                        half = iseg.shape[-1] // 2
+                        index_rows.append(_pool(indexer, iseg[..., :half], iseg[..., half:], index, rate,
+                                                indexer.head_dim, True, rope))  # fmt: skip
+            else:
+                rows.append(full.new_zeros((0, dim)))
+                index_rows.append(None)
             start = place.doc_start[r][ids]
             first = torch.tensor([doc_of[int(s)][0] for s in start.tolist()], dtype=torch.int64)
             count = torch.tensor([doc_of[int(s)][1] for s in start.tolist()], dtype=torch.int64)
@@ -213,11 +228,10 @@ class CompressedStep:
         for b in range(B):
             r = place.row(b)
             start = place.doc_start[r][place.ids]
-            keys = iter(index_rows[b])
             for d, (first, count) in offsets[b].items():
                 if not count:
                     continue
-                key = next(keys)
+                key = index_rows[b][first : first + count]
                 rows = (start == d).nonzero().flatten()
                 if not rows.numel():
                     continue
