@@ -61,12 +61,12 @@ def test_profile_reads_every_deepseek_v4_layer_as_its_compressed_attention():
         model = build_case_model({"family": "deepseek_v4", "config": V4_CONFIG})
     for profile in (profile_model(model), profile_model(model.config)):
         assert {layer.kind for layer in profile.layers} == {SPARSE}
+        assert {layer.mixer for layer in profile.layers} == {"DeepseekV4Attention"}
         assert all(layer.sinks and layer.window == 8 for layer in profile.layers)
         # window K = V (16); + HCA's kv and gate (2 x 16); + CSA's (2 x 32) and its indexer's (2 x 32, no gradient)
         assert [layer.sparse_widths for layer in profile.layers] == [(16, 0), (48, 0), (80, 64), (80, 64)]
         for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
             assert profile_problems(get_cp_method(method), profile, 64) == [], method
-    assert {layer.mixer for layer in profile_model(model).layers} == {"DeepseekV4Attention"}
     assert "compressed attention (DeepSeek-V4) x4" in profile_line(profile_model(model))
     problems = profile_problems(ToyGather(), profile_model(model), 64)
     assert problems and "ring, thd, thd_docs, ulysses, usp" in problems[0], problems

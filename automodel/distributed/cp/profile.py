@@ -666,8 +666,8 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
     return LayerSpec(**spec)
 
 
-#: DeepSeek-V4's model type: every attention layer is its compressed attention (``COMPRESSED_ATTENTION``)
-_COMPRESSED_MODEL_TYPES = ("deepseek_v4",)
+#: model types whose every attention layer is one class of ``COMPRESSED_ATTENTION`` (DeepSeek-V4)
+_COMPRESSED_MODEL_TYPES = {"deepseek_v4": "DeepseekV4Attention"}
 
 
 def _compressed_widths(text: Any, layer_type: str) -> tuple[int, int] | None:
@@ -791,10 +791,11 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
                   for spec in layers]  # fmt: skip
     if str(_get(text, "model_type", "")) == "gpt_neo" and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "own_code": True}) if spec.is_attention else spec for spec in layers]
-    if str(_get(text, "model_type", "")) in _COMPRESSED_MODEL_TYPES and not from_modules:  # DeepSeek-V4's config
+    model_type = str(_get(text, "model_type", ""))
+    if model_type in _COMPRESSED_MODEL_TYPES and not from_modules:  # DeepSeek-V4's config: its class on every layer
         types_ = _get(text, "layer_types", None) or []
-        layers = [LayerSpec(**{**spec.__dict__, "kind": SPARSE, "mixer": "", "sinks": True,
-                               "window": _get(text, "sliding_window", None),
+        layers = [LayerSpec(**{**spec.__dict__, "kind": SPARSE, "mixer": _COMPRESSED_MODEL_TYPES[model_type],
+                               "sinks": True, "window": _get(text, "sliding_window", None),
                                "sparse_widths": _compressed_widths(text, types_[spec.index] if spec.index < len(types_)
                                                                    else "")})
                   if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
