@@ -658,6 +658,8 @@ KIND_LEGEND = {
     "sinks": "attention sinks",
     "mla": "multi-head latent attention (V head dim != QK head dim)",
     "dsa": "sparse attention chosen by an indexer (DeepSeek sparse attention)",
+    "hca": "a sliding window with sinks plus heavily compressed KV entries (DeepSeek-V4: each pools a block of tokens)",
+    "csa": "a sliding window with sinks plus compressed KV entries chosen by an indexer (DeepSeek-V4)",
     "differential": "differential attention",
     "dynamic-mask": "dynamic mask attention (Doge)",
     "moe": "mixture-of-experts MLPs (a layer of its own where the pattern names it: Nemotron-H's `moe`)",

@@ -14,6 +14,7 @@ import torch
 
 from tests.dist_harness import run_distributed
 from tests.family_matrix import family_by_name
+from tests.workers.layer_kinds_worker import V4_CONFIG, V4_RANDOM
 
 pytestmark = pytest.mark.dist
 
@@ -190,6 +191,21 @@ DOGE_CASES = {
 DOGE_CASES["doge/ring/float64/45"] = dict(family="doge", method="ring", dtype="float64", docs=[45], random_A=True,
                                           exact_norms=True)  # right-padded to 48: the top-k row is the real 45
 DSA_CASES.update(DOGE_CASES)
+# DeepSeek-V4 (cp/layers/compressed_attention.py): a window with sinks (layer 0 alone), HCA (blocks of 8) and CSA (blocks
+# of 4, overlapping pools, the indexer keeping 3 per query) in one model, the sinks, pooling biases and hash routing
+# drawn afresh; fp64 with its fp32 casts (norms, RoPE, hyper-connections, pooling softmax) in fp64 (exact_norms).
+# Ring on rows of 48 and 45 (right-padded to split evenly: blocks pooled over the real length), thd and Ulysses on
+# packed rows against each document alone
+V4_CASES = {
+    f"deepseek_v4/{method}/{dtype}" + (f"/{n}" if n else ""): dict(
+        family="deepseek_v4", method=method, dtype=dtype, docs=[n or 48] if method == "ring" else [21, 34, 9],
+        config=V4_CONFIG, randomize=V4_RANDOM, exact_norms=True,
+    )
+    for method in ("ring", "thd", "ulysses")
+    for dtype in ("float32", "float64")
+    for n in ((0, 45) if method == "ring" and dtype == "float64" else (0,))
+}
+DSA_CASES.update(V4_CASES)
 DSA_NEGATIVE = {
     "deepseek_v32/ulysses_local_positions/float64/dense": dict(
         family="deepseek_v32", method="ulysses_local_positions", dtype="float64", docs=[48], dense_mlp=True
@@ -202,6 +218,11 @@ DSA_NEGATIVE = {
                                                        dtype="float64", docs=[48]),
     "xglm/ulysses_local_positions/float64": dict(family="xglm", method="ulysses_local_positions", dtype="float64",
                                                  docs=[48], default_dtype="float64"),
+    # DeepSeek-V4 fed each rank's LOCAL positions: its queries' and window keys' RoPE, its indexer's query RoPE
+    "deepseek_v4/ulysses_local_positions/float64": dict(
+        family="deepseek_v4", method="ulysses_local_positions", dtype="float64", docs=[48], config=V4_CONFIG,
+        randomize=V4_RANDOM, exact_norms=True,
+    ),
 }
 #: cp 4: the own-code families in fp64 (ring, thd, Ulysses)
 OWN_CODE_CP4 = {name: case for name, case in MODEL_CASES.items() if name.split("/")[0] in OWN_CODE and "64" in name}
@@ -209,13 +230,10 @@ DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dens
 DSA_CP4.update({name: case for name, case in DOGE_CASES.items() if "float64" in name})
 DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
 DSA_CP4.update({name: DSA_CASES[name] for name in ("hy_v4/ring/float64/dense/shared", "hy_v4/thd/float64/dense/shared")})
+DSA_CP4.update({name: case for name, case in V4_CASES.items() if case["dtype"] == "float64"})
 DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}
 #: Doge in fp64 (its RMSNorms in fp64): measured 4e-16 (loss) and 3.9e-13 (gradients, A = 0 at cp 4)
 DOGE_TOLERANCES = {"float64": (1e-14, 1e-12), "float32": (1e-5, 1e-4)}
-
-
-def _sparse_tolerances(name: str, case: dict) -> tuple[float, float]:
-    return (DOGE_TOLERANCES if name.startswith("doge/") else DSA_TOLERANCES)[case["dtype"]]
 
 
 @pytest.fixture(scope="module")
@@ -304,20 +322,26 @@ def test_output_layout_is_transformers():
         halo_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], layout, window=3)
 
 
+def _sparse_close(r: dict, name: str, dtype: str) -> bool:
+    """DSA and Doge (:data:`DOGE_TOLERANCES`): every gradient to the tolerance relative to its own largest entry. DeepSeek-V4: relative to its largest
+    entry floored at 1e-3 of the model's largest (the table's measure): the final hyper-connection's scalar scale
+    has a gradient summed over every token that nearly cancels, so its own relative round-off is 10x the rest's
+    (fp64: 1.8e-13 against 3e-14 floored), which says nothing about the kernel."""
+    loss_tol, grad_tol = (DOGE_TOLERANCES if name.startswith("doge/") else DSA_TOLERANCES)[dtype]
+    grad = r["grad_rel_floored"] if name.startswith("deepseek_v4/") else r["grad_rel"]
+    return r["loss_rel"] <= loss_tol and grad <= grad_tol and not r["missing"]
+
+
 @pytest.mark.parametrize("name", list(DSA_CASES))
 def test_sparse_attention_matches_one_process_cp2(cp2, name):
-    loss_tol, grad_tol = _sparse_tolerances(name, DSA_CASES[name])
     for rank in cp2:
-        r = rank[name]
-        assert r["loss_rel"] <= loss_tol and r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
+        assert _sparse_close(rank[name], name, DSA_CASES[name]["dtype"]), (name, rank[name])
 
 
 @pytest.mark.parametrize("name", list(DSA_CP4))
 def test_sparse_attention_matches_one_process_cp4(cp4, name):
-    loss_tol, grad_tol = _sparse_tolerances(name, DSA_CP4[name])
     for rank in cp4:
-        r = rank[name]
-        assert r["loss_rel"] <= loss_tol and r["grad_rel"] <= grad_tol and not r["missing"], (name, r)
+        assert _sparse_close(rank[name], name, DSA_CP4[name]["dtype"]), (name, rank[name])
 
 
 @pytest.mark.parametrize("name", list(OWN_CODE_CP4))
@@ -330,6 +354,7 @@ def test_own_code_attention_matches_one_process_cp4(cp4, name):
 def test_sparse_attention_comparison_sees_rope_at_local_positions(cp2, cp4):
     for ranks in (cp2, cp4):
         for name in ("deepseek_v32/ulysses_local_positions/float64/dense", "doge/ulysses_local_positions/float64",
-                     "openai-gpt/ulysses_local_positions/float64", "xglm/ulysses_local_positions/float64"):
+                     "openai-gpt/ulysses_local_positions/float64", "xglm/ulysses_local_positions/float64",
+                     "deepseek_v4/ulysses_local_positions/float64"):
             r = ranks[0][name]
             assert r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-6, (name, r)  # openai-gpt at cp 2: 9e-6

@@ -305,7 +305,7 @@ KIND_TOLERANCES = {"float64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), 
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "family", ["mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense",
-     "hy_v4_dense"]
+     "hy_v4_dense", "deepseek_v4"]
 )
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):
@@ -316,12 +316,15 @@ def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):
     ranks, _ = two_nodes
     kind = "fp64_fp32_inside" if dtype == "float64" and family in FP32_INSIDE else dtype
     loss_tol, grad_tol = KIND_TOLERANCES[kind]
-    if dtype == "float64" and family.endswith("_dense"):  # DSA, every MLP dense: measured 2e-16 and 1e-15
+    if dtype == "float64" and (family.endswith("_dense") or family == "deepseek_v4"):  # measured 2e-16 and 1e-15
         loss_tol, grad_tol = 1e-14, 1e-13
+    # DeepSeek-V4: gradients relative to their largest entry floored at 1e-3 of the model's (the table's measure; its
+    # final hyper-connection scale's gradient nearly cancels over the tokens: tests/test_layer_kinds.py)
+    grad = "grad_rel_floored" if family == "deepseek_v4" else "grad_rel"
     for result in ranks:
         got = result["layer_kinds"][(family, dtype)]
         assert got["attn"] == "usp" and not got["missing"], got
-        assert got["loss_rel"] <= loss_tol and got["grad_rel"] <= grad_tol, (family, dtype, got)
+        assert got["loss_rel"] <= loss_tol and got[grad] <= grad_tol, (family, dtype, got)
 
 
 @pytest.mark.dist

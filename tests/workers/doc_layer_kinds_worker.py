@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.workers.cp_steps import reduce_over_group
 from tests.workers.exact_norms import norms_in_input_dtype
-from tests.workers.layer_kinds_worker import _docs, _reference, default_dtype, worst_grad
+from tests.workers.layer_kinds_worker import _docs, _reference, default_dtype, grad_errors
 from tests.workers.thd_attention_worker import _ce, pack
 
 
@@ -78,6 +78,9 @@ def _model_case(case: dict, mesh, dtype: torch.dtype) -> dict:
         base = build_case_model(case)
     else:
         base = build_model(case["family"])
+    from tests.workers.layer_kinds_worker import randomize
+
+    randomize(base, case.get("randomize", ()))
     if dtype == torch.float64 and hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation("eager")  # grouped_mm has no fp64 kernel
     base = base.to(dtype)
@@ -91,10 +94,7 @@ def _model_case(case: dict, mesh, dtype: torch.dtype) -> dict:
     else:  # one document per row (equal lengths), no seq_lens
         batch = {k: torch.stack([d[k] for d in docs]) for k in ("input_ids", "labels")}
     loss, grads, info = _doc_step(copy.deepcopy(base), batch, mesh, n_labels)
-    worst = worst_grad(grads, ref_grads)
-    missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
-    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing,
-            "n_params": len(ref_grads), **info}
+    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), **grad_errors(grads, ref_grads), **info}
 
 
 def main(rank: int, world_size: int, model_cases: dict) -> dict:

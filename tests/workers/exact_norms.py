@@ -1,5 +1,5 @@
-"""RMSNorms in the input's dtype, so that an fp64 model is fp64 end to end (the fp64 parity cases of the Gemma families
-and of HY-V4's hyper-connections).
+"""RMSNorms in the input's dtype, so that an fp64 model is fp64 end to end (the fp64 parity cases of the Gemma families,
+of HY-V4's hyper-connections and of DeepSeek-V4's norms, RoPE, hyper-connections and compressors).
 
 Gemma 3, Gemma 3n and Gemma 4 compute every RMSNorm in fp32 whatever the model's dtype (``x.float()``, then
 ``.type_as(x)``): an fp64 model keeps fp32 round-off in each norm, so CP against one process agrees to ~1e-7 there,
@@ -76,6 +76,31 @@ def _doge_norm(self, x: torch.Tensor) -> torch.Tensor:
 
 #: Doge's RMSNorm computes in fp32 whatever the model's dtype (``.to(torch.float32)``): the formula in the input's dtype
 OTHER = (("transformers.models.doge.modeling_doge", "DogeRMSNorm", _doge_norm),)
+#: DeepSeek-V4 computes in fp32 whatever the model's dtype in its RMSNorms, its RoPE (``rope.float()``), its
+#: hyper-connections and its compressors' pooling softmax (``dtype=torch.float32``): (module, class or ``None`` for a
+#: function, attribute) rewritten with those casts removed, the same formulas in the input's dtype
+DEEPSEEK_V4 = tuple(
+    ("transformers.models.deepseek_v4.modeling_deepseek_v4", cls, attr)
+    for cls, attr in ((None, "apply_rotary_pos_emb"), ("DeepseekV4RMSNorm", "forward"), ("DeepseekV4UnweightedRMSNorm", "forward"),
+                      ("DeepseekV4HyperConnection", "forward"), ("DeepseekV4HyperHead", "forward"),
+                      ("DeepseekV4HCACompressor", "forward"), ("DeepseekV4CSACompressor", "forward"),
+                      ("DeepseekV4Indexer", "forward"))
+)  # fmt: skip (the function first: the methods recompiled after it call the rewritten one)
+_FP32_CASTS = (("hidden_states.to(torch.float32)", "hidden_states"), (".float()", ""),
+               ("softmax(dim=2, dtype=torch.float32)", "softmax(dim=2)"))  # fmt: skip
+
+
+def _in_input_dtype(module, function):
+    """``function`` (of ``module``) recompiled from its source with the fp32 casts of :data:`_FP32_CASTS` removed."""
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(function))
+    for old, new in _FP32_CASTS:
+        source = source.replace(old, new)
+    namespace = dict(vars(module))
+    exec(compile(source, inspect.getsourcefile(function), "exec"), namespace)  # noqa: S102 - transformers' own source
+    return namespace[function.__name__]
 
 
 @contextlib.contextmanager
@@ -100,7 +125,23 @@ def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
                     continue
                 saved.append((cls, cls.forward))
                 cls.forward = forward
+            for module_name, class_name, attr in DEEPSEEK_V4:
+                try:
+                    module = importlib.import_module(module_name)
+                except ImportError:
+                    break
+                owner = module if class_name is None else getattr(module, class_name)
+                function = getattr(owner, attr)  # a decorated one: its source holds the decorator
+                saved.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, _in_input_dtype(module, function))
+            from automodel.distributed.cp.layers import compressed_attention
+
+            saved.append((compressed_attention, "pool_weights", compressed_attention.pool_weights))
+            compressed_attention.pool_weights = lambda gate: gate.softmax(dim=2)
         yield
     finally:
-        for cls, forward in saved:
-            cls.forward = forward
+        for entry in reversed(saved):
+            if len(entry) == 2:
+                entry[0].forward = entry[1]
+            else:
+                setattr(*entry)

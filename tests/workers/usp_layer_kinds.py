@@ -18,7 +18,7 @@ import torch
 
 from tests.workers.cp_steps import reduce_over_group
 from tests.workers.exact_norms import norms_in_input_dtype
-from tests.workers.layer_kinds_worker import _docs, _reference, default_dtype, worst_grad
+from tests.workers.layer_kinds_worker import _docs, _reference, default_dtype, grad_errors
 from tests.workers.thd_attention_worker import _ce, pack
 
 ULYSSES = 2
@@ -40,7 +40,12 @@ CASES += [("falcon_alibi", "float32"), ("falcon_alibi", "float64")]
 CASES += [("doge_random_A", "float32"), ("doge_random_A", "float64"), ("doge", "float64")]
 #: GPT-NeoX-Japanese, OpenAI GPT, XGLM: causal attention in their own code, handed to usp (cp/layers/alibi.py)
 CASES += [(family, dtype) for family in ("gpt_neox_japanese", "openai-gpt", "xglm") for dtype in ("float32", "float64")]
-EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "doge_random_A", "doge")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
+#: DeepSeek-V4: window + sinks, HCA and CSA layers (layer_kinds_worker.V4_CONFIG), sinks, pooling biases
+#: and hash routing drawn afresh
+CASES += [("deepseek_v4", "float32"), ("deepseek_v4", "float64")]
+#: HY-V4: its hyper-connections in fp64; Doge: its RMSNorms; DeepSeek-V4: its norms, RoPE, hyper-connections and
+#: pooling (exact_norms.py)
+EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "doge_random_A", "doge", "deepseek_v4")
 
 
 def _model(family: str, dtype: torch.dtype):
@@ -62,6 +67,11 @@ def _model(family: str, dtype: torch.dtype):
         from tests.workers.layer_kinds_worker import build_case_model
 
         model = build_case_model({"family": "doge", "random_A": True})
+    elif family == "deepseek_v4":
+        from tests.workers.layer_kinds_worker import V4_CONFIG, V4_RANDOM, build_case_model, randomize
+
+        model = build_case_model({"family": family, "config": V4_CONFIG})
+        randomize(model, V4_RANDOM)
     elif family.endswith("_dense"):  # DSA with every MLP dense (no fp32 router): fp64 shows fp64's round-off
         from tests.workers.layer_kinds_worker import build_case_model
 
@@ -108,6 +118,4 @@ def _case(family: str, dtype: torch.dtype, mesh, world_size: int) -> dict:
     n_labels = sum(int((d["labels"] != -100).sum()) for d in docs)
     ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
     loss, grads, attn = _usp_step(copy.deepcopy(base), mesh, pack(rows, 2 * world_size), n_labels)
-    worst = worst_grad(grads, ref_grads)
-    missing = sorted(n for n in ref_grads if float(grads[n].abs().max()) == 0.0 and float(ref_grads[n].abs().max()) > 0)
-    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel": worst, "missing": missing, "attn": attn}
+    return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), **grad_errors(grads, ref_grads), "attn": attn}

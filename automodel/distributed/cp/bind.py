@@ -65,7 +65,7 @@ def bind_cp_method(
             return no_cp_batch_and_ctx, PreparedModel()
         from automodel.distributed.cp.guard import cached_profile
         from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
-        from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
+        from automodel.distributed.cp.layers.sparse_layers import install_sparse_attention
 
         profile = cached_profile(model)
         install_linear_mixers(model, profile)

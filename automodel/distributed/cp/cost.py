@@ -128,7 +128,9 @@ def _with_sparse_layers(method: CPMethod, profile: ModelProfile, r: Any, terms: 
         return terms
     attention = [layer for layer in profile.layers if layer.is_attention or layer.hybrid_attention]
     share = len(sparse) / max(1, len(attention))
-    widths = next((layer.sparse_widths for layer in sparse if layer.sparse_widths), None)
+    known = [layer.sparse_widths for layer in sparse if layer.sparse_widths]
+    # the layers' mean (DeepSeek-V4's differ per layer type: window only, HCA, CSA with its indexer)
+    widths = tuple(sum(w[i] for w in known) / len(known) for i in (0, 1)) if known else None
     if widths is None:  # sizes not known: as much as one KV head of the model's head size and an indexer key
         head = _sizes(profile).head_dim
         widths = (2 * head, head)

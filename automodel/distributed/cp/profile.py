@@ -9,7 +9,9 @@ layer's token mixer, which is what decides whether a CP method computes the laye
 - ``chunked_attention``: causal attention inside fixed chunks of ``chunk`` tokens (Llama 4);
 - ``sparse_attention``: DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5, dots3's ``indexed_attention``, HY-V4):
   latent attention whose keys an indexer chooses per query (the top ``index_topk`` of the query's document),
-  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`);
+  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`); and
+  DeepSeek-V4's attention, a window with sinks plus compressed KV entries that an indexer chooses on its CSA layers
+  (:data:`~automodel.distributed.cp.layers.sparse_support.COMPRESSED_ATTENTION`: every layer of ``deepseek_v4``);
 - ``linear_mixer``: linear attention or a state-space / convolution mixer (Gated DeltaNet, Mamba,
   short convolutions): a state carried along the sequence, not a softmax over keys;
 - ``mlp_only``: no token mixer at all (a block of MLP / MoE only, Nemotron-H's ``mlp`` and ``moe`` layers):
@@ -43,7 +45,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
-from automodel.distributed.cp.layers.sparse_support import DSA_ATTENTION, DYNAMIC_MASK_ATTENTION
+from automodel.distributed.cp.layers.sparse_support import (
+    COMPRESSED_ATTENTION,
+    DSA_ATTENTION,
+    DYNAMIC_MASK_ATTENTION,
+)
 
 __all__ = [
     "FULL",
@@ -83,6 +89,9 @@ _CONFIG_LAYER_TYPES = {
     "chunked_attention": CHUNKED,
     "indexed_attention": SPARSE,  # DSA; confirmed by its attention class when the modules are read
     "deepseek_sparse_attention": SPARSE,  # DeepSeek-V3.2's name for it in transformers < 5.25
+    # DeepSeek-V4's window + compressed entries (its sliding_attention layers too, from its model type)
+    "compressed_sparse_attention": SPARSE,
+    "heavily_compressed_attention": SPARSE,
     "linear_attention": LINEAR,
     "mamba": LINEAR,
     "conv": LINEAR,
@@ -144,7 +153,7 @@ class LayerSpec:
             modules), e.g. ``"model.layers.3.mixer"``; ``""`` otherwise. :meth:`describe` writes it with the
             layer's index as ``<i>`` (:attr:`path_in_stack`).
         known_gap: an ``UNKNOWN`` layer whose computation is known (an ALiBi bias in the mask of a class that
-            does not dispatch it, DeepSeek-V4's compressed attention): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
+            does not dispatch it): why no CP method computes it exactly and what would (``mixer`` then says what it computes);
             ``""`` for a layer nobody has looked at.
         alibi: the layer adds ALiBi's per-head bias ``slope_h * (j - i)`` to its scores in its own code (BLOOM,
             MPT: :mod:`~automodel.distributed.cp.layers.alibi` makes it hand q, k, v to a method that applies it).
@@ -211,6 +220,8 @@ class LayerSpec:
         elif self.kind == SPARSE and self.mixer in DYNAMIC_MASK_ATTENTION:
             text = (f"dynamic mask attention ({self.mixer}: a learned bias per key, and past keep_window_size visible "
                     "keys only the top keep_window_size by bias)")  # fmt: skip
+        elif self.kind == SPARSE and self.mixer in COMPRESSED_ATTENTION:
+            text = f"sliding-window attention with sinks and compressed KV entries ({self.mixer})"
         elif self.kind == SPARSE:
             text = f"sparse attention chosen by an indexer (DSA, {self.mixer or 'indexed_attention'})"
         elif self.kind == LINEAR:
@@ -296,6 +307,8 @@ def _layer_words(layer: LayerSpec) -> str:
         return f"sliding window {layer.window}"
     if layer.kind == CHUNKED:
         return f"chunked attention {layer.chunk}"
+    if layer.kind == SPARSE and layer.mixer in COMPRESSED_ATTENTION:
+        return "compressed attention (DeepSeek-V4)"
     if layer.kind == SPARSE:
         return "dynamic mask attention (Doge)" if layer.mixer in DYNAMIC_MASK_ATTENTION else "sparse attention (DSA)"
     if layer.kind == LINEAR:
@@ -447,17 +460,7 @@ _OWN_CODE = (
     "rank's local index; "
 )
 #: class name -> (what it computes, why no method computes it and what would)
-_KNOWN_ATTENTION = {
-    "DeepseekV4Attention": (
-        "DeepseekV4Attention: sliding-window multi-query attention with per-head sinks over the last window of "
-        "tokens plus compressed KV entries (each the learned pooling of a block of 4 or 128 tokens, CSA layers "
-        "choosing their blocks with an indexer)",
-        "a rank holding part of the row would need the compressed entries of every earlier block, pooled over "
-        "tokens that other ranks hold, and the indexer's keys of those blocks; it can be exact under CP (gather "
-        "the compressors' per-token inputs as DSA gathers its latent KV, pool whole blocks in global order, "
-        "window and sinks through the halo kernel), but no CP method computes it yet",
-    ),
-}
+_KNOWN_ATTENTION: dict[str, tuple[str, str]] = {}
 #: MLP / MoE blocks beside attention that mix tokens (a known computation no CP method reproduces): class name ->
 #: (what it computes, why no method computes it); the layer is UNKNOWN with this reason
 _KNOWN_TOKEN_MIXING = {
@@ -486,9 +489,7 @@ _KNOWN_MODELS = {
 }
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
-_MODEL_TYPE_ATTENTION = {
-    "deepseek_v4": "DeepseekV4Attention",
-}
+_MODEL_TYPE_ATTENTION: dict[str, str] = {}
 #: attention classes that add ALiBi in their own code, made to dispatch by :mod:`~automodel.distributed.cp.layers.alibi`
 #: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
 _ALIBI_LAYERS = ("BloomAttention", "MptAttention")
@@ -707,7 +708,15 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
             return LayerSpec(**{**spec, "module_path": path, "mixer": f"{base.mixer or '?'}: {type(layer).__name__}"})
         spec.update(kind=UNKNOWN, module_path=path, mixer=type(layer).__name__ + " (no attention module found)")
         return LayerSpec(**spec)
-    if base.kind == UNKNOWN and type(attention).__name__ in _KNOWN_ATTENTION:  # a layer type of its own (DeepSeek-V4)
+    if type(attention).__name__ in COMPRESSED_ATTENTION and (base.is_attention or base.kind == UNKNOWN):
+        # DeepSeek-V4: every layer type of it (window only, HCA, CSA) runs the compressed-attention kernel
+        dim = getattr(attention, "head_dim", None)
+        spec.update(kind=SPARSE, mixer=type(attention).__name__, window=getattr(attention, "sliding_window", None),
+                    sinks=True, sparse_widths=_compressed_widths(getattr(attention, "config", None),
+                                                                 getattr(attention, "layer_type", "")),
+                    **({"qk_head_dim": dim, "v_head_dim": dim} if isinstance(dim, int) else {}))  # fmt: skip
+        return LayerSpec(**spec)
+    if base.kind == UNKNOWN and type(attention).__name__ in _KNOWN_ATTENTION:  # a layer type of its own
         mixer, gap = _KNOWN_ATTENTION[type(attention).__name__]
         spec.update(kind=UNKNOWN, module_path=attention_path, mixer=f"{mixer} ({base.mixer or 'its own layer type'})",
                     known_gap=gap)  # fmt: skip
@@ -800,6 +809,24 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
     if isinstance(v, int):
         spec["v_head_dim"] = v
     return LayerSpec(**spec)
+
+
+#: model types whose every attention layer is one class of ``COMPRESSED_ATTENTION`` (DeepSeek-V4)
+_COMPRESSED_MODEL_TYPES = {"deepseek_v4": "DeepseekV4Attention"}
+
+
+def _compressed_widths(text: Any, layer_type: str) -> tuple[int, int] | None:
+    """A DeepSeek-V4 layer's gathered state per token, ``(with gradient, without)`` in elements: the window's K = V
+    (``head_dim``) plus the compressor's ``kv_proj`` and ``gate_proj`` outputs (HCA ``2 * head_dim``, CSA ``4 * head_dim``),
+    and the CSA indexer's (``4 * index_head_dim``, no gradient); ``None`` where the config has no head size."""
+    head = _get(text, "head_dim", None)
+    if not isinstance(head, int):
+        return None
+    if layer_type == "compressed_sparse_attention":
+        return 5 * head, 4 * int(_get(text, "index_head_dim", 0) or 0)
+    if layer_type == "heavily_compressed_attention":
+        return 3 * head, 0
+    return head, 0
 
 
 def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
@@ -918,8 +945,16 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     if model_gap:  # CPM-Ant: not causal attention, whatever the modules show (its stack sits in an "encoder")
         layers = [LayerSpec(index=i, kind=UNKNOWN, mixer=model_gap[0], known_gap=model_gap[1])
                   for i in range(max(n_layers, 1))]  # fmt: skip
+    model_type = str(_get(text, "model_type", ""))
+    if model_type in _COMPRESSED_MODEL_TYPES and not from_modules:  # DeepSeek-V4's config: its class on every layer
+        types_ = _get(text, "layer_types", None) or []
+        layers = [LayerSpec(**{**spec.__dict__, "kind": SPARSE, "mixer": _COMPRESSED_MODEL_TYPES[model_type],
+                               "sinks": True, "window": _get(text, "sliding_window", None),
+                               "sparse_widths": _compressed_widths(text, types_[spec.index] if spec.index < len(types_)
+                                                                   else "")})
+                  if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
-    if known and not from_modules:  # GPT-Neo, Doge, DeepSeek-V4 from their config alone
+    if known and not from_modules:  # a known layer type of its own, from the config alone
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
                   if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
     if bias and not from_modules and not falcon_alibi:  # the config alone: its attention layers carry the bias

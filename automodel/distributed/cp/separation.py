@@ -178,7 +178,7 @@ def _sparse_layers_without_kernel(model: torch.nn.Module) -> str:
     """The DSA layers (``sparse_attention``) whose attention module does not carry the CP DSA kernel
     (:func:`~automodel.distributed.cp.layers.sparse_attention.install_sparse_attention`), in words (empty: none)."""
     from automodel.distributed.cp.guard import cached_profile
-    from automodel.distributed.cp.layers.sparse_attention import installed_on
+    from automodel.distributed.cp.layers.sparse_layers import installed_on
     from automodel.distributed.cp.profile import SPARSE
 
     try:

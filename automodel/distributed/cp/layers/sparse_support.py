@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "COMPRESSED_ATTENTION",
     "DSA_ATTENTION",
     "DSA_ROPE_BY_RELEASE",
     "DSA_ROPE_LAST",
@@ -57,7 +58,12 @@ DSA_ROPE_BY_RELEASE: frozenset[str] = frozenset({"HYV4Attention"})
 #: ReLU); their attention adds per-head sinks to the softmax (``s_aux``) and gates its output (token-local)
 DSA_ROPE_LAST: frozenset[str] = frozenset({"HYV4Attention"})
 
-#: method name -> how it runs a DSA layer
+#: attention classes of DeepSeek-V4's kind: a sliding window with sinks plus compressed KV entries (HCA), chosen by an
+#: indexer on CSA layers (:mod:`~automodel.distributed.cp.layers.compressed_attention`): the window's K = V and the
+#: compressors' per-token projections all-gathered, whole blocks pooled per document in global order
+COMPRESSED_ATTENTION: frozenset[str] = frozenset({"DeepseekV4Attention"})
+
+#: method name -> how it runs a DSA layer (and a DeepSeek-V4 compressed-attention layer: the same gathers)
 SPARSE_METHODS = {
     "ring": "latent KV and indexer keys all-gathered over the CP group; queries local",
     "thd": "latent KV and indexer keys all-gathered over the CP group; queries local; top-k per document",
@@ -71,11 +77,17 @@ def sparse_attention_problem(method: str, layer: Any) -> str | None:
     """Why ``method`` does not compute the ``sparse_attention`` layer ``layer`` exactly (``None``: it does). A layer
     read from the config alone (``mixer`` empty: its class is not known yet) is judged again when the modules are
     read, before the first step."""
-    known = {*DSA_ATTENTION, *DYNAMIC_MASK_ATTENTION}
+    known = {*DSA_ATTENTION, *DYNAMIC_MASK_ATTENTION, *COMPRESSED_ATTENTION}
     if layer.mixer and layer.mixer not in known:
         return f"{layer.describe()}: the CP kernel knows the sparse attention of {', '.join(sorted(known))} only"
     if method in SPARSE_METHODS:
         return None
+    if layer.mixer in COMPRESSED_ATTENTION:
+        return (
+            f"{layer.describe()} pools blocks of every earlier token of the document into the entries each query "
+            f"attends, which {method} splits over the ranks without gathering the compressors' inputs (methods with "
+            f"its kernel: {', '.join(SPARSE_METHODS)})"
+        )
     return (
         f"{layer.describe()} selects each query's keys from the whole document, which {method} splits over the "
         f"ranks without gathering the indexer keys (methods with a DSA kernel: {', '.join(SPARSE_METHODS)})"

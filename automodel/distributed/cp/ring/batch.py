@@ -44,7 +44,7 @@ from automodel.distributed.cp.batch_forms import check_batch_forms, classify_bat
 from automodel.distributed.cp.group import get_cp_mesh as _get_cp_mesh
 from automodel.distributed.cp.guard import check_on_first_forward
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
-from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
+from automodel.distributed.cp.layers.sparse_layers import install_sparse_attention
 from automodel.distributed.cp.layout import head_tail_indices
 from automodel.distributed.cp.ring.causal_mask import no_packed_sequence_detection
 from automodel.distributed.cp.ring.cpu_ring import check_cpu_ring_support, cpu_ring_attention

@@ -54,7 +54,7 @@ from automodel.distributed.cp.group import resolve_cp_group
 from automodel.distributed.cp.head_chunks import head_chunks_problem, run_head_groups
 from automodel.distributed.cp.layers.alibi import dispatch_alibi_layers, key_bias
 from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
-from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
+from automodel.distributed.cp.layers.sparse_layers import install_sparse_attention
 from automodel.distributed.cp.layers.strategy import call_spec, config_chunk, correct_query_temperature
 from automodel.distributed.cp.ulysses.doc_blocks import Segment, document_block_attention, document_segments
 from automodel.distributed.sp.all_to_all import all_to_all, even_split_sizes

@@ -222,7 +222,7 @@ def set_usp_attention(model: torch.nn.Module, device_mesh: Any = None) -> str:
 
     check_model_for_cp("usp", cached_profile(model), seq_len=None)
     from automodel.distributed.cp.layers.linear_mixer import install_linear_mixers
-    from automodel.distributed.cp.layers.sparse_attention import install_sparse_attention
+    from automodel.distributed.cp.layers.sparse_layers import install_sparse_attention
 
     install_linear_mixers(model, cached_profile(model), "usp")  # docs/linear_mixers.md
     install_sparse_attention(model, cached_profile(model))  # DSA: latent KV and indexer keys gathered
