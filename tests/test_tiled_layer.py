@@ -235,3 +235,42 @@ def test_config_rules():
     )
     assert "distributed.tp_size=2" in problem and "set distributed.tp_size=1 or model.tiled_layer=false" in problem
     assert any("model.tiled_layer=-4 must be" in p for p in check_rules(RecipeConfig(model=ModelSection(tiled_layer=-4)), 2))
+
+
+def test_the_plan_counts_what_a_tiled_recomputed_layer_holds():
+    """Llama-3.1-8B at 1M tokens, Ulysses cp 8, checkpointing, offload, bf16, flash: the recomputed layer's
+    attention moment holds the two device layer inputs, the attention core's tensors (q, k, v, the output and its
+    transposed copy) and the gradients of the attention output, the input and q/k/v, not the ~13 hidden-sized
+    tensors of the untiled layer; the search offers the tiled layer with its key, and the estimate charges its
+    recomputation in place of the tiled MLP's."""
+    import dataclasses
+
+    from automodel.config.gpu_specs import GPU_SPECS
+    from automodel.training.memory_plan import RunShape, plan_memory
+    from automodel.training.plan_search import Techniques, all_techniques, technique_seconds
+    from tests.test_head_chunks import LLAMA_8B as d
+
+    base = RunShape(local_batch=1, seq=1 << 20, cp=8, cp_method="ulysses", activation_checkpointing=True,
+                    tiled_mlp=True, activation_offload=True, offload="all", chunk_tokens=1024, compute_bytes=2,
+                    attention_kernel="flash")  # fmt: skip
+    tiled = dataclasses.replace(base, tiled_layer=True)
+    untiled_plan, tiled_plan = plan_memory(d, base), plan_memory(d, tiled)
+    n, c, h = (1 << 20) // 8, 2, d.hidden
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    moment = tiled_plan.by_moment["recompute"]["attention"]
+    core = (q + 2 * kv + 2 * q) * c + d.heads * 4
+    grads = (h + 2 * q + 2 * kv) * c
+    always = 24 + 2 * d.head_dim * c
+    assert moment["activations"] == pytest.approx(n * (2 * h * c + always + core + grads))
+    assert moment["attention workspace"] == untiled_plan.by_moment["recompute"]["attention"]["attention workspace"]
+    assert tiled_plan.total_bytes < 0.85 * untiled_plan.total_bytes
+    assert "layer tiled end to end, 4096 tokens per tile" in tiled_plan.terms["activations"].note
+    # the search: the tiled layer with the tiled MLP only, its key, and its recomputation charged
+    assert Techniques(True, True, True, True, "all", tiled_layer=True) in all_techniques()
+    assert not any(t.tiled_layer and not t.tiled_mlp for t in all_techniques())
+    t = Techniques(True, True, True, True, "all", tiled_layer=True)
+    assert t.text(1) == "ckpt+chunk+lay+aoff+off:all" and "model.tiled_layer=true" in t.overrides(1)
+    spec = GPU_SPECS["h100"]
+    costs = technique_seconds(d, tiled, spec, "h100", 1.0)
+    assert "tiled layer" in costs and "tiled MLP" not in costs
+    assert costs["tiled layer"] > technique_seconds(d, base, spec, "h100", 1.0)["tiled MLP"]
