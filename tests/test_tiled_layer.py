@@ -274,3 +274,28 @@ def test_the_plan_counts_what_a_tiled_recomputed_layer_holds():
     costs = technique_seconds(d, tiled, spec, "h100", 1.0)
     assert "tiled layer" in costs and "tiled MLP" not in costs
     assert costs["tiled layer"] > technique_seconds(d, base, spec, "h100", 1.0)["tiled MLP"]
+
+
+def test_the_run_log_says_what_the_tiled_layer_did():
+    from automodel.training.technique_report import (
+        collect_technique_report,
+        reset_technique_counts,
+        technique_lines,
+        technique_problems,
+    )
+
+    model = _model("llama", torch.float32)
+    apply_tiled_layer(model, 8)
+    reset_technique_counts(model, None)
+    _run(model, _batch(False))
+    report = collect_technique_report(model, None, 1)
+    tl = report["tiled_layer"]
+    # 2 rows x 29 tokens in tiles of 8 tokens (4 positions x 2 rows): 8 tiles per part, pre and post, per layer
+    assert tl == {"layers": 2, "layers_tiled": 2, "calls": 2, "tiles": 32, "backward_tiles": 32,
+                  "max_tile_tokens": 8, "max_tokens": 58}  # fmt: skip
+    (line,) = [x for x in technique_lines(report) if x.startswith("tiled layer")]
+    assert line == ("tiled layer: 2 of 2 decoder layers, 2 call(s) of up to 58 tokens in 32 tile(s) of at most 8 "
+                    "tokens (pre and post parts); 32 tile(s) recomputed by the tiled backward")  # fmt: skip
+    assert technique_problems(report) == []
+    reset_technique_counts(model, None)
+    assert "model.tiled_layer is on but only 0 of 2" in technique_problems(collect_technique_report(model, None, 1))[0]
