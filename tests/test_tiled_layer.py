@@ -299,3 +299,13 @@ def test_the_run_log_says_what_the_tiled_layer_did():
     assert technique_problems(report) == []
     reset_technique_counts(model, None)
     assert "model.tiled_layer is on but only 0 of 2" in technique_problems(collect_technique_report(model, None, 1))[0]
+
+
+def test_eager_attention_with_a_sliding_window_is_exact():
+    """The core is the model's own eager_attention_forward (the modeling file's function) with Mistral's window."""
+    model = _model("mistral", torch.float64, attn="eager")
+    tiled = copy.deepcopy(model)
+    apply_tiled_layer(tiled, 6)
+    want, got = _run(model, _batch(True)), _run(tiled, _batch(True))
+    assert abs(got[0] - want[0]) <= 1e-14 * abs(want[0])
+    assert max(_rel(got[1][n], want[1][n]) for n in want[1]) <= 1e-13
