@@ -440,7 +440,7 @@ def _run_tiled(
                         f"attention; expected [B, heads, {h.shape[1]}, D] (set model.tiled_layer=false)"
                     ) from None
             if not captured:  # the arguments only: the tile's q/k/v are not kept
-                captured.append(_Captured(got.q[:0], got.k[:0], got.v[:0], got.args, got.kwargs))
+                captured.append(_Captured(None, None, None, got.args, got.kwargs))  # type: ignore[arg-type]
             elif not _same_arguments(got, captured[0]):
                 raise ValueError(
                     f"model.tiled_layer: {type(attn).__name__} passed its attention other arguments for two tiles; "
