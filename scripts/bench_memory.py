@@ -28,6 +28,11 @@ process, on the same weights and batch (AdamW with lr 0: every row's loss must b
 - a **mixture of experts** (Mixtral-like: 4 experts, top-2, 2 layers) without and with checkpointing: the
   routed experts' saved activations and the router (issue 41).
 
+Then (``--tiled-layer also``, the default; ``--tiled-layer only`` for these alone) **the tiled layer** (issue 42,
+``model.tiled_layer``): ring, Ulysses and Ulysses in 2 head groups at cp=2 (16 heads / 8 KV heads, checkpointing, tiled
+MLP), without and with the tiled layer: the tracked step peak against the plan (the Ulysses rows held to
+``--tolerance``), the step's CPU time against the run without it, and the losses (equal).
+
 Then (``--headwise also``, the default; ``--headwise only`` for these alone) **headwise Ulysses** (issue 42): Ulysses
 at cp=2 on a model with 16 heads / 8 KV heads (tiled MLP, so the step peaks in the attention's backward), with
 ``distributed.ulysses_head_chunks`` 1, 2 and 4: the tracked step
@@ -45,6 +50,7 @@ when a row is off by more than ``--tolerance`` (10%), the tiled ratio is above 0
     nice python scripts/bench_memory.py --vocabs 32000 --seq-lens 1024 2048 --no-search --wide no
     nice python scripts/bench_memory.py --wide only                  # the issue-35 rows alone (~10 min)
     nice python scripts/bench_memory.py --headwise only              # headwise Ulysses at cp=2 (issue 42)
+    nice python scripts/bench_memory.py --tiled-layer only           # model.tiled_layer at cp=2 (issue 42)
 """
 
 from __future__ import annotations
@@ -550,6 +556,120 @@ def headwise_rows(args: argparse.Namespace) -> bool:
     return ok
 
 
+# --- the tiled layer (issue 42, item 2): model.tiled_layer at cp=2 ---------------------------------------------------
+
+
+def tiled_layer_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int, method: str,
+                       settings: list[list]) -> dict:  # fmt: skip
+    """``method`` at cp=``world`` with checkpointing and the tiled MLP, per setting ``(label, tiled_layer,
+    head_chunks)``: the same weights and batch (AdamW lr 0: every loss equal); the tracked step peak (forward + loss +
+    backward + the gradients' all-reduce + AdamW), the moment it was reached, the step's CPU seconds (best of three
+    untracked) and the loss."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from automodel.distributed.cp import context_parallel
+    from automodel.models.block_call import apply_activation_checkpointing
+    from automodel.models.tiled_layer import apply_tiled_layer, layer_tile_counts
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+    from automodel.training.step import forward_loss_sum
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    g = torch.Generator().manual_seed(1)
+    config = LlamaConfig(max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False, **model_kw)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (1, seq), generator=g),
+             "labels": torch.randint(0, config.vocab_size, (1, seq), generator=g)}  # fmt: skip
+    out = {}
+    for label, tiled, chunks in settings:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).train()
+        apply_tiled_mlp(model, True)
+        if tiled:
+            apply_tiled_layer(model, tiled)
+        apply_activation_checkpointing(model)
+        options = {"head_chunks": chunks} if method == "ulysses" else {}
+        cp = context_parallel(model, mesh, method=method, **options)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+
+        def step(model: torch.nn.Module = model, cp=cp, opt: torch.optim.Optimizer = opt) -> torch.Tensor:  # noqa: ANN001
+            ctx, local = cp.shard(batch)
+            with ctx():
+                loss = forward_loss_sum(model, {k: v for k, v in local.items() if k in ("input_ids", "position_ids")},
+                                        local["shift_labels"], chunk) / seq  # fmt: skip
+                loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            return total
+
+        step()  # warm-up (untracked): AdamW state, lazy imports, the tiled layer's probe
+        gc.collect()
+        tracker = AllocationTracker()
+        with tracker:
+            loss = step()
+        gc.collect()
+        untracked = []
+        for _ in range(3):
+            t0 = time.process_time()
+            step()
+            untracked.append(time.process_time() - t0)
+        out[label] = {"peak_mib": tracker.peak / MIB, "cpu_s": min(untracked), "loss": loss.item(),
+                      "tiled_calls": sum(c.calls for c in layer_tile_counts(model))}  # fmt: skip
+        cp.restore()
+    return out
+
+
+def tiled_layer_rows(args: argparse.Namespace) -> bool:
+    """The tiled-layer table: cp=2 (ring, and Ulysses with and without 2 head groups), checkpointing and the tiled
+    MLP, without and with ``model.tiled_layer=true``: the tracked step peak against the plan (within ``--tolerance``),
+    the step's CPU time against the run without it, the losses (equal)."""
+    from automodel.training.memory_plan import RunShape, plan_memory
+
+    h, heads, kv, layers, seq, cp, chunk = 256, 16, 8, 2, args.tiled_seq, 2, 256
+    model_kw = dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=heads,
+                    num_key_value_heads=kv, vocab_size=args.tiled_vocab)  # fmt: skip
+    dims = _dims(model_kw)
+    print(
+        f"\nTiled layer (model.tiled_layer): hidden {h}, {heads} heads / {kv} KV heads of {h // heads}, MLP {2 * h}, "
+        f"{layers} layers, vocab {args.tiled_vocab}, fp32, {seq} tokens, cp={cp} (sdpa), activation checkpointing, "
+        f"tiled MLP, loss.chunk_tokens={chunk}, AdamW; tracked step peak (the rank's larger)\n",
+        flush=True,
+    )
+    print("| method | setting | step peak MiB measured | planned | error | step CPU s (best of 3, untracked) | "
+          "vs without | loss |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    ok = True
+    # (method, head groups, held to --tolerance): the Ulysses rows are the plan's calibration; ring's plan is over its
+    # measurement without the tiled layer already (its attention workspace), and with 2 head groups the recomputed
+    # layer's attention-backward moment (the gradients of the attention output, the input and dq/dk/dv beside the
+    # all-to-all's) is planned above what the step reaches: both are printed, not held
+    for method, chunks, held in (("ring", 1, False), ("ulysses", 1, True), ("ulysses", 2, False)):
+        settings = [["untiled", False, chunks], ["tiled_layer", True, chunks]]
+        ranks = run_on_ranks("scripts.bench_memory:tiled_layer_worker", cp, args.timeout, model_kw=model_kw, seq=seq,
+                             chunk=chunk, method=method, settings=settings)  # fmt: skip
+        name = method if chunks == 1 else f"{method} h/{chunks}"
+        for label, tiled, _ in settings:
+            peak = max(r[label]["peak_mib"] for r in ranks)
+            cpu = max(r[label]["cpu_s"] for r in ranks)
+            shape = RunShape(local_batch=1, seq=seq, cp=cp, cp_method=method, chunk_tokens=chunk,
+                             activation_checkpointing=True, head_chunks=chunks, tiled_mlp=True,
+                             tiled_layer=tiled)  # fmt: skip
+            planned = _planned_without_fsdp(plan_memory(dims, shape)) / MIB
+            err = (planned - peak) / peak
+            ok &= abs(err) <= args.tolerance or not held
+            ok &= ranks[0][label]["loss"] == ranks[0]["untiled"]["loss"]
+            ok &= (ranks[0][label]["tiled_calls"] > 0) == bool(tiled)
+            print(f"| {name} | {label} | {peak:.1f} | {planned:.1f} | {err:+.0%}{'' if held else ' (not held)'} | {cpu:.2f} | "
+                  f"{cpu / max(r['untiled']['cpu_s'] for r in ranks):.2f} | {ranks[0][label]['loss']:.6f} |",
+                  flush=True)  # fmt: skip
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
@@ -576,9 +696,15 @@ def main() -> None:
                         help="the headwise-Ulysses rows (distributed.ulysses_head_chunks at cp=2): also, only, no")
     parser.add_argument("--headwise-seq", type=int, default=8192)
     parser.add_argument("--headwise-vocab", type=int, default=2048)
+    parser.add_argument("--tiled-layer", choices=("also", "only", "no"), default="also",
+                        help="the tiled-layer rows (model.tiled_layer at cp=2): also, only, no")
+    parser.add_argument("--tiled-seq", type=int, default=8192)
+    parser.add_argument("--tiled-vocab", type=int, default=2048)
     args = parser.parse_args()
     for key, value in MMAP_ENV.items():  # read by the spawned interpreters' glibc at start-up
         os.environ.setdefault(key, value)
+    if args.tiled_layer == "only":
+        sys.exit(0 if tiled_layer_rows(args) else 1)
     if args.headwise == "only":
         sys.exit(0 if headwise_rows(args) else 1)
     if args.wide == "only":
@@ -646,6 +772,8 @@ def main() -> None:
     if args.wide == "also" and not wide_rows(args):
         sys.exit(1)
     if args.headwise == "also" and not headwise_rows(args):
+        sys.exit(1)
+    if args.tiled_layer == "also" and not tiled_layer_rows(args):
         sys.exit(1)
 
 

@@ -6,7 +6,8 @@ ulysses, thd, thd_docs and usp (ulysses_size 2 and 1), fp32 and fp64, on plain r
 loss mask) and on packed rows given by ``seq_lens`` or by ``position_ids`` restarts, each against every
 document run alone in one process; and every method with activation checkpointing + activation offload and the
 offloaded optimizer against the same method without them (issue 35); and Falcon (its mask materialised) under
-every method, fp32 and fp64, every batch form.
+every method, fp32 and fp64, every batch form; and every method with ``model.tiled_layer`` against the same
+method without it, fp32 and fp64, every batch form.
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ def test_every_method_matches_one_process_with_tiled_mlp(results):
                     continue
                 check = r["tiled"][(method, form)]
                 assert check["loss_rel"] <= 1e-10 and check["grad_rel"] <= 1e-10, (method, form, check)
+
+
+@pytest.mark.dist
+def test_every_method_with_the_tiled_layer_equals_the_run_without(results):
+    """model.tiled_layer (tiles of 3 tokens) under every method at cp=2, fp32 and fp64, every batch form the method
+    runs: the loss and every gradient equal the same method's untiled run (fp32 <= 1e-6, fp64 <= 1e-14)."""
+    bars = {"float64": 1e-14, "float32": 1e-6}
+    for r in results:
+        checks = r["tiled_layer"]
+        for dtype, bar in bars.items():
+            for method in METHODS:
+                for form in FORMS:
+                    if method in UNPACKED and form != "plain":
+                        continue
+                    check = checks[(dtype, method, form)]
+                    assert check["loss_rel"] <= bar and check["grad_rel"] <= bar, (dtype, method, form, check)
+            assert all(c > 0 for c in checks[(dtype, "calls")])  # both layers ran in tiles
 
 
 @pytest.mark.dist

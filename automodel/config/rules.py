@@ -19,6 +19,7 @@ from automodel.config.offload_rules import offload_problems
 from automodel.config.peft_rules import peft_problems
 from automodel.config.sample_rules import sample_problems
 from automodel.config.schema import RecipeConfig
+from automodel.config.tiled_layer_rules import tiled_layer_problems
 from automodel.config.tiled_mlp_rules import tiled_mlp_problems
 from automodel.distributed.cp import AUTO, CPMethod, cp_methods
 from automodel.distributed.cp.head_chunks import HEAD_CHUNKS_KEY, head_chunks_problem
@@ -171,6 +172,7 @@ def check_rules(
     problems += compile_problems(cfg)  # compiled autograd / model.compile vs FSDP2 and the CP method
     problems += offload_problems(cfg)  # model.activation_offload, fsdp.offload
     problems += tiled_mlp_problems(cfg)  # model.tiled_mlp: true, false or tokens per tile >= 1
+    problems += tiled_layer_problems(cfg)  # model.tiled_layer: the same values; no tensor parallelism
     problems += attention_backend_problems(cfg)  # model.attention_backend: a kernel name the run can pin
     if isinstance(cfg.loss.chunk_tokens, int) and cfg.loss.chunk_tokens < 1:
         problems.append(

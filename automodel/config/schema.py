@@ -109,6 +109,9 @@ class ModelSection:
     activation_checkpointing: bool = False
     # Sequence-tiled MLP (automodel.models.tiled_mlp): false | true (tile picked from hidden and MLP sizes) | tokens per tile
     tiled_mlp: bool | int = False
+    # Decoder layer tiled end to end (automodel.models.tiled_layer): norms, q/k/v/o projections, MLP and residuals over
+    # token tiles, the attention core on whole rows: false | true (tiles of at most hidden tokens) | tokens per tile
+    tiled_layer: bool | int = False
     # The layer inputs that activation checkpointing keeps live in host memory (needs activation_checkpointing)
     activation_offload: bool = False
     compile: bool = False  # torch.compile each decoder block (static shapes; CP attention outside the graph)

@@ -56,6 +56,13 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   ``distributed.sequence_parallel`` splits it ``/ tp`` too; then the attention block and the MLP
   block each all-gather their input once and the projections save that gathered ``[N, h]``:
   ``+ 2 h c`` per layer, and the LM head's gathered input ``+ h c`` outside.
+* the tiled layer (``model.tiled_layer``, tp 1): a layer keeps its input and the attention core's tensors (q, k, v,
+  the output and its transposed copy: ``3 q + 2 kv``, plus ring's repeated K/V and the LSE); the norms, q/k norms,
+  projections, residuals and MLP exist for one tile; the post part's backward holds the output's, the attention
+  output's and the input's gradients (``2 h + q``), the attention's backward the input's and the attention output's
+  gradients and dq, dk, dv (``h + 2 q + 2 kv``) beside the CP workspace and the kernel's buffers
+  (:func:`_tiled_layer_terms`; measured by ``scripts/bench_memory.py --tiled-layer only``: Ulysses +5%, conservative
+  with head groups and ring).
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the backward's full-row gradients of the
@@ -212,6 +219,8 @@ class RunShape:
     sequence_parallel: bool = False  # distributed.sequence_parallel (tp > 1): residual stream [N / tp, h]
     fsdp_enabled: bool = True  # fsdp.enabled=false: every rank holds the whole model (replicated)
     tiled_mlp: bool | int = False  # model.tiled_mlp: the MLP over tiles of T tokens (True: resolve_tile_tokens)
+    #: model.tiled_layer: the layer but its attention core over tiles (True: resolve_layer_tile_tokens)
+    tiled_layer: bool | int = False
     activation_offload: bool = False  # model.activation_offload: checkpointed layer inputs on the host
     offload: bool | str = False  # fsdp.offload: False | "optimizer" | "all"
     cp_options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
@@ -325,6 +334,76 @@ def _mlp_tile(d: ModelDims, r: RunShape) -> int | None:
 
     tile = resolve_tile_tokens(r.tiled_mlp, d.hidden, max(d.intermediate // r.tp, 1), r.local_tokens)
     return tile if tile is not None and tile < r.local_tokens else None
+
+
+def _layer_tile(d: ModelDims, r: RunShape) -> int | None:
+    """Tokens per tile of the tiled layer (``model.tiled_layer``; ``None``: off): the rule the model tiles with,
+    :func:`automodel.models.tiled_layer.resolve_layer_tile_tokens` (one tile still runs the layer in its parts)."""
+    if r.tiled_layer is False or r.tiled_layer is None or not d.heads:
+        return None
+    from automodel.models.tiled_layer import resolve_layer_tile_tokens
+
+    return resolve_layer_tile_tokens(r.tiled_layer, d.hidden, r.local_tokens)
+
+
+def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
+    """The activations at each moment of a step with ``model.tiled_layer`` (:class:`_Activations`; tp 1).
+
+    Per local token, in the compute dtype ``c``: what a layer keeps between its forward and its backward is the
+    attention core's: q, k, v (``q + 2 kv``, ``q = heads x head_dim``; ring's SDPA also the K/V repeated to the
+    query heads), the kernel's output and its transposed copy the post part saves (``2 q``), the fp32 LSE; and its
+    input ``h`` (the checkpoint's, or without checkpointing the post part's and the pre part's, one tensor). The
+    norms, their fp32 copies, the q/k norms, the output projection, the residuals and the MLP exist for one tile.
+    The backward of the post part holds the output gradient (``h``) and the gradients it writes for the attention
+    output (``q``) and the input (``h``); the attention's backward the attention output's and the input's
+    gradients and dq, dk, dv (``q + 2 kv``) beside the CP workspace and the kernel's buffers. One tile of ``t``
+    tokens: the untiled layer's tensors but the attention's, its gradients and the tile's weight gradients
+    (``h q + 3 h I`` for the output projection and the MLP). Measured: scripts/bench_memory.py --tiled-layer only.
+    """
+    n, c = r.local_tokens, r.compute_bytes
+    h, kv, i, q = d.hidden, d.kv_heads * d.head_dim, d.intermediate, d.heads * d.head_dim
+    repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed) else 0
+    lse = d.heads * 4
+    body = (q + repeated + 2 * kv + 2 * q) * c + lse  # the attention core's saved tensors
+    mlp = _mlp_moments(d)
+    stream = (2 * d.layer_norms + 1) * h + (2 * (h + kv) if d.qk_norm else 0)
+    t = min(tile, n)
+    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + 3 * h * i) * c
+    tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
+    post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
+    attn_grads = (h + q + q + 2 * kv) * c  # the input's and the attention output's gradients, dq, dk, dv
+    embed = 0.0 if r.activation_offloaded else h * c
+    rope = 2 * d.head_dim * c
+    final = 3 * h * c
+    always = 24 + rope
+    s2 = 0.0
+    if r.attn == "eager":
+        heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads, r.seq, r.seq)
+        s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
+    tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
+    if r.activation_checkpointing:
+        kept = (min(2, d.layers) if r.activation_offloaded else d.layers) * h * c
+        saved = n * (kept + final + always)
+        fwd_m = n * (kept + always + body + h * c) + tile_fwd + s2
+        fwd_a = n * (kept + always + body) + s2
+        bwd_m = n * (kept + always + body + post_grads) + tile_bwd + s2
+        bwd_a = n * (kept + always + body + attn_grads) + s2
+        if r.activation_offloaded:
+            note = f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
+        else:
+            note = f"{d.layers} layer inputs kept"
+        note += f"; one layer recomputed in backward: {_fmt(bwd_a - n * (kept + always))} (its attention's backward){tiled}"
+        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
+    layer = h * c + body + s2 / max(n, 1)
+    before = n * ((d.layers - 1) * layer + always)
+    saved = n * (d.layers * layer + final + always)
+    fwd_m = before + n * (body + 2 * h * c) + tile_fwd + s2
+    fwd_a = before + n * (body + h * c) + s2
+    bwd_m = before + n * (body + h * c + post_grads) + tile_bwd + s2
+    bwd_a = before + n * (body + h * c + attn_grads) + s2
+    note = f"{d.layers} layers x {_fmt(n * layer)}{tiled}"
+    del embed
+    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
 
 
 def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, possibly on the meta device)
@@ -465,6 +544,9 @@ class _Activations:
 
 def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     """The activations at each moment of a step, bytes per rank on the device (:class:`_Activations`)."""
+    layer_tile = _layer_tile(d, r)
+    if layer_tile:  # model.tiled_layer (refused under TP by the config rules)
+        return _tiled_layer_terms(d, r, layer_tile)
     n, c, tp, s = r.local_tokens, r.compute_bytes, r.tp, r.stream_split
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     # GQA: K/V repeated to all query heads are saved only where the method's CPU kernel is given them (torch's
@@ -1093,6 +1175,7 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, d
         sequence_parallel=cfg.distributed.sequence_parallel,
         fsdp_enabled=cfg.fsdp.enabled,
         tiled_mlp=cfg.model.tiled_mlp,
+        tiled_layer=cfg.model.tiled_layer,
         activation_offload=cfg.model.activation_offload,
         offload=cfg.fsdp.offload,
         cp_options=_cp_options(cfg),

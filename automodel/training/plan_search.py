@@ -109,13 +109,17 @@ class Techniques:
     tiled_mlp: bool = False  # model.tiled_mlp
     activation_offload: bool = False  # model.activation_offload (with checkpointing)
     offload: bool | str = False  # fsdp.offload
+    tiled_layer: bool = False  # model.tiled_layer (searched with the tiled MLP; tp 1 only)
 
     def text(self, tp: int) -> str:
-        """Short form (the report's legend): ``ckpt+chunk+tile+aoff+off:all``."""
+        """Short form (the report's legend): ``ckpt+chunk+tile+aoff+off:all``; ``lay`` for the tiled layer (with the
+        tiled MLP)."""
         parts = ["ckpt"] if self.checkpointing else []
         if self.chunked_loss:
             parts.append("lp" if tp > 1 else "chunk")
-        if self.tiled_mlp:
+        if self.tiled_layer:  # with the tiled MLP (its MLP runs in the layer's tiles)
+            parts.append("lay")
+        elif self.tiled_mlp:
             parts.append("tile")
         if self.activation_offload:
             parts.append("aoff")
@@ -129,6 +133,7 @@ class Techniques:
             f"loss.chunk_tokens={chunk}",
             f"model.activation_checkpointing={str(self.checkpointing).lower()}",
             f"model.tiled_mlp={str(self.tiled_mlp).lower()}",
+            f"model.tiled_layer={str(self.tiled_layer).lower()}",
             f"model.activation_offload={str(self.activation_offload).lower()}",
             f"fsdp.offload={self.offload or 'false'}",
         ]
@@ -137,6 +142,7 @@ class Techniques:
     def cost_rank(self) -> int:
         """How much step time the set adds, roughly (ties of the longest row go to the cheapest)."""
         return (self.chunked_loss + 2 * self.checkpointing + 2 * self.tiled_mlp + 3 * self.activation_offload
+                + 3 * self.tiled_layer
                 + {False: 0, "optimizer": 4, "all": 6}[self.offload])  # fmt: skip
 
 
@@ -148,6 +154,8 @@ def all_techniques() -> list[Techniques]:
         if act and not ckpt:
             continue
         out.append(Techniques(loss, ckpt, tiled, act, off))
+        if tiled:  # the tiled layer: with the tiled MLP (its MLP runs over the layer's tiles)
+            out.append(Techniques(loss, ckpt, tiled, act, off, tiled_layer=True))
     return out
 
 
@@ -283,7 +291,7 @@ class PlanSearch:
             cp_method=layout.method or "ring", cp_options=layout.options, head_chunks=layout.head_chunks, grad_acc=1,
             chunk_tokens=DEFAULT_CHUNK_TOKENS if t.chunked_loss and layout.tp == 1 else None,
             loss_parallel=t.chunked_loss and layout.tp > 1, sequence_parallel=layout.sequence_parallel,
-            activation_checkpointing=t.checkpointing, tiled_mlp=t.tiled_mlp,
+            activation_checkpointing=t.checkpointing, tiled_mlp=t.tiled_mlp, tiled_layer=t.tiled_layer,
             activation_offload=t.activation_offload, offload=t.offload,
         )  # fmt: skip
 
@@ -332,7 +340,9 @@ class PlanSearch:
     # --- the whole search ---------------------------------------------------------------------------------
     def search(self) -> list[Found]:
         """The longest row of every layout with every technique set."""
-        return [self.longest(layout, t) for layout in self.layouts() for t in self.techniques]
+        # the tiled layer runs on plain tensors: refused with tensor parallelism (automodel.config.tiled_layer_rules)
+        return [self.longest(layout, t) for layout in self.layouts() for t in self.techniques
+                if not (t.tiled_layer and layout.tp > 1)]  # fmt: skip
 
 
 def row_step_seconds(d: ModelDims, r: RunShape, sizes: dict[str, int], gpus: int, spec: GPUSpec, gpu_type: str,
@@ -351,6 +361,8 @@ def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, c
 
     - tiled MLP: backward recomputes each tile's MLP forward: ``2 P_mlp`` FLOPs per token (``P_mlp = 3 h I``
       per layer, ``/ tp``) at the matrix products' achieved rate (the step estimate's ``GEMM_PEAK_FRACTION``);
+    - tiled layer (instead of the tiled MLP's): backward recomputes each tile's forward but the attention core, the
+      q/k/v and output projections and the MLP: ``2 (h (2 q + 2 kv) + 3 h I)`` FLOPs per token and layer;
     - activation offload: each layer input goes to the host in forward and back in backward
       (``2 L N h c`` bytes over :data:`HOST_LINK_GB_S`), prefetched under the layers' compute: only what
       exceeds the compute is exposed;
@@ -364,7 +376,13 @@ def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, c
     out: dict[str, float] = {}
     link = HOST_LINK_GB_S[gpu_type] * 1e9
     n = r.local_tokens
-    if r.tiled_mlp:
+    if r.tiled_layer and d.heads:
+        # the backward recomputes each tile's forward but the attention core: the q/k/v and output projections and
+        # the MLP (which then runs in the layer's tiles: the tiled MLP's own recompute does not add to it)
+        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+        flops = 2 * (d.hidden * (2 * q + 2 * kv) + 3 * d.hidden * d.intermediate) * d.layers * n
+        out["tiled layer"] = flops / (spec.bf16_tflops * 1e12 * GEMM_PEAK_FRACTION)
+    elif r.tiled_mlp:
         flops = 2 * 3 * d.hidden * d.intermediate * d.layers * n / r.tp
         out["tiled MLP"] = flops / (spec.bf16_tflops * 1e12 * GEMM_PEAK_FRACTION)
     if r.activation_offloaded:
@@ -415,6 +433,10 @@ def ablation(search: PlanSearch, results: list[Found]) -> list[tuple[str, Found 
     rows.append(("all (+ fsdp.offload)", best(lambda f: f.techniques == dataclasses.replace(act, offload=f.techniques.offload)
                                               and bool(f.techniques.offload)) if act in usable else
                  best(lambda f: f.techniques.chunked_loss and bool(f.techniques.offload))))  # fmt: skip
+    layered = dataclasses.replace(act, tiled_layer=True)
+    if layered in usable:  # the tiled layer on top of all of them (issue 42)
+        rows.append(("+ tiled layer", best(lambda f: f.techniques == dataclasses.replace(layered, offload=f.techniques.offload)
+                                           and bool(f.techniques.offload))))  # fmt: skip
     return rows
 
 
@@ -424,8 +446,8 @@ def longest_row(results: list[Found]) -> Found:
 
 
 LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: loss parallel under tp), tile tiled MLP,\n"
-          "  aoff activation offload, off:opt / off:all fsdp.offload=optimizer / all; a layout's h/G: headwise Ulysses,\n"
-          "  the attention heads in G groups one at a time (distributed.ulysses_head_chunks=G)")
+          "  lay tiled layer and MLP, aoff activation offload, off:opt / off:all fsdp.offload=optimizer / all; a layout's\n"
+          "  h/G: headwise Ulysses, the attention heads in G groups one at a time (distributed.ulysses_head_chunks=G)")
 
 
 def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,
@@ -625,6 +647,7 @@ def build_search(config: str, overrides: list[str], gpus: int, gpu_type: str, gp
 def usable_techniques(model: Any) -> list[Techniques]:
     """:func:`all_techniques` less those the recipe refuses for ``model`` (on the meta device): checkpointing (and
     so activation offload) where the model does not support it, the tiled MLP where it finds no MLP to tile."""
+    from automodel.models.tiled_layer import check_tiled_layer_for_model
     from automodel.models.tiled_mlp import check_tiled_mlp_for_model
 
     out = all_techniques()
@@ -634,4 +657,8 @@ def usable_techniques(model: Any) -> list[Techniques]:
         check_tiled_mlp_for_model(model, True)
     except UserInputError:
         out = [t for t in out if not t.tiled_mlp]
+    try:
+        check_tiled_layer_for_model(model, True)
+    except UserInputError:
+        out = [t for t in out if not t.tiled_layer]
     return out

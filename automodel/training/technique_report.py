@@ -12,6 +12,8 @@ logs one line per technique that is on, with what it did, from the counters the 
   host pool;
 - tiled MLP (:class:`automodel.models.tiled_mlp.TileCounts`): MLP calls, tiles, the largest tile, the tiles
   recomputed by the tiled backward;
+- tiled layer (:class:`automodel.models.tiled_layer.TiledLayerCounts`): the decoder layers run in tiles, their
+  calls and tiles, the tiles recomputed by the tiled backward;
 - headwise Ulysses (:data:`automodel.distributed.cp.head_chunks.HEAD_GROUP_COUNTS`): attention calls run in head
   groups, the groups run in the forward and recomputed in the backward.
 
@@ -27,6 +29,7 @@ from torch import nn
 
 from automodel.distributed.cp.head_chunks import HEAD_GROUP_COUNTS
 from automodel.models.block_call import block_calls
+from automodel.models.tiled_layer import layer_tile_counts
 from automodel.models.tiled_mlp import tile_counts
 from automodel.training.activation_offload import OffloadStore
 
@@ -39,6 +42,8 @@ def reset_technique_counts(model: nn.Module, store: OffloadStore | None) -> None
         call.counts.reset()
     for counts in tile_counts(model):
         counts.reset()
+    for layer_counts in layer_tile_counts(model):
+        layer_counts.reset()
     if store is not None:
         store.reset_counts()
     HEAD_GROUP_COUNTS.reset()
@@ -90,6 +95,17 @@ def collect_technique_report(
             "max_tile_tokens": max(t.max_tile_tokens for t in tiles),
             "max_tokens": max(t.max_tokens for t in tiles),
         }
+    layers = layer_tile_counts(model)
+    if layers:
+        report["tiled_layer"] = {
+            "layers": len(layers),
+            "layers_tiled": sum(t.calls > 0 for t in layers),
+            "calls": sum(t.calls for t in layers),
+            "tiles": sum(t.tiles for t in layers),
+            "backward_tiles": sum(t.backward_tiles for t in layers),
+            "max_tile_tokens": max(t.max_tile_tokens for t in layers),
+            "max_tokens": max(t.max_tokens for t in layers),
+        }
     return report
 
 
@@ -131,6 +147,13 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
             f"{tm['tiled_calls']} run in {tm['tiles']} tile(s) of at most {tm['max_tile_tokens']} tokens; "
             f"{tm['backward_tiles']} tile(s) recomputed by the tiled backward"
         )
+    tl = report.get("tiled_layer")
+    if tl is not None:
+        lines.append(
+            f"tiled layer: {tl['layers_tiled']} of {tl['layers']} decoder layers, {tl['calls']} call(s) of up to "
+            f"{tl['max_tokens']} tokens in {tl['tiles']} tile(s) of at most {tl['max_tile_tokens']} tokens (pre and "
+            f"post parts); {tl['backward_tiles']} tile(s) recomputed by the tiled backward"
+        )
     hw = report.get("headwise_ulysses")
     if hw is not None:
         lines.append(
@@ -166,6 +189,12 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
                 f"model.activation_offload=true moved only {off['tensors']} of the {off['layer_inputs']} layer "
                 f"inputs to the host: the others stayed on the device"
             )
+    tl = report.get("tiled_layer")
+    if tl is not None and tl["layers_tiled"] < tl["layers"]:
+        problems.append(
+            f"model.tiled_layer is on but only {tl['layers_tiled']} of {tl['layers']} decoder layers ran in tiles: "
+            f"the others ran their own forward"
+        )
     hw = report.get("headwise_ulysses")
     if hw is not None and (hw["calls"] == 0 or hw["groups"] != hw["calls"] * hw["head_chunks"]):
         problems.append(

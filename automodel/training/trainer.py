@@ -298,6 +298,12 @@ class FinetuneTrainer:
             check_tiled_mlp_for_model_config(
                 cfg.model, resolved, attn_implementation=self.attn_implementation, seed=cfg.recipe.seed
             )
+        if cfg.model.tiled_layer is not False:  # every decoder layer a structure the tiled layer is proven for
+            from automodel.models.tiled_layer import check_tiled_layer_for_model_config
+
+            check_tiled_layer_for_model_config(
+                cfg.model, resolved, attn_implementation=self.attn_implementation, seed=cfg.recipe.seed
+            )
         if cfg.peft is not None:  # peft.target_modules against a weightless model, before data or weights
             from automodel.models.lora import check_lora_for_model_config
 
@@ -493,6 +499,10 @@ class FinetuneTrainer:
             apply_tiled_mlp(
                 self.model, cfg.model.tiled_mlp, tp_size=d.tp_size, sequence_parallel=d.sequence_parallel
             )
+        if cfg.model.tiled_layer is not False:  # the layer's forward in tiles; checkpointing etc. wrap it
+            from automodel.models.tiled_layer import apply_tiled_layer
+
+            apply_tiled_layer(self.model, cfg.model.tiled_layer)
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if cfg.model.compile or d.enable_compiled_autograd:

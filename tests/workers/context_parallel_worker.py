@@ -204,6 +204,47 @@ def falcon_checks(mesh, dtypes: list[str], cases: dict) -> dict:
     return out
 
 
+def tiled_layer_checks(mesh, dtypes: list[str], cases: dict) -> dict:
+    """model.tiled_layer (tiles of 3 tokens, not dividing the rank's tokens) under every method at cp=2, every batch
+    form the method runs, each dtype: the loss and every gradient against the same method without it."""
+    import copy
+
+    from automodel.models.tiled_layer import apply_tiled_layer, layer_tile_counts
+
+    out = {}
+    for dtype_name in dtypes:
+        plain = tiny_llama(2, getattr(torch, dtype_name))
+        tiled = copy.deepcopy(plain)
+        apply_tiled_layer(tiled, 3)
+        for label, (method, options) in METHODS.items():
+            runs = []
+            for model in (plain, tiled):
+                cp = context_parallel(model, mesh, method=method, **options)
+                got = {}
+                for name, (batch, _) in cases.items():
+                    model.zero_grad(set_to_none=True)
+                    try:
+                        ctx, local = cp.shard(batch)
+                    except ValueError:
+                        continue
+                    with ctx():
+                        logits = model(**{k: v for k, v in local.items() if k != "labels"}).logits
+                        loss = _ce(logits.flatten(0, 1), local["shift_labels"].flatten()) / local["num_items_in_batch"]
+                        loss.backward()
+                    cp.reduce_gradients()
+                    got[name] = (float(cp.reduce_loss(loss)), {n: p.grad.clone() for n, p in model.named_parameters()})
+                cp.restore()
+                runs.append(got)
+            for name, (loss, grads) in runs[1].items():
+                ref_loss, ref_grads = runs[0][name]
+                out[(dtype_name, label, name)] = {
+                    "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+                    "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+                }
+        out[(dtype_name, "calls")] = [c.calls for c in layer_tile_counts(tiled)]
+    return out
+
+
 def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
     from tests.toy_cp_method import register
 
@@ -276,6 +317,7 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
                 "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
             }
         cp.restore()
+    out["tiled_layer"] = tiled_layer_checks(mesh, dtypes, cases)
     out["falcon"] = falcon_checks(mesh, dtypes, cases)
     # a model the method would not compute exactly is refused when it is prepared, before any work
     flex = tiny_llama(2, torch.float32)

@@ -32,6 +32,13 @@ CP2_CASES = {
                                          ckpt=True, compile=True),
     # ALiBi (BLOOM's own attention code): each head group takes its heads' slopes
     "bloom_alibi_packed_f64": dict(family="bloom", heads=4, kv=None, dtype="float64", form="packed", chunks=2),
+    # model.tiled_layer (tiles of 5 tokens) composed with head groups: also against the same run untiled
+    "llama_tiled_layer_packed_f64": dict(family="llama", heads=8, kv=4, dtype="float64", form="packed", chunks=2,
+                                         tiled_layer=5),
+    "qwen3_tiled_layer_ckpt_offload_packed_f32": dict(family="qwen3", heads=8, kv=4, dtype="float32", form="packed",
+                                                      chunks=2, ckpt=True, offload=True, tiled_layer=5),
+    "llama_tiled_layer_compile_ckpt_plain_f32": dict(family="llama", heads=8, kv=4, dtype="float32", form="plain",
+                                                     chunks=2, ckpt=True, compile=True, tiled_layer=5),
 }
 # at cp=4 (4 ranks): Ulysses over all of them, and usp 2 x 2 (head groups inside the Ulysses sub-group)
 CP4_CASES = {
@@ -44,6 +51,10 @@ CP4_CASES = {
                                   method="usp2"),
     "usp2_bloom_alibi_packed_f64": dict(family="bloom", heads=4, kv=None, dtype="float64", form="packed", chunks=2,
                                         method="usp2"),
+    "ulysses_tiled_layer_gqa_plain_f32": dict(family="llama", heads=16, kv=8, dtype="float32", form="plain",
+                                              chunks=2, ckpt=True, tiled_layer=5),
+    "usp2_tiled_layer_gqa_packed_f64": dict(family="llama", heads=8, kv=4, dtype="float64", form="packed", chunks=2,
+                                            method="usp2", tiled_layer=5),
 }
 DOCS = [21, 34, 9]
 
@@ -102,7 +113,11 @@ def _cp_run(case: dict, model, batch, mesh, n_labels: int, chunks: int):
     return float(loss) / n_labels, grads, active.head_group_runs
 
 
-def _prepare(case: dict, model):
+def _prepare(case: dict, model, tiled: bool = True):
+    if case.get("tiled_layer") and tiled:
+        from automodel.models.tiled_layer import apply_tiled_layer
+
+        apply_tiled_layer(model, case["tiled_layer"])
     if case.get("ckpt"):
         from automodel.models.block_call import apply_activation_checkpointing
 
@@ -129,8 +144,19 @@ def one_case(case: dict, mesh, world: int) -> dict:
     ref_loss, ref_grads = _reference(copy.deepcopy(base), docs, n_labels)
     batch = _batch(case["form"], docs, 2 * world)
     whole_loss, whole_grads, _ = _cp_run(case, _prepare(case, copy.deepcopy(base)), batch, mesh, n_labels, 1)
-    loss, grads, runs = _cp_run(case, _prepare(case, copy.deepcopy(base)), batch, mesh, n_labels, case["chunks"])
+    model = _prepare(case, copy.deepcopy(base))
+    loss, grads, runs = _cp_run(case, model, batch, mesh, n_labels, case["chunks"])
+    untiled = {}
+    if case.get("tiled_layer"):  # the same chunked run without the tiled layer
+        from automodel.models.tiled_layer import layer_tile_counts
+
+        plain_loss, plain_grads, _ = _cp_run(case, _prepare(case, copy.deepcopy(base), tiled=False), batch, mesh,
+                                             n_labels, case["chunks"])  # fmt: skip
+        untiled = {"loss_vs_untiled": abs(loss - plain_loss) / abs(plain_loss),
+                   "grad_vs_untiled": _worst(grads, plain_grads),
+                   "tiled_calls": [c.calls for c in layer_tile_counts(model)]}  # fmt: skip
     return {
+        **untiled,
         "loss_vs_unchunked": abs(loss - whole_loss) / abs(whole_loss),
         "grad_vs_unchunked": _worst(grads, whole_grads),
         "loss_vs_reference": abs(loss - ref_loss) / abs(ref_loss),
@@ -176,5 +202,10 @@ def assert_case(name: str, case: dict, got: dict) -> None:
     loss_tol, grad_tol = (1e-12, 1e-10) if f64 and not fp32_inside else (1e-5, 1e-4)
     assert got["loss_vs_reference"] <= loss_tol and got["grad_vs_reference"] <= grad_tol, (name, got)
     assert got["zero_grads"] == [], (name, got)
+    if case.get("tiled_layer"):  # the tiled layer against the same headwise run without it
+        assert got["loss_vs_untiled"] <= (1e-15 if f64 else 1e-6), (name, got)
+        assert got["grad_vs_untiled"] <= (1e-14 if f64 else 1e-6), (name, got)
+        # every layer ran in tiles: its forward, and its recomputation under checkpointing
+        assert got["tiled_calls"] == [2 if case.get("ckpt") else 1] * got["layers"], (name, got)
     passes = 3 if case.get("ckpt") else 2
     assert got["group_runs"] == got["layers"] * case["chunks"] * passes, (name, got)

@@ -63,6 +63,7 @@ def _summary(trainer: FinetuneTrainer, result) -> dict:
         "attn_impl": trainer.model.config._attn_implementation,
         "lr_last": trainer.optimizer.param_groups[0]["lr"],
         "headwise": (trainer.technique_report or {}).get("headwise_ulysses"),  # the run log's technique line
+        "tiled_layer": (trainer.technique_report or {}).get("tiled_layer"),
     }
 
 
@@ -150,7 +151,7 @@ def single(rank: int, world_size: int, out: str) -> dict:
 
 def pair(rank: int, world_size: int, out: str) -> dict:
     """World 2: ring cp=2 with activation checkpointing and the export; Ulysses cp=2 in 2 head groups with
-    checkpointing and activation offload; ring cp=2
+    checkpointing and activation offload; ring cp=2 with checkpointing, activation offload and the tiled layer; ring cp=2
     stopped by SIGTERM after step 3 and resumed from its adapter-only checkpoint."""
     out_dir = Path(out)
     results: dict = {}
@@ -187,6 +188,10 @@ def pair(rank: int, world_size: int, out: str) -> dict:
                                              "distributed.ulysses_head_chunks=2", "model.activation_checkpointing=true",
                                              "model.activation_offload=true"],
     )
+
+    # model.tiled_layer (tiles of 24 tokens) with LoRA, FSDP2, ring, checkpointing and activation offload
+    results["tiled_cp2"] = _run(world_size, out_dir, "tiled_cp2", [*ring, "model.activation_offload=true",
+                                                                   "model.tiled_layer=24"])  # fmt: skip
 
     first = _run(world_size, out_dir, "resume", ring, hooks=_sigterm_at(3))
     first.pop("adapters")
