@@ -52,7 +52,7 @@ CP2 = {
 DSA = {
     f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True, dense_mlp=dtype == "float64",
                                   exact_norms=fam == "hy_v4")  # HY-V4's hyper-connections in fp64 (exact_norms.py)
-    for fam in ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4")
+    for fam in ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4", "axk2")
     for dtype in ("float32", "float64")
 }
 CP2.update(DSA)
@@ -66,6 +66,7 @@ CP4 = {
     "glm_moe_dsa/packed/float64": dict(family="glm_moe_dsa", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True),
     "hy_v4/packed/float64": dict(family="hy_v4", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True,
                                  exact_norms=True),
+    "axk2/packed/float64": dict(family="axk2", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True),
 }
 
 

@@ -120,7 +120,8 @@ MODEL_CASES.update({
 # LOCAL positions (the indexer's and the attention's RoPE misplaced on every rank after the first) must differ.
 # HY-V4: DSA plus per-head sinks, an output gate and hyper-connections, its indexer's RoPE on the last dimensions;
 # in fp64 its hyper-connections compute in fp64 (exact_norms: transformers computes them in fp32 whatever the dtype)
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4")  # dots3: two DSA layers, one sliding-window
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4", "axk2")  # dots3: two DSA layers, one sliding-window;
+# AXK2: DeepSeek-V3.2's indexer with a fused q/gate projection, an output gate and gated norms
 DSA_CASES = {
     f"{family}/{method}/{dtype}" + ("/dense" if dtype == "float64" else ""): dict(
         family=family, method=method, dtype=dtype, docs=[48] if method == "ring" else [21, 34, 9],

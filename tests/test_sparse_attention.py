@@ -36,7 +36,7 @@ from automodel.distributed.cp.method import profile_problems
 from automodel.distributed.cp.profile import SPARSE, UNKNOWN
 from tests.family_matrix import family_by_name
 
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4")
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")
 
 
 def _one_rank(doc_lengths: list[int]) -> Placement:
@@ -130,6 +130,7 @@ def _indexer_inputs(model, seq: int, seed: int = 1):
     ("deepseek_v32", "_automodel_dsa_rope", "interleaved"),
     ("glm_moe_dsa", "_automodel_dsa_rope", "half"),
     ("hy_v4", "_automodel_dsa_rope_last", False),  # HY-V4 rotates the last dimensions: the first ones differ
+    ("axk2", "_automodel_dsa_rope", "interleaved"),  # DeepSeek-V3.2's indexer
 ])  # fmt: skip
 def test_indexer_selects_what_transformers_selects_with_the_family_rope_layout(family, attr, other):
     model = _model(family)
@@ -216,6 +217,7 @@ def test_packed_selection_stays_in_each_document_and_equals_the_document_alone()
     ("deepseek_v32", {}),
     ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}),  # layer 1 reuses layer 0's top-k
     ("hy_v4", {"indexer_types": ["full", "shared"]}),  # and per-head sinks, an output gate, hyper-connections
+    ("axk2", {}),  # DeepSeek-V3.2's DSA with a fused q/gate projection, an output gate and gated norms
 ])  # fmt: skip
 def test_packed_row_in_one_process_equals_each_document_alone_fp64(family, overrides):
     from tests.workers.exact_norms import norms_in_input_dtype

@@ -25,7 +25,7 @@ ULYSSES = 2
 #: two packed rows; padded to 8 (2 * cp) the documents are 24, 40, 16 and 32, 24 tokens
 ROWS = [[21, 34, 9], [30, 18]]
 FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense",
-            "hy_v4_dense")
+            "hy_v4_dense", "axk2_dense")
 #: Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py): per-layer-type RoPE and head sizes,
 #: sliding and full layers, per-layer inputs; scores unscaled (scaling 1.0 after the q/k norms)
 CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")] + [("gemma4_text", "float64")]

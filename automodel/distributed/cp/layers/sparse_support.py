@@ -29,6 +29,7 @@ __all__ = ["DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "SPARSE_METH
 #: of the modeling file that computes it (checked against the indexer's source when the kernel is installed)
 DSA_ATTENTION: dict[str, str] = {
     "DeepseekV32Attention": "half",
+    "AXK2Attention": "half",  # DeepSeek-V3.2's indexer; a fused q/gate projection and an output gate (token-local)
     "GlmMoeDsaAttention": "interleaved",
     "Dots3NoteTextAttention": "interleaved",
     "HYV4Attention": "interleaved",  # transformers >= 5.25; 5.17-5.24 rotate halves (DSA_ROPE_BY_RELEASE)
