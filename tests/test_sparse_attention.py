@@ -311,3 +311,114 @@ def test_query_blocks_select_and_attend_as_one_block(monkeypatch, sinks):
     assert torch.equal(whole[0], blocked[0])
     assert torch.allclose(whole[1], blocked[1], rtol=0, atol=1e-14)
     assert all(torch.allclose(a, b, rtol=0, atol=1e-13) for a, b in zip(whole[2], blocked[2]))
+
+
+# ------------------------------------------------------------------ Qwen4-Exp's QSA (query-sparse attention)
+
+QSA_CONFIG = dict(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"])
+
+
+def test_profile_names_qsa_and_gated_deltanet_layers_and_every_builtin_method_runs_them():
+    from automodel.distributed.cp.profile import LINEAR
+
+    config = family_by_name("qwen4_exp_text").build_config()
+    assert config.indexer_budget < 64 and config.ple_layer_ids == []  # the indexer really selects; no PLE layers
+    with torch.device("meta"):
+        model = family_by_name("qwen4_exp_text").build_model(0)
+    profile = profile_model(model)
+    assert [(layer.kind, layer.mixer) for layer in profile.layers] == [
+        (LINEAR, "Qwen4ExpTextGatedDeltaNet")] * 3 + [(SPARSE, "Qwen4ExpTextAttention")]  # fmt: skip
+    assert profile.layers[3].sparse_widths == (2 * config.num_key_value_heads * config.head_dim, config.indexer_head_dim)
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        assert profile_problems(get_cp_method(method), profile, 64) == [], method
+
+
+def test_qsa_kernel_on_one_rank_equals_each_document_alone_and_selects():
+    """The installed forward on a one-rank placement of three packed documents (K, V, the raw indexer keys and the
+    RoPE of every position gathered, the class's own selection over them) against the class's forward on each
+    document alone, fp64 (the q / k RMSNorms in fp64: transformers computes them in fp32): outputs and every
+    gradient; the selection really drops keys (budget 16 of up to 30)."""
+    from tests.workers.exact_norms import norms_in_input_dtype
+
+    with norms_in_input_dtype():
+        _qsa_one_rank_equals_documents_alone()
+
+
+def _qsa_one_rank_equals_documents_alone() -> None:
+    from automodel.distributed.cp.layers import sparse_attention as sa
+
+    lengths = [9, 30, 21]
+    model = _model("qwen4_exp_text", torch.float64, num_hidden_layers=1, layer_types=["indexed_attention"])
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, sum(lengths), model.config.hidden_size, generator=g, dtype=torch.float64)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    pe = model.model.rotary_emb(hidden, positions)
+    reference, at = [], 0
+    for n in lengths:  # each document alone: the class's forward with its causal mask
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        part = tuple(x[:, at : at + n] for x in pe)
+        reference.append(type(attn).forward(attn, hidden[:, at : at + n], part, mask)[0])
+        at += n
+    reference = torch.cat(reference, dim=1)
+    ref_grads = torch.autograd.grad(reference.square().sum(), list(attn.parameters()), allow_unused=True)
+
+    install_sparse_attention(model, profile_model(model))
+    call = {"hidden_states": hidden, "position_embeddings": pe, "attention_mask": None}
+    seen = {}
+    original = type(attn.indexer)._select_tokens
+
+    def spy(self, *args, **kwargs):
+        seen["mask"] = out = original(self, *args, **kwargs)
+        return out
+
+    sa._bound(attn, (), call)  # caches the signature _run reads
+    type(attn.indexer)._select_tokens = spy
+    try:
+        out = sa._run(attn, dict(call), _one_rank(lengths))[0]
+    finally:
+        type(attn.indexer)._select_tokens = original
+    grads = torch.autograd.grad(out.square().sum(), list(attn.parameters()), allow_unused=True)
+    assert (out - reference).abs().max() <= 1e-13 * reference.abs().max()
+    for got, want in zip(grads, ref_grads):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert (got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1e-30)
+    visible = _one_rank(lengths).mask(1, hidden.device)
+    assert (seen["mask"] & ~visible).sum() == 0 and (seen["mask"].sum(-1) < visible.sum(-1)).any()
+
+
+def test_a_qsa_indexer_that_changed_is_refused(monkeypatch):
+    from automodel.errors import CPUnsupportedError
+
+    model = _model("qwen4_exp_text", num_hidden_layers=1, layer_types=["indexed_attention"])
+    indexer = type(model.model.layers[0].self_attn.indexer)
+
+    def _select_tokens(self, hidden_states, q, raw_keys, full_cos, full_sin, attention_mask, **kwargs):
+        return attention_mask  # every visible key: not the block selection the kernel expects
+
+    monkeypatch.setattr(indexer, "_select_tokens", _select_tokens)
+    with pytest.raises(CPUnsupportedError, match="does not compute what the CP QSA kernel expects"):
+        install_sparse_attention(model, profile_model(model))
+
+
+def test_qwen4_exp_ple_layers_are_refused_by_every_method():
+    """Qwen4-Exp's per-layer n-gram embeddings (``ple_layer_ids``; none in the default config) read earlier tokens
+    outside the mixers the kernels compute: a dilated depthwise conv along the sequence and hashed n-grams of the
+    previous token ids. Refused, never run with a state that does not travel."""
+    from transformers import AutoModelForCausalLM
+
+    from automodel.distributed.cp.profile import LINEAR
+
+    config = family_by_name("qwen4_exp_text").build_config()
+    config.ple_layer_ids, config.eos_token_id = [1, 4], 1  # layers 0 (Gated DeltaNet) and 3 (QSA) get one
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = profile_model(model).layers
+    assert layers[0].kind == UNKNOWN and layers[0].module_path == "model.layers.0.ple.conv1d", layers[0]
+    assert "outside the mixer its CP kernel computes" in layers[0].mixer
+    assert layers[3].kind == LINEAR and layers[3].mixer.startswith("Conv1d"), layers[3]  # no kernel: refused
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        problems = profile_problems(get_cp_method(method), profile_model(model), 64)
+        assert any("layer 0" in p or "layers 0" in p for p in problems), (method, problems)
+        assert any("3" in p and "Conv1d" in p for p in problems), (method, problems)

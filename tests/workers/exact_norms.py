@@ -22,6 +22,7 @@ NORMS = (
     ("transformers.models.gemma3.modeling_gemma3", "Gemma3RMSNorm", 1.0),
     ("transformers.models.gemma3n.modeling_gemma3n", "Gemma3nRMSNorm", 0.0),
     ("transformers.models.gemma4.modeling_gemma4", "Gemma4RMSNorm", 0.0),
+    ("transformers.models.qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextRMSNorm", 1.0),  # per group of hidden_size too
 )
 
 

@@ -178,6 +178,12 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
     return float(loss) / n_labels, grads
 
 
+#: Qwen4-Exp with QSA layers only (query-sparse attention: K, V and the indexer's raw keys gathered,
+#: cp/layers/qsa.py) and one routed expert (its router's softmax is fp32 whatever the dtype); fp64 cases run its
+#: RMSNorms in fp64 too (exact_norms). Its Gated DeltaNet is proven by tests/test_state_mixers.py
+QSA_CONFIG = dict(num_hidden_layers=2, layer_types=["indexed_attention"] * 2, num_experts=1, num_experts_per_tok=1)
+
+
 def build_case_model(case: dict):
     """The family's tiny model; ``dense_mlp``: every MLP dense (no MoE router, which computes in fp32 whatever the
     model's dtype), the attention layer pattern unchanged, so that an fp64 run shows fp64's round-off; ``config``:

@@ -9,7 +9,8 @@ layer's token mixer, which is what decides whether a CP method computes the laye
 - ``chunked_attention``: causal attention inside fixed chunks of ``chunk`` tokens (Llama 4);
 - ``sparse_attention``: DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5, dots3's ``indexed_attention``, HY-V4):
   latent attention whose keys an indexer chooses per query (the top ``index_topk`` of the query's document),
-  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`);
+  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`), and
+  Qwen4-Exp's query-sparse attention (QSA: blocks of ordinary keys chosen per query, ``QSA_ATTENTION``);
 - ``linear_mixer``: linear attention or a state-space / convolution mixer (Gated DeltaNet, Mamba,
   short convolutions): a state carried along the sequence, not a softmax over keys;
 - ``mlp_only``: no token mixer at all (a block of MLP / MoE only, Nemotron-H's ``mlp`` and ``moe`` layers):
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
-from automodel.distributed.cp.layers.sparse_support import DSA_ATTENTION
+from automodel.distributed.cp.layers.sparse_support import SPARSE_ATTENTION
 
 __all__ = [
     "FULL",
@@ -547,10 +548,13 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
     # such a mixer and its submodules are neither attention nor another mixer (its conv; Kimi's KDA is named
     # "...DeltaAttention")
     kernel_mixer = {id(m) for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS for m in sub.modules()}
+    outside_conv = None  # a convolution along the sequence beside a mixer with a kernel (Qwen4-Exp's PLE layers)
     for sub_name, sub in layer.named_modules():
         cls = type(sub).__name__
         if sub is layer or id(sub) in kernel_mixer:
             continue
+        if isinstance(sub, nn.Conv1d) and linear in STATE_MIXERS and outside_conv is None:
+            outside_conv = (f"{path}.{sub_name}" if path else sub_name, cls)
         moe = ("MoE" in cls or "Moe" in cls) and cls not in STATE_MIXERS  # Qwen3_5MoeGatedDeltaNet is one
         norm = "Norm" in cls  # MambaRMSNorm, FalconMambaRMSNorm, MambaRMSNormGated: a norm, not the mixer
         if _LINEAR_MIXER.search(cls) and cls not in _NOT_LINEAR_MIXERS and not moe and not norm and linear is None:
@@ -561,6 +565,11 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
             # an attention module by its name, or by what its forward does (LongCat-Flash's LongcatFlashMLA)
             attention, attention_path = sub, f"{path}.{sub_name}" if path else sub_name
     spec = dict(base.__dict__)
+    if outside_conv is not None:  # the kernel covers its mixer only: another conv's halo would not travel
+        spec.update(kind=UNKNOWN, module_path=outside_conv[0],
+                    mixer=f"{outside_conv[1]} (a convolution along the sequence) beside {linear}, outside the mixer "
+                    "its CP kernel computes")  # fmt: skip
+        return LayerSpec(**spec)
     if linear is not None and attention is not None and linear in STATE_MIXERS:
         # attention beside a mixer CP computes (Falcon-H1, Zamba2): it runs through the method's attention, so
         # it must dispatch through AttentionInterface; what it applies (window, sinks, softcap) is recorded
@@ -602,7 +611,7 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         return LayerSpec(**spec)
     cls = type(attention)
     if base.kind == SPARSE:  # the config says indexed_attention: the attention class must be a DSA one we know
-        if cls.__name__ not in DSA_ATTENTION:
+        if cls.__name__ not in SPARSE_ATTENTION:
             spec.update(kind=UNKNOWN, module_path=attention_path,
                         mixer=f"{cls.__name__} (config layer type indexed_attention), a sparse attention without a "
                         "CP kernel")  # fmt: skip
@@ -680,6 +689,9 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     latent = (_get(text, "kv_lora_rank", None) or 0) + (_get(text, "qk_rope_head_dim", None) or 0)
     index_dim = _get(text, "index_head_dim", None)
     widths = (int(latent), int(index_dim)) if latent and isinstance(index_dim, int) else None
+    qsa_dim, kv_heads = _get(text, "indexer_head_dim", None), _get(text, "num_key_value_heads", None)
+    if widths is None and isinstance(qsa_dim, int) and kv_heads and head_dim:  # QSA: K and V, the indexer's raw key
+        widths = (2 * int(kv_heads) * int(head_dim), int(qsa_dim) * int(_get(text, "indexer_kv_heads", 1) or 1))
     gpt_neo = _get(text, "attention_layers", None) if str(_get(text, "model_type", "")) == "gpt_neo" else None
     if layer_types is None and isinstance(gpt_neo, (list, tuple)):  # GPT-Neo: "global" / "local" (its window_size)
         layer_types = ["sliding_attention" if t == "local" else "full_attention" for t in gpt_neo]

@@ -33,6 +33,7 @@ GATED_DELTANET_MIXERS = {
     "Qwen3_5GatedDeltaNet": "split",
     "Qwen3_5MoeGatedDeltaNet": "split",
     "LaraMiniGatedDeltaNet": "split",  # Qwen3.5's class under another name (transformers 5.25's lara_mini)
+    "Qwen4ExpTextGatedDeltaNet": "split",  # Qwen3.5's, its gated norm's activation from the config (in the model's norm)
     "OlmoHybridGatedDeltaNet": "olmo",
 }
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "SPARSE_METHODS", "sparse_attention_problem"]
+__all__ = ["DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "QSA_ATTENTION", "SPARSE_ATTENTION", "SPARSE_METHODS",
+           "sparse_attention_problem"]
 
 #: attention class -> the RoPE its indexer applies to its query and key (``"half"``: transformers'
 #: ``apply_rotary_pos_emb``, the rotary dimensions split in two halves, DeepSeek-V3.2; ``"interleaved"``:
@@ -45,6 +46,17 @@ DSA_ROPE_BY_RELEASE: frozenset[str] = frozenset({"HYV4Attention"})
 #: ReLU); their attention adds per-head sinks to the softmax (``s_aux``) and gates its output (token-local)
 DSA_ROPE_LAST: frozenset[str] = frozenset({"HYV4Attention"})
 
+#: attention classes of Qwen4-Exp's QSA (query-sparse attention: ordinary K/V, no latent): its indexer scores each
+#: query against the mean of every ``indexer_compress_ratio`` consecutive visible keys (RMS-normed, RoPE at the
+#: block's first position) and keeps the tokens of the best ``indexer_budget / indexer_compress_ratio`` blocks plus
+#: the incomplete last block. Under CP its K, V and raw indexer keys (and the RoPE of their positions) are
+#: all-gathered, and the class's own selection (``_select_tokens``) runs for the local queries over the whole row
+#: (:mod:`automodel.distributed.cp.layers.qsa`)
+QSA_ATTENTION: frozenset[str] = frozenset({"Qwen4ExpTextAttention"})
+
+#: every sparse attention class with a CP kernel (the profile's ``sparse_attention`` layers)
+SPARSE_ATTENTION: frozenset[str] = frozenset(DSA_ATTENTION) | QSA_ATTENTION
+
 #: method name -> how it runs a DSA layer
 SPARSE_METHODS = {
     "ring": "latent KV and indexer keys all-gathered over the CP group; queries local",
@@ -59,9 +71,9 @@ def sparse_attention_problem(method: str, layer: Any) -> str | None:
     """Why ``method`` does not compute the ``sparse_attention`` layer ``layer`` exactly (``None``: it does). A layer
     read from the config alone (``mixer`` empty: its class is not known yet) is judged again when the modules are
     read, before the first step."""
-    if layer.mixer and layer.mixer not in DSA_ATTENTION:
+    if layer.mixer and layer.mixer not in SPARSE_ATTENTION:
         return (
-            f"{layer.describe()}: the CP kernel knows the DSA attention of {', '.join(sorted(DSA_ATTENTION))} only"
+            f"{layer.describe()}: the CP kernel knows the sparse attention of {', '.join(sorted(SPARSE_ATTENTION))} only"
         )
     if method in SPARSE_METHODS:
         return None
