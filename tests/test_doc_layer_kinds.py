@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_harness import run_distributed
-from tests.workers.layer_kinds_worker import QSA_CONFIG
+from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG, QSA_CONFIG
 
 WINDOW = 16  # tests/family_matrix.py: the families' windows and attention chunks
 FAMILIES = ("mistral", "gemma2", "gpt_oss", "deepseek_v3", "llama4_text")
@@ -57,10 +57,12 @@ DSA = {
     for dtype in ("float32", "float64")
 }
 CP2.update(DSA)
-# Qwen4-Exp's QSA layers (K, V and the indexer's raw keys gathered; tests/workers/layer_kinds_worker.py: QSA_CONFIG)
-CP2.update({f"qwen4_exp_text@qsa/packed/{dtype}": dict(family="qwen4_exp_text", dtype=dtype, rows=[[70, 24, 22]],
-                                                      packed=True, config=QSA_CONFIG, exact_norms=True)
-            for dtype in ("float32", "float64")})
+# Qwen4-Exp's QSA layers and Kolibri-1.1's indexed layers (K and V gathered, the class's own selection;
+# tests/workers/layer_kinds_worker.py: QSA_CONFIG, KOLIBRI_CONFIG)
+KV_GATHER = {"qwen4_exp_text@qsa": ("qwen4_exp_text", QSA_CONFIG), "kolibri1_1@shared": ("kolibri1_1", KOLIBRI_CONFIG)}
+CP2.update({f"{name}/packed/{dtype}": dict(family=family, dtype=dtype, rows=[[70, 24, 22]], packed=True, config=config,
+                                           exact_norms=True)
+            for name, (family, config) in KV_GATHER.items() for dtype in ("float32", "float64")})
 CP4_ROWS = [[96, 48, 24], [48, 48, 24]]
 CP4 = {
     "gpt_oss/packed/float32": dict(family="gpt_oss", dtype="float32", rows=CP4_ROWS, packed=True),
@@ -72,8 +74,8 @@ CP4 = {
     "hy_v4/packed/float64": dict(family="hy_v4", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True,
                                  exact_norms=True),
     "axk2/packed/float64": dict(family="axk2", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True),
-    "qwen4_exp_text@qsa/packed/float64": dict(family="qwen4_exp_text", dtype="float64", rows=CP4_ROWS, packed=True,
-                                              config=QSA_CONFIG, exact_norms=True),
+    **{f"{name}/packed/float64": dict(family=family, dtype="float64", rows=CP4_ROWS, packed=True, config=config,
+                                      exact_norms=True) for name, (family, config) in KV_GATHER.items()},
 }
 
 

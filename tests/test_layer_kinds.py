@@ -14,7 +14,7 @@ import torch
 
 from tests.dist_harness import run_distributed
 from tests.family_matrix import family_by_name
-from tests.workers.layer_kinds_worker import QSA_CONFIG
+from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG, QSA_CONFIG
 
 pytestmark = pytest.mark.dist
 
@@ -145,11 +145,16 @@ DSA_CASES.update({  # ring rows right-padded to split evenly (45, 47 -> 48): the
     f"{family}/ring/float64/dense/{n}": dict(family=family, method="ring", dtype="float64", docs=[n], dense_mlp=True)
     for family, n in (("deepseek_v32", 45), ("glm_moe_dsa", 47))
 })
-# Qwen4-Exp's QSA (query-sparse attention over ordinary K/V: the indexer keeps the best blocks of 4 keys, budget 16):
-# the same launches, ring on one row (and a row of 45 right-padded to 48), thd and Ulysses on packed rows
+# Sparse attention over ordinary K/V, K and V gathered and the class's own selection run (cp/layers/qsa.py,
+# kolibri_sparse.py): Qwen4-Exp's QSA (the best blocks of 4 keys, budget 16) and Kolibri-1.1's indexed layers (a
+# pool of key blocks from the first indexed layer reused by the second, top-k 16 plus 2 sink and 8 local tokens,
+# NVFP4 rounding, the second layer reusing the first's K/V); ring on one row (and a row of 45 right-padded to 48),
+# thd and Ulysses on packed rows
+KV_GATHER = {"qwen4_exp_text@qsa": ("qwen4_exp_text", QSA_CONFIG), "kolibri1_1@shared": ("kolibri1_1", KOLIBRI_CONFIG)}
 DSA_CASES.update({
-    f"qwen4_exp_text@qsa/{method}/{dtype}" + (f"/{docs[0]}" if method == "ring" and docs[0] != 48 else ""): dict(
-        family="qwen4_exp_text", method=method, dtype=dtype, docs=docs, config=QSA_CONFIG, exact_norms=True)
+    f"{name}/{method}/{dtype}" + (f"/{docs[0]}" if method == "ring" and docs[0] != 48 else ""): dict(
+        family=family, method=method, dtype=dtype, docs=docs, config=config, exact_norms=True)
+    for name, (family, config) in KV_GATHER.items()
     for method, docs in (("ring", [48]), ("ring", [45]), ("thd", [21, 34, 9]), ("ulysses", [21, 34, 9]))
     for dtype in ("float32", "float64")
     if docs != [45] or dtype == "float64"
@@ -164,7 +169,7 @@ DSA_NEGATIVE = {
     ),
 }
 DSA_CP4 = {name: case for name, case in DSA_CASES.items()
-           if (name.endswith("dense") and "dots3" not in name) or (name.startswith("qwen4") and "float64" in name)}
+           if (name.endswith("dense") and "dots3" not in name) or (name.startswith(tuple(KV_GATHER)) and "float64" in name)}
 DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
 DSA_CP4.update({name: DSA_CASES[name] for name in ("hy_v4/ring/float64/dense/shared", "hy_v4/thd/float64/dense/shared")})
 DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}

@@ -422,3 +422,31 @@ def test_qwen4_exp_ple_layers_are_refused_by_every_method():
         problems = profile_problems(get_cp_method(method), profile_model(model), 64)
         assert any("layer 0" in p or "layers 0" in p for p in problems), (method, problems)
         assert any("3" in p and "Conv1d" in p for p in problems), (method, problems)
+
+
+# ------------------------------------------------------------------ Kolibri-1.1's indexed attention
+
+
+def test_kolibri_indexed_layers_get_the_kv_gathering_forward_and_a_changed_class_is_refused(monkeypatch):
+    from automodel.distributed.cp.layers.kolibri_sparse import check_kolibri_attention
+    from automodel.distributed.cp.profile import SLIDING
+    from automodel.errors import CPUnsupportedError
+    from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG
+
+    model = _model("kolibri1_1", **{k: v for k, v in KOLIBRI_CONFIG.items() if k != "kv_source_layers"})
+    profile = profile_model(model)
+    assert [layer.kind for layer in profile.layers] == [SLIDING, SPARSE] * 2
+    assert install_sparse_attention(model, profile) == 2  # the indexed layers only (the class runs the sliding ones)
+    assert [layer.self_attn.__dict__.get("forward") is not None for layer in model.model.layers] == [False, True] * 2
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        assert profile_problems(get_cp_method(method), profile, 64) == [], method
+    # a K/V share with a layer that is not indexed (transformers' config refuses it today): refused
+    shared = _model("kolibri1_1", **KOLIBRI_CONFIG)
+    with pytest.raises(CPUnsupportedError, match=r"shares its K/V with layer\(s\) 3, which are not indexed"):
+        check_kolibri_attention(shared.model.layers[1].self_attn, {1: "Kolibri1_1Attention"})
+    # a release whose forward no longer hands the indexer the keys through the cache: refused
+    cls = type(model.model.layers[1].self_attn)
+    monkeypatch.setattr(cls, "forward", lambda self, hidden_states, *a, **k: (hidden_states, None, None))
+    fresh = _model("kolibri1_1", **{k: v for k, v in KOLIBRI_CONFIG.items() if k != "kv_source_layers"})
+    with pytest.raises(CPUnsupportedError, match="does not compute what the CP kernel for Kolibri-1.1"):
+        install_sparse_attention(fresh, profile_model(fresh))

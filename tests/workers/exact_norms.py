@@ -59,6 +59,15 @@ def _hy_v4_head(self, x: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * x).sum(dim=2)
 
 
+def _input_dtype_rms(self, x: torch.Tensor) -> torch.Tensor:
+    """T5-style RMSNorm (``weight * x / rms(x)``) in the input's dtype (Kolibri-1.1's: transformers computes in fp32)."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+#: T5-style RMSNorms without a ``_norm`` method: the same formula in the input's dtype
+T5_NORMS = (("transformers.models.kolibri1_1.modeling_kolibri1_1", "Kolibri1_1RMSNorm", _input_dtype_rms),)
+
+
 #: HY-V4's hyper-connections (token-local: each token's streams mixed by weights computed from that token alone)
 #: and their unweighted RMSNorm compute in fp32 whatever the model's dtype (``.float()``): the same formulas in the
 #: input's dtype
@@ -84,7 +93,7 @@ def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
                     continue
                 saved.append((cls, cls.forward))
                 cls.forward = _forward(offset)
-            for module_name, class_name, forward in HY_V4:
+            for module_name, class_name, forward in HY_V4 + T5_NORMS:
                 try:
                     cls = getattr(importlib.import_module(module_name), class_name)
                 except (ImportError, AttributeError):

@@ -184,6 +184,14 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
 QSA_CONFIG = dict(num_hidden_layers=2, layer_types=["indexed_attention"] * 2, num_experts=1, num_experts_per_tok=1)
 
 
+#: Kolibri-1.1 with every part of its indexed attention: sliding layers around a pool-source indexed layer that
+#: stores its K/V and a later indexed layer that reuses both the pool and those K/V; every MLP dense (its MoE router
+#: computes in fp32 whatever the dtype); fp64 cases run its RMSNorms in fp64 (exact_norms)
+KOLIBRI_CONFIG = dict(num_hidden_layers=4, layer_types=["sliding_attention", "indexed_attention"] * 2,
+                      index_layers=[1], kv_source_layers=[0, 1, 2, 1],
+                      mlp_only_layers=[0, 1, 2, 3])
+
+
 def build_case_model(case: dict):
     """The family's tiny model; ``dense_mlp``: every MLP dense (no MoE router, which computes in fp32 whatever the
     model's dtype), the attention layer pattern unchanged, so that an fp64 run shows fp64's round-off; ``config``:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
-from automodel.distributed.cp.layers.sparse_support import SPARSE_ATTENTION
+from automodel.distributed.cp.layers.sparse_support import KV_GATHER_ATTENTION, SPARSE_ATTENTION
 
 __all__ = [
     "FULL",
@@ -210,7 +210,8 @@ class LayerSpec:
         elif self.kind == CHUNKED:
             text = f"chunked attention (chunk {self.chunk})"
         elif self.kind == SPARSE:
-            text = f"sparse attention chosen by an indexer (DSA, {self.mixer or 'indexed_attention'})"
+            dsa = "DSA, " if self.mixer not in KV_GATHER_ATTENTION else ""  # QSA, Kolibri-1.1: ordinary K/V
+            text = f"sparse attention chosen by an indexer ({dsa}{self.mixer or 'indexed_attention'})"
         elif self.kind == LINEAR:
             text = f"a linear-attention / state-space mixer ({self.mixer or 'recurrent state'})"
         elif self.kind == MLP_ONLY:
@@ -295,7 +296,7 @@ def _layer_words(layer: LayerSpec) -> str:
     if layer.kind == CHUNKED:
         return f"chunked attention {layer.chunk}"
     if layer.kind == SPARSE:
-        return "sparse attention (DSA)"
+        return "sparse attention (DSA)" if layer.mixer not in KV_GATHER_ATTENTION else f"sparse attention ({layer.mixer})"
     if layer.kind == LINEAR:
         return (layer.mixer or "linear mixer") + (" + attention" if layer.hybrid_attention else "")
     if layer.kind == MLP_ONLY:

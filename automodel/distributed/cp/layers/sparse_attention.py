@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from automodel.distributed.cp.active import innermost
+from automodel.distributed.cp.layers.kolibri_sparse import check_kolibri_attention
 from automodel.distributed.cp.layers.qsa import (
     POSITIONS_ATTR,
     QsaStep,
@@ -55,6 +56,7 @@ from automodel.distributed.cp.layers.sparse_support import (
     DSA_ATTENTION,
     DSA_ROPE_BY_RELEASE,
     DSA_ROPE_LAST,
+    KV_GATHER_ATTENTION,
     QSA_ATTENTION,
     SPARSE_METHODS,
 )
@@ -606,10 +608,11 @@ def _run(module: torch.nn.Module, call: dict[str, Any], place: Placement) -> Any
     hidden = call["hidden_states"]
     call["attention_mask"] = place.mask(hidden.shape[0], hidden.device)
     config = module.config
+    gather_kv = type(module).__name__ in KV_GATHER_ATTENTION  # QSA, Kolibri-1.1: K/V gathered, the class selects
     qsa = type(module).__name__ in QSA_ATTENTION
-    module.config = _ConfigView(config, QSA_ATTN_NAME if qsa else DSA_ATTN_NAME)
+    module.config = _ConfigView(config, QSA_ATTN_NAME if gather_kv else DSA_ATTN_NAME)
     cache_name = "cache" if "cache" in _SIGNATURES[type(module)].parameters else "past_key_values"
-    step: Any = QsaStep(place.gather) if qsa else DsaStep(place, config._attn_implementation)
+    step: Any = QsaStep(place.gather) if gather_kv else DsaStep(place, config._attn_implementation)
     if qsa:  # the selection reads the RoPE of every key's position: gathered once for the layer
         module.indexer.__dict__[POSITIONS_ATTR] = gather_positions(call["position_embeddings"], hidden.shape[0],
                                                                    place.gather)  # fmt: skip
@@ -626,7 +629,7 @@ def dsa_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     call = _bound(self, args, kwargs)
     cache = call.pop("past_key_values", None) or call.pop("cache", None)
     active = _active()
-    if active is None and type(self).__name__ in QSA_ATTENTION:  # one process: the class's own mask is per document
+    if active is None and type(self).__name__ in KV_GATHER_ATTENTION:  # one process: the class's mask is per document
         return type(self).forward(self, *args, **kwargs)
     if active is None:  # one process: the class's forward, or per document on packed rows
         place = _packed_placement(call) if cache is None else None
@@ -711,10 +714,12 @@ def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
     for module in model.modules():
         name = type(module).__name__
         # dots3's class runs its sliding-window layers too: only the layers the profile calls sparse get the kernel
-        if (name not in DSA_ATTENTION and name not in QSA_ATTENTION) or sparse.get(getattr(module, "layer_idx", None)) != name:
+        if (name not in DSA_ATTENTION and name not in KV_GATHER_ATTENTION) or sparse.get(getattr(module, "layer_idx", None)) != name:
             continue
         indexer = getattr(module, "indexer", None)
-        if name in QSA_ATTENTION:  # Qwen4-Exp: its own selection over the gathered keys and positions
+        if name in KV_GATHER_ATTENTION and name not in QSA_ATTENTION:  # Kolibri-1.1: the class's forward, unchanged
+            check_kolibri_attention(module, sparse)
+        elif name in QSA_ATTENTION:  # Qwen4-Exp: its own selection over the gathered keys and positions
             check_qsa_indexer(module, indexer)
             if not getattr(indexer, _MARK, False):
                 indexer._select_tokens = types.MethodType(qsa_select_tokens, indexer)

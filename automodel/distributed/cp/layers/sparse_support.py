@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "QSA_ATTENTION", "SPARSE_ATTENTION", "SPARSE_METHODS",
-           "sparse_attention_problem"]
+__all__ = ["DSA_ATTENTION", "DSA_ROPE_BY_RELEASE", "DSA_ROPE_LAST", "KV_GATHER_ATTENTION", "QSA_ATTENTION",
+           "SPARSE_ATTENTION", "SPARSE_METHODS", "sparse_attention_problem"]
 
 #: attention class -> the RoPE its indexer applies to its query and key (``"half"``: transformers'
 #: ``apply_rotary_pos_emb``, the rotary dimensions split in two halves, DeepSeek-V3.2; ``"interleaved"``:
@@ -54,8 +54,15 @@ DSA_ROPE_LAST: frozenset[str] = frozenset({"HYV4Attention"})
 #: (:mod:`automodel.distributed.cp.layers.qsa`)
 QSA_ATTENTION: frozenset[str] = frozenset({"Qwen4ExpTextAttention"})
 
+#: sparse attention classes over ordinary K/V whose CP forward all-gathers K and V (queries local) and runs the
+#: class's own selection for the local queries over the whole row: QSA, and Kolibri-1.1's indexed layers (a
+#: weightless indexer: the ReLU scores of its first query heads against key head 0, both rounded to NVFP4; a pool of
+#: key blocks chosen by the pool-source layers and passed on, the top-k of the pool plus sink and local tokens; NoPE;
+#: K/V stored by one indexed layer and reused by later ones)
+KV_GATHER_ATTENTION: frozenset[str] = QSA_ATTENTION | {"Kolibri1_1Attention"}
+
 #: every sparse attention class with a CP kernel (the profile's ``sparse_attention`` layers)
-SPARSE_ATTENTION: frozenset[str] = frozenset(DSA_ATTENTION) | QSA_ATTENTION
+SPARSE_ATTENTION: frozenset[str] = frozenset(DSA_ATTENTION) | KV_GATHER_ATTENTION
 
 #: method name -> how it runs a DSA layer
 SPARSE_METHODS = {
