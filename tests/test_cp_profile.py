@@ -271,7 +271,6 @@ def test_an_unknown_attention_names_its_module_path():
 #: method with what it computes and why no method does (not the request to report an unrecognised layer)
 KNOWN_GAPS = {
     "doge": ("DogeAttention: dynamic mask attention", "which every CP method replaces by its own"),
-    "zaya": ("ZayaAttention: compressed convolutional attention", "need the q/k projections of the (cca_time0 - 1)"),
     "inkling_text": ("InklingAttention: attention whose keys and values are first mixed by short causal convolutions",
                      "no method's attention applies the relative-position bias"),
 }

@@ -63,6 +63,11 @@ KV_GATHER = {"qwen4_exp_text@qsa": ("qwen4_exp_text", QSA_CONFIG), "kolibri1_1@s
 CP2.update({f"{name}/packed/{dtype}": dict(family=family, dtype=dtype, rows=[[70, 24, 22]], packed=True, config=config,
                                            exact_norms=True)
             for name, (family, config) in KV_GATHER.items() for dtype in ("float32", "float64")})
+# ZAYA's compressed convolutional attention (cp/layers/cca.py; tests/test_layer_kinds.py: ZAYA_CONFIG)
+ZAYA = {"zaya@bias": ("zaya", {"attention_bias": True, "cca_time0": 3, "cca_time1": 2})}
+CP2.update({f"zaya@bias/packed/{dtype}": dict(family="zaya", dtype=dtype, rows=[[70, 24, 22]], packed=True,
+                                              config=ZAYA["zaya@bias"][1], exact_norms=True)
+            for dtype in ("float32", "float64")})
 CP4_ROWS = [[96, 48, 24], [48, 48, 24]]
 CP4 = {
     "gpt_oss/packed/float32": dict(family="gpt_oss", dtype="float32", rows=CP4_ROWS, packed=True),
@@ -75,7 +80,7 @@ CP4 = {
                                  exact_norms=True),
     "axk2/packed/float64": dict(family="axk2", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True),
     **{f"{name}/packed/float64": dict(family=family, dtype="float64", rows=CP4_ROWS, packed=True, config=config,
-                                      exact_norms=True) for name, (family, config) in KV_GATHER.items()},
+                                      exact_norms=True) for name, (family, config) in {**KV_GATHER, **ZAYA}.items()},
 }
 
 

@@ -172,6 +172,19 @@ DSA_CP4 = {name: case for name, case in DSA_CASES.items()
            if (name.endswith("dense") and "dots3" not in name) or (name.startswith(tuple(KV_GATHER)) and "float64" in name)}
 DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
 DSA_CP4.update({name: DSA_CASES[name] for name in ("hy_v4/ring/float64/dense/shared", "hy_v4/thd/float64/dense/shared")})
+# ZAYA's compressed convolutional attention (cp/layers/cca.py: its q/k convolutions and delayed values chained as a
+# mixer's conv halo, then the method's attention): with value biases and a 3 + 2 tap conv (3 tokens of halo), its
+# RMSNorms in fp64 for fp64; the same tolerances as DSA's (measured: fp64 2.5e-14, fp32 1.4e-5 at cp 4)
+ZAYA_CONFIG = {"attention_bias": True, "cca_time0": 3, "cca_time1": 2}
+ZAYA_CASES = {
+    f"zaya@bias/{method}/{dtype}" + (f"/{docs[0]}" if method == "ring" and docs[0] != 48 else ""): dict(
+        family="zaya", method=method, dtype=dtype, docs=docs, config=ZAYA_CONFIG, exact_norms=True)
+    for method, docs in (("ring", [48]), ("ring", [45]), ("thd", [21, 34, 9]), ("ulysses", [21, 34, 9]))
+    for dtype in ("float32", "float64")
+    if docs != [45] or dtype == "float64"
+}
+DSA_CASES.update(ZAYA_CASES)
+DSA_CP4.update({name: case for name, case in ZAYA_CASES.items() if "float64" in name})
 DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}
 
 

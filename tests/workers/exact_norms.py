@@ -60,12 +60,14 @@ def _hy_v4_head(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _input_dtype_rms(self, x: torch.Tensor) -> torch.Tensor:
-    """T5-style RMSNorm (``weight * x / rms(x)``) in the input's dtype (Kolibri-1.1's: transformers computes in fp32)."""
+    """T5-style RMSNorm (``weight * x / rms(x)``) in the input's dtype (Kolibri-1.1's, ZAYA's: transformers computes
+    in fp32)."""
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
 #: T5-style RMSNorms without a ``_norm`` method: the same formula in the input's dtype
-T5_NORMS = (("transformers.models.kolibri1_1.modeling_kolibri1_1", "Kolibri1_1RMSNorm", _input_dtype_rms),)
+T5_NORMS = (("transformers.models.kolibri1_1.modeling_kolibri1_1", "Kolibri1_1RMSNorm", _input_dtype_rms),
+            ("transformers.models.zaya.modeling_zaya", "ZayaRMSNorm", _input_dtype_rms))
 
 
 #: HY-V4's hyper-connections (token-local: each token's streams mixed by weights computed from that token alone)

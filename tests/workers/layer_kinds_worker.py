@@ -199,7 +199,7 @@ def build_case_model(case: dict):
     indexer_types), or else given to the config's constructor over the family's keys (Gemma's KV sharing)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.family_matrix import family_by_name
+    from tests.family_matrix import family_by_name, nontrivial_init
 
     fam = family_by_name(case["family"])
     if not case.get("dense_mlp") and not case.get("config"):
@@ -209,7 +209,9 @@ def build_case_model(case: dict):
 
         torch.manual_seed(0)
         config = AutoConfig.for_model(fam.model_type, **{**fam.config_kwargs, **case["config"]})
-        return AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation()).train()
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation()).train()
+        nontrivial_init(fam.model_type, model)  # ZAYA's key scale
+        return model
     config = fam.build_config()
     n = config.num_hidden_layers
     if case.get("dense_mlp"):
@@ -218,6 +220,7 @@ def build_case_model(case: dict):
         setattr(config, key, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32)
+    nontrivial_init(fam.model_type, model)
     return model.train(fam.train_mode)
 
 

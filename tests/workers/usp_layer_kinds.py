@@ -25,7 +25,8 @@ ULYSSES = 2
 #: two packed rows; padded to 8 (2 * cp) the documents are 24, 40, 16 and 32, 24 tokens
 ROWS = [[21, 34, 9], [30, 18]]
 FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense",
-            "hy_v4_dense", "axk2_dense", "qwen4_exp_text_qsa", "kolibri1_1_shared")
+            "hy_v4_dense", "axk2_dense", "qwen4_exp_text_qsa", "kolibri1_1_shared",
+            "zaya_bias")
 #: Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py): per-layer-type RoPE and head sizes,
 #: sliding and full layers, per-layer inputs; scores unscaled (scaling 1.0 after the q/k norms)
 CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")] + [("gemma4_text", "float64")]
@@ -35,7 +36,7 @@ CASES += [("bloom", "float32"), ("bloom", "float64")]
 CASES += [("gpt_neo", "float32"), ("gpt_neo", "float64")]
 #: Falcon with alibi=True: its bf16 ALiBi for each Ulysses rank's heads, the key's in-document position
 CASES += [("falcon_alibi", "float32"), ("falcon_alibi", "float64")]
-EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "qwen4_exp_text_qsa", "kolibri1_1_shared")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
+EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "qwen4_exp_text_qsa", "kolibri1_1_shared", "zaya_bias")  # HY-V4: its hyper-connections in fp64 (exact_norms.py)
 
 
 def _model(family: str, dtype: torch.dtype):
@@ -61,6 +62,10 @@ def _model(family: str, dtype: torch.dtype):
         from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG, build_case_model
 
         model = build_case_model({"family": "kolibri1_1", "config": KOLIBRI_CONFIG})
+    elif family == "zaya_bias":  # ZAYA's CCA with value biases and a 3 + 2 tap conv (cp/layers/cca.py)
+        from tests.workers.layer_kinds_worker import build_case_model
+
+        model = build_case_model({"family": "zaya", "config": {"attention_bias": True, "cca_time0": 3, "cca_time1": 2}})
     elif family.endswith("_dense"):  # DSA with every MLP dense (no fp32 router): fp64 shows fp64's round-off
         from tests.workers.layer_kinds_worker import build_case_model
 

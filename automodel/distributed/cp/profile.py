@@ -446,17 +446,6 @@ _KNOWN_ATTENTION = {
         "window and sinks through the halo kernel), but no CP method computes it yet",
     ),
 }
-_ZAYA = (
-    "ZayaAttention: compressed convolutional attention (ZAYA's CCA: q and k are each token's projections mixed by two "
-    "causal convolutions along the sequence, depthwise over cca_time0 tokens then grouped per head over cca_time1, "
-    "plus residuals; half of each value head is the previous token's projection)",
-    "each rank's first tokens need the q/k projections of the (cca_time0 - 1) + (cca_time1 - 1) tokens before them in "
-    "their document and the previous token's delayed value projection, which every method leaves on the rank that "
-    "holds them (its shard's convolution starts from zeros: a document start); it can be exact under CP (that halo "
-    "of projections before the method's attention, zeros at a document start, as the short-conv kernel's conv "
-    "halo; under Ulysses on its contiguous slices, since a grouped conv spans a whole head), but no method computes "
-    "it yet",
-)
 _INKLING = (
     "{cls}: attention whose keys and values are first mixed by short causal convolutions along the sequence (with "
     "a residual), whose scores get a learned relative-position bias (each query's own states over the key "
@@ -469,7 +458,6 @@ _INKLING = (
     "packed row differs from its documents alone); it can be exact under CP (convolution halos, the bias in the "
     "halo kernel as ALiBi's, the scale from the in-document position), but no method computes it yet",
 )
-_KNOWN_ATTENTION.update({"ZayaAttention": _ZAYA})
 _KNOWN_ATTENTION.update({
     cls: (_INKLING[0].format(cls=cls), _INKLING[1])
     for cls in ("InklingAttention", "Inkling2SlidingAttention", "Inkling2FullAttention", "Inkling2LoopSlidingAttention",
@@ -480,7 +468,6 @@ _KNOWN_ATTENTION.update({
 _MODEL_TYPE_ATTENTION = {
     "doge": "DogeAttention",
     "deepseek_v4": "DeepseekV4Attention",
-    "zaya": "ZayaAttention",
     "inkling_text": "InklingAttention",
 }
 #: attention classes that add ALiBi in their own code, made to dispatch by :mod:`~automodel.distributed.cp.layers.alibi`
@@ -625,7 +612,7 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
     known = next(((f"{path}.{n}" if path else n, type(s).__name__) for n, s in layer.named_modules()
                   if type(s).__name__ in _KNOWN_ATTENTION), None)  # fmt: skip
     if linear is not None and known is not None and linear not in STATE_MIXERS:
-        # ZAYA's CCA, Inkling's convolved K/V: convolutions in the attention path, known, without a kernel (Inkling 2's
+        # Inkling's convolved K/V: convolutions in the attention path, known, without a kernel (Inkling 2's
         # first attention-like module is its depth-wise block residual)
         mixer, gap = _KNOWN_ATTENTION[known[1]]
         spec.update(kind=UNKNOWN, module_path=known[0], mixer=mixer, known_gap=gap)
@@ -819,8 +806,8 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
     if str(_get(text, "model_type", "")) == "gpt_neo" and not from_modules:
         layers = [LayerSpec(**{**spec.__dict__, "own_code": True}) if spec.is_attention else spec for spec in layers]
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
-    if known and not from_modules:  # Doge, DeepSeek-V4, ZAYA, Inkling from their config alone (ZAYA's and
-        # Inkling's "hybrid" layer types read as a mixer beside attention)
+    if known and not from_modules:  # Doge, DeepSeek-V4, Inkling from their config alone (Inkling's "hybrid" layer
+        # types read as a mixer beside attention)
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
                   if spec.is_attention or spec.kind in (UNKNOWN, LINEAR) else spec for spec in layers]  # fmt: skip
     if bias and not from_modules and not falcon_alibi:  # the config alone: its attention layers carry the bias

@@ -62,6 +62,7 @@ STATE_MIXERS: dict[str, str] = {
     "BailingHybridDeltaAttention": "kimi_delta",
     "MiniMaxLightningAttention": "lightning",  # cp/layers/lightning.py
     "RecurrentGemmaRecurrentBlock": "rg_lru",  # cp/layers/rg_lru.py
+    "ZayaCCAProjection": "cca",  # cp/layers/cca.py: ZAYA's q/k convolutions and delayed values before its attention
 }
 
 #: method name -> how it runs a supported mixer
