@@ -719,6 +719,8 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     qsa_dim, kv_heads = _get(text, "indexer_head_dim", None), _get(text, "num_key_value_heads", None)
     if widths is None and isinstance(qsa_dim, int) and kv_heads and head_dim:  # QSA: K and V, the indexer's raw key
         widths = (2 * int(kv_heads) * int(head_dim), int(qsa_dim) * int(_get(text, "indexer_kv_heads", 1) or 1))
+    if widths is None and _get(text, "index_pool_size", None) is not None and kv_heads and head_dim:  # Kolibri-1.1
+        widths = (2 * int(kv_heads) * int(head_dim), 0)  # K and V gathered; its indexer reads them
     gpt_neo = _get(text, "attention_layers", None) if str(_get(text, "model_type", "")) == "gpt_neo" else None
     if layer_types is None and isinstance(gpt_neo, (list, tuple)):  # GPT-Neo: "global" / "local" (its window_size)
         layer_types = ["sliding_attention" if t == "local" else "full_attention" for t in gpt_neo]
