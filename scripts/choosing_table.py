@@ -73,10 +73,11 @@ ROWS: tuple[Row, ...] = (
     Row("attention sinks (gpt-oss)", "gpt_oss", lambda t: "sinks" in t),
     Row("MLA (DeepSeek-V2/V3 style latent attention)", "deepseek_v3",
         lambda t: "mla" in t and not t & {"linear", "sinks", "dsa"}),
-    Row("DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, dots3)", "deepseek_v32", lambda t: "dsa" in t),
+    Row("DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, dots3)", "deepseek_v32",
+        lambda t: "dsa" in t and "linear" not in t),  # Qwen4-Exp (Gated DeltaNet + QSA): the linear hybrids' row
     Row("linear-attention hybrids (Gated DeltaNet, lightning attention)", "qwen3_next", lambda t: "linear" in t),
     Row("state-space / convolution hybrids (Mamba, Mamba-2, short conv, RG-LRU + attention)", "jamba",
-        lambda t: bool(t & _STATE) and bool(t & {"full", "sliding"})),
+        lambda t: "cca" in t or (bool(t & _STATE) and bool(t & {"full", "sliding"}))),  # ZAYA: convolved q/k
     Row("state-space only (Mamba, Mamba-2; MoE or MLP layers between)", "mamba2",
         lambda t: "mamba" in t and t <= {"mamba", "moe", "mlp"}),
     Row("ALiBi in the layer's own code (BLOOM, MPT)", "bloom", lambda t: "alibi" in t,
