@@ -75,11 +75,11 @@ ROWS: tuple[Row, ...] = (
     Row("MLA (DeepSeek-V2/V3 style latent attention)", "deepseek_v3",
         lambda t: "mla" in t and not t & {"linear", "sinks", "dsa"}),
     Row("DeepSeek sparse and compressed attention (DSA: DeepSeek-V3.2, GLM-5, dots3; DeepSeek-V4)", "deepseek_v32",
-        lambda t: bool(t & {"dsa", "hca", "csa"})),
+        lambda t: bool(t & {"dsa", "hca", "csa"}) and "linear" not in t),  # Qwen4-Exp (Gated DeltaNet + QSA): linear
     Row("dynamic mask attention (Doge: K and V gathered, top-k per document)", "doge", lambda t: "dynamic-mask" in t),
     Row("linear-attention hybrids (Gated DeltaNet, lightning attention)", "qwen3_next", lambda t: "linear" in t),
     Row("state-space / convolution hybrids (Mamba, Mamba-2, short conv, RG-LRU + attention)", "jamba",
-        lambda t: bool(t & _STATE) and bool(t & {"full", "sliding"})),
+        lambda t: "cca" in t or (bool(t & _STATE) and bool(t & {"full", "sliding"}))),  # ZAYA: convolved q/k
     Row("state-space only (Mamba, Mamba-2, RWKV, xLSTM; MoE or MLP layers between)", "mamba2",
         lambda t: bool(t & _RECURRENT) and t <= _RECURRENT | {"moe", "mlp"}),
     Row("ALiBi in the layer's own code (BLOOM, MPT)", "bloom", lambda t: "alibi" in t,

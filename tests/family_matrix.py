@@ -187,7 +187,23 @@ class Family:
         model = AutoModelForCausalLM.from_config(
             self.build_config(), attn_implementation=self.attn_implementation(), dtype=torch.float32
         )
+        nontrivial_init(self.model_type, model)
         return model.train(self.train_mode)
+
+
+def nontrivial_init(model_type: str, model) -> None:
+    """Give the parameters that transformers initialises to a constant hiding part of the computation a drawn value
+    (mutates ``model``; the other families are unchanged). ZAYA: its per-KV-head key scale ``qk_norm.temp`` starts
+    at zero, which zeroes every key, so the attention would be uniform and the q/k convolutions would get no
+    gradient; drawn from U(0.5, 1.5)."""
+    import torch
+
+    if model_type == "zaya":
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("qk_norm.temp"):
+                    param.copy_(torch.rand(param.shape, generator=g) + 0.5)
 
 
 _DENSE = dict(

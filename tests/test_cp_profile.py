@@ -296,6 +296,8 @@ KNOWN_GAPS = {  # Doge's attention is exact (dynamic_mask.py); its cross-domain 
     # CPM-Ant: non-causal attention over the whole row (a later token changes earlier logits), its prompt prefix
     "cpmant": ("CPM-Ant's attention (CpmAntAttention): every token sees every token of its row",
                "CP methods compute causal attention"),
+    "inkling_text": ("InklingAttention: attention whose keys and values are first mixed by short causal convolutions",
+                     "no method's attention applies the relative-position bias"),
 }
 
 

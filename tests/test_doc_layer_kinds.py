@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_harness import run_distributed
-from tests.workers.layer_kinds_worker import V4_CONFIG, V4_RANDOM
+from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG, QSA_CONFIG, V4_CONFIG, V4_RANDOM
 
 WINDOW = 16  # tests/family_matrix.py: the families' windows and attention chunks
 FAMILIES = ("mistral", "gemma2", "gpt_oss", "deepseek_v3", "llama4_text")
@@ -58,7 +58,7 @@ CP2 = {
 DSA = {
     f"{fam}/packed/{dtype}": dict(family=fam, dtype=dtype, rows=[[70, 24, 22]], packed=True, dense_mlp=dtype == "float64",
                                   exact_norms=fam == "hy_v4")  # HY-V4's hyper-connections in fp64 (exact_norms.py)
-    for fam in ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4")
+    for fam in ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4", "axk2")
     for dtype in ("float32", "float64")
 }
 # Doge's dynamic mask attention (keep_window_size 8: every document's queries take a top-k), A ~ N(0, 1) and A = 0
@@ -80,6 +80,17 @@ V4 = {
     for dtype in ("float32", "float64")
 }
 CP2.update(V4)
+# Qwen4-Exp's QSA layers and Kolibri-1.1's indexed layers (K and V gathered, the class's own selection;
+# tests/workers/layer_kinds_worker.py: QSA_CONFIG, KOLIBRI_CONFIG)
+KV_GATHER = {"qwen4_exp_text@qsa": ("qwen4_exp_text", QSA_CONFIG), "kolibri1_1@shared": ("kolibri1_1", KOLIBRI_CONFIG)}
+CP2.update({f"{name}/packed/{dtype}": dict(family=family, dtype=dtype, rows=[[70, 24, 22]], packed=True, config=config,
+                                           exact_norms=True)
+            for name, (family, config) in KV_GATHER.items() for dtype in ("float32", "float64")})
+# ZAYA's compressed convolutional attention (cp/layers/cca.py; tests/test_layer_kinds.py: ZAYA_CONFIG)
+ZAYA = {"zaya@bias": ("zaya", {"attention_bias": True, "cca_time0": 3, "cca_time1": 2})}
+CP2.update({f"zaya@bias/packed/{dtype}": dict(family="zaya", dtype=dtype, rows=[[70, 24, 22]], packed=True,
+                                              config=ZAYA["zaya@bias"][1], exact_norms=True)
+            for dtype in ("float32", "float64")})
 CP4_ROWS = [[96, 48, 24], [48, 48, 24]]
 CP4 = {
     "gpt_oss/packed/float32": dict(family="gpt_oss", dtype="float32", rows=CP4_ROWS, packed=True),
@@ -93,6 +104,9 @@ CP4 = {
     "doge/packed/float64": dict(family="doge", dtype="float64", rows=CP4_ROWS, packed=True, random_A=True,
                                 exact_norms=True),
     "deepseek_v4/packed/float64": {**V4["deepseek_v4/packed/float64"], "rows": CP4_ROWS},
+    "axk2/packed/float64": dict(family="axk2", dtype="float64", rows=CP4_ROWS, packed=True, dense_mlp=True),
+    **{f"{name}/packed/float64": dict(family=family, dtype="float64", rows=CP4_ROWS, packed=True, config=config,
+                                      exact_norms=True) for name, (family, config) in {**KV_GATHER, **ZAYA}.items()},
 }
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tests.dist_harness import run_distributed
 from tests.family_matrix import family_by_name
-from tests.workers.layer_kinds_worker import V4_CONFIG, V4_RANDOM
+from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG, QSA_CONFIG, V4_CONFIG, V4_RANDOM
 
 pytestmark = pytest.mark.dist
 
@@ -151,7 +151,8 @@ MODEL_CASES.update({
 # LOCAL positions (the indexer's and the attention's RoPE misplaced on every rank after the first) must differ.
 # HY-V4: DSA plus per-head sinks, an output gate and hyper-connections, its indexer's RoPE on the last dimensions;
 # in fp64 its hyper-connections compute in fp64 (exact_norms: transformers computes them in fp32 whatever the dtype)
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4")  # dots3: two DSA layers, one sliding-window
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "dots3_note_text", "hy_v4", "axk2")  # dots3: two DSA layers, one sliding-window;
+# AXK2: DeepSeek-V3.2's indexer with a fused q/gate projection, an output gate and gated norms
 DSA_CASES = {
     f"{family}/{method}/{dtype}" + ("/dense" if dtype == "float64" else ""): dict(
         family=family, method=method, dtype=dtype, docs=[48] if method == "ring" else [21, 34, 9],
@@ -206,6 +207,20 @@ V4_CASES = {
     for n in ((0, 45) if method == "ring" and dtype == "float64" else (0,))
 }
 DSA_CASES.update(V4_CASES)
+# Sparse attention over ordinary K/V, K and V gathered and the class's own selection run (cp/layers/qsa.py,
+# kolibri_sparse.py): Qwen4-Exp's QSA (the best blocks of 4 keys, budget 16) and Kolibri-1.1's indexed layers (a
+# pool of key blocks from the first indexed layer reused by the second, top-k 16 plus 2 sink and 8 local tokens,
+# NVFP4 rounding, the second layer reusing the first's K/V); ring on one row (and a row of 45 right-padded to 48),
+# thd and Ulysses on packed rows
+KV_GATHER = {"qwen4_exp_text@qsa": ("qwen4_exp_text", QSA_CONFIG), "kolibri1_1@shared": ("kolibri1_1", KOLIBRI_CONFIG)}
+DSA_CASES.update({
+    f"{name}/{method}/{dtype}" + (f"/{docs[0]}" if method == "ring" and docs[0] != 48 else ""): dict(
+        family=family, method=method, dtype=dtype, docs=docs, config=config, exact_norms=True)
+    for name, (family, config) in KV_GATHER.items()
+    for method, docs in (("ring", [48]), ("ring", [45]), ("thd", [21, 34, 9]), ("ulysses", [21, 34, 9]))
+    for dtype in ("float32", "float64")
+    if docs != [45] or dtype == "float64"
+})
 DSA_NEGATIVE = {
     "deepseek_v32/ulysses_local_positions/float64/dense": dict(
         family="deepseek_v32", method="ulysses_local_positions", dtype="float64", docs=[48], dense_mlp=True
@@ -223,14 +238,32 @@ DSA_NEGATIVE = {
         family="deepseek_v4", method="ulysses_local_positions", dtype="float64", docs=[48], config=V4_CONFIG,
         randomize=V4_RANDOM, exact_norms=True,
     ),
+    "qwen4_exp_text@qsa/ulysses_local_positions/float64": dict(
+        family="qwen4_exp_text", method="ulysses_local_positions", dtype="float64", docs=[48], config=QSA_CONFIG,
+        exact_norms=True,
+    ),
 }
 #: cp 4: the own-code families in fp64 (ring, thd, Ulysses)
 OWN_CODE_CP4 = {name: case for name, case in MODEL_CASES.items() if name.split("/")[0] in OWN_CODE and "64" in name}
-DSA_CP4 = {name: case for name, case in DSA_CASES.items() if name.endswith("dense") and "dots3" not in name}
+DSA_CP4 = {name: case for name, case in DSA_CASES.items()
+           if (name.endswith("dense") and "dots3" not in name) or (name.startswith(tuple(KV_GATHER)) and "float64" in name)}
 DSA_CP4.update({name: case for name, case in DOGE_CASES.items() if "float64" in name})
 DSA_CP4["deepseek_v32/ring/float64/dense/45"] = DSA_CASES["deepseek_v32/ring/float64/dense/45"]  # 45 -> 48 at cp 4
 DSA_CP4.update({name: DSA_CASES[name] for name in ("hy_v4/ring/float64/dense/shared", "hy_v4/thd/float64/dense/shared")})
 DSA_CP4.update({name: case for name, case in V4_CASES.items() if case["dtype"] == "float64"})
+# ZAYA's compressed convolutional attention (cp/layers/cca.py: its q/k convolutions and delayed values chained as a
+# mixer's conv halo, then the method's attention): with value biases and a 3 + 2 tap conv (3 tokens of halo), its
+# RMSNorms in fp64 for fp64; the same tolerances as DSA's (measured: fp64 2.5e-14, fp32 1.4e-5 at cp 4)
+ZAYA_CONFIG = {"attention_bias": True, "cca_time0": 3, "cca_time1": 2}
+ZAYA_CASES = {
+    f"zaya@bias/{method}/{dtype}" + (f"/{docs[0]}" if method == "ring" and docs[0] != 48 else ""): dict(
+        family="zaya", method=method, dtype=dtype, docs=docs, config=ZAYA_CONFIG, exact_norms=True)
+    for method, docs in (("ring", [48]), ("ring", [45]), ("thd", [21, 34, 9]), ("ulysses", [21, 34, 9]))
+    for dtype in ("float32", "float64")
+    if docs != [45] or dtype == "float64"
+}
+DSA_CASES.update(ZAYA_CASES)
+DSA_CP4.update({name: case for name, case in ZAYA_CASES.items() if "float64" in name})
 DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}
 #: Doge in fp64 (its RMSNorms in fp64): measured 4e-16 (loss) and 3.9e-13 (gradients, A = 0 at cp 4)
 DOGE_TOLERANCES = {"float64": (1e-14, 1e-12), "float32": (1e-5, 1e-4)}
@@ -353,8 +386,7 @@ def test_own_code_attention_matches_one_process_cp4(cp4, name):
 
 def test_sparse_attention_comparison_sees_rope_at_local_positions(cp2, cp4):
     for ranks in (cp2, cp4):
-        for name in ("deepseek_v32/ulysses_local_positions/float64/dense", "doge/ulysses_local_positions/float64",
-                     "openai-gpt/ulysses_local_positions/float64", "xglm/ulysses_local_positions/float64",
-                     "deepseek_v4/ulysses_local_positions/float64"):
+        for name in DSA_NEGATIVE:  # positions misplaced: DSA's indexer and attention RoPE, QSA's pooled keys', Doge's,
+            # DeepSeek-V4's, and OpenAI GPT's / XGLM's absolute positions
             r = ranks[0][name]
-            assert r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-6, (name, r)  # openai-gpt at cp 2: 9e-6
+            assert r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-6, (name, r)  # openai-gpt at cp 2: 9e-6; QSA cp 4: 1e-5

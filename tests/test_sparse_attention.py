@@ -36,7 +36,7 @@ from automodel.distributed.cp.method import profile_problems
 from automodel.distributed.cp.profile import SPARSE, UNKNOWN
 from tests.family_matrix import family_by_name
 
-DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4")
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")
 
 
 def _one_rank(doc_lengths: list[int]) -> Placement:
@@ -130,6 +130,7 @@ def _indexer_inputs(model, seq: int, seed: int = 1):
     ("deepseek_v32", "_automodel_dsa_rope", "interleaved"),
     ("glm_moe_dsa", "_automodel_dsa_rope", "half"),
     ("hy_v4", "_automodel_dsa_rope_last", False),  # HY-V4 rotates the last dimensions: the first ones differ
+    ("axk2", "_automodel_dsa_rope", "interleaved"),  # DeepSeek-V3.2's indexer
 ])  # fmt: skip
 def test_indexer_selects_what_transformers_selects_with_the_family_rope_layout(family, attr, other):
     model = _model(family)
@@ -216,6 +217,7 @@ def test_packed_selection_stays_in_each_document_and_equals_the_document_alone()
     ("deepseek_v32", {}),
     ("glm_moe_dsa", {"indexer_types": ["full", "shared"]}),  # layer 1 reuses layer 0's top-k
     ("hy_v4", {"indexer_types": ["full", "shared"]}),  # and per-head sinks, an output gate, hyper-connections
+    ("axk2", {}),  # DeepSeek-V3.2's DSA with a fused q/gate projection, an output gate and gated norms
 ])  # fmt: skip
 def test_packed_row_in_one_process_equals_each_document_alone_fp64(family, overrides):
     from tests.workers.exact_norms import norms_in_input_dtype
@@ -370,3 +372,155 @@ def test_doge_top_k_keeps_the_largest_biases_of_the_document_only():
         d = 0 if q < 5 else 5
         assert kept[q].nonzero().flatten().tolist() == list(range(d, d + min(keep, q - d + 1))), q
     assert not drop_beyond_top_k(mask, place, 12).any()  # no document longer than keep: no top-k
+
+
+# ------------------------------------------------------------------ Qwen4-Exp's QSA (query-sparse attention)
+
+def _needs(family: str) -> None:
+    """Skip where the installed transformers has no ``family`` or calls its sparse layers otherwise (Qwen4-Exp's are
+    ``qwen_sparse_attention`` in 5.17, a layer type the profile refuses; Kolibri-1.1: transformers >= 5.25)."""
+    from tests.family_matrix import FAMILIES
+
+    if family not in {f.name for f in FAMILIES}:
+        pytest.skip(f"{family} is not in the installed transformers")
+    if "indexed_attention" not in family_by_name(family).build_config().layer_types:
+        pytest.skip(f"{family}'s sparse layers are not indexed_attention in the installed transformers")
+
+
+def test_profile_names_qsa_and_gated_deltanet_layers_and_every_builtin_method_runs_them():
+    _needs("qwen4_exp_text")
+    from automodel.distributed.cp.profile import LINEAR
+
+    config = family_by_name("qwen4_exp_text").build_config()
+    assert config.indexer_budget < 64 and config.ple_layer_ids == []  # the indexer really selects; no PLE layers
+    with torch.device("meta"):
+        model = family_by_name("qwen4_exp_text").build_model(0)
+    profile = profile_model(model)
+    assert [(layer.kind, layer.mixer) for layer in profile.layers] == [
+        (LINEAR, "Qwen4ExpTextGatedDeltaNet")] * 3 + [(SPARSE, "Qwen4ExpTextAttention")]  # fmt: skip
+    assert profile.layers[3].sparse_widths == (2 * config.num_key_value_heads * config.head_dim, config.indexer_head_dim)
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        assert profile_problems(get_cp_method(method), profile, 64) == [], method
+
+
+def test_qsa_kernel_on_one_rank_equals_each_document_alone_and_selects():
+    """The installed forward on a one-rank placement of three packed documents (K, V, the raw indexer keys and the
+    RoPE of every position gathered, the class's own selection over them) against the class's forward on each
+    document alone, fp64 (the q / k RMSNorms in fp64: transformers computes them in fp32): outputs and every
+    gradient; the selection really drops keys (budget 16 of up to 30)."""
+    _needs("qwen4_exp_text")
+    from tests.workers.exact_norms import norms_in_input_dtype
+
+    with norms_in_input_dtype():
+        _qsa_one_rank_equals_documents_alone()
+
+
+def _qsa_one_rank_equals_documents_alone() -> None:
+    from automodel.distributed.cp.layers import sparse_attention as sa
+
+    lengths = [9, 30, 21]
+    model = _model("qwen4_exp_text", torch.float64, num_hidden_layers=1, layer_types=["indexed_attention"])
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, sum(lengths), model.config.hidden_size, generator=g, dtype=torch.float64)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    pe = model.model.rotary_emb(hidden, positions)
+    reference, at = [], 0
+    for n in lengths:  # each document alone: the class's forward with its causal mask
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        part = tuple(x[:, at : at + n] for x in pe)
+        reference.append(type(attn).forward(attn, hidden[:, at : at + n], part, mask)[0])
+        at += n
+    reference = torch.cat(reference, dim=1)
+    ref_grads = torch.autograd.grad(reference.square().sum(), list(attn.parameters()), allow_unused=True)
+
+    install_sparse_attention(model, profile_model(model))
+    call = {"hidden_states": hidden, "position_embeddings": pe, "attention_mask": None}
+    seen = {}
+    original = type(attn.indexer)._select_tokens
+
+    def spy(self, *args, **kwargs):
+        seen["mask"] = out = original(self, *args, **kwargs)
+        return out
+
+    sa._bound(attn, (), call)  # caches the signature _run reads
+    type(attn.indexer)._select_tokens = spy
+    try:
+        out = sa._run(attn, dict(call), _one_rank(lengths))[0]
+    finally:
+        type(attn.indexer)._select_tokens = original
+    grads = torch.autograd.grad(out.square().sum(), list(attn.parameters()), allow_unused=True)
+    assert (out - reference).abs().max() <= 1e-13 * reference.abs().max()
+    for got, want in zip(grads, ref_grads):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert (got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1e-30)
+    visible = _one_rank(lengths).mask(1, hidden.device)
+    assert (seen["mask"] & ~visible).sum() == 0 and (seen["mask"].sum(-1) < visible.sum(-1)).any()
+
+
+def test_a_qsa_indexer_that_changed_is_refused(monkeypatch):
+    _needs("qwen4_exp_text")
+    from automodel.errors import CPUnsupportedError
+
+    model = _model("qwen4_exp_text", num_hidden_layers=1, layer_types=["indexed_attention"])
+    indexer = type(model.model.layers[0].self_attn.indexer)
+
+    def _select_tokens(self, hidden_states, q, raw_keys, full_cos, full_sin, attention_mask, **kwargs):
+        return attention_mask  # every visible key: not the block selection the kernel expects
+
+    monkeypatch.setattr(indexer, "_select_tokens", _select_tokens)
+    with pytest.raises(CPUnsupportedError, match="does not compute what the CP QSA kernel expects"):
+        install_sparse_attention(model, profile_model(model))
+
+
+def test_qwen4_exp_ple_layers_are_refused_by_every_method():
+    """Qwen4-Exp's per-layer n-gram embeddings (``ple_layer_ids``; none in the default config) read earlier tokens
+    outside the mixers the kernels compute: a dilated depthwise conv along the sequence and hashed n-grams of the
+    previous token ids. Refused, never run with a state that does not travel."""
+    _needs("qwen4_exp_text")
+    from transformers import AutoModelForCausalLM
+
+    from automodel.distributed.cp.profile import LINEAR
+
+    config = family_by_name("qwen4_exp_text").build_config()
+    config.ple_layer_ids, config.eos_token_id = [1, 4], 1  # layers 0 (Gated DeltaNet) and 3 (QSA) get one
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = profile_model(model).layers
+    assert layers[0].kind == UNKNOWN and layers[0].module_path == "model.layers.0.ple.conv1d", layers[0]
+    assert "outside the mixer its CP kernel computes" in layers[0].mixer
+    assert layers[3].kind == LINEAR and layers[3].mixer.startswith("Conv1d"), layers[3]  # no kernel: refused
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        problems = profile_problems(get_cp_method(method), profile_model(model), 64)
+        assert any("layer 0" in p or "layers 0" in p for p in problems), (method, problems)
+        assert any("3" in p and "Conv1d" in p for p in problems), (method, problems)
+
+
+# ------------------------------------------------------------------ Kolibri-1.1's indexed attention
+
+
+def test_kolibri_indexed_layers_get_the_kv_gathering_forward_and_a_changed_class_is_refused(monkeypatch):
+    _needs("kolibri1_1")
+    from automodel.distributed.cp.layers.kolibri_sparse import check_kolibri_attention
+    from automodel.distributed.cp.profile import SLIDING
+    from automodel.errors import CPUnsupportedError
+    from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG
+
+    model = _model("kolibri1_1", **{k: v for k, v in KOLIBRI_CONFIG.items() if k != "kv_source_layers"})
+    profile = profile_model(model)
+    assert [layer.kind for layer in profile.layers] == [SLIDING, SPARSE] * 2
+    assert install_sparse_attention(model, profile) == 2  # the indexed layers only (the class runs the sliding ones)
+    assert [layer.self_attn.__dict__.get("forward") is not None for layer in model.model.layers] == [False, True] * 2
+    for method in ("ring", "ulysses", "thd", "thd_docs", "usp"):
+        assert profile_problems(get_cp_method(method), profile, 64) == [], method
+    # a K/V share with a layer that is not indexed (transformers' config refuses it today): refused
+    shared = _model("kolibri1_1", **KOLIBRI_CONFIG)
+    with pytest.raises(CPUnsupportedError, match=r"shares its K/V with layer\(s\) 3, which are not indexed"):
+        check_kolibri_attention(shared.model.layers[1].self_attn, {1: "Kolibri1_1Attention"})
+    # a release whose forward no longer hands the indexer the keys through the cache: refused
+    cls = type(model.model.layers[1].self_attn)
+    monkeypatch.setattr(cls, "forward", lambda self, hidden_states, *a, **k: (hidden_states, None, None))
+    fresh = _model("kolibri1_1", **{k: v for k, v in KOLIBRI_CONFIG.items() if k != "kv_source_layers"})
+    with pytest.raises(CPUnsupportedError, match="does not compute what the CP kernel for Kolibri-1.1"):
+        install_sparse_attention(fresh, profile_model(fresh))

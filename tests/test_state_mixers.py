@@ -117,6 +117,41 @@ def test_nemotron_h_router_under_the_fp64_rules_gives_a_token_the_same_numbers_i
     assert torch.allclose(ours[1], theirs[1], rtol=1e-6, atol=0)
 
 
+def test_zaya_cca_projection_cut_into_pieces_and_chained_is_the_whole_row_and_restarts_per_document():
+    """ZAYA's CCA projection (cp/layers/cca.py) with value biases and a 3 + 2 tap conv, fp64: q, k and v of a row cut
+    into pieces of 1 to 12 tokens and chained equal the class's forward on the whole row (to the bit's neighbourhood),
+    a Ulysses rank's head slice computes its heads' outputs, and two documents run apart equal each alone, while
+    the class's forward on the packed row mixes them (what the kernel's restart changes)."""
+    from automodel.distributed.cp.layers import cca  # noqa: F401  (registers the kernel)
+    from automodel.distributed.cp.layers.state_chain import run_documents
+    from tests.workers.layer_kinds_worker import build_case_model
+
+    model = build_case_model({"family": "zaya", "config": {"attention_bias": True, "cca_time0": 3, "cca_time1": 2}})
+    mixer = model.double().model.layers[0].self_attn.qkv_proj
+    kernel = kernel_for(mixer)
+    hidden = torch.randn(2, 30, model.config.hidden_size, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    whole = type(mixer).forward(mixer, hidden, None)
+    for cuts in ([1, 2, 7, 19], [12, 13]):
+        for got, want in zip(_chained(mixer, hidden, cuts), whole):
+            assert _rel(got, want) < 1e-14, cuts
+    assert _rel(_chained(mixer, hidden, [12], restart=True)[0], whole[0]) > 1e-3  # the state matters
+    # a Ulysses rank of 2 holding half the heads: its slice of the core's output
+    proj = kernel.project(mixer, hidden)
+    full = kernel.core(mixer, kernel.core_params(mixer, None), proj.seq, None, None)[0]
+    for rank in range(2):
+        shard = HeadShard(rank, 2)
+        mine = shard.slice(kernel.out_heads(mixer))
+        part = kernel.core(mixer, kernel.core_params(mixer, shard), {"x": proj.seq["x"][:, :, mine]}, None, shard)[0]
+        assert _rel(part, full[:, :, mine]) < 1e-15
+    # documents [0, 11) and [11, 30): apart, each as alone; the class on the packed row leaks across
+    out = kernel.finish(mixer, run_documents(kernel, mixer, kernel.core_params(mixer, None), proj.seq, [(0, 11), (11, 30)]),
+                        proj.local)  # fmt: skip
+    alone = type(mixer).forward(mixer, hidden[:, 11:], None)
+    for got, want in zip(out, alone):
+        assert _rel(got[:, 11:], want) < 1e-14
+    assert _rel(whole[1][:, 11:13], alone[1][:, :2]) > 1e-3
+
+
 def test_head_shard_holds_the_groups_of_its_heads():
     # 8 heads, 2 groups, 4 ranks: each group repeated twice, rank r holds copy r -> group r // 2
     for r in range(4):

@@ -305,7 +305,7 @@ KIND_TOLERANCES = {"float64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), 
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "family", ["mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense",
-     "hy_v4_dense", "deepseek_v4"]
+     "hy_v4_dense", "deepseek_v4", "axk2_dense", "qwen4_exp_text_qsa", "kolibri1_1_shared", "zaya_bias"]
 )
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_two_node_run_computes_every_attention_kind(two_nodes, family, dtype):

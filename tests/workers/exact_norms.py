@@ -24,6 +24,7 @@ NORMS = (
     ("transformers.models.gemma4.modeling_gemma4", "Gemma4RMSNorm", 0.0),
     ("transformers.models.moshi.modeling_moshi", "MoshiRMSNorm", 0.0),  # Moshi's too (x.float(), then back)
     ("transformers.models.hrm_text.modeling_hrm_text", "HrmTextRMSNorm", 0.0),  # HRM's (no weight)
+    ("transformers.models.qwen4_exp.modeling_qwen4_exp", "Qwen4ExpTextRMSNorm", 1.0),  # per group of hidden_size too
 )
 
 
@@ -58,6 +59,17 @@ def _hy_v4_head(self, x: torch.Tensor) -> torch.Tensor:
     mixes = F.linear(flat, self.hc_fn.to(flat.dtype)) * self.input_norm(flat)
     pre = torch.sigmoid(mixes * self.hc_scale.to(flat.dtype) + self.hc_base.to(flat.dtype)) + self.eps
     return (pre.unsqueeze(-1) * x).sum(dim=2)
+
+
+def _input_dtype_rms(self, x: torch.Tensor) -> torch.Tensor:
+    """T5-style RMSNorm (``weight * x / rms(x)``) in the input's dtype (Kolibri-1.1's, ZAYA's: transformers computes
+    in fp32)."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+#: T5-style RMSNorms without a ``_norm`` method: the same formula in the input's dtype
+T5_NORMS = (("transformers.models.kolibri1_1.modeling_kolibri1_1", "Kolibri1_1RMSNorm", _input_dtype_rms),
+            ("transformers.models.zaya.modeling_zaya", "ZayaRMSNorm", _input_dtype_rms))
 
 
 #: HY-V4's hyper-connections (token-local: each token's streams mixed by weights computed from that token alone)
@@ -118,7 +130,7 @@ def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
                     continue
                 saved.append((cls, cls.forward))
                 cls.forward = _forward(offset)
-            for module_name, class_name, forward in (*HY_V4, *OTHER):
+            for module_name, class_name, forward in (*HY_V4, *OTHER, *T5_NORMS):
                 try:
                     cls = getattr(importlib.import_module(module_name), class_name)
                 except (ImportError, AttributeError):

@@ -188,6 +188,20 @@ def _cp_step_inner(method, model, batch, mesh, n_labels):
     return float(loss) / n_labels, grads
 
 
+#: Qwen4-Exp with QSA layers only (query-sparse attention: K, V and the indexer's raw keys gathered,
+#: cp/layers/qsa.py) and one routed expert (its router's softmax is fp32 whatever the dtype); fp64 cases run its
+#: RMSNorms in fp64 too (exact_norms). Its Gated DeltaNet is proven by tests/test_state_mixers.py
+QSA_CONFIG = dict(num_hidden_layers=2, layer_types=["indexed_attention"] * 2, num_experts=1, num_experts_per_tok=1)
+
+
+#: Kolibri-1.1 with every part of its indexed attention: sliding layers around a pool-source indexed layer that
+#: stores its K/V and a later indexed layer that reuses both the pool and those K/V; every MLP dense (its MoE router
+#: computes in fp32 whatever the dtype); fp64 cases run its RMSNorms in fp64 (exact_norms)
+KOLIBRI_CONFIG = dict(num_hidden_layers=4, layer_types=["sliding_attention", "indexed_attention"] * 2,
+                      index_layers=[1], kv_source_layers=[0, 1, 2, 1],
+                      mlp_only_layers=[0, 1, 2, 3])
+
+
 def build_case_model(case: dict):
     """The family's tiny model; ``random_A``: Doge's ``A`` drawn from N(0, 1); ``dense_mlp``: every MLP dense (no MoE router, which computes in fp32 whatever the
     model's dtype), the attention layer pattern unchanged, so that an fp64 run shows fp64's round-off; ``config``:
@@ -195,7 +209,7 @@ def build_case_model(case: dict):
     indexer_types), or else given to the config's constructor over the family's keys (Gemma's KV sharing)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.family_matrix import family_by_name
+    from tests.family_matrix import family_by_name, nontrivial_init
 
     fam = family_by_name(case["family"])
     if case.get("random_A"):  # Doge: A ~ N(0, 1) (zeros at init: every key's bias 1, the top-k all ties)
@@ -212,7 +226,9 @@ def build_case_model(case: dict):
 
         torch.manual_seed(0)
         config = AutoConfig.for_model(fam.model_type, **{**fam.config_kwargs, **case["config"]})
-        return AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation()).train()
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation()).train()
+        nontrivial_init(fam.model_type, model)  # ZAYA's key scale
+        return model
     config = fam.build_config()
     n = config.num_hidden_layers
     if case.get("dense_mlp"):
@@ -221,6 +237,7 @@ def build_case_model(case: dict):
         setattr(config, key, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation(), dtype=torch.float32)
+    nontrivial_init(fam.model_type, model)
     return model.train(fam.train_mode)
 
 

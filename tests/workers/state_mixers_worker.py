@@ -179,6 +179,16 @@ FAMILIES: dict[str, Family] = {
         linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8,
         num_experts=1, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16, **_ATTN),
         _gdn_rules, chunk_rules=_gdn_chunk),
+    # transformers 5.25's Qwen4-Exp: Qwen3.5's Gated DeltaNet (its gated norm's activation from the config) beside a
+    # QSA layer (query-sparse attention: K, V and the indexer's raw keys gathered, cp/layers/qsa.py), behind
+    # hyper-connections; every method. One routed expert, as LaraMini (the router's softmax is fp32)
+    "qwen4_exp_text": Family("qwen4_exp_text", dict(
+        hidden_size=32, num_hidden_layers=2, head_dim=8, layer_types=["linear_attention", "indexed_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=4,
+        linear_num_value_heads=8, num_experts=1, num_experts_per_tok=1, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8,
+        indexer_budget=8, indexer_compress_ratio=2, hc_lowrank=8, ple_layer_ids=[], **_ATTN),
+        _gdn_rules, chunk_rules=_gdn_chunk),
 }
 
 
@@ -189,7 +199,7 @@ def build_model(family: Family, dtype: torch.dtype):
                                   **family.config)
     torch.manual_seed(0)
     kwargs = {"experts_implementation": "eager"} if family.model_type in ("granitemoehybrid", "nemotron_h",
-                                                                          "lara_mini") else {}
+                                                                          "lara_mini", "qwen4_exp_text") else {}
     if family.attn is not None:
         kwargs["attn_implementation"] = family.attn
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)

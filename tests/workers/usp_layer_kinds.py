@@ -25,7 +25,8 @@ ULYSSES = 2
 #: two packed rows; padded to 8 (2 * cp) the documents are 24, 40, 16 and 32, 24 tokens
 ROWS = [[21, 34, 9], [30, 18]]
 FAMILIES = ("mistral", "gpt_oss", "gemma2", "deepseek_v3", "llama4_temperature", "deepseek_v32_dense", "glm_moe_dsa_dense",
-            "hy_v4_dense")
+            "hy_v4_dense", "axk2_dense", "qwen4_exp_text_qsa", "kolibri1_1_shared",
+            "zaya_bias")
 #: Gemma 4 in fp64 with its RMSNorms in fp64 (tests/workers/exact_norms.py): per-layer-type RoPE and head sizes,
 #: sliding and full layers, per-layer inputs; scores unscaled (scaling 1.0 after the q/k norms)
 CASES = [(family, dtype) for family in FAMILIES for dtype in ("float32", "float64")] + [("gemma4_text", "float64")]
@@ -44,8 +45,9 @@ CASES += [(family, dtype) for family in ("gpt_neox_japanese", "openai-gpt", "xgl
 #: and hash routing drawn afresh
 CASES += [("deepseek_v4", "float32"), ("deepseek_v4", "float64")]
 #: HY-V4: its hyper-connections in fp64; Doge: its RMSNorms; DeepSeek-V4: its norms, RoPE, hyper-connections and
-#: pooling (exact_norms.py)
-EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "doge_random_A", "doge", "deepseek_v4")
+#: pooling; Qwen4-Exp, Kolibri-1.1, ZAYA: their RMSNorms (exact_norms.py)
+EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "doge_random_A", "doge", "deepseek_v4", "qwen4_exp_text_qsa",
+               "kolibri1_1_shared", "zaya_bias")
 
 
 def _model(family: str, dtype: torch.dtype):
@@ -72,6 +74,18 @@ def _model(family: str, dtype: torch.dtype):
 
         model = build_case_model({"family": family, "config": V4_CONFIG})
         randomize(model, V4_RANDOM)
+    elif family == "qwen4_exp_text_qsa":  # QSA layers only, one routed expert (layer_kinds_worker.QSA_CONFIG)
+        from tests.workers.layer_kinds_worker import QSA_CONFIG, build_case_model
+
+        model = build_case_model({"family": "qwen4_exp_text", "config": QSA_CONFIG})
+    elif family == "kolibri1_1_shared":  # indexed layers sharing a pool and K/V (layer_kinds_worker.KOLIBRI_CONFIG)
+        from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG, build_case_model
+
+        model = build_case_model({"family": "kolibri1_1", "config": KOLIBRI_CONFIG})
+    elif family == "zaya_bias":  # ZAYA's CCA with value biases and a 3 + 2 tap conv (cp/layers/cca.py)
+        from tests.workers.layer_kinds_worker import build_case_model
+
+        model = build_case_model({"family": "zaya", "config": {"attention_bias": True, "cca_time0": 3, "cca_time1": 2}})
     elif family.endswith("_dense"):  # DSA with every MLP dense (no fp32 router): fp64 shows fp64's round-off
         from tests.workers.layer_kinds_worker import build_case_model
 

@@ -9,9 +9,12 @@ layer's token mixer, which is what decides whether a CP method computes the laye
 - ``chunked_attention``: causal attention inside fixed chunks of ``chunk`` tokens (Llama 4);
 - ``sparse_attention``: DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5, dots3's ``indexed_attention``, HY-V4):
   latent attention whose keys an indexer chooses per query (the top ``index_topk`` of the query's document),
-  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`); and
+  recognised by its attention class (:data:`~automodel.distributed.cp.layers.sparse_support.DSA_ATTENTION`);
   DeepSeek-V4's attention, a window with sinks plus compressed KV entries that an indexer chooses on its CSA layers
   (:data:`~automodel.distributed.cp.layers.sparse_support.COMPRESSED_ATTENTION`: every layer of ``deepseek_v4``);
+  Qwen4-Exp's query-sparse attention (QSA: blocks of ordinary keys chosen per query, ``QSA_ATTENTION``) and
+  Kolibri-1.1's indexed layers (``KV_GATHER_ATTENTION``); and Doge's dynamic mask attention
+  (``DYNAMIC_MASK_ATTENTION``);
 - ``linear_mixer``: linear attention or a state-space / convolution mixer (Gated DeltaNet, Mamba,
   short convolutions): a state carried along the sequence, not a softmax over keys;
 - ``mlp_only``: no token mixer at all (a block of MLP / MoE only, Nemotron-H's ``mlp`` and ``moe`` layers):
@@ -47,8 +50,9 @@ from typing import Any
 from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
 from automodel.distributed.cp.layers.sparse_support import (
     COMPRESSED_ATTENTION,
-    DSA_ATTENTION,
     DYNAMIC_MASK_ATTENTION,
+    KV_GATHER_ATTENTION,
+    SPARSE_ATTENTION,
 )
 
 __all__ = [
@@ -223,7 +227,8 @@ class LayerSpec:
         elif self.kind == SPARSE and self.mixer in COMPRESSED_ATTENTION:
             text = f"sliding-window attention with sinks and compressed KV entries ({self.mixer})"
         elif self.kind == SPARSE:
-            text = f"sparse attention chosen by an indexer (DSA, {self.mixer or 'indexed_attention'})"
+            dsa = "DSA, " if self.mixer not in KV_GATHER_ATTENTION else ""  # QSA, Kolibri-1.1: ordinary K/V
+            text = f"sparse attention chosen by an indexer ({dsa}{self.mixer or 'indexed_attention'})"
         elif self.kind == LINEAR:
             text = f"a linear-attention / state-space mixer ({self.mixer or 'recurrent state'})"
         elif self.kind == MLP_ONLY:
@@ -310,7 +315,9 @@ def _layer_words(layer: LayerSpec) -> str:
     if layer.kind == SPARSE and layer.mixer in COMPRESSED_ATTENTION:
         return "compressed attention (DeepSeek-V4)"
     if layer.kind == SPARSE:
-        return "dynamic mask attention (Doge)" if layer.mixer in DYNAMIC_MASK_ATTENTION else "sparse attention (DSA)"
+        if layer.mixer in DYNAMIC_MASK_ATTENTION:
+            return "dynamic mask attention (Doge)"
+        return "sparse attention (DSA)" if layer.mixer not in KV_GATHER_ATTENTION else f"sparse attention ({layer.mixer})"
     if layer.kind == LINEAR:
         return (layer.mixer or "linear mixer") + (" + attention" if layer.hybrid_attention else "")
     if layer.kind == MLP_ONLY:
@@ -487,9 +494,26 @@ _KNOWN_MODELS = {
         "rank to see the whole row (and a packed document its neighbours), which no method does",
     ),
 }
+_INKLING = (
+    "{cls}: attention whose keys and values are first mixed by short causal convolutions along the sequence (with "
+    "a residual), whose scores get a learned relative-position bias (each query's own states over the key "
+    "distances 0..rel_extent-1) and, on full layers with log_scaling_n_floor, a query scale from the query's "
+    "position; its decoder layer also convolves the attention and MLP outputs along the sequence",
+    "every method would start each shard's convolutions from zeros (they need the last conv_kernel_size - 1 inputs "
+    "of the document's earlier tokens, a halo as the short-conv kernel passes), and no method's attention applies "
+    "the relative-position bias it hands the attention function (per query, of the key's distance in the document) "
+    "or takes the query scale from the in-document position (transformers takes it from the row position, so a "
+    "packed row differs from its documents alone); it can be exact under CP (convolution halos, the bias in the "
+    "halo kernel as ALiBi's, the scale from the in-document position), but no method computes it yet",
+)
+_KNOWN_ATTENTION.update({
+    cls: (_INKLING[0].format(cls=cls), _INKLING[1])
+    for cls in ("InklingAttention", "Inkling2SlidingAttention", "Inkling2FullAttention", "Inkling2LoopSlidingAttention",
+                "Inkling2LoopFullAttention")
+})
 #: model types whose every attention layer is one of :data:`_KNOWN_ATTENTION` (their config has no switch for it),
 #: so that a profile of the config alone (the recipe's check before the model loads) refuses them too
-_MODEL_TYPE_ATTENTION: dict[str, str] = {}
+_MODEL_TYPE_ATTENTION: dict[str, str] = {"inkling_text": "InklingAttention"}
 #: attention classes that add ALiBi in their own code, made to dispatch by :mod:`~automodel.distributed.cp.layers.alibi`
 #: (the names are its ``ALIBI_LAYERS``), and the model types whose every attention layer is one of them
 _ALIBI_LAYERS = ("BloomAttention", "MptAttention")
@@ -664,10 +688,13 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
     # such a mixer and its submodules are neither attention nor another mixer (its conv; Kimi's KDA is named
     # "...DeltaAttention")
     kernel_mixer = {id(m) for sub in layer.modules() if type(sub).__name__ in STATE_MIXERS for m in sub.modules()}
+    outside_conv = None  # a convolution along the sequence beside a mixer with a kernel (Qwen4-Exp's PLE layers)
     for sub_name, sub in layer.named_modules():
         cls = type(sub).__name__
         if sub is layer or id(sub) in kernel_mixer:
             continue
+        if isinstance(sub, nn.Conv1d) and linear in STATE_MIXERS and outside_conv is None:
+            outside_conv = (f"{path}.{sub_name}" if path else sub_name, cls)
         moe = ("MoE" in cls or "Moe" in cls) and cls not in STATE_MIXERS  # Qwen3_5MoeGatedDeltaNet is one
         norm = "Norm" in cls  # MambaRMSNorm, FalconMambaRMSNorm, MambaRMSNormGated: a norm, not the mixer
         if _LINEAR_MIXER.search(cls) and cls not in _NOT_LINEAR_MIXERS and not moe and not norm and linear is None:
@@ -678,6 +705,11 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
             # an attention module by its name, or by what its forward does (LongCat-Flash's LongcatFlashMLA)
             attention, attention_path = sub, f"{path}.{sub_name}" if path else sub_name
     spec = dict(base.__dict__)
+    if outside_conv is not None:  # the kernel covers its mixer only: another conv's halo would not travel
+        spec.update(kind=UNKNOWN, module_path=outside_conv[0],
+                    mixer=f"{outside_conv[1]} (a convolution along the sequence) beside {linear}, outside the mixer "
+                    "its CP kernel computes")  # fmt: skip
+        return LayerSpec(**spec)
     if linear is not None and attention is not None and linear in STATE_MIXERS:
         # attention beside a mixer CP computes (Falcon-H1, Zamba2): it runs through the method's attention, so
         # it must dispatch through AttentionInterface; what it applies (window, sinks, softcap) is recorded
@@ -697,6 +729,14 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         window = getattr(attention, "sliding_window", None)
         if isinstance(window, int) and window:
             spec["window"] = window
+        return LayerSpec(**spec)
+    known = next(((f"{path}.{n}" if path else n, type(s).__name__) for n, s in layer.named_modules()
+                  if type(s).__name__ in _KNOWN_ATTENTION), None)  # fmt: skip
+    if linear is not None and known is not None and linear not in STATE_MIXERS:
+        # Inkling's convolved K/V: convolutions in the attention path, known, without a kernel (Inkling 2's
+        # first attention-like module is its depth-wise block residual)
+        mixer, gap = _KNOWN_ATTENTION[known[1]]
+        spec.update(kind=UNKNOWN, module_path=known[0], mixer=mixer, known_gap=gap)
         return LayerSpec(**spec)
     if linear is not None:
         spec.update(kind=LINEAR, mixer=linear, hybrid_attention=attention is not None)
@@ -727,7 +767,7 @@ def _layer_from_modules(layer: Any, base: LayerSpec, path: str = "", mask_bias: 
         return LayerSpec(**spec)
     cls = type(attention)
     if base.kind == SPARSE:  # the config says indexed_attention: the attention class must be a DSA one we know
-        if cls.__name__ not in DSA_ATTENTION:
+        if cls.__name__ not in SPARSE_ATTENTION:
             spec.update(kind=UNKNOWN, module_path=attention_path,
                         mixer=f"{cls.__name__} (config layer type indexed_attention), a sparse attention without a "
                         "CP kernel")  # fmt: skip
@@ -852,6 +892,11 @@ def _layers_from_config(text: Any, n_layers: int) -> list[LayerSpec]:
     latent = (_get(text, "kv_lora_rank", None) or 0) + (_get(text, "qk_rope_head_dim", None) or 0)
     index_dim = _get(text, "index_head_dim", None)
     widths = (int(latent), int(index_dim)) if latent and isinstance(index_dim, int) else None
+    qsa_dim, kv_heads = _get(text, "indexer_head_dim", None), _get(text, "num_key_value_heads", None)
+    if widths is None and isinstance(qsa_dim, int) and kv_heads and head_dim:  # QSA: K and V, the indexer's raw key
+        widths = (2 * int(kv_heads) * int(head_dim), int(qsa_dim) * int(_get(text, "indexer_kv_heads", 1) or 1))
+    if widths is None and _get(text, "index_pool_size", None) is not None and kv_heads and head_dim:  # Kolibri-1.1
+        widths = (2 * int(kv_heads) * int(head_dim), 0)  # K and V gathered; its indexer reads them
     gpt_neo = _get(text, "attention_layers", None) if str(_get(text, "model_type", "")) == "gpt_neo" else None
     if layer_types is None and isinstance(gpt_neo, (list, tuple)):  # GPT-Neo: "global" / "local" (its window_size)
         layer_types = ["sliding_attention" if t == "local" else "full_attention" for t in gpt_neo]
@@ -954,9 +999,10 @@ def profile_model(model_or_config: Any, attn_implementation: str | None = None) 
                                                                    else "")})
                   if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
     known = _KNOWN_ATTENTION.get(_MODEL_TYPE_ATTENTION.get(str(_get(text, "model_type", "")), ""))
-    if known and not from_modules:  # a known layer type of its own, from the config alone
+    if known and not from_modules:  # Inkling from its config alone (its "hybrid" layer types read as a mixer beside
+        # attention)
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": known[0], "known_gap": known[1]})
-                  if spec.is_attention or spec.kind == UNKNOWN else spec for spec in layers]  # fmt: skip
+                  if spec.is_attention or spec.kind in (UNKNOWN, LINEAR) else spec for spec in layers]  # fmt: skip
     if bias and not from_modules and not falcon_alibi:  # the config alone: its attention layers carry the bias
         layers = [LayerSpec(**{**spec.__dict__, "kind": UNKNOWN, "mixer": f"attention with {bias[0]}",
                                "known_gap": bias[1]})

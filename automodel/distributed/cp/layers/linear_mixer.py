@@ -162,7 +162,8 @@ def _call_arguments(mixer: torch.nn.Module, hidden: torch.Tensor, args: tuple, k
     bound = _SIGNATURES[cls].bind_partial(mixer, hidden, *args, **kwargs).arguments
     extra = bound.get("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
     cache = next((v for n in _CACHE_NAMES for v in (bound.get(n), extra.get(n)) if v is not None), None)
-    return cache, bound.get("attention_mask", extra.get("attention_mask"))
+    mask = bound.get("attention_mask", extra.get("attention_mask"))
+    return cache, mask if mask is not None else bound.get("conv_mask", extra.get("conv_mask"))  # ZAYA's, Inkling's
 
 
 def _with_mask(kernel: MixerKernel, proj: Any, mask: Any, hidden: torch.Tensor) -> Any:

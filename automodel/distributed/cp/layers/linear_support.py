@@ -33,6 +33,7 @@ GATED_DELTANET_MIXERS = {
     "Qwen3_5GatedDeltaNet": "split",
     "Qwen3_5MoeGatedDeltaNet": "split",
     "LaraMiniGatedDeltaNet": "split",  # Qwen3.5's class under another name (transformers 5.25's lara_mini)
+    "Qwen4ExpTextGatedDeltaNet": "split",  # Qwen3.5's, its gated norm's activation from the config (in the model's norm)
     "OlmoHybridGatedDeltaNet": "olmo",
 }
 
@@ -63,6 +64,7 @@ STATE_MIXERS: dict[str, str] = {
     "RecurrentGemmaRecurrentBlock": "rg_lru",  # cp/layers/rg_lru.py
     "RwkvSelfAttention": "rwkv",  # cp/layers/rwkv.py (and the token shift of RwkvFeedForward)
     "xLSTMLayer": "xlstm",  # cp/layers/xlstm.py
+    "ZayaCCAProjection": "cca",  # cp/layers/cca.py: ZAYA's q/k convolutions and delayed values before its attention
 }
 
 #: method name -> how it runs a supported mixer

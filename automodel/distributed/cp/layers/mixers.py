@@ -3,6 +3,7 @@
 to :data:`automodel.distributed.cp.layers.linear_support.STATE_MIXERS`."""
 
 from automodel.distributed.cp.layers import (  # noqa: F401
+    cca,
     gated_deltanet,
     kimi_delta,
     lightning,

@@ -45,11 +45,21 @@ import torch.nn.functional as F
 
 from automodel.distributed.cp.active import innermost
 from automodel.distributed.cp.layers.dynamic_mask import dynamic_mask, dynamic_mask_attention
+from automodel.distributed.cp.layers.kolibri_sparse import check_kolibri_attention
+from automodel.distributed.cp.layers.qsa import (
+    POSITIONS_ATTR,
+    QsaStep,
+    check_qsa_indexer,
+    gather_positions,
+    qsa_select_tokens,
+)
 from automodel.distributed.cp.layers.sparse_support import (
     DSA_ATTENTION,
     DSA_ROPE_BY_RELEASE,
     DSA_ROPE_LAST,
     DYNAMIC_MASK_ATTENTION,
+    KV_GATHER_ATTENTION,
+    QSA_ATTENTION,
     SPARSE_METHODS,
 )
 from automodel.errors import CPUnsupportedError
@@ -75,6 +85,8 @@ __all__ = [
 DSA_ATTN_NAME = "automodel_dsa"
 #: the attention function Doge's dynamic mask attention looks up under CP (:mod:`~.dynamic_mask`)
 DYNAMIC_MASK_ATTN_NAME = "automodel_dynamic_mask"
+#: the attention function a QSA layer looks up under CP: the same kernel, the selection already in the mask
+QSA_ATTN_NAME = "automodel_qsa"
 #: queries per block of the indexer's scores and of the attention (whose blocks are recomputed in the backward)
 QUERY_BLOCK = 256
 _MARK = "_automodel_cp_dsa"
@@ -441,7 +453,36 @@ def dsa_attention(
     slot = indices.long().to(query.device)
     slot = torch.where(slot < 0, T, slot)  # -1: a column past the row, dropped below
     chosen = torch.zeros(B, n, T + 1, dtype=torch.bool, device=query.device).scatter_(-1, slot, True)[..., :T]
-    mask = attention_mask & chosen[:, None]
+    return _attend(module, query, key, value, attention_mask & chosen[:, None], scaling, kwargs)
+
+
+def qsa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """:func:`dsa_attention` for a QSA layer, whose ``attention_mask`` ``[B, 1, n, T]`` bool already holds the
+    selection (the module ANDs its indexer's mask into the layout's)."""
+    if dropout:
+        raise ValueError(
+            f"{type(module).__name__}: attention dropout ({dropout}) is not implemented by the CP QSA kernel; set the "
+            "model's attention_dropout to 0"
+        )
+    if kwargs.get("sliding_window"):
+        raise CPUnsupportedError(f"{type(module).__name__}: a sliding window on a QSA layer has no CP kernel")
+    return _attend(module, query, key, value, attention_mask, scaling, kwargs)
+
+
+def _attend(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+            scaling: float | None, kwargs: dict) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """Local queries ``[B, H, n, D]`` over the gathered row's keys ``mask`` ``[B, 1, n, T]`` allows; ``([B, n, H, Dv],
+    None)``."""
+    Hq, n = query.shape[1], query.shape[2]
     if key.shape[1] != Hq:  # transformers' repeat_kv: each KV head serves Hq / Hkv consecutive query heads
         key = key.repeat_interleave(Hq // key.shape[1], dim=1)
         value = value.repeat_interleave(Hq // value.shape[1], dim=1)
@@ -569,16 +610,24 @@ def _packed_placement(call: dict[str, Any]) -> Placement | None:
 
 
 def _run(module: torch.nn.Module, call: dict[str, Any], place: Placement) -> Any:
-    """The module's own forward on ``place``: the gathering cache, the layout's mask, the DSA attention."""
+    """The module's own forward on ``place``: the gathering cache, the layout's mask, the DSA (or QSA) attention."""
     hidden = call["hidden_states"]
     call["attention_mask"] = place.mask(hidden.shape[0], hidden.device)
     config = module.config
-    module.config = _ConfigView(config)
+    gather_kv = type(module).__name__ in KV_GATHER_ATTENTION  # QSA, Kolibri-1.1: K/V gathered, the class selects
+    qsa = type(module).__name__ in QSA_ATTENTION
+    module.config = _ConfigView(config, QSA_ATTN_NAME if gather_kv else DSA_ATTN_NAME)
     cache_name = "cache" if "cache" in _SIGNATURES[type(module)].parameters else "past_key_values"
+    step: Any = QsaStep(place.gather) if gather_kv else DsaStep(place, config._attn_implementation)
+    if qsa:  # the selection reads the RoPE of every key's position: gathered once for the layer
+        module.indexer.__dict__[POSITIONS_ATTR] = gather_positions(call["position_embeddings"], hidden.shape[0],
+                                                                   place.gather)  # fmt: skip
     try:
-        return type(module).forward(module, **{cache_name: DsaStep(place, config._attn_implementation)}, **call)
+        return type(module).forward(module, **{cache_name: step}, **call)
     finally:
         module.config = config
+        if qsa:
+            module.indexer.__dict__.pop(POSITIONS_ATTR, None)
 
 
 def dsa_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -586,6 +635,8 @@ def dsa_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     call = _bound(self, args, kwargs)
     cache = call.pop("past_key_values", None) or call.pop("cache", None)
     active = _active()
+    if active is None and type(self).__name__ in KV_GATHER_ATTENTION:  # one process: the class's mask is per document
+        return type(self).forward(self, *args, **kwargs)
     if active is None:  # one process: the class's forward, or per document on packed rows
         place = _packed_placement(call) if cache is None else None
         return type(self).forward(self, *args, **kwargs) if place is None else _run(self, call, place)
@@ -689,6 +740,8 @@ def _register() -> None:
         ALL_ATTENTION_FUNCTIONS._global_mapping[DSA_ATTN_NAME] = dsa_attention
     if ALL_ATTENTION_FUNCTIONS._global_mapping.get(DYNAMIC_MASK_ATTN_NAME) is not dynamic_mask_attention:
         ALL_ATTENTION_FUNCTIONS._global_mapping[DYNAMIC_MASK_ATTN_NAME] = dynamic_mask_attention
+    if ALL_ATTENTION_FUNCTIONS._global_mapping.get(QSA_ATTN_NAME) is not qsa_attention:
+        ALL_ATTENTION_FUNCTIONS._global_mapping[QSA_ATTN_NAME] = qsa_attention
 
 
 def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
@@ -711,10 +764,17 @@ def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
             count += 1
             continue
         # dots3's class runs its sliding-window layers too: only the layers the profile calls sparse get the kernel
-        if name not in DSA_ATTENTION or sparse.get(getattr(module, "layer_idx", None)) != name:
+        if (name not in DSA_ATTENTION and name not in KV_GATHER_ATTENTION) or sparse.get(getattr(module, "layer_idx", None)) != name:
             continue
         indexer = getattr(module, "indexer", None)
-        if indexer is not None:
+        if name in KV_GATHER_ATTENTION and name not in QSA_ATTENTION:  # Kolibri-1.1: the class's forward, unchanged
+            check_kolibri_attention(module, sparse)
+        elif name in QSA_ATTENTION:  # Qwen4-Exp: its own selection over the gathered keys and positions
+            check_qsa_indexer(module, indexer)
+            if not getattr(indexer, _MARK, False):
+                indexer._select_tokens = types.MethodType(qsa_select_tokens, indexer)
+                setattr(indexer, _MARK, True)
+        elif indexer is not None:
             layout = _release_layout(indexer) if name in DSA_ROPE_BY_RELEASE else DSA_ATTENTION[name]
             _check_indexer(module, indexer, layout, name in DSA_ROPE_LAST)
             if not getattr(indexer, _MARK, False):
@@ -740,5 +800,6 @@ def uninstall_sparse_attention(model: torch.nn.Module) -> None:
     """Give every module :func:`install_sparse_attention` changed its class's forward back (mutates ``model``)."""
     for module in model.modules():
         if getattr(module, _MARK, False):
-            del module.forward
+            for name in ("forward", "_select_tokens"):  # a QSA indexer: its _select_tokens
+                module.__dict__.pop(name, None)
             delattr(module, _MARK)

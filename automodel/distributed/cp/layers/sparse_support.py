@@ -27,6 +27,9 @@ __all__ = [
     "DSA_ROPE_BY_RELEASE",
     "DSA_ROPE_LAST",
     "DYNAMIC_MASK_ATTENTION",
+    "KV_GATHER_ATTENTION",
+    "QSA_ATTENTION",
+    "SPARSE_ATTENTION",
     "SPARSE_METHODS",
     "sparse_attention_problem",
 ]
@@ -37,6 +40,7 @@ __all__ = [
 #: of the modeling file that computes it (checked against the indexer's source when the kernel is installed)
 DSA_ATTENTION: dict[str, str] = {
     "DeepseekV32Attention": "half",
+    "AXK2Attention": "half",  # DeepSeek-V3.2's indexer; a fused q/gate projection and an output gate (token-local)
     "GlmMoeDsaAttention": "interleaved",
     "Dots3NoteTextAttention": "interleaved",
     "HYV4Attention": "interleaved",  # transformers >= 5.25; 5.17-5.24 rotate halves (DSA_ROPE_BY_RELEASE)
@@ -63,7 +67,27 @@ DSA_ROPE_LAST: frozenset[str] = frozenset({"HYV4Attention"})
 #: compressors' per-token projections all-gathered, whole blocks pooled per document in global order
 COMPRESSED_ATTENTION: frozenset[str] = frozenset({"DeepseekV4Attention"})
 
-#: method name -> how it runs a DSA layer (and a DeepSeek-V4 compressed-attention layer: the same gathers)
+#: attention classes of Qwen4-Exp's QSA (query-sparse attention: ordinary K/V, no latent): its indexer scores each
+#: query against the mean of every ``indexer_compress_ratio`` consecutive visible keys (RMS-normed, RoPE at the
+#: block's first position) and keeps the tokens of the best ``indexer_budget / indexer_compress_ratio`` blocks plus
+#: the incomplete last block. Under CP its K, V and raw indexer keys (and the RoPE of their positions) are
+#: all-gathered, and the class's own selection (``_select_tokens``) runs for the local queries over the whole row
+#: (:mod:`automodel.distributed.cp.layers.qsa`)
+QSA_ATTENTION: frozenset[str] = frozenset({"Qwen4ExpTextAttention"})
+
+#: sparse attention classes over ordinary K/V whose CP forward all-gathers K and V (queries local) and runs the
+#: class's own selection for the local queries over the whole row: QSA, and Kolibri-1.1's indexed layers (a
+#: weightless indexer: the ReLU scores of its first query heads against key head 0, both rounded to NVFP4; a pool of
+#: key blocks chosen by the pool-source layers and passed on, the top-k of the pool plus sink and local tokens; NoPE;
+#: K/V stored by one indexed layer and reused by later ones)
+KV_GATHER_ATTENTION: frozenset[str] = QSA_ATTENTION | {"Kolibri1_1Attention"}
+
+#: every sparse attention class with a CP kernel (the profile's ``sparse_attention`` layers)
+SPARSE_ATTENTION: frozenset[str] = (
+    frozenset(DSA_ATTENTION) | KV_GATHER_ATTENTION | DYNAMIC_MASK_ATTENTION | COMPRESSED_ATTENTION
+)
+
+#: method name -> how it runs a DSA layer (and every other class of :data:`SPARSE_ATTENTION`: the same gathers)
 SPARSE_METHODS = {
     "ring": "latent KV and indexer keys all-gathered over the CP group; queries local",
     "thd": "latent KV and indexer keys all-gathered over the CP group; queries local; top-k per document",
@@ -77,9 +101,10 @@ def sparse_attention_problem(method: str, layer: Any) -> str | None:
     """Why ``method`` does not compute the ``sparse_attention`` layer ``layer`` exactly (``None``: it does). A layer
     read from the config alone (``mixer`` empty: its class is not known yet) is judged again when the modules are
     read, before the first step."""
-    known = {*DSA_ATTENTION, *DYNAMIC_MASK_ATTENTION, *COMPRESSED_ATTENTION}
-    if layer.mixer and layer.mixer not in known:
-        return f"{layer.describe()}: the CP kernel knows the sparse attention of {', '.join(sorted(known))} only"
+    if layer.mixer and layer.mixer not in SPARSE_ATTENTION:
+        return (
+            f"{layer.describe()}: the CP kernel knows the sparse attention of {', '.join(sorted(SPARSE_ATTENTION))} only"
+        )
     if method in SPARSE_METHODS:
         return None
     if layer.mixer in COMPRESSED_ATTENTION:
