@@ -127,6 +127,55 @@ GEMMA3 = [
     "loss.chunk_tokens=256",
 ]
 
+# BLOOM-like: ALiBi on every layer (no RoPE), a GELU MLP of 4 h, tied head; ring runs ALiBi on the halo kernel
+# with a per-key bias (automodel.distributed.cp.layers.alibi)
+BLOOM = [
+    "model.config._target_=transformers.BloomConfig",
+    "model.config.hidden_size=128",
+    "~model.config.num_hidden_layers",
+    "~model.config.num_attention_heads",
+    "~model.config.max_position_embeddings",
+    "+model.config.n_layer=3",
+    "+model.config.n_head=4",
+    "~model.config.intermediate_size",
+    "~model.config.num_key_value_heads",
+    "~model.config.rope_theta",
+    "+model.config.hidden_dropout=0.0",
+    "+model.config.attention_dropout=0.0",
+    "model.attn_implementation=eager",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
+# DeepSeek-V3.2-like: DeepSeek sparse attention (MLA whose keys an indexer picks per query: the latent KV and the
+# indexer keys all-gathered over the CP group), dense MLPs only (first_k_dense_replace = every layer)
+DSA = [
+    "model.config._target_=transformers.DeepseekV32Config",
+    "model.config.hidden_size=128",
+    "model.config.intermediate_size=384",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=4",
+    "~model.config.rope_theta",
+    "+model.config.kv_lora_rank=32",
+    "+model.config.q_lora_rank=48",
+    "+model.config.qk_rope_head_dim=16",
+    "+model.config.qk_nope_head_dim=32",
+    "+model.config.v_head_dim=32",
+    "+model.config.first_k_dense_replace=2",
+    "+model.config.n_routed_experts=4",
+    "+model.config.num_experts_per_tok=2",
+    "+model.config.n_group=2",
+    "+model.config.topk_group=1",
+    "+model.config.moe_intermediate_size=64",
+    "+model.config.index_n_heads=2",
+    "+model.config.index_head_dim=32",
+    "+model.config.index_topk=256",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -145,6 +194,8 @@ CASES = [
          (*QWEN3, *ULYSSES_AC, "model.activation_checkpointing=false")),
     Case("qwen3_offload_opt", "the first case + fsdp.offload=optimizer",
          (*QWEN3, *ULYSSES_AC, "fsdp.offload=optimizer")),
+    Case("bloom_alibi_ring", "BLOOM-like ALiBi, ring (halo kernel with a key bias), checkpointing", tuple(BLOOM)),
+    Case("dsa_ring", "DeepSeek-V3.2-like sparse attention (DSA), ring, checkpointing", tuple(DSA)),
 ]  # fmt: skip
 
 
