@@ -195,6 +195,8 @@ CASES = [
     Case("qwen3_offload_opt", "the first case + fsdp.offload=optimizer",
          (*QWEN3, *ULYSSES_AC, "fsdp.offload=optimizer")),
     Case("bloom_alibi_ring", "BLOOM-like ALiBi, ring (halo kernel with a key bias), checkpointing", tuple(BLOOM)),
+    Case("bloom_alibi_ulysses", "the BLOOM-like case under ulysses (SDPA with the bias as a float mask)",
+         (*BLOOM, "distributed.cp_method=ulysses")),
     Case("dsa_ring", "DeepSeek-V3.2-like sparse attention (DSA), ring, checkpointing", tuple(DSA)),
 ]  # fmt: skip
 

@@ -95,6 +95,12 @@ def test_alibi_score_blocks_on_the_halo_kernel_replace_the_eager_s2_term():
     # Ulysses hands SDPA the bias as a float [1, H / cp, S, S] mask, which SDPA saves per layer
     uly = plan_memory(bloom, dataclasses.replace(shape, cp_method="ulysses"))
     assert "S^2" in uly.terms["activations"].note
+    # the ALiBi layers keep BLOOM's eager attention under every method: its [1, 1, n, n] fp32 mask from the rank's
+    # tokens, not Ulysses' global one (thd registers no mask implementation, but BLOOM keeps its own)
+    for method in ("ulysses", "thd"):
+        masks = plan_memory(bloom, dataclasses.replace(shape, cp_method=method)).terms["attention masks"].bytes
+        halo = 0 if method == "ulysses" else N * (SEQ + BLOCK) / 2
+        assert masks == N * N * 4 + halo, method
     assert uly.terms["attention workspace"].bytes != expected
 
 

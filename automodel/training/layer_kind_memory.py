@@ -11,7 +11,8 @@ imports it), counted where the tensor is really built, measured by ``scripts/ben
   - transformers' own ``[B, 1, q, k]`` mask (``masking_utils``), where the method's path lets the model build one
     (:meth:`~automodel.distributed.cp.CPMethod.mask_scope`: no CP, or ring, from the rank's ``q = k = n`` tokens;
     Ulysses: its global ``[B, 1, S, S]`` mask per layer kind for the inner kernel; the methods whose attention
-    function is not a mask implementation, thd, thd_docs and usp, none). Under ``sdpa`` one boolean mask per
+    function is not a mask implementation, thd, thd_docs and usp, none; a model of ALiBi layers keeps its own
+    attention implementation under every method, so its mask is built from the rank's tokens everywhere). Under ``sdpa`` one boolean mask per
     sliding-window or chunked kind whose window is shorter than the keys (``_ignore_causal_mask_sdpa`` never skips
     those), none for full causal layers (SDPA's ``is_causal``); under ``eager`` one mask per kind in the compute
     dtype (``eager_mask``). A model that always builds its mask (``ModelDims.forced_mask_heads``: DeepSeek
@@ -60,7 +61,9 @@ def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
     eager = r.attn == "eager"
     parts: list[str] = []
     total = 0.0
-    scope = "local" if r.cp == 1 else r.method.mask_scope(r.packed)
+    # ALiBi's own-code layers keep the model's attention implementation under every method (cp/layers/alibi.py
+    # dispatches them; the methods leave the config as it is), so the model builds its mask from the rank's tokens
+    scope = "local" if r.cp == 1 or d.alibi_layers else r.method.mask_scope(r.packed)
     if scope is not None:
         q = k = n if scope == "local" else s
         if scope == "local" and d.forced_mask_heads:

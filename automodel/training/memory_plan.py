@@ -64,6 +64,13 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); at the
   attention's moments (forward and backward), not beside the MLP's. ``eager`` attention saves
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
+* attention masks (:func:`.layer_kind_memory.mask_bytes`): transformers' materialised masks where the method's
+  path builds them (:meth:`automodel.distributed.cp.CPMethod.mask_scope`) and the halo kernel's per-block key
+  masks, from the forward to the end of the backward. Layer kinds beyond the Llama-style block add to the attention
+  workspace at the attention's moments: ALiBi's score blocks on the halo kernel
+  (:func:`.layer_kind_memory.alibi_workspace`) and a gathered-state kernel's tensors
+  (:func:`.layer_kind_memory.gathered_workspace`, declared per kernel in
+  :mod:`automodel.distributed.cp.layers.gathered_state`); the largest over the model's layer kinds.
 * attention kernel: what the CUDA attention kernel the run uses (``RunShape.attention_kernel``, from
   ``model.attention_backend`` and, for ``auto``, the GPU: :func:`planned_kernel`) allocates in one call's
   backward beyond its gradients, e.g. flash's fp32 dQ accumulator and, under GQA, dK/dV for every query head
