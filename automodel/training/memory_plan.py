@@ -546,10 +546,13 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     saved_mlp, fwd_mlp, bwd_mlp = (0.0, 0.0, 0.0) if tile else (mlp.saved / tp, mlp.forward / tp, mlp.backward / tp)
     router = mlp.router
     # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each, and
-    # the MLP's three weight gradients twice: the tile's own (``got`` in automodel.models.tiled_mlp) beside their
-    # running sum over the tiles done (``sums``, which becomes the layer's gradient): 2 x 3 h I / tp (a snapshot
-    # of scripts/bench_plan_cases.py's tiled case holds both); measured by scripts/bench_memory.py's wide rows
-    tile_bytes = (6 * tile * i / tp + 6 * h * i / tp) * c if tile else 0.0
+    # the MLP's three weight gradients twice: the tile's own (``got`` in automodel.models.tiled_mlp), 3 h I / tp,
+    # beside their running sum over the tiles done (``sums``, which becomes the layer's gradient). The gradients
+    # term counts the layer's gradient as its FSDP2 shard (1 / fsdp of it), but the sum is whole until the
+    # layer's reduce-scatter: 3 h I / tp (1 - 1 / fsdp) more (a snapshot of scripts/bench_plan_cases.py's tiled
+    # case at fsdp 2 holds both copies whole; scripts/bench_memory.py's wide rows run at fsdp 1)
+    unsharded_sum = 3 * h * i / tp * (1 - 1 / r.fsdp)
+    tile_bytes = (6 * tile * i / tp + 3 * h * i / tp + unsharded_sum) * c if tile else 0.0
     tile_fwd = 3 * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
