@@ -52,6 +52,7 @@ import dataclasses
 import gc
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -320,6 +321,7 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
         argv = ["--config", "configs/cp.yaml", *BASE, f"data.seq_len={seq_len}",
                 f"model.config.max_position_embeddings={seq_len}", *case["overrides"],
                 f"recipe.output_dir={Path(out_root) / case['name']}"]  # fmt: skip
+        cpu0 = time.process_time()
         try:
             trainer = FinetuneTrainer(load_config(argv, world_size=world))
             trainer.setup()
@@ -357,7 +359,8 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
 
             trainer.train_step = train_step
             trainer.train()
-            results.append({"steps": steps, "plan": _plan(trainer, world) if rank == 0 else None})
+            results.append({"steps": steps, "plan": _plan(trainer, world) if rank == 0 else None,
+                            "cpu_s": time.process_time() - cpu0})  # fmt: skip
             del trainer, train_step
             gc.collect()
         except Exception:  # noqa: BLE001 - reported per case; the other cases still run
@@ -418,9 +421,11 @@ def main() -> int:
         terms = ", ".join(f"{k} {v:.1f}" for k, v in plan["terms_mib"].items() if v)
         by_rank = "; ".join(f"rank {r}: " + ", ".join(f"{s['peak_mib']:.1f} ({s['tokens']} tokens)" for s in g["steps"])
                             for r, g in enumerate(got))  # fmt: skip
+        cpu = ", ".join(f"{g['cpu_s']:.0f} s" for g in got)
         notes.append(f"{case.name}: measured phases [{phases}]; planned phases [{planned_phases}], peak "
                      f"{plan['peak_phase']} = {terms}; planned {plan['local_tokens']} local tokens, chunk "
-                     f"{plan['chunk_tokens']}, persistent {plan['persistent_mib']:.1f}; per rank and step: {by_rank}")  # fmt: skip
+                     f"{plan['chunk_tokens']}, persistent {plan['persistent_mib']:.1f}; per rank and step: {by_rank}; "
+                     f"CPU time (setup and 3 steps) per rank: {cpu}")  # fmt: skip
     print()
     for n in notes:
         print(f"- {n}")
