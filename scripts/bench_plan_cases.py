@@ -148,6 +148,24 @@ BLOOM = [
     "model.activation_checkpointing=true",
     "loss.chunk_tokens=256",
 ]
+# Falcon-RW-like: ALiBi (config.alibi=True, a K/V head per query head), its bias folded by FalconModel into a
+# [B, heads, n, n] mask it always builds; ring runs the layers on the halo kernel
+FALCON_ALIBI = [
+    "model.config._target_=transformers.FalconConfig",
+    "model.config.hidden_size=128",
+    "model.config.num_hidden_layers=3",
+    "model.config.num_attention_heads=4",
+    "~model.config.intermediate_size",
+    "~model.config.num_key_value_heads",
+    "~model.config.rope_theta",
+    "+model.config.alibi=true",
+    "+model.config.multi_query=false",
+    "+model.config.hidden_dropout=0.0",
+    "+model.config.attention_dropout=0.0",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
 # DeepSeek-V3.2-like: DeepSeek sparse attention (MLA whose keys an indexer picks per query: the latent KV and the
 # indexer keys all-gathered over the CP group), dense MLPs only (first_k_dense_replace = every layer)
 DSA = [
@@ -198,6 +216,8 @@ CASES = [
     Case("bloom_alibi_ring", "BLOOM-like ALiBi, ring (halo kernel with a key bias), checkpointing", tuple(BLOOM)),
     Case("bloom_alibi_ulysses", "the BLOOM-like case under ulysses (SDPA with the bias as a float mask)",
          (*BLOOM, "distributed.cp_method=ulysses")),
+    Case("falcon_alibi_ring", "Falcon-RW-like ALiBi (the bias folded into its mask), ring, checkpointing",
+         tuple(FALCON_ALIBI)),
     Case("dsa_ring", "DeepSeek-V3.2-like sparse attention (DSA), ring, checkpointing", tuple(DSA)),
 ]  # fmt: skip
 
