@@ -63,6 +63,8 @@ def test_eager_masks_are_in_the_compute_dtype_per_kind():
     kinds = len(gemma.attention_kinds)
     eager = plan_memory(gemma, RunShape(local_batch=1, seq=SEQ, cp=2, attn="eager")).terms["attention masks"].bytes
     assert kinds == 2 and eager == kinds * N * N * 4 + N * (BLOCK + WINDOW)
+    flex = plan_memory(gemma, RunShape(local_batch=1, seq=SEQ, cp=2, attn="flex_attention"))
+    assert flex.terms["attention masks"].bytes == N * (BLOCK + WINDOW)  # a BlockMask, not a dense mask
 
 
 def test_falcon_alibi_folds_its_bias_into_a_mask_per_head():

@@ -15,7 +15,7 @@ imports it), counted where the tensor is really built, measured by ``scripts/ben
     attention implementation under every method, so its mask is built from the rank's tokens everywhere). Under ``sdpa`` one boolean mask per
     sliding-window or chunked kind whose window is shorter than the keys (``_ignore_causal_mask_sdpa`` never skips
     those), none for full causal layers (SDPA's ``is_causal``); under ``eager`` one mask per kind in the compute
-    dtype (``eager_mask``). A model that always builds its mask (``ModelDims.forced_mask_heads``: DeepSeek
+    dtype (``eager_mask``); none under flash attention, and FlexAttention's block mask is not counted (``(S/128)^2``). A model that always builds its mask (``ModelDims.forced_mask_heads``: DeepSeek
     sparse attention's ``allow_is_causal_skip=False``; Falcon with ALiBi, whose bias is folded into a
     ``[B, heads, q, k]`` mask in the compute dtype) builds it on those paths whatever the kernel.
   - the halo kernel's per-block key masks (``TokenLayout.halo_plan``, cached for the step, one plan per window):
@@ -75,7 +75,7 @@ def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
                 if eager:
                     total += b * q * k * c
                     parts.append(f"[{b}, 1, {q}, {k}] eager mask" + (f" (window {limit})" if limit else ""))
-                elif 0 < limit < k:
+                elif r.attn == "sdpa" and 0 < limit < k:  # flash: no mask; flex: a BlockMask, O((S / 128)^2)
                     total += b * q * k
                     parts.append(f"[{b}, 1, {q}, {k}] bool mask (window {limit})")
     if r.cp > 1 and r.method.runs_halo_kernel():
