@@ -52,6 +52,7 @@ import dataclasses
 import gc
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -127,6 +128,73 @@ GEMMA3 = [
     "loss.chunk_tokens=256",
 ]
 
+# BLOOM-like: ALiBi on every layer (no RoPE), a GELU MLP of 4 h, tied head; ring runs ALiBi on the halo kernel
+# with a per-key bias (automodel.distributed.cp.layers.alibi)
+BLOOM = [
+    "model.config._target_=transformers.BloomConfig",
+    "model.config.hidden_size=128",
+    "~model.config.num_hidden_layers",
+    "~model.config.num_attention_heads",
+    "~model.config.max_position_embeddings",
+    "+model.config.n_layer=3",
+    "+model.config.n_head=4",
+    "~model.config.intermediate_size",
+    "~model.config.num_key_value_heads",
+    "~model.config.rope_theta",
+    "+model.config.hidden_dropout=0.0",
+    "+model.config.attention_dropout=0.0",
+    "model.attn_implementation=eager",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
+# Falcon-RW-like: ALiBi (config.alibi=True, a K/V head per query head), its bias folded by FalconModel into a
+# [B, heads, n, n] mask it always builds; ring runs the layers on the halo kernel
+FALCON_ALIBI = [
+    "model.config._target_=transformers.FalconConfig",
+    "model.config.hidden_size=128",
+    "model.config.num_hidden_layers=3",
+    "model.config.num_attention_heads=4",
+    "~model.config.intermediate_size",
+    "~model.config.num_key_value_heads",
+    "~model.config.rope_theta",
+    "+model.config.alibi=true",
+    "+model.config.multi_query=false",
+    "+model.config.hidden_dropout=0.0",
+    "+model.config.attention_dropout=0.0",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
+# DeepSeek-V3.2-like: DeepSeek sparse attention (MLA whose keys an indexer picks per query: the latent KV and the
+# indexer keys all-gathered over the CP group), dense MLPs only (first_k_dense_replace = every layer)
+DSA = [
+    "model.config._target_=transformers.DeepseekV32Config",
+    "model.config.hidden_size=128",
+    "model.config.intermediate_size=384",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=4",
+    "~model.config.rope_theta",
+    "+model.config.kv_lora_rank=32",
+    "+model.config.q_lora_rank=48",
+    "+model.config.qk_rope_head_dim=16",
+    "+model.config.qk_nope_head_dim=32",
+    "+model.config.v_head_dim=32",
+    "+model.config.first_k_dense_replace=2",
+    "+model.config.n_routed_experts=4",
+    "+model.config.num_experts_per_tok=2",
+    "+model.config.n_group=2",
+    "+model.config.topk_group=1",
+    "+model.config.moe_intermediate_size=64",
+    "+model.config.index_n_heads=2",
+    "+model.config.index_head_dim=32",
+    "+model.config.index_topk=256",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -145,6 +213,12 @@ CASES = [
          (*QWEN3, *ULYSSES_AC, "model.activation_checkpointing=false")),
     Case("qwen3_offload_opt", "the first case + fsdp.offload=optimizer",
          (*QWEN3, *ULYSSES_AC, "fsdp.offload=optimizer")),
+    Case("bloom_alibi_ring", "BLOOM-like ALiBi, ring (halo kernel with a key bias), checkpointing", tuple(BLOOM)),
+    Case("bloom_alibi_ulysses", "the BLOOM-like case under ulysses (SDPA with the bias as a float mask)",
+         (*BLOOM, "distributed.cp_method=ulysses")),
+    Case("falcon_alibi_ring", "Falcon-RW-like ALiBi (the bias folded into its mask), ring, checkpointing",
+         tuple(FALCON_ALIBI)),
+    Case("dsa_ring", "DeepSeek-V3.2-like sparse attention (DSA), ring, checkpointing", tuple(DSA)),
 ]  # fmt: skip
 
 
@@ -267,6 +341,7 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
         argv = ["--config", "configs/cp.yaml", *BASE, f"data.seq_len={seq_len}",
                 f"model.config.max_position_embeddings={seq_len}", *case["overrides"],
                 f"recipe.output_dir={Path(out_root) / case['name']}"]  # fmt: skip
+        cpu0 = time.process_time()
         try:
             trainer = FinetuneTrainer(load_config(argv, world_size=world))
             trainer.setup()
@@ -304,7 +379,8 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
 
             trainer.train_step = train_step
             trainer.train()
-            results.append({"steps": steps, "plan": _plan(trainer, world) if rank == 0 else None})
+            results.append({"steps": steps, "plan": _plan(trainer, world) if rank == 0 else None,
+                            "cpu_s": time.process_time() - cpu0})  # fmt: skip
             del trainer, train_step
             gc.collect()
         except Exception:  # noqa: BLE001 - reported per case; the other cases still run
@@ -365,9 +441,11 @@ def main() -> int:
         terms = ", ".join(f"{k} {v:.1f}" for k, v in plan["terms_mib"].items() if v)
         by_rank = "; ".join(f"rank {r}: " + ", ".join(f"{s['peak_mib']:.1f} ({s['tokens']} tokens)" for s in g["steps"])
                             for r, g in enumerate(got))  # fmt: skip
+        cpu = ", ".join(f"{g['cpu_s']:.0f} s" for g in got)
         notes.append(f"{case.name}: measured phases [{phases}]; planned phases [{planned_phases}], peak "
                      f"{plan['peak_phase']} = {terms}; planned {plan['local_tokens']} local tokens, chunk "
-                     f"{plan['chunk_tokens']}, persistent {plan['persistent_mib']:.1f}; per rank and step: {by_rank}")  # fmt: skip
+                     f"{plan['chunk_tokens']}, persistent {plan['persistent_mib']:.1f}; per rank and step: {by_rank}; "
+                     f"CPU time (setup and 3 steps) per rank: {cpu}")  # fmt: skip
     print()
     for n in notes:
         print(f"- {n}")

@@ -538,8 +538,14 @@ def _token_inputs(
             f"[B, S, D] or [N, D] inputs of the same tokens can be tiled (set model.tiled_mlp=false)"
         )
 
+    # the non-tensor arguments only: ``place`` lives on the runner, which the autograd node keeps until the layer's
+    # backward; holding the token inputs here would keep each layer's whole [N, h] input alive beside what
+    # save_for_backward saves (and what activation checkpointing drops)
+    rest_args = [None if isinstance(a, torch.Tensor) else a for a in args]
+    rest_kwargs = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
     def place(tiles: list[torch.Tensor]) -> tuple[tuple, dict]:
-        new_args, new_kwargs = list(args), dict(kwargs)
+        new_args, new_kwargs = list(rest_args), dict(rest_kwargs)
         for (kind, i), t in zip(where, tiles, strict=True):
             if kind == "a":
                 new_args[i] = t

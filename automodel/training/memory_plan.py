@@ -71,6 +71,13 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); at the
   attention's moments (forward and backward), not beside the MLP's. ``eager`` attention saves
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
+* attention masks (:func:`.layer_kind_memory.mask_bytes`): transformers' materialised masks where the method's
+  path builds them (:meth:`automodel.distributed.cp.CPMethod.mask_scope`) and the halo kernel's per-block key
+  masks, from the forward to the end of the backward. Layer kinds beyond the Llama-style block add to the attention
+  workspace at the attention's moments: ALiBi's score blocks on the halo kernel
+  (:func:`.layer_kind_memory.alibi_workspace`) and a gathered-state kernel's tensors
+  (:func:`.layer_kind_memory.gathered_workspace`, declared per kernel in
+  :mod:`automodel.distributed.cp.layers.gathered_state`); the largest over the model's layer kinds.
 * attention kernel: what the CUDA attention kernel the run uses (``RunShape.attention_kernel``, from
   ``model.attention_backend`` and, for ``auto``, the GPU: :func:`planned_kernel`) allocates in one call's
   backward beyond its gradients, e.g. flash's fp32 dQ accumulator and, under GQA, dK/dV for every query head
@@ -100,6 +107,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from automodel.training.layer_kind_memory import (
+    HALO_BLOCK,
+    alibi_saved_per_layer,
+    alibi_workspace,
+    gathered_workspace,
+    mask_bytes,
+)
 
 __all__ = [
     "ModelDims",
@@ -169,6 +184,17 @@ class ModelDims:
     #: a final transform of the LM head's output (``"final_logit_softcapping=30.0"``; "" none): the chunked loss
     #: cannot compute it, so ``loss.chunk_tokens: auto`` plans and runs the plain loss
     logit_transform: str = ""
+    #: the distinct attention kinds of the layers, ``(limit, layers)``: limit 0 full causal (and DSA), else the
+    #: sliding window or attention chunk in tokens (transformers builds one mask per kind: :mod:`.layer_kind_memory`)
+    attention_kinds: tuple[tuple[int, int], ...] = ()
+    #: the model builds its mask whatever the kernel (``allow_is_causal_skip=False``): its heads (1: DeepSeek sparse
+    #: attention's indexer; ``heads``: Falcon's ALiBi folded into the mask); 0: transformers' rules
+    forced_mask_heads: int = 0
+    #: layers that add ALiBi's bias in their own code (BLOOM, MPT, Falcon with ``alibi=True``)
+    alibi_layers: int = 0
+    #: gathered-state kernels' layers, ``(layers, GatheredState)`` per declaration
+    #: (:mod:`automodel.distributed.cp.layers.gathered_state`: DeepSeek sparse attention's latent KV and indexer keys)
+    gathered: tuple[tuple[int, Any], ...] = ()
 
     @property
     def matmul_params(self) -> int:
@@ -277,6 +303,7 @@ class MemoryTerm:
 TERMS = (
     "gradients",
     "activations",
+    "attention masks",
     "attention workspace",
     "attention kernel",
     "logits and loss",
@@ -453,7 +480,40 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         qk_norm=any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
+        **_layer_kinds(model, c),
     )
+
+
+def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
+    """The layer-kind fields of :class:`ModelDims` from the model's profile (:mod:`.layer_kind_memory` plans them).
+
+    A model that always builds its mask: DeepSeek sparse attention's models (``create_causal_mask(...,
+    allow_is_causal_skip=False)``, for the indexer's causality) and Falcon with ``alibi=True`` (the same flag, then
+    its ALiBi bias folded into a ``[B, heads, q, k]`` mask: ``FalconModel.forward``)."""
+    from automodel.distributed.cp.layers.gathered_state import gathered_state
+    from automodel.distributed.cp.profile import CHUNKED, SLIDING, SPARSE
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds: dict[int, int] = {}
+    gathered: dict[Any, int] = {}
+    for layer in profile.layers:
+        if not layer.is_attention:
+            continue
+        limit = (layer.window or 0) if layer.kind == SLIDING else (layer.chunk or 0) if layer.kind == CHUNKED else 0
+        kinds[limit] = kinds.get(limit, 0) + 1
+        state = gathered_state(layer, text)
+        if state is not None:
+            gathered[state] = gathered.get(state, 0) + 1
+    alibi = sum(1 for layer in profile.layers if layer.alibi)
+    heads = profile.num_attention_heads or 0
+    forced = 0
+    if any(layer.kind == SPARSE for layer in profile.layers):
+        forced = 1
+    if profile.model_type == "falcon" and getattr(text, "alibi", False):
+        forced = heads
+    return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
+            "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
 def _layer_norms(layer, hidden: int) -> int:  # noqa: ANN001
@@ -568,14 +628,21 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     saved_mlp, fwd_mlp, bwd_mlp = (0.0, 0.0, 0.0) if tile else (mlp.saved / tp, mlp.forward / tp, mlp.backward / tp)
     router = mlp.router
     # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each, and
-    # the tile's own gradients of the MLP's three weights (``got`` in automodel.models.tiled_mlp, summed into a
-    # second copy that becomes the layer's gradient): 3 h I / tp; measured by scripts/bench_memory.py's wide rows
-    tile_bytes = (6 * tile * i / tp + 3 * h * i / tp) * c if tile else 0.0
+    # the MLP's three weight gradients twice: the tile's own (``got`` in automodel.models.tiled_mlp), 3 h I / tp,
+    # beside their running sum over the tiles done (``sums``, which becomes the layer's gradient). The gradients
+    # term counts the layer's gradient as its FSDP2 shard (1 / fsdp of it), but the sum is whole until the
+    # layer's reduce-scatter: 3 h I / tp (1 - 1 / fsdp) more (a snapshot of scripts/bench_plan_cases.py's tiled
+    # case at fsdp 2 holds both copies whole; scripts/bench_memory.py's wide rows run at fsdp 1)
+    unsharded_sum = 3 * h * i / tp * (1 - 1 / r.fsdp)
+    tile_bytes = (6 * tile * i / tp + 3 * h * i / tp + unsharded_sum) * c if tile else 0.0
     tile_fwd = 3 * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
     layer = body + saved_mlp * c + router
     grads = 2 * h * c / s  # the gradients at the layer's output and input
+    # a norm after the MLP (Gemma 2/3's post_feedforward_layernorm, of four norms per layer) has run its backward and
+    # freed its input and normalized copy by the time backward reaches the MLP: 2 h fewer at the MLP's backward
+    post_mlp_norm = 2 * h * c / s if d.layer_norms >= 4 else 0.0
     # the attention's backward: dq, dk, dv take the place of the attention output's gradient and the MLP's freed
     # tensors, and Ulysses' all-to-all buffers (the CP workspace) hold them; not counted apart (never the peak on
     # CPU, where the MLP's backward is: scripts/bench_plan_cases.py)
@@ -588,7 +655,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     final = 3 * h * c / s + (h * c if gathered else 0)  # freed once backward has passed the final norm
     always = 24 + rope
     s2 = 0.0
-    if r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
+    if d.alibi_layers and r.cp > 1:
+        # ALiBi layers hand q, k, v to the method (cp/layers/alibi.py): the halo kernel recomputes its blocks (no
+        # S^2 saved: layer_kind_memory.alibi_workspace); Ulysses saves the bias mask SDPA is given
+        s2 = alibi_saved_per_layer(d, r)
+    elif r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
         s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
@@ -603,7 +674,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
-        bwd_m = n * (kept + always + body + bwd_mlp * c + router + grads) + s2 + tile_bytes
+        bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
         bwd_a = n * (kept + always + body + grads) + s2
         if r.activation_offloaded:
             note = f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
@@ -617,9 +688,9 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     fwd_a = before + n * body + s2
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
-    bwd_m = before + n * (body + bwd_mlp * c + router + grads) + s2 + tile_bytes
+    bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
     bwd_a = before + n * (body + grads) + s2
-    note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (eager: an S^2 term per layer)" if s2 else "") + tiled
+    note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
     return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
@@ -694,11 +765,30 @@ def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
     return out
 
 
-def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, str]:
-    """Per rank, the CP method's own term (TP divides the heads its kernels see)."""
+def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
+    """Per rank, ``(forward, backward, note)``: what one layer's CP attention holds beyond its activations at the
+    forward's and the backward's attention moments (TP divides the heads its kernels see): the largest over the
+    layer kinds the model has: the CP method's own term for its standard layers, ALiBi's score blocks on the halo
+    kernel and a gathered-state kernel's tensors (:mod:`.layer_kind_memory`)."""
     if r.cp == 1:
-        return 0.0, "no CP"
-    return _method(r).attention_workspace(d, r)
+        return 0.0, 0.0, "no CP"
+    alibi = alibi_workspace(d, r)
+    g_fwd, g_bwd = gathered_workspace(d, r)
+    own = sum(count for count, _ in d.gathered) + (d.alibi_layers if alibi else 0)
+    kinds: list[tuple[float, float, str]] = []
+    if own < d.layers:
+        b, note = _method(r).attention_workspace(d, r)
+        kinds.append((b, b, note))
+    if alibi:
+        kinds.append((alibi, alibi, f"ALiBi on the halo kernel: a block's [{r.local_batch}, {d.heads // r.tp}, "
+                      f"{min(HALO_BLOCK, r.local_tokens // r.local_batch)}, {r.seq}] fp32 scores x3 and the row's K/V"))  # fmt: skip
+    if g_fwd or g_bwd:
+        kinds.append((g_fwd, g_bwd, "gathered state: the row's gathered and expanded state, a query block's scores "
+                      "against it, the [B, n, T] masks and top-k slots"))  # fmt: skip
+    if not kinds:
+        return 0.0, 0.0, "none"
+    fwd, bwd = max(k[0] for k in kinds), max(k[1] for k in kinds)
+    return fwd, bwd, "; ".join(k[2] for k in kinds)
 
 
 def _method(r: RunShape):  # noqa: ANN202 - a CPMethod
@@ -783,7 +873,8 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     ]  # fmt: skip
     grads, grads_note = _gradient_bytes(d, r)
     acts = _activation_terms(d, r)
-    attn, attn_note = _attention_workspace(d, r)
+    attn, attn_bwd, attn_note = _attention_workspace(d, r)
+    masks, masks_note = mask_bytes(d, r)
     loss, loss_note = _loss_term(d, r)
     comm, comm_note = _comm_buffers(d, r)
     host_step = r.offload in ("optimizer", "all")  # the optimizer step runs on the host
@@ -794,9 +885,10 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     # next) and no gradient yet; its MLP's moment, or its attention's with the CP workspace
     comm_fwd = _comm_in_forward(d, r)
     forward = {
-        "MLP": {"gradients": earlier_grads, "activations": acts.fwd_mlp, "communication buffers": comm_fwd},
-        "attention": {"gradients": earlier_grads, "activations": acts.fwd_attn, "attention workspace": attn,
-                      "communication buffers": comm_fwd},
+        "MLP": {"gradients": earlier_grads, "activations": acts.fwd_mlp, "attention masks": masks,
+                "communication buffers": comm_fwd},
+        "attention": {"gradients": earlier_grads, "activations": acts.fwd_attn, "attention masks": masks,
+                      "attention workspace": attn, "communication buffers": comm_fwd},
     }  # fmt: skip
     # backward through a layer (with checkpointing: the recomputed one; without: the last, the first reached): its
     # MLP's backward, without the CP workspace (backward reaches the attention after the MLP), or its attention's
@@ -805,9 +897,10 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     per_input = (0.0 if r.activation_offloaded else kept_input) if r.activation_checkpointing else float("inf")
     grads_bwd = max(earlier_grads, _grads_in_backward(d, r, per_input))
     backward = {
-        "MLP": {"gradients": grads_bwd, "activations": acts.bwd_mlp, "communication buffers": comm},
-        "attention": {"gradients": grads_bwd, "activations": acts.bwd_attn, "attention workspace": attn,
-                      "attention kernel": kernel, "communication buffers": comm},
+        "MLP": {"gradients": grads_bwd, "activations": acts.bwd_mlp, "attention masks": masks,
+                "communication buffers": comm},
+        "attention": {"gradients": grads_bwd, "activations": acts.bwd_attn, "attention masks": masks,
+                      "attention workspace": attn_bwd, "attention kernel": kernel, "communication buffers": comm},
     }  # fmt: skip
     bwd_name = "recompute" if r.activation_checkpointing else "backward"
     by_moment = {"forward": forward, bwd_name: backward}
@@ -816,7 +909,8 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     terms = {
         "gradients": MemoryTerm("gradients", grads, grads_note),
         "activations": MemoryTerm("activations", act_peak, acts.note),
-        "attention workspace": MemoryTerm("attention workspace", attn, attn_note),
+        "attention masks": MemoryTerm("attention masks", masks, masks_note),
+        "attention workspace": MemoryTerm("attention workspace", max(attn, attn_bwd), attn_note),
         "logits and loss": MemoryTerm("logits and loss", loss, loss_note),
         "communication buffers": MemoryTerm("communication buffers", comm, comm_note),
         "optimizer temporaries": MemoryTerm("optimizer temporaries", opt_temp,
@@ -830,6 +924,7 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         "loss": {
             "gradients": earlier_grads,
             "activations": acts.saved,
+            "attention masks": masks,
             "logits and loss": loss,
             "communication buffers": _comm_at_loss(d, r),
         },

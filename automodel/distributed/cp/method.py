@@ -300,6 +300,20 @@ class CPMethod:
         inner ``sdpa`` kernel); ``packed``: rows hold several documents. Default: the block kernels."""
         return "blocks"
 
+    def mask_scope(self, packed: bool) -> str | None:
+        """Where transformers' attention mask is built on this method's path (the memory planner's ``attention
+        masks``): ``"local"`` (the model builds it from the rank's tokens, as without CP: its attention function
+        is a mask implementation), ``"global"`` (the method builds the whole row's mask per layer kind for its
+        inner kernel) or ``None`` (default: the method's attention function is registered without a mask
+        implementation, so ``create_causal_mask`` builds nothing); ``packed``: rows hold several documents."""
+        return None
+
+    def runs_halo_kernel(self) -> bool:
+        """Whether sliding-window, chunked and ALiBi layers run the halo kernel
+        (:func:`~automodel.distributed.cp.layers.strategy.run_layer`; the memory planner's block masks and ALiBi's
+        score blocks). Default yes."""
+        return True
+
     def saves_repeated_kv(self, packed: bool) -> bool:
         """Whether a grouped-query layer's saved activations hold K/V repeated to the query heads (the memory
         planner's ``2 h`` per token). Default no: the block kernels (``blocks._BlockedAttention``, the document

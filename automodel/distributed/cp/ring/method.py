@@ -54,6 +54,11 @@ class RingMethod(CPMethod):
 
         return make_cp_batch_and_ctx
 
+    def mask_scope(self, packed: bool) -> str | None:
+        """The model keeps its attention implementation (torch's ring replaces SDPA underneath): transformers
+        builds its mask from the rank's tokens."""
+        return "local"
+
     def saves_repeated_kv(self, packed: bool) -> bool:
         """Full layers run torch's ring attention through transformers' ``sdpa`` function, which repeats K/V to the
         query heads (measured by ``scripts/bench_memory.py``'s ring rows)."""

@@ -69,6 +69,15 @@ class UlyssesMethod(AttentionSwitchingMethod):
     def attention_extent(self, d: Any, r: Any) -> tuple[int, int, int]:
         return d.heads // r.tp // r.cp, r.seq, r.seq  # H/cp heads over the whole row
 
+    def mask_scope(self, packed: bool) -> str | None:
+        """The whole row's mask per layer kind for the inner kernel (``UlyssesContext.global_mask``); packed rows
+        run one kernel call per document block, without a mask."""
+        return None if packed else "global"
+
+    def runs_halo_kernel(self) -> bool:
+        """Every layer runs the inner kernel over the whole row (ALiBi: SDPA with its bias as a float mask)."""
+        return False
+
     def kernel_path(self, packed: bool) -> str:
         """The inner ``sdpa`` kernel runs through torch's SDPA dispatch; packed rows run the block kernels per
         document (``doc_blocks``)."""

@@ -1,0 +1,98 @@
+"""What a gathered-state attention kernel holds per layer: its declaration for the memory planner (no torch import).
+
+A gathered-state kernel keeps its queries local and all-gathers a small per-token state of every token of the row
+in global order (DeepSeek sparse attention: the latent KV and the indexer keys,
+:mod:`~automodel.distributed.cp.layers.sparse_attention`). What it allocates for one layer is declared here, per
+layer kind, so that :mod:`automodel.training.layer_kind_memory` plans it without knowing the kernel: a kernel
+added later (a compressed-attention or dynamic-mask kernel of another family) registers a function in
+:data:`GATHERED_STATE` that reads its layer and config and returns a :class:`GatheredState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["GATHERED_STATE", "GatheredState", "gathered_state"]
+
+
+@dataclass(frozen=True)
+class GatheredState:
+    """One layer's tensors over the gathered row of ``T`` tokens, for ``n`` local queries of each of ``B`` rows.
+
+    Attributes:
+        width: elements per token all-gathered (every token of the row, in the compute dtype).
+        expanded: elements per gathered token the layer computes from the gathered state in its forward (DSA under
+            transformers >= 5.25: every head's keys and values expanded from the latent KV), compute dtype.
+        expanded_grad: elements per gathered token of those tensors' gradients in the backward.
+        heads: query heads scored against every gathered token, one block of ``block`` queries at a time: the
+            forward holds two ``[B, heads, block, T]`` fp32 score blocks (the scores and the softmax), the backward
+            three (the probabilities, their gradient and the softmax's).
+        block: queries per score block.
+        mask_planes: ``[B, n, T]`` boolean planes the forward holds (which keys each local query may see, which it
+            selected, both); the backward recomputes them and keeps one.
+        index_slots: ``int64`` slots per local query, twice in the forward (the top-k indices and their cleaned
+            copy); 0 for a kernel that selects nothing.
+    """
+
+    width: int
+    expanded: int = 0
+    expanded_grad: int = 0
+    heads: int = 0
+    block: int = 256
+    mask_planes: int = 0
+    index_slots: int = 0
+
+    def forward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1) -> float:
+        """Bytes one layer's forward holds at its peak: ``batch`` rows of ``local`` queries over ``total`` tokens."""
+        block, heads = min(self.block, local), self.heads / tp
+        return batch * (
+            total * (self.width + self.expanded / tp) * compute_bytes
+            + 2 * heads * block * total * 4
+            + block * total  # the negated mask of the block
+            + self.mask_planes * local * total
+            + 2 * local * min(self.index_slots, total) * 8
+        )
+
+    def backward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1) -> float:
+        """Bytes one layer's backward holds at its peak (a block's recomputed scores and their gradients)."""
+        block, heads = min(self.block, local), self.heads / tp
+        planes = 1 if self.mask_planes else 0
+        return batch * (
+            total * (self.width + (self.expanded + self.expanded_grad) / tp) * compute_bytes
+            + 3 * heads * block * total * 4
+            + block * total
+            + planes * local * total
+        )
+
+
+def _dsa(layer: Any, config: Any) -> GatheredState | None:
+    """DeepSeek sparse attention (``sparse_attention.py``): the latent KV and the indexer keys gathered
+    (``LayerSpec.sparse_widths``); transformers expands every head's keys (``qk_nope + qk_rope``) and the
+    ``kv_b_proj`` output (``qk_nope + v``) for every gathered token, and the kernel's blocks of
+    ``QUERY_BLOCK`` queries score the whole row; three ``[B, n, T]`` masks (the layout's, the selected keys',
+    both) and the top-k indices with their ``-1``-cleaned copy."""
+    widths = getattr(layer, "sparse_widths", None)
+    if not widths:
+        return None
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    rope = int(getattr(config, "qk_rope_head_dim", 0) or 0)
+    nope = int(getattr(config, "qk_nope_head_dim", 0) or 0)
+    v = int(getattr(config, "v_head_dim", 0) or 0) or (layer.v_head_dim or 0)
+    qk = nope + rope or (layer.qk_head_dim or 0)
+    from automodel.distributed.cp.layers.sparse_attention import QUERY_BLOCK
+
+    return GatheredState(width=sum(widths), expanded=heads * (nope + v + qk), expanded_grad=heads * (qk + v),
+                         heads=heads, block=QUERY_BLOCK, mask_planes=3,
+                         index_slots=int(getattr(config, "index_topk", 0) or 0))  # fmt: skip
+
+
+#: layer kind (``LayerSpec.kind``) -> its declaration from ``(layer, text config)`` (``None``: nothing declared)
+GATHERED_STATE: dict[str, Callable[[Any, Any], GatheredState | None]] = {"sparse_attention": _dsa}
+
+
+def gathered_state(layer: Any, config: Any) -> GatheredState | None:
+    """The :class:`GatheredState` of ``layer`` (a ``LayerSpec``), or ``None`` for a layer of no such kernel."""
+    declare = GATHERED_STATE.get(layer.kind)
+    return declare(layer, config) if declare is not None else None

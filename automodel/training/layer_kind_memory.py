@@ -1,0 +1,123 @@
+"""The memory planner's terms of layer kinds beyond a Llama-style layer: masks, ALiBi's score blocks, gathered state.
+
+:mod:`automodel.training.memory_plan` counts a decoder layer as a Llama-style block. Three kinds of tensors come
+on top where the model's layers or the CP method's path build them; each function here returns bytes per rank
+for a ``ModelDims`` ``d`` and a ``RunShape`` ``r`` (typed ``Any``: this module sits below the planner, which
+imports it), counted where the tensor is really built, measured by ``scripts/bench_plan_cases.py``:
+
+* :func:`mask_bytes`: the attention masks a step keeps from its forward to the end of its backward (the
+  decoder layers are handed them; activation checkpointing keeps them for the recomputation):
+
+  - transformers' own ``[B, 1, q, k]`` mask (``masking_utils``), where the method's path lets the model build one
+    (:meth:`~automodel.distributed.cp.CPMethod.mask_scope`: no CP, or ring, from the rank's ``q = k = n`` tokens;
+    Ulysses: its global ``[B, 1, S, S]`` mask per layer kind for the inner kernel; the methods whose attention
+    function is not a mask implementation, thd, thd_docs and usp, none; a model of ALiBi layers keeps its own
+    attention implementation under every method, so its mask is built from the rank's tokens everywhere). Under ``sdpa`` one boolean mask per
+    sliding-window or chunked kind whose window is shorter than the keys (``_ignore_causal_mask_sdpa`` never skips
+    those), none for full causal layers (SDPA's ``is_causal``); under ``eager`` one mask per kind in the compute
+    dtype (``eager_mask``); none under flash attention, and FlexAttention's block mask is not counted (``(S/128)^2``). A model that always builds its mask (``ModelDims.forced_mask_heads``: DeepSeek
+    sparse attention's ``allow_is_causal_skip=False``; Falcon with ALiBi, whose bias is folded into a
+    ``[B, heads, q, k]`` mask in the compute dtype) builds it on those paths whatever the kernel.
+  - the halo kernel's per-block key masks (``TokenLayout.halo_plan``, cached for the step, one plan per window):
+    each block of 256 queries against the keys it may see, ``n (block + W)`` bytes for a window ``W``; a full
+    prefix (ALiBi) ``n (S + block) / 2`` (the blocks' last queries sit on average half-way along the row).
+* :func:`alibi_workspace`: one ALiBi layer on the halo kernel (:mod:`~automodel.distributed.cp.layers.alibi`, ring,
+  thd, thd_docs, usp): its last query block scores every key of the row in exact math, ``[B, Hq, block, S]`` fp32
+  three times (scores plus bias, the masked copy, the softmax), the block's K and V repeated to the query heads
+  (``2 B Hq S D``), the rank's keys and values with the halo (``2 B Hkv S D``) and the rows exchanged
+  (``B S (2 Hkv D + Hq)``), compute dtype; a transient at the layer's attention, forward and recomputation alike.
+  Under Ulysses an ALiBi layer hands SDPA its bias as a float ``[B, Hl, S, S]`` mask, which SDPA saves:
+  :func:`alibi_saved_per_layer`.
+* :func:`gathered_workspace`: a gathered-state kernel's layer (DeepSeek sparse attention), from its
+  :class:`~automodel.distributed.cp.layers.gathered_state.GatheredState` declaration: the gathered row and what the
+  layer expands from it, the query blocks' scores against the whole row, the ``[B, n, T]`` masks and the top-k
+  index slots, at the forward's and the backward's attention moments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["HALO_BLOCK", "alibi_saved_per_layer", "alibi_workspace", "gathered_workspace", "mask_bytes",
+           "runs_halo_alibi"]  # fmt: skip
+
+#: queries per block of the halo kernel (``masked_attention.DEFAULT_BLOCK``)
+HALO_BLOCK = 256
+
+
+def _row(r: Any) -> int:
+    """Local tokens of one row on this rank."""
+    return max(1, r.local_tokens // max(1, r.local_batch))
+
+
+def runs_halo_alibi(d: Any, r: Any) -> bool:
+    """Whether the run's ALiBi layers go through the halo kernel (a CP method whose layers run it)."""
+    return bool(d.alibi_layers) and r.cp > 1 and r.method.runs_halo_kernel()
+
+
+def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
+    """The attention masks a step holds from its forward to the end of its backward, bytes per rank, and a note."""
+    b, c, s, n = r.local_batch, r.compute_bytes, r.seq, _row(r)
+    eager = r.attn == "eager"
+    parts: list[str] = []
+    total = 0.0
+    # ALiBi's own-code layers keep the model's attention implementation under every method (cp/layers/alibi.py
+    # dispatches them; the methods leave the config as it is), so the model builds its mask from the rank's tokens
+    scope = "local" if r.cp == 1 or d.alibi_layers else r.method.mask_scope(r.packed)
+    if scope is not None:
+        q = k = n if scope == "local" else s
+        if scope == "local" and d.forced_mask_heads:
+            size = c if eager or d.forced_mask_heads > 1 else 1
+            total += b * d.forced_mask_heads * q * k * size
+            parts.append(f"the model's own [{b}, {d.forced_mask_heads}, {q}, {k}] mask (always built)")
+        else:
+            for limit, _ in d.attention_kinds:
+                if eager:
+                    total += b * q * k * c
+                    parts.append(f"[{b}, 1, {q}, {k}] eager mask" + (f" (window {limit})" if limit else ""))
+                elif r.attn == "sdpa" and 0 < limit < k:  # flash: no mask; flex: a BlockMask, O((S / 128)^2)
+                    total += b * q * k
+                    parts.append(f"[{b}, 1, {q}, {k}] bool mask (window {limit})")
+    if r.cp > 1 and r.method.runs_halo_kernel():
+        block = min(HALO_BLOCK, n)
+        for limit, _ in d.attention_kinds:
+            if 0 < limit < s:
+                total += n * min(s, block + limit)
+                parts.append(f"halo block masks (window {limit})")
+        if d.alibi_layers:
+            total += n * (s + block) / 2
+            parts.append("halo block masks (ALiBi, the full prefix)")
+    return total, "; ".join(parts) if parts else "none built on this path"
+
+
+def alibi_workspace(d: Any, r: Any) -> float:
+    """One ALiBi layer's transient on the halo kernel (the module docstring), bytes per rank; 0 elsewhere."""
+    if not runs_halo_alibi(d, r):
+        return 0.0
+    b, c, s, tp = r.local_batch, r.compute_bytes, r.seq, r.tp
+    block = min(HALO_BLOCK, _row(r))
+    hq, hkv, dim = d.heads / tp, max(1, d.kv_heads // tp), d.head_dim
+    acc = 8 if c == 8 else 4
+    scores = 3 * b * hq * block * s * acc
+    return scores + b * s * (2 * hq * dim + 2 * hkv * dim + 2 * hkv * dim + hq) * c
+
+
+def alibi_saved_per_layer(d: Any, r: Any) -> float:
+    """Under Ulysses: the float ``[B, H / cp, S, S]`` bias mask each ALiBi layer hands SDPA, which SDPA saves for its
+    backward, bytes per layer; 0 elsewhere."""
+    if not d.alibi_layers or r.cp <= 1 or r.method.runs_halo_kernel():
+        return 0.0
+    heads, _, _ = r.method.attention_extent(d, r)
+    return r.local_batch * heads * r.seq * r.seq * r.compute_bytes
+
+
+def gathered_workspace(d: Any, r: Any) -> tuple[float, float]:
+    """``(forward, backward)``: the largest gathered-state layer's bytes at its attention moment, per rank."""
+    fwd = bwd = 0.0
+    if r.cp <= 1:
+        return fwd, bwd
+    n = _row(r)
+    for _, state in d.gathered:
+        fwd = max(fwd, state.forward_bytes(r.local_batch, n, r.seq, r.compute_bytes, r.tp))
+        bwd = max(bwd, state.backward_bytes(r.local_batch, n, r.seq, r.compute_bytes, r.tp))
+    return fwd, bwd

@@ -1,0 +1,178 @@
+"""The memory planner's layer-kind terms (automodel.training.layer_kind_memory): attention masks counted where the
+method's path builds them, ALiBi's score blocks on the halo kernel, a gathered-state kernel's tensors (DSA), and the
+tiled MLP's weight-gradient copies; each against a hand-computed size for a known shape, present for a family that
+has the tensor and absent for one that does not. Measured against the recipe by scripts/bench_plan_cases.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from automodel.distributed.cp.layers.gathered_state import GatheredState
+from automodel.training.memory_plan import RunShape, model_dims, plan_memory
+from tests.family_matrix import WINDOW, family_by_name
+
+SEQ = 4096  # global row
+N = SEQ // 2  # local tokens at cp 2
+BLOCK = 256  # the halo kernel's and the DSA kernel's query block
+
+
+def _dims(name: str, **overrides):
+    fam = family_by_name(name)
+    config = fam.build_config()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        return model_dims(AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation()))
+
+
+def _plan(d, **kw):
+    return plan_memory(d, RunShape(local_batch=1, seq=SEQ, **kw))
+
+
+def test_sliding_window_mask_counted_where_its_path_builds_it():
+    gemma = _dims("gemma3_text")
+    assert gemma.attention_kinds and any(limit == WINDOW for limit, _ in gemma.attention_kinds)
+    # ring: transformers' [1, 1, n, n] bool sliding mask from the rank's tokens, and the halo plan's block masks
+    ring = _plan(gemma, cp=2).terms["attention masks"].bytes
+    assert ring == N * N + N * (BLOCK + WINDOW)
+    # no CP: the whole row's mask; Ulysses: the global mask its inner sdpa kernel gets (no halo kernel)
+    assert _plan(gemma).terms["attention masks"].bytes == SEQ * SEQ
+    assert _plan(gemma, cp=2, cp_method="ulysses").terms["attention masks"].bytes == SEQ * SEQ
+    # thd_docs registers no mask implementation: only the halo kernel's block masks
+    assert _plan(gemma, cp=2, cp_method="thd_docs").terms["attention masks"].bytes == N * (BLOCK + WINDOW)
+    # the mask lives from the forward to the end of the backward: in every phase but the optimizer's
+    plan = _plan(gemma, cp=2)
+    assert all(plan.phases[p]["attention masks"] == ring for p in ("forward", "loss", "backward"))
+    assert "attention masks" not in plan.phases["optimizer"]
+    # a full-attention family under sdpa: SDPA's is_causal, no mask built on any path
+    llama = _dims("llama")
+    assert llama.attention_kinds == ((0, llama.layers),) and llama.forced_mask_heads == 0
+    for kw in ({}, {"cp": 2}, {"cp": 2, "cp_method": "ulysses"}, {"cp": 2, "cp_method": "thd"}):
+        assert _plan(llama, **kw).terms["attention masks"].bytes == 0, kw
+
+
+def test_eager_masks_are_in_the_compute_dtype_per_kind():
+    gemma = _dims("gemma3_text")
+    kinds = len(gemma.attention_kinds)
+    eager = plan_memory(gemma, RunShape(local_batch=1, seq=SEQ, cp=2, attn="eager")).terms["attention masks"].bytes
+    assert kinds == 2 and eager == kinds * N * N * 4 + N * (BLOCK + WINDOW)
+    flex = plan_memory(gemma, RunShape(local_batch=1, seq=SEQ, cp=2, attn="flex_attention"))
+    assert flex.terms["attention masks"].bytes == N * (BLOCK + WINDOW)  # a BlockMask, not a dense mask
+
+
+def test_falcon_alibi_folds_its_bias_into_a_mask_per_head():
+    falcon = _dims("falcon@flagship")
+    heads = falcon.heads
+    assert falcon.forced_mask_heads == heads and falcon.alibi_layers == falcon.layers
+    masks = _plan(falcon, cp=2).terms["attention masks"].bytes
+    # [1, heads, n, n] fp32 (where + masked_fill with the bias) and the ALiBi halo's block masks (the full prefix)
+    assert masks == heads * N * N * 4 + N * (SEQ + BLOCK) / 2
+    rope_falcon = _dims("falcon")  # Falcon-7B's RoPE: no ALiBi, transformers' rules (no mask under sdpa)
+    assert rope_falcon.forced_mask_heads == 0 and rope_falcon.alibi_layers == 0
+    assert _plan(rope_falcon, cp=2).terms["attention masks"].bytes == 0
+
+
+def test_alibi_score_blocks_on_the_halo_kernel_replace_the_eager_s2_term():
+    bloom = _dims("bloom")
+    assert bloom.alibi_layers == bloom.layers > 0
+    h, d = bloom.heads, bloom.head_dim
+    shape = RunShape(local_batch=1, seq=SEQ, cp=2, attn="eager")
+    plan = plan_memory(bloom, shape)
+    # three [1, H, block, S] fp32 score blocks, the block's K and V at the query heads, the rank's K/V with the halo,
+    # and the exchanged rows (K, V and the per-head bias), fp32
+    expected = 3 * h * BLOCK * SEQ * 4 + SEQ * (2 * h * d + 4 * h * d + h) * 4
+    assert plan.terms["attention workspace"].bytes == expected
+    assert plan.by_moment["forward"]["attention"]["attention workspace"] == expected
+    # the halo kernel saves no [heads, S_q, S_k] probabilities: no S^2 activation term (eager Llama has one)
+    llama = plan_memory(_dims("llama"), shape)
+    assert "S^2" not in plan.terms["activations"].note and "S^2" in llama.terms["activations"].note
+    assert llama.terms["attention workspace"].bytes != expected  # ring's own workspace, no ALiBi blocks
+    # Ulysses hands SDPA the bias as a float [1, H / cp, S, S] mask, which SDPA saves per layer
+    uly = plan_memory(bloom, dataclasses.replace(shape, cp_method="ulysses"))
+    assert "S^2" in uly.terms["activations"].note
+    # the ALiBi layers keep BLOOM's eager attention under every method: its [1, 1, n, n] fp32 mask from the rank's
+    # tokens, not Ulysses' global one (thd registers no mask implementation, but BLOOM keeps its own)
+    for method in ("ulysses", "thd"):
+        masks = plan_memory(bloom, dataclasses.replace(shape, cp_method=method)).terms["attention masks"].bytes
+        halo = 0 if method == "ulysses" else N * (SEQ + BLOCK) / 2
+        assert masks == N * N * 4 + halo, method
+    assert uly.terms["attention workspace"].bytes != expected
+
+
+def test_dsa_declares_its_gathered_state_and_the_planner_counts_it():
+    dsa = _dims("deepseek_v32")
+    fam = family_by_name("deepseek_v32").build_config()
+    (count, state), = dsa.gathered
+    assert count == fam.num_hidden_layers
+    rope, nope, v, heads = fam.qk_rope_head_dim, fam.qk_nope_head_dim, fam.v_head_dim, fam.num_attention_heads
+    assert state == GatheredState(width=fam.kv_lora_rank + rope + fam.index_head_dim,
+                                  expanded=heads * (nope + v + nope + rope), expanded_grad=heads * (nope + rope + v),
+                                  heads=heads, block=BLOCK, mask_planes=3, index_slots=fam.index_topk)  # fmt: skip
+    assert dsa.forced_mask_heads == 1  # allow_is_causal_skip=False: the [B, 1, n, n] mask on ring's path
+    plan = _plan(dsa, cp=2)
+    k = min(fam.index_topk, SEQ)
+    fwd = SEQ * (state.width + state.expanded) * 4 + 2 * heads * BLOCK * SEQ * 4 + BLOCK * SEQ + 3 * N * SEQ + 2 * N * k * 8
+    bwd = (SEQ * (state.width + state.expanded + state.expanded_grad) * 4 + 3 * heads * BLOCK * SEQ * 4 + BLOCK * SEQ
+           + N * SEQ)  # fmt: skip
+    assert plan.by_moment["forward"]["attention"]["attention workspace"] == fwd
+    assert plan.by_moment["backward"]["attention"]["attention workspace"] == bwd
+    assert plan.terms["attention masks"].bytes == N * N
+    assert _plan(dsa).terms["attention workspace"].bytes == 0  # no CP: the model's own code, no gather
+    assert _dims("llama").gathered == () and _dims("gemma3_text").gathered == ()
+
+
+def test_tiled_mlp_backward_counts_the_tile_gradients_beside_their_running_sum():
+    llama = _dims("llama", intermediate_size=256)
+    base = RunShape(local_batch=1, seq=8192, activation_checkpointing=True, chunk_tokens=256)
+    tiled = dataclasses.replace(base, tiled_mlp=1024)
+    acts = plan_memory(llama, tiled).by_moment["recompute"]["MLP"]["activations"]
+    untiled_mlp_free = plan_memory(llama, base).by_moment["recompute"]["attention"]["activations"]
+    h, i = llama.hidden, llama.intermediate
+    # the recomputed layer without its MLP, plus one tile's 6 [T, I] and the tile's three weight gradients (their
+    # running sum is the layer's gradient, which the gradients term counts whole at fsdp 1)
+    assert acts - untiled_mlp_free == (6 * 1024 * i + 3 * h * i) * 4
+    # at fsdp 2 the gradients term counts the layer's shard; the running sum is whole until the reduce-scatter
+    for shard in (2, 4):
+        sharded = dataclasses.replace(tiled, dp_shard=shard)
+        acts = plan_memory(llama, sharded).by_moment["recompute"]["MLP"]["activations"]
+        free = plan_memory(llama, dataclasses.replace(base, dp_shard=shard)).by_moment["recompute"]["attention"]
+        assert acts - free["activations"] == (6 * 1024 * i + 3 * h * i + 3 * h * i * (1 - 1 / shard)) * 4
+
+
+def test_tiled_mlp_does_not_keep_its_input_alive_under_checkpointing():
+    """The tiled call's runner (kept by the autograd node until the layer's backward) must not hold the MLP's
+    input: under activation checkpointing only what save_for_backward saves is dropped and recomputed."""
+    from torch.utils.checkpoint import checkpoint
+
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+
+    fam = family_by_name("llama")
+    model = AutoModelForCausalLM.from_config(fam.build_config())
+    assert apply_tiled_mlp(model, 8) >= 1
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, 64, model.config.hidden_size, requires_grad=True)
+    refs = []
+
+    def layer(t: torch.Tensor) -> torch.Tensor:
+        inner = t * 2.0  # the MLP's input, made inside the checkpointed function
+        refs.append(weakref.ref(inner))
+        return mlp(inner)
+
+    out = checkpoint(layer, x, use_reentrant=False)
+    gc.collect()
+    assert refs[0]() is None, "the tiled MLP keeps its input alive beside the checkpoint"
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "bloom", "deepseek_v32"])
+def test_optimizer_phase_holds_no_masks_or_workspace(name):
+    plan = _plan(_dims(name), cp=2)
+    assert set(plan.phases["optimizer"]) == {"gradients", "communication buffers", "optimizer temporaries"}
