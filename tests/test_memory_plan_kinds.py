@@ -128,6 +128,38 @@ def test_dsa_declares_its_gathered_state_and_the_planner_counts_it():
     assert _dims("llama").gathered == () and _dims("gemma3_text").gathered == ()
 
 
+def test_doge_dynamic_mask_is_planned_per_kv_head_over_the_gathered_row():
+    """Doge's kernel (dynamic_mask.py) keeps a [B, Hkv, n, T] mask in the compute dtype to its backward (A and dt_proj
+    learn through it), O(S^2 / cp) per layer: the plan counts it, not only the gathered K and V."""
+    doge = _dims("doge")
+    fam = family_by_name("doge").build_config()
+    (count, state), = doge.gathered
+    kv, heads, dim = fam.num_key_value_heads, fam.num_attention_heads, fam.hidden_size // fam.num_attention_heads
+    assert count == fam.num_hidden_layers
+    assert state == GatheredState(width=2 * kv * dim, expanded=2 * heads * dim, expanded_grad=2 * heads * dim,
+                                  heads=heads, block=BLOCK, mask_planes=1, bias_planes=kv)  # fmt: skip
+    plan = _plan(doge, cp=2)
+    fwd = plan.by_moment["forward"]["attention"]["attention workspace"]
+    bwd = plan.by_moment["backward"]["attention"]["attention workspace"]
+    assert fwd >= kv * N * SEQ * (4 + 1) and bwd >= kv * N * SEQ * 4  # the mask and its top-k twin; the kept mask
+
+
+@pytest.mark.parametrize("name", ["deepseek_v4", "qwen4_exp_text", "kolibri1_1"])
+def test_every_gathered_state_kernel_declares_what_it_gathers(name):
+    """DeepSeek-V4, QSA and Kolibri-1.1 gather per-token state as DSA does: each declares it (its profile's widths),
+    so the plan is not DSA's formula applied to another kernel."""
+    try:
+        fam = family_by_name(name)
+    except KeyError:
+        pytest.skip(f"{name} is not in the installed transformers")
+    d = _dims(name)
+    assert d.gathered, name
+    for _, state in d.gathered:
+        assert state.width > 0 and state.heads == fam.build_config().num_attention_heads, (name, state)
+        assert state.bias_planes == 0
+    assert _plan(d, cp=2).by_moment["forward"]["attention"]["attention workspace"] > 0
+
+
 def test_tiled_mlp_backward_counts_the_tile_gradients_beside_their_running_sum():
     llama = _dims("llama", intermediate_size=256)
     base = RunShape(local_batch=1, seq=8192, activation_checkpointing=True, chunk_tokens=256)

@@ -2,7 +2,8 @@
 
 A gathered-state kernel keeps its queries local and all-gathers a small per-token state of every token of the row
 in global order (DeepSeek sparse attention: the latent KV and the indexer keys,
-:mod:`~automodel.distributed.cp.layers.sparse_attention`). What it allocates for one layer is declared here, per
+:mod:`~automodel.distributed.cp.layers.sparse_attention`; Doge's K and V with its dynamic mask; DeepSeek-V4's window
+and compressor inputs; QSA's and Kolibri-1.1's K and V). What it allocates for one layer is declared here, per
 layer kind, so that :mod:`automodel.training.layer_kind_memory` plans it without knowing the kernel: a kernel
 added later (a compressed-attention or dynamic-mask kernel of another family) registers a function in
 :data:`GATHERED_STATE` that reads its layer and config and returns a :class:`GatheredState`.
@@ -34,6 +35,9 @@ class GatheredState:
             selected, both); the backward recomputes them and keeps one.
         index_slots: ``int64`` slots per local query, twice in the forward (the top-k indices and their cleaned
             copy); 0 for a kernel that selects nothing.
+        bias_planes: ``[B, n, T]`` planes in the compute dtype the layer builds and keeps to its backward (Doge's
+            dynamic mask ``[B, Hkv, n, T]``: ``Hkv`` planes, from learned weights, so autograd keeps it), each
+            with a boolean twin (the keys dropped beyond the top-k) in the forward.
     """
 
     width: int
@@ -43,6 +47,7 @@ class GatheredState:
     block: int = 256
     mask_planes: int = 0
     index_slots: int = 0
+    bias_planes: int = 0
 
     def forward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1) -> float:
         """Bytes one layer's forward holds at its peak: ``batch`` rows of ``local`` queries over ``total`` tokens."""
@@ -53,6 +58,7 @@ class GatheredState:
             + block * total  # the negated mask of the block
             + self.mask_planes * local * total
             + 2 * local * min(self.index_slots, total) * 8
+            + self.bias_planes * local * total * (compute_bytes + 1)
         )
 
     def backward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1) -> float:
@@ -64,6 +70,7 @@ class GatheredState:
             + 3 * heads * block * total * 4
             + block * total
             + planes * local * total
+            + self.bias_planes * local * total * compute_bytes
         )
 
 
@@ -88,8 +95,83 @@ def _dsa(layer: Any, config: Any) -> GatheredState | None:
                          index_slots=int(getattr(config, "index_topk", 0) or 0))  # fmt: skip
 
 
+def _int(config: Any, name: str) -> int:
+    return int(getattr(config, name, 0) or 0)
+
+
+def _head_dim(layer: Any, config: Any) -> int:
+    heads = _int(config, "num_attention_heads")
+    return _int(config, "head_dim") or (layer.qk_head_dim or 0) or (_int(config, "hidden_size") // max(heads, 1))
+
+
+def _dynamic_mask(layer: Any, config: Any) -> GatheredState | None:
+    """Doge (``dynamic_mask.py``): K and V gathered (``2 * Hkv * D`` per token) and repeated to the query heads for
+    the blocked attention, the dynamic mask ``[B, Hkv, n, T]`` in the compute dtype (kept for the backward: ``A`` and
+    ``dt_proj`` learn through it) with its boolean top-k twin, blocks of ``QUERY_BLOCK`` queries, one mask plane."""
+    widths = getattr(layer, "sparse_widths", None)
+    if not widths:
+        return None
+    from automodel.distributed.cp.layers.dynamic_mask import QUERY_BLOCK
+
+    heads, kv = _int(config, "num_attention_heads"), _int(config, "num_key_value_heads")
+    kv = kv or heads
+    dim = _head_dim(layer, config)
+    return GatheredState(width=sum(widths), expanded=2 * heads * dim, expanded_grad=2 * heads * dim, heads=heads,
+                         block=QUERY_BLOCK, mask_planes=1, bias_planes=kv)  # fmt: skip
+
+
+def _compressed(layer: Any, config: Any) -> GatheredState | None:
+    """DeepSeek-V4 (``compressed_attention.py``): the window's K = V and the compressors' (and on CSA layers the
+    indexer's) per-token projections gathered (``LayerSpec.sparse_widths``), every query head scored in blocks of
+    ``QUERY_BLOCK`` queries over the keys a block reaches (counted over the whole row: an upper bound), one mask
+    plane, the CSA top-k indices."""
+    widths = getattr(layer, "sparse_widths", None)
+    if not widths:
+        return None
+    from automodel.distributed.cp.layers.sparse_attention import QUERY_BLOCK
+
+    return GatheredState(width=sum(widths), heads=_int(config, "num_attention_heads"), block=QUERY_BLOCK,
+                         mask_planes=1, index_slots=_int(config, "index_topk"))  # fmt: skip
+
+
+def _kv_gather(layer: Any, config: Any) -> GatheredState | None:
+    """Qwen4-Exp's QSA and Kolibri-1.1 (``qsa.py``, ``kolibri_sparse.py``): K and V (and QSA's raw indexer keys)
+    gathered and repeated to the query heads, the class's own selection as two ``[B, n, T]`` planes (the visible
+    keys, the selected ones); Kolibri runs the class's own attention over all its local queries at once (no query
+    blocks), QSA the blocked kernel."""
+    widths = getattr(layer, "sparse_widths", None)
+    if not widths:
+        return None
+    from automodel.distributed.cp.layers.sparse_attention import QUERY_BLOCK
+    from automodel.distributed.cp.layers.sparse_support import QSA_ATTENTION
+
+    heads = _int(config, "num_attention_heads")
+    dim = _head_dim(layer, config)
+    block = QUERY_BLOCK if layer.mixer in QSA_ATTENTION else 1 << 62  # min(block, n): every local query
+    return GatheredState(width=sum(widths), expanded=2 * heads * dim, expanded_grad=2 * heads * dim, heads=heads,
+                         block=block, mask_planes=2)  # fmt: skip
+
+
+def _sparse(layer: Any, config: Any) -> GatheredState | None:
+    """The declaration of a ``sparse_attention`` layer, by the kernel its class runs."""
+    from automodel.distributed.cp.layers.sparse_support import (
+        COMPRESSED_ATTENTION,
+        DYNAMIC_MASK_ATTENTION,
+        KV_GATHER_ATTENTION,
+    )
+
+    mixer = getattr(layer, "mixer", "")
+    if mixer in DYNAMIC_MASK_ATTENTION:
+        return _dynamic_mask(layer, config)
+    if mixer in COMPRESSED_ATTENTION:
+        return _compressed(layer, config)
+    if mixer in KV_GATHER_ATTENTION:
+        return _kv_gather(layer, config)
+    return _dsa(layer, config)
+
+
 #: layer kind (``LayerSpec.kind``) -> its declaration from ``(layer, text config)`` (``None``: nothing declared)
-GATHERED_STATE: dict[str, Callable[[Any, Any], GatheredState | None]] = {"sparse_attention": _dsa}
+GATHERED_STATE: dict[str, Callable[[Any, Any], GatheredState | None]] = {"sparse_attention": _sparse}
 
 
 def gathered_state(layer: Any, config: Any) -> GatheredState | None:
