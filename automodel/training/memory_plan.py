@@ -1220,7 +1220,7 @@ def planned_kernel(backend: str, gpu_type: str | None, r: RunShape, dims: ModelD
 
     from automodel.distributed.cp.block_backend import REFERENCE_CUDNN_VERSION
 
-    cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() and torch.backends.cudnn.is_available() else None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None  # a CUDA build's
     assumed = ""
     if cudnn is None:  # a CPU-only torch: the reference CUDA wheel's cuDNN
         cudnn = REFERENCE_CUDNN_VERSION
