@@ -57,12 +57,12 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   block each all-gather their input once and the projections save that gathered ``[N, h]``:
   ``+ 2 h c`` per layer, and the LM head's gathered input ``+ h c`` outside.
 * the tiled layer (``model.tiled_layer``, tp 1): a layer keeps its input and the attention core's tensors (q, k, v,
-  the output and its transposed copy: ``3 q + 2 kv``, plus ring's repeated K/V and the LSE); the norms, q/k norms,
-  projections, residuals and MLP exist for one tile; the post part's backward holds the output's, the attention
-  output's and the input's gradients (``2 h + q``), the attention's backward the input's and the attention output's
-  gradients and dq, dk, dv (``h + 2 q + 2 kv``) beside the CP workspace and the kernel's buffers
-  (:func:`_tiled_layer_terms`; measured by ``scripts/bench_memory.py --tiled-layer only``: Ulysses +5%, conservative
-  with head groups and ring).
+  the kernel's output and the post part's copy: ``3 q + 2 kv``, plus ring's repeated K/V and the LSE; with head
+  groups no kernel output nor LSE); the norms, q/k norms, projections, residuals and MLP exist for one tile; the post
+  part's backward holds the output's, the attention output's and the input's gradients (``2 h + q``), the
+  attention's backward (the post part's copy freed) the input's and the attention output's gradients and dq, dk, dv
+  (``h + 2 q + 2 kv``) beside the CP workspace and the kernel's buffers (:func:`_tiled_layer_terms`; measured by
+  ``scripts/bench_memory.py --tiled-layer only``: Ulysses +0%, with 2 head groups +9%; ring conservative).
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the backward's full-row gradients of the
