@@ -644,11 +644,10 @@ def tiled_layer_rows(args: argparse.Namespace) -> bool:
           "vs without | loss |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     ok = True
-    # (method, head groups, held to --tolerance): the Ulysses rows are the plan's calibration; ring's plan is over its
-    # measurement without the tiled layer already (its attention workspace), and with 2 head groups the recomputed
-    # layer's attention-backward moment (the gradients of the attention output, the input and dq/dk/dv beside the
-    # all-to-all's) is planned above what the step reaches: both are printed, not held
-    for method, chunks, held in (("ring", 1, False), ("ulysses", 1, True), ("ulysses", 2, False)):
+    # (method, head groups, held to --tolerance): the Ulysses rows, with and without head groups, are the plan's
+    # calibration; ring's plan is over its measurement without the tiled layer already (its attention workspace and
+    # the K/V repeated to the query heads, which this torch and transformers do not save): printed, not held
+    for method, chunks, held in (("ring", 1, False), ("ulysses", 1, True), ("ulysses", 2, True)):
         settings = [["untiled", False, chunks], ["tiled_layer", True, chunks]]
         ranks = run_on_ranks("scripts.bench_memory:tiled_layer_worker", cp, args.timeout, model_kw=model_kw, seq=seq,
                              chunk=chunk, method=method, settings=settings)  # fmt: skip

@@ -380,6 +380,15 @@ def test_the_planned_kernels_backward_buffers_join_one_layers_backward():
     cudnn = plan_memory(big, dataclasses.replace(r, attention_kernel=CUDNN)).terms["attention kernel"].bytes
     assert cudnn == 3_939_600 * 4 * 128 * 4 + 3_939_600 * 4 * 4  # dK/dV at the KV heads: no expansion
     assert ak.kernel_label(FLASH) in "\n".join(memory_plan_lines(big, r))
+    # auto: the kernel select_kernel picks with the installed CUDA torch's cuDNN, on a CPU-only torch the reference
+    # wheel's (9.19): cuDNN on H100 / H200 (its K/V grouped, counted above), flash on A100
+    from automodel.training.memory_plan import planned_kernel
+
+    if not torch.backends.cudnn.is_available():  # a CPU-only torch
+        for gpu, kernel in (("h100", CUDNN), ("h200", CUDNN), ("a100", FLASH)):
+            got, why = planned_kernel("auto", gpu, r, big)
+            assert got == kernel and "reference cuDNN 9.19" in why, (gpu, why)
+    assert planned_kernel("flash", "h100", r, big)[0] == FLASH
 
 
 def test_moe_layers_plan_their_routed_and_shared_experts():

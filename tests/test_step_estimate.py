@@ -173,15 +173,17 @@ def _throughput(report: str) -> float:
 
 def test_llama_8b_on_8_h100s_targets_and_ranking(capsys):
     """32K/CP1 (FSDP over 8, one row per rank) against 256K/CP8 (one row), as the user plans them; the second
-    goes through the recipe's own dry run and also ranks layouts (one refused by the config, one this config's)."""
+    goes through the recipe's own dry run and also ranks layouts (one refused by the config, one this config's).
+    Flash pinned: torchtitan's figures are flash's (auto plans cuDNN on an H100, 1.7x flash's attention)."""
     from recipes.finetune import main
 
+    flash = "model.attention_backend=flash"
     short = dry_run_report(load_config(["--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=1",
-                                        "data.seq_len=32768", "step_scheduler.global_batch_size=8"]))  # fmt: skip
+                                        "data.seq_len=32768", "step_scheduler.global_batch_size=8", flash]))  # fmt: skip
     layouts = "recipe.plan_layouts=[tp2.cp4,cp8.ulysses,cp8,cp8.usp,tp8]"
     capsys.readouterr()
     assert main(["--config", LLAMA8B, "recipe.dry_run=true", *NO_TP, "distributed.cp_size=8", "data.seq_len=262144",
-                 "step_scheduler.global_batch_size=1", layouts]) == 0  # fmt: skip
+                 "step_scheduler.global_batch_size=1", layouts, flash]) == 0  # fmt: skip
     long = capsys.readouterr().out
     t32, t256 = _throughput(short), _throughput(long)
     assert 2000 <= t32 <= 5500, t32  # torchtitan (Float8 + compile): 3,890

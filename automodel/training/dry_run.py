@@ -288,14 +288,14 @@ def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
 
 def _kernel_lines(plan: _Plan, profile: Any, out: list[str]) -> None:
     """The attention kernel of each layer kind's blocks on the planned GPU (``recipe.gpu_type``, else an H100),
-    with this torch and its cuDNN (unknown on a CPU-only torch: cuDNN not assumed), ``model.attention_backend``'s
+    with this torch and its cuDNN (on a CPU-only torch the reference wheel's, ``REFERENCE_CUDNN_VERSION``), ``model.attention_backend``'s
     pin, as the run's CUDA block kernels select them (``block_backend.select_kernel``)."""
     import torch
 
     from automodel.config.cp_auto import packed_rows
     from automodel.config.gpu_specs import GPU_SPECS
     from automodel.distributed.cp.attention_kernels import AUTO_BACKEND, KERNEL_OF_BACKEND
-    from automodel.distributed.cp.block_backend import GpuInfo
+    from automodel.distributed.cp.block_backend import REFERENCE_CUDNN_VERSION, GpuInfo
     from automodel.distributed.cp.kernel_plan import layer_kind_kernel_lines
 
     cfg = plan.cfg
@@ -307,9 +307,9 @@ def _kernel_lines(plan: _Plan, profile: Any, out: list[str]) -> None:
     cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() and torch.backends.cudnn.is_available() else None
     backend = cfg.model.attention_backend
     pinned = None if backend == AUTO_BACKEND else KERNEL_OF_BACKEND[backend]
-    cudnn_text = f"cuDNN {cudnn}" if cudnn else "cuDNN unknown here (a CPU-only torch): not assumed"
-    if cudnn is None and backend == "cudnn":  # the pin says the run has one: planned as torch 2.11's wheel (9.19)
-        cudnn, cudnn_text = 91900, "cuDNN unknown here: 9.19 assumed (pinned)"
+    cudnn_text = f"cuDNN {cudnn}"
+    if cudnn is None:  # a CPU-only torch: the reference CUDA wheel's cuDNN, as the memory plan assumes
+        cudnn, cudnn_text = REFERENCE_CUDNN_VERSION, "cuDNN unknown here: the reference wheel's 9.19 assumed"
     out.append(f"--- attention kernels per layer kind on {gpu.name} (model.attention_backend={backend}; torch "
                f"{torch.__version__.split('+')[0]}, {cudnn_text}) ---")  # fmt: skip
     try:

@@ -57,12 +57,12 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   block each all-gather their input once and the projections save that gathered ``[N, h]``:
   ``+ 2 h c`` per layer, and the LM head's gathered input ``+ h c`` outside.
 * the tiled layer (``model.tiled_layer``, tp 1): a layer keeps its input and the attention core's tensors (q, k, v,
-  the output and its transposed copy: ``3 q + 2 kv``, plus ring's repeated K/V and the LSE); the norms, q/k norms,
-  projections, residuals and MLP exist for one tile; the post part's backward holds the output's, the attention
-  output's and the input's gradients (``2 h + q``), the attention's backward the input's and the attention output's
-  gradients and dq, dk, dv (``h + 2 q + 2 kv``) beside the CP workspace and the kernel's buffers
-  (:func:`_tiled_layer_terms`; measured by ``scripts/bench_memory.py --tiled-layer only``: Ulysses +5%, conservative
-  with head groups and ring).
+  the kernel's output and the post part's copy: ``3 q + 2 kv``, plus ring's repeated K/V and the LSE; with head
+  groups no kernel output nor LSE); the norms, q/k norms, projections, residuals and MLP exist for one tile; the post
+  part's backward holds the output's, the attention output's and the input's gradients (``2 h + q``), the
+  attention's backward (the post part's copy freed) the input's and the attention output's gradients and dq, dk, dv
+  (``h + 2 q + 2 kv``) beside the CP workspace and the kernel's buffers (:func:`_tiled_layer_terms`; measured by
+  ``scripts/bench_memory.py --tiled-layer only``: Ulysses +0%, with 2 head groups +9%; ring conservative).
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the backward's full-row gradients of the
@@ -379,19 +379,28 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     Per local token, in the compute dtype ``c``: what a layer keeps between its forward and its backward is the
     attention core's: q, k, v (``q + 2 kv``, ``q = heads x head_dim``; ring's SDPA also the K/V repeated to the
     query heads), the kernel's output and its transposed copy the post part saves (``2 q``), the fp32 LSE; and its
-    input ``h`` (the checkpoint's, or without checkpointing the post part's and the pre part's, one tensor). The
+    input ``h`` (the checkpoint's, or without checkpointing the post part's and the pre part's, one tensor); with
+    head groups (``ulysses_head_chunks > 1``) the kernel's output and LSE are not saved (each group is
+    checkpointed). The
     norms, their fp32 copies, the q/k norms, the output projection, the residuals and the MLP exist for one tile.
     The backward of the post part holds the output gradient (``h``) and the gradients it writes for the attention
-    output (``q``) and the input (``h``); the attention's backward the attention output's and the input's
-    gradients and dq, dk, dv (``q + 2 kv``) beside the CP workspace and the kernel's buffers. One tile of ``t``
+    output (``q``) and the input (``h``); the attention's backward (the post part's saved copy of the attention
+    output freed by then) the attention output's and the input's gradients and dq, dk, dv (``q + 2 kv``) beside
+    the CP workspace and the kernel's buffers. One tile of ``t``
     tokens: the untiled layer's tensors but the attention's, its gradients and the tile's weight gradients
     (``h q + 3 h I`` for the output projection and the MLP). Measured: scripts/bench_memory.py --tiled-layer only.
     """
     n, c = r.local_tokens, r.compute_bytes
     h, kv, i, q = d.hidden, d.kv_heads * d.head_dim, d.intermediate, d.heads * d.head_dim
     repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed) else 0
-    lse = d.heads * 4
-    body = (q + repeated + 2 * kv + 2 * q) * c + lse  # the attention core's saved tensors
+    # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so the kernel's
+    # output and LSE are not saved (automodel.distributed.cp.head_chunks); the local output the post part saves is
+    grouped = r.head_chunks > 1 and r.cp > 1
+    lse = 0 if grouped else d.heads * 4
+    kernel_out = 0 if grouped else q
+    body = (q + repeated + 2 * kv + kernel_out + q) * c + lse  # the attention core's saved tensors
+    # at the attention's backward the post part's backward is done: its saved attention output (q) is freed
+    body_in_attn_bwd = body - q * c
     mlp = _mlp_moments(d)
     stream = (2 * d.layer_norms + 1) * h + (2 * (h + kv) if d.qk_norm else 0)
     t = min(tile, n)
@@ -414,7 +423,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         fwd_m = n * (kept + always + body + h * c) + tile_fwd + s2
         fwd_a = n * (kept + always + body) + s2
         bwd_m = n * (kept + always + body + post_grads) + tile_bwd + s2
-        bwd_a = n * (kept + always + body + attn_grads) + s2
+        bwd_a = n * (kept + always + body_in_attn_bwd + attn_grads) + s2
         if r.activation_offloaded:
             note = f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
         else:
@@ -427,7 +436,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     fwd_m = before + n * (body + 2 * h * c) + tile_fwd + s2
     fwd_a = before + n * (body + h * c) + s2
     bwd_m = before + n * (body + h * c + post_grads) + tile_bwd + s2
-    bwd_a = before + n * (body + h * c + attn_grads) + s2
+    bwd_a = before + n * (body_in_attn_bwd + h * c + attn_grads) + s2
     note = f"{d.layers} layers x {_fmt(n * layer)}{tiled}"
     del embed
     return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
@@ -1290,8 +1299,9 @@ def planned_kernel(backend: str, gpu_type: str | None, r: RunShape, dims: ModelD
 
     A pinned kernel is what runs; ``auto`` follows
     :func:`automodel.distributed.cp.attention_kernels.auto_kernel` with the GPU's compute capability
-    (:data:`automodel.config.gpu_specs.GPU_SPECS`), the installed torch's cuDNN (unknown on a CPU-only torch:
-    the rule then plans flash, the larger) and the path the run's attention takes (``r.kernel_path``).
+    (:data:`automodel.config.gpu_specs.GPU_SPECS`), the installed CUDA torch's cuDNN (on a CPU-only torch the
+    reference wheel's, :data:`~automodel.distributed.cp.block_backend.REFERENCE_CUDNN_VERSION`: 9.19, so cuDNN on
+    H100 / H200 / B200, its K/V and dK/dV grouped) and the path the run's attention takes (``r.kernel_path``).
     """
     from automodel.config.gpu_specs import GPU_SPECS
     from automodel.distributed.cp import AUTO
@@ -1303,12 +1313,18 @@ def planned_kernel(backend: str, gpu_type: str | None, r: RunShape, dims: ModelD
     capability = spec.capability if spec is not None else (9, 0)
     import torch
 
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    from automodel.distributed.cp.block_backend import REFERENCE_CUDNN_VERSION
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None  # a CUDA build's
+    assumed = ""
+    if cudnn is None:  # a CPU-only torch: the reference CUDA wheel's cuDNN
+        cudnn = REFERENCE_CUDNN_VERSION
+        assumed = "; a CPU-only torch here: the reference cuDNN 9.19 (torch 2.11's CUDA wheel) assumed"
     path = "sdpa" if r.cp == 1 or r.cp_method == AUTO else r.kernel_path
     head_dim = dims.head_dim if dims is not None and dims.head_dim else 128
     kernel, why = auto_kernel(path, capability, cudnn, half=r.compute_bytes == 2, head_dim=head_dim)
     where = f"{gpu_type}" if spec is not None and gpu_type else "an H100-class GPU (recipe.gpu_type not set)"
-    return kernel, f"auto on {where}: {why}"
+    return kernel, f"auto on {where}: {why}{assumed}"
 
 
 def _head_chunks(cfg) -> int:  # noqa: ANN001

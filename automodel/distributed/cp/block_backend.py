@@ -379,6 +379,10 @@ def varlen_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = 
 #: slower or even there (0.82x A100, 1.00x L40S, 0.88x RTX PRO 6000; transformers PR #48163)
 CUDNN_PREFERRED_CAPABILITIES = ((9, 0), (10, 0), (10, 3))
 CUDNN_PREFERRED_MIN_VERSION = 91500  # strictly greater than this (cuDNN 9.15.1 and newer)
+#: the runtime cuDNN the plans assume where the installed torch cannot say (a CPU-only torch planning for a GPU):
+#: 9.19, the cuDNN of torch 2.11's CUDA wheel (docs/gpu.md), the oldest release the kernel table covers; a run
+#: on a CUDA torch plans with its own ``torch.backends.cudnn.version()``
+REFERENCE_CUDNN_VERSION = 91900
 #: compute capability of the GPUs the docs name (``GpuInfo.named``)
 GPU_CAPABILITIES = {"a100": (8, 0), "a10g": (8, 6), "l40s": (8, 9), "h100": (9, 0), "h200": (9, 0),
                     "b200": (10, 0), "b300": (10, 3), "rtx pro 6000": (12, 0)}  # fmt: skip
