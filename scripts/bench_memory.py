@@ -435,17 +435,35 @@ def technique_rows(args: argparse.Namespace, title: str, h: int, i: int, layers:
 # --- headwise Ulysses (issue 42): distributed.ulysses_head_chunks at cp=2 ------------------------------------------
 
 
+def _replicated_step(model, opt, ctx, inputs: dict, labels, chunk: int, seq: int):  # noqa: ANN001, ANN202
+    """One training step of a model replicated on every rank (no FSDP) under a CP context ``ctx``: the loss summed
+    over the rank's tokens / ``seq``, the gradients all-reduced, an optimizer step. Returns the loss summed over the
+    ranks (a scalar tensor)."""
+    import torch.distributed as dist
+
+    from automodel.training.step import forward_loss_sum
+
+    with ctx():
+        loss = forward_loss_sum(model, inputs, labels, chunk) / seq
+        loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total
+
+
 def headwise_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int, counts: list[int]) -> dict:
     """Ulysses at cp=``world`` with ``ulysses_head_chunks`` each of ``counts``, the same weights and batch (AdamW lr 0:
     every loss equal). Per count: ``step`` (tracked step peak of forward + loss + backward + the gradients'
     all-reduce + AdamW, and its CPU seconds), ``block`` (tracked peak of one attention module's forward and backward
     alone, its inputs made before) and the loss."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from automodel.distributed.cp.ulysses.attention import make_ulysses_batch_and_ctx, set_ulysses_attention
-    from automodel.training.step import forward_loss_sum
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
@@ -465,17 +483,8 @@ def headwise_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int,
 
     def step(chunks: int) -> torch.Tensor:
         ctx, local = make_ulysses_batch_and_ctx(mesh, batch, inner_attn=inner, head_chunks=chunks)
-        with ctx():
-            loss = forward_loss_sum(model, {"input_ids": local["input_ids"], "position_ids": local["position_ids"]},
-                                    local["labels"], chunk) / seq  # fmt: skip
-            loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        return total
+        inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
+        return _replicated_step(model, opt, ctx, inputs, local["labels"], chunk, seq)
 
     def block(chunks: int) -> int:
         attn = model.model.layers[0].self_attn
@@ -565,7 +574,6 @@ def tiled_layer_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: i
     head_chunks)``: the same weights and batch (AdamW lr 0: every loss equal); the tracked step peak (forward + loss +
     backward + the gradients' all-reduce + AdamW), the moment it was reached, the step's CPU seconds (best of three
     untracked) and the loss."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -573,7 +581,6 @@ def tiled_layer_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: i
     from automodel.models.block_call import apply_activation_checkpointing
     from automodel.models.tiled_layer import apply_tiled_layer, layer_tile_counts
     from automodel.models.tiled_mlp import apply_tiled_mlp
-    from automodel.training.step import forward_loss_sum
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
@@ -595,17 +602,8 @@ def tiled_layer_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: i
 
         def step(model: torch.nn.Module = model, cp=cp, opt: torch.optim.Optimizer = opt) -> torch.Tensor:  # noqa: ANN001
             ctx, local = cp.shard(batch)
-            with ctx():
-                loss = forward_loss_sum(model, {k: v for k, v in local.items() if k in ("input_ids", "position_ids")},
-                                        local["shift_labels"], chunk) / seq  # fmt: skip
-                loss.backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            return total
+            inputs = {k: v for k, v in local.items() if k in ("input_ids", "position_ids")}
+            return _replicated_step(model, opt, ctx, inputs, local["shift_labels"], chunk, seq)
 
         step()  # warm-up (untracked): AdamW state, lazy imports, the tiled layer's probe
         gc.collect()

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from automodel.errors import UserInputError
+from automodel.models.tile_backward import tile_gradients
 
 __all__ = [
     "CAPTURE",
@@ -338,41 +339,16 @@ class _TiledFunction(torch.autograd.Function):
         k = ctx.n_inputs
         needs_x = list(ctx.needs_input_grad[2 : 2 + k])
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[2 + k :]) if need]
-        grad_xs = [torch.zeros_like(x) if need else None for x, need in zip(xs, needs_x, strict=True)]
-        sums: list[torch.Tensor | None] = [None] * len(params)
         assert tiles.autocast is not None
         kind, enabled, dtype = tiles.autocast
         with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
-            for a, b in tiles.bounds:
-                tiles.counts.backward_tiles += 1
-                leaves = [
-                    x.narrow(d, a, b - a).detach().requires_grad_(need)
-                    for x, d, need in zip(xs, tiles.in_dims, needs_x, strict=True)
-                ]
-                outs = tiles.fn(a, *leaves)
-                pairs = [
-                    (o, g.narrow(d, a, b - a))
-                    for o, g, d in zip(outs, grads, tiles.out_dims, strict=True)
-                    if g is not None and o.requires_grad
-                ]
-                if not pairs:
-                    continue
-                inputs = [leaf for leaf, need in zip(leaves, needs_x, strict=True) if need]
-                inputs += [params[i] for i in wanted]
-                got = list(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True))
-                for gx, d in zip(grad_xs, tiles.in_dims, strict=True):
-                    if gx is not None:
-                        g = got.pop(0)
-                        if g is not None:
-                            gx.narrow(d, a, b - a).copy_(g)
-                for i, g in zip(wanted, got, strict=True):
-                    if g is None:
-                        continue
-                    if sums[i] is None:
-                        sums[i] = g.clone()
-                    else:
-                        sums[i].add_(g)
-                del outs, pairs, got
+            tiles.counts.backward_tiles += len(tiles.bounds)
+            grad_xs, sums = tile_gradients(
+                tiles.bounds, xs, grads, needs_x, params, wanted,
+                cut_input=lambda x, k, a, b: x.narrow(tiles.in_dims[k], a, b - a),
+                cut_output=lambda g, j, a, b: g.narrow(tiles.out_dims[j], a, b - a),
+                run=lambda a, leaves: tiles.fn(a, *leaves),
+            )  # fmt: skip
         return (None, None, *grad_xs, *sums)
 
 

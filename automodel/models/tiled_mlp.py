@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from automodel.errors import UserInputError
+from automodel.models.tile_backward import tile_gradients
 
 __all__ = [
     "MLP_ATTRIBUTES",
@@ -477,45 +478,16 @@ class _TiledMLPFunction(torch.autograd.Function):
         k = runner.n_inputs
         needs_x = list(ctx.needs_input_grad[1 : 1 + k])
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1 + k :]) if need]
-        grad_xs = [torch.zeros_like(x) if need else None for x, need in zip(xs, needs_x, strict=True)]
-        sums: list[torch.Tensor | None] = [None] * len(params)
         assert runner.spec is not None
         dims = runner.spec.token_dims
         with runner.replay(xs[0].device), torch.enable_grad():
             runner.counts.backward_tiles += len(runner.bounds)
-            for a, b in runner.bounds:
-                leaves = [
-                    runner.tile(x, a, b).detach().requires_grad_(need)
-                    for x, need in zip(xs, needs_x, strict=True)
-                ]
-                outs = runner.run(leaves)
-                pairs = [
-                    (out, grad.narrow(dims[j], a, b - a))
-                    for j, (out, grad) in enumerate(zip(outs, grads, strict=True))
-                    if grad is not None and out.requires_grad
-                ]
-                if not pairs:
-                    continue
-                inputs = [leaf for leaf, need in zip(leaves, needs_x, strict=True) if need]
-                inputs += [params[i] for i in wanted]
-                got = list(
-                    torch.autograd.grad(
-                        [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
-                    )
-                )
-                for grad_x in grad_xs:
-                    if grad_x is not None:
-                        g = got.pop(0)
-                        if g is not None:
-                            runner.tile(grad_x, a, b).copy_(g)
-                for i, g in zip(wanted, got, strict=True):
-                    if g is None:
-                        continue
-                    if sums[i] is None:
-                        sums[i] = g.clone()  # owned: g may alias an output gradient
-                    else:
-                        sums[i].add_(g)
-                del outs, pairs, got
+            grad_xs, sums = tile_gradients(
+                runner.bounds, xs, grads, needs_x, params, wanted,
+                cut_input=lambda x, _k, a, b: runner.tile(x, a, b),
+                cut_output=lambda g, j, a, b: g.narrow(dims[j], a, b - a),
+                run=lambda _a, leaves: runner.run(leaves),
+            )  # fmt: skip
         return (None, *grad_xs, *sums)
 
 

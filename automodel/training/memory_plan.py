@@ -424,10 +424,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         fwd_a = n * (kept + always + body) + s2
         bwd_m = n * (kept + always + body + post_grads) + tile_bwd + s2
         bwd_a = n * (kept + always + body_in_attn_bwd + attn_grads) + s2
-        if r.activation_offloaded:
-            note = f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
-        else:
-            note = f"{d.layers} layer inputs kept"
+        note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_a - n * (kept + always))} (its attention's backward){tiled}"
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
     layer = h * c + body + s2 / max(n, 1)
@@ -491,6 +488,13 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         **_moe_sizes(model),
         **_layer_kinds(model, c),
     )
+
+
+def _kept_inputs_note(d: ModelDims, r: RunShape) -> str:
+    """The plan's words for where the checkpointed layer inputs live."""
+    if r.activation_offloaded:
+        return f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
+    return f"{d.layers} layer inputs kept"
 
 
 def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
@@ -685,10 +689,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
         bwd_a = n * (kept + always + body + grads) + s2
-        if r.activation_offloaded:
-            note = f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
-        else:
-            note = f"{d.layers} layer inputs kept"
+        note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
     before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * s2  # the layers before the last

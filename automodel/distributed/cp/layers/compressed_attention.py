@@ -48,6 +48,7 @@ from automodel.distributed.cp.layers.sparse_attention import (
     _masked_attention,
     _packed_placement,
     placement_of,
+    register_attention_functions,
 )
 from automodel.distributed.cp.layers.sparse_support import COMPRESSED_ATTENTION
 from automodel.errors import CPUnsupportedError
@@ -422,11 +423,6 @@ def _check(module: torch.nn.Module) -> None:
         )
 
 
-def _register() -> None:
-    from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
-
-    if ALL_ATTENTION_FUNCTIONS._global_mapping.get(V4_ATTN_NAME) is not compressed_attention:
-        ALL_ATTENTION_FUNCTIONS._global_mapping[V4_ATTN_NAME] = compressed_attention
 
 
 def install_compressed_attention(model: torch.nn.Module, profile: Any) -> int:
@@ -454,7 +450,7 @@ def install_compressed_attention(model: torch.nn.Module, profile: Any) -> int:
             setattr(module, _MARK, True)
         count += 1
     if count:
-        _register()
+        register_attention_functions({V4_ATTN_NAME: compressed_attention})
     return count
 
 

@@ -75,6 +75,7 @@ __all__ = [
     "install_sparse_attention",
     "installed_on",
     "placement_of",
+    "register_attention_functions",
     "rope_halves",
     "rope_interleaved",
     "select_topk",
@@ -733,15 +734,19 @@ def _check_indexer(module: torch.nn.Module, indexer: torch.nn.Module, layout: st
         )
 
 
-def _register() -> None:
+def register_attention_functions(functions: dict[str, Any]) -> None:
+    """Put each CP attention function in transformers' ``AttentionInterface`` under its name (mutates the global
+    registry; idempotent): the name a layer's ``_ConfigView`` makes it look up."""
     from automodel.distributed.torch_internals import ALL_ATTENTION_FUNCTIONS
 
-    if ALL_ATTENTION_FUNCTIONS._global_mapping.get(DSA_ATTN_NAME) is not dsa_attention:
-        ALL_ATTENTION_FUNCTIONS._global_mapping[DSA_ATTN_NAME] = dsa_attention
-    if ALL_ATTENTION_FUNCTIONS._global_mapping.get(DYNAMIC_MASK_ATTN_NAME) is not dynamic_mask_attention:
-        ALL_ATTENTION_FUNCTIONS._global_mapping[DYNAMIC_MASK_ATTN_NAME] = dynamic_mask_attention
-    if ALL_ATTENTION_FUNCTIONS._global_mapping.get(QSA_ATTN_NAME) is not qsa_attention:
-        ALL_ATTENTION_FUNCTIONS._global_mapping[QSA_ATTN_NAME] = qsa_attention
+    for name, function in functions.items():
+        if ALL_ATTENTION_FUNCTIONS._global_mapping.get(name) is not function:
+            ALL_ATTENTION_FUNCTIONS._global_mapping[name] = function
+
+
+def _register() -> None:
+    register_attention_functions({DSA_ATTN_NAME: dsa_attention, DYNAMIC_MASK_ATTN_NAME: dynamic_mask_attention,
+                                  QSA_ATTN_NAME: qsa_attention})  # fmt: skip
 
 
 def install_sparse_attention(model: torch.nn.Module, profile: Any) -> int:
