@@ -12,6 +12,7 @@ import os
 import re
 from types import SimpleNamespace
 
+from automodel.config.attention_head_chunks_rules import attention_head_chunks_problems
 from automodel.config.attention_rules import attention_backend_problems
 from automodel.config.compile_rules import compile_problems
 from automodel.config.logging_rules import logging_problems
@@ -173,6 +174,7 @@ def check_rules(
     problems += offload_problems(cfg)  # model.activation_offload, fsdp.offload
     problems += tiled_mlp_problems(cfg)  # model.tiled_mlp: true, false or tokens per tile >= 1
     problems += tiled_layer_problems(cfg)  # model.tiled_layer: the same values; no tensor parallelism
+    problems += attention_head_chunks_problems(cfg)  # model.attention_head_chunks: cp_size 1, tp_size 1
     problems += attention_backend_problems(cfg)  # model.attention_backend: a kernel name the run can pin
     if isinstance(cfg.loss.chunk_tokens, int) and cfg.loss.chunk_tokens < 1:
         problems.append(

@@ -112,6 +112,10 @@ class ModelSection:
     # Decoder layer tiled end to end (automodel.models.tiled_layer): norms, q/k/v/o projections, MLP and residuals over
     # token tiles, the attention core on whole rows: false | true (tiles of at most hidden tokens) | tokens per tile
     tiled_layer: bool | int = False
+    # Attention heads in G groups of whole KV heads, one at a time, without CP (cp_size 1; under ulysses / usp use
+    # distributed.ulysses_head_chunks): null (off) | auto (picked from the memory plan) | G
+    # (automodel.models.attention_head_chunks; exact; the backward recomputes each group's attention forward)
+    attention_head_chunks: int | Literal["auto"] | None = None
     # The layer inputs that activation checkpointing keeps live in host memory (needs activation_checkpointing)
     activation_offload: bool = False
     compile: bool = False  # torch.compile each decoder block (static shapes; CP attention outside the graph)

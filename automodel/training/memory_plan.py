@@ -134,6 +134,7 @@ __all__ = [
     "resolve_chunk_tokens",
     "resolve_head_chunks",
     "head_chunks_auto_choice",
+    "resolve_attention_head_chunks",
     "head_chunk_options",
 ]
 
@@ -250,7 +251,8 @@ class RunShape:
     activation_offload: bool = False  # model.activation_offload: checkpointed layer inputs on the host
     offload: bool | str = False  # fsdp.offload: False | "optimizer" | "all"
     cp_options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
-    #: distributed.ulysses_head_chunks (ulysses, usp): attention heads in this many groups, one at a time
+    #: attention heads in this many groups, one at a time: distributed.ulysses_head_chunks (ulysses, usp) or, at
+    #: cp 1, model.attention_head_chunks (automodel.models.attention_head_chunks)
     head_chunks: int = 1
     packed: bool = False  # rows hold several documents (data.dataset.pack)
     #: the attention kernel planned for (automodel.distributed.cp.attention_kernels: "cpu" = torch's CPU kernels,
@@ -395,7 +397,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed) else 0
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so the kernel's
     # output and LSE are not saved (automodel.distributed.cp.head_chunks); the local output the post part saves is
-    grouped = r.head_chunks > 1 and r.cp > 1
+    # model.attention_head_chunks=G at cp 1 likewise (automodel.models.attention_head_chunks)
+    grouped = r.head_chunks > 1
     lse = 0 if grouped else d.heads * 4
     kernel_out = 0 if grouped else q
     body = (q + repeated + 2 * kv + kernel_out + q) * c + lse  # the attention core's saved tensors
@@ -408,6 +411,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
     attn_grads = (h + q + q + 2 * kv) * c  # the input's and the attention output's gradients, dq, dk, dv
+    if grouped and r.cp <= 1:  # cp 1 in head groups: one group's recomputed output and LSE and its dq, dk, dv
+        attn_grads += ((2 * q + 2 * kv) * c + d.heads * 4) / r.head_chunks
     embed = 0.0 if r.activation_offloaded else h * c
     rope = 2 * d.head_dim * c
     final = 3 * h * c
@@ -996,8 +1001,9 @@ def kernel_call(d: ModelDims, r: RunShape):  # noqa: ANN201 - an attention_kerne
 
     if r.cp > 1:
         heads, kv_heads, q, k = r.method.kernel_call_tokens(d, r)
-    else:
-        heads, kv_heads, q, k = d.heads // r.tp, max(1, d.kv_heads // r.tp), r.seq, r.seq
+    else:  # model.attention_head_chunks=G: one call per head group
+        g = max(1, r.head_chunks)
+        heads, kv_heads, q, k = d.heads // r.tp // g, max(1, d.kv_heads // r.tp // g), r.seq, r.seq
     return KernelCall(batch=r.local_batch, q_tokens=q, k_tokens=k, heads=max(heads, 1), kv_heads=kv_heads,
                       head_dim=-(-d.head_dim // 8) * 8, dtype_bytes=r.compute_bytes,
                       native_gqa=r.kernel_path == "sdpa")  # fmt: skip
@@ -1212,10 +1218,13 @@ HEAD_CHUNKS_GAIN = 0.01
 
 
 def head_chunk_options(d: ModelDims, r: RunShape) -> list[int]:
-    """The ``distributed.ulysses_head_chunks`` values the run's method and model allow (``[1]``: none but 1)."""
+    """The ``distributed.ulysses_head_chunks`` values the run's method and model allow (``[1]``: none but 1); at cp 1
+    (tp 1) the ``model.attention_head_chunks`` values: the divisors of the KV heads."""
     from automodel.distributed.cp.head_chunks import head_chunk_choices
 
-    ranks = r.method.head_chunk_ranks(r.cp) if r.cp > 1 else None
+    if r.cp <= 1:
+        return head_chunk_choices(d.kv_heads, 1) if d.heads and r.tp == 1 else [1]
+    ranks = r.method.head_chunk_ranks(r.cp)
     if not ranks or not d.heads:
         return [1]
     return head_chunk_choices(max(1, d.kv_heads // r.tp), ranks)
@@ -1225,14 +1234,15 @@ def head_chunks_auto_choice(d: ModelDims, r: RunShape) -> tuple[int, str]:
     """``ulysses_head_chunks: auto``: the fewest head groups whose planned per-rank total is within
     :data:`HEAD_CHUNKS_GAIN` of the lowest over every allowed count (:func:`head_chunk_options`), and why."""
     options = head_chunk_options(d, r)
+    key = "distributed.ulysses_head_chunks" if r.cp > 1 else "model.attention_head_chunks"
     if options == [1]:
-        return 1, "distributed.ulysses_head_chunks=auto: 1 (the method or the model allows no other head groups)"
+        return 1, f"{key}=auto: 1 (the method or the model allows no other head groups)"
     totals = {g: plan_memory(d, dataclasses.replace(r, head_chunks=g)).total_bytes for g in options}
     best = min(totals.values())
     pick = min(g for g, t in totals.items() if t <= best * (1 + HEAD_CHUNKS_GAIN))
     shown = ", ".join(f"{g}: {_fmt(t)}" for g, t in totals.items())
     return pick, (
-        f"distributed.ulysses_head_chunks=auto: {pick} (planned per-rank totals by head groups {shown}; the fewest "
+        f"{key}=auto: {pick} (planned per-rank totals by head groups {shown}; the fewest "
         f"groups within {HEAD_CHUNKS_GAIN:.0%} of the lowest)"
     )
 
@@ -1246,6 +1256,16 @@ def resolve_head_chunks(cfg, dims: ModelDims, sizes: dict[str, int], seq: int, g
     r = run_shape_from_config(cfg, sizes, seq, grad_acc, dims=dims)
     if cfg.distributed.cp_size <= 1 or cfg.distributed.cp_method == "auto":
         return 1, "distributed.ulysses_head_chunks=auto: 1 (no head-splitting CP method)"
+    return head_chunks_auto_choice(dims, r)
+
+
+def resolve_attention_head_chunks(cfg, dims: ModelDims, sizes: dict[str, int], seq: int, grad_acc: int) -> tuple[int | None, str | None]:  # noqa: ANN001
+    """``cfg.model.attention_head_chunks`` (cp_size 1) with ``auto`` resolved by :func:`head_chunks_auto_choice`:
+    ``(value, reason or None)``. ``cfg`` is not mutated."""
+    value = cfg.model.attention_head_chunks
+    if value != "auto":
+        return value, None
+    r = run_shape_from_config(cfg, sizes, seq, grad_acc, dims=dims)
     return head_chunks_auto_choice(dims, r)
 
 
@@ -1329,11 +1349,15 @@ def planned_kernel(backend: str, gpu_type: str | None, r: RunShape, dims: ModelD
 
 
 def _head_chunks(cfg) -> int:  # noqa: ANN001
-    """``distributed.ulysses_head_chunks`` for the plan: the integer, 1 for a method that takes none or at cp_size 1
-    (``auto`` not resolved yet: 1; :func:`resolve_head_chunks` resolves it)."""
+    """``distributed.ulysses_head_chunks`` for the plan: the integer, 1 for a method that takes none; at cp_size 1
+    ``model.attention_head_chunks`` (``auto`` not resolved yet: 1; :func:`resolve_head_chunks` and
+    :func:`resolve_attention_head_chunks` resolve them)."""
     from automodel.distributed.cp import AUTO, get_cp_method
 
     chunks, d = cfg.distributed.ulysses_head_chunks, cfg.distributed
+    if d.cp_size <= 1:
+        own = cfg.model.attention_head_chunks
+        return own if isinstance(own, int) and own > 1 else 1
     if not isinstance(chunks, int) or chunks <= 1 or d.cp_size <= 1 or d.cp_method == AUTO:
         return 1
     return chunks if get_cp_method(d.cp_method).head_chunk_ranks(d.cp_size) else 1

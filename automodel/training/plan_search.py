@@ -75,7 +75,8 @@ class Layout:
     method: str | None = None
     sequence_parallel: bool = False
     options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
-    head_chunks: int = 1  # distributed.ulysses_head_chunks (ulysses, usp): head groups run one at a time
+    #: head groups run one at a time: distributed.ulysses_head_chunks (ulysses, usp); at cp 1 model.attention_head_chunks
+    head_chunks: int = 1
 
     @property
     def text(self) -> str:
@@ -84,6 +85,8 @@ class Layout:
             opts = "".join(f" {k.split('_')[0]} {v}" for k, v in self.options)  # usp ulysses 8
             heads = f" h/{self.head_chunks}" if self.head_chunks > 1 else ""  # ulysses h/4: heads in 4 groups
             parts.append(f"cp {self.cp} {self.method}{opts}{heads}")
+        elif self.head_chunks > 1:  # no CP: the attention's heads in groups (model.attention_head_chunks)
+            parts.append(f"h/{self.head_chunks}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}" + (" sp" if self.sequence_parallel else ""))
         return " x ".join(parts) or "1 GPU"
@@ -95,6 +98,8 @@ class Layout:
             out += [f"distributed.{k}={v}" for k, v in self.options]
             if self.head_chunks > 1:
                 out.append(f"distributed.ulysses_head_chunks={self.head_chunks}")
+        elif self.head_chunks > 1:
+            out.append(f"model.attention_head_chunks={self.head_chunks}")
         out += [f"distributed.enable_loss_parallel={str(self.tp > 1).lower()}",
                 f"distributed.sequence_parallel={str(self.sequence_parallel).lower()}"]  # fmt: skip
         return out
@@ -245,6 +250,8 @@ class PlanSearch:
                 sp = tp > 1
                 if cp == 1:
                     out.append(Layout(dp, 1, tp, None, sp))
+                    if tp == 1:  # no CP: the attention's heads in groups (model.attention_head_chunks)
+                        out += [Layout(dp, 1, 1, None, sp, (), g) for g in self.attention_head_chunk_counts()[1:]]
                     continue
                 for name, method in cp_methods().items():
                     for bound, opts in method.auto_configs(cp, self.node):  # usp: each ulysses_size
@@ -263,6 +270,17 @@ class PlanSearch:
         if not ranks or not self.d.heads:
             return [1]
         return head_chunk_choices(max(1, self.d.kv_heads // tp), ranks)
+
+    def attention_head_chunk_counts(self) -> list[int]:
+        """``model.attention_head_chunks`` values to search without CP (tp 1): 1 and every divisor of the KV heads,
+        for a model whose attention layers can run in head groups
+        (:func:`automodel.models.attention_head_chunks.head_groups_layer_problem`)."""
+        from automodel.distributed.cp.head_chunks import head_chunk_choices
+        from automodel.models.attention_head_chunks import head_groups_layer_problem
+
+        if not self.d.heads or self.profile is None or head_groups_layer_problem(self.profile) is not None:
+            return [1]
+        return head_chunk_choices(self.d.kv_heads, 1)
 
     def row_multiple(self, layout: Layout) -> int:
         from automodel.distributed.cp import get_cp_method
@@ -426,17 +444,24 @@ def ablation(search: PlanSearch, results: list[Found]) -> list[tuple[str, Found 
     cp_any = search.gpus > 1
     rows.append(("+ context parallelism", best(lambda f: f.techniques == loss and f.layout.cp > 1) if cp_any else None))
     tiled = dataclasses.replace(loss, tiled_mlp=True)
-    rows.append(("+ tiled MLP", best(lambda f: f.techniques == tiled and (f.layout.cp > 1 or not cp_any))))
+    rows.append(("+ tiled MLP", best(lambda f: f.techniques == tiled and (f.layout.cp > 1 or not cp_any)
+                                     and f.layout.head_chunks == 1)))
     usable = set(search.techniques)  # a technique the model cannot use is left out of the rows after it
     act = dataclasses.replace(tiled if tiled in usable else loss, activation_offload=True)
-    rows.append(("+ activation offload", best(lambda f: f.techniques == act and (f.layout.cp > 1 or not cp_any))))
+    rows.append(("+ activation offload", best(lambda f: f.techniques == act and (f.layout.cp > 1 or not cp_any)
+                                              and f.layout.head_chunks == 1)))  # fmt: skip
+    ungrouped = (lambda f: f.layout.cp > 1 or f.layout.head_chunks == 1) if not cp_any else (lambda f: True)
     rows.append(("all (+ fsdp.offload)", best(lambda f: f.techniques == dataclasses.replace(act, offload=f.techniques.offload)
-                                              and bool(f.techniques.offload)) if act in usable else
-                 best(lambda f: f.techniques.chunked_loss and bool(f.techniques.offload))))  # fmt: skip
+                                              and bool(f.techniques.offload) and ungrouped(f)) if act in usable else
+                 best(lambda f: f.techniques.chunked_loss and bool(f.techniques.offload) and ungrouped(f))))  # fmt: skip
     layered = dataclasses.replace(act, tiled_layer=True)
     if layered in usable:  # the tiled layer on top of all of them (issue 42)
         rows.append(("+ tiled layer", best(lambda f: f.techniques == dataclasses.replace(layered, offload=f.techniques.offload)
-                                           and bool(f.techniques.offload))))  # fmt: skip
+                                           and bool(f.techniques.offload) and ungrouped(f))))  # fmt: skip
+        if not cp_any:  # one GPU: the attention's heads in groups (model.attention_head_chunks)
+            rows.append(("+ attention head groups", best(
+                lambda f: f.techniques == dataclasses.replace(layered, offload=f.techniques.offload)
+                and bool(f.techniques.offload) and f.layout.head_chunks > 1)))  # fmt: skip
     return rows
 
 
@@ -447,7 +472,8 @@ def longest_row(results: list[Found]) -> Found:
 
 LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: loss parallel under tp), tile tiled MLP,\n"
           "  lay tiled layer and MLP, aoff activation offload, off:opt / off:all fsdp.offload=optimizer / all; a layout's\n"
-          "  h/G: headwise Ulysses, the attention heads in G groups one at a time (distributed.ulysses_head_chunks=G)")
+          "  h/G: headwise Ulysses, the attention heads in G groups one at a time (distributed.ulysses_head_chunks=G;\n"
+          "  without CP model.attention_head_chunks=G)")
 
 
 def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,

@@ -298,9 +298,9 @@ def estimate_step(
 
 
 def head_groups(r: RunShape) -> int:
-    """The head groups the run's attention runs one at a time (``distributed.ulysses_head_chunks``; 1 without CP or
-    with a method that takes none)."""
-    if r.cp <= 1 or r.head_chunks <= 1 or not r.method.head_chunk_ranks(r.cp):
+    """The head groups the run's attention runs one at a time (``distributed.ulysses_head_chunks`` under a method
+    that splits heads, ``model.attention_head_chunks`` without CP; else 1)."""
+    if r.head_chunks <= 1 or (r.cp > 1 and not r.method.head_chunk_ranks(r.cp)):
         return 1
     return r.head_chunks
 
