@@ -57,7 +57,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: the attention implementation name the model is switched to
+#: the attention implementation name the model is switched to: ``automodel_head_groups_<inner>`` (:func:`_register`)
 GROUPED_ATTN_NAME = "automodel_head_groups"
 #: what the grouped attention did in this process since its ``reset`` (the run log's technique line)
 ATTENTION_HEAD_GROUP_COUNTS = HeadGroupCounts()
@@ -226,6 +226,26 @@ def grouped_attention_forward(
     return _HeadGroups.apply(run, chunks, query, key, value), None
 
 
+def _register(inner: str | None) -> str:
+    """Register the grouped attention for the inner implementation ``inner`` as ``automodel_head_groups_<inner>``
+    (global, idempotent): the attention function, and where ``inner`` is a mask implementation (sdpa, eager, flex,
+    flash) its mask function under the same name, so transformers builds the same masks (padding, packed documents
+    from ``position_ids``) as for ``inner``; the name keeps ``inner``'s (``"flash" in name`` selects transformers'
+    flash paths). Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from automodel.distributed.torch_internals import ALL_MASK_ATTENTION_FUNCTIONS
+
+    base = inner or "eager"
+    name = f"{GROUPED_ATTN_NAME}_{base}"
+    AttentionInterface.register(name, grouped_attention_forward)
+    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    if base in mapping:
+        AttentionMaskInterface.register(name, mapping[base])
+    return name
+
+
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     """The modules that call an attention function: those with a ``config`` and q/k/v projections (or a fused one)."""
     out = []
@@ -248,11 +268,10 @@ def apply_attention_head_chunks(model: nn.Module, chunks: int | None) -> int:
     """
     if chunks is None or chunks == 1:
         return 0
-    from automodel.distributed.cp.hf_attention import switch_attention
-
     check_attention_head_chunks_for_model(model, chunks)
     current = model.config._attn_implementation
-    inner = getattr(model, "_automodel_head_groups_inner", current) if current == GROUPED_ATTN_NAME else current
+    grouped = isinstance(current, str) and current.startswith(GROUPED_ATTN_NAME)
+    inner = getattr(model, "_automodel_head_groups_inner", current) if grouped else current
     modules = _attention_modules(model)
     if not modules:
         raise UserInputError(
@@ -261,15 +280,22 @@ def apply_attention_head_chunks(model: nn.Module, chunks: int | None) -> int:
         )
     for m in modules:
         setattr(m, _MARK, (chunks, inner))
-    if current != GROUPED_ATTN_NAME:
+    if not grouped:
+        name = _register(inner)
         try:
-            switch_attention(model, GROUPED_ATTN_NAME, grouped_attention_forward, "none", catch=False)
+            model.set_attn_implementation(name)
         except (ValueError, TypeError, KeyError, NotImplementedError) as err:
             raise UserInputError(
                 f"{ATTENTION_HEAD_CHUNKS_KEY}={chunks}: {type(model).__name__} refused its attention switched to "
                 f"head groups ({err}); set {ATTENTION_HEAD_CHUNKS_KEY}=null"
             ) from err
-        model._automodel_head_groups_inner = current
+        if model.config._attn_implementation != name:
+            raise UserInputError(
+                f"{ATTENTION_HEAD_CHUNKS_KEY}={chunks}: {type(model).__name__} kept attn_implementation="
+                f"{model.config._attn_implementation!r} (its attention is not dispatched through transformers' "
+                f"AttentionInterface); set {ATTENTION_HEAD_CHUNKS_KEY}=null"
+            )
+        model._automodel_head_groups_inner = inner
     logger.info(
         "%s=%d: %d attention module(s) run %r in %d head groups of whole KV heads, one at a time "
         "(the backward recomputes each group's forward)",
@@ -286,7 +312,7 @@ def remove_attention_head_chunks(model: nn.Module) -> int:
             delattr(m, _MARK)
             count += 1
     inner = getattr(model, "_automodel_head_groups_inner", None)
-    if inner is not None and model.config._attn_implementation == GROUPED_ATTN_NAME:
+    if inner is not None and str(model.config._attn_implementation).startswith(GROUPED_ATTN_NAME):
         model.set_attn_implementation(inner)
         del model._automodel_head_groups_inner
     return count

@@ -414,6 +414,13 @@ def dry_run_report(loaded: LoadedConfig) -> str:
             plan.cfg, dims, plan.sizes, plan.seq, plan.grad_acc
         )
         out.append(reason)
+    if plan.cfg.model.attention_head_chunks == "auto":  # cp_size 1: as the run resolves it (trainer)
+        from automodel.training.memory_plan import resolve_attention_head_chunks
+
+        plan.cfg.model.attention_head_chunks, reason = resolve_attention_head_chunks(
+            plan.cfg, dims, plan.sizes, plan.seq, plan.grad_acc
+        )
+        out.append(reason)
     _shape_lines(plan, model, dims, out)
     _kernel_lines(plan, profile, out)
     _memory_and_time_lines(plan, dims, out)

@@ -15,7 +15,9 @@ logs one line per technique that is on, with what it did, from the counters the 
 - tiled layer (:class:`automodel.models.tiled_layer.TiledLayerCounts`): the decoder layers run in tiles, their
   calls and tiles, the tiles recomputed by the tiled backward;
 - headwise Ulysses (:data:`automodel.distributed.cp.head_chunks.HEAD_GROUP_COUNTS`): attention calls run in head
-  groups, the groups run in the forward and recomputed in the backward.
+  groups, the groups run in the forward and recomputed in the backward;
+- attention head groups without CP (:data:`automodel.models.attention_head_chunks.ATTENTION_HEAD_GROUP_COUNTS`,
+  ``model.attention_head_chunks``): the same counts.
 
 A technique that is on but did not act (a layer not recomputed, the offload moving more or fewer tensors than
 the layer inputs) is a WARNING line naming what to report; :func:`technique_problems` lists them.
@@ -28,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from automodel.distributed.cp.head_chunks import HEAD_GROUP_COUNTS
+from automodel.models.attention_head_chunks import ATTENTION_HEAD_GROUP_COUNTS
 from automodel.models.block_call import block_calls
 from automodel.models.tiled_layer import layer_tile_counts
 from automodel.models.tiled_mlp import tile_counts
@@ -47,20 +50,27 @@ def reset_technique_counts(model: nn.Module, store: OffloadStore | None) -> None
     if store is not None:
         store.reset_counts()
     HEAD_GROUP_COUNTS.reset()
+    ATTENTION_HEAD_GROUP_COUNTS.reset()
 
 
 def collect_technique_report(
-    model: nn.Module, store: OffloadStore | None, micro_batches: int, head_chunks: int = 1
+    model: nn.Module, store: OffloadStore | None, micro_batches: int, head_chunks: int = 1,
+    attention_head_chunks: int = 1,
 ) -> dict[str, Any]:
     """What the techniques did since :func:`reset_technique_counts`: a JSON-able dict with one entry per technique
     that is on (``activation_checkpointing``, ``activation_offload``, ``tiled_mlp``, ``headwise_ulysses`` when
-    ``head_chunks`` (``distributed.ulysses_head_chunks``) is above 1); ``micro_batches`` is how many
+    ``head_chunks`` (``distributed.ulysses_head_chunks``) is above 1, ``attention_head_groups`` when
+    ``attention_head_chunks`` (``model.attention_head_chunks``, no CP) is); ``micro_batches`` is how many
     forward/backward passes that was."""
     report: dict[str, Any] = {"micro_batches": micro_batches}
     if head_chunks > 1:
         c = HEAD_GROUP_COUNTS
         report["headwise_ulysses"] = {"head_chunks": head_chunks, "calls": c.calls, "groups": c.groups,
                                       "recomputed": c.recomputed, "max_groups": c.max_groups}  # fmt: skip
+    if attention_head_chunks > 1:
+        c = ATTENTION_HEAD_GROUP_COUNTS
+        report["attention_head_groups"] = {"head_chunks": attention_head_chunks, "calls": c.calls, "groups": c.groups,
+                                           "recomputed": c.recomputed, "max_groups": c.max_groups}  # fmt: skip
     calls = block_calls(model)
     checkpointed = calls if any(c.checkpoint for c in calls) else []  # every block, when checkpointing is on
     if checkpointed:
@@ -161,6 +171,13 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
             f"{hw['groups']} group(s) run one at a time in the forward and {hw['recomputed']} recomputed group by "
             f"group in the backward ({m} micro-batch(es))"
         )
+    ag = report.get("attention_head_groups")
+    if ag is not None:
+        lines.append(
+            f"attention head groups (model.attention_head_chunks={ag['head_chunks']}, no CP): {ag['calls']} attention "
+            f"call(s) in {ag['head_chunks']} head groups each, {ag['groups']} group(s) run one at a time in the "
+            f"forward and {ag['recomputed']} recomputed group by group in the backward ({m} micro-batch(es))"
+        )
     return lines
 
 
@@ -200,5 +217,11 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
         problems.append(
             f"distributed.ulysses_head_chunks={hw['head_chunks']} but {hw['calls']} attention call(s) ran "
             f"{hw['groups']} head group(s): the attention did not run in head groups"
+        )
+    ag = report.get("attention_head_groups")
+    if ag is not None and (ag["calls"] == 0 or ag["groups"] != ag["calls"] * ag["head_chunks"]):
+        problems.append(
+            f"model.attention_head_chunks={ag['head_chunks']} but {ag['calls']} attention call(s) ran "
+            f"{ag['groups']} head group(s): the attention did not run in head groups"
         )
     return problems

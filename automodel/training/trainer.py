@@ -304,6 +304,12 @@ class FinetuneTrainer:
             check_tiled_layer_for_model_config(
                 cfg.model, resolved, attn_implementation=self.attn_implementation, seed=cfg.recipe.seed
             )
+        if cfg.model.attention_head_chunks not in (None, 1):  # the heads and layer kinds, on a weightless model
+            from automodel.models.attention_head_chunks import check_attention_head_chunks_for_model_config
+
+            check_attention_head_chunks_for_model_config(
+                cfg.model, resolved, attn_implementation=self.attn_implementation, seed=cfg.recipe.seed
+            )
         if cfg.peft is not None:  # peft.target_modules against a weightless model, before data or weights
             from automodel.models.lora import check_lora_for_model_config
 
@@ -383,6 +389,8 @@ class FinetuneTrainer:
             check_model_for_chunked_loss(self.model)
         if cfg.distributed.ulysses_head_chunks == "auto":  # from the memory planner too, before the batch is bound
             self._resolve_head_chunks_auto()
+        if cfg.model.attention_head_chunks == "auto":  # cp_size 1: the same rule (memory_plan.head_chunks_auto_choice)
+            self._resolve_attention_head_chunks_auto()
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info(
             "model: %s, %.2fM parameters, dtype %s",
@@ -423,6 +431,21 @@ class FinetuneTrainer:
         mult = pad_multiple(cfg)
         seq = -(-cfg.data.seq_len // mult) * mult
         cfg.distributed.ulysses_head_chunks, reason = resolve_head_chunks(
+            cfg, model_dims(self.model), sizes, seq, self.grad_acc
+        )
+        logger.info("%s", reason)
+
+    def _resolve_attention_head_chunks_auto(self) -> None:
+        """``model.attention_head_chunks: auto`` -> an integer in ``self.cfg`` (mutated), the reason logged
+        (:func:`automodel.training.memory_plan.resolve_attention_head_chunks`)."""
+        from automodel.config import parallel_sizes
+        from automodel.training.memory_plan import model_dims, resolve_attention_head_chunks
+
+        cfg = self.cfg
+        sizes, _ = parallel_sizes(cfg, self.world_size)
+        mult = pad_multiple(cfg)
+        seq = -(-cfg.data.seq_len // mult) * mult
+        cfg.model.attention_head_chunks, reason = resolve_attention_head_chunks(
             cfg, model_dims(self.model), sizes, seq, self.grad_acc
         )
         logger.info("%s", reason)
@@ -503,6 +526,10 @@ class FinetuneTrainer:
             from automodel.models.tiled_layer import apply_tiled_layer
 
             apply_tiled_layer(self.model, cfg.model.tiled_layer)
+        if cfg.model.attention_head_chunks not in (None, 1):  # cp_size 1: around the attention the bind left
+            from automodel.models.attention_head_chunks import apply_attention_head_chunks
+
+            apply_attention_head_chunks(self.model, cfg.model.attention_head_chunks)
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if cfg.model.compile or d.enable_compiled_autograd:
@@ -767,7 +794,9 @@ class FinetuneTrainer:
 
         chunks = self.cfg.distributed.ulysses_head_chunks if self.cfg.distributed.cp_size > 1 else 1
         chunks = chunks if isinstance(chunks, int) and self.cp_method.head_chunk_ranks(self.cfg.distributed.cp_size) else 1
-        report = collect_technique_report(self.model, self.activation_offload, self.grad_acc, chunks)
+        own = self.cfg.model.attention_head_chunks if self.cfg.distributed.cp_size <= 1 else None
+        report = collect_technique_report(self.model, self.activation_offload, self.grad_acc, chunks,
+                                          attention_head_chunks=own if isinstance(own, int) else 1)  # fmt: skip
         self.technique_report = report
         for line in technique_lines(report):
             logger.info("step %d: %s", self.step, line)
