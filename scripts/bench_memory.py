@@ -667,6 +667,103 @@ def tiled_layer_rows(args: argparse.Namespace) -> bool:
     return ok
 
 
+# --- attention head groups without CP (issue 42, item 4): model.attention_head_chunks at cp=1 -----------------------
+
+
+def head_groups_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int, settings: list[list]) -> dict:
+    """cp=1 on ``world`` replicated ranks (each the whole row), checkpointing and the tiled MLP, per setting ``(label,
+    tiled_layer, attention_head_chunks)``: the same weights and batch (AdamW lr 0: every loss equal); the tracked step
+    peak, the step's CPU seconds (best of three untracked), the loss and the head groups run."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from automodel.models.attention_head_chunks import (
+        ATTENTION_HEAD_GROUP_COUNTS,
+        apply_attention_head_chunks,
+    )
+    from automodel.models.block_call import apply_activation_checkpointing
+    from automodel.models.tiled_layer import apply_tiled_layer
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    config = LlamaConfig(max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False, **model_kw)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (1, seq), generator=g),
+             "labels": torch.randint(0, config.vocab_size, (1, seq), generator=g)}  # fmt: skip
+    inputs = {"input_ids": batch["input_ids"], "position_ids": torch.arange(seq).unsqueeze(0)}
+    labels = torch.cat([batch["labels"][:, 1:], torch.full((1, 1), -100)], dim=1)
+    out = {}
+    for label, tiled, chunks in settings:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).train()
+        apply_tiled_mlp(model, True)
+        if tiled:
+            apply_tiled_layer(model, tiled)
+        apply_attention_head_chunks(model, chunks)
+        apply_activation_checkpointing(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+
+        def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt) -> torch.Tensor:
+            return _replicated_step(model, opt, contextlib.nullcontext, inputs, labels, chunk, seq)
+
+        step()  # warm-up (untracked): AdamW state, lazy imports, the tiled layer's probe
+        gc.collect()
+        ATTENTION_HEAD_GROUP_COUNTS.reset()
+        tracker = AllocationTracker()
+        with tracker:
+            loss = step()
+        groups = ATTENTION_HEAD_GROUP_COUNTS.groups
+        gc.collect()
+        untracked = []
+        for _ in range(3):
+            t0 = time.process_time()
+            step()
+            untracked.append(time.process_time() - t0)
+        out[label] = {"peak_mib": tracker.peak / MIB, "cpu_s": min(untracked), "loss": loss.item(), "groups": groups}
+    return out
+
+
+def head_groups_rows(args: argparse.Namespace) -> bool:
+    """The cp=1 head-groups table: checkpointing and the tiled MLP, with and without the tiled layer, with
+    ``model.attention_head_chunks`` 1 and more: the tracked step peak against the plan (within ``--tolerance``), the
+    step's CPU time against the ungrouped run, the losses (equal) and that the groups ran."""
+    from automodel.training.memory_plan import RunShape, plan_memory
+
+    h, heads, kv, layers, seq, chunk, world = 256, 16, 8, 2, args.head_groups_seq, 256, 1
+    model_kw = dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=heads,
+                    num_key_value_heads=kv, vocab_size=args.tiled_vocab)  # fmt: skip
+    dims = _dims(model_kw)
+    print(
+        f"\nAttention head groups without CP (model.attention_head_chunks): hidden {h}, {heads} heads / {kv} KV heads "
+        f"of {h // heads}, MLP {2 * h}, {layers} layers, vocab {args.tiled_vocab}, fp32, {seq} tokens, cp=1 (sdpa, "
+        f"{world} process), activation checkpointing, tiled MLP, loss.chunk_tokens={chunk}, AdamW; tracked step peak\n",
+        flush=True,
+    )
+    print("| layer | head groups | step peak MiB measured | planned | error | step CPU s (best of 3, untracked) | "
+          "vs ungrouped | loss |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    ok = True
+    for tiled in (False, True):
+        counts = [1, 2, 8] if not tiled else [1, 2, 8]
+        settings = [[f"G{g}", tiled, g] for g in counts]
+        ranks = run_on_ranks("scripts.bench_memory:head_groups_worker", world, args.timeout, model_kw=model_kw,
+                             seq=seq, chunk=chunk, settings=settings)  # fmt: skip
+        base = ranks[0]["G1"]
+        for label, _, g in settings:
+            peak = max(r[label]["peak_mib"] for r in ranks)
+            cpu = max(r[label]["cpu_s"] for r in ranks)
+            shape = RunShape(local_batch=1, seq=seq, cp=1, chunk_tokens=chunk, activation_checkpointing=True,
+                             head_chunks=g, tiled_mlp=True, tiled_layer=tiled)  # fmt: skip
+            planned = _planned_without_fsdp(plan_memory(dims, shape)) / MIB
+            err = (planned - peak) / peak
+            ok &= abs(err) <= args.tolerance
+            ok &= ranks[0][label]["loss"] == base["loss"]
+            ok &= (ranks[0][label]["groups"] > 0) == (g > 1)
+            print(f"| {'tiled' if tiled else 'untiled'} | {g} | {peak:.1f} | {planned:.1f} | {err:+.0%} | {cpu:.2f} | "
+                  f"{cpu / max(r['G1']['cpu_s'] for r in ranks):.2f} | {ranks[0][label]['loss']:.6f} |",
+                  flush=True)  # fmt: skip
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
@@ -696,12 +793,17 @@ def main() -> None:
     parser.add_argument("--tiled-layer", choices=("also", "only", "no"), default="also",
                         help="the tiled-layer rows (model.tiled_layer at cp=2): also, only, no")
     parser.add_argument("--tiled-seq", type=int, default=8192)
+    parser.add_argument("--head-groups", choices=("also", "only", "no"), default="also",
+                        help="the cp=1 head-group rows (model.attention_head_chunks): also, only, no")
+    parser.add_argument("--head-groups-seq", type=int, default=8192)
     parser.add_argument("--tiled-vocab", type=int, default=2048)
     args = parser.parse_args()
     for key, value in MMAP_ENV.items():  # read by the spawned interpreters' glibc at start-up
         os.environ.setdefault(key, value)
     if args.tiled_layer == "only":
         sys.exit(0 if tiled_layer_rows(args) else 1)
+    if args.head_groups == "only":
+        sys.exit(0 if head_groups_rows(args) else 1)
     if args.headwise == "only":
         sys.exit(0 if headwise_rows(args) else 1)
     if args.wide == "only":
@@ -771,6 +873,8 @@ def main() -> None:
     if args.headwise == "also" and not headwise_rows(args):
         sys.exit(1)
     if args.tiled_layer == "also" and not tiled_layer_rows(args):
+        sys.exit(1)
+    if args.head_groups == "also" and not head_groups_rows(args):
         sys.exit(1)
 
 

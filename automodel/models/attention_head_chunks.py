@@ -271,7 +271,8 @@ def apply_attention_head_chunks(model: nn.Module, chunks: int | None) -> int:
     check_attention_head_chunks_for_model(model, chunks)
     current = model.config._attn_implementation
     grouped = isinstance(current, str) and current.startswith(GROUPED_ATTN_NAME)
-    inner = getattr(model, "_automodel_head_groups_inner", current) if grouped else current
+    # already grouped (again, or a config shared with a grouped model): the inner name is the suffix
+    inner = current[len(GROUPED_ATTN_NAME) + 1:] if grouped else current
     modules = _attention_modules(model)
     if not modules:
         raise UserInputError(
@@ -295,7 +296,6 @@ def apply_attention_head_chunks(model: nn.Module, chunks: int | None) -> int:
                 f"{model.config._attn_implementation!r} (its attention is not dispatched through transformers' "
                 f"AttentionInterface); set {ATTENTION_HEAD_CHUNKS_KEY}=null"
             )
-        model._automodel_head_groups_inner = inner
     logger.info(
         "%s=%d: %d attention module(s) run %r in %d head groups of whole KV heads, one at a time "
         "(the backward recomputes each group's forward)",
@@ -311,8 +311,7 @@ def remove_attention_head_chunks(model: nn.Module) -> int:
         if hasattr(m, _MARK):
             delattr(m, _MARK)
             count += 1
-    inner = getattr(model, "_automodel_head_groups_inner", None)
-    if inner is not None and str(model.config._attn_implementation).startswith(GROUPED_ATTN_NAME):
-        model.set_attn_implementation(inner)
-        del model._automodel_head_groups_inner
+    current = str(model.config._attn_implementation)
+    if current.startswith(GROUPED_ATTN_NAME):
+        model.set_attn_implementation(current[len(GROUPED_ATTN_NAME) + 1:])
     return count

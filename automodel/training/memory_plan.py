@@ -411,8 +411,9 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
     attn_grads = (h + q + q + 2 * kv) * c  # the input's and the attention output's gradients, dq, dk, dv
-    if grouped and r.cp <= 1:  # cp 1 in head groups: one group's recomputed output and LSE and its dq, dk, dv
-        attn_grads += ((2 * q + 2 * kv) * c + d.heads * 4) / r.head_chunks
+    if grouped and r.cp <= 1:  # cp 1 in head groups: one group's recomputed output and LSE, its output gradient
+        # made contiguous for the kernel and its dq, dk, dv before they are written into the whole ones
+        attn_grads += ((3 * q + 2 * kv) * c + d.heads * 4) / r.head_chunks
     embed = 0.0 if r.activation_offloaded else h * c
     rope = 2 * d.head_dim * c
     final = 3 * h * c
