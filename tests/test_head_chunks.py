@@ -194,3 +194,186 @@ def test_plan_search_offers_head_groups_and_their_keys():
     assert layout.text == "cp 2 ulysses h/4"
     assert "distributed.ulysses_head_chunks=4" in layout.overrides()
     assert "distributed.ulysses_head_chunks" not in " ".join(Layout(1, 2, 1, "ulysses").overrides())
+
+
+# ------------------------------------------------------------------ without CP: model.attention_head_chunks
+
+
+def _gqa(kind: str, dtype: torch.dtype, attn: str = "sdpa", **kw):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=8, vocab_size=50, max_position_embeddings=64, **kw)  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).train()
+
+
+def _grouped_batch(packed: bool) -> dict:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (2, 27), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if packed:  # documents by position_ids restarts: transformers' packed mask, built for the inner implementation
+        batch["position_ids"] = torch.cat([torch.arange(11), torch.arange(16)]).expand(2, -1).clone()
+    return batch
+
+
+def _loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # noqa: ANN001
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(got, want, bound: float) -> None:  # noqa: ANN001
+    assert abs(float(got[0] - want[0])) <= bound * abs(float(want[0]))
+    assert got[1].keys() == want[1].keys() and len(want[1]) > 0
+    for n, g in want[1].items():
+        assert float((got[1][n] - g).abs().max()) <= bound * float(g.abs().max().clamp_min(1e-30)), n
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_head_groups_without_cp_give_the_same_loss_and_gradients(kind, dtype, packed):
+    """cp=1: 2 and 4 groups of whole KV heads (8 heads / 4 KV heads) give the ungrouped loss and every gradient
+    (fp32 rel <= 1e-6, fp64 <= 1e-15), packed rows included; every call ran its groups, each recomputed once."""
+    from automodel.models.attention_head_chunks import (
+        ATTENTION_HEAD_GROUP_COUNTS,
+        apply_attention_head_chunks,
+        remove_attention_head_chunks,
+    )
+
+    base = _gqa(kind, dtype)
+    batch = _grouped_batch(packed)
+    want = _loss_and_grads(base, batch)
+    bound = 1e-15 if dtype == torch.float64 else 1e-6
+    for chunks in (2, 4):
+        model = copy.deepcopy(base)
+        assert apply_attention_head_chunks(model, chunks) == 2
+        assert model.config._attn_implementation == "automodel_head_groups_sdpa"
+        ATTENTION_HEAD_GROUP_COUNTS.reset()
+        _assert_same(_loss_and_grads(model, batch), want, bound)
+        c = ATTENTION_HEAD_GROUP_COUNTS
+        assert (c.calls, c.groups, c.recomputed, c.max_groups) == (2, 2 * chunks, 2 * chunks, chunks)
+        assert remove_attention_head_chunks(model) == 2 and model.config._attn_implementation == "sdpa"
+
+
+def test_attention_head_groups_compose_with_the_tiled_layer_checkpointing_offload_and_compile():
+    """cp=1, packed rows, fp32: head groups inside the tiled layer's core with the tiled MLP, activation checkpointing
+    and offload, then under torch.compile of the blocks (aot_eager): the plain run's loss and gradients."""
+    from automodel.models.attention_head_chunks import (
+        ATTENTION_HEAD_GROUP_COUNTS,
+        apply_attention_head_chunks,
+    )
+    from automodel.models.block_call import apply_activation_checkpointing
+    from automodel.models.compile import compile_decoder_blocks
+    from automodel.models.tiled_layer import apply_tiled_layer, layer_tile_counts
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+    from automodel.training.activation_offload import apply_activation_offload
+
+    base = _gqa("qwen3", torch.float32)
+    batch = _grouped_batch(True)
+    want = _loss_and_grads(base, batch)
+    model = copy.deepcopy(base)
+    apply_tiled_mlp(model, 6)
+    apply_tiled_layer(model, 5)
+    apply_attention_head_chunks(model, 4)
+    apply_activation_checkpointing(model)
+    store = apply_activation_offload(model)
+    ATTENTION_HEAD_GROUP_COUNTS.reset()
+    _assert_same(_loss_and_grads(model, batch), want, 1e-6)
+    c = ATTENTION_HEAD_GROUP_COUNTS  # forward + checkpoint's recomputation, each 2 layers x 4 groups; backward 8
+    assert (c.calls, c.groups, c.recomputed) == (4, 16, 8)
+    assert sum(t.calls for t in layer_tile_counts(model)) == 4 and store.stats().peak_host_bytes > 0
+    compiled = copy.deepcopy(base)
+    apply_attention_head_chunks(compiled, 2)
+    apply_activation_checkpointing(compiled)
+    compile_decoder_blocks(compiled, backend="aot_eager")
+    ATTENTION_HEAD_GROUP_COUNTS.reset()
+    _assert_same(_loss_and_grads(compiled, batch), want, 1e-6)
+    assert ATTENTION_HEAD_GROUP_COUNTS.groups == 8
+
+
+def test_attention_head_groups_refuse_what_they_cannot_group():
+    from automodel.errors import UserInputError
+    from automodel.models.attention_head_chunks import apply_attention_head_chunks
+
+    with pytest.raises(UserInputError, match=r"model.attention_head_chunks=3 does not divide the model's 4 KV head"):
+        apply_attention_head_chunks(_gqa("llama", torch.float32), 3)
+    dropout = _gqa("llama", torch.float32, attention_dropout=0.1)
+    apply_attention_head_chunks(dropout, 2)
+    with pytest.raises(ValueError, match="runs attention dropout 0.1 in training"):
+        dropout(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        sinks = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=50, num_local_experts=2, num_experts_per_tok=1))  # fmt: skip
+    with pytest.raises(UserInputError, match="per-head sink logits; set model.attention_head_chunks=null"):
+        apply_attention_head_chunks(sinks, 2)
+
+
+def test_attention_head_chunks_config_rules():
+    cp1 = ("distributed.cp_size=1", "++model.config.num_key_value_heads=2")
+    msg = _problems(*cp1, "++model.attention_head_chunks=4", world=1)
+    assert "model.attention_head_chunks=4 does not divide model.config's 2 KV head(s)" in msg and "[1, 2]" in msg
+    msg = _problems("++model.attention_head_chunks=2")  # cp_size=2 (Ulysses)
+    assert "distributed.cp_size=2 runs distributed.cp_method=ulysses" in msg
+    assert "set model.attention_head_chunks=null" in msg and "distributed.ulysses_head_chunks=2" in msg
+    assert "must be null, 'auto' or a positive integer" in _problems(*cp1, "++model.attention_head_chunks=0", world=1)
+    msg = _problems(*cp1, "distributed.tp_size=2", "++model.attention_head_chunks=2", world=2)
+    assert "model.attention_head_chunks=2 with distributed.tp_size=2" in msg
+    for value in ("2", "auto", "null"):
+        assert load_config(["--config", ULYSSES, *cp1, f"++model.attention_head_chunks={value}"], world_size=1).cfg
+
+
+def test_the_plan_counts_one_head_group_at_cp1_and_the_search_offers_it():
+    from automodel.config.gpu_specs import GPU_SPECS
+    from automodel.training.plan_search import Layout
+    from automodel.training.step_estimate import estimate_step
+
+    d = LLAMA_8B
+    one = dict(cp=1, method="ring", tiled_layer=True, activation_offload=True, offload="all")
+    whole, grouped = plan_memory(d, _shape(1, **one)), plan_memory(d, _shape(8, **one))
+    # cuDNN's / flash's buffers of one call: one group's heads
+    assert grouped.terms["attention kernel"].bytes == pytest.approx(whole.terms["attention kernel"].bytes / 8, rel=1e-3)
+    assert "[1, 4 heads (1 KV)" in grouped.terms["attention kernel"].note
+    n, c, q, kv = 1 << 20, 2, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    # the kernel's output and LSE are not kept (each group recomputes them); one group's tensors in the backward
+    saved = whole.by_moment["recompute"]["attention"]["activations"] - grouped.by_moment["recompute"]["attention"]["activations"]
+    assert saved == pytest.approx(n * (q * c + d.heads * 4) - n * ((3 * q + 2 * kv) * c + d.heads * 4) / 8)
+    assert grouped.total_bytes < whole.total_bytes
+    assert head_chunk_options(d, _shape(1, **one)) == [1, 2, 4, 8]
+    pick, why = head_chunks_auto_choice(d, _shape(1, **one))
+    assert pick > 1 and why.startswith("model.attention_head_chunks=auto")
+    sizes = {"dp_replicate": 1, "dp_shard": 1, "dp": 1, "cp": 1, "tp": 1}
+    e1, e8 = (estimate_step(d, _shape(g, **one), sizes, 1, 1, GPU_SPECS["h100"], 8) for g in (1, 8))
+    assert e8.attention_flops == pytest.approx(e1.attention_flops * 5 / 4)  # the groups' forward once more
+    layout = Layout(1, 1, 1, None, False, (), 8)
+    assert layout.text == "h/8" and "model.attention_head_chunks=8" in layout.overrides()
+
+
+def test_the_run_log_says_how_many_head_groups_ran():
+    from automodel.models.attention_head_chunks import apply_attention_head_chunks
+    from automodel.training.technique_report import (
+        collect_technique_report,
+        reset_technique_counts,
+        technique_lines,
+        technique_problems,
+    )
+
+    model = _gqa("llama", torch.float32)
+    apply_attention_head_chunks(model, 2)
+    reset_technique_counts(model, None)
+    _loss_and_grads(model, _grouped_batch(False))
+    report = collect_technique_report(model, None, 1, attention_head_chunks=2)
+    assert report["attention_head_groups"] == {"head_chunks": 2, "calls": 2, "groups": 4, "recomputed": 4,
+                                               "max_groups": 2}  # fmt: skip
+    assert ("attention head groups (model.attention_head_chunks=2, no CP): 2 attention call(s) in 2 head groups each, "
+            "4 group(s) run one at a time in the forward and 4 recomputed group by group in the backward "
+            "(1 micro-batch(es))") in technique_lines(report)  # fmt: skip
+    assert technique_problems(report) == []
+    reset_technique_counts(model, None)
+    problems = technique_problems(collect_technique_report(model, None, 1, attention_head_chunks=2))
+    assert "model.attention_head_chunks=2 but 0 attention call(s) ran 0 head group(s)" in problems[0]
