@@ -2,7 +2,8 @@
 adapter-only gradients / optimizer state / checkpoints, exact resume, and the export.
 
 Two launches for the whole module: a 2-rank gloo group (ring cp=2 with activation checkpointing and
-the export; Ulysses cp=2; ring cp=2 with activation offload and ``model.tiled_layer``; ring cp=2 stopped by SIGTERM after step 3 and resumed) and a 1-rank group
+the export; Ulysses cp=2; ring cp=2 with activation offload and ``model.tiled_layer``; cp=1 over FSDP2's 2 ranks with
+``model.attention_head_chunks=2`` and the tiled layer; ring cp=2 stopped by SIGTERM after step 3 and resumed) and a 1-rank group
 (the single-device reference). Same seed, same global batch, 6 steps.
 
 Measured on CPU: cp=2 vs cp=1 differs by ~1e-7 relative in the loss (ring and Ulysses); the bound
@@ -51,7 +52,7 @@ def test_reference_learns(runs):
     assert losses[STEPS] < losses[1] - 0.05  # the adapters train, so parity is not about a frozen model
 
 
-@pytest.mark.parametrize("name", ["ring_cp2", "ulysses_cp2", "tiled_cp2"])
+@pytest.mark.parametrize("name", ["ring_cp2", "ulysses_cp2", "tiled_cp2", "groups_dp2"])
 def test_cp2_matches_single_device(runs, name):
     ref, run = runs["ref"], runs[name]
     print(
@@ -81,6 +82,13 @@ def test_the_cp_methods_really_ran(runs):
     assert tl["layers"] == 2 and tl["layers_tiled"] == 2 and tl["calls"] > 0, tl
     assert tl["backward_tiles"] > 0 and tl["max_tile_tokens"] <= 24, tl
     assert runs["ring_cp2"]["tiled_layer"] is None
+    # model.attention_head_chunks=2 at cp_size=1: every attention call (forward and checkpointed recomputation) in 2
+    # head groups, each recomputed once in the backward
+    hg = runs["groups_dp2"]["head_groups"]
+    assert hg["head_chunks"] == 2 and hg["calls"] > 0 and hg["groups"] == 2 * hg["calls"], hg
+    assert hg["recomputed"] * 2 == hg["groups"], hg
+    assert runs["groups_dp2"]["attn_impl"] == "automodel_head_groups_sdpa"
+    assert runs["ring_cp2"]["head_groups"] is None
 
 
 def test_base_weights_bit_identical_and_every_adapter_trained(runs):

@@ -64,6 +64,7 @@ def _summary(trainer: FinetuneTrainer, result) -> dict:
         "lr_last": trainer.optimizer.param_groups[0]["lr"],
         "headwise": (trainer.technique_report or {}).get("headwise_ulysses"),  # the run log's technique line
         "tiled_layer": (trainer.technique_report or {}).get("tiled_layer"),
+        "head_groups": (trainer.technique_report or {}).get("attention_head_groups"),
     }
 
 
@@ -151,8 +152,9 @@ def single(rank: int, world_size: int, out: str) -> dict:
 
 def pair(rank: int, world_size: int, out: str) -> dict:
     """World 2: ring cp=2 with activation checkpointing and the export; Ulysses cp=2 in 2 head groups with
-    checkpointing and activation offload; ring cp=2 with checkpointing, activation offload and the tiled layer; ring cp=2
-    stopped by SIGTERM after step 3 and resumed from its adapter-only checkpoint."""
+    checkpointing and activation offload; ring cp=2 with checkpointing, activation offload and the tiled layer; cp=1 over
+    FSDP2's 2 ranks with the attention in 2 head groups and the tiled layer; ring cp=2 stopped by SIGTERM after step 3
+    and resumed from its adapter-only checkpoint."""
     out_dir = Path(out)
     results: dict = {}
     ring = ["distributed.cp_size=2", "model.activation_checkpointing=true"]
@@ -192,6 +194,13 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     # model.tiled_layer (tiles of 24 tokens) with LoRA, FSDP2, ring, checkpointing and activation offload
     results["tiled_cp2"] = _run(world_size, out_dir, "tiled_cp2", [*ring, "model.activation_offload=true",
                                                                    "model.tiled_layer=24"])  # fmt: skip
+
+    # model.attention_head_chunks (cp_size=1, 2 head groups) with LoRA, FSDP2 over the 2 ranks, checkpointing and the
+    # tiled layer: the single-device reference too
+    results["groups_dp2"] = _run(world_size, out_dir, "groups_dp2", ["distributed.cp_size=1",
+                                                                     "model.attention_head_chunks=2",
+                                                                     "model.activation_checkpointing=true",
+                                                                     "model.tiled_layer=24"])  # fmt: skip
 
     first = _run(world_size, out_dir, "resume", ring, hooks=_sigterm_at(3))
     first.pop("adapters")
