@@ -377,3 +377,35 @@ def test_the_run_log_says_how_many_head_groups_ran():
     reset_technique_counts(model, None)
     problems = technique_problems(collect_technique_report(model, None, 1, attention_head_chunks=2))
     assert "model.attention_head_chunks=2 but 0 attention call(s) ran 0 head group(s)" in problems[0]
+
+
+@pytest.mark.parametrize("method", ["ulysses", "thd_docs"])
+def test_attention_head_groups_wrap_the_document_attention_a_method_runs_at_cp1(method):
+    """Packed rows at cp_size=1 where the reference is a method's document-aware attention on the one rank: grouped
+    around it (the inner implementation), the same loss and gradients (fp64, bit for bit on CPU)."""
+    from automodel.distributed.cp.bind import bind_cp_method
+    from automodel.models.attention_head_chunks import (
+        ATTENTION_HEAD_GROUP_COUNTS,
+        apply_attention_head_chunks,
+    )
+
+    base = _gqa("llama", torch.float64)
+    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(5))
+    lens = torch.tensor([[10, 14], [24, -1000]])
+    pos = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]), torch.arange(24)])
+    results = []
+    for chunks in (None, 2):
+        model = copy.deepcopy(base)
+        fn, _ = bind_cp_method(method, model, None, 1, packed=True, trust_own_forward=False)
+        apply_attention_head_chunks(model, chunks)
+        ATTENTION_HEAD_GROUP_COUNTS.reset()
+        ctx, local = fn(None, {"input_ids": ids, "labels": ids.clone(), "seq_lens": lens, "seq_lens_padded": lens,
+                               "position_ids": pos})  # fmt: skip
+        with ctx():
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+            loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()], model.config._attn_implementation))
+    assert results[1][2] == f"automodel_head_groups_{method}" and ATTENTION_HEAD_GROUP_COUNTS.groups == 4
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))

@@ -62,7 +62,11 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   part's backward holds the output's, the attention output's and the input's gradients (``2 h + q``), the
   attention's backward (the post part's copy freed) the input's and the attention output's gradients and dq, dk, dv
   (``h + 2 q + 2 kv``) beside the CP workspace and the kernel's buffers (:func:`_tiled_layer_terms`; measured by
-  ``scripts/bench_memory.py --tiled-layer only``: Ulysses +0%, with 2 head groups +9%; ring conservative).
+  ``scripts/bench_memory.py --tiled-layer only``: Ulysses +0%, with 2 head groups +9%; ring conservative). Without CP
+  with ``model.attention_head_chunks=G`` (``RunShape.head_chunks`` at cp 1) no kernel output nor LSE is saved either,
+  and the attention's backward adds one group's recomputed output and LSE, its output gradient made contiguous and its
+  dq, dk, dv (``((3 q + 2 kv) c + 4 heads) / G``; ``scripts/bench_memory.py --head-groups only``: within 5%); the
+  untiled layer's terms stay as without groups (on the safe side).
 * attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
   token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
   additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the backward's full-row gradients of the
@@ -82,7 +86,8 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   ``model.attention_backend`` and, for ``auto``, the GPU: :func:`planned_kernel`) allocates in one call's
   backward beyond its gradients, e.g. flash's fp32 dQ accumulator and, under GQA, dK/dV for every query head
   (:func:`automodel.distributed.cp.attention_kernels.kernel_buffers`, cited per buffer in docs/long_context.md);
-  0 for the CPU kernels the activations are calibrated on.
+  0 for the CPU kernels the activations are calibrated on. Without CP, ``model.attention_head_chunks=G`` makes it one
+  head group's call (``heads / G``, ``kv_heads / G``).
 * mixture-of-experts layers: the MLP's saved tensors are each routed copy's (``k (2 h + 4 I_e)``), the shared
   experts' (``4 I_s``) and the router's fp32 probabilities (``4 E + 16 k`` bytes) per token (:func:`_mlp_moments`).
 * logits and loss: plain: the fp32 log-softmax output, the incoming gradient and the logits
