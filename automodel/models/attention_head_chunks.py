@@ -16,8 +16,9 @@ groups of whole KV heads with their query heads, one group after another:
   dq, dk, dv are written into the whole gradients, its recomputed output, LSE and kernel buffers freed before the
   next group. This is what each group under a non-reentrant checkpoint does in
   :func:`~automodel.distributed.cp.head_chunks.run_head_groups`, without the step where that function's ``unbind``
-  stacks the groups' gradients (at cp 1 the groups' dq/dk/dv are full-row tensors: stacking them would hold two
-  copies of dq, dk and dv at once).
+  views take their gradients back: autograd's unbind backward stacks the groups' gradients once all have arrived,
+  so the pieces and the stacked copy would both exist (at cp 1 the pieces are full-row dq, dk, dv; under Ulysses
+  they are the rank's local share, which is why it is cheap there).
 
 Exact: each head's attention is the same computation on the same values; a KV head's gradient sums over its query
 heads, all in its group. The cost: one more attention forward per layer in the backward (with activation
@@ -247,7 +248,8 @@ def _register(inner: str | None) -> str:
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules that call an attention function: those with a ``config`` and q/k/v projections (or a fused one)."""
+    """The modules that call an attention function: those with a ``config`` and ``num_key_value_groups`` (transformers'
+    attention modules of the layer kinds :func:`head_groups_layer_problem` allows)."""
     out = []
     for m in model.modules():
         if hasattr(m, "config") and getattr(m, "num_key_value_groups", None) is not None:
@@ -261,7 +263,8 @@ def apply_attention_head_chunks(model: nn.Module, chunks: int | None) -> int:
     the attention modules grouped (0 for ``None`` / 1).
 
     Mutates: each attention module gets the groups and the inner implementation name; the model's attention
-    implementation becomes :data:`GROUPED_ATTN_NAME` (:func:`remove_attention_head_chunks` undoes it).
+    implementation becomes ``automodel_head_groups_<inner>`` (:func:`_register`; :func:`remove_attention_head_chunks`
+    undoes it).
 
     Raises:
         UserInputError: as :func:`check_attention_head_chunks_for_model`, or the model refused the switch.
