@@ -39,6 +39,11 @@ at cp=2 on a model with 16 heads / 8 KV heads (tiled MLP, so the step peaks in t
 peak against the plan, one attention block's tracked peak against ``1/G`` of the unchunked one plus the
 projections, the step's CPU time against the unchunked one, and the losses (equal).
 
+Then (``--head-groups also``, the default; ``--head-groups only`` for these alone) **attention head groups without CP**
+(issue 42, ``model.attention_head_chunks``): cp=1 in one process (16 heads / 8 KV heads, checkpointing, tiled MLP),
+untiled and with the tiled layer, 1, 2 and 8 head groups: the tracked step peak against the plan (held to
+``--tolerance``), the step's CPU time against the ungrouped run, the losses (equal) and that the groups ran.
+
 On a CPU the "device" and the host are one memory, so RSS cannot show what an offload moved: those rows
 count the **tracked allocations** (:class:`scripts.live_tensors.AllocationTracker`, the bytes of the storages
 ops create, as a device allocator would) with the offload's host buffers and the host optimizer's step left out: the
@@ -51,6 +56,7 @@ when a row is off by more than ``--tolerance`` (10%), the tiled ratio is above 0
     nice python scripts/bench_memory.py --wide only                  # the issue-35 rows alone (~10 min)
     nice python scripts/bench_memory.py --headwise only              # headwise Ulysses at cp=2 (issue 42)
     nice python scripts/bench_memory.py --tiled-layer only           # model.tiled_layer at cp=2 (issue 42)
+    nice python scripts/bench_memory.py --head-groups only           # model.attention_head_chunks at cp=1 (issue 42)
 """
 
 from __future__ import annotations
@@ -743,8 +749,7 @@ def head_groups_rows(args: argparse.Namespace) -> bool:
     print("|---|---|---|---|---|---|---|---|")
     ok = True
     for tiled in (False, True):
-        counts = [1, 2, 8] if not tiled else [1, 2, 8]
-        settings = [[f"G{g}", tiled, g] for g in counts]
+        settings = [[f"G{g}", tiled, g] for g in (1, 2, 8)]
         ranks = run_on_ranks("scripts.bench_memory:head_groups_worker", world, args.timeout, model_kw=model_kw,
                              seq=seq, chunk=chunk, settings=settings)  # fmt: skip
         base = ranks[0]["G1"]
