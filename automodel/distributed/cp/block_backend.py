@@ -89,9 +89,9 @@ class BlockSpec:
         causal: lower-right causal; square: the block has as many queries as keys.
         masked: an explicit ``allowed`` mask (windows, chunks, documents inside a block).
         sinks: per-head sink logits; softcap: logit soft-capping.
-        grouped: fewer key/value heads than query heads (GQA). cuDNN takes them as they are where the installed
-            torch's op does (``CudaCaps.cudnn_gqa``); flash and memory-efficient get K/V repeated per query head
-            (:attr:`Choice.expand_kv` says which).
+        grouped: fewer key/value heads than query heads (GQA). cuDNN and flash take them as they are where the
+            installed torch's op does (``CudaCaps.cudnn_gqa`` / ``flash_gqa``); memory-efficient gets K/V repeated
+            per query head (:attr:`Choice.expand_kv` says which).
     """
 
     dtype: torch.dtype

@@ -8,13 +8,19 @@ of queries ``[B, Hq, n, D]`` against keys ``[B, Hkv, m, D]`` and values ``[B, Hk
 
 - SDPA flash / memory-efficient (``aten._scaled_dot_product_flash_attention`` /
   ``_scaled_dot_product_efficient_attention`` and their ``_backward`` ops, which take an output and an
-  LSE, so the merged ones give the exact gradient, as in torch's ring attention). K/V are repeated per
-  query head (GQA) and their gradients summed back; head sizes are zero-padded to one multiple of 8
+  LSE, so the merged ones give the exact gradient, as in torch's ring attention). Flash takes grouped K/V
+  (GQA) as they are (``aten_schemas.GROUPED_KV``); for memory-efficient they are repeated per query head and their
+  gradients summed back; head sizes are zero-padded to one multiple of 8
   (MLA), which is exact; a mask or a rectangular causal block becomes an additive bias (efficient only).
 - cuDNN (``aten._scaled_dot_product_cudnn_attention`` and its ``_backward``, which take the output and the
   LSE as well, as torch's own ring attention uses them): under ``auto`` before flash on the GPUs and cuDNN
   versions torch's SDPA prefers it on (``CudaCaps.cudnn_preferred``), or where ``model.attention_backend=cudnn``
-  pins it (:func:`~automodel.distributed.cp.attention_kernels.pinned_kernel`); the same padding and K/V repeat.
+  pins it (:func:`~automodel.distributed.cp.attention_kernels.pinned_kernel`); the same padding, grouped K/V as they
+  are.
+- cuDNN's packed-row call (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``):
+  all documents of a packed row (:func:`varlen_documents`, Ulysses) or a set of blocks of one kind
+  (:func:`packed_forward` / :func:`packed_backward`, thd and thd_docs), where the installed torch runs that call
+  itself (:func:`~automodel.distributed.cp.block_backend.varlen_choice` / ``packed_choice``).
 - FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA): soft-capping as a
   ``score_mod``, masks as a block mask, native GQA, and sinks joined by an exact merge of the sink
   column with its differentiable LSE. Its explicit backward recomputes the block under autograd and
@@ -491,8 +497,9 @@ def cuda_block_backward(
 class _CudnnVarlen(torch.autograd.Function):
     """All documents of a packed stream in one cuDNN call (``aten._cudnn_attention_forward`` with ``cum_seq_q`` /
     ``cum_seq_k``) and its backward op; q/k/v ``[T, H, D]`` with equal head counts (the caller repeats grouped K/V,
-    as torch's own ``varlen_attn`` does). The LSE (``[T, H, 1]`` fp32, ``aten_schemas.LSE_LAYOUT``) stays inside:
-    it is handed back to the backward op as the forward returned it."""
+    as torch 2.14's own ``varlen_attn`` requires). The LSE (``[H, T]`` fp32 on torch 2.14-2.15,
+    ``aten_schemas.VARLEN_LSE_LAYOUT``) stays inside: it is handed back to the backward op as the forward returned
+    it."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu, max_len, causal, scale):  # type: ignore[override]

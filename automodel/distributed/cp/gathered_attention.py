@@ -16,7 +16,8 @@ Kernels (one key, ``kernel=``; an unavailable kernel is a ``ValueError``, never 
   each of its two local query chunks (global chunk ``j``), the keys are the document's prefix
   ``[0, j*c)`` (no mask) and the diagonal block ``[j*c, (j+1)*c)`` (causal). Both are blocks of
   :mod:`automodel.distributed.cp.blocks` (the CPU flash kernel on CPU; torch's fused kernels on
-  CUDA), merged with their log-sum-exp (:func:`~automodel.distributed.cp.blocks.merge`). This is lower-right causal
+  CUDA, where all prefix blocks and all diagonal blocks each run as ONE packed-row cuDNN call where torch runs that
+  call: :mod:`automodel.distributed.cp.block_sets`), merged with their log-sum-exp (:func:`~automodel.distributed.cp.blocks.merge`). This is lower-right causal
   alignment by construction, with no mask tensor at all: memory is the blocked kernel's, never
   ``[T_local, S]``. The autograd function saves only the LOCAL q/k/v, the output and the LSE; the
   backward re-gathers K/V, runs the kernels' backward per block with the merged output and LSE

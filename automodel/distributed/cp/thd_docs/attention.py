@@ -9,7 +9,9 @@ as one row ``[1, T_r]`` (``T_r`` may differ between ranks) with the tokens' glob
   communication at all;
 - a **chunk of a split document** (head-tail over the ``k`` ranks of its span): the chunk's diagonal
   block (causal) and its prefix in the document (no mask), merged with their log-sum-exp
-  (:mod:`automodel.distributed.cp.blocks`), as ring attention does. The prefix's K/V are lent by the
+  (:mod:`automodel.distributed.cp.blocks`), as ring attention does. On CUDA all diagonal blocks and all prefix
+  blocks of a call each run as ONE packed-row cuDNN call where torch runs that call
+  (:mod:`automodel.distributed.cp.block_sets`; the key stream is the local K/V followed by the borrowed chunks). The prefix's K/V are lent by the
   other ranks of the span point to point (:mod:`automodel.distributed.cp.exchange.p2p`):
   each sends its head chunk to every other span rank and its tail chunk only to the span ranks before
   it (only they attend to it). No other rank takes part.
