@@ -465,7 +465,8 @@ def check_kernel_varlen(kernel: str, dtype: torch.dtype, device: torch.device, d
 
 def check_kernel_packed(kernel: str, dtype: torch.dtype, device: torch.device, dry: bool) -> Result:
     """thd's gathered-K/V kernel (``gathered_attention._portable_forward`` / ``_backward``) on both ranks' shares of a
-    row of three documents (:data:`PACKED_DOC_LENS`, 8 query heads over 2 KV heads) with ``kernel`` pinned: its
+    row of three documents (:data:`PACKED_DOC_LENS`, 8 query heads over 2 KV heads; over 8 where the packed call
+    takes equal heads only, torch 2.14) with ``kernel`` pinned: its
     prefix and diagonal blocks each in ONE packed-row call where ``block_backend.packed_choice`` takes them (cuDNN,
     torch >= 2.14; the diagonal blocks from 2.15), the other set per block; output and dQ / dK / dV against each
     document's causal fp32 math alone. SKIP with the reason where neither set takes the packed call."""
@@ -478,14 +479,15 @@ def check_kernel_packed(kernel: str, dtype: torch.dtype, device: torch.device, d
     name = f"kernels/{kernel}/packed/{str(dtype).replace('torch.', '')}"
     if dry:
         return Result(name, "SKIP", "a packed-row call needs CUDA (--dry runs FlexAttention only)")
-    d, hq, hkv, lens, world = 128, 8, 2, PACKED_DOC_LENS, 2
     caps = _kernel_caps(device, dry)
+    # 8 query heads over 2 KV heads where the packed call takes grouped K/V (torch 2.15), else 8 over 8 (2.14's gate)
+    d, hq, hkv, lens, world = 128, 8, 2 if caps is not None and caps.cudnn_varlen_gqa else 8, PACKED_DOC_LENS, 2
     max_q = max(lens) // (2 * world)
     taken = [what for what, causal in (("prefix", False), ("diagonal", True))
-             if bb.packed_choice(bb.BlockSpec(dtype, d, d, causal=causal, grouped=True), caps, kernel, causal=causal,
-                                 max_q=max_q)]  # fmt: skip
+             if bb.packed_choice(bb.BlockSpec(dtype, d, d, causal=causal, grouped=hkv < hq), caps, kernel,
+                                 causal=causal, max_q=max_q)]  # fmt: skip
     if not taken:
-        spec = bb.BlockSpec(dtype, d, d, grouped=True)
+        spec = bb.BlockSpec(dtype, d, d, grouped=hkv < hq)
         return Result(name, "SKIP", bb.packed_refusal(spec, caps, kernel, causal=False, max_q=max_q))
     g = torch.Generator(device="cpu").manual_seed(0)
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]

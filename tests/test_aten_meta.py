@@ -111,6 +111,8 @@ def test_cudnn_takes_grouped_heads_on_the_meta_device(monkeypatch):
             return op(*args, **kwargs)
         return call
 
+    for kernel in (bb.CUDNN, bb.FLASH, bb.EFFICIENT):  # the backward's RNG-state tensors, taken before the spy
+        cuda_blocks._philox(kernel, q.device)
     monkeypatch.setattr(cuda_blocks, "_op", spy)
     for causal in (True, False):
         mk = n if causal else m  # causal: a square block (the diagonal); full: a rectangle (off-diagonal)
@@ -194,6 +196,8 @@ class _CudnnVarlenStandIn:
     fp32 in the installed release's layout: ``[H, T]`` on 2.14-2.15, ``[T, H, 1]`` before), per-block math inside."""
 
     calls: list = []
+    #: the K/V head count each call received
+    kv_heads: list = []
 
     def __call__(self, name):
         schema = getattr(torch.ops.aten, name).default._schema
@@ -208,7 +212,10 @@ class _CudnnVarlenStandIn:
     def _check(a):
         q, k, v, cq, ck = a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"]
         assert cq.dtype == ck.dtype == torch.int32 and a["attn_bias"] is None and a["dropout_p"] == 0.0
-        assert q.shape[1] == k.shape[1] == v.shape[1] and len(cq) == len(ck)
+        assert q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1] and len(cq) == len(ck)
+        if q.shape[1] != k.shape[1]:  # grouped K/V: only where the installed release's gate takes them (2.15)
+            assert aten_schemas.cudnn_varlen_problem("2.15", 91900, causal=False, max_q=None, grouped=True) is None
+        _CudnnVarlenStandIn.kv_heads.append(k.shape[1])
         if a["is_causal"]:
             assert ck is cq, "a causal packed call needs one offsets tensor for Q and K (torch 2.15's gate)"
         assert a["max_q"] == int((cq[1:] - cq[:-1]).max()) and a["max_k"] == int((ck[1:] - ck[:-1]).max())
@@ -220,6 +227,8 @@ class _CudnnVarlenStandIn:
         q, k, v, cq, ck = cls._check(a)
         assert a["compute_log_sumexp"]
         acc = torch.promote_types(q.dtype, torch.float32)  # the kernel accumulates in fp32 (fp64 stays fp64)
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
         out, lse, _ = _rect_attention(q.to(acc), k.to(acc), v.to(acc), cq, ck, a["is_causal"], a["scale"])
         return (out.to(q.dtype), _lse_of_op(lse.float()), cq, ck, a["max_q"], a["max_k"], torch.empty(()),
                 torch.empty(()), None)
@@ -230,7 +239,8 @@ class _CudnnVarlenStandIn:
         lse = a["logsumexp"]
         assert lse.shape == _lse_of_op(torch.empty(q.shape[:2])).shape and lse.dtype == torch.float32
         dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
-        q, k, v = q.to(acc), k.to(acc), v.to(acc)
+        g, hkv = q.shape[1] // k.shape[1], k.shape[1]
+        q, k, v = q.to(acc), k.repeat_interleave(g, 1).to(acc), v.repeat_interleave(g, 1).to(acc)
         dout, out, scale = a["grad_out"].to(acc), a["out"].to(acc), a["scale"]
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for s, e, c, f in zip(cq[:-1].tolist(), cq[1:].tolist(), ck[:-1].tolist(), ck[1:].tolist()):
@@ -246,6 +256,8 @@ class _CudnnVarlenStandIn:
             ds = p * (dp - (do * out[s:e]).sum(-1).transpose(0, 1)[..., None]) * scale
             dq[s:e] += torch.einsum("hnm,mhd->nhd", ds, k[c:f])
             dk[c:f] += torch.einsum("hnm,nhd->mhd", ds, q[s:e])
+        t = k.shape[0]  # grouped dK/dV: the query heads of a K/V head summed, as the op returns them
+        dk, dv = dk.view(t, hkv, g, -1).sum(2), dv.view(t, hkv, g, -1).sum(2)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
@@ -358,6 +370,8 @@ def test_flash_takes_grouped_heads_on_the_meta_device(monkeypatch):
             return op(*args, **kwargs)
         return call
 
+    for kernel in (bb.CUDNN, bb.FLASH, bb.EFFICIENT):  # the backward's RNG-state tensors, taken before the spy
+        cuda_blocks._philox(kernel, q.device)
     monkeypatch.setattr(cuda_blocks, "_op", spy)
     for causal in (True, False):
         mk = n if causal else m
@@ -394,19 +408,20 @@ def _causal_docs(q, k, v, cu, scale):
     return _rect_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), cu, cu, True, scale)[0]
 
 
-@pytest.mark.parametrize("version", ["2.14.1", "2.15.0"])
-def test_thd_blocks_in_packed_calls_equal_each_document_alone(monkeypatch, version):
+@pytest.mark.parametrize("version, hkv", [("2.14.1", 4), ("2.15.0", 2)])
+def test_thd_blocks_in_packed_calls_equal_each_document_alone(monkeypatch, version, hkv):
     """thd's gathered-K/V kernel with its prefix blocks (full) and diagonal blocks (causal) each in ONE packed-row cuDNN
-    call where torch runs it (2.15: both; 2.14: the prefix blocks only, the diagonal blocks per block): every rank's
-    output equals each document's causal attention alone, and its dQ / dK / dV (K/V gathered, GQA) equal that
-    attention's gradients, fp64 (the LSE passes through fp32, as the op returns it)."""
+    call where torch runs it (2.15: both, grouped K/V as they are; 2.14: the prefix blocks only, equal heads only, the
+    diagonal blocks per block): every rank's output equals each document's causal attention alone, and its dQ / dK /
+    dV (K/V gathered) equal that attention's gradients, fp64 (the LSE passes through fp32, as the op returns it)."""
     from automodel.distributed.cp import gathered_attention as ga
     from automodel.distributed.cp.layout import head_tail_indices
 
     _packed_caps(monkeypatch, version)
     world, lens = 2, [600, 520, 1040]  # chunks of 150, 130, 260 tokens: past 128
     cu_list = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    t, hq, hkv, d, scale = sum(lens), 4, 2, 16, 0.25
+    t, hq, d, scale = sum(lens), 4, 16, 0.25
+    _CudnnVarlenStandIn.kv_heads.clear()
     gen = torch.Generator().manual_seed(0)
     qg, kg, vg = (torch.randn(t, h, d, dtype=torch.float64, generator=gen) for h in (hq, hkv, hkv))
     cu = torch.tensor(cu_list, dtype=torch.int32)
@@ -431,6 +446,7 @@ def test_thd_blocks_in_packed_calls_equal_each_document_alone(monkeypatch, versi
         torch.testing.assert_close(dvh[0].transpose(0, 1), want[2], rtol=1e-5, atol=1e-6)
         assert [c for c in _CudnnVarlenStandIn.calls if c[0].endswith("backward")] == [
             ("_cudnn_attention_backward", c[1]) for c in want_calls]
+    assert set(_CudnnVarlenStandIn.kv_heads) == {hkv}  # grouped K/V reach the call unrepeated
     with monkeypatch.context() as m:  # the same rank without the packed call: the per-block loop, the same numbers
         m.setattr(cuda_blocks, "cuda_caps", lambda device: None)
         out_blocks, lse_blocks = ga._portable_forward(q, kh, vh, plan, scale)
@@ -485,3 +501,32 @@ def test_thd_docs_blocks_in_packed_calls_equal_each_document_alone(monkeypatch):
         assert sorted(lent) == sorted(lent0) == sorted(got)
         for key in lent:
             torch.testing.assert_close(lent[key], lent0[key], rtol=1e-5, atol=1e-6)
+
+
+def test_torch_214_keeps_grouped_blocks_out_of_the_packed_call():
+    """torch 2.14's varlen_attn hands the packed-row call equal head counts only: grouped blocks keep per-block cuDNN
+    (K/V grouped there) instead of a repeat of the whole row's keys; 2.15 takes them grouped."""
+    h100 = bb.GpuInfo.named("h100")
+    gqa = bb.BlockSpec(torch.bfloat16, 128, 128, grouped=True)
+    c14, c15 = bb.caps_for(h100, "2.14.1", 91900), bb.caps_for(h100, "2.15.0", 91900)
+    assert bb.packed_choice(gqa, c14, causal=False, max_q=200) is None
+    assert "equal head counts only" in bb.packed_refusal(gqa, c14, causal=False, max_q=200)
+    assert bb.packed_choice(gqa, c15, causal=False, max_q=200).kernel == bb.CUDNN
+    assert "not GQA" in aten_schemas.cudnn_varlen_problem("2.14", 91900, causal=False, max_q=None, grouped=True)
+
+
+def test_the_plans_packed_call_term(monkeypatch):
+    """The memory plan's term for the packed-row calls of thd / thd_docs / usp (block_sets.packed_call_bytes): the
+    key stream's K/V copies and the calls' dK/dV (4 x Hkv D per key token), the diagonal set's (4 x Hkv D per query
+    token) and the set in flight's q-sized copies (5 x Hq D per query token); only for cuDNN, and only on a torch
+    whose varlen_attn runs the call for these heads (the plan's own torch: 2.15, or 2.14 with equal heads)."""
+    from automodel.distributed.cp.block_sets import packed_call_bytes
+
+    kv, q = 2 * 128, 8 * 128
+    want = (4 * kv * 1000 + (4 * kv + 5 * q) * 100) * 2
+    for version, grouped_bytes, equal_bytes in (("2.13.0", 0, 0), ("2.14.1", 0, (4 * q * 1000 + 9 * q * 100) * 2),
+                                                ("2.15.0", want, (4 * q * 1000 + 9 * q * 100) * 2)):
+        monkeypatch.setattr(torch, "__version__", version)
+        assert packed_call_bytes(kv, q, 1000, 100, 2, bb.CUDNN) == grouped_bytes, version
+        assert packed_call_bytes(q, q, 1000, 100, 2, bb.CUDNN) == equal_bytes, version
+        assert packed_call_bytes(kv, q, 1000, 100, 2, bb.FLASH) == 0

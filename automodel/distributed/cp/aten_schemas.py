@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CALLED_OPS", "CUDNN_VARLEN_CAUSAL_FIRST_RELEASE", "CUDNN_VARLEN_FIRST_RELEASE", "CUDNN_VARLEN_MIN_CUDNN",
+__all__ = ["CALLED_OPS", "CUDNN_VARLEN_CAUSAL_FIRST_RELEASE", "CUDNN_VARLEN_GQA_FIRST_RELEASE", "CUDNN_VARLEN_FIRST_RELEASE", "CUDNN_VARLEN_MIN_CUDNN",
            "CUDNN_VARLEN_SHORT_MIN_CUDNN", "GROUPED_KV", "LSE_LAYOUT", "SCHEMAS", "SUPPORTED_RELEASES",
            "VARLEN_FOLLOWS_SDPA_FIRST_RELEASE", "VARLEN_LSE_LAYOUT", "VARLEN_OPS", "cudnn_varlen_problem",
            "cudnn_varlen_runs", "installed_schema", "schema_for", "schema_problem", "takes_grouped_kv", "torch_release",
@@ -97,6 +97,8 @@ GROUPED_KV = {"sdpa_cudnn": ("2.11", "2.15"), "sdpa_flash": ("2.11", "2.15")}
 CUDNN_VARLEN_CAUSAL_FIRST_RELEASE = "2.15"
 #: ... and for a longest query chunk of at most 128 tokens from this release, with a runtime cuDNN >= 9.24
 CUDNN_VARLEN_SHORT_MIN_CUDNN = 92400
+#: ... and with fewer K/V heads than Q heads (GQA) from this release (2.14's gate wants equal heads)
+CUDNN_VARLEN_GQA_FIRST_RELEASE = "2.15"
 #: torch's own varlen_attn runs the packed-row cuDNN call from this release, with a runtime cuDNN >= this
 CUDNN_VARLEN_FIRST_RELEASE = "2.14"
 CUDNN_VARLEN_MIN_CUDNN = 91800
@@ -270,14 +272,17 @@ def cudnn_varlen_runs(release: str, cudnn_version: int | None, capability: tuple
     return cudnn_version is not None and cudnn_version >= CUDNN_VARLEN_MIN_CUDNN and capability[0] in (9, 10)
 
 
-def cudnn_varlen_problem(release: str, cudnn_version: int | None, *, causal: bool, max_q: int | None) -> str | None:
+def cudnn_varlen_problem(release: str, cudnn_version: int | None, *, causal: bool, max_q: int | None,
+                         grouped: bool = False) -> str | None:  # fmt: skip
     """Why torch ``release``'s own ``varlen_attn`` would not run the packed-row cuDNN call for a call of this kind
     (``causal`` documents, square: one ``cu_seq`` for Q and K; or full attention of query chunks against key ranges;
-    ``max_q`` the longest query chunk, ``None``: unknown, assumed long), beyond the device rule of
-    :func:`cudnn_varlen_runs` and the dtype / head-size rules; ``None``: it runs it. Equal head counts are the
-    caller's (the glue repeats grouped K/V). Pure."""
+    ``max_q`` the longest query chunk, ``None``: unknown, assumed long; ``grouped``: fewer K/V heads than Q heads
+    handed to it as they are), beyond the device rule of :func:`cudnn_varlen_runs` and the dtype / head-size rules;
+    ``None``: it runs it. Pure."""
     if release not in SUPPORTED_RELEASES or _key(release) < _key(CUDNN_VARLEN_FIRST_RELEASE):
         return f"torch {release}'s varlen_attn never runs the packed-row cuDNN call (torch >= 2.14 does)"
+    if grouped and _key(release) < _key(CUDNN_VARLEN_GQA_FIRST_RELEASE):
+        return f"torch {release}'s varlen_attn runs the packed-row cuDNN call for equal head counts only, not GQA"
     if causal and _key(release) < _key(CUDNN_VARLEN_CAUSAL_FIRST_RELEASE):
         return f"torch {release}'s varlen_attn runs the packed-row cuDNN call for full attention only, not causal"
     if max_q is not None and max_q <= 128 and (

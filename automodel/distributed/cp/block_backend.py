@@ -128,6 +128,7 @@ class CudaCaps:
             it, whatever a pin says, for full attention of equal heads with no window and queries past 128 tokens).
         cudnn_varlen_causal: ... for causal documents too (torch >= 2.15; 2.14 runs flash for them).
         cudnn_varlen_short: ... for a longest query chunk of at most 128 tokens too (torch >= 2.15, cuDNN >= 9.24).
+        cudnn_varlen_gqa: ... with grouped K/V as they are too (torch >= 2.15; 2.14's gate wants equal heads).
         varlen_follows_sdpa: the installed torch's ``varlen_attn`` picks cuDNN or flash by SDPA's enabled backends
             and priority (torch >= 2.15), so under a flash pin or auto's order it runs flash when asked.
     """
@@ -145,6 +146,7 @@ class CudaCaps:
     flash_gqa: bool = False
     cudnn_varlen_causal: bool = False
     cudnn_varlen_short: bool = False
+    cudnn_varlen_gqa: bool = False
 
 
 @dataclass(frozen=True)
@@ -354,11 +356,20 @@ def packed_choice(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = N
     :func:`cudnn_packed_problem` is ``None``. Pure."""
     if not (pinned == CUDNN or (pinned is None and caps is not None and caps.cudnn_preferred)):
         return None
-    if cudnn_packed_problem(spec, caps, causal=causal, max_q=max_q) is not None:
+    if _packed_set_problem(spec, caps, causal=causal, max_q=max_q) is not None:
         return None
     return Choice(CUDNN, f"{'causal' if causal else 'full'} blocks in one cuDNN packed-row call "
-                  "(aten._cudnn_attention_forward with cum_seq_q / cum_seq_k)", expand_kv=spec.grouped,
-                  varlen=True)  # fmt: skip
+                  "(aten._cudnn_attention_forward with cum_seq_q / cum_seq_k)", varlen=True)  # fmt: skip
+
+
+def _packed_set_problem(spec: BlockSpec, caps: CudaCaps | None, *, causal: bool, max_q: int | None) -> str | None:
+    """:func:`cudnn_packed_problem`, and grouped K/V only where torch hands them to the call as they are (2.15):
+    the block sets never repeat K/V (a repeat of the whole row's gathered keys would cost ``Hq / Hkv`` times their
+    memory; the per-block cuDNN kernel takes them grouped instead)."""
+    if spec.grouped and caps is not None and not caps.cudnn_varlen_gqa:
+        return ("this torch's varlen_attn runs the packed-row cuDNN call for equal head counts only (torch 2.14); "
+                "the blocks keep their grouped K/V in per-block calls")  # fmt: skip
+    return cudnn_packed_problem(spec, caps, causal=causal, max_q=max_q)
 
 
 def packed_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = None, *, causal: bool,
@@ -368,7 +379,7 @@ def packed_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = 
         return f"model.attention_backend pins {pinned}, which has no packed-row call here"
     if pinned is None and (caps is None or not caps.cudnn_preferred):
         return "cuDNN is not preferred on this GPU / cuDNN (auto)"
-    return cudnn_packed_problem(spec, caps, causal=causal, max_q=max_q) or "the packed-row call does not apply"
+    return _packed_set_problem(spec, caps, causal=causal, max_q=max_q) or "the packed-row call does not apply"
 
 
 def varlen_choice(
@@ -488,6 +499,8 @@ def caps_for(gpu: GpuInfo, torch_version: str, cudnn_version: int | None) -> Cud
         flash_gqa=aten_schemas.takes_grouped_kv(FLASH, release),
         cudnn_varlen_causal=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=True, max_q=None) is None,
         cudnn_varlen_short=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=False, max_q=1) is None,
+        cudnn_varlen_gqa=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=False, max_q=None,
+                                                           grouped=True) is None,
     )  # fmt: skip
 
 

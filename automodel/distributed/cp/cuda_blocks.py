@@ -605,16 +605,13 @@ def packed_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[i
 
 
 def _packed_args(q, k, v, cu_q, cu_k, causal):
-    """The packed call's K/V (repeated per query head), offsets (one int32 tensor for Q and K of causal blocks, as
-    torch 2.15 requires), longest chunks, and the repeat ``g``."""
-    g = q.shape[1] // k.shape[1]
-    if g > 1:
-        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    """The packed call's K/V (grouped K/V as they are: ``packed_choice`` takes them only where torch does, 2.15),
+    offsets (one int32 tensor for Q and K of causal blocks, as torch 2.15 requires) and longest chunks."""
     cq = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
     ck = cq if causal else torch.tensor(cu_k, dtype=torch.int32, device=q.device)
     max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
     max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
-    return k.contiguous(), v.contiguous(), cq, ck, max_q, max_k, g
+    return k.contiguous(), v.contiguous(), cq, ck, max_q, max_k
 
 
 def _lse_layout() -> str:
@@ -639,7 +636,7 @@ def packed_forward(
         raise ValueError("causal packed blocks must be square (the packed call aligns the diagonal top-left)")
     if _packed_call(q, k, v, cu_q, cu_k, causal) is None:
         return None
-    kk, vv, cq, ck, max_q, max_k, _ = _packed_args(q, k, v, cu_q, cu_k, causal)
+    kk, vv, cq, ck, max_q, max_k = _packed_args(q, k, v, cu_q, cu_k, causal)
     got = _op("_cudnn_attention_forward")(q.contiguous(), kk, vv, None, cq, ck, max_q, max_k, True, 0.0, causal, False,
                                           scale=_scale(scale, q.shape[-1]))  # fmt: skip
     out, lse = got[0], got[1]
@@ -658,10 +655,10 @@ def packed_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, Dv])`` of the blocks of :func:`packed_forward` given the
     MERGED ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Tq, Hq]`` of their queries (exact, as for every block kernel), or
-    ``None`` where the packed call does not apply (the same rule as the forward). Grouped dK/dV are summed back."""
+    ``None`` where the packed call does not apply (the same rule as the forward). dK/dV at K/V's head count."""
     if _packed_call(q, k, v, cu_q, cu_k, causal) is None:
         return None
-    kk, vv, cq, ck, max_q, max_k, g = _packed_args(q, k, v, cu_q, cu_k, causal)
+    kk, vv, cq, ck, max_q, max_k = _packed_args(q, k, v, cu_q, cu_k, causal)
     lse_op = lse.float().transpose(0, 1) if _lse_layout() == "HT" else lse.float().unsqueeze(-1)
     # what torch's own varlen_attn hands this op without dropout (unread there): one zero uint64 pair
     seed = offset = torch.zeros(2, dtype=torch.uint64, device=q.device)
@@ -669,7 +666,4 @@ def packed_backward(
         dout.to(q.dtype).contiguous(), q.contiguous(), kk, vv, out.to(q.dtype).contiguous(), lse_op.contiguous(), seed,
         offset, None, cq, ck, max_q, max_k, 0.0, causal, scale=_scale(scale, q.shape[-1]),
     )[:3]
-    if g > 1:
-        dk = dk.view(dk.shape[0], -1, g, dk.shape[-1]).sum(2)
-        dv = dv.view(dv.shape[0], -1, g, dv.shape[-1]).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
