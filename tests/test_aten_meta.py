@@ -283,8 +283,10 @@ def test_the_cudnn_varlen_glue_against_the_installed_schema(monkeypatch, causal)
     assert spec_caps(bb.BlockSpec(torch.bfloat16, 16, 16, causal=causal, grouped=True), caps, max_len=200).kernel == bb.CUDNN
     # fp64 stands in for bf16 so the check is exact: the dtype gate is the selection's, tested above
     monkeypatch.setattr(cuda_blocks, "varlen_choice", lambda spec, c, pinned=None, **kw: bb.Choice(
-        bb.CUDNN, "test", expand_kv=spec.grouped, varlen=True))
+        bb.CUDNN, "test", expand_kv=spec.grouped and not c.cudnn_varlen_gqa, varlen=True))
+    _CudnnVarlenStandIn.kv_heads.clear()
     out = cuda_blocks.varlen_documents(q, k, v, cu, max(lens), causal, None, 0.25)
+    assert _CudnnVarlenStandIn.kv_heads == [2]  # torch 2.15: grouped K/V reach the call as they are
     ref, _, _ = _doc_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, causal, 0.25)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     dout = torch.randn_like(out)

@@ -224,7 +224,8 @@ def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
     full_docs = _spec(causal=False, grouped=True)
     for version, spec in (("2.15.0", docs), ("2.15.0", full_docs), ("2.14.1", full_docs)):
         c = bb.select_kernel(h100, version, CUDNN_919, spec, varlen=True)
-        assert (c.kernel, c.varlen, c.expand_kv) == (bb.CUDNN, True, True) and "cum_seq_q" in c.reason
+        repeat = version.startswith("2.14")  # 2.14's gate wants equal heads; 2.15 takes grouped K/V as they are
+        assert (c.kernel, c.varlen, c.expand_kv) == (bb.CUDNN, True, repeat) and "cum_seq_q" in c.reason
         assert bb.select_kernel(h100, version, CUDNN_919, spec, varlen=True, max_len=129).kernel == bb.CUDNN
     for version in ("2.11.0", "2.12.1", "2.13.0", "2.14.1"):  # varlen_attn keeps its cuDNN path off for causal rows
         c = bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True)
@@ -345,7 +346,8 @@ def test_the_cuda_slot_caps_of_this_process(monkeypatch):
 
 def test_the_dry_run_says_where_thd_blocks_run_packed():
     """kernel_plan's line names the thd / thd_docs block sets one packed-row cuDNN call takes: both on torch 2.15,
-    the prefix blocks only on 2.14 (its varlen_attn runs cuDNN for full attention only), none before or on an A100."""
+    the prefix blocks only on 2.14 and only with equal heads (its varlen_attn runs cuDNN for full attention of equal
+    heads only), none before or on an A100."""
     from automodel.distributed.cp.kernel_plan import layer_kind_kernel_lines
     from automodel.distributed.cp.profile import FULL, LayerSpec, ModelProfile
 
@@ -354,8 +356,11 @@ def test_the_dry_run_says_where_thd_blocks_run_packed():
     h100 = bb.GpuInfo.named("h100")
     line = layer_kind_kernel_lines(profile, h100, "2.15.0", CUDNN_919)[0]
     assert "thd / thd_docs prefix and diagonal blocks: one cuDNN packed-row call each per layer" in line
+    assert "packed-row" not in layer_kind_kernel_lines(profile, h100, "2.14.1", CUDNN_919)[0]  # GQA: 2.15 only
+    mha = ModelProfile("x", "X", (LayerSpec(0, FULL, qk_head_dim=128, v_head_dim=128),), 8, 8, 128, False, "sdpa",
+                       False)  # fmt: skip
     assert "thd / thd_docs prefix blocks: one cuDNN packed-row call" in layer_kind_kernel_lines(
-        profile, h100, "2.14.1", CUDNN_919)[0]
+        mha, h100, "2.14.1", CUDNN_919)[0]
     assert "packed-row" not in layer_kind_kernel_lines(profile, h100, "2.13.0", CUDNN_919)[0]
     assert "packed-row" not in layer_kind_kernel_lines(profile, bb.GpuInfo.named("a100"), "2.15.0", CUDNN_919)[0]
     assert "packed-row" not in layer_kind_kernel_lines(profile, h100, "2.15.0", CUDNN_919, pinned=bb.FLASH)[0]

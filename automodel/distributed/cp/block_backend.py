@@ -389,8 +389,8 @@ def varlen_choice(
     """The one call that takes all documents of a packed row (causal or full inside each document), or ``None``:
     each document then runs as blocks (:func:`select_backend`). Pure.
 
-    - cuDNN (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``, K/V repeated
-      per query head) where the installed torch's own ``varlen_attn`` runs that op for these documents
+    - cuDNN (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``; grouped K/V
+      repeated per query head on torch 2.14, whose gate wants equal heads, as they are on 2.15) where the installed torch's own ``varlen_attn`` runs that op for these documents
       (:func:`cudnn_packed_problem`: torch >= 2.14, cuDNN >= 9.18, compute capability 9.x / 10.x, no window, head sizes
       <= 128, the longest document ``max_len`` past 128 tokens unless torch 2.15 with cuDNN >= 9.24, and causal
       documents from torch 2.15 only) and ``auto`` prefers cuDNN on this GPU (``caps.cudnn_preferred``) or
@@ -409,7 +409,8 @@ def varlen_choice(
     want_cudnn = pinned == CUDNN or (pinned is None and caps.cudnn_preferred)
     if want_cudnn and cudnn_takes:
         return Choice(CUDNN, "all documents of the row in one cuDNN varlen call (aten._cudnn_attention_forward "
-                      "with cum_seq_q / cum_seq_k)", expand_kv=spec.grouped, varlen=True)  # fmt: skip
+                      "with cum_seq_q / cum_seq_k)", expand_kv=spec.grouped and not caps.cudnn_varlen_gqa,
+                      varlen=True)  # fmt: skip
     # torch 2.14's varlen_attn runs cuDNN whenever its gate passes; 2.15's follows the flash pin / auto's order
     if pinned not in (None, FLASH) or (cudnn_takes and not caps.varlen_follows_sdpa):
         return None

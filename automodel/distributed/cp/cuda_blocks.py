@@ -538,7 +538,8 @@ def varlen_documents(
     ``varlen_attn``; which one (or why neither) is logged once per layer kind.
 
     Args:
-        q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (K/V are repeated per query head for GQA).
+        q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (K/V are repeated per query head for GQA, except for cuDNN's call
+            on torch 2.15, which takes them grouped as torch's own ``varlen_attn`` does).
         cu_seqlens: ``[N+1]`` int32 document offsets into the T tokens.
         max_len: the longest document.
         causal: causal inside each document (else bidirectional).
@@ -561,7 +562,7 @@ def varlen_documents(
         return None
     _log_varlen(spec, f"{choice.kernel} ({choice.reason})")
     g = q.shape[1] // k.shape[1]
-    if g > 1:
+    if g > 1 and choice.expand_kv:  # cuDNN's call takes grouped K/V where torch hands them so (2.15)
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     sc = _scale(scale, q.shape[-1])
