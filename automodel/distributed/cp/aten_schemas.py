@@ -40,8 +40,9 @@ dropout_p, is_causal, *, scale)``. Its log-sum-exp (:data:`VARLEN_LSE_LAYOUT`) i
 ``run_cudnn_SDP_fprop_nestedtensor`` (``aten/src/ATen/native/cudnn/MHA.cpp``) allocates ``{h_q, T}`` ("cuDNN wants
 T, H, 1, but torch/FA convention is H, T"), asserts "cuDNN SDPA expected a 2D (H, T) softmax_lse" in the forward
 and the backward (both messages are in the 2.14.1 and 2.15.0 ``libtorch_cuda.so``, in none of 2.11-2.13), and
-torch's own ``varlen_attn`` fake returns ``(num_heads, total_q)`` for it. Before (2.11-2.13, where torch never runs
-the call) it was ``[T, Hq, 1]``. The op is in 2.11-2.15 with one positional signature (2.14 adds keyword-only
+torch's own ``varlen_attn`` fake returns ``(num_heads, total_q)`` for it. An older ``MHA.cpp`` allocated
+``{T, h_q, 1}``; the 2.11-2.13 binaries lack the (H, T) asserts, so the table says ``[T, Hq, 1]`` there (read from
+source and strings only: torch never runs the call on those releases, and neither does the glue). The op is in 2.11-2.15 with one positional signature (2.14 adds keyword-only
 ``seqused_k`` / ``block_table``), but torch itself runs it only from 2.14, and not for every call
 (``torch.nn.attention.varlen``):
 
