@@ -17,8 +17,9 @@ Checks (docs/gpu.md says what each line means):
   backward): causal, per-document, window, chunk, sinks, softcap, MLA, GQA; fp32 (bar 1e-5 on outputs)
   and bf16 (bar 2e-2). Also ``blocks/select``: the kernel the CUDA slot picks per kind.
 - ``kernels/<kernel>/<shape>/<dtype>``: each kernel the GPU has (cuDNN, flash, memory-efficient, FlexAttention) on
-  each block shape the methods use (causal square, full, causal rectangle, GQA) against the fp32 math blocks,
-  forward and backward; ``kernels/<kernel>/speed/<32k|128k>``: its causal forward+backward TFLOP/s against what
+  each block shape the methods use (causal square, full, causal rectangle, GQA; ``varlen``: Ulysses' whole
+  documents in one call; ``packed``: thd's prefix and diagonal blocks in one packed-row cuDNN call each, two ranks'
+  shares) against the fp32 math blocks, forward and backward; ``kernels/<kernel>/speed/<32k|128k>``: its causal forward+backward TFLOP/s against what
   the step estimate assumes; ``kernels/paste/<kernel>``: a row for docs/gpu.md.
 - ``varlen``: one ``varlen_attn`` call against per-document blocks (causal and a window).
 - ``methods/<method>/ws1``: thd, thd_docs, ulysses and ring through the recipe at world size 1 on CUDA
@@ -338,8 +339,12 @@ def block_checks(device: torch.device, dry: bool, budget_s: float = 1e9) -> list
 #: the block shapes the CP methods hand the kernels: ring's diagonal block (causal square), its off-diagonal
 #: blocks (full), head-tail chunks and halos (a causal rectangle, lower-right aligned), GQA on the diagonal (K/V
 #: grouped: cuDNN takes them as they are, the others repeated), and ``varlen``: all documents of a packed row in one
-#: call (Ulysses' document blocks: cuDNN's packed-row op or flash's varlen_attn, with GQA)
-KERNEL_SHAPES = ("causal", "full", "rect", "gqa", "varlen")
+#: call (Ulysses' document blocks: cuDNN's packed-row op or flash's varlen_attn, with GQA), and ``packed``: thd's
+#: gathered-K/V kernel with its prefix blocks (full) and diagonal blocks (causal) each in one packed-row cuDNN call
+#: (what thd and thd_docs run where torch runs that call: block_backend.packed_choice), two ranks' shares, GQA
+KERNEL_SHAPES = ("causal", "full", "rect", "gqa", "varlen", "packed")
+#: the documents of the packed shape, split over 2 ranks: head-tail chunks of 150, 130 and 260 tokens (past 128)
+PACKED_DOC_LENS = (600, 520, 1040)
 #: the documents of the varlen shape (each past 128 tokens: cuDNN's packed-row call takes them)
 VARLEN_DOC_LENS = (300, 500, 224)
 #: tokens of the speed check (one row, causal): 32K and 128K on a GPU, a few hundred in --dry
@@ -387,6 +392,8 @@ def check_kernel_exact(kernel: str, shape: str, dtype: torch.dtype, device: torc
     name = f"kernels/{kernel}/{shape}/{str(dtype).replace('torch.', '')}"
     if shape == "varlen":
         return check_kernel_varlen(kernel, dtype, device, dry)
+    if shape == "packed":
+        return check_kernel_packed(kernel, dtype, device, dry)
     q, k, v, causal = _shape_case(shape, device, dtype, 512 if device.type == "cuda" and not dry else 32)
     spec = bb.BlockSpec(dtype, q.shape[-1], v.shape[-1], causal=causal, square=q.shape[2] == k.shape[2],
                         grouped=q.shape[1] != k.shape[1])  # fmt: skip
@@ -453,6 +460,68 @@ def check_kernel_varlen(kernel: str, dtype: torch.dtype, device: torch.device, d
     bar = FP32_BAR if dtype == torch.float32 else BF16_BAR
     ok = e_out <= bar and e_grad <= GRAD_BARS[dtype]
     return Result(name, "PASS" if ok else "FAIL", choice.reason if ok else f"bars: out {bar}, grad {GRAD_BARS[dtype]}",
+                  {"out_err": e_out, "grad_rel": e_grad})
+
+
+def check_kernel_packed(kernel: str, dtype: torch.dtype, device: torch.device, dry: bool) -> Result:
+    """thd's gathered-K/V kernel (``gathered_attention._portable_forward`` / ``_backward``) on both ranks' shares of a
+    row of three documents (:data:`PACKED_DOC_LENS`, 8 query heads over 2 KV heads; over 8 where the packed call
+    takes equal heads only, torch 2.14) with ``kernel`` pinned: its
+    prefix and diagonal blocks each in ONE packed-row call where ``block_backend.packed_choice`` takes them (cuDNN,
+    torch >= 2.14; the diagonal blocks from 2.15), the other set per block; output and dQ / dK / dV against each
+    document's causal fp32 math alone. SKIP with the reason where neither set takes the packed call."""
+    from automodel.distributed.cp import attention_kernels as ak
+    from automodel.distributed.cp import block_backend as bb
+    from automodel.distributed.cp import blocks
+    from automodel.distributed.cp import gathered_attention as ga
+    from automodel.distributed.cp.layout import head_tail_indices
+
+    name = f"kernels/{kernel}/packed/{str(dtype).replace('torch.', '')}"
+    if dry:
+        return Result(name, "SKIP", "a packed-row call needs CUDA (--dry runs FlexAttention only)")
+    caps = _kernel_caps(device, dry)
+    # 8 query heads over 2 KV heads where the packed call takes grouped K/V (torch 2.15), else 8 over 8 (2.14's gate)
+    d, hq, hkv, lens, world = 128, 8, 2 if caps is not None and caps.cudnn_varlen_gqa else 8, PACKED_DOC_LENS, 2
+    max_q = max(lens) // (2 * world)
+    taken = [what for what, causal in (("prefix", False), ("diagonal", True))
+             if bb.packed_choice(bb.BlockSpec(dtype, d, d, causal=causal, grouped=hkv < hq), caps, kernel,
+                                 causal=causal, max_q=max_q)]  # fmt: skip
+    if not taken:
+        spec = bb.BlockSpec(dtype, d, d, grouped=hkv < hq)
+        return Result(name, "SKIP", bb.packed_refusal(spec, caps, kernel, causal=False, max_q=max_q))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    t, scale = cu[-1], d**-0.5
+    q32 = torch.randn(t, hq, d, generator=g).to(device)
+    k32, v32 = (torch.randn(t, hkv, d, generator=g).to(device) for _ in range(2))
+    refs = [x.clone().requires_grad_(True) for x in (q32, k32, v32)]
+    ref = torch.cat([blocks.block_forward(*(x[a:b].transpose(0, 1)[None] for x in refs), causal=True, scale=scale,
+                                          backend="math")[0][0].transpose(0, 1)
+                     for a, b in zip(cu[:-1], cu[1:])])  # fmt: skip
+    e_out = e_grad = 0.0
+    for rank in range(world):
+        plan = ga.THDPlan(None, world, rank, cu, cu, max(lens))
+        local = head_tail_indices(torch.tensor(cu), world, rank).to(device)
+        q = q32[local].to(dtype).transpose(0, 1).unsqueeze(0)
+        kh, vh = (x.to(dtype).transpose(0, 1).unsqueeze(0) for x in (k32, v32))
+        dout = torch.zeros_like(q32)
+        dout[local] = torch.randn(len(local), hq, d, generator=g).to(device)
+        ak._PINNED.append(kernel)  # what attention_backend_context pushes for model.attention_backend=<kernel>
+        try:
+            out, lse = ga._portable_forward(q, kh, vh, plan, scale)
+            got = ga._portable_backward(dout[local].to(dtype).transpose(0, 1).unsqueeze(0), q, kh, vh, out, lse, plan,
+                                        scale)  # fmt: skip
+        finally:
+            ak._PINNED.pop()
+        want = torch.autograd.grad(ref, refs, dout, retain_graph=True)
+        e_out = max(e_out, _err(out[0].transpose(0, 1), ref[local].detach()))
+        pairs = zip((got[0][0].transpose(0, 1), got[1][0].transpose(0, 1), got[2][0].transpose(0, 1)),
+                    (want[0][local], want[1], want[2]))  # fmt: skip
+        e_grad = max(e_grad, *(_rel(a, b) for a, b in pairs))
+    bar = FP32_BAR if dtype == torch.float32 else BF16_BAR
+    ok = e_out <= bar and e_grad <= GRAD_BARS[dtype]
+    detail = f"packed-row calls: {', '.join(taken)} blocks"
+    return Result(name, "PASS" if ok else "FAIL", detail if ok else f"{detail}; bars: out {bar}, grad {GRAD_BARS[dtype]}",
                   {"out_err": e_out, "grad_rel": e_grad})
 
 

@@ -252,9 +252,15 @@ class _Ops:
     def __call__(self, name):
         return getattr(self, name)
 
+    #: the K/V head counts the flash stand-in received (grouped heads go to flash as they are)
+    flash_kv_heads: list = []
+
     @staticmethod
     def _scaled_dot_product_flash_attention(q, k, v, p, causal, debug, *, scale):
-        out, lse, _ = _ref_attn(q, k, v, None, causal, scale)
+        assert q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
+        _Ops.flash_kv_heads.append(k.shape[1])
+        g = q.shape[1] // k.shape[1]  # flash takes grouped heads (aten_schemas.GROUPED_KV)
+        out, lse, _ = _ref_attn(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, causal, scale)
         return out, lse.float(), None, None, q.shape[2], k.shape[2], torch.empty(2), torch.empty(()), None
 
     @staticmethod
@@ -291,7 +297,13 @@ class _Ops:
     @staticmethod
     def _scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cq, ck, n, m, p, causal, s1, s2, *, scale):
         assert lse.shape == q.shape[:3]
-        return _ref_bwd(dout, q, k, v, None, out, lse.to(q.dtype), causal, scale)
+        _Ops.flash_kv_heads.append(k.shape[1])
+        g = q.shape[1] // k.shape[1]
+        dq, dk, dv = _ref_bwd(dout, q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, out,
+                              lse.to(q.dtype), causal, scale)  # fmt: skip
+        b, _, m_, d = dk.shape
+        # grouped dK/dV, in K/V's own head count, as mha_bwd returns them (after summing its dk_expanded)
+        return dq, dk.view(b, k.shape[1], g, m_, d).sum(2), dv.view(b, v.shape[1], g, m_, dv.shape[-1]).sum(2)
 
     @staticmethod
     def _scaled_dot_product_efficient_attention_backward(
@@ -314,6 +326,7 @@ def test_sdpa_glue_matches_the_math_blocks(monkeypatch, kernel, kind, shape):
     monkeypatch.setattr(cuda_blocks, "_op", _Ops())
     monkeypatch.setattr(cuda_blocks, "_philox", lambda kernel, device: (torch.empty(()), torch.empty(())))
     _Ops.cudnn_kv_heads.clear()
+    _Ops.flash_kv_heads.clear()
     dims = dict(d=8, dv=8) if shape == "gqa" else dict(hq=2, hkv=2, d=12, dv=6)
     kw = dict(causal=True) if kind == "rect" else _kinds()[kind]
     q, k, v = _inputs(**dims, m=16 if kind == "rect" else 12)
@@ -336,8 +349,9 @@ def test_sdpa_glue_matches_the_math_blocks(monkeypatch, kernel, kind, shape):
     o, l_ = blocks.block_forward(*leaves, scale=0.4, kernel=kernel, **kw)
     with pytest.raises(RuntimeError, match="log-sum-exp got a gradient"):
         torch.autograd.grad((o * dout).sum() + l_.sum(), leaves)
-    if kernel == bb.CUDNN:  # grouped K/V reached the op unrepeated (forward and backward), on every call
-        assert _Ops.cudnn_kv_heads and set(_Ops.cudnn_kv_heads) == {k.shape[1]}
+    if kernel in (bb.CUDNN, bb.FLASH):  # grouped K/V reached the op unrepeated (forward and backward), every call
+        heads = _Ops.cudnn_kv_heads if kernel == bb.CUDNN else _Ops.flash_kv_heads
+        assert heads and set(heads) == {k.shape[1]}
 
 
 def test_cpu_keeps_its_backends():

@@ -125,7 +125,7 @@ def test_kernels_group_in_dry_mode(gc, tmp_path, monkeypatch):
     res = {x["name"]: x for x in json.loads((tmp_path / "gpu_check.json").read_text())["results"]}
     for shape in gc.KERNEL_SHAPES:
         got = res[f"kernels/flex/{shape}/float32"]
-        if shape == "varlen":  # FlexAttention has no packed-row call (and --dry has no CUDA)
+        if shape in ("varlen", "packed"):  # FlexAttention has no packed-row call (and --dry has no CUDA)
             assert got["status"] == "SKIP" and "needs CUDA" in got["detail"], got
             continue
         assert got["status"] == "PASS" and got["figures"]["out_err"] <= gc.FP32_BAR, got
@@ -153,19 +153,40 @@ def test_kernel_exactness_skips_what_the_selection_refuses_and_rows_say_failures
 
 
 def test_the_varlen_kernel_check_runs_the_packed_row_call(gc, monkeypatch):
-    """The kernels group's ``varlen`` shape end to end on CPU: cuDNN's packed-row call (stand-in ops bound to the
-    installed torch's schemas, tests/test_aten_meta.py) with H100 / torch 2.14 / cuDNN 9.19 caps, in bf16 against
-    per-document fp32 math; flash pinned there SKIPs with the reason (torch's varlen_attn would run cuDNN)."""
+    """The kernels group's ``varlen`` and ``packed`` shapes end to end on CPU: cuDNN's packed-row call (stand-in ops
+    bound to the installed torch's schemas, tests/test_aten_meta.py) with H100 / torch 2.15 / cuDNN 9.19 caps, in
+    bf16 against per-document fp32 math (Ulysses' whole documents; thd's prefix and diagonal blocks on two ranks'
+    shares); on torch 2.14 the causal documents SKIP with the reason (its varlen_attn runs cuDNN for full rows only)
+    and thd's prefix blocks alone take the call."""
     from automodel.distributed.cp import block_backend as bb
     from automodel.distributed.cp import cuda_blocks
     from tests.test_aten_meta import _CudnnVarlenStandIn
 
-    caps = bb.caps_for(bb.GpuInfo.named("h100"), "2.14.1", 91900)
-    monkeypatch.setattr(gc, "_kernel_caps", lambda device, dry: caps)
-    monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device: caps)
+    def caps_of(version):
+        caps = bb.caps_for(bb.GpuInfo.named("h100"), version, 91900)
+        monkeypatch.setattr(gc, "_kernel_caps", lambda device, dry: caps)
+        monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device: caps)
+        # the CPU stands in for the GPU's bf16 blocks with its own flash kernel's numbers: the per-block path of
+        # the set the packed call does not take runs the math blocks here
+        monkeypatch.setattr(cuda_blocks, "select_backend", lambda *a, **k: bb.Choice(bb.MATH, "CPU stand-in"))
+        return caps
+
     monkeypatch.setattr(cuda_blocks, "_op", _CudnnVarlenStandIn())
+    caps_of("2.15.0")
     got = gc.check_kernel_exact(bb.CUDNN, "varlen", torch.bfloat16, torch.device("cpu"), False)
     assert got.status == "PASS" and got.figures["out_err"] <= gc.BF16_BAR and "cum_seq_q" in got.detail, got
-    skip = gc.check_kernel_exact(bb.FLASH, "varlen", torch.bfloat16, torch.device("cpu"), False)
-    assert skip.status == "SKIP" and "varlen_attn runs cuDNN" in skip.detail, skip
+    _CudnnVarlenStandIn.calls.clear()
+    got = gc.check_kernel_exact(bb.CUDNN, "packed", torch.bfloat16, torch.device("cpu"), False)
+    assert got.status == "PASS" and got.detail == "packed-row calls: prefix, diagonal blocks", got
+    assert got.figures["out_err"] <= gc.BF16_BAR and got.figures["grad_rel"] <= gc.GRAD_BARS[torch.bfloat16], got
+    assert ("_cudnn_attention_forward", True) in _CudnnVarlenStandIn.calls
     assert gc.check_kernel_exact(bb.CUDNN, "varlen", torch.float32, torch.device("cpu"), False).status == "SKIP"
+    assert gc.check_kernel_exact(bb.FLASH, "packed", torch.bfloat16, torch.device("cpu"), False).status == "SKIP"
+    caps_of("2.14.1")
+    skip = gc.check_kernel_exact(bb.CUDNN, "varlen", torch.bfloat16, torch.device("cpu"), False)
+    assert skip.status == "SKIP" and "full attention only" in skip.detail, skip
+    _CudnnVarlenStandIn.calls.clear()
+    got = gc.check_kernel_exact(bb.CUDNN, "packed", torch.bfloat16, torch.device("cpu"), False)
+    assert got.status == "PASS" and got.detail == "packed-row calls: prefix blocks", got
+    assert {c for c in _CudnnVarlenStandIn.calls} == {("_cudnn_attention_forward", False),
+                                                       ("_cudnn_attention_backward", False)}

@@ -193,13 +193,17 @@ def test_the_cuda_slot_reads_the_process_cudnn_and_torchs_switch(monkeypatch):
 
 
 def test_gqa_reaches_cudnn_grouped_and_is_repeated_for_the_others():
-    """The selection says whether grouped K/V are repeated: cuDNN takes them as they are on torch 2.11-2.15
-    (aten_schemas.GROUPED_KV), flash and memory-efficient get them repeated; equal heads need neither."""
+    """The selection says whether grouped K/V are repeated: cuDNN and flash take them as they are on torch 2.11-2.15
+    (aten_schemas.GROUPED_KV), the memory-efficient kernel gets them repeated; equal heads need neither."""
     h100, a100 = bb.GpuInfo.named("h100"), bb.GpuInfo.named("a100")
     for version in ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"):
         c = bb.select_kernel(h100, version, CUDNN_919, CAUSAL)
         assert (c.kernel, c.expand_kv) == (bb.CUDNN, False) and "grouped K/V as they are" in c.reason, version
-    c = bb.select_kernel(a100, "2.13.0", CUDNN_919, CAUSAL)
+    for version in ("2.11.0", "2.13.0", "2.15.0"):
+        c = bb.select_kernel(a100, version, CUDNN_919, CAUSAL)
+        assert (c.kernel, c.expand_kv) == (bb.FLASH, False) and "grouped K/V as they are" in c.reason, version
+    no_flash_gqa = bb.CudaCaps((8, 0), flash_gqa=False)  # a release outside the table: flash gets them repeated
+    c = bb.select_backend("cuda", CAUSAL, no_flash_gqa)
     assert (c.kernel, c.expand_kv) == (bb.FLASH, True) and "repeated per query head" in c.reason
     assert not bb.select_kernel(a100, "2.13.0", CUDNN_919, CAUSAL, pinned=bb.CUDNN).expand_kv
     rect_gqa = bb.BlockSpec(BF16, 128, 128, causal=True, square=False, grouped=True)
@@ -212,39 +216,48 @@ def test_gqa_reaches_cudnn_grouped_and_is_repeated_for_the_others():
 
 
 def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
-    """All documents of a packed row: cuDNN's packed-row call on torch >= 2.14 with cuDNN >= 9.18 on Hopper (where
-    auto prefers cuDNN, or pinned), flash's varlen_attn elsewhere, per-document blocks where a pin rules both out."""
+    """All documents of a packed row: cuDNN's packed-row call where torch's own varlen_attn runs it (2.15: causal and
+    full documents; 2.14: full documents only, its causal varlen_attn runs flash; cuDNN >= 9.18 on Hopper, where auto
+    prefers cuDNN, or pinned), flash's varlen_attn elsewhere, per-document blocks where a pin rules both out."""
     h100, a100 = bb.GpuInfo.named("h100"), bb.GpuInfo.named("a100")
     docs = _spec(causal=True, grouped=True)
-    for version in ("2.14.1", "2.15.0"):
-        c = bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True)
-        assert (c.kernel, c.varlen, c.expand_kv) == (bb.CUDNN, True, True) and "cum_seq_q" in c.reason
-        assert bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True, max_len=129).kernel == bb.CUDNN
-    for version in ("2.11.0", "2.12.1", "2.13.0"):  # varlen_attn keeps its cuDNN path off there
+    full_docs = _spec(causal=False, grouped=True)
+    for version, spec in (("2.15.0", docs), ("2.15.0", full_docs), ("2.14.1", full_docs)):
+        c = bb.select_kernel(h100, version, CUDNN_919, spec, varlen=True)
+        repeat = version.startswith("2.14")  # 2.14's gate wants equal heads; 2.15 takes grouped K/V as they are
+        assert (c.kernel, c.varlen, c.expand_kv) == (bb.CUDNN, True, repeat) and "cum_seq_q" in c.reason
+        assert bb.select_kernel(h100, version, CUDNN_919, spec, varlen=True, max_len=129).kernel == bb.CUDNN
+    for version in ("2.11.0", "2.12.1", "2.13.0", "2.14.1"):  # varlen_attn keeps its cuDNN path off for causal rows
         c = bb.select_kernel(h100, version, CUDNN_919, docs, varlen=True)
         assert (c.kernel, c.varlen) == (bb.FLASH, True), version
     flash_cases = [
         (h100, "2.14.1", 91700, {}),  # cuDNN older than 9.18
         (a100, "2.15.0", CUDNN_919, {}),  # compute capability 8.0
         (h100, "2.15.0", CUDNN_919, {"window": 128}),  # a window: cuDNN's call takes none
-        (h100, "2.15.0", CUDNN_919, {"max_len": 128}),  # documents of at most 128 tokens
+        (h100, "2.15.0", CUDNN_919, {"max_len": 128}),  # documents of at most 128 tokens (cuDNN 9.24 takes them)
     ]
     for gpu, version, cudnn, kw in flash_cases:
         c = bb.select_kernel(gpu, version, cudnn, docs, varlen=True, **kw)
         assert (c.kernel, c.varlen) == (bb.FLASH, True), (gpu, version, cudnn, kw, c)
+    assert bb.select_kernel(h100, "2.15.0", 92400, docs, varlen=True, max_len=128).kernel == bb.CUDNN
     # pins: cuDNN where torch has no packed-row cuDNN call, and flash where torch's varlen_attn would itself run
-    # cuDNN, fall back to per-document blocks of the pinned kernel (never another kernel)
+    # cuDNN (2.14, full documents), fall back to per-document blocks of the pinned kernel (never another kernel)
     c = bb.select_kernel(h100, "2.13.0", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)
     assert (c.kernel, c.varlen) == (bb.CUDNN, False)
-    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)  # causal rows on 2.14
+    assert (c.kernel, c.varlen) == (bb.CUDNN, False)
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, full_docs, varlen=True, pinned=bb.FLASH)
     assert (c.kernel, c.varlen) == (bb.FLASH, False)
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)  # causal: varlen_attn is flash
+    assert (c.kernel, c.varlen) == (bb.FLASH, True)
     # torch 2.15's varlen_attn follows the flash pin (sdpa_kernel): one flash call
     c = bb.select_kernel(h100, "2.15.0", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)
     assert (c.kernel, c.varlen) == (bb.FLASH, True)
     c = bb.select_kernel(h100, "2.15.0", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)
     assert (c.kernel, c.varlen) == (bb.CUDNN, True)
     caps = bb.caps_for(h100, "2.14.1", CUDNN_919)
-    assert "this torch's varlen_attn runs cuDNN" in bb.varlen_refusal(docs, caps, bb.FLASH)
+    assert "this torch's varlen_attn runs cuDNN" in bb.varlen_refusal(full_docs, caps, bb.FLASH)
+    assert "full attention only" in bb.varlen_refusal(docs, caps, bb.CUDNN)
     assert "packed-row cuDNN call" in bb.varlen_refusal(docs, bb.caps_for(h100, "2.13.0", CUDNN_919), bb.CUDNN)
     assert bb.varlen_choice(docs, caps, bb.EFFICIENT) is None
 
@@ -298,10 +311,12 @@ def test_the_dry_run_says_how_gqa_and_packed_rows_run():
     old = layer_kind_kernel_lines(profile, h100, "2.13.0", CUDNN_919, packed=True)[0]
     assert "GQA: grouped K/V as they are to sdpa_cudnn, K/V repeated per query head for sdpa_efficient" in old
     assert "whole documents: one varlen_attn call (flash)" in old
-    new = layer_kind_kernel_lines(profile, h100, "2.14.1", CUDNN_919, packed=True)[0]
+    new = layer_kind_kernel_lines(profile, h100, "2.15.0", CUDNN_919, packed=True)[0]
     assert "whole documents: one cuDNN varlen call (aten._cudnn_attention_forward)" in new
+    causal_214 = layer_kind_kernel_lines(profile, h100, "2.14.1", CUDNN_919, packed=True)[0]
+    assert "whole documents: one varlen_attn call (flash)" in causal_214  # 2.14 runs cuDNN for full rows only
     a100 = layer_kind_kernel_lines(profile, bb.GpuInfo.named("a100"), "2.14.1", CUDNN_919)[0]
-    assert "GQA: K/V repeated per query head for sdpa_efficient, sdpa_flash" in a100
+    assert "GQA: grouped K/V as they are to sdpa_flash, K/V repeated per query head for sdpa_efficient" in a100
 
 
 def test_the_cuda_slot_caps_of_this_process(monkeypatch):
@@ -327,3 +342,25 @@ def test_the_cuda_slot_caps_of_this_process(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
     none = cuda_blocks._caps_of.__wrapped__(0)
     assert not (none.cudnn_op or none.cudnn_gqa or none.cudnn_varlen or none.cudnn_preferred)
+
+
+def test_the_dry_run_says_where_thd_blocks_run_packed():
+    """kernel_plan's line names the thd / thd_docs block sets one packed-row cuDNN call takes: both on torch 2.15,
+    the prefix blocks only on 2.14 and only with equal heads (its varlen_attn runs cuDNN for full attention of equal
+    heads only), none before or on an A100."""
+    from automodel.distributed.cp.kernel_plan import layer_kind_kernel_lines
+    from automodel.distributed.cp.profile import FULL, LayerSpec, ModelProfile
+
+    profile = ModelProfile("x", "X", (LayerSpec(0, FULL, qk_head_dim=128, v_head_dim=128),), 8, 2, 128, False, "sdpa",
+                           False)  # fmt: skip
+    h100 = bb.GpuInfo.named("h100")
+    line = layer_kind_kernel_lines(profile, h100, "2.15.0", CUDNN_919)[0]
+    assert "thd / thd_docs prefix and diagonal blocks: one cuDNN packed-row call each per layer" in line
+    assert "packed-row" not in layer_kind_kernel_lines(profile, h100, "2.14.1", CUDNN_919)[0]  # GQA: 2.15 only
+    mha = ModelProfile("x", "X", (LayerSpec(0, FULL, qk_head_dim=128, v_head_dim=128),), 8, 8, 128, False, "sdpa",
+                       False)  # fmt: skip
+    assert "thd / thd_docs prefix blocks: one cuDNN packed-row call" in layer_kind_kernel_lines(
+        mha, h100, "2.14.1", CUDNN_919)[0]
+    assert "packed-row" not in layer_kind_kernel_lines(profile, h100, "2.13.0", CUDNN_919)[0]
+    assert "packed-row" not in layer_kind_kernel_lines(profile, bb.GpuInfo.named("a100"), "2.15.0", CUDNN_919)[0]
+    assert "packed-row" not in layer_kind_kernel_lines(profile, h100, "2.15.0", CUDNN_919, pinned=bb.FLASH)[0]

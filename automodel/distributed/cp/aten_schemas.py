@@ -21,23 +21,45 @@ dK/dV with K/V's own head count. Its graph is built from each tensor's own sizes
 nested-tensor graphs carry ``h_q``, ``h_k``, ``h_v`` explicitly), the meta kernels of 2.11-2.15 allocate
 ``grad_key = empty_like(key)`` (``meta__scaled_dot_product_cudnn_backward``), the cuDNN maintainers state the op
 never rejected unequal head counts that divide (pytorch/pytorch issue #139586, 2024-11) and SDPA's gate lets GQA
-through to cuDNN with ``requires_same_num_heads=false`` since PR #150337 (2025-04), before 2.11. Flash and
-memory-efficient keep K/V repeated by the glue (their grouped paths expand dK/dV inside the kernel anyway).
+through to cuDNN with ``requires_same_num_heads=false`` since PR #150337 (2025-04), before 2.11. Flash takes them
+too, in every release 2.11-2.15: FlashAttention-2's ``mha_fwd`` / ``mha_bwd``
+(``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``) check only ``num_heads % num_heads_k == 0``
+(the message "Number of heads in key/value must divide number of heads in query" is in each release's
+``libtorch_cuda.so``), the backward returns ``dk = empty_like(k)`` at K/V's head count after summing its own
+``dk_expanded`` / ``dv_expanded`` (``[B, Sk, Hq, D]`` each, allocated inside the op), SDPA's own dispatch hands flash
+grouped K/V (``can_use_flash_attention``: ``backend_supports_grouped_query_attention = true``, sdp_utils.cpp), and
+the meta kernels of 2.11-2.15 return grouped dK/dV (tests/test_aten_meta.py). The memory-efficient kernel keeps
+K/V repeated by the glue (SDPA's efficient path takes equal heads only).
 
-The packed-row cuDNN call (:func:`cudnn_varlen_runs`): ``_cudnn_attention_forward(query [T, Hq, D], key [T, Hk, D],
-value [T, Hk, Dv], attn_bias=None, cum_seq_q [N+1] int32, cum_seq_k, max_q, max_k, compute_log_sumexp,
-dropout_p, is_causal, return_debug_mask, *, scale)`` returns ``(out [T, Hq, Dv], logsumexp [T, Hq, 1] fp32
-(MHA.cpp, ``run_cudnn_SDP_fprop_nestedtensor``), cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset,
-debug)``; ``_cudnn_attention_backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset,
-attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)``. The op is in 2.11-2.15 with one
-positional signature (2.14 adds keyword-only ``seqused_k`` / ``block_table``), but torch itself runs it only from 2.14:
-``torch.nn.attention.varlen``'s ``_should_use_cudnn`` returns ``False`` in 2.11-2.13 (and its unused cuDNN backward
-call there passes the arguments in another order than the schema); from 2.14 ``varlen_attn`` calls it with a runtime
-cuDNN >= 9.18 on compute capability 9.x / 10.x for equal head counts, no window and documents past 128 tokens (2.15:
-also GQA and shorter documents with cuDNN >= 9.24, and only where SDPA's enabled backends and priority put cuDNN
-before flash: :func:`varlen_follows_sdpa`). The
-glue uses it on exactly those torch releases and conditions, hands the LSE back to the backward as returned, and
-repeats grouped K/V as torch does. It has no meta kernel in 2.11-2.15, so tests/test_aten_meta.py checks its
+The packed-row cuDNN call (:func:`cudnn_varlen_runs`, :func:`cudnn_varlen_problem`): ``_cudnn_attention_forward(query
+[T, Hq, D], key [T, Hk, D], value [T, Hk, Dv], attn_bias=None, cum_seq_q [N+1] int32, cum_seq_k, max_q, max_k,
+compute_log_sumexp, dropout_p, is_causal, return_debug_mask, *, scale)`` returns ``(out [T, Hq, Dv], logsumexp,
+cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug)``; ``_cudnn_attention_backward(grad_out,
+query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+dropout_p, is_causal, *, scale)``. Its log-sum-exp (:data:`VARLEN_LSE_LAYOUT`) is ``[Hq, T]`` fp32 in 2.14-2.15:
+``run_cudnn_SDP_fprop_nestedtensor`` (``aten/src/ATen/native/cudnn/MHA.cpp``) allocates ``{h_q, T}`` ("cuDNN wants
+T, H, 1, but torch/FA convention is H, T"), asserts "cuDNN SDPA expected a 2D (H, T) softmax_lse" in the forward
+and the backward (both messages are in the 2.14.1 and 2.15.0 ``libtorch_cuda.so``, in none of 2.11-2.13), and
+torch's own ``varlen_attn`` fake returns ``(num_heads, total_q)`` for it. An older ``MHA.cpp`` allocated
+``{T, h_q, 1}``; the 2.11-2.13 binaries lack the (H, T) asserts, so the table says ``[T, Hq, 1]`` there (read from
+source and strings only: torch never runs the call on those releases, and neither does the glue). The op is in 2.11-2.15 with one positional signature (2.14 adds keyword-only
+``seqused_k`` / ``block_table``), but torch itself runs it only from 2.14, and not for every call
+(``torch.nn.attention.varlen``):
+
+- 2.11-2.13: ``_should_use_cudnn`` returns ``False`` (and its unused cuDNN backward call passes the arguments in
+  another order than the schema);
+- 2.14 (``_can_use_cudnn``): a runtime cuDNN >= 9.18 on compute capability 9.x / 10.x, fp16/bf16, head sizes
+  multiples of 8, ``max_q`` past 128, equal head counts, and ``window_size == (-1, -1)``: NOT causal (a causal call
+  is ``window_size == (-1, 0)`` there and runs flash);
+- 2.15 (``_cudnn_rejection_reasons``): the same device rule; ``max_q`` <= 128 only with cuDNN >= 9.24; causal only
+  with one ``cu_seq`` tensor for Q and K (the packed call aligns the causal diagonal top-left, which is the
+  FlashAttention semantics only for square documents); GQA taken; and only where SDPA's enabled backends and
+  priority put cuDNN before flash (:func:`varlen_follows_sdpa`).
+
+The glue calls it on exactly those releases and conditions (:func:`cudnn_varlen_problem` per call), hands the LSE
+back to the backward as returned (Ulysses' document blocks) or, where it merges blocks (thd, thd_docs), reads it as
+:data:`VARLEN_LSE_LAYOUT` says and hands the merged LSE back in the same layout; it repeats grouped K/V (exact, and
+what 2.14 requires). It has no meta kernel in 2.11-2.15, so tests/test_aten_meta.py checks its
 schema and runs the glue against a stand-in bound to that schema.
 """
 
@@ -45,9 +67,11 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CALLED_OPS", "CUDNN_VARLEN_FIRST_RELEASE", "CUDNN_VARLEN_MIN_CUDNN", "GROUPED_KV", "LSE_LAYOUT",
-           "SCHEMAS", "SUPPORTED_RELEASES", "VARLEN_FOLLOWS_SDPA_FIRST_RELEASE", "VARLEN_OPS", "cudnn_varlen_runs", "varlen_follows_sdpa", "installed_schema", "schema_for",
-           "schema_problem", "takes_grouped_kv", "torch_release"]
+__all__ = ["CALLED_OPS", "CUDNN_VARLEN_CAUSAL_FIRST_RELEASE", "CUDNN_VARLEN_GQA_FIRST_RELEASE", "CUDNN_VARLEN_FIRST_RELEASE", "CUDNN_VARLEN_MIN_CUDNN",
+           "CUDNN_VARLEN_SHORT_MIN_CUDNN", "GROUPED_KV", "LSE_LAYOUT", "SCHEMAS", "SUPPORTED_RELEASES",
+           "VARLEN_FOLLOWS_SDPA_FIRST_RELEASE", "VARLEN_LSE_LAYOUT", "VARLEN_OPS", "cudnn_varlen_problem",
+           "cudnn_varlen_runs", "installed_schema", "schema_for", "schema_problem", "takes_grouped_kv", "torch_release",
+           "varlen_follows_sdpa", "varlen_lse_layout"]
 
 #: the releases the tables cover
 SUPPORTED_RELEASES = ("2.11", "2.12", "2.13", "2.14", "2.15")
@@ -64,10 +88,18 @@ LSE_LAYOUT = {
     "sdpa_flash": "[B, H, n] fp32",
     "sdpa_efficient": "[B, H, ceil(n / 32) * 32] fp32 (CUDA; [B, H, n] on ROCm)",
     "sdpa_cudnn": "[B, H, n, 1] fp32",
-    "cudnn_varlen": "[T, H, 1] fp32 (packed rows: one row per token of all documents)",
+    "cudnn_varlen": "[H, T] fp32 (torch 2.14-2.15; [T, H, 1] in 2.11-2.13, which never run it): VARLEN_LSE_LAYOUT",
 }
+#: the packed-row cuDNN call's LSE per release span: "HT" = ``[Hq, T]``, "TH1" = ``[T, Hq, 1]`` (module docstring)
+VARLEN_LSE_LAYOUT = {("2.11", "2.13"): "TH1", ("2.14", "2.15"): "HT"}
 #: kernel -> (first release, last release) whose op takes K/V with fewer heads than Q and returns grouped dK/dV
-GROUPED_KV = {"sdpa_cudnn": ("2.11", "2.15")}
+GROUPED_KV = {"sdpa_cudnn": ("2.11", "2.15"), "sdpa_flash": ("2.11", "2.15")}
+#: torch's varlen_attn runs the packed-row cuDNN call for causal documents from this release (2.14: full only)
+CUDNN_VARLEN_CAUSAL_FIRST_RELEASE = "2.15"
+#: ... and for a longest query chunk of at most 128 tokens from this release, with a runtime cuDNN >= 9.24
+CUDNN_VARLEN_SHORT_MIN_CUDNN = 92400
+#: ... and with fewer K/V heads than Q heads (GQA) from this release (2.14's gate wants equal heads)
+CUDNN_VARLEN_GQA_FIRST_RELEASE = "2.15"
 #: torch's own varlen_attn runs the packed-row cuDNN call from this release, with a runtime cuDNN >= this
 CUDNN_VARLEN_FIRST_RELEASE = "2.14"
 CUDNN_VARLEN_MIN_CUDNN = 91800
@@ -239,6 +271,37 @@ def cudnn_varlen_runs(release: str, cudnn_version: int | None, capability: tuple
     if release not in SUPPORTED_RELEASES or _key(release) < _key(CUDNN_VARLEN_FIRST_RELEASE):
         return False
     return cudnn_version is not None and cudnn_version >= CUDNN_VARLEN_MIN_CUDNN and capability[0] in (9, 10)
+
+
+def cudnn_varlen_problem(release: str, cudnn_version: int | None, *, causal: bool, max_q: int | None,
+                         grouped: bool = False) -> str | None:  # fmt: skip
+    """Why torch ``release``'s own ``varlen_attn`` would not run the packed-row cuDNN call for a call of this kind
+    (``causal`` documents, square: one ``cu_seq`` for Q and K; or full attention of query chunks against key ranges;
+    ``max_q`` the longest query chunk, ``None``: unknown, assumed long; ``grouped``: fewer K/V heads than Q heads
+    handed to it as they are), beyond the device rule of :func:`cudnn_varlen_runs` and the dtype / head-size rules;
+    ``None``: it runs it. Pure."""
+    if release not in SUPPORTED_RELEASES or _key(release) < _key(CUDNN_VARLEN_FIRST_RELEASE):
+        return f"torch {release}'s varlen_attn never runs the packed-row cuDNN call (torch >= 2.14 does)"
+    if grouped and _key(release) < _key(CUDNN_VARLEN_GQA_FIRST_RELEASE):
+        return f"torch {release}'s varlen_attn runs the packed-row cuDNN call for equal head counts only, not GQA"
+    if causal and _key(release) < _key(CUDNN_VARLEN_CAUSAL_FIRST_RELEASE):
+        return f"torch {release}'s varlen_attn runs the packed-row cuDNN call for full attention only, not causal"
+    if max_q is not None and max_q <= 128 and (
+        _key(release) < _key(CUDNN_VARLEN_CAUSAL_FIRST_RELEASE)
+        or cudnn_version is None or cudnn_version < CUDNN_VARLEN_SHORT_MIN_CUDNN
+    ):
+        return (f"the longest query chunk ({max_q} tokens) is not past 128 tokens (torch 2.15 with cuDNN >= 9.24 "
+                "takes it)")  # fmt: skip
+    return None
+
+
+def varlen_lse_layout(release: str) -> str | None:
+    """The packed-row cuDNN call's LSE in torch ``release`` (:data:`VARLEN_LSE_LAYOUT`: ``"HT"`` / ``"TH1"``), or
+    ``None`` outside the table."""
+    for (first, last), layout in VARLEN_LSE_LAYOUT.items():
+        if _key(first) <= _key(release) <= _key(last):
+            return layout
+    return None
 
 
 def varlen_follows_sdpa(release: str) -> bool:

@@ -260,8 +260,9 @@ class KernelCall:
         batch: rows; q_tokens / k_tokens: queries and keys per row the call sees.
         heads / kv_heads: query and key/value heads the call sees; head_dim: the (padded) head size.
         dtype_bytes: bytes of q/k/v (2 for bf16).
-        native_gqa: the kernel receives ``kv_heads < heads`` (torch's SDPA with ``enable_gqa``); ``False``:
-            K/V arrive repeated to ``heads`` (the CP block glue repeats them for flash / memory-efficient).
+        native_gqa: the kernel receives ``kv_heads < heads`` (torch's SDPA with ``enable_gqa``); ``False``: the CP
+            block glue's call, which repeats K/V to ``heads`` for the memory-efficient kernel only (cuDNN and flash
+            take grouped K/V there too: ``aten_schemas.GROUPED_KV``, torch 2.11-2.15).
     """
 
     batch: int
@@ -305,7 +306,7 @@ def kernel_buffers(kernel: str, call: KernelCall) -> list[KernelBuffer]:
         out.append(KernelBuffer("dq_accum", f"[{b}, round128({n}), {h}, round32({d})]", "fp32",
                                 b * _round(n, 128) * h * _round(d, 32) * 4, src))  # fmt: skip
         out.append(KernelBuffer("softmax_d", f"[{b}, {h}, round128({n})]", "fp32", b * h * _round(n, 128) * 4, src))
-        if grouped and call.native_gqa:
+        if grouped:  # SDPA's own calls and the CP block glue's alike (aten_schemas.GROUPED_KV: no repeat for flash)
             out.append(KernelBuffer("dk_expanded, dv_expanded", f"2 x [{b}, {m}, {h}, {d}]", f"{c} B",
                                     2 * b * m * h * d * c, src))  # fmt: skip
     elif kernel == CUDNN:
@@ -335,8 +336,4 @@ def kernel_buffers(kernel: str, call: KernelCall) -> list[KernelBuffer]:
         src = "automodel/distributed/cp/blocks.py (math blocks); aten's _scaled_dot_product_attention_math"
         out.append(KernelBuffer("scores, probabilities and their gradient", f"3 x [{b}, {h}, {n}, {m}]", "fp32",
                                 3 * b * h * n * m * 4, src))  # fmt: skip
-    if kernel == FLASH and grouped and not call.native_gqa:
-        out.append(KernelBuffer("K/V repeated to all heads and dK/dV before the sum", f"4 x [{b}, {h}, {m}, {d}]",
-                                f"{c} B", 4 * b * h * m * d * c,
-                                "automodel/distributed/cp/cuda_blocks.py, _sdpa_inputs / _unrepeat"))  # fmt: skip
     return out

@@ -53,6 +53,9 @@ __all__ = [
     "caps_for",
     "expands_kv",
     "padded_head_dim",
+    "cudnn_packed_problem",
+    "packed_choice",
+    "packed_refusal",
     "pin_problem",
     "select_backend",
     "select_kernel",
@@ -86,9 +89,9 @@ class BlockSpec:
         causal: lower-right causal; square: the block has as many queries as keys.
         masked: an explicit ``allowed`` mask (windows, chunks, documents inside a block).
         sinks: per-head sink logits; softcap: logit soft-capping.
-        grouped: fewer key/value heads than query heads (GQA). cuDNN takes them as they are where the installed
-            torch's op does (``CudaCaps.cudnn_gqa``); flash and memory-efficient get K/V repeated per query head
-            (:attr:`Choice.expand_kv` says which).
+        grouped: fewer key/value heads than query heads (GQA). cuDNN and flash take them as they are where the
+            installed torch's op does (``CudaCaps.cudnn_gqa`` / ``flash_gqa``); memory-efficient gets K/V repeated
+            per query head (:attr:`Choice.expand_kv` says which).
     """
 
     dtype: torch.dtype
@@ -116,10 +119,16 @@ class CudaCaps:
         cudnn_preferred: ``auto`` runs cuDNN before flash (the GPU and runtime cuDNN torch's SDPA prefers it on).
         cudnn_gqa: the cuDNN op takes fewer key/value heads than query heads and returns grouped dK/dV
             (``aten_schemas.GROUPED_KV``: torch 2.11-2.15), so K/V are not repeated for it.
+        flash_gqa: the flash op takes fewer key/value heads than query heads and returns grouped dK/dV
+            (``aten_schemas.GROUPED_KV``: torch 2.11-2.15), so K/V are not repeated for it.
         cudnn_varlen: the packed-row cuDNN op (``aten._cudnn_attention_forward`` / ``_backward`` with
-            ``cum_seq_q`` / ``cum_seq_k``) is one torch itself runs (``varlen_attn`` from torch 2.14 with a runtime
-            cuDNN >= 9.18 on compute capability 9.x / 10.x; ``aten_schemas.CUDNN_VARLEN_*``). torch's own
-            ``varlen_attn`` then runs cuDNN for equal heads and no window, whatever a pin says (2.14).
+            ``cum_seq_q`` / ``cum_seq_k``) is one torch itself runs on this device (``varlen_attn`` from torch 2.14
+            with a runtime cuDNN >= 9.18 on compute capability 9.x / 10.x; ``aten_schemas.CUDNN_VARLEN_*``). Which
+            calls it runs: ``cudnn_varlen_causal`` / ``cudnn_varlen_short`` (torch 2.14's own ``varlen_attn`` runs
+            it, whatever a pin says, for full attention of equal heads with no window and queries past 128 tokens).
+        cudnn_varlen_causal: ... for causal documents too (torch >= 2.15; 2.14 runs flash for them).
+        cudnn_varlen_short: ... for a longest query chunk of at most 128 tokens too (torch >= 2.15, cuDNN >= 9.24).
+        cudnn_varlen_gqa: ... with grouped K/V as they are too (torch >= 2.15; 2.14's gate wants equal heads).
         varlen_follows_sdpa: the installed torch's ``varlen_attn`` picks cuDNN or flash by SDPA's enabled backends
             and priority (torch >= 2.15), so under a flash pin or auto's order it runs flash when asked.
     """
@@ -134,6 +143,10 @@ class CudaCaps:
     cudnn_gqa: bool = False
     cudnn_varlen: bool = False
     varlen_follows_sdpa: bool = False
+    flash_gqa: bool = False
+    cudnn_varlen_causal: bool = False
+    cudnn_varlen_short: bool = False
+    cudnn_varlen_gqa: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,10 +166,12 @@ class Choice:
 
 def expands_kv(kernel: str, spec: BlockSpec, caps: CudaCaps | None) -> bool:
     """Whether the glue repeats grouped K/V per query head for ``kernel`` (``False`` without GQA, for
-    FlexAttention and math, and for cuDNN where the installed torch's op takes grouped heads)."""
+    FlexAttention and math, and for cuDNN and flash where the installed torch's op takes grouped heads)."""
     if not spec.grouped or kernel in (FLEX, MATH):
         return False
-    return not (kernel == CUDNN and caps is not None and caps.cudnn_gqa)
+    if caps is None:
+        return True
+    return not ((kernel == CUDNN and caps.cudnn_gqa) or (kernel == FLASH and caps.flash_gqa))
 
 
 def _with_kv(choice: Choice, spec: BlockSpec, caps: CudaCaps | None) -> Choice:
@@ -300,9 +315,71 @@ def varlen_applies(spec: BlockSpec, caps: CudaCaps | None) -> bool:
     return spec.head_dim % 8 == 0 and spec.head_dim <= FLASH_MAX_HEAD_DIM
 
 
-#: the packed-row cuDNN call needs documents longer than this (torch's ``varlen_attn`` and its nested-tensor gate,
-#: ``check_cudnn_query_seq_len_nested``: "cuDNN attention does not support nested tensor query sequence length <= 128")
+#: the packed-row cuDNN call needs a longest query chunk past this many tokens before torch 2.15 with cuDNN 9.24
+#: (torch's ``varlen_attn``: 2.14 ``_can_use_cudnn``, 2.15 "max_q <= 128 requires cuDNN >= 9.24")
 CUDNN_VARLEN_MIN_MAX_LEN = 129
+
+
+def cudnn_packed_problem(spec: BlockSpec, caps: CudaCaps | None, *, causal: bool, max_q: int | None,
+                         window: int | None = None) -> str | None:  # fmt: skip
+    """Why one packed-row cuDNN call (``aten._cudnn_attention_forward`` with ``cum_seq_q`` / ``cum_seq_k``) cannot take
+    these blocks, or ``None``: exactly the calls the installed torch's own ``varlen_attn`` runs it for
+    (``aten_schemas.cudnn_varlen_problem``). ``causal``: square causal blocks (one ``cu_seq`` for Q and K); else full
+    blocks of query chunks against key ranges; ``max_q``: the longest query chunk (``None``: unknown, assumed long).
+    Pure."""
+    if not varlen_applies(spec, caps):
+        return ("the packed-row call takes fp16/bf16 on compute capability >= 8.0, equal head sizes that are multiples "
+                "of 8, no mask, sinks or soft-capping")  # fmt: skip
+    assert caps is not None
+    if not caps.cudnn_varlen:
+        return ("this torch / cuDNN has no packed-row cuDNN call torch itself runs (torch >= 2.14, cuDNN >= 9.18, "
+                "compute capability 9.x / 10.x)")  # fmt: skip
+    if window is not None:
+        return "cuDNN's packed-row call takes no window"
+    if padded_head_dim(spec) > CUDNN_MAX_HEAD_DIM:
+        return f"head size {padded_head_dim(spec)} is past cuDNN's {CUDNN_MAX_HEAD_DIM}"
+    if max_q is not None and max_q <= 1:
+        return "one-token query chunks (torch's decode path, which some cuDNN versions disable)"
+    if causal and not caps.cudnn_varlen_causal:
+        return "this torch's varlen_attn runs the packed-row cuDNN call for full attention only, not causal (torch 2.14)"
+    if max_q is not None and max_q < CUDNN_VARLEN_MIN_MAX_LEN and not caps.cudnn_varlen_short:
+        return f"the longest query chunk ({max_q} tokens) is not past 128 tokens (torch 2.15 with cuDNN >= 9.24 takes it)"
+    return None
+
+
+def packed_choice(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = None, *, causal: bool,
+                  max_q: int | None) -> Choice | None:  # fmt: skip
+    """One packed-row cuDNN call for a set of blocks of one kind (thd's and thd_docs' diagonal blocks: ``causal``,
+    square; their prefix blocks: full, query chunks against longer key ranges), or ``None`` (each block then runs its
+    own kernel, :func:`select_backend`). The conditions of Ulysses' whole documents (:func:`varlen_choice`'s cuDNN
+    branch): ``auto`` where cuDNN is preferred on this GPU, or ``model.attention_backend=cudnn``, and
+    :func:`cudnn_packed_problem` is ``None``. Pure."""
+    if not (pinned == CUDNN or (pinned is None and caps is not None and caps.cudnn_preferred)):
+        return None
+    if _packed_set_problem(spec, caps, causal=causal, max_q=max_q) is not None:
+        return None
+    return Choice(CUDNN, f"{'causal' if causal else 'full'} blocks in one cuDNN packed-row call "
+                  "(aten._cudnn_attention_forward with cum_seq_q / cum_seq_k)", varlen=True)  # fmt: skip
+
+
+def _packed_set_problem(spec: BlockSpec, caps: CudaCaps | None, *, causal: bool, max_q: int | None) -> str | None:
+    """:func:`cudnn_packed_problem`, and grouped K/V only where torch hands them to the call as they are (2.15):
+    the block sets never repeat K/V (a repeat of the whole row's gathered keys would cost ``Hq / Hkv`` times their
+    memory; the per-block cuDNN kernel takes them grouped instead)."""
+    if spec.grouped and caps is not None and not caps.cudnn_varlen_gqa:
+        return ("this torch's varlen_attn runs the packed-row cuDNN call for equal head counts only (torch 2.14); "
+                "the blocks keep their grouped K/V in per-block calls")  # fmt: skip
+    return cudnn_packed_problem(spec, caps, causal=causal, max_q=max_q)
+
+
+def packed_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = None, *, causal: bool,
+                   max_q: int | None) -> str:  # fmt: skip
+    """Why :func:`packed_choice` is ``None`` for these arguments (one line, for the log)."""
+    if pinned not in (None, CUDNN):
+        return f"model.attention_backend pins {pinned}, which has no packed-row call here"
+    if pinned is None and (caps is None or not caps.cudnn_preferred):
+        return "cuDNN is not preferred on this GPU / cuDNN (auto)"
+    return _packed_set_problem(spec, caps, causal=causal, max_q=max_q) or "the packed-row call does not apply"
 
 
 def varlen_choice(
@@ -312,27 +389,28 @@ def varlen_choice(
     """The one call that takes all documents of a packed row (causal or full inside each document), or ``None``:
     each document then runs as blocks (:func:`select_backend`). Pure.
 
-    - cuDNN (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``, K/V repeated
-      per query head as torch's own ``varlen_attn`` does) where the installed torch runs that op itself
-      (``caps.cudnn_varlen``: torch >= 2.14, cuDNN >= 9.18, compute capability 9.x / 10.x) and ``auto`` prefers cuDNN
-      on this GPU (``caps.cudnn_preferred``) or ``model.attention_backend=cudnn`` pins it: no window, head sizes
-      <= 128, the longest document (``max_len``, ``None``: unknown, assumed long) past 128 tokens;
+    - cuDNN (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``; grouped K/V
+      repeated per query head on torch 2.14, whose gate wants equal heads, as they are on 2.15) where the installed torch's own ``varlen_attn`` runs that op for these documents
+      (:func:`cudnn_packed_problem`: torch >= 2.14, cuDNN >= 9.18, compute capability 9.x / 10.x, no window, head sizes
+      <= 128, the longest document ``max_len`` past 128 tokens unless torch 2.15 with cuDNN >= 9.24, and causal
+      documents from torch 2.15 only) and ``auto`` prefers cuDNN on this GPU (``caps.cudnn_preferred``) or
+      ``model.attention_backend=cudnn`` pins it;
     - else flash through ``varlen_attn`` (causal, full, or a sliding ``window``) under ``auto`` or a flash pin,
       except where that torch's ``varlen_attn`` would itself run cuDNN regardless of SDPA's backends (torch 2.14:
-      ``caps.cudnn_varlen`` without ``caps.varlen_follows_sdpa``, no window, documents past 128 tokens): a flash pin
-      (or ``auto`` where cuDNN is not preferred) then runs per-document blocks. From 2.15 ``varlen_attn`` follows
-      the flash pin (``sdpa_kernel``) and auto's order, so it runs flash there;
+      full attention the cuDNN call takes): a flash pin (or ``auto`` where cuDNN is not preferred) then runs
+      per-document blocks. From 2.15 ``varlen_attn`` follows the flash pin (``sdpa_kernel``) and auto's order, so it
+      runs flash there;
     - ``None`` for any other pin (the per-document blocks run the pinned kernel) or where neither applies.
     """
     if not varlen_applies(spec, caps) or (window is not None and not spec.causal):
         return None
     assert caps is not None
-    long_docs = max_len is None or max_len >= CUDNN_VARLEN_MIN_MAX_LEN
-    cudnn_takes = caps.cudnn_varlen and window is None and long_docs
+    cudnn_takes = cudnn_packed_problem(spec, caps, causal=spec.causal, max_q=max_len, window=window) is None
     want_cudnn = pinned == CUDNN or (pinned is None and caps.cudnn_preferred)
-    if want_cudnn and cudnn_takes and padded_head_dim(spec) <= CUDNN_MAX_HEAD_DIM:
+    if want_cudnn and cudnn_takes:
         return Choice(CUDNN, "all documents of the row in one cuDNN varlen call (aten._cudnn_attention_forward "
-                      "with cum_seq_q / cum_seq_k)", expand_kv=spec.grouped, varlen=True)  # fmt: skip
+                      "with cum_seq_q / cum_seq_k)", expand_kv=spec.grouped and not caps.cudnn_varlen_gqa,
+                      varlen=True)  # fmt: skip
     # torch 2.14's varlen_attn runs cuDNN whenever its gate passes; 2.15's follows the flash pin / auto's order
     if pinned not in (None, FLASH) or (cudnn_takes and not caps.varlen_follows_sdpa):
         return None
@@ -351,22 +429,12 @@ def varlen_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = 
         return "a window without causal masking"
     if pinned not in (None, FLASH, CUDNN):
         return f"model.attention_backend pins {pinned}, which has no packed-row call"
-    if (caps.cudnn_varlen and not caps.varlen_follows_sdpa and window is None
-            and (max_len is None or max_len >= CUDNN_VARLEN_MIN_MAX_LEN)):  # fmt: skip
+    problem = cudnn_packed_problem(spec, caps, causal=spec.causal, max_q=max_len, window=window)
+    if problem is None and not caps.varlen_follows_sdpa:
         return ("this torch's varlen_attn runs cuDNN for these documents (torch 2.14: whatever SDPA's backends), and "
                 "the flash kernel is pinned or cuDNN is not preferred here")  # fmt: skip
     if pinned == CUDNN:
-        why = []
-        if not caps.cudnn_varlen:
-            why.append("this torch / cuDNN has no packed-row cuDNN call torch itself runs (torch >= 2.14, cuDNN >= 9.18, "
-                       "compute capability 9.x / 10.x)")  # fmt: skip
-        if window is not None:
-            why.append("cuDNN's packed-row call takes no window")
-        if max_len is not None and max_len < CUDNN_VARLEN_MIN_MAX_LEN:
-            why.append(f"the longest document ({max_len} tokens) is not past 128 tokens")
-        if padded_head_dim(spec) > CUDNN_MAX_HEAD_DIM:
-            why.append(f"head size {padded_head_dim(spec)} is past cuDNN's {CUDNN_MAX_HEAD_DIM}")
-        return "; ".join(why) or "cuDNN's packed-row call does not apply"
+        return problem or "cuDNN's packed-row call does not apply"
     return "varlen_attn does not apply"
 
 
@@ -429,6 +497,11 @@ def caps_for(gpu: GpuInfo, torch_version: str, cudnn_version: int | None) -> Cud
         cudnn_gqa=cudnn_op and aten_schemas.takes_grouped_kv(CUDNN, release),
         cudnn_varlen=cudnn_op and aten_schemas.cudnn_varlen_runs(release, cudnn_version, cap),
         varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(release),
+        flash_gqa=aten_schemas.takes_grouped_kv(FLASH, release),
+        cudnn_varlen_causal=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=True, max_q=None) is None,
+        cudnn_varlen_short=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=False, max_q=1) is None,
+        cudnn_varlen_gqa=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=False, max_q=None,
+                                                           grouped=True) is None,
     )  # fmt: skip
 
 

@@ -39,7 +39,14 @@ from typing import Any, Protocol
 
 import torch
 
-from automodel.distributed.cp.cuda_blocks import cuda_block_backward, cuda_block_forward, varlen_documents
+from automodel.distributed.cp.cuda_blocks import (
+    cuda_block_backward,
+    cuda_block_forward,
+    packed_takes,
+    varlen_documents,
+)
+from automodel.distributed.cp.cuda_blocks import packed_backward as _cuda_packed_backward
+from automodel.distributed.cp.cuda_blocks import packed_forward as _cuda_packed_forward
 
 __all__ = [
     "BACKENDS",
@@ -48,6 +55,8 @@ __all__ = [
     "block_backward",
     "block_forward",
     "documents_forward",
+    "packed_backward",
+    "packed_forward",
     "force_backend",
     "merge",
     "merge_sinks",
@@ -340,6 +349,44 @@ def documents_forward(
     if resolve_backend(q.device, backend) != "cuda":
         return None
     return varlen_documents(q, k, v, cu_seqlens, max_len, causal, window, scale)
+
+
+def _packed_slot(device: torch.device, backend: str | None) -> bool:
+    """Whether a packed-row call may run: no backend forced other than the CUDA slot (the CUDA slot itself says
+    no off CUDA: its device caps are ``None`` there)."""
+    name = backend or (_FORCED[-1] if _FORCED else None)
+    return name in (None, "cuda")
+
+
+def packed_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], *, causal: bool,
+    scale: float | None = None, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A set of blocks of one kind in ONE packed-row call where the device's slot has one (CUDA: cuDNN's
+    ``_cudnn_attention_forward``, :func:`~automodel.distributed.cp.cuda_blocks.packed_forward`), else ``None`` (the
+    caller runs one :func:`block_forward` per block). q ``[Tq, Hq, D]``, k / v ``[Tk, Hkv, D]``; block ``i`` is
+    ``q[cu_q[i]:cu_q[i+1]]`` against ``k[cu_k[i]:cu_k[i+1]]`` (``causal``: square). Returns ``(out [Tq, Hq, Dv],
+    lse [Tq, Hq] fp32)``, not differentiable (:func:`packed_backward`). Nothing is mutated."""
+    if not _packed_slot(q.device, backend):
+        return None
+    return _cuda_packed_forward(q, k, v, cu_q, cu_k, causal, scale)
+
+
+def packed_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_q: list[int], cu_k: list[int], *, causal: bool, scale: float | None = None, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(dq, dk, dv)`` of :func:`packed_forward`'s blocks given the MERGED ``out`` ``[Tq, Hq, Dv]`` / ``lse``
+    ``[Tq, Hq]`` of their queries, or ``None`` where the packed call does not apply (the same rule)."""
+    if not _packed_slot(q.device, backend):
+        return None
+    return _cuda_packed_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale)
+
+
+def packed_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], *, causal: bool,
+                   backend: str | None = None) -> bool:  # fmt: skip
+    """Whether :func:`packed_forward` / :func:`packed_backward` take these blocks (pure of the tensors' metadata)."""
+    return _packed_slot(q.device, backend) and packed_takes(q, k, v, cu_q, causal)
 
 
 def merge(

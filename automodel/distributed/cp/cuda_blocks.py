@@ -8,13 +8,19 @@ of queries ``[B, Hq, n, D]`` against keys ``[B, Hkv, m, D]`` and values ``[B, Hk
 
 - SDPA flash / memory-efficient (``aten._scaled_dot_product_flash_attention`` /
   ``_scaled_dot_product_efficient_attention`` and their ``_backward`` ops, which take an output and an
-  LSE, so the merged ones give the exact gradient, as in torch's ring attention). K/V are repeated per
-  query head (GQA) and their gradients summed back; head sizes are zero-padded to one multiple of 8
+  LSE, so the merged ones give the exact gradient, as in torch's ring attention). Flash takes grouped K/V
+  (GQA) as they are (``aten_schemas.GROUPED_KV``); for memory-efficient they are repeated per query head and their
+  gradients summed back; head sizes are zero-padded to one multiple of 8
   (MLA), which is exact; a mask or a rectangular causal block becomes an additive bias (efficient only).
 - cuDNN (``aten._scaled_dot_product_cudnn_attention`` and its ``_backward``, which take the output and the
   LSE as well, as torch's own ring attention uses them): under ``auto`` before flash on the GPUs and cuDNN
   versions torch's SDPA prefers it on (``CudaCaps.cudnn_preferred``), or where ``model.attention_backend=cudnn``
-  pins it (:func:`~automodel.distributed.cp.attention_kernels.pinned_kernel`); the same padding and K/V repeat.
+  pins it (:func:`~automodel.distributed.cp.attention_kernels.pinned_kernel`); the same padding, grouped K/V as they
+  are.
+- cuDNN's packed-row call (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``):
+  all documents of a packed row (:func:`varlen_documents`, Ulysses) or a set of blocks of one kind
+  (:func:`packed_forward` / :func:`packed_backward`, thd and thd_docs), where the installed torch runs that call
+  itself (:func:`~automodel.distributed.cp.block_backend.varlen_choice` / ``packed_choice``).
 - FlexAttention (``torch.nn.attention.flex_attention``, compiled on CUDA): soft-capping as a
   ``score_mod``, masks as a block mask, native GQA, and sinks joined by an exact merge of the sink
   column with its differentiable LSE. Its explicit backward recomputes the block under autograd and
@@ -53,6 +59,8 @@ from automodel.distributed.cp.block_backend import (
     Choice,
     CudaCaps,
     layer_kind,
+    packed_choice,
+    packed_refusal,
     padded_head_dim,
     select_backend,
     varlen_choice,
@@ -63,6 +71,9 @@ __all__ = [
     "cuda_block_backward",
     "cuda_block_forward",
     "cuda_caps",
+    "packed_backward",
+    "packed_forward",
+    "packed_takes",
     "varlen_documents",
     "varlen_available",
 ]
@@ -119,17 +130,21 @@ def _caps_of(index: int) -> CudaCaps:
         varlen=varlen_available(),
         cudnn_op=cudnn_op,
         cudnn_preferred=cudnn_op and _cudnn_preferred(capability),
-        cudnn_gqa=cudnn_op and _cudnn_takes_grouped_kv(),
+        cudnn_gqa=cudnn_op and _takes_grouped_kv(CUDNN),
         cudnn_varlen=cudnn_op and all(hasattr(torch.ops.aten, op) for op in aten_schemas.VARLEN_OPS)
         and aten_schemas.cudnn_varlen_runs(release, cudnn, capability),
         varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(release),
+        flash_gqa=_takes_grouped_kv(FLASH),
+        cudnn_varlen_causal=aten_schemas.cudnn_varlen_problem(release, cudnn, causal=True, max_q=None) is None,
+        cudnn_varlen_short=aten_schemas.cudnn_varlen_problem(release, cudnn, causal=False, max_q=1) is None,
     )
 
 
 @functools.cache
-def _cudnn_takes_grouped_kv() -> bool:
-    """The installed torch's cuDNN op takes fewer K/V heads than Q heads (``aten_schemas.GROUPED_KV``)."""
-    return aten_schemas.takes_grouped_kv(CUDNN, aten_schemas.torch_release(torch.__version__))
+def _takes_grouped_kv(kernel: str) -> bool:
+    """The installed torch's ``kernel`` op (cuDNN, flash) takes fewer K/V heads than Q heads
+    (``aten_schemas.GROUPED_KV``)."""
+    return aten_schemas.takes_grouped_kv(kernel, aten_schemas.torch_release(torch.__version__))
 
 
 def _cudnn_preferred(capability: tuple[int, int]) -> bool:
@@ -254,7 +269,8 @@ def _op(name: str):
 def _philox(kernel: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The RNG-state tensors a fused forward returns without dropout, to hand its backward op (which reads
     them only with dropout): taken from one tiny forward, so their format is the installed torch's."""
-    x = torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16 if kernel == FLASH else torch.float32, device=device)
+    # flash and cuDNN take fp16/bf16 only; the memory-efficient kernel fp32 too
+    x = torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16 if kernel in (FLASH, CUDNN) else torch.float32, device=device)
     if kernel == FLASH:
         got = _op("_scaled_dot_product_flash_attention")(x, x, x, 0.0, False, False, scale=1.0)
         return got[6], got[7]
@@ -266,11 +282,11 @@ def _philox(kernel: str, device: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 def _sdpa_inputs(q, k, v, causal, allowed, kernel):
-    """Padded inputs (K/V repeated per query head unless the kernel takes grouped heads: cuDNN where
+    """Padded inputs (K/V repeated per query head unless the kernel takes grouped heads: cuDNN and flash where
     ``aten_schemas.GROUPED_KV`` says so) and the kernel's ``is_causal`` / bias; ``g``: the repeat (1: none)."""
     b, hq, n, d = q.shape
     m = k.shape[2]
-    g = hq // k.shape[1] if kernel != CUDNN or not _cudnn_takes_grouped_kv() else 1
+    g = 1 if kernel in (CUDNN, FLASH) and _takes_grouped_kv(kernel) else hq // k.shape[1]
     dim = padded_head_dim(BlockSpec(q.dtype, d, v.shape[-1]))
     qp, kp, vp = _pad(q, dim), _repeat(_pad(k, dim), g), _repeat(_pad(v, dim), g)
     bias, is_causal = None, bool(causal)
@@ -481,8 +497,9 @@ def cuda_block_backward(
 class _CudnnVarlen(torch.autograd.Function):
     """All documents of a packed stream in one cuDNN call (``aten._cudnn_attention_forward`` with ``cum_seq_q`` /
     ``cum_seq_k``) and its backward op; q/k/v ``[T, H, D]`` with equal head counts (the caller repeats grouped K/V,
-    as torch's own ``varlen_attn`` does). The LSE (``[T, H, 1]`` fp32, ``aten_schemas.LSE_LAYOUT``) stays inside:
-    it is handed back to the backward op as the forward returned it."""
+    as torch 2.14's own ``varlen_attn`` requires). The LSE (``[H, T]`` fp32 on torch 2.14-2.15,
+    ``aten_schemas.VARLEN_LSE_LAYOUT``) stays inside: it is handed back to the backward op as the forward returned
+    it."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu, max_len, causal, scale):  # type: ignore[override]
@@ -521,7 +538,8 @@ def varlen_documents(
     ``varlen_attn``; which one (or why neither) is logged once per layer kind.
 
     Args:
-        q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (K/V are repeated per query head for GQA).
+        q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (K/V are repeated per query head for GQA, except for cuDNN's call
+            on torch 2.15, which takes them grouped as torch's own ``varlen_attn`` does).
         cu_seqlens: ``[N+1]`` int32 document offsets into the T tokens.
         max_len: the longest document.
         causal: causal inside each document (else bidirectional).
@@ -544,7 +562,7 @@ def varlen_documents(
         return None
     _log_varlen(spec, f"{choice.kernel} ({choice.reason})")
     g = q.shape[1] // k.shape[1]
-    if g > 1:
+    if g > 1 and choice.expand_kv:  # cuDNN's call takes grouped K/V where torch hands them so (2.15)
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     sc = _scale(scale, q.shape[-1])
@@ -556,3 +574,97 @@ def varlen_documents(
     left = -1 if window is None else window - 1
     window_size = (left, 0) if causal else (-1, -1)
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=sc, window_size=window_size)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one packed-row cuDNN call for a set of blocks of one kind (thd, thd_docs), merged by the caller
+
+
+def _packed_call(q, k, v, cu_q, cu_k, causal) -> Choice | None:
+    """:func:`~automodel.distributed.cp.block_backend.packed_choice` for these blocks, its reason or refusal logged
+    once per layer kind and call kind."""
+    spec = BlockSpec(q.dtype, q.shape[-1], v.shape[-1], causal=causal, grouped=q.shape[1] != k.shape[1])
+    caps = cuda_caps(q.device)
+    if caps is None:
+        return None
+    max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+    choice = packed_choice(spec, caps, pinned_kernel(), causal=causal, max_q=max_q)
+    what = "causal diagonal blocks" if causal else "full prefix blocks"
+    key = ("packed " + what + " " + layer_kind(spec), choice.kernel if choice else "blocks")
+    if key not in _WARNED:
+        _WARNED.add(key)
+        how = (f"one {choice.kernel} packed-row call per layer" if choice else "one kernel call per block ("
+               + packed_refusal(spec, caps, pinned_kernel(), causal=causal, max_q=max_q) + ")")
+        logger.info("CUDA attention, %s of layer kind '%s' (%s): %s", what, layer_kind(spec), spec.dtype, how)
+    return choice
+
+
+def packed_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], causal: bool) -> bool:
+    """Whether :func:`packed_forward` / :func:`packed_backward` run these blocks as one packed-row call (logged
+    once per layer kind and call kind, as they are)."""
+    return _packed_call(q, k, v, cu_q, cu_q, causal) is not None
+
+
+def _packed_args(q, k, v, cu_q, cu_k, causal):
+    """The packed call's K/V (grouped K/V as they are: ``packed_choice`` takes them only where torch does, 2.15),
+    offsets (one int32 tensor for Q and K of causal blocks, as torch 2.15 requires) and longest chunks."""
+    cq = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
+    ck = cq if causal else torch.tensor(cu_k, dtype=torch.int32, device=q.device)
+    max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+    max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+    return k.contiguous(), v.contiguous(), cq, ck, max_q, max_k
+
+
+def _lse_layout() -> str:
+    layout = aten_schemas.varlen_lse_layout(aten_schemas.torch_release(torch.__version__))
+    if layout is None:
+        raise RuntimeError(f"torch {torch.__version__}: the packed-row cuDNN call's LSE layout is not in "
+                           "aten_schemas.VARLEN_LSE_LAYOUT; add the release")  # fmt: skip
+    return layout
+
+
+def packed_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out [Tq, Hq, Dv], lse [Tq, Hq] fp32)`` of a set of blocks in ONE packed-row cuDNN call, or ``None`` where
+    :func:`~automodel.distributed.cp.block_backend.packed_choice` says no (the caller runs each block; the reason is
+    logged once per layer kind). Block ``i``: queries ``q[cu_q[i]:cu_q[i+1]]`` against keys ``k[cu_k[i]:cu_k[i+1]]``,
+    ``causal`` only for square blocks (``cu_q == cu_k``). q ``[Tq, Hq, D]``, k / v ``[Tk, Hkv, D]`` token-major; not
+    differentiable (the caller's autograd function runs :func:`packed_backward`); nothing is mutated. The op's LSE
+    (``aten_schemas.VARLEN_LSE_LAYOUT``: ``[Hq, Tq]`` on torch 2.14-2.15) is returned token-major for the merge."""
+    if causal and list(cu_q) != list(cu_k):
+        raise ValueError("causal packed blocks must be square (the packed call aligns the diagonal top-left)")
+    if _packed_call(q, k, v, cu_q, cu_k, causal) is None:
+        return None
+    kk, vv, cq, ck, max_q, max_k = _packed_args(q, k, v, cu_q, cu_k, causal)
+    got = _op("_cudnn_attention_forward")(q.contiguous(), kk, vv, None, cq, ck, max_q, max_k, True, 0.0, causal, False,
+                                          scale=_scale(scale, q.shape[-1]))  # fmt: skip
+    out, lse = got[0], got[1]
+    t, h = q.shape[0], q.shape[1]
+    want = (h, t) if _lse_layout() == "HT" else (t, h, 1)
+    if tuple(lse.shape) != want:
+        raise RuntimeError(f"the packed-row cuDNN call returned an LSE of shape {tuple(lse.shape)}, "
+                           f"aten_schemas.VARLEN_LSE_LAYOUT says {want} for torch {torch.__version__}")  # fmt: skip
+    lse = lse.transpose(0, 1) if len(want) == 2 else lse[..., 0]
+    return out, lse.float().contiguous()
+
+
+def packed_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_q: list[int], cu_k: list[int], causal: bool, scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, Dv])`` of the blocks of :func:`packed_forward` given the
+    MERGED ``out`` ``[Tq, Hq, Dv]`` and ``lse`` ``[Tq, Hq]`` of their queries (exact, as for every block kernel), or
+    ``None`` where the packed call does not apply (the same rule as the forward). dK/dV at K/V's head count."""
+    if _packed_call(q, k, v, cu_q, cu_k, causal) is None:
+        return None
+    kk, vv, cq, ck, max_q, max_k = _packed_args(q, k, v, cu_q, cu_k, causal)
+    lse_op = lse.float().transpose(0, 1) if _lse_layout() == "HT" else lse.float().unsqueeze(-1)
+    # what torch's own varlen_attn hands this op without dropout (unread there): one zero uint64 pair
+    seed = offset = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    dq, dk, dv = _op("_cudnn_attention_backward")(
+        dout.to(q.dtype).contiguous(), q.contiguous(), kk, vv, out.to(q.dtype).contiguous(), lse_op.contiguous(), seed,
+        offset, None, cq, ck, max_q, max_k, 0.0, causal, scale=_scale(scale, q.shape[-1]),
+    )[:3]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

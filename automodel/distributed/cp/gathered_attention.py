@@ -16,7 +16,8 @@ Kernels (one key, ``kernel=``; an unavailable kernel is a ``ValueError``, never 
   each of its two local query chunks (global chunk ``j``), the keys are the document's prefix
   ``[0, j*c)`` (no mask) and the diagonal block ``[j*c, (j+1)*c)`` (causal). Both are blocks of
   :mod:`automodel.distributed.cp.blocks` (the CPU flash kernel on CPU; torch's fused kernels on
-  CUDA), merged with their log-sum-exp (:func:`~automodel.distributed.cp.blocks.merge`). This is lower-right causal
+  CUDA, where all prefix blocks and all diagonal blocks each run as ONE packed-row cuDNN call where torch runs that
+  call: :mod:`automodel.distributed.cp.block_sets`), merged with their log-sum-exp (:func:`~automodel.distributed.cp.blocks.merge`). This is lower-right causal
   alignment by construction, with no mask tensor at all: memory is the blocked kernel's, never
   ``[T_local, S]``. The autograd function saves only the LOCAL q/k/v, the output and the LSE; the
   backward re-gathers K/V, runs the kernels' backward per block with the merged output and LSE
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from automodel.distributed.cp.block_sets import BlockSet, sets_backward, sets_forward
 from automodel.distributed.cp.blocks import block_backward, block_forward, blocked_attention, merge
 from automodel.distributed.cp.exchange.gather import all_gather_tokens, gather_kv, reduce_scatter_tokens
 from automodel.distributed.cp.gathered_method import THD_CP_COMM_TYPES, THD_KERNELS
@@ -180,6 +182,18 @@ class THDPlan:
             self._index[("to_global", str(device))] = to_global.to(device)
         return self._index[key]
 
+    def block_sets(self, device: torch.device) -> list[BlockSet | None]:
+        """The query blocks as two :class:`~automodel.distributed.cp.block_sets.BlockSet` (cached): the prefix blocks
+        (local queries against global keys ``[key_start, key_diag)``, no mask) and the diagonal blocks (causal)."""
+        key = ("sets", str(device))
+        if key not in self._index:
+            blocks = list(self.query_blocks())
+            self._index[key] = [
+                BlockSet.of(False, [(o, n, [(a, d - a)]) for o, n, a, d in blocks], device),
+                BlockSet.of(True, [(o, n, [(d, n)]) for o, n, _, d in blocks], device),
+            ]
+        return self._index[key]
+
     def token_layout(self):
         """This step's :class:`~automodel.distributed.cp.layout.TokenLayout` (cached)."""
         if "layout" not in self._index:
@@ -211,8 +225,18 @@ def _head_major(x_tok: torch.Tensor) -> torch.Tensor:
     return x_tok.permute(1, 0, 2).unsqueeze(0)
 
 
+def _tok(x: torch.Tensor) -> torch.Tensor:
+    """``[1, H, n, D]`` -> token-major ``[n, H, D]`` (a view)."""
+    return x[0].transpose(0, 1)
+
+
 def _portable_forward(q, kg, vg, plan: THDPlan, scale):
-    """q ``[1, Hq, Tl, D]``; kg/vg global ``[1, Hkv, T, D]``. Returns out ``[1, Hq, Tl, D]``, lse ``[1, Hq, Tl]``."""
+    """q ``[1, Hq, Tl, D]``; kg/vg global ``[1, Hkv, T, D]``. Returns out ``[1, Hq, Tl, D]``, lse ``[1, Hq, Tl]``.
+    The prefix and the diagonal blocks each in one packed-row call where the device has one
+    (:mod:`~automodel.distributed.cp.block_sets`), else one block call per block."""
+    packed = sets_forward(_tok(q), _tok(kg), _tok(vg), plan.block_sets(q.device), scale)
+    if packed is not None:
+        return _head_major(packed[0]).contiguous(), packed[1].transpose(0, 1).unsqueeze(0).contiguous()
     out = torch.zeros_like(q)
     lse = None
     for q_off, n, k_start, k_diag in plan.query_blocks():
@@ -233,6 +257,10 @@ def _portable_forward(q, kg, vg, plan: THDPlan, scale):
 
 
 def _portable_backward(dout, q, kg, vg, out, lse, plan: THDPlan, scale):
+    packed = sets_backward(_tok(dout), _tok(q), _tok(kg), _tok(vg), _tok(out), lse[0].transpose(0, 1),
+                           plan.block_sets(q.device), scale)  # fmt: skip
+    if packed is not None:
+        return tuple(_head_major(g).contiguous() for g in packed)
     dq = torch.zeros_like(q)
     dkg = torch.zeros_like(kg)
     dvg = torch.zeros_like(vg)

@@ -18,6 +18,7 @@ from automodel.distributed.cp.block_backend import (
     BlockSpec,
     GpuInfo,
     caps_for,
+    packed_choice,
     pin_problem,
     select_kernel,
 )
@@ -84,6 +85,13 @@ def layer_kind_kernel_lines(
             if docs.varlen:
                 parts.append("whole documents: one varlen_attn call (flash)" if docs.kernel == FLASH else
                              "whole documents: one cuDNN varlen call (aten._cudnn_attention_forward)")  # fmt: skip
+        if layer.kind == FULL and not layer.softcap and pinned in (None, CUDNN):
+            caps = caps_for(gpu, torch_version, cudnn_version)
+            sets = [what for what, causal in (("prefix", False), ("diagonal", True))
+                    if packed_choice(BlockSpec(causal=causal, **common), caps, pinned, causal=causal, max_q=None)]
+            if sets:
+                parts.append(f"thd / thd_docs {' and '.join(sets)} blocks: one cuDNN packed-row call each per layer "
+                             "(chunks past 128 tokens)")  # fmt: skip
         if grouped_to or repeated_for:
             gqa = [f"grouped K/V as they are to {', '.join(sorted(grouped_to))}"] if grouped_to else []
             gqa += [f"K/V repeated per query head for {', '.join(sorted(repeated_for))}"] if repeated_for else []

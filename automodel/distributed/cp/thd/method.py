@@ -55,7 +55,12 @@ class ThdMethod(GatheredKVMethod):
         fwd = 4 * kv * c * row_tokens
         bwd = 8 * kv * c * row_tokens
         partial = r.local_tokens * (d.hidden / tp + d.heads / tp) * 4
-        return max(fwd, bwd) + partial, (
+        from automodel.distributed.cp.block_sets import packed_call_bytes  # torch: imported only to plan
+
+        # cuDNN: the prefix and diagonal blocks in packed-row calls (block_sets), their copies at the backward
+        packed = packed_call_bytes(kv, d.heads * d.head_dim / tp, row_tokens, r.local_tokens, c,
+                                   getattr(r, "attention_kernel", ""))  # fmt: skip
+        return max(fwd, bwd + packed) + partial, (
             f"thd: K/V of the whole row ({row_tokens} tokens) all-gathered per layer; backward: K/V again + dK/dV "
-            "before the reduce-scatter"
+            "before the reduce-scatter" + ("; the packed-row calls' key copies and dK/dV" if packed else "")
         )

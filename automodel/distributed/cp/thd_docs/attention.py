@@ -9,7 +9,9 @@ as one row ``[1, T_r]`` (``T_r`` may differ between ranks) with the tokens' glob
   communication at all;
 - a **chunk of a split document** (head-tail over the ``k`` ranks of its span): the chunk's diagonal
   block (causal) and its prefix in the document (no mask), merged with their log-sum-exp
-  (:mod:`automodel.distributed.cp.blocks`), as ring attention does. The prefix's K/V are lent by the
+  (:mod:`automodel.distributed.cp.blocks`), as ring attention does. On CUDA all diagonal blocks and all prefix
+  blocks of a call each run as ONE packed-row cuDNN call where torch runs that call
+  (:mod:`automodel.distributed.cp.block_sets`; the key stream is the local K/V followed by the borrowed chunks). The prefix's K/V are lent by the
   other ranks of the span point to point (:mod:`automodel.distributed.cp.exchange.p2p`):
   each sends its head chunk to every other span rank and its tail chunk only to the span ranks before
   it (only they attend to it). No other rank takes part.
@@ -47,6 +49,7 @@ from torch.distributed import ProcessGroup
 
 from automodel.distributed.cp import active, hf_attention
 from automodel.distributed.cp.batch_forms import check_batch_forms
+from automodel.distributed.cp.block_sets import BlockSet, sets_backward, sets_forward
 from automodel.distributed.cp.blocks import block_backward, block_forward, merge, merge_sinks
 from automodel.distributed.cp.exchange.p2p import give_back, lend
 from automodel.distributed.cp.group import resolve_cp_group
@@ -206,7 +209,69 @@ def _split(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv[..., :dqk], kv[..., dqk:]
 
 
+def _stream(kv: torch.Tensor, got: dict, plan: DocPlan):
+    """The key stream of the packed calls: the local ``kv`` then every borrowed chunk (token-major
+    ``[T_r + lent, Hkv, Dqk + Dv]``), each borrowed chunk's ``(key, start)`` in it, and the two
+    :class:`~automodel.distributed.cp.block_sets.BlockSet` (prefix blocks, diagonal blocks) on it."""
+    at, where = kv.shape[2], {}
+    for key, t in got.items():
+        where[key] = at
+        at += t.shape[2]
+    prefix, diag = [], []
+    for q_off, n, doc, start in plan.blocks:
+        diag.append((q_off, n, [(q_off, n)]))
+        if doc is None or start == 0:
+            continue
+        chunks, own = plan.split[doc]
+        runs = []
+        for c, (a, b) in enumerate(chunks):
+            if b > start:
+                break
+            if b > a:
+                runs.append((own[c] if c in own else where[(doc, c)], b - a))
+        prefix.append((q_off, n, runs))
+    stream = torch.cat([kv, *got.values()], 2)[0].transpose(0, 1) if got else kv[0].transpose(0, 1)
+    sets = [BlockSet.of(False, prefix, kv.device), BlockSet.of(True, diag, kv.device)]
+    return stream, where, sets
+
+
+def _packed_forward(q, kv, dqk, plan: DocPlan, got, scale, softcap):
+    """The prefix and the diagonal blocks each in one packed-row call (:mod:`~automodel.distributed.cp.block_sets`),
+    or ``None`` where no packed call applies."""
+    if softcap or kv.shape[-1] != 2 * dqk:  # no packed call takes soft-capping or unequal value heads (MLA)
+        return None
+    stream, _, sets = _stream(kv, got, plan)
+    got_ = sets_forward(q[0].transpose(0, 1), stream[..., :dqk], stream[..., dqk:], sets, scale)
+    if got_ is None:
+        return None
+    return got_[0].transpose(0, 1).unsqueeze(0), got_[1].transpose(0, 1).unsqueeze(0).contiguous()
+
+
+def _packed_backward(dout, q, kv, dqk, out, lse, plan: DocPlan, got, scale, softcap):
+    """:func:`_packed_forward`'s backward: ``(dq, dkv)`` with the borrowed chunks' dK/dV given back, or ``None``."""
+    if softcap or kv.shape[-1] != 2 * dqk:
+        return None
+    stream, where, sets = _stream(kv, got, plan)
+    tok = [x[0].transpose(0, 1) for x in (dout, q, out)]
+    grads = sets_backward(tok[0], tok[1], stream[..., :dqk], stream[..., dqk:], tok[2], lse[0].transpose(0, 1), sets,
+                          scale)  # fmt: skip
+    if grads is None:
+        return None
+    dstream = torch.cat(grads[1:], -1).transpose(0, 1).unsqueeze(0)  # [1, Hkv, T_r + lent, Dqk + Dv]
+    t = kv.shape[2]
+    lent = {key: dstream[:, :, at : at + got[key].shape[2]].contiguous() for key, at in where.items()}
+    dkv = dstream[:, :, :t].contiguous()
+    give_back(plan, lent, dkv)  # adds what the peers return for this rank's lent chunks into dkv
+    return grads[0].transpose(0, 1).unsqueeze(0).contiguous(), dkv
+
+
 def _forward(q, kv, dqk, plan: DocPlan, got, scale, softcap):
+    packed = _packed_forward(q, kv, dqk, plan, got, scale, softcap)
+    if packed is not None:
+        b, h, t, _ = q.shape
+        out = q.new_empty((b, t, h, kv.shape[-1] - dqk)).transpose(1, 2)  # transformers' [B, T, H, Dv] underneath
+        out.copy_(packed[0])
+        return out, packed[1]
     b, h, t, _ = q.shape
     out = q.new_empty((b, t, h, kv.shape[-1] - dqk)).transpose(1, 2)  # transformers' [B, T, H, Dv] underneath
     lse = None
@@ -226,6 +291,9 @@ def _forward(q, kv, dqk, plan: DocPlan, got, scale, softcap):
 
 
 def _backward(dout, q, kv, dqk, out, lse, plan: DocPlan, got, scale, softcap):
+    packed = _packed_backward(dout, q, kv, dqk, out, lse, plan, got, scale, softcap)
+    if packed is not None:
+        return packed
     dq = torch.zeros_like(q)
     dkv = torch.zeros_like(kv)
     lent: dict[tuple[int, int], torch.Tensor] = {}

@@ -174,7 +174,14 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         borrowed = r.local_batch * r.seq - local  # worst case: every document split over every rank
         fwd = 2 * kv * c * (local + 2 * borrowed)
         partial = local * (d.hidden / tp + d.heads / tp) * 4
-        return 2 * fwd + partial, (
+        from automodel.distributed.cp.block_sets import packed_call_bytes  # torch: imported only to plan
+
+        # cuDNN: the prefix and diagonal blocks in packed-row calls (block_sets) on a key stream of the local and the
+        # borrowed K/V (a copy, and its gradient: one more row's worth of keys)
+        packed = packed_call_bytes(kv, d.heads * d.head_dim / tp, 2 * (local + borrowed), local, c,
+                                   getattr(r, "attention_kernel", ""))  # fmt: skip
+        return 2 * fwd + packed + partial, (
             f"{self.name}: the rank's K/V and, for split documents only, the chunks borrowed from their span "
             "(worst case: the whole row); whole documents need none"
+            + ("; the packed-row calls' key stream, copies and dK/dV" if packed else "")
         )

@@ -181,6 +181,11 @@ class UspMethod(GatheredKVMethod):
         kv_heads = kv_local * (u // math.gcd(kv_local, u)) / u  # after replication, per Ulysses rank
         row_tokens = r.local_batch * r.seq
         gather = 8 * kv_heads * d.head_dim * c * row_tokens  # backward: K/V again + dK/dV
+        from automodel.distributed.cp.block_sets import packed_call_bytes  # torch: imported only to plan
+
+        # cuDNN: thd's prefix and diagonal blocks in packed-row calls (block_sets), their copies at the backward
+        gather += packed_call_bytes(kv_heads * d.head_dim, d.heads / tp / u * d.head_dim, row_tokens, u * n, c,
+                                    getattr(r, "attention_kernel", ""))  # fmt: skip
         partial = r.local_tokens * (d.hidden / tp + d.heads / tp) * 4
         kv_sent = kv_local * (u // math.gcd(kv_local, u)) * d.head_dim
         a2a = 2 * (2 * d.hidden / tp + 2 * kv_sent) * c * n
