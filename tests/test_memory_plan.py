@@ -72,10 +72,14 @@ def test_cp_divides_activations_and_logits_but_not_the_chunked_loss():
     two = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2, cp_method="ulysses"))  # SDPA's GQA, as at cp 1
     for term in ("activations", "logits and loss"):
         assert two.terms[term].bytes == pytest.approx(one.terms[term].bytes / 2, rel=1e-3)
-    # the CP block kernels (ring) save K/V repeated to the query heads: 2 h per token and layer more
+    # ring runs torch's ring ops through transformers' sdpa, which passes enable_gqa (K/V saved at the KV heads) up to
+    # head size 256 and repeats K/V to the query heads above it: 2 q per token and layer more
     ring = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2))
-    extra = ring.terms["activations"].bytes - two.terms["activations"].bytes
-    assert extra == pytest.approx(2 * 32 * 4 * 8192 * 2, rel=1e-9)
+    assert ring.terms["activations"].bytes == two.terms["activations"].bytes
+    wide = _dims(head_dim=512)  # 2 heads of 512, 1 KV head
+    extra = [plan_memory(wide, RunShape(local_batch=1, seq=16384, cp=2, cp_method=m)).terms["activations"].bytes
+             for m in ("ring", "ulysses")]  # fmt: skip
+    assert extra[0] - extra[1] == pytest.approx(2 * 2 * 512 * 4 * 8192 * 2, rel=1e-9)
     assert one.terms["logits and loss"].bytes == pytest.approx(3 * 16384 * 2048 * 4 + 16384 * 32 * 4)
     chunked = [plan_memory(d, RunShape(local_batch=1, seq=s, chunk_tokens=256)) for s in (4096, 65536)]
     loss = [p.terms["logits and loss"].bytes for p in chunked]

@@ -392,7 +392,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     """
     n, c = r.local_tokens, r.compute_bytes
     h, kv, i, q = d.hidden, d.kv_heads * d.head_dim, d.intermediate, d.heads * d.head_dim
-    repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed) else 0
+    repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so the kernel's
     # output and LSE are not saved (automodel.distributed.cp.head_chunks); the local output the post part saves is
     grouped = r.head_chunks > 1 and r.cp > 1
@@ -407,7 +407,10 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + 3 * h * i) * c
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
-    attn_grads = (h + q + q + 2 * kv) * c  # the input's and the attention output's gradients, dq, dk, dv
+    # the input's and the attention output's gradients, dq, dk, dv (those three in the CP workspace where the method
+    # accumulates them there: ring, CPMethod.workspace_holds_qkv_grads)
+    qkv_grads = 0 if r.cp > 1 and _method(r).workspace_holds_qkv_grads else q + 2 * kv
+    attn_grads = (h + q + qkv_grads) * c
     embed = 0.0 if r.activation_offloaded else h * c
     rope = 2 * d.head_dim * c
     final = 3 * h * c
@@ -624,7 +627,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     # GQA: K/V repeated to all query heads are saved only where the method's CPU kernel is given them (torch's
     # ring through transformers' sdpa); the block kernels and torch's SDPA with enable_gqa keep the KV heads
-    repeated = 2 * h if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed) else 0
+    repeated = 2 * d.heads * d.head_dim if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0
     # the residual stream: each hidden-size norm saves its input's normalized copy and its output (2 h; Llama:
     # two norms, Gemma 3: four), and the residual (h); whole on every TP rank unless sequence parallel splits
     # it; then the attention and the MLP block each all-gather their input once, and their projections save
@@ -634,8 +637,12 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # per head, split over TP: q after RoPE, k and v, the repeated K/V, the attention output and its transposed
     # copy; per-head q/k norms (Qwen3, Gemma 3) save their input and normalized output (2 (h + kv))
     qk = 2 * (h + kv) if d.qk_norm and d.heads else 0
-    attn = (h + repeated + 2 * kv + 2 * h + qk) / tp if d.heads else 0.0
-    lse = d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
+    # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so neither the kernel's
+    # output nor its LSE is saved (automodel.distributed.cp.head_chunks): the local q/k/v and the output projection's
+    # input are (measured: scripts/bench_memory.py --headwise only, 4.25 MiB below one group at 4096 local tokens)
+    grouped = r.head_chunks > 1 and r.cp > 1
+    attn = (h + repeated + 2 * kv + (1 if grouped else 2) * h + qk) / tp if d.heads else 0.0
+    lse = 0.0 if grouped else d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
     tile = _mlp_tile(d, r)
     mlp = _mlp_moments(d)
     saved_mlp, fwd_mlp, bwd_mlp = (0.0, 0.0, 0.0) if tile else (mlp.saved / tp, mlp.forward / tp, mlp.backward / tp)
@@ -651,6 +658,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     tile_fwd = 3 * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
+    # at the layer's attention (its forward; its backward, the MLP's and the post-attention norm's backward done) the
+    # residual stream holds the input norm's two tensors only: the residual add and the later norms come after the
+    # attention in the forward and are freed before it in the backward (snapshots of scripts/bench_memory.py's
+    # Ulysses rows: 3 h fewer per token than the whole layer's stream); under SP only the attention's gathered input
+    body_attn = (2 * h / s + (h if gathered else 0) + attn) * c + lse
     layer = body + saved_mlp * c + router
     grads = 2 * h * c / s  # the gradients at the layer's output and input
     # a norm after the MLP (Gemma 2/3's post_feedforward_layernorm, of four norms per layer) has run its backward and
@@ -683,23 +695,23 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        fwd_a = n * (kept + always + h * c / s + body) + s2
+        fwd_a = n * (kept + always + h * c / s + body_attn) + s2
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
-        bwd_a = n * (kept + always + body + grads) + s2
+        bwd_a = n * (kept + always + body_attn + grads) + s2
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
     before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * s2  # the layers before the last
     saved = n * (d.layers * layer + embed + final + always) + d.layers * s2 + tile_bytes
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd
-    fwd_a = before + n * body + s2
+    fwd_a = before + n * body_attn + s2
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
-    bwd_a = before + n * (body + grads) + s2
+    bwd_a = before + n * (body_attn + grads) + s2
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
