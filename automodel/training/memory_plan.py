@@ -110,6 +110,7 @@ from typing import Any
 
 from automodel.training.layer_kind_memory import (
     HALO_BLOCK,
+    alibi_mask_build,
     alibi_saved_per_layer,
     alibi_workspace,
     gathered_workspace,
@@ -679,11 +680,13 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     rope = 2 * d.head_dim * c if d.heads else 0
     final = 3 * h * c / s + (h * c if gathered else 0)  # freed once backward has passed the final norm
     always = 24 + rope
-    s2 = 0.0
+    s2 = building = 0.0
     if d.alibi_layers and r.cp > 1:
         # ALiBi layers hand q, k, v to the method (cp/layers/alibi.py): the halo kernel recomputes its blocks (no
-        # S^2 saved: layer_kind_memory.alibi_workspace); Ulysses saves the bias mask SDPA is given
+        # S^2 saved: layer_kind_memory.alibi_workspace); Ulysses saves the bias mask SDPA is given, and its forward
+        # holds two boolean [B, S, S] masks while it builds it
         s2 = alibi_saved_per_layer(d, r)
+        building = alibi_mask_build(d, r)
     elif r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
         s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
@@ -695,7 +698,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        fwd_a = n * (kept + always + h * c / s + body_attn) + s2
+        fwd_a = n * (kept + always + h * c / s + body_attn) + s2 + building
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
@@ -707,7 +710,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * s2  # the layers before the last
     saved = n * (d.layers * layer + embed + final + always) + d.layers * s2 + tile_bytes
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd
-    fwd_a = before + n * body_attn + s2
+    fwd_a = before + n * body_attn + s2 + building
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
