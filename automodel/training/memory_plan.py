@@ -38,17 +38,21 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
   tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
   outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
-  kernel saves them (2 h where the method's kernel is given them repeated to all heads, ring's torch SDPA;
-  0 without GQA, under torch's SDPA with ``enable_gqa`` and the block kernels: ``CPMethod.saves_repeated_kv``), the
-  attention output and its transposed copy (2 h), the residual (h), and gate, up, silu(gate),
-  silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
+  kernel saves them (2 q where the method's kernel is given them repeated to all heads: ring above head size 256,
+  where transformers' sdpa cannot pass ``enable_gqa``; 0 without GQA, under torch's SDPA with ``enable_gqa``, torch's
+  ring ops and the block kernels: ``CPMethod.saves_repeated_kv``), the
+  attention output and its transposed copy (2 h; with head groups only the copy, and no LSE), the residual (h), and
+  gate, up, silu(gate), silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
   ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B) and
   RoPE's cos and sin (``2 head_dim c``). Per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
   output: ``2 (h + kv) c`` more per layer; each hidden-size norm beyond two (Gemma's four) ``2 h c``. The MLP's
   moments (what the forward holds in flight, what its backward holds) are :func:`_mlp_moments`'s.
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
   layer at a time and holds its activations plus the gradients at its output and input (``2 h c``)
-  and, at the MLP's backward, the MLP's gradients.
+  and, at the MLP's backward, the MLP's gradients. At a layer's attention (its forward; its backward, once the MLP's
+  and the post-attention norm's backward have run) the residual stream holds only the input norm's ``2 h``: the
+  residual add and the later norms are not made yet / freed (``3 h`` fewer than the whole layer: live-tensor
+  snapshots of ``scripts/bench_memory.py``'s Ulysses and ring rows).
   Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
   ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
@@ -62,10 +66,14 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   part's backward holds the output's, the attention output's and the input's gradients (``2 h + q``), the
   attention's backward (the post part's copy freed) the input's and the attention output's gradients and dq, dk, dv
   (``h + 2 q + 2 kv``) beside the CP workspace and the kernel's buffers (:func:`_tiled_layer_terms`; measured by
-  ``scripts/bench_memory.py --tiled-layer only``: Ulysses +0%, with 2 head groups +9%; ring conservative).
-* attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
-  token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
-  additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the backward's full-row gradients of the
+  ``scripts/bench_memory.py --tiled-layer only``: ring +0%, Ulysses +0%, with 2 head groups +9%; ring's dq, dk, dv
+  are its workspace's: ``CPMethod.workspace_holds_qkv_grads``).
+* attention workspace: ring (torch's ring loop, :meth:`~automodel.distributed.cp.ring.RingMethod.attention_workspace`):
+  the K/V blocks in flight at the KV heads (``2 kv c`` each: ``min(cp, 3)`` under the CPU's synchronous rotation,
+  ``cp + 1`` under CUDA's all-gather), and in the forward the fp32 partial output and LSE being merged
+  (``2 (q + heads) 4``), in the backward the fp32 dq accumulator (``q 4``), dK/dV in fp32 three times (``6 kv 4``)
+  and two ring steps' kernel gradients (``2 (q + 2 kv) c``); measured on CPU with the ring's own allocations counted
+  (``scripts/live_tensors.tracked_inside``). Ulysses: the backward's full-row gradients of the
   output, q, k and v around their all-to-alls (``(2 h + 2 kv') c``, ``kv'`` the kv heads sent; the received
   q, k, v and output the kernel saves are activations), ``/ G`` with ``distributed.ulysses_head_chunks=G``
   plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); at the
