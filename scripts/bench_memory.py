@@ -30,8 +30,9 @@ process, on the same weights and batch (AdamW with lr 0: every row's loss must b
 
 Then (``--tiled-layer also``, the default; ``--tiled-layer only`` for these alone) **the tiled layer** (issue 42,
 ``model.tiled_layer``): ring, Ulysses and Ulysses in 2 head groups at cp=2 (16 heads / 8 KV heads, checkpointing, tiled
-MLP), without and with the tiled layer: the tracked step peak against the plan (the Ulysses rows held to
-``--tolerance``), the step's CPU time against the run without it, and the losses (equal).
+MLP), without and with the tiled layer: the tracked step peak against the plan (torch's ring attention's own
+allocations counted: :func:`scripts.live_tensors.tracked_inside`; every row held to ``--tolerance``), the step's CPU
+time against the run without it, and the losses (equal).
 
 Then (``--headwise also``, the default; ``--headwise only`` for these alone) **headwise Ulysses** (issue 42): Ulysses
 at cp=2 on a model with 16 heads / 8 KV heads (tiled MLP, so the step peaks in the attention's backward), with
