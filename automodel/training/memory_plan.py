@@ -81,7 +81,9 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
 * attention masks (:func:`.layer_kind_memory.mask_bytes`): transformers' materialised masks where the method's
   path builds them (:meth:`automodel.distributed.cp.CPMethod.mask_scope`) and the halo kernel's per-block key
-  masks, from the forward to the end of the backward. Layer kinds beyond the Llama-style block add to the attention
+  masks, from the forward to the end of the backward (and under Ulysses, at an ALiBi layer's forward attention, the two
+  boolean ``[B, S, S]`` masks it builds its bias mask from: :func:`.layer_kind_memory.alibi_mask_build`). Layer kinds
+  beyond the Llama-style block add to the attention
   workspace at the attention's moments: ALiBi's score blocks on the halo kernel
   (:func:`.layer_kind_memory.alibi_workspace`) and a gathered-state kernel's tensors
   (:func:`.layer_kind_memory.gathered_workspace`, declared per kernel in
