@@ -332,8 +332,9 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
     import traceback
 
     from automodel.config import load_config
+    from automodel.distributed.cp.ring import cpu_ring
     from automodel.training.trainer import FinetuneTrainer
-    from scripts.live_tensors import AllocationTracker, PeakSnapshots, fsdp2_storage_resizes
+    from scripts.live_tensors import AllocationTracker, PeakSnapshots, fsdp2_storage_resizes, tracked_inside
 
     torch.set_num_threads(1)
     results = []
@@ -362,7 +363,9 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
 
                 trainer.cp_fn = local_tokens
                 try:
-                    with _host_side(trainer, tracker), fsdp2_storage_resizes(tracker), _phase_marks(tracker, phases):
+                    # torch's ring attention runs inside DTensor's handler of the SDPA op: tracked_inside counts it
+                    with _host_side(trainer, tracker), fsdp2_storage_resizes(tracker), _phase_marks(tracker, phases), \
+                            tracked_inside(tracker, cpu_ring, "_run_ring"):
                         with tracker:
                             record = original(batches)
                 finally:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["AllocationTracker", "PeakSnapshots", "fsdp2_storage_resizes"]
+__all__ = ["AllocationTracker", "PeakSnapshots", "fsdp2_storage_resizes", "tracked_inside"]
 
 
 def _plain(t: torch.Tensor) -> list[torch.Tensor]:
@@ -175,3 +175,31 @@ def fsdp2_storage_resizes(tracker: AllocationTracker) -> Iterator[None]:
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
+
+
+@contextlib.contextmanager
+def tracked_inside(tracker: AllocationTracker, module: object, name: str) -> Iterator[None]:
+    """While active, ``module.name`` (a function) runs with ``tracker`` pushed again, so what it allocates is counted
+    where a tensor subclass's handler calls it: a dispatch mode is off while a subclass (DTensor) handles an op, so
+    without this only the handler's outputs are seen. For torch's ring attention on CPU
+    (``automodel.distributed.cp.ring.cpu_ring._run_ring``, called by DTensor's handler of the SDPA op): its K/V
+    rotation buffers, fp32 accumulators and the kernel's per-step gradients exist only in there."""
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if tracker in _mode_stack():  # already counting (not called from inside a subclass's handler)
+            return original(*args, **kwargs)
+        with tracker:
+            return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _mode_stack() -> list:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from automodel.distributed.cp import get_cp_method
 from automodel.training.cpu_memory import MMAP_ENV
 from automodel.training.memory_plan import (
     RunShape,
@@ -72,10 +73,14 @@ def test_cp_divides_activations_and_logits_but_not_the_chunked_loss():
     two = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2, cp_method="ulysses"))  # SDPA's GQA, as at cp 1
     for term in ("activations", "logits and loss"):
         assert two.terms[term].bytes == pytest.approx(one.terms[term].bytes / 2, rel=1e-3)
-    # the CP block kernels (ring) save K/V repeated to the query heads: 2 h per token and layer more
+    # ring runs torch's ring ops through transformers' sdpa, which passes enable_gqa (K/V saved at the KV heads) up to
+    # head size 256 and repeats K/V to the query heads above it: 2 q per token and layer more
     ring = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2))
-    extra = ring.terms["activations"].bytes - two.terms["activations"].bytes
-    assert extra == pytest.approx(2 * 32 * 4 * 8192 * 2, rel=1e-9)
+    assert ring.terms["activations"].bytes == two.terms["activations"].bytes
+    wide = _dims(head_dim=512)  # 2 heads of 512, 1 KV head
+    extra = [plan_memory(wide, RunShape(local_batch=1, seq=16384, cp=2, cp_method=m)).terms["activations"].bytes
+             for m in ("ring", "ulysses")]  # fmt: skip
+    assert extra[0] - extra[1] == pytest.approx(2 * 2 * 512 * 4 * 8192 * 2, rel=1e-9)
     assert one.terms["logits and loss"].bytes == pytest.approx(3 * 16384 * 2048 * 4 + 16384 * 32 * 4)
     chunked = [plan_memory(d, RunShape(local_batch=1, seq=s, chunk_tokens=256)) for s in (4096, 65536)]
     loss = [p.terms["logits and loss"].bytes for p in chunked]
@@ -445,3 +450,29 @@ def test_each_phase_counts_only_what_is_live():
     assert plan_memory(d, ra).phases["recompute"]["gradients"] == expected
     keep = plan_memory(d, dataclasses.replace(r, reshard_after_forward=False))
     assert keep.phases["loss"]["communication buffers"] == (d.root_params + d.layers * d.layer_params) * 2
+
+
+def test_attention_moments_ring_workspace_and_head_groups_as_measured():
+    """What live-tensor snapshots of scripts/bench_memory.py --tiled-layer only showed (hidden 256, 16 / 8 heads)."""
+    d = _dims(hidden_size=256, intermediate_size=512, num_attention_heads=16, num_key_value_heads=8)
+    h, q, kv, c = 256, 256, 128, 4
+    base = dict(local_batch=1, seq=8192, cp=2, chunk_tokens=256, activation_checkpointing=True)
+    n = 4096
+    uly = plan_memory(d, RunShape(cp_method="ulysses", **base)).by_moment["recompute"]
+    # at the attention's backward the post-attention norm (2 h) and the residual (h) are freed: the stream is the
+    # input norm's 2 h; the MLP's backward holds the whole stream (5 h) and its 6 [N, I]
+    assert uly["MLP"]["activations"] - uly["attention"]["activations"] == n * (3 * h + 6 * 512) * c
+    # head groups: each group is checkpointed, so the kernel's output (q) and its fp32 LSE are not saved
+    grouped = plan_memory(d, RunShape(cp_method="ulysses", head_chunks=2, **base)).by_moment["recompute"]["MLP"]
+    assert uly["MLP"]["activations"] - grouped["activations"] == n * (q * c + 16 * 4)
+    # ring: K/V saved at the KV heads (as Ulysses'); its workspace is torch's ring loop: K/V blocks (2 at cp 2 on
+    # CPU), the fp32 dq accumulator, dK/dV in fp32 three times, two ring steps' dq, dk, dv
+    ring = plan_memory(d, RunShape(**base)).by_moment["recompute"]
+    assert ring["MLP"]["activations"] == uly["MLP"]["activations"]
+    assert ring["attention"]["attention workspace"] == n * (2 * 2 * kv * c + q * 4 + 6 * kv * 4 + 2 * (q + 2 * kv) * c)
+    # under CUDA's all-gather rotation every rank's K/V at once plus the block being sent (cp + 1)
+    cuda = plan_memory(d, RunShape(attention_kernel="flash", **(base | {"cp": 8})))
+    n8 = 1024
+    assert cuda.terms["attention workspace"].bytes == n8 * (9 * 2 * kv * c + q * 4 + 6 * kv * 4 + 2 * (q + 2 * kv) * c)
+    # above head size 256 transformers' sdpa repeats K/V to the query heads: ring saves them (2 q per token and layer)
+    assert get_cp_method("ring").saves_repeated_kv(False, 512) and not get_cp_method("ring").saves_repeated_kv(False, 128)

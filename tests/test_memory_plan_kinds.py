@@ -167,15 +167,16 @@ def test_tiled_mlp_backward_counts_the_tile_gradients_beside_their_running_sum()
     acts = plan_memory(llama, tiled).by_moment["recompute"]["MLP"]["activations"]
     untiled_mlp_free = plan_memory(llama, base).by_moment["recompute"]["attention"]["activations"]
     h, i = llama.hidden, llama.intermediate
-    # the recomputed layer without its MLP, plus one tile's 6 [T, I] and the tile's three weight gradients (their
-    # running sum is the layer's gradient, which the gradients term counts whole at fsdp 1)
-    assert acts - untiled_mlp_free == (6 * 1024 * i + 3 * h * i) * 4
+    # the recomputed layer at its attention (the input norm's tensors; the post-attention norm's two and the residual
+    # are freed by then: 3 [N, h] more at the MLP), plus one tile's 6 [T, I] and the tile's three weight gradients
+    # (their running sum is the layer's gradient, which the gradients term counts whole at fsdp 1)
+    assert acts - untiled_mlp_free == (6 * 1024 * i + 3 * h * i + 3 * 8192 * h) * 4
     # at fsdp 2 the gradients term counts the layer's shard; the running sum is whole until the reduce-scatter
     for shard in (2, 4):
         sharded = dataclasses.replace(tiled, dp_shard=shard)
         acts = plan_memory(llama, sharded).by_moment["recompute"]["MLP"]["activations"]
         free = plan_memory(llama, dataclasses.replace(base, dp_shard=shard)).by_moment["recompute"]["attention"]
-        assert acts - free["activations"] == (6 * 1024 * i + 3 * h * i + 3 * h * i * (1 - 1 / shard)) * 4
+        assert acts - free["activations"] == (6 * 1024 * i + 3 * h * i + 3 * h * i * (1 - 1 / shard) + 3 * 8192 * h) * 4
 
 
 def test_tiled_mlp_does_not_keep_its_input_alive_under_checkpointing():

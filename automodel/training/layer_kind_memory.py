@@ -111,6 +111,16 @@ def alibi_saved_per_layer(d: Any, r: Any) -> float:
     return r.local_batch * heads * r.seq * r.seq * r.compute_bytes
 
 
+def alibi_mask_build(d: Any, r: Any) -> float:
+    """Under Ulysses, while an ALiBi layer's forward builds its bias mask (``ulysses/attention.py``,
+    ``_alibi_attention``): the boolean ``[B, S, S]`` causal mask and its negation beside the bias mask being filled,
+    bytes (a live-tensor snapshot of ``scripts/bench_plan_cases.py``'s BLOOM-like Ulysses case: 8 MiB at 2048 tokens);
+    0 elsewhere. The forward's attention moment."""
+    if not alibi_saved_per_layer(d, r):
+        return 0.0
+    return 2 * r.local_batch * r.seq * r.seq
+
+
 def gathered_workspace(d: Any, r: Any) -> tuple[float, float]:
     """``(forward, backward)``: the largest gathered-state layer's bytes at its attention moment, per rank."""
     fwd = bwd = 0.0

@@ -38,17 +38,21 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
   tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
   outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
-  kernel saves them (2 h where the method's kernel is given them repeated to all heads, ring's torch SDPA;
-  0 without GQA, under torch's SDPA with ``enable_gqa`` and the block kernels: ``CPMethod.saves_repeated_kv``), the
-  attention output and its transposed copy (2 h), the residual (h), and gate, up, silu(gate),
-  silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
+  kernel saves them (2 q where the method's kernel is given them repeated to all heads: ring above head size 256,
+  where transformers' sdpa cannot pass ``enable_gqa``; 0 without GQA, under torch's SDPA with ``enable_gqa``, torch's
+  ring ops and the block kernels: ``CPMethod.saves_repeated_kv``), the
+  attention output and its transposed copy (2 h; with head groups only the copy, and no LSE), the residual (h), and
+  gate, up, silu(gate), silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
   ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B) and
   RoPE's cos and sin (``2 head_dim c``). Per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
   output: ``2 (h + kv) c`` more per layer; each hidden-size norm beyond two (Gemma's four) ``2 h c``. The MLP's
   moments (what the forward holds in flight, what its backward holds) are :func:`_mlp_moments`'s.
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
   layer at a time and holds its activations plus the gradients at its output and input (``2 h c``)
-  and, at the MLP's backward, the MLP's gradients.
+  and, at the MLP's backward, the MLP's gradients. At a layer's attention (its forward; its backward, once the MLP's
+  and the post-attention norm's backward have run) the residual stream holds only the input norm's ``2 h``: the
+  residual add and the later norms are not made yet / freed (``3 h`` fewer than the whole layer: live-tensor
+  snapshots of ``scripts/bench_memory.py``'s Ulysses and ring rows).
   Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
   ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
@@ -62,14 +66,18 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   part's backward holds the output's, the attention output's and the input's gradients (``2 h + q``), the
   attention's backward (the post part's copy freed) the input's and the attention output's gradients and dq, dk, dv
   (``h + 2 q + 2 kv``) beside the CP workspace and the kernel's buffers (:func:`_tiled_layer_terms`; measured by
-  ``scripts/bench_memory.py --tiled-layer only``: Ulysses +0%, with 2 head groups +9%; ring conservative). Without CP
+  ``scripts/bench_memory.py --tiled-layer only``: ring +0%, Ulysses +0%, with 2 head groups +9%; ring's dq, dk, dv
+  are its workspace's: ``CPMethod.workspace_holds_qkv_grads``). Without CP
   with ``model.attention_head_chunks=G`` (``RunShape.head_chunks`` at cp 1) no kernel output nor LSE is saved either,
   and the attention's backward adds one group's recomputed output and LSE, its output gradient made contiguous and its
   dq, dk, dv (``((3 q + 2 kv) c + 4 heads) / G``; ``scripts/bench_memory.py --head-groups only``: within 5%); the
   untiled layer's terms stay as without groups (on the safe side).
-* attention workspace: ring: the K/V blocks in flight (received + being sent: ``4 kv c`` per local
-  token) and the fp32 partial output and LSE being merged (``2 (h + heads) 4``); backward
-  additionally rotates dK/dV in fp32 (``4 kv 4``). Ulysses: the backward's full-row gradients of the
+* attention workspace: ring (torch's ring loop, :meth:`~automodel.distributed.cp.ring.RingMethod.attention_workspace`):
+  the K/V blocks in flight at the KV heads (``2 kv c`` each: ``min(cp, 3)`` under the CPU's synchronous rotation,
+  ``cp + 1`` under CUDA's all-gather), and in the forward the fp32 partial output and LSE being merged
+  (``2 (q + heads) 4``), in the backward the fp32 dq accumulator (``q 4``), dK/dV in fp32 three times (``6 kv 4``)
+  and two ring steps' kernel gradients (``2 (q + 2 kv) c``); measured on CPU with the ring's own allocations counted
+  (``scripts/live_tensors.tracked_inside``). Ulysses: the backward's full-row gradients of the
   output, q, k and v around their all-to-alls (``(2 h + 2 kv') c``, ``kv'`` the kv heads sent; the received
   q, k, v and output the kernel saves are activations), ``/ G`` with ``distributed.ulysses_head_chunks=G``
   plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); at the
@@ -77,7 +85,9 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
 * attention masks (:func:`.layer_kind_memory.mask_bytes`): transformers' materialised masks where the method's
   path builds them (:meth:`automodel.distributed.cp.CPMethod.mask_scope`) and the halo kernel's per-block key
-  masks, from the forward to the end of the backward. Layer kinds beyond the Llama-style block add to the attention
+  masks, from the forward to the end of the backward (and under Ulysses, at an ALiBi layer's forward attention, the two
+  boolean ``[B, S, S]`` masks it builds its bias mask from: :func:`.layer_kind_memory.alibi_mask_build`). Layer kinds
+  beyond the Llama-style block add to the attention
   workspace at the attention's moments: ALiBi's score blocks on the halo kernel
   (:func:`.layer_kind_memory.alibi_workspace`) and a gathered-state kernel's tensors
   (:func:`.layer_kind_memory.gathered_workspace`, declared per kernel in
@@ -115,6 +125,7 @@ from typing import Any
 
 from automodel.training.layer_kind_memory import (
     HALO_BLOCK,
+    alibi_mask_build,
     alibi_saved_per_layer,
     alibi_workspace,
     gathered_workspace,
@@ -399,7 +410,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     """
     n, c = r.local_tokens, r.compute_bytes
     h, kv, i, q = d.hidden, d.kv_heads * d.head_dim, d.intermediate, d.heads * d.head_dim
-    repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed) else 0
+    repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so the kernel's
     # output and LSE are not saved (automodel.distributed.cp.head_chunks); the local output the post part saves is
     # model.attention_head_chunks=G at cp 1 likewise (automodel.models.attention_head_chunks)
@@ -415,7 +426,10 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + 3 * h * i) * c
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
-    attn_grads = (h + q + q + 2 * kv) * c  # the input's and the attention output's gradients, dq, dk, dv
+    # the input's and the attention output's gradients, dq, dk, dv (those three in the CP workspace where the method
+    # accumulates them there: ring, CPMethod.workspace_holds_qkv_grads)
+    qkv_grads = 0 if r.cp > 1 and _method(r).workspace_holds_qkv_grads else q + 2 * kv
+    attn_grads = (h + q + qkv_grads) * c
     if grouped and r.cp <= 1:  # cp 1 in head groups: one group's recomputed output and LSE, its output gradient
         # made contiguous for the kernel and its dq, dk, dv before they are written into the whole ones
         attn_grads += ((3 * q + 2 * kv) * c + d.heads * 4) / r.head_chunks
@@ -635,7 +649,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     # GQA: K/V repeated to all query heads are saved only where the method's CPU kernel is given them (torch's
     # ring through transformers' sdpa); the block kernels and torch's SDPA with enable_gqa keep the KV heads
-    repeated = 2 * h if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed) else 0
+    repeated = 2 * d.heads * d.head_dim if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0
     # the residual stream: each hidden-size norm saves its input's normalized copy and its output (2 h; Llama:
     # two norms, Gemma 3: four), and the residual (h); whole on every TP rank unless sequence parallel splits
     # it; then the attention and the MLP block each all-gather their input once, and their projections save
@@ -645,8 +659,12 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # per head, split over TP: q after RoPE, k and v, the repeated K/V, the attention output and its transposed
     # copy; per-head q/k norms (Qwen3, Gemma 3) save their input and normalized output (2 (h + kv))
     qk = 2 * (h + kv) if d.qk_norm and d.heads else 0
-    attn = (h + repeated + 2 * kv + 2 * h + qk) / tp if d.heads else 0.0
-    lse = d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
+    # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so neither the kernel's
+    # output nor its LSE is saved (automodel.distributed.cp.head_chunks): the local q/k/v and the output projection's
+    # input are (measured: scripts/bench_memory.py --headwise only, 4.25 MiB below one group at 4096 local tokens)
+    grouped = r.head_chunks > 1 and r.cp > 1
+    attn = (h + repeated + 2 * kv + (1 if grouped else 2) * h + qk) / tp if d.heads else 0.0
+    lse = 0.0 if grouped else d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
     tile = _mlp_tile(d, r)
     mlp = _mlp_moments(d)
     saved_mlp, fwd_mlp, bwd_mlp = (0.0, 0.0, 0.0) if tile else (mlp.saved / tp, mlp.forward / tp, mlp.backward / tp)
@@ -662,6 +680,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     tile_fwd = 3 * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
+    # at the layer's attention (its forward; its backward, the MLP's and the post-attention norm's backward done) the
+    # residual stream holds the input norm's two tensors only: the residual add and the later norms come after the
+    # attention in the forward and are freed before it in the backward (snapshots of scripts/bench_memory.py's
+    # Ulysses rows: 3 h fewer per token than the whole layer's stream); under SP only the attention's gathered input
+    body_attn = (2 * h / s + (h if gathered else 0) + attn) * c + lse
     layer = body + saved_mlp * c + router
     grads = 2 * h * c / s  # the gradients at the layer's output and input
     # a norm after the MLP (Gemma 2/3's post_feedforward_layernorm, of four norms per layer) has run its backward and
@@ -678,11 +701,13 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     rope = 2 * d.head_dim * c if d.heads else 0
     final = 3 * h * c / s + (h * c if gathered else 0)  # freed once backward has passed the final norm
     always = 24 + rope
-    s2 = 0.0
+    s2 = building = 0.0
     if d.alibi_layers and r.cp > 1:
         # ALiBi layers hand q, k, v to the method (cp/layers/alibi.py): the halo kernel recomputes its blocks (no
-        # S^2 saved: layer_kind_memory.alibi_workspace); Ulysses saves the bias mask SDPA is given
+        # S^2 saved: layer_kind_memory.alibi_workspace); Ulysses saves the bias mask SDPA is given, and its forward
+        # holds two boolean [B, S, S] masks while it builds it
         s2 = alibi_saved_per_layer(d, r)
+        building = alibi_mask_build(d, r)
     elif r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
         s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
@@ -694,23 +719,23 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        fwd_a = n * (kept + always + h * c / s + body) + s2
+        fwd_a = n * (kept + always + h * c / s + body_attn) + s2 + building
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
-        bwd_a = n * (kept + always + body + grads) + s2
+        bwd_a = n * (kept + always + body_attn + grads) + s2
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
     before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * s2  # the layers before the last
     saved = n * (d.layers * layer + embed + final + always) + d.layers * s2 + tile_bytes
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd
-    fwd_a = before + n * body + s2
+    fwd_a = before + n * body_attn + s2 + building
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
-    bwd_a = before + n * (body + grads) + s2
+    bwd_a = before + n * (body_attn + grads) + s2
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")

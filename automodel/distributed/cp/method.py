@@ -160,6 +160,9 @@ class CPMethod:
     #: the one of :attr:`option_keys` a plan layout's number after the method's name sets (``cp64.usp8``:
     #: ``ulysses_size=8``); ``None``: the method takes no number there
     layout_option: ClassVar[str | None] = None
+    #: the backward's :meth:`attention_workspace` already holds the attention's dq, dk, dv (ring: its fp32
+    #: accumulators become them), so the memory planner's tiled-layer attention moment does not count them again
+    workspace_holds_qkv_grads: ClassVar[bool] = False
 
     # ------------------------------------------------------------------ exactness
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
@@ -314,10 +317,11 @@ class CPMethod:
         score blocks). Default yes."""
         return True
 
-    def saves_repeated_kv(self, packed: bool) -> bool:
+    def saves_repeated_kv(self, packed: bool, head_dim: int = 0) -> bool:
         """Whether a grouped-query layer's saved activations hold K/V repeated to the query heads (the memory
         planner's ``2 h`` per token). Default no: the block kernels (``blocks._BlockedAttention``, the document
-        blocks) save this rank's q, k, v at the KV heads; ``packed``: rows hold several documents."""
+        blocks) save this rank's q, k, v at the KV heads; ``packed``: rows hold several documents; ``head_dim``: the
+        model's head size (0: unknown)."""
         return False
 
     def kernel_call_tokens(self, d: Any, r: Any) -> tuple[int, int, int, int]:

@@ -18,7 +18,11 @@ from typing import Any
 from automodel.distributed.cp.method import BatchFn, CPMethod, ExchangeTerm, standard_problem
 from automodel.distributed.cp.profile import LayerSpec
 
-__all__ = ["RingMethod"]
+__all__ = ["RingMethod", "SDPA_GQA_MAX_HEAD_DIM"]
+
+#: transformers' ``sdpa`` attention passes ``enable_gqa`` (K/V at the KV heads) only up to this head size; above it
+#: it repeats K/V to the query heads (``use_gqa_in_sdpa``, 5.17 to 5.25)
+SDPA_GQA_MAX_HEAD_DIM = 256
 
 
 class RingMethod(CPMethod):
@@ -30,6 +34,7 @@ class RingMethod(CPMethod):
     supports_vlm = True
     chunks_per_rank = 2
     layout = "head_tail"
+    workspace_holds_qkv_grads = True  # torch's ring accumulates dq, dk, dv in its workspace (attention_workspace)
 
     def layer_problem(self, layer: LayerSpec, seq_len: int | None) -> str | None:
         return standard_problem(
@@ -59,17 +64,39 @@ class RingMethod(CPMethod):
         builds its mask from the rank's tokens."""
         return "local"
 
-    def saves_repeated_kv(self, packed: bool) -> bool:
-        """Full layers run torch's ring attention through transformers' ``sdpa`` function, which repeats K/V to the
-        query heads (measured by ``scripts/bench_memory.py``'s ring rows)."""
-        return True
+    def saves_repeated_kv(self, packed: bool, head_dim: int = 0) -> bool:
+        """Full layers run torch's ring attention through transformers' ``sdpa`` function. That function repeats K/V
+        to the query heads only where it cannot pass ``enable_gqa`` (``use_gqa_in_sdpa``, transformers 5.17 to 5.25:
+        a mask, or K/V head sizes unequal or above :data:`SDPA_GQA_MAX_HEAD_DIM`); the ring drops the plain causal
+        mask (``ring/router.py``), so torch's ring ops (the CPU flash op here, flash / cuDNN on CUDA, each taking
+        grouped K/V) save K and V at the KV heads: live-tensor snapshots of ``scripts/bench_memory.py``'s ring rows
+        (torch 2.13 CPU, transformers 5.25) show ``[B, Hkv, n, D]`` saved. ``head_dim``: the model's (0: unknown)."""
+        return head_dim > SDPA_GQA_MAX_HEAD_DIM
 
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
+        """Per local token, what torch's ring attention (``_templated_ring_attention`` and its backward) holds beyond
+        the layer's activations. K/V blocks at the KV heads (``2 kv c`` each): on CPU (this package's synchronous
+        rotation, ``cpu_ring._SyncRotater``) the received block, the next one being sent and the one being received,
+        ``min(cp, 3)`` of them; on CUDA torch's default ``allgather`` rotation holds every rank's K/V at once plus
+        the block being sent, ``cp + 1`` (at least the ``alltoall`` rotation's 3). Forward: those and the fp32
+        partial output and LSE being merged (``2 (q + heads) 4``). Backward: those, the fp32 dq accumulator
+        (``q 4``), dK/dV in fp32 three times (the accumulator, the block being sent and the one being received:
+        ``6 kv 4``), and the kernel's dq, dk, dv of two ring steps (the previous step's are still referenced while
+        the next call allocates: ``2 (q + 2 kv) c``); the kernel's own buffers are the attention kernel term. Measured
+        on CPU at cp 2 with the ring's internal allocations tracked (``scripts/bench_memory.py --tiled-layer only``).
+        """
+        from automodel.distributed.cp.attention_kernels import CPU_KERNEL
+
         n, c, tp = r.local_tokens, r.compute_bytes, r.tp
-        h, kv = d.hidden / tp, d.kv_heads * d.head_dim / tp
-        fwd = 4 * kv * c + 2 * (h + d.heads / tp) * 4
-        bwd = 4 * kv * c + 4 * kv * 4 + (h + 2 * kv) * 4
-        return n * max(fwd, bwd), "ring: K/V blocks in flight, fp32 partial outputs and dK/dV rotation"
+        q, kv, heads = d.heads * d.head_dim / tp, d.kv_heads * d.head_dim / tp, d.heads / tp
+        cpu = getattr(r, "attention_kernel", CPU_KERNEL) == CPU_KERNEL
+        blocks = min(r.cp, 3) if cpu else max(r.cp + 1, 3)
+        kv_blocks = blocks * 2 * kv * c
+        fwd = kv_blocks + 2 * (q + heads) * 4
+        bwd = kv_blocks + q * 4 + 6 * kv * 4 + 2 * (q + 2 * kv) * c
+        rotation = "the synchronous rotation (CPU)" if cpu else "the all-gathered K/V of every rank (CUDA)"
+        return n * max(fwd, bwd), (f"ring: {blocks} K/V blocks in flight ({rotation}), the fp32 dq accumulator, dK/dV "
+                                   "in fp32 (accumulated, sent, received) and two ring steps' dq, dk, dv")
 
     def exchange_terms(self, d: Any, r: Any, packed: bool = False) -> list[ExchangeTerm]:
         """The default K/V bytes, split by what each overlaps: torch's ring (the recipe's default ``allgather``
