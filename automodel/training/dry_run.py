@@ -414,6 +414,14 @@ def dry_run_report(loaded: LoadedConfig) -> str:
             plan.cfg, dims, plan.sizes, plan.seq, plan.grad_acc
         )
         out.append(reason)
+    if plan.cfg.model.checkpoint_group_layers == "auto":  # as the run resolves it (trainer)
+        from automodel.training.memory_plan import resolve_checkpoint_group
+        from automodel.training.plan_search import HOST_GIB_PER_GPU
+
+        plan.cfg.model.checkpoint_group_layers, reason = resolve_checkpoint_group(
+            plan.cfg, dims, plan.sizes, plan.seq, plan.grad_acc, HOST_GIB_PER_GPU * 2**30
+        )
+        out.append(reason)
     _shape_lines(plan, model, dims, out)
     _kernel_lines(plan, profile, out)
     _memory_and_time_lines(plan, dims, out)

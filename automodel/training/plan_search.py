@@ -110,6 +110,7 @@ class Techniques:
     activation_offload: bool = False  # model.activation_offload (with checkpointing)
     offload: bool | str = False  # fsdp.offload
     tiled_layer: bool = False  # model.tiled_layer (searched with the tiled MLP; tp 1 only)
+    checkpoint_group: int = 1  # model.checkpoint_group_layers (with activation offload and fsdp.offload; tp 1 only)
 
     def text(self, tp: int) -> str:
         """Short form (the report's legend): ``ckpt+chunk+tile+aoff+off:all``; ``lay`` for the tiled layer (with the
@@ -123,6 +124,8 @@ class Techniques:
             parts.append("tile")
         if self.activation_offload:
             parts.append("aoff")
+        if self.checkpoint_group > 1:
+            parts.append(f"grp{self.checkpoint_group}")
         if self.offload:
             parts.append("off:opt" if self.offload == "optimizer" else "off:all")
         return "+".join(parts) or "none"
@@ -135,6 +138,7 @@ class Techniques:
             f"model.tiled_mlp={str(self.tiled_mlp).lower()}",
             f"model.tiled_layer={str(self.tiled_layer).lower()}",
             f"model.activation_offload={str(self.activation_offload).lower()}",
+            *([f"model.checkpoint_group_layers={self.checkpoint_group}"] if self.checkpoint_group > 1 else []),
             f"fsdp.offload={self.offload or 'false'}",
         ]
 
@@ -142,12 +146,13 @@ class Techniques:
     def cost_rank(self) -> int:
         """How much step time the set adds, roughly (ties of the longest row go to the cheapest)."""
         return (self.chunked_loss + 2 * self.checkpointing + 2 * self.tiled_mlp + 3 * self.activation_offload
-                + 3 * self.tiled_layer
+                + 3 * self.tiled_layer + 4 * (self.checkpoint_group > 1)
                 + {False: 0, "optimizer": 4, "all": 6}[self.offload])  # fmt: skip
 
 
 def all_techniques() -> list[Techniques]:
-    """Every combination (activation offload only with checkpointing)."""
+    """Every combination (activation offload only with checkpointing; checkpoint groups of :data:`GROUP_SIZES` with
+    activation offload and ``fsdp.offload``, the sets whose layer inputs and model state are on the host)."""
     out = []
     for loss, ckpt, tiled, act, off in itertools.product((False, True), (False, True), (False, True),
                                                           (False, True), (False, "optimizer", "all")):  # fmt: skip
@@ -156,7 +161,15 @@ def all_techniques() -> list[Techniques]:
         out.append(Techniques(loss, ckpt, tiled, act, off))
         if tiled:  # the tiled layer: with the tiled MLP (its MLP runs over the layer's tiles)
             out.append(Techniques(loss, ckpt, tiled, act, off, tiled_layer=True))
+        if act and off:  # checkpoint groups: where the host holds the layer inputs and the model state
+            out += [Techniques(loss, ckpt, tiled, act, off, checkpoint_group=k) for k in GROUP_SIZES]
+            if tiled:
+                out += [Techniques(loss, ckpt, tiled, act, off, True, k) for k in GROUP_SIZES]
     return out
+
+
+#: ``model.checkpoint_group_layers`` values the search tries (with activation offload and ``fsdp.offload``)
+GROUP_SIZES = (2,)
 
 
 @dataclass
@@ -292,7 +305,7 @@ class PlanSearch:
             chunk_tokens=DEFAULT_CHUNK_TOKENS if t.chunked_loss and layout.tp == 1 else None,
             loss_parallel=t.chunked_loss and layout.tp > 1, sequence_parallel=layout.sequence_parallel,
             activation_checkpointing=t.checkpointing, tiled_mlp=t.tiled_mlp, tiled_layer=t.tiled_layer,
-            activation_offload=t.activation_offload, offload=t.offload,
+            activation_offload=t.activation_offload, checkpoint_group=t.checkpoint_group, offload=t.offload,
         )  # fmt: skip
 
     def usage(self, layout: Layout, t: Techniques, seq: int) -> tuple[float, float]:
@@ -341,8 +354,9 @@ class PlanSearch:
     def search(self) -> list[Found]:
         """The longest row of every layout with every technique set."""
         # the tiled layer runs on plain tensors: refused with tensor parallelism (automodel.config.tiled_layer_rules)
+        # checkpoint groups likewise (automodel.config.offload_rules)
         return [self.longest(layout, t) for layout in self.layouts() for t in self.techniques
-                if not (t.tiled_layer and layout.tp > 1)]  # fmt: skip
+                if not ((t.tiled_layer or t.checkpoint_group > 1) and layout.tp > 1)]  # fmt: skip
 
 
 def row_step_seconds(d: ModelDims, r: RunShape, sizes: dict[str, int], gpus: int, spec: GPUSpec, gpu_type: str,
@@ -437,6 +451,11 @@ def ablation(search: PlanSearch, results: list[Found]) -> list[tuple[str, Found 
     if layered in usable:  # the tiled layer on top of all of them (issue 42)
         rows.append(("+ tiled layer", best(lambda f: f.techniques == dataclasses.replace(layered, offload=f.techniques.offload)
                                            and bool(f.techniques.offload))))  # fmt: skip
+    top = layered if layered in usable else act
+    if any(t.checkpoint_group > 1 for t in usable):  # checkpoint groups on top (the host's layer inputs / k)
+        rows.append(("+ checkpoint groups", best(lambda f: f.techniques.checkpoint_group > 1 and bool(f.techniques.offload)
+                                                 and f.techniques == dataclasses.replace(top, offload=f.techniques.offload,
+                                                                                         checkpoint_group=f.techniques.checkpoint_group))))  # fmt: skip
     return rows
 
 
@@ -446,8 +465,9 @@ def longest_row(results: list[Found]) -> Found:
 
 
 LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: loss parallel under tp), tile tiled MLP,\n"
-          "  lay tiled layer and MLP, aoff activation offload, off:opt / off:all fsdp.offload=optimizer / all; a layout's\n"
-          "  h/G: headwise Ulysses, the attention heads in G groups one at a time (distributed.ulysses_head_chunks=G)")
+          "  lay tiled layer and MLP, aoff activation offload, grpK checkpoint groups of K layers, off:opt / off:all\n"
+          "  fsdp.offload=optimizer / all; a layout's h/G: headwise Ulysses, the attention heads in G groups one at a time\n"
+          "  (distributed.ulysses_head_chunks=G)")
 
 
 def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,
