@@ -170,7 +170,7 @@ class GroupSlot:
         else:
             run = groups.current
             previous = groups.last_output() if groups.last_output is not None else None
-            if run is None or previous is not hidden or len(run.records) != self.position:
+            if run is None or not _aliases(previous, hidden) or len(run.records) != self.position:
                 raise ValueError(
                     f"model.checkpoint_group_layers={groups.size}: decoder layer {self.index} "
                     f"({type(call.block).__name__}) does not take the previous layer's output as its input (the model "
@@ -178,9 +178,12 @@ class GroupSlot:
                     f"rebuilt from its group's first layer; set model.checkpoint_group_layers=1"
                 )
         run.records.append(_record(call, kwargs, hidden))
+        # autograd keeps the hook functions with what they saved: the hook must not hold the hidden state itself
+        hidden_ref = weakref.ref(hidden)
+        del hidden
 
         def pack(tensor: torch.Tensor) -> Any:
-            if tensor is not hidden:
+            if tensor is not hidden_ref():
                 return groups.pack_inner(tensor) if self.position == 0 else tensor
             if self.position == 0:
                 groups.counts.kept += 1
@@ -196,6 +199,17 @@ class GroupSlot:
         """After the block's call: its output is what the next member must receive."""
         first = output[0] if isinstance(output, (tuple, list)) else output
         self.groups.last_output = weakref.ref(first) if isinstance(first, torch.Tensor) else None
+
+
+def _aliases(previous: torch.Tensor | None, hidden: torch.Tensor) -> bool:
+    """Whether ``hidden`` is the previous layer's output (the tensor itself, or an alias of it: FSDP2's pre-forward
+    hook passes its inputs through an autograd function that returns them as new tensor objects on the same memory)."""
+    if previous is None:
+        return False
+    if previous is hidden:
+        return True
+    return (previous.device == hidden.device and previous.dtype == hidden.dtype and previous.shape == hidden.shape
+            and previous.stride() == hidden.stride() and previous.data_ptr() == hidden.data_ptr())  # fmt: skip
 
 
 def _record(call: BlockCall, kwargs: dict, hidden: torch.Tensor) -> _Record:
