@@ -140,7 +140,8 @@ def test_loss_auto_resolves_in_the_dry_run_and_null_stays_off(capsys):
     assert "loss.chunk_tokens auto" not in explicit and "plain: [" in explicit
 
 
-@pytest.mark.parametrize("config", ["configs/llama3_2_1b_longest_8gpu.yaml", "configs/llama3_1_8b_longest_8gpu.yaml"])
+@pytest.mark.parametrize("config", ["configs/llama3_2_1b_longest_8gpu.yaml", "configs/llama3_1_8b_longest_8gpu.yaml",
+                                    "configs/qwen2_5_32b_longest_8gpu.yaml"])
 def test_shipped_longest_configs_fit_their_gpus_in_the_dry_run(config):
     from automodel.config import load_config
     from automodel.training.dry_run import dry_run_report

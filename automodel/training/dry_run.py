@@ -280,6 +280,15 @@ def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
         + f"; with the loss: {_gib(loss_term.bytes)} (the 'logits and loss' term below: {loss_term.note})"
     )
     per_layer_act = b * (local_seq // tp if sp else local_seq) * dims.hidden * _BYTES[compute_name]
+    group = cfg.model.checkpoint_group_layers if cfg.model.activation_checkpointing else 1
+    if isinstance(group, int) and group > 1:  # model.checkpoint_group_layers: each group's first layer's input
+        from automodel.models.checkpoint_groups import group_starts
+
+        kept = group_starts(dims.layers, group)
+        out.append(f"layer inputs kept for backward: {kept} of {dims.layers} x {_gib(per_layer_act)} (checkpoint "
+                   f"groups of {group}: each group's first; the others rebuilt in the backward by one more forward of "
+                   f"{dims.layers - kept} layers)")  # fmt: skip
+        return
     out.append(
         f"layer inputs kept for backward: {dims.layers} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")

@@ -452,10 +452,13 @@ def ablation(search: PlanSearch, results: list[Found]) -> list[tuple[str, Found 
         rows.append(("+ tiled layer", best(lambda f: f.techniques == dataclasses.replace(layered, offload=f.techniques.offload)
                                            and bool(f.techniques.offload))))  # fmt: skip
     top = layered if layered in usable else act
-    if any(t.checkpoint_group > 1 for t in usable):  # checkpoint groups on top (the host's layer inputs / k)
-        rows.append(("+ checkpoint groups", best(lambda f: f.techniques.checkpoint_group > 1 and bool(f.techniques.offload)
-                                                 and f.techniques == dataclasses.replace(top, offload=f.techniques.offload,
-                                                                                         checkpoint_group=f.techniques.checkpoint_group))))  # fmt: skip
+    if any(t.checkpoint_group > 1 for t in usable):  # checkpoint groups on top (the host's layer inputs / k), shown
+        grouped = best(lambda f: f.techniques.checkpoint_group > 1 and bool(f.techniques.offload)  # where they help
+                       and f.techniques == dataclasses.replace(top, offload=f.techniques.offload,
+                                                               checkpoint_group=f.techniques.checkpoint_group))  # fmt: skip
+        above = rows[-1][1]
+        if grouped is not None and (above is None or grouped.tokens > above.tokens):
+            rows.append(("+ checkpoint groups", grouped))
     return rows
 
 
@@ -466,8 +469,7 @@ def longest_row(results: list[Found]) -> Found:
 
 LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: loss parallel under tp), tile tiled MLP,\n"
           "  lay tiled layer and MLP, aoff activation offload, grpK checkpoint groups of K layers, off:opt / off:all\n"
-          "  fsdp.offload=optimizer / all; a layout's h/G: headwise Ulysses, the attention heads in G groups one at a time\n"
-          "  (distributed.ulysses_head_chunks=G)")
+          "  fsdp.offload=optimizer / all; layout h/G: headwise Ulysses in G head groups (distributed.ulysses_head_chunks=G)")
 
 
 def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,
