@@ -48,7 +48,10 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   moments (what the forward holds in flight, what its backward holds) are :func:`_mlp_moments`'s.
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
   layer at a time and holds its activations plus the gradients at its output and input (``2 h c``)
-  and, at the MLP's backward, the MLP's gradients.
+  and, at the MLP's backward, the MLP's gradients. With checkpoint groups of ``k`` (``model.checkpoint_group_layers``,
+  :mod:`automodel.models.checkpoint_groups`) only each group's first input is kept, ``ceil(L / k)``; a group's
+  backward holds its ``k`` inputs (the others rebuilt): ``ceil(L / k) + k - 1`` at the backward's moments, or
+  offloaded ``k + 1`` (with the previous group's prefetched) and ``ceil(L / k)`` on the host (:func:`_kept_inputs`).
   Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
   ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output

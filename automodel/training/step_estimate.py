@@ -10,10 +10,10 @@ Per optimizer step and per rank (BF16 compute, the recipe's settings: no Float8,
   head counts). Causal attention ``6 L S d`` per token, forward and backward, ``d`` = heads x head_dim:
   the forward's ``Q K^T`` and ``P V`` are ``2 S d`` each per token over the whole row, causal masking
   halves them (``2 S d``), backward is twice the forward. Activation checkpointing recomputes each
-  decoder layer's forward once: ``+ 2 N_layers`` (the LM head is not recomputed) and ``+ 2 L S d``. A
-  rank does ``1 / (cp tp)`` of a row's attention (checkpoint groups of ``k``, ``model.checkpoint_group_layers``:
-  ``L - ceil(L / k)`` layer forwards once more, :func:`replayed_layers`, matrix products and attention; their CP
-  exchange is not added). A (head-tail chunks balance the causal work; TP splits
+  decoder layer's forward once: ``+ 2 N_layers`` (the LM head is not recomputed) and ``+ 2 L S d``; checkpoint
+  groups of ``k`` (``model.checkpoint_group_layers``) run ``L - ceil(L / k)`` layer forwards once more
+  (:func:`replayed_layers`: their matrix products and attention; their CP exchange is not added). A
+  rank does ``1 / (cp tp)`` of a row's attention (head-tail chunks balance the causal work; TP splits
   heads) and ``1 / tp`` of the matrix products of its ``rows * S / cp`` tokens.
 - **compute time**: matrix products at the achieved throughput of their GEMM shapes
   (:func:`gemm_efficiency`: a roofline, :data:`GEMM_PEAK_FRACTION` of the peak for large GEMMs, memory
