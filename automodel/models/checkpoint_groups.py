@@ -166,9 +166,10 @@ class GroupSlot:
                 f"set model.checkpoint_group_layers=1"
             )
         if self.position == 0:
-            run = groups.current = _GroupRun(groups)
+            run = _GroupRun(groups)
+            groups.current = weakref.ref(run)  # the graph keeps the run (its handles), not the groups
         else:
-            run = groups.current
+            run = groups.current() if groups.current is not None else None
             previous = groups.last_output() if groups.last_output is not None else None
             if run is None or not _aliases(previous, hidden) or len(run.records) != self.position:
                 raise ValueError(
@@ -228,7 +229,7 @@ class CheckpointGroups:
         self.size = size
         self.calls = calls
         self.counts = GroupCounts()
-        self.current: _GroupRun | None = None
+        self.current: weakref.ref | None = None  # the group run of the latest start (alive while its graph is)
         self.last_output: weakref.ref | None = None
         self._pack: Any = None
         self._unpack: Any = None
