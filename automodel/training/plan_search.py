@@ -354,9 +354,26 @@ class PlanSearch:
     def search(self) -> list[Found]:
         """The longest row of every layout with every technique set."""
         # the tiled layer runs on plain tensors: refused with tensor parallelism (automodel.config.tiled_layer_rules)
-        # checkpoint groups likewise (automodel.config.offload_rules)
-        return [self.longest(layout, t) for layout in self.layouts() for t in self.techniques
-                if not ((t.tiled_layer or t.checkpoint_group > 1) and layout.tp > 1)]  # fmt: skip
+        # checkpoint groups likewise (automodel.config.offload_rules), and searched only where the same set without
+        # them stops at the host memory (elsewhere they only cost: the GPU is the limit)
+        out: list[Found] = []
+        for layout in self.layouts():
+            found: dict[Techniques, Found] = {}
+            for t in self.techniques:
+                if (t.tiled_layer or t.checkpoint_group > 1) and layout.tp > 1:
+                    continue
+                if t.checkpoint_group > 1:
+                    base = found.get(dataclasses.replace(t, checkpoint_group=1))
+                    if base is None or not self.host_bound(layout, base):
+                        continue
+                found[t] = self.longest(layout, t)
+                out.append(found[t])
+        return out
+
+    def host_bound(self, layout: Layout, f: Found) -> bool:
+        """Whether ``f``'s row stops at the host memory: the next longer row fits the GPU but not the host."""
+        dev, host = self.usage(layout, f.techniques, f.tokens + self.row_multiple(layout))
+        return dev <= self.budget and host > self.host
 
 
 def row_step_seconds(d: ModelDims, r: RunShape, sizes: dict[str, int], gpus: int, spec: GPUSpec, gpu_type: str,
