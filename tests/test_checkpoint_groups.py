@@ -48,7 +48,7 @@ def _prepare(model: nn.Module, k: int, offload: bool, tiled: bool):
     return groups, store
 
 
-@pytest.mark.parametrize(("dtype", "k", "offload", "tiled"), [(torch.float64, 2, True, True),
+@pytest.mark.parametrize(("dtype", "k", "offload", "tiled"), [(torch.float64, 2, True, False),
                                                               (torch.float32, 3, False, False)])  # fmt: skip
 def test_the_loss_and_every_gradient_equal_groups_of_one(dtype, k, offload, tiled):
     base = _llama(dtype)

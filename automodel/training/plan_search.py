@@ -372,8 +372,12 @@ class PlanSearch:
 
     def host_bound(self, layout: Layout, f: Found) -> bool:
         """Whether ``f``'s row stops at the host memory: the next longer row fits the GPU but not the host."""
-        dev, host = self.usage(layout, f.techniques, f.tokens + self.row_multiple(layout))
-        return dev <= self.budget and host > self.host
+        from automodel.training.memory_plan import host_bytes
+
+        seq = f.tokens + self.row_multiple(layout)
+        if sum(t.bytes for t in host_bytes(self.d, self.shape(layout, f.techniques, seq))) <= self.host:
+            return False  # the host has room: the GPU stopped the row (the cheap test first)
+        return self.usage(layout, f.techniques, seq)[0] <= self.budget
 
 
 def row_step_seconds(d: ModelDims, r: RunShape, sizes: dict[str, int], gpus: int, spec: GPUSpec, gpu_type: str,
