@@ -178,3 +178,22 @@ def test_the_search_tries_groups_and_names_their_key():
     assert t.text(1) == "ckpt+chunk+lay+aoff+grp2+off:all"
     assert "model.checkpoint_group_layers=2" in t.overrides(1)
     assert "model.checkpoint_group_layers" not in " ".join(dataclasses.replace(t, checkpoint_group=1).overrides(1))
+
+
+def test_auto_resolves_from_the_plans_host_memory_and_the_rules_refuse_bad_values():
+    """``model.checkpoint_group_layers: auto`` on the shipped 32B config (no model built: its dims): 2 at its row (the
+    host would need 406 GiB per GPU without groups), 1 at 2M tokens (fits without); a bad value is one config error."""
+    from automodel.config import load_config
+    from automodel.config.typecheck import ConfigError
+    from automodel.training.memory_plan import ModelDims, resolve_checkpoint_group
+
+    d = ModelDims(layers=64, hidden=5120, intermediate=27648, heads=40, kv_heads=8, head_dim=128, vocab=152064,
+                  params=32_763_876_352, trainable=32_763_876_352, layer_params=488_646_656,
+                  root_params=1_557_135_360)  # fmt: skip
+    sizes = {"cp": 8, "tp": 1, "dp_shard": 1}
+    argv = ["--config", "configs/qwen2_5_32b_longest_8gpu.yaml", "model.checkpoint_group_layers=auto"]
+    cfg = load_config(argv, world_size=8).cfg
+    assert resolve_checkpoint_group(cfg, d, sizes, 4524192, 1, 256 * 2**30)[0] == 2
+    assert resolve_checkpoint_group(cfg, d, sizes, 2_000_000, 1, 256 * 2**30)[0] == 1
+    with pytest.raises(ConfigError, match="model.checkpoint_group_layers=0 must be an int >= 1"):
+        load_config(["--config", "configs/qwen2_5_32b_longest_8gpu.yaml", "model.checkpoint_group_layers=0"], world_size=8)
