@@ -34,6 +34,13 @@ MLP), without and with the tiled layer: the tracked step peak against the plan (
 allocations counted: :func:`scripts.live_tensors.tracked_inside`; every row held to ``--tolerance``), the step's CPU
 time against the run without it, and the losses (equal).
 
+Then (``--groups also``, the default; ``--groups only`` for these alone) **checkpoint groups**
+(``model.checkpoint_group_layers``) on a deep, narrow model (hidden 128, MLP 512, 16 layers, vocabulary 2048, 8192
+tokens), one process: groups of 2 and 4 without activation
+offload (the kept layer inputs on the device fall from ``L`` to ``ceil(L / k)``, the backward of a group holds its
+``k``) and groups of 2 with it (the host holds half the inputs; the device one more in a group's backward): the tracked
+step peak and the host bytes against the plan, the losses equal.
+
 Then (``--headwise also``, the default; ``--headwise only`` for these alone) **headwise Ulysses** (issue 42): Ulysses
 at cp=2 on a model with 16 heads / 8 KV heads (tiled MLP, so the step peaks in the attention's backward), with
 ``distributed.ulysses_head_chunks`` 1, 2 and 4: the tracked step
@@ -58,6 +65,7 @@ when a row is off by more than ``--tolerance`` (10%), the tiled ratio is above 0
     nice python scripts/bench_memory.py --headwise only              # headwise Ulysses at cp=2 (issue 42)
     nice python scripts/bench_memory.py --tiled-layer only           # model.tiled_layer at cp=2 (issue 42)
     nice python scripts/bench_memory.py --head-groups only           # model.attention_head_chunks at cp=1 (issue 42)
+    nice python scripts/bench_memory.py --groups only                # model.checkpoint_group_layers (deep model)
 """
 
 from __future__ import annotations
@@ -201,6 +209,14 @@ DEEP_SETTINGS = [  # many layers, a narrow MLP: what activation offload moves is
     ("+activation_offload", False, True, False, "tracked"),
     ("+fsdp.offload=optimizer", False, True, "optimizer", "tracked"),
 ]
+#: checkpoint groups (model.checkpoint_group_layers, a 6th element: layers per group) on the deep, narrow model
+GROUP_SETTINGS = [
+    ("AC+chunked", False, False, False, "tracked", 1),
+    ("+checkpoint groups of 2", False, False, False, "tracked", 2),
+    ("+checkpoint groups of 4", False, False, False, "tracked", 4),
+    ("AC+chunked+activation_offload", False, True, False, "tracked", 1),
+    ("+checkpoint groups of 2", False, True, False, "tracked", 2),
+]
 
 
 def wide_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int, settings: list) -> list[dict]:
@@ -241,13 +257,17 @@ def wide_worker(rank: int, world: int, model_kw: dict, seq: int, chunk: int, set
         return loss.detach()
 
     out = []
-    for _, tiled, act_offload, offload, how in settings:
+    for _, tiled, act_offload, offload, how, *group in settings:
         model = AutoModelForCausalLM.from_config(config)
         model.load_state_dict(state)
         remove_tiled_mlp(model)
         apply_tiled_mlp(model, tiled)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+        if group and group[0] > 1:
+            from automodel.models.checkpoint_groups import apply_checkpoint_groups
+
+            apply_checkpoint_groups(model, group[0])
         store = apply_activation_offload(model) if act_offload else None
         params = list(model.parameters())
         opt = HostOffloadOptimizer(params, adamw) if offload == "optimizer" else adamw(params)
@@ -383,6 +403,14 @@ def wide_rows(args: argparse.Namespace) -> bool:
     return moe_rows(args) and ok
 
 
+def group_rows(args: argparse.Namespace) -> bool:
+    """The checkpoint-group table (:data:`GROUP_SETTINGS`) on the deep, narrow model: the kept layer inputs on the
+    device (without offload) and on the host (with it), planned against measured; the losses equal."""
+    # the kept layer inputs a large part of the recompute's peak: many narrow layers, a small vocabulary, long rows
+    shape = argparse.Namespace(**{**vars(args), "wide_seq": 8192, "wide_vocab": 2048})
+    return technique_rows(shape, "Checkpoint groups, deep, narrow MLP", 128, 512, 16, GROUP_SETTINGS)
+
+
 def technique_rows(args: argparse.Namespace, title: str, h: int, i: int, layers: int, settings: list) -> bool:
     """One table of :func:`wide_rows`: ``settings`` on a Llama shape of hidden ``h``, MLP ``i``, ``layers``."""
     from automodel.training.memory_plan import RunShape, plan_memory
@@ -412,9 +440,10 @@ def technique_rows(args: argparse.Namespace, title: str, h: int, i: int, layers:
           "| error | host MiB measured | planned | loss | step s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     ok = True
-    for (label, tiled, act_offload, offload, how), r in zip(settings, rows, strict=True):
+    for (label, tiled, act_offload, offload, how, *group), r in zip(settings, rows, strict=True):
         shape = RunShape(local_batch=1, seq=seq, chunk_tokens=chunk, activation_checkpointing=True,
-                         tiled_mlp=tiled, activation_offload=act_offload, offload=offload)  # fmt: skip
+                         tiled_mlp=tiled, activation_offload=act_offload, offload=offload,
+                         checkpoint_group=group[0] if group else 1)  # fmt: skip
         plan = plan_memory(dims, shape)
         peak_plan = _planned_without_fsdp(plan) / MIB
         persist_plan = plan.persistent_bytes / MIB
@@ -432,7 +461,7 @@ def technique_rows(args: argparse.Namespace, title: str, h: int, i: int, layers:
               f"{r['loss']:.6f} | {r['time']:.1f} |", flush=True)  # fmt: skip
     same = len({r["loss"] for r in rows}) == 1
     print(f"\nlosses equal in every row: {same}")
-    if settings[0][1:] == (False, False, False, "rss") and settings[1][1:] == (True, False, False, "rss"):
+    if settings[0][1:5] == (False, False, False, "rss") and settings[1][1:] == (True, False, False, "rss"):
         ratio = rows[1]["peak_mib"] / rows[0]["peak_mib"]
         print(f"step peak (rss) tiled / untiled: {ratio:.3f} (target <= 0.6)")
         ok &= ratio <= 0.6
@@ -797,6 +826,8 @@ def main() -> None:
                         help="the headwise-Ulysses rows (distributed.ulysses_head_chunks at cp=2): also, only, no")
     parser.add_argument("--headwise-seq", type=int, default=8192)
     parser.add_argument("--headwise-vocab", type=int, default=2048)
+    parser.add_argument("--groups", choices=("also", "only", "no"), default="also",
+                        help="the checkpoint-group rows (model.checkpoint_group_layers, the deep model): also, only, no")
     parser.add_argument("--tiled-layer", choices=("also", "only", "no"), default="also",
                         help="the tiled-layer rows (model.tiled_layer at cp=2): also, only, no")
     parser.add_argument("--tiled-seq", type=int, default=8192)
@@ -811,6 +842,8 @@ def main() -> None:
         sys.exit(0 if tiled_layer_rows(args) else 1)
     if args.head_groups == "only":
         sys.exit(0 if head_groups_rows(args) else 1)
+    if args.groups == "only":
+        sys.exit(0 if group_rows(args) else 1)
     if args.headwise == "only":
         sys.exit(0 if headwise_rows(args) else 1)
     if args.wide == "only":
@@ -882,6 +915,8 @@ def main() -> None:
     if args.tiled_layer == "also" and not tiled_layer_rows(args):
         sys.exit(1)
     if args.head_groups == "also" and not head_groups_rows(args):
+        sys.exit(1)
+    if args.groups == "also" and not group_rows(args):
         sys.exit(1)
 
 

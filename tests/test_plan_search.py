@@ -62,6 +62,23 @@ def test_plan_reaches_the_llama_8b_targets_and_fits_one_screen(capsys, gpus, gpu
     assert "ablation" in out and "+ tiled MLP" in out and "all (+ fsdp.offload)" in out
 
 
+def test_plan_reaches_the_32b_target_with_checkpoint_groups_and_ships_its_row(capsys):
+    """Issue 42's 32B target (3.0M tokens on 8 H100s, host within 2 TiB per node): the host-bound row gains checkpoint
+    groups of 2 (only every other layer input offloaded); configs/qwen2_5_32b_longest_8gpu.yaml is that row."""
+    import yaml
+
+    config = "configs/qwen2_5_32b_longest_8gpu.yaml"
+    assert main(["plan", "--config", config, "--gpus", "8", "--gpu-type", "h100"]) == 0
+    out = capsys.readouterr().out
+    longest = _longest(out)
+    assert longest >= 3_000_000 and "grp2" in out.strip().splitlines()[-1], out
+    assert "model.checkpoint_group_layers=2" in out and "+ checkpoint groups" in out
+    host = re.search(r"^\+ checkpoint groups .* ([\d,]+)\*?\s+[\d.]+\s+(\d+)\s", out, re.M)
+    assert host and int(host.group(2)) <= 2048, out  # GiB per node
+    with open(config) as f:
+        assert yaml.safe_load(f)["data"]["seq_len"] == longest
+
+
 def test_plan_memory_options_shrink_the_row(capsys):
     full = _longest(_plan(capsys, "--gpus", "8", "--gpu-type", "h100"))
     small_host = _plan(capsys, "--gpus", "8", "--gpu-type", "h100", "--host-memory-gib", "256")
@@ -140,7 +157,8 @@ def test_loss_auto_resolves_in_the_dry_run_and_null_stays_off(capsys):
     assert "loss.chunk_tokens auto" not in explicit and "plain: [" in explicit
 
 
-@pytest.mark.parametrize("config", ["configs/llama3_2_1b_longest_8gpu.yaml", "configs/llama3_1_8b_longest_8gpu.yaml"])
+@pytest.mark.parametrize("config", ["configs/llama3_2_1b_longest_8gpu.yaml", "configs/llama3_1_8b_longest_8gpu.yaml",
+                                    "configs/qwen2_5_32b_longest_8gpu.yaml"])
 def test_shipped_longest_configs_fit_their_gpus_in_the_dry_run(config):
     from automodel.config import load_config
     from automodel.training.dry_run import dry_run_report

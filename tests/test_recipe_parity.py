@@ -144,7 +144,7 @@ def test_activation_checkpointing_changes_nothing(runs):
     assert _max_weight_diff(runs["ac"]["state"], runs["ref"]["state"]) <= EXACT
 
 
-@pytest.mark.parametrize("name", ["ac", "offload", "offload_cp2", "offload_all_ulysses_cp2", "tiled_cp2"])
+@pytest.mark.parametrize("name", ["ac", "offload", "offload_cp2", "offload_all_grp2_ulysses_cp2", "tiled_cp2"])
 def test_each_technique_acted_in_the_first_step(runs, name):
     """Issue 41: under FSDP2 (ring and Ulysses at cp=2 on 2 ranks; cp=1 on one), every decoder layer is recomputed
     once per micro-batch, activation offload moves exactly one tensor per layer and micro-batch (the hidden states
@@ -164,11 +164,19 @@ def test_each_technique_acted_in_the_first_step(runs, name):
         off = report["activation_offload"]
         cp = 1 if name == "offload" else 2
         layer_input = 2 * (128 // cp) * 64 * 4
-        assert off["tensors"] == off["layer_inputs"] == 2 * m
-        assert off["per_layer"] == {str(i): {"tensors": m, "bytes": m * layer_input} for i in range(2)}
-        assert layer_input * 2 <= off["host_bytes"] <= layer_input * 2 * 9 // 8  # one micro-batch's, rounded up
-        assert any(f"activation offload: {2 * m} tensor(s)" in line for line in log), log
-    else:
+        kept = 1 if "grp2" in name else 2  # checkpoint groups of 2: layer 0's input only, layer 1's rebuilt
+        assert off["tensors"] == off["layer_inputs"] == kept * m
+        assert off["per_layer"] == {str(i): {"tensors": m, "bytes": m * layer_input} for i in range(kept)}
+        assert layer_input * kept <= off["host_bytes"] <= layer_input * kept * 9 // 8  # one micro-batch's, rounded up
+        assert any(f"activation offload: {kept * m} tensor(s)" in line for line in log), log
+    if "grp2" in name:
+        cg = report["checkpoint_groups"]
+        assert (cg["groups"], cg["starts"], cg["offloaded"]) == (1, [0], True)
+        assert cg["kept"] == cg["dropped"] == cg["rebuilt"] == cg["replayed"] == m
+        assert any("checkpoint groups: 1 group(s) of up to 2 of 2 decoder layers; 4 layer input(s) offloaded to the "
+                   "host (layers 0), 4 not kept, 4 rebuilt in the backward by 4 layer forward(s) run again" in line
+                   for line in log), log  # fmt: skip
+    if "offload" not in name:
         assert "activation_offload" not in report
     if name == "tiled_cp2":  # tiles of 24 of the rank's 2 x 64 tokens; the checkpoint's recomputation tiles again
         tm = report["tiled_mlp"]
@@ -180,7 +188,7 @@ def test_each_technique_acted_in_the_first_step(runs, name):
 
 @pytest.mark.parametrize(
     ("name", "ref_name"),
-    [("offload", "ref"), ("offload_cp2", "cp2"), ("offload_all_ulysses_cp2", "ulysses_cp2")],
+    [("offload", "ref"), ("offload_cp2", "cp2"), ("offload_all_grp2_ulysses_cp2", "ulysses_cp2")],
 )
 def test_offload_changes_nothing(runs, name, ref_name):
     # activation offload (with checkpointing) and fsdp.offload=optimizer | all against the same run without

@@ -118,6 +118,11 @@ class ModelSection:
     attention_head_chunks: int | Literal["auto"] | None = None
     # The layer inputs that activation checkpointing keeps live in host memory (needs activation_checkpointing)
     activation_offload: bool = False
+    # Checkpoint groups (automodel.models.checkpoint_groups): only every k-th layer's input is kept (and offloaded), the
+    # ones between rebuilt from it in the backward (one more forward of k - 1 of every k layers): 1 (every layer keeps
+    # its input) | k >= 2 | auto (the fewest layers per group whose planned host memory fits the node); needs
+    # activation_checkpointing
+    checkpoint_group_layers: int | Literal["auto"] = 1
     compile: bool = False  # torch.compile each decoder block (static shapes; CP attention outside the graph)
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # model.compile and compiled autograd
     trust_remote_code: bool = False

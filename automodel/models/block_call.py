@@ -10,6 +10,8 @@ FSDP2 does to the module's class and whatever transformers release is installed:
       BlockCall.__call__            the instance's ``forward``
         outer context               activation offload's saved-tensor hooks (only what the checkpoint
                                     saves outside its own hooks reaches them: the block's input)
+          group context             checkpoint groups' hooks (model.checkpoint_group_layers): the input
+                                    kept (a group's first block, through the offload's hooks) or dropped
           checkpoint                torch.utils.checkpoint, non-reentrant (recomputes in the backward)
             inner forward           the compiled forward (model.compile), or the class's own ``forward``
                                     looked up on ``type(block)`` at call time
@@ -80,6 +82,8 @@ class BlockCall:
         inner: the forward to run (a compiled one), or ``None`` for ``type(block).forward`` at call time.
         checkpoint: recompute the block in the backward (non-reentrant) when training with grad enabled.
         outer: a factory of the context entered around the checkpointed call (activation offload), or ``None``.
+        group: the block's place in a checkpoint group (``automodel.models.checkpoint_groups``), or ``None``.
+        replaying: set while a checkpoint group runs the block forward again in the backward: the plain forward.
         counts: :class:`BlockCounts`.
     """
 
@@ -88,6 +92,8 @@ class BlockCall:
         self.inner: Callable[..., Any] | None = None
         self.checkpoint = False
         self.outer: Callable[[], contextlib.AbstractContextManager] | None = None
+        self.group: Any = None  # a checkpoint_groups.GroupSlot
+        self.replaying = False
         self.counts = BlockCounts()
 
     def _forward(self) -> Callable[..., Any]:
@@ -103,8 +109,10 @@ class BlockCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         counts = self.counts
-        counts.calls += 1
         inner = self._forward()
+        if self.replaying:  # a checkpoint group rebuilding the next layer's input in the backward
+            return inner(*args, **kwargs)
+        counts.calls += 1
         if not (self.checkpoint and self.block.training and torch.is_grad_enabled()):
             return inner(*args, **kwargs)
         kwargs = self._without_cache(kwargs)
@@ -120,8 +128,12 @@ class BlockCall:
             return inner(*a, **k)
 
         outer = self.outer() if self.outer is not None else contextlib.nullcontext()
-        with outer:
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        group = self.group.saving(self, args, kwargs) if self.group is not None else contextlib.nullcontext()
+        with outer, group:
+            out = checkpoint(run, *args, use_reentrant=False, **kwargs)
+        if self.group is not None:
+            self.group.finished(out)
+        return out
 
     def _without_cache(self, kwargs: dict) -> dict:
         """A recomputed block must not update a KV cache a second time: the cache arguments dropped (as

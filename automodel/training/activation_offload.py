@@ -438,7 +438,8 @@ def _rebuild(local: torch.Tensor, spec: Any) -> torch.Tensor:
 def apply_activation_offload(model: nn.Module, store: OffloadStore | None = None) -> OffloadStore:
     """Offload the inputs that activation checkpointing keeps, for every decoder block of ``model``. Mutates it.
 
-    Any order against ``model.compile`` and FSDP2: the store's hooks become the ``outer`` context of each block's
+    Any order against ``model.compile`` and FSDP2 (after checkpoint groups, ``model.checkpoint_group_layers``: then
+    only each group's first layer's input is offloaded, the others are rebuilt from it): the store's hooks become the ``outer`` context of each block's
     :class:`~automodel.models.block_call.BlockCall`, exactly outside the checkpoint. A model whose checkpointing
     transformers' own ``gradient_checkpointing_enable`` turned on is switched to
     :func:`automodel.models.parallelize.apply_activation_checkpointing` (the same recomputation; transformers'
@@ -470,6 +471,10 @@ def apply_activation_offload(model: nn.Module, store: OffloadStore | None = None
         raise ValueError("activation offload is applied to this model already")
     if store is None:
         store = OffloadStore(make_copier(next(model.parameters()).device))
+    groups = next((c.group.groups for c in calls if c.group is not None), None)
     for index, call in enumerate(calls):
-        call.outer = functools.partial(store.layer_call, index)
+        if call.group is None or call.group.position == 0:  # checkpoint groups: only a group's first layer keeps
+            call.outer = functools.partial(store.layer_call, index)  # its input (automodel.models.checkpoint_groups)
+    if groups is not None:
+        groups.set_inner_hooks(store.pack, store.unpack)
     return store

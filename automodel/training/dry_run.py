@@ -280,6 +280,15 @@ def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
         + f"; with the loss: {_gib(loss_term.bytes)} (the 'logits and loss' term below: {loss_term.note})"
     )
     per_layer_act = b * (local_seq // tp if sp else local_seq) * dims.hidden * _BYTES[compute_name]
+    group = cfg.model.checkpoint_group_layers if cfg.model.activation_checkpointing else 1
+    if isinstance(group, int) and group > 1:  # model.checkpoint_group_layers: each group's first layer's input
+        from automodel.models.checkpoint_groups import group_starts
+
+        kept = group_starts(dims.layers, group)
+        out.append(f"layer inputs kept for backward: {kept} of {dims.layers} x {_gib(per_layer_act)} (checkpoint "
+                   f"groups of {group}: each group's first; the others rebuilt in the backward by one more forward of "
+                   f"{dims.layers - kept} layers)")  # fmt: skip
+        return
     out.append(
         f"layer inputs kept for backward: {dims.layers} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
@@ -419,6 +428,14 @@ def dry_run_report(loaded: LoadedConfig) -> str:
 
         plan.cfg.model.attention_head_chunks, reason = resolve_attention_head_chunks(
             plan.cfg, dims, plan.sizes, plan.seq, plan.grad_acc
+        )
+        out.append(reason)
+    if plan.cfg.model.checkpoint_group_layers == "auto":  # as the run resolves it (trainer)
+        from automodel.training.memory_plan import resolve_checkpoint_group
+        from automodel.training.plan_search import HOST_GIB_PER_GPU
+
+        plan.cfg.model.checkpoint_group_layers, reason = resolve_checkpoint_group(
+            plan.cfg, dims, plan.sizes, plan.seq, plan.grad_acc, HOST_GIB_PER_GPU * 2**30
         )
         out.append(reason)
     _shape_lines(plan, model, dims, out)

@@ -53,6 +53,10 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   and the post-attention norm's backward have run) the residual stream holds only the input norm's ``2 h``: the
   residual add and the later norms are not made yet / freed (``3 h`` fewer than the whole layer: live-tensor
   snapshots of ``scripts/bench_memory.py``'s Ulysses and ring rows).
+  and, at the MLP's backward, the MLP's gradients. With checkpoint groups of ``k`` (``model.checkpoint_group_layers``,
+  :mod:`automodel.models.checkpoint_groups`) only each group's first input is kept, ``ceil(L / k)``; a group's
+  backward holds its ``k`` inputs (the others rebuilt): ``ceil(L / k) + k - 1`` at the backward's moments, or
+  offloaded ``k + 1`` (with the previous group's prefetched) and ``ceil(L / k)`` on the host (:func:`_kept_inputs`).
   Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
   ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
@@ -152,6 +156,8 @@ __all__ = [
     "head_chunks_auto_choice",
     "resolve_attention_head_chunks",
     "head_chunk_options",
+    "checkpoint_group_auto_choice",
+    "resolve_checkpoint_group",
 ]
 
 DEFAULT_CHUNK_TOKENS = 1024  # what a suggestion (and ``loss.chunk_tokens: auto``) turns the chunked loss on with
@@ -265,6 +271,8 @@ class RunShape:
     #: model.tiled_layer: the layer but its attention core over tiles (True: resolve_layer_tile_tokens)
     tiled_layer: bool | int = False
     activation_offload: bool = False  # model.activation_offload: checkpointed layer inputs on the host
+    #: model.checkpoint_group_layers: only every k-th layer input kept (automodel.models.checkpoint_groups)
+    checkpoint_group: int = 1
     offload: bool | str = False  # fsdp.offload: False | "optimizer" | "all"
     cp_options: tuple[tuple[str, Any], ...] = ()  # the method's distributed.<key> values (usp: ulysses_size)
     #: attention heads in this many groups, one at a time: distributed.ulysses_head_chunks (ulysses, usp) or, at
@@ -297,6 +305,11 @@ class RunShape:
     def activation_offloaded(self) -> bool:
         """Activation offload applies to what checkpointing keeps (it needs ``activation_checkpointing``)."""
         return self.activation_offload and self.activation_checkpointing
+
+    @property
+    def group(self) -> int:
+        """Layers per checkpoint group (1: every layer keeps its input; groups act only under checkpointing)."""
+        return self.checkpoint_group if self.activation_checkpointing else 1
 
     @property
     def kernel_path(self) -> str:
@@ -443,10 +456,10 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
-        kept = (min(2, d.layers) if r.activation_offloaded else d.layers) * h * c
-        saved = n * (kept + final + always)
-        fwd_m = n * (kept + always + body + h * c) + tile_fwd + s2
-        fwd_a = n * (kept + always + body) + s2
+        kept, kept_at_loss = (x * h * c for x in _kept_inputs(d, r))
+        saved = n * (kept_at_loss + final + always)
+        fwd_m = n * (kept_at_loss + always + body + h * c) + tile_fwd + s2
+        fwd_a = n * (kept_at_loss + always + body) + s2
         bwd_m = n * (kept + always + body + post_grads) + tile_bwd + s2
         bwd_a = n * (kept + always + body_in_attn_bwd + attn_grads) + s2
         note = _kept_inputs_note(d, r)
@@ -515,8 +528,33 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     )
 
 
+def _kept_inputs(d: ModelDims, r: RunShape) -> tuple[int, int]:
+    """``(at the layers' moments, at the loss)``: how many ``[N, h]`` layer inputs are on the device under checkpointing.
+
+    Without groups: all ``L`` (offloaded: 2, the one in use and the one in flight). With checkpoint groups of ``k``
+    (``model.checkpoint_group_layers``) only the ``ceil(L / k)`` groups' first inputs are kept; the backward through
+    a group holds the group's ``k`` inputs (its first one brought back, the others rebuilt), so ``ceil(L / k) + k - 1``
+    on the device, or offloaded ``k + 1`` (the previous group's first input prefetched); the forward and the loss
+    hold the kept ones (offloaded: 2)."""
+    from automodel.models.checkpoint_groups import group_starts
+
+    k = min(r.group, max(d.layers, 1))
+    starts = group_starts(d.layers, k)
+    if r.activation_offloaded:
+        return min(k + 1, d.layers), min(2, d.layers)
+    return min(starts + k - 1, d.layers), starts
+
+
 def _kept_inputs_note(d: ModelDims, r: RunShape) -> str:
     """The plan's words for where the checkpointed layer inputs live."""
+    from automodel.models.checkpoint_groups import group_starts
+
+    during, _ = _kept_inputs(d, r)
+    if r.group > 1:
+        starts = group_starts(d.layers, r.group)
+        where = "offloaded" if r.activation_offloaded else "kept"
+        return (f"checkpoint groups of {r.group}: {starts} of {d.layers} layer inputs {where}, {during} on the device "
+                f"in a group's backward (the others rebuilt)")  # fmt: skip
     if r.activation_offloaded:
         return f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
     return f"{d.layers} layer inputs kept"
@@ -714,12 +752,12 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
-        kept = (min(2, d.layers) if r.activation_offloaded else d.layers) * h * c / s
-        saved = n * (kept + final + always)
+        kept, kept_at_loss = (x * h * c / s for x in _kept_inputs(d, r))
+        saved = n * (kept_at_loss + final + always)
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
-        fwd_m = n * (kept + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        fwd_a = n * (kept + always + h * c / s + body_attn) + s2 + building
+        fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
+        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
@@ -789,7 +827,8 @@ def _mlp_moments(d: ModelDims) -> _MLPMoments:
 def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
     """What one rank keeps in host memory (pinned), term by term (empty without offload).
 
-    * ``model.activation_offload`` (with checkpointing): the ``L`` layer inputs ``[N, h / sp]``, ``L N h c``.
+    * ``model.activation_offload`` (with checkpointing): the ``L`` layer inputs ``[N, h / sp]``, ``L N h c``; with
+      checkpoint groups of ``k`` (``model.checkpoint_group_layers``) the groups' first ones, ``ceil(L / k) N h c``.
     * ``fsdp.offload=optimizer``: the AdamW states (``2 T / fsdp`` master-dtype values), the master copy of the
       trainable parameters that the host-side step updates and the gradients it reads (``T / fsdp`` each).
     * ``fsdp.offload=all``: the parameter shard (``P / fsdp``), its gradients (``T / fsdp``) and the AdamW
@@ -797,8 +836,12 @@ def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
     """
     out: list[MemoryTerm] = []
     if r.activation_offloaded:
+        from automodel.models.checkpoint_groups import group_starts
+
         per = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
-        out.append(MemoryTerm("offloaded activations", d.layers * per, f"{d.layers} layer inputs of {_fmt(per)}"))
+        n = group_starts(d.layers, r.group)
+        groups = f" (checkpoint groups of {r.group})" if r.group > 1 else ""
+        out.append(MemoryTerm("offloaded activations", n * per, f"{n} layer inputs of {_fmt(per)}{groups}"))
     shard = 1 / r.fsdp
     params, trainable = d.local_params(r.tp) * shard, d.local_trainable(r.tp) * shard
     mb = r.master_bytes
@@ -940,7 +983,7 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     # MLP's backward, without the CP workspace (backward reaches the attention after the MLP), or its attention's
     # with the workspace and the kernel's backward buffers; the gradients written so far (_grads_in_backward)
     kept_input = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
-    per_input = (0.0 if r.activation_offloaded else kept_input) if r.activation_checkpointing else float("inf")
+    per_input = (0.0 if r.activation_offloaded else kept_input / r.group) if r.activation_checkpointing else float("inf")
     grads_bwd = max(earlier_grads, _grads_in_backward(d, r, per_input))
     backward = {
         "MLP": {"gradients": grads_bwd, "activations": acts.bwd_mlp, "attention masks": masks,
@@ -1300,6 +1343,36 @@ def resolve_attention_head_chunks(cfg, dims: ModelDims, sizes: dict[str, int], s
     return head_chunks_auto_choice(dims, r)
 
 
+def checkpoint_group_auto_choice(d: ModelDims, r: RunShape, host_limit_bytes: float) -> tuple[int, str]:
+    """``model.checkpoint_group_layers: auto``: the fewest layers per checkpoint group whose planned host memory per
+    rank fits ``host_limit_bytes`` (1 when it fits without groups, or nothing is kept on the host), and why."""
+    if not r.activation_checkpointing:
+        return 1, "model.checkpoint_group_layers=auto: 1 (no activation checkpointing)"
+    host = {1: plan_memory(d, dataclasses.replace(r, checkpoint_group=1)).host_bytes}
+    limit = _fmt(host_limit_bytes)
+    if host[1] <= host_limit_bytes or not r.activation_offloaded:
+        return 1, (f"model.checkpoint_group_layers=auto: 1 (planned host memory per rank {_fmt(host[1])} within "
+                   f"{limit})")  # fmt: skip
+    for k in range(2, max(d.layers, 2) + 1):
+        host[k] = plan_memory(d, dataclasses.replace(r, checkpoint_group=k)).host_bytes
+        if host[k] <= host_limit_bytes:
+            return k, (f"model.checkpoint_group_layers=auto: {k} (planned host memory per rank {_fmt(host[1])} "
+                       f"without groups, {_fmt(host[k])} with groups of {k}: the fewest layers per group within {limit})")  # fmt: skip
+    k = max(host, key=lambda g: -host[g])
+    return k, (f"model.checkpoint_group_layers=auto: {k} (no group size brings the planned host memory per rank within "
+               f"{limit}; {_fmt(host[k])} with groups of {k})")  # fmt: skip
+
+
+def resolve_checkpoint_group(cfg, dims: ModelDims, sizes: dict[str, int], seq: int, grad_acc: int,  # noqa: ANN001
+                             host_limit_bytes: float) -> tuple[int, str | None]:  # fmt: skip
+    """``cfg.model.checkpoint_group_layers`` with ``auto`` resolved by :func:`checkpoint_group_auto_choice` for a
+    host limit per rank: ``(value, reason or None)``. ``cfg`` is not mutated."""
+    value = cfg.model.checkpoint_group_layers
+    if value != "auto":
+        return value, None
+    return checkpoint_group_auto_choice(dims, run_shape_from_config(cfg, sizes, seq, grad_acc, dims=dims), host_limit_bytes)
+
+
 def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, dims: ModelDims | None = None) -> RunShape:  # noqa: ANN001
     """The :class:`RunShape` of a validated :class:`~automodel.config.schema.RecipeConfig`.
 
@@ -1333,6 +1406,7 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, d
         tiled_mlp=cfg.model.tiled_mlp,
         tiled_layer=cfg.model.tiled_layer,
         activation_offload=cfg.model.activation_offload,
+        checkpoint_group=cfg.model.checkpoint_group_layers if cfg.model.checkpoint_group_layers != "auto" else 1,
         offload=cfg.fsdp.offload,
         cp_options=_cp_options(cfg),
         head_chunks=_head_chunks(cfg),

@@ -115,6 +115,7 @@ class Techniques:
     activation_offload: bool = False  # model.activation_offload (with checkpointing)
     offload: bool | str = False  # fsdp.offload
     tiled_layer: bool = False  # model.tiled_layer (searched with the tiled MLP; tp 1 only)
+    checkpoint_group: int = 1  # model.checkpoint_group_layers (with activation offload and fsdp.offload; tp 1 only)
 
     def text(self, tp: int) -> str:
         """Short form (the report's legend): ``ckpt+chunk+tile+aoff+off:all``; ``lay`` for the tiled layer (with the
@@ -128,6 +129,8 @@ class Techniques:
             parts.append("tile")
         if self.activation_offload:
             parts.append("aoff")
+        if self.checkpoint_group > 1:
+            parts.append(f"grp{self.checkpoint_group}")
         if self.offload:
             parts.append("off:opt" if self.offload == "optimizer" else "off:all")
         return "+".join(parts) or "none"
@@ -140,6 +143,7 @@ class Techniques:
             f"model.tiled_mlp={str(self.tiled_mlp).lower()}",
             f"model.tiled_layer={str(self.tiled_layer).lower()}",
             f"model.activation_offload={str(self.activation_offload).lower()}",
+            *([f"model.checkpoint_group_layers={self.checkpoint_group}"] if self.checkpoint_group > 1 else []),
             f"fsdp.offload={self.offload or 'false'}",
         ]
 
@@ -147,12 +151,13 @@ class Techniques:
     def cost_rank(self) -> int:
         """How much step time the set adds, roughly (ties of the longest row go to the cheapest)."""
         return (self.chunked_loss + 2 * self.checkpointing + 2 * self.tiled_mlp + 3 * self.activation_offload
-                + 3 * self.tiled_layer
+                + 3 * self.tiled_layer + 4 * (self.checkpoint_group > 1)
                 + {False: 0, "optimizer": 4, "all": 6}[self.offload])  # fmt: skip
 
 
 def all_techniques() -> list[Techniques]:
-    """Every combination (activation offload only with checkpointing)."""
+    """Every combination (activation offload only with checkpointing; checkpoint groups of :data:`GROUP_SIZES` with
+    activation offload and ``fsdp.offload``, the sets whose layer inputs and model state are on the host)."""
     out = []
     for loss, ckpt, tiled, act, off in itertools.product((False, True), (False, True), (False, True),
                                                           (False, True), (False, "optimizer", "all")):  # fmt: skip
@@ -161,7 +166,15 @@ def all_techniques() -> list[Techniques]:
         out.append(Techniques(loss, ckpt, tiled, act, off))
         if tiled:  # the tiled layer: with the tiled MLP (its MLP runs over the layer's tiles)
             out.append(Techniques(loss, ckpt, tiled, act, off, tiled_layer=True))
+        if act and off:  # checkpoint groups: where the host holds the layer inputs and the model state
+            out += [Techniques(loss, ckpt, tiled, act, off, checkpoint_group=k) for k in GROUP_SIZES]
+            if tiled:
+                out += [Techniques(loss, ckpt, tiled, act, off, True, k) for k in GROUP_SIZES]
     return out
+
+
+#: ``model.checkpoint_group_layers`` values the search tries (with activation offload and ``fsdp.offload``)
+GROUP_SIZES = (2,)
 
 
 @dataclass
@@ -310,7 +323,7 @@ class PlanSearch:
             chunk_tokens=DEFAULT_CHUNK_TOKENS if t.chunked_loss and layout.tp == 1 else None,
             loss_parallel=t.chunked_loss and layout.tp > 1, sequence_parallel=layout.sequence_parallel,
             activation_checkpointing=t.checkpointing, tiled_mlp=t.tiled_mlp, tiled_layer=t.tiled_layer,
-            activation_offload=t.activation_offload, offload=t.offload,
+            activation_offload=t.activation_offload, checkpoint_group=t.checkpoint_group, offload=t.offload,
         )  # fmt: skip
 
     def usage(self, layout: Layout, t: Techniques, seq: int) -> tuple[float, float]:
@@ -359,8 +372,30 @@ class PlanSearch:
     def search(self) -> list[Found]:
         """The longest row of every layout with every technique set."""
         # the tiled layer runs on plain tensors: refused with tensor parallelism (automodel.config.tiled_layer_rules)
-        return [self.longest(layout, t) for layout in self.layouts() for t in self.techniques
-                if not (t.tiled_layer and layout.tp > 1)]  # fmt: skip
+        # checkpoint groups likewise (automodel.config.offload_rules), and searched only where the same set without
+        # them stops at the host memory (elsewhere they only cost: the GPU is the limit)
+        out: list[Found] = []
+        for layout in self.layouts():
+            found: dict[Techniques, Found] = {}
+            for t in self.techniques:
+                if (t.tiled_layer or t.checkpoint_group > 1) and layout.tp > 1:
+                    continue
+                if t.checkpoint_group > 1:
+                    base = found.get(dataclasses.replace(t, checkpoint_group=1))
+                    if base is None or not self.host_bound(layout, base):
+                        continue
+                found[t] = self.longest(layout, t)
+                out.append(found[t])
+        return out
+
+    def host_bound(self, layout: Layout, f: Found) -> bool:
+        """Whether ``f``'s row stops at the host memory: the next longer row fits the GPU but not the host."""
+        from automodel.training.memory_plan import host_bytes
+
+        seq = f.tokens + self.row_multiple(layout)
+        if sum(t.bytes for t in host_bytes(self.d, self.shape(layout, f.techniques, seq))) <= self.host:
+            return False  # the host has room: the GPU stopped the row (the cheap test first)
+        return self.usage(layout, f.techniques, seq)[0] <= self.budget
 
 
 def row_step_seconds(d: ModelDims, r: RunShape, sizes: dict[str, int], gpus: int, spec: GPUSpec, gpu_type: str,
@@ -462,6 +497,14 @@ def ablation(search: PlanSearch, results: list[Found]) -> list[tuple[str, Found 
             rows.append(("+ attention head groups", best(
                 lambda f: f.techniques == dataclasses.replace(layered, offload=f.techniques.offload)
                 and bool(f.techniques.offload) and f.layout.head_chunks > 1)))  # fmt: skip
+    top = layered if layered in usable else act
+    if any(t.checkpoint_group > 1 for t in usable):  # checkpoint groups on top (the host's layer inputs / k), shown
+        grouped = best(lambda f: f.techniques.checkpoint_group > 1 and bool(f.techniques.offload)  # where they help
+                       and f.techniques == dataclasses.replace(top, offload=f.techniques.offload,
+                                                               checkpoint_group=f.techniques.checkpoint_group))  # fmt: skip
+        above = rows[-1][1]
+        if grouped is not None and (above is None or grouped.tokens > above.tokens):
+            rows.append(("+ checkpoint groups", grouped))
     return rows
 
 
@@ -471,9 +514,9 @@ def longest_row(results: list[Found]) -> Found:
 
 
 LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: loss parallel under tp), tile tiled MLP,\n"
-          "  lay tiled layer and MLP, aoff activation offload, off:opt / off:all fsdp.offload=optimizer / all; a layout's\n"
-          "  h/G: headwise Ulysses, the attention heads in G groups one at a time (distributed.ulysses_head_chunks=G;\n"
-          "  without CP model.attention_head_chunks=G)")
+          "  lay tiled layer and MLP, aoff activation offload, grpK checkpoint groups of K layers, off:opt / off:all\n"
+          "  fsdp.offload=optimizer / all; a layout's h/G: headwise Ulysses, the attention heads in G groups one at a time\n"
+          "  (distributed.ulysses_head_chunks=G; without CP model.attention_head_chunks=G)")
 
 
 def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,

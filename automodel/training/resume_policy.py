@@ -62,7 +62,7 @@ IDENTITY_FILE = "run_identity.json"
 # model keys that change how, not what, is trained
 _MODEL_NOT_IDENTITY = (
     "activation_checkpointing", "activation_offload", "compile", "compile_backend", "attn_implementation", "tiled_mlp",
-    "tiled_layer", "attention_head_chunks",
+    "tiled_layer", "attention_head_chunks", "checkpoint_group_layers",
 )
 
 

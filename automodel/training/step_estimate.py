@@ -10,7 +10,9 @@ Per optimizer step and per rank (BF16 compute, the recipe's settings: no Float8,
   head counts). Causal attention ``6 L S d`` per token, forward and backward, ``d`` = heads x head_dim:
   the forward's ``Q K^T`` and ``P V`` are ``2 S d`` each per token over the whole row, causal masking
   halves them (``2 S d``), backward is twice the forward. Activation checkpointing recomputes each
-  decoder layer's forward once: ``+ 2 N_layers`` (the LM head is not recomputed) and ``+ 2 L S d``. A
+  decoder layer's forward once: ``+ 2 N_layers`` (the LM head is not recomputed) and ``+ 2 L S d``; checkpoint
+  groups of ``k`` (``model.checkpoint_group_layers``) run ``L - ceil(L / k)`` layer forwards once more
+  (:func:`replayed_layers`: their matrix products and attention; their CP exchange is not added). A
   rank does ``1 / (cp tp)`` of a row's attention (head-tail chunks balance the causal work; TP splits
   heads) and ``1 / tp`` of the matrix products of its ``rows * S / cp`` tokens.
 - **compute time**: matrix products at the achieved throughput of their GEMM shapes
@@ -265,6 +267,11 @@ def estimate_step(
     if head_groups(r) > 1:  # headwise Ulysses: the backward recomputes each head group's attention forward
         attn *= (passes + 1) / passes
         passes += 1
+    replay = replayed_layers(d, r) / max(1, d.layers)  # checkpoint groups: members' inputs rebuilt by a forward
+    if replay:
+        mm += replay * 2.0 * d.layer_matmul_params * rank_tokens / tp
+        attn *= (passes + replay) / passes
+        passes += replay
     eff = matmul_efficiency(d, r.local_tokens, tp, spec, r.compute_bytes)
     mem = memory_bound_bytes(d, r)
     per_step = {k: v * (1 if k == "optimizer" else r.grad_acc) for k, v in mem.items()}
@@ -295,6 +302,16 @@ def estimate_step(
     first_layer = est.overlapped_s / max(1, d.layers)  # the first all-gather / last reduce-scatter wait
     est.step_s = max(est.compute_s + est.exposed_s, est.overlapped_s) + first_layer
     return est
+
+
+def replayed_layers(d: ModelDims, r: RunShape) -> int:
+    """Layer forwards that checkpoint groups (``model.checkpoint_group_layers=k``) run again per micro-batch to
+    rebuild their members' inputs: ``L - ceil(L / k)`` (0 without groups)."""
+    if r.group <= 1:
+        return 0
+    from automodel.models.checkpoint_groups import group_starts
+
+    return d.layers - group_starts(d.layers, r.group)
 
 
 def head_groups(r: RunShape) -> int:

@@ -14,6 +14,9 @@ logs one line per technique that is on, with what it did, from the counters the 
   recomputed by the tiled backward;
 - tiled layer (:class:`automodel.models.tiled_layer.TiledLayerCounts`): the decoder layers run in tiles, their
   calls and tiles, the tiles recomputed by the tiled backward;
+- checkpoint groups (:class:`automodel.models.checkpoint_groups.GroupCounts`): the layer inputs kept (the groups'
+  first layers', offloaded or on the device), those not kept and rebuilt in the backward, the layer forwards run
+  again to rebuild them;
 - headwise Ulysses (:data:`automodel.distributed.cp.head_chunks.HEAD_GROUP_COUNTS`): attention calls run in head
   groups, the groups run in the forward and recomputed in the backward;
 - attention head groups without CP (:data:`automodel.models.attention_head_chunks.ATTENTION_HEAD_GROUP_COUNTS`,
@@ -32,6 +35,7 @@ from torch import nn
 from automodel.distributed.cp.head_chunks import HEAD_GROUP_COUNTS
 from automodel.models.attention_head_chunks import ATTENTION_HEAD_GROUP_COUNTS
 from automodel.models.block_call import block_calls
+from automodel.models.checkpoint_groups import checkpoint_groups_of
 from automodel.models.tiled_layer import layer_tile_counts
 from automodel.models.tiled_mlp import tile_counts
 from automodel.training.activation_offload import OffloadStore
@@ -49,6 +53,9 @@ def reset_technique_counts(model: nn.Module, store: OffloadStore | None) -> None
         layer_counts.reset()
     if store is not None:
         store.reset_counts()
+    groups = checkpoint_groups_of(model)
+    if groups is not None:
+        groups.counts.reset()
     HEAD_GROUP_COUNTS.reset()
     ATTENTION_HEAD_GROUP_COUNTS.reset()
 
@@ -81,6 +88,14 @@ def collect_technique_report(
             "recomputed": sum(c.counts.recomputed for c in checkpointed),
             "recomputed_per_layer": [c.counts.recomputed for c in checkpointed],
         }
+    groups = checkpoint_groups_of(model)
+    if groups is not None and checkpointed:
+        g = groups.counts
+        report["checkpoint_groups"] = {
+            "layers_per_group": groups.size, "groups": len(groups.starts), "layers": len(groups.calls),
+            "starts": groups.starts, "kept": g.kept, "dropped": g.dropped, "rebuilt": g.rebuilt, "replayed": g.replayed,
+            "offloaded": store is not None,
+        }  # fmt: skip
     if store is not None:
         per_layer = store.per_layer()
         stats = store.stats()
@@ -90,7 +105,8 @@ def collect_technique_report(
             "bytes": sum(b for _, b in per_layer.values()),
             "per_layer": {str(i): {"tensors": n, "bytes": b} for i, (n, b) in per_layer.items()},
             # the positional tensor inputs of the checkpointed calls: what checkpointing keeps, all offload may move
-            "layer_inputs": sum(c.counts.input_tensors for c in checkpointed),
+            # (with checkpoint groups, the groups' first layers' only: the others keep none)
+            "layer_inputs": sum(c.counts.input_tensors for c in checkpointed if c.group is None or not c.group.position),
             "host_bytes": stats.host_bytes,
             "peak_host_bytes": stats.peak_host_bytes,
         }
@@ -150,6 +166,15 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
             f"activation offload: {off['tensors']} tensor(s), {_size(off['bytes'])} moved to the host over {m} "
             f"micro-batch(es) ({each}; the layer inputs: {off['layer_inputs']}); host pool {_size(off['host_bytes'])}"
         )
+    cg = report.get("checkpoint_groups")
+    if cg is not None:
+        where = "offloaded to the host" if cg["offloaded"] else "kept on the device"
+        lines.append(
+            f"checkpoint groups: {cg['groups']} group(s) of up to {cg['layers_per_group']} of {cg['layers']} decoder "
+            f"layers; {cg['kept']} layer input(s) {where} (layers {', '.join(map(str, cg['starts']))}), {cg['dropped']} "
+            f"not kept, {cg['rebuilt']} rebuilt in the backward by {cg['replayed']} layer forward(s) run again "
+            f"({m} micro-batch(es))"
+        )
     tm = report.get("tiled_mlp")
     if tm is not None:
         lines.append(
@@ -206,6 +231,12 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
                 f"model.activation_offload=true moved only {off['tensors']} of the {off['layer_inputs']} layer "
                 f"inputs to the host: the others stayed on the device"
             )
+    cg = report.get("checkpoint_groups")
+    if cg is not None and (cg["dropped"] == 0 or cg["rebuilt"] != cg["dropped"]):
+        problems.append(
+            f"model.checkpoint_group_layers={cg['layers_per_group']} but {cg['dropped']} layer input(s) were not kept "
+            f"and {cg['rebuilt']} rebuilt in the backward: the groups did not act as planned"
+        )
     tl = report.get("tiled_layer")
     if tl is not None and tl["layers_tiled"] < tl["layers"]:
         problems.append(

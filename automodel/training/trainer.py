@@ -391,6 +391,8 @@ class FinetuneTrainer:
             self._resolve_head_chunks_auto()
         if cfg.model.attention_head_chunks == "auto":  # cp_size 1: the same rule (memory_plan.head_chunks_auto_choice)
             self._resolve_attention_head_chunks_auto()
+        if cfg.model.checkpoint_group_layers == "auto":  # from the memory planner: the node's host memory
+            self._resolve_checkpoint_group_auto()
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info(
             "model: %s, %.2fM parameters, dtype %s",
@@ -447,6 +449,22 @@ class FinetuneTrainer:
         seq = -(-cfg.data.seq_len // mult) * mult
         cfg.model.attention_head_chunks, reason = resolve_attention_head_chunks(
             cfg, model_dims(self.model), sizes, seq, self.grad_acc
+        )
+        logger.info("%s", reason)
+
+    def _resolve_checkpoint_group_auto(self) -> None:
+        """``model.checkpoint_group_layers: auto`` -> an integer in ``self.cfg`` (mutated), the reason logged
+        (:func:`automodel.training.memory_plan.checkpoint_group_auto_choice`, against the plan's host memory per GPU)."""
+        from automodel.config import parallel_sizes
+        from automodel.training.memory_plan import model_dims, resolve_checkpoint_group
+        from automodel.training.plan_search import HOST_GIB_PER_GPU
+
+        cfg = self.cfg
+        sizes, _ = parallel_sizes(cfg, self.world_size)
+        mult = pad_multiple(cfg)
+        seq = -(-cfg.data.seq_len // mult) * mult
+        cfg.model.checkpoint_group_layers, reason = resolve_checkpoint_group(
+            cfg, model_dims(self.model), sizes, seq, self.grad_acc, HOST_GIB_PER_GPU * 2**30
         )
         logger.info("%s", reason)
 
@@ -532,6 +550,16 @@ class FinetuneTrainer:
             apply_attention_head_chunks(self.model, cfg.model.attention_head_chunks)
         if cfg.model.activation_checkpointing:
             apply_activation_checkpointing(self.model)
+        if cfg.model.activation_checkpointing and cfg.model.checkpoint_group_layers != 1:  # before the offload
+            from automodel.models.checkpoint_groups import apply_checkpoint_groups
+
+            groups = apply_checkpoint_groups(self.model, cfg.model.checkpoint_group_layers)
+            if groups is not None:
+                logger.info(
+                    "model.checkpoint_group_layers=%d: %d of %d layer inputs kept (layers %s)%s; the others rebuilt in "
+                    "the backward from their group's first one", groups.size, len(groups.starts), len(groups.calls),
+                    ", ".join(map(str, groups.starts)), " and offloaded" if cfg.model.activation_offload else "",
+                )  # fmt: skip
         if cfg.model.compile or d.enable_compiled_autograd:
             torch._dynamo.reset()  # a fresh compile cache per run: no graphs of an earlier run in this process
         if cfg.model.compile:  # per decoder block, after the CP method switched the attention

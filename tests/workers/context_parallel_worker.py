@@ -245,6 +245,70 @@ def tiled_layer_checks(mesh, dtypes: list[str], cases: dict) -> dict:
     return out
 
 
+#: checkpoint groups under FSDP2: label -> (method, layers per group); 5 layers: groups 2+2+1 and 3+2
+GROUP_CASES = {"ring_k2": ("ring", 2), "ulysses_k3": ("ulysses", 3)}
+
+
+def checkpoint_group_checks(mesh, dtypes: list[str], batch: dict) -> dict:
+    """model.checkpoint_group_layers (automodel.models.checkpoint_groups) at cp=2 under FSDP2 over the two ranks, with
+    the tiled layer, the tiled MLP, activation checkpointing and activation offload: the loss and every (gathered)
+    gradient against the same run with groups of 1; what the groups and the offload did."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.models.block_call import apply_activation_checkpointing, block_calls
+    from automodel.models.checkpoint_groups import apply_checkpoint_groups
+    from automodel.models.tiled_layer import apply_tiled_layer
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+    from automodel.training.activation_offload import apply_activation_offload
+
+    def run(base, method: str, k: int) -> tuple[float, dict, dict]:
+        model = copy.deepcopy(base)
+        cp = context_parallel(model, mesh, method=method)
+        apply_tiled_mlp(model, 3)
+        apply_tiled_layer(model, 3)
+        apply_activation_checkpointing(model)
+        groups = apply_checkpoint_groups(model, k)
+        store = apply_activation_offload(model)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        for m in model.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        ctx, local = cp.shard(batch)
+        with ctx():
+            logits = model(**{key: v for key, v in local.items() if key != "labels"}).logits
+            loss = _ce(logits.flatten(0, 1), local["shift_labels"].flatten()) / local["num_items_in_batch"]
+            loss.backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        did = {"packed": store.stats().packed, "recomputed": [c.counts.recomputed for c in block_calls(model)]}
+        if groups is not None:
+            did.update(groups.counts.__dict__)
+        return float(cp.reduce_loss(loss)), grads, did
+
+    out = {}
+    for dtype_name in dtypes:
+        cfg = AutoConfig.for_model("llama", hidden_size=48, intermediate_size=96, num_hidden_layers=5,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                   max_position_embeddings=256)  # fmt: skip
+        torch.manual_seed(1234)
+        base = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(getattr(torch, dtype_name))
+        for label, (method, k) in GROUP_CASES.items():
+            ref_loss, ref_grads, _ = run(base, method, 1)
+            loss, grads, did = run(base, method, k)
+            out[(dtype_name, label)] = {
+                "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+                "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+                "grads": len(grads),
+                **did,
+            }
+    return out
+
+
 def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
     from tests.toy_cp_method import register
 
@@ -318,6 +382,7 @@ def main(rank: int, world_size: int, dtypes: list[str]) -> dict:
             }
         cp.restore()
     out["tiled_layer"] = tiled_layer_checks(mesh, dtypes, cases)
+    out["checkpoint_groups"] = checkpoint_group_checks(mesh, dtypes, cases["plain"][0])
     out["falcon"] = falcon_checks(mesh, dtypes, cases)
     # a model the method would not compute exactly is refused when it is prepared, before any work
     flex = tiny_llama(2, torch.float32)

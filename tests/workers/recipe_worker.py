@@ -135,7 +135,8 @@ def _summary(trainer: FinetuneTrainer, result) -> dict:
 
 def _technique_log(path: Path) -> list[str]:
     """The run log's lines about what each technique did (automodel.training.technique_report)."""
-    keys = ("activation checkpointing:", "activation offload:", "tiled MLP:", "not recomputed", "to the host, more")
+    keys = ("activation checkpointing:", "activation offload:", "tiled MLP:", "not recomputed", "to the host, more",
+            "checkpoint groups:")
     return [line for line in path.read_text().splitlines() if any(k in line for k in keys)]
 
 
@@ -300,9 +301,10 @@ def pair(rank: int, world_size: int, out: str) -> dict:
             config=ULYSSES,
         )
     )
-    results["offload_all_ulysses_cp2"] = _summary(*_run(
-        world_size, out_dir, "offload_all_ulysses_cp2",
-        ["distributed.cp_size=2", *OFFLOAD[:2], "fsdp.offload=all"], config=ULYSSES,
+    results["offload_all_grp2_ulysses_cp2"] = _summary(*_run(
+        world_size, out_dir, "offload_all_grp2_ulysses_cp2",
+        # with checkpoint groups of 2 (model.checkpoint_group_layers): only layer 0's input offloaded, layer 1's rebuilt
+        ["distributed.cp_size=2", *OFFLOAD[:2], "fsdp.offload=all", "model.checkpoint_group_layers=2"], config=ULYSSES,
     ))  # fmt: skip
     # packed gpt-oss at cp=2 with the self-check, whose reference is exact by construction (gptoss_packed_ref: cp=1)
     gptoss = ["distributed.cp_size=2", "distributed.cp_method=thd_docs", "recipe.cp_self_check=true", *GPTOSS_PACKED]
