@@ -10,7 +10,7 @@ from typing import Any
 
 from automodel.config.schema import RecipeConfig
 
-__all__ = ["ATTENTION_HEAD_CHUNKS_KEY", "attention_head_chunks_problem", "attention_head_chunks_problems"]
+__all__ = ["ATTENTION_HEAD_CHUNKS_KEY", "attention_head_chunks_problem", "attention_head_chunks_problems", "config_head_counts"]
 
 #: the config key
 ATTENTION_HEAD_CHUNKS_KEY = "model.attention_head_chunks"
@@ -59,12 +59,23 @@ def attention_head_chunks_problems(cfg: RecipeConfig) -> list[str]:
             f"{key}={value} with distributed.tp_size={d.tp_size}: head groups are not proven on tensor-parallel "
             f"attention; set distributed.tp_size=1 or {key}=null"
         ]
-    if not isinstance(cfg.model.config, dict) or value == "auto":
+    counts = config_head_counts(cfg)
+    if counts is None or value == "auto":
         return []
+    heads, kv = counts
+    problem = attention_head_chunks_problem(value, heads, kv)
+    return [problem.replace("the model's", "model.config's", 1)] if problem else []
+
+
+def config_head_counts(cfg: RecipeConfig) -> tuple[int, int] | None:
+    """``(attention heads, KV heads)`` of an inline ``model.config`` with its ``model.config_overrides`` (KV heads
+    default to the heads); ``None`` when the model is named (its config is read later) or the counts are not
+    positive integers."""
+    if not isinstance(cfg.model.config, dict):
+        return None
     overrides = cfg.model.config_overrides or {}
     heads = overrides.get("num_attention_heads", cfg.model.config.get("num_attention_heads"))
     kv = overrides.get("num_key_value_heads", cfg.model.config.get("num_key_value_heads", heads))
     if not (isinstance(heads, int) and isinstance(kv, int) and heads >= 1 and kv >= 1):
-        return []
-    problem = attention_head_chunks_problem(value, heads, kv)
-    return [problem.replace("the model's", "model.config's", 1)] if problem else []
+        return None
+    return heads, kv

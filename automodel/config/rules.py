@@ -12,7 +12,7 @@ import os
 import re
 from types import SimpleNamespace
 
-from automodel.config.attention_head_chunks_rules import attention_head_chunks_problems
+from automodel.config.attention_head_chunks_rules import attention_head_chunks_problems, config_head_counts
 from automodel.config.attention_rules import attention_backend_problems
 from automodel.config.compile_rules import compile_problems
 from automodel.config.logging_rules import logging_problems
@@ -340,13 +340,10 @@ def head_chunk_problems(cfg: RecipeConfig, method: CPMethod | None) -> list[str]
             f"distributed.cp_method={d.cp_method} with cp_size={d.cp_size} splits no heads by all-to-all; set "
             f"{HEAD_CHUNKS_KEY}=1, or distributed.cp_method=ulysses (or usp) with cp_size > 1"
         ]
-    if not isinstance(cfg.model.config, dict):
+    counts = config_head_counts(cfg)
+    if counts is None:
         return []
-    overrides = cfg.model.config_overrides or {}
-    heads = overrides.get("num_attention_heads", cfg.model.config.get("num_attention_heads"))
-    kv = overrides.get("num_key_value_heads", cfg.model.config.get("num_key_value_heads", heads))
-    if not (isinstance(heads, int) and isinstance(kv, int) and heads >= 1 and kv >= 1):
-        return []
+    heads, kv = counts
     tp = max(1, d.tp_size)
     where = f"cp_size={d.cp_size}" if ranks == d.cp_size else f"distributed.ulysses_size={ranks}"
     if tp > 1:

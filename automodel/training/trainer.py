@@ -388,11 +388,19 @@ class FinetuneTrainer:
         if cfg.loss.chunk_tokens is not None:
             check_model_for_chunked_loss(self.model)
         if cfg.distributed.ulysses_head_chunks == "auto":  # from the memory planner too, before the batch is bound
-            self._resolve_head_chunks_auto()
+            from automodel.training.memory_plan import resolve_head_chunks
+
+            self._resolve_from_plan("distributed", "ulysses_head_chunks", resolve_head_chunks)
         if cfg.model.attention_head_chunks == "auto":  # cp_size 1: the same rule (memory_plan.head_chunks_auto_choice)
-            self._resolve_attention_head_chunks_auto()
+            from automodel.training.memory_plan import resolve_attention_head_chunks
+
+            self._resolve_from_plan("model", "attention_head_chunks", resolve_attention_head_chunks)
         if cfg.model.checkpoint_group_layers == "auto":  # from the memory planner: the node's host memory
-            self._resolve_checkpoint_group_auto()
+            from automodel.training.memory_plan import resolve_checkpoint_group
+            from automodel.training.plan_search import HOST_GIB_PER_GPU
+
+            self._resolve_from_plan("model", "checkpoint_group_layers", resolve_checkpoint_group,
+                                    HOST_GIB_PER_GPU * 2**30)  # fmt: skip
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info(
             "model: %s, %.2fM parameters, dtype %s",
@@ -422,50 +430,19 @@ class FinetuneTrainer:
         cfg.loss.chunk_tokens = value
         logger.info("%s", reason)
 
-    def _resolve_head_chunks_auto(self) -> None:
-        """``distributed.ulysses_head_chunks: auto`` -> an integer in ``self.cfg`` (mutated), the reason logged
-        (:func:`automodel.training.memory_plan.head_chunks_auto_choice`)."""
+    def _resolve_from_plan(self, section: str, key: str, resolve: Any, *extra: Any) -> None:
+        """A config key's ``auto`` resolved from the memory plan: ``resolve(cfg, dims, sizes, seq, grad_acc, *extra)``
+        (one of :mod:`automodel.training.memory_plan`'s ``resolve_*``) -> ``(value, reason)``; ``cfg.<section>.<key>``
+        is set to the value (mutated) and the reason logged."""
         from automodel.config import parallel_sizes
-        from automodel.training.memory_plan import model_dims, resolve_head_chunks
+        from automodel.training.memory_plan import model_dims
 
         cfg = self.cfg
         sizes, _ = parallel_sizes(cfg, self.world_size)
         mult = pad_multiple(cfg)
         seq = -(-cfg.data.seq_len // mult) * mult
-        cfg.distributed.ulysses_head_chunks, reason = resolve_head_chunks(
-            cfg, model_dims(self.model), sizes, seq, self.grad_acc
-        )
-        logger.info("%s", reason)
-
-    def _resolve_attention_head_chunks_auto(self) -> None:
-        """``model.attention_head_chunks: auto`` -> an integer in ``self.cfg`` (mutated), the reason logged
-        (:func:`automodel.training.memory_plan.resolve_attention_head_chunks`)."""
-        from automodel.config import parallel_sizes
-        from automodel.training.memory_plan import model_dims, resolve_attention_head_chunks
-
-        cfg = self.cfg
-        sizes, _ = parallel_sizes(cfg, self.world_size)
-        mult = pad_multiple(cfg)
-        seq = -(-cfg.data.seq_len // mult) * mult
-        cfg.model.attention_head_chunks, reason = resolve_attention_head_chunks(
-            cfg, model_dims(self.model), sizes, seq, self.grad_acc
-        )
-        logger.info("%s", reason)
-
-    def _resolve_checkpoint_group_auto(self) -> None:
-        """``model.checkpoint_group_layers: auto`` -> an integer in ``self.cfg`` (mutated), the reason logged
-        (:func:`automodel.training.memory_plan.checkpoint_group_auto_choice`, against the plan's host memory per GPU)."""
-        from automodel.config import parallel_sizes
-        from automodel.training.memory_plan import model_dims, resolve_checkpoint_group
-        from automodel.training.plan_search import HOST_GIB_PER_GPU
-
-        cfg = self.cfg
-        sizes, _ = parallel_sizes(cfg, self.world_size)
-        mult = pad_multiple(cfg)
-        seq = -(-cfg.data.seq_len // mult) * mult
-        cfg.model.checkpoint_group_layers, reason = resolve_checkpoint_group(
-            cfg, model_dims(self.model), sizes, seq, self.grad_acc, HOST_GIB_PER_GPU * 2**30
-        )
+        value, reason = resolve(cfg, model_dims(self.model), sizes, seq, self.grad_acc, *extra)
+        setattr(getattr(cfg, section), key, value)
         logger.info("%s", reason)
 
     def _bind_cp_method(self) -> None:
