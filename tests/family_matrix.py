@@ -228,6 +228,23 @@ def _kw(*, drop: tuple[str, ...] = (), **over: Any) -> dict[str, Any]:
     return kw
 
 
+def _compass_rope() -> dict[str, Any]:
+    """Cohere Compass's RoPE parameters for the tiny model (head_dim 16). Releases whose rotary embedding pre-rotates
+    its frequencies by ``mrope_section`` (5.17: ``inv_freq_3d``, default ``[22, 22, 20]``, which needs head_dim 128)
+    are given a section of the tiny model's 8 frequencies; later releases use the section otherwise and keep their
+    default."""
+    import inspect
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    try:
+        from transformers.models.cohere_compass import modeling_cohere_compass
+    except ImportError:
+        return rope
+    if "inv_freq_3d" in inspect.getsource(modeling_cohere_compass):
+        rope["mrope_section"] = [3, 3, 2]
+    return rope
+
+
 def _alternate(n: int, a: str, b: str) -> list[str]:
     return [a if i % 2 == 0 else b for i in range(n)]
 
@@ -578,8 +595,7 @@ FAMILIES: list[Family] = [
            "full+abspos"),
     Family("moshi", "moshi", _kw(drop=('intermediate_size', 'attention_dropout', 'pad_token_id', 'bos_token_id', 'eos_token_id'), ffn_dim=128),
            "full"),
-    Family("cohere_compass_text", "cohere_compass_text", _kw(rope_parameters={"full_attention": {
-        "rope_type": "default", "rope_theta": 10000.0}}), "full",
+    Family("cohere_compass_text", "cohere_compass_text", _kw(rope_parameters={"full_attention": _compass_rope()}), "full",
            note="RoPE parameters keyed by layer type: with the default config's (not keyed), transformers' rotary "
            "embedding fails (KeyError 'full_attention')"),
 ]

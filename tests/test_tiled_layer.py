@@ -165,7 +165,8 @@ def test_every_matrix_family_is_tiled_or_refused_by_name_before_weights():
             refused[fam.name] = str(e)
     assert {"llama", "qwen3", "mistral", "qwen2"} <= tiled
     # the matrix builds InternLM3, EXAONE and IQuest-Coder as Llama models (their checkpoints' layers are Llama's)
-    assert tiled == {"llama", "qwen3", "mistral", "qwen2", "internlm3", "exaone", "iquestcoder"}, tiled
+    built = {fam.name for fam in FAMILIES}  # an older release (scripts/compat.sh) lacks some families
+    assert tiled == {"llama", "qwen3", "mistral", "qwen2", "internlm3", "exaone", "iquestcoder"} & built, tiled
     assert "Gemma2DecoderLayer is not a decoder layer structure" in refused["gemma2"]
     for name, why in refused.items():
         assert why.startswith("model.tiled_layer: ") and "set model.tiled_layer=false" in why, (name, why)
