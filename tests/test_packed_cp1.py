@@ -112,6 +112,29 @@ def test_the_probe_finds_gptoss_mixing_documents_and_llama_keeping_them_apart():
     assert not found.separates and "meta device" in found.reason
 
 
+def test_the_probe_reaches_past_the_longest_window_or_chunk(monkeypatch):
+    """A window or chunk boundary placed at the row's index instead of the document's positions only shows once the
+    probe's document crosses one (transformers 5.17's Llama 4 chunks did, and its own forward trained packed rows
+    wrong at cp 1 until the probe reached across its chunk): the probe's second document is longer than the model's
+    longest window or chunk, and a model whose windows are longer than the probe affords is not trusted."""
+    from automodel.distributed.cp import separation
+
+    lengths = []
+    real = separation._logits
+    monkeypatch.setattr(separation, "_logits", lambda m, ids, pos: lengths.append(ids.shape[-1]) or real(m, ids, pos))
+    mistral = _model("mistral")
+    mistral.config.sliding_window = 24
+    separation._CACHE.pop(mistral, None)
+    assert separation._longest_window(mistral) == 24
+    assert separation.document_separation(mistral).separates
+    assert min(lengths) > 24, lengths  # the document alone: 24 + 3 tokens
+    monkeypatch.setattr(separation, "PROBE_MAX_WINDOW", 16)
+    far = _model("mistral")
+    far.config.sliding_window = 24
+    found = separation.document_separation(far)
+    assert not found.separates and "longer than the probe runs (16)" in found.reason
+
+
 def test_gptoss_own_forward_really_mixes_the_documents():
     # what the probe stands for: the packed row's logits are not those of the documents alone
     model, docs = _model("gpt_oss"), _documents()

@@ -56,6 +56,9 @@ __all__ = [
 PACKED_FORMS = frozenset({"restarts", "seq_lens", "seq_lens_only"})
 #: the probe's documents: ``A`` (and ``A'``) then ``B``, in tokens
 PROBE_LENGTHS = (5, 7)
+#: the longest sliding window or attention chunk the probe reaches across (``B`` is made longer than the model's
+#: longest); a model with longer ones is not probed (its own forward is not trusted with packed rows)
+PROBE_MAX_WINDOW = 16384
 #: ``B``'s logits next to ``A`` vs next to ``A'`` (the same row layout, so the same arithmetic): at most this
 #: much of their largest magnitude apart when the documents are kept apart (a mixing model is off by percents)
 _SAME_ROW_RTOL = 1e-4
@@ -138,6 +141,14 @@ def _probe(model: torch.nn.Module) -> Separation:
     if hasattr(param, "to_local"):  # a DTensor parameter: the local shard's device
         device = param.to_local().device
     n_a, n_b = PROBE_LENGTHS
+    reach = _longest_window(model)
+    if reach > PROBE_MAX_WINDOW:
+        return Separation(
+            False,
+            f"has windows or chunks of {reach} tokens, longer than the probe runs ({PROBE_MAX_WINDOW}): where a "
+            "document crosses one, the probe cannot vouch that its boundaries are the document's own",
+        )
+    n_b = max(n_b, reach + 3)  # B crosses a window / chunk boundary: at the row's index, or at its own position?
     gen = torch.Generator().manual_seed(1234)
     a, a2, b = (torch.randint(0, int(vocab), (n,), generator=gen) for n in (n_a, n_a, n_b))
     packed = torch.stack([torch.cat([a, b]), torch.cat([a2, b])]).to(device)
@@ -191,10 +202,27 @@ def _sparse_layers_without_kernel(model: torch.nn.Module) -> str:
     return f"layers {', '.join(str(layer.index) for layer in sparse[:8])}: {sparse[0].describe()}"
 
 
+def _longest_window(model: torch.nn.Module) -> int:
+    """The longest sliding window or attention chunk of ``model``'s layers in tokens (0: none, or the profile failed:
+    :func:`_unknown_layers` reports that). transformers' mask code places a chunk's boundaries at the row's index on
+    some releases (Llama 4 on 5.17) and at each document's own positions on others, which a probe shorter than the
+    chunk does not see."""
+    from automodel.distributed.cp.guard import cached_profile
+    from automodel.distributed.cp.profile import CHUNKED, SLIDING
+
+    try:
+        profile = cached_profile(model)
+    except Exception:  # noqa: BLE001
+        return 0
+    reach = [layer.window if layer.kind == SLIDING else layer.chunk for layer in profile.layers
+             if layer.kind in (SLIDING, CHUNKED)]  # fmt: skip
+    return max((int(w) for w in reach if w), default=0)
+
+
 def _unknown_layers(model: torch.nn.Module) -> str:
     """The layers :func:`~automodel.distributed.cp.profile.profile_model` does not recognise, in words (empty:
-    none). Windows and chunks are transformers' shared mask code, applied per document once the positions reach
-    it, which is what the probe checks; a mixer of unknown kind may depend on lengths the probe does not reach."""
+    none). Windows and chunks are transformers' shared mask code, which the probe checks across the longest of them
+    (:func:`_longest_window`); a mixer of unknown kind may depend on lengths the probe does not reach."""
     from automodel.distributed.cp.guard import cached_profile
     from automodel.distributed.cp.profile import UNKNOWN
 
