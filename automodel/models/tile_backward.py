@@ -71,3 +71,17 @@ def tile_gradients(
                 sums[i].add_(g)
         del outs, pairs, got
     return grad_xs, sums
+
+
+def check_same_parameters(key: str, owner: object, current: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]) -> None:
+    """The trainable parameters a tiled function's backward finds (``current``) are the ones its forward ran with
+    (``saved``: the same tensors, in order); else its per-tile gradients cannot be recomputed.
+
+    Raises:
+        RuntimeError: they differ (``key``: the config key, ``owner``: the module whose parameters they are).
+    """
+    if len(current) != len(saved) or any(a is not b for a, b in zip(current, saved, strict=True)):
+        raise RuntimeError(
+            f"{key}: the trainable parameters of {type(owner).__name__} changed between the forward and the "
+            f"backward; their gradients cannot be recomputed per tile"
+        )

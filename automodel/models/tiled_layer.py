@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from automodel.errors import UserInputError
-from automodel.models.tile_backward import tile_gradients
+from automodel.models.tile_backward import check_same_parameters, tile_gradients
 
 __all__ = [
     "CAPTURE",
@@ -330,12 +330,7 @@ class _TiledFunction(torch.autograd.Function):
         tiles: _Tiles = ctx.tiles
         xs = list(ctx.saved_tensors)
         params = list(ctx.params)
-        current = tiles.trainable()
-        if len(current) != len(params) or any(a is not b for a, b in zip(current, params, strict=True)):
-            raise RuntimeError(
-                f"model.tiled_layer: the trainable parameters of {type(tiles.layer).__name__} changed between the "
-                f"forward and the backward; their gradients cannot be recomputed per tile"
-            )
+        check_same_parameters("model.tiled_layer", tiles.layer, tiles.trainable(), params)
         k = ctx.n_inputs
         needs_x = list(ctx.needs_input_grad[2 : 2 + k])
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[2 + k :]) if need]

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from automodel.errors import UserInputError
-from automodel.models.tile_backward import tile_gradients
+from automodel.models.tile_backward import check_same_parameters, tile_gradients
 
 __all__ = [
     "MLP_ATTRIBUTES",
@@ -469,12 +469,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         runner: _Runner = ctx.runner
         xs = list(ctx.saved_tensors)
         params = list(ctx.params)
-        current = runner.trainable()
-        if len(current) != len(params) or any(a is not b for a, b in zip(current, params, strict=True)):
-            raise RuntimeError(
-                f"model.tiled_mlp: the trainable parameters of {type(runner.module).__name__} changed between the "
-                f"forward and the backward; their gradients cannot be recomputed per tile"
-            )
+        check_same_parameters("model.tiled_mlp", runner.module, runner.trainable(), params)
         k = runner.n_inputs
         needs_x = list(ctx.needs_input_grad[1 : 1 + k])
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1 + k :]) if need]

@@ -46,8 +46,7 @@ from automodel.distributed.cp.layers.sparse_attention import (
     _active,
     _bound,
     _masked_attention,
-    _packed_placement,
-    placement_of,
+    dispatch_installed_forward,
     register_attention_functions,
 )
 from automodel.distributed.cp.layers.sparse_support import COMPRESSED_ATTENTION
@@ -367,18 +366,7 @@ def compressed_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) 
     """The installed forward of a DeepSeek-V4 attention module (see the module docstring)."""
     call = _bound(self, args, kwargs)
     cache = call.pop("cache", None) or call.pop("past_key_values", None)
-    active = _active()
-    if active is None:  # one process: the class's forward, or per document on packed rows
-        place = _packed_placement(call) if cache is None else None
-        return type(self).forward(self, *args, **kwargs) if place is None else _run(self, call, place)
-    method, ctx = active
-    if cache is not None:
-        raise CPUnsupportedError(
-            f"distributed.cp_method={method}: {type(self).__name__} got a cache; CP runs training forwards only "
-            "(call the model with use_cache=False)"
-        )
-    ctx.calls += 1  # a CP kernel ran: the context's "nothing was switched" check must not fire
-    return _run(self, call, placement_of(method, ctx))
+    return dispatch_installed_forward(self, args, kwargs, call, cache, _active(), _run)
 
 
 _V4_FORWARD = torch._dynamo.disable(compressed_module_forward, reason="automodel: CP attention runs outside the graph")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -638,17 +639,33 @@ def dsa_module_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     active = _active()
     if active is None and type(self).__name__ in KV_GATHER_ATTENTION:  # one process: the class's mask is per document
         return type(self).forward(self, *args, **kwargs)
+    return dispatch_installed_forward(self, args, kwargs, call, cache, active, _run)
+
+
+def dispatch_installed_forward(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    call: dict[str, Any],
+    cache: Any,
+    active: tuple[str, Any] | None,
+    run: Callable[[torch.nn.Module, dict[str, Any], Placement], Any],
+) -> Any:
+    """What an installed kernel's module forward does once it has bound its call (``call``, the cache popped):
+    without an active CP context the class's own forward, or ``run`` per document on a packed row (no cache);
+    under one (``active``: ``(method, ctx)`` of :func:`_active`) ``run`` at the method's placement, counted in
+    ``ctx.calls``. Refuses a cache under CP."""
     if active is None:  # one process: the class's forward, or per document on packed rows
         place = _packed_placement(call) if cache is None else None
-        return type(self).forward(self, *args, **kwargs) if place is None else _run(self, call, place)
+        return type(module).forward(module, *args, **kwargs) if place is None else run(module, call, place)
     method, ctx = active
     if cache is not None:
         raise CPUnsupportedError(
-            f"distributed.cp_method={method}: {type(self).__name__} got a cache; CP runs training forwards only "
+            f"distributed.cp_method={method}: {type(module).__name__} got a cache; CP runs training forwards only "
             "(call the model with use_cache=False)"
         )
     ctx.calls += 1  # a CP kernel ran: the context's "nothing was switched" check must not fire
-    return _run(self, call, placement_of(method, ctx))
+    return run(module, call, placement_of(method, ctx))
 
 
 def _run_dynamic_mask(module: torch.nn.Module, call: dict[str, Any], place: Placement) -> Any:
