@@ -561,16 +561,10 @@ _TILED_CLASSES: dict[type, type] = {}
 
 
 def _tiled_class(cls: type) -> type:
-    tiled = _TILED_CLASSES.get(cls)
-    if tiled is None:
-        tiled = type(
-            cls.__name__,
-            (cls,),
-            {"forward": _tiled_forward, "_automodel_untiled_layer_class": cls, "__module__": cls.__module__,
-             "__qualname__": cls.__qualname__},
-        )  # fmt: skip
-        _TILED_CLASSES[cls] = tiled
-    return tiled
+    """A subclass of ``cls`` with the same name whose ``forward`` tiles (one per class)."""
+    from automodel.models.tiled_mlp import same_named_subclass
+
+    return same_named_subclass(cls, {"forward": _tiled_forward, "_automodel_untiled_layer_class": cls}, _TILED_CLASSES)
 
 
 def is_tiled_layer(module: nn.Module) -> bool:

@@ -663,18 +663,20 @@ def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _TILED_CLASSES: dict[type, type] = {}
 
 
+def same_named_subclass(cls: type, attrs: dict[str, Any], cache: dict[type, type]) -> type:
+    """A subclass of ``cls`` with its name, module and qualified name and ``attrs`` (a tiling forward or call), made
+    once per class and kept in ``cache`` (mutated), so a module whose ``__class__`` is switched to it reads as before in
+    reprs and logs."""
+    sub = cache.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {**attrs, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        cache[cls] = sub
+    return sub
+
+
 def _tiled_class(cls: type) -> type:
     """A subclass of ``cls`` with the same name whose ``__call__`` tiles (one per class)."""
-    tiled = _TILED_CLASSES.get(cls)
-    if tiled is None:
-        tiled = type(
-            cls.__name__,
-            (cls,),
-            {"__call__": _tiled_call, "_automodel_untiled_class": cls, "__module__": cls.__module__,
-             "__qualname__": cls.__qualname__},
-        )  # fmt: skip
-        _TILED_CLASSES[cls] = tiled
-    return tiled
+    return same_named_subclass(cls, {"__call__": _tiled_call, "_automodel_untiled_class": cls}, _TILED_CLASSES)
 
 
 def tile_counts(model: nn.Module) -> list[TileCounts]:
