@@ -169,6 +169,26 @@ def test_the_plan_counts_the_groups_on_the_host_and_the_device():
     assert loss1 - loss4 == (64 - 16) * per
 
 
+def test_the_estimate_counts_the_rebuilt_forwards_cp_exchange():
+    from automodel.config.gpu_specs import GPU_SPECS
+    from automodel.training.memory_plan import ModelDims, RunShape
+    from automodel.training.step_estimate import comm_terms, estimate_step
+
+    d = ModelDims(layers=64, hidden=5120, intermediate=27648, heads=40, kv_heads=8, head_dim=128, vocab=152064,
+                  params=32_000_000_000, trainable=32_000_000_000, layer_params=500_000_000,
+                  root_params=1_500_000_000)  # fmt: skip
+    r = RunShape(local_batch=1, seq=3_000_000, cp=8, cp_method="ulysses", activation_checkpointing=True,
+                 chunk_tokens=1024, compute_bytes=2)  # fmt: skip
+    sizes = {"tp": 1, "cp": 8, "dp": 1, "dp_replicate": 1}
+    grouped = dataclasses.replace(r, checkpoint_group=2)
+    one, two = (next(t for t in comm_terms(d, x, sizes, 8) if t.exchange is not None) for x in (r, grouped))
+    # 32 of the 64 layers run their forward, and its all-to-alls, once more
+    assert two.bytes - one.bytes == pytest.approx(32 * one.exchange.forward_bytes)
+    assert one.exchange.forward_bytes > 0 and "32 rebuilt layer forwards" in two.note
+    e1, e2 = (estimate_step(d, x, sizes, 8, 1, GPU_SPECS["h100"], 8) for x in (r, grouped))
+    assert e2.exposed_s > e1.exposed_s
+
+
 def test_the_search_tries_groups_and_names_their_key():
     from automodel.training.plan_search import Techniques, all_techniques
 

@@ -12,7 +12,7 @@ Per optimizer step and per rank (BF16 compute, the recipe's settings: no Float8,
   halves them (``2 S d``), backward is twice the forward. Activation checkpointing recomputes each
   decoder layer's forward once: ``+ 2 N_layers`` (the LM head is not recomputed) and ``+ 2 L S d``; checkpoint
   groups of ``k`` (``model.checkpoint_group_layers``) run ``L - ceil(L / k)`` layer forwards once more
-  (:func:`replayed_layers`: their matrix products and attention; their CP exchange is not added). A
+  (:func:`replayed_layers`: their matrix products, attention and CP exchange). A
   rank does ``1 / (cp tp)`` of a row's attention (head-tail chunks balance the causal work; TP splits
   heads) and ``1 / tp`` of the matrix products of its ``rows * S / cp`` tokens.
 - **compute time**: matrix products at the achieved throughput of their GEMM shapes
@@ -209,12 +209,13 @@ def comm_terms(d: ModelDims, r: RunShape, sizes: dict[str, int], node: int) -> l
                              head_chunks=head_groups(r))  # fmt: skip
         label = ", ".join([method.name, *(f"{k}={v}" for k, v in method.options().items())])
         ac = r.activation_checkpointing
+        replay = replayed_layers(d, r)  # checkpoint groups: these layers' forwards, and their exchange, once more
         for t, across in cost.items():
-            b = r.grad_acc * d.layers * (t.bytes + (t.forward_bytes if ac else 0.0))
+            b = r.grad_acc * (d.layers * (t.bytes + (t.forward_bytes if ac else 0.0)) + replay * t.forward_bytes)
             hidden = [f"{share:.0%} of the {what} attention" for share, what in
                       ((t.forward_overlap, "forward"), (t.backward_overlap, "backward")) if share > 0]  # fmt: skip
-            passes = ([f"{_fmt_bytes(t.forward_bytes)} forward" + (", again recomputed" if ac else "")]
-                      if t.forward_bytes else []) + ([f"{_fmt_bytes(t.backward_bytes)} backward"] if t.backward_bytes else [])  # fmt: skip
+            again = (", again recomputed" if ac else "") + (f" (and in {replay} rebuilt layer forwards)" if replay else "")
+            passes = ([f"{_fmt_bytes(t.forward_bytes)} forward" + again] if t.forward_bytes else []) + ([f"{_fmt_bytes(t.backward_bytes)} backward"] if t.backward_bytes else [])  # fmt: skip
             out.append(CommTerm(f"CP attention over {t.group} ({label})", b, not across,
                                 f"{t.what}: {' + '.join(passes)} per layer; "
                                 + (f"under {' and '.join(hidden)}" if hidden else "not overlapped"),
@@ -291,8 +292,12 @@ def estimate_step(
             exposed = 0.0
             est.overlapped_s += seconds
         elif t.exchange is not None:  # CP attention: each pass hides under its own overlapped compute only
-            exposed = r.grad_acc * d.layers * t.exchange.exposed_seconds(bw, forward_attention_s,
-                                                                         r.activation_checkpointing)  # fmt: skip
+            ac = r.activation_checkpointing
+            per_layer = t.exchange.exposed_seconds(bw, forward_attention_s, ac)
+            # a rebuilt layer forward (checkpoint groups) exchanges as a recomputed forward does
+            forward_once = (t.exchange.exposed_seconds(bw, forward_attention_s, True)
+                            - t.exchange.exposed_seconds(bw, forward_attention_s, False))  # fmt: skip
+            exposed = r.grad_acc * (d.layers * per_layer + replayed_layers(d, r) * forward_once)
             est.exposed_s += exposed
         else:
             exposed = seconds
