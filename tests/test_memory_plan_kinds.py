@@ -209,3 +209,22 @@ def test_tiled_mlp_does_not_keep_its_input_alive_under_checkpointing():
 def test_optimizer_phase_holds_no_masks_or_workspace(name):
     plan = _plan(_dims(name), cp=2)
     assert set(plan.phases["optimizer"]) == {"gradients", "communication buffers", "optimizer temporaries"}
+
+
+def test_plain_mlps_are_planned_by_their_structure_and_measured_activation():
+    """A plain MLP (``fc2(act(fc1))``: GPT-NeoX, GPT-2, Falcon) was planned as a gated one (``4 I`` saved per token):
+    over by 2 I with a one-kernel GELU, under by 1 I with GPT-2's tanh formula (5 ``[N, I]`` tensors saved), and
+    GPT-2's and Falcon's width (``n_inner``, ``ffn_hidden_size``) was the config's ``4 h``
+    (``scripts/bench_memory.py --structures only``)."""
+    llama = _dims("llama")
+    assert llama.mlp_gated and llama.mlp_moments == (4.0, 3.0, 6.0)
+    neox = _dims("gpt_neox")
+    assert not neox.mlp_gated and neox.mlp_moments == (2.0, 2.0, 3.1)  # fc1's output and its GELU
+    gpt2 = _dims("gpt2", n_inner=96)
+    assert not gpt2.mlp_gated and gpt2.intermediate == 96 and gpt2.mlp_moments[0] == 5.0
+    falcon = _dims("falcon", ffn_hidden_size=80)
+    assert not falcon.mlp_gated and falcon.intermediate == 80
+    for d, saved in ((neox, 2.0), (gpt2, 5.0)):
+        plain, gated = _plan(d), _plan(dataclasses.replace(d, mlp_gated=True))
+        per_layer = SEQ * d.intermediate * 4  # one [N, I] fp32 tensor
+        assert gated.phases["loss"]["activations"] - plain.phases["loss"]["activations"] == d.layers * (4 - saved) * per_layer

@@ -218,6 +218,12 @@ class ModelDims:
     #: gathered-state kernels' layers, ``(layers, GatheredState)`` per declaration
     #: (:mod:`automodel.distributed.cp.layers.gathered_state`: DeepSeek sparse attention's latent KV and indexer keys)
     gathered: tuple[tuple[int, Any], ...] = ()
+    #: the dense MLP: gated (``down(act(gate) * up)``, three matrices) or plain (``fc2(act(fc1))``, two: GPT-2,
+    #: GPT-NeoX, Falcon, Phi, BLOOM), read from the modules (:func:`automodel.training.mlp_memory.mlp_shape`)
+    mlp_gated: bool = True
+    #: a plain MLP's ``(saved, forward peak, backward peak)`` per token in ``[N, I]`` units, measured with its own
+    #: activation (:func:`automodel.training.mlp_memory.plain_mlp_moments`: GELU 2, 2, 3.1; the tanh formula 5, 5, 7.1)
+    mlp_moments: tuple[float, float, float] = (4.0, 3.0, 6.0)
 
     @property
     def matmul_params(self) -> int:
@@ -436,7 +442,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     mlp = _mlp_moments(d)
     stream = (2 * d.layer_norms + 1) * h + (2 * (h + kv) if d.qk_norm else 0)
     t = min(tile, n)
-    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + 3 * h * i) * c
+    mats = 2 if not d.experts and not d.mlp_gated else 3  # a plain MLP's two matrices
+    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + mats * h * i) * c
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
     # the input's and the attention output's gradients, dq, dk, dv (those three in the CP workspace where the method
@@ -501,6 +508,10 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     sharded = _tp_sharded_params(model)
     tp_unique = [p for p in unique if id(p) in sharded]
+    mlp = _mlp_fields(model, layers[0] if layers else None, c.hidden_size)
+    if "intermediate" in mlp and not isinstance(c.intermediate_size, (list, tuple)):
+        inter = mlp.pop("intermediate")  # the modules' width (GPT-2's n_inner, Falcon's ffn_hidden_size)
+    mlp.pop("intermediate", None)
     return ModelDims(
         layers=c.num_hidden_layers,
         hidden=c.hidden_size,
@@ -525,7 +536,24 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
         **_layer_kinds(model, c),
+        **mlp,
     )
+
+
+def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
+    """The dense MLP's fields of :class:`ModelDims` (``intermediate``, ``mlp_gated``, ``mlp_moments``) from the first
+    decoder layer's modules (:func:`automodel.training.mlp_memory.mlp_shape`); empty when they are not read (no layer,
+    experts, a structure it does not know: the config's width and the gated count stay)."""
+    from automodel.training.mlp_memory import mlp_shape
+
+    if layer is None:
+        return {}
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape = mlp_shape(layer, hidden, text)
+    if shape is None:
+        return {}
+    return {"intermediate": shape.width, "mlp_gated": shape.gated, "mlp_moments": shape.moments}
 
 
 def _kept_inputs(d: ModelDims, r: RunShape) -> tuple[int, int]:
@@ -713,9 +741,12 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # term counts the layer's gradient as its FSDP2 shard (1 / fsdp of it), but the sum is whole until the
     # layer's reduce-scatter: 3 h I / tp (1 - 1 / fsdp) more (a snapshot of scripts/bench_plan_cases.py's tiled
     # case at fsdp 2 holds both copies whole; scripts/bench_memory.py's wide rows run at fsdp 1)
-    unsharded_sum = 3 * h * i / tp * (1 - 1 / r.fsdp)
-    tile_bytes = (6 * tile * i / tp + 3 * h * i / tp + unsharded_sum) * c if tile else 0.0
-    tile_fwd = 3 * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
+    # a plain MLP (fc1 -> act -> fc2): two weight matrices, its activation's measured moments (ModelDims.mlp_moments)
+    plain = not d.experts and not d.mlp_gated
+    mats, (_, tile_f, tile_b) = (2, d.mlp_moments) if plain else (3, (4.0, 3.0, 6.0))
+    unsharded_sum = mats * h * i / tp * (1 - 1 / r.fsdp)
+    tile_bytes = (tile_b * tile * i / tp + mats * h * i / tp + unsharded_sum) * c if tile else 0.0
+    tile_fwd = tile_f * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
     # at the layer's attention (its forward; its backward, the MLP's and the post-attention norm's backward done) the
@@ -812,6 +843,9 @@ def _mlp_moments(d: ModelDims) -> _MLPMoments:
     """
     if not d.experts:
         i = d.intermediate
+        if not d.mlp_gated:  # fc1 -> act -> fc2: what its activation saves and holds, measured (ModelDims.mlp_moments)
+            saved, forward, backward = d.mlp_moments
+            return _MLPMoments(saved * i, forward * i, backward * i, 0.0)
         return _MLPMoments(4 * i, 3 * i, 6 * i, 0.0)
     k, ie, sh, h = d.top_k, d.expert_intermediate, d.shared_intermediate, d.hidden
     saved = k * (2 * h + 4 * ie) + 4 * sh
