@@ -228,3 +228,39 @@ def test_plain_mlps_are_planned_by_their_structure_and_measured_activation():
         plain, gated = _plan(d), _plan(dataclasses.replace(d, mlp_gated=True))
         per_layer = SEQ * d.intermediate * 4  # one [N, I] fp32 tensor
         assert gated.phases["loss"]["activations"] - plain.phases["loss"]["activations"] == d.layers * (4 - saved) * per_layer
+
+
+def test_cp1_sdpa_saves_kv_repeated_above_head_size_256_and_q_is_heads_times_head_dim():
+    """Without CP, transformers' sdpa repeats K/V to the query heads above head size 256 (``use_gqa_in_sdpa``): SDPA
+    saves them (``2 q`` per token and layer; they were counted under CP only). And q, the attention output and its
+    copy are ``heads x head_dim`` wide, not the hidden size (4 heads of 320 on 128: planned -54%, now within 11%,
+    ``scripts/bench_memory.py --structures only``)."""
+    base = _dims("llama")
+    d = dataclasses.replace(base, heads=4, kv_heads=2, head_dim=320)
+    q, kv = 4 * 320, 2 * 320
+
+    def saved(dims, attn):
+        return _plan(dims, attn=attn).phases["loss"]["activations"]
+
+    # flash takes grouped K/V whatever the head size; sdpa repeats them above 256 and at 256 does not
+    assert saved(d, "sdpa") - saved(d, "flash_attention_2") == d.layers * SEQ * 2 * q * 4
+    d256 = dataclasses.replace(d, head_dim=256)
+    assert saved(d256, "sdpa") == saved(d256, "flash_attention_2")
+    # head groups at cp 1 recompute each group's attention: nothing repeated is saved
+    assert _plan(d, attn="sdpa", head_chunks=2).phases["loss"]["activations"] < saved(d, "sdpa")
+    # q-wide tensors: q after RoPE, the kernel's output and its copy (3 q), k and v (2 kv), RoPE's cos and sin
+    d160 = dataclasses.replace(d, head_dim=160)
+    q160, kv160 = 4 * 160, 2 * 160
+    per_layer = SEQ * (3 * (q - q160) + 2 * (kv - kv160)) * 4
+    assert saved(d, "flash_attention_2") - saved(d160, "flash_attention_2") == d.layers * per_layer + SEQ * 2 * 160 * 4
+
+
+def test_gpt_neo_per_layer_mask_buffers_are_persistent_state():
+    """GPT-Neo's attention keeps a ``[1, 1, P, P]`` boolean buffer per layer (causal, or the local window cut out of it;
+    ``P = max_position_embeddings``), on the device with the model and whole on every rank: 2 layers of 2048 are
+    8 MiB; a long-context row needs ``P`` at least the row (its learned positions), so it grows as ``L S^2``."""
+    d = _dims("gpt_neo", max_position_embeddings=2048)
+    assert d.buffer_bytes == d.layers * 2048 * 2048
+    plan = _plan(d, cp=2, dp_shard=2)
+    assert {t.name: t.bytes for t in plan.persistent}["buffers"] == d.layers * 2048 * 2048  # not divided by fsdp
+    assert "buffers" not in {t.name for t in _plan(_dims("llama")).persistent}

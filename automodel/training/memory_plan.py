@@ -224,6 +224,9 @@ class ModelDims:
     #: a plain MLP's ``(saved, forward peak, backward peak)`` per token in ``[N, I]`` units, measured with its own
     #: activation (:func:`automodel.training.mlp_memory.plain_mlp_moments`: GELU 2, 2, 3.1; the tanh formula 5, 5, 7.1)
     mlp_moments: tuple[float, float, float] = (4.0, 3.0, 6.0)
+    #: bytes of the model's buffers of 1 MiB or more (GPT-Neo's ``[P, P]`` boolean causal or local-window mask in every
+    #: attention layer, ``P = max_position_embeddings``): whole on every rank, FSDP2 does not shard buffers
+    buffer_bytes: int = 0
 
     @property
     def matmul_params(self) -> int:
@@ -429,7 +432,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     """
     n, c = r.local_tokens, r.compute_bytes
     h, kv, i, q = d.hidden, d.kv_heads * d.head_dim, d.intermediate, d.heads * d.head_dim
-    repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0
+    repeated = 2 * q * _repeated_kv_share(d, r)
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so the kernel's
     # output and LSE are not saved (automodel.distributed.cp.head_chunks); the local output the post part saves is
     # model.attention_head_chunks=G at cp 1 likewise (automodel.models.attention_head_chunks)
@@ -536,6 +539,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
         **_layer_kinds(model, c),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
     )
 
@@ -706,6 +710,29 @@ class _Activations:
     note: str
 
 
+def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
+    """The share of the layers whose attention saves K and V repeated to the query heads (``2 q`` per token more).
+
+    Under CP the method says (:meth:`~automodel.distributed.cp.CPMethod.saves_repeated_kv`). Without CP (and without
+    head groups, whose checkpointed groups save none) the model's attention function does: ``eager`` always repeats
+    them (``repeat_kv`` before its matmuls); ``sdpa`` where transformers' ``use_gqa_in_sdpa`` cannot pass
+    ``enable_gqa``: a head size above 256 (every layer) or a mask given (the layers of a sliding-window or chunked kind
+    shorter than the row, or every layer of a model that always builds its mask). Measured:
+    ``scripts/bench_memory.py --structures only`` (4 heads / 1 KV head of 320)."""
+    if not d.heads or d.kv_heads >= d.heads:
+        return 0.0
+    if r.cp > 1:
+        return 1.0 if _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0.0
+    if r.head_chunks > 1 or r.attn not in ("sdpa", "eager"):
+        return 0.0
+    from automodel.distributed.cp.ring.method import SDPA_GQA_MAX_HEAD_DIM
+
+    if r.attn == "eager" or d.head_dim > SDPA_GQA_MAX_HEAD_DIM or d.forced_mask_heads:
+        return 1.0
+    total = sum(n for _, n in d.attention_kinds)
+    return sum(n for limit, n in d.attention_kinds if 0 < limit < r.seq) / total if total else 0.0
+
+
 def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     """The activations at each moment of a step, bytes per rank on the device (:class:`_Activations`)."""
     layer_tile = _layer_tile(d, r)
@@ -715,7 +742,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     # GQA: K/V repeated to all query heads are saved only where the method's CPU kernel is given them (torch's
     # ring through transformers' sdpa); the block kernels and torch's SDPA with enable_gqa keep the KV heads
-    repeated = 2 * d.heads * d.head_dim if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0
+    repeated = 2 * d.heads * d.head_dim * _repeated_kv_share(d, r)
     # the residual stream: each hidden-size norm saves its input's normalized copy and its output (2 h; Llama:
     # two norms, Gemma 3: four), and the residual (h); whole on every TP rank unless sequence parallel splits
     # it; then the attention and the MLP block each all-gather their input once, and their projections save
@@ -724,12 +751,15 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
     # per head, split over TP: q after RoPE, k and v, the repeated K/V, the attention output and its transposed
     # copy; per-head q/k norms (Qwen3, Gemma 3) save their input and normalized output (2 (h + kv))
-    qk = 2 * (h + kv) if d.qk_norm and d.heads else 0
+    # q = heads x head_dim: the query heads' width, which is the hidden size only where head_dim = h / heads (Gemma 2's
+    # 16 heads of 256 on 3584, the --structures row's 4 of 320 on 128: q, the output and its copy are [N, q])
+    q = d.heads * d.head_dim
+    qk = 2 * (q + kv) if d.qk_norm and d.heads else 0
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so neither the kernel's
     # output nor its LSE is saved (automodel.distributed.cp.head_chunks): the local q/k/v and the output projection's
     # input are (measured: scripts/bench_memory.py --headwise only, 4.25 MiB below one group at 4096 local tokens)
     grouped = r.head_chunks > 1 and r.cp > 1
-    attn = (h + repeated + 2 * kv + (1 if grouped else 2) * h + qk) / tp if d.heads else 0.0
+    attn = (q + repeated + 2 * kv + (1 if grouped else 2) * q + qk) / tp if d.heads else 0.0
     lse = 0.0 if grouped else d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
     tile = _mlp_tile(d, r)
     mlp = _mlp_moments(d)
@@ -994,6 +1024,8 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         MemoryTerm("optimizer states", on_device_states,
                    "AdamW exp_avg, exp_avg_sq" if r.offload is False else f"on the host (fsdp.offload={r.offload})"),
     ]  # fmt: skip
+    if d.buffer_bytes:  # GPT-Neo's per-layer [P, P] masks: whole on every rank (FSDP2 does not shard buffers)
+        persistent.append(MemoryTerm("buffers", float(d.buffer_bytes), "the model's buffers of 1 MiB or more, whole"))
     grads, grads_note = _gradient_bytes(d, r)
     acts = _activation_terms(d, r)
     attn, attn_bwd, attn_note = _attention_workspace(d, r)
