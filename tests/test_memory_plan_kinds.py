@@ -74,9 +74,11 @@ def test_falcon_alibi_folds_its_bias_into_a_mask_per_head():
     masks = _plan(falcon, cp=2).terms["attention masks"].bytes
     # [1, heads, n, n] fp32 (where + masked_fill with the bias) and the ALiBi halo's block masks (the full prefix)
     assert masks == heads * N * N * 4 + N * (SEQ + BLOCK) / 2
-    rope_falcon = _dims("falcon")  # Falcon-7B's RoPE: no ALiBi, transformers' rules (no mask under sdpa)
-    assert rope_falcon.forced_mask_heads == 0 and rope_falcon.alibi_layers == 0
-    assert _plan(rope_falcon, cp=2).terms["attention masks"].bytes == 0
+    # Falcon-7B's RoPE: no ALiBi, but FalconModel builds its mask whatever the kernel (allow_is_causal_skip=False,
+    # transformers 5.17 and 5.25): one boolean [1, 1, n, n] from the rank's tokens under ring (was planned as none)
+    rope_falcon = _dims("falcon")
+    assert rope_falcon.forced_mask_heads == 1 and rope_falcon.alibi_layers == 0
+    assert _plan(rope_falcon, cp=2).terms["attention masks"].bytes == N * N
 
 
 def test_alibi_score_blocks_on_the_halo_kernel_replace_the_eager_s2_term():
@@ -264,3 +266,46 @@ def test_gpt_neo_per_layer_mask_buffers_are_persistent_state():
     plan = _plan(d, cp=2, dp_shard=2)
     assert {t.name: t.bytes for t in plan.persistent}["buffers"] == d.layers * 2048 * 2048  # not divided by fsdp
     assert "buffers" not in {t.name for t in _plan(_dims("llama")).persistent}
+
+
+def test_cp1_sdpa_keeps_a_float_copy_of_a_boolean_mask_per_masked_layer():
+    """SDPA converts a boolean mask to the compute dtype on every call and keeps the copy for its backward: per
+    sliding layer (Gemma 3: 3 of 4 at window 256) and, for Falcon (its mask always built), every layer; planned
+    -17% and -18% without it, +6% and +10% with (``scripts/bench_memory.py --structures only``)."""
+    gemma = _dims("gemma3_text")
+    masked = sum(n for limit, n in gemma.attention_kinds if 0 < limit < SEQ)
+    assert 0 < masked < gemma.layers
+    one = SEQ * SEQ * 4  # [1, 1, S, S] fp32
+
+    def saved(dims, **kw):
+        return _plan(dims, **kw).phases["loss"]["activations"]
+
+    flash = saved(gemma, attn="flash_attention_2")  # no mask reaches the kernel
+    repeated = gemma.layers * SEQ * 2 * gemma.heads * gemma.head_dim * 4 * masked / gemma.layers
+    repeated = repeated if gemma.kv_heads < gemma.heads else 0
+    assert saved(gemma) - flash == pytest.approx(masked * one + repeated)
+    falcon = _dims("falcon")
+    assert saved(falcon) - saved(falcon, attn="flash_attention_2") == falcon.layers * one
+
+
+def test_gpt_neo_masks_and_scores_as_its_own_code_builds_them():
+    """GPT-Neo's layers compute their attention in their own code: at cp 1 the fp32 softmax per layer and one eager
+    mask for both kinds (was: two masks and two score tensors in the compute dtype); under CP they hand q, k, v to the
+    method, so no eager S^2 is saved (was planned: ring +256%, Ulysses +106%; now +11% and +5%,
+    ``scripts/bench_plan_cases.py --cases gpt_neo_ring gpt_neo_ulysses``), the model still builds its mask from the
+    rank's tokens and Ulysses its whole-row masks per kind for its inner kernel."""
+    neo = _dims("gpt_neo")
+    assert neo.single_mask and neo.own_code_layers == neo.layers and len(neo.attention_kinds) == 2
+    assert _plan(neo, attn="eager").terms["attention masks"].bytes == SEQ * SEQ * 4
+    assert _plan(neo, cp=2, attn="eager").terms["attention masks"].bytes == N * N * 4 + N * (BLOCK + WINDOW)
+    ulysses = _plan(neo, cp=2, cp_method="ulysses", attn="eager").terms["attention masks"].bytes
+    assert ulysses == N * N * 4 + 2 * SEQ * SEQ * 4
+
+    def saved(**kw):
+        return _plan(neo, **kw).phases["loss"]["activations"]
+
+    scores = neo.layers * neo.heads * SEQ * SEQ
+    assert saved(attn="eager") - saved(attn="flash_attention_2") == scores * 4  # fp32 softmax only
+    half = {"compute_bytes": 2, "master_bytes": 2}
+    assert saved(attn="eager", **half) - saved(attn="flash_attention_2", **half) == scores * 6  # and its bf16 cast
+    assert saved(attn="eager", cp=2) == saved(attn="flash_attention_2", cp=2)

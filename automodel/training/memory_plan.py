@@ -86,7 +86,11 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   q, k, v and output the kernel saves are activations), ``/ G`` with ``distributed.ulysses_head_chunks=G``
   plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); at the
   attention's moments (forward and backward), not beside the MLP's. ``eager`` attention saves
-  its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
+  its ``[heads, S_q, S_k]`` probabilities per layer, the fp32 softmax and (2-byte compute) its cast (an S² term of
+  ``4 + c`` bytes per score; shown under activations), and holds two fp32 score tensors more at the layer's attention
+  (:func:`_eager_score_bytes`); layers in their own code (GPT-Neo) hand q, k, v to the CP method: none under CP.
+  Without CP, SDPA given a boolean mask keeps a float copy of it per layer
+  (:func:`.layer_kind_memory.sdpa_mask_copy`: sliding-window layers, Falcon).
 * attention masks (:func:`.layer_kind_memory.mask_bytes`): transformers' materialised masks where the method's
   path builds them (:meth:`automodel.distributed.cp.CPMethod.mask_scope`) and the halo kernel's per-block key
   masks, from the forward to the end of the backward (and under Ulysses, at an ALiBi layer's forward attention, the two
@@ -134,6 +138,7 @@ from automodel.training.layer_kind_memory import (
     alibi_workspace,
     gathered_workspace,
     mask_bytes,
+    sdpa_mask_copy,
 )
 
 __all__ = [
@@ -215,6 +220,13 @@ class ModelDims:
     forced_mask_heads: int = 0
     #: layers that add ALiBi's bias in their own code (BLOOM, MPT, Falcon with ``alibi=True``)
     alibi_layers: int = 0
+    #: layers that compute their attention in their own code (the ALiBi ones, GPT-Neo, GPT-NeoX-Japanese, OpenAI GPT,
+    #: XGLM): under CP they hand q, k, v to the method (``cp/layers/alibi.py``) and the model keeps its attention
+    #: implementation, so its mask is built from the rank's tokens
+    own_code_layers: int = 0
+    #: the model builds one mask for all its layers whatever their kinds (GPT-Neo: its layers cut their local window
+    #: out of their own buffer)
+    single_mask: bool = False
     #: gathered-state kernels' layers, ``(layers, GatheredState)`` per declaration
     #: (:mod:`automodel.distributed.cp.layers.gathered_state`: DeepSeek sparse attention's latent KV and indexer keys)
     gathered: tuple[tuple[int, Any], ...] = ()
@@ -461,9 +473,9 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     final = 3 * h * c
     always = 24 + rope
     s2 = 0.0
-    if r.attn == "eager":
+    if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads, r.seq, r.seq)
-        s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
+        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c)
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
         kept, kept_at_loss = (x * h * c for x in _kept_inputs(d, r))
@@ -614,13 +626,15 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
         if state is not None:
             gathered[state] = gathered.get(state, 0) + 1
     alibi = sum(1 for layer in profile.layers if layer.alibi)
+    own = sum(1 for layer in profile.layers if layer.is_attention and getattr(layer, "own_code", False))
     heads = profile.num_attention_heads or 0
     forced = 0
     if any(layer.kind == SPARSE for layer in profile.layers):
         forced = 1
-    if profile.model_type == "falcon" and getattr(text, "alibi", False):
-        forced = heads
+    if profile.model_type == "falcon":  # allow_is_causal_skip=False with or without ALiBi: [B, 1, q, k] boolean without
+        forced = heads if getattr(text, "alibi", False) else 1
     return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
+            "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
@@ -710,6 +724,15 @@ class _Activations:
     note: str
 
 
+def _eager_score_bytes(c: int) -> int:
+    """Bytes per ``[heads, S_q, S_k]`` score that eager attention keeps for its backward: the softmax in fp32 (4; its
+    output is what the softmax's backward reads: transformers' ``softmax(..., dtype=torch.float32)``, GPT-Neo's fp32
+    scores) and, for a 2-byte compute dtype, its cast that the product with V saves (``c``); dropout at p 0 makes no
+    copy. Measured: ``scripts/bench_memory.py --structures only``'s GPT-Neo rows (fp32: one ``[1, 4, 2048, 2048]``
+    fp32 softmax output per layer; was planned as two in the compute dtype, the probabilities and a dropout copy)."""
+    return 4 + (c if c != 4 else 0)
+
+
 def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
     """The share of the layers whose attention saves K and V repeated to the query heads (``2 q`` per token more).
 
@@ -723,8 +746,8 @@ def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
         return 0.0
     if r.cp > 1:
         return 1.0 if _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0.0
-    if r.head_chunks > 1 or r.attn not in ("sdpa", "eager"):
-        return 0.0
+    if r.head_chunks > 1 or r.attn not in ("sdpa", "eager") or d.kv_heads == 1:
+        return 0.0  # one KV head: transformers' repeat_kv is a view of it (expand, then a reshape that needs no copy)
     from automodel.distributed.cp.ring.method import SDPA_GQA_MAX_HEAD_DIM
 
     if r.attn == "eager" or d.head_dim > SDPA_GQA_MAX_HEAD_DIM or d.forced_mask_heads:
@@ -800,16 +823,24 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     rope = 2 * d.head_dim * c if d.heads else 0
     final = 3 * h * c / s + (h * c if gathered else 0)  # freed once backward has passed the final norm
     always = 24 + rope
-    s2 = building = 0.0
+    s2 = building = in_flight = 0.0
     if d.alibi_layers and r.cp > 1:
         # ALiBi layers hand q, k, v to the method (cp/layers/alibi.py): the halo kernel recomputes its blocks (no
         # S^2 saved: layer_kind_memory.alibi_workspace); Ulysses saves the bias mask SDPA is given, and its forward
         # holds two boolean [B, S, S] masks while it builds it
         s2 = alibi_saved_per_layer(d, r)
         building = alibi_mask_build(d, r)
-    elif r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
+    elif r.attn == "eager" and not (d.own_code_layers and r.cp > 1):  # own-code layers hand q, k, v to the method
+        # the fp32 probabilities and their cast to the compute dtype, [heads, S_q, S_k] per layer (_eager_score_bytes)
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
-        s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
+        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c)
+        # at the layer's attention (its forward, its backward) two more fp32 score tensors are in flight: the scores
+        # and their masked copy, the probabilities' gradient and the scores' (the GPT-Neo snapshots: three at once)
+        in_flight = r.local_batch * heads_local * s_q * s_k * 8
+        building += in_flight
+    # SDPA given a boolean mask keeps a float copy of it per layer for its backward (layer_kind_memory.sdpa_mask_copy):
+    # the layers' average in what they keep, the largest for the layer in flight
+    copy_avg, copy_max = sdpa_mask_copy(d, r)
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
@@ -818,23 +849,23 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building
+        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
-        bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
-        bwd_a = n * (kept + always + body_attn + grads) + s2
+        bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
+        bwd_a = n * (kept + always + body_attn + grads) + s2 + copy_max + in_flight
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
-    before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * s2  # the layers before the last
-    saved = n * (d.layers * layer + embed + final + always) + d.layers * s2 + tile_bytes
-    fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd
-    fwd_a = before + n * body_attn + s2 + building
+    before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * (s2 + copy_avg)  # the layers before the last
+    saved = n * (d.layers * layer + embed + final + always) + d.layers * (s2 + copy_avg) + tile_bytes
+    fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max
+    fwd_a = before + n * body_attn + s2 + building + copy_max
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
-    bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
-    bwd_a = before + n * (body_attn + grads) + s2
+    bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
+    bwd_a = before + n * (body_attn + grads) + s2 + copy_max + in_flight
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
