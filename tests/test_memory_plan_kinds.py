@@ -309,3 +309,21 @@ def test_gpt_neo_masks_and_scores_as_its_own_code_builds_them():
     half = {"compute_bytes": 2, "master_bytes": 2}
     assert saved(attn="eager", **half) - saved(attn="flash_attention_2", **half) == scores * 6  # and its bf16 cast
     assert saved(attn="eager", cp=2) == saved(attn="flash_attention_2", cp=2)
+
+
+def test_mlp_activation_probe_runs_anywhere_and_leaves_the_random_stream_alone():
+    """The planner's activation probe (``mlp_memory.plain_mlp_moments``) runs while a model is built on the meta device
+    or under no_grad, and draws nothing from torch's generator (a dry run before training must not shift the seed's
+    stream)."""
+    from transformers.activations import ACT2FN
+
+    from automodel.training.mlp_memory import _CACHE, plain_mlp_moments
+
+    _CACHE.clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with torch.device("meta"), torch.no_grad():
+        assert plain_mlp_moments(ACT2FN["gelu"]) == (2.0, 2.0, 3.1)
+        assert plain_mlp_moments(ACT2FN["relu"])[0] == 1.0  # its output is what it saves
+    assert torch.equal(torch.rand(3), expected)

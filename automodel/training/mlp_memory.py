@@ -142,26 +142,39 @@ def _moments_of(cls: type, key: tuple, act: torch.nn.Module) -> tuple[float, flo
     if cached is not None or (cls, key) in _CACHE:
         return cached
     n, width = 64, 256
+    _CACHE[(cls, key)] = None  # until measured (an activation that cannot run keeps the gated count)
     try:
         probe = copy.deepcopy(act)
         if any(p.is_meta for p in probe.parameters()):
             probe = probe.to_empty(device="cpu")
-        fc1, fc2 = torch.nn.Linear(1, width), torch.nn.Linear(width, 1)
-        x = torch.randn(n, 1, requires_grad=True)
-        mode = _LiveBytes()
-        with mode:
-            y = fc2(probe(fc1(x)))
-            saved = mode.current - y.untyped_storage().nbytes()
-            forward = mode.peak
-            mode.peak = mode.current
-            y.backward(torch.ones_like(y))
-            backward = mode.peak
-        unit = n * width * 4
-        out = (round(saved / unit, 1), round(forward / unit, 1), round(backward / unit, 1))
+        # on the CPU with autograd on, whatever the caller's context (a meta-device block, no_grad)
+        with torch.device("cpu"), torch.enable_grad():
+            _CACHE[(cls, key)] = _measure(probe, n, width)
     except Exception:  # noqa: BLE001 - an activation that cannot run on the CPU probe: the gated count stays
-        out = None
-    _CACHE[(cls, key)] = out
-    return out
+        pass
+    return _CACHE[(cls, key)]
+
+
+def _measure(probe: torch.nn.Module, n: int, width: int) -> tuple[float, float, float]:
+    """The probe itself; draws nothing from torch's random generator (the caller's stream stays as it was)."""
+    fc1 = torch.nn.utils.skip_init(torch.nn.Linear, 1, width)
+    fc2 = torch.nn.utils.skip_init(torch.nn.Linear, width, 1)
+    with torch.no_grad():
+        fc1.weight.copy_(torch.linspace(-3.0, 3.0, width)[:, None])
+        fc1.bias.zero_()
+        fc2.weight.fill_(1.0 / width)
+        fc2.bias.zero_()
+    x = torch.linspace(-1.0, 1.0, n)[:, None].requires_grad_()
+    mode = _LiveBytes()
+    with mode:
+        y = fc2(probe(fc1(x)))
+        saved = mode.current - y.untyped_storage().nbytes()
+        forward = mode.peak
+        mode.peak = mode.current
+        y.backward(torch.ones_like(y))
+        backward = mode.peak
+    unit = n * width * 4
+    return round(saved / unit, 1), round(forward / unit, 1), round(backward / unit, 1)
 
 
 _CACHE: dict[tuple, tuple[float, float, float] | None] = {}
