@@ -231,6 +231,8 @@ CASES = [
          (*QWEN3, *ULYSSES_AC, "model.tiled_mlp=true", "model.activation_offload=true")),
     Case("moe_thd_docs", "Mixtral-like MoE (4 experts, top-2), thd_docs, packed rows, checkpointing", tuple(MIXTRAL)),
     Case("gemma3_ring", "Gemma-3-like sliding windows, ring, checkpointing", tuple(GEMMA3)),
+    Case("gemma3_ulysses", "the Gemma-3-like case under ulysses (SDPA given the whole row's window masks)",
+         (*GEMMA3, "distributed.cp_method=ulysses")),
     Case("qwen3_no_ac", "the first case without checkpointing",
          (*QWEN3, *ULYSSES_AC, "model.activation_checkpointing=false")),
     Case("qwen3_offload_opt", "the first case + fsdp.offload=optimizer",

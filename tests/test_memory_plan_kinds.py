@@ -226,6 +226,10 @@ def test_plain_mlps_are_planned_by_their_structure_and_measured_activation():
     assert not gpt2.mlp_gated and gpt2.intermediate == 96 and gpt2.mlp_moments[0] == 5.0
     falcon = _dims("falcon", ffn_hidden_size=80)
     assert not falcon.mlp_gated and falcon.intermediate == 80
+    # the step estimate's GEMMs: a plain MLP has two matrices (fc1, fc2), a gated one three
+    from automodel.training.step_estimate import _layer_gemms
+
+    assert len(_layer_gemms(neox, 8, 1)) == 6 and len(_layer_gemms(llama, 8, 1)) == 7
     for d, saved in ((neox, 2.0), (gpt2, 5.0)):
         plain, gated = _plan(d), _plan(dataclasses.replace(d, mlp_gated=True))
         per_layer = SEQ * d.intermediate * 4  # one [N, I] fp32 tensor
@@ -286,6 +290,11 @@ def test_cp1_sdpa_keeps_a_float_copy_of_a_boolean_mask_per_masked_layer():
     assert saved(gemma) - flash == pytest.approx(masked * one + repeated)
     falcon = _dims("falcon")
     assert saved(falcon) - saved(falcon, attn="flash_attention_2") == falcon.layers * one
+    # Ulysses hands its inner SDPA the whole row's boolean window mask: the same copy per windowed layer at [S, S]
+    # (the gemma3_ulysses case of scripts/bench_plan_cases.py: -30% without it, +0.7% with it); ring: none
+    ulysses = {"cp": 2, "cp_method": "ulysses"}
+    assert saved(gemma, **ulysses) - saved(gemma, attn="flash_attention_2", **ulysses) == pytest.approx(masked * one)
+    assert saved(gemma, cp=2) == saved(gemma, cp=2, attn="flash_attention_2")
 
 
 def test_gpt_neo_masks_and_scores_as_its_own_code_builds_them():

@@ -110,10 +110,19 @@ def sdpa_mask_copy(d: Any, r: Any) -> tuple[float, float]:
     the row, or every layer of a model that always builds a boolean mask (``forced_mask_heads == 1``: Falcon without
     ALiBi, DeepSeek sparse attention). Live-tensor snapshots of ``scripts/bench_memory.py --structures only``: a Gemma-3
     -like model of 3 sliding layers of 4 holds three ``[1, 1, 2048, 2048]`` fp32 copies, Falcon one per layer. Under CP
-    not counted here (ring drops the plain causal mask and runs windows on the halo kernel)."""
-    if r.cp > 1 or r.attn != "sdpa" or not d.heads:
+    Under CP where the method hands its inner SDPA the whole row's boolean mask per kind (Ulysses: ``mask_scope``
+    ``"global"``), the same per windowed layer at ``[B, 1, S, S]`` (``scripts/bench_plan_cases.py --cases
+    gemma3_ulysses``: planned -30% without it); ring drops the plain causal mask and runs windows on the halo kernel,
+    ALiBi and own-code layers are counted apart."""
+    if r.attn != "sdpa" or not d.heads:
         return 0.0, 0.0
-    n = _row(r)
+    if r.cp > 1:
+        own = getattr(d, "own_code_layers", 0)
+        if d.alibi_layers or own or d.forced_mask_heads or r.method.mask_scope(r.packed) != "global":
+            return 0.0, 0.0
+        n = r.seq
+    else:
+        n = _row(r)
     one = r.local_batch * n * n * r.compute_bytes
     total = sum(count for _, count in d.attention_kinds)
     if not total:
