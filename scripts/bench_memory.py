@@ -800,6 +800,92 @@ def head_groups_rows(args: argparse.Namespace) -> bool:
     return ok
 
 
+# --- model structures the planner reads from the modules (cp=1): plain MLPs, K/V repeated above head size 256,
+# GPT-Neo's own attention -------------------------------------------------------------------------------------------
+
+#: ``(label, transformers config class, its keyword arguments, attn_implementation)`` of ``--structures``
+STRUCTURES = [
+    ("GPT-NeoX (GELU MLP)", "GPTNeoXConfig", dict(hidden_size=128, intermediate_size=2048, num_hidden_layers=2,
+     num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"),
+    ("GPT-2 (gelu_new MLP)", "GPT2Config", dict(n_embd=128, n_inner=2048, n_layer=2, n_head=4, resid_pdrop=0.0,
+     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), "sdpa"),
+    ("Falcon (GELU MLP, its mask always built)", "FalconConfig", dict(hidden_size=128, ffn_hidden_size=2048,
+     num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=False, multi_query=False, alibi=False,
+     hidden_dropout=0.0, attention_dropout=0.0), "sdpa"),
+    ("Llama GQA 4/2 heads of 320", "LlamaConfig", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+     num_attention_heads=4, num_key_value_heads=2, head_dim=320), "sdpa"),
+    ("Gemma-3-like (3 of 4 layers sliding 256, GQA 4/2)", "Gemma3TextConfig", dict(hidden_size=160,
+     intermediate_size=640, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+     sliding_window=256, layer_types=["sliding_attention"] * 3 + ["full_attention"]), "sdpa"),
+    ("GPT-Neo (global + local 256, own eager code)", "GPTNeoConfig", dict(hidden_size=64, intermediate_size=256,
+     num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=256, resid_dropout=0.0,
+     embed_dropout=0.0, attention_dropout=0.0), "eager"),
+]  # fmt: skip
+
+
+def structure_worker(rank: int, world: int, seq: int, chunk: int, vocab: int) -> list[dict]:
+    """cp=1, one process: each of :data:`STRUCTURES` without and with activation checkpointing, fp32, AdamW: the tracked
+    step peak (forward + loss + backward + optimizer step) and the plan's step peak for the model it ran
+    (:func:`~automodel.training.memory_plan.model_dims` of that model)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from automodel.models.block_call import apply_activation_checkpointing
+    from automodel.training.memory_plan import RunShape, model_dims, plan_memory
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, seq), generator=g)
+    inputs = {"input_ids": ids, "position_ids": torch.arange(seq).unsqueeze(0)}
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    out = []
+    for label, cls, kw, attn in STRUCTURES:
+        config = getattr(transformers, cls)(vocab_size=vocab, use_cache=False, **kw)
+        if hasattr(config, "max_position_embeddings"):
+            config.max_position_embeddings = seq
+        if hasattr(config, "n_positions"):
+            config.n_positions = seq
+        for ac in (False, True):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).train()
+            if ac:
+                apply_activation_checkpointing(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+
+            def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt) -> torch.Tensor:
+                return _replicated_step(model, opt, contextlib.nullcontext, inputs, labels, chunk, seq)
+
+            step()  # warm-up (untracked): AdamW state
+            gc.collect()
+            tracker = AllocationTracker()
+            with tracker:
+                step()
+            shape = RunShape(local_batch=1, seq=seq, cp=1, chunk_tokens=chunk, activation_checkpointing=ac, attn=attn)
+            plan = plan_memory(model_dims(model), shape)
+            out.append({"label": label, "ac": ac, "peak_mib": tracker.peak / MIB,
+                        "planned_mib": _planned_without_fsdp(plan) / MIB})  # fmt: skip
+            del model, opt
+            gc.collect()
+    return out
+
+
+def structure_rows(args: argparse.Namespace) -> bool:
+    """The cp=1 structures table (:data:`STRUCTURES`): tracked step peak against the plan, within ``--tolerance``."""
+    seq, chunk, vocab = args.structures_seq, 256, 1024
+    print(f"\nModel structures at cp=1 (one process, fp32, {seq} tokens, vocab {vocab}, loss.chunk_tokens={chunk}, "
+          "AdamW; tracked step peak)\n", flush=True)  # fmt: skip
+    print("| model | checkpointing | step peak MiB measured | planned | error |")
+    print("|---|---|---|---|---|")
+    rows = run_on_ranks("scripts.bench_memory:structure_worker", 1, args.timeout, seq=seq, chunk=chunk, vocab=vocab)[0]
+    ok = True
+    for row in rows:
+        err = (row["planned_mib"] - row["peak_mib"]) / row["peak_mib"]
+        ok &= abs(err) <= args.tolerance
+        print(f"| {row['label']} | {'on' if row['ac'] else 'off'} | {row['peak_mib']:.1f} | {row['planned_mib']:.1f} | "
+              f"{err:+.0%} |", flush=True)  # fmt: skip
+    return ok
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
@@ -835,9 +921,15 @@ def main() -> None:
                         help="the cp=1 head-group rows (model.attention_head_chunks): also, only, no")
     parser.add_argument("--head-groups-seq", type=int, default=8192)
     parser.add_argument("--tiled-vocab", type=int, default=2048)
+    parser.add_argument("--structures", choices=("also", "only", "no"), default="also",
+                        help="model structures read from the modules at cp=1: plain MLPs, K/V repeated above head size "
+                             "256, GPT-Neo's own attention")
+    parser.add_argument("--structures-seq", type=int, default=2048)
     args = parser.parse_args()
     for key, value in MMAP_ENV.items():  # read by the spawned interpreters' glibc at start-up
         os.environ.setdefault(key, value)
+    if args.structures == "only":
+        sys.exit(0 if structure_rows(args) else 1)
     if args.tiled_layer == "only":
         sys.exit(0 if tiled_layer_rows(args) else 1)
     if args.head_groups == "only":
@@ -917,6 +1009,8 @@ def main() -> None:
     if args.head_groups == "also" and not head_groups_rows(args):
         sys.exit(1)
     if args.groups == "also" and not group_rows(args):
+        sys.exit(1)
+    if args.structures == "also" and not structure_rows(args):
         sys.exit(1)
 
 

@@ -166,6 +166,28 @@ FALCON_ALIBI = [
     "model.activation_checkpointing=true",
     "loss.chunk_tokens=256",
 ]
+# GPT-Neo-like: global and local (window 256) layers in its own eager code, which hands q, k, v to the method under
+# CP; a [P, P] boolean buffer per layer (P = max_position_embeddings, persistent); the model builds one eager mask
+GPT_NEO = [
+    "model.config._target_=transformers.GPTNeoConfig",
+    "model.config.hidden_size=128",
+    "~model.config.num_hidden_layers",
+    "~model.config.num_attention_heads",
+    "~model.config.intermediate_size",
+    "~model.config.num_key_value_heads",
+    "~model.config.rope_theta",
+    "+model.config.num_layers=2",
+    "+model.config.num_heads=4",
+    "+model.config.attention_types=[[[global,local],1]]",
+    "+model.config.window_size=256",
+    "+model.config.resid_dropout=0.0",
+    "+model.config.embed_dropout=0.0",
+    "+model.config.attention_dropout=0.0",
+    "model.attn_implementation=eager",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
 # DeepSeek-V3.2-like: DeepSeek sparse attention (MLA whose keys an indexer picks per query: the latent KV and the
 # indexer keys all-gathered over the CP group), dense MLPs only (first_k_dense_replace = every layer)
 DSA = [
@@ -209,6 +231,8 @@ CASES = [
          (*QWEN3, *ULYSSES_AC, "model.tiled_mlp=true", "model.activation_offload=true")),
     Case("moe_thd_docs", "Mixtral-like MoE (4 experts, top-2), thd_docs, packed rows, checkpointing", tuple(MIXTRAL)),
     Case("gemma3_ring", "Gemma-3-like sliding windows, ring, checkpointing", tuple(GEMMA3)),
+    Case("gemma3_ulysses", "the Gemma-3-like case under ulysses (SDPA given the whole row's window masks)",
+         (*GEMMA3, "distributed.cp_method=ulysses")),
     Case("qwen3_no_ac", "the first case without checkpointing",
          (*QWEN3, *ULYSSES_AC, "model.activation_checkpointing=false")),
     Case("qwen3_offload_opt", "the first case + fsdp.offload=optimizer",
@@ -218,6 +242,8 @@ CASES = [
          (*BLOOM, "distributed.cp_method=ulysses")),
     Case("falcon_alibi_ring", "Falcon-RW-like ALiBi (the bias folded into its mask), ring, checkpointing",
          tuple(FALCON_ALIBI)),
+    Case("gpt_neo_ring", "GPT-Neo-like global + local (window 256) layers, ring, checkpointing", tuple(GPT_NEO)),
+    Case("gpt_neo_ulysses", "the GPT-Neo-like case under ulysses", (*GPT_NEO, "distributed.cp_method=ulysses")),
     Case("dsa_ring", "DeepSeek-V3.2-like sparse attention (DSA), ring, checkpointing", tuple(DSA)),
 ]  # fmt: skip
 

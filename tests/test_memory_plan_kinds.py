@@ -74,9 +74,11 @@ def test_falcon_alibi_folds_its_bias_into_a_mask_per_head():
     masks = _plan(falcon, cp=2).terms["attention masks"].bytes
     # [1, heads, n, n] fp32 (where + masked_fill with the bias) and the ALiBi halo's block masks (the full prefix)
     assert masks == heads * N * N * 4 + N * (SEQ + BLOCK) / 2
-    rope_falcon = _dims("falcon")  # Falcon-7B's RoPE: no ALiBi, transformers' rules (no mask under sdpa)
-    assert rope_falcon.forced_mask_heads == 0 and rope_falcon.alibi_layers == 0
-    assert _plan(rope_falcon, cp=2).terms["attention masks"].bytes == 0
+    # Falcon-7B's RoPE: no ALiBi, but FalconModel builds its mask whatever the kernel (allow_is_causal_skip=False,
+    # transformers 5.17 and 5.25): one boolean [1, 1, n, n] from the rank's tokens under ring (was planned as none)
+    rope_falcon = _dims("falcon")
+    assert rope_falcon.forced_mask_heads == 1 and rope_falcon.alibi_layers == 0
+    assert _plan(rope_falcon, cp=2).terms["attention masks"].bytes == N * N
 
 
 def test_alibi_score_blocks_on_the_halo_kernel_replace_the_eager_s2_term():
@@ -209,3 +211,128 @@ def test_tiled_mlp_does_not_keep_its_input_alive_under_checkpointing():
 def test_optimizer_phase_holds_no_masks_or_workspace(name):
     plan = _plan(_dims(name), cp=2)
     assert set(plan.phases["optimizer"]) == {"gradients", "communication buffers", "optimizer temporaries"}
+
+
+def test_plain_mlps_are_planned_by_their_structure_and_measured_activation():
+    """A plain MLP (``fc2(act(fc1))``: GPT-NeoX, GPT-2, Falcon) was planned as a gated one (``4 I`` saved per token):
+    over by 2 I with a one-kernel GELU, under by 1 I with GPT-2's tanh formula (5 ``[N, I]`` tensors saved), and
+    GPT-2's and Falcon's width (``n_inner``, ``ffn_hidden_size``) was the config's ``4 h``
+    (``scripts/bench_memory.py --structures only``)."""
+    llama = _dims("llama")
+    assert llama.mlp_gated and llama.mlp_moments == (4.0, 3.0, 6.0)
+    neox = _dims("gpt_neox")
+    assert not neox.mlp_gated and neox.mlp_moments == (2.0, 2.0, 3.1)  # fc1's output and its GELU
+    gpt2 = _dims("gpt2", n_inner=96)
+    assert not gpt2.mlp_gated and gpt2.intermediate == 96 and gpt2.mlp_moments[0] == 5.0
+    falcon = _dims("falcon", ffn_hidden_size=80)
+    assert not falcon.mlp_gated and falcon.intermediate == 80
+    # the step estimate's GEMMs: a plain MLP has two matrices (fc1, fc2), a gated one three
+    from automodel.training.step_estimate import _layer_gemms
+
+    assert len(_layer_gemms(neox, 8, 1)) == 6 and len(_layer_gemms(llama, 8, 1)) == 7
+    for d, saved in ((neox, 2.0), (gpt2, 5.0)):
+        plain, gated = _plan(d), _plan(dataclasses.replace(d, mlp_gated=True))
+        per_layer = SEQ * d.intermediate * 4  # one [N, I] fp32 tensor
+        assert gated.phases["loss"]["activations"] - plain.phases["loss"]["activations"] == d.layers * (4 - saved) * per_layer
+
+
+def test_cp1_sdpa_saves_kv_repeated_above_head_size_256_and_q_is_heads_times_head_dim():
+    """Without CP, transformers' sdpa repeats K/V to the query heads above head size 256 (``use_gqa_in_sdpa``): SDPA
+    saves them (``2 q`` per token and layer; they were counted under CP only). And q, the attention output and its
+    copy are ``heads x head_dim`` wide, not the hidden size (4 heads of 320 on 128: planned -54%, now within 11%,
+    ``scripts/bench_memory.py --structures only``)."""
+    base = _dims("llama")
+    d = dataclasses.replace(base, heads=4, kv_heads=2, head_dim=320)
+    q, kv = 4 * 320, 2 * 320
+
+    def saved(dims, attn):
+        return _plan(dims, attn=attn).phases["loss"]["activations"]
+
+    # flash takes grouped K/V whatever the head size; sdpa repeats them above 256 and at 256 does not
+    assert saved(d, "sdpa") - saved(d, "flash_attention_2") == d.layers * SEQ * 2 * q * 4
+    d256 = dataclasses.replace(d, head_dim=256)
+    assert saved(d256, "sdpa") == saved(d256, "flash_attention_2")
+    # head groups at cp 1 recompute each group's attention: nothing repeated is saved
+    assert _plan(d, attn="sdpa", head_chunks=2).phases["loss"]["activations"] < saved(d, "sdpa")
+    # q-wide tensors: q after RoPE, the kernel's output and its copy (3 q), k and v (2 kv), RoPE's cos and sin
+    d160 = dataclasses.replace(d, head_dim=160)
+    q160, kv160 = 4 * 160, 2 * 160
+    per_layer = SEQ * (3 * (q - q160) + 2 * (kv - kv160)) * 4
+    assert saved(d, "flash_attention_2") - saved(d160, "flash_attention_2") == d.layers * per_layer + SEQ * 2 * 160 * 4
+
+
+def test_gpt_neo_per_layer_mask_buffers_are_persistent_state():
+    """GPT-Neo's attention keeps a ``[1, 1, P, P]`` boolean buffer per layer (causal, or the local window cut out of it;
+    ``P = max_position_embeddings``), on the device with the model and whole on every rank: 2 layers of 2048 are
+    8 MiB; a long-context row needs ``P`` at least the row (its learned positions), so it grows as ``L S^2``."""
+    d = _dims("gpt_neo", max_position_embeddings=2048)
+    assert d.buffer_bytes == d.layers * 2048 * 2048
+    plan = _plan(d, cp=2, dp_shard=2)
+    assert {t.name: t.bytes for t in plan.persistent}["buffers"] == d.layers * 2048 * 2048  # not divided by fsdp
+    assert "buffers" not in {t.name for t in _plan(_dims("llama")).persistent}
+
+
+def test_cp1_sdpa_keeps_a_float_copy_of_a_boolean_mask_per_masked_layer():
+    """SDPA converts a boolean mask to the compute dtype on every call and keeps the copy for its backward: per
+    sliding layer (Gemma 3: 3 of 4 at window 256) and, for Falcon (its mask always built), every layer; planned
+    -17% and -18% without it, +6% and +10% with (``scripts/bench_memory.py --structures only``)."""
+    gemma = _dims("gemma3_text")
+    masked = sum(n for limit, n in gemma.attention_kinds if 0 < limit < SEQ)
+    assert 0 < masked < gemma.layers
+    one = SEQ * SEQ * 4  # [1, 1, S, S] fp32
+
+    def saved(dims, **kw):
+        return _plan(dims, **kw).phases["loss"]["activations"]
+
+    flash = saved(gemma, attn="flash_attention_2")  # no mask reaches the kernel
+    repeated = gemma.layers * SEQ * 2 * gemma.heads * gemma.head_dim * 4 * masked / gemma.layers
+    repeated = repeated if gemma.kv_heads < gemma.heads else 0
+    assert saved(gemma) - flash == pytest.approx(masked * one + repeated)
+    falcon = _dims("falcon")
+    assert saved(falcon) - saved(falcon, attn="flash_attention_2") == falcon.layers * one
+    # Ulysses hands its inner SDPA the whole row's boolean window mask: the same copy per windowed layer at [S, S]
+    # (the gemma3_ulysses case of scripts/bench_plan_cases.py: -30% without it, +0.7% with it); ring: none
+    ulysses = {"cp": 2, "cp_method": "ulysses"}
+    assert saved(gemma, **ulysses) - saved(gemma, attn="flash_attention_2", **ulysses) == pytest.approx(masked * one)
+    assert saved(gemma, cp=2) == saved(gemma, cp=2, attn="flash_attention_2")
+
+
+def test_gpt_neo_masks_and_scores_as_its_own_code_builds_them():
+    """GPT-Neo's layers compute their attention in their own code: at cp 1 the fp32 softmax per layer and one eager
+    mask for both kinds (was: two masks and two score tensors in the compute dtype); under CP they hand q, k, v to the
+    method, so no eager S^2 is saved (was planned: ring +256%, Ulysses +106%; now +11% and +5%,
+    ``scripts/bench_plan_cases.py --cases gpt_neo_ring gpt_neo_ulysses``), the model still builds its mask from the
+    rank's tokens and Ulysses its whole-row masks per kind for its inner kernel."""
+    neo = _dims("gpt_neo")
+    assert neo.single_mask and neo.own_code_layers == neo.layers and len(neo.attention_kinds) == 2
+    assert _plan(neo, attn="eager").terms["attention masks"].bytes == SEQ * SEQ * 4
+    assert _plan(neo, cp=2, attn="eager").terms["attention masks"].bytes == N * N * 4 + N * (BLOCK + WINDOW)
+    ulysses = _plan(neo, cp=2, cp_method="ulysses", attn="eager").terms["attention masks"].bytes
+    assert ulysses == N * N * 4 + 2 * SEQ * SEQ * 4
+
+    def saved(**kw):
+        return _plan(neo, **kw).phases["loss"]["activations"]
+
+    scores = neo.layers * neo.heads * SEQ * SEQ
+    assert saved(attn="eager") - saved(attn="flash_attention_2") == scores * 4  # fp32 softmax only
+    half = {"compute_bytes": 2, "master_bytes": 2}
+    assert saved(attn="eager", **half) - saved(attn="flash_attention_2", **half) == scores * 6  # and its bf16 cast
+    assert saved(attn="eager", cp=2) == saved(attn="flash_attention_2", cp=2)
+
+
+def test_mlp_activation_probe_runs_anywhere_and_leaves_the_random_stream_alone():
+    """The planner's activation probe (``mlp_memory.plain_mlp_moments``) runs while a model is built on the meta device
+    or under no_grad, and draws nothing from torch's generator (a dry run before training must not shift the seed's
+    stream)."""
+    from transformers.activations import ACT2FN
+
+    from automodel.training.mlp_memory import _CACHE, plain_mlp_moments
+
+    _CACHE.clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with torch.device("meta"), torch.no_grad():
+        assert plain_mlp_moments(ACT2FN["gelu"]) == (2.0, 2.0, 3.1)
+        assert plain_mlp_moments(ACT2FN["relu"])[0] == 1.0  # its output is what it saves
+    assert torch.equal(torch.rand(3), expected)

@@ -15,12 +15,14 @@ imports it), counted where the tensor is really built, measured by ``scripts/ben
     attention implementation under every method, so its mask is built from the rank's tokens everywhere). Under ``sdpa`` one boolean mask per
     sliding-window or chunked kind whose window is shorter than the keys (``_ignore_causal_mask_sdpa`` never skips
     those), none for full causal layers (SDPA's ``is_causal``); under ``eager`` one mask per kind in the compute
-    dtype (``eager_mask``); none under flash attention, and FlexAttention's block mask is not counted (``(S/128)^2``). A model that always builds its mask (``ModelDims.forced_mask_heads``: DeepSeek
+    dtype (``eager_mask``; GPT-Neo one for both of its kinds, and under Ulysses the method's whole-row mask per kind
+    besides, cached for the step); none under flash attention, and FlexAttention's block mask is not counted (``(S/128)^2``). A model that always builds its mask (``ModelDims.forced_mask_heads``: DeepSeek
     sparse attention's ``allow_is_causal_skip=False``; Falcon with ALiBi, whose bias is folded into a
     ``[B, heads, q, k]`` mask in the compute dtype) builds it on those paths whatever the kernel.
   - the halo kernel's per-block key masks (``TokenLayout.halo_plan``, cached for the step, one plan per window):
     each block of 256 queries against the keys it may see, ``n (block + W)`` bytes for a window ``W``; a full
     prefix (ALiBi) ``n (S + block) / 2`` (the blocks' last queries sit on average half-way along the row).
+* :func:`sdpa_mask_copy`: without CP, the float copy of a boolean mask SDPA makes per call and keeps per layer.
 * :func:`alibi_workspace`: one ALiBi layer on the halo kernel (:mod:`~automodel.distributed.cp.layers.alibi`, ring,
   thd, thd_docs, usp): its last query block scores every key of the row in exact math, ``[B, Hq, block, S]`` fp32
   three times (scores plus bias, the masked copy, the softmax), the block's K and V repeated to the query heads
@@ -39,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["HALO_BLOCK", "alibi_saved_per_layer", "alibi_workspace", "gathered_workspace", "mask_bytes",
-           "runs_halo_alibi"]  # fmt: skip
+           "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
 
 #: queries per block of the halo kernel (``masked_attention.DEFAULT_BLOCK``)
 HALO_BLOCK = 256
@@ -63,7 +65,11 @@ def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
     total = 0.0
     # ALiBi's own-code layers keep the model's attention implementation under every method (cp/layers/alibi.py
     # dispatches them; the methods leave the config as it is), so the model builds its mask from the rank's tokens
-    scope = "local" if r.cp == 1 or d.alibi_layers else r.method.mask_scope(r.packed)
+    # GPT-Neo's and the other own-code layers likewise (ModelDims.own_code_layers); Ulysses builds its global masks per
+    # kind for its inner kernel besides (below)
+    own = bool(getattr(d, "own_code_layers", 0)) and not d.alibi_layers
+    method_scope = r.method.mask_scope(r.packed) if r.cp > 1 else None
+    scope = "local" if r.cp == 1 or d.alibi_layers or own else method_scope
     if scope is not None:
         q = k = n if scope == "local" else s
         if scope == "local" and d.forced_mask_heads:
@@ -71,13 +77,20 @@ def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
             total += b * d.forced_mask_heads * q * k * size
             parts.append(f"the model's own [{b}, {d.forced_mask_heads}, {q}, {k}] mask (always built)")
         else:
-            for limit, _ in d.attention_kinds:
+            # GPT-Neo builds one mask for both of its kinds (its layers cut the window out of their own buffer)
+            kinds = ((0, d.layers),) if getattr(d, "single_mask", False) else d.attention_kinds
+            for limit, _ in kinds:
                 if eager:
                     total += b * q * k * c
                     parts.append(f"[{b}, 1, {q}, {k}] eager mask" + (f" (window {limit})" if limit else ""))
                 elif r.attn == "sdpa" and 0 < limit < k:  # flash: no mask; flex: a BlockMask, O((S / 128)^2)
                     total += b * q * k
                     parts.append(f"[{b}, 1, {q}, {k}] bool mask (window {limit})")
+    if own and method_scope == "global":  # the method's whole-row masks per kind, cached for the step (GPT-Neo, Ulysses)
+        for limit, _ in d.attention_kinds:
+            if eager or (r.attn == "sdpa" and 0 < limit < s):
+                total += b * s * s * (c if eager else 1)
+                parts.append(f"the method's [{b}, 1, {s}, {s}] mask" + (f" (window {limit})" if limit else ""))
     if r.cp > 1 and r.method.runs_halo_kernel():
         block = min(HALO_BLOCK, n)
         for limit, _ in d.attention_kinds:
@@ -88,6 +101,36 @@ def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
             total += n * (s + block) / 2
             parts.append("halo block masks (ALiBi, the full prefix)")
     return total, "; ".join(parts) if parts else "none built on this path"
+
+
+def sdpa_mask_copy(d: Any, r: Any) -> tuple[float, float]:
+    """``(per layer on average, the largest layer's)``: the float copy of a boolean mask that SDPA makes for each call
+    (``convert_boolean_attn_mask``, ``[B, 1, q, k]`` in the compute dtype) and keeps for its backward, bytes; 0 where no
+    boolean mask reaches SDPA. Without CP under ``sdpa``: the layers of a sliding-window or chunked kind shorter than
+    the row, or every layer of a model that always builds a boolean mask (``forced_mask_heads == 1``: Falcon without
+    ALiBi, DeepSeek sparse attention). Live-tensor snapshots of ``scripts/bench_memory.py --structures only``: a Gemma-3
+    -like model of 3 sliding layers of 4 holds three ``[1, 1, 2048, 2048]`` fp32 copies, Falcon one per layer. Under CP
+    Under CP where the method hands its inner SDPA the whole row's boolean mask per kind (Ulysses: ``mask_scope``
+    ``"global"``), the same per windowed layer at ``[B, 1, S, S]`` (``scripts/bench_plan_cases.py --cases
+    gemma3_ulysses``: planned -30% without it); ring drops the plain causal mask and runs windows on the halo kernel,
+    ALiBi and own-code layers are counted apart."""
+    if r.attn != "sdpa" or not d.heads:
+        return 0.0, 0.0
+    if r.cp > 1:
+        own = getattr(d, "own_code_layers", 0)
+        if d.alibi_layers or own or d.forced_mask_heads or r.method.mask_scope(r.packed) != "global":
+            return 0.0, 0.0
+        n = r.seq
+    else:
+        n = _row(r)
+    one = r.local_batch * n * n * r.compute_bytes
+    total = sum(count for _, count in d.attention_kinds)
+    if not total:
+        return 0.0, 0.0
+    if d.forced_mask_heads == 1:
+        return one, one
+    masked = sum(count for limit, count in d.attention_kinds if 0 < limit < n)
+    return one * masked / d.layers, one if masked else 0.0
 
 
 def alibi_workspace(d: Any, r: Any) -> float:

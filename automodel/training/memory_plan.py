@@ -86,7 +86,11 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   q, k, v and output the kernel saves are activations), ``/ G`` with ``distributed.ulysses_head_chunks=G``
   plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); at the
   attention's moments (forward and backward), not beside the MLP's. ``eager`` attention saves
-  its ``[heads, S_q, S_k]`` probabilities per layer (an S² term; shown under activations).
+  its ``[heads, S_q, S_k]`` probabilities per layer, the fp32 softmax and (2-byte compute) its cast (an S² term of
+  ``4 + c`` bytes per score; shown under activations), and holds two fp32 score tensors more at the layer's attention
+  (:func:`_eager_score_bytes`); layers in their own code (GPT-Neo) hand q, k, v to the CP method: none under CP.
+  Without CP, SDPA given a boolean mask keeps a float copy of it per layer
+  (:func:`.layer_kind_memory.sdpa_mask_copy`: sliding-window layers, Falcon).
 * attention masks (:func:`.layer_kind_memory.mask_bytes`): transformers' materialised masks where the method's
   path builds them (:meth:`automodel.distributed.cp.CPMethod.mask_scope`) and the halo kernel's per-block key
   masks, from the forward to the end of the backward (and under Ulysses, at an ALiBi layer's forward attention, the two
@@ -134,6 +138,7 @@ from automodel.training.layer_kind_memory import (
     alibi_workspace,
     gathered_workspace,
     mask_bytes,
+    sdpa_mask_copy,
 )
 
 __all__ = [
@@ -215,9 +220,25 @@ class ModelDims:
     forced_mask_heads: int = 0
     #: layers that add ALiBi's bias in their own code (BLOOM, MPT, Falcon with ``alibi=True``)
     alibi_layers: int = 0
+    #: layers that compute their attention in their own code (the ALiBi ones, GPT-Neo, GPT-NeoX-Japanese, OpenAI GPT,
+    #: XGLM): under CP they hand q, k, v to the method (``cp/layers/alibi.py``) and the model keeps its attention
+    #: implementation, so its mask is built from the rank's tokens
+    own_code_layers: int = 0
+    #: the model builds one mask for all its layers whatever their kinds (GPT-Neo: its layers cut their local window
+    #: out of their own buffer)
+    single_mask: bool = False
     #: gathered-state kernels' layers, ``(layers, GatheredState)`` per declaration
     #: (:mod:`automodel.distributed.cp.layers.gathered_state`: DeepSeek sparse attention's latent KV and indexer keys)
     gathered: tuple[tuple[int, Any], ...] = ()
+    #: the dense MLP: gated (``down(act(gate) * up)``, three matrices) or plain (``fc2(act(fc1))``, two: GPT-2,
+    #: GPT-NeoX, Falcon, Phi, BLOOM), read from the modules (:func:`automodel.training.mlp_memory.mlp_shape`)
+    mlp_gated: bool = True
+    #: a plain MLP's ``(saved, forward peak, backward peak)`` per token in ``[N, I]`` units, measured with its own
+    #: activation (:func:`automodel.training.mlp_memory.plain_mlp_moments`: GELU 2, 2, 3.1; the tanh formula 5, 5, 7.1)
+    mlp_moments: tuple[float, float, float] = (4.0, 3.0, 6.0)
+    #: bytes of the model's buffers of 1 MiB or more (GPT-Neo's ``[P, P]`` boolean causal or local-window mask in every
+    #: attention layer, ``P = max_position_embeddings``): whole on every rank, FSDP2 does not shard buffers
+    buffer_bytes: int = 0
 
     @property
     def matmul_params(self) -> int:
@@ -423,7 +444,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     """
     n, c = r.local_tokens, r.compute_bytes
     h, kv, i, q = d.hidden, d.kv_heads * d.head_dim, d.intermediate, d.heads * d.head_dim
-    repeated = 2 * q if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0
+    repeated = 2 * q * _repeated_kv_share(d, r)
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so the kernel's
     # output and LSE are not saved (automodel.distributed.cp.head_chunks); the local output the post part saves is
     # model.attention_head_chunks=G at cp 1 likewise (automodel.models.attention_head_chunks)
@@ -436,7 +457,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     mlp = _mlp_moments(d)
     stream = (2 * d.layer_norms + 1) * h + (2 * (h + kv) if d.qk_norm else 0)
     t = min(tile, n)
-    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + 3 * h * i) * c
+    mats = 2 if not d.experts and not d.mlp_gated else 3  # a plain MLP's two matrices
+    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + mats * h * i) * c
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
     # the input's and the attention output's gradients, dq, dk, dv (those three in the CP workspace where the method
@@ -451,9 +473,9 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     final = 3 * h * c
     always = 24 + rope
     s2 = 0.0
-    if r.attn == "eager":
+    if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads, r.seq, r.seq)
-        s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
+        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c)
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
         kept, kept_at_loss = (x * h * c for x in _kept_inputs(d, r))
@@ -501,6 +523,10 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     sharded = _tp_sharded_params(model)
     tp_unique = [p for p in unique if id(p) in sharded]
+    mlp = _mlp_fields(model, layers[0] if layers else None, c.hidden_size)
+    if "intermediate" in mlp and not isinstance(c.intermediate_size, (list, tuple)):
+        inter = mlp.pop("intermediate")  # the modules' width (GPT-2's n_inner, Falcon's ffn_hidden_size)
+    mlp.pop("intermediate", None)
     return ModelDims(
         layers=c.num_hidden_layers,
         hidden=c.hidden_size,
@@ -525,7 +551,25 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
         **_layer_kinds(model, c),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
+        **mlp,
     )
+
+
+def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
+    """The dense MLP's fields of :class:`ModelDims` (``intermediate``, ``mlp_gated``, ``mlp_moments``) from the first
+    decoder layer's modules (:func:`automodel.training.mlp_memory.mlp_shape`); empty when they are not read (no layer,
+    experts, a structure it does not know: the config's width and the gated count stay)."""
+    from automodel.training.mlp_memory import mlp_shape
+
+    if layer is None:
+        return {}
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape = mlp_shape(layer, hidden, text)
+    if shape is None:
+        return {}
+    return {"intermediate": shape.width, "mlp_gated": shape.gated, "mlp_moments": shape.moments}
 
 
 def _kept_inputs(d: ModelDims, r: RunShape) -> tuple[int, int]:
@@ -582,13 +626,15 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
         if state is not None:
             gathered[state] = gathered.get(state, 0) + 1
     alibi = sum(1 for layer in profile.layers if layer.alibi)
+    own = sum(1 for layer in profile.layers if layer.is_attention and getattr(layer, "own_code", False))
     heads = profile.num_attention_heads or 0
     forced = 0
     if any(layer.kind == SPARSE for layer in profile.layers):
         forced = 1
-    if profile.model_type == "falcon" and getattr(text, "alibi", False):
-        forced = heads
+    if profile.model_type == "falcon":  # allow_is_causal_skip=False with or without ALiBi: [B, 1, q, k] boolean without
+        forced = heads if getattr(text, "alibi", False) else 1
     return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
+            "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
@@ -678,6 +724,38 @@ class _Activations:
     note: str
 
 
+def _eager_score_bytes(c: int) -> int:
+    """Bytes per ``[heads, S_q, S_k]`` score that eager attention keeps for its backward: the softmax in fp32 (4; its
+    output is what the softmax's backward reads: transformers' ``softmax(..., dtype=torch.float32)``, GPT-Neo's fp32
+    scores) and, for a 2-byte compute dtype, its cast that the product with V saves (``c``); dropout at p 0 makes no
+    copy. Measured: ``scripts/bench_memory.py --structures only``'s GPT-Neo rows (fp32: one ``[1, 4, 2048, 2048]``
+    fp32 softmax output per layer; was planned as two in the compute dtype, the probabilities and a dropout copy)."""
+    return 4 + (c if c != 4 else 0)
+
+
+def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
+    """The share of the layers whose attention saves K and V repeated to the query heads (``2 q`` per token more).
+
+    Under CP the method says (:meth:`~automodel.distributed.cp.CPMethod.saves_repeated_kv`). Without CP (and without
+    head groups, whose checkpointed groups save none) the model's attention function does: ``eager`` always repeats
+    them (``repeat_kv`` before its matmuls); ``sdpa`` where transformers' ``use_gqa_in_sdpa`` cannot pass
+    ``enable_gqa``: a head size above 256 (every layer) or a mask given (the layers of a sliding-window or chunked kind
+    shorter than the row, or every layer of a model that always builds its mask). Measured:
+    ``scripts/bench_memory.py --structures only`` (4 heads / 1 KV head of 320)."""
+    if not d.heads or d.kv_heads >= d.heads:
+        return 0.0
+    if r.cp > 1:
+        return 1.0 if _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0.0
+    if r.head_chunks > 1 or r.attn not in ("sdpa", "eager") or d.kv_heads == 1:
+        return 0.0  # one KV head: transformers' repeat_kv is a view of it (expand, then a reshape that needs no copy)
+    from automodel.distributed.cp.ring.method import SDPA_GQA_MAX_HEAD_DIM
+
+    if r.attn == "eager" or d.head_dim > SDPA_GQA_MAX_HEAD_DIM or d.forced_mask_heads:
+        return 1.0
+    total = sum(n for _, n in d.attention_kinds)
+    return sum(n for limit, n in d.attention_kinds if 0 < limit < r.seq) / total if total else 0.0
+
+
 def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     """The activations at each moment of a step, bytes per rank on the device (:class:`_Activations`)."""
     layer_tile = _layer_tile(d, r)
@@ -687,7 +765,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
     # GQA: K/V repeated to all query heads are saved only where the method's CPU kernel is given them (torch's
     # ring through transformers' sdpa); the block kernels and torch's SDPA with enable_gqa keep the KV heads
-    repeated = 2 * d.heads * d.head_dim if d.kv_heads < d.heads and r.cp > 1 and _method(r).saves_repeated_kv(r.packed, d.head_dim) else 0
+    repeated = 2 * d.heads * d.head_dim * _repeated_kv_share(d, r)
     # the residual stream: each hidden-size norm saves its input's normalized copy and its output (2 h; Llama:
     # two norms, Gemma 3: four), and the residual (h); whole on every TP rank unless sequence parallel splits
     # it; then the attention and the MLP block each all-gather their input once, and their projections save
@@ -696,12 +774,15 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
     # per head, split over TP: q after RoPE, k and v, the repeated K/V, the attention output and its transposed
     # copy; per-head q/k norms (Qwen3, Gemma 3) save their input and normalized output (2 (h + kv))
-    qk = 2 * (h + kv) if d.qk_norm and d.heads else 0
+    # q = heads x head_dim: the query heads' width, which is the hidden size only where head_dim = h / heads (Gemma 2's
+    # 16 heads of 256 on 3584, the --structures row's 4 of 320 on 128: q, the output and its copy are [N, q])
+    q = d.heads * d.head_dim
+    qk = 2 * (q + kv) if d.qk_norm and d.heads else 0
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so neither the kernel's
     # output nor its LSE is saved (automodel.distributed.cp.head_chunks): the local q/k/v and the output projection's
     # input are (measured: scripts/bench_memory.py --headwise only, 4.25 MiB below one group at 4096 local tokens)
     grouped = r.head_chunks > 1 and r.cp > 1
-    attn = (h + repeated + 2 * kv + (1 if grouped else 2) * h + qk) / tp if d.heads else 0.0
+    attn = (q + repeated + 2 * kv + (1 if grouped else 2) * q + qk) / tp if d.heads else 0.0
     lse = 0.0 if grouped else d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
     tile = _mlp_tile(d, r)
     mlp = _mlp_moments(d)
@@ -713,9 +794,12 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # term counts the layer's gradient as its FSDP2 shard (1 / fsdp of it), but the sum is whole until the
     # layer's reduce-scatter: 3 h I / tp (1 - 1 / fsdp) more (a snapshot of scripts/bench_plan_cases.py's tiled
     # case at fsdp 2 holds both copies whole; scripts/bench_memory.py's wide rows run at fsdp 1)
-    unsharded_sum = 3 * h * i / tp * (1 - 1 / r.fsdp)
-    tile_bytes = (6 * tile * i / tp + 3 * h * i / tp + unsharded_sum) * c if tile else 0.0
-    tile_fwd = 3 * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
+    # a plain MLP (fc1 -> act -> fc2): two weight matrices, its activation's measured moments (ModelDims.mlp_moments)
+    plain = not d.experts and not d.mlp_gated
+    mats, (_, tile_f, tile_b) = (2, d.mlp_moments) if plain else (3, (4.0, 3.0, 6.0))
+    unsharded_sum = mats * h * i / tp * (1 - 1 / r.fsdp)
+    tile_bytes = (tile_b * tile * i / tp + mats * h * i / tp + unsharded_sum) * c if tile else 0.0
+    tile_fwd = tile_f * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
     # at the layer's attention (its forward; its backward, the MLP's and the post-attention norm's backward done) the
@@ -739,16 +823,24 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     rope = 2 * d.head_dim * c if d.heads else 0
     final = 3 * h * c / s + (h * c if gathered else 0)  # freed once backward has passed the final norm
     always = 24 + rope
-    s2 = building = 0.0
+    s2 = building = in_flight = 0.0
     if d.alibi_layers and r.cp > 1:
         # ALiBi layers hand q, k, v to the method (cp/layers/alibi.py): the halo kernel recomputes its blocks (no
         # S^2 saved: layer_kind_memory.alibi_workspace); Ulysses saves the bias mask SDPA is given, and its forward
         # holds two boolean [B, S, S] masks while it builds it
         s2 = alibi_saved_per_layer(d, r)
         building = alibi_mask_build(d, r)
-    elif r.attn == "eager":  # probabilities and their pre-dropout copy, [heads, S_q, S_k] per layer
+    elif r.attn == "eager" and not (d.own_code_layers and r.cp > 1):  # own-code layers hand q, k, v to the method
+        # the fp32 probabilities and their cast to the compute dtype, [heads, S_q, S_k] per layer (_eager_score_bytes)
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
-        s2 = 2 * r.local_batch * heads_local * s_q * s_k * c
+        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c)
+        # at the layer's attention (its forward, its backward) two more fp32 score tensors are in flight: the scores
+        # and their masked copy, the probabilities' gradient and the scores' (the GPT-Neo snapshots: three at once)
+        in_flight = r.local_batch * heads_local * s_q * s_k * 8
+        building += in_flight
+    # SDPA given a boolean mask keeps a float copy of it per layer for its backward (layer_kind_memory.sdpa_mask_copy):
+    # the layers' average in what they keep, the largest for the layer in flight
+    copy_avg, copy_max = sdpa_mask_copy(d, r)
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
@@ -757,23 +849,23 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building
+        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
-        bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
-        bwd_a = n * (kept + always + body_attn + grads) + s2
+        bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
+        bwd_a = n * (kept + always + body_attn + grads) + s2 + copy_max + in_flight
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
-    before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * s2  # the layers before the last
-    saved = n * (d.layers * layer + embed + final + always) + d.layers * s2 + tile_bytes
-    fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd
-    fwd_a = before + n * body_attn + s2 + building
+    before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * (s2 + copy_avg)  # the layers before the last
+    saved = n * (d.layers * layer + embed + final + always) + d.layers * (s2 + copy_avg) + tile_bytes
+    fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max
+    fwd_a = before + n * body_attn + s2 + building + copy_max
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
-    bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes
-    bwd_a = before + n * (body_attn + grads) + s2
+    bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
+    bwd_a = before + n * (body_attn + grads) + s2 + copy_max + in_flight
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
@@ -812,6 +904,9 @@ def _mlp_moments(d: ModelDims) -> _MLPMoments:
     """
     if not d.experts:
         i = d.intermediate
+        if not d.mlp_gated:  # fc1 -> act -> fc2: what its activation saves and holds, measured (ModelDims.mlp_moments)
+            saved, forward, backward = d.mlp_moments
+            return _MLPMoments(saved * i, forward * i, backward * i, 0.0)
         return _MLPMoments(4 * i, 3 * i, 6 * i, 0.0)
     k, ie, sh, h = d.top_k, d.expert_intermediate, d.shared_intermediate, d.hidden
     saved = k * (2 * h + 4 * ie) + 4 * sh
@@ -960,6 +1055,8 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         MemoryTerm("optimizer states", on_device_states,
                    "AdamW exp_avg, exp_avg_sq" if r.offload is False else f"on the host (fsdp.offload={r.offload})"),
     ]  # fmt: skip
+    if d.buffer_bytes:  # GPT-Neo's per-layer [P, P] masks: whole on every rank (FSDP2 does not shard buffers)
+        persistent.append(MemoryTerm("buffers", float(d.buffer_bytes), "the model's buffers of 1 MiB or more, whole"))
     grads, grads_note = _gradient_bytes(d, r)
     acts = _activation_terms(d, r)
     attn, attn_bwd, attn_note = _attention_workspace(d, r)

@@ -1,0 +1,180 @@
+"""The memory planner's view of a dense MLP: gated (``down(act(gate) * up)``) or plain (``fc2(act(fc1))``), its width
+and what its activation saves, read from a decoder layer's modules.
+
+A gated MLP (Llama, Qwen, Mistral: three matrices, or a fused gate/up of twice the width, Phi-3) saves gate, up,
+``act(gate)`` and the product, ``4 I`` per token (:func:`automodel.training.memory_plan._mlp_moments`). A plain MLP
+(GPT-2, GPT-NeoX, Falcon, Phi, BLOOM, GPT-Neo: two matrices, ``h -> I -> h``) saves what its activation saves for its
+backward plus the activation's output (the second matrix's input): ``2 I`` for a one-kernel GELU, ``1 I`` for ReLU,
+``5 I`` for the tanh formula written out in Python (transformers' ``gelu_new``: each of its ops saves an
+``[N, I]`` tensor). The activation is measured, not looked up: :func:`plain_mlp_moments` runs ``fc1 -> act -> fc2``
+of width 256 on 64 CPU tokens with the model's own activation module (a copy) and counts the bytes of the
+storages alive at the end of the forward (saved), at its peak and at the backward's peak, in ``[N, I]`` units
+(:class:`_LiveBytes`, a dispatch mode as ``scripts/live_tensors.py``'s tracker). A fraction of a millisecond.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["MLPShape", "mlp_shape", "plain_mlp_moments"]
+
+#: the names transformers' decoder layers give their MLP
+_MLP_NAMES = ("mlp", "feed_forward", "ffn", "feedforward", "mlp_block")
+
+
+@dataclass(frozen=True)
+class MLPShape:
+    """A dense MLP as the planner counts it: ``gated``, its ``width`` (``I``) and, for a plain one, its moments in
+    ``[N, I]`` units per token: ``(saved, forward peak, backward peak)`` (:func:`plain_mlp_moments`)."""
+
+    gated: bool
+    width: int
+    moments: tuple[float, float, float] = (4.0, 3.0, 6.0)
+
+
+def _matrix(module: torch.nn.Module) -> tuple[int, int] | None:
+    """``(in, out)`` of a linear map (``nn.Linear``, or transformers' ``Conv1D``, whose weight is ``[in, out]``)."""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return None
+    if isinstance(module, torch.nn.Linear):
+        return int(weight.shape[1]), int(weight.shape[0])
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def _activation(mlp: torch.nn.Module, config: Any) -> torch.nn.Module | None:  # noqa: ANN401
+    """The MLP's activation module: its parameterless child that is not a matrix, a dropout or a norm; else the
+    config's ``hidden_act`` / ``activation_function`` (transformers' ``ACT2FN``); ``None``: not found."""
+    for _, child in mlp.named_children():
+        kind = type(child).__name__.lower()
+        if _matrix(child) is None and not isinstance(child, torch.nn.Dropout) and "norm" not in kind:
+            if not any(True for _ in child.parameters()) and not list(child.children()):
+                return child
+    name = next((getattr(config, k) for k in ("hidden_act", "activation_function")
+                 if isinstance(getattr(config, k, None), str)), None)  # fmt: skip
+    if name is None:
+        return None
+    from transformers.activations import ACT2FN
+
+    try:
+        return ACT2FN[name]
+    except KeyError:
+        return None
+
+
+def mlp_shape(layer: torch.nn.Module, hidden: int, config: Any = None) -> MLPShape | None:  # noqa: ANN401
+    """The dense MLP of a decoder ``layer`` (meta tensors are fine: only shapes are read), or ``None`` when the layer
+    has no child named as an MLP (``mlp``, ``feed_forward``, ...) with the matrices of one: the planner then keeps
+    the config's width and the gated count (the larger). ``config``: the model's text config (its activation name,
+    where the MLP applies it as a function)."""
+    mlp = next((getattr(layer, n) for n in _MLP_NAMES if isinstance(getattr(layer, n, None), torch.nn.Module)), None)
+    if mlp is None:
+        return None
+    mats = [m for m in (_matrix(x) for x in mlp.children()) if m is not None]
+    ups = [m for m in mats if m[0] == hidden and m[1] != hidden]
+    downs = [m for m in mats if m[1] == hidden and m[0] != hidden]
+    if len(downs) != 1 or len(mats) != len(ups) + 1:
+        return None  # experts, a nested block, or a width equal to the hidden size: not read
+    width = downs[0][0]
+    if len(ups) == 2 and all(u[1] == width for u in ups):
+        return MLPShape(True, width)
+    if len(ups) == 1 and ups[0][1] == 2 * width:  # gate and up fused (Phi-3's gate_up_proj)
+        return MLPShape(True, width)
+    if len(ups) == 1 and ups[0][1] == width:
+        act = _activation(mlp, config)
+        if act is None:
+            return None
+        moments = plain_mlp_moments(act)
+        return MLPShape(False, width, moments) if moments is not None else None
+    return None
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages ops create while active and that are still alive (``current``), and the most
+    at once since ``peak`` was last set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self._live: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._live.discard(key)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._live and storage.nbytes():
+                    self._live.add(key)
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
+def plain_mlp_moments(act: torch.nn.Module) -> tuple[float, float, float] | None:
+    """``(saved, forward, backward)`` of ``fc2(act(fc1(x)))`` per token in ``[N, I]`` units, measured on 64 CPU
+    tokens, width 256, hidden 1 (the ``[N, h]`` tensors are then below 0.5% of a unit), fp32: what is alive when the
+    forward has returned less its output, the forward's peak, the backward's peak (the saved tensors, the gradients
+    flowing back). A copy of ``act`` runs (on the CPU; its parameters, if any, uninitialised); ``None`` when it
+    cannot run there."""
+    return _moments_of(type(act), _state_key(act), act)
+
+
+def _state_key(act: torch.nn.Module) -> tuple:
+    return tuple(sorted((k, v) for k, v in vars(act).items() if isinstance(v, (int, float, str, bool))))
+
+
+def _moments_of(cls: type, key: tuple, act: torch.nn.Module) -> tuple[float, float, float] | None:
+    cached = _CACHE.get((cls, key))
+    if cached is not None or (cls, key) in _CACHE:
+        return cached
+    n, width = 64, 256
+    _CACHE[(cls, key)] = None  # until measured (an activation that cannot run keeps the gated count)
+    try:
+        probe = copy.deepcopy(act)
+        if any(p.is_meta for p in probe.parameters()):
+            probe = probe.to_empty(device="cpu")
+        # on the CPU with autograd on, whatever the caller's context (a meta-device block, no_grad)
+        with torch.device("cpu"), torch.enable_grad():
+            _CACHE[(cls, key)] = _measure(probe, n, width)
+    except Exception:  # noqa: BLE001 - an activation that cannot run on the CPU probe: the gated count stays
+        pass
+    return _CACHE[(cls, key)]
+
+
+def _measure(probe: torch.nn.Module, n: int, width: int) -> tuple[float, float, float]:
+    """The probe itself; draws nothing from torch's random generator (the caller's stream stays as it was)."""
+    fc1 = torch.nn.utils.skip_init(torch.nn.Linear, 1, width)
+    fc2 = torch.nn.utils.skip_init(torch.nn.Linear, width, 1)
+    with torch.no_grad():
+        fc1.weight.copy_(torch.linspace(-3.0, 3.0, width)[:, None])
+        fc1.bias.zero_()
+        fc2.weight.fill_(1.0 / width)
+        fc2.bias.zero_()
+    x = torch.linspace(-1.0, 1.0, n)[:, None].requires_grad_()
+    mode = _LiveBytes()
+    with mode:
+        y = fc2(probe(fc1(x)))
+        saved = mode.current - y.untyped_storage().nbytes()
+        forward = mode.peak
+        mode.peak = mode.current
+        y.backward(torch.ones_like(y))
+        backward = mode.peak
+    unit = n * width * 4
+    return round(saved / unit, 1), round(forward / unit, 1), round(backward / unit, 1)
+
+
+_CACHE: dict[tuple, tuple[float, float, float] | None] = {}
