@@ -30,6 +30,7 @@ import torch
 
 from automodel.training.activation_offload import (
     HostBufferPool,
+    HostCopier,
     OffloadStore,
     StreamCopier,
     apply_activation_offload,
@@ -162,6 +163,15 @@ def test_tensors_of_another_device_stay_where_they_are():
     store = OffloadStore(StreamCopier(api=object()))  # a CUDA copier: a host tensor is not its to move
     t = torch.ones(3)
     assert store.pack(t) is t and store.unpack(t) is t
+    assert store.stats().kept == 1 and store.stats().packed == 0
+
+
+def test_an_empty_saved_tensor_stays_where_it_is():
+    # torch 2.11's non-reentrant checkpoint saves a [0] placeholder beside the layer's inputs: moving it
+    # would count a second "layer input" per layer (and the trainer would report the layers as offloaded)
+    store = OffloadStore(HostCopier())
+    empty = torch.empty(0, requires_grad=True)
+    assert store.pack(empty) is empty and store.unpack(empty) is empty
     assert store.stats().kept == 1 and store.stats().packed == 0
 
 

@@ -267,7 +267,7 @@ class ActivationOffloadStats:
     """What the store did. Bytes are of the saved tensors (device side) or of host buffers."""
 
     packed: int = 0  # tensors moved to the host
-    kept: int = 0  # saved tensors left where they were (parameters, non-contiguous views, other devices)
+    kept: int = 0  # saved tensors left where they were (parameters, non-contiguous views, other devices, empty)
     unpacked: int = 0
     prefetched: int = 0  # unpacks served by a prefetch issued at the layer after
     offloaded_bytes: int = 0  # bytes moved to the host, all micro-batches
@@ -331,7 +331,8 @@ class OffloadStore:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Save hook: ``tensor`` copied into a host buffer; returns the handle autograd keeps (or ``tensor``
-        itself when it is not moved: a parameter, a non-contiguous tensor, a tensor on another device)."""
+        itself when it is not moved: a parameter, a non-contiguous tensor, a tensor on another device, an empty
+        tensor)."""
         local, spec = tensor, None
         if _is_dtensor(tensor):
             local = tensor._local_tensor
@@ -344,6 +345,7 @@ class OffloadStore:
             or type(local) is not torch.Tensor
             or not local.is_contiguous()
             or local.device.type != self.copier.device_type  # e.g. a host tensor of a CUDA model
+            or local.numel() == 0  # torch 2.11's checkpoint saves an empty placeholder beside the inputs
         ):
             self.counts.kept += 1
             return tensor
