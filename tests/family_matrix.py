@@ -60,12 +60,14 @@ __all__ = [
     "WINDOW",
     "Family",
     "absent_reason",
+    "assert_falcon_refused",
     "case_family",
     "columns",
     "falcon_refused",
     "family_by_name",
     "installed_cases",
     "skip_if_absent",
+    "skip_unless_pinned_transformers",
 ]
 
 
@@ -697,6 +699,46 @@ def falcon_refused() -> str | None:
     if Version(transformers.__version__) >= Version("5.25"):
         return None
     return f"transformers {transformers.__version__}'s FalconAttention computes its own attention: refused"
+
+
+def assert_falcon_refused(method: str, config: dict[str, Any] | None = None) -> None:
+    """Where :func:`falcon_refused`: ``method`` refuses the ``falcon`` row's tiny model (``config`` set on it, e.g.
+    ``{"alibi": True}``) with the reason, naming its own attention code (what a launch that leaves Falcon out on
+    that release checks in its place)."""
+    import pytest
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from automodel.distributed.cp import check_model_for_cp, profile_model
+    from automodel.errors import CPUnsupportedError
+
+    assert falcon_refused(), "transformers >= 5.25 computes Falcon under every method: run it"
+    fam = family_by_name("falcon")
+    built = fam.build_config()
+    for key, value in (config or {}).items():
+        setattr(built, key, value)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(built, attn_implementation=fam.attn_implementation())
+    with pytest.raises(CPUnsupportedError, match=rf"cp_method={method} does not compute FalconForCausalLM .*"
+                                                 r"FalconAttention, which computes its own attention"):
+        check_model_for_cp(method, profile_model(model), seq_len=SEQ)
+
+
+def skip_unless_pinned_transformers(what: str) -> None:
+    """``pytest.skip`` where the installed transformers is not ``constraints.txt``'s (CI's release, the one
+    docs/support_matrix.md and docs/choosing.md are generated on): ``what`` (a generated page) lists the families and
+    verdicts of that release, which an older one (5.17: fewer families, Falcon refused) does not reproduce."""
+    import pathlib
+
+    import transformers
+
+    pins = (pathlib.Path(__file__).resolve().parents[1] / "constraints.txt").read_text()
+    pinned = re.search(r"^transformers==(\S+)$", pins, re.M).group(1)
+    if transformers.__version__ != pinned:
+        import pytest
+
+        pytest.skip(f"{what} is generated on transformers {pinned} (constraints.txt); the installed "
+                    f"{transformers.__version__} has other families and verdicts")
 
 
 def skip_if_absent(name: str) -> None:
