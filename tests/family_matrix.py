@@ -59,8 +59,15 @@ __all__ = [
     "VOCAB",
     "WINDOW",
     "Family",
+    "absent_reason",
+    "assert_falcon_refused",
+    "case_family",
     "columns",
+    "falcon_refused",
     "family_by_name",
+    "installed_cases",
+    "skip_if_absent",
+    "skip_unless_pinned_transformers",
 ]
 
 
@@ -127,14 +134,18 @@ class Family:
 
     def attn_implementation(self) -> str:
         """``attn``, except that an entry written for ``sdpa`` runs ``eager`` where the installed transformers has no
-        SDPA path for the model yet (gptj and codegen before 5.18), as a user of that release trains it."""
+        exact SDPA path for the model (gptj and codegen before 5.18 have none; Doge before 5.25 skips its causal
+        mask under SDPA: ``torch_internals.sdpa_problem``, which the recipe refuses), as a user of that release
+        trains it."""
         if self.attn != "sdpa":
             return self.attn
         from transformers import AutoModelForCausalLM
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+        from automodel.distributed.torch_internals import sdpa_problem
+
         model_class = AutoModelForCausalLM._model_mapping.get(CONFIG_MAPPING[self.model_type], None)
-        return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", True) else "eager"
+        return "sdpa" if model_class is None or sdpa_problem(model_class) is None else "eager"
 
     def target_pattern(self) -> list[str] | None:
         """The layer types this row's config must have, in order (``None``: the config lists none): ``pattern``,
@@ -476,7 +487,7 @@ FAMILIES: list[Family] = [
     Family("recurrent_gemma", "recurrent_gemma", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                                       num_attention_heads=4,
                                                       num_key_value_heads=2, tie_word_embeddings=False),
-           "rglru+sliding"),
+           "rglru+sliding", layers=3),  # 5.17's config has no layer_types (its block_types cycle): 3 hold both kinds
     Family("mamba", "mamba", dict(vocab_size=VOCAB, hidden_size=64, state_size=8,
                                   use_mambapy=True, tie_word_embeddings=False), "mamba", attn="eager"),
     Family("mamba2", "mamba2", dict(vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16,
@@ -643,6 +654,100 @@ def _for_installed_transformers(families: list[Family]) -> tuple[list[Family], d
 
 
 FAMILIES, ABSENT = _for_installed_transformers(FAMILIES)
+
+
+def absent_reason(name: str) -> str | None:
+    """Why the installed transformers cannot build ``name`` (a row's name, ``<row>@<variant>``, or a ``model_type``),
+    e.g. ``"lfm3: absent in transformers 5.17.0"``; ``None`` where it can. Tests that name families run only these
+    (:func:`installed_cases`, :func:`skip_if_absent`): on the release CI runs every family is present
+    (``tests/test_family_matrix.py`` checks), so nothing is left out there."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    base = name.split("@")[0]
+    model_type = next((f.model_type for f in FAMILIES if f.name == base), base)
+    if base in ABSENT or model_type not in CONFIG_MAPPING_NAMES:
+        return f"{name}: absent in transformers {transformers.__version__}"
+    if name == "qwen4_exp_text@qsa" and "indexed_attention" not in default_config("qwen4_exp_text").layer_types:
+        return (f"{name}: absent in transformers {transformers.__version__} (Qwen4-Exp's sparse layers are "
+                f"{sorted(set(default_config('qwen4_exp_text').layer_types) - {'linear_attention'})} there, an "
+                "earlier form every CP method refuses as unrecognised: tests/test_sparse_attention.py)")
+    return None
+
+
+def case_family(case_name: str) -> str:
+    """The row (``<row>[@<variant>]``) a launch's case is named for: ``"qwen4_exp_text@qsa/thd/float64"`` ->
+    ``"qwen4_exp_text@qsa"``."""
+    return case_name.split("/")[0]
+
+
+def installed_cases(cases: dict[str, dict]) -> dict[str, dict]:
+    """The cases of a launch (named ``<row>[@<variant>]/...``) whose row the installed transformers has
+    (:func:`absent_reason`): one absent family must not fail the whole launch; its test skips with the reason
+    (:func:`skip_if_absent`)."""
+    return {name: case for name, case in cases.items() if absent_reason(case_family(name)) is None}
+
+
+def falcon_refused() -> str | None:
+    """Why every CP method refuses Falcon on the installed transformers, or ``None`` where it computes it exactly:
+    before 5.25 ``FalconAttention`` computes its scores, mask and SDPA in its own code (docs/compat.md), which no
+    method reproduces; 5.25 hands q, k, v to ``AttentionInterface``. Tests that run Falcon under a method expect the
+    refusal there instead."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) >= Version("5.25"):
+        return None
+    return f"transformers {transformers.__version__}'s FalconAttention computes its own attention: refused"
+
+
+def assert_falcon_refused(method: str, config: dict[str, Any] | None = None) -> None:
+    """Where :func:`falcon_refused`: ``method`` refuses the ``falcon`` row's tiny model (``config`` set on it, e.g.
+    ``{"alibi": True}``) with the reason, naming its own attention code (what a launch that leaves Falcon out on
+    that release checks in its place)."""
+    import pytest
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from automodel.distributed.cp import check_model_for_cp, profile_model
+    from automodel.errors import CPUnsupportedError
+
+    assert falcon_refused(), "transformers >= 5.25 computes Falcon under every method: run it"
+    fam = family_by_name("falcon")
+    built = fam.build_config()
+    for key, value in (config or {}).items():
+        setattr(built, key, value)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(built, attn_implementation=fam.attn_implementation())
+    with pytest.raises(CPUnsupportedError, match=rf"cp_method={method} does not compute FalconForCausalLM .*"
+                                                 r"FalconAttention, which computes its own attention"):
+        check_model_for_cp(method, profile_model(model), seq_len=SEQ)
+
+
+def skip_unless_pinned_transformers(what: str) -> None:
+    """``pytest.skip`` where the installed transformers is not ``constraints.txt``'s (CI's release, the one
+    docs/support_matrix.md and docs/choosing.md are generated on): ``what`` (a generated page) lists the families and
+    verdicts of that release, which an older one (5.17: fewer families, Falcon refused) does not reproduce."""
+    import pathlib
+
+    import transformers
+
+    pins = (pathlib.Path(__file__).resolve().parents[1] / "constraints.txt").read_text()
+    pinned = re.search(r"^transformers==(\S+)$", pins, re.M).group(1)
+    if transformers.__version__ != pinned:
+        import pytest
+
+        pytest.skip(f"{what} is generated on transformers {pinned} (constraints.txt); the installed "
+                    f"{transformers.__version__} has other families and verdicts")
+
+
+def skip_if_absent(name: str) -> None:
+    """``pytest.skip`` with :func:`absent_reason`'s reason where the installed transformers lacks ``name``."""
+    why = absent_reason(name)
+    if why is not None:
+        import pytest
+
+        pytest.skip(why)
 
 
 def family_by_name(name: str) -> Family:

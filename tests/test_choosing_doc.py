@@ -20,6 +20,9 @@ from scripts.choosing_table import (
 
 @pytest.fixture(scope="module")
 def chooser():
+    from tests.family_matrix import skip_unless_pinned_transformers
+
+    skip_unless_pinned_transformers("docs/choosing.md (from docs/support_matrix.md)")
     return compute()  # raises when a cell calls exact what the matrix does not, or a family fits no row
 
 

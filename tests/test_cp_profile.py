@@ -40,6 +40,14 @@ def _gemma2(**kw):
     return _meta("gemma2", attn_implementation="eager", sliding_window=16, head_dim=16, **kw)
 
 
+def _doge(**kw):
+    """Doge as the recipe builds it: sdpa where transformers masks its attention causally (5.25), eager where its SDPA
+    skips the causal mask (5.17 .. 5.24: the recipe refuses sdpa there; torch_internals.sdpa_problem)."""
+    from tests.family_matrix import family_by_name
+
+    return _meta("doge", attn_implementation=family_by_name("doge").attn_implementation(), **kw)
+
+
 def test_profile_reads_each_layer_kind_from_the_modules():
     gemma2 = profile_model(_gemma2(num_hidden_layers=4))
     assert [layer.kind for layer in gemma2.layers] == [SLIDING, FULL, SLIDING, FULL]
@@ -177,9 +185,9 @@ def test_profile_line_counts_the_layer_kinds_in_order_and_names_the_heads():
     assert "1 layers: full attention x1; MLA;" in mla
     mamba = profile_line(profile_model(_meta("mamba", num_hidden_layers=2, state_size=4, expand=2)))
     assert "2 layers: MambaMixer x2; no attention heads;" in mamba
-    doge = profile_line(profile_model(_meta("doge", num_hidden_layers=2, head_dim=16)))
+    doge = profile_line(profile_model(_doge(num_hidden_layers=2, head_dim=16)))
     assert "2 layers: dynamic mask attention (Doge) x2;" in doge
-    doge_moe = profile_line(profile_model(_meta("doge", num_hidden_layers=2, head_dim=16, is_moe=True, num_experts=16)))
+    doge_moe = profile_line(profile_model(_doge(num_hidden_layers=2, head_dim=16, is_moe=True, num_experts=16)))
     assert "2 layers: DogeCDMoE (no CP kernel) x2;" in doge_moe
 
 
@@ -266,7 +274,7 @@ def test_a_block_the_config_calls_mlp_must_prove_it_mixes_no_tokens(block, named
 
 
 def test_a_known_token_mixing_block_names_its_module_path():
-    doge = profile_model(_meta("doge", num_hidden_layers=2, head_dim=16, is_moe=True, num_experts=16))
+    doge = profile_model(_doge(num_hidden_layers=2, head_dim=16, is_moe=True, num_experts=16))
     assert [layer.module_path for layer in doge.layers] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     # one reason for the stack (the index as <i>), so that a 60-layer model's refusal is one line
     with pytest.raises(CPUnsupportedError, match=r"layers 0-1: DogeCDMoE: Doge's cross-domain mixture of experts .* "
@@ -280,13 +288,58 @@ def test_doge_dynamic_mask_attention_is_sparse_attention_every_method_runs():
     from the model and from its config alone, and every built-in method runs it."""
     from tests.family_matrix import family_by_name
 
-    config = family_by_name("doge").build_config()
+    fam = family_by_name("doge")
+    config = fam.build_config()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    for profile in (profile_model(model), profile_model(config)):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation())
+    for profile in (profile_model(model), profile_model(model.config)):
         assert all(layer.kind == "sparse_attention" and layer.mixer == "DogeAttention" for layer in profile.layers)
         assert profile.layers[0].sparse_widths == (2 * 2 * 16, 0)  # K and V: 2 KV heads of 16
         assert sorted(methods_that_run(profile, 64)) == sorted(cp_methods())
+
+
+def test_doge_sdpa_is_refused_exactly_where_transformers_leaves_it_unmasked():
+    """transformers 5.17 .. 5.24's Doge skips its causal mask under SDPA: one process then lets a token see later
+    tokens of its row (measured here: a change of the last token moves earlier logits). Where that happens, SDPA is
+    refused by the recipe at any cp size and by every CP method, naming eager; where the logits are causal (5.25, and
+    eager everywhere), nothing is refused."""
+    from automodel.distributed.torch_internals import doge_skips_causal_mask, sdpa_problem
+    from automodel.models.loader import check_attn_supported
+    from tests.family_matrix import family_by_name
+
+    config = family_by_name("doge").build_config()
+    leaks = {}
+    for attn in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).double().eval()
+        for module in model.modules():
+            if type(module).__name__ == "DogeAttention":  # A = 0 at init: every bias 1, which hides the leak
+                module.A.data = torch.randn(module.A.shape, dtype=torch.float64)
+        x = torch.randint(3, 100, (1, 32), generator=torch.Generator().manual_seed(0))
+        y = x.clone()
+        y[0, -1] = 3 if x[0, -1] != 3 else 4
+        with torch.no_grad():
+            a, b = (model(input_ids=ids, use_cache=False).logits[0, :-1] for ids in (x, y))
+        leaks[attn] = float((a - b).abs().max()) > 1e-6
+    assert not leaks["eager"]
+    assert doge_skips_causal_mask() == leaks["sdpa"]
+    cls = type(model)
+    if not leaks["sdpa"]:  # transformers >= 5.25
+        assert sdpa_problem(cls, config) is None and family_by_name("doge").attn_implementation() == "sdpa"
+        check_attn_supported(config, "sdpa")
+        return
+    assert "skips its causal mask under SDPA" in sdpa_problem(cls, config)
+    assert family_by_name("doge").attn_implementation() == "eager"
+    with pytest.raises(UserInputError, match=r"DogeForCausalLM cannot run attn_implementation='sdpa'; set "
+                       r"model\.attn_implementation=eager: transformers .*'s Doge skips its causal mask"):  # fmt: skip
+        check_attn_supported(config, "sdpa")  # no CP (cp_size 1) as well
+    with torch.device("meta"):
+        profile = profile_model(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+    assert methods_that_run(profile, 64) == []
+    for method in cp_methods():
+        with pytest.raises(CPUnsupportedError, match=r"DogeAttention with attn_implementation=sdpa on transformers .*"
+                                                     r"use attn_implementation=eager"):
+            check_model_for_cp(method, profile, seq_len=64)
 
 
 #: issue 43: attention layers whose computation is known and which no CP method computes yet, each refused by every
@@ -307,14 +360,15 @@ def test_known_attention_without_a_cp_kernel_is_refused_by_every_method_with_its
     from tests.family_matrix import family_by_name
 
     what, why = KNOWN_GAPS[name]
-    config = family_by_name(name.removesuffix("_alibi").removesuffix("_moe")).build_config()
+    fam = family_by_name(name.removesuffix("_alibi").removesuffix("_moe"))
+    config = fam.build_config()
     if name == "falcon_alibi":
         config.alibi = True
     if name == "doge_moe":
         config.is_moe, config.num_experts = True, 16
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    for profile in (profile_model(model), profile_model(config)):  # the model, and its config alone (before loading)
+    with torch.device("meta"):  # the attention the recipe builds (Doge: eager where its SDPA is unmasked, refused)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation())
+    for profile in (profile_model(model), profile_model(model.config)):  # the model, and its config alone (before loading)
         assert all(layer.kind == UNKNOWN and layer.known_gap for layer in profile.layers), profile.layers
         assert methods_that_run(profile, 64) == []
         for method in cp_methods():

@@ -103,7 +103,9 @@ def test_a_method_without_a_dsa_kernel_and_an_unknown_indexed_class_are_refused(
 
 def test_dots3_runs_the_kernel_on_its_indexed_layers_only():
     from automodel.distributed.cp.profile import SLIDING
+    from tests.family_matrix import skip_if_absent
 
+    skip_if_absent("dots3_note_text")
     fam = family_by_name("dots3_note_text")
     model = fam.build_model(0)
     profile = profile_model(model)
@@ -321,7 +323,8 @@ def test_doge_packed_row_in_one_process_equals_each_document_alone_fp64(random_a
     """Doge's kernel (cp/layers/dynamic_mask.py) on one rank: a packed row of documents longer than keep_window_size
     (8) equals each document alone, loss and every gradient in fp64 (its RMSNorms in fp64); transformers' own forward
     on the packed row does not (its top-k row is the whole row, so ties among equal biases, as equal token ids give
-    in the first layer, resolve otherwise than in the document alone)."""
+    in the first layer, resolve otherwise than in the document alone). Eager Doge (transformers < 5.25, whose SDPA is
+    refused) runs its reference softmax in fp64 too (exact_norms.DOGE_EAGER)."""
     from tests.family_matrix import VOCAB
     from tests.workers.exact_norms import norms_in_input_dtype
     from tests.workers.layer_kinds_worker import build_case_model
@@ -377,14 +380,39 @@ def test_doge_top_k_keeps_the_largest_biases_of_the_document_only():
 # ------------------------------------------------------------------ Qwen4-Exp's QSA (query-sparse attention)
 
 def _needs(family: str) -> None:
-    """Skip where the installed transformers has no ``family`` or calls its sparse layers otherwise (Qwen4-Exp's are
-    ``qwen_sparse_attention`` in 5.17, a layer type the profile refuses; Kolibri-1.1: transformers >= 5.25)."""
-    from tests.family_matrix import FAMILIES
+    """Skip, naming the release, where the installed transformers has no ``family`` or calls its sparse layers
+    otherwise (Qwen4-Exp's are ``qwen_sparse_attention`` in 5.17: refused, see the test below; Kolibri-1.1: >= 5.25)."""
+    from tests.family_matrix import skip_if_absent
 
-    if family not in {f.name for f in FAMILIES}:
-        pytest.skip(f"{family} is not in the installed transformers")
-    if "indexed_attention" not in family_by_name(family).build_config().layer_types:
-        pytest.skip(f"{family}'s sparse layers are not indexed_attention in the installed transformers")
+    skip_if_absent(family if family != "qwen4_exp_text" else "qwen4_exp_text@qsa")
+
+
+def test_qwen4_exp_sparse_layers_of_an_earlier_form_are_refused_by_every_method():
+    """Where the installed Qwen4-Exp's sparse layers are not ``indexed_attention`` (5.17: ``qwen_sparse_attention``,
+    whose class hands its indexer another cache argument and adds its selection as a float mask), no CP kernel
+    reproduces them: every method refuses the layer as unrecognised, naming the layer type and the release to
+    report; on the releases with ``indexed_attention`` the tests above run the kernel instead."""
+    from automodel.distributed.cp import check_model_for_cp, cp_methods, methods_that_run
+    from automodel.distributed.cp.profile import REPORT_HINT
+    from automodel.errors import CPUnsupportedError
+    from tests.family_matrix import absent_reason, skip_if_absent
+
+    skip_if_absent("qwen4_exp_text")
+    if absent_reason("qwen4_exp_text@qsa") is None:
+        pytest.skip("the installed Qwen4-Exp has indexed_attention layers: the kernel runs them (tests above)")
+    fam = family_by_name("qwen4_exp_text")
+    with torch.device("meta"):
+        model = fam.build_model(0)
+    profile = profile_model(model)
+    types = model.config.layer_types
+    sparse = [t for t in types if t != "linear_attention"]
+    assert sparse and all(layer.kind == UNKNOWN for layer, t in zip(profile.layers, types) if t in sparse)
+    assert methods_that_run(profile, 64) == []
+    for method in cp_methods():
+        with pytest.raises(CPUnsupportedError) as err:
+            check_model_for_cp(method, profile, seq_len=64)
+        message = str(err.value)
+        assert f"Qwen4ExpTextAttention (config layer type {sparse[0]}" in message and REPORT_HINT in message, message
 
 
 def test_profile_names_qsa_and_gated_deltanet_layers_and_every_builtin_method_runs_them():

@@ -118,6 +118,7 @@ __all__ = [
     "cp_attention_module",
     "cp_options",
     "cpu_flash_attention_ops",
+    "doge_skips_causal_mask",
     "dtensor_op_dispatcher",
     "dynamo_calculate_time_spent",
     "dynamo_counters",
@@ -536,18 +537,41 @@ def transformers_chunks_per_document() -> bool:
 def sdpa_problem(model_class: Any, config: Any = None) -> str | None:
     """Why ``model_class`` (with ``config``) cannot run ``attn_implementation="sdpa"`` exactly; ``None``: it can.
 
-    Two reasons: the class has no SDPA path (``_supports_sdpa`` false: gpt-oss), or the config soft-caps the
-    attention logits (``attn_logit_softcapping``: Gemma 2, VaultGemma), which SDPA cannot apply. transformers
-    5.25 marks such classes ``_supports_sdpa = False`` itself; 5.17 .. 5.24 let Gemma 2 pick SDPA and run it
-    without the cap (its ``sdpa_attention_forward`` ignores ``softcap``), so the class flag alone would let a
-    run train a different model on the older releases. Pure: reads the class and the config.
+    Three reasons: the class has no SDPA path (``_supports_sdpa`` false: gpt-oss), the config soft-caps the
+    attention logits (``attn_logit_softcapping``: Gemma 2, VaultGemma), which SDPA cannot apply, or the model
+    skips its causal mask under SDPA although its attention needs it (:func:`doge_skips_causal_mask`). transformers
+    5.25 marks the soft-capping classes ``_supports_sdpa = False`` itself and builds Doge's mask; 5.17 .. 5.24 let
+    Gemma 2 pick SDPA and run it without the cap (its ``sdpa_attention_forward`` ignores ``softcap``) and Doge
+    attend to later tokens, so the class flag alone would let a run train a different model on the older releases.
+    Pure: reads the class, the config and the installed transformers' source.
     """
     if not getattr(model_class, "_supports_sdpa", False):
         return f"{getattr(model_class, '__name__', model_class)} has no SDPA path"
     cap = getattr(config, "attn_logit_softcapping", None) if config is not None else None
     if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap:
         return f"SDPA cannot apply its attention logit softcapping (attn_logit_softcapping={cap})"
+    if getattr(model_class, "__name__", "").startswith("Doge") and doge_skips_causal_mask():
+        import transformers
+
+        return (f"transformers {transformers.__version__}'s Doge skips its causal mask under SDPA (it hands the "
+                "attention its dynamic-mask bias alone), so every token would attend to later tokens of its row")
     return None
+
+
+def doge_skips_causal_mask() -> bool:
+    """Whether the installed transformers' ``DogeModel`` lets ``create_causal_mask`` skip the causal mask under SDPA
+    (5.17 .. 5.24: no ``allow_is_causal_skip=False``): its attention then gets the dynamic-mask bias alone, with no
+    causal part, and each token's logits depend on later tokens (5.17, one process: 0.1 in a tiny model's logits);
+    5.25 always builds the mask. Eager builds it on every release. ``False`` where transformers has no Doge."""
+    import inspect
+
+    try:
+        from transformers.models.doge.modeling_doge import DogeModel
+
+        source = inspect.getsource(DogeModel.forward)
+    except (ImportError, OSError, TypeError):
+        return False
+    return "allow_is_causal_skip=False" not in source
 
 
 def missing_transformers_internals() -> list[str]:

@@ -98,8 +98,13 @@ DEEPSEEK_V4 = tuple(
                       ("DeepseekV4HCACompressor", "forward"), ("DeepseekV4CSACompressor", "forward"),
                       ("DeepseekV4Indexer", "forward"))
 )  # fmt: skip (the function first: the methods recompiled after it call the rewritten one)
+#: Doge's eager attention (what transformers < 5.25 trains Doge with: its SDPA is refused there, torch_internals.
+#: sdpa_problem) takes its softmax in fp32 (``dtype=torch.float32``): the same function in the input's dtype (an fp64
+#: reference otherwise differs from the CP kernel's fp64 softmax by fp32's round-off, 5e-6 in A's gradient)
+DOGE_EAGER = (("transformers.models.doge.modeling_doge", None, "eager_attention_forward"),)
 _FP32_CASTS = (("hidden_states.to(torch.float32)", "hidden_states"), (".float()", ""),
-               ("softmax(dim=2, dtype=torch.float32)", "softmax(dim=2)"))  # fmt: skip
+               ("softmax(dim=2, dtype=torch.float32)", "softmax(dim=2)"),
+               ("softmax(attn_weights, dim=-1, dtype=torch.float32)", "softmax(attn_weights, dim=-1)"))  # fmt: skip
 
 
 def _in_input_dtype(module, function):
@@ -117,9 +122,9 @@ def _in_input_dtype(module, function):
 
 @contextlib.contextmanager
 def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
-    """Patch the Gemma RMSNorm classes of :data:`NORMS`, HY-V4's of :data:`HY_V4` and Doge's (those the installed
-    transformers has) to compute in the
-    input's dtype; restored on exit. ``enabled=False``: nothing changes."""
+    """Patch the Gemma RMSNorm classes of :data:`NORMS`, HY-V4's of :data:`HY_V4`, Doge's norm and eager attention
+    and DeepSeek-V4's functions (those the installed transformers has) to compute in the input's dtype; restored on
+    exit. ``enabled=False``: nothing changes."""
     saved = []
     try:
         if enabled:
@@ -137,11 +142,11 @@ def norms_in_input_dtype(enabled: bool = True) -> Iterator[None]:
                     continue
                 saved.append((cls, cls.forward))
                 cls.forward = forward
-            for module_name, class_name, attr in DEEPSEEK_V4:
+            for module_name, class_name, attr in (*DEEPSEEK_V4, *DOGE_EAGER):
                 try:
                     module = importlib.import_module(module_name)
                 except ImportError:
-                    break
+                    continue
                 owner = module if class_name is None else getattr(module, class_name)
                 function = getattr(owner, attr)  # a decorated one: its source holds the decorator
                 saved.append((owner, attr, getattr(owner, attr)))

@@ -49,6 +49,24 @@ CASES += [("deepseek_v4", "float32"), ("deepseek_v4", "float64")]
 EXACT_NORMS = ("gemma4_text", "hy_v4_dense", "doge_random_A", "doge", "deepseek_v4", "qwen4_exp_text_qsa",
                "kolibri1_1_shared", "zaya_bias")
 
+#: the family-matrix row (or variant, tests/family_matrix.py) each case's model is built from, where not its name
+ROWS_OF = {"llama4_temperature": "llama4_text", "falcon_alibi": "falcon@alibi", "doge_random_A": "doge",
+           "qwen4_exp_text_qsa": "qwen4_exp_text@qsa", "kolibri1_1_shared": "kolibri1_1@shared", "zaya_bias": "zaya@bias"}
+
+
+def row_of(family: str) -> str:
+    """The family-matrix row (``<row>[@<variant>]``) of a case's ``family``."""
+    return ROWS_OF.get(family, family.removesuffix("_dense"))
+
+
+def launched(family: str) -> bool:
+    """Whether the launch runs ``family`` on the installed transformers: the release has its row, and it is not
+    Falcon before 5.25 (its own attention code, refused: tests/test_usp.py checks the refusal instead)."""
+    from tests.family_matrix import absent_reason, falcon_refused
+
+    row = row_of(family)
+    return absent_reason(row) is None and not (row.split("@")[0] == "falcon" and falcon_refused())
+
 
 def _model(family: str, dtype: torch.dtype):
     from tests.family_matrix import family_by_name
@@ -115,6 +133,8 @@ def layer_kind_cases(mesh, world_size: int) -> dict:
     """``{(family, dtype): {loss_rel, grad_rel, missing, attn}}`` for :data:`CASES` (every rank calls it)."""
     out = {}
     for family, dtype_name in CASES:
+        if not launched(family):
+            continue
         dtype = getattr(torch, dtype_name)
         # XGLM clamps its scores with a tensor of torch's default dtype: fp64 for its fp64 case
         with norms_in_input_dtype(family in EXACT_NORMS and dtype == torch.float64), \

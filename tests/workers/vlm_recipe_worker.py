@@ -63,5 +63,22 @@ def single(rank: int, world_size: int, out: str, export: str) -> dict:
         "loaded_state": {k: v.detach().clone() for k, v in loaded.state_dict().items()},
         "loaded_dtype": str(next(loaded.parameters()).dtype),
         "export_files": sorted(p.name for p in Path(export).iterdir()),
-        "processor": AutoImageProcessor.from_pretrained(export).to_dict(),  # the export includes the processor
+        "processor": _load_processor(export, AutoImageProcessor).to_dict(),  # the export includes the processor
     }
+
+
+def _load_processor(export: str, auto):
+    """The exported image processor, as a user loads it: ``AutoImageProcessor``; transformers 5.17's Auto class
+    requires torchvision (which automodel does not install) even for the PIL processor the dataset saves, so there it
+    is loaded by the class its ``preprocessor_config.json`` names."""
+    try:
+        return auto.from_pretrained(export)
+    except ImportError as err:
+        if "Torchvision" not in str(err):
+            raise
+        import json
+
+        import transformers
+
+        name = json.loads((Path(export) / "preprocessor_config.json").read_text())["image_processor_type"]
+        return getattr(transformers, name).from_pretrained(export)

@@ -554,14 +554,11 @@ _DOGE_UNMASKED = (
 def _doge_unmasked(attn: str | None) -> tuple[str, str] | None:
     """``(what, why)`` where the installed transformers' ``DogeModel`` skips the causal mask under ``attn`` (sdpa by
     default; 5.17-5.24: no ``allow_is_causal_skip=False``), else ``None``."""
-    if attn == "eager":
-        return None
-    try:
-        import transformers
-        from transformers.models.doge.modeling_doge import DogeModel
-    except ImportError:
-        return None
-    if "allow_is_causal_skip=False" in _forward_source(DogeModel):
+    import transformers
+
+    from automodel.distributed.torch_internals import doge_skips_causal_mask
+
+    if attn == "eager" or not doge_skips_causal_mask():
         return None
     return _DOGE_UNMASKED[0].format(attn=attn or "sdpa", version=transformers.__version__), _DOGE_UNMASKED[1]
 

@@ -196,7 +196,8 @@ class ZambaMamba1Kernel(Mamba1Kernel):
                 xh[head][:, lo - head * hd:hi - head * hd], dt, A[local], B[head].transpose(1, 2),
                 C[head].transpose(1, 2), D=params["D"][local].float(), z=None, delta_bias=bias,
                 delta_softplus=True, return_last_state=True, use_mambapy=False,
-                use_associative_scan=m.use_associative_scan,
+                # transformers 5.17's ZambaMambaMixer has no such attribute and calls the scan with it off
+                use_associative_scan=getattr(m, "use_associative_scan", False),
             )
             if h0 is not None:
                 y_extra, last_extra = _start_state_terms(dt, bias, A[local], C[head], h0[:, local].to(last.dtype))
