@@ -301,8 +301,11 @@ def test_cp1_sdpa_keeps_a_float_copy_of_a_boolean_mask_per_masked_layer():
     repeated = gemma.layers * SEQ * 2 * gemma.heads * gemma.head_dim * 4 * masked / gemma.layers
     repeated = repeated if gemma.kv_heads < gemma.heads else 0
     assert saved(gemma) - flash == pytest.approx(masked * one + repeated)
-    falcon = _dims("falcon")
-    assert saved(falcon) - saved(falcon, attn="flash_attention_2") == falcon.layers * one
+    from tests.family_matrix import falcon_refused
+
+    if not falcon_refused():  # 5.25 on; before, Falcon's own attention code (not measured by the planner's rows)
+        falcon = _dims("falcon")
+        assert saved(falcon) - saved(falcon, attn="flash_attention_2") == falcon.layers * one
     # Ulysses hands its inner SDPA the whole row's boolean window mask: the same copy per windowed layer at [S, S]
     # (the gemma3_ulysses case of scripts/bench_plan_cases.py: -30% without it, +0.7% with it); ring: none
     ulysses = {"cp": 2, "cp_method": "ulysses"}
