@@ -64,6 +64,18 @@ def test_config_rules_offer_eager_first_for_an_inline_model_without_sdpa():
     _dry_run("model.attn_implementation=eager")  # the first fix offered passes the rules and the model check
 
 
+def test_the_eager_fix_names_why_an_inline_model_has_no_exact_sdpa():
+    gemma2 = ["model.config._target_=transformers.Gemma2Config", "model.config.hidden_size=64",
+              "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
+              "model.config.num_key_value_heads=2", "model.config.head_dim=16"]  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_config(["--config", "configs/cp.yaml", *gemma2, "model.attn_implementation=flex_attention"],
+                    world_size=2, cuda_available=True)  # fmt: skip
+    # 5.25 marks Gemma 2 without SDPA; 5.17 .. 5.24 offer SDPA, which would drop its softcapping: either reason is named
+    reasons = ("(Gemma2ForCausalLM has no SDPA path)", "(SDPA cannot apply its attention logit softcapping")
+    assert any(f"set model.attn_implementation=eager {why}" in str(err.value) for why in reasons), str(err.value)
+
+
 def test_own_loop_gpt_oss_is_eager_and_every_method_at_cp2_takes_it():
     """``context_parallel(model, mesh, m)`` checks the model with :func:`check_model_config_for_cp` first: a
     gpt-oss built as users must build it (eager: transformers refuses sdpa for it) passes it under every method

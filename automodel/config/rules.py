@@ -77,8 +77,9 @@ def parallel_sizes(cfg: RecipeConfig, world_size: int) -> tuple[dict[str, int], 
 
 
 def _sdpa_less_class(cfg: RecipeConfig) -> str | None:
-    """The causal-LM class of an inline ``model.config`` when it has no exact SDPA path (gpt-oss; Gemma 2's
-    softcapping); ``None``: it has one, or the class is not known from the config alone (a pretrained config is read later)."""
+    """Why the causal-LM class of an inline ``model.config`` has no exact SDPA path (``sdpa_problem``'s text:
+    gpt-oss, Gemma 2's softcapping, Doge before transformers 5.25); ``None``: it has one, or the class is not known
+    from the config alone (a pretrained config is read later)."""
     node = cfg.model.config
     if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
         return None
@@ -95,7 +96,7 @@ def _sdpa_less_class(cfg: RecipeConfig) -> str | None:
         cap = node.get("attn_logit_softcapping", getattr(config_cls(), "attn_logit_softcapping", None))
     except Exception:  # noqa: BLE001 - a config class that needs arguments: its class decides alone
         cap = None
-    return None if sdpa_problem(cls, SimpleNamespace(attn_logit_softcapping=cap)) is None else cls.__name__
+    return sdpa_problem(cls, SimpleNamespace(attn_logit_softcapping=cap))
 
 
 def _attn_fix(accepted: tuple[str, ...], cfg: RecipeConfig) -> str:
@@ -104,7 +105,7 @@ def _attn_fix(accepted: tuple[str, ...], cfg: RecipeConfig) -> str:
     if accepted[0] == "sdpa" and "eager" in accepted:
         sdpa_less = _sdpa_less_class(cfg)
         if sdpa_less is not None:
-            return f"model.attn_implementation=eager ({sdpa_less} has no SDPA path)"
+            return f"model.attn_implementation=eager ({sdpa_less})"
         return "model.attn_implementation=sdpa (eager for a model without SDPA support, e.g. gpt-oss)"
     return f"model.attn_implementation={accepted[0]}"
 
