@@ -31,6 +31,7 @@ from automodel.training.nonfinite import (
 )
 from automodel.training.trainer import FinetuneTrainer
 from automodel.training.user_errors import RunAborted, stop_run_agreed
+from tests.dist_harness import free_port
 from tests.workers.recipe_worker import TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,6 +111,7 @@ def lr_1e6(tmp_path_factory):
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     run_dir = tmp / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "--log-dir", str(tmp / "torchrun_logs"), str(REPO / "recipes" / "finetune.py"),
            "--config", str(REPO / "configs" / "cp.yaml"), *TINY, "model.config.num_hidden_layers=1",
            "step_scheduler.val_every_steps=null", "step_scheduler.ckpt_every_steps=1", "checkpoint.keep_last=null",

@@ -24,6 +24,7 @@ from automodel.distributed.cp import (
     cp_methods,
     get_cp_method,
 )
+from tests.dist_harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune.py"
@@ -235,7 +236,8 @@ def test_subprocess_heads_checked_before_any_weight_is_loaded(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["HF_HUB_OFFLINE"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(RECIPE), "--config", ULYSSES,
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(RECIPE), "--config", ULYSSES,
          *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip

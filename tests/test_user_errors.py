@@ -33,6 +33,7 @@ from automodel.training.checkpoint_compat import (
     write_model_signature,
 )
 from automodel.training.user_errors import EXIT_USER_ERROR, RunAborted, find_user_error, run_phase
+from tests.dist_harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "finetune.py"
@@ -209,6 +210,7 @@ def _env() -> dict[str, str]:
 def _torchrun(tmp: Path, name: str, *overrides: str) -> dict:
     run_dir = tmp / name / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "--log-dir", str(tmp / name / "torchrun_logs"), str(RECIPE), "--config", str(CONFIG), *TINY,
            f"recipe.output_dir={run_dir}", *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=300)
