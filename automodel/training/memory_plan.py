@@ -172,6 +172,10 @@ AUTO_LOSS_SHARE = 0.25
 _GIB = 2**30
 
 
+#: a gated MLP's ``(saved, forward peak, backward peak)`` per token in ``[N, I]`` units (:func:`_mlp_moments`)
+GATED_MLP_MOMENTS = (4.0, 3.0, 6.0)
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """The sizes the planner needs from a decoder-only causal LM (see :func:`model_dims`)."""
@@ -235,7 +239,7 @@ class ModelDims:
     mlp_gated: bool = True
     #: a plain MLP's ``(saved, forward peak, backward peak)`` per token in ``[N, I]`` units, measured with its own
     #: activation (:func:`automodel.training.mlp_memory.plain_mlp_moments`: GELU 2, 2, 3.1; the tanh formula 5, 5, 7.1)
-    mlp_moments: tuple[float, float, float] = (4.0, 3.0, 6.0)
+    mlp_moments: tuple[float, float, float] = GATED_MLP_MOMENTS
     #: bytes of the model's buffers of 1 MiB or more (GPT-Neo's ``[P, P]`` boolean causal or local-window mask in every
     #: attention layer, ``P = max_position_embeddings``): whole on every rank, FSDP2 does not shard buffers
     buffer_bytes: int = 0
@@ -253,6 +257,12 @@ class ModelDims:
         all of it for a model that does not name its layers."""
         inside = self.params - self.root_params
         return inside if inside > 0 else self.matmul_params
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the dense MLP (of each expert): 3 gated (``down(act(gate) * up)``; experts are counted
+        so), 2 plain (``fc2(act(fc1))``: GPT-2, GPT-NeoX, Falcon)."""
+        return 3 if self.mlp_gated or self.experts else 2
 
     @property
     def tp_capable(self) -> bool:
@@ -457,8 +467,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     mlp = _mlp_moments(d)
     stream = (2 * d.layer_norms + 1) * h + (2 * (h + kv) if d.qk_norm else 0)
     t = min(tile, n)
-    mats = 2 if not d.experts and not d.mlp_gated else 3  # a plain MLP's two matrices
-    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + mats * h * i) * c
+    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + d.mlp_matrices * h * i) * c
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
     # the input's and the attention output's gradients, dq, dk, dv (those three in the CP workspace where the method
@@ -795,8 +804,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # layer's reduce-scatter: 3 h I / tp (1 - 1 / fsdp) more (a snapshot of scripts/bench_plan_cases.py's tiled
     # case at fsdp 2 holds both copies whole; scripts/bench_memory.py's wide rows run at fsdp 1)
     # a plain MLP (fc1 -> act -> fc2): two weight matrices, its activation's measured moments (ModelDims.mlp_moments)
-    plain = not d.experts and not d.mlp_gated
-    mats, (_, tile_f, tile_b) = (2, d.mlp_moments) if plain else (3, (4.0, 3.0, 6.0))
+    mats, (_, tile_f, tile_b) = d.mlp_matrices, (d.mlp_moments if d.mlp_matrices == 2 else GATED_MLP_MOMENTS)
     unsharded_sum = mats * h * i / tp * (1 - 1 / r.fsdp)
     tile_bytes = (tile_b * tile * i / tp + mats * h * i / tp + unsharded_sum) * c if tile else 0.0
     tile_fwd = tile_f * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
@@ -904,10 +912,9 @@ def _mlp_moments(d: ModelDims) -> _MLPMoments:
     """
     if not d.experts:
         i = d.intermediate
-        if not d.mlp_gated:  # fc1 -> act -> fc2: what its activation saves and holds, measured (ModelDims.mlp_moments)
-            saved, forward, backward = d.mlp_moments
-            return _MLPMoments(saved * i, forward * i, backward * i, 0.0)
-        return _MLPMoments(4 * i, 3 * i, 6 * i, 0.0)
+        # fc1 -> act -> fc2: what its activation saves and holds, measured (ModelDims.mlp_moments)
+        saved, forward, backward = d.mlp_moments if d.mlp_matrices == 2 else GATED_MLP_MOMENTS
+        return _MLPMoments(saved * i, forward * i, backward * i, 0.0)
     k, ie, sh, h = d.top_k, d.expert_intermediate, d.shared_intermediate, d.hidden
     saved = k * (2 * h + 4 * ie) + 4 * sh
     router = 4 * d.experts + 16 * k

@@ -35,7 +35,7 @@ class MLPShape:
 
     gated: bool
     width: int
-    moments: tuple[float, float, float] = (4.0, 3.0, 6.0)
+    moments: tuple[float, float, float] = (4.0, 3.0, 6.0)  # memory_plan.GATED_MLP_MOMENTS (a gated MLP)
 
 
 def _matrix(module: torch.nn.Module) -> tuple[int, int] | None:

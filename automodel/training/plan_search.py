@@ -433,11 +433,10 @@ def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, c
         # the backward recomputes each tile's forward but the attention core: the q/k/v and output projections and
         # the MLP (which then runs in the layer's tiles: the tiled MLP's own recompute does not add to it)
         q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-        mats = 3 if d.mlp_gated or d.experts else 2  # a plain MLP's two matrices
-        flops = 2 * (d.hidden * (2 * q + 2 * kv) + mats * d.hidden * d.intermediate) * d.layers * n
+        flops = 2 * (d.hidden * (2 * q + 2 * kv) + d.mlp_matrices * d.hidden * d.intermediate) * d.layers * n
         out["tiled layer"] = flops / (spec.bf16_tflops * 1e12 * GEMM_PEAK_FRACTION)
     elif r.tiled_mlp:
-        flops = 2 * (3 if d.mlp_gated or d.experts else 2) * d.hidden * d.intermediate * d.layers * n / r.tp
+        flops = 2 * d.mlp_matrices * d.hidden * d.intermediate * d.layers * n / r.tp
         out["tiled MLP"] = flops / (spec.bf16_tflops * 1e12 * GEMM_PEAK_FRACTION)
     if r.activation_offloaded:
         copy = 2 * d.layers * n * d.hidden * r.compute_bytes / r.stream_split / link

@@ -114,7 +114,7 @@ def _layer_gemms(d: ModelDims, tokens: int, tp: int) -> list[tuple[float, float,
     """The ``(m, k, n)`` of one decoder layer's projections on one rank (Llama-style block: q, k, v, o,
     gate, up, down), TP-sharded (column-parallel ``n / tp``, row-parallel ``k / tp``)."""
     q, kv, h, i = d.heads * d.head_dim, d.kv_heads * d.head_dim, d.hidden, d.intermediate
-    up = [(tokens, h, i / tp)] * (2 if d.mlp_gated or d.experts else 1)  # a plain MLP (fc1 -> act -> fc2): one
+    up = [(tokens, h, i / tp)] * (d.mlp_matrices - 1)  # gate and up; a plain MLP (fc1 -> act -> fc2): fc1
     return [(tokens, h, q / tp), (tokens, h, kv / tp), (tokens, h, kv / tp), (tokens, q / tp, h),
             *up, (tokens, i / tp, h)]  # fmt: skip
 
