@@ -109,7 +109,7 @@ def sdpa_mask_copy(d: Any, r: Any) -> tuple[float, float]:
     boolean mask reaches SDPA. Without CP under ``sdpa``: the layers of a sliding-window or chunked kind shorter than
     the row, or every layer of a model that always builds a boolean mask (``forced_mask_heads == 1``: Falcon without
     ALiBi, DeepSeek sparse attention). Live-tensor snapshots of ``scripts/bench_memory.py --structures only``: a Gemma-3
-    -like model of 3 sliding layers of 4 holds three ``[1, 1, 2048, 2048]`` fp32 copies, Falcon one per layer. Under CP
+    -like model of 3 sliding layers of 4 holds three ``[1, 1, 2048, 2048]`` fp32 copies, Falcon one per layer.
     Under CP where the method hands its inner SDPA the whole row's boolean mask per kind (Ulysses: ``mask_scope``
     ``"global"``), the same per windowed layer at ``[B, 1, S, S]`` (``scripts/bench_plan_cases.py --cases
     gemma3_ulysses``: planned -30% without it); ring drops the plain causal mask and runs windows on the halo kernel,
