@@ -668,9 +668,9 @@ def absent_reason(name: str) -> str | None:
     model_type = next((f.model_type for f in FAMILIES if f.name == base), base)
     if base in ABSENT or model_type not in CONFIG_MAPPING_NAMES:
         return f"{name}: absent in transformers {transformers.__version__}"
-    if name == "qwen4_exp_text@qsa" and "indexed_attention" not in default_config("qwen4_exp_text").layer_types:
+    if name == "qwen4_exp_text@qsa" and "indexed_attention" not in (types := default_config(base).layer_types):
         return (f"{name}: absent in transformers {transformers.__version__} (Qwen4-Exp's sparse layers are "
-                f"{sorted(set(default_config('qwen4_exp_text').layer_types) - {'linear_attention'})} there, an "
+                f"{sorted(set(types) - {'linear_attention'})} there, an "
                 "earlier form every CP method refuses as unrecognised: tests/test_sparse_attention.py)")
     return None
 

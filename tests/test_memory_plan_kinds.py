@@ -68,20 +68,13 @@ def test_eager_masks_are_in_the_compute_dtype_per_kind():
 
 
 def test_falcon_alibi_folds_its_bias_into_a_mask_per_head():
-    from tests.family_matrix import falcon_refused
+    from tests.family_matrix import assert_falcon_refused, falcon_refused
 
     falcon = _dims("falcon@flagship")
     heads = falcon.heads
     if falcon_refused():  # transformers < 5.25: its own attention, which every CP method refuses: no ALiBi kernel
-        from automodel.distributed.cp import check_model_for_cp, profile_model
-        from automodel.errors import CPUnsupportedError
-
         assert falcon.forced_mask_heads == heads and falcon.alibi_layers == 0
-        fam = family_by_name("falcon@flagship")
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(fam.build_config(), attn_implementation=fam.attn_implementation())
-        with pytest.raises(CPUnsupportedError, match=r"FalconAttention, which computes its own attention"):
-            check_model_for_cp("ring", profile_model(model), seq_len=SEQ)
+        assert_falcon_refused("ring", {"alibi": True, "multi_query": False})  # the flagship row
     else:
         assert falcon.forced_mask_heads == heads and falcon.alibi_layers == falcon.layers
         masks = _plan(falcon, cp=2).terms["attention masks"].bytes
