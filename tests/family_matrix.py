@@ -66,6 +66,8 @@ __all__ = [
     "falcon_refused",
     "family_by_name",
     "installed_cases",
+    "launched_cases",
+    "left_out",
     "skip_if_absent",
     "skip_unless_pinned_transformers",
 ]
@@ -722,6 +724,25 @@ def assert_falcon_refused(method: str, config: dict[str, Any] | None = None) -> 
     with pytest.raises(CPUnsupportedError, match=rf"cp_method={method} does not compute FalconForCausalLM .*"
                                                  r"FalconAttention, which computes its own attention"):
         check_model_for_cp(method, profile_model(model), seq_len=SEQ)
+
+
+def launched_cases(cases: dict[str, dict]) -> dict[str, dict]:
+    """The cases of a layer-kind launch (each with its ``family``) the installed transformers runs: its families
+    (:func:`installed_cases`), and Falcon only where the methods compute it (transformers >= 5.25; before,
+    :func:`left_out` checks the refusal instead)."""
+    return {name: case for name, case in installed_cases(cases).items()
+            if case["family"] != "falcon" or not falcon_refused()}  # fmt: skip
+
+
+def left_out(name: str, case: dict, method: str) -> bool:
+    """Skip a case whose family the installed transformers lacks (the reason names the release); for Falcon before
+    5.25 (its own attention code) check that ``method`` refuses it, and return True: :func:`launched_cases` left it
+    out. False: the launch ran it."""
+    skip_if_absent(case_family(name))
+    if case["family"] == "falcon" and falcon_refused():
+        assert_falcon_refused(method, case.get("config"))
+        return True
+    return False
 
 
 def skip_unless_pinned_transformers(what: str) -> None:

@@ -19,13 +19,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_harness import run_distributed
-from tests.family_matrix import (
-    assert_falcon_refused,
-    case_family,
-    falcon_refused,
-    installed_cases,
-    skip_if_absent,
-)
+from tests.family_matrix import launched_cases, left_out
 from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG, QSA_CONFIG, V4_CONFIG, V4_RANDOM
 
 WINDOW = 16  # tests/family_matrix.py: the families' windows and attention chunks
@@ -117,33 +111,18 @@ CP4 = {
 }
 
 
-def _launched(cases: dict[str, dict]) -> dict[str, dict]:
-    """The cases the installed transformers runs: its families, and Falcon only where thd_docs computes it
-    (transformers >= 5.25; before, :func:`_left_out` checks the refusal instead)."""
-    return {name: case for name, case in installed_cases(cases).items()
-            if case["family"] != "falcon" or not falcon_refused()}
-
-
-def _left_out(name: str, case: dict) -> bool:
-    """Skip a case whose family the installed transformers lacks, naming the release; for Falcon before 5.25 check
-    that thd_docs refuses it and return True (the launch left it out)."""
-    skip_if_absent(case_family(name))
-    if case["family"] == "falcon" and falcon_refused():
-        assert_falcon_refused("thd_docs", case.get("config"))
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")
 def cp2():
     return run_distributed("tests.workers.doc_layer_kinds_worker:main", world_size=2, timeout=600,
-                           model_cases=_launched(CP2))
+                           model_cases=launched_cases(CP2))
 
 
 @pytest.fixture(scope="module")
 def cp4():
     return run_distributed("tests.workers.doc_layer_kinds_worker:main", world_size=4, timeout=600,
-                           model_cases=_launched(CP4))
+                           model_cases=launched_cases(CP4))
 
 
 def _check(ranks: list[dict], name: str) -> None:
@@ -165,14 +144,14 @@ def _check(ranks: list[dict], name: str) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(CP2))
 def test_layer_kinds_match_one_process_cp2(request, name):
-    if not _left_out(name, CP2[name]):
+    if not left_out(name, CP2[name], "thd_docs"):
         _check(request.getfixturevalue("cp2"), name)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", list(CP4))
 def test_layer_kinds_match_one_process_cp4(request, name):
-    if not _left_out(name, CP4[name]):
+    if not left_out(name, CP4[name], "thd_docs"):
         _check(request.getfixturevalue("cp4"), name)
 
 

@@ -14,11 +14,10 @@ import torch
 
 from tests.dist_harness import run_distributed
 from tests.family_matrix import (
-    assert_falcon_refused,
     case_family,
-    falcon_refused,
     family_by_name,
-    installed_cases,
+    launched_cases,
+    left_out,
     skip_if_absent,
 )
 from tests.workers.layer_kinds_worker import KOLIBRI_CONFIG, QSA_CONFIG, V4_CONFIG, V4_RANDOM
@@ -276,29 +275,13 @@ DSA_TOLERANCES = {"float64": (1e-14, 1e-13), "float32": (1e-5, 1e-4)}
 DOGE_TOLERANCES = {"float64": (1e-14, 1e-12), "float32": (1e-5, 1e-4)}
 
 
-def _launched(cases: dict[str, dict]) -> dict[str, dict]:
-    """The cases the installed transformers runs: its families (family_matrix.installed_cases), and Falcon only
-    where the methods compute it (transformers >= 5.25; before, :func:`_left_out` checks the refusal instead)."""
-    return {name: case for name, case in installed_cases(cases).items()
-            if case["family"] != "falcon" or not falcon_refused()}
-
-
-def _left_out(name: str, case: dict) -> bool:
-    """Skip a case whose family the installed transformers lacks (the reason names the release); for Falcon before
-    5.25 (its own attention code) check that the case's method refuses it, and return True: the launch left it
-    out. False: the launch ran it."""
-    skip_if_absent(case_family(name))
-    if case["family"] == "falcon" and falcon_refused():
-        assert_falcon_refused(case["method"], case.get("config"))
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")
 def cp2():
     return run_distributed(
         "tests.workers.layer_kinds_worker:main", world_size=2, timeout=600, kernel_cases=KERNEL_CP2,
-        model_cases=_launched({**MODEL_CASES, **DSA_CASES, **DSA_NEGATIVE}),
+        model_cases=launched_cases({**MODEL_CASES, **DSA_CASES, **DSA_NEGATIVE}),
     )
 
 
@@ -306,7 +289,7 @@ def cp2():
 def cp4():
     return run_distributed(
         "tests.workers.layer_kinds_worker:main", world_size=4, timeout=600, kernel_cases=KERNEL_CP4,
-        model_cases=_launched({**DSA_CP4, **DSA_NEGATIVE, **OWN_CODE_CP4}),
+        model_cases=launched_cases({**DSA_CP4, **DSA_NEGATIVE, **OWN_CODE_CP4}),
     )
 
 
@@ -356,7 +339,7 @@ TOLERANCES = {"fp64": (1e-12, 1e-10), "fp64_fp32_inside": (1e-9, 1e-6), "fp32": 
 
 @pytest.mark.parametrize("name", list(MODEL_CASES))
 def test_models_match_one_process(request, name):
-    if _left_out(name, MODEL_CASES[name]):
+    if left_out(name, MODEL_CASES[name], MODEL_CASES[name]["method"]):
         return
     cp2 = request.getfixturevalue("cp2")
     kind = "fp32" if name.endswith("float32") else "fp64_fp32_inside" if name.startswith(FP32_INSIDE) else "fp64"
@@ -417,7 +400,7 @@ def test_own_code_attention_matches_one_process_cp4(cp4, name):
 
 def test_sparse_attention_comparison_sees_rope_at_local_positions(cp2, cp4):
     for ranks in (cp2, cp4):
-        for name in _launched(DSA_NEGATIVE):  # positions misplaced: DSA's indexer and attention RoPE, QSA's pooled keys', Doge's,
+        for name in launched_cases(DSA_NEGATIVE):  # positions misplaced: DSA's indexer and attention RoPE, QSA's pooled keys', Doge's,
             # DeepSeek-V4's, and OpenAI GPT's / XGLM's absolute positions
             r = ranks[0][name]
             assert r["grad_rel"] > 1e-2 and r["loss_rel"] > 1e-6, (name, r)  # openai-gpt at cp 2: 9e-6; QSA cp 4: 1e-5
