@@ -246,8 +246,12 @@ def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
     assert (c.kernel, c.varlen) == (bb.CUDNN, False)
     c = bb.select_kernel(h100, "2.14.1", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)  # causal rows on 2.14
     assert (c.kernel, c.varlen) == (bb.CUDNN, False)
-    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, full_docs, varlen=True, pinned=bb.FLASH)
+    equal_full_docs = _spec(causal=False)
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, equal_full_docs, varlen=True, pinned=bb.FLASH)
     assert (c.kernel, c.varlen) == (bb.FLASH, False)
+    # grouped K/V handed as they are (enable_gqa) turn 2.14's cuDNN path off: one flash call
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, full_docs, varlen=True, pinned=bb.FLASH)
+    assert (c.kernel, c.varlen, c.expand_kv) == (bb.FLASH, True, False)
     c = bb.select_kernel(h100, "2.14.1", CUDNN_919, docs, varlen=True, pinned=bb.FLASH)  # causal: varlen_attn is flash
     assert (c.kernel, c.varlen) == (bb.FLASH, True)
     # torch 2.15's varlen_attn follows the flash pin (sdpa_kernel): one flash call
@@ -256,10 +260,58 @@ def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
     c = bb.select_kernel(h100, "2.15.0", CUDNN_919, docs, varlen=True, pinned=bb.CUDNN)
     assert (c.kernel, c.varlen) == (bb.CUDNN, True)
     caps = bb.caps_for(h100, "2.14.1", CUDNN_919)
-    assert "this torch's varlen_attn runs cuDNN" in bb.varlen_refusal(full_docs, caps, bb.FLASH)
+    assert "this torch's varlen_attn runs cuDNN" in bb.varlen_refusal(equal_full_docs, caps, bb.FLASH)
     assert "full attention only" in bb.varlen_refusal(docs, caps, bb.CUDNN)
     assert "packed-row cuDNN call" in bb.varlen_refusal(docs, bb.caps_for(h100, "2.13.0", CUDNN_919), bb.CUDNN)
     assert bb.varlen_choice(docs, caps, bb.EFFICIENT) is None
+
+
+def test_flash_varlen_takes_grouped_kv_where_varlen_attn_has_enable_gqa():
+    """Flash's one call for all documents (varlen_attn) gets grouped K/V as they are where that torch's varlen_attn
+    takes enable_gqa (2.12 on: aten_schemas.VARLEN_GQA_FIRST_RELEASE), repeated per query head on 2.11; equal heads
+    are never repeated; the plan's kernel lines say which."""
+    h100, a100 = bb.GpuInfo.named("h100"), bb.GpuInfo.named("a100")
+    for causal in (True, False):
+        grouped, equal = _spec(causal=causal, grouped=True), _spec(causal=causal)
+        for version, repeated in (("2.11.0", True), ("2.12.1", False), ("2.13.0", False), ("2.14.1", False),
+                                  ("2.15.0", False)):  # fmt: skip
+            c = bb.select_kernel(a100, version, CUDNN_919, grouped, varlen=True)
+            assert (c.kernel, c.varlen, c.expand_kv) == (bb.FLASH, True, repeated), (version, causal, c)
+            assert ("enable_gqa" in c.reason) == (not repeated), c.reason
+            assert not bb.select_kernel(a100, version, CUDNN_919, equal, varlen=True).expand_kv
+        assert bb.caps_for(a100, "2.12.1", None).varlen_gqa and not bb.caps_for(a100, "2.11.0", None).varlen_gqa
+    # 2.14 under auto on a Hopper with cuDNN >= 9.18: full grouped documents still go to cuDNN's packed-row call,
+    # whose 2.14 gate wants equal heads (repeated); flash only where cuDNN cannot take them
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, _spec(grouped=True), varlen=True)
+    assert (c.kernel, c.varlen, c.expand_kv) == (bb.CUDNN, True, True)
+    c = bb.select_kernel(h100, "2.14.1", CUDNN_919, _spec(causal=True, grouped=True), varlen=True)
+    assert (c.kernel, c.varlen, c.expand_kv) == (bb.FLASH, True, False)
+
+
+def test_runtime_caps_are_the_planned_caps(monkeypatch):
+    """cuda_blocks' CudaCaps of a device (what a run selects with) equal block_backend.caps_for's for that GPU,
+    release and cuDNN (what the dry run printed), field by field: one rule for both (block_backend.release_caps).
+    Before, the run's caps lacked the packed-row call's grouped K/V on torch 2.15, so a run repeated K/V and ran
+    per-block kernels where its plan said one grouped call."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_blocks, "flex_available", lambda device_type: True)
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
+    installed_takes_gqa, installed = cuda_blocks.varlen_takes_gqa, torch.__version__
+    for version in ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"):
+        for cudnn in (CUDNN_919, 92400, None):
+            monkeypatch.setattr(torch, "__version__", version)
+            monkeypatch.setattr(torch.backends.cudnn, "version", lambda c=cudnn: c)
+            monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda c=cudnn: c is not None)
+            cuda_blocks._caps_of.cache_clear()
+            cuda_blocks._takes_grouped_kv.cache_clear()
+            monkeypatch.setattr(cuda_blocks, "varlen_takes_gqa", lambda v=version: v != "2.11.0")
+            run, plan = cuda_blocks._caps_of(0), bb.caps_for(bb.GpuInfo.named("h100"), version, cudnn)
+            assert run == plan, (version, cudnn, run, plan)
+    cuda_blocks._caps_of.cache_clear()
+    cuda_blocks._takes_grouped_kv.cache_clear()
+    # the installed varlen_attn's signature and the release table agree
+    assert installed_takes_gqa() == bb.caps_for(bb.GpuInfo.named("a100"), installed, None).varlen_gqa
 
 
 def test_ulysses_inner_sdpa_logs_the_kernel_that_ran(caplog, monkeypatch):

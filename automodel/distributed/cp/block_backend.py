@@ -35,6 +35,7 @@ kernel of their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ __all__ = [
     "packed_choice",
     "packed_refusal",
     "pin_problem",
+    "release_caps",
     "select_backend",
     "select_kernel",
     "varlen_applies",
@@ -131,6 +133,9 @@ class CudaCaps:
         cudnn_varlen_gqa: ... with grouped K/V as they are too (torch >= 2.15; 2.14's gate wants equal heads).
         varlen_follows_sdpa: the installed torch's ``varlen_attn`` picks cuDNN or flash by SDPA's enabled backends
             and priority (torch >= 2.15), so under a flash pin or auto's order it runs flash when asked.
+        varlen_gqa: the installed torch's ``varlen_attn`` takes grouped K/V (``enable_gqa``, torch >= 2.12:
+            ``aten_schemas.VARLEN_GQA_FIRST_RELEASE``), so its flash call gets them as they are; 2.14's then runs
+            flash, never its cuDNN path.
     """
 
     capability: tuple[int, int]
@@ -147,6 +152,7 @@ class CudaCaps:
     cudnn_varlen_causal: bool = False
     cudnn_varlen_short: bool = False
     cudnn_varlen_gqa: bool = False
+    varlen_gqa: bool = False
 
 
 @dataclass(frozen=True)
@@ -396,8 +402,10 @@ def varlen_choice(
       documents from torch 2.15 only) and ``auto`` prefers cuDNN on this GPU (``caps.cudnn_preferred``) or
       ``model.attention_backend=cudnn`` pins it;
     - else flash through ``varlen_attn`` (causal, full, or a sliding ``window``) under ``auto`` or a flash pin,
-      except where that torch's ``varlen_attn`` would itself run cuDNN regardless of SDPA's backends (torch 2.14:
-      full attention the cuDNN call takes): a flash pin (or ``auto`` where cuDNN is not preferred) then runs
+      grouped K/V as they are (``enable_gqa``) where that torch's ``varlen_attn`` takes them (``caps.varlen_gqa``:
+      torch >= 2.12; repeated per query head on 2.11), except where that ``varlen_attn`` would itself run cuDNN
+      regardless of SDPA's backends (torch 2.14: full attention of equal heads the cuDNN call takes; grouped K/V
+      with ``enable_gqa`` turn its cuDNN path off): a flash pin (or ``auto`` where cuDNN is not preferred) then runs
       per-document blocks. From 2.15 ``varlen_attn`` follows the flash pin (``sdpa_kernel``) and auto's order, so it
       runs flash there;
     - ``None`` for any other pin (the per-document blocks run the pinned kernel) or where neither applies.
@@ -411,11 +419,21 @@ def varlen_choice(
         return Choice(CUDNN, "all documents of the row in one cuDNN varlen call (aten._cudnn_attention_forward "
                       "with cum_seq_q / cum_seq_k)", expand_kv=spec.grouped and not caps.cudnn_varlen_gqa,
                       varlen=True)  # fmt: skip
-    # torch 2.14's varlen_attn runs cuDNN whenever its gate passes; 2.15's follows the flash pin / auto's order
-    if pinned not in (None, FLASH) or (cudnn_takes and not caps.varlen_follows_sdpa):
+    # torch 2.14's varlen_attn runs cuDNN whenever its gate passes, which refuses grouped K/V handed as they are
+    # (enable_gqa); 2.15's follows the flash pin / auto's order
+    if pinned not in (None, FLASH) or _varlen_attn_runs_cudnn(spec, caps, cudnn_takes):
         return None
-    return Choice(FLASH, "all documents of the row in one varlen_attn call (flash)", expand_kv=spec.grouped,
+    expand = spec.grouped and not caps.varlen_gqa
+    return Choice(FLASH, "all documents of the row in one varlen_attn call (flash)" +
+                  ("; grouped K/V as they are (enable_gqa)" if spec.grouped and not expand else ""), expand_kv=expand,
                   varlen=True)  # fmt: skip
+
+
+def _varlen_attn_runs_cudnn(spec: BlockSpec, caps: CudaCaps, cudnn_takes: bool) -> bool:
+    """Whether torch's own ``varlen_attn`` would run its cuDNN path for a call the glue means for flash, whatever
+    SDPA's backends say (torch 2.14, ``aten_schemas.varlen_follows_sdpa`` false): where cuDNN's packed-row call takes
+    these documents and K/V reach it with equal heads (``enable_gqa`` with grouped K/V turns 2.14's cuDNN path off)."""
+    return cudnn_takes and not caps.varlen_follows_sdpa and not (spec.grouped and caps.varlen_gqa)
 
 
 def varlen_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = None, *, window: int | None = None,
@@ -430,7 +448,7 @@ def varlen_refusal(spec: BlockSpec, caps: CudaCaps | None, pinned: str | None = 
     if pinned not in (None, FLASH, CUDNN):
         return f"model.attention_backend pins {pinned}, which has no packed-row call"
     problem = cudnn_packed_problem(spec, caps, causal=spec.causal, max_q=max_len, window=window)
-    if problem is None and not caps.varlen_follows_sdpa:
+    if _varlen_attn_runs_cudnn(spec, caps, problem is None):
         return ("this torch's varlen_attn runs cuDNN for these documents (torch 2.14: whatever SDPA's backends), and "
                 "the flash kernel is pinned or cuDNN is not preferred here")  # fmt: skip
     if pinned == CUDNN:
@@ -490,18 +508,42 @@ def caps_for(gpu: GpuInfo, torch_version: str, cudnn_version: int | None) -> Cud
 
     cap = tuple(gpu.capability)
     cudnn_op = has("_scaled_dot_product_cudnn_attention") and cudnn_version is not None and cap >= (8, 0)
-    return CudaCaps(
-        capability=cap, flash_op=has("_scaled_dot_product_flash_attention"),
+    return release_caps(
+        cap, release, cudnn_version, flash_op=has("_scaled_dot_product_flash_attention"),
         efficient_op=has("_scaled_dot_product_efficient_attention"), flex=True, varlen=True, cudnn_op=cudnn_op,
         cudnn_preferred=cudnn_op and cap in CUDNN_PREFERRED_CAPABILITIES and cudnn_version > CUDNN_PREFERRED_MIN_VERSION,
+        cudnn_varlen_ops=True, varlen_gqa=True,
+    )  # fmt: skip
+
+
+def release_caps(
+    capability: tuple[int, int], release: str, cudnn_version: int | None, *, flash_op: bool, efficient_op: bool,
+    flex: bool, varlen: bool, cudnn_op: bool, cudnn_preferred: bool, cudnn_varlen_ops: bool, varlen_gqa: bool,
+) -> CudaCaps:  # fmt: skip
+    """The :class:`CudaCaps` of a device of ``capability`` under torch ``release`` (``"2.15"``) with a runtime
+    ``cudnn_version``, from what the caller found (the ops, FlexAttention, ``varlen_attn``, cuDNN and whether SDPA
+    prefers it: a plan reads them from the tables, :func:`caps_for`; a run from the installed torch and the device,
+    ``cuda_blocks.cuda_caps``) and what the tables of :mod:`~automodel.distributed.cp.aten_schemas` say of the
+    release: one place for both, so a run selects exactly what its plan printed. ``cudnn_varlen_ops``: the
+    packed-row cuDNN ops exist; ``varlen_gqa``: ``varlen_attn`` has ``enable_gqa`` (and the release's table says
+    so)."""
+    from automodel.distributed.cp import aten_schemas
+
+    def cudnn_varlen_takes(**kw: Any) -> bool:
+        return aten_schemas.cudnn_varlen_problem(release, cudnn_version, **kw) is None
+
+    return CudaCaps(
+        capability=tuple(capability), flash_op=flash_op, efficient_op=efficient_op, flex=flex, varlen=varlen,
+        cudnn_op=cudnn_op, cudnn_preferred=cudnn_preferred,
         cudnn_gqa=cudnn_op and aten_schemas.takes_grouped_kv(CUDNN, release),
-        cudnn_varlen=cudnn_op and aten_schemas.cudnn_varlen_runs(release, cudnn_version, cap),
+        cudnn_varlen=cudnn_op and cudnn_varlen_ops and aten_schemas.cudnn_varlen_runs(release, cudnn_version,
+                                                                                      tuple(capability)),
         varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(release),
         flash_gqa=aten_schemas.takes_grouped_kv(FLASH, release),
-        cudnn_varlen_causal=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=True, max_q=None) is None,
-        cudnn_varlen_short=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=False, max_q=1) is None,
-        cudnn_varlen_gqa=aten_schemas.cudnn_varlen_problem(release, cudnn_version, causal=False, max_q=None,
-                                                           grouped=True) is None,
+        cudnn_varlen_causal=cudnn_varlen_takes(causal=True, max_q=None),
+        cudnn_varlen_short=cudnn_varlen_takes(causal=False, max_q=1),
+        cudnn_varlen_gqa=cudnn_varlen_takes(causal=False, max_q=None, grouped=True),
+        varlen_gqa=varlen and varlen_gqa and aten_schemas.varlen_takes_grouped_kv(release),
     )  # fmt: skip
 
 

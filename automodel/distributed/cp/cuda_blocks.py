@@ -62,6 +62,7 @@ from automodel.distributed.cp.block_backend import (
     packed_choice,
     packed_refusal,
     padded_head_dim,
+    release_caps,
     select_backend,
     varlen_choice,
     varlen_refusal,
@@ -76,6 +77,7 @@ __all__ = [
     "packed_takes",
     "varlen_documents",
     "varlen_available",
+    "varlen_takes_gqa",
 ]
 
 logger = logging.getLogger("automodel.distributed.cp.blocks")
@@ -117,27 +119,34 @@ def varlen_available() -> bool:
 
 
 @functools.cache
+def varlen_takes_gqa() -> bool:
+    """The installed ``varlen_attn`` has an ``enable_gqa`` argument (torch >= 2.12,
+    ``aten_schemas.VARLEN_GQA_FIRST_RELEASE``; :func:`~automodel.distributed.cp.block_backend.release_caps` also asks
+    the release table)."""
+    if not varlen_available():
+        return False
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+@functools.cache
 def _caps_of(index: int) -> CudaCaps:
+    """The device's :class:`CudaCaps`: the installed ops and the device's cuDNN, with the release's rules from
+    :func:`~automodel.distributed.cp.block_backend.release_caps`, as ``caps_for`` plans them."""
     capability = tuple(torch.cuda.get_device_capability(index))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     cudnn_op = _has_op("_scaled_dot_product_cudnn_attention") and cudnn is not None
-    release = aten_schemas.torch_release(torch.__version__)
-    return CudaCaps(
-        capability=capability,
+    return release_caps(
+        capability, aten_schemas.torch_release(torch.__version__), cudnn,
         flash_op=_has_op("_scaled_dot_product_flash_attention"),
-        efficient_op=_has_op("_scaled_dot_product_efficient_attention"),
-        flex=flex_available("cuda"),
-        varlen=varlen_available(),
-        cudnn_op=cudnn_op,
-        cudnn_preferred=cudnn_op and _cudnn_preferred(capability),
-        cudnn_gqa=cudnn_op and _takes_grouped_kv(CUDNN),
-        cudnn_varlen=cudnn_op and all(hasattr(torch.ops.aten, op) for op in aten_schemas.VARLEN_OPS)
-        and aten_schemas.cudnn_varlen_runs(release, cudnn, capability),
-        varlen_follows_sdpa=aten_schemas.varlen_follows_sdpa(release),
-        flash_gqa=_takes_grouped_kv(FLASH),
-        cudnn_varlen_causal=aten_schemas.cudnn_varlen_problem(release, cudnn, causal=True, max_q=None) is None,
-        cudnn_varlen_short=aten_schemas.cudnn_varlen_problem(release, cudnn, causal=False, max_q=1) is None,
-    )
+        efficient_op=_has_op("_scaled_dot_product_efficient_attention"), flex=flex_available("cuda"),
+        varlen=varlen_available(), cudnn_op=cudnn_op, cudnn_preferred=cudnn_op and _cudnn_preferred(capability),
+        cudnn_varlen_ops=all(hasattr(torch.ops.aten, op) for op in aten_schemas.VARLEN_OPS),
+        varlen_gqa=varlen_takes_gqa(),
+    )  # fmt: skip
 
 
 @functools.cache
@@ -538,8 +547,9 @@ def varlen_documents(
     ``varlen_attn``; which one (or why neither) is logged once per layer kind.
 
     Args:
-        q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (K/V are repeated per query head for GQA, except for cuDNN's call
-            on torch 2.15, which takes them grouped as torch's own ``varlen_attn`` does).
+        q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (grouped K/V go to the call as they are where it takes them:
+            cuDNN's on torch 2.15, flash's ``varlen_attn`` with ``enable_gqa`` from torch 2.12; elsewhere they are
+            repeated per query head, :attr:`~automodel.distributed.cp.block_backend.Choice.expand_kv`).
         cu_seqlens: ``[N+1]`` int32 document offsets into the T tokens.
         max_len: the longest document.
         causal: causal inside each document (else bidirectional).
@@ -573,7 +583,8 @@ def varlen_documents(
 
     left = -1 if window is None else window - 1
     window_size = (left, 0) if causal else (-1, -1)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=sc, window_size=window_size)
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # grouped K/V as they are (choice.expand_kv off)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=sc, window_size=window_size, **gqa)
 
 
 # ---------------------------------------------------------------------------------------------------------

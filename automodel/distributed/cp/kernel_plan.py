@@ -83,8 +83,9 @@ def layer_kind_kernel_lines(
             docs = select_kernel(gpu, torch_version, cudnn_version, BlockSpec(causal=True, **common), varlen=True,
                                  pinned=pinned)  # fmt: skip
             if docs.varlen:
-                parts.append("whole documents: one varlen_attn call (flash)" if docs.kernel == FLASH else
-                             "whole documents: one cuDNN varlen call (aten._cudnn_attention_forward)")  # fmt: skip
+                kv_note = (", K/V repeated per query head" if docs.expand_kv else ", grouped K/V as they are") if grouped else ""
+                parts.append(("whole documents: one varlen_attn call (flash)" if docs.kernel == FLASH else
+                              "whole documents: one cuDNN varlen call (aten._cudnn_attention_forward)") + kv_note)  # fmt: skip
         if layer.kind == FULL and not layer.softcap and pinned in (None, CUDNN):
             caps = caps_for(gpu, torch_version, cudnn_version)
             sets = [what for what, causal in (("prefix", False), ("diagonal", True))
