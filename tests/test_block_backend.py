@@ -4,6 +4,7 @@ SDPA glue (padding, GQA, bias, LSE padding, merged backward) against stand-ins f
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -409,15 +410,18 @@ def test_sdpa_calls_match_the_real_op_schemas(kernel):
 
 def test_varlen_call_matches_the_real_op_schema(monkeypatch):
     """``varlen_documents`` against the installed ``varlen_attn`` (its fake kernels on the meta device): grouped K/V
-    as they are with ``enable_gqa`` where that torch takes it (``CudaCaps.varlen_gqa``), repeated per query head
-    otherwise; the window as ``window_size``; the output in the queries' shape and dK/dV at the KV heads."""
+    as they are where the caps say so (``CudaCaps.varlen_gqa``), with ``enable_gqa`` where the signature has it
+    (torch >= 2.12, which raises for unequal heads without it), repeated per query head otherwise; the window as
+    ``window_size``; the output in the queries' shape and dK/dV at the KV heads."""
     varlen = pytest.importorskip("torch.nn.attention.varlen")
     real = varlen.varlen_attn
     meta = dict(device="meta", dtype=torch.bfloat16)
     q, k = torch.empty(100, 8, 64, **meta), torch.empty(100, 2, 64, **meta)
     cu = torch.tensor([0, 30, 100], dtype=torch.int32, device="meta")
     seen = []
+    keyword = cuda_blocks.varlen_has_enable_gqa()  # read from the real signature (the spy keeps it: functools.wraps)
 
+    @functools.wraps(real)
     def spy(q_, k_, v_, *args, **kw):
         seen.append((k_.shape[1], v_.shape[1], kw.get("enable_gqa", False)))
         return real(q_, k_, v_, *args, **kw)
@@ -425,8 +429,6 @@ def test_varlen_call_matches_the_real_op_schema(monkeypatch):
     monkeypatch.setattr(varlen, "varlen_attn", spy)
     for caps in (H100, bb.CudaCaps(capability=(9, 0), flash_op=True, efficient_op=True, flex=True, varlen=True,
                                    varlen_gqa=True)):  # fmt: skip
-        if caps.varlen_gqa and not cuda_blocks.varlen_takes_gqa():
-            continue  # this torch's varlen_attn has no enable_gqa (2.11)
         monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device, c=caps: c)
         for window in (None, 16):
             seen.clear()
@@ -434,7 +436,7 @@ def test_varlen_call_matches_the_real_op_schema(monkeypatch):
             kg, vg = k.detach().requires_grad_(), k.detach().requires_grad_()
             out = cuda_blocks.varlen_documents(qg, kg, vg, cu, 70, True, window, 0.1)
             assert out.shape == q.shape
-            assert seen == ([(2, 2, True)] if caps.varlen_gqa else [(8, 8, False)]), (caps, seen)
+            assert seen == ([(2, 2, keyword)] if caps.varlen_gqa else [(8, 8, False)]), (caps, seen)
             out.sum().backward()
             assert (qg.grad.shape, kg.grad.shape, vg.grad.shape) == (q.shape, k.shape, k.shape)
     assert cuda_blocks.varlen_documents(q, k, k, cu, 70, False, 16, None) is None  # a window is causal

@@ -266,20 +266,21 @@ def test_packed_rows_run_cudnn_varlen_where_torch_runs_it():
     assert bb.varlen_choice(docs, caps, bb.EFFICIENT) is None
 
 
-def test_flash_varlen_takes_grouped_kv_where_varlen_attn_has_enable_gqa():
-    """Flash's one call for all documents (varlen_attn) gets grouped K/V as they are where that torch's varlen_attn
-    takes enable_gqa (2.12 on: aten_schemas.VARLEN_GQA_FIRST_RELEASE), repeated per query head on 2.11; equal heads
-    are never repeated; the plan's kernel lines say which."""
+def test_flash_varlen_takes_grouped_kv_as_they_are():
+    """Flash's one call for all documents (varlen_attn) gets grouped K/V as they are in every release of the table
+    (aten_schemas.VARLEN_GQA: 2.11-2.15, with enable_gqa from 2.12), repeated per query head only for caps that say
+    otherwise; equal heads are never repeated; on 2.14 grouped K/V turn varlen_attn's own cuDNN path off."""
     h100, a100 = bb.GpuInfo.named("h100"), bb.GpuInfo.named("a100")
     for causal in (True, False):
         grouped, equal = _spec(causal=causal, grouped=True), _spec(causal=causal)
-        for version, repeated in (("2.11.0", True), ("2.12.1", False), ("2.13.0", False), ("2.14.1", False),
-                                  ("2.15.0", False)):  # fmt: skip
+        for version in ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"):
             c = bb.select_kernel(a100, version, CUDNN_919, grouped, varlen=True)
-            assert (c.kernel, c.varlen, c.expand_kv) == (bb.FLASH, True, repeated), (version, causal, c)
-            assert ("enable_gqa" in c.reason) == (not repeated), c.reason
+            assert (c.kernel, c.varlen, c.expand_kv) == (bb.FLASH, True, False), (version, causal, c)
+            assert "grouped K/V as they are" in c.reason
             assert not bb.select_kernel(a100, version, CUDNN_919, equal, varlen=True).expand_kv
-        assert bb.caps_for(a100, "2.12.1", None).varlen_gqa and not bb.caps_for(a100, "2.11.0", None).varlen_gqa
+            assert bb.caps_for(a100, version, None).varlen_gqa
+        c = bb.varlen_choice(grouped, bb.CudaCaps(capability=(8, 0), varlen=True))  # a varlen_attn that repeats
+        assert (c.kernel, c.expand_kv) == (bb.FLASH, True) and "as they are" not in c.reason
     # 2.14 under auto on a Hopper with cuDNN >= 9.18: full grouped documents still go to cuDNN's packed-row call,
     # whose 2.14 gate wants equal heads (repeated); flash only where cuDNN cannot take them
     c = bb.select_kernel(h100, "2.14.1", CUDNN_919, _spec(grouped=True), varlen=True)
@@ -297,7 +298,6 @@ def test_runtime_caps_are_the_planned_caps(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(cuda_blocks, "flex_available", lambda device_type: True)
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
-    installed_takes_gqa, installed = cuda_blocks.varlen_takes_gqa, torch.__version__
     for version in ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"):
         for cudnn in (CUDNN_919, 92400, None):
             monkeypatch.setattr(torch, "__version__", version)
@@ -305,13 +305,10 @@ def test_runtime_caps_are_the_planned_caps(monkeypatch):
             monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda c=cudnn: c is not None)
             cuda_blocks._caps_of.cache_clear()
             cuda_blocks._takes_grouped_kv.cache_clear()
-            monkeypatch.setattr(cuda_blocks, "varlen_takes_gqa", lambda v=version: v != "2.11.0")
             run, plan = cuda_blocks._caps_of(0), bb.caps_for(bb.GpuInfo.named("h100"), version, cudnn)
             assert run == plan, (version, cudnn, run, plan)
     cuda_blocks._caps_of.cache_clear()
     cuda_blocks._takes_grouped_kv.cache_clear()
-    # the installed varlen_attn's signature and the release table agree
-    assert installed_takes_gqa() == bb.caps_for(bb.GpuInfo.named("a100"), installed, None).varlen_gqa
 
 
 def test_ulysses_inner_sdpa_logs_the_kernel_that_ran(caplog, monkeypatch):

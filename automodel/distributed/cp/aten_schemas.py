@@ -62,16 +62,19 @@ back to the backward as returned (Ulysses' document blocks) or, where it merges 
 what 2.14 requires; 2.15 takes them as they are). It has no meta kernel in 2.11-2.15, so tests/test_aten_meta.py
 checks its schema and runs the glue against a stand-in bound to that schema.
 
-Flash through ``varlen_attn`` (:data:`VARLEN_GQA_FIRST_RELEASE`): from 2.12 the public ``varlen_attn`` takes
-``enable_gqa`` (keyword-only; it checks ``Hq % Hkv == 0``) and hands K/V as they are to
+Flash through ``varlen_attn`` (:data:`VARLEN_GQA`): every release hands K/V as they are to
 ``aten._flash_attention_forward`` / ``_flash_attention_backward`` with ``cum_seq_q`` / ``cum_seq_k``, FlashAttention-2's
 ``mha_varlen_fwd`` / ``mha_varlen_bwd``, which check only ``num_heads % num_heads_k == 0`` and return dK/dV at K/V's
-head count, as the padded ops do (:data:`GROUPED_KV`); its fake kernels return ``empty_like(key)`` for dK. 2.11's
-``varlen_attn`` has no ``enable_gqa``, and the glue repeats grouped K/V there. Handed grouped K/V with
-``enable_gqa``, 2.14's ``_can_use_cudnn`` refuses its cuDNN path (``enable_gqa or query.size(-2) != key.size(-2)``), so
-the call runs flash whatever the runtime cuDNN; 2.15's ``_cudnn_rejection_reasons`` has no head-count rule, so its
-backend follows SDPA's enabled backends and priority as for equal heads. Read from ``torch/nn/attention/varlen.py`` of
-the 2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0 wheels.
+head count, as the padded ops do (:data:`GROUPED_KV`); the fake kernels return ``empty_like(key)`` for dK. From 2.12
+(:data:`VARLEN_ENABLE_GQA_FIRST_RELEASE`) the public ``varlen_attn`` takes ``enable_gqa`` (keyword-only), which only
+adds a Python check (``Hq % Hkv == 0``; unequal heads without it raise) and reaches the same op call; 2.11's has no
+such keyword and no head check (its docstring shows equal heads), so the glue passes ``enable_gqa`` where the
+signature has it and grouped K/V either way. Handed grouped K/V, 2.14's ``_can_use_cudnn`` refuses its cuDNN path
+(``enable_gqa or query.size(-2) != key.size(-2)``), so the call runs flash whatever the runtime cuDNN; 2.15's
+``_cudnn_rejection_reasons`` has no head-count rule, so its backend follows SDPA's enabled backends and priority as
+for equal heads. Read from ``torch/nn/attention/varlen.py`` of the 2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0 wheels;
+``scripts/gpu_check.py``'s ``kernels/sdpa_flash/varlen`` line runs the call with 8 query heads over 2 KV heads against
+fp32 math on the lent GPU's torch.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ import re
 
 __all__ = ["CALLED_OPS", "CUDNN_VARLEN_CAUSAL_FIRST_RELEASE", "CUDNN_VARLEN_GQA_FIRST_RELEASE", "CUDNN_VARLEN_FIRST_RELEASE", "CUDNN_VARLEN_MIN_CUDNN",
            "CUDNN_VARLEN_SHORT_MIN_CUDNN", "GROUPED_KV", "LSE_LAYOUT", "SCHEMAS", "SUPPORTED_RELEASES",
-           "VARLEN_FOLLOWS_SDPA_FIRST_RELEASE", "VARLEN_GQA_FIRST_RELEASE", "VARLEN_LSE_LAYOUT", "VARLEN_OPS", "cudnn_varlen_problem",
+           "VARLEN_ENABLE_GQA_FIRST_RELEASE", "VARLEN_FOLLOWS_SDPA_FIRST_RELEASE", "VARLEN_GQA", "VARLEN_LSE_LAYOUT", "VARLEN_OPS", "cudnn_varlen_problem",
            "cudnn_varlen_runs", "installed_schema", "schema_for", "schema_problem", "takes_grouped_kv", "torch_release",
            "varlen_follows_sdpa", "varlen_lse_layout", "varlen_takes_grouped_kv"]
 
@@ -118,9 +121,10 @@ CUDNN_VARLEN_MIN_CUDNN = 91800
 #: ``torch.nn.attention.varlen._select_backend``), so a flash pin or auto's order decides; 2.14 runs cuDNN whenever
 #: its gate passes
 VARLEN_FOLLOWS_SDPA_FIRST_RELEASE = "2.15"
-#: from this release ``varlen_attn`` takes ``enable_gqa`` (K/V with fewer heads than Q, a divisor, handed to flash's
-#: varlen op as they are; dK/dV come back at K/V's head count); 2.11's has no such argument (module docstring)
-VARLEN_GQA_FIRST_RELEASE = "2.12"
+#: the releases whose ``varlen_attn`` hands K/V with fewer heads than Q (a divisor) to flash's varlen op as they are,
+#: dK/dV coming back at K/V's head count; the keyword ``enable_gqa`` that says so from 2.12 (module docstring)
+VARLEN_GQA = ("2.11", "2.15")
+VARLEN_ENABLE_GQA_FIRST_RELEASE = "2.12"
 
 #: op -> {(first release, last release): schema}
 SCHEMAS: dict[str, dict[tuple[str, str], str]] = {
@@ -325,9 +329,9 @@ def varlen_follows_sdpa(release: str) -> bool:
 
 
 def varlen_takes_grouped_kv(release: str) -> bool:
-    """Whether torch ``release``'s ``varlen_attn`` takes grouped K/V (``enable_gqa=True``,
-    :data:`VARLEN_GQA_FIRST_RELEASE`), inside the releases this table covers."""
-    return release in SUPPORTED_RELEASES and _key(release) >= _key(VARLEN_GQA_FIRST_RELEASE)
+    """Whether torch ``release``'s ``varlen_attn`` takes grouped K/V as they are (:data:`VARLEN_GQA`; with
+    ``enable_gqa=True`` from :data:`VARLEN_ENABLE_GQA_FIRST_RELEASE`); ``False`` outside the table (repeated)."""
+    return _key(VARLEN_GQA[0]) <= _key(release) <= _key(VARLEN_GQA[1]) and release in SUPPORTED_RELEASES
 
 
 def schema_problem(op: str, version: str) -> str | None:

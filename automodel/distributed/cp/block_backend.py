@@ -133,9 +133,9 @@ class CudaCaps:
         cudnn_varlen_gqa: ... with grouped K/V as they are too (torch >= 2.15; 2.14's gate wants equal heads).
         varlen_follows_sdpa: the installed torch's ``varlen_attn`` picks cuDNN or flash by SDPA's enabled backends
             and priority (torch >= 2.15), so under a flash pin or auto's order it runs flash when asked.
-        varlen_gqa: the installed torch's ``varlen_attn`` takes grouped K/V (``enable_gqa``, torch >= 2.12:
-            ``aten_schemas.VARLEN_GQA_FIRST_RELEASE``), so its flash call gets them as they are; 2.14's then runs
-            flash, never its cuDNN path.
+        varlen_gqa: the installed torch's ``varlen_attn`` hands grouped K/V to flash's varlen op as they are
+            (``aten_schemas.VARLEN_GQA``: torch 2.11-2.15, with ``enable_gqa`` from 2.12), so they are not repeated
+            for it; 2.14's then runs flash, never its cuDNN path.
     """
 
     capability: tuple[int, int]
@@ -402,8 +402,8 @@ def varlen_choice(
       documents from torch 2.15 only) and ``auto`` prefers cuDNN on this GPU (``caps.cudnn_preferred``) or
       ``model.attention_backend=cudnn`` pins it;
     - else flash through ``varlen_attn`` (causal, full, or a sliding ``window``) under ``auto`` or a flash pin,
-      grouped K/V as they are (``enable_gqa``) where that torch's ``varlen_attn`` takes them (``caps.varlen_gqa``:
-      torch >= 2.12; repeated per query head on 2.11), except where that ``varlen_attn`` would itself run cuDNN
+      grouped K/V as they are where that torch's ``varlen_attn`` hands them on so (``caps.varlen_gqa``: torch
+      2.11-2.15, with ``enable_gqa`` from 2.12; repeated per query head outside the table), except where that ``varlen_attn`` would itself run cuDNN
       regardless of SDPA's backends (torch 2.14: full attention of equal heads the cuDNN call takes; grouped K/V
       with ``enable_gqa`` turn its cuDNN path off): a flash pin (or ``auto`` where cuDNN is not preferred) then runs
       per-document blocks. From 2.15 ``varlen_attn`` follows the flash pin (``sdpa_kernel``) and auto's order, so it
@@ -425,7 +425,7 @@ def varlen_choice(
         return None
     expand = spec.grouped and not caps.varlen_gqa
     return Choice(FLASH, "all documents of the row in one varlen_attn call (flash)" +
-                  ("; grouped K/V as they are (enable_gqa)" if spec.grouped and not expand else ""), expand_kv=expand,
+                  ("; grouped K/V as they are" if spec.grouped and not expand else ""), expand_kv=expand,
                   varlen=True)  # fmt: skip
 
 
@@ -512,21 +512,20 @@ def caps_for(gpu: GpuInfo, torch_version: str, cudnn_version: int | None) -> Cud
         cap, release, cudnn_version, flash_op=has("_scaled_dot_product_flash_attention"),
         efficient_op=has("_scaled_dot_product_efficient_attention"), flex=True, varlen=True, cudnn_op=cudnn_op,
         cudnn_preferred=cudnn_op and cap in CUDNN_PREFERRED_CAPABILITIES and cudnn_version > CUDNN_PREFERRED_MIN_VERSION,
-        cudnn_varlen_ops=True, varlen_gqa=True,
+        cudnn_varlen_ops=True,
     )  # fmt: skip
 
 
 def release_caps(
     capability: tuple[int, int], release: str, cudnn_version: int | None, *, flash_op: bool, efficient_op: bool,
-    flex: bool, varlen: bool, cudnn_op: bool, cudnn_preferred: bool, cudnn_varlen_ops: bool, varlen_gqa: bool,
+    flex: bool, varlen: bool, cudnn_op: bool, cudnn_preferred: bool, cudnn_varlen_ops: bool,
 ) -> CudaCaps:  # fmt: skip
     """The :class:`CudaCaps` of a device of ``capability`` under torch ``release`` (``"2.15"``) with a runtime
     ``cudnn_version``, from what the caller found (the ops, FlexAttention, ``varlen_attn``, cuDNN and whether SDPA
     prefers it: a plan reads them from the tables, :func:`caps_for`; a run from the installed torch and the device,
     ``cuda_blocks.cuda_caps``) and what the tables of :mod:`~automodel.distributed.cp.aten_schemas` say of the
     release: one place for both, so a run selects exactly what its plan printed. ``cudnn_varlen_ops``: the
-    packed-row cuDNN ops exist; ``varlen_gqa``: ``varlen_attn`` has ``enable_gqa`` (and the release's table says
-    so)."""
+    packed-row cuDNN ops exist."""
     from automodel.distributed.cp import aten_schemas
 
     def cudnn_varlen_takes(**kw: Any) -> bool:
@@ -543,7 +542,7 @@ def release_caps(
         cudnn_varlen_causal=cudnn_varlen_takes(causal=True, max_q=None),
         cudnn_varlen_short=cudnn_varlen_takes(causal=False, max_q=1),
         cudnn_varlen_gqa=cudnn_varlen_takes(causal=False, max_q=None, grouped=True),
-        varlen_gqa=varlen and varlen_gqa and aten_schemas.varlen_takes_grouped_kv(release),
+        varlen_gqa=varlen and aten_schemas.varlen_takes_grouped_kv(release),
     )  # fmt: skip
 
 

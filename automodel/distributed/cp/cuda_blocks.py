@@ -77,7 +77,7 @@ __all__ = [
     "packed_takes",
     "varlen_documents",
     "varlen_available",
-    "varlen_takes_gqa",
+    "varlen_has_enable_gqa",
 ]
 
 logger = logging.getLogger("automodel.distributed.cp.blocks")
@@ -119,10 +119,9 @@ def varlen_available() -> bool:
 
 
 @functools.cache
-def varlen_takes_gqa() -> bool:
-    """The installed ``varlen_attn`` has an ``enable_gqa`` argument (torch >= 2.12,
-    ``aten_schemas.VARLEN_GQA_FIRST_RELEASE``; :func:`~automodel.distributed.cp.block_backend.release_caps` also asks
-    the release table)."""
+def varlen_has_enable_gqa() -> bool:
+    """The installed ``varlen_attn`` has the ``enable_gqa`` keyword (torch >= 2.12,
+    ``aten_schemas.VARLEN_ENABLE_GQA_FIRST_RELEASE``), which grouped K/V need there; 2.11's takes them without it."""
     if not varlen_available():
         return False
     import inspect
@@ -145,7 +144,6 @@ def _caps_of(index: int) -> CudaCaps:
         efficient_op=_has_op("_scaled_dot_product_efficient_attention"), flex=flex_available("cuda"),
         varlen=varlen_available(), cudnn_op=cudnn_op, cudnn_preferred=cudnn_op and _cudnn_preferred(capability),
         cudnn_varlen_ops=all(hasattr(torch.ops.aten, op) for op in aten_schemas.VARLEN_OPS),
-        varlen_gqa=varlen_takes_gqa(),
     )  # fmt: skip
 
 
@@ -548,8 +546,8 @@ def varlen_documents(
 
     Args:
         q: ``[T, Hq, D]``; k / v: ``[T, Hkv, D]`` (grouped K/V go to the call as they are where it takes them:
-            cuDNN's on torch 2.15, flash's ``varlen_attn`` with ``enable_gqa`` from torch 2.12; elsewhere they are
-            repeated per query head, :attr:`~automodel.distributed.cp.block_backend.Choice.expand_kv`).
+            cuDNN's on torch 2.15, flash's ``varlen_attn`` on 2.11-2.15, with ``enable_gqa`` from 2.12; elsewhere
+            they are repeated per query head, :attr:`~automodel.distributed.cp.block_backend.Choice.expand_kv`).
         cu_seqlens: ``[N+1]`` int32 document offsets into the T tokens.
         max_len: the longest document.
         causal: causal inside each document (else bidirectional).
@@ -583,7 +581,8 @@ def varlen_documents(
 
     left = -1 if window is None else window - 1
     window_size = (left, 0) if causal else (-1, -1)
-    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # grouped K/V as they are (choice.expand_kv off)
+    # grouped K/V as they are (choice.expand_kv off): 2.12 on wants enable_gqa for them, 2.11 has no such keyword
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and varlen_has_enable_gqa() else {}
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=sc, window_size=window_size, **gqa)
 
 
