@@ -36,12 +36,15 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   (RMSNorm weights, a row-parallel bias) whole. FSDP2 then shards all of it over ``dp_shard_cp``.
 * gradients: ``P_trainable / fsdp`` in the master dtype (FSDP2 keeps sharded gradients).
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
-  tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
-  outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
-  kernel saves them (2 q where the method's kernel is given them repeated to all heads: ring above head size 256,
-  where transformers' sdpa cannot pass ``enable_gqa``; 0 without GQA, under torch's SDPA with ``enable_gqa``, torch's
-  ring ops and the block kernels: ``CPMethod.saves_repeated_kv``), the
-  attention output and its transposed copy (2 h; with head groups only the copy, and no LSE), the residual (h), and
+  tensor from what autograd saves): ``(9 h + 2 kv + 4 I) c`` without checkpointing and CP, i.e. two RMSNorm
+  outputs each (4 h), q after RoPE (h), k after RoPE and v as the attention kernel is given them: at the KV heads
+  (2 kv: torch's SDPA with ``enable_gqa``, torch's ring ops and the block kernels) or repeated to all heads in their
+  place (2 q: transformers' sdpa where it cannot pass ``enable_gqa``, above head size 256 or given a mask; eager; ring
+  above head size 256, ``CPMethod.saves_repeated_kv``; never both, as repeat_kv and RoPE keep no input), the
+  attention output (h; torch's CPU SDPA returns it token-major for a q that is a transposed view of its projection,
+  so the output projection's input is a view of it) and, where the output is head-major (eager, layers in their own
+  code, a partial RoPE's concatenated q: :attr:`ModelDims.attn_output_copy`) and under CP, its transposed copy (h
+  more: :func:`_output_copies`; with head groups only the copy, and no LSE), the residual (h), and
   gate, up, silu(gate), silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
   ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B) and
   RoPE's cos and sin (``2 head_dim c``). Per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
@@ -52,13 +55,16 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   and, at the MLP's backward, the MLP's gradients. At a layer's attention (its forward; its backward, once the MLP's
   and the post-attention norm's backward have run) the residual stream holds only the input norm's ``2 h``: the
   residual add and the later norms are not made yet / freed (``3 h`` fewer than the whole layer: live-tensor
-  snapshots of ``scripts/bench_memory.py``'s Ulysses and ring rows).
+  snapshots of ``scripts/bench_memory.py``'s Ulysses and ring rows). Without CP the attention's backward holds the
+  output projection's input gradient and SDPA's dq, dk, dv besides (``2 q`` + K/V as saved; eager's moment, before
+  dq and dk, ``q`` + V's): the step's peak where q is wide next to the MLP (the 4 / 2 heads of 320 of
+  ``scripts/bench_memory.py --structures only``); under CP the method's workspace counts them.
   and, at the MLP's backward, the MLP's gradients. With checkpoint groups of ``k`` (``model.checkpoint_group_layers``,
   :mod:`automodel.models.checkpoint_groups`) only each group's first input is kept, ``ceil(L / k)``; a group's
   backward holds its ``k`` inputs (the others rebuilt): ``ceil(L / k) + k - 1`` at the backward's moments, or
   offloaded ``k + 1`` (with the previous group's prefetched) and ``ceil(L / k)`` on the host (:func:`_kept_inputs`).
   Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
-  ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
+  ones (q, k, v or the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
   and final norm, the layer inputs kept under checkpointing) stays whole on every TP rank unless
   ``distributed.sequence_parallel`` splits it ``/ tp`` too; then the attention block and the MLP
@@ -771,14 +777,16 @@ def _eager_score_bytes(c: int) -> int:
 
 
 def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
-    """The share of the layers whose attention saves K and V repeated to the query heads (``2 q`` per token more).
+    """The share of the layers whose attention saves K and V repeated to the query heads (``2 q`` per token in place
+    of the KV heads' ``2 kv``).
 
     Under CP the method says (:meth:`~automodel.distributed.cp.CPMethod.saves_repeated_kv`). Without CP (and without
     head groups, whose checkpointed groups save none) the model's attention function does: ``eager`` always repeats
     them (``repeat_kv`` before its matmuls); ``sdpa`` where transformers' ``use_gqa_in_sdpa`` cannot pass
     ``enable_gqa``: a head size above 256 (every layer) or a mask given (the layers of a sliding-window or chunked kind
     shorter than the row, or every layer of a model that always builds its mask). Measured:
-    ``scripts/bench_memory.py --structures only`` (4 heads / 1 KV head of 320)."""
+    ``scripts/bench_memory.py --structures only`` (4 heads / 2 KV heads of 320: the repeated copies alive at the loss,
+    k after RoPE and v at the KV heads freed)."""
     if not d.heads or d.kv_heads >= d.heads:
         return 0.0
     if r.cp > 1:
@@ -886,9 +894,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # a norm after the MLP (Gemma 2/3's post_feedforward_layernorm, of four norms per layer) has run its backward and
     # freed its input and normalized copy by the time backward reaches the MLP: 2 h fewer at the MLP's backward
     post_mlp_norm = 2 * h * c / s if d.layer_norms >= 4 else 0.0
-    # the attention's backward: dq, dk, dv take the place of the attention output's gradient and the MLP's freed
-    # tensors, and Ulysses' all-to-all buffers (the CP workspace) hold them; not counted apart (never the peak on
-    # CPU, where the MLP's backward is: scripts/bench_plan_cases.py)
+    # the attention's backward: the MLP's tensors are freed; dq, dk, dv and the attention output's gradient are
+    # attn_bwd without CP, the CP workspace's under CP (Ulysses' all-to-all buffers, ring's accumulators)
     # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head gathers its
     # input: h), ids/labels/positions (24 B, every TP rank holds them) and RoPE's cos and sin ([N, head_dim] each,
     # made once per forward, kept for the backward). Offloaded, the embedding output is the first layer's input:
