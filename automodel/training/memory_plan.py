@@ -81,7 +81,7 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   with ``model.attention_head_chunks=G`` (``RunShape.head_chunks`` at cp 1) no kernel output nor LSE is saved either,
   and the attention's backward adds one group's recomputed output and LSE, its output gradient made contiguous and its
   dq, dk, dv (``((3 q + 2 kv) c + 4 heads) / G``; ``scripts/bench_memory.py --head-groups only``: within 5%); the
-  untiled layer's terms stay as without groups (on the safe side).
+  untiled layer's terms stay as without groups (one token-major output saved: -2% there).
 * attention workspace: ring (torch's ring loop, :meth:`~automodel.distributed.cp.ring.RingMethod.attention_workspace`):
   the K/V blocks in flight at the KV heads (``2 kv c`` each: ``min(cp, 3)`` under the CPU's synchronous rotation,
   ``cp + 1`` under CUDA's all-gather), and in the forward the fp32 partial output and LSE being merged
