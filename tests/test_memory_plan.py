@@ -68,11 +68,17 @@ def test_model_dims_counts_parameters_once():
 
 
 def test_cp_divides_activations_and_logits_but_not_the_chunked_loss():
-    d = _dims()
+    # Llama's q is a transposed view of its projection: at cp 1 torch's SDPA returns the output token-major and no
+    # transposed copy is saved; the CP methods' outputs are counted with theirs (memory_plan._output_copies)
+    assert not _dims().attn_output_copy
+    d = dataclasses.replace(_dims(), attn_output_copy=True)
     one = plan_memory(d, RunShape(local_batch=1, seq=16384))
     two = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2, cp_method="ulysses"))  # SDPA's GQA, as at cp 1
     for term in ("activations", "logits and loss"):
         assert two.terms[term].bytes == pytest.approx(one.terms[term].bytes / 2, rel=1e-3)
+    no_copy = plan_memory(_dims(), RunShape(local_batch=1, seq=16384))
+    q = d.heads * d.head_dim
+    assert one.phases["loss"]["activations"] - no_copy.phases["loss"]["activations"] == d.layers * 16384 * q * 4
     # ring runs torch's ring ops through transformers' sdpa, which passes enable_gqa (K/V saved at the KV heads) up to
     # head size 256 and repeats K/V to the query heads above it: 2 q per token and layer more
     ring = plan_memory(d, RunShape(local_batch=1, seq=16384, cp=2))
@@ -80,7 +86,8 @@ def test_cp_divides_activations_and_logits_but_not_the_chunked_loss():
     wide = _dims(head_dim=512)  # 2 heads of 512, 1 KV head
     extra = [plan_memory(wide, RunShape(local_batch=1, seq=16384, cp=2, cp_method=m)).terms["activations"].bytes
              for m in ("ring", "ulysses")]  # fmt: skip
-    assert extra[0] - extra[1] == pytest.approx(2 * 2 * 512 * 4 * 8192 * 2, rel=1e-9)
+    # K/V repeated to the 2 query heads in place of the 1 KV head's (never both: repeat_kv and RoPE keep no input)
+    assert extra[0] - extra[1] == pytest.approx((2 * 2 * 512 - 2 * 512) * 4 * 8192 * 2, rel=1e-9)
     assert one.terms["logits and loss"].bytes == pytest.approx(3 * 16384 * 2048 * 4 + 16384 * 32 * 4)
     chunked = [plan_memory(d, RunShape(local_batch=1, seq=s, chunk_tokens=256)) for s in (4096, 65536)]
     loss = [p.terms["logits and loss"].bytes for p in chunked]
@@ -218,7 +225,8 @@ def test_tp_activations_split_heads_and_mlp_but_not_the_residual_stream_unless_s
         plan_memory(d, dataclasses.replace(shape, **kw)).phases["loss"]["activations"]
         for kw in ({}, {"tp": 2, "loss_parallel": True}, {"tp": 2, "loss_parallel": True, "sequence_parallel": True})
     )
-    split_per_layer = (h + 2 * kv + 2 * h + 4 * i) * c + 4 * 4  # q, k/v (SDPA's own GQA), attn out x2, MLP; LSE
+    # q, k/v (SDPA's own GQA), the attention output (token-major at cp 1: no transposed copy), MLP; LSE
+    split_per_layer = (h + 2 * kv + h + 4 * i) * c + 4 * 4
     assert one - two == pytest.approx(n * 2 * split_per_layer / 2)  # only the split half is gone
     stream = 2 * 5 * h * c + 4 * h * c  # two layers' norms + residual, embedding output + final norm
     gathered = 2 * 2 * h * c + h * c  # the attention and the MLP block gather their input once; the LM head too

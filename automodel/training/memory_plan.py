@@ -36,12 +36,15 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   (RMSNorm weights, a row-parallel bias) whole. FSDP2 then shards all of it over ``dp_shard_cp``.
 * gradients: ``P_trainable / fsdp`` in the master dtype (FSDP2 keeps sharded gradients).
 * activations, per decoder layer and local token (HF Llama-style block under sdpa, counted tensor by
-  tensor from what autograd saves): ``(10 h + 2 kv + 4 I) c`` without checkpointing, i.e. two RMSNorm
-  outputs each (4 h), q after RoPE (h), k after RoPE and v (2 kv), k and v as a GQA attention
-  kernel saves them (2 q where the method's kernel is given them repeated to all heads: ring above head size 256,
-  where transformers' sdpa cannot pass ``enable_gqa``; 0 without GQA, under torch's SDPA with ``enable_gqa``, torch's
-  ring ops and the block kernels: ``CPMethod.saves_repeated_kv``), the
-  attention output and its transposed copy (2 h; with head groups only the copy, and no LSE), the residual (h), and
+  tensor from what autograd saves): ``(9 h + 2 kv + 4 I) c`` without checkpointing and CP, i.e. two RMSNorm
+  outputs each (4 h), q after RoPE (h), k after RoPE and v as the attention kernel is given them: at the KV heads
+  (2 kv: torch's SDPA with ``enable_gqa``, torch's ring ops and the block kernels) or repeated to all heads in their
+  place (2 q: transformers' sdpa where it cannot pass ``enable_gqa``, above head size 256 or given a mask; eager; ring
+  above head size 256, ``CPMethod.saves_repeated_kv``; never both, as repeat_kv and RoPE keep no input), the
+  attention output (h; torch's CPU SDPA returns it token-major for a q that is a transposed view of its projection,
+  so the output projection's input is a view of it) and, where the output is head-major (eager, layers in their own
+  code, a partial RoPE's concatenated q: :attr:`ModelDims.attn_output_copy`) and under CP, its transposed copy (h
+  more: :func:`_output_copies`; with head groups only the copy, and no LSE), the residual (h), and
   gate, up, silu(gate), silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
   ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B) and
   RoPE's cos and sin (``2 head_dim c``). Per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
@@ -52,13 +55,16 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   and, at the MLP's backward, the MLP's gradients. At a layer's attention (its forward; its backward, once the MLP's
   and the post-attention norm's backward have run) the residual stream holds only the input norm's ``2 h``: the
   residual add and the later norms are not made yet / freed (``3 h`` fewer than the whole layer: live-tensor
-  snapshots of ``scripts/bench_memory.py``'s Ulysses and ring rows).
+  snapshots of ``scripts/bench_memory.py``'s Ulysses and ring rows). Without CP the attention's backward holds the
+  output projection's input gradient and SDPA's dq, dk, dv besides (``2 q`` + K/V as saved; eager's moment, before
+  dq and dk, ``q`` + V's): the step's peak where q is wide next to the MLP (the 4 / 2 heads of 320 of
+  ``scripts/bench_memory.py --structures only``); under CP the method's workspace counts them.
   and, at the MLP's backward, the MLP's gradients. With checkpoint groups of ``k`` (``model.checkpoint_group_layers``,
   :mod:`automodel.models.checkpoint_groups`) only each group's first input is kept, ``ceil(L / k)``; a group's
   backward holds its ``k`` inputs (the others rebuilt): ``ceil(L / k) + k - 1`` at the backward's moments, or
   offloaded ``k + 1`` (with the previous group's prefetched) and ``ceil(L / k)`` on the host (:func:`_kept_inputs`).
   Activations divide by ``cp`` (the local tokens). Tensor parallelism divides the per-head and MLP
-  ones (q, k, v, the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
+  ones (q, k, v or the repeated K/V, the attention output and its copy, the four MLP tensors, the LSE)
   by ``tp``; the residual stream (the two norms' ``4 h``, the residual ``h``, the embedding output
   and final norm, the layer inputs kept under checkpointing) stays whole on every TP rank unless
   ``distributed.sequence_parallel`` splits it ``/ tp`` too; then the attention block and the MLP
@@ -75,7 +81,7 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   with ``model.attention_head_chunks=G`` (``RunShape.head_chunks`` at cp 1) no kernel output nor LSE is saved either,
   and the attention's backward adds one group's recomputed output and LSE, its output gradient made contiguous and its
   dq, dk, dv (``((3 q + 2 kv) c + 4 heads) / G``; ``scripts/bench_memory.py --head-groups only``: within 5%); the
-  untiled layer's terms stay as without groups (on the safe side).
+  untiled layer's terms stay as without groups (one token-major output saved: -2% there).
 * attention workspace: ring (torch's ring loop, :meth:`~automodel.distributed.cp.ring.RingMethod.attention_workspace`):
   the K/V blocks in flight at the KV heads (``2 kv c`` each: ``min(cp, 3)`` under the CPU's synchronous rotation,
   ``cp + 1`` under CUDA's all-gather), and in the forward the fp32 partial output and LSE being merged
@@ -243,6 +249,12 @@ class ModelDims:
     #: bytes of the model's buffers of 1 MiB or more (GPT-Neo's ``[P, P]`` boolean causal or local-window mask in every
     #: attention layer, ``P = max_position_embeddings``): whole on every rank, FSDP2 does not shard buffers
     buffer_bytes: int = 0
+    #: the attention output is head-major where the output projection needs it token-major, so a layer keeps a
+    #: transposed copy of it beside the kernel's (:func:`_output_copies`): a query made contiguous head-major before
+    #: the kernel (a partial RoPE concatenating its rotated and passed parts: GPT-NeoX, Phi, StableLM) or layers in
+    #: their own code (:func:`_attn_output_copy`); ``False`` where q is a transposed view of its projection (Llama,
+    #: Qwen, Gemma, Falcon, GPT-2: torch's CPU SDPA then returns the output token-major and no copy is made)
+    attn_output_copy: bool = True
 
     @property
     def matmul_params(self) -> int:
@@ -536,6 +548,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     if "intermediate" in mlp and not isinstance(c.intermediate_size, (list, tuple)):
         inter = mlp.pop("intermediate")  # the modules' width (GPT-2's n_inner, Falcon's ffn_hidden_size)
     mlp.pop("intermediate", None)
+    kinds = _layer_kinds(model, c)
     return ModelDims(
         layers=c.num_hidden_layers,
         hidden=c.hidden_size,
@@ -559,7 +572,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         qk_norm=any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
-        **_layer_kinds(model, c),
+        **kinds,
+        attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
     )
@@ -579,6 +593,26 @@ def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
     if shape is None:
         return {}
     return {"intermediate": shape.width, "mlp_gated": shape.gated, "mlp_moments": shape.moments}
+
+
+def _attn_output_copy(model, own_code_layers: int) -> bool:  # noqa: ANN001
+    """:attr:`ModelDims.attn_output_copy` from the (text) config: layers in their own code merge their heads with a
+    copy; a partial rotary embedding (``partial_rotary_factor`` in the rope parameters, of any layer type, or the
+    config: GPT-NeoX, Phi, StableLM, Persimmon) is applied to a slice of q and concatenated with the rest, so q reaches
+    the kernel contiguous head-major (GPT-NeoX concatenates at any factor). Otherwise transformers' models give the
+    kernel q as a transposed view of its projection and the output needs no copy (a snapshot of the tensors alive at
+    the loss: ``scripts/bench_memory.py --structures only``)."""
+    if own_code_layers:
+        return True
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "partial_rotary_factor", None) is not None or getattr(text, "rotary_pct", None) is not None:
+        return True
+    rope = getattr(text, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return False
+    per_type = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # Gemma 3: a dict per layer type
+    return any(p.get("partial_rotary_factor") is not None for p in per_type)
 
 
 def _kept_inputs(d: ModelDims, r: RunShape) -> tuple[int, int]:
@@ -743,14 +777,16 @@ def _eager_score_bytes(c: int) -> int:
 
 
 def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
-    """The share of the layers whose attention saves K and V repeated to the query heads (``2 q`` per token more).
+    """The share of the layers whose attention saves K and V repeated to the query heads (``2 q`` per token in place
+    of the KV heads' ``2 kv``).
 
     Under CP the method says (:meth:`~automodel.distributed.cp.CPMethod.saves_repeated_kv`). Without CP (and without
     head groups, whose checkpointed groups save none) the model's attention function does: ``eager`` always repeats
     them (``repeat_kv`` before its matmuls); ``sdpa`` where transformers' ``use_gqa_in_sdpa`` cannot pass
     ``enable_gqa``: a head size above 256 (every layer) or a mask given (the layers of a sliding-window or chunked kind
     shorter than the row, or every layer of a model that always builds its mask). Measured:
-    ``scripts/bench_memory.py --structures only`` (4 heads / 1 KV head of 320)."""
+    ``scripts/bench_memory.py --structures only`` (4 heads / 2 KV heads of 320: the repeated copies alive at the loss,
+    k after RoPE and v at the KV heads freed)."""
     if not d.heads or d.kv_heads >= d.heads:
         return 0.0
     if r.cp > 1:
@@ -765,6 +801,29 @@ def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
     return sum(n for limit, n in d.attention_kinds if 0 < limit < r.seq) / total if total else 0.0
 
 
+def _output_copies(d: ModelDims, r: RunShape) -> int:
+    """How many ``[N, q]`` tensors of the attention output a layer saves: the kernel's output (which its backward
+    reads) and the contiguous ``[B, S, H, D]`` copy the output projection is given (transformers'
+    ``attn_output.transpose(1, 2).contiguous()``, or a layer's own head merge).
+
+    Without CP the copy is made only where the output is head-major: torch's CPU SDPA
+    kernels lay their output out as the query is laid out, so a query that is a transposed view of its projection
+    (``view(B, S, H, D).transpose(1, 2)``, RoPE's elementwise products keep that layout: Llama, Qwen, Gemma, Falcon,
+    GPT-2) gives an output whose ``.transpose(1, 2).contiguous()`` is a view (1 tensor); a query made contiguous
+    head-major before the kernel (a partial RoPE that concatenates the rotated and the passed part: GPT-NeoX, Phi,
+    StableLM; :attr:`ModelDims.attn_output_copy`), ``eager`` attention (its ``probs @ v`` is head-major) and layers in
+    their own code copy it (2); the CUDA kernels (flash, cuDNN, efficient) return their output token-major whatever
+    q's layout, so this errs high there. Measured: ``scripts/bench_memory.py --structures only`` (snapshots of the tensors
+    alive at the loss: no copy for the Llama, Gemma-3-like, Falcon and GPT-2 rows, one per layer for GPT-NeoX's and
+    GPT-Neo's). Under CP the methods' outputs are counted with their copy (2); with head groups
+    (``distributed.ulysses_head_chunks > 1``) only the copy (1: the kernel's output is not saved)."""
+    if r.cp > 1:
+        return 1 if r.head_chunks > 1 else 2
+    # model.attention_head_chunks at cp 1: the groups write into one token-major output, which the output projection
+    # saves (their kernels' outputs are not kept): the same count, 1 (on the safe side where the model copies)
+    return 2 if r.attn == "eager" or d.attn_output_copy else 1
+
+
 def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     """The activations at each moment of a step, bytes per rank on the device (:class:`_Activations`)."""
     layer_tile = _layer_tile(d, r)
@@ -772,17 +831,22 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         return _tiled_layer_terms(d, r, layer_tile)
     n, c, tp, s = r.local_tokens, r.compute_bytes, r.tp, r.stream_split
     h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
-    # GQA: K/V repeated to all query heads are saved only where the method's CPU kernel is given them (torch's
-    # ring through transformers' sdpa); the block kernels and torch's SDPA with enable_gqa keep the KV heads
-    repeated = 2 * d.heads * d.head_dim * _repeated_kv_share(d, r)
+    # K and V as the attention kernel saves them: repeated to all query heads (2 q) where it is given them so
+    # (_repeated_kv_share), else at the KV heads (2 kv; the block kernels and torch's SDPA with enable_gqa). Never
+    # both: transformers' repeat_kv (expand, then a reshape that copies) and RoPE (its products save cos and sin) do
+    # not keep their inputs, so k after RoPE and v at the KV heads are freed once repeated (snapshots of
+    # scripts/bench_memory.py --structures only, 4 / 2 heads of 320: only the [B, 2, 2, S, 320] copies are alive)
+    share = _repeated_kv_share(d, r)
+    kv_saved = 2 * d.heads * d.head_dim * share + 2 * kv * (1 - share)
     # the residual stream: each hidden-size norm saves its input's normalized copy and its output (2 h; Llama:
     # two norms, Gemma 3: four), and the residual (h); whole on every TP rank unless sequence parallel splits
     # it; then the attention and the MLP block each all-gather their input once, and their projections save
     # that gathered [N, h] for the weight gradients
     stream = (2 * d.layer_norms + 1) * h / s
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
-    # per head, split over TP: q after RoPE, k and v, the repeated K/V, the attention output and its transposed
-    # copy; per-head q/k norms (Qwen3, Gemma 3) save their input and normalized output (2 (h + kv))
+    # per head, split over TP: q after RoPE, K and V as the kernel saves them, the attention output and, where one is
+    # made, its transposed copy (_output_copies); per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
+    # output (2 (h + kv))
     # q = heads x head_dim: the query heads' width, which is the hidden size only where head_dim = h / heads (Gemma 2's
     # 16 heads of 256 on 3584, the --structures row's 4 of 320 on 128: q, the output and its copy are [N, q])
     q = d.heads * d.head_dim
@@ -791,7 +855,17 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # output nor its LSE is saved (automodel.distributed.cp.head_chunks): the local q/k/v and the output projection's
     # input are (measured: scripts/bench_memory.py --headwise only, 4.25 MiB below one group at 4096 local tokens)
     grouped = r.head_chunks > 1 and r.cp > 1
-    attn = (q + repeated + 2 * kv + (1 if grouped else 2) * q + qk) / tp if d.heads else 0.0
+    attn = (q + kv_saved + _output_copies(d, r) * q + qk) / tp if d.heads else 0.0
+    # without CP (and without head groups) the attention's backward holds the output projection's input gradient and
+    # SDPA's dq, dk, dv (K and V at the width the kernel was given them) beside the saved tensors: 2 q + kv_saved,
+    # the step's peak where q is wide next to the MLP (the 4 / 2 heads of 320: 40 MiB at 2048 tokens, one
+    # [B, S, q] gradient and the kernel's three [B, 4, S, 320] outputs). eager's moment (its scores' gradient in
+    # flight) comes after dv and before q @ k^T's backward makes dq and dk: q + kv_saved / 2. Under CP the method's
+    # workspace holds them (ring: CPMethod.workspace_holds_qkv_grads; Ulysses: the full-row gradients around its
+    # all-to-alls)
+    attn_bwd = 0.0
+    if d.heads and r.cp == 1 and r.head_chunks == 1:
+        attn_bwd = (q + kv_saved / 2 if r.attn == "eager" else 2 * q + kv_saved) / tp * c
     lse = 0.0 if grouped else d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
     tile = _mlp_tile(d, r)
     mlp = _mlp_moments(d)
@@ -820,9 +894,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # a norm after the MLP (Gemma 2/3's post_feedforward_layernorm, of four norms per layer) has run its backward and
     # freed its input and normalized copy by the time backward reaches the MLP: 2 h fewer at the MLP's backward
     post_mlp_norm = 2 * h * c / s if d.layer_norms >= 4 else 0.0
-    # the attention's backward: dq, dk, dv take the place of the attention output's gradient and the MLP's freed
-    # tensors, and Ulysses' all-to-all buffers (the CP workspace) hold them; not counted apart (never the peak on
-    # CPU, where the MLP's backward is: scripts/bench_plan_cases.py)
+    # the attention's backward: the MLP's tensors are freed; dq, dk, dv and the attention output's gradient are
+    # attn_bwd without CP, the CP workspace's under CP (Ulysses' all-to-all buffers, ring's accumulators)
     # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head gathers its
     # input: h), ids/labels/positions (24 B, every TP rank holds them) and RoPE's cos and sin ([N, head_dim] each,
     # made once per forward, kept for the backward). Offloaded, the embedding output is the first layer's input:
@@ -862,7 +935,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
-        bwd_a = n * (kept + always + body_attn + grads) + s2 + copy_max + in_flight
+        bwd_a = n * (kept + always + body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
@@ -873,7 +946,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
-    bwd_a = before + n * (body_attn + grads) + s2 + copy_max + in_flight
+    bwd_a = before + n * (body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
