@@ -251,7 +251,8 @@ CASES = [
 @contextlib.contextmanager
 def _phase_marks(tracker, phases: dict[str, int]):  # noqa: ANN001, ANN202
     """While active, ``Tensor.backward`` splits the tracker's peak into phases: ``forward+loss`` (until backward
-    starts), ``backward`` (until it returns), and what comes after it (``optimizer``, set by the caller)."""
+    starts), ``backward`` (until the micro-batch returns, its CP context closed), and what comes after it
+    (``optimizer``, set by the caller)."""
     original = torch.Tensor.backward
 
     snap = getattr(tracker, "report", None)  # a PeakSnapshots tracker (--snapshots): each phase's peak storages
@@ -269,11 +270,26 @@ def _phase_marks(tracker, phases: dict[str, int]):  # noqa: ANN001, ANN202
         if snap:
             tracker.snapshot = None
 
+    import automodel.training.trainer as trainer_module
+
+    run_micro_batch = trainer_module.run_micro_batch
+
+    def micro_batch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        # the micro-batch's tail (its CP context closing after backward, freeing what the context held) belongs to
+        # the backward phase; the optimizer phase starts once the micro-batch has returned
+        out = run_micro_batch(*args, **kwargs)
+        if "backward" in phases:
+            phases["backward"] = max(phases["backward"], tracker.peak)
+            tracker.peak = tracker.current
+        return out
+
     torch.Tensor.backward = backward
+    trainer_module.run_micro_batch = micro_batch
     try:
         yield
     finally:
         torch.Tensor.backward = original
+        trainer_module.run_micro_batch = run_micro_batch
 
 
 @contextlib.contextmanager

@@ -8,6 +8,8 @@ inner kernels, and an odd sequence length (uneven shards).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -75,6 +77,39 @@ def test_cp1_matches_the_model_exactly(inner, kind):
     with ctx_factory():
         got = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("inner", ["sdpa", "eager"])
+def test_whole_row_masks_are_freed_with_the_context(inner):
+    """The whole-row masks a Ulysses context builds (a sliding window's ``[B, 1, S, S]``, one per layer kind) are
+    dropped when its block exits, so a loop that keeps the context factory through its optimizer step does not hold
+    them there; the same factory entered again builds the same masks (identical logits), and a backward after the
+    block still gets the exact gradients (autograd keeps what it saved)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64, sliding_window=5,
+                               max_position_embeddings=128, attn_implementation=inner)  # fmt: skip
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32)  # its own config: switched
+    model.load_state_dict(ref.state_dict())
+    set_ulysses_attention(model)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    expected = ref(input_ids=ids, use_cache=False).logits
+    expected.square().sum().backward()
+    ctx_factory, local = make_ulysses_batch_and_ctx(None, {"input_ids": ids}, inner_attn=inner)
+    runs = []
+    for _ in range(2):
+        with ctx_factory() as ctx:
+            runs.append(model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits)
+            assert any(isinstance(m, torch.Tensor) and m.shape[-2:] == (16, 16) for m in ctx._masks.values())
+        assert ctx._masks == {}
+    torch.testing.assert_close(runs[0], expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(runs[0], runs[1])
+    runs[0].square().sum().backward()  # after the block: the saved tensors, not the dropped cache
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad - q.grad).norm() <= REL * q.grad.norm(), name
 
 
 @pytest.mark.parametrize("second_start", [0, 7])

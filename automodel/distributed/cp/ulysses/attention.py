@@ -335,11 +335,18 @@ def ulysses_context(ctx: UlyssesContext, *, require_attention: bool = True) -> I
 
     With ``require_attention`` (default), a block that ran no Ulysses attention call at all raises
     ``RuntimeError`` on exit: that almost always means the model was not switched with
-    :func:`set_ulysses_attention` and silently attended within each rank's slice only.
+    :func:`set_ulysses_attention` and silently attended within each rank's slice only. On exit the masks the block
+    built for the whole row (cached per layer kind on ``ctx``: ``[B, 1, S, S]`` each) are dropped (mutates ``ctx``).
     """
     message = not_switched_message("Ulysses", "set_ulysses_attention", ULYSSES_ATTN_NAME, "slice of the sequence")
-    with activate("ulysses", ctx, require_attention=require_attention, message=message):
-        yield ctx
+    try:
+        with activate("ulysses", ctx, require_attention=require_attention, message=message):
+            yield ctx
+    finally:
+        # the whole-row masks (``[B, 1, S, S]`` per layer kind) are freed with the block, not with ``ctx``: a loop that
+        # keeps the context factory through its optimizer step must not hold them there (a backward inside the block
+        # has run; one outside it gets them from autograd, or rebuilds the same masks on re-entry)
+        ctx._masks.clear()
 
 
 # ---------------------------------------------------------------------------------------------------------
