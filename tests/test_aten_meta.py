@@ -517,6 +517,27 @@ def test_torch_214_keeps_grouped_blocks_out_of_the_packed_call():
     assert "not GQA" in aten_schemas.cudnn_varlen_problem("2.14", 91900, causal=False, max_q=None, grouped=True)
 
 
+def test_cudnn_packed_blocks_off_runs_one_call_per_block(monkeypatch):
+    """model.cudnn_packed_blocks=false (the train context's packed_blocks_context(False)): where the GPU and torch
+    take a block set in one packed-row call, packed_takes says no (each block runs its own cuDNN call), on again
+    outside the block; a value that is not a bool is refused."""
+    from automodel.distributed.cp import attention_kernels as ak
+    from automodel.distributed.cp import cuda_blocks
+
+    monkeypatch.setattr(cuda_blocks, "cuda_caps", lambda device: bb.caps_for(bb.GpuInfo.named("h100"), "2.15.0", 91900))
+    q = torch.empty(300, 8, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(300, 2, 128, dtype=torch.bfloat16, device="meta")
+    assert cuda_blocks.packed_takes(q, k, k, [0, 150, 300], causal=True)
+    with ak.packed_blocks_context(False):
+        assert not ak.packed_blocks_enabled()
+        assert not cuda_blocks.packed_takes(q, k, k, [0, 150, 300], causal=True)
+        assert cuda_blocks.packed_forward(q, k, k, [0, 150, 300], [0, 150, 300], True, None) is None
+    assert cuda_blocks.packed_takes(q, k, k, [0, 150, 300], causal=True)
+    with pytest.raises(TypeError, match="cudnn_packed_blocks must be true or false"):
+        with ak.packed_blocks_context("no"):
+            pass
+
+
 def test_the_plans_packed_call_term(monkeypatch):
     """The memory plan's term for the packed-row calls of thd / thd_docs / usp (block_sets.packed_call_bytes): the
     key stream's K/V copies and the calls' dK/dV (4 x Hkv D per key token), the diagonal set's (4 x Hkv D per query
@@ -532,3 +553,4 @@ def test_the_plans_packed_call_term(monkeypatch):
         assert packed_call_bytes(kv, q, 1000, 100, 2, bb.CUDNN) == grouped_bytes, version
         assert packed_call_bytes(q, q, 1000, 100, 2, bb.CUDNN) == equal_bytes, version
         assert packed_call_bytes(kv, q, 1000, 100, 2, bb.FLASH) == 0
+        assert packed_call_bytes(q, q, 1000, 100, 2, bb.CUDNN, enabled=False) == 0  # model.cudnn_packed_blocks=false

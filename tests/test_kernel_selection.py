@@ -404,11 +404,13 @@ def test_the_dry_run_says_where_thd_blocks_run_packed():
                            False)  # fmt: skip
     h100 = bb.GpuInfo.named("h100")
     line = layer_kind_kernel_lines(profile, h100, "2.15.0", CUDNN_919)[0]
-    assert "thd / thd_docs prefix and diagonal blocks: one cuDNN packed-row call each per layer" in line
+    assert "thd / thd_docs / usp prefix and diagonal blocks: one cuDNN packed-row call each per layer" in line
+    off = layer_kind_kernel_lines(profile, h100, "2.15.0", CUDNN_919, packed_blocks=False)[0]  # cudnn_packed_blocks
+    assert "packed-row" not in off and "one cuDNN call per block (model.cudnn_packed_blocks=false)" in off
     assert "packed-row" not in layer_kind_kernel_lines(profile, h100, "2.14.1", CUDNN_919)[0]  # GQA: 2.15 only
     mha = ModelProfile("x", "X", (LayerSpec(0, FULL, qk_head_dim=128, v_head_dim=128),), 8, 8, 128, False, "sdpa",
                        False)  # fmt: skip
-    assert "thd / thd_docs prefix blocks: one cuDNN packed-row call" in layer_kind_kernel_lines(
+    assert "thd / thd_docs / usp prefix blocks: one cuDNN packed-row call" in layer_kind_kernel_lines(
         mha, h100, "2.14.1", CUDNN_919)[0]
     assert "packed-row" not in layer_kind_kernel_lines(profile, h100, "2.13.0", CUDNN_919)[0]
     assert "packed-row" not in layer_kind_kernel_lines(profile, bb.GpuInfo.named("a100"), "2.15.0", CUDNN_919)[0]

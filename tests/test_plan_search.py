@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import yaml
 
 from automodel.cli import main
 from automodel.models.tiled_mlp import resolve_tile_tokens
@@ -67,7 +68,6 @@ def test_plan_reaches_the_llama_8b_targets_and_fits_one_screen(capsys, gpus, gpu
 def test_plan_reaches_the_32b_target_with_checkpoint_groups_and_ships_its_row(capsys):
     """Issue 42's 32B target (3.0M tokens on 8 H100s, host within 2 TiB per node): the host-bound row gains checkpoint
     groups of 2 (only every other layer input offloaded); configs/qwen2_5_32b_longest_8gpu.yaml is that row."""
-    import yaml
 
     config = "configs/qwen2_5_32b_longest_8gpu.yaml"
     assert main(["plan", "--config", config, "--gpus", "8", "--gpu-type", "h100"]) == 0
@@ -301,3 +301,40 @@ def test_gpus_per_node_keeps_tp_in_a_node_and_shares_its_host_memory(capsys):
     eight, *_ = build_search(CONFIG_8B, [], 8, "h100")
     four, *_ = build_search(CONFIG_8B, [], 8, "h100", gpus_per_node=4)
     assert max(lay.tp for lay in eight.layouts()) == 8 and max(lay.tp for lay in four.layouts()) == 4
+
+
+@pytest.mark.parametrize("method", ["thd", "usp"])
+def test_the_plan_counts_cudnn_packed_blocks_only_when_on(monkeypatch, method):
+    """model.cudnn_packed_blocks: on a torch whose varlen_attn runs cuDNN's packed-row call (2.15 here), the plan's
+    attention workspace holds the packed calls' copies with it on and not with it off (the run then calls cuDNN per
+    block); a torch without the call (2.13) plans the same either way."""
+    import dataclasses
+
+    from automodel.training.memory_plan import RunShape, plan_memory
+
+    d = _dims(heads=8, kv_heads=2, head_dim=128, hidden=1024)
+    opts = (("ulysses_size", 2),) if method == "usp" else ()
+    base = RunShape(local_batch=1, seq=65536, cp=4, cp_method=method, cp_options=opts, compute_bytes=2,
+                    attention_kernel="sdpa_cudnn", packed=True)  # fmt: skip
+    for version, grows in (("2.15.0", True), ("2.13.0", False)):
+        monkeypatch.setattr(torch, "__version__", version)
+        on = plan_memory(d, base).terms["attention workspace"].bytes
+        off = plan_memory(d, dataclasses.replace(base, cudnn_packed_blocks=False)).terms["attention workspace"].bytes
+        assert (on > off) == grows and on >= off, (version, on, off)
+
+
+def test_the_32b_row_needs_cudnn_packed_blocks_off_on_torch_215(capsys, monkeypatch):
+    """The shipped 32B longest-row config sets model.cudnn_packed_blocks=false: planned under a torch that runs the
+    packed-row calls (2.15 with cuDNN 9.26), the shipped row is the longest only without them; with them the row is
+    shorter (their copies of the row's K/V take the room)."""
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 92600)
+    config = "configs/qwen2_5_32b_longest_8gpu.yaml"
+    longest = {}
+    for value in ("false", "true"):
+        assert main(["plan", "--config", config, "--gpus", "8", "--gpu-type", "h100",
+                     f"model.cudnn_packed_blocks={value}"]) == 0  # fmt: skip
+        longest[value] = _longest(capsys.readouterr().out)
+    with open(config) as f:
+        assert yaml.safe_load(f)["data"]["seq_len"] == longest["false"] > longest["true"], longest

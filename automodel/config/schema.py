@@ -106,6 +106,11 @@ class ModelSection:
     # The CUDA attention kernel: auto (torch's pick for the GPU) | flash | cudnn | efficient | flex | math
     # (automodel.distributed.cp.attention_kernels; the memory plan counts the kernel's backward buffers)
     attention_backend: str = "auto"
+    # cuDNN's packed-row calls for thd's, thd_docs' and usp's block sets (one call for every diagonal block of a layer,
+    # one for every prefix block; torch >= 2.14 with cuDNN >= 9.18 on Hopper / Blackwell): fewer kernel launches, but
+    # token-major copies of the row's K/V and their gradients (the memory plan counts them). false: one cuDNN call per
+    # block instead, as on older torch (automodel.distributed.cp.block_sets; docs/gpu.md)
+    cudnn_packed_blocks: bool = True
     activation_checkpointing: bool = False
     # Sequence-tiled MLP (automodel.models.tiled_mlp): false | true (tile picked from hidden and MLP sizes) | tokens per tile
     tiled_mlp: bool | int = False

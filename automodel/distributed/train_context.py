@@ -20,6 +20,7 @@ def get_train_context(
     compiled_autograd_backend: str = "inductor",
     attention_backend: str = "auto",
     device_type: str = "cuda",
+    cudnn_packed_blocks: bool = True,
 ) -> Callable[[], contextlib.AbstractContextManager]:
     """Return a factory of the context every forward+backward runs in: ``with train_ctx(): ...``.
 
@@ -35,6 +36,8 @@ def get_train_context(
         attention_backend: ``model.attention_backend``; on a ``device_type`` ``"cuda"`` run a pinned kernel runs
             every attention call, and ``auto`` sets SDPA's priority to the block kernels' rule
             (:func:`automodel.distributed.cp.attention_kernels.attention_backend_context`).
+        cudnn_packed_blocks: ``model.cudnn_packed_blocks``; ``False`` runs thd's, thd_docs' and usp's block sets one
+            cuDNN call per block (:func:`automodel.distributed.cp.attention_kernels.packed_blocks_context`).
     """
 
     @contextlib.contextmanager
@@ -52,6 +55,10 @@ def get_train_context(
                 from automodel.distributed.cp.attention_kernels import attention_backend_context
 
                 stack.enter_context(attention_backend_context(attention_backend, device_type))
+            if not cudnn_packed_blocks:
+                from automodel.distributed.cp.attention_kernels import packed_blocks_context
+
+                stack.enter_context(packed_blocks_context(False))
             if cp_context is not None:
                 stack.enter_context(cp_context)
             yield

@@ -297,8 +297,9 @@ def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
 
 def _kernel_lines(plan: _Plan, profile: Any, out: list[str]) -> None:
     """The attention kernel of each layer kind's blocks on the planned GPU (``recipe.gpu_type``, else an H100),
-    with this torch and its cuDNN (on a CPU-only torch the reference wheel's, ``REFERENCE_CUDNN_VERSION``), ``model.attention_backend``'s
-    pin, as the run's CUDA block kernels select them (``block_backend.select_kernel``)."""
+    with this torch and its cuDNN (on a CPU-only torch the reference wheel's, ``REFERENCE_CUDNN_VERSION``; a CUDA
+    build's own without a GPU too, as the memory plan takes it), ``model.attention_backend``'s pin and
+    ``model.cudnn_packed_blocks``, as the run's CUDA block kernels select them (``block_backend.select_kernel``)."""
     import torch
 
     from automodel.config.cp_auto import packed_rows
@@ -313,7 +314,8 @@ def _kernel_lines(plan: _Plan, profile: Any, out: list[str]) -> None:
     gpu_type = (cfg.recipe.gpu_type or "h100").lower()
     spec = GPU_SPECS.get(gpu_type)
     gpu = GpuInfo(spec.name if spec else gpu_type, spec.capability if spec else (9, 0))
-    cudnn = torch.backends.cudnn.version() if torch.cuda.is_available() and torch.backends.cudnn.is_available() else None
+    # the installed torch's cuDNN, with or without a GPU here: the plan's (memory_plan.planned_kernel)
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     backend = cfg.model.attention_backend
     pinned = None if backend == AUTO_BACKEND else KERNEL_OF_BACKEND[backend]
     cudnn_text = f"cuDNN {cudnn}"
@@ -323,7 +325,7 @@ def _kernel_lines(plan: _Plan, profile: Any, out: list[str]) -> None:
                f"{torch.__version__.split('+')[0]}, {cudnn_text}) ---")  # fmt: skip
     try:
         out.extend(layer_kind_kernel_lines(profile, gpu, torch.__version__, cudnn, pinned=pinned,
-                                           packed=packed_rows(cfg)))  # fmt: skip
+                                           packed=packed_rows(cfg), packed_blocks=cfg.model.cudnn_packed_blocks))  # fmt: skip
     except ValueError as e:  # a torch outside the kernel table
         out.append(f"  not planned: {e}")
 

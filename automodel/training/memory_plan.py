@@ -326,6 +326,9 @@ class RunShape:
     #: which the activations are calibrated on; a CUDA kernel adds what its backward allocates)
     attention_kernel: str = "cpu"
     attention_kernel_rule: str = ""  # why that kernel (model.attention_backend, or auto's rule for the GPU)
+    #: model.cudnn_packed_blocks: thd's, thd_docs' and usp's block sets in cuDNN's packed-row calls where the torch
+    #: the plan runs under takes them (automodel.distributed.cp.block_sets.packed_call_bytes)
+    cudnn_packed_blocks: bool = True
 
     @property
     def method(self):  # noqa: ANN201 - a CPMethod
@@ -1588,6 +1591,7 @@ def run_shape_from_config(cfg, sizes: dict[str, int], seq: int, grad_acc: int, d
         cp_options=_cp_options(cfg),
         head_chunks=_head_chunks(cfg),
         packed=packed_rows(cfg),
+        cudnn_packed_blocks=cfg.model.cudnn_packed_blocks,
     )
     kernel, rule = planned_kernel(cfg.model.attention_backend, cfg.recipe.gpu_type, shape, dims)
     shape = dataclasses.replace(shape, attention_kernel=kernel, attention_kernel_rule=rule)

@@ -585,6 +585,7 @@ class FinetuneTrainer:
             compiled_autograd_backend=cfg.model.compile_backend,
             attention_backend=cfg.model.attention_backend,
             device_type=self.device.type,
+            cudnn_packed_blocks=cfg.model.cudnn_packed_blocks,
         )
         cuda = self.device.type == "cuda"
         logger.info("%s", run_kernel_line(

@@ -53,6 +53,8 @@ __all__ = [
     "sdpa_dispatch_choice",
     "kernel_buffers",
     "kernel_label",
+    "packed_blocks_context",
+    "packed_blocks_enabled",
     "pinned_kernel",
 ]
 
@@ -96,6 +98,31 @@ def attention_backend_problem(name: object) -> str | None:
 def kernel_label(kernel: str) -> str:
     """A kernel's name with what it is (the dry run's and ``automodel plan``'s wording)."""
     return _LABELS.get(kernel, kernel)
+
+
+#: the innermost :func:`packed_blocks_context`'s switch (empty: on)
+_PACKED_BLOCKS: list[bool] = []
+
+
+def packed_blocks_enabled() -> bool:
+    """Whether thd's, thd_docs' and usp's block sets may run as cuDNN's packed-row calls where the GPU and torch take
+    them (``model.cudnn_packed_blocks``, entered by :func:`packed_blocks_context`; default on)."""
+    return _PACKED_BLOCKS[-1] if _PACKED_BLOCKS else True
+
+
+@contextlib.contextmanager
+def packed_blocks_context(enabled: bool) -> Iterator[None]:
+    """Inside the block, ``model.cudnn_packed_blocks=enabled``: ``False`` runs each block set as one cuDNN call per
+    block (:func:`automodel.distributed.cp.cuda_blocks.packed_takes` says no) without the packed calls' token-major
+    copies of the row's K/V. Mutates a module-level stack seen by every thread (autograd's backward thread too);
+    nests."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"model.cudnn_packed_blocks must be true or false, got {enabled!r}")
+    _PACKED_BLOCKS.append(enabled)
+    try:
+        yield
+    finally:
+        _PACKED_BLOCKS.pop()
 
 
 def pinned_kernel() -> str | None:

@@ -156,7 +156,7 @@ def sets_backward(
 
 
 def packed_call_bytes(kv_width: float, q_width: float, key_tokens: float, query_tokens: float, dtype_bytes: int,
-                      kernel: str) -> float:  # fmt: skip
+                      kernel: str, enabled: bool = True) -> float:  # fmt: skip
     """What the packed-row calls of one attention call hold beyond the per-block path, at its backward (an upper
     bound, for the memory plan; 0 unless ``kernel`` is cuDNN, the one kernel with a packed-row call): the key
     stream's K/V copies for the calls and the calls' dK/dV (``4 x kv_width`` per key token), the diagonal set's
@@ -164,13 +164,14 @@ def packed_call_bytes(kv_width: float, q_width: float, key_tokens: float, query_
     the call's dQ, and the dQ both sets add into (``5 x q_width`` per query token; :func:`sets_backward`). ``kv_width`` / ``q_width``: K/V and query heads times head size on
     the rank; ``key_tokens``: the prefix keys the calls see (at most the row; thd_docs adds its key stream). Like the
     plan's cuDNN version, the torch release is the one the plan runs under: 0 where its ``varlen_attn`` runs no
-    packed-row cuDNN call for these heads (``aten_schemas.cudnn_varlen_problem``: before 2.14; GQA before 2.15)."""
+    packed-row cuDNN call for these heads (``aten_schemas.cudnn_varlen_problem``: before 2.14; GQA before 2.15), and
+    where ``enabled`` is false (``model.cudnn_packed_blocks=false``: one call per block)."""
     from automodel.distributed.cp import aten_schemas
     from automodel.distributed.cp.block_backend import CUDNN
 
     release = aten_schemas.torch_release(torch.__version__)
     grouped = kv_width < q_width
-    if kernel != CUDNN or aten_schemas.cudnn_varlen_problem(release, aten_schemas.CUDNN_VARLEN_SHORT_MIN_CUDNN,
+    if not enabled or kernel != CUDNN or aten_schemas.cudnn_varlen_problem(release, aten_schemas.CUDNN_VARLEN_SHORT_MIN_CUDNN,
                                                             causal=False, max_q=None, grouped=grouped):  # fmt: skip
         return 0.0
     return (4 * kv_width * key_tokens + (4 * kv_width + 5 * q_width) * query_tokens) * dtype_bytes

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from automodel.distributed.cp import aten_schemas
-from automodel.distributed.cp.attention_kernels import pinned_kernel
+from automodel.distributed.cp.attention_kernels import packed_blocks_enabled, pinned_kernel
 from automodel.distributed.cp.block_backend import (
     CUDNN,
     CUDNN_PREFERRED_CAPABILITIES,
@@ -598,13 +598,15 @@ def _packed_call(q, k, v, cu_q, cu_k, causal) -> Choice | None:
     if caps is None:
         return None
     max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
-    choice = packed_choice(spec, caps, pinned_kernel(), causal=causal, max_q=max_q)
+    enabled = packed_blocks_enabled()
+    choice = packed_choice(spec, caps, pinned_kernel(), causal=causal, max_q=max_q) if enabled else None
     what = "causal diagonal blocks" if causal else "full prefix blocks"
-    key = ("packed " + what + " " + layer_kind(spec), choice.kernel if choice else "blocks")
+    key = ("packed " + what + " " + layer_kind(spec), choice.kernel if choice else "blocks" if enabled else "off")
     if key not in _WARNED:
         _WARNED.add(key)
-        how = (f"one {choice.kernel} packed-row call per layer" if choice else "one kernel call per block ("
-               + packed_refusal(spec, caps, pinned_kernel(), causal=causal, max_q=max_q) + ")")
+        refusal = (packed_refusal(spec, caps, pinned_kernel(), causal=causal, max_q=max_q) if enabled
+                   else "model.cudnn_packed_blocks=false")  # fmt: skip
+        how = (f"one {choice.kernel} packed-row call per layer" if choice else f"one kernel call per block ({refusal})")
         logger.info("CUDA attention, %s of layer kind '%s' (%s): %s", what, layer_kind(spec), spec.dtype, how)
     return choice
 

@@ -40,6 +40,7 @@ def _kind_text(layer) -> str:  # noqa: ANN001
 def layer_kind_kernel_lines(
     profile: ModelProfile, gpu: GpuInfo, torch_version: str, cudnn_version: int | None, *,
     dtype: torch.dtype = torch.bfloat16, pinned: str | None = None, packed: bool = False,
+    packed_blocks: bool = True,
 ) -> list[str]:  # fmt: skip
     """One line per attention layer kind: the kernel of each block shape it produces on ``gpu``.
 
@@ -49,6 +50,8 @@ def layer_kind_kernel_lines(
             unknown, e.g. a CPU-only torch planning for a GPU: cuDNN is then not assumed).
         dtype: the compute dtype; pinned: a ``model.attention_backend`` pin (a block kernel name) or ``None``.
         packed: rows pack documents (their blocks carry a document mask, or one varlen call takes the row).
+        packed_blocks: ``model.cudnn_packed_blocks`` (``False``: thd's, thd_docs' and usp's block sets one call per
+            block, said so where the packed-row calls would run).
     """
     heads, kv = profile.num_attention_heads or 1, profile.num_key_value_heads or profile.num_attention_heads or 1
     grouped = kv < heads
@@ -90,9 +93,11 @@ def layer_kind_kernel_lines(
             caps = caps_for(gpu, torch_version, cudnn_version)
             sets = [what for what, causal in (("prefix", False), ("diagonal", True))
                     if packed_choice(BlockSpec(causal=causal, **common), caps, pinned, causal=causal, max_q=None)]
-            if sets:
-                parts.append(f"thd / thd_docs {' and '.join(sets)} blocks: one cuDNN packed-row call each per layer "
-                             "(chunks past 128 tokens)")  # fmt: skip
+            if sets and packed_blocks:
+                parts.append(f"thd / thd_docs / usp {' and '.join(sets)} blocks: one cuDNN packed-row call each per "
+                             "layer (chunks past 128 tokens)")  # fmt: skip
+            elif sets:
+                parts.append("thd / thd_docs / usp blocks: one cuDNN call per block (model.cudnn_packed_blocks=false)")
         if grouped_to or repeated_for:
             gqa = [f"grouped K/V as they are to {', '.join(sorted(grouped_to))}"] if grouped_to else []
             gqa += [f"K/V repeated per query head for {', '.join(sorted(repeated_for))}"] if repeated_for else []

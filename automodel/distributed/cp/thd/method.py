@@ -59,7 +59,7 @@ class ThdMethod(GatheredKVMethod):
 
         # cuDNN: the prefix and diagonal blocks in packed-row calls (block_sets), their copies at the backward
         packed = packed_call_bytes(kv, d.heads * d.head_dim / tp, row_tokens, r.local_tokens, c,
-                                   getattr(r, "attention_kernel", ""))  # fmt: skip
+                                   getattr(r, "attention_kernel", ""), getattr(r, "cudnn_packed_blocks", True))  # fmt: skip
         return max(fwd, bwd + packed) + partial, (
             f"thd: K/V of the whole row ({row_tokens} tokens) all-gathered per layer; backward: K/V again + dK/dV "
             "before the reduce-scatter" + ("; the packed-row calls' key copies and dK/dV" if packed else "")

@@ -179,7 +179,7 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         # cuDNN: the prefix and diagonal blocks in packed-row calls (block_sets) on a key stream of the local and the
         # borrowed K/V (a copy, and its gradient: one more row's worth of keys)
         packed = packed_call_bytes(kv, d.heads * d.head_dim / tp, 2 * (local + borrowed), local, c,
-                                   getattr(r, "attention_kernel", ""))  # fmt: skip
+                                   getattr(r, "attention_kernel", ""), getattr(r, "cudnn_packed_blocks", True))  # fmt: skip
         return 2 * fwd + packed + partial, (
             f"{self.name}: the rank's K/V and, for split documents only, the chunks borrowed from their span "
             "(worst case: the whole row); whole documents need none"

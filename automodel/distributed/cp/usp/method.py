@@ -185,7 +185,7 @@ class UspMethod(GatheredKVMethod):
 
         # cuDNN: thd's prefix and diagonal blocks in packed-row calls (block_sets), their copies at the backward
         gather += packed_call_bytes(kv_heads * d.head_dim, d.heads / tp / u * d.head_dim, row_tokens, u * n, c,
-                                    getattr(r, "attention_kernel", ""))  # fmt: skip
+                                    getattr(r, "attention_kernel", ""), getattr(r, "cudnn_packed_blocks", True))  # fmt: skip
         partial = r.local_tokens * (d.hidden / tp + d.heads / tp) * 4
         kv_sent = kv_local * (u // math.gcd(kv_local, u)) * d.head_dim
         a2a = 2 * (2 * d.hidden / tp + 2 * kv_sent) * c * n
