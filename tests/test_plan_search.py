@@ -324,17 +324,21 @@ def test_the_plan_counts_cudnn_packed_blocks_only_when_on(monkeypatch, method):
 
 
 def test_the_32b_row_needs_cudnn_packed_blocks_off_on_torch_215(capsys, monkeypatch):
-    """The shipped 32B longest-row config sets model.cudnn_packed_blocks=false: planned under a torch that runs the
-    packed-row calls (2.15 with cuDNN 9.26), the shipped row is the longest only without them; with them the row is
-    shorter (their copies of the row's K/V take the room)."""
+    """Planned under a torch that runs cuDNN's packed-row calls (2.15 with cuDNN 9.26), the shipped 32B longest row
+    fits only without them: the search turns them off where their copies are what the row lacks (``+nopk``, the
+    config key ``model.cudnn_packed_blocks=false``, which the shipped config sets), and finds the same row either way."""
     monkeypatch.setattr(torch, "__version__", "2.15.0")
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 92600)
     config = "configs/qwen2_5_32b_longest_8gpu.yaml"
-    longest = {}
+    out = {}
     for value in ("false", "true"):
         assert main(["plan", "--config", config, "--gpus", "8", "--gpu-type", "h100",
                      f"model.cudnn_packed_blocks={value}"]) == 0  # fmt: skip
-        longest[value] = _longest(capsys.readouterr().out)
+        out[value] = capsys.readouterr().out
     with open(config) as f:
-        assert yaml.safe_load(f)["data"]["seq_len"] == longest["false"] > longest["true"], longest
+        shipped = yaml.safe_load(f)["data"]["seq_len"]
+    assert _longest(out["false"]) == _longest(out["true"]) == shipped
+    last = out["true"].strip().splitlines()[-1]
+    assert last.endswith("+nopk)") and "model.cudnn_packed_blocks=false" in out["true"], last
+    assert "+nopk" not in out["false"]  # off by the config already: nothing to say

@@ -188,10 +188,18 @@ class Found:
     host_node_gib: float = 0.0
     step_s: float = 0.0
     tokens_per_s_gpu: float = 0.0
+    #: the search turned model.cudnn_packed_blocks off for this row: cuDNN's packed-row calls' copies would not fit
+    #: beside it (:meth:`PlanSearch.usage_choice`; a config that sets it false has it off everywhere already)
+    packed_off: bool = False
+
+    @property
+    def technique_text(self) -> str:
+        """The technique set's short form, ``+nopk`` where the search turned ``model.cudnn_packed_blocks`` off."""
+        return self.techniques.text(self.layout.tp) + ("+nopk" if self.packed_off else "")
 
     @property
     def text(self) -> str:
-        return f"{self.layout.text}; {self.techniques.text(self.layout.tp)}"
+        return f"{self.layout.text}; {self.technique_text}"
 
     def overrides(self, positions: ModelPositions | None = None) -> list[str]:
         """The config keys that reproduce this row: the layout, the techniques, one row per data-parallel rank
@@ -201,6 +209,8 @@ class Found:
         keys = [*self.layout.overrides(), "distributed.dp_replicate=1", *self.techniques.overrides(self.layout.tp),
                 "step_scheduler.local_batch_size=1", f"step_scheduler.global_batch_size={self.layout.dp}",
                 f"data.seq_len={self.tokens}"]  # fmt: skip
+        if self.packed_off:
+            keys.append("model.cudnn_packed_blocks=false")
         if positions is not None and not positions.scaling:
             keys += rope_scaling_overrides(positions, self.tokens)
         return keys
@@ -328,8 +338,34 @@ class PlanSearch:
 
     def usage(self, layout: Layout, t: Techniques, seq: int) -> tuple[float, float]:
         """``(device bytes, host bytes)`` per GPU at ``seq`` tokens per row."""
-        p = plan_memory(self.d, self.shape(layout, t, seq))
-        return p.total_bytes, p.host_bytes
+        return self.usage_choice(layout, t, seq)[:2]
+
+    def usage_choice(self, layout: Layout, t: Techniques, seq: int) -> tuple[float, float, bool]:
+        """``(device bytes, host bytes, packed off)`` per GPU at ``seq`` tokens per row: with the config's
+        ``model.cudnn_packed_blocks`` (on by default), or, turned off (``True``), where the row does not fit the GPU
+        with cuDNN's packed-row calls and their copies are what it lacks (thd, thd_docs and usp on a torch whose
+        ``varlen_attn`` runs that call: ``block_sets.packed_call_bytes``; elsewhere they cost nothing)."""
+        r = self.shape(layout, t, seq)
+        p = plan_memory(self.d, r)
+        if p.total_bytes > self.budget and r.cudnn_packed_blocks and self._packed_calls_run(r):
+            q = plan_memory(self.d, dataclasses.replace(r, cudnn_packed_blocks=False))
+            if q.total_bytes < p.total_bytes:
+                return q.total_bytes, q.host_bytes, True
+        return p.total_bytes, p.host_bytes, False
+
+    @staticmethod
+    def _packed_calls_run(r: RunShape) -> bool:
+        """Whether ``r``'s attention may take cuDNN's packed-row calls for its block sets (a cheap test: the planned
+        kernel is cuDNN, the method has block sets, and this torch's ``varlen_attn`` runs such a call at all)."""
+        if r.cp <= 1 or r.attention_kernel != "sdpa_cudnn" or r.cp_method not in ("thd", "thd_docs", "usp"):
+            return False
+        import torch
+
+        from automodel.distributed.cp import aten_schemas
+
+        return aten_schemas.cudnn_varlen_problem(aten_schemas.torch_release(torch.__version__),
+                                                 aten_schemas.CUDNN_VARLEN_SHORT_MIN_CUDNN, causal=False,
+                                                 max_q=None) is None  # fmt: skip
 
     def fits(self, layout: Layout, t: Techniques, seq: int) -> bool:
         dev, host = self.usage(layout, t, seq)
@@ -355,9 +391,9 @@ class PlanSearch:
         return self.found(layout, t, lo * m)
 
     def found(self, layout: Layout, t: Techniques, seq: int) -> Found:
-        dev, host = self.usage(layout, t, seq)
+        dev, host, packed_off = self.usage_choice(layout, t, seq)
         step_s, tok_s = self.estimate(layout, t, seq)
-        return Found(layout, t, seq, dev / _GIB, host * self.node / _GIB, step_s, tok_s)
+        return Found(layout, t, seq, dev / _GIB, host * self.node / _GIB, step_s, tok_s, packed_off)
 
     # --- the step estimate: the one call site -------------------------------------------------------------
     def estimate(self, layout: Layout, t: Techniques, seq: int) -> tuple[float, float]:
@@ -515,8 +551,8 @@ def longest_row(results: list[Found]) -> Found:
 
 LEGEND = ("techniques: ckpt activation checkpointing, chunk chunked loss (lp: loss parallel under tp), tile tiled MLP,\n"
           "  lay tiled layer and MLP, aoff activation offload, grpK checkpoint groups of K layers, off:opt / off:all\n"
-          "  fsdp.offload=optimizer / all; a layout's h/G: headwise Ulysses, the attention heads in G groups one at a time\n"
-          "  (distributed.ulysses_head_chunks=G; without CP model.attention_head_chunks=G)")
+          "  fsdp.offload=optimizer / all, nopk model.cudnn_packed_blocks=false; a layout's h/G: headwise Ulysses, the\n"
+          "  heads in G groups one at a time (distributed.ulysses_head_chunks=G; without CP model.attention_head_chunks=G)")
 
 
 def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_node_gib: float,
@@ -551,7 +587,7 @@ def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_no
             per_layout[f.layout] = f
     ranked = sorted(per_layout.values(), key=lambda f: (-f.tokens, f.step_s))
     for f in ranked[:top]:
-        out.append(_row(f.layout.text, f.techniques.text(f.layout.tp), f, search))
+        out.append(_row(f.layout.text, f.technique_text, f, search))
         out.extend(_override_lines(search, f) if show_overrides and f.tokens else [])
     if len(ranked) > top:
         out.append(f"... {len(ranked) - top} more layouts (shorter rows)")
