@@ -323,6 +323,24 @@ def test_the_plan_counts_cudnn_packed_blocks_only_when_on(monkeypatch, method):
         assert (on > off) == grows and on >= off, (version, on, off)
 
 
+def test_the_dry_run_suggests_cudnn_packed_blocks_off_first(monkeypatch):
+    """recipe.memory_budget_gib: where the packed-row calls' copies are what a row lacks, the cheapest change the dry
+    run names is model.cudnn_packed_blocks=false (no recomputation, no more ranks)."""
+    import dataclasses
+
+    from automodel.training.memory_plan import RunShape, plan_memory, suggest_changes
+
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    d = _dims(heads=8, kv_heads=2, head_dim=128, hidden=1024, intermediate=2048)
+    r = RunShape(local_batch=1, seq=1 << 20, cp=4, cp_method="usp", cp_options=(("ulysses_size", 2),), compute_bytes=2,
+                 attention_kernel="sdpa_cudnn", activation_checkpointing=True, chunk_tokens=1024, tiled_mlp=True)  # fmt: skip
+    on = plan_memory(d, r).total_bytes
+    off = plan_memory(d, dataclasses.replace(r, cudnn_packed_blocks=False)).total_bytes
+    assert on > off * 1.05, (on, off)
+    lines = suggest_changes(d, r, (on + off) / 2, 8)
+    assert "does NOT fit" in lines[0] and lines[1].startswith("cheapest change that fits: model.cudnn_packed_blocks=false")
+
+
 def test_the_32b_row_needs_cudnn_packed_blocks_off_on_torch_215(capsys, monkeypatch):
     """Planned under a torch that runs cuDNN's packed-row calls (2.15 with cuDNN 9.26), the shipped 32B longest row
     fits only without them: the search turns them off where their copies are what the row lacks (``+nopk``, the

@@ -1305,6 +1305,9 @@ def _local_changes(r: RunShape) -> list[tuple[str, dict, str]]:
     chunk = {"chunk_tokens": DEFAULT_CHUNK_TOKENS}
     ac = {"activation_checkpointing": True}
     out = []
+    if r.cudnn_packed_blocks and r.cp > 1 and r.attention_kernel == "sdpa_cudnn" and r.cp_method in ("thd", "thd_docs", "usp"):
+        out.append(("model.cudnn_packed_blocks=false", {"cudnn_packed_blocks": False},
+                    "one cuDNN call per block for the block sets, not packed-row calls: more kernel launches"))
     if r.tp > 1 and not r.loss_parallel:
         out.append(("distributed.enable_loss_parallel=true", {"loss_parallel": True},
                     "none: the loss runs on each rank's vocabulary shard"))  # fmt: skip
