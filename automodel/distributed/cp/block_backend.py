@@ -396,18 +396,18 @@ def varlen_choice(
     each document then runs as blocks (:func:`select_backend`). Pure.
 
     - cuDNN (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``; grouped K/V
-      repeated per query head on torch 2.14, whose gate wants equal heads, as they are on 2.15) where the installed torch's own ``varlen_attn`` runs that op for these documents
-      (:func:`cudnn_packed_problem`: torch >= 2.14, cuDNN >= 9.18, compute capability 9.x / 10.x, no window, head sizes
+      repeated per query head on torch 2.14, whose gate wants equal heads, as they are on 2.15) where the installed
+      torch's own ``varlen_attn`` runs that op for these documents (:func:`cudnn_packed_problem`: torch >= 2.14, cuDNN >= 9.18, compute capability 9.x / 10.x, no window, head sizes
       <= 128, the longest document ``max_len`` past 128 tokens unless torch 2.15 with cuDNN >= 9.24, and causal
       documents from torch 2.15 only) and ``auto`` prefers cuDNN on this GPU (``caps.cudnn_preferred``) or
       ``model.attention_backend=cudnn`` pins it;
     - else flash through ``varlen_attn`` (causal, full, or a sliding ``window``) under ``auto`` or a flash pin,
       grouped K/V as they are where that torch's ``varlen_attn`` hands them on so (``caps.varlen_gqa``: torch
-      2.11-2.15, with ``enable_gqa`` from 2.12; repeated per query head outside the table), except where that ``varlen_attn`` would itself run cuDNN
-      regardless of SDPA's backends (torch 2.14: full attention of equal heads the cuDNN call takes; grouped K/V
-      with ``enable_gqa`` turn its cuDNN path off): a flash pin (or ``auto`` where cuDNN is not preferred) then runs
-      per-document blocks. From 2.15 ``varlen_attn`` follows the flash pin (``sdpa_kernel``) and auto's order, so it
-      runs flash there;
+      2.11-2.15, with ``enable_gqa`` from 2.12; repeated per query head outside the table), except where that
+      ``varlen_attn`` would itself run cuDNN regardless of SDPA's backends (torch 2.14: full attention of equal heads
+      the cuDNN call takes; grouped K/V turn its cuDNN path off): a flash pin (or ``auto`` where cuDNN is not
+      preferred) then runs per-document blocks. From 2.15 ``varlen_attn`` follows the flash pin (``sdpa_kernel``) and
+      auto's order, so it runs flash there;
     - ``None`` for any other pin (the per-document blocks run the pinned kernel) or where neither applies.
     """
     if not varlen_applies(spec, caps) or (window is not None and not spec.causal):
