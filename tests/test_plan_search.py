@@ -194,7 +194,7 @@ def _rows_with_keys(out: str) -> list[tuple[str, int, float, list[str]]]:
     """``(row text, tokens, GPU GiB, config keys)`` of each table row that prints its keys under it."""
     rows, lines = [], out.splitlines()
     for i, line in enumerate(lines):
-        m = re.match(r"^(\S.{52}) +([\d,]+)\*? +([\d.]+) +(\d+) +([\d.]+ (?:ms|s|min))$", line)
+        m = re.match(r"^(\S.{61}) +([\d,]+)\*? +([\d.]+) +(\d+) +([\d.]+ (?:ms|s|min))$", line)
         if not m or i + 1 >= len(lines) or not lines[i + 1].startswith("    "):
             continue
         keys = []

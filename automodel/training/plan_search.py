@@ -578,7 +578,7 @@ def plan_lines(search: PlanSearch, model_text: str, capacity_gib: float, host_no
         _kernel_line(search),
         LEGEND,
         "",
-        f"{'layout':<24} {'techniques':<28} {'tokens/row':>11} {'GPU GiB':>8} {'host GiB':>9} {'step (est.)':>11}",
+        f"{'layout':<24} {'techniques':<{_TECH_WIDTH}} {'tokens/row':>11} {'GPU GiB':>8} {'host GiB':>9} {'step (est.)':>11}",
     ]
     per_layout: dict[Layout, Found] = {}
     for f in results:
@@ -645,8 +645,13 @@ def _kernel_line(search: PlanSearch) -> str:
     return "\n".join(textwrap.wrap(text, 116, subsequent_indent="  "))
 
 
+#: the techniques column: the longest set, ``ckpt+chunk+lay+aoff+grp2+off:all+nopk``, on one line
+_TECH_WIDTH = 37
+
+
 def _row(first: str, second: str, f: Found, search: PlanSearch | None = None) -> str:
-    text = f"{first[:24]:<24} {second[:28]:<28}" if len(second) <= 28 else f"{first[:24]:<24} {second}\n{'':<53}"
+    w = _TECH_WIDTH
+    text = f"{first[:24]:<24} {second[:w]:<{w}}" if len(second) <= w else f"{first[:24]:<24} {second}\n{'':<{w + 25}}"
     if not f.tokens:
         return f"{text} {'-':>11} {'does not fit':>20}"
     host = f"{f.host_node_gib:.0f}" if f.host_node_gib else "0"
