@@ -1300,12 +1300,29 @@ def _tp_sizes_ok(d: ModelDims, r: RunShape, tp: int) -> bool:
     )
 
 
+def packed_blocks_apply(r: RunShape) -> bool:
+    """Whether ``model.cudnn_packed_blocks`` changes ``r``'s plan: it is on, the planned kernel is cuDNN, the method has
+    block sets (thd, thd_docs, usp) and the torch the plan runs under runs cuDNN's packed-row call at all
+    (``aten_schemas.cudnn_varlen_problem``; ``block_sets.packed_call_bytes`` then counts the calls' copies)."""
+    if not r.cudnn_packed_blocks or r.cp <= 1 or r.attention_kernel != "sdpa_cudnn":
+        return False
+    if r.cp_method not in ("thd", "thd_docs", "usp"):
+        return False
+    import torch
+
+    from automodel.distributed.cp import aten_schemas
+
+    release = aten_schemas.torch_release(torch.__version__)
+    return aten_schemas.cudnn_varlen_problem(release, aten_schemas.CUDNN_VARLEN_SHORT_MIN_CUDNN, causal=False,
+                                             max_q=None) is None  # fmt: skip
+
+
 def _local_changes(r: RunShape) -> list[tuple[str, dict, str]]:
     """Changes on the same ranks and sizes, cheapest first: (config overrides, RunShape fields, price)."""
     chunk = {"chunk_tokens": DEFAULT_CHUNK_TOKENS}
     ac = {"activation_checkpointing": True}
     out = []
-    if r.cudnn_packed_blocks and r.cp > 1 and r.attention_kernel == "sdpa_cudnn" and r.cp_method in ("thd", "thd_docs", "usp"):
+    if packed_blocks_apply(r):
         out.append(("model.cudnn_packed_blocks=false", {"cudnn_packed_blocks": False},
                     "one cuDNN call per block for the block sets, not packed-row calls: more kernel launches"))
     if r.tp > 1 and not r.loss_parallel:

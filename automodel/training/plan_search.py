@@ -26,7 +26,13 @@ from typing import Any
 from automodel.config.gpu_specs import GPUSpec
 from automodel.errors import UserInputError
 from automodel.models.loader import ModelPositions, rope_scaling_overrides
-from automodel.training.memory_plan import DEFAULT_CHUNK_TOKENS, ModelDims, RunShape, plan_memory
+from automodel.training.memory_plan import (
+    DEFAULT_CHUNK_TOKENS,
+    ModelDims,
+    RunShape,
+    packed_blocks_apply,
+    plan_memory,
+)
 
 __all__ = [
     "DEVICE_MEMORY_MIB",
@@ -347,25 +353,11 @@ class PlanSearch:
         ``varlen_attn`` runs that call: ``block_sets.packed_call_bytes``; elsewhere they cost nothing)."""
         r = self.shape(layout, t, seq)
         p = plan_memory(self.d, r)
-        if p.total_bytes > self.budget and r.cudnn_packed_blocks and self._packed_calls_run(r):
+        if p.total_bytes > self.budget and packed_blocks_apply(r):
             q = plan_memory(self.d, dataclasses.replace(r, cudnn_packed_blocks=False))
             if q.total_bytes < p.total_bytes:
                 return q.total_bytes, q.host_bytes, True
         return p.total_bytes, p.host_bytes, False
-
-    @staticmethod
-    def _packed_calls_run(r: RunShape) -> bool:
-        """Whether ``r``'s attention may take cuDNN's packed-row calls for its block sets (a cheap test: the planned
-        kernel is cuDNN, the method has block sets, and this torch's ``varlen_attn`` runs such a call at all)."""
-        if r.cp <= 1 or r.attention_kernel != "sdpa_cudnn" or r.cp_method not in ("thd", "thd_docs", "usp"):
-            return False
-        import torch
-
-        from automodel.distributed.cp import aten_schemas
-
-        return aten_schemas.cudnn_varlen_problem(aten_schemas.torch_release(torch.__version__),
-                                                 aten_schemas.CUDNN_VARLEN_SHORT_MIN_CUDNN, causal=False,
-                                                 max_q=None) is None  # fmt: skip
 
     def fits(self, layout: Layout, t: Techniques, seq: int) -> bool:
         dev, host = self.usage(layout, t, seq)
