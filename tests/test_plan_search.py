@@ -356,3 +356,96 @@ def test_the_32b_row_needs_cudnn_packed_blocks_off_on_torch_215(capsys, monkeypa
         assert yaml.safe_load(f)["data"]["seq_len"] == _longest(out)
     last = out.strip().splitlines()[-1]
     assert last.endswith("+nopk)") and "model.cudnn_packed_blocks=false" in out, last
+
+
+def _bisected(fits, top: int) -> int:
+    """The plain answer :func:`last_fitting` must give for a predicate that holds up to a point: bisection."""
+    if top < 1 or not fits(1):
+        return 0
+    lo, hi = 1, top + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@pytest.mark.parametrize("shape", ["weights_then_linear", "quadratic", "flat_then_cliff", "load_not_about_fit"])
+def test_last_fitting_finds_the_bisections_row_in_few_evaluations(shape):
+    """The plan's row search (``PlanSearch.longest``): for memory that grows with the row, exactly the row bisection
+    finds, whatever the load values that guide it (the last shape's loads say nothing of where the row stops), at
+    the ends too (nothing fits, everything fits); realistic loads in at most 16 evaluations (bisecting: 27), any in at
+    most about three times bisection's."""
+    import random
+
+    from automodel.training.plan_search import last_fitting
+
+    rng = random.Random(0)
+    for _ in range(300):
+        top = rng.choice([1, 2, 7, 1 << 10, 1 << 27, rng.randrange(1, 1 << 27)])
+        edge = rng.choice([0, 1, top, top - 1, rng.randrange(0, top + 1)])
+        weights, scale = rng.uniform(0.01, 0.9), max(edge, 0.5)
+        calls = []
+
+        def measure(k, edge=edge, top=top, weights=weights, scale=scale, calls=calls):
+            assert 1 <= k <= top, k
+            calls.append(k)
+            load = {
+                "weights_then_linear": weights + (1 - weights) * k / scale,
+                "quadratic": weights + (1 - weights) * (k / scale) ** 2,
+                "flat_then_cliff": 0.5 if k <= edge else 1e9,
+                "load_not_about_fit": rng.uniform(0.1, 10.0),
+            }[shape]
+            return k <= edge, load
+
+        got = last_fitting(measure, top)
+        assert got == _bisected(lambda k, edge=edge: k <= edge, top), (shape, top, edge)
+        if shape in ("weights_then_linear", "quadratic"):
+            assert len(calls) <= 16, (shape, top, edge, calls)
+        assert len(calls) <= 3 * max(top, 2).bit_length() + 12, (shape, top, edge, len(calls))
+
+
+def test_last_fitting_stops_at_a_boundary_where_memory_does_not_grow_with_the_row():
+    """Memory that falls as the row grows (a tiled MLP's one-tile rows keep the MLP's intermediates a tiled row
+    frees): the row found fits and the next one does not (a longer row may fit again: the search finds one
+    boundary)."""
+    import random
+
+    from automodel.training.plan_search import last_fitting
+
+    rng = random.Random(1)
+    for _ in range(200):
+        top = rng.randrange(2, 1 << 20)
+        islands = sorted(rng.sample(range(1, top + 1), min(top, 6)))
+        fits = {k: i % 2 == 0 for i, k in enumerate(islands)}  # fits up to islands[0], fails to islands[1], ...
+
+        def ok(k, islands=islands, fits=fits):
+            return next((fits[b] for b in islands if k <= b), False)
+
+        got = last_fitting(lambda k, ok=ok: (ok(k), rng.uniform(0.5, 2.0)), top)
+        assert got == 0 or (ok(got) and (got == top or not ok(got + 1))), (got, islands)
+
+
+def test_a_learned_position_table_caps_the_row(capsys):
+    """GPT-2's position table (no RoPE) has no rows past its length: the search stops there (it found 511 tokens
+    for 256 positions, then suggested YaRN, which a learned table cannot take)."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.family_matrix import family_by_name
+    from tests.test_plan_families import family_config
+
+    fam = family_by_name("gpt2")
+    positions = fam.build_config().n_positions
+    out = _plan_config(capsys, family_config(fam, Path(tempfile.mkdtemp())), "--gpus", "2", "--gpu-type", "h100")
+    assert _longest(out) == positions and "past the model's" not in out and "*" not in out
+
+
+def test_a_row_at_the_searchs_cap_is_marked(capsys):
+    """A tiny model on 8 GPUs fits every row up to the search's cap (134,217,728 tokens): such rows are marked
+    ``+`` with a note, and the longest line says so (the search bisected past the cap before: 155,804,900)."""
+    from automodel.training.plan_search import _MAX_ROW
+
+    out = _plan_config(capsys, "configs/vlm_cp.yaml", "--gpus", "8", "--gpu-type", "h100")
+    assert _longest(out) == _MAX_ROW and out.strip().splitlines()[-1].endswith("; the search's longest)")
+    assert f"+ the search stops at {_MAX_ROW:,} tokens per row: a longer one may fit" in out
+    assert f"{_MAX_ROW:,}*+" in out  # past the positions too
