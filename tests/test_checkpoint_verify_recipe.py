@@ -1,7 +1,8 @@
 """A damaged checkpoint end to end (2 ranks through the ``automodel`` command, issue 27 item 3).
 
 One run trains 6 steps of the tiny recipe with a checkpoint every 2 (``step_2``, ``step_4``,
-``step_6``). Then, one case after the other, a file of ``step_6`` is truncated and the run resumed:
+``step_6``). Every file of ``step_6``, truncated, is found by the verification a resume runs (no launch). Then
+a shard of ``step_6`` is truncated and the run resumed:
 
 - ``checkpoint.resume=auto``: one warning names ``step_6`` and the damaged file, the run resumes from
   ``step_4``, and its steps 5 and 6 have exactly the losses of the uninterrupted run (it writes
@@ -67,10 +68,31 @@ def trained(tmp_path_factory):
     return run_dir, _losses(run_dir)
 
 
-@pytest.mark.parametrize("damaged", ["__1_0.distcp", "meta.json", ".metadata", "rank_0.pt"])
-def test_resume_auto_skips_a_damaged_checkpoint_and_continues_exactly(trained, damaged):
+def test_every_file_the_recipe_writes_is_verified(trained):
+    """Each file of a real checkpoint (the model and optimizer shards, ``.metadata``, ``meta.json``, each rank's
+    ``rank_<r>.pt``), truncated, is found and named by the verification a resume runs; every file is put back.
+    (The kinds of damage on one file: tests/test_checkpoint_manifest.py.)"""
+    from automodel.training.checkpoint_manifest import MANIFEST_FILE, verify_checkpoint
+
+    step_6 = trained[0] / "checkpoints" / "step_6"
+    files = sorted(p.name for p in step_6.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json", "rank_0.pt", "rank_1.pt"} <= set(files), files
+    assert verify_checkpoint(step_6) == (True, None)
+    for name in files:
+        data = (step_6 / name).read_bytes()
+        _truncate(step_6 / name)
+        try:
+            has_manifest, found = verify_checkpoint(step_6)
+        finally:
+            (step_6 / name).write_bytes(data)
+        assert has_manifest and found is not None and found.file == name and "bytes where" in found.reason, found
+    assert verify_checkpoint(step_6) == (True, None)
+
+
+def test_resume_auto_skips_a_damaged_checkpoint_and_continues_exactly(trained):
     run_dir, reference = trained
     step_6 = run_dir / "checkpoints" / "step_6"
+    damaged = "__1_0.distcp"
     _truncate(step_6 / damaged)
     run = _cli(run_dir, "checkpoint.resume=auto")
     out = run.stdout + run.stderr

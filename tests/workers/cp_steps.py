@@ -93,14 +93,26 @@ def reduce_flat(model: torch.nn.Module, loss: torch.Tensor, group) -> tuple[floa
     return flat[-1].item(), grads
 
 
+def sum_over_group(tensors: dict[str, torch.Tensor], group=None) -> dict[str, torch.Tensor]:
+    """Each tensor of ``tensors`` summed over ``group`` (``None``: the default group), in its own dtype, as new
+    tensors (the inputs are not changed): one all-reduce per dtype over the tensors concatenated. One all-reduce
+    per tensor cost ~2 ms of gloo latency each, a third of a layer-kinds launch's time."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n, t in tensors.items():
+        by_dtype.setdefault(t.dtype, []).append(n)
+    out = {}
+    for names in by_dtype.values():
+        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names])
+        dist.all_reduce(flat, group=group)
+        for n, part in zip(names, flat.split([tensors[n].numel() for n in names]), strict=True):
+            out[n] = part.view(tensors[n].shape)
+    return {n: out[n] for n in tensors}
+
+
 def reduce_over_group(model: torch.nn.Module, loss_sum: torch.Tensor, group) -> tuple[torch.Tensor, dict]:
     """``loss_sum`` and every gradient (zeros where a parameter has none) summed over ``group``, each in its own
-    dtype (one all-reduce per parameter); the model's gradients are not changed."""
+    dtype (:func:`sum_over_group`); the model's gradients are not changed."""
     loss = loss_sum.detach().clone()
     dist.all_reduce(loss, group=group)
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g, group=group)
-        grads[n] = g
-    return loss, grads
+    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    return loss, sum_over_group(grads, group)

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.distributed.cp_utils import create_context_parallel_ctx, get_cp_mesh, make_cp_batch_and_ctx
 from automodel.distributed.torch_internals import context_parallel_unshard
+from tests.workers.cp_steps import sum_over_group
 
 
 def head_tail_index(seq_len: int, world: int, rank: int) -> torch.Tensor:
@@ -129,9 +130,9 @@ def model_checks(mesh, rank: int, world: int, families=("llama", "qwen2"), dtype
             loss = loss.detach()
             dist.all_reduce(loss)
             grad_rel = {}
-            for (name, p), (_, p_ref) in zip(model.named_parameters(), ref_model.named_parameters()):
-                grad = p.grad.clone()
-                dist.all_reduce(grad)
+            summed = sum_over_group({n: p.grad for n, p in model.named_parameters()})
+            for (name, _), (_, p_ref) in zip(model.named_parameters(), ref_model.named_parameters()):
+                grad = summed[name]
                 grad_rel[name] = (
                     (grad - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp_min(1e-30)
                 ).item()
@@ -199,9 +200,9 @@ def buffer_checks(mesh, rank: int, world: int) -> dict:
 def _grad_rel(model, ref_model) -> dict[str, float]:
     """Per-parameter max relative error of the CP gradient (summed over ranks) against the reference."""
     rel = {}
-    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref_model.named_parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad)
+    summed = sum_over_group({n: p.grad for n, p in model.named_parameters()})
+    for (name, _), (_, p_ref) in zip(model.named_parameters(), ref_model.named_parameters()):
+        grad = summed[name]
         rel[name] = ((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp_min(1e-30)).item()
     return rel
 
@@ -312,9 +313,7 @@ def offload_checks(mesh, rank: int, world: int, dtype: torch.dtype) -> dict:
             loss.backward()
         loss = loss.detach()
         dist.all_reduce(loss)
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-        runs[offload] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, model, store)
+        runs[offload] = (loss.item(), sum_over_group({n: p.grad for n, p in model.named_parameters()}), model, store)
     loss, grads, model, store = runs[True]
     ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
     return {

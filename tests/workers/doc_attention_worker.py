@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import automodel.distributed.cp.exchange.p2p as p2p_module
 from automodel.distributed.cp.thd_docs.attention import make_doc_batch_and_ctx, set_doc_attention
 from automodel.distributed.cp.thd_docs.placement import CostModel
+from tests.workers.cp_steps import sum_over_group
 from tests.workers.thd_attention_worker import VOCAB, _ce, pack, reference, rel, tiny_llama
 
 #: Batches of rows of document lengths. Each covers something: one-token documents, a document longer
@@ -75,11 +76,7 @@ def cp_run(model, mesh, batch, n_labels: int, tolerance: float):
     group = mesh.get_group()
     loss = ce.detach().clone()
     dist.all_reduce(loss, group=group)
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        dist.all_reduce(g, group=group)
-        grads[n] = g
+    grads = sum_over_group({n: p.grad for n, p in model.named_parameters()}, group)
     return float(loss) / n_labels, grads, local, shapes
 
 

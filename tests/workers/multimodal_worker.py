@@ -10,7 +10,6 @@ errors of the gathered values and of every encoder gradient, plus what the split
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from automodel.distributed.multimodal.cp import (
     GatherFromContextParallelRanks,
@@ -20,6 +19,7 @@ from automodel.distributed.multimodal.cp import (
     split_to_context_parallel_ranks,
     split_to_context_parallel_ranks_dynamic_res,
 )
+from tests.workers.cp_steps import sum_over_group
 
 D_IN, H0, H = 6, 8, 5
 
@@ -62,13 +62,8 @@ def _cp_loss(rows: torch.Tensor, weights: torch.Tensor, world: int, rank: int) -
 
 
 def _grads(module: torch.nn.Module, reduce: bool) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in module.named_parameters():
-        g = p.grad.detach().clone()
-        if reduce:
-            dist.all_reduce(g)
-        out[name] = g
-    return out
+    out = {name: p.grad.detach().clone() for name, p in module.named_parameters()}
+    return sum_over_group(out) if reduce else out
 
 
 def _dynamic_case(rank, world, grids, m, tps, dtype, split_videos=True, **split_kwargs):

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from automodel.distributed.cp import blocks
 from automodel.distributed.cp.thd.attention import make_thd_batch_and_ctx, set_thd_attention
 from automodel.distributed.thd_utils import thd_partition_indices
+from tests.workers.cp_steps import sum_over_group
 
 VOCAB = 80
 SENTINEL = -1000
@@ -126,12 +127,7 @@ def cp_run(model, mesh, batch, n_labels: int, backward: bool = True):
     group = mesh.get_group()
     loss = ce.detach().clone()
     dist.all_reduce(loss, group=group)
-    grads = {}
-    if backward:
-        for n, p in model.named_parameters():
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=group)
-            grads[n] = g
+    grads = sum_over_group({n: p.grad for n, p in model.named_parameters()}, group) if backward else {}
     return float(loss) / n_labels, grads, logits.detach(), local, saved_shapes
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.workers.cp_steps import sum_over_group
 from tests.workers.thd_attention_worker import _ce, pack, reference, rel
 
 VOCAB = 80
@@ -82,11 +83,7 @@ def usp_run(model, mesh, batch, n_labels: int):
     group = mesh["cp"].get_group()
     loss = ce.detach().clone()
     dist.all_reduce(loss, group=group)
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        dist.all_reduce(g, group=group)
-        grads[n] = g
+    grads = sum_over_group({n: p.grad for n, p in model.named_parameters()}, group)
     return float(loss) / n_labels, grads, local
 
 
@@ -144,9 +141,7 @@ def check(rank: int, world_size: int, node: int | None = None) -> dict:
             wrong.zero_grad(set_to_none=True)
             ce = _ce(wrong(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits[0], local["labels"][0])
             (ce / n_labels).backward()
-            wrong_grads = {n: p.grad.detach().clone() for n, p in wrong.named_parameters()}
-            for g in wrong_grads.values():
-                dist.all_reduce(g)
+            wrong_grads = sum_over_group({n: p.grad for n, p in wrong.named_parameters()})
             out["negative_control_grad_rel"] = max(rel(wrong_grads[n], ref_grads[n]) for n in ref_grads)
             # and the USP context notices a model that was not switched
             ctx, local = make_usp_batch_and_ctx(mesh, batch, ulysses_size=ULYSSES)
