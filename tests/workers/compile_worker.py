@@ -126,13 +126,13 @@ def single(rank: int, world_size: int, out: str) -> dict:
 
 
 def pair(rank: int, world_size: int, out: str) -> dict:
-    """World 2, cp=2: compiled autograd (ring, ulysses), model.compile (ring, ulysses; FSDP2), both
-    together (ring, 10 steps: the recompile count), the gradient checks of :func:`gradients`, and a
-    replicated run's checkpoint, resume and export (:func:`replicated_checkpoint`)."""
+    """World 2, cp=2: compiled autograd (ulysses; ring's in :func:`gradients`, one micro-batch's gradients
+    against eager, and with model.compile below), model.compile (ring, ulysses; FSDP2), both together (ring, 10
+    steps: the recompile count), the gradient checks of :func:`gradients`, and a replicated run's checkpoint,
+    resume and export (:func:`replicated_checkpoint`)."""
     out_dir = Path(out)
     aot = ["distributed.cp_size=2", "model.compile_backend=aot_eager"]
     runs = {
-        "ring_ca": (CP, [*aot, *CA]),
         "ulysses_ca": (ULYSSES, [*aot, *CA]),
         "ring_compile": (CP, [*aot, "model.compile=true"]),
         # with activation checkpointing: the compiled block forward is recomputed in the backward; with
