@@ -124,6 +124,45 @@ def test_seq_len_past_the_positions_is_refused_unless_scaled_or_allowed():
         dry_run_report(loaded)
 
 
+#: families without RoPE parameters whose positions are a table (refused past it) or nothing (no limit)
+POSITION_TABLES = ("gpt2", "gpt_bigcode", "opt", "biogpt", "ctrl", "openai-gpt", "gpt_neo", "gptj", "codegen", "xglm")
+NO_POSITIONS = ("jamba", "nemotron_h", "rwkv", "kimi_linear", "inkling_text")
+
+
+@pytest.mark.parametrize("name", POSITION_TABLES + NO_POSITIONS)
+def test_a_limit_without_rope_stands_only_for_a_position_table(name):
+    """Without RoPE parameters, max_position_embeddings limits the row only where the model looks its positions up in
+    a table (the config rules, the model checks and ``automodel plan`` read :func:`model_positions`). Where it has
+    none, the limit changes nothing the model computes: the same weights at a limit of 16 and of 4096 give the same
+    logits for 48 tokens (Jamba, Nemotron-H, RWKV and Kimi Linear were refused past it as "the rows of its
+    position table")."""
+    from transformers import AutoModelForCausalLM
+
+    from automodel.models.loader import check_model_for_run, model_positions
+    from tests.family_matrix import absent_reason, family_by_name
+
+    if absent_reason(name):
+        pytest.skip(absent_reason(name))
+    config = family_by_name(name).build_config()
+    limit = model_positions(config).limit
+    run = dict(attn_implementation="eager", cp_size=1, cp_method="ring")
+    if name in POSITION_TABLES:
+        assert limit == config.max_position_embeddings
+        with pytest.raises(UserInputError, match="the rows of its position table"):
+            check_model_for_run(config, seq_len=limit + 1, allow_position_extrapolation=True, **run)
+        return
+    assert limit is None
+    ids = torch.randint(3, 100, (1, 48), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for positions in (16, 4096):
+        config.max_position_embeddings = positions
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=ids, use_cache=False).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
 def test_user_error_is_found_through_hydra_instantiate(tmp_path):
     from hydra.utils import instantiate
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelPositions", "inline_position_problems", "model_positions", "position_problem", "rope_scaling_overrides"]
+__all__ = ["ModelPositions", "has_position_table", "inline_position_problems", "model_positions", "position_problem",
+           "rope_scaling_overrides"]
 
 
 @dataclass(frozen=True)
 class ModelPositions:
     """The positions a model was trained on, read from its config (:func:`model_positions`).
 
-    ``limit``: ``max_position_embeddings`` (``None``: no limit the config states: ALiBi, state-space mixers);
+    ``limit``: ``max_position_embeddings`` (``None``: no limit: ALiBi, state-space mixers, and a model without RoPE
+    that has no table of its positions, :func:`has_position_table`);
     ``rope``: rotary positions, which a RoPE scaling extends (else a position table of ``limit`` rows);
     ``scaling``: the ``rope_type`` of a RoPE scaling the config sets (``yarn``, ``llama3``, ...; ``None``: none);
     ``rope_parameters``: the config's ``rope_parameters`` (per layer type for Gemma 3's), for the fix's text.
@@ -33,17 +35,53 @@ class ModelPositions:
 
 
 def model_positions(config: Any) -> ModelPositions:
-    """:class:`ModelPositions` of a transformers config (its text config for a VLM)."""
+    """:class:`ModelPositions` of a transformers config (its text config for a VLM). Without RoPE parameters a
+    limit stands only where the model has a table of its positions (:func:`has_position_table`): Jamba,
+    Nemotron-H, RWKV, Kimi Linear have none (no positional encoding in their attention, or no attention)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
     if getattr(text, "alibi", False) or not isinstance(limit, int):  # ALiBi (Falcon's option) has no table
         return ModelPositions(None, False)
     params = getattr(text, "rope_parameters", None)
     if not isinstance(params, dict):
-        return ModelPositions(limit, False)
+        return ModelPositions(limit if has_position_table(text, limit) else None, False)
     nested = [v for v in params.values() if isinstance(v, dict)]  # per layer type (Gemma 3)
     kinds = {str(p.get("rope_type", "default")) for p in (nested or [params])} - {"default"}
     return ModelPositions(limit, True, ", ".join(sorted(kinds)) or None, dict(params))
+
+
+_TABLES: dict[tuple[str, str], bool] = {}  # (config class, config JSON) -> has_position_table
+
+
+def has_position_table(config: Any, limit: int) -> bool:
+    """Whether the model of ``config`` (a text config without RoPE parameters) looks its positions up in a table of
+    about ``limit`` rows, so that no row can be longer: a learned embedding (GPT-2's ``wpe``, OPT's and BioGPT's
+    ``embed_positions`` of ``limit + 2``, OpenAI GPT's ``positions_embed``) or a precomputed buffer (CTRL's
+    sinusoids, GPT-J's and CodeGen's rotary sin/cos, XGLM's sinusoids), i.e. an ``nn.Embedding`` or a buffer of
+    ``limit`` to ``limit + 2`` rows other than the token embedding. Found on the model built from ``config`` on the
+    meta device (no weights; cached per config); a model that cannot be built that way is taken to have one (the
+    refusal stands, as before this check)."""
+    try:
+        key = (type(config).__name__, config.to_json_string(use_diff=False))
+    except Exception:  # noqa: BLE001 - a config that does not serialise: not cached
+        key = (type(config).__name__, str(id(config)))
+    if key in _TABLES:
+        return _TABLES[key]
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - not buildable here: keep the limit
+        _TABLES[key] = True
+        return True
+    vocab = getattr(config, "vocab_size", None)
+    rows = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.num_embeddings != vocab]
+    rows += [b.shape[0] for b in model.buffers() if b.dim() >= 1]
+    found = any(limit <= n <= limit + 2 for n in rows)
+    _TABLES[key] = found
+    return found
 
 
 def _hydra_value(value: Any) -> str:
