@@ -321,7 +321,8 @@ def offload_checks(mesh, rank: int, world: int, dtype: torch.dtype) -> dict:
         "loss_rel": abs(loss - ref_loss.item()) / abs(ref_loss.item()),
         "grad_rel_max": max(float((grads[n] - r).abs().max() / r.abs().max().clamp_min(1e-30)) for n, r in ref_grads.items()),
         "unpacked": store.stats().unpacked,
-        "optimizer_equal": optimizer_steps_equal(list(model.parameters()), [p.grad for p in model.parameters()]),
+        "optimizer_equal": optimizer_steps_equal([p for _, p in model.named_parameters()],
+                                                 [grads[n] for n, _ in model.named_parameters()]),  # the summed ones
     }
 
 
