@@ -425,18 +425,15 @@ def test_last_fitting_stops_at_a_boundary_where_memory_does_not_grow_with_the_ro
         assert got == 0 or (ok(got) and (got == top or not ok(got + 1))), (got, islands)
 
 
-def test_a_learned_position_table_caps_the_row(capsys):
+def test_a_learned_position_table_caps_the_row(capsys, tmp_path):
     """GPT-2's position table (no RoPE) has no rows past its length: the search stops there (it found 511 tokens
     for 256 positions, then suggested YaRN, which a learned table cannot take)."""
-    import tempfile
-    from pathlib import Path
-
     from tests.family_matrix import family_by_name
     from tests.test_plan_families import family_config
 
     fam = family_by_name("gpt2")
     positions = fam.build_config().n_positions
-    out = _plan_config(capsys, family_config(fam, Path(tempfile.mkdtemp())), "--gpus", "2", "--gpu-type", "h100")
+    out = _plan_config(capsys, family_config(fam, tmp_path), "--gpus", "2", "--gpu-type", "h100")
     assert _longest(out) == positions and "past the model's" not in out and "*" not in out
 
 
