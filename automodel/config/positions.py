@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["ModelPositions", "has_position_table", "inline_position_problems", "model_positions", "position_problem",
-           "rope_scaling_overrides"]
+           "rope_scaling_overrides", "stated_limit"]
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,26 @@ class ModelPositions:
     rope_parameters: dict | None = None
 
 
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def stated_limit(config: Any) -> int | None:
+    """``max_position_embeddings`` of a transformers config (its text config for a VLM); ``None`` where it states
+    none or runs ALiBi (Falcon's option: no table). A row of at most this many tokens is never past the model's
+    positions, so the callers that only ask that need not build the model (:func:`has_position_table`)."""
+    text = _text_config(config)
+    limit = getattr(text, "max_position_embeddings", None)
+    return None if getattr(text, "alibi", False) or not isinstance(limit, int) else limit
+
+
 def model_positions(config: Any) -> ModelPositions:
     """:class:`ModelPositions` of a transformers config (its text config for a VLM). Without RoPE parameters a
     limit stands only where the model has a table of its positions (:func:`has_position_table`): Jamba,
     Nemotron-H, RWKV, Kimi Linear have none (no positional encoding in their attention, or no attention)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    if getattr(text, "alibi", False) or not isinstance(limit, int):  # ALiBi (Falcon's option) has no table
+    text = _text_config(config)
+    limit = stated_limit(config)
+    if limit is None:
         return ModelPositions(None, False)
     params = getattr(text, "rope_parameters", None)
     if not isinstance(params, dict):
@@ -121,8 +134,11 @@ def position_problem(config: Any, seq_len: int, allow_extrapolation: bool = Fals
     allows it (``model.allow_position_extrapolation=true``). A model whose positions come from a table of
     ``max_position_embeddings`` rows (GPT-2, OPT) cannot run past it at all.
     """
+    stated = stated_limit(config)
+    if stated is None or seq_len <= stated:  # within the positions: no model built to look for a table
+        return None
     positions = model_positions(config)
-    if positions.limit is None or seq_len <= positions.limit:
+    if positions.limit is None:
         return None
     name = type(config).__name__
     past = f"data.seq_len={seq_len} is past {name}.max_position_embeddings={positions.limit}"

@@ -32,6 +32,7 @@ from automodel.config.positions import (
     model_positions,
     position_problem,
     rope_scaling_overrides,
+    stated_limit,
 )
 from automodel.config.schema import ModelSection
 from automodel.data.hub_offline import (
@@ -284,8 +285,11 @@ def check_model_for_run(
     problem = position_problem(config, seq_len, allow_position_extrapolation)
     if problem is not None:
         raise UserInputError(problem)
+    stated = stated_limit(config)
+    if stated is None or seq_len <= stated:  # within the positions (no model built to look for a table)
+        return
     positions = model_positions(config)
-    if positions.limit is not None and seq_len > positions.limit:  # allowed: by a RoPE scaling or the user's flag
+    if positions.limit is not None:  # past it, allowed: by a RoPE scaling or the user's flag
         how = (f"the {positions.scaling} RoPE scaling the config sets" if positions.scaling
                else "model.allow_position_extrapolation=true")  # fmt: skip
         logger.warning(

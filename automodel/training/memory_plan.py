@@ -134,6 +134,7 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1306,13 +1307,18 @@ def packed_blocks_apply(r: RunShape) -> bool:
     (``aten_schemas.cudnn_varlen_problem``; ``block_sets.packed_call_bytes`` then counts the calls' copies)."""
     if not r.cudnn_packed_blocks or r.cp <= 1 or r.attention_kernel != "sdpa_cudnn":
         return False
-    if r.cp_method not in ("thd", "thd_docs", "usp"):
-        return False
     import torch
 
+    return r.cp_method in ("thd", "thd_docs", "usp") and _release_runs_cudnn_packed_calls(torch.__version__)
+
+
+@functools.cache
+def _release_runs_cudnn_packed_calls(version: str) -> bool:
+    """Whether torch ``version`` runs cuDNN's packed-row call at all (``aten_schemas.cudnn_varlen_problem``): once per
+    release, not once per plan the search evaluates."""
     from automodel.distributed.cp import aten_schemas
 
-    release = aten_schemas.torch_release(torch.__version__)
+    release = aten_schemas.torch_release(version)
     return aten_schemas.cudnn_varlen_problem(release, aten_schemas.CUDNN_VARLEN_SHORT_MIN_CUDNN, causal=False,
                                              max_q=None) is None  # fmt: skip
 

@@ -363,12 +363,11 @@ class PlanSearch:
         return p.total_bytes, p.host_bytes, False
 
     def fits(self, layout: Layout, t: Techniques, seq: int) -> bool:
-        dev, host = self.usage(layout, t, seq)
-        return dev <= self.budget and host <= self.host
+        return self._measure(layout, t, seq)[0]
 
     def _measure(self, layout: Layout, t: Techniques, seq: int) -> tuple[bool, float]:
-        """``(fits, load)`` at ``seq`` tokens per row: :meth:`fits`, and the larger of the GPU's and the host's use
-        over their budgets (only the search's guide: whether a row fits is ``fits``)."""
+        """``(fits, load)`` at ``seq`` tokens per row: whether the GPU's and the host's use fit their budgets, and the
+        larger of the two over its budget (only the search's guide: whether a row fits is the first)."""
         dev, host = self.usage(layout, t, seq)
         load = max(dev / self.budget if self.budget > 0 else math.inf, host / self.host if self.host > 0 else 0.0)
         return dev <= self.budget and host <= self.host, load
@@ -465,7 +464,7 @@ def last_fitting(measure: Callable[[int], tuple[bool, float]], top: int) -> int:
         wide = hi > 2 * lo
         i = 1 if wide else 0
         stalled = len(sizes) >= 3 and size > sizes[-3] / 2
-        if not stalled and d_hi[i] > 0 >= d_lo[i] and d_hi[i] > d_lo[i]:
+        if not stalled and d_hi[i] > 0 >= d_lo[i]:
             frac = -d_lo[i] / (d_hi[i] - d_lo[i])
             guess = math.exp(math.log(lo) + frac * size) if wide else lo + frac * (hi - lo)
         else:

@@ -397,8 +397,9 @@ def varlen_choice(
 
     - cuDNN (``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q`` / ``cum_seq_k``; grouped K/V
       repeated per query head on torch 2.14, whose gate wants equal heads, as they are on 2.15) where the installed
-      torch's own ``varlen_attn`` runs that op for these documents (:func:`cudnn_packed_problem`: torch >= 2.14, cuDNN >= 9.18, compute capability 9.x / 10.x, no window, head sizes
-      <= 128, the longest document ``max_len`` past 128 tokens unless torch 2.15 with cuDNN >= 9.24, and causal
+      torch's own ``varlen_attn`` runs that op for these documents (:func:`cudnn_packed_problem`: torch >= 2.14,
+      cuDNN >= 9.18, compute capability 9.x / 10.x, no window, head sizes <= 128, the longest document
+      ``max_len`` past 128 tokens unless torch 2.15 with cuDNN >= 9.24, and causal
       documents from torch 2.15 only) and ``auto`` prefers cuDNN on this GPU (``caps.cudnn_preferred``) or
       ``model.attention_backend=cudnn`` pins it;
     - else flash through ``varlen_attn`` (causal, full, or a sliding ``window``) under ``auto`` or a flash pin,
