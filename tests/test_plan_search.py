@@ -110,6 +110,18 @@ def test_tiled_mlp_counts_one_tile_instead_of_the_row():
     assert "125" not in auto.terms["activations"].note and "128 tokens per tile" in auto.terms["activations"].note
 
 
+def test_tiled_mlp_plan_of_one_tile_keeps_no_intermediates():
+    """A row of at most ``hidden`` local tokens with ``tiled_mlp=true`` is one tile, which the model runs through the
+    recomputing Function: planned without the MLP's kept intermediates, so the planned memory grows with the row
+    (it did not: a row of ``hidden`` tokens was planned, and ran, untiled, above one of ``hidden + 32``)."""
+    d = _dims()
+    r = RunShape(local_batch=1, seq=d.hidden, chunk_tokens=256, tiled_mlp=True)
+    one = plan_memory(d, r)
+    assert f"MLP tiled, {d.hidden} tokens per tile" in one.terms["activations"].note
+    totals = [plan_memory(d, dataclasses.replace(r, seq=n)).total_bytes for n in range(32, 5 * d.hidden, 32)]
+    assert totals == sorted(totals), totals
+
+
 def test_activation_offload_keeps_two_layer_inputs_and_counts_the_host():
     d = _dims(layers=8)
     r = RunShape(local_batch=1, seq=4096, chunk_tokens=256, activation_checkpointing=True)

@@ -164,10 +164,71 @@ def test_no_grad_forward_and_frozen_input():
     assert model.model.layers[0].mlp.gate_proj.weight.grad is not None
 
 
+def _saved_bytes(model: nn.Module, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages the forward saves for the backward (the backward then runs)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return sum(seen.values())
+
+
+def test_one_tile_keeps_only_the_input():
+    """A call of one tile (at most ``hidden`` tokens with ``true``, at most the tile with an int) runs through the
+    recomputing Function like a call of many: exact, counted as tiled, and keeping only the MLP's input, so a row
+    of ``hidden`` tokens saves less than one of ``hidden + 2`` (before: the one-tile call ran the MLP's own
+    forward and kept its ``[N, I]`` intermediates, so a row of 64 tokens saved more than one of 66)."""
+    from automodel.models.tiled_mlp import layer_tile_scope, tile_counts
+
+    model = _model("llama", torch.float64)  # hidden 64, MLP 128, 2 layers
+    short, long = _ids(5, (1, 64)), _ids(5, (1, 66))
+    untiled = {n: _saved_bytes(model, ids) for n, ids in ((64, short), (66, long))}
+    ref = _step(model, short)
+    apply_tiled_mlp(model, True)
+    got = _step(model, short)
+    counts = tile_counts(model)
+    assert [(c.calls, c.tiled_calls, c.tiles, c.backward_tiles, c.max_tile_tokens) for c in counts] == [(1, 1, 1, 1, 64)] * 2
+    loss_rel, grad_rel = _compare(ref, got)
+    assert loss_rel <= 1e-12 and grad_rel <= 1e-12, (loss_rel, grad_rel)
+    tiled = {n: _saved_bytes(model, ids) for n, ids in ((64, short), (66, long))}
+    # per layer the gated MLP's four [N, 128] intermediates (plus what it shares with its input) are no longer kept
+    assert untiled[64] - tiled[64] >= 2 * 4 * 64 * 128 * 8, (untiled, tiled)
+    assert tiled[64] < tiled[66] < untiled[64], (untiled, tiled)  # the shorter row saves less
+    # an int tile of the whole row is one tile too
+    remove_tiled_mlp(model)
+    apply_tiled_mlp(model, 1000)
+    assert _saved_bytes(model, short) == tiled[64]
+    # inside a tiled layer's tile (which recomputes the tile itself) a one-tile call runs the MLP's own forward
+    for c in tile_counts(model):
+        c.reset()
+    with layer_tile_scope():
+        _step(model, short)
+    assert [(c.calls, c.tiled_calls, c.in_layer_tiles) for c in tile_counts(model)] == [(1, 0, 1)] * 2
+
+
+def test_a_tiled_mlp_call_that_ran_untiled_is_a_problem():
+    from automodel.training.technique_report import technique_lines, technique_problems
+
+    tm = {"mlps": 2, "calls": 4, "tiled_calls": 3, "in_layer_tiles": 0, "tiles": 3, "backward_tiles": 3,
+          "max_tile_tokens": 64, "max_tokens": 64}  # fmt: skip
+    assert technique_problems({"tiled_mlp": tm}) == [
+        "model.tiled_mlp is on but 1 of 4 MLP call(s) ran untiled, keeping their intermediates"
+    ]
+    assert technique_problems({"tiled_mlp": {**tm, "in_layer_tiles": 1}}) == []
+    lines = technique_lines({"tiled_mlp": {**tm, "in_layer_tiles": 1}, "micro_batches": 1})
+    assert any("3 run in 3 tile(s)" in line and "1 inside the tiled layer's tiles" in line for line in lines), lines
+
+
 def test_resolve_tile_tokens():
     assert resolve_tile_tokens(False, 128, 16384, 4096) is None
     assert resolve_tile_tokens(1000, 128, 16384, 4096) == 1000
-    assert resolve_tile_tokens(10_000, 128, 16384, 4096) == 4096  # one tile: untiled
+    assert resolve_tile_tokens(10_000, 128, 16384, 4096) == 4096  # one tile (still through the tiled Function)
     # true: equal tiles of at most H tokens: 4096 / 128 = 32 tiles of 128; 1000 tokens: 8 tiles of 125
     assert resolve_tile_tokens(True, 128, 16384, 4096) == 128
     assert resolve_tile_tokens(True, 128, 16384, 1000) == 125

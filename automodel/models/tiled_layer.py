@@ -55,6 +55,7 @@ from torch import nn
 
 from automodel.errors import UserInputError
 from automodel.models.tile_backward import check_same_parameters, tile_gradients
+from automodel.models.tiled_mlp import layer_tile_scope
 
 __all__ = [
     "CAPTURE",
@@ -431,7 +432,8 @@ def _run_tiled(
 
     def post(start: int, at: torch.Tensor, h: torch.Tensor) -> list[torch.Tensor]:
         h1 = h + attn.o_proj(at)
-        return [h1 + layer.mlp(layer.post_attention_layernorm(h1))]
+        with layer_tile_scope():  # a tiled MLP of one tile runs its own forward: this Function recomputes the tile
+            return [h1 + layer.mlp(layer.post_attention_layernorm(h1))]
 
     post_tiles = _Tiles(layer, post, bounds, [1, 1], [1], counts)
     (result,) = _apply_tiled(post_tiles, [a, hidden])

@@ -37,7 +37,14 @@ than on the whole sequence. A model whose router logits feed an auxiliary loss
 Tile size (:func:`resolve_tile_tokens`, the one rule the memory planner uses too): an int is tokens per
 tile; ``true`` cuts the ``N`` tokens of the call into equal tiles of at most ``H`` (hidden) tokens, so that
 one tile's ``[t, I]`` intermediate is no larger than one MLP weight ``[I, H]`` whatever the sequence length
-(an MLP no wider than ``H`` is not cut: tiling it saves nothing).
+(an MLP no wider than ``H`` is not cut: its intermediates are no larger than its input).
+
+A call of one tile (``N`` at most the tile) still runs through the recomputing Function: it keeps only its
+input, like a call of many tiles, so the memory a row needs grows with its length (a row of ``H`` tokens
+does not keep the intermediates that a row of ``H + 1`` drops). The exception is an MLP called inside a
+tile of the tiled layer (:mod:`automodel.models.tiled_layer`, which recomputes that tile itself): there a
+one-tile call runs the MLP's own ``forward`` (:func:`layer_tile_scope`; counted in
+``TileCounts.in_layer_tiles``).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import contextlib
 import functools
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +72,7 @@ __all__ = [
     "check_tiled_mlp_for_model_config",
     "find_mlps",
     "is_tiled",
+    "layer_tile_scope",
     "mlp_intermediate_width",
     "remove_tiled_mlp",
     "resolve_tile_tokens",
@@ -104,8 +113,9 @@ def resolve_tile_tokens(
         ``min(tile, tokens)`` (at least 1): ``True`` gives equal tiles of at most ``hidden`` tokens,
         ``ceil(tokens / ceil(tokens / hidden))`` (one tile's ``[t, intermediate]`` intermediate is no larger
         than one ``[intermediate, hidden]`` weight), or ``tokens`` when ``intermediate <= hidden`` (tiling
-        saves nothing); an int gives itself. A tile >= ``tokens`` means one tile (the MLP runs untiled).
-        ``automodel.training.memory_plan`` plans with this function.
+        is no larger than the input); an int gives itself. A tile >= ``tokens`` means one tile, which still
+        runs through the recomputing Function (only the input is kept). ``automodel.training.memory_plan``
+        plans with this function.
 
     Raises:
         ValueError: ``tiled_mlp`` is an int < 1, or ``True`` with a non-positive size.
@@ -306,14 +316,15 @@ class TileCounts:
     """What one tiled MLP did since the last :meth:`reset` (the run log reports it after the first step)."""
 
     calls: int = 0  # calls of the MLP (a checkpointed layer's recomputation calls it again)
-    tiled_calls: int = 0  # calls run over more than one tile
+    tiled_calls: int = 0  # calls run through the tiled Function (one tile or more), keeping only the input
+    in_layer_tiles: int = 0  # one-tile calls inside a tiled layer's tile: the MLP's own forward (the layer recomputes)
     tiles: int = 0  # tiles run by the tiled calls' forwards
     backward_tiles: int = 0  # tiles recomputed by the tiled backward
     max_tile_tokens: int = 0  # the largest tile (tokens)
     max_tokens: int = 0  # the most tokens of one call
 
     def reset(self) -> None:
-        self.calls = self.tiled_calls = self.tiles = self.backward_tiles = 0
+        self.calls = self.tiled_calls = self.in_layer_tiles = self.tiles = self.backward_tiles = 0
         self.max_tile_tokens = self.max_tokens = 0
 
 
@@ -423,6 +434,8 @@ class _Runner:
     def forward_all(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         per_tile = [self.run([self.tile(x, a, b) for x in xs]) for a, b in self.bounds]
         assert self.spec is not None
+        if len(per_tile) == 1:  # one tile: its outputs are the call's (no copy through cat)
+            return per_tile[0]
         return [torch.cat([t[j] for t in per_tile], dim=d) for j, d in enumerate(self.spec.token_dims)]
 
     def trainable(self) -> list[torch.Tensor]:
@@ -599,6 +612,23 @@ def _local(x: torch.Tensor, flat: bool) -> tuple[torch.Tensor, Any]:
     return x.to_local(), (x.device_mesh, placements)
 
 
+#: how deep this thread is inside tiled-layer tiles (:func:`layer_tile_scope`)
+_LAYER_TILE = threading.local()
+
+
+@contextlib.contextmanager
+def layer_tile_scope() -> Iterator[None]:
+    """Within it, a tiled MLP call of one tile runs the MLP's own forward: for the tiled layer
+    (:mod:`automodel.models.tiled_layer`), whose tile Function already keeps only its inputs and recomputes the
+    tile, MLP included, in the backward (a second recompute would cost an MLP forward and save nothing). A call
+    of several tiles still tiles. Per thread (the autograd engine runs CUDA backwards on its own threads)."""
+    _LAYER_TILE.depth = getattr(_LAYER_TILE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _LAYER_TILE.depth -= 1
+
+
 @torch._dynamo.disable(reason="automodel: the tiled MLP runs its tiles eagerly")
 def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a tiled MLP: the module's own ``__call__`` (its hooks, its ``forward``) per tile."""
@@ -632,7 +662,10 @@ def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     counts = tiling.counts
     counts.calls += 1
     counts.max_tokens = max(counts.max_tokens, n)
-    if tile is None or tile >= n:
+    if tile is None:
+        return base_call(*args, **kwargs)
+    if tile >= n and getattr(_LAYER_TILE, "depth", 0) > 0:  # the tiled layer recomputes this tile itself
+        counts.in_layer_tiles += 1
         return base_call(*args, **kwargs)
     runner = _Runner(self, call, len(flat_xs), n, tile, flat)
     counts.tiled_calls += 1

@@ -431,14 +431,15 @@ class MemoryPlan:
 
 
 def _mlp_tile(d: ModelDims, r: RunShape) -> int | None:
-    """Tokens per MLP tile of ``r`` (``None``: the MLP is not tiled, or in one tile, which the model runs
-    untiled): :func:`automodel.models.tiled_mlp.resolve_tile_tokens`, the rule the model tiles with."""
+    """Tokens per MLP tile of ``r`` (``None``: the MLP is not tiled; a tile of every local token is one tile, which
+    the model still runs through its recomputing Function): :func:`automodel.models.tiled_mlp.resolve_tile_tokens`,
+    the rule the model tiles with."""
     if r.tiled_mlp is False or r.tiled_mlp is None:
         return None
     from automodel.models.tiled_mlp import resolve_tile_tokens
 
     tile = resolve_tile_tokens(r.tiled_mlp, d.hidden, max(d.intermediate // r.tp, 1), r.local_tokens)
-    return tile if tile is not None and tile < r.local_tokens else None
+    return None if tile is None else min(tile, max(r.local_tokens, 1))
 
 
 def _layer_tile(d: ModelDims, r: RunShape) -> int | None:

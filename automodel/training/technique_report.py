@@ -10,8 +10,9 @@ logs one line per technique that is on, with what it did, from the counters the 
 - activation offload (:class:`automodel.training.activation_offload.OffloadStore`): tensors and bytes moved to
   the host per layer (the layer's inputs: one ``[B, S_local, H]`` hidden-state tensor per micro-batch), the
   host pool;
-- tiled MLP (:class:`automodel.models.tiled_mlp.TileCounts`): MLP calls, tiles, the largest tile, the tiles
-  recomputed by the tiled backward;
+- tiled MLP (:class:`automodel.models.tiled_mlp.TileCounts`): MLP calls, those run through the tiled Function (one
+  tile or more) and those inside the tiled layer's tiles, tiles, the largest tile, the tiles recomputed by the
+  tiled backward; every call is one or the other;
 - tiled layer (:class:`automodel.models.tiled_layer.TiledLayerCounts`): the decoder layers run in tiles, their
   calls and tiles, the tiles recomputed by the tiled backward;
 - checkpoint groups (:class:`automodel.models.checkpoint_groups.GroupCounts`): the layer inputs kept (the groups'
@@ -116,6 +117,7 @@ def collect_technique_report(
             "mlps": len(tiles),
             "calls": sum(t.calls for t in tiles),
             "tiled_calls": sum(t.tiled_calls for t in tiles),
+            "in_layer_tiles": sum(t.in_layer_tiles for t in tiles),
             "tiles": sum(t.tiles for t in tiles),
             "backward_tiles": sum(t.backward_tiles for t in tiles),
             "max_tile_tokens": max(t.max_tile_tokens for t in tiles),
@@ -181,6 +183,7 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
             f"tiled MLP: {tm['mlps']} MLP(s), {tm['calls']} call(s) of up to {tm['max_tokens']} tokens, "
             f"{tm['tiled_calls']} run in {tm['tiles']} tile(s) of at most {tm['max_tile_tokens']} tokens; "
             f"{tm['backward_tiles']} tile(s) recomputed by the tiled backward"
+            + (f"; {tm['in_layer_tiles']} inside the tiled layer's tiles" if tm["in_layer_tiles"] else "")
         )
     tl = report.get("tiled_layer")
     if tl is not None:
@@ -236,6 +239,12 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
         problems.append(
             f"model.checkpoint_group_layers={cg['layers_per_group']} but {cg['dropped']} layer input(s) were not kept "
             f"and {cg['rebuilt']} rebuilt in the backward: the groups did not act as planned"
+        )
+    tm = report.get("tiled_mlp")
+    if tm is not None and tm["tiled_calls"] + tm["in_layer_tiles"] < tm["calls"]:
+        problems.append(
+            f"model.tiled_mlp is on but {tm['calls'] - tm['tiled_calls'] - tm['in_layer_tiles']} of {tm['calls']} "
+            f"MLP call(s) ran untiled, keeping their intermediates"
         )
     tl = report.get("tiled_layer")
     if tl is not None and tl["layers_tiled"] < tl["layers"]:
