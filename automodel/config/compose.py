@@ -118,16 +118,23 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
         GlobalHydra.instance().clear()
     search = _search_path(config_path, overrides)
     base = None
+    name = config_path.stem
     try:
-        with initialize_config_dir(
-            config_dir=str(config_path.parent), version_base="1.3", job_name="finetune"
-        ):
+        with initialize_config_dir(config_dir=str(config_path.parent), version_base="1.3", job_name="finetune"):
             # a parent's model.config never merges into a model of another class (model_inherit.py)
-            deleted = model_replacement_overrides(config_path.stem, search, overrides)
+            deleted = model_replacement_overrides(name, search, overrides)
             search = [*search, *deleted]
-            base = compose(config_name=config_path.stem, overrides=search)
-            overrides = _schema_overrides(base, overrides, [d[1:] for d in deleted])
-            cfg = compose(config_name=config_path.stem, overrides=[*search, *overrides])
+            replaced = [d[1:] for d in deleted]
+            # one composition where it suffices: every schema key set with ++ (the same update as key=value where
+            # the YAML has it); only an override Hydra refuses needs the YAML composed alone, to tell a key it lacks
+            # that a _target_ takes (then ++ too) from a mistake, and to name the nearest key in the message
+            fast = _schema_overrides(None, overrides, replaced)
+            try:
+                cfg = compose(config_name=name, overrides=[*search, *fast])
+            except (HydraException, OmegaConfBaseException):
+                base = compose(config_name=name, overrides=search)
+                overrides = _schema_overrides(base, overrides, replaced)
+                cfg = compose(config_name=name, overrides=[*search, *overrides])
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError([_hydra_message(e, overrides, base, config_path)]) from None
     except yaml.YAMLError as e:  # a config file (or a parent in its defaults) that does not parse
@@ -182,6 +189,9 @@ def _schema_overrides(base: Any, overrides: Sequence[str], replaced: Sequence[st
     ``++key=value``. Unknown keys are left alone: Hydra (or the schema check, for ``+key``) rejects them.
     ``replaced``: dotted keys of nodes taken out for a model of another class (``model_inherit.py``): a key
     set inside one is the user's own for the new class (``++``); a deletion inside one has nothing to delete.
+    ``base``: the YAML composed without the command line's overrides; ``None``: not composed, so every schema key
+    set with ``key=value`` becomes ``++`` (for a key the YAML has, the same update) and the keys a ``_target_``
+    takes are left alone.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
@@ -200,8 +210,8 @@ def _schema_overrides(base: Any, overrides: Sequence[str], replaced: Sequence[st
             and not o.is_add()
             and not o.is_force_add()
             and o.package is None
-            and OmegaConf.select(base, key, default=_MISSING) is _MISSING
-            and (schema_key_exists(key) or _target_takes(base, key))
+            and (base is None or OmegaConf.select(base, key, default=_MISSING) is _MISSING)
+            and (schema_key_exists(key) or (base is not None and _target_takes(base, key)))
         ):
             raw = "++" + raw
         out.append(raw)
