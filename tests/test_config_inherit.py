@@ -168,3 +168,28 @@ def test_a_model_config_group_replaces_too(tmp_path):
     own.write_text(yaml.safe_dump({"defaults": ["cp", {"model": "qwen3"}, "_self_"]}))
     loaded = load_config(["--config", str(own)], world_size=2)
     assert loaded.raw["model"]["config"] == OTHER_CLASS["qwen3_next"] and loaded.raw["model"]["dtype"] == "float32"
+
+
+def test_a_config_without_parents_skips_the_defaults_list_with_the_same_answer(tmp_path):
+    """model_replacement_overrides answers a config without parents (and a command line that keeps the class) from
+    the file alone: the same deletions as reading the defaults list through Hydra, for every shipped config."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from automodel.config.model_inherit import _without_parents, model_replacement_overrides
+
+    configs = sorted(Path("configs").resolve().glob("*.yaml"))
+    assert any(_without_parents(c) for c in configs) and not all(_without_parents(c) for c in configs)
+    for overrides in ([], ["model.config.hidden_size=32"], ["model.config._target_=transformers.Qwen3Config"]):
+        for config in configs:
+            GlobalHydra.instance().clear()
+            with initialize_config_dir(config_dir=str(config.parent), version_base="1.3"):
+                fast = model_replacement_overrides(config.stem, [], overrides, config)
+                full = model_replacement_overrides(config.stem, [], overrides)
+            assert fast == full, (config.name, overrides, fast, full)
+    GlobalHydra.instance().clear()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: [cp, _self_]\n")
+    assert not _without_parents(bad) and not _without_parents(tmp_path / "missing.yaml") and not _without_parents(None)
+    bad.write_text("model: {config: [unclosed\n")
+    assert not _without_parents(bad)

@@ -122,7 +122,7 @@ def compose_config(config_path: Path, overrides: Sequence[str]) -> dict[str, Any
     try:
         with initialize_config_dir(config_dir=str(config_path.parent), version_base="1.3", job_name="finetune"):
             # a parent's model.config never merges into a model of another class (model_inherit.py)
-            deleted = model_replacement_overrides(name, search, overrides)
+            deleted = model_replacement_overrides(name, search, overrides, config_path)
             search = [*search, *deleted]
             replaced = [d[1:] for d in deleted]
             # one composition where it suffices: every schema key set with ++ (the same update as key=value where

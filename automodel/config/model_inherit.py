@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from automodel.config.typecheck import ConfigError
@@ -185,7 +186,26 @@ def swapped_nested_configs(composed: Any, user_overrides: Sequence[str]) -> list
     return out
 
 
-def model_replacement_overrides(config_name: str, search: Sequence[str], user_overrides: Sequence[str]) -> list[str]:
+def _without_parents(config_file: Path | None) -> bool:
+    """Whether ``config_file`` is a YAML mapping whose ``defaults`` (if any) names no config but ``_self_`` (False when
+    unknown or unreadable: the caller then reads the defaults list through Hydra, which reports what is wrong)."""
+    if config_file is None:
+        return False
+    import yaml
+
+    try:
+        doc = yaml.safe_load(config_file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    if not isinstance(doc, dict):
+        return False
+    defaults = doc.get("defaults", [])
+    return isinstance(defaults, list) and all(d == "_self_" for d in defaults)
+
+
+def model_replacement_overrides(
+    config_name: str, search: Sequence[str], user_overrides: Sequence[str], config_file: Path | None = None
+) -> list[str]:
     """Deletions (``~model.config.key``) of the keys a parent config's ``model.config`` would merge into
     a model of another class. Call inside Hydra's ``initialize_config_dir`` of the primary config.
 
@@ -193,11 +213,17 @@ def model_replacement_overrides(config_name: str, search: Sequence[str], user_ov
         config_name: the primary config's name (its file's stem).
         search: the overrides that set the search path (``hydra.searchpath=[...]``), as composed.
         user_overrides: the command line's overrides (keys it sets or deletes are not deleted here).
+        config_file: the primary config's file, when known: a config without parents whose command line keeps
+            the class has nothing to replace, and is answered without reading the defaults list (a Hydra
+            composition's worth of time).
 
     Returns [] when no class changes (same-class inheritance merges as Hydra does).
     """
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
+
+    if _command_line_target(user_overrides) is None and _without_parents(config_file):
+        return []  # one contribution (the file itself) replaces nothing; no nested config is swapped
 
     loader = GlobalHydra.instance().config_loader()
     defaults = loader.compute_defaults_list(config_name, list(search), RunMode.RUN).defaults
