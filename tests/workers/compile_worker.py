@@ -19,6 +19,9 @@ SHORT = [
     "data.seq_len=64",
 ]
 CA = ["distributed.enable_compiled_autograd=true", "fsdp.enabled=false"]
+#: the compiled-autograd runs and their eager references use one decoder layer: compiled autograd traces the whole
+#: backward at the first step (~10 s of a 2-layer model's ~15 s run on 2 cores, half of it with one layer)
+ONE_LAYER = ["model.config.num_hidden_layers=1"]
 PACKED_CFG = "configs/cp_packed.yaml"  # packed documents (cp_method=thd_docs; the thd runs set thd)
 PACKED_REF = ["+data.dataset.seq_pad_multiple=4", "data.pad_to_multiple_of=4"]
 
@@ -107,19 +110,22 @@ def gradients(rank: int, world_size: int, out: str) -> dict:
     except TypeError as e:
         res["refused"] = str(e)
     res["fsdp_compiled"] = _one_backward(trainer_for("g_fsdp_mc", ["model.compile=true"]), batch, False)
-    rep = trainer_for("g_rep", ["fsdp.enabled=false"])
+    rep = trainer_for("g_rep", ["fsdp.enabled=false", *ONE_LAYER])
     res["rep_eager"] = _one_backward(rep, batch, False)
     res["rep_ca"] = _one_backward(rep, batch, True)
-    both = trainer_for("g_rep_both", ["fsdp.enabled=false", "model.compile=true"])
+    both = trainer_for("g_rep_both", ["fsdp.enabled=false", "model.compile=true", *ONE_LAYER])
     res["rep_both"] = _one_backward(both, batch, True)
     return res
 
 
 def single(rank: int, world_size: int, out: str) -> dict:
-    """World 1: the eager cp=1 references over 6 and over 10 steps (the LR schedule spans max_steps)."""
+    """World 1: the eager cp=1 references over 6 steps, and with one layer over 6 and over 10 steps (the compiled-
+    autograd runs'; the LR schedule spans max_steps)."""
     return {
         "ref": _go(world_size, Path(out), "ref", ["distributed.cp_size=1"]),
-        "ref10": _go(world_size, Path(out), "ref10", ["distributed.cp_size=1", "step_scheduler.max_steps=10"]),
+        "ref_1l": _go(world_size, Path(out), "ref_1l", ["distributed.cp_size=1", *ONE_LAYER]),
+        "ref10_1l": _go(world_size, Path(out), "ref10_1l",
+                        ["distributed.cp_size=1", "step_scheduler.max_steps=10", *ONE_LAYER]),  # fmt: skip
         # the same packed rows as thd at cp=2 (documents padded to 2*cp by hand)
         "packed_ref": _go(world_size, Path(out), "packed_ref", ["distributed.cp_size=1", *PACKED_REF], PACKED_CFG),
     }
@@ -133,13 +139,13 @@ def pair(rank: int, world_size: int, out: str) -> dict:
     out_dir = Path(out)
     aot = ["distributed.cp_size=2", "model.compile_backend=aot_eager"]
     runs = {
-        "ulysses_ca": (ULYSSES, [*aot, *CA]),
+        "ulysses_ca": (ULYSSES, [*aot, *CA, *ONE_LAYER]),
         "ring_compile": (CP, [*aot, "model.compile=true"]),
         # with activation checkpointing: the compiled block forward is recomputed in the backward; with
         # activation offload and the tiled MLP (tiles of 16 of the rank's 2 x 32 tokens) too, under FSDP2
         "ulysses_compile": (ULYSSES, [*aot, "model.compile=true", "model.activation_checkpointing=true",
                                       "model.activation_offload=true", "model.tiled_mlp=16"]),  # fmt: skip
-        "ring_both": (CP, [*aot, *CA, "model.compile=true", "step_scheduler.max_steps=10"]),
+        "ring_both": (CP, [*aot, *CA, "model.compile=true", "step_scheduler.max_steps=10", *ONE_LAYER]),
         "thd_compile": (PACKED_CFG, [*aot, "model.compile=true", "distributed.cp_method=thd"]),  # packed documents, FSDP2
         # the one inductor run (C++ code generated on CPU): ~15-25 s of compilation on 2 cores
         "ulysses_compile_inductor": (ULYSSES, ["distributed.cp_size=2", "model.compile=true"]),
