@@ -9,7 +9,9 @@ Launch tests (``torchrun --nproc-per-node 2 --tee 3``, the same command line a u
 module-scoped fixture. Each case asserts exactly one ``error:`` line, printed by rank 0 (torchrun
 prefixes it ``[default0]:``); no traceback from a rank on the terminal (the only one left is
 torchrun's own ``ChildFailedError`` report, see README "Errors"); every rank's exit code 2 in that
-report; the traceback in ``<run dir>/logs/rank_<r>.log``.
+report; the traceback in ``<run dir>/logs/rank_<r>.log``. One launch per phase a rank can fail in (data on every
+rank, data on rank 1 only, the model's config, the model check, the checkpoint resume, the config before any
+process group); the raise sites of the same phase (an empty split, a missing tokenizer) are unit tests above.
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ def test_raise_sites_are_user_input_errors(tmp_path):
     (tmp_path / "model").mkdir()
     with pytest.raises(UserInputError, match=r"no config found"):
         resolve_model_config(ModelSection(pretrained_model_name_or_path=str(tmp_path / "model")), dry_run=True)
+    from automodel.data.text_dataset import TextDataset
+
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text('{"text": "just one short document"}\n')
+    with pytest.raises(UserInputError, match=r"split 'train' of .*tiny\.jsonl.* has no documents .*add data, raise "
+                                             r"val_fraction"):  # fmt: skip
+        TextDataset(tiny, load_tokenizer(None), seq_len=64, val_fraction=0.9999)
 
 
 def test_seq_len_past_the_positions_is_refused_unless_scaled_or_allowed():
@@ -262,7 +271,6 @@ def launches(tmp_path_factory):
     data = tmp / "data"
     data.mkdir()
     (data / "malformed.jsonl").write_text('{"text": "one good line of text"}\n{"text": "cut off\n')
-    (data / "tiny.jsonl").write_text('{"text": "just one short document"}\n')
     (data / "only_rank_0.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n"
                                                      for i in range(40)))  # fmt: skip
     (tmp / "model_without_config").mkdir()
@@ -296,14 +304,10 @@ def launches(tmp_path_factory):
                          "run_dir": tmp / "plain" / "run"},  # fmt: skip
         "missing_validation": {"rc": bad_val.returncode, "out": bad_val.stdout + bad_val.stderr},
         "malformed_jsonl": _torchrun(tmp, "malformed", f"data.dataset.path={data / 'malformed.jsonl'}"),
-        "empty_split": _torchrun(
-            tmp, "empty", f"data.dataset.path={data / 'tiny.jsonl'}", "data.dataset.val_fraction=0.9999"
-        ),
         # rank 1 looks for only_rank_1.jsonl, which does not exist: rank 0 prints rank 1's message
         "missing_on_rank_1": _torchrun(
             tmp, "missing", f"data.dataset.path={data}/only_rank_${{oc.env:LOCAL_RANK}}.jsonl"
         ),
-        "missing_tokenizer": _torchrun(tmp, "tokenizer", f"data.tokenizer={tmp / 'no_such_tokenizer'}"),
         "model_without_config": _torchrun(
             tmp, "model", f"model.pretrained_model_name_or_path={tmp / 'model_without_config'}", "~model.config"
         ),
@@ -322,14 +326,12 @@ def launches(tmp_path_factory):
 
 CASES = {
     "malformed_jsonl": (r"malformed\.jsonl:2 is not valid JSON .*every line of a \.jsonl file must be one JSON", 0),
-    "empty_split": (r"split 'train' of .*tiny\.jsonl.* has no documents .*add data, raise val_fraction", 0),
     "missing_on_rank_1": (r"data path '.*only_rank_1\.jsonl' does not exist; set data\.dataset\.path to an existing", 1),
     "gpt_oss_sdpa": (
         r"error: GptOssForCausalLM cannot run attn_implementation='sdpa'; set model\.attn_implementation=eager "
         r"\(distributed\.cp_method=ulysses runs eager models\)$",
         0,
     ),
-    "missing_tokenizer": (r"tokenizer path '.*no_such_tokenizer' is not a directory", 0),
     "model_without_config": (r"model\.pretrained_model_name_or_path='.*model_without_config': no config found", 0),
     "incompatible_checkpoint": (
         r"checkpoint .*step_1 was written by a different model than this run builds: parameter shapes differ: "
