@@ -814,6 +814,7 @@ STRUCTURES = [
      hidden_dropout=0.0, attention_dropout=0.0), "sdpa"),
     ("Llama GQA 4/2 heads of 320", "LlamaConfig", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
      num_attention_heads=4, num_key_value_heads=2, head_dim=320), "sdpa"),
+
     ("Gemma-3-like (3 of 4 layers sliding 256, GQA 4/2)", "Gemma3TextConfig", dict(hidden_size=160,
      intermediate_size=640, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
      sliding_window=256, layer_types=["sliding_attention"] * 3 + ["full_attention"]), "sdpa"),
@@ -823,10 +824,19 @@ STRUCTURES = [
 ]  # fmt: skip
 
 
-def structure_worker(rank: int, world: int, seq: int, chunk: int, vocab: int) -> list[dict]:
-    """cp=1, one process: each of :data:`STRUCTURES` without and with activation checkpointing, fp32, AdamW: the tracked
-    step peak (forward + loss + backward + optimizer step) and the plan's step peak for the model it ran
-    (:func:`~automodel.training.memory_plan.model_dims` of that model)."""
+#: rows only the ``--structures-dtype bfloat16`` table has: a Llama whose norms are a larger share of its layers (its
+#: bf16 peak without checkpointing is still planned below the measured one: docs/recipe.md, "Memory plan")
+STRUCTURES_HALF = [
+    ("Llama hidden 512 (GQA 4/2 heads of 128, MLP 1024)", "LlamaConfig", dict(hidden_size=512, intermediate_size=1024,
+     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128), "sdpa"),
+]  # fmt: skip
+
+
+def structure_worker(rank: int, world: int, seq: int, chunk: int, vocab: int, dtype: str = "float32") -> list[dict]:
+    """cp=1, one process: each of :data:`STRUCTURES` without and with activation checkpointing, in ``dtype`` (weights,
+    activations and AdamW's state), AdamW: the tracked step peak (forward + loss + backward + optimizer step) and the
+    plan's step peak for the model it ran (:func:`~automodel.training.memory_plan.model_dims` of that model); in a
+    half dtype :data:`STRUCTURES_HALF` too."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -839,7 +849,7 @@ def structure_worker(rank: int, world: int, seq: int, chunk: int, vocab: int) ->
     inputs = {"input_ids": ids, "position_ids": torch.arange(seq).unsqueeze(0)}
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
     out = []
-    for label, cls, kw, attn in STRUCTURES:
+    for label, cls, kw, attn in STRUCTURES + (STRUCTURES_HALF if dtype != "float32" else []):
         config = getattr(transformers, cls)(vocab_size=vocab, use_cache=False, **kw)
         if hasattr(config, "max_position_embeddings"):
             config.max_position_embeddings = seq
@@ -847,7 +857,7 @@ def structure_worker(rank: int, world: int, seq: int, chunk: int, vocab: int) ->
             config.n_positions = seq
         for ac in (False, True):
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).train()
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=getattr(torch, dtype)).train()
             if ac:
                 apply_activation_checkpointing(model)
             opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
@@ -860,7 +870,9 @@ def structure_worker(rank: int, world: int, seq: int, chunk: int, vocab: int) ->
             tracker = AllocationTracker()
             with tracker:
                 step()
-            shape = RunShape(local_batch=1, seq=seq, cp=1, chunk_tokens=chunk, activation_checkpointing=ac, attn=attn)
+            size = torch.finfo(getattr(torch, dtype)).bits // 8
+            shape = RunShape(local_batch=1, seq=seq, cp=1, chunk_tokens=chunk, activation_checkpointing=ac, attn=attn,
+                             master_bytes=size, compute_bytes=size, reduce_bytes=size)  # fmt: skip
             plan = plan_memory(model_dims(model), shape)
             out.append({"label": label, "ac": ac, "peak_mib": tracker.peak / MIB,
                         "planned_mib": _planned_without_fsdp(plan) / MIB})  # fmt: skip
@@ -871,12 +883,13 @@ def structure_worker(rank: int, world: int, seq: int, chunk: int, vocab: int) ->
 
 def structure_rows(args: argparse.Namespace) -> bool:
     """The cp=1 structures table (:data:`STRUCTURES`): tracked step peak against the plan, within ``--tolerance``."""
-    seq, chunk, vocab = args.structures_seq, 256, 1024
-    print(f"\nModel structures at cp=1 (one process, fp32, {seq} tokens, vocab {vocab}, loss.chunk_tokens={chunk}, "
+    seq, chunk, vocab, dtype = args.structures_seq, 256, 1024, args.structures_dtype
+    print(f"\nModel structures at cp=1 (one process, {dtype}, {seq} tokens, vocab {vocab}, loss.chunk_tokens={chunk}, "
           "AdamW; tracked step peak)\n", flush=True)  # fmt: skip
     print("| model | checkpointing | step peak MiB measured | planned | error |")
     print("|---|---|---|---|---|")
-    rows = run_on_ranks("scripts.bench_memory:structure_worker", 1, args.timeout, seq=seq, chunk=chunk, vocab=vocab)[0]
+    rows = run_on_ranks("scripts.bench_memory:structure_worker", 1, args.timeout, seq=seq, chunk=chunk, vocab=vocab,
+                        dtype=dtype)[0]  # fmt: skip
     ok = True
     for row in rows:
         err = (row["planned_mib"] - row["peak_mib"]) / row["peak_mib"]
@@ -925,6 +938,8 @@ def main() -> None:
                         help="model structures read from the modules at cp=1: plain MLPs, K/V repeated above head size "
                              "256, GPT-Neo's own attention")
     parser.add_argument("--structures-seq", type=int, default=2048)
+    parser.add_argument("--structures-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the structures' dtype (weights, activations, AdamW state; bfloat16: the norms' fp32 copies)")
     args = parser.parse_args()
     for key, value in MMAP_ENV.items():  # read by the spawned interpreters' glibc at start-up
         os.environ.setdefault(key, value)

@@ -48,7 +48,10 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   gate, up, silu(gate), silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
   ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B) and
   RoPE's cos and sin (``2 head_dim c``). Per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
-  output: ``2 (h + kv) c`` more per layer; each hidden-size norm beyond two (Gemma's four) ``2 h c``. The MLP's
+  output: ``2 (h + kv) c`` more per layer; each hidden-size norm beyond two (Gemma's four) ``2 h c``. In bf16 / fp16
+  a norm that computes in fp32 saves its input's fp32 copy too: transformers' RMSNorm ``h c`` more (the copy is
+  ``2 h c``, and its bf16 input is no longer what it saves), Gemma's ``2 h c``, ``nn.LayerNorm`` nothing; measured per
+  norm class (:mod:`automodel.training.norm_memory`, :attr:`ModelDims.norm_half_extra`). The MLP's
   moments (what the forward holds in flight, what its backward holds) are :func:`_mlp_moments`'s.
   With activation checkpointing only each layer's input (``h c``) is kept; backward recomputes one
   layer at a time and holds its activations plus the gradients at its output and input (``2 h c``)
@@ -220,6 +223,11 @@ class ModelDims:
     qk_norm: bool = False
     #: hidden-size norms per decoder layer (Llama: 2; Gemma 2/3: 4, around each block)
     layer_norms: int = 2
+    #: ``[N, h]`` units (compute dtype) a decoder layer's norms save in bf16 / fp16 beyond their fp32 count: the fp32
+    #: copy of the input that transformers' RMSNorm makes (1 per norm; Gemma's 2; ``nn.LayerNorm`` 0), measured by
+    #: :func:`automodel.training.norm_memory.half_precision_extra`; and the same for the norms outside the layers
+    norm_half_extra: float = 0.0
+    final_norm_half_extra: float = 0.0
     #: a final transform of the LM head's output (``"final_logit_softcapping=30.0"``; "" none): the chunked loss
     #: cannot compute it, so ``loss.chunk_tokens: auto`` plans and runs the plain loss
     logit_transform: str = ""
@@ -483,6 +491,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     body_in_attn_bwd = body - q * c
     mlp = _mlp_moments(d)
     stream = (2 * d.layer_norms + 1) * h + (2 * (h + kv) if d.qk_norm else 0)
+    stream += d.norm_half_extra * h if c < 4 else 0.0  # a tile's norms' fp32 copies in bf16 / fp16 (_layer_terms)
     t = min(tile, n)
     tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + d.mlp_matrices * h * i) * c
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
@@ -574,6 +583,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
         lookup_params=_lookup_params(model),
         layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
+        **_half_norm_fields(model, layers, c.hidden_size),
         qk_norm=any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
@@ -686,11 +696,41 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
+def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  # noqa: ANN001
+    """The modules under ``module`` (itself included) that normalize over the hidden size: a class named like a norm
+    with a ``[hidden]`` weight (per-head q/k norms are not); those inside ``skip`` (module ids: the decoder layers) and
+    below them left out."""
+    out = []
+
+    def walk(m) -> None:  # noqa: ANN001
+        if id(m) in skip:
+            return
+        weight = getattr(m, "weight", None)
+        if "norm" in type(m).__name__.lower() and getattr(weight, "shape", None) is not None and tuple(weight.shape) == (hidden,):
+            out.append(m)
+        for child in m.children():
+            walk(child)
+
+    walk(module)
+    return out
+
+
 def _layer_norms(layer, hidden: int) -> int:  # noqa: ANN001
     """Norms over the hidden size in one decoder layer (per-head q/k norms are not counted); at least 2."""
-    count = sum(1 for m in layer.modules() if "norm" in type(m).__name__.lower()
-                and getattr(getattr(m, "weight", None), "shape", None) is not None and tuple(m.weight.shape) == (hidden,))  # fmt: skip
-    return max(count, 2)
+    return max(len(_hidden_norms(layer, hidden)), 2)
+
+
+def _half_norm_fields(model, layers: list, hidden: int) -> dict[str, float]:  # noqa: ANN001
+    """:class:`ModelDims`' ``norm_half_extra`` (the first decoder layer's hidden-size norms) and
+    ``final_norm_half_extra`` (those outside the layers: the final norm): what they save in bf16 / fp16 beyond their
+    fp32 count (:func:`automodel.training.norm_memory.half_precision_extra`)."""
+    from automodel.training.norm_memory import half_precision_extra
+
+    if not layers:
+        return {}
+    outside = _hidden_norms(model, hidden, skip={id(layer) for layer in layers})
+    return {"norm_half_extra": half_precision_extra(_hidden_norms(layers[0], hidden), hidden),
+            "final_norm_half_extra": half_precision_extra(outside, hidden)}  # fmt: skip
 
 
 def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
@@ -848,6 +888,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # it; then the attention and the MLP block each all-gather their input once, and their projections save
     # that gathered [N, h] for the weight gradients
     stream = (2 * d.layer_norms + 1) * h / s
+    # in bf16 / fp16 a norm that computes in fp32 saves its input's fp32 copy too (transformers' RMSNorm: h more per
+    # norm in compute-dtype units; measured per norm class, ModelDims.norm_half_extra); the fp32 count above stays
+    half = r.compute_bytes < 4
+    stream += (d.norm_half_extra * h / s) if half else 0.0
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
     # per head, split over TP: q after RoPE, K and V as the kernel saves them, the attention output and, where one is
     # made, its transposed copy (_output_copies); per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
@@ -908,6 +952,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     embed = 0.0 if r.activation_offloaded else h * c / s
     rope = 2 * d.head_dim * c if d.heads else 0
     final = 3 * h * c / s + (h * c if gathered else 0)  # freed once backward has passed the final norm
+    final += (d.final_norm_half_extra * h * c / s) if half else 0.0  # its fp32 copy in bf16 / fp16
     always = 24 + rope
     s2 = building = in_flight = 0.0
     if d.alibi_layers and r.cp > 1:
