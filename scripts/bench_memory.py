@@ -814,7 +814,6 @@ STRUCTURES = [
      hidden_dropout=0.0, attention_dropout=0.0), "sdpa"),
     ("Llama GQA 4/2 heads of 320", "LlamaConfig", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
      num_attention_heads=4, num_key_value_heads=2, head_dim=320), "sdpa"),
-
     ("Gemma-3-like (3 of 4 layers sliding 256, GQA 4/2)", "Gemma3TextConfig", dict(hidden_size=160,
      intermediate_size=640, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
      sliding_window=256, layer_types=["sliding_attention"] * 3 + ["full_attention"]), "sdpa"),

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelPositions", "has_position_table", "inline_position_problems", "model_positions", "position_problem",
-           "rope_scaling_overrides", "stated_limit"]
+__all__ = ["ModelPositions", "has_position_table", "inline_position_problems", "model_positions", "past_positions",
+           "position_problem", "rope_scaling_overrides", "stated_limit"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,17 @@ def rope_scaling_overrides(positions: ModelPositions, seq_len: int) -> list[str]
             f"++model.config_overrides.rope_parameters={_hydra_value(value)}"]  # fmt: skip
 
 
+def past_positions(config: Any, seq_len: int) -> ModelPositions | None:
+    """``config``'s :class:`ModelPositions` where a row of ``seq_len`` tokens is past a limit that stands (a RoPE
+    model's trained positions, or a table of them), else ``None``. A row within ``max_position_embeddings``
+    (:func:`stated_limit`) is answered without building the model that :func:`has_position_table` looks into."""
+    stated = stated_limit(config)
+    if stated is None or seq_len <= stated:
+        return None
+    positions = model_positions(config)
+    return positions if positions.limit is not None else None
+
+
 def position_problem(config: Any, seq_len: int, allow_extrapolation: bool = False) -> str | None:
     """Why a row of ``seq_len`` tokens cannot train ``config``'s model as configured, or ``None``.
 
@@ -134,11 +145,8 @@ def position_problem(config: Any, seq_len: int, allow_extrapolation: bool = Fals
     allows it (``model.allow_position_extrapolation=true``). A model whose positions come from a table of
     ``max_position_embeddings`` rows (GPT-2, OPT) cannot run past it at all.
     """
-    stated = stated_limit(config)
-    if stated is None or seq_len <= stated:  # within the positions: no model built to look for a table
-        return None
-    positions = model_positions(config)
-    if positions.limit is None:
+    positions = past_positions(config, seq_len)
+    if positions is None:
         return None
     name = type(config).__name__
     past = f"data.seq_len={seq_len} is past {name}.max_position_embeddings={positions.limit}"

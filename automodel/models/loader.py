@@ -30,9 +30,9 @@ import torch
 from automodel.config.positions import (
     ModelPositions,
     model_positions,
+    past_positions,
     position_problem,
     rope_scaling_overrides,
-    stated_limit,
 )
 from automodel.config.schema import ModelSection
 from automodel.data.hub_offline import (
@@ -285,11 +285,8 @@ def check_model_for_run(
     problem = position_problem(config, seq_len, allow_position_extrapolation)
     if problem is not None:
         raise UserInputError(problem)
-    stated = stated_limit(config)
-    if stated is None or seq_len <= stated:  # within the positions (no model built to look for a table)
-        return
-    positions = model_positions(config)
-    if positions.limit is not None:  # past it, allowed: by a RoPE scaling or the user's flag
+    positions = past_positions(config, seq_len)
+    if positions is not None:  # past it, allowed: by a RoPE scaling or the user's flag
         how = (f"the {positions.scaling} RoPE scaling the config sets" if positions.scaling
                else "model.allow_position_extrapolation=true")  # fmt: skip
         logger.warning(

@@ -17,6 +17,8 @@ import copy
 
 import torch
 
+from automodel.training.mlp_memory import _state_key  # the probe cache's key of a module's scalar settings
+
 __all__ = ["half_precision_extra", "saved_units"]
 
 _TOKENS = 64
@@ -46,7 +48,7 @@ def saved_units(norm: torch.nn.Module, dtype: torch.dtype, hidden: int) -> float
         x = torch.linspace(-2.0, 2.0, _TOKENS * hidden, dtype=torch.float32).reshape(_TOKENS, hidden).to(dtype)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             probe(x.requires_grad_())
-    if not seen or x.device.type != "cpu":
+    if not seen:
         raise RuntimeError("the norm saved nothing on the CPU probe")
     return sum(seen.values()) / (_TOKENS * hidden * x.element_size())
 
@@ -66,10 +68,6 @@ def half_precision_extra(norms: list[torch.nn.Module], hidden: int) -> float:
                 _CACHE[key] = 0.0
         total += _CACHE[key]
     return total
-
-
-def _state_key(module: torch.nn.Module) -> tuple:
-    return tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (int, float, str, bool, tuple))))
 
 
 _CACHE: dict[tuple, float] = {}
