@@ -85,6 +85,8 @@ def test_compiled_blocks_are_recomputed_offloaded_and_tiled_under_fsdp2(runs):
     tm = report["tiled_mlp"]
     assert tm["calls"] == tm["tiled_calls"] == 2 * 2 * m and tm["tiles"] == 4 * tm["calls"]
     assert tm["max_tile_tokens"] == 16 and tm["backward_tiles"] == tm["tiles"] // 2
+    tn = report["tiled_final_norm"]  # outside the compiled blocks, in the same tiles, once per micro-batch
+    assert tn["calls"] == tn["tiled_calls"] == m and tn["tiles"] == tn["backward_tiles"] == 4 * m
 
 
 def test_recompiles_over_ten_steps(runs):

@@ -448,7 +448,8 @@ def test_each_phase_counts_only_what_is_live():
     assert plan.phases["loss"]["communication buffers"] == d.root_params * 2
     assert plan.phases["backward"]["communication buffers"] == plan.terms["communication buffers"].bytes
     head = d.root_params - d.lookup_params  # LM head + final norm
-    assert plan.phases["backward"]["gradients"] == (head + d.layer_params) * 4 / 2
+    assert plan.by_moment["backward"]["MLP"]["gradients"] == (head + d.layer_params) * 4 / 2
+    assert plan.by_moment["backward"]["final norm"]["gradients"] == head * 4 / 2  # before any layer's backward
     assert plan.terms["gradients"].bytes == d.params * 4 / 2  # the optimizer phase holds them all
     # checkpointed: while layer l (from the last) recomputes, l + 1 layers' gradients exist and l inputs are freed
     ra = dataclasses.replace(r, activation_checkpointing=True)

@@ -184,6 +184,11 @@ def test_each_technique_acted_in_the_first_step(runs, name):
         assert tm["max_tile_tokens"] == 24 and tm["max_tokens"] == 128 and tm["tiles"] == 6 * 2 * 2 * m
         assert tm["backward_tiles"] == tm["tiles"] // 2
         assert any("tiled MLP: 2 MLP(s)" in line for line in log), log
+        # the final norm in the same tiles, once per micro-batch (it is not checkpointed), its backward per tile
+        tn = report["tiled_final_norm"]
+        assert tn["norms"] == 1 and tn["calls"] == tn["tiled_calls"] == m and tn["tiles"] == tn["backward_tiles"] == 6 * m
+        assert tn["max_tile_tokens"] == 24 and tn["max_tokens"] == 128
+        assert any("tiled final norm: 1 norm(s) outside the decoder layers" in line for line in log), log
 
 
 @pytest.mark.parametrize(

@@ -22,11 +22,14 @@ from automodel.errors import UserInputError
 from automodel.models.tiled_mlp import (
     apply_tiled_mlp,
     check_tiled_mlp_for_model,
+    find_final_norms,
     find_mlps,
     is_tiled,
     mlp_intermediate_width,
     remove_tiled_mlp,
     resolve_tile_tokens,
+    tile_counts,
+    tile_final_norms,
 )
 from tests.family_matrix import family_by_name
 
@@ -44,6 +47,9 @@ FAMILIES = (
 #: (loss, gradient) relative bounds; fp64 DeepSeek-V3 routes in fp32 (see the module docstring)
 BOUNDS = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-6, 1e-4)}
 FP32_ROUTER = {"deepseek_v3": 1e-5, "llama4_text": 1e-5, "nemotron_h": 1e-5}  # router or its scores in fp32
+# the final norm (tiled with the MLP) computes in fp32 whatever the model's dtype (Gemma's and Qwen3-Next's
+# ``x.float()``): its weight's fp32 gradient, summed per tile, is as close to the fp64 truth as the whole row's fp32 sum
+FP32_FINAL_NORM = {"gemma3_text": 1e-6, "qwen3_next": 1e-6}
 
 
 def _model(name: str, dtype: torch.dtype) -> nn.Module:
@@ -98,11 +104,15 @@ def test_loss_and_gradients_equal_untiled(name, dtype):
     assert 5 in calls and 74 % 5 in calls and max(calls) < 37
     loss_bound, grad_bound = BOUNDS[dtype]
     if dtype == torch.float64:
-        grad_bound = FP32_ROUTER.get(name, grad_bound)
+        grad_bound = FP32_ROUTER.get(name, FP32_FINAL_NORM.get(name, grad_bound))
     elif name in ("qwen3_next", "jamba", "zamba2"):
         grad_bound = 1e-4  # fp32 round-off amplified by their state-space / linear-attention layers
     loss_rel, grad_rel = _compare(ref, got)
     assert loss_rel <= loss_bound and grad_rel <= grad_bound, (loss_rel, grad_rel)
+    # the norms outside the layers (the final norm) ran in tiles of 5 too, their first-call probe passed
+    norms = tile_counts(model, "final_norm")
+    assert len(norms) == len(find_final_norms(model)) and all(c.tiled_calls == c.calls == 1 for c in norms), norms
+    assert all(c.max_tile_tokens == 5 and c.tiles == c.backward_tiles == 15 for c in norms), norms
     assert remove_tiled_mlp(model) >= 1 and not any(is_tiled(m) for m in model.modules())
 
 
@@ -210,6 +220,32 @@ def test_one_tile_keeps_only_the_input():
     with layer_tile_scope():
         _step(model, short)
     assert [(c.calls, c.tiled_calls, c.in_layer_tiles) for c in tile_counts(model)] == [(1, 0, 1)] * 2
+
+
+def test_the_final_norm_runs_in_tiles_with_the_mlp_not_under_tp():
+    """The final norm's fp32 temporaries, 12 [N, h] bf16 units at its backward, are one tile's: it runs through the
+    same Function (exactness: test_loss_and_gradients_equal_untiled, every family). Under TP (sequence parallel shards the norm through DTensor hooks) it stays whole, as the plan counts it."""
+    from automodel.training.technique_report import technique_lines, technique_problems
+
+    llama = _model("llama", torch.float32)
+    assert [n for n, _ in find_final_norms(llama)] == ["model.norm"]
+    assert apply_tiled_mlp(llama, 5, tp_size=2) >= 1 and tile_counts(llama, "final_norm") == []
+    remove_tiled_mlp(llama)
+    assert tile_final_norms(llama, True) == 1 and tile_final_norms(llama, 7) == 0  # idempotent: the first setting
+    assert len(tile_counts(llama, "final_norm")) == 1 and tile_counts(llama) == []  # counted apart from the MLPs
+    # the final norm only (BLOOM's embedding norm stays whole), also where get_decoder() is not the base model
+    assert [n for n, _ in find_final_norms(_model("bloom", torch.float32))] == ["transformer.ln_f"]
+    assert [n for n, _ in find_final_norms(_model("llama4_text", torch.float32))] == ["model.norm"]
+    tn = {"norms": 1, "calls": 2, "tiled_calls": 1, "tiles": 4, "backward_tiles": 4, "max_tile_tokens": 64,
+          "max_tokens": 256}  # fmt: skip
+    assert technique_problems({"tiled_final_norm": tn}) == [
+        "the final norm is tiled (with model.tiled_mlp or model.tiled_layer) but 1 of 2 call(s) ran untiled, keeping "
+        "its fp32 temporaries for every token"
+    ]
+    assert technique_problems({"tiled_final_norm": {**tn, "tiled_calls": 2}}) == []
+    lines = technique_lines({"tiled_final_norm": tn, "micro_batches": 1})
+    assert lines == ["tiled final norm: 1 norm(s) outside the decoder layers, 2 call(s) of up to 256 tokens, 1 run in "
+                     "4 tile(s) of at most 64 tokens; 4 tile(s) recomputed by the tiled backward"]  # fmt: skip
 
 
 def test_a_tiled_mlp_call_that_ran_untiled_is_a_problem():

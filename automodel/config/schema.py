@@ -112,7 +112,8 @@ class ModelSection:
     # block instead, as on older torch (automodel.distributed.cp.block_sets; docs/gpu.md)
     cudnn_packed_blocks: bool = True
     activation_checkpointing: bool = False
-    # Sequence-tiled MLP (automodel.models.tiled_mlp): false | true (tile picked from hidden and MLP sizes) | tokens per tile
+    # Sequence-tiled MLP (automodel.models.tiled_mlp): false | true (tile picked from hidden and MLP sizes) | tokens per tile;
+    # with it (or tiled_layer) the final norm runs in token tiles too (tile_final_norms; not under TP)
     tiled_mlp: bool | int = False
     # Decoder layer tiled end to end (automodel.models.tiled_layer): norms, q/k/v/o projections, MLP and residuals over
     # token tiles, the attention core on whole rows: false | true (tiles of at most hidden tokens) | tokens per tile

@@ -586,14 +586,16 @@ def apply_tiled_layer(model: nn.Module, tiled_layer: bool | int) -> int:
     FSDP2 (their wrappers call ``type(block).forward``, which becomes the tiled one). ``False`` does nothing.
 
     Mutates ``model``: each decoder layer's class becomes a same-named subclass whose ``forward`` tiles;
-    parameters and their names are unchanged. :func:`remove_tiled_layer` undoes it.
+    parameters and their names are unchanged. :func:`remove_tiled_layer` undoes it. The final norm runs in tiles
+    too (:func:`automodel.models.tiled_mlp.tile_final_norms`; :func:`~automodel.models.tiled_mlp.remove_tiled_mlp`
+    undoes that).
 
     Raises:
         UserInputError: as :func:`check_tiled_layer_for_model`; at a layer's first call, the probe's refusals.
     """
     if tiled_layer is False or tiled_layer is None:
         return 0
-    from automodel.models.tiled_mlp import hidden_size
+    from automodel.models.tiled_mlp import hidden_size, tile_final_norms
 
     layers = check_tiled_layer_for_model(model, tiled_layer)
     _register()
@@ -610,6 +612,7 @@ def apply_tiled_layer(model: nn.Module, tiled_layer: bool | int) -> int:
         tiled_layer, len(layers),
         f"{tiled_layer} tokens per tile" if tiled_layer is not True else f"equal tiles of at most {hidden} tokens",
     )  # fmt: skip
+    tile_final_norms(model, tiled_layer)  # the final norm in tiles too (automodel.models.tiled_mlp)
     return len(layers)
 
 

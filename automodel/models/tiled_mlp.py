@@ -45,6 +45,18 @@ does not keep the intermediates that a row of ``H + 1`` drops). The exception is
 tile of the tiled layer (:mod:`automodel.models.tiled_layer`, which recomputes that tile itself): there a
 one-tile call runs the MLP's own ``forward`` (:func:`layer_tile_scope`; counted in
 ``TileCounts.in_layer_tiles``).
+
+**The final norm is tiled too** (:func:`tile_final_norms`, by :func:`apply_tiled_mlp` and by
+:func:`automodel.models.tiled_layer.apply_tiled_layer`). It runs on every local token at once, after every layer has
+saved what it keeps, and without checkpointing its backward comes before any layer's has freed it. Run whole,
+transformers' RMSNorm keeps its input's fp32 copy and its normalized tensor, and its backward makes five fp32
+``[N, h]`` temporaries, which do not halve in bf16: 12 ``[N, h]`` bf16 units at its backward's peak, 7 at its
+forward's (:func:`automodel.training.norm_memory.peak_units`); at 700K tokens per rank and hidden 4096, 66 GiB, more
+than the tiled layer's own peak. A norm computes each token on its own, so it runs through the same Function (the
+same probe, the same tile rule with :data:`NORM_TILE_WIDTH`): it keeps its input, and at its peaks holds its input,
+its output or its gradients and one tile's temporaries (about 3.5 units). Which module: the final norm the decoder
+(``get_decoder()``) holds under a known name (:func:`find_final_norms`). Not under tensor parallelism (sequence parallelism shards the norm's tokens through DTensor hooks;
+there it runs whole, and the memory plan counts it whole). Counted apart (``tile_counts(model, "final_norm")``).
 """
 
 from __future__ import annotations
@@ -65,11 +77,14 @@ from automodel.errors import UserInputError
 from automodel.models.tile_backward import check_same_parameters, tile_gradients
 
 __all__ = [
+    "FINAL_NORM_NAMES",
     "MLP_ATTRIBUTES",
+    "NORM_TILE_WIDTH",
     "PROBE_TOKENS",
     "apply_tiled_mlp",
     "check_tiled_mlp_for_model",
     "check_tiled_mlp_for_model_config",
+    "find_final_norms",
     "find_mlps",
     "is_tiled",
     "layer_tile_scope",
@@ -77,6 +92,7 @@ __all__ = [
     "remove_tiled_mlp",
     "resolve_tile_tokens",
     "tile_counts",
+    "tile_final_norms",
     "TileCounts",
 ]
 
@@ -90,6 +106,13 @@ _MLP_CLASS = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn|SparseMoe\w*|MoE|Moe)$")
 #: MLP classes that mix tokens (refused before any weight loads; the probe refuses others at the first call)
 _TOKEN_MIXING = {"RwkvFeedForward": "it mixes each token with the previous one (time shift)"}
 _MARK = "_automodel_tiled_mlp"
+#: the attribute names transformers' decoders give their final norm (:func:`find_final_norms`)
+FINAL_NORM_NAMES = ("norm", "ln_f", "norm_f", "final_layer_norm", "final_layernorm", "final_norm", "ln_out", "out_norm",
+                    "layer_norm", "layernorm", "embedding_norm")  # LFM2 names its final norm embedding_norm
+_BASE_MODEL_NAMES = ("model", "transformer", "backbone", "gpt_neox", "rwkv", "language_model")
+#: the width :func:`resolve_tile_tokens` is given for a norm, in units of ``hidden``: its backward's five ``[t, h]``
+#: fp32 temporaries (above ``hidden``, so ``true`` cuts tiles of at most ``hidden`` tokens, as for an MLP)
+NORM_TILE_WIDTH = 5
 _INLINE_MLP = re.compile(r"^(fc\d|c_fc|c_proj|ffn|mlp|w\d|up|down|gate|dense_h_to_4h|dense_4h_to_h)")
 
 
@@ -337,6 +360,8 @@ class _Tiling:
     intermediate: int  # per-token width one rank computes (after the TP split)
     probed: bool = False
     counts: TileCounts = field(default_factory=TileCounts)
+    #: ``"mlp"``, or ``"final_norm"`` (:func:`tile_final_norms`: the final norm, through the same call)
+    kind: str = "mlp"
 
 
 @dataclass
@@ -712,14 +737,69 @@ def _tiled_class(cls: type) -> type:
     return same_named_subclass(cls, {"__call__": _tiled_call, "_automodel_untiled_class": cls}, _TILED_CLASSES)
 
 
-def tile_counts(model: nn.Module) -> list[TileCounts]:
-    """The :class:`TileCounts` of every tiled MLP of ``model``, in module order (empty: nothing tiled)."""
-    return [getattr(m, _MARK).counts for m in model.modules() if is_tiled(m)]
+def tile_counts(model: nn.Module, kind: str = "mlp") -> list[TileCounts]:
+    """The :class:`TileCounts` of every tiled MLP of ``model`` (``kind="final_norm"``: of its tiled final norm), in
+    module order (empty: nothing tiled)."""
+    return [getattr(m, _MARK).counts for m in model.modules() if is_tiled(m) and getattr(m, _MARK).kind == kind]
 
 
 def is_tiled(module: nn.Module) -> bool:
-    """Whether ``module`` is an MLP wrapped by :func:`apply_tiled_mlp`."""
+    """Whether ``module`` is wrapped by :func:`apply_tiled_mlp` (an MLP) or :func:`tile_module` (the final norm)."""
     return hasattr(module, _MARK)
+
+
+def _tile_module(module: nn.Module, setting: bool | int, hidden: int, width: int, kind: str) -> bool:
+    """Run ``module``, a per-token module of ``hidden`` inputs, over token tiles through :class:`_TiledMLPFunction`
+    (in place; ``False`` where it already is). ``setting``: ``True`` or tokens per tile, resolved per call by
+    :func:`resolve_tile_tokens` with ``width`` as the intermediate width; ``kind`` names it in the counts."""
+    if is_tiled(module):
+        return False
+    setattr(module, _MARK, _Tiling(setting, hidden, width, kind=kind))
+    module.__class__ = _tiled_class(type(module))
+    return True
+
+
+def find_final_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The text decoder's final norm: ``[(qualified name, module)]``, or empty where none is found.
+
+    The module held under one of :data:`FINAL_NORM_NAMES` (the first found) by ``model.get_decoder()``, by ``model``
+    or by their base model one level down (Llama 4's), whose class name contains ``norm`` (any case) and whose parameters are all ``[hidden]`` vectors
+    (or none). Other norms outside the layers are left whole (an embedding norm, a hyper-connection head's norm over
+    its streams, a vision tower's): their inputs need not be ``[B, S, hidden]``."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder if isinstance(decoder, nn.Module) else model
+    config = getattr(model, "config", None)
+    hidden = hidden_size(config) if config is not None else None
+    names = {id(m): n for n, m in model.named_modules()}
+    tops = [decoder] + ([model] if decoder is not model else [])  # ModernBERT-decoder's get_decoder() is its head
+    holders = [*tops, *(child for top in tops for attr, child in top.named_children() if attr in _BASE_MODEL_NAMES)]
+    for holder in holders:
+        for attr in FINAL_NORM_NAMES:
+            norm = getattr(holder, attr, None)
+            if (
+                isinstance(norm, nn.Module)
+                and "norm" in type(norm).__name__.lower()
+                and all(tuple(p.shape) == (hidden,) for p in norm.parameters())
+            ):
+                return [(names.get(id(norm), attr), norm)]
+    return []
+
+
+def tile_final_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1) -> int:
+    """Run the norms outside the decoder layers (:func:`find_final_norms`) over token tiles (in place; idempotent: a
+    norm already tiled keeps its setting); returns how many it wrapped. ``setting``: ``True`` or tokens per tile;
+    ``False`` / ``None`` or ``tp_size`` above 1 does nothing (see the module docstring).
+    :func:`remove_tiled_mlp` undoes it."""
+    if setting is False or setting is None or tp_size > 1:
+        return 0
+    config = getattr(model, "config", None)
+    hidden = (hidden_size(config) if config is not None else None) or 1
+    norms = [(name, m) for name, m in find_final_norms(model)
+             if _tile_module(m, setting, hidden, NORM_TILE_WIDTH * hidden, "final_norm")]  # fmt: skip
+    if norms:
+        logger.info("the norm(s) outside the decoder layers run over token tiles too: %s",
+                    ", ".join(name for name, _ in norms))  # fmt: skip
+    return len(norms)
 
 
 def apply_tiled_mlp(
@@ -738,7 +818,8 @@ def apply_tiled_mlp(
             ``tp_size`` times its tokens per tile (tiles as without TP).
 
     Mutates ``model``: each MLP module's class becomes a same-named subclass that tiles; parameters,
-    their names and ``forward`` are unchanged. :func:`remove_tiled_mlp` undoes it.
+    their names and ``forward`` are unchanged; the final norm likewise (:func:`tile_final_norms`, not under TP).
+    :func:`remove_tiled_mlp` undoes it.
 
     Raises:
         UserInputError: as :func:`check_tiled_mlp_for_model`; at an MLP's first call, the probe's refusals.
@@ -757,10 +838,8 @@ def apply_tiled_mlp(
     split = 1 if sequence_parallel else max(int(tp_size), 1)
     per_rank = max((width or hidden) // split, 1)
     for _, module in mlps:
-        if is_tiled(module):
-            continue
-        setattr(module, _MARK, _Tiling(tiled_mlp, hidden, per_rank))
-        module.__class__ = _tiled_class(type(module))
+        _tile_module(module, tiled_mlp, hidden, per_rank, "mlp")
+    tile_final_norms(model, tiled_mlp, tp_size=tp_size)
     logger.info(
         "model.tiled_mlp=%s: %d MLP module(s) run over token tiles (%s)",
         tiled_mlp,
@@ -773,7 +852,8 @@ def apply_tiled_mlp(
 
 
 def remove_tiled_mlp(model: nn.Module) -> int:
-    """Undo :func:`apply_tiled_mlp` on ``model`` (in place); returns the MLPs unwrapped."""
+    """Undo :func:`apply_tiled_mlp` and :func:`tile_final_norms` on ``model`` (in place); returns the modules
+    unwrapped."""
     count = 0
     for module in model.modules():
         if is_tiled(module):

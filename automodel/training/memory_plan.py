@@ -13,7 +13,8 @@ prediction against measurement. Two figures, reported separately because they ar
 
   - ``forward``: the last decoder layer in flight: the activations kept so far and the layer's own in flight,
     at its MLP (:func:`_mlp_moments`) or at its attention (with the CP workspace), FSDP2's root and two layers
-    gathered (the current one and the prefetched next: :func:`_comm_in_forward`), no gradient yet;
+    gathered (the current one and the prefetched next: :func:`_comm_in_forward`), no gradient yet; or the final
+    norm's forward after every layer's (:func:`_final_norm_moments`);
   - ``loss``: end of forward / start of backward: the saved activations, the logits-and-loss
     peak, the FSDP2 buffers live then (the root module gathered; the layers are resharded), the
     gradients of earlier micro-batches (grad_acc > 1); no attention buffers (every layer's attention is done);
@@ -22,7 +23,9 @@ prediction against measurement. Two figures, reported separately because they ar
     and the gradients written so far (the LM head's and the layers' reached; :func:`_grads_in_backward`), at two
     moments: the MLP's backward (its gradients, no CP workspace: backward reaches the attention after the MLP)
     and the attention's (the MLP's tensors freed; the CP attention workspace and the attention kernel's backward
-    buffers);
+    buffers); and two norms' backward moments: one of the layer's hidden-size norms, the MLP's tensors freed
+    (:func:`_layer_norm_moment`: the recomputed layer's peak where the MLP is tiled), and the final norm's, before
+    any layer's (without checkpointing every layer's saved tensors beside it: :func:`_final_norm_moments`);
   - ``optimizer``: all gradients and the optimizer's temporaries (FSDP2 has freed its buffers by then).
 
 Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
@@ -150,6 +153,7 @@ from automodel.training.layer_kind_memory import (
     mask_bytes,
     sdpa_mask_copy,
 )
+from automodel.training.norm_memory import RMS_NORM_PEAKS, NormPeaks
 
 __all__ = [
     "ModelDims",
@@ -228,6 +232,21 @@ class ModelDims:
     #: :func:`automodel.training.norm_memory.half_precision_extra`; and the same for the norms outside the layers
     norm_half_extra: float = 0.0
     final_norm_half_extra: float = 0.0
+    #: the same for the per-head q/k norms, in units of the q and k they normalize (``[N, q + kv]``): Qwen3's RMSNorm
+    #: 1, Gemma 3's 2 (:func:`_norm_fields`)
+    qk_norm_half_extra: float = 0.0
+    #: the final norm's peaks ``(fp32, bf16 / fp16)`` in ``[N, h]`` units of the compute dtype, whole and in token tiles,
+    #: its input and the incoming gradient counted (:func:`_final_norm_moments`), measured by
+    #: :func:`automodel.training.norm_memory.final_norm_peaks`; transformers' RMSNorm's by default
+    final_norm_peaks: tuple[NormPeaks, NormPeaks] = RMS_NORM_PEAKS
+    #: the tiled MLP or layer tiles the final norm (:func:`automodel.models.tiled_mlp.find_final_norms` finds it)
+    final_norm_tiles: bool = True
+    #: the same peaks for a decoder layer's hidden-size norms (the largest of the first layer's): their backward's
+    #: temporaries (:func:`_layer_norm_moment`)
+    layer_norm_peaks: tuple[NormPeaks, NormPeaks] = RMS_NORM_PEAKS
+    #: ``(fp32, bf16 / fp16)``: the most ``[N, h]`` units a layer's hidden-size norm saves beyond its input
+    #: (:func:`automodel.training.norm_memory.saved_beyond_input`; transformers' RMSNorm 1 and 3)
+    layer_norm_saved: tuple[float, float] = (1.0, 3.0)
     #: a final transform of the LM head's output (``"final_logit_softcapping=30.0"``; "" none): the chunked loss
     #: cannot compute it, so ``loss.chunk_tokens: auto`` plans and runs the plain loss
     logit_transform: str = ""
@@ -491,7 +510,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     body_in_attn_bwd = body - q * c
     mlp = _mlp_moments(d)
     stream = (2 * d.layer_norms + 1) * h + (2 * (h + kv) if d.qk_norm else 0)
-    stream += d.norm_half_extra * h if c < 4 else 0.0  # a tile's norms' fp32 copies in bf16 / fp16 (_layer_terms)
+    if c < 4:  # a tile's norms' fp32 copies in bf16 / fp16 (_activation_terms)
+        stream += d.norm_half_extra * h + (d.qk_norm_half_extra * (q + kv) if d.qk_norm else 0.0)
     t = min(tile, n)
     tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + d.mlp_matrices * h * i) * c
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
@@ -505,7 +525,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         attn_grads += ((3 * q + 2 * kv) * c + d.heads * 4) / r.head_chunks
     embed = 0.0 if r.activation_offloaded else h * c
     rope = 2 * d.head_dim * c
-    final = 3 * h * c
+    final = 3 * h * c + (d.final_norm_half_extra * h * c if c < 4 else 0.0)  # its fp32 copy in bf16 / fp16
     always = 24 + rope
     s2 = 0.0
     if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
@@ -521,7 +541,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         bwd_a = n * (kept + always + body_in_attn_bwd + attn_grads) + s2
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_a - n * (kept + always))} (its attention's backward){tiled}"
-        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
+        fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always))
+        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f)
     layer = h * c + body + s2 / max(n, 1)
     before = n * ((d.layers - 1) * layer + always)
     saved = n * (d.layers * layer + final + always)
@@ -531,7 +552,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     bwd_a = before + n * (body_in_attn_bwd + h * c + attn_grads) + s2
     note = f"{d.layers} layers x {_fmt(n * layer)}{tiled}"
     del embed
-    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
+    fwd_f, bwd_f = _final_norm_moments(d, r, n * (d.layers * layer + always))
+    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f)
 
 
 def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, possibly on the meta device)
@@ -583,7 +605,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
         lookup_params=_lookup_params(model),
         layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
-        **_half_norm_fields(model, layers, c.hidden_size),
+        **_norm_fields(model, layers, c.hidden_size),
         qk_norm=any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
@@ -698,18 +720,19 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
 
 def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  # noqa: ANN001
     """The modules under ``module`` (itself included) that normalize over the hidden size: a class named like a norm
-    with a ``[hidden]`` weight (per-head q/k norms are not); those inside ``skip`` (module ids: the decoder layers) and
-    below them left out."""
+    with a ``[hidden]`` weight; q/k norms are not (``q_norm`` / ``k_norm``, counted by :attr:`ModelDims.qk_norm`, even
+    where they normalize the whole projection, OLMo 2's of ``heads x head_dim = hidden``); those inside ``skip``
+    (module ids: the decoder layers) and below them left out."""
     out = []
 
-    def walk(m) -> None:  # noqa: ANN001
-        if id(m) in skip:
+    def walk(m, name: str = "") -> None:  # noqa: ANN001
+        if id(m) in skip or name in ("q_norm", "k_norm"):
             return
         weight = getattr(m, "weight", None)
         if "norm" in type(m).__name__.lower() and getattr(weight, "shape", None) is not None and tuple(weight.shape) == (hidden,):
             out.append(m)
-        for child in m.children():
-            walk(child)
+        for child_name, child in m.named_children():
+            walk(child, child_name)
 
     walk(module)
     return out
@@ -720,17 +743,27 @@ def _layer_norms(layer, hidden: int) -> int:  # noqa: ANN001
     return max(len(_hidden_norms(layer, hidden)), 2)
 
 
-def _half_norm_fields(model, layers: list, hidden: int) -> dict[str, float]:  # noqa: ANN001
+def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: ANN001
     """:class:`ModelDims`' ``norm_half_extra`` (the first decoder layer's hidden-size norms) and
     ``final_norm_half_extra`` (those outside the layers: the final norm): what they save in bf16 / fp16 beyond their
-    fp32 count (:func:`automodel.training.norm_memory.half_precision_extra`)."""
-    from automodel.training.norm_memory import half_precision_extra
+    fp32 count (:func:`automodel.training.norm_memory.half_precision_extra`); ``final_norm_peaks``: the final norm's
+    forward and backward peaks (:func:`automodel.training.norm_memory.final_norm_peaks`)."""
+    from automodel.models.tiled_mlp import find_final_norms
+    from automodel.training.norm_memory import final_norm_peaks, half_precision_extra, saved_beyond_input
 
     if not layers:
         return {}
     outside = _hidden_norms(model, hidden, skip={id(layer) for layer in layers})
-    return {"norm_half_extra": half_precision_extra(_hidden_norms(layers[0], hidden), hidden),
-            "final_norm_half_extra": half_precision_extra(outside, hidden)}  # fmt: skip
+    final = [m for _, m in find_final_norms(model)]  # the one the tiled MLP or layer tiles
+    inside = _hidden_norms(layers[0], hidden)
+    # the per-head q/k norms: their weight's size is the width they normalize over (a head, or OLMo 2's whole q)
+    qk = [m for name, m in layers[0].named_modules() if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm")
+          and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 1]  # fmt: skip
+    return {"norm_half_extra": half_precision_extra(inside, hidden),
+            "layer_norm_peaks": final_norm_peaks(inside, hidden), "layer_norm_saved": saved_beyond_input(inside, hidden),
+            "final_norm_half_extra": half_precision_extra(outside, hidden),
+            "qk_norm_half_extra": max((half_precision_extra([m], m.weight.shape[0]) for m in qk), default=0.0),
+            "final_norm_peaks": final_norm_peaks(final or outside, hidden), "final_norm_tiles": bool(final)}  # fmt: skip
 
 
 def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
@@ -802,7 +835,8 @@ class _Activations:
     ``saved``: at the loss (what the forward keeps for backward); ``fwd_mlp`` / ``fwd_attn``: while the last
     decoder layer's forward runs its MLP / its attention; ``bwd_mlp`` / ``bwd_attn``: while backward runs through
     the MLP / the attention of a layer (with checkpointing: of the recomputed layer; without: of the last layer,
-    the first backward reaches)."""
+    the first backward reaches); ``fwd_final`` / ``bwd_final``: while the final norm runs its forward / its backward
+    (:func:`_final_norm_moments`)."""
 
     saved: float
     fwd_mlp: float
@@ -810,6 +844,11 @@ class _Activations:
     bwd_mlp: float
     bwd_attn: float
     note: str
+    fwd_final: float = 0.0
+    bwd_final: float = 0.0
+    #: while backward runs through one of the layer's hidden-size norms (its fp32 temporaries; the MLP's tensors
+    #: freed): :func:`_layer_norm_moment`; 0 where the layer runs in tiles (its norms per tile)
+    bwd_norm: float = 0.0
 
 
 def _eager_score_bytes(c: int) -> int:
@@ -819,6 +858,59 @@ def _eager_score_bytes(c: int) -> int:
     copy. Measured: ``scripts/bench_memory.py --structures only``'s GPT-Neo rows (fp32: one ``[1, 4, 2048, 2048]``
     fp32 softmax output per layer; was planned as two in the compute dtype, the probabilities and a dropout copy)."""
     return 4 + (c if c != 4 else 0)
+
+
+def _final_norm_moments(d: ModelDims, r: RunShape, before: float) -> tuple[float, float]:
+    """``(forward, backward)``: the activation bytes while the final norm runs, given ``before``, what every layer
+    keeps at that point (without checkpointing all their saved tensors, with it their kept inputs; the final norm's
+    own tensors not included).
+
+    The final norm is a moment of its own: its forward comes after every layer's, and without checkpointing its
+    backward (the LM head's done) comes before any layer's has freed what it saved. Its peaks in ``[N, h]`` units
+    (:attr:`ModelDims.final_norm_peaks`, measured per norm class): the forward holds its input, what it saves and its
+    output; the backward its saved tensors (its input where it saves it), the incoming gradient, the temporaries of
+    its reduction's gradient and its input's gradient. transformers' RMSNorm: 3 and 6 in fp32, 7 and 12 in bf16
+    (five fp32 temporaries, which do not halve): without checkpointing the bf16 step's peak where the MLP is narrow
+    (``scripts/bench_memory.py --structures only --structures-dtype bfloat16``, the hidden-512 Llama row). With the
+    tiled MLP or layer (tp 1) the final norm runs in token tiles (:func:`_final_norm_tile`): about 3.4 and 3.5 units
+    (its input, its output or its gradients) plus one tile's share. Under sequence parallelism the norm runs on
+    ``N / tp`` tokens and the LM head's gathered input (``h``) is alive."""
+    n, h, c, s = r.local_tokens, d.hidden, r.compute_bytes, r.stream_split
+    tile = _final_norm_tile(d, r)
+    fwd, bwd = d.final_norm_peaks[0 if c >= 4 else 1].at(None if tile is None else tile / max(n, 1))
+    gathered = h * c if r.sequence_parallel and r.tp > 1 else 0.0
+    return before + n * (fwd * h * c / s + gathered), before + n * (bwd * h * c / s + gathered)
+
+
+def _layer_norm_moment(d: ModelDims, r: RunShape, attn: float, lse: float) -> float:
+    """Activation bytes per token of the layer under backward (without checkpointing the last; with it the
+    recomputed one) while one of its hidden-size norms runs its backward, its MLP's tensors freed: the attention's
+    saved tensors (``attn`` elements and the ``lse`` bytes), the layer's other norms' (what each saves beyond its
+    input, :attr:`ModelDims.layer_norm_saved`, and its output, which a projection saves; transformers' RMSNorm 2 in
+    fp32, 4 in bf16: its input's fp32 copy; with four norms the residual between them), this norm's backward peak
+    (:attr:`ModelDims.layer_norm_peaks`: what it saved, the incoming gradient, its temporaries and its input's
+    gradient; transformers' RMSNorm in bf16, 12 ``[N, h]`` units) and the residual stream's gradient beside it
+    (``h``). Where the MLP is tiled it is the recomputed layer's peak: measured, a 2-layer Llama of hidden 256 in bf16
+    at 16,384 tokens with checkpointing and ``model.tiled_mlp=true`` peaks at the post-attention norm's backward with
+    five fp32 ``[N, h]`` temporaries (182 MiB; planned 121 without this moment)."""
+    h, c, s = d.hidden, r.compute_bytes, r.stream_split
+    peaks = d.layer_norm_peaks[0 if c >= 4 else 1]
+    others = max(d.layer_norms - 1, 0)
+    gathered = h if r.sequence_parallel and r.tp > 1 else 0
+    before = ((d.layer_norm_saved[0 if c >= 4 else 1] + 1) * others + (1 if d.layer_norms >= 3 else 0)) * h / s
+    return (before + gathered + attn) * c + lse + (peaks.backward + 1) * h * c / s
+
+
+def _final_norm_tile(d: ModelDims, r: RunShape) -> int | None:
+    """Tokens per tile of the final norm (``None``: it runs whole): with ``model.tiled_mlp`` (else
+    ``model.tiled_layer``) on and tp 1, the rule the model tiles it with
+    (:func:`automodel.models.tiled_mlp.tile_final_norms`: the first of the two applied sets it)."""
+    setting = r.tiled_mlp if r.tiled_mlp not in (False, None) else r.tiled_layer
+    if setting in (False, None) or r.tp > 1 or not d.final_norm_tiles:
+        return None
+    from automodel.models.tiled_mlp import NORM_TILE_WIDTH, resolve_tile_tokens
+
+    return resolve_tile_tokens(setting, d.hidden, NORM_TILE_WIDTH * d.hidden, r.local_tokens)
 
 
 def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
@@ -900,6 +992,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # 16 heads of 256 on 3584, the --structures row's 4 of 320 on 128: q, the output and its copy are [N, q])
     q = d.heads * d.head_dim
     qk = 2 * (q + kv) if d.qk_norm and d.heads else 0
+    qk += d.qk_norm_half_extra * (q + kv) if qk and half else 0.0  # their fp32 copies in bf16 / fp16
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so neither the kernel's
     # output nor its LSE is saved (automodel.distributed.cp.head_chunks): the local q/k/v and the output projection's
     # input are (measured: scripts/bench_memory.py --headwise only, 4.25 MiB below one group at 4096 local tokens)
@@ -986,9 +1079,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
         bwd_a = n * (kept + always + body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
+        bwd_n = n * (kept + always + _layer_norm_moment(d, r, attn, lse)) + s2 + copy_max
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
-        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
+        fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always))
+        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n)
     before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * (s2 + copy_avg)  # the layers before the last
     saved = n * (d.layers * layer + embed + final + always) + d.layers * (s2 + copy_avg) + tile_bytes
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max
@@ -997,10 +1092,12 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
     bwd_a = before + n * (body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
+    bwd_n = before + n * _layer_norm_moment(d, r, attn, lse) + s2 + copy_max
     note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
-    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note)
+    fwd_f, bwd_f = _final_norm_moments(d, r, before + n * layer + s2 + copy_avg)
+    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n)
 
 
 @dataclass(frozen=True)
@@ -1205,6 +1302,8 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
                 "communication buffers": comm_fwd},
         "attention": {"gradients": earlier_grads, "activations": acts.fwd_attn, "attention masks": masks,
                       "attention workspace": attn, "communication buffers": comm_fwd},
+        "final norm": {"gradients": earlier_grads, "activations": acts.fwd_final, "attention masks": masks,
+                       "communication buffers": comm_fwd},
     }  # fmt: skip
     # backward through a layer (with checkpointing: the recomputed one; without: the last, the first reached): its
     # MLP's backward, without the CP workspace (backward reaches the attention after the MLP), or its attention's
@@ -1217,11 +1316,18 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
                 "communication buffers": comm},
         "attention": {"gradients": grads_bwd, "activations": acts.bwd_attn, "attention masks": masks,
                       "attention workspace": attn_bwd, "attention kernel": kernel, "communication buffers": comm},
+        # a layer's norm's backward (its MLP's tensors freed; _layer_norm_moment): its gradients, no CP workspace
+        "norm": {"gradients": grads_bwd, "activations": acts.bwd_norm, "attention masks": masks,
+                 "communication buffers": comm},
+        # the final norm's backward: the LM head's gradient written, no layer's yet (_final_norm_moments)
+        "final norm": {"gradients": max(earlier_grads, _head_grads(d, r)), "activations": acts.bwd_final,
+                       "attention masks": masks, "communication buffers": comm},
     }  # fmt: skip
     bwd_name = "recompute" if r.activation_checkpointing else "backward"
     by_moment = {"forward": forward, bwd_name: backward}
     moments = {phase: max(alts, key=lambda m: sum(alts[m].values())) for phase, alts in by_moment.items()}
-    act_peak = max(acts.saved, acts.fwd_mlp, acts.fwd_attn, acts.bwd_mlp, acts.bwd_attn)
+    act_peak = max(acts.saved, acts.fwd_mlp, acts.fwd_attn, acts.bwd_mlp, acts.bwd_attn, acts.fwd_final, acts.bwd_final,
+                   acts.bwd_norm)
     terms = {
         "gradients": MemoryTerm("gradients", grads, grads_note),
         "activations": MemoryTerm("activations", act_peak, acts.note),
@@ -1263,12 +1369,23 @@ def _grads_in_backward(d: ModelDims, r: RunShape, per_input: float) -> float:
     """
     if r.offload == "all":  # the shards go to the host as each reduce-scatter ends; the head's is in grads
         return _gradient_bytes(d, r)[0]
-    share = d.local_trainable(r.tp) / max(d.local_params(r.tp), 1)  # LoRA: only the adapters have gradients
-    head = (d.root_params - d.tp_root_params + d.tp_root_params / r.tp) - d.lookup_params / (r.tp if d.tp_root_params else 1)
     layer = d.layer_params - d.tp_layer_params + d.tp_layer_params / r.tp
-    scale = share * r.master_bytes / r.fsdp
-    head_b, layer_b = max(head, 0) * scale, layer * scale
+    head_b, layer_b = _head_grads(d, r), layer * _grad_scale(d, r)
     return head_b + layer_b + max(0.0, (d.layers - 1) * (layer_b - per_input))
+
+
+def _grad_scale(d: ModelDims, r: RunShape) -> float:
+    """Gradient bytes per parameter of one rank: its FSDP2 shard, the trainable share (LoRA: only the adapters)."""
+    return d.local_trainable(r.tp) / max(d.local_params(r.tp), 1) * r.master_bytes / r.fsdp
+
+
+def _head_grads(d: ModelDims, r: RunShape) -> float:
+    """The gradients backward has written before it reaches the decoder layers (bytes per rank): the LM head's and
+    the final norm's (the input embedding's comes last); with ``fsdp.offload=all`` the head's unsharded gradient."""
+    if r.offload == "all":
+        return _gradient_bytes(d, r)[0]
+    head = (d.root_params - d.tp_root_params + d.tp_root_params / r.tp) - d.lookup_params / (r.tp if d.tp_root_params else 1)
+    return max(head, 0) * _grad_scale(d, r)
 
 
 def _comm_in_forward(d: ModelDims, r: RunShape) -> float:

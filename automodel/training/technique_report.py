@@ -15,6 +15,8 @@ logs one line per technique that is on, with what it did, from the counters the 
   tiled backward; every call is one or the other;
 - tiled layer (:class:`automodel.models.tiled_layer.TiledLayerCounts`): the decoder layers run in tiles, their
   calls and tiles, the tiles recomputed by the tiled backward;
+- tiled final norm (:func:`automodel.models.tiled_mlp.tile_final_norms`, with either of those two): the same counts as the
+  tiled MLP's, for the norms outside the decoder layers;
 - checkpoint groups (:class:`automodel.models.checkpoint_groups.GroupCounts`): the layer inputs kept (the groups'
   first layers', offloaded or on the device), those not kept and rebuilt in the backward, the layer forwards run
   again to rebuild them;
@@ -48,7 +50,7 @@ def reset_technique_counts(model: nn.Module, store: OffloadStore | None) -> None
     """Zero every counter the techniques keep on ``model`` (and ``store``'s). Mutates them."""
     for call in block_calls(model):
         call.counts.reset()
-    for counts in tile_counts(model):
+    for counts in tile_counts(model) + tile_counts(model, "final_norm"):
         counts.reset()
     for layer_counts in layer_tile_counts(model):
         layer_counts.reset()
@@ -123,6 +125,17 @@ def collect_technique_report(
             "max_tile_tokens": max(t.max_tile_tokens for t in tiles),
             "max_tokens": max(t.max_tokens for t in tiles),
         }
+    norms = tile_counts(model, "final_norm")
+    if norms:
+        report["tiled_final_norm"] = {
+            "norms": len(norms),
+            "calls": sum(t.calls for t in norms),
+            "tiled_calls": sum(t.tiled_calls for t in norms),
+            "tiles": sum(t.tiles for t in norms),
+            "backward_tiles": sum(t.backward_tiles for t in norms),
+            "max_tile_tokens": max(t.max_tile_tokens for t in norms),
+            "max_tokens": max(t.max_tokens for t in norms),
+        }
     layers = layer_tile_counts(model)
     if layers:
         report["tiled_layer"] = {
@@ -185,6 +198,13 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
             f"{tm['backward_tiles']} tile(s) recomputed by the tiled backward"
             + (f"; {tm['in_layer_tiles']} inside the tiled layer's tiles" if tm["in_layer_tiles"] else "")
         )
+    tn = report.get("tiled_final_norm")
+    if tn is not None:
+        lines.append(
+            f"tiled final norm: {tn['norms']} norm(s) outside the decoder layers, {tn['calls']} call(s) of up to "
+            f"{tn['max_tokens']} tokens, {tn['tiled_calls']} run in {tn['tiles']} tile(s) of at most "
+            f"{tn['max_tile_tokens']} tokens; {tn['backward_tiles']} tile(s) recomputed by the tiled backward"
+        )
     tl = report.get("tiled_layer")
     if tl is not None:
         lines.append(
@@ -245,6 +265,12 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
         problems.append(
             f"model.tiled_mlp is on but {tm['calls'] - tm['tiled_calls'] - tm['in_layer_tiles']} of {tm['calls']} "
             f"MLP call(s) ran untiled, keeping their intermediates"
+        )
+    tn = report.get("tiled_final_norm")
+    if tn is not None and tn["tiled_calls"] < tn["calls"]:
+        problems.append(
+            f"the final norm is tiled (with model.tiled_mlp or model.tiled_layer) but {tn['calls'] - tn['tiled_calls']} "
+            f"of {tn['calls']} call(s) ran untiled, keeping its fp32 temporaries for every token"
         )
     tl = report.get("tiled_layer")
     if tl is not None and tl["layers_tiled"] < tl["layers"]:
