@@ -401,14 +401,14 @@ def test_the_final_norm_is_a_moment_of_its_own():
     --structures-dtype bfloat16 was planned 9% below its measured peak (now -2%: that moment is the step's peak)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from automodel.training.norm_memory import RMS_NORM_PEAKS, NormPeaks, final_norm_peaks, peak_units
+    from automodel.training.norm_memory import RMS_NORM_PEAKS, NormPeaks, norm_peaks, peak_units
 
     assert peak_units(LlamaRMSNorm(64), torch.float32, 64) == pytest.approx((3, 6), abs=0.1)
     assert peak_units(LlamaRMSNorm(64), torch.bfloat16, 64) == pytest.approx((7, 12), abs=0.1)
     assert peak_units(torch.nn.LayerNorm(64), torch.bfloat16, 64) == pytest.approx((2, 3), abs=0.1)
     with torch.device("meta"):
         meta = LlamaRMSNorm(96)
-    fp32, bf16 = final_norm_peaks([meta, torch.nn.LayerNorm(96)], 96)  # each figure the larger of the two norms'
+    fp32, bf16 = norm_peaks([meta, torch.nn.LayerNorm(96)], 96)  # each figure the larger of the two norms'
     assert (fp32.forward, fp32.backward, bf16.forward, bf16.backward) == pytest.approx((3, 6, 7, 12), abs=0.1)
     # in token tiles (automodel.models.tiled_mlp.tile_final_norms): the input, the output or the gradients, plus a tile's share
     assert bf16.tiled_backward == pytest.approx((3.5, 13), abs=0.1) and bf16.tiled_forward[0] == pytest.approx(3.4, abs=0.1)
@@ -418,8 +418,8 @@ def test_the_final_norm_is_a_moment_of_its_own():
         def forward(self, x):
             raise RuntimeError("needs CUDA")
 
-    assert final_norm_peaks([Broken()], 64) == RMS_NORM_PEAKS
-    assert final_norm_peaks([], 64) == RMS_NORM_PEAKS
+    assert norm_peaks([Broken()], 64) == RMS_NORM_PEAKS
+    assert norm_peaks([], 64) == RMS_NORM_PEAKS
     ln = _dims("gpt2").final_norm_peaks[1]  # nn.LayerNorm: its input and output, its gradients
     assert (ln.forward, ln.backward) == pytest.approx((2, 3), abs=0.1)
 
@@ -467,7 +467,8 @@ def test_bf16_norm_backwards_planned_as_measured_under_tiling(tiling):
     """Checkpointing in bf16 with the MLP tiled: the recomputed layer's peak is its post-attention norm's backward
     (transformers' RMSNorm: five fp32 [N, h] temporaries beside its input's fp32 copy; planned 34% low without that
     moment). With the tiled layer the norms run per tile, and the final norm, tiled with it, no longer peaks: each
-    plan within 10% of the tracked step (forward, loss and backward; the plan's optimizer phase is below them)."""
+    plan within 10% of the tracked step (forward, loss and backward; the plan's optimizer phase is below them).
+    Measured 2026-12-06: 22.9 / 23.1 MiB planned (tiled MLP), 10.5 / 11.0 (tiled layer)."""
     from transformers import LlamaConfig
 
     from automodel.models.block_call import apply_activation_checkpointing

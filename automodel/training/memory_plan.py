@@ -237,7 +237,7 @@ class ModelDims:
     qk_norm_half_extra: float = 0.0
     #: the final norm's peaks ``(fp32, bf16 / fp16)`` in ``[N, h]`` units of the compute dtype, whole and in token tiles,
     #: its input and the incoming gradient counted (:func:`_final_norm_moments`), measured by
-    #: :func:`automodel.training.norm_memory.final_norm_peaks`; transformers' RMSNorm's by default
+    #: :func:`automodel.training.norm_memory.norm_peaks`; transformers' RMSNorm's by default
     final_norm_peaks: tuple[NormPeaks, NormPeaks] = RMS_NORM_PEAKS
     #: the tiled MLP or layer tiles the final norm (:func:`automodel.models.tiled_mlp.find_final_norms` finds it)
     final_norm_tiles: bool = True
@@ -744,12 +744,15 @@ def _layer_norms(layer, hidden: int) -> int:  # noqa: ANN001
 
 
 def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: ANN001
-    """:class:`ModelDims`' ``norm_half_extra`` (the first decoder layer's hidden-size norms) and
-    ``final_norm_half_extra`` (those outside the layers: the final norm): what they save in bf16 / fp16 beyond their
-    fp32 count (:func:`automodel.training.norm_memory.half_precision_extra`); ``final_norm_peaks``: the final norm's
-    forward and backward peaks (:func:`automodel.training.norm_memory.final_norm_peaks`)."""
+    """:class:`ModelDims`' norm fields, measured on CPU copies of the model's own norms
+    (:mod:`automodel.training.norm_memory`): ``norm_half_extra`` (the first decoder layer's hidden-size norms),
+    ``final_norm_half_extra`` (those outside the layers) and ``qk_norm_half_extra`` (its q/k norms): what they save in
+    bf16 / fp16 beyond their fp32 count; ``layer_norm_peaks`` / ``layer_norm_saved`` (the layer's norms) and
+    ``final_norm_peaks`` (the final norm the tiled MLP or layer tiles, ``final_norm_tiles`` where there is one; else
+    the norms outside the layers): their forward and backward peaks, whole and tiled, and what they save beyond their
+    input."""
     from automodel.models.tiled_mlp import find_final_norms
-    from automodel.training.norm_memory import final_norm_peaks, half_precision_extra, saved_beyond_input
+    from automodel.training.norm_memory import half_precision_extra, norm_peaks, saved_beyond_input
 
     if not layers:
         return {}
@@ -760,10 +763,10 @@ def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: A
     qk = [m for name, m in layers[0].named_modules() if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm")
           and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 1]  # fmt: skip
     return {"norm_half_extra": half_precision_extra(inside, hidden),
-            "layer_norm_peaks": final_norm_peaks(inside, hidden), "layer_norm_saved": saved_beyond_input(inside, hidden),
+            "layer_norm_peaks": norm_peaks(inside, hidden), "layer_norm_saved": saved_beyond_input(inside, hidden),
             "final_norm_half_extra": half_precision_extra(outside, hidden),
             "qk_norm_half_extra": max((half_precision_extra([m], m.weight.shape[0]) for m in qk), default=0.0),
-            "final_norm_peaks": final_norm_peaks(final or outside, hidden), "final_norm_tiles": bool(final)}  # fmt: skip
+            "final_norm_peaks": norm_peaks(final or outside, hidden), "final_norm_tiles": bool(final)}  # fmt: skip
 
 
 def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001

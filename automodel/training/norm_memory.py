@@ -10,11 +10,12 @@ fp32 mean and reciprocal deviation in either dtype: no extra. The difference is 
 counts the storages autograd saves (parameters aside) in units of ``[N, h]`` of that dtype. A millisecond per
 norm class, cached.
 
-The final norm is also a moment of its own (:func:`final_norm_peaks`): it runs after every layer has saved its
-tensors and, without checkpointing, its backward runs before any layer's has freed them. Its forward holds its input,
-the fp32 copy and its output; its backward the incoming gradient and the temporaries of the reduction's gradient
-(transformers' RMSNorm: five ``[N, h]`` fp32 tensors, which do not halve in bf16). Measured the same way on the
-norm's own class.
+A norm's backward is a moment of its own (:func:`norm_peaks`, :class:`NormPeaks`): the final norm's runs after every
+layer has saved its tensors (without checkpointing, before any layer's has freed them), a layer's norm's in the layer
+under backward. Its forward holds its input, the fp32 copy and its output; its backward the incoming gradient and the
+temporaries of the reduction's gradient (transformers' RMSNorm: five ``[N, h]`` fp32 tensors, which do not halve in
+bf16). Measured the same way on the norm's own class, whole and in token tiles (the final norm runs in tiles with the
+tiled MLP or layer: :func:`automodel.models.tiled_mlp.tile_final_norms`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ import torch
 from automodel.training.mlp_memory import _LiveBytes, _state_key  # the live-bytes mode, the probe cache's key
 
 __all__ = [
-    "NormPeaks", "RMS_NORM_PEAKS", "final_norm_peaks", "half_precision_extra", "peak_units", "saved_beyond_input",
-    "saved_units",
+    "NormPeaks", "RMS_NORM_PEAKS", "half_precision_extra", "norm_peaks", "peak_units", "saved_beyond_input", "saved_units",
 ]  # fmt: skip
 
 _TOKENS = 64
@@ -204,10 +204,10 @@ def _norm_peaks(norm: torch.nn.Module, dtype: torch.dtype, hidden: int) -> NormP
     return NormPeaks(forward, backward, (round(f8, 2), forward), (round(b8 - per_tile * 8 / _TOKENS, 2), round(per_tile, 2)))
 
 
-def final_norm_peaks(norms: list[torch.nn.Module], hidden: int) -> tuple[NormPeaks, NormPeaks]:
-    """``(fp32, bf16)`` :class:`NormPeaks` of the norms outside the decoder layers (the final norm; each figure the
-    largest where there are several), in ``[N, h]`` units of the compute dtype. :data:`RMS_NORM_PEAKS` where there is
-    none or the probe cannot run one."""
+def norm_peaks(norms: list[torch.nn.Module], hidden: int) -> tuple[NormPeaks, NormPeaks]:
+    """``(fp32, bf16)`` :class:`NormPeaks` of ``norms`` (the final norm, or a decoder layer's hidden-size norms; each
+    figure the largest where there are several), in ``[N, h]`` units of the compute dtype. :data:`RMS_NORM_PEAKS` where
+    there is none or the probe cannot run one."""
     found = []
     for norm in norms:
         key = ("peaks", _own_class(norm), _state_key(norm), hidden)

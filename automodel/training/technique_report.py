@@ -115,27 +115,11 @@ def collect_technique_report(
         }
     tiles = tile_counts(model)
     if tiles:
-        report["tiled_mlp"] = {
-            "mlps": len(tiles),
-            "calls": sum(t.calls for t in tiles),
-            "tiled_calls": sum(t.tiled_calls for t in tiles),
-            "in_layer_tiles": sum(t.in_layer_tiles for t in tiles),
-            "tiles": sum(t.tiles for t in tiles),
-            "backward_tiles": sum(t.backward_tiles for t in tiles),
-            "max_tile_tokens": max(t.max_tile_tokens for t in tiles),
-            "max_tokens": max(t.max_tokens for t in tiles),
-        }
+        report["tiled_mlp"] = {"mlps": len(tiles), **_tile_totals(tiles),
+                               "in_layer_tiles": sum(t.in_layer_tiles for t in tiles)}  # fmt: skip
     norms = tile_counts(model, "final_norm")
     if norms:
-        report["tiled_final_norm"] = {
-            "norms": len(norms),
-            "calls": sum(t.calls for t in norms),
-            "tiled_calls": sum(t.tiled_calls for t in norms),
-            "tiles": sum(t.tiles for t in norms),
-            "backward_tiles": sum(t.backward_tiles for t in norms),
-            "max_tile_tokens": max(t.max_tile_tokens for t in norms),
-            "max_tokens": max(t.max_tokens for t in norms),
-        }
+        report["tiled_final_norm"] = {"norms": len(norms), **_tile_totals(norms)}
     layers = layer_tile_counts(model)
     if layers:
         report["tiled_layer"] = {
@@ -148,6 +132,24 @@ def collect_technique_report(
             "max_tokens": max(t.max_tokens for t in layers),
         }
     return report
+
+
+def _tile_totals(counts: list) -> dict[str, int]:
+    """Calls, tiled calls, tiles, backward tiles, the largest tile and call over tiled modules' ``TileCounts``."""
+    return {
+        "calls": sum(t.calls for t in counts),
+        "tiled_calls": sum(t.tiled_calls for t in counts),
+        "tiles": sum(t.tiles for t in counts),
+        "backward_tiles": sum(t.backward_tiles for t in counts),
+        "max_tile_tokens": max(t.max_tile_tokens for t in counts),
+        "max_tokens": max(t.max_tokens for t in counts),
+    }
+
+
+def _tiles_said(t: dict[str, int]) -> str:
+    """The run log's words for :func:`_tile_totals`."""
+    return (f"{t['calls']} call(s) of up to {t['max_tokens']} tokens, {t['tiled_calls']} run in {t['tiles']} tile(s) of "
+            f"at most {t['max_tile_tokens']} tokens; {t['backward_tiles']} tile(s) recomputed by the tiled backward")  # fmt: skip
 
 
 def _size(n: int) -> str:
@@ -193,18 +195,12 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
     tm = report.get("tiled_mlp")
     if tm is not None:
         lines.append(
-            f"tiled MLP: {tm['mlps']} MLP(s), {tm['calls']} call(s) of up to {tm['max_tokens']} tokens, "
-            f"{tm['tiled_calls']} run in {tm['tiles']} tile(s) of at most {tm['max_tile_tokens']} tokens; "
-            f"{tm['backward_tiles']} tile(s) recomputed by the tiled backward"
+            f"tiled MLP: {tm['mlps']} MLP(s), {_tiles_said(tm)}"
             + (f"; {tm['in_layer_tiles']} inside the tiled layer's tiles" if tm["in_layer_tiles"] else "")
         )
     tn = report.get("tiled_final_norm")
     if tn is not None:
-        lines.append(
-            f"tiled final norm: {tn['norms']} norm(s) outside the decoder layers, {tn['calls']} call(s) of up to "
-            f"{tn['max_tokens']} tokens, {tn['tiled_calls']} run in {tn['tiles']} tile(s) of at most "
-            f"{tn['max_tile_tokens']} tokens; {tn['backward_tiles']} tile(s) recomputed by the tiled backward"
-        )
+        lines.append(f"tiled final norm: {tn['norms']} norm(s) outside the decoder layers, {_tiles_said(tn)}")
     tl = report.get("tiled_layer")
     if tl is not None:
         lines.append(
