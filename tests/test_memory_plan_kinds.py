@@ -432,6 +432,9 @@ def test_the_final_norm_is_a_moment_of_its_own():
     r = RunShape(local_batch=1, seq=n, chunk_tokens=256, compute_bytes=c, master_bytes=c, reduce_bytes=c)
     plan = plan_memory(llama, r)
     assert plan.peak_phase == "backward" and plan.moments["backward"] == "final norm"
+    from automodel.training.memory_plan import memory_plan_lines
+
+    assert any("<- step peak (at the final norm)" in line for line in memory_plan_lines(llama, r))  # the dry run says
     final_saved = n * h * c * (3 + llama.final_norm_half_extra)
     layers_saved = plan.phases["loss"]["activations"] - final_saved
     assert plan.by_moment["backward"]["final norm"]["activations"] == pytest.approx(layers_saved + 12.03 * n * h * c, rel=1e-3)

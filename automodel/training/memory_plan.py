@@ -1591,6 +1591,11 @@ def tp_lines(d: ModelDims, r: RunShape) -> list[str]:
     ]
 
 
+#: the dry run's words for a phase's moment (:attr:`MemoryPlan.moments`)
+_MOMENT_WORDS = {"MLP": "a layer's MLP", "attention": "a layer's attention", "norm": "a layer's norm's backward",
+                 "final norm": "the final norm"}  # fmt: skip
+
+
 def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = None, world: int = 1) -> list[str]:
     """The dry run's memory section: persistent state, step terms by phase, peak, dominant term, budget."""
     plan = plan_memory(d, r)
@@ -1614,7 +1619,8 @@ def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = N
         out.append(f"  {name:<24}{_fmt(t.bytes):>12}  {t.note}")
     for phase, parts in plan.phases.items():
         mark = "  <- step peak" if phase == plan.peak_phase else ""
-        out.append(f"  phase {phase:<18}{_fmt(sum(parts.values())):>12}{mark}")
+        at = f" (at {_MOMENT_WORDS.get(plan.moments[phase], plan.moments[phase])})" if phase in plan.moments else ""
+        out.append(f"  phase {phase:<18}{_fmt(sum(parts.values())):>12}{mark}{at}")
     out.append(
         f"step peak {_fmt(plan.step_peak_bytes)} above the persistent state; total {_fmt(plan.total_bytes)} per "
         f"rank; dominant term: {plan.dominant}"
