@@ -181,6 +181,11 @@ def test_tiled_mlp_backward_counts_the_tile_gradients_beside_their_running_sum()
     # moment holds besides the output projection's input gradient and SDPA's dq, dk, dv (2 q + 2 kv, cp 1)
     q, kv = llama.heads * llama.head_dim, llama.kv_heads * llama.head_dim
     assert acts - untiled_mlp_free == (6 * 1024 * i + 3 * h * i + 3 * 8192 * h - 8192 * (2 * q + 2 * kv)) * 4
+    # in bf16 the running sum over the tiles is fp32 (automodel.models.tile_backward): 2 bytes more per weight
+    # (one tile of the whole row: its gradient is the sum, no fp32 copy)
+    half, one_tile = (dataclasses.replace(tiled, compute_bytes=2, master_bytes=2, tiled_mlp=t) for t in (1024, 8192))
+    acts, whole = (plan_memory(llama, x).by_moment["recompute"]["MLP"]["activations"] for x in (half, one_tile))
+    assert acts - whole == 6 * (1024 - 8192) * i * 2 + 3 * h * i * 2
     # at fsdp 2 the gradients term counts the layer's shard; the running sum is whole until the reduce-scatter
     for shard in (2, 4):
         sharded = dataclasses.replace(tiled, dp_shard=shard)

@@ -37,10 +37,15 @@ def tile_gradients(
 
     Returns:
         ``grad_xs``: a whole gradient per input (zeros where no tile gave one; ``None`` where ``needs_x`` is False);
-        ``sums``: per parameter, the sum of its tiles' gradients (owned copies; ``None`` where none came).
+        ``sums``: per parameter, the sum of its tiles' gradients (owned copies; ``None`` where none came), in the
+        parameter's dtype. A half-precision parameter's sum over several tiles is accumulated in fp32 and rounded
+        once, as the untiled matrix product rounds its one reduction: summed in bf16, 128 tiles put the weight
+        gradients twice as far from the fp64 ones as the untiled bf16 run's (1.6e-2 against 8.4e-3 relative; a
+        Llama of hidden 128 at 8,192 tokens).
     """
     grad_xs = [torch.zeros_like(x) if need else None for x, need in zip(xs, needs_x, strict=True)]
     sums: list[torch.Tensor | None] = [None] * len(params)
+    widen = len(bounds) > 1  # one tile: its gradient is the sum, rounded once
     for a, b in bounds:
         leaves = [
             cut_input(x, k, a, b).detach().requires_grad_(need)
@@ -65,12 +70,16 @@ def tile_gradients(
         for i, g in zip(wanted, got, strict=True):
             if g is None:
                 continue
-            if sums[i] is None:
-                sums[i] = g.clone()  # owned: g may alias an output gradient
+            if sums[i] is None:  # owned (g may alias an output gradient); fp32 for a half-precision one
+                sums[i] = g.float() if widen and g.dtype in _HALF else g.clone()
             else:
                 sums[i].add_(g)
         del outs, pairs, got
+    sums = [s if s is None or s.dtype == params[i].dtype else s.to(params[i].dtype) for i, s in enumerate(sums)]
     return grad_xs, sums
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def check_same_parameters(key: str, owner: object, current: Sequence[torch.Tensor], saved: Sequence[torch.Tensor]) -> None:

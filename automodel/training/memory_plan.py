@@ -514,6 +514,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         stream += d.norm_half_extra * h + (d.qk_norm_half_extra * (q + kv) if d.qk_norm else 0.0)
     t = min(tile, n)
     tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + d.mlp_matrices * h * i) * c
+    if c < 4 and t < n:  # the running sums of the post part's weight gradients in fp32 (automodel.models.tile_backward)
+        tile_bwd += (h * q + d.mlp_matrices * h * i) * (4 - c)
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
     # the input's and the attention output's gradients, dq, dk, dv (those three in the CP workspace where the method
@@ -1025,7 +1027,9 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # a plain MLP (fc1 -> act -> fc2): two weight matrices, its activation's measured moments (ModelDims.mlp_moments)
     mats, (_, tile_f, tile_b) = d.mlp_matrices, (d.mlp_moments if d.mlp_matrices == 2 else GATED_MLP_MOMENTS)
     unsharded_sum = mats * h * i / tp * (1 - 1 / r.fsdp)
-    tile_bytes = (tile_b * tile * i / tp + mats * h * i / tp + unsharded_sum) * c if tile else 0.0
+    # in bf16 / fp16 the running sum over several tiles is fp32 (automodel.models.tile_backward): 4 - c bytes more
+    widened = mats * h * i / tp * (4 - c) if c < 4 and tile and tile < n else 0.0
+    tile_bytes = (tile_b * tile * i / tp + mats * h * i / tp + unsharded_sum) * c + widened if tile else 0.0
     tile_fwd = tile_f * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
