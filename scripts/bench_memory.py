@@ -824,7 +824,7 @@ STRUCTURES = [
 
 
 #: rows only the ``--structures-dtype bfloat16`` table has: a Llama whose norms are a larger share of its layers (its
-#: bf16 peak without checkpointing is still planned below the measured one: docs/recipe.md, "Memory plan")
+#: bf16 peak without checkpointing is the final norm's backward: docs/recipe.md, "Memory plan")
 STRUCTURES_HALF = [
     ("Llama hidden 512 (GQA 4/2 heads of 128, MLP 1024)", "LlamaConfig", dict(hidden_size=512, intermediate_size=1024,
      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128), "sdpa"),

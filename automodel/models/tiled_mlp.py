@@ -55,8 +55,9 @@ forward's (:func:`automodel.training.norm_memory.peak_units`); at 700K tokens pe
 than the tiled layer's own peak. A norm computes each token on its own, so it runs through the same Function (the
 same probe, the same tile rule with :data:`NORM_TILE_WIDTH`): it keeps its input, and at its peaks holds its input,
 its output or its gradients and one tile's temporaries (about 3.5 units). Which module: the final norm the decoder
-(``get_decoder()``) holds under a known name (:func:`find_final_norms`). Not under tensor parallelism (sequence parallelism shards the norm's tokens through DTensor hooks;
-there it runs whole, and the memory plan counts it whole). Counted apart (``tile_counts(model, "final_norm")``).
+(``get_decoder()``) holds under a known name (:func:`find_final_norms`). Not under tensor parallelism (sequence
+parallelism shards the norm's tokens through DTensor hooks; there it runs whole, and the memory plan counts it whole).
+Counted apart (``tile_counts(model, "final_norm")``).
 """
 
 from __future__ import annotations
@@ -744,7 +745,7 @@ def tile_counts(model: nn.Module, kind: str = "mlp") -> list[TileCounts]:
 
 
 def is_tiled(module: nn.Module) -> bool:
-    """Whether ``module`` is wrapped by :func:`apply_tiled_mlp` (an MLP) or :func:`tile_module` (the final norm)."""
+    """Whether ``module`` is wrapped by :func:`apply_tiled_mlp` (an MLP) or :func:`tile_final_norms` (the final norm)."""
     return hasattr(module, _MARK)
 
 
@@ -763,8 +764,8 @@ def find_final_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The text decoder's final norm: ``[(qualified name, module)]``, or empty where none is found.
 
     The module held under one of :data:`FINAL_NORM_NAMES` (the first found) by ``model.get_decoder()``, by ``model``
-    or by their base model one level down (Llama 4's), whose class name contains ``norm`` (any case) and whose parameters are all ``[hidden]`` vectors
-    (or none). Other norms outside the layers are left whole (an embedding norm, a hyper-connection head's norm over
+    or by their base model one level down (Llama 4's), whose class name contains ``norm`` (any case) and whose
+    parameters are all ``[hidden]`` vectors (or none). Other norms outside the layers are left whole (an embedding norm, a hyper-connection head's norm over
     its streams, a vision tower's): their inputs need not be ``[B, S, hidden]``."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     decoder = decoder if isinstance(decoder, nn.Module) else model
@@ -786,8 +787,8 @@ def find_final_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def tile_final_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1) -> int:
-    """Run the norms outside the decoder layers (:func:`find_final_norms`) over token tiles (in place; idempotent: a
-    norm already tiled keeps its setting); returns how many it wrapped. ``setting``: ``True`` or tokens per tile;
+    """Run the final norm (:func:`find_final_norms`) over token tiles (in place; idempotent: a norm already tiled
+    keeps its setting); returns how many it wrapped (0 or 1). ``setting``: ``True`` or tokens per tile;
     ``False`` / ``None`` or ``tp_size`` above 1 does nothing (see the module docstring).
     :func:`remove_tiled_mlp` undoes it."""
     if setting is False or setting is None or tp_size > 1:
@@ -797,8 +798,7 @@ def tile_final_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1)
     norms = [(name, m) for name, m in find_final_norms(model)
              if _tile_module(m, setting, hidden, NORM_TILE_WIDTH * hidden, "final_norm")]  # fmt: skip
     if norms:
-        logger.info("the norm(s) outside the decoder layers run over token tiles too: %s",
-                    ", ".join(name for name, _ in norms))  # fmt: skip
+        logger.info("the final norm (%s) runs over token tiles too", ", ".join(name for name, _ in norms))
     return len(norms)
 
 

@@ -527,7 +527,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         attn_grads += ((3 * q + 2 * kv) * c + d.heads * 4) / r.head_chunks
     embed = 0.0 if r.activation_offloaded else h * c
     rope = 2 * d.head_dim * c
-    final = 3 * h * c + (d.final_norm_half_extra * h * c if c < 4 else 0.0)  # its fp32 copy in bf16 / fp16
+    final = _final_saved(d, r)
     always = 24 + rope
     s2 = 0.0
     if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
@@ -608,7 +608,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         lookup_params=_lookup_params(model),
         layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
         **_norm_fields(model, layers, c.hidden_size),
-        qk_norm=any(name.rsplit(".", 1)[-1] in ("q_norm", "k_norm") for layer in layers[:1] for name, _ in layer.named_modules()),
+        qk_norm=any(name.rsplit(".", 1)[-1] in _QK_NORM_NAMES for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
         **_moe_sizes(model),
         **kinds,
@@ -720,6 +720,10 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
+#: the names transformers gives per-head (or whole-projection) query and key norms (:attr:`ModelDims.qk_norm`)
+_QK_NORM_NAMES = ("q_norm", "k_norm")
+
+
 def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  # noqa: ANN001
     """The modules under ``module`` (itself included) that normalize over the hidden size: a class named like a norm
     with a ``[hidden]`` weight; q/k norms are not (``q_norm`` / ``k_norm``, counted by :attr:`ModelDims.qk_norm`, even
@@ -728,7 +732,7 @@ def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  #
     out = []
 
     def walk(m, name: str = "") -> None:  # noqa: ANN001
-        if id(m) in skip or name in ("q_norm", "k_norm"):
+        if id(m) in skip or name in _QK_NORM_NAMES:
             return
         weight = getattr(m, "weight", None)
         if "norm" in type(m).__name__.lower() and getattr(weight, "shape", None) is not None and tuple(weight.shape) == (hidden,):
@@ -762,7 +766,7 @@ def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: A
     final = [m for _, m in find_final_norms(model)]  # the one the tiled MLP or layer tiles
     inside = _hidden_norms(layers[0], hidden)
     # the per-head q/k norms: their weight's size is the width they normalize over (a head, or OLMo 2's whole q)
-    qk = [m for name, m in layers[0].named_modules() if name.rsplit(".", 1)[-1] in ("q_norm", "k_norm")
+    qk = [m for name, m in layers[0].named_modules() if name.rsplit(".", 1)[-1] in _QK_NORM_NAMES
           and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 1]  # fmt: skip
     return {"norm_half_extra": half_precision_extra(inside, hidden),
             "layer_norm_peaks": norm_peaks(inside, hidden), "layer_norm_saved": saved_beyond_input(inside, hidden),
@@ -863,6 +867,15 @@ def _eager_score_bytes(c: int) -> int:
     copy. Measured: ``scripts/bench_memory.py --structures only``'s GPT-Neo rows (fp32: one ``[1, 4, 2048, 2048]``
     fp32 softmax output per layer; was planned as two in the compute dtype, the probabilities and a dropout copy)."""
     return 4 + (c if c != 4 else 0)
+
+
+def _final_saved(d: ModelDims, r: RunShape) -> float:
+    """Bytes per local token the final norm keeps for the backward: its input, normalized tensor and output (``3 h``,
+    split by SP), its fp32 copy in bf16 / fp16 (:attr:`ModelDims.final_norm_half_extra`), and under SP the LM head's
+    gathered input (``h``)."""
+    h, c, s = d.hidden, r.compute_bytes, r.stream_split
+    extra = d.final_norm_half_extra if c < 4 else 0.0
+    return (3 + extra) * h * c / s + (h * c if r.sequence_parallel and r.tp > 1 else 0.0)
 
 
 def _final_norm_moments(d: ModelDims, r: RunShape, before: float) -> tuple[float, float]:
@@ -1051,8 +1064,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # on the host with the others.
     embed = 0.0 if r.activation_offloaded else h * c / s
     rope = 2 * d.head_dim * c if d.heads else 0
-    final = 3 * h * c / s + (h * c if gathered else 0)  # freed once backward has passed the final norm
-    final += (d.final_norm_half_extra * h * c / s) if half else 0.0  # its fp32 copy in bf16 / fp16
+    final = _final_saved(d, r)  # freed once backward has passed the final norm
     always = 24 + rope
     s2 = building = in_flight = 0.0
     if d.alibi_layers and r.cp > 1:

@@ -21,6 +21,7 @@ tiled MLP or layer: :func:`automodel.models.tiled_mlp.tile_final_norms`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,16 +117,10 @@ def saved_beyond_input(norms: list[torch.nn.Module], hidden: int) -> tuple[float
     (:func:`saved_units` with ``with_input=False``): transformers' RMSNorm 1 (the normalized tensor) and 3 (the fp32
     copy of its input and the normalized one); ``nn.LayerNorm`` about 0 (its fp32 mean and deviation). ``(1, 3)``
     where there is none or the probe cannot run one."""
-    found = []
-    for norm in norms:
-        key = ("beyond", _own_class(norm), _state_key(norm), hidden)
-        if key not in _CACHE:
-            try:
-                _CACHE[key] = tuple(round(saved_units(norm, dt, hidden, with_input=False), 2)
-                                    for dt in (torch.float32, torch.bfloat16))  # fmt: skip
-            except Exception:  # noqa: BLE001 - a norm the probe cannot run: transformers' RMSNorm's figures
-                _CACHE[key] = (1.0, 3.0)
-        found.append(_CACHE[key])
+    def measure(norm: torch.nn.Module) -> tuple[float, ...]:
+        return tuple(round(saved_units(norm, dt, hidden, with_input=False), 2) for dt in (torch.float32, torch.bfloat16))
+
+    found = _per_norm("beyond", norms, hidden, measure, (1.0, 3.0))  # RMSNorm's where the probe cannot run one
     return (max(f[0] for f in found), max(f[1] for f in found)) if found else (1.0, 3.0)
 
 
@@ -133,17 +128,10 @@ def half_precision_extra(norms: list[torch.nn.Module], hidden: int) -> float:
     """Over ``norms`` (a decoder layer's hidden-size norms, or the final norm), the ``[N, h]`` units in the compute
     dtype that each saves in bf16 beyond what it saves in fp32 (>= 0 each; transformers' RMSNorm: 1, ``nn.LayerNorm``:
     0). A norm that cannot run on the CPU probe counts 0 (the fp32 count stays)."""
-    total = 0.0
-    for norm in norms:
-        key = (_own_class(norm), _state_key(norm), hidden)
-        if key not in _CACHE:
-            try:
-                _CACHE[key] = max(0.0, round(saved_units(norm, torch.bfloat16, hidden)
-                                             - saved_units(norm, torch.float32, hidden), 2))  # fmt: skip
-            except Exception:  # noqa: BLE001 - a norm the probe cannot run: the fp32 count stays
-                _CACHE[key] = 0.0
-        total += _CACHE[key]
-    return total
+    def measure(norm: torch.nn.Module) -> float:
+        return max(0.0, round(saved_units(norm, torch.bfloat16, hidden) - saved_units(norm, torch.float32, hidden), 2))
+
+    return sum(_per_norm("extra", norms, hidden, measure, 0.0))  # 0 where the probe cannot run one: the fp32 count
 
 
 class _Holder(torch.nn.Module):
@@ -208,15 +196,9 @@ def norm_peaks(norms: list[torch.nn.Module], hidden: int) -> tuple[NormPeaks, No
     """``(fp32, bf16)`` :class:`NormPeaks` of ``norms`` (the final norm, or a decoder layer's hidden-size norms; each
     figure the largest where there are several), in ``[N, h]`` units of the compute dtype. :data:`RMS_NORM_PEAKS` where
     there is none or the probe cannot run one."""
-    found = []
-    for norm in norms:
-        key = ("peaks", _own_class(norm), _state_key(norm), hidden)
-        if key not in _CACHE:
-            try:
-                _CACHE[key] = (_norm_peaks(norm, torch.float32, hidden), _norm_peaks(norm, torch.bfloat16, hidden))
-            except Exception:  # noqa: BLE001 - a norm the probe cannot run: transformers' RMSNorm's figures
-                _CACHE[key] = RMS_NORM_PEAKS
-        found.append(_CACHE[key])
+    found = _per_norm("peaks", norms, hidden,
+                      lambda norm: (_norm_peaks(norm, torch.float32, hidden), _norm_peaks(norm, torch.bfloat16, hidden)),
+                      RMS_NORM_PEAKS)  # fmt: skip
     if not found:
         return RMS_NORM_PEAKS
 
@@ -227,6 +209,22 @@ def norm_peaks(norms: list[torch.nn.Module], hidden: int) -> tuple[NormPeaks, No
                          (max(p.tiled_backward[0] for p in ps), max(p.tiled_backward[1] for p in ps)))  # fmt: skip
 
     return largest(0), largest(1)
+
+
+def _per_norm(what: str, norms: list[torch.nn.Module], hidden: int, measure: Callable[[torch.nn.Module], Any],
+              fallback: Any) -> list[Any]:  # noqa: ANN401
+    """``measure(norm)`` for each of ``norms``, cached per ``what``, norm class (the untiled one), scalar settings and
+    ``hidden``; ``fallback`` for a norm the CPU probe cannot run."""
+    out = []
+    for norm in norms:
+        key = (what, _own_class(norm), _state_key(norm), hidden)
+        if key not in _CACHE:
+            try:
+                _CACHE[key] = measure(norm)
+            except Exception:  # noqa: BLE001 - a norm the probe cannot run (a CUDA-only kernel): the fallback
+                _CACHE[key] = fallback
+        out.append(_CACHE[key])
+    return out
 
 
 _CACHE: dict[tuple, Any] = {}
