@@ -58,6 +58,9 @@ def test_plan_reaches_the_llama_8b_targets_and_fits_one_screen(capsys, gpus, gpu
     out = _plan(capsys, "--gpus", str(gpus), "--gpu-type", gpu, f"model.attention_backend={backend}")
     assert _longest(out) >= target
     assert ("attention kernel: flash" if backend == "flash" else "attention kernel: cudnn") in out
+    if (gpus, gpu, backend) == (8, "h100", "auto"):  # the shipped configs/llama3_1_8b_longest_8gpu.yaml is this row
+        with open("configs/llama3_1_8b_longest_8gpu.yaml") as f:
+            assert yaml.safe_load(f)["data"]["seq_len"] == _longest(out)
     # a CUDA build of torch on a machine without a GPU plans its own cuDNN (torch 2.11's wheel: the same 9.19)
     assert backend != "auto" or "the reference cuDNN 9.19" in out or torch.backends.cudnn.is_available()
     lines = out.rstrip().splitlines()
@@ -174,12 +177,42 @@ def test_loss_auto_resolves_in_the_dry_run_and_null_stays_off(capsys):
 @pytest.mark.parametrize("config", ["configs/llama3_2_1b_longest_8gpu.yaml", "configs/llama3_1_8b_longest_8gpu.yaml",
                                     "configs/qwen2_5_32b_longest_8gpu.yaml"])
 def test_shipped_longest_configs_fit_their_gpus_in_the_dry_run(config):
+    """Each shipped longest-row config's dry run checks its plan against its own GPU's budget (recipe.gpu_type h100:
+    81,559 MiB less the 1 GiB reserve, automodel plan's) without recipe.memory_budget_gib, and fits it. The budget line
+    is matched on its own: the host-memory line also ends in '-> fits' (an earlier check matched that one and passed
+    with the 1B config planned 3.6 GiB over)."""
     from automodel.config import load_config
     from automodel.training.dry_run import dry_run_report
 
-    out = dry_run_report(load_config(["--config", config, "recipe.dry_run=true", "recipe.memory_budget_gib=78.6475"],
-                                     world_size=8))  # fmt: skip
-    assert "-> fits" in out, out[-3000:]  # 81,559 MiB less the 1 GiB reserve (plan_search)
+    out = dry_run_report(load_config(["--config", config, "recipe.dry_run=true"], world_size=8))
+    budget = [line for line in out.splitlines() if line.startswith("budget ")]
+    assert len(budget) == 1, out[-3000:]
+    assert "(recipe.gpu_type=h100: 79.6 GiB less the 1 GiB reserve" in budget[0], budget
+    assert budget[0].startswith("budget 78.65 GiB per rank") and budget[0].endswith("-> fits"), budget
+
+
+def test_the_1b_longest_config_is_the_plans_longest_row(capsys):
+    """configs/llama3_2_1b_longest_8gpu.yaml holds the row automodel plan finds for it on 8 H100s (the 8B and 32B
+    configs' rows are checked beside their targets)."""
+    config = "configs/llama3_2_1b_longest_8gpu.yaml"
+    assert main(["plan", "--config", config, "--gpus", "8", "--gpu-type", "h100"]) == 0
+    with open(config) as f:
+        assert yaml.safe_load(f)["data"]["seq_len"] == _longest(capsys.readouterr().out)
+
+
+def test_a_dry_run_over_its_gpus_budget_says_so_and_how_to_fix_it():
+    """Past the GPU's budget the dry run says 'does NOT fit' (by how much) and what to change, with no budget key set;
+    without recipe.gpu_type it checks nothing."""
+    from automodel.config import load_config
+    from automodel.training.dry_run import dry_run_report
+
+    config = "configs/llama3_2_1b_longest_8gpu.yaml"
+    out = dry_run_report(load_config(["--config", config, "recipe.dry_run=true", "data.seq_len=16000000"], world_size=8))
+    budget = [line for line in out.splitlines() if line.startswith("budget ")]
+    assert len(budget) == 1 and "-> does NOT fit (over by " in budget[0], out[-3000:]
+    assert "shorten data.seq_len" in out or "cheapest change that fits" in out
+    out = dry_run_report(load_config(["--config", config, "recipe.dry_run=true", "recipe.gpu_type=null"], world_size=8))
+    assert not [line for line in out.splitlines() if line.startswith("budget ")]
 
 
 def test_usp_is_searched_at_each_ulysses_size_with_its_keys():

@@ -331,15 +331,18 @@ def _kernel_lines(plan: _Plan, profile: Any, out: list[str]) -> None:
 
 
 def _memory_and_time_lines(plan: _Plan, dims: Any, out: list[str]) -> None:
-    """The per-rank memory plan against the budget and the step-time estimate."""
+    """The per-rank memory plan against the budget (``recipe.memory_budget_gib``, else ``recipe.gpu_type``'s, as
+    ``automodel plan`` fits rows) and the step-time estimate."""
     from automodel.training.memory_plan import memory_plan_lines, run_shape_from_config
+    from automodel.training.plan_search import run_budget_gib
     from automodel.training.step_estimate import step_estimate_lines
 
     cfg, sizes = plan.cfg, plan.sizes
     shape = run_shape_from_config(cfg, sizes, plan.seq, plan.grad_acc)
     node_gpus = _gpus_per_node(cfg, plan.world)
     node = min(plan.world, node_gpus)  # the run's ranks on a node, as automodel plan counts them
-    out.extend(memory_plan_lines(dims, shape, budget_gib=cfg.recipe.memory_budget_gib, world=plan.world))
+    budget, source = run_budget_gib(cfg.recipe.memory_budget_gib, cfg.recipe.gpu_type)
+    out.extend(memory_plan_lines(dims, shape, budget_gib=budget, world=plan.world, budget_source=source))
     out.extend(_host_lines(dims, shape, node, node_gpus))
     out.extend(
         step_estimate_lines(

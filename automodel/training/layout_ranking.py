@@ -10,7 +10,8 @@ layer kinds under the method, heads over cp and tp). A layout refused by any of 
 reason instead of being ranked. The others get the step estimate
 (:func:`automodel.training.step_estimate.estimate_step`, whose CP term is the method's declared exchange,
 :func:`automodel.distributed.cp.cost.exchange_cost`, the one ``auto`` ranks methods by) and the memory
-plan's total per rank against ``recipe.memory_budget_gib`` (else the GPU's memory).
+plan's total per rank against ``recipe.memory_budget_gib`` (else the GPU's budget, as ``automodel plan``'s:
+:func:`automodel.training.plan_search.run_budget_gib`).
 """
 
 from __future__ import annotations
@@ -120,13 +121,14 @@ def rank_layouts(
     from automodel.config import ConfigError, parallel_sizes
     from automodel.config.plan_layouts import plan_layouts
     from automodel.training.memory_plan import plan_memory, run_shape_from_config
+    from automodel.training.plan_search import run_budget_gib
     from automodel.training.row_padding import pad_multiple
     from automodel.training.step_estimate import estimate_step, gpu_spec
 
     base, world = loaded.cfg, loaded.world_size
     spec = gpu_spec(base.recipe.gpu_type)
     node = base.recipe.plan_nproc_per_node or spec.gpus_per_node
-    budget = base.recipe.memory_budget_gib or spec.memory_gib
+    budget = run_budget_gib(base.recipe.memory_budget_gib, base.recipe.gpu_type)[0] or spec.memory_gib
     here = (base.distributed.tp_size, base.distributed.cp_size, _label(base) if base.distributed.cp_method != "auto" else None)
     out: list[RankedLayout] = []
     for layout in plan_layouts(base):
@@ -180,10 +182,11 @@ def layout_ranking_lines(
     :func:`rank_layouts`."""
     if not loaded.cfg.recipe.plan_layouts:
         return []
+    from automodel.training.plan_search import run_budget_gib
     from automodel.training.step_estimate import gpu_spec
 
     spec = gpu_spec(loaded.cfg.recipe.gpu_type)
-    budget = loaded.cfg.recipe.memory_budget_gib or spec.memory_gib
+    budget = run_budget_gib(loaded.cfg.recipe.memory_budget_gib, loaded.cfg.recipe.gpu_type)[0] or spec.memory_gib
     out = [f"--- layouts ranked by the step ESTIMATE (recipe.plan_layouts; {loaded.world_size} x {spec.name}), "
            "fastest first ---"]  # fmt: skip
     rank = 0

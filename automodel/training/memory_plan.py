@@ -1561,16 +1561,19 @@ def _changes(d: ModelDims, r: RunShape, world: int) -> list[tuple[str, RunShape,
     return out
 
 
-def suggest_changes(d: ModelDims, r: RunShape, budget_bytes: float, world: int) -> list[str]:
+def suggest_changes(
+    d: ModelDims, r: RunShape, budget_bytes: float, world: int, source: str = "recipe.memory_budget_gib"
+) -> list[str]:
     """Lines saying whether ``r`` fits ``budget_bytes`` per rank and, if not, the cheapest change that does.
 
     Changes are tried cheapest first: loss parallel (under TP), the chunked loss (without TP: the two do
     not compose), activation checkpointing, both, then doubling ``cp_size`` and (for a model with a TP
     plan, up to 8, where the heads, MLP and vocabulary divide) ``tp_size`` with loss parallel, on the same
-    ranks when ``dp_shard`` allows, else on more ranks, alone and with the cheaper changes.
+    ranks when ``dp_shard`` allows, else on more ranks, alone and with the cheaper changes. ``source``: where the
+    budget comes from (words in the first line).
     """
     plan = plan_memory(d, r)
-    head = f"budget {_fmt(budget_bytes)} per rank (recipe.memory_budget_gib): predicted {_fmt(plan.total_bytes)}"
+    head = f"budget {_fmt(budget_bytes)} per rank ({source}): predicted {_fmt(plan.total_bytes)}"
     if plan.total_bytes <= budget_bytes:
         return [head + " -> fits"]
     lines = [head + f" -> does NOT fit (over by {_fmt(plan.total_bytes - budget_bytes)})"]
@@ -1612,8 +1615,12 @@ _MOMENT_WORDS = {"MLP": "a layer's MLP", "attention": "a layer's attention", "no
                  "final norm": "the final norm"}  # fmt: skip
 
 
-def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = None, world: int = 1) -> list[str]:
-    """The dry run's memory section: persistent state, step terms by phase, peak, dominant term, budget."""
+def memory_plan_lines(
+    d: ModelDims, r: RunShape, *, budget_gib: float | None = None, world: int = 1,
+    budget_source: str = "recipe.memory_budget_gib",
+) -> list[str]:
+    """The dry run's memory section: persistent state, step terms by phase, peak, dominant term, and with
+    ``budget_gib`` whether it fits (:func:`suggest_changes`; ``budget_source`` says where the budget comes from)."""
     plan = plan_memory(d, r)
     out = ["--- predicted memory per rank (automodel.training.memory_plan; CPU-calibrated) ---"]
     out.append(
@@ -1642,7 +1649,7 @@ def memory_plan_lines(d: ModelDims, r: RunShape, *, budget_gib: float | None = N
         f"rank; dominant term: {plan.dominant}"
     )
     if budget_gib is not None:
-        out.extend(suggest_changes(d, r, budget_gib * _GIB, world))
+        out.extend(suggest_changes(d, r, budget_gib * _GIB, world, budget_source))
     return out
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "build_search",
     "check_plan_gpu",
     "device_budget_gib",
+    "run_budget_gib",
     "host_budget_gib",
     "longest_row",
     "plan_lines",
@@ -229,6 +230,19 @@ def device_budget_gib(gpu_type: str, gpu_memory_gib: float | None = None) -> tup
     """``(capacity, budget)`` GiB per GPU: the driver's total (or ``gpu_memory_gib``) and that less the reserve."""
     cap = gpu_memory_gib if gpu_memory_gib is not None else DEVICE_MEMORY_MIB[gpu_type.lower()] / 1024
     return cap, cap - DEVICE_RESERVE_GIB
+
+
+def run_budget_gib(memory_budget_gib: float | None, gpu_type: str | None) -> tuple[float | None, str]:
+    """The per-rank budget (GiB) a dry run checks its plan against, and where it comes from (words for its line):
+    ``recipe.memory_budget_gib``; else ``recipe.gpu_type``'s device budget, the one ``automodel plan`` fits rows to
+    (:func:`device_budget_gib`); else ``(None, "")``: no check."""
+    if memory_budget_gib is not None:
+        return memory_budget_gib, "recipe.memory_budget_gib"
+    if gpu_type is not None and gpu_type.lower() in DEVICE_MEMORY_MIB:
+        cap, budget = device_budget_gib(gpu_type)
+        return budget, (f"recipe.gpu_type={gpu_type}: {cap:.1f} GiB less the {DEVICE_RESERVE_GIB:g} GiB reserve, as "
+                        f"automodel plan; recipe.memory_budget_gib sets another")  # fmt: skip
+    return None, ""
 
 
 def host_budget_gib(gpus: int, gpus_per_node: int, host_memory_gib: float | None = None) -> tuple[float, int]:
