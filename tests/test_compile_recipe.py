@@ -87,6 +87,9 @@ def test_compiled_blocks_are_recomputed_offloaded_and_tiled_under_fsdp2(runs):
     assert tm["max_tile_tokens"] == 16 and tm["backward_tiles"] == tm["tiles"] // 2
     tn = report["tiled_final_norm"]  # outside the compiled blocks, in the same tiles, once per micro-batch
     assert tn["calls"] == tn["tiled_calls"] == m and tn["tiles"] == tn["backward_tiles"] == 4 * m
+    ln = report["tiled_layer_norms"]  # inside the compiled blocks (a graph break each), forward and recomputation
+    assert ln["norms"] == 4 and ln["calls"] == ln["tiled_calls"] == 4 * 2 * m and ln["tiles"] == 4 * ln["calls"]
+    assert ln["backward_tiles"] == ln["tiles"] // 2
 
 
 def test_recompiles_over_ten_steps(runs):

@@ -104,10 +104,13 @@ def test_tiled_mlp_counts_one_tile_instead_of_the_row():
     r = RunShape(local_batch=1, seq=4096, chunk_tokens=256)
     plain, tiled = plan_memory(d, r), plan_memory(d, dataclasses.replace(r, tiled_mlp=512))
     # the four [N, I] intermediates of every layer go; one tile's 4 recomputed + 2 gradients come, and the tile's
-    # gradients of the MLP's three [I, h] weights beside their running sum (issue 41)
+    # gradients of the MLP's three [I, h] weights beside their running sum (issue 41). The norms run in tiles with it:
+    # each layer's two keep their inputs and outputs (one normalized copy fewer per layer, fp32), the final norm its
+    # input and output (one fewer), and the embedding output is the first layer's input (counted once)
     saved = plain.phases["loss"]["activations"] - tiled.phases["loss"]["activations"]
     tile = 6 * 512 * d.intermediate * 4 + 3 * d.hidden * d.intermediate * 4
-    assert saved == pytest.approx(d.layers * 4096 * 4 * d.intermediate * 4 - tile)
+    norms = (d.layers + 2) * 4096 * d.hidden * 4
+    assert saved == pytest.approx(d.layers * 4096 * 4 * d.intermediate * 4 - tile + norms)
     assert resolve_tile_tokens(True, 4096, 14336, 131072) == 4096 and resolve_tile_tokens(True, 128, 16384, 1000) == 125
     auto = plan_memory(d, dataclasses.replace(r, tiled_mlp=True))
     assert "125" not in auto.terms["activations"].note and "128 tokens per tile" in auto.terms["activations"].note

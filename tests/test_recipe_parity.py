@@ -189,6 +189,11 @@ def test_each_technique_acted_in_the_first_step(runs, name):
         assert tn["norms"] == 1 and tn["calls"] == tn["tiled_calls"] == m and tn["tiles"] == tn["backward_tiles"] == 6 * m
         assert tn["max_tile_tokens"] == 24 and tn["max_tokens"] == 128
         assert any("tiled final norm: 1 norm(s) outside the decoder layers" in line for line in log), log
+        # each layer's two norms too, in the forward and again in the checkpoint's recomputation (backward: that one)
+        ln = report["tiled_layer_norms"]
+        assert ln["norms"] == 4 and ln["calls"] == ln["tiled_calls"] == 4 * 2 * m and ln["in_layer_tiles"] == 0
+        assert ln["tiles"] == 6 * ln["calls"] and ln["backward_tiles"] == ln["tiles"] // 2 and ln["max_tile_tokens"] == 24
+        assert any("tiled layer norms: 4 norm(s) of the decoder layers" in line for line in log), log
 
 
 @pytest.mark.parametrize(

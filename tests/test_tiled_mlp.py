@@ -23,6 +23,7 @@ from automodel.models.tiled_mlp import (
     apply_tiled_mlp,
     check_tiled_mlp_for_model,
     find_final_norms,
+    find_layer_norms,
     find_mlps,
     is_tiled,
     mlp_intermediate_width,
@@ -30,6 +31,7 @@ from automodel.models.tiled_mlp import (
     resolve_tile_tokens,
     tile_counts,
     tile_final_norms,
+    tile_layer_norms,
 )
 from tests.family_matrix import family_by_name
 
@@ -113,6 +115,11 @@ def test_loss_and_gradients_equal_untiled(name, dtype):
     norms = tile_counts(model, "final_norm")
     assert len(norms) == len(find_final_norms(model)) and all(c.tiled_calls == c.calls == 1 for c in norms), norms
     assert all(c.max_tile_tokens == 5 and c.tiles == c.backward_tiles == 15 for c in norms), norms
+    # and every decoder layer's hidden-size norm: each call of 74 tokens in 15 tiles of 5, each recomputed once
+    layer_norms = tile_counts(model, "layer_norm")
+    assert len(layer_norms) == len(find_layer_norms(model)) >= 2, layer_norms
+    assert all(c.calls >= 1 and c.tiled_calls == c.calls and c.max_tile_tokens == 5 for c in layer_norms), layer_norms
+    assert all(c.tiles == c.backward_tiles == 15 * c.calls for c in layer_norms), layer_norms
     assert remove_tiled_mlp(model) >= 1 and not any(is_tiled(m) for m in model.modules())
 
 
@@ -246,6 +253,43 @@ def test_the_final_norm_runs_in_tiles_with_the_mlp_not_under_tp():
     lines = technique_lines({"tiled_final_norm": tn, "micro_batches": 1})
     assert lines == ["tiled final norm: 1 norm(s) outside the decoder layers, 2 call(s) of up to 256 tokens, 1 run in "
                      "4 tile(s) of at most 64 tokens; 4 tile(s) recomputed by the tiled backward"]  # fmt: skip
+
+
+def test_the_layer_norms_run_in_tiles_with_the_mlp_not_under_tp():
+    """Each decoder layer's hidden-size norms (not the per-head q/k norms, not a norm inside an MLP) run through the
+    same Function as the MLP (exactness: test_loss_and_gradients_equal_untiled, every family); not under TP; a call
+    that ran whole is a WARNING."""
+    from automodel.training.technique_report import technique_lines, technique_problems
+
+    qwen3 = _model("qwen3", torch.float32)
+    assert [n for n, _ in find_layer_norms(qwen3)] == [f"model.layers.{i}.{a}" for i in range(len(qwen3.model.layers))
+                                                       for a in ("input_layernorm", "post_attention_layernorm")]  # fmt: skip
+    gemma = _model("gemma3_text", torch.float32)
+    assert [n.rsplit(".", 1)[1] for n, _ in find_layer_norms(gemma)][:4] == [
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    assert apply_tiled_mlp(qwen3, 5, tp_size=2) >= 1 and tile_counts(qwen3, "layer_norm") == []
+    remove_tiled_mlp(qwen3)
+    assert tile_layer_norms(qwen3, 4) == 2 * len(qwen3.model.layers) and tile_layer_norms(qwen3, 4) == 0
+    assert tile_counts(qwen3) == [] and tile_counts(qwen3, "final_norm") == []  # counted apart
+    with pytest.raises(ValueError, match="kind='norm' is not one of"):
+        tile_counts(qwen3, "norm")
+    # a norm called on another layout than [B, S, h] / [N, h] runs whole (the same numbers), and the counts say so
+    norm = qwen3.model.layers[0].input_layernorm
+    x = torch.randn(2, 3, 4, qwen3.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(norm(x), type(norm)._automodel_untiled_class.forward(norm, x))
+    c = tile_counts(qwen3, "layer_norm")[0]
+    assert (c.calls, c.tiled_calls) == (1, 0)
+    ln = {"norms": 4, "calls": 8, "tiled_calls": 6, "in_layer_tiles": 1, "tiles": 24, "backward_tiles": 24,
+          "max_tile_tokens": 64, "max_tokens": 256}  # fmt: skip
+    assert technique_problems({"tiled_layer_norms": ln}) == [
+        "model.tiled_mlp tiles the decoder layers' norms but 1 of 8 norm call(s) ran untiled, keeping their fp32 "
+        "temporaries for every token"
+    ]
+    assert technique_problems({"tiled_layer_norms": {**ln, "tiled_calls": 7}}) == []
+    assert technique_lines({"tiled_layer_norms": ln, "micro_batches": 1}) == [
+        "tiled layer norms: 4 norm(s) of the decoder layers, 8 call(s) of up to 256 tokens, 6 run in 24 tile(s) of at "
+        "most 64 tokens; 24 tile(s) recomputed by the tiled backward; 1 inside the tiled layer's tiles"]
 
 
 def test_a_tiled_mlp_call_that_ran_untiled_is_a_problem():

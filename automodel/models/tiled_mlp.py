@@ -86,6 +86,7 @@ __all__ = [
     "check_tiled_mlp_for_model",
     "check_tiled_mlp_for_model_config",
     "find_final_norms",
+    "find_layer_norms",
     "find_mlps",
     "is_tiled",
     "layer_tile_scope",
@@ -94,6 +95,8 @@ __all__ = [
     "resolve_tile_tokens",
     "tile_counts",
     "tile_final_norms",
+    "tile_layer_norms",
+    "QK_NORM_NAMES",
     "TileCounts",
 ]
 
@@ -114,6 +117,10 @@ _BASE_MODEL_NAMES = ("model", "transformer", "backbone", "gpt_neox", "rwkv", "la
 #: the width :func:`resolve_tile_tokens` is given for a norm, in units of ``hidden``: its backward's five ``[t, h]``
 #: fp32 temporaries (above ``hidden``, so ``true`` cuts tiles of at most ``hidden`` tokens, as for an MLP)
 NORM_TILE_WIDTH = 5
+#: per-head query / key norms (Qwen3, Gemma 3, OLMo 2): not hidden-size norms (their input is ``[B, S, heads, d]``)
+QK_NORM_NAMES = ("q_norm", "k_norm")
+#: the tile kinds :func:`tile_counts` tells apart
+_KINDS = ("mlp", "final_norm", "layer_norm")
 _INLINE_MLP = re.compile(r"^(fc\d|c_fc|c_proj|ffn|mlp|w\d|up|down|gate|dense_h_to_4h|dense_4h_to_h)")
 
 
@@ -361,7 +368,8 @@ class _Tiling:
     intermediate: int  # per-token width one rank computes (after the TP split)
     probed: bool = False
     counts: TileCounts = field(default_factory=TileCounts)
-    #: ``"mlp"``, or ``"final_norm"`` (:func:`tile_final_norms`: the final norm, through the same call)
+    #: ``"mlp"``, ``"final_norm"`` (:func:`tile_final_norms`) or ``"layer_norm"`` (:func:`tile_layer_norms`): norms
+    #: through the same call
     kind: str = "mlp"
 
 
@@ -662,6 +670,11 @@ def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     tiling: _Tiling = getattr(self, _MARK)
     base_call = functools.partial(nn.Module.__call__, self)
+    if tiling.kind != "mlp":  # a norm over another layout than [B, S, H] / [N, H]: whole, and the report says so
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is None or first.ndim not in (2, 3):
+            tiling.counts.calls += 1
+            return base_call(*args, **kwargs)
     xs, place = _token_inputs(args, kwargs)
     flat = xs[0].ndim == 2
     locals_, dspecs = zip(*(_local(x, flat) for x in xs), strict=True)
@@ -739,8 +752,10 @@ def _tiled_class(cls: type) -> type:
 
 
 def tile_counts(model: nn.Module, kind: str = "mlp") -> list[TileCounts]:
-    """The :class:`TileCounts` of every tiled MLP of ``model`` (``kind="final_norm"``: of its tiled final norm), in
-    module order (empty: nothing tiled)."""
+    """The :class:`TileCounts` of every tiled MLP of ``model`` (``kind="final_norm"``: of its tiled final norm;
+    ``"layer_norm"``: of its decoder layers' tiled norms), in module order (empty: nothing tiled)."""
+    if kind not in _KINDS:
+        raise ValueError(f"tile_counts: kind={kind!r} is not one of {_KINDS}")
     return [getattr(m, _MARK).counts for m in model.modules() if is_tiled(m) and getattr(m, _MARK).kind == kind]
 
 
@@ -786,6 +801,66 @@ def find_final_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
+def _is_hidden_norm(module: nn.Module, hidden: int | None) -> bool:
+    """A module named like a norm (class name) whose parameters are ``[hidden]`` vectors, with a ``[hidden]`` weight."""
+    weight = getattr(module, "weight", None)
+    return (
+        "norm" in type(module).__name__.lower()
+        and isinstance(weight, torch.Tensor)
+        and tuple(weight.shape) == (hidden,)
+        and all(tuple(p.shape) == (hidden,) for p in module.parameters())
+    )
+
+
+def find_layer_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every decoder layer's hidden-size norms: ``[(qualified name, module)]`` in module order (empty: none, or no
+    decoder layers found).
+
+    Inside each decoder layer (:func:`automodel.models.parallelize.decoder_layers`), the outermost modules named like a
+    norm whose parameters are ``[hidden]`` vectors (:func:`_is_hidden_norm`: Llama's ``input_layernorm`` and
+    ``post_attention_layernorm``, Gemma's four); not the per-head q/k norms (:data:`QK_NORM_NAMES`), nothing inside
+    a layer's MLP (tiled with it) and nothing inside a nested decoder layer (found with its own layer)."""
+    from automodel.models.parallelize import decoder_layers
+
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        return []
+    config = getattr(model, "config", None)
+    hidden = hidden_size(config) if config is not None else None
+    names = {id(m): n for n, m in model.named_modules()}
+    layer_ids = {id(layer) for layer in layers}
+    found: dict[int, tuple[str, nn.Module]] = {}
+
+    def walk(module: nn.Module) -> None:
+        for attr, child in module.named_children():
+            if id(child) in layer_ids or attr in QK_NORM_NAMES or _is_mlp(attr, child):
+                continue
+            if _is_hidden_norm(child, hidden):
+                found.setdefault(id(child), (names.get(id(child), attr), child))
+            else:
+                walk(child)
+
+    for layer in layers:
+        walk(layer)
+    return list(found.values())
+
+
+def tile_layer_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1) -> int:
+    """Run every decoder layer's hidden-size norm (:func:`find_layer_norms`) over token tiles, as the final norm
+    (in place; idempotent); returns how many it wrapped. ``setting``: ``True`` or tokens per tile; ``False`` /
+    ``None`` or ``tp_size`` above 1 does nothing. Whole, transformers' RMSNorm saves its input's fp32 copy and its
+    normalized tensor, and its backward makes five fp32 ``[N, h]`` temporaries: 12 ``[N, h]`` bf16 units at the
+    backward's peak, the recomputed layer's peak once its MLP is tiled (:func:`automodel.training.memory_plan`'s norm
+    moment); tiled, it keeps its input and holds one tile's temporaries. Inside a tiled layer's tile a one-tile call
+    runs the norm's own forward (:func:`layer_tile_scope`). :func:`remove_tiled_mlp` undoes it."""
+    if setting is False or setting is None or tp_size > 1:
+        return 0
+    config = getattr(model, "config", None)
+    hidden = (hidden_size(config) if config is not None else None) or 1
+    return sum(_tile_module(m, setting, hidden, NORM_TILE_WIDTH * hidden, "layer_norm") for _, m in find_layer_norms(model))
+
+
 def tile_final_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1) -> int:
     """Run the final norm (:func:`find_final_norms`) over token tiles (in place; idempotent: a norm already tiled
     keeps its setting); returns how many it wrapped (0 or 1). ``setting``: ``True`` or tokens per tile;
@@ -818,7 +893,8 @@ def apply_tiled_mlp(
             ``tp_size`` times its tokens per tile (tiles as without TP).
 
     Mutates ``model``: each MLP module's class becomes a same-named subclass that tiles; parameters,
-    their names and ``forward`` are unchanged; the final norm likewise (:func:`tile_final_norms`, not under TP).
+    their names and ``forward`` are unchanged; the final norm and the decoder layers' hidden-size norms likewise
+    (:func:`tile_final_norms`, :func:`tile_layer_norms`; not under TP).
     :func:`remove_tiled_mlp` undoes it.
 
     Raises:
@@ -840,10 +916,12 @@ def apply_tiled_mlp(
     for _, module in mlps:
         _tile_module(module, tiled_mlp, hidden, per_rank, "mlp")
     tile_final_norms(model, tiled_mlp, tp_size=tp_size)
+    norms = tile_layer_norms(model, tiled_mlp, tp_size=tp_size)
     logger.info(
-        "model.tiled_mlp=%s: %d MLP module(s) run over token tiles (%s)",
+        "model.tiled_mlp=%s: %d MLP module(s) and %d norm(s) of the decoder layers run over token tiles (%s)",
         tiled_mlp,
         len(mlps),
+        norms,
         f"{tiled_mlp} tokens per tile"
         if tiled_mlp is not True
         else f"equal tiles of at most {hidden} tokens",
@@ -852,8 +930,8 @@ def apply_tiled_mlp(
 
 
 def remove_tiled_mlp(model: nn.Module) -> int:
-    """Undo :func:`apply_tiled_mlp` and :func:`tile_final_norms` on ``model`` (in place); returns the modules
-    unwrapped."""
+    """Undo :func:`apply_tiled_mlp`, :func:`tile_final_norms` and :func:`tile_layer_norms` on ``model`` (in place);
+    returns the modules unwrapped."""
     count = 0
     for module in model.modules():
         if is_tiled(module):

@@ -144,6 +144,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from automodel.models.tiled_mlp import QK_NORM_NAMES as _QK_NORM_NAMES
 from automodel.training.layer_kind_memory import (
     HALO_BLOCK,
     alibi_mask_build,
@@ -247,6 +248,9 @@ class ModelDims:
     #: ``(fp32, bf16 / fp16)``: the most ``[N, h]`` units a layer's hidden-size norm saves beyond its input
     #: (:func:`automodel.training.norm_memory.saved_beyond_input`; transformers' RMSNorm 1 and 3)
     layer_norm_saved: tuple[float, float] = (1.0, 3.0)
+    #: the tiled MLP runs every one of those norms in token tiles too
+    #: (:func:`automodel.models.tiled_mlp.tile_layer_norms` finds each of the first layer's): :func:`_layer_norm_tile`
+    layer_norm_tiles: bool = True
     #: a final transform of the LM head's output (``"final_logit_softcapping=30.0"``; "" none): the chunked loss
     #: cannot compute it, so ``loss.chunk_tokens: auto`` plans and runs the plain loss
     logit_transform: str = ""
@@ -721,9 +725,6 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
 
 
 #: the names transformers gives per-head (or whole-projection) query and key norms (:attr:`ModelDims.qk_norm`)
-_QK_NORM_NAMES = ("q_norm", "k_norm")
-
-
 def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  # noqa: ANN001
     """The modules under ``module`` (itself included) that normalize over the hidden size: a class named like a norm
     with a ``[hidden]`` weight; q/k norms are not (``q_norm`` / ``k_norm``, counted by :attr:`ModelDims.qk_norm`, even
@@ -757,7 +758,7 @@ def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: A
     ``final_norm_peaks`` (the final norm the tiled MLP or layer tiles, ``final_norm_tiles`` where there is one; else
     the norms outside the layers): their forward and backward peaks, whole and tiled, and what they save beyond their
     input."""
-    from automodel.models.tiled_mlp import find_final_norms
+    from automodel.models.tiled_mlp import find_final_norms, find_layer_norms
     from automodel.training.norm_memory import half_precision_extra, norm_peaks, saved_beyond_input
 
     if not layers:
@@ -765,6 +766,7 @@ def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: A
     outside = _hidden_norms(model, hidden, skip={id(layer) for layer in layers})
     final = [m for _, m in find_final_norms(model)]  # the one the tiled MLP or layer tiles
     inside = _hidden_norms(layers[0], hidden)
+    tiled = {id(m) for _, m in find_layer_norms(model)}  # the ones the tiled MLP tiles
     # the per-head q/k norms: their weight's size is the width they normalize over (a head, or OLMo 2's whole q)
     qk = [m for name, m in layers[0].named_modules() if name.rsplit(".", 1)[-1] in _QK_NORM_NAMES
           and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 1]  # fmt: skip
@@ -772,7 +774,8 @@ def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: A
             "layer_norm_peaks": norm_peaks(inside, hidden), "layer_norm_saved": saved_beyond_input(inside, hidden),
             "final_norm_half_extra": half_precision_extra(outside, hidden),
             "qk_norm_half_extra": max((half_precision_extra([m], m.weight.shape[0]) for m in qk), default=0.0),
-            "final_norm_peaks": norm_peaks(final or outside, hidden), "final_norm_tiles": bool(final)}  # fmt: skip
+            "final_norm_peaks": norm_peaks(final or outside, hidden), "final_norm_tiles": bool(final),
+            "layer_norm_tiles": all(id(m) in tiled for m in inside)}  # fmt: skip
 
 
 def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
@@ -872,8 +875,11 @@ def _eager_score_bytes(c: int) -> int:
 def _final_saved(d: ModelDims, r: RunShape) -> float:
     """Bytes per local token the final norm keeps for the backward: its input, normalized tensor and output (``3 h``,
     split by SP), its fp32 copy in bf16 / fp16 (:attr:`ModelDims.final_norm_half_extra`), and under SP the LM head's
-    gathered input (``h``)."""
+    gathered input (``h``). In token tiles (:func:`_final_norm_tile`) its input and its output (which the LM head
+    saves): ``2 h``."""
     h, c, s = d.hidden, r.compute_bytes, r.stream_split
+    if _final_norm_tile(d, r) is not None:
+        return 2 * h * c
     extra = d.final_norm_half_extra if c < 4 else 0.0
     return (3 + extra) * h * c / s + (h * c if r.sequence_parallel and r.tp > 1 else 0.0)
 
@@ -900,6 +906,18 @@ def _final_norm_moments(d: ModelDims, r: RunShape, before: float) -> tuple[float
     return before + n * (fwd * h * c / s + gathered), before + n * (bwd * h * c / s + gathered)
 
 
+def _layer_norm_tile(d: ModelDims, r: RunShape) -> int | None:
+    """Tokens per tile of a decoder layer's hidden-size norms (``None``: they run whole): with ``model.tiled_mlp`` on,
+    tp 1 and every norm of the layer found (:attr:`ModelDims.layer_norm_tiles`), the rule the model tiles them with
+    (:func:`automodel.models.tiled_mlp.tile_layer_norms`). The tiled layer's terms (:func:`_tiled_layer_terms`) run
+    the norms in its own tiles and do not ask."""
+    if r.tiled_mlp in (False, None) or r.tp > 1 or not d.layer_norm_tiles:
+        return None
+    from automodel.models.tiled_mlp import NORM_TILE_WIDTH, resolve_tile_tokens
+
+    return resolve_tile_tokens(r.tiled_mlp, d.hidden, NORM_TILE_WIDTH * d.hidden, r.local_tokens)
+
+
 def _layer_norm_moment(d: ModelDims, r: RunShape, attn: float, lse: float) -> float:
     """Activation bytes per token of the layer under backward (without checkpointing the last; with it the
     recomputed one) while one of its hidden-size norms runs its backward, its MLP's tensors freed: the attention's
@@ -910,13 +928,17 @@ def _layer_norm_moment(d: ModelDims, r: RunShape, attn: float, lse: float) -> fl
     gradient; transformers' RMSNorm in bf16, 12 ``[N, h]`` units) and the residual stream's gradient beside it
     (``h``). Where the MLP is tiled it is the recomputed layer's peak: measured, a 2-layer Llama of hidden 256 in bf16
     at 16,384 tokens with checkpointing and ``model.tiled_mlp=true`` peaks at the post-attention norm's backward with
-    five fp32 ``[N, h]`` temporaries (182 MiB; planned 121 without this moment)."""
-    h, c, s = d.hidden, r.compute_bytes, r.stream_split
-    peaks = d.layer_norm_peaks[0 if c >= 4 else 1]
+    five fp32 ``[N, h]`` temporaries (182 MiB; planned 121 without this moment). With the norms in tiles too
+    (:func:`_layer_norm_tile`) each other norm keeps only its input and its output, and this one's backward holds its
+    tiled peak (about 3.5 units: its input, the gradients, one tile's temporaries)."""
+    h, c, s, n = d.hidden, r.compute_bytes, r.stream_split, r.local_tokens
+    tile = _layer_norm_tile(d, r)
+    _, backward = d.layer_norm_peaks[0 if c >= 4 else 1].at(None if tile is None else tile / max(n, 1))
     others = max(d.layer_norms - 1, 0)
     gathered = h if r.sequence_parallel and r.tp > 1 else 0
-    before = ((d.layer_norm_saved[0 if c >= 4 else 1] + 1) * others + (1 if d.layer_norms >= 3 else 0)) * h / s
-    return (before + gathered + attn) * c + lse + (peaks.backward + 1) * h * c / s
+    saved = 0.0 if tile else d.layer_norm_saved[0 if c >= 4 else 1]
+    before = ((saved + 1) * others + (1 if d.layer_norms >= 3 else 0)) * h / s
+    return (before + gathered + attn) * c + lse + (backward + 1) * h * c / s
 
 
 def _final_norm_tile(d: ModelDims, r: RunShape) -> int | None:
@@ -1002,6 +1024,9 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # norm in compute-dtype units; measured per norm class, ModelDims.norm_half_extra); the fp32 count above stays
     half = r.compute_bytes < 4
     stream += (d.norm_half_extra * h / s) if half else 0.0
+    norm_tile = _layer_norm_tile(d, r)
+    if norm_tile:  # the norms in tiles (the tiled MLP): each keeps its input; its output is the next projection's
+        stream = 2 * d.layer_norms * h / s
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
     # per head, split over TP: q after RoPE, K and V as the kernel saves them, the attention output and, where one is
     # made, its transposed copy (_output_copies); per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
@@ -1055,14 +1080,16 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     grads = 2 * h * c / s  # the gradients at the layer's output and input
     # a norm after the MLP (Gemma 2/3's post_feedforward_layernorm, of four norms per layer) has run its backward and
     # freed its input and normalized copy by the time backward reaches the MLP: 2 h fewer at the MLP's backward
-    post_mlp_norm = 2 * h * c / s if d.layer_norms >= 4 else 0.0
+    post_mlp_norm = (1 if norm_tile else 2) * h * c / s if d.layer_norms >= 4 else 0.0  # tiled: its input alone
     # the attention's backward: the MLP's tensors are freed; dq, dk, dv and the attention output's gradient are
     # attn_bwd without CP, the CP workspace's under CP (Ulysses' all-to-all buffers, ring's accumulators)
     # outside the layers: embedding output (h) and final norm (3 h) (split by SP; with SP the LM head gathers its
     # input: h), ids/labels/positions (24 B, every TP rank holds them) and RoPE's cos and sin ([N, head_dim] each,
     # made once per forward, kept for the backward). Offloaded, the embedding output is the first layer's input:
     # on the host with the others.
-    embed = 0.0 if r.activation_offloaded else h * c / s
+    # with the norms in tiles (no checkpointing) the embedding output is the first layer's input, which its first
+    # norm keeps and its stream counts
+    embed = 0.0 if r.activation_offloaded or (norm_tile and not r.activation_checkpointing) else h * c / s
     rope = 2 * d.head_dim * c if d.heads else 0
     final = _final_saved(d, r)  # freed once backward has passed the final norm
     always = 24 + rope

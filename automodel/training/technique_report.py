@@ -17,6 +17,8 @@ logs one line per technique that is on, with what it did, from the counters the 
   calls and tiles, the tiles recomputed by the tiled backward;
 - tiled final norm (:func:`automodel.models.tiled_mlp.tile_final_norms`, with either of those two): the same counts as the
   tiled MLP's, for the norms outside the decoder layers;
+- tiled layer norms (:func:`automodel.models.tiled_mlp.tile_layer_norms`, with the tiled MLP): the same counts for the
+  decoder layers' hidden-size norms; every call is tiled or inside a tiled layer's tile;
 - checkpoint groups (:class:`automodel.models.checkpoint_groups.GroupCounts`): the layer inputs kept (the groups'
   first layers', offloaded or on the device), those not kept and rebuilt in the backward, the layer forwards run
   again to rebuild them;
@@ -50,7 +52,7 @@ def reset_technique_counts(model: nn.Module, store: OffloadStore | None) -> None
     """Zero every counter the techniques keep on ``model`` (and ``store``'s). Mutates them."""
     for call in block_calls(model):
         call.counts.reset()
-    for counts in tile_counts(model) + tile_counts(model, "final_norm"):
+    for counts in tile_counts(model) + tile_counts(model, "final_norm") + tile_counts(model, "layer_norm"):
         counts.reset()
     for layer_counts in layer_tile_counts(model):
         layer_counts.reset()
@@ -120,6 +122,10 @@ def collect_technique_report(
     norms = tile_counts(model, "final_norm")
     if norms:
         report["tiled_final_norm"] = {"norms": len(norms), **_tile_totals(norms)}
+    layer_norms = tile_counts(model, "layer_norm")
+    if layer_norms:
+        report["tiled_layer_norms"] = {"norms": len(layer_norms), **_tile_totals(layer_norms),
+                                       "in_layer_tiles": sum(t.in_layer_tiles for t in layer_norms)}  # fmt: skip
     layers = layer_tile_counts(model)
     if layers:
         report["tiled_layer"] = {
@@ -201,6 +207,12 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
     tn = report.get("tiled_final_norm")
     if tn is not None:
         lines.append(f"tiled final norm: {tn['norms']} norm(s) outside the decoder layers, {_tiles_said(tn)}")
+    ln = report.get("tiled_layer_norms")
+    if ln is not None:
+        lines.append(
+            f"tiled layer norms: {ln['norms']} norm(s) of the decoder layers, {_tiles_said(ln)}"
+            + (f"; {ln['in_layer_tiles']} inside the tiled layer's tiles" if ln["in_layer_tiles"] else "")
+        )
     tl = report.get("tiled_layer")
     if tl is not None:
         lines.append(
@@ -267,6 +279,12 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
         problems.append(
             f"the final norm is tiled (with model.tiled_mlp or model.tiled_layer) but {tn['calls'] - tn['tiled_calls']} "
             f"of {tn['calls']} call(s) ran untiled, keeping its fp32 temporaries for every token"
+        )
+    ln = report.get("tiled_layer_norms")
+    if ln is not None and ln["tiled_calls"] + ln["in_layer_tiles"] < ln["calls"]:
+        problems.append(
+            f"model.tiled_mlp tiles the decoder layers' norms but {ln['calls'] - ln['tiled_calls'] - ln['in_layer_tiles']}"
+            f" of {ln['calls']} norm call(s) ran untiled, keeping their fp32 temporaries for every token"
         )
     tl = report.get("tiled_layer")
     if tl is not None and tl["layers_tiled"] < tl["layers"]:

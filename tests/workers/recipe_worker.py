@@ -135,8 +135,8 @@ def _summary(trainer: FinetuneTrainer, result) -> dict:
 
 def _technique_log(path: Path) -> list[str]:
     """The run log's lines about what each technique did (automodel.training.technique_report)."""
-    keys = ("activation checkpointing:", "activation offload:", "tiled MLP:", "tiled final norm:", "not recomputed",
-            "to the host, more", "checkpoint groups:")
+    keys = ("activation checkpointing:", "activation offload:", "tiled MLP:", "tiled final norm:", "tiled layer norms:",
+            "not recomputed", "to the host, more", "checkpoint groups:")
     return [line for line in path.read_text().splitlines() if any(k in line for k in keys)]
 
 
