@@ -233,23 +233,7 @@ def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
         layers = decoder_layers(model)
     except ValueError as e:
         raise UserInputError(f"model.tiled_mlp: {e}; set model.tiled_mlp=false") from None
-    names = {}
-    for name, module in model.named_modules():
-        names.setdefault(id(module), name)
-    found: dict[int, tuple[str, nn.Module]] = {}
-    layer_ids = {id(layer) for layer in layers}
-
-    def walk(module: nn.Module) -> None:
-        for attr, child in module.named_children():
-            if id(child) in layer_ids:  # a nested decoder layer (Zamba's hybrid): walked on its own
-                continue
-            if _is_mlp(attr, child):
-                found.setdefault(id(child), (names.get(id(child), attr), child))
-            else:
-                walk(child)
-
-    for layer in layers:
-        walk(layer)
+    found = _outermost_in_layers(model, layers, _is_mlp)
     if not found:
         inline = sorted(
             {
@@ -264,6 +248,33 @@ def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
             f"model.tiled_mlp: {type(model).__name__} has no MLP module in its decoder layers "
             f"({type(layers[0]).__name__}){why}; nothing to tile: set model.tiled_mlp=false"
         )
+    return found
+
+
+def _outermost_in_layers(
+    model: nn.Module, layers: list[nn.Module], take: Callable[[str, nn.Module], bool],
+    skip: Callable[[str, nn.Module], bool] = lambda attr, module: False,
+) -> list[tuple[str, nn.Module]]:
+    """The outermost modules inside ``layers`` that ``take(attribute name, module)`` accepts, as ``(qualified name in
+    ``model``, module)``, each once (a shared block once), in layer order; nothing inside a taken module, nothing at
+    or under a module ``skip`` accepts, and nothing inside a nested decoder layer (Zamba's hybrid: walked on its own)."""
+    names: dict[int, str] = {}
+    for name, module in model.named_modules():
+        names.setdefault(id(module), name)
+    found: dict[int, tuple[str, nn.Module]] = {}
+    layer_ids = {id(layer) for layer in layers}
+
+    def walk(module: nn.Module) -> None:
+        for attr, child in module.named_children():
+            if id(child) in layer_ids or skip(attr, child):
+                continue
+            if take(attr, child):
+                found.setdefault(id(child), (names.get(id(child), attr), child))
+            else:
+                walk(child)
+
+    for layer in layers:
+        walk(layer)
     return list(found.values())
 
 
@@ -828,22 +839,8 @@ def find_layer_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     config = getattr(model, "config", None)
     hidden = hidden_size(config) if config is not None else None
-    names = {id(m): n for n, m in model.named_modules()}
-    layer_ids = {id(layer) for layer in layers}
-    found: dict[int, tuple[str, nn.Module]] = {}
-
-    def walk(module: nn.Module) -> None:
-        for attr, child in module.named_children():
-            if id(child) in layer_ids or attr in QK_NORM_NAMES or _is_mlp(attr, child):
-                continue
-            if _is_hidden_norm(child, hidden):
-                found.setdefault(id(child), (names.get(id(child), attr), child))
-            else:
-                walk(child)
-
-    for layer in layers:
-        walk(layer)
-    return list(found.values())
+    return _outermost_in_layers(model, layers, lambda attr, m: _is_hidden_norm(m, hidden),
+                                skip=lambda attr, m: attr in QK_NORM_NAMES or _is_mlp(attr, m))  # fmt: skip
 
 
 def tile_layer_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1) -> int:
