@@ -144,6 +144,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+# the names transformers gives per-head (or whole-projection) query and key norms (ModelDims.qk_norm)
 from automodel.models.tiled_mlp import QK_NORM_NAMES as _QK_NORM_NAMES
 from automodel.training.layer_kind_memory import (
     HALO_BLOCK,
@@ -724,7 +725,6 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
-#: the names transformers gives per-head (or whole-projection) query and key norms (:attr:`ModelDims.qk_norm`)
 def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  # noqa: ANN001
     """The modules under ``module`` (itself included) that normalize over the hidden size: a class named like a norm
     with a ``[hidden]`` weight; q/k norms are not (``q_norm`` / ``k_norm``, counted by :attr:`ModelDims.qk_norm`, even

@@ -512,7 +512,9 @@ def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, c
     """Step seconds the memory techniques add that :func:`estimate_step` does not count (one micro-batch):
 
     - tiled MLP: backward recomputes each tile's MLP forward: ``2 P_mlp`` FLOPs per token (``P_mlp = 3 h I``
-      per layer, ``/ tp``) at the matrix products' achieved rate (the step estimate's ``GEMM_PEAK_FRACTION``);
+      per layer, ``/ tp``) at the matrix products' achieved rate (the step estimate's ``GEMM_PEAK_FRACTION``), and
+      (tp 1) each tiled norm's forward, the layers' and the final one (``NORM_FORWARD_BYTES h`` per token and norm,
+      memory-bound at the step estimate's ``HBM_FRACTION``);
     - tiled layer (instead of the tiled MLP's): backward recomputes each tile's forward but the attention core, the
       q/k/v and output projections and the MLP: ``2 (h (2 q + 2 kv) + 3 h I)`` FLOPs per token and layer;
     - activation offload: each layer input goes to the host in forward and back in backward
@@ -523,7 +525,7 @@ def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, c
       values) after the backward; ``all`` also brings each layer's parameter shard up twice per step (forward,
       backward) under the compute.
     """
-    from automodel.training.step_estimate import GEMM_PEAK_FRACTION
+    from automodel.training.step_estimate import GEMM_PEAK_FRACTION, HBM_FRACTION, NORM_FORWARD_BYTES
 
     out: dict[str, float] = {}
     link = HOST_LINK_GB_S[gpu_type] * 1e9
@@ -537,6 +539,10 @@ def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, c
     elif r.tiled_mlp:
         flops = 2 * d.mlp_matrices * d.hidden * d.intermediate * d.layers * n / r.tp
         out["tiled MLP"] = flops / (spec.bf16_tflops * 1e12 * GEMM_PEAK_FRACTION)
+        if r.tp == 1:  # the norms in tiles (automodel.models.tiled_mlp.tile_layer_norms, tile_final_norms)
+            norms = d.layers * d.layer_norms * d.layer_norm_tiles + d.final_norm_tiles
+            norm_bytes = NORM_FORWARD_BYTES * d.hidden * norms * n * r.compute_bytes / 2
+            out["tiled MLP"] += norm_bytes / (spec.hbm_gb_s * 1e9 * HBM_FRACTION)
     if r.activation_offloaded:
         copy = 2 * d.layers * n * d.hidden * r.compute_bytes / r.stream_split / link
         out["activation offload"] = max(0.0, copy - compute_s)

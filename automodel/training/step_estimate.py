@@ -52,6 +52,7 @@ from automodel.training.memory_plan import ModelDims, RunShape
 __all__ = [
     "GEMM_PEAK_FRACTION",
     "HBM_FRACTION",
+    "NORM_FORWARD_BYTES",
     "LINK_FRACTION",
     "HOST_S_PER_LAYER",
     "CommTerm",
@@ -77,6 +78,8 @@ LINK_FRACTION = 0.80
 #: Eager PyTorch launches each op from Python (about 10 us each); a Llama-style layer runs about 200 ops
 #: forward + backward, so a micro-batch takes at least this long per layer however small its kernels are.
 HOST_S_PER_LAYER = 2e-3
+#: HBM bytes per element of one RMSNorm forward in fp32 from bf16 (upcast, square, mean, scale, downcast, weight)
+NORM_FORWARD_BYTES = 36
 #: The backward of the elementwise ops moves about twice the forward's bytes (the incoming gradient plus
 #: the saved inputs in, the input gradients out).
 _ELEMENTWISE_BACKWARD = 2.0
@@ -143,7 +146,7 @@ def memory_bound_bytes(d: ModelDims, r: RunShape) -> dict[str, float]:
     """
     c = r.compute_bytes / 2.0
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    stream = (72 + 12) * d.hidden / r.stream_split
+    stream = (2 * NORM_FORWARD_BYTES + 12) * d.hidden / r.stream_split
     sharded = (20 * (q + kv) + 4 * q + 10 * d.intermediate) / r.tp
     passes = 1 + _ELEMENTWISE_BACKWARD + (1 if r.activation_checkpointing else 0)
     layers = r.local_tokens * d.layers * (stream + sharded) * c * passes
