@@ -1112,6 +1112,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # the layers' average in what they keep, the largest for the layer in flight
     copy_avg, copy_max = sdpa_mask_copy(d, r)
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
+    tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
         kept, kept_at_loss = (x * h * c / s for x in _kept_inputs(d, r))
