@@ -40,18 +40,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 #: the MLP classes the support matrix lists: dense (Llama, Qwen3, Gemma3), MoE experts (Mixtral, Qwen3-MoE,
 #: gpt-oss with its router scores output, DeepSeek-V3 with shared experts and dense layers), Llama 4's MoE
 #: ([N, H] output and router logits), Bloom's MLP (called with the residual), and the hybrids' MLPs
-#: (Qwen3-Next, Falcon-H1, Granite-MoE-hybrid's MoE + shared MLP, Jamba, Zamba2's shared block, LFM2-MoE)
+#: (Qwen3-Next, Falcon-H1, Granite-MoE-hybrid's MoE + shared MLP, Jamba, Zamba2's shared block, LFM2-MoE);
+#: DeepSeek-V4's MoE (called with the input ids, [B, S], for its hash-routed layers) and xLSTM (a multi-head norm of
+#: [B, S, heads, d] inside its mixer, tiled with the layers' norms)
 FAMILIES = (
     "llama", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "llama4_text", "bloom",
     "qwen3_next", "falcon_h1", "granitemoehybrid", "jamba", "zamba2", "lfm2_moe",
-    "nemotron_h",
+    "nemotron_h", "deepseek_v4", "xlstm",
 )  # fmt: skip
 #: (loss, gradient) relative bounds; fp64 DeepSeek-V3 routes in fp32 (see the module docstring)
 BOUNDS = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-6, 1e-4)}
 FP32_ROUTER = {"deepseek_v3": 1e-5, "llama4_text": 1e-5, "nemotron_h": 1e-5}  # router or its scores in fp32
-# the final norm (tiled with the MLP) computes in fp32 whatever the model's dtype (Gemma's and Qwen3-Next's
-# ``x.float()``): its weight's fp32 gradient, summed per tile, is as close to the fp64 truth as the whole row's fp32 sum
-FP32_FINAL_NORM = {"gemma3_text": 1e-6, "qwen3_next": 1e-6}
+# the norms (the final one and the layers', tiled with the MLP) compute in fp32 whatever the model's dtype (Gemma's,
+# Qwen3-Next's and DeepSeek-V4's ``x.float()``): their weights' fp32 gradients, summed per tile, are as close to the
+# fp64 truth as the whole row's fp32 sums (1.9e-7 for DeepSeek-V4's post-attention norms)
+FP32_FINAL_NORM = {"gemma3_text": 1e-6, "qwen3_next": 1e-6, "deepseek_v4": 1e-6}
 
 
 def _model(name: str, dtype: torch.dtype) -> nn.Module:
@@ -273,13 +276,15 @@ def test_the_layer_norms_run_in_tiles_with_the_mlp_not_under_tp():
     assert tile_counts(qwen3) == [] and tile_counts(qwen3, "final_norm") == []  # counted apart
     with pytest.raises(ValueError, match="kind='norm' is not one of"):
         tile_counts(qwen3, "norm")
-    # a norm called on another layout than [B, S, h] / [N, h] runs whole (the same numbers), and the counts say so
+    # a norm of [B, S, heads, d] runs in tiles of its tokens (xLSTM's multi-head norm); one of a vector runs whole
+    # (the same numbers), and the counts say so
     norm = qwen3.model.layers[0].input_layernorm
-    x = torch.randn(2, 3, 4, qwen3.config.hidden_size)
-    with torch.no_grad():
-        assert torch.equal(norm(x), type(norm)._automodel_untiled_class.forward(norm, x))
     c = tile_counts(qwen3, "layer_norm")[0]
-    assert (c.calls, c.tiled_calls) == (1, 0)
+    for x, counts in ((torch.randn(2, 3, 4, qwen3.config.hidden_size), (1, 1, 2)),  # 6 tokens in tiles of 4
+                      (torch.randn(qwen3.config.hidden_size), (2, 1, 2))):  # fmt: skip
+        with torch.no_grad():
+            assert torch.equal(norm(x), type(norm)._automodel_untiled_class.forward(norm, x))
+        assert (c.calls, c.tiled_calls, c.tiles) == counts
     ln = {"norms": 4, "calls": 8, "tiled_calls": 6, "in_layer_tiles": 1, "tiles": 24, "backward_tiles": 24,
           "max_tile_tokens": 64, "max_tokens": 256}  # fmt: skip
     assert technique_problems({"tiled_layer_norms": ln}) == [

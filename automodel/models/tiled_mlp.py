@@ -548,19 +548,24 @@ def _token_inputs(
     args: tuple, kwargs: dict
 ) -> tuple[list[torch.Tensor], Callable[[list[torch.Tensor]], tuple[tuple, dict]]]:
     """The MLP's token inputs (every tensor argument: the hidden states first, then e.g. Bloom's residual,
-    each with the hidden states' leading token dims) and a function that puts tiles in their places."""
+    each with the hidden states' leading token dims) and a function that puts tiles in their places.
+
+    A tensor of the token dims alone (``[B, S]`` beside ``[B, S, D]`` hidden states, ``[N]`` beside ``[N, D]``:
+    DeepSeek-V4's MoE takes the input ids for its hash-routed layers) is a token input too: it is returned with a
+    trailing dim of 1 (``[B, S, 1]``), and ``place`` drops that dim again."""
     where = [("a", i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     where += [("k", key) for key, v in kwargs.items() if isinstance(v, torch.Tensor)]
     tensors = [args[i] if kind == "a" else kwargs[i] for kind, i in where]
     if not tensors:
         raise ValueError("model.tiled_mlp: the MLP was called without a tensor; it cannot be tiled")
     lead = tensors[0].shape[:-1]
-    if tensors[0].ndim not in (2, 3) or any(
-        t.ndim != tensors[0].ndim or t.shape[:-1] != lead for t in tensors[1:]
-    ):
+    per_token = [j > 0 and t.shape == lead for j, t in enumerate(tensors)]  # the token dims alone
+    tensors = [t.unsqueeze(-1) if alone else t for t, alone in zip(tensors, per_token, strict=True)]
+    if tensors[0].ndim < 2 or any(t.ndim != tensors[0].ndim or t.shape[:-1] != lead for t in tensors[1:]):
         raise ValueError(
             f"model.tiled_mlp: the MLP was called with tensors of shapes {[tuple(t.shape) for t in tensors]}; only "
-            f"[B, S, D] or [N, D] inputs of the same tokens can be tiled (set model.tiled_mlp=false)"
+            f"[B, S, ..., D] or [N, D] inputs of the same tokens (and [B, S] or [N] ones) can be tiled (set "
+            f"model.tiled_mlp=false)"
         )
 
     # the non-tensor arguments only: ``place`` lives on the runner, which the autograd node keeps until the layer's
@@ -571,7 +576,8 @@ def _token_inputs(
 
     def place(tiles: list[torch.Tensor]) -> tuple[tuple, dict]:
         new_args, new_kwargs = list(rest_args), dict(rest_kwargs)
-        for (kind, i), t in zip(where, tiles, strict=True):
+        for (kind, i), t, alone in zip(where, tiles, per_token, strict=True):
+            t = t.squeeze(-1) if alone else t
             if kind == "a":
                 new_args[i] = t
             else:
@@ -681,9 +687,9 @@ def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     tiling: _Tiling = getattr(self, _MARK)
     base_call = functools.partial(nn.Module.__call__, self)
-    if tiling.kind != "mlp":  # a norm over another layout than [B, S, H] / [N, H]: whole, and the report says so
+    if tiling.kind != "mlp":  # a norm of a vector ([H]) or of no tensor: whole, and the report says so
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if first is None or first.ndim not in (2, 3):
+        if first is None or first.ndim < 2:
             tiling.counts.calls += 1
             return base_call(*args, **kwargs)
     xs, place = _token_inputs(args, kwargs)
@@ -691,7 +697,8 @@ def _tiled_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     locals_, dspecs = zip(*(_local(x, flat) for x in xs), strict=True)
     shape = locals_[0].shape
     n = shape[0] if flat else shape[0] * shape[1]
-    flat_xs = [t if flat else t.reshape(1, n, t.shape[-1]) for t in locals_]
+    # [B, S, ...] -> [1, B * S, ...] (xLSTM's multi-head norm takes [B, S, heads, d]); tiles along dim 1
+    flat_xs = [t if flat else t.reshape(1, n, *t.shape[2:]) for t in locals_]
 
     def call(*tiles: torch.Tensor) -> Any:
         wrapped = [
