@@ -1076,6 +1076,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # attention in the forward and are freed before it in the backward (snapshots of scripts/bench_memory.py's
     # Ulysses rows: 3 h fewer per token than the whole layer's stream); under SP only the attention's gathered input
     body_attn = (2 * h / s + (h if gathered else 0) + attn) * c + lse
+    # in the recomputed layer's attention backward with the norms in tiles, the input norm keeps the layer input
+    # (counted as kept) and its output (what the q/k/v projections save): h fewer (measured: scripts/bench_memory.py
+    # --tiled-layer only, the untiled ring row, 79.1 -> 75.1 MiB with the norms tiled)
+    body_attn_bwd = body_attn - (h * c / s if norm_tile and r.activation_checkpointing else 0.0)
     layer = body + saved_mlp * c + router
     grads = 2 * h * c / s  # the gradients at the layer's output and input
     # a norm after the MLP (Gemma 2/3's post_feedforward_layernorm, of four norms per layer) has run its backward and
@@ -1125,7 +1129,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
-        bwd_a = n * (kept + always + body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
+        bwd_a = n * (kept + always + body_attn_bwd + grads + attn_bwd) + s2 + copy_max + in_flight
         bwd_n = n * (kept + always + _layer_norm_moment(d, r, attn, lse)) + s2 + copy_max
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
