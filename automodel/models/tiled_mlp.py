@@ -860,9 +860,17 @@ def tile_layer_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1)
     runs the norm's own forward (:func:`layer_tile_scope`). :func:`remove_tiled_mlp` undoes it."""
     if setting is False or setting is None or tp_size > 1:
         return 0
+    return len(_tile_norms(model, setting, find_layer_norms(model), "layer_norm"))
+
+
+def _tile_norms(
+    model: nn.Module, setting: bool | int, norms: list[tuple[str, nn.Module]], kind: str
+) -> list[tuple[str, nn.Module]]:
+    """Run ``norms`` (of ``model``) over token tiles as ``kind`` (:func:`_tile_module` with the width
+    :data:`NORM_TILE_WIDTH` x hidden); returns those it wrapped (a norm already tiled keeps its setting)."""
     config = getattr(model, "config", None)
     hidden = (hidden_size(config) if config is not None else None) or 1
-    return sum(_tile_module(m, setting, hidden, NORM_TILE_WIDTH * hidden, "layer_norm") for _, m in find_layer_norms(model))
+    return [(name, m) for name, m in norms if _tile_module(m, setting, hidden, NORM_TILE_WIDTH * hidden, kind)]
 
 
 def tile_final_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1) -> int:
@@ -872,10 +880,7 @@ def tile_final_norms(model: nn.Module, setting: bool | int, *, tp_size: int = 1)
     :func:`remove_tiled_mlp` undoes it."""
     if setting is False or setting is None or tp_size > 1:
         return 0
-    config = getattr(model, "config", None)
-    hidden = (hidden_size(config) if config is not None else None) or 1
-    norms = [(name, m) for name, m in find_final_norms(model)
-             if _tile_module(m, setting, hidden, NORM_TILE_WIDTH * hidden, "final_norm")]  # fmt: skip
+    norms = _tile_norms(model, setting, find_final_norms(model), "final_norm")
     if norms:
         logger.info("the final norm (%s) runs over token tiles too", ", ".join(name for name, _ in norms))
     return len(norms)

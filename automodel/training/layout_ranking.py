@@ -128,7 +128,7 @@ def rank_layouts(
     base, world = loaded.cfg, loaded.world_size
     spec = gpu_spec(base.recipe.gpu_type)
     node = base.recipe.plan_nproc_per_node or spec.gpus_per_node
-    budget = run_budget_gib(base.recipe.memory_budget_gib, base.recipe.gpu_type)[0] or spec.memory_gib
+    budget = run_budget_gib(base.recipe.memory_budget_gib, base.recipe.gpu_type)[0]
     here = (base.distributed.tp_size, base.distributed.cp_size, _label(base) if base.distributed.cp_method != "auto" else None)
     out: list[RankedLayout] = []
     for layout in plan_layouts(base):
@@ -186,7 +186,7 @@ def layout_ranking_lines(
     from automodel.training.step_estimate import gpu_spec
 
     spec = gpu_spec(loaded.cfg.recipe.gpu_type)
-    budget = run_budget_gib(loaded.cfg.recipe.memory_budget_gib, loaded.cfg.recipe.gpu_type)[0] or spec.memory_gib
+    budget = run_budget_gib(loaded.cfg.recipe.memory_budget_gib, loaded.cfg.recipe.gpu_type)[0]
     out = [f"--- layouts ranked by the step ESTIMATE (recipe.plan_layouts; {loaded.world_size} x {spec.name}), "
            "fastest first ---"]  # fmt: skip
     rank = 0

@@ -906,16 +906,23 @@ def _final_norm_moments(d: ModelDims, r: RunShape, before: float) -> tuple[float
     return before + n * (fwd * h * c / s + gathered), before + n * (bwd * h * c / s + gathered)
 
 
-def _layer_norm_tile(d: ModelDims, r: RunShape) -> int | None:
-    """Tokens per tile of a decoder layer's hidden-size norms (``None``: they run whole): with ``model.tiled_mlp`` on,
-    tp 1 and every norm of the layer found (:attr:`ModelDims.layer_norm_tiles`), the rule the model tiles them with
-    (:func:`automodel.models.tiled_mlp.tile_layer_norms`). The tiled layer's terms (:func:`_tiled_layer_terms`) run
-    the norms in its own tiles and do not ask."""
-    if r.tiled_mlp in (False, None) or r.tp > 1 or not d.layer_norm_tiles:
+def _norm_tile(d: ModelDims, r: RunShape, setting: bool | int | None, found: bool) -> int | None:
+    """Tokens per tile of a norm the model runs in tiles with ``setting`` (``None``: it runs whole: the setting off,
+    under TP, or the norm not ``found``), by the rule the model tiles it with
+    (:func:`automodel.models.tiled_mlp.resolve_tile_tokens` at :data:`~automodel.models.tiled_mlp.NORM_TILE_WIDTH`)."""
+    if setting in (False, None) or r.tp > 1 or not found:
         return None
     from automodel.models.tiled_mlp import NORM_TILE_WIDTH, resolve_tile_tokens
 
-    return resolve_tile_tokens(r.tiled_mlp, d.hidden, NORM_TILE_WIDTH * d.hidden, r.local_tokens)
+    return resolve_tile_tokens(setting, d.hidden, NORM_TILE_WIDTH * d.hidden, r.local_tokens)
+
+
+def _layer_norm_tile(d: ModelDims, r: RunShape) -> int | None:
+    """Tokens per tile of a decoder layer's hidden-size norms (``None``: they run whole): with ``model.tiled_mlp`` on,
+    tp 1 and every norm of the layer found (:attr:`ModelDims.layer_norm_tiles`), as
+    :func:`automodel.models.tiled_mlp.tile_layer_norms` tiles them. The tiled layer's terms (:func:`_tiled_layer_terms`)
+    run the norms in its own tiles and do not ask."""
+    return _norm_tile(d, r, r.tiled_mlp, d.layer_norm_tiles)
 
 
 def _layer_norm_moment(d: ModelDims, r: RunShape, attn: float, lse: float) -> float:
@@ -946,11 +953,7 @@ def _final_norm_tile(d: ModelDims, r: RunShape) -> int | None:
     ``model.tiled_layer``) on and tp 1, the rule the model tiles it with
     (:func:`automodel.models.tiled_mlp.tile_final_norms`: the first of the two applied sets it)."""
     setting = r.tiled_mlp if r.tiled_mlp not in (False, None) else r.tiled_layer
-    if setting in (False, None) or r.tp > 1 or not d.final_norm_tiles:
-        return None
-    from automodel.models.tiled_mlp import NORM_TILE_WIDTH, resolve_tile_tokens
-
-    return resolve_tile_tokens(setting, d.hidden, NORM_TILE_WIDTH * d.hidden, r.local_tokens)
+    return _norm_tile(d, r, setting, d.final_norm_tiles)
 
 
 def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
@@ -1019,14 +1022,14 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # two norms, Gemma 3: four), and the residual (h); whole on every TP rank unless sequence parallel splits
     # it; then the attention and the MLP block each all-gather their input once, and their projections save
     # that gathered [N, h] for the weight gradients
-    stream = (2 * d.layer_norms + 1) * h / s
     # in bf16 / fp16 a norm that computes in fp32 saves its input's fp32 copy too (transformers' RMSNorm: h more per
-    # norm in compute-dtype units; measured per norm class, ModelDims.norm_half_extra); the fp32 count above stays
+    # norm in compute-dtype units; measured per norm class, ModelDims.norm_half_extra); the fp32 count stays
     half = r.compute_bytes < 4
-    stream += (d.norm_half_extra * h / s) if half else 0.0
     norm_tile = _layer_norm_tile(d, r)
     if norm_tile:  # the norms in tiles (the tiled MLP): each keeps its input; its output is the next projection's
         stream = 2 * d.layer_norms * h / s
+    else:
+        stream = (2 * d.layer_norms + 1) * h / s + ((d.norm_half_extra * h / s) if half else 0.0)
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
     # per head, split over TP: q after RoPE, K and V as the kernel saves them, the attention output and, where one is
     # made, its transposed copy (_output_copies); per-head q/k norms (Qwen3, Gemma 3) save their input and normalized

@@ -153,9 +153,17 @@ def _tile_totals(counts: list) -> dict[str, int]:
 
 
 def _tiles_said(t: dict[str, int]) -> str:
-    """The run log's words for :func:`_tile_totals`."""
+    """The run log's words for :func:`_tile_totals` (and the one-tile calls inside the tiled layer's tiles, where
+    ``t`` counts them and there were some)."""
+    inside = t.get("in_layer_tiles", 0)
     return (f"{t['calls']} call(s) of up to {t['max_tokens']} tokens, {t['tiled_calls']} run in {t['tiles']} tile(s) of "
-            f"at most {t['max_tile_tokens']} tokens; {t['backward_tiles']} tile(s) recomputed by the tiled backward")  # fmt: skip
+            f"at most {t['max_tile_tokens']} tokens; {t['backward_tiles']} tile(s) recomputed by the tiled backward"
+            + (f"; {inside} inside the tiled layer's tiles" if inside else ""))  # fmt: skip
+
+
+def _untiled(t: dict[str, int]) -> int:
+    """Calls in ``t`` (:func:`_tile_totals`) that ran whole: neither tiled nor inside the tiled layer's tiles."""
+    return t["calls"] - t["tiled_calls"] - t.get("in_layer_tiles", 0)
 
 
 def _size(n: int) -> str:
@@ -200,19 +208,13 @@ def technique_lines(report: dict[str, Any]) -> list[str]:
         )
     tm = report.get("tiled_mlp")
     if tm is not None:
-        lines.append(
-            f"tiled MLP: {tm['mlps']} MLP(s), {_tiles_said(tm)}"
-            + (f"; {tm['in_layer_tiles']} inside the tiled layer's tiles" if tm["in_layer_tiles"] else "")
-        )
+        lines.append(f"tiled MLP: {tm['mlps']} MLP(s), {_tiles_said(tm)}")
     tn = report.get("tiled_final_norm")
     if tn is not None:
         lines.append(f"tiled final norm: {tn['norms']} norm(s) outside the decoder layers, {_tiles_said(tn)}")
     ln = report.get("tiled_layer_norms")
     if ln is not None:
-        lines.append(
-            f"tiled layer norms: {ln['norms']} norm(s) of the decoder layers, {_tiles_said(ln)}"
-            + (f"; {ln['in_layer_tiles']} inside the tiled layer's tiles" if ln["in_layer_tiles"] else "")
-        )
+        lines.append(f"tiled layer norms: {ln['norms']} norm(s) of the decoder layers, {_tiles_said(ln)}")
     tl = report.get("tiled_layer")
     if tl is not None:
         lines.append(
@@ -269,21 +271,21 @@ def technique_problems(report: dict[str, Any]) -> list[str]:
             f"and {cg['rebuilt']} rebuilt in the backward: the groups did not act as planned"
         )
     tm = report.get("tiled_mlp")
-    if tm is not None and tm["tiled_calls"] + tm["in_layer_tiles"] < tm["calls"]:
+    if tm is not None and _untiled(tm):
         problems.append(
-            f"model.tiled_mlp is on but {tm['calls'] - tm['tiled_calls'] - tm['in_layer_tiles']} of {tm['calls']} "
+            f"model.tiled_mlp is on but {_untiled(tm)} of {tm['calls']} "
             f"MLP call(s) ran untiled, keeping their intermediates"
         )
     tn = report.get("tiled_final_norm")
-    if tn is not None and tn["tiled_calls"] < tn["calls"]:
+    if tn is not None and _untiled(tn):
         problems.append(
-            f"the final norm is tiled (with model.tiled_mlp or model.tiled_layer) but {tn['calls'] - tn['tiled_calls']} "
+            f"the final norm is tiled (with model.tiled_mlp or model.tiled_layer) but {_untiled(tn)} "
             f"of {tn['calls']} call(s) ran untiled, keeping its fp32 temporaries for every token"
         )
     ln = report.get("tiled_layer_norms")
-    if ln is not None and ln["tiled_calls"] + ln["in_layer_tiles"] < ln["calls"]:
+    if ln is not None and _untiled(ln):
         problems.append(
-            f"model.tiled_mlp tiles the decoder layers' norms but {ln['calls'] - ln['tiled_calls'] - ln['in_layer_tiles']}"
+            f"model.tiled_mlp tiles the decoder layers' norms but {_untiled(ln)}"
             f" of {ln['calls']} norm call(s) ran untiled, keeping their fp32 temporaries for every token"
         )
     tl = report.get("tiled_layer")
