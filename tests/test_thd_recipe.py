@@ -172,6 +172,12 @@ def test_packed_rows_really_packed_and_padded_automatically(runs):
     assert runs["packed_ref"]["seq_pad_multiple"] == 4
     assert runs["thd_packed_cp2"]["packed_docs"] > 8  # several documents per row
     assert runs["thd_plain_cp2"]["packed_docs"] is None
+    # the run log says that the rows differ from cp=1's and how to get the same rows there (the packed_ref run's
+    # overrides, which it names); no such line where the padding was set by hand, or rows are not packed
+    (line,) = runs["thd_packed_cp2"]["padding_log"]
+    assert line.startswith("data: cp_method=thd pads every packed document to a multiple of 4 tokens"), line
+    assert "+data.dataset.seq_pad_multiple=4 data.pad_to_multiple_of=4" in line and "thd_docs" in line, line
+    assert runs["packed_ref"]["padding_log"] == runs["thd_plain_cp2"]["padding_log"] == []
 
 
 def test_own_loop_page_thd_example_is_the_example_file():

@@ -65,7 +65,7 @@ from automodel.training.resume_policy import (
     select_resume_checkpoint,
     write_run_identity,
 )
-from automodel.training.row_padding import pad_multiple
+from automodel.training.row_padding import document_padding_line, pad_multiple
 from automodel.training.run_dir import checkpoint_root, shared_run_dir, supersede_later_checkpoints
 from automodel.training.step import check_model_for_chunked_loss, prepare_batch, run_micro_batch
 from automodel.training.user_errors import stop_run_agreed
@@ -333,6 +333,8 @@ class FinetuneTrainer:
 
         def dataset(node: Any, split: str, key: str = "dataset") -> Any:
             options = self.cp_method.dataset_options(cfg, node)
+            if options and split == cfg.data.train_split:  # once: the validation rows follow the same rule
+                logger.info("%s", document_padding_line(cfg, options["seq_pad_multiple"], key))
             with data_path_key(f"data.{key}.path"):  # a missing file's error names the key it came from
                 return instantiate(node, split=split, **common, **options, _convert_="all")
 

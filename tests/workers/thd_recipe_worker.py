@@ -25,6 +25,8 @@ OFFLOAD = ["model.activation_checkpointing=true", "model.activation_offload=true
 def _with_padding(trainer, result) -> dict:
     out = _summary(trainer, result)
     out["seq_pad_multiple"] = getattr(trainer.train_dataset, "seq_pad_multiple", None)
+    log = (Path(result.run_dir) / "logs" / f"rank_{trainer.rank}.log").read_text().splitlines()
+    out["padding_log"] = [line.split(": ", 1)[1] for line in log if "pads every packed document" in line]
     return out
 
 
