@@ -263,6 +263,10 @@ class ModelDims:
     forced_mask_heads: int = 0
     #: layers that add ALiBi's bias in their own code (BLOOM, MPT, Falcon with ``alibi=True``)
     alibi_layers: int = 0
+    #: the eager attention caps its scores (``tanh(scores / cap) * cap``: Gemma 2's and VaultGemma's
+    #: ``attn_logit_softcapping``) and keeps the tanh's output for its backward: one more ``[heads, S_q, S_k]`` score in
+    #: the compute dtype per layer in fp32 (:func:`_eager_score_bytes`)
+    attn_softcapping: bool = False
     #: layers that compute their attention in their own code (the ALiBi ones, GPT-Neo, GPT-NeoX-Japanese, OpenAI GPT,
     #: XGLM): under CP they hand q, k, v to the method (``cp/layers/alibi.py``) and the model keeps its attention
     #: implementation, so its mask is built from the rank's tokens
@@ -537,7 +541,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     s2 = 0.0
     if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads, r.seq, r.seq)
-        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c)
+        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c, d.attn_softcapping)
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
         kept, kept_at_loss = (x * h * c for x in _kept_inputs(d, r))
@@ -615,12 +619,19 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         **_norm_fields(model, layers, c.hidden_size),
         qk_norm=any(name.rsplit(".", 1)[-1] in _QK_NORM_NAMES for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
+        attn_softcapping=_attn_softcapping(model),
         **_moe_sizes(model),
         **kinds,
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
     )
+
+
+def _attn_softcapping(model) -> bool:  # noqa: ANN001
+    """Whether the model's attention caps its scores with a tanh (:attr:`ModelDims.attn_softcapping`)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return bool(getattr(config, "attn_logit_softcapping", None))
 
 
 def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
@@ -863,13 +874,18 @@ class _Activations:
     bwd_norm: float = 0.0
 
 
-def _eager_score_bytes(c: int) -> int:
+def _eager_score_bytes(c: int, softcapping: bool = False) -> int:
     """Bytes per ``[heads, S_q, S_k]`` score that eager attention keeps for its backward: the softmax in fp32 (4; its
     output is what the softmax's backward reads: transformers' ``softmax(..., dtype=torch.float32)``, GPT-Neo's fp32
     scores) and, for a 2-byte compute dtype, its cast that the product with V saves (``c``); dropout at p 0 makes no
     copy. Measured: ``scripts/bench_memory.py --structures only``'s GPT-Neo rows (fp32: one ``[1, 4, 2048, 2048]``
-    fp32 softmax output per layer; was planned as two in the compute dtype, the probabilities and a dropout copy)."""
-    return 4 + (c if c != 4 else 0)
+    fp32 softmax output per layer; was planned as two in the compute dtype, the probabilities and a dropout copy).
+    With ``softcapping`` (:attr:`ModelDims.attn_softcapping`) the tanh's output too, in the compute dtype (``c``). At
+    the backward's peak (the softmax's backward) the cast has been freed (the product with V's backward ran first), so
+    a 2-byte dtype keeps the fp32 probabilities and the tanh's output there, fp32 both: 4 + c either way (snapshots of
+    Gemma 2, 4 heads, 2048 tokens, checkpointing: fp32 one more ``[1, 4, 2048, 2048]`` fp32 tensor per layer than
+    without softcapping, -21% planned without it, +0.9% with it; bf16 the same 14 bytes per score as planned before)."""
+    return 4 + (c if c != 4 or softcapping else 0)
 
 
 def _final_saved(d: ModelDims, r: RunShape) -> float:
@@ -1110,7 +1126,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     elif r.attn == "eager" and not (d.own_code_layers and r.cp > 1):  # own-code layers hand q, k, v to the method
         # the fp32 probabilities and their cast to the compute dtype, [heads, S_q, S_k] per layer (_eager_score_bytes)
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
-        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c)
+        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c, d.attn_softcapping)
         # at the layer's attention (its forward, its backward) two more fp32 score tensors are in flight: the scores
         # and their masked copy, the probabilities' gradient and the scores' (the GPT-Neo snapshots: three at once)
         in_flight = r.local_batch * heads_local * s_q * s_k * 8

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""The memory plan against the measured step peak for every family of the support matrix, at cp=1 (not part of CI).
+
+For each family of ``tests/family_matrix.py`` (its tiny config, the positions raised to the row where the config has a
+table) one process trains two steps of one row (``--seq`` tokens, ``loss.chunk_tokens=256``, AdamW with lr 0) in
+``--dtype`` (weights, activations and AdamW's state) with each technique set: none, activation checkpointing, the tiled
+MLP with checkpointing, the tiled MLP alone. The second step's peak is the tracked allocations' (the bytes of the
+storages ops create, as a device allocator would: :class:`scripts.live_tensors.AllocationTracker`), set beside the
+planner's step peak for the model it ran (:func:`automodel.training.memory_plan.plan_memory`, less FSDP2's buffers:
+one process holds the whole model). Each row prints both and the plan's error; rows the plan under-counts by more than
+``--tolerance`` are marked ``UNDER`` and make the script exit 1, rows it over-counts by more than ``--over`` ``over``.
+
+What a CPU measures is the CPU kernels' memory. Where a family's attention takes a path on CPU that a GPU does not
+(SDPA's math kernel for q/k and v of different head sizes: MLA; the reference PyTorch kernels of linear attention and
+Mamba, which the CUDA kernels replace) the measured peak holds tensors a GPU run does not make; docs/benchmarks.md says
+which rows that explains.
+
+    python scripts/bench_plan_families.py                         # every family, fp32, 2048 tokens
+    python scripts/bench_plan_families.py --dtype bfloat16 --families gemma2,llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from automodel.distributed.launch import run_on_ranks  # noqa: E402
+from scripts.bench_memory import _planned_without_fsdp, _replicated_step  # noqa: E402
+from scripts.live_tensors import AllocationTracker  # noqa: E402
+
+#: (activation checkpointing, tiled MLP) of each row
+SETTINGS = ((False, False), (True, False), (True, True), (False, True))
+#: a config's position-table keys, raised to the row where shorter
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
+
+
+def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int, dtype: str) -> list[dict]:
+    """One process: each family of ``names`` with each of :data:`SETTINGS`: the tracked peak of the second step and
+    the plan's step peak, MiB (or the error that stopped the row)."""
+    from transformers import AutoModelForCausalLM
+
+    from automodel.models.block_call import apply_activation_checkpointing
+    from automodel.models.tiled_mlp import apply_tiled_mlp
+    from automodel.training.memory_plan import RunShape, model_dims, plan_memory
+    from tests.family_matrix import family_by_name
+
+    torch.set_num_threads(1)
+    size = torch.finfo(getattr(torch, dtype)).bits // 8
+    out = []
+    for name in names:
+        fam = family_by_name(name)
+        for ac, tiled in SETTINGS:
+            row = {"family": name, "ac": ac, "tiled": tiled}
+            try:
+                config = fam.build_config()
+                for key in POSITION_KEYS:
+                    if isinstance(getattr(config, key, None), int) and getattr(config, key) < seq:
+                        setattr(config, key, seq)
+                ids = torch.randint(0, min(config.vocab_size, 1000), (1, seq), generator=torch.Generator().manual_seed(1))
+                inputs = {"input_ids": ids, "position_ids": torch.arange(seq).unsqueeze(0)}
+                labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+                torch.manual_seed(0)
+                attn = fam.attn_implementation()
+                model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=getattr(torch, dtype))
+                model.train(fam.train_mode)
+                if tiled:
+                    apply_tiled_mlp(model, True)
+                if ac:
+                    apply_activation_checkpointing(model)
+                opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+
+                def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, inputs: dict = inputs,
+                         labels: torch.Tensor = labels) -> torch.Tensor:  # fmt: skip
+                    return _replicated_step(model, opt, contextlib.nullcontext, inputs, labels, chunk, seq)
+
+                step()  # warm-up (untracked): AdamW's state
+                gc.collect()
+                tracker = AllocationTracker()
+                with tracker:
+                    step()
+                shape = RunShape(local_batch=1, seq=seq, cp=1, chunk_tokens=chunk, activation_checkpointing=ac,
+                                 attn=attn, master_bytes=size, compute_bytes=size, reduce_bytes=size, tiled_mlp=tiled)  # fmt: skip
+                plan = plan_memory(model_dims(model), shape)
+                row.update(peak=tracker.peak / 2**20, planned=_planned_without_fsdp(plan) / 2**20, phase=plan.peak_phase)
+                del model, opt
+                gc.collect()
+            except Exception as e:  # noqa: BLE001 - a family the harness cannot run: printed, not counted
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            out.append(row)
+    return out
+
+
+def main() -> int:
+    from tests.family_matrix import FAMILIES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--families", default="", help="comma-separated names (default: every family)")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--tolerance", type=float, default=0.05, help="an under-count past this fails the row")
+    parser.add_argument("--over", type=float, default=0.15, help="an over-count past this is marked")
+    parser.add_argument("--timeout", type=float, default=3600)
+    args = parser.parse_args()
+    names = args.families.split(",") if args.families else [f.name for f in FAMILIES]
+    print(f"Plan against the tracked step peak at cp=1 ({args.dtype}, {args.seq} tokens, loss.chunk_tokens=256, "
+          f"AdamW; ac: activation checkpointing, tiled: model.tiled_mlp)\n")  # fmt: skip
+    print("| family | ac | tiled | measured MiB | planned MiB | error | plan's peak phase | |")
+    print("|---|---|---|---:|---:|---:|---|---|")
+    under = errors = 0
+    for i in range(0, len(names), 10):  # ten families a process: a crash loses few rows
+        rows = run_on_ranks("scripts.bench_plan_families:family_worker", 1, args.timeout, names=names[i : i + 10],
+                            seq=args.seq, chunk=256, dtype=args.dtype)[0]  # fmt: skip
+        for r in rows:
+            head = f"| {r['family']} | {'on' if r['ac'] else 'off'} | {'on' if r['tiled'] else 'off'} |"
+            if "error" in r:
+                errors += 1
+                print(f"{head} | | | | not run: {r['error']} |", flush=True)
+                continue
+            err = (r["planned"] - r["peak"]) / r["peak"]
+            mark = "UNDER" if err < -args.tolerance else "over" if err > args.over else ""
+            under += mark == "UNDER"
+            print(f"{head} {r['peak']:.1f} | {r['planned']:.1f} | {err:+.1%} | {r['phase']} | {mark} |", flush=True)
+    print(f"\n{len(names)} families: {under} rows planned more than {args.tolerance:.0%} under the measured peak, "
+          f"{errors} rows not run")  # fmt: skip
+    return 1 if under else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
