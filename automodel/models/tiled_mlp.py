@@ -117,8 +117,9 @@ _BASE_MODEL_NAMES = ("model", "transformer", "backbone", "gpt_neox", "rwkv", "la
 #: the width :func:`resolve_tile_tokens` is given for a norm, in units of ``hidden``: its backward's five ``[t, h]``
 #: fp32 temporaries (above ``hidden``, so ``true`` cuts tiles of at most ``hidden`` tokens, as for an MLP)
 NORM_TILE_WIDTH = 5
-#: per-head query / key norms (Qwen3, Gemma 3, OLMo 2): not hidden-size norms (their input is ``[B, S, heads, d]``)
-QK_NORM_NAMES = ("q_norm", "k_norm")
+#: per-head query / key norms (Qwen3, Gemma 3, OLMo 2; HunYuan's query_layernorm / key_layernorm, Persimmon's and
+#: LFM2's q_layernorm / k_layernorm): not hidden-size norms (their input is ``[B, S, heads, d]``)
+QK_NORM_NAMES = ("q_norm", "k_norm", "query_layernorm", "key_layernorm", "q_layernorm", "k_layernorm")
 #: the tile kinds :func:`tile_counts` tells apart
 _KINDS = ("mlp", "final_norm", "layer_norm")
 _INLINE_MLP = re.compile(r"^(fc\d|c_fc|c_proj|ffn|mlp|w\d|up|down|gate|dense_h_to_4h|dense_4h_to_h)")
