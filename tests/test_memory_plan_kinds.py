@@ -375,6 +375,26 @@ def test_per_head_qk_norms_are_found_by_each_familys_names(name):
     assert with_qk - without == d.layers * SEQ * 2 * (q + kv) * 4
 
 
+def test_the_widest_attention_head_is_planned_except_under_mla():
+    """Gemma 4's full-attention layers have heads of ``global_head_dim`` (512) beside the sliding layers' ``head_dim``
+    (16 in the tiny config): planned at 16, its cp 1 peak with checkpointing was 82% under the measured one. MLA keeps
+    the config's head size, which the CP methods' rows are measured with."""
+    gemma4 = _dims("gemma4_text")
+    assert {(s.qk_head_dim, s.v_head_dim) for s in gemma4_profile_layers()} == {(16, 16), (512, 512)}
+    assert gemma4.head_dim == 512
+    assert _dims("deepseek_v3").head_dim == family_by_name("deepseek_v3").build_config().v_head_dim
+    assert _dims("llama").head_dim == 16
+
+
+def gemma4_profile_layers():
+    from automodel.distributed.cp.guard import cached_profile
+
+    fam = family_by_name("gemma4_text")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(fam.build_config(), attn_implementation=fam.attn_implementation())
+    return [layer for layer in cached_profile(model).layers if layer.is_attention]
+
+
 def test_mlp_activation_probe_runs_anywhere_and_leaves_the_random_stream_alone():
     """The planner's activation probe (``mlp_memory.plain_mlp_moments``) runs while a model is built on the meta device
     or under no_grad, and draws nothing from torch's generator (a dry run before training must not shift the seed's

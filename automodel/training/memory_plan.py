@@ -580,6 +580,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     heads = c.num_attention_heads or 0  # 0: a model without attention (Mamba, RWKV, xLSTM): no attention terms
     kv = c.num_key_value_heads or heads
     head_dim = (c.head_dim or c.hidden_size // heads) if heads else 0
+    if heads:  # a larger head on some layers (Gemma 4's full-attention layers, global_head_dim): _widest_head
+        head_dim = max(head_dim, _widest_head(c))
     inter = c.intermediate_size
     if isinstance(inter, (list, tuple)):  # a width per layer (Gemma 3n): the widest
         inter = max(inter)
@@ -625,6 +627,21 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
+    )
+
+
+def _widest_head(profile) -> int:  # noqa: ANN001 - a ModelProfile
+    """The widest head of the model's attention layers whose queries, keys and values are one size (0: none read).
+
+    The plan counts every attention tensor at one head size (``ModelDims.head_dim``). Where some layers' heads are
+    wider than the config's ``head_dim`` it takes the widest: an over-count on the narrower layers, never an
+    under-count. Gemma 4's full-attention layers (``global_head_dim``: 512 beside 16 in the tiny config, 512 beside 256
+    in the released ones) were planned at the sliding layers' size: -82% at cp 1 with checkpointing
+    (``scripts/bench_plan_families.py``), now +6%. MLA's layers (queries and keys wider than values: DeepSeek-V3) keep
+    the config's size, which the CP methods' rows are measured with (``scripts/bench_plan_cases.py``'s DSA case:
+    +0.7%; at their query width +12%); at cp 1 a CPU cannot measure them (its SDPA runs them through the math kernel)."""
+    return max(
+        (layer.qk_head_dim or 0 for layer in profile.layers if layer.is_attention and not layer.mla), default=0
     )
 
 
