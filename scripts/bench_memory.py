@@ -483,7 +483,8 @@ def _replicated_step(model, opt, ctx, inputs: dict, labels, chunk: int, seq: int
         loss = forward_loss_sum(model, inputs, labels, chunk) / seq
         loss.backward()
     for p in model.parameters():
-        dist.all_reduce(p.grad)
+        if p.grad is not None:  # a parameter the row did not reach (an expert no token was routed to)
+            dist.all_reduce(p.grad)
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = loss.detach().clone()
