@@ -17,6 +17,11 @@ which rows that explains.
 
     python scripts/bench_plan_families.py                         # every family, fp32, 2048 tokens
     python scripts/bench_plan_families.py --dtype bfloat16 --families gemma2,llama
+    python scripts/bench_plan_families.py --moe-block             # one grouped_mm MoE block's peaks against the plan's
+
+``--moe-block`` measures one Qwen3-MoE block (transformers' ``grouped_mm`` experts, 4096 tokens, fp32) at several
+``(h, I_e, k)``: its forward and backward peaks beyond its input, output and their gradients, beside
+``memory_plan.MOE_GROUPED_FORWARD`` / ``MOE_GROUPED_BACKWARD`` (the constants were fitted to these rows).
 """
 
 from __future__ import annotations
@@ -96,6 +101,44 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
     return out
 
 
+def moe_block_rows(tokens: int = 4096) -> None:
+    """One Qwen3-MoE block per ``(h, I_e, k)``: its tracked forward and backward peaks (less its input, its output,
+    their gradients and the weight gradients) against the plan's ``k (a h + b I_e)``."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from automodel.training.memory_plan import MOE_GROUPED_BACKWARD, MOE_GROUPED_FORWARD
+
+    torch.set_num_threads(1)
+    print(f"One grouped_mm MoE block (Qwen3-MoE, {tokens} tokens, fp32, 8 experts), MiB beyond its input, output and "
+          "gradients\n")  # fmt: skip
+    print("| h | I_e | k | forward measured | planned | backward measured | planned |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for h, ie, k in ((64, 32, 2), (64, 256, 2), (256, 32, 2), (256, 32, 4)):
+        config = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=ie, num_experts=8, num_experts_per_tok=k)
+        config._experts_implementation = "grouped_mm"
+        block = Qwen3MoeSparseMoeBlock(config)
+        x = torch.randn(1, tokens, h, requires_grad=True)
+        for tracked in (False, True):  # a warm-up, then the tracked pass
+            x.grad = None
+            for p in block.parameters():
+                p.grad = None
+            gc.collect()
+            tracker = AllocationTracker()
+            with tracker if tracked else contextlib.nullcontext():
+                out = block(x)
+                out = out[0] if isinstance(out, tuple) else out
+                forward = tracker.peak
+                tracker.peak = tracker.current
+                out.backward(torch.ones_like(out))
+        unit = tokens * 4 / 2**20  # one [N, 1] fp32 column, MiB
+        edges = 3 * h * unit + sum(p.numel() for p in block.parameters()) * 4 / 2**20  # out, its gradient, x.grad, dW
+        fwd, bwd = forward / 2**20 - h * unit, tracker.peak / 2**20 - edges
+        plan_f = k * (MOE_GROUPED_FORWARD[0] * h + MOE_GROUPED_FORWARD[1] * ie) * unit
+        plan_b = k * (MOE_GROUPED_BACKWARD[0] * h + MOE_GROUPED_BACKWARD[1] * ie) * unit
+        print(f"| {h} | {ie} | {k} | {fwd:.1f} | {plan_f:.1f} | {bwd:.1f} | {plan_b:.1f} |", flush=True)
+
+
 def main() -> int:
     from tests.family_matrix import FAMILIES
 
@@ -106,7 +149,11 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=0.05, help="an under-count past this fails the row")
     parser.add_argument("--over", type=float, default=0.15, help="an over-count past this is marked")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--moe-block", action="store_true", help="only the MoE block rows (see the module docstring)")
     args = parser.parse_args()
+    if args.moe_block:
+        moe_block_rows()
+        return 0
     names = args.families.split(",") if args.families else [f.name for f in FAMILIES]
     print(f"Plan against the tracked step peak at cp=1 ({args.dtype}, {args.seq} tokens, loss.chunk_tokens=256, "
           f"AdamW; ac: activation checkpointing, tiled: model.tiled_mlp)\n")  # fmt: skip

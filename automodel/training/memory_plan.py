@@ -190,6 +190,12 @@ _GIB = 2**30
 
 #: a gated MLP's ``(saved, forward peak, backward peak)`` per token in ``[N, I]`` units (:func:`_mlp_moments`)
 GATED_MLP_MOMENTS = (4.0, 3.0, 6.0)
+#: a grouped_mm mixture of experts' forward and backward peaks per routed copy of a token, ``(h, I_e)`` units, beyond
+#: its input, its output and their gradients: a probe of one Qwen3-MoE block (transformers 5.25, fp32, 4096 tokens;
+#: ``h, I_e, k`` = 64, 32, 2 / 64, 256, 2 / 256, 32, 2 / 256, 32, 4) fitted between -1% and +6% of each measured peak, the
+#: larger of the fits where they differ (:func:`_mlp_moments`)
+MOE_GROUPED_FORWARD = (3.8, 4.0)
+MOE_GROUPED_BACKWARD = (4.6, 5.0)
 
 
 @dataclass(frozen=True)
@@ -1209,10 +1215,13 @@ def _mlp_moments(d: ModelDims) -> _MLPMoments:
     Mixture of experts, ``torch._grouped_mm`` (transformers' ``grouped_mm`` experts, the default of 5.17 and
     5.25): each of a token's ``k`` routed copies saves its gathered input (``h``), the fused gate/up output
     (``2 I_e``), silu(gate) and the product (``2 I_e``) and the down projection's output for the routing weight
-    (``h``): ``k (2 h + 4 I_e)``; the forward peaks at the product (``k (h + 4 I_e)``); in the backward the down
-    output and the product are freed by the time the gated product's backward holds its three gradients:
-    ``k (h + 6 I_e)`` (a probe of one Mixtral block: 6.5 ``[k N, I_e]`` at the backward's peak beside the experts'
-    weight gradients, 4.5 at the forward's). Shared experts are a dense MLP of their width (``4 I_s`` saved, ``6 I_s`` at their
+    (``h``): ``k (2 h + 4 I_e)``. Its peaks hold ``[k N, h]`` buffers beside the ``[k N, I_e]`` ones: the gathered
+    input, the down projection's output and its weighted copy, and the scatter back to the tokens (``new_zeros``,
+    ``index_put``) with their gradients; :data:`MOE_GROUPED_FORWARD` and :data:`MOE_GROUPED_BACKWARD` in
+    ``(h, I_e)`` units per routed copy. The ``h`` terms were folded into ``I_e`` (``k (h + 4 I_e)`` and
+    ``k (h + 6 I_e)``, from a probe of one Mixtral block, where ``I_e = 3.5 h``), which under-counted the fine-grained
+    experts, narrower than ``h``: Qwen3-MoE's cp=1 peak with checkpointing was planned 17% under the measured one
+    (``scripts/bench_plan_families.py``). Shared experts are a dense MLP of their width (``4 I_s`` saved, ``6 I_s`` at their
     backward). The expert loop (``experts_implementation="eager"``) is planned at its bound: everything saved,
     plus ``2 (k I_e + I_s)`` gradients. The router keeps its fp32 probabilities over the ``E`` experts and the
     top-k weights and indices (``4 E + 16 k`` bytes).
@@ -1226,8 +1235,8 @@ def _mlp_moments(d: ModelDims) -> _MLPMoments:
     saved = k * (2 * h + 4 * ie) + 4 * sh
     router = 4 * d.experts + 16 * k
     if d.experts_impl == "grouped_mm":
-        forward = k * (h + 4 * ie) + 4 * sh
-        backward = max(k * (h + 6 * ie) + 4 * sh, saved + 2 * sh)
+        forward = k * (MOE_GROUPED_FORWARD[0] * h + MOE_GROUPED_FORWARD[1] * ie) + 4 * sh
+        backward = max(k * (MOE_GROUPED_BACKWARD[0] * h + MOE_GROUPED_BACKWARD[1] * ie) + 4 * sh, saved + 2 * sh)
     else:
         forward, backward = saved, saved + 2 * (k * ie + sh)
     return _MLPMoments(saved, forward, backward, router)
