@@ -270,7 +270,8 @@ class ModelDims:
     #: layers that add ALiBi's bias in their own code (BLOOM, MPT, Falcon with ``alibi=True``)
     alibi_layers: int = 0
     #: the eager attention caps its scores (``tanh(scores / cap) * cap``: Gemma 2's and VaultGemma's
-    #: ``attn_logit_softcapping``) and keeps the tanh's output for its backward: in fp32 one more ``[heads, S_q, S_k]``
+    #: ``attn_logit_softcapping``; the profile's ``LayerSpec.softcap``, which the CP methods read too) and keeps the
+    #: tanh's output for its backward: in fp32 one more ``[heads, S_q, S_k]``
     #: score per layer; in bf16 / fp16 it takes the place of the probabilities' cast (:func:`_eager_score_bytes`)
     attn_softcapping: bool = False
     #: layers that compute their attention in their own code (the ALiBi ones, GPT-Neo, GPT-NeoX-Japanese, OpenAI GPT,
@@ -627,7 +628,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         **_norm_fields(model, layers, c.hidden_size),
         qk_norm=any(name.rsplit(".", 1)[-1] in _QK_NORM_NAMES for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
-        attn_softcapping=_attn_softcapping(model),
+        attn_softcapping=any(layer.softcap for layer in c.layers if layer.is_attention),
         **_moe_sizes(model),
         **kinds,
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
@@ -649,12 +650,6 @@ def _widest_head(profile) -> int:  # noqa: ANN001 - a ModelProfile
     return max(
         (layer.qk_head_dim or 0 for layer in profile.layers if layer.is_attention and not layer.mla), default=0
     )
-
-
-def _attn_softcapping(model) -> bool:  # noqa: ANN001
-    """Whether the model's attention caps its scores with a tanh (:attr:`ModelDims.attn_softcapping`)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return bool(getattr(config, "attn_logit_softcapping", None))
 
 
 def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
