@@ -347,19 +347,23 @@ def test_gpt_neo_masks_and_scores_as_its_own_code_builds_them():
 
 
 def test_eager_softcapping_keeps_its_tanh_output_per_layer():
-    """Gemma 2's eager attention caps its scores with a tanh and keeps the tanh's output: in fp32 one more fp32
-    ``[heads, S, S]`` per layer than an uncapped eager layer (measured at cp 1: -21% planned without it); in bf16 the
-    probabilities' cast is freed before the softmax's backward, so the same 6 bytes per score as without capping."""
+    """Gemma 2's eager attention caps its scores with a tanh and keeps the tanh's output for its backward, beside the
+    fp32 probabilities (and, in bf16, their cast): one more score per layer in the compute dtype than an uncapped
+    eager layer (measured at cp 1: fp32 planned -21% without it), whether the plan reads it off the model's own eager
+    function (:mod:`automodel.training.eager_memory`) or counts it (``ModelDims.attn_softcapping``)."""
     gemma2, uncapped = _dims("gemma2"), _dims("gemma2", attn_logit_softcapping=None)
     assert gemma2.attn_softcapping and not uncapped.attn_softcapping and not _dims("llama").attn_softcapping
+    assert gemma2.eager_scores is not None and uncapped.eager_scores is not None
 
     def saved(d, **kw):
         return _plan(d, attn="eager", **kw).phases["loss"]["activations"]
 
     scores = gemma2.layers * gemma2.heads * SEQ * SEQ
-    assert saved(gemma2) - saved(uncapped) == scores * 4
     half = {"compute_bytes": 2, "master_bytes": 2}
-    assert saved(gemma2, **half) == saved(uncapped, **half)
+    for measured in (True, False):
+        capped, plain = (d if measured else dataclasses.replace(d, eager_scores=None) for d in (gemma2, uncapped))
+        assert saved(capped) - saved(plain) == scores * 4, measured
+        assert saved(capped, **half) - saved(plain, **half) == scores * 2, measured
 
 
 @pytest.mark.parametrize("name", ["qwen3", "hunyuan_v1_dense", "persimmon", "lfm2"])

@@ -274,6 +274,11 @@ class ModelDims:
     #: tanh's output for its backward: in fp32 one more ``[heads, S_q, S_k]``
     #: score per layer; in bf16 / fp16 it takes the place of the probabilities' cast (:func:`_eager_score_bytes`)
     attn_softcapping: bool = False
+    #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
+    #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
+    #: sinks through a log-sum-exp keep the masked scores too); ``None``: not measured, the formula
+    #: (:func:`_eager_score_bytes`) stands
+    eager_scores: tuple[Any, Any] | None = None
     #: layers that compute their attention in their own code (the ALiBi ones, GPT-Neo, GPT-NeoX-Japanese, OpenAI GPT,
     #: XGLM): under CP they hand q, k, v to the method (``cp/layers/alibi.py``) and the model keeps its attention
     #: implementation, so its mask is built from the rank's tokens
@@ -548,7 +553,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     s2 = 0.0
     if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads, r.seq, r.seq)
-        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c, d.attn_softcapping)
+        s2 = r.local_batch * heads_local * s_q * s_k * _eager_moments(d, c)[0]
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
         kept, kept_at_loss = (x * h * c for x in _kept_inputs(d, r))
@@ -629,12 +634,35 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         qk_norm=any(name.rsplit(".", 1)[-1] in _QK_NORM_NAMES for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
         attn_softcapping=any(layer.softcap for layer in c.layers if layer.is_attention),
+        eager_scores=None if kinds["own_code_layers"] else _eager_scores(layers),
         **_moe_sizes(model),
         **kinds,
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
     )
+
+
+def _eager_scores(layers: list) -> tuple[Any, Any] | None:
+    """:attr:`ModelDims.eager_scores`: over the decoder layers' attention classes (one module per class: the first
+    named like ``...Attention`` whose modeling file has an eager function), the most each keeps and holds per score;
+    ``None`` where none is measured."""
+    from automodel.training.eager_memory import EagerScores, eager_function, eager_scores
+
+    found, seen = [], set()
+    for layer in layers:
+        for module in layer.modules():
+            cls = type(module)
+            if cls in seen or not cls.__name__.endswith("Attention") or eager_function(module) is None:
+                continue
+            seen.add(cls)
+            measured = eager_scores(module)
+            if measured is not None:
+                found.append(measured)
+    if not found:
+        return None
+    return tuple(EagerScores(*(max(getattr(f[i], k) for f in found) for k in ("saved", "forward", "backward")))
+                 for i in (0, 1))  # fmt: skip
 
 
 def _widest_head(profile) -> int:  # noqa: ANN001 - a ModelProfile
@@ -892,18 +920,29 @@ class _Activations:
     bwd_norm: float = 0.0
 
 
+def _eager_moments(d: ModelDims, c: int) -> tuple[float, float, float]:
+    """``(saved, forward, backward)``: bytes per ``[heads, S_q, S_k]`` score that eager attention keeps for its
+    backward and holds at its forward's and its backward's peaks (the saved ones included), in compute dtype ``c``:
+    measured on the model's own eager function where it was (:attr:`ModelDims.eager_scores`; bf16's figures for
+    fp16), else :func:`_eager_score_bytes` with two fp32 scores in flight at each peak (the scores and their masked
+    copy; the probabilities' gradient and the softmax's)."""
+    if d.eager_scores is not None:
+        e = d.eager_scores[0 if c >= 4 else 1]
+        return e.saved, e.forward, e.backward
+    saved = _eager_score_bytes(c, d.attn_softcapping)
+    return saved, saved + 8, saved + 8
+
+
 def _eager_score_bytes(c: int, softcapping: bool = False) -> int:
-    """Bytes per ``[heads, S_q, S_k]`` score that eager attention keeps for its backward: the softmax in fp32 (4; its
-    output is what the softmax's backward reads: transformers' ``softmax(..., dtype=torch.float32)``, GPT-Neo's fp32
-    scores) and, for a 2-byte compute dtype, its cast that the product with V saves (``c``); dropout at p 0 makes no
-    copy. Measured: ``scripts/bench_memory.py --structures only``'s GPT-Neo rows (fp32: one ``[1, 4, 2048, 2048]``
-    fp32 softmax output per layer; was planned as two in the compute dtype, the probabilities and a dropout copy).
-    With ``softcapping`` (:attr:`ModelDims.attn_softcapping`) the tanh's output too, in the compute dtype (``c``). At
-    the backward's peak (the softmax's backward) the cast has been freed (the product with V's backward ran first), so
-    in a 2-byte dtype the fp32 probabilities and the tanh's output are alive there, ``4 + c`` as planned without
-    capping; in fp32 one more 4-byte score (snapshots of Gemma 2, 4 heads, 2048 tokens, checkpointing: fp32 planned
-    -21% without the tanh's output, +0.9% with it; bf16 +0.2% both ways)."""
-    return 4 + (c if c != 4 or softcapping else 0)
+    """Bytes per ``[heads, S_q, S_k]`` score that eager attention keeps for its backward where the model's own eager
+    function was not measured (:func:`_eager_moments`): the softmax in fp32 (4; its output is what the softmax's
+    backward reads: transformers' ``softmax(..., dtype=torch.float32)``, GPT-Neo's fp32 scores) and, for a 2-byte
+    compute dtype, its cast that the product with V saves (``c``); dropout at p 0 makes no copy. Measured:
+    ``scripts/bench_memory.py --structures only``'s GPT-Neo rows (fp32: one ``[1, 4, 2048, 2048]`` fp32 softmax
+    output per layer; was planned as two in the compute dtype, the probabilities and a dropout copy). With
+    ``softcapping`` (:attr:`ModelDims.attn_softcapping`) the tanh's output too, in the compute dtype (``c``): Gemma 2's
+    function keeps 8 bytes per score in fp32 and in bf16 (:mod:`automodel.training.eager_memory`)."""
+    return 4 + (c if c < 4 else 0) + (c if softcapping else 0)
 
 
 def _final_saved(d: ModelDims, r: RunShape) -> float:
@@ -1142,13 +1181,16 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         s2 = alibi_saved_per_layer(d, r)
         building = alibi_mask_build(d, r)
     elif r.attn == "eager" and not (d.own_code_layers and r.cp > 1):  # own-code layers hand q, k, v to the method
-        # the fp32 probabilities and their cast to the compute dtype, [heads, S_q, S_k] per layer (_eager_score_bytes)
+        # what it keeps per [heads, S_q, S_k] score and layer (the fp32 probabilities and their cast to the compute
+        # dtype in transformers' common function) and, at the layer's attention (its forward, its backward), what is
+        # in flight beside it: the scores and their masked copy, the probabilities' gradient and the scores'
+        # (_eager_moments: measured on the model's own eager function, or the GPT-Neo snapshots' three at once)
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
-        s2 = r.local_batch * heads_local * s_q * s_k * _eager_score_bytes(c, d.attn_softcapping)
-        # at the layer's attention (its forward, its backward) two more fp32 score tensors are in flight: the scores
-        # and their masked copy, the probabilities' gradient and the scores' (the GPT-Neo snapshots: three at once)
-        in_flight = r.local_batch * heads_local * s_q * s_k * 8
-        building += in_flight
+        scores = r.local_batch * heads_local * s_q * s_k
+        kept_b, forward_b, backward_b = _eager_moments(d, c)
+        s2 = scores * kept_b
+        building += scores * (forward_b - kept_b)
+        in_flight = scores * (backward_b - kept_b)
     # SDPA given a boolean mask keeps a float copy of it per layer for its backward (layer_kind_memory.sdpa_mask_copy):
     # the layers' average in what they keep, the largest for the layer in flight
     copy_avg, copy_max = sdpa_mask_copy(d, r)
