@@ -366,6 +366,51 @@ def test_eager_softcapping_keeps_its_tanh_output_per_layer():
         assert saved(capped, **half) - saved(plain, **half) == scores * 2, measured
 
 
+def test_a_sliding_mask_built_for_no_layer_is_counted():
+    """Qwen2-MoE with ``use_sliding_window=False`` still builds its sliding mask in every forward (window 0, used by no
+    layer): a ``[1, 1, S, S]`` boolean under sdpa, planned 49% under at cp 1 with the tiled MLP without it. No layer
+    is given it: no SDPA float copy, no halo block masks under ring. Decoders that guard the sliding mask
+    (``has_sliding_layers``) or build it lazily (Dots1's ``lambda:``) declare no such kind."""
+    d = _dims("qwen2_moe")
+    assert d.attention_kinds == ((0, d.layers), (1, 0))
+    assert _plan(d).terms["attention masks"].bytes == SEQ * SEQ
+    plain = dataclasses.replace(d, attention_kinds=((0, d.layers),))
+    assert _plan(plain).terms["attention masks"].bytes == 0
+    assert _plan(d, attn="eager").terms["attention masks"].bytes == _plan(plain, attn="eager").terms[
+        "attention masks"].bytes + SEQ * SEQ * 4  # eager: one more mask in the compute dtype
+    # the mask is built and kept, never handed to a layer: the activations are the same
+    assert _plan(d).phases["backward"]["activations"] == _plan(plain).phases["backward"][
+        "activations"]
+    # ring: the rank's [n, n] boolean, no halo block masks for a kind no layer has
+    assert _plan(d, cp=2).terms["attention masks"].bytes == N * N
+    for name in ("llama", "dots1", "mistral", "deepseek_v4"):
+        assert all(count for _, count in _dims(name).attention_kinds), name
+
+
+def test_deepseek_v4_eager_scores_cover_its_compressed_entries():
+    """DeepSeek-V4's compressed layers append one KV entry per ``compress_rate`` tokens to the window's keys and
+    extend the mask to them: at cp 1 its eager scores are ``[heads, S, S (1 + 1 / rate)]`` (the CSA layers' 4: 1.25)
+    and the extended mask is in flight at the layer's attention (planned -28% at 2048 tokens without them, -7% with)."""
+    from tests.family_matrix import skip_if_absent
+
+    skip_if_absent("deepseek_v4")
+    d, llama = _dims("deepseek_v4"), _dims("llama")
+    assert d.compressed_keys == 0.25 and llama.compressed_keys == 0.0
+    flat = dataclasses.replace(d, compressed_keys=0.0)
+    kept, backward = d.eager_scores[0].saved, d.eager_scores[0].backward
+    scores = d.heads * SEQ * SEQ * 0.25  # the compressed entries' scores, per layer
+
+    def act(dims, phase, **kw):
+        return _plan(dims, attn="eager", **kw).phases[phase]["activations"]
+
+    assert act(d, "loss") - act(flat, "loss") == d.layers * scores * kept
+    mask = SEQ * SEQ * 1.25 * 4  # the extended fp32 mask, in flight at the recomputed layer's attention
+    assert act(d, "recompute", activation_checkpointing=True) - act(flat, "recompute", activation_checkpointing=True) \
+        == scores * backward + mask
+    # under CP the method's kernel runs the compressed attention: the extent is the method's
+    assert act(d, "loss", cp=2) == act(flat, "loss", cp=2)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "hunyuan_v1_dense", "persimmon", "lfm2"])
 def test_per_head_qk_norms_are_found_by_each_familys_names(name):
     """q/k norms under other names than q_norm / k_norm (HunYuan's query_layernorm, Persimmon's and LFM2's

@@ -93,8 +93,8 @@ def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
                 parts.append(f"the method's [{b}, 1, {s}, {s}] mask" + (f" (window {limit})" if limit else ""))
     if r.cp > 1 and r.method.runs_halo_kernel():
         block = min(HALO_BLOCK, n)
-        for limit, _ in d.attention_kinds:
-            if 0 < limit < s:
+        for limit, count in d.attention_kinds:
+            if 0 < limit < s and count:  # a mask kind no layer has (ModelDims.attention_kinds) runs no halo kernel
                 total += n * min(s, block + limit)
                 parts.append(f"halo block masks (window {limit})")
         if d.alibi_layers:

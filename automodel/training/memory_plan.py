@@ -262,7 +262,8 @@ class ModelDims:
     #: cannot compute it, so ``loss.chunk_tokens: auto`` plans and runs the plain loss
     logit_transform: str = ""
     #: the distinct attention kinds of the layers, ``(limit, layers)``: limit 0 full causal (and DSA), else the
-    #: sliding window or attention chunk in tokens (transformers builds one mask per kind: :mod:`.layer_kind_memory`)
+    #: sliding window or attention chunk in tokens (transformers builds one mask per kind: :mod:`.layer_kind_memory`);
+    #: a kind of 0 layers: a mask the model builds for no layer (Qwen2-MoE's sliding one: :func:`_unused_window_mask`)
     attention_kinds: tuple[tuple[int, int], ...] = ()
     #: the model builds its mask whatever the kernel (``allow_is_causal_skip=False``): its heads (1: DeepSeek sparse
     #: attention's indexer; ``heads``: Falcon's ALiBi folded into the mask); 0: transformers' rules
@@ -274,6 +275,10 @@ class ModelDims:
     #: tanh's output for its backward: in fp32 one more ``[heads, S_q, S_k]``
     #: score per layer; in bf16 / fp16 it takes the place of the probabilities' cast (:func:`_eager_score_bytes`)
     attn_softcapping: bool = False
+    #: compressed KV entries a query's eager scores cover beyond the row's keys, as a fraction of the row: DeepSeek-V4's
+    #: compressed layers append one entry per ``compress_rate`` tokens (``config.compress_rates`` by layer type: CSA 4,
+    #: HCA 128) to the window's keys, and extend the mask to them per layer (the largest over the layers); 0 elsewhere
+    compressed_keys: float = 0.0
     #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
     #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
     #: sinks through a log-sum-exp keep the masked scores too); ``None``: not measured, the formula
@@ -552,7 +557,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     always = 24 + rope
     s2 = 0.0
     if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
-        heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads, r.seq, r.seq)
+        heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads, r.seq, r.seq * (1 + d.compressed_keys))
         s2 = r.local_batch * heads_local * s_q * s_k * _eager_moments(d, c)[0]
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
@@ -769,6 +774,9 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
         state = gathered_state(layer, text)
         if state is not None:
             gathered[state] = gathered.get(state, 0) + 1
+    unused = _unused_window_mask(model, text, kinds)
+    if unused is not None:
+        kinds.setdefault(unused, 0)
     alibi = sum(1 for layer in profile.layers if layer.alibi)
     own = sum(1 for layer in profile.layers if layer.is_attention and getattr(layer, "own_code", False))
     heads = profile.num_attention_heads or 0
@@ -777,9 +785,41 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
         forced = 1
     if profile.model_type == "falcon":  # allow_is_causal_skip=False with or without ALiBi: [B, 1, q, k] boolean without
         forced = heads if getattr(text, "alibi", False) else 1
+    rates, types = getattr(text, "compress_rates", None), getattr(text, "layer_types", None) or ()
+    compressed = max((1 / rates[t] for t in types if isinstance(rates, dict) and rates.get(t)), default=0.0)
     return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
+            "compressed_keys": compressed,
             "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
+
+
+def _unused_window_mask(model, text, kinds: dict[int, int]) -> int | None:  # noqa: ANN001
+    """The window of a sliding-window mask the model builds though none of its layers is sliding, else ``None``.
+
+    Some decoders build their ``"sliding_attention"`` mask in every forward, whatever their layer types (Qwen2-MoE
+    with ``use_sliding_window=False``: its config's window becomes 0 and the mask is still built, ``[B, 1, S, S]``
+    boolean under sdpa, for no layer; planned 49% under at cp 1 with the tiled MLP): read off the decoder's
+    ``forward`` (it calls ``create_sliding_window_causal_mask`` with no ``has_sliding_layers`` guard). The mask kind
+    joins :attr:`ModelDims.attention_kinds` with no layers (a window of 0 as 1: every key masked but the diagonal's
+    neighbours, the same ``[S, S]`` mask)."""
+    import inspect
+    import re
+
+    if any(limit for limit in kinds):
+        return None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    try:
+        source = inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return None
+    def built(fn: str) -> bool:  # called in the forward, not wrapped in a lambda built on first use (Dots1, Laguna)
+        return re.search(rf"(?<!lambda: ){fn}\(", source) is not None
+
+    # both masks built, the sliding one unguarded (DeepSeek-V4 builds its sliding mask alone, for every layer)
+    if not (built("create_sliding_window_causal_mask") and built("create_causal_mask")) or "has_sliding_layers" in source:
+        return None
+    window = getattr(text, "sliding_window", None)
+    return max(int(window), 1) if isinstance(window, int) else None
 
 
 def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  # noqa: ANN001
@@ -1185,12 +1225,16 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # dtype in transformers' common function) and, at the layer's attention (its forward, its backward), what is
         # in flight beside it: the scores and their masked copy, the probabilities' gradient and the scores'
         # (_eager_moments: measured on the model's own eager function, or the GPT-Neo snapshots' three at once)
-        heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads // tp, r.seq, r.seq)
+        # DeepSeek-V4's compressed entries widen the scores and the mask its layers extend to them (in flight at the
+        # layer's attention; the row's own mask is counted with the masks)
+        extent = (d.heads // tp, r.seq, r.seq * (1 + d.compressed_keys))
+        heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else extent
         scores = r.local_batch * heads_local * s_q * s_k
         kept_b, forward_b, backward_b = _eager_moments(d, c)
         s2 = scores * kept_b
-        building += scores * (forward_b - kept_b)
-        in_flight = scores * (backward_b - kept_b)
+        widened = r.local_batch * s_q * s_k * c if d.compressed_keys and r.cp <= 1 else 0.0
+        building += scores * (forward_b - kept_b) + widened
+        in_flight = scores * (backward_b - kept_b) + widened
     # SDPA given a boolean mask keeps a float copy of it per layer for its backward (layer_kind_memory.sdpa_mask_copy):
     # the layers' average in what they keep, the largest for the layer in flight
     copy_avg, copy_max = sdpa_mask_copy(d, r)
