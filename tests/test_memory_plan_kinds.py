@@ -387,6 +387,30 @@ def test_a_sliding_mask_built_for_no_layer_is_counted():
         assert all(count for _, count in _dims(name).attention_kinds), name
 
 
+def test_dsa_index_mask_is_in_flight_at_each_layers_attention_without_cp():
+    """Without CP, DeepSeek sparse attention's own code (HY-V4, DeepSeek-V3.2) folds the indexer's top-k into the
+    mask per layer: a ``[B, 1, S, S]`` boolean index mask and the combined mask (fp32 under eager, boolean under sdpa)
+    at the layer's attention (HY-V4 planned -11% at 2048 tokens without them, -3% with). DeepSeek-V4's layers fold
+    nothing (their compressed entries are counted apart); under CP the method's kernel selects the keys."""
+    from tests.family_matrix import skip_if_absent
+
+    for name in ("hy_v4", "deepseek_v32", "deepseek_v4"):
+        skip_if_absent(name)
+    hy, v32 = _dims("hy_v4"), _dims("deepseek_v32")
+    assert hy.index_mask_layers == hy.layers and v32.index_mask_layers == v32.layers
+    assert _dims("deepseek_v4").index_mask_layers == 0 and _dims("llama").index_mask_layers == 0
+    for d in (hy, v32):
+        plain = dataclasses.replace(d, index_mask_layers=0)
+        for attn, per_score in (("eager", 1 + 4), ("sdpa", 1 + 1)):
+            kw = {"attn": attn, "activation_checkpointing": True}
+            for moment in ("forward", "recompute"):  # the layer's attention, in the forward and in the backward
+                gap = (_plan(d, **kw).by_moment[moment]["attention"]["activations"]
+                       - _plan(plain, **kw).by_moment[moment]["attention"]["activations"])  # fmt: skip
+                assert gap == SEQ * SEQ * per_score, (attn, moment, gap)
+        assert _plan(d, cp=2).phases["backward"]["activations"] == _plan(
+            plain, cp=2).phases["backward"]["activations"]
+
+
 def test_deepseek_v4_eager_scores_cover_its_compressed_entries():
     """DeepSeek-V4's compressed layers append one KV entry per ``compress_rate`` tokens to the window's keys and
     extend the mask to them: at cp 1 its eager scores are ``[heads, S, S (1 + 1 / rate)]`` (the CSA layers' 4: 1.25)

@@ -279,6 +279,10 @@ class ModelDims:
     #: compressed layers append one entry per ``compress_rate`` tokens (``config.compress_rates`` by layer type: CSA 4,
     #: HCA 128) to the window's keys, and extend the mask to them per layer (the largest over the layers); 0 elsewhere
     compressed_keys: float = 0.0
+    #: layers of DeepSeek sparse attention whose own code folds the indexer's top-k into the mask under eager and
+    #: sdpa (``index_mask``: DeepSeek-V3.2, GLM-5, HY-V4, AXK2): at cp 1 each holds a ``[B, 1, S, S]`` boolean index
+    #: mask and the combined mask (the compute dtype under eager, boolean under sdpa) at its attention
+    index_mask_layers: int = 0
     #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
     #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
     #: sinks through a log-sum-exp keep the masked scores too); ``None``: not measured, the formula
@@ -788,9 +792,30 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
     rates, types = getattr(text, "compress_rates", None), getattr(text, "layer_types", None) or ()
     compressed = max((1 / rates[t] for t in types if isinstance(rates, dict) and rates.get(t)), default=0.0)
     return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
-            "compressed_keys": compressed,
+            "compressed_keys": compressed, "index_mask_layers": _index_mask_layers(model, profile),
             "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
+
+
+def _index_mask_layers(model, profile) -> int:  # noqa: ANN001
+    """:attr:`ModelDims.index_mask_layers`: the sparse-attention layers whose module's ``forward`` builds an
+    ``index_mask`` (read off its source, as :mod:`automodel.distributed.cp.layers.sparse_attention` reads the
+    indexer's)."""
+    import inspect
+
+    from automodel.distributed.cp.profile import SPARSE
+
+    mixers = {layer.mixer for layer in profile.layers if layer.kind == SPARSE and layer.mixer}
+    folding = set()
+    for module in model.modules():
+        name = type(module).__name__
+        if name in mixers and name not in folding:
+            try:
+                if "index_mask" in inspect.getsource(type(module).forward):
+                    folding.add(name)
+            except (OSError, TypeError):
+                pass
+    return sum(1 for layer in profile.layers if layer.kind == SPARSE and layer.mixer in folding)
 
 
 def _unused_window_mask(model, text, kinds: dict[int, int]) -> int | None:  # noqa: ANN001
@@ -1235,6 +1260,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         widened = r.local_batch * s_q * s_k * c if d.compressed_keys and r.cp <= 1 else 0.0
         building += scores * (forward_b - kept_b) + widened
         in_flight = scores * (backward_b - kept_b) + widened
+    if d.index_mask_layers and r.cp <= 1 and r.attn in ("eager", "sdpa"):
+        # DSA's index mask and the mask it is folded into, in flight at the layer's attention (forward and backward)
+        folded = r.local_batch * r.seq * r.seq * (1 + (c if r.attn == "eager" else 1))
+        building += folded
+        in_flight += folded
     # SDPA given a boolean mask keeps a float copy of it per layer for its backward (layer_kind_memory.sdpa_mask_copy):
     # the layers' average in what they keep, the largest for the layer in flight
     copy_avg, copy_max = sdpa_mask_copy(d, r)
