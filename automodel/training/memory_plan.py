@@ -907,9 +907,12 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
     experts = next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
                     if isinstance(getattr(text, k, None), int)), 0)  # fmt: skip
     top_k = getattr(text, "num_experts_per_tok", 0) or 0
+    width = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0) or 0
+    ffn = getattr(text, "ffn_config", None)  # DBRX: its experts' sizes in a sub-config, run in its own expert loop
+    if not experts and isinstance(getattr(ffn, "moe_num_experts", None), int):
+        experts, top_k, width = ffn.moe_num_experts, getattr(ffn, "moe_top_k", 0) or 0, ffn.ffn_hidden_size
     if not experts or not top_k:
         return {}
-    width = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0) or 0
     shared = getattr(text, "shared_expert_intermediate_size", None) or 0
     if not shared and getattr(text, "n_shared_experts", None):
         shared = text.n_shared_experts * width
