@@ -283,6 +283,10 @@ class ModelDims:
     #: sdpa (``index_mask``: DeepSeek-V3.2, GLM-5, HY-V4, AXK2): at cp 1 each holds a ``[B, 1, S, S]`` boolean index
     #: mask and the combined mask (the compute dtype under eager, boolean under sdpa) at its attention
     index_mask_layers: int = 0
+    #: the model's layer loop keeps a layer's returned attention probabilities while the next layer runs (BLOOM:
+    #: ``outputs = block(...)``, its own eager code returns them): under checkpointing, where nothing else keeps
+    #: them, one ``[heads, S, S]`` in the compute dtype beside the next layer's attention in the forward
+    keeps_returned_probs: bool = False
     #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
     #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
     #: sinks through a log-sum-exp keep the masked scores too); ``None``: not measured, the formula
@@ -794,6 +798,7 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
     return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
             "compressed_keys": compressed, "index_mask_layers": _index_mask_layers(model, profile),
             "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
+            "keeps_returned_probs": profile.model_type == "bloom",
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
@@ -1280,7 +1285,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max
+        # BLOOM's loop holds the previous layer's returned probabilities (ModelDims.keeps_returned_probs): a snapshot
+        # at 2048 tokens, fp32, holds four [heads, S, S] at the second layer's attention (planned -22% with three)
+        returned = s2 / _eager_moments(d, c)[0] * c if d.keeps_returned_probs and s2 and r.cp <= 1 else 0.0
+        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max + returned
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
