@@ -45,9 +45,11 @@ SETTINGS = ((False, False), (True, False), (True, True), (False, True))
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
 
 
-def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int, dtype: str) -> list[dict]:
-    """One process: each family of ``names`` with each of :data:`SETTINGS`: the tracked peak of the second step and
-    the plan's step peak, MiB (or the error that stopped the row)."""
+def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int, dtype: str,
+                  settings: tuple[tuple[bool, bool], ...] = SETTINGS) -> list[dict]:  # fmt: skip
+    """One process: each family of ``names`` with each of ``settings`` (:data:`SETTINGS`: activation checkpointing,
+    tiled MLP): the tracked peak of the second step and the plan's step peak, MiB (or the error that stopped the
+    row)."""
     from transformers import AutoModelForCausalLM
 
     from automodel.models.block_call import apply_activation_checkpointing
@@ -60,7 +62,7 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
     out = []
     for name in names:
         fam = family_by_name(name)
-        for ac, tiled in SETTINGS:
+        for ac, tiled in settings:
             row = {"family": name, "ac": ac, "tiled": tiled}
             if ac and not fam.train_mode:  # PhiMoE: checkpointing recomputes in training only (these rows read -30%)
                 row["error"] = "runs in eval mode (its training draws random numbers): no checkpointing to measure"
