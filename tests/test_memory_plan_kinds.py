@@ -430,6 +430,21 @@ def test_bloom_keeps_the_previous_layers_probabilities_beside_the_next_attention
     assert _plan(bloom, attn="eager").phases["backward"] == _plan(plain, attn="eager").phases["backward"]
 
 
+def test_gemma3n_checkpointing_keeps_altups_stacked_layer_inputs():
+    """Gemma 3n's AltUp hands each decoder layer its ``altup_num_inputs`` predictions stacked (``[K, B, S, h]``):
+    checkpointing keeps K ``[N, h]`` per layer and activation offload moves them (with checkpointing at cp 1 planned
+    -25%, now -20%: the rest is its layer's own tensors, docs/benchmarks.md)."""
+    g = _dims("gemma3n_text")
+    k = g.layer_input_copies
+    assert k == family_by_name("gemma3n_text").build_config().altup_num_inputs > 1 and _dims("llama").layer_input_copies == 1
+    one = dataclasses.replace(g, layer_input_copies=1)
+    kw = {"activation_checkpointing": True}
+    loss = _plan(g, **kw).phases["loss"]["activations"] - _plan(one, **kw).phases["loss"]["activations"]
+    assert loss == g.layers * SEQ * g.hidden * 4 * (k - 1)  # every layer input kept, fp32
+    host = _plan(g, activation_offload=True, **kw).host_bytes
+    assert host == _plan(one, activation_offload=True, **kw).host_bytes * k
+
+
 def test_deepseek_v4_eager_scores_cover_its_compressed_entries():
     """DeepSeek-V4's compressed layers append one KV entry per ``compress_rate`` tokens to the window's keys and
     extend the mask to them: at cp 1 its eager scores are ``[heads, S, S (1 + 1 / rate)]`` (the CSA layers' 4: 1.25)

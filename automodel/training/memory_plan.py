@@ -287,6 +287,9 @@ class ModelDims:
     #: ``outputs = block(...)``, its own eager code returns them): under checkpointing, where nothing else keeps
     #: them, one ``[heads, S, S]`` in the compute dtype beside the next layer's attention in the forward
     keeps_returned_probs: bool = False
+    #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
+    #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; 1 elsewhere
+    layer_input_copies: int = 1
     #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
     #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
     #: sinks through a log-sum-exp keep the masked scores too); ``None``: not measured, the formula
@@ -569,7 +572,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         s2 = r.local_batch * heads_local * s_q * s_k * _eager_moments(d, c)[0]
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
-        kept, kept_at_loss = (x * h * c for x in _kept_inputs(d, r))
+        kept, kept_at_loss = (x * h * c * d.layer_input_copies for x in _kept_inputs(d, r))
         saved = n * (kept_at_loss + final + always)
         fwd_m = n * (kept_at_loss + always + body + h * c) + tile_fwd + s2
         fwd_a = n * (kept_at_loss + always + body) + s2
@@ -799,6 +802,7 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
             "compressed_keys": compressed, "index_mask_layers": _index_mask_layers(model, profile),
             "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
             "keeps_returned_probs": profile.model_type == "bloom",
+            "layer_input_copies": max(1, int(getattr(text, "altup_num_inputs", 1) or 1)),
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
@@ -1280,7 +1284,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
-        kept, kept_at_loss = (x * h * c / s for x in _kept_inputs(d, r))
+        kept, kept_at_loss = (x * h * c * d.layer_input_copies / s for x in _kept_inputs(d, r))
         saved = n * (kept_at_loss + final + always)
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
@@ -1378,7 +1382,7 @@ def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
     if r.activation_offloaded:
         from automodel.models.checkpoint_groups import group_starts
 
-        per = r.local_tokens * d.hidden * r.compute_bytes / r.stream_split
+        per = r.local_tokens * d.hidden * d.layer_input_copies * r.compute_bytes / r.stream_split
         n = group_starts(d.layers, r.group)
         groups = f" (checkpoint groups of {r.group})" if r.group > 1 else ""
         out.append(MemoryTerm("offloaded activations", n * per, f"{n} layer inputs of {_fmt(per)}{groups}"))
