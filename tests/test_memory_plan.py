@@ -449,6 +449,15 @@ def test_moe_layers_plan_their_routed_and_shared_experts():
     assert (dbrx.experts, dbrx.top_k, dbrx.expert_intermediate) == (ffn.moe_num_experts, ffn.moe_top_k,
                                                                     ffn.ffn_hidden_size)  # fmt: skip
     assert dbrx.experts > 1 and dbrx.experts_impl == "eager"
+    # Aria names them moe_num_experts / moe_topk and fuses moe_num_shared_experts into one MLP; ERNIE 4.5's shared
+    # experts are moe_num_shared_experts of the routed width (Aria planned -59% as dense, ERNIE -10% without them)
+    for name, shared in (("aria_text", "moe_num_shared_experts"), ("ernie4_5_moe", "moe_num_shared_experts")):
+        config = family_by_name(name).build_config()
+        with torch.device("meta"):
+            d = model_dims(AutoModelForCausalLM.from_config(config))
+        width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        assert (d.experts, d.top_k, d.expert_intermediate) == (4, 2, width), name
+        assert d.shared_intermediate == getattr(config, shared) * width > 0, name
 
 
 def test_each_phase_counts_only_what_is_live():

@@ -913,9 +913,10 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
     """The mixture-of-experts sizes of :class:`ModelDims` from the (text) config; empty for a dense model."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    experts = next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+    experts = next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
                     if isinstance(getattr(text, k, None), int)), 0)  # fmt: skip
-    top_k = getattr(text, "num_experts_per_tok", 0) or 0
+    top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_topk")  # Aria: moe_num_experts, moe_topk
+                  if isinstance(getattr(text, k, None), int)), 0)  # fmt: skip
     width = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0) or 0
     ffn = getattr(text, "ffn_config", None)  # DBRX: its experts' sizes in a sub-config, run in its own expert loop
     if not experts and isinstance(getattr(ffn, "moe_num_experts", None), int):
@@ -923,8 +924,9 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
     if not experts or not top_k:
         return {}
     shared = getattr(text, "shared_expert_intermediate_size", None) or 0
-    if not shared and getattr(text, "n_shared_experts", None):
-        shared = text.n_shared_experts * width
+    count = getattr(text, "n_shared_experts", None) or getattr(text, "moe_num_shared_experts", None)
+    if not shared and isinstance(count, int):  # shared experts of the routed experts' width (Aria's fused into one)
+        shared = count * width
     impl = getattr(text, "_experts_implementation", None)
     impl = impl.get("", impl) if isinstance(impl, dict) else impl
     return {"experts": experts, "top_k": top_k, "expert_intermediate": width, "shared_intermediate": shared,
