@@ -55,6 +55,7 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
     from automodel.models.block_call import apply_activation_checkpointing
     from automodel.models.tiled_mlp import apply_tiled_mlp
     from automodel.training.memory_plan import RunShape, model_dims, plan_memory
+    from automodel.training.step import logit_transform_of
     from tests.family_matrix import family_by_name
 
     torch.set_num_threads(1)
@@ -85,17 +86,20 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
                 if ac:
                     apply_activation_checkpointing(model)
                 opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+                # a model whose logits are transformed after the head (Gemma 2's soft-cap) runs the plain loss, as
+                # the recipe's loss.chunk_tokens: auto resolves it
+                loss_chunk = None if logit_transform_of(model) else chunk
 
                 def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, inputs: dict = inputs,
-                         labels: torch.Tensor = labels) -> torch.Tensor:  # fmt: skip
-                    return _replicated_step(model, opt, contextlib.nullcontext, inputs, labels, chunk, seq)
+                         labels: torch.Tensor = labels, loss_chunk: int | None = loss_chunk) -> torch.Tensor:  # fmt: skip
+                    return _replicated_step(model, opt, contextlib.nullcontext, inputs, labels, loss_chunk, seq)
 
                 step()  # warm-up (untracked): AdamW's state
                 gc.collect()
                 tracker = AllocationTracker()
                 with tracker:
                     step()
-                shape = RunShape(local_batch=1, seq=seq, cp=1, chunk_tokens=chunk, activation_checkpointing=ac,
+                shape = RunShape(local_batch=1, seq=seq, cp=1, chunk_tokens=loss_chunk, activation_checkpointing=ac,
                                  attn=attn, master_bytes=size, compute_bytes=size, reduce_bytes=size, tiled_mlp=tiled)  # fmt: skip
                 plan = plan_memory(model_dims(model), shape)
                 row.update(peak=tracker.peak / 2**20, planned=_planned_without_fsdp(plan) / 2**20, phase=plan.peak_phase)

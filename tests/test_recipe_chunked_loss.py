@@ -82,22 +82,35 @@ def test_a_model_whose_logits_are_transformed_refuses_the_chunked_loss(family, t
     from automodel.training.step import check_model_for_chunked_loss, forward_loss_sum
     from tests.family_matrix import family_by_name
 
+    from automodel.training.chunked_loss import chunked_linear_cross_entropy_sum
+    from automodel.training.step import base_decoder
+
     model = family_by_name(family).build_model(0).double()
     x = torch.randint(3, 100, (1, 32), generator=torch.Generator().manual_seed(0))
+    hidden = []
+    handle = base_decoder(model).register_forward_hook(lambda m, a, out: hidden.append(out[0] if isinstance(
+        out, tuple) else out.last_hidden_state))  # fmt: skip
     with torch.no_grad():
         plain = forward_loss_sum(model, {"input_ids": x}, x, None)
-        chunked = forward_loss_sum(model, {"input_ids": x}, x, 8)
+        head = model.get_output_embeddings()
+        chunked = chunked_linear_cross_entropy_sum(hidden[-1], head.weight, x, 8, bias=head.bias)
+    handle.remove()
     assert abs(float(plain - chunked)) > 1e-12 * abs(float(plain))
+    # the function alone refuses the chunked loss too, naming the transform (no probe: from the config)
+    with pytest.raises(ValueError, match=rf"not its LM head of its final hidden states \(.*{transform}"):
+        forward_loss_sum(model, {"input_ids": x}, x, 8)
     state = torch.get_rng_state()
     with pytest.raises(ValueError, match=rf"logits are not that: .*{transform}.*set\s+loss\.chunk_tokens=null"):
         check_model_for_chunked_loss(model)
     assert model.training and torch.equal(torch.get_rng_state(), state)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mamba", "granite"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mamba", "granite", "llama4_text"])
 def test_a_model_whose_logits_are_its_head_passes_the_probe(family):
     """Models whose logits are exactly the LM head of the base model's hidden states (Mamba's fp32 cast of the
-    logits included; Granite's default logits_scaling of 1) keep the chunked loss, and it equals the plain loss."""
+    logits included; Granite's default logits_scaling of 1) keep the chunked loss, and it equals the plain loss.
+    Llama 4's text model, whose ``get_decoder()`` is the causal LM itself in transformers 5.x, through its ``model``
+    (it was refused, so ``loss.chunk_tokens: auto`` ran the plain loss)."""
     import torch
 
     from automodel.training.step import check_model_for_chunked_loss, forward_loss_sum
@@ -113,12 +126,15 @@ def test_a_model_whose_logits_are_its_head_passes_the_probe(family):
 
 
 def test_modernbert_decoder_prediction_head_refuses_the_chunked_loss():
-    """ModernBERT-decoder's ``get_decoder()`` is its output Linear and its logits pass a prediction head first."""
-    from automodel.training.step import check_model_for_chunked_loss
+    """ModernBERT-decoder's ``get_decoder()`` is its output Linear; its base model is under ``model`` and its logits
+    pass a prediction head first: the probe refuses it, naming the head."""
+    from automodel.training.step import base_decoder, check_model_for_chunked_loss
     from tests.family_matrix import family_by_name
 
-    with pytest.raises(ValueError, match=r"loss.chunk_tokens needs a causal LM .*decoder=Linear"):
-        check_model_for_chunked_loss(family_by_name("modernbert-decoder").build_model(0))
+    model = family_by_name("modernbert-decoder").build_model(0)
+    assert base_decoder(model) is model.model
+    with pytest.raises(ValueError, match=r"logits are not that: .*a prediction head.*set\s+loss\.chunk_tokens=null"):
+        check_model_for_chunked_loss(model)
 
 
 def test_the_planner_keeps_the_plain_loss_for_a_transformed_head():

@@ -841,7 +841,9 @@ def _unused_window_mask(model, text, kinds: dict[int, int]) -> int | None:  # no
 
     if any(limit for limit in kinds):
         return None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    from automodel.training.step import base_decoder
+
+    decoder = base_decoder(model)
     try:
         source = inspect.getsource(type(decoder).forward)
     except (OSError, TypeError):

@@ -33,6 +33,7 @@ from automodel.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
 __all__ = [
     "MODEL_INPUT_KEYS",
+    "base_decoder",
     "check_model_for_chunked_loss",
     "forward_loss_sum",
     "logit_transform_of",
@@ -82,12 +83,28 @@ def prepare_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]
     return out
 
 
+def base_decoder(model: nn.Module) -> nn.Module | None:
+    """The base model whose first output is the causal LM's final hidden states ``[B, S, H]``: transformers'
+    ``get_decoder()``, except where that returns the causal LM itself (Llama 4's text model: its
+    ``base_model_prefix`` ``"language_model"`` names no attribute, so transformers 5.x falls back to ``self``) or a
+    ``Linear`` (ModernBERT-decoder's output ``decoder``): then the module under ``model``. What it returns is checked
+    by the chunked loss's probe (:func:`logits_are_head_of_hidden`) before a run uses it. ``None`` for a module with
+    neither."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if decoder is None or decoder is model or decoder is head or isinstance(decoder, nn.Linear):
+        inner = getattr(model, "model", None)
+        if isinstance(inner, nn.Module) and inner is not head and not isinstance(inner, nn.Linear):
+            return inner
+    return decoder
+
+
 def check_model_for_chunked_loss(model: nn.Module) -> None:
     """``ValueError`` unless ``model``'s loss can be computed chunk by chunk from its final hidden states
     (``loss.chunk_tokens``), exactly.
 
-    Needs transformers' ``get_decoder()`` (the base model, whose first output is the final hidden
-    states), ``get_output_embeddings()`` (the LM head, a ``Linear``) and a ``logits_to_keep`` argument, and the
+    Needs a base model whose first output is the final hidden states (:func:`base_decoder`: transformers'
+    ``get_decoder()`` where it names one), ``get_output_embeddings()`` (the LM head, a ``Linear``) and a ``logits_to_keep`` argument, and the
     model's logits must be that head applied to those hidden states and nothing else: a probe
     (:func:`logits_are_head_of_hidden`) runs the model once on a few tokens and refuses a final transform
     (Gemma 2's logit soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``, MiniCPM's width
@@ -98,7 +115,7 @@ def check_model_for_chunked_loss(model: nn.Module) -> None:
 
     name = type(model).__name__
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = base_decoder(model)
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     if not isinstance(head, nn.Linear) or decoder is None or decoder is model or decoder is head or not takes_keep:
         raise ValueError(
@@ -140,7 +157,7 @@ class _NotHidden(Exception):
 
 def logits_are_head_of_hidden(model: nn.Module, n_tokens: int = 8) -> str | None:
     """``None`` when ``model(input_ids).logits`` equals its LM head (``get_output_embeddings()``) applied to its base
-    model's (``get_decoder()``) first output, else the reason.
+    model's (:func:`base_decoder`) first output, else the reason.
 
     The probe runs the model once under ``torch.no_grad`` in eval mode on ``n_tokens`` token ids, with the base
     model's output hidden states ``[1, n, H]`` scaled so that the head's logits reach about 100 in magnitude: a
@@ -150,7 +167,7 @@ def logits_are_head_of_hidden(model: nn.Module, n_tokens: int = 8) -> str | None
     A model on the meta device is not probed (``None``).
     """
     head = model.get_output_embeddings()
-    decoder = model.get_decoder()
+    decoder = base_decoder(model)
     if head.weight.device.type == "meta":
         return None
     seen: dict[str, torch.Tensor] = {}
@@ -205,8 +222,10 @@ def forward_loss_sum(
 
     ``chunk_tokens=None``: the model's logits ``[B, S, V]`` and :func:`token_cross_entropy_sum`.
     Otherwise the model is asked for no logits (``logits_to_keep`` empty), its final hidden states
-    ``[B, S, H]`` are taken from the base model's output, and the LM head and the loss run
-    ``chunk_tokens`` tokens at a time. The head's weight is read after the forward: under FSDP2 the
+    ``[B, S, H]`` are taken from the base model's output (:func:`base_decoder`), and the LM head and the loss run
+    ``chunk_tokens`` tokens at a time; a model with a known final transform of its logits
+    (:func:`logit_transform_of`: soft-capping, a logit scale, a prediction head) raises ``ValueError`` (the recipe
+    probes every model first: :func:`check_model_for_chunked_loss`). The head's weight is read after the forward: under FSDP2 the
     root's parameters are still unsharded then (gathered once per micro-batch, not per chunk).
     """
     if chunk_tokens is None:
@@ -214,12 +233,18 @@ def forward_loss_sum(
         # loss parallel (TP): the logits were a vocabulary-sharded DTensor and the CE sum is a replicated
         # 0-dim DTensor; its local value is the full sum (differentiable back into the sharded logits)
         return ce.to_local() if hasattr(ce, "to_local") else ce
+    transform = logit_transform_of(model)
+    if transform:  # the run's check (check_model_for_chunked_loss) probes; a caller of this function alone gets this
+        raise ValueError(
+            f"loss.chunk_tokens={chunk_tokens}: {type(model).__name__}'s logits are not its LM head of its final "
+            f"hidden states ({transform}); the chunked loss would train another loss; set loss.chunk_tokens=null"
+        )
     captured: list[torch.Tensor] = []
 
     def keep_hidden(module: nn.Module, args: Any, output: Any) -> None:
         captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
 
-    handle = model.get_decoder().register_forward_hook(keep_hidden)
+    handle = base_decoder(model).register_forward_hook(keep_hidden)
     try:
         model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=labels.device))
     finally:
