@@ -79,11 +79,9 @@ def test_a_model_whose_logits_are_transformed_refuses_the_chunked_loss(family, t
     was (train mode, RNG)."""
     import torch
 
-    from automodel.training.step import check_model_for_chunked_loss, forward_loss_sum
-    from tests.family_matrix import family_by_name
-
     from automodel.training.chunked_loss import chunked_linear_cross_entropy_sum
-    from automodel.training.step import base_decoder
+    from automodel.training.step import base_decoder, check_model_for_chunked_loss, forward_loss_sum
+    from tests.family_matrix import family_by_name
 
     model = family_by_name(family).build_model(0).double()
     x = torch.randint(3, 100, (1, 32), generator=torch.Generator().manual_seed(0))
