@@ -18,17 +18,14 @@ from tests.family_matrix import family_by_name
 SEQ = 4096
 
 
-def _model(name: str, **overrides):
-    fam = family_by_name(name)
-    config = fam.build_config()
-    for key, value in overrides.items():
-        setattr(config, key, value)
+def _model(name: str):
+    """The family's tiny model on the meta device, eager attention."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        return AutoModelForCausalLM.from_config(family_by_name(name).build_config(), attn_implementation="eager")
 
 
-def _attention(name: str, **overrides):
-    return decoder_layers(_model(name, **overrides))[0].self_attn
+def _attention(name: str):
+    return decoder_layers(_model(name))[0].self_attn
 
 
 # (fp32, bf16) (saved, forward peak, backward peak) per score, read off each eager function:
