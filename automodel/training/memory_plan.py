@@ -568,7 +568,8 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     always = 24 + rope
     s2 = 0.0
     if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
-        heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else (d.heads, r.seq, r.seq * (1 + d.compressed_keys))
+        extent = (d.heads, r.seq, r.seq * (1 + d.compressed_keys))  # DeepSeek-V4's compressed entries widen the keys
+        heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else extent
         s2 = r.local_batch * heads_local * s_q * s_k * _eager_moments(d, c)[0]
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
@@ -834,8 +835,8 @@ def _unused_window_mask(model, text, kinds: dict[int, int]) -> int | None:  # no
     with ``use_sliding_window=False``: its config's window becomes 0 and the mask is still built, ``[B, 1, S, S]``
     boolean under sdpa, for no layer; planned 49% under at cp 1 with the tiled MLP): read off the decoder's
     ``forward`` (it calls ``create_sliding_window_causal_mask`` with no ``has_sliding_layers`` guard). The mask kind
-    joins :attr:`ModelDims.attention_kinds` with no layers (a window of 0 as 1: every key masked but the diagonal's
-    neighbours, the same ``[S, S]`` mask)."""
+    joins :attr:`ModelDims.attention_kinds` with no layers (a window of 0 counted as 1: any window shorter than the
+    row makes the same ``[S, S]`` mask)."""
     import inspect
     import re
 
@@ -848,6 +849,7 @@ def _unused_window_mask(model, text, kinds: dict[int, int]) -> int | None:  # no
         source = inspect.getsource(type(decoder).forward)
     except (OSError, TypeError):
         return None
+
     def built(fn: str) -> bool:  # called in the forward, not wrapped in a lambda built on first use (Dots1, Laguna)
         return re.search(rf"(?<!lambda: ){fn}\(", source) is not None
 

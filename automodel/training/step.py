@@ -104,8 +104,10 @@ def check_model_for_chunked_loss(model: nn.Module) -> None:
     (``loss.chunk_tokens``), exactly.
 
     Needs a base model whose first output is the final hidden states (:func:`base_decoder`: transformers'
-    ``get_decoder()`` where it names one), ``get_output_embeddings()`` (the LM head, a ``Linear``) and a ``logits_to_keep`` argument, and the
-    model's logits must be that head applied to those hidden states and nothing else: a probe
+    ``get_decoder()`` where it names one), ``get_output_embeddings()`` (the LM head, a ``Linear``) and a
+    ``logits_to_keep`` argument, and the model's logits must be that head applied to those hidden states and nothing
+    else (nor a transform its config names: :func:`logit_transform_of`, which the planner and
+    :func:`forward_loss_sum` read): a probe
     (:func:`logits_are_head_of_hidden`) runs the model once on a few tokens and refuses a final transform
     (Gemma 2's logit soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``, MiniCPM's width
     scaling, ModernBERT-decoder's prediction head), which the chunked loss would leave out. Does not modify
@@ -124,6 +126,9 @@ def check_model_for_chunked_loss(model: nn.Module) -> None:
             f"decoder={type(decoder).__name__}, logits_to_keep={takes_keep}); set loss.chunk_tokens=null"
         )
     why = logits_are_head_of_hidden(model)
+    named = logit_transform_of(model)
+    if why is None and named:  # the probe saw no change, but the plan and forward_loss_sum go by the named transform
+        why = f"its config or structure names a final transform ({named}) that the probe did not show"
     if why is not None:
         raise ValueError(
             f"loss.chunk_tokens computes the logits as the LM head of the base model's final hidden states, but "
