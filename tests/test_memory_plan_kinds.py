@@ -467,6 +467,15 @@ def test_deepseek_v4_eager_scores_cover_its_compressed_entries():
         == scores * backward + mask
     # under CP the method's kernel runs the compressed attention: the extent is the method's
     assert act(d, "loss", cp=2) == act(flat, "loss", cp=2)
+    # its q_a_norm and kv_norm are pinned to fp32: a bf16 model's scores are fp32 (planned -50% at cp 1 with the bf16
+    # figures, now -7%), read off the parameters' dtypes of the meta model built in the run's dtype
+    config = family_by_name("deepseek_v4").build_config()
+    with torch.device("meta"):
+        half = model_dims(AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.bfloat16))
+        llama = model_dims(AutoModelForCausalLM.from_config(family_by_name("llama").build_config(),
+                                                            attn_implementation="eager", dtype=torch.bfloat16))
+    assert half.eager_scores[1] == half.eager_scores[0] == d.eager_scores[0]
+    assert llama.eager_scores[1] != llama.eager_scores[0]
 
 
 @pytest.mark.parametrize("name", ["qwen3", "hunyuan_v1_dense", "persimmon", "lfm2"])

@@ -675,11 +675,25 @@ def _eager_scores(layers: list) -> tuple[Any, Any] | None:
             seen.add(cls)
             measured = eager_scores(module)
             if measured is not None:
-                found.append(measured)
+                found.append((measured[0], measured[0]) if _attention_in_fp32(module) else measured)
     if not found:
         return None
     return tuple(EagerScores(*(max(getattr(f[i], k) for f in found) for k in ("saved", "forward", "backward")))
                  for i in (0, 1))  # fmt: skip
+
+
+def _attention_in_fp32(attention) -> bool:  # noqa: ANN001
+    """Whether ``attention`` hands its eager function fp32 queries and keys whatever the model's dtype: it holds norms
+    with fp32 weights while its largest weight is in a lower precision (DeepSeek-V4 pins its ``q_a_norm`` and
+    ``kv_norm`` to fp32: its bf16 run holds fp32 scores, planned -50% at cp 1 with bf16 figures). Read off the
+    parameters' dtypes, which a meta model built in the run's dtype carries."""
+    import torch
+
+    params = list(attention.parameters())
+    if not params or max(params, key=lambda p: p.numel()).dtype == torch.float32:
+        return False
+    return any("norm" in type(m).__name__.lower() and getattr(getattr(m, "weight", None), "dtype", None) == torch.float32
+               for m in attention.modules())  # fmt: skip
 
 
 def _widest_head(profile) -> int:  # noqa: ANN001 - a ModelProfile
