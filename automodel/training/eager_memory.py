@@ -19,7 +19,10 @@ Eager attention is plain aten ops (matmul, softmax, log-sum-exp), which allocate
 milliseconds per attention class, cached.
 
 A module whose file has no ``eager_attention_forward``, or whose function cannot run on the probe (it reads a weight
-it would have to compute with, a CUDA-only op), is not measured: the planner keeps its formula.
+it would have to compute with, a CUDA-only op), is not measured: the planner keeps its formula. The probe hands the
+function q, k and v in the compute dtype and no keyword tensors: a module that casts them up first (DeepSeek-V4's
+fp32 norms) is read by the planner (``memory_plan._attention_in_fp32``: the fp32 figures in bf16); one that passes a
+bias or sinks by keyword (Inkling2's ``position_bias``) is measured without them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from automodel.training.mlp_memory import _LiveBytes, _state_key  # the live-bytes mode, the probe cache's key
 
-__all__ = ["EagerScores", "eager_scores"]
+__all__ = ["EagerScores", "eager_function", "eager_scores"]
 
 #: the probe's two lengths (the second twice the first: the ``S^2`` part is ``m(2S) - 2 m(S)``)
 _LENGTHS = (32, 64)
@@ -48,8 +51,9 @@ class EagerScores:
     ``saved``: what is still alive once the forward has returned (what its backward reads; the returned weights
     aside where the backward does not keep them); ``forward``: the most alive at once during the forward;
     ``backward``: the most alive at once during the backward, the saved scores still held included. transformers'
-    common function: ``(4, 12, 12)`` in fp32 (the fp32 softmax's output; the scores and their masked copy beside it;
-    the probabilities' gradient and the softmax's backward beside it), ``(6, 10, 12)`` in bf16."""
+    common function: ``(4, 8, 12)`` in fp32 (the fp32 softmax's output; at the softmax the masked scores beside it,
+    the raw ones freed by the mask's add; the probabilities' gradient and the softmax's backward beside it),
+    ``(6, 10, 12)`` in bf16 (the probabilities' bf16 cast kept too)."""
 
     saved: float
     forward: float
