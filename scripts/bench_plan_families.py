@@ -111,6 +111,12 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
     return out
 
 
+def dtype_rows(rank: int, world: int, jobs: dict[str, list[str]], seq: int, chunk: int,
+               settings: tuple[tuple[bool, bool], ...] = SETTINGS) -> dict[str, list[dict]]:  # fmt: skip
+    """:func:`family_worker` for each ``{dtype: names}`` of ``jobs`` in one process (one launch for several dtypes)."""
+    return {dtype: family_worker(rank, world, names, seq, chunk, dtype, settings) for dtype, names in jobs.items()}
+
+
 def moe_block_rows(tokens: int = 4096) -> None:
     """One Qwen3-MoE block per ``(h, I_e, k)``: its tracked forward and backward peaks (less its input, its output,
     their gradients and the weight gradients) against the plan's ``k (a h + b I_e)``."""
