@@ -825,20 +825,11 @@ def _index_mask_layers(model, profile) -> int:  # noqa: ANN001
     """:attr:`ModelDims.index_mask_layers`: the sparse-attention layers whose module's ``forward`` builds an
     ``index_mask`` (read off its source, as :mod:`automodel.distributed.cp.layers.sparse_attention` reads the
     indexer's)."""
-    import inspect
-
-    from automodel.distributed.cp.profile import SPARSE
+    from automodel.distributed.cp.profile import SPARSE, _forward_source
 
     mixers = {layer.mixer for layer in profile.layers if layer.kind == SPARSE and layer.mixer}
-    folding = set()
-    for module in model.modules():
-        name = type(module).__name__
-        if name in mixers and name not in folding:
-            try:
-                if "index_mask" in inspect.getsource(type(module).forward):
-                    folding.add(name)
-            except (OSError, TypeError):
-                pass
+    folding = {type(m).__name__ for m in model.modules()
+               if type(m).__name__ in mixers and "index_mask" in _forward_source(type(m))}  # fmt: skip
     return sum(1 for layer in profile.layers if layer.kind == SPARSE and layer.mixer in folding)
 
 
@@ -851,18 +842,14 @@ def _unused_window_mask(model, text, kinds: dict[int, int]) -> int | None:  # no
     ``forward`` (it calls ``create_sliding_window_causal_mask`` with no ``has_sliding_layers`` guard). The mask kind
     joins :attr:`ModelDims.attention_kinds` with no layers (a window of 0 counted as 1: any window shorter than the
     row makes the same ``[S, S]`` mask)."""
-    import inspect
     import re
+
+    from automodel.distributed.cp.profile import _forward_source
+    from automodel.training.step import base_decoder
 
     if any(limit for limit in kinds):
         return None
-    from automodel.training.step import base_decoder
-
-    decoder = base_decoder(model)
-    try:
-        source = inspect.getsource(type(decoder).forward)
-    except (OSError, TypeError):
-        return None
+    source = _forward_source(type(base_decoder(model)))
 
     def built(fn: str) -> bool:  # called in the forward, not wrapped in a lambda built on first use (Dots1, Laguna)
         return re.search(rf"(?<!lambda: ){fn}\(", source) is not None
@@ -1275,7 +1262,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     rope = 2 * d.head_dim * c if d.heads else 0
     final = _final_saved(d, r)  # freed once backward has passed the final norm
     always = 24 + rope
-    s2 = building = in_flight = 0.0
+    s2 = building = in_flight = returned = 0.0
     if d.alibi_layers and r.cp > 1:
         # ALiBi layers hand q, k, v to the method (cp/layers/alibi.py): the halo kernel recomputes its blocks (no
         # S^2 saved: layer_kind_memory.alibi_workspace); Ulysses saves the bias mask SDPA is given, and its forward
@@ -1294,6 +1281,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         scores = r.local_batch * heads_local * s_q * s_k
         kept_b, forward_b, backward_b = _eager_moments(d, c)
         s2 = scores * kept_b
+        # BLOOM's loop holds the previous layer's returned probabilities (ModelDims.keeps_returned_probs), alive beside
+        # the next layer's attention where checkpointing keeps nothing else: a snapshot at 2048 tokens, fp32, holds four
+        # [heads, S, S] at the second layer's attention (planned -22% with three)
+        returned = scores * c if d.keeps_returned_probs and r.cp <= 1 else 0.0
         widened = r.local_batch * s_q * s_k * c if d.compressed_keys and r.cp <= 1 else 0.0
         building += scores * (forward_b - kept_b) + widened
         in_flight = scores * (backward_b - kept_b) + widened
@@ -1314,9 +1305,6 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        # BLOOM's loop holds the previous layer's returned probabilities (ModelDims.keeps_returned_probs): a snapshot
-        # at 2048 tokens, fp32, holds four [heads, S, S] at the second layer's attention (planned -22% with three)
-        returned = s2 / _eager_moments(d, c)[0] * c if d.keeps_returned_probs and s2 and r.cp <= 1 else 0.0
         fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max + returned
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its

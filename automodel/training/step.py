@@ -21,6 +21,7 @@ The contract with :mod:`automodel.distributed.cp_utils` (and every other CP meth
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,11 @@ def base_decoder(model: nn.Module) -> nn.Module | None:
     return decoder
 
 
+#: the models :func:`check_model_for_chunked_loss` passed: :func:`forward_loss_sum` reads their logit transform once,
+#: there, not per micro-batch
+_CHUNKED_LOSS_CHECKED: weakref.WeakSet = weakref.WeakSet()
+
+
 def check_model_for_chunked_loss(model: nn.Module) -> None:
     """``ValueError`` unless ``model``'s loss can be computed chunk by chunk from its final hidden states
     (``loss.chunk_tokens``), exactly.
@@ -135,6 +141,7 @@ def check_model_for_chunked_loss(model: nn.Module) -> None:
             f"{name}'s logits are not that: {why}; the chunked loss would train another loss; set "
             f"loss.chunk_tokens=null (or auto, which keeps the plain loss for this model)"
         )
+    _CHUNKED_LOSS_CHECKED.add(model)
 
 
 #: config attributes of known final transforms between the LM head and the logits, named in the probe's reason
@@ -229,16 +236,17 @@ def forward_loss_sum(
     Otherwise the model is asked for no logits (``logits_to_keep`` empty), its final hidden states
     ``[B, S, H]`` are taken from the base model's output (:func:`base_decoder`), and the LM head and the loss run
     ``chunk_tokens`` tokens at a time; a model with a known final transform of its logits
-    (:func:`logit_transform_of`: soft-capping, a logit scale, a prediction head) raises ``ValueError`` (the recipe
-    probes every model first: :func:`check_model_for_chunked_loss`). The head's weight is read after the forward: under FSDP2 the
-    root's parameters are still unsharded then (gathered once per micro-batch, not per chunk).
+    (:func:`logit_transform_of`: soft-capping, a logit scale, a prediction head) raises ``ValueError``, read once per
+    model where :func:`check_model_for_chunked_loss` passed it (the recipe probes every model first). The head's weight
+    is read after the forward: under FSDP2 the root's parameters are still unsharded then (gathered once per
+    micro-batch, not per chunk).
     """
     if chunk_tokens is None:
         ce = token_cross_entropy_sum(model(**inputs).logits, labels)
         # loss parallel (TP): the logits were a vocabulary-sharded DTensor and the CE sum is a replicated
         # 0-dim DTensor; its local value is the full sum (differentiable back into the sharded logits)
         return ce.to_local() if hasattr(ce, "to_local") else ce
-    transform = logit_transform_of(model)
+    transform = "" if model in _CHUNKED_LOSS_CHECKED else logit_transform_of(model)
     if transform:  # the run's check (check_model_for_chunked_loss) probes; a caller of this function alone gets this
         raise ValueError(
             f"loss.chunk_tokens={chunk_tokens}: {type(model).__name__}'s logits are not its LM head of its final "
