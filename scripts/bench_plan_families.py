@@ -71,6 +71,7 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
                 continue
             try:
                 config = fam.build_config()
+                config.use_cache = False  # as the recipe's loader sets it: training builds no KV cache
                 for key in POSITION_KEYS:
                     if isinstance(getattr(config, key, None), int) and getattr(config, key) < seq:
                         setattr(config, key, seq)
