@@ -88,6 +88,7 @@ __all__ = [
     "find_final_norms",
     "find_layer_norms",
     "find_mlps",
+    "is_hidden_norm",
     "is_tiled",
     "layer_tile_scope",
     "mlp_intermediate_width",
@@ -820,15 +821,28 @@ def find_final_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
-def _is_hidden_norm(module: nn.Module, hidden: int | None) -> bool:
-    """A module named like a norm (class name) whose parameters are ``[hidden]`` vectors, with a ``[hidden]`` weight."""
-    weight = getattr(module, "weight", None)
-    return (
-        "norm" in type(module).__name__.lower()
-        and isinstance(weight, torch.Tensor)
-        and tuple(weight.shape) == (hidden,)
-        and all(tuple(p.shape) == (hidden,) for p in module.parameters())
-    )
+def is_hidden_norm(module: nn.Module, hidden: int | None, *, held_by_layer: bool = False) -> bool:
+    """Whether ``module`` is a norm over the hidden size (one that normalizes each ``[hidden]`` token vector of the
+    residual stream): a class named like a norm (any case) whose parameters are all ``[hidden]`` vectors, with a
+    ``[hidden]`` weight (Llama's RMSNorm, ``nn.LayerNorm``); or one without parameters whose ``normalized_shape`` is
+    ``(hidden,)`` (OLMo's LayerNorm) or, where it names no width, that a decoder layer holds itself (``held_by_layer``:
+    NanoChat's, Dory's and HRM's RMSNorms). A parameter-free norm deeper in a layer (a value or per-head norm, a
+    hyper-connection's) is not one: nothing says its width. Shared by the tiled layer norms (:func:`find_layer_norms`)
+    and the memory plan, which counts what they run."""
+    if hidden is None or "norm" not in type(module).__name__.lower():
+        return False
+    params = list(module.parameters())
+    if params:
+        weight = getattr(module, "weight", None)
+        return (
+            isinstance(weight, torch.Tensor)
+            and tuple(weight.shape) == (hidden,)
+            and all(tuple(p.shape) == (hidden,) for p in params)
+        )
+    width = getattr(module, "normalized_shape", None)
+    if width is not None:
+        return tuple(width) == (hidden,) if isinstance(width, (tuple, list, torch.Size)) else width == hidden
+    return held_by_layer
 
 
 def find_layer_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -836,8 +850,8 @@ def find_layer_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
     decoder layers found).
 
     Inside each decoder layer (:func:`automodel.models.parallelize.decoder_layers`), the outermost modules named like a
-    norm whose parameters are ``[hidden]`` vectors (:func:`_is_hidden_norm`: Llama's ``input_layernorm`` and
-    ``post_attention_layernorm``, Gemma's four); not the per-head q/k norms (:data:`QK_NORM_NAMES`), nothing inside
+    norm over the hidden size (:func:`is_hidden_norm`: Llama's ``input_layernorm`` and ``post_attention_layernorm``,
+    Gemma's four, NanoChat's parameter-free two); not the per-head q/k norms (:data:`QK_NORM_NAMES`), nothing inside
     a layer's MLP (tiled with it) and nothing inside a nested decoder layer (found with its own layer)."""
     from automodel.models.parallelize import decoder_layers
 
@@ -847,7 +861,8 @@ def find_layer_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     config = getattr(model, "config", None)
     hidden = hidden_size(config) if config is not None else None
-    return _outermost_in_layers(model, layers, lambda attr, m: _is_hidden_norm(m, hidden),
+    held = {id(child) for layer in layers for child in layer.children()}
+    return _outermost_in_layers(model, layers, lambda attr, m: is_hidden_norm(m, hidden, held_by_layer=id(m) in held),
                                 skip=lambda attr, m: attr in QK_NORM_NAMES or _is_mlp(attr, m))  # fmt: skip
 
 

@@ -74,8 +74,11 @@ class _ChunkedLinearCE(torch.autograd.Function):
             g_low = g.to(weight.dtype)
             if need_h:
                 grad_h[start : start + step] = (g_low @ weight).to(hidden.dtype)
-            if need_w:
-                grad_w += (g_low.t() @ h).to(acc)
+            if need_w:  # accumulated in place: no [V, H] temporary beyond a bf16 weight's product
+                if g_low.dtype == grad_w.dtype:
+                    grad_w.addmm_(g_low.t(), h)
+                else:  # the product in the weight's dtype, added into the fp32 sum as it is read (no fp32 copy)
+                    grad_w.add_(g_low.t() @ h)
             if need_b:
                 grad_b += g.sum(0)
             del g, g_low  # at most one chunk's [N, V] softmax (and its cast) alive at a time

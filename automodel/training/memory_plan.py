@@ -126,9 +126,10 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   rank. With ``distributed.enable_loss_parallel`` each rank holds ``[N, V / tp]``, and torch's fused
   vocabulary-parallel backward keeps four of them: ``4 N (V / tp) 4`` (see :func:`_plain_logits`).
   The chunked loss does not compose with TP (rejected by the config rules).
-  Chunked (``loss.chunk_tokens = n``): ``2 n V 4`` (one chunk's logits and their softmax; the loop
-  frees each chunk before the next), the fp32 LM-head gradient accumulator ``V h 4`` (plus its cast for a non-fp32 weight)
-  and ``N h c``.
+  Chunked (``loss.chunk_tokens = n``): the larger of ``2 n V 4`` (one chunk's fp32 logits and their softmax; the
+  loop frees each chunk before the next) and, in a bf16 / fp16 backward, ``n V (4 + c) + V h c`` (the softmax, its cast
+  and their ``[V, h]`` weight-gradient product before it is added; fp32 adds it in place), beside the fp32 LM-head
+  gradient accumulator ``V h 4`` and ``N h c`` (:func:`_loss_term`).
 * communication buffers (FSDP2, when ``fsdp > 1`` or the compute dtype differs from the master
   dtype): the root module (embeddings, final norm, LM head) stays gathered from forward to
   backward (``reshard_after_forward=False``), two decoder layers gathered at a time (the current one
@@ -146,6 +147,7 @@ from typing import Any
 
 # the names transformers gives per-head (or whole-projection) query and key norms (ModelDims.qk_norm)
 from automodel.models.tiled_mlp import QK_NORM_NAMES as _QK_NORM_NAMES
+from automodel.models.tiled_mlp import is_hidden_norm
 from automodel.training.layer_kind_memory import (
     HALO_BLOCK,
     alibi_mask_build,
@@ -261,6 +263,9 @@ class ModelDims:
     #: a final transform of the LM head's output (``"final_logit_softcapping=30.0"``; "" none): the chunked loss
     #: cannot compute it, so ``loss.chunk_tokens: auto`` plans and runs the plain loss
     logit_transform: str = ""
+    #: the logits are soft-capped after the LM head (``final_logit_softcapping``: Gemma 2 / 3, NanoChat): the plain
+    #: loss's ``tanh`` keeps its ``[N, V]`` output, in the compute dtype, for its backward (:func:`_plain_logits`)
+    logit_softcap: bool = False
     #: the distinct attention kinds of the layers, ``(limit, layers)``: limit 0 full causal (and DSA), else the
     #: sliding window or attention chunk in tokens (transformers builds one mask per kind: :mod:`.layer_kind_memory`);
     #: a kind of 0 layers: a mask the model builds for no layer (Qwen2-MoE's sliding one: :func:`_unused_window_mask`)
@@ -647,9 +652,10 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
         lookup_params=_lookup_params(model),
         layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
-        **_norm_fields(model, layers, c.hidden_size),
+        **_norm_fields(model, layers, c.hidden_size, head_dim),
         qk_norm=any(name.rsplit(".", 1)[-1] in _QK_NORM_NAMES for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
+        logit_softcap=_logit_softcap(model),
         attn_softcapping=any(layer.softcap for layer in c.layers if layer.is_attention),
         eager_scores=None if kinds["own_code_layers"] else _eager_scores(layers),
         **_moe_sizes(model),
@@ -861,21 +867,21 @@ def _unused_window_mask(model, text, kinds: dict[int, int]) -> int | None:  # no
     return max(int(window), 1) if isinstance(window, int) else None
 
 
-def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  # noqa: ANN001
-    """The modules under ``module`` (itself included) that normalize over the hidden size: a class named like a norm
-    with a ``[hidden]`` weight; q/k norms are not (``q_norm`` / ``k_norm``, counted by :attr:`ModelDims.qk_norm`, even
-    where they normalize the whole projection, OLMo 2's of ``heads x head_dim = hidden``); those inside ``skip``
-    (module ids: the decoder layers) and below them left out."""
+def _hidden_norms(module, hidden: int, skip: set[int] = frozenset(), *, layer: bool = False) -> list:  # noqa: ANN001
+    """The modules under ``module`` (itself included) that normalize over the hidden size
+    (:func:`automodel.models.tiled_mlp.is_hidden_norm`, the tiled layer norms' rule; ``layer``: ``module`` is a decoder
+    layer, whose own parameter-free norms count); q/k norms are not (``q_norm`` / ``k_norm``, counted by
+    :attr:`ModelDims.qk_norm`, even where they normalize the whole projection, OLMo 2's of ``heads x head_dim =
+    hidden``); those inside ``skip`` (module ids: the decoder layers) and below them left out."""
     out = []
 
-    def walk(m, name: str = "") -> None:  # noqa: ANN001
+    def walk(m, name: str = "", depth: int = 0) -> None:  # noqa: ANN001
         if id(m) in skip or name in _QK_NORM_NAMES:
             return
-        weight = getattr(m, "weight", None)
-        if "norm" in type(m).__name__.lower() and getattr(weight, "shape", None) is not None and tuple(weight.shape) == (hidden,):
+        if is_hidden_norm(m, hidden, held_by_layer=layer and depth == 1):
             out.append(m)
         for child_name, child in m.named_children():
-            walk(child, child_name)
+            walk(child, child_name, depth + 1)
 
     walk(module)
     return out
@@ -883,14 +889,15 @@ def _hidden_norms(module, hidden: int, skip: set[int] = frozenset()) -> list:  #
 
 def _layer_norms(layer, hidden: int) -> int:  # noqa: ANN001
     """Norms over the hidden size in one decoder layer (per-head q/k norms are not counted); at least 2."""
-    return max(len(_hidden_norms(layer, hidden)), 2)
+    return max(len(_hidden_norms(layer, hidden, layer=True)), 2)
 
 
-def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: ANN001
+def _norm_fields(model, layers: list, hidden: int, head_dim: int) -> dict[str, Any]:  # noqa: ANN001
     """:class:`ModelDims`' norm fields, measured on CPU copies of the model's own norms
     (:mod:`automodel.training.norm_memory`): ``norm_half_extra`` (the first decoder layer's hidden-size norms),
     ``final_norm_half_extra`` (those outside the layers) and ``qk_norm_half_extra`` (its q/k norms): what they save in
-    bf16 / fp16 beyond their fp32 count; ``layer_norm_peaks`` / ``layer_norm_saved`` (the layer's norms) and
+    bf16 / fp16 beyond their fp32 count (a parameter-free q/k norm probed at ``head_dim``: NanoChat's normalize each
+    head); ``layer_norm_peaks`` / ``layer_norm_saved`` (the layer's norms) and
     ``final_norm_peaks`` (the final norm the tiled MLP or layer tiles, ``final_norm_tiles`` where there is one; else
     the norms outside the layers): their forward and backward peaks, whole and tiled, and what they save beyond their
     input."""
@@ -899,19 +906,36 @@ def _norm_fields(model, layers: list, hidden: int) -> dict[str, Any]:  # noqa: A
 
     if not layers:
         return {}
-    outside = _hidden_norms(model, hidden, skip={id(layer) for layer in layers})
     final = [m for _, m in find_final_norms(model)]  # the one the tiled MLP or layer tiles
-    inside = _hidden_norms(layers[0], hidden)
+    outside = _hidden_norms(model, hidden, skip={id(layer) for layer in layers})
+    outside += [m for m in final if all(m is not o for o in outside)]  # a parameter-free final norm (NanoChat's)
+    inside = _hidden_norms(layers[0], hidden, layer=True)
     tiled = {id(m) for _, m in find_layer_norms(model)}  # the ones the tiled MLP tiles
-    # the per-head q/k norms: their weight's size is the width they normalize over (a head, or OLMo 2's whole q)
-    qk = [m for name, m in layers[0].named_modules() if name.rsplit(".", 1)[-1] in _QK_NORM_NAMES
-          and getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 1]  # fmt: skip
+    # the per-head q/k norms: their weight's size is the width they normalize over (a head, or OLMo 2's whole q); a
+    # parameter-free one (NanoChat's) normalizes each head
+    qk: dict[Any, int] = {}
+    for name, m in layers[0].named_modules():
+        weight = getattr(m, "weight", None)
+        if name.rsplit(".", 1)[-1] not in _QK_NORM_NAMES:
+            continue
+        if getattr(weight, "dim", lambda: 0)() == 1:
+            qk[m] = weight.shape[0]
+        elif not list(m.parameters()):
+            qk[m] = head_dim
     return {"norm_half_extra": half_precision_extra(inside, hidden),
             "layer_norm_peaks": norm_peaks(inside, hidden), "layer_norm_saved": saved_beyond_input(inside, hidden),
             "final_norm_half_extra": half_precision_extra(outside, hidden),
-            "qk_norm_half_extra": max((half_precision_extra([m], m.weight.shape[0]) for m in qk), default=0.0),
+            "qk_norm_half_extra": max((half_precision_extra([m], width) for m, width in qk.items()), default=0.0),
             "final_norm_peaks": norm_peaks(final or outside, hidden), "final_norm_tiles": bool(final),
-            "layer_norm_tiles": all(id(m) in tiled for m in inside)}  # fmt: skip
+            "layer_norm_tiles": bool(inside) and all(id(m) in tiled for m in inside)}  # fmt: skip
+
+
+def _logit_softcap(model) -> bool:  # noqa: ANN001
+    """Whether the (text) config soft-caps the logits after the LM head (``final_logit_softcapping`` /
+    ``logits_soft_cap`` set: ``tanh(logits / cap) * cap``, whose ``tanh`` keeps its output for the backward)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return any(getattr(text, k, None) not in (None, 0, 0.0) for k in ("final_logit_softcapping", "logits_soft_cap"))
 
 
 def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
@@ -1451,11 +1475,16 @@ def _plain_logits(d: ModelDims, r: RunShape, loss_parallel: bool) -> float:
     saved log-probs, the one-hot target update, ``update + exp(log-probs)`` and its product with the
     incoming gradient: ``4 N V' 4`` (measured, ``scripts/bench_tp.py``). So loss parallel divides the
     term by ``3 tp / 4`` (tp 2: by 1.5), not by tp.
+
+    A soft-capped model's logits (:attr:`ModelDims.logit_softcap`) add the ``tanh`` output its backward keeps,
+    ``N V c`` (``N V' c`` under loss parallel), alive beside those fp32 tensors (measured: NanoChat, bf16, vocabulary
+    8192: 14 bytes a logit at the loss's peak, 12 without the soft-cap's).
     """
     n = r.local_tokens
-    if loss_parallel and r.tp > 1:
-        return 4 * n * (d.vocab / r.tp) * 4 + n * d.hidden * r.compute_bytes
-    return 3 * n * d.vocab * 4 + n * d.hidden * r.compute_bytes
+    lp = loss_parallel and r.tp > 1
+    cols = d.vocab / r.tp if lp else d.vocab
+    softcap = n * cols * r.compute_bytes if d.logit_softcap else 0.0
+    return (4 if lp else 3) * n * cols * 4 + softcap + n * d.hidden * r.compute_bytes
 
 
 def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
@@ -1464,12 +1493,16 @@ def _loss_term(d: ModelDims, r: RunShape) -> tuple[float, str]:
         if r.tp > 1 and r.loss_parallel:
             return _plain_logits(d, r, True), f"loss parallel: 4 x [{n}, {v // r.tp}] fp32 (V / tp {r.tp}) in torch's vocabulary-parallel backward"
         gathered = f" (tp {r.tp} gathers the logits)" if r.tp > 1 else ""
-        return _plain_logits(d, r, False), f"plain: [{n}, {v}] fp32 log-probs, their gradient and the logits gradient{gathered}"
-    rows = min(r.chunk_tokens, n)
-    live = 2  # one chunk's logits and their softmax (each chunk is freed before the next)
-    acc = v * h * 4 + (v * h * r.compute_bytes if r.compute_bytes != 4 else 0)
-    grad_h = n * h * r.compute_bytes
-    return live * rows * v * 4 + acc + grad_h, f"chunked: [{rows}, {v}] per chunk + the fp32 LM-head gradient"
+        softcap = f" and the soft-cap's [{n}, {v}] tanh output" if d.logit_softcap else ""
+        return _plain_logits(d, r, False), f"plain: [{n}, {v}] fp32 log-probs, their gradient and the logits gradient{softcap}{gathered}"
+    rows, c = min(r.chunk_tokens, n), r.compute_bytes
+    # one chunk at a time (each freed before the next): its fp32 logits and their softmax; in a bf16 / fp16 backward
+    # then the softmax, its cast and their [V, h] weight-gradient product (chunked_loss adds an fp32 one in place)
+    softmax = 2 * rows * v * 4
+    product = rows * v * (4 + c) + v * h * c if c != 4 else 0.0
+    acc = v * h * 4  # the fp32 LM-head gradient (its cast to the weight's dtype comes after the chunks are freed)
+    grad_h = n * h * c
+    return max(softmax, product) + acc + grad_h, f"chunked: [{rows}, {v}] per chunk + the fp32 LM-head gradient"
 
 
 def _comm_buffers(d: ModelDims, r: RunShape) -> tuple[float, str]:
