@@ -46,10 +46,11 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx
 
 
 def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int, dtype: str,
-                  settings: tuple[tuple[bool, bool], ...] = SETTINGS) -> list[dict]:  # fmt: skip
+                  settings: tuple[tuple[bool, bool], ...] = SETTINGS, sizes: dict[str, int] | None = None) -> list[dict]:  # fmt: skip
     """One process: each family of ``names`` with each of ``settings`` (:data:`SETTINGS`: activation checkpointing,
     tiled MLP): the tracked peak of the second step and the plan's step peak, MiB (or the error that stopped the
-    row)."""
+    row). ``sizes``: config attributes set on each family's tiny config where it has them (``hidden_size=256``: the
+    widths of a real model's proportions, where the tiny configs' hidden 64 lets fixed terms weigh more)."""
     from transformers import AutoModelForCausalLM
 
     from automodel.models.block_call import apply_activation_checkpointing
@@ -72,6 +73,9 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
             try:
                 config = fam.build_config()
                 config.use_cache = False  # as the recipe's loader sets it: training builds no KV cache
+                for key, value in (sizes or {}).items():
+                    if isinstance(getattr(config, key, None), int):
+                        setattr(config, key, value)
                 for key in POSITION_KEYS:
                     if isinstance(getattr(config, key, None), int) and getattr(config, key) < seq:
                         setattr(config, key, seq)
@@ -166,20 +170,23 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=0.05, help="an under-count past this fails the row")
     parser.add_argument("--over", type=float, default=0.15, help="an over-count past this is marked")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--sizes", default="", help="config sizes to set where a family has them, e.g. "
+                        "hidden_size=256,intermediate_size=768,num_attention_heads=8,num_key_value_heads=4,head_dim=32")
     parser.add_argument("--moe-block", action="store_true", help="only the MoE block rows (see the module docstring)")
     args = parser.parse_args()
     if args.moe_block:
         moe_block_rows()
         return 0
     names = args.families.split(",") if args.families else [f.name for f in FAMILIES]
+    sizes = {k: int(v) for k, v in (kv.split("=") for kv in args.sizes.split(",") if kv)}
     print(f"Plan against the tracked step peak at cp=1 ({args.dtype}, {args.seq} tokens, loss.chunk_tokens=256, "
-          f"AdamW; ac: activation checkpointing, tiled: model.tiled_mlp)\n")  # fmt: skip
+          f"AdamW; ac: activation checkpointing, tiled: model.tiled_mlp{'; ' + args.sizes if sizes else ''})\n")  # fmt: skip
     print("| family | ac | tiled | measured MiB | planned MiB | error | plan's peak phase | |")
     print("|---|---|---|---:|---:|---:|---|---|")
     under = errors = 0
     for i in range(0, len(names), 10):  # ten families a process: a crash loses few rows
         rows = run_on_ranks("scripts.bench_plan_families:family_worker", 1, args.timeout, names=names[i : i + 10],
-                            seq=args.seq, chunk=256, dtype=args.dtype)[0]  # fmt: skip
+                            seq=args.seq, chunk=256, dtype=args.dtype, sizes=sizes)[0]  # fmt: skip
         for r in rows:
             head = f"| {r['family']} | {'on' if r['ac'] else 'off'} | {'on' if r['tiled'] else 'off'} |"
             if "error" in r:

@@ -266,6 +266,9 @@ class ModelDims:
     #: the logits are soft-capped after the LM head (``final_logit_softcapping``: Gemma 2 / 3, NanoChat): the plain
     #: loss's ``tanh`` keeps its ``[N, V]`` output, in the compute dtype, for its backward (:func:`_plain_logits`)
     logit_softcap: bool = False
+    #: the largest decoder-layer MLP block's trainable parameters (:func:`automodel.models.tiled_mlp.find_mlps`; 0: none
+    #: found): :attr:`mlp_weights`
+    mlp_params: int = 0
     #: the distinct attention kinds of the layers, ``(limit, layers)``: limit 0 full causal (and DSA), else the
     #: sliding window or attention chunk in tokens (transformers builds one mask per kind: :mod:`.layer_kind_memory`);
     #: a kind of 0 layers: a mask the model builds for no layer (Qwen2-MoE's sliding one: :func:`_unused_window_mask`)
@@ -345,6 +348,15 @@ class ModelDims:
         """Weight matrices of the dense MLP (of each expert): 3 gated (``down(act(gate) * up)``; experts are counted
         so), 2 plain (``fc2(act(fc1))``: GPT-2, GPT-NeoX, Falcon)."""
         return 3 if self.mlp_gated or self.experts else 2
+
+    @property
+    def mlp_weights(self) -> int:
+        """Weight elements of one decoder layer's MLP block whose gradients its backward makes: what the tiled MLP's
+        (and the tiled layer's) backward holds a tile's gradient of, beside their running sum. The largest block's
+        trainable parameters where the model was read (:attr:`mlp_params`: a mixture of experts' every expert, its
+        shared experts and router, as the tiled backward differentiates the whole block per tile); else the dense
+        MLP's ``mats h I``."""
+        return self.mlp_params or self.mlp_matrices * self.hidden * self.intermediate
 
     @property
     def tp_capable(self) -> bool:
@@ -539,7 +551,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     (``h q + 3 h I`` for the output projection and the MLP). Measured: scripts/bench_memory.py --tiled-layer only.
     """
     n, c = r.local_tokens, r.compute_bytes
-    h, kv, i, q = d.hidden, d.kv_heads * d.head_dim, d.intermediate, d.heads * d.head_dim
+    h, kv, q = d.hidden, d.kv_heads * d.head_dim, d.heads * d.head_dim
     repeated = 2 * q * _repeated_kv_share(d, r)
     # head groups (distributed.ulysses_head_chunks=G > 1): each group runs under a checkpoint, so the kernel's
     # output and LSE are not saved (automodel.distributed.cp.head_chunks); the local output the post part saves is
@@ -555,9 +567,9 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     if c < 4:  # a tile's norms' fp32 copies in bf16 / fp16 (_activation_terms)
         stream += d.norm_half_extra * h + (d.qk_norm_half_extra * (q + kv) if d.qk_norm else 0.0)
     t = min(tile, n)
-    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + d.mlp_matrices * h * i) * c
+    tile_bwd = t * (stream + 2 * h + mlp.backward + 3 * h) * c + mlp.router * t + (h * q + d.mlp_weights) * c
     if c < 4 and t < n:  # the running sums of the post part's weight gradients in fp32 (automodel.models.tile_backward)
-        tile_bwd += (h * q + d.mlp_matrices * h * i) * (4 - c)
+        tile_bwd += (h * q + d.mlp_weights) * (4 - c)
     tile_fwd = t * (stream + mlp.forward) * c + mlp.router * t
     post_grads = (2 * h + q) * c  # the output's gradient, the attention output's and the input's
     # the input's and the attention output's gradients, dq, dk, dv (those three in the CP workspace where the method
@@ -656,6 +668,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         qk_norm=any(name.rsplit(".", 1)[-1] in _QK_NORM_NAMES for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
         logit_softcap=_logit_softcap(model),
+        mlp_params=_mlp_params(model),
         attn_softcapping=any(layer.softcap for layer in c.layers if layer.is_attention),
         eager_scores=None if kinds["own_code_layers"] else _eager_scores(layers),
         **_moe_sizes(model),
@@ -930,6 +943,18 @@ def _norm_fields(model, layers: list, hidden: int, head_dim: int) -> dict[str, A
             "layer_norm_tiles": bool(inside) and all(id(m) in tiled for m in inside)}  # fmt: skip
 
 
+def _mlp_params(model) -> int:  # noqa: ANN001
+    """The largest decoder-layer MLP block's trainable parameters, as the tiled MLP finds the blocks (0: none)."""
+    from automodel.errors import UserInputError
+    from automodel.models.tiled_mlp import find_mlps
+
+    try:
+        mlps = find_mlps(model)
+    except UserInputError:
+        return 0
+    return max((sum(p.numel() for p in m.parameters() if p.requires_grad) for _, m in mlps), default=0)
+
+
 def _logit_softcap(model) -> bool:  # noqa: ANN001
     """Whether the (text) config soft-caps the logits after the LM head (``final_logit_softcapping`` /
     ``logits_soft_cap`` set: ``tanh(logits / cap) * cap``, whose ``tanh`` keeps its output for the backward)."""
@@ -963,8 +988,28 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
     count = getattr(text, "n_shared_experts", None) or getattr(text, "moe_num_shared_experts", None)
     if not shared and isinstance(count, int):  # shared experts of the routed experts' width (Aria's fused into one)
         shared = count * width
+    if not shared:  # a shared MLP no config key names (HunYuan-MoE's shared_mlp, of the dense width): read off the block
+        shared = _shared_mlp_width(model, getattr(text, "hidden_size", 0) or 0)
     return {"experts": experts, "top_k": top_k, "expert_intermediate": width, "shared_intermediate": shared,
             "experts_impl": "grouped_mm" if impl == "grouped_mm" else "eager"}  # fmt: skip
+
+
+def _shared_mlp_width(model, hidden: int) -> int:  # noqa: ANN001
+    """The total width of the shared experts a MoE block holds as a child named ``shared...`` (HunYuan-MoE's
+    ``shared_mlp``), from their parameters (a gated MLP's ``3 h I_s``; a one-output gate such as Qwen2-MoE's
+    ``shared_expert_gate`` is not one); 0 where the first MLP block has none."""
+    from automodel.errors import UserInputError
+    from automodel.models.tiled_mlp import find_mlps
+
+    try:
+        mlps = find_mlps(model)
+    except UserInputError:
+        return 0
+    if not mlps or hidden <= 0:
+        return 0
+    params = sum(p.numel() for name, child in mlps[0][1].named_children() if name.startswith("shared")
+                 for p in child.parameters() if p.dim() == 2 and min(p.shape) > 1)  # fmt: skip
+    return params // (3 * hidden)
 
 
 def _lookup_params(model) -> int:  # noqa: ANN001
@@ -1196,7 +1241,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     if layer_tile:  # model.tiled_layer (refused under TP by the config rules)
         return _tiled_layer_terms(d, r, layer_tile)
     n, c, tp, s = r.local_tokens, r.compute_bytes, r.tp, r.stream_split
-    h, kv, i = d.hidden, d.kv_heads * d.head_dim, d.intermediate
+    h, kv = d.hidden, d.kv_heads * d.head_dim
     # K and V as the attention kernel saves them: repeated to all query heads (2 q) where it is given them so
     # (_repeated_kv_share), else at the KV heads (2 kv; the block kernels and torch's SDPA with enable_gqa). Never
     # both: transformers' repeat_kv (expand, then a reshape that copies) and RoPE (its products save cos and sin) do
@@ -1251,13 +1296,16 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # term counts the layer's gradient as its FSDP2 shard (1 / fsdp of it), but the sum is whole until the
     # layer's reduce-scatter: 3 h I / tp (1 - 1 / fsdp) more (a snapshot of scripts/bench_plan_cases.py's tiled
     # case at fsdp 2 holds both copies whole; scripts/bench_memory.py's wide rows run at fsdp 1)
-    # a plain MLP (fc1 -> act -> fc2): two weight matrices, its activation's measured moments (ModelDims.mlp_moments)
-    mats, (_, tile_f, tile_b) = d.mlp_matrices, (d.mlp_moments if d.mlp_matrices == 2 else GATED_MLP_MOMENTS)
-    unsharded_sum = mats * h * i / tp * (1 - 1 / r.fsdp)
+    # the tile's tensors are the MLP's per-token moments (_mlp_moments: a plain MLP's measured activation, a gated
+    # one's, a mixture of experts' routed copies and router) over its tokens; its weight gradients are the whole
+    # block's (ModelDims.mlp_weights: every expert of a mixture, which the tiled backward differentiates per tile;
+    # planned as one expert's, Mixtral bf16 with checkpointing was 21% under its measured peak at hidden 256)
+    weights = d.mlp_weights / tp
+    unsharded_sum = weights * (1 - 1 / r.fsdp)
     # in bf16 / fp16 the running sum over several tiles is fp32 (automodel.models.tile_backward): 4 - c bytes more
-    widened = mats * h * i / tp * (4 - c) if c < 4 and tile and tile < n else 0.0
-    tile_bytes = (tile_b * tile * i / tp + mats * h * i / tp + unsharded_sum) * c + widened if tile else 0.0
-    tile_fwd = tile_f * tile * i / tp * c if tile else 0.0  # a tile's gate, silu(gate) and up in the forward
+    widened = weights * (4 - c) if c < 4 and tile and tile < n else 0.0
+    tile_bytes = ((mlp.backward * tile / tp + weights + unsharded_sum) * c + mlp.router * tile + widened) if tile else 0.0
+    tile_fwd = (mlp.forward * tile / tp * c + mlp.router * tile) if tile else 0.0  # e.g. gate, silu(gate) and up
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
     # at the layer's attention (its forward; its backward, the MLP's and the post-attention norm's backward done) the
