@@ -328,6 +328,10 @@ class ModelDims:
     #: their own code (:func:`_attn_output_copy`); ``False`` where q is a transposed view of its projection (Llama,
     #: Qwen, Gemma, Falcon, GPT-2: torch's CPU SDPA then returns the output token-major and no copy is made)
     attn_output_copy: bool = True
+    #: one projection makes q, k and v (Phi-3's ``qkv_proj``, GPT-NeoX's and Falcon's ``query_key_value``, DBRX's
+    #: ``Wqkv``) and RoPE replaces q and k: v, a view of that output, keeps all of it alive where the kernel saves v
+    #: (``q + kv`` more per token and layer; :func:`_fused_qkv`)
+    fused_qkv: bool = False
 
     @property
     def matmul_params(self) -> int:
@@ -674,6 +678,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         **_moe_sizes(model),
         **kinds,
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
+        fused_qkv=_fused_qkv(model, layers, heads * head_dim, kv * head_dim),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
     )
@@ -953,6 +958,24 @@ def _mlp_params(model) -> int:  # noqa: ANN001
     except UserInputError:
         return 0
     return max((sum(p.numel() for p in m.parameters() if p.requires_grad) for _, m in mlps), default=0)
+
+
+#: attribute names of a projection that makes q, k and v at once (:func:`_fused_qkv`)
+_FUSED_QKV_NAMES = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv")
+
+
+def _fused_qkv(model, layers: list, q: int, kv: int) -> bool:  # noqa: ANN001
+    """Whether the first decoder layer's attention makes q, k and v in one projection (a Linear or GPT-2's Conv1D
+    named as in :data:`_FUSED_QKV_NAMES`, of ``q + 2 kv`` outputs) and the model applies RoPE, which replaces q and k
+    with new tensors: v, a view of the projection's output, then keeps all of it alive (without RoPE q, k and v are
+    all views of it: GPT-2, BLOOM, MPT, whose plan counts them as such)."""
+    if not layers or not q:
+        return False
+    rope = any("rotary" in type(m).__name__.lower() for m in model.modules())
+    fused = any(name.rsplit(".", 1)[-1] in _FUSED_QKV_NAMES
+                and (getattr(m, "out_features", None) or getattr(m, "nf", None)) == q + 2 * kv
+                for name, m in layers[0].named_modules())  # fmt: skip
+    return rope and fused
 
 
 def _logit_softcap(model) -> bool:  # noqa: ANN001
@@ -1274,7 +1297,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # output nor its LSE is saved (automodel.distributed.cp.head_chunks): the local q/k/v and the output projection's
     # input are (measured: scripts/bench_memory.py --headwise only, 4.25 MiB below one group at 4096 local tokens)
     grouped = r.head_chunks > 1 and r.cp > 1
-    attn = (q + kv_saved + _output_copies(d, r) * q + qk) / tp if d.heads else 0.0
+    # a fused q/k/v projection's output stays whole while v, a view of it, is saved (not where K/V are repeated: the
+    # copies are saved and the view is freed): q + kv beyond the v counted (Phi-3 bf16 without checkpointing was
+    # planned 6% under at hidden 256: the [N, q + 2 kv] qkv_proj output of every layer alive)
+    fused = (q + kv) * (1 - share) if d.fused_qkv else 0.0
+    attn = (q + kv_saved + _output_copies(d, r) * q + qk + fused) / tp if d.heads else 0.0
     # without CP (and without head groups) the attention's backward holds the output projection's input gradient and
     # SDPA's dq, dk, dv (K and V at the width the kernel was given them) beside the saved tensors: 2 q + kv_saved,
     # the step's peak where q is wide next to the MLP (the 4 / 2 heads of 320: 40 MiB at 2048 tokens, one
