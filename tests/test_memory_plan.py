@@ -458,6 +458,13 @@ def test_moe_layers_plan_their_routed_and_shared_experts():
         width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         assert (d.experts, d.top_k, d.expert_intermediate) == (4, 2, width), name
         assert d.shared_intermediate == getattr(config, shared) * width > 0, name
+    # shared experts named num_shared_experts (AFMoE, EXAONE-MoE, HY-V3) or shared_intermediate_size (Granite-MoE-Shared,
+    # Ergo); their first layers are dense in the tiny configs
+    for name, width in (("afmoe", lambda c: c.num_shared_experts * c.moe_intermediate_size),
+                        ("granitemoeshared", lambda c: c.shared_intermediate_size)):
+        config = family_by_name(name).build_config()
+        with torch.device("meta"):
+            assert model_dims(AutoModelForCausalLM.from_config(config)).shared_intermediate == width(config) > 0, name
     # HunYuan-MoE's block always holds a shared MLP of the dense width that no config key names: read off the block's
     # ``shared_mlp`` (at hidden 256 in bf16, -19% / -11% without and with checkpointing before, -1% / +4% now);
     # Qwen2-MoE's one-output shared_expert_gate is not an expert (its width comes from its config)

@@ -948,16 +948,21 @@ def _norm_fields(model, layers: list, hidden: int, head_dim: int) -> dict[str, A
             "layer_norm_tiles": bool(inside) and all(id(m) in tiled for m in inside)}  # fmt: skip
 
 
-def _mlp_params(model) -> int:  # noqa: ANN001
-    """The largest decoder-layer MLP block's trainable parameters, as the tiled MLP finds the blocks (0: none)."""
+def _mlp_blocks(model) -> list:  # noqa: ANN001
+    """The decoder layers' MLP blocks as the tiled MLP finds them (:func:`automodel.models.tiled_mlp.find_mlps`; empty:
+    none found)."""
     from automodel.errors import UserInputError
     from automodel.models.tiled_mlp import find_mlps
 
     try:
-        mlps = find_mlps(model)
+        return [m for _, m in find_mlps(model)]
     except UserInputError:
-        return 0
-    return max((sum(p.numel() for p in m.parameters() if p.requires_grad) for _, m in mlps), default=0)
+        return []
+
+
+def _mlp_params(model) -> int:  # noqa: ANN001
+    """The largest decoder-layer MLP block's trainable parameters (0: none found)."""
+    return max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in _mlp_blocks(model)), default=0)
 
 
 #: attribute names of a projection that makes q, k and v at once (:func:`_fused_qkv`)
@@ -1000,7 +1005,7 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
         experts, top_k, width = ffn.moe_num_experts, getattr(ffn, "moe_top_k", 0) or 0, ffn.ffn_hidden_size
     if not experts or not top_k:
         return {}
-    shared = getattr(text, "shared_expert_intermediate_size", None) or 0
+    shared = getattr(text, "shared_expert_intermediate_size", None) or getattr(text, "shared_intermediate_size", None) or 0
     impl = getattr(text, "_experts_implementation", None)
     impl = impl.get("", impl) if isinstance(impl, dict) else impl
     if getattr(text, "model_type", "") == "llama4_text":
@@ -1008,7 +1013,8 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
         # top k, scale the E copies of the input: Llama4TextMoe) beside a shared expert of the experts' width: E
         # routed copies (planned with k: -22% at cp 1 with checkpointing)
         top_k, shared, impl = experts, width, "eager"
-    count = getattr(text, "n_shared_experts", None) or getattr(text, "moe_num_shared_experts", None)
+    count = next((getattr(text, k) for k in ("n_shared_experts", "moe_num_shared_experts", "num_shared_experts")
+                  if isinstance(getattr(text, k, None), int)), None)  # fmt: skip
     if not shared and isinstance(count, int):  # shared experts of the routed experts' width (Aria's fused into one)
         shared = count * width
     if not shared:  # a shared MLP no config key names (HunYuan-MoE's shared_mlp, of the dense width): read off the block
@@ -1020,19 +1026,15 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
 def _shared_mlp_width(model, hidden: int) -> int:  # noqa: ANN001
     """The total width of the shared experts a MoE block holds as a child named ``shared...`` (HunYuan-MoE's
     ``shared_mlp``), from their parameters (a gated MLP's ``3 h I_s``; a one-output gate such as Qwen2-MoE's
-    ``shared_expert_gate`` is not one); 0 where the first MLP block has none."""
-    from automodel.errors import UserInputError
-    from automodel.models.tiled_mlp import find_mlps
-
-    try:
-        mlps = find_mlps(model)
-    except UserInputError:
+    ``shared_expert_gate`` is not one); 0 where no MLP block has one."""
+    if hidden <= 0:
         return 0
-    if not mlps or hidden <= 0:
-        return 0
-    params = sum(p.numel() for name, child in mlps[0][1].named_children() if name.startswith("shared")
-                 for p in child.parameters() if p.dim() == 2 and min(p.shape) > 1)  # fmt: skip
-    return params // (3 * hidden)
+    for block in _mlp_blocks(model):  # the first block that holds one (a model's first layers may be dense)
+        params = sum(p.numel() for name, child in block.named_children() if name.startswith("shared")
+                     for p in child.parameters() if p.dim() == 2 and min(p.shape) > 1)  # fmt: skip
+        if params:
+            return params // (3 * hidden)
+    return 0
 
 
 def _lookup_params(model) -> int:  # noqa: ANN001
