@@ -145,6 +145,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from automodel.distributed.cp.profile import text_config
+
 # the names transformers gives per-head (or whole-projection) query and key norms (ModelDims.qk_norm)
 from automodel.models.tiled_mlp import QK_NORM_NAMES as _QK_NORM_NAMES
 from automodel.models.tiled_mlp import is_hidden_norm
@@ -648,6 +650,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         inter = mlp.pop("intermediate")  # the modules' width (GPT-2's n_inner, Falcon's ffn_hidden_size)
     mlp.pop("intermediate", None)
     kinds = _layer_kinds(model, c)
+    blocks = _mlp_blocks(model)  # the MLP blocks the tiled MLP finds: their parameters, a shared MLP no key names
     return ModelDims(
         layers=c.num_hidden_layers,
         hidden=c.hidden_size,
@@ -672,10 +675,10 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         qk_norm=any(name.rsplit(".", 1)[-1] in _QK_NORM_NAMES for layer in layers[:1] for name, _ in layer.named_modules()),
         logit_transform=logit_transform_of(model),
         logit_softcap=_logit_softcap(model),
-        mlp_params=_mlp_params(model),
+        mlp_params=_mlp_params(blocks),
         attn_softcapping=any(layer.softcap for layer in c.layers if layer.is_attention),
         eager_scores=None if kinds["own_code_layers"] else _eager_scores(layers),
-        **_moe_sizes(model),
+        **_moe_sizes(model, blocks),
         **kinds,
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         fused_qkv=_fused_qkv(model, layers, heads * head_dim, kv * head_dim),
@@ -743,8 +746,7 @@ def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
 
     if layer is None:
         return {}
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(getattr(model, "config", None))
     shape = mlp_shape(layer, hidden, text)
     if shape is None:
         return {}
@@ -760,8 +762,7 @@ def _attn_output_copy(model, own_code_layers: int) -> bool:  # noqa: ANN001
     the loss: ``scripts/bench_memory.py --structures only``)."""
     if own_code_layers:
         return True
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(getattr(model, "config", None))
     if getattr(text, "partial_rotary_factor", None) is not None or getattr(text, "rotary_pct", None) is not None:
         return True
     rope = getattr(text, "rope_parameters", None)
@@ -812,8 +813,7 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
     from automodel.distributed.cp.layers.gathered_state import gathered_state
     from automodel.distributed.cp.profile import CHUNKED, SLIDING, SPARSE
 
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(getattr(model, "config", None))
     kinds: dict[int, int] = {}
     gathered: dict[Any, int] = {}
     for layer in profile.layers:
@@ -960,9 +960,9 @@ def _mlp_blocks(model) -> list:  # noqa: ANN001
         return []
 
 
-def _mlp_params(model) -> int:  # noqa: ANN001
-    """The largest decoder-layer MLP block's trainable parameters (0: none found)."""
-    return max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in _mlp_blocks(model)), default=0)
+def _mlp_params(blocks: list) -> int:
+    """The largest of ``blocks``' (:func:`_mlp_blocks`) trainable parameters (0: none)."""
+    return max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in blocks), default=0)
 
 
 #: attribute names of a projection that makes q, k and v at once (:func:`_fused_qkv`)
@@ -986,15 +986,14 @@ def _fused_qkv(model, layers: list, q: int, kv: int) -> bool:  # noqa: ANN001
 def _logit_softcap(model) -> bool:  # noqa: ANN001
     """Whether the (text) config soft-caps the logits after the LM head (``final_logit_softcapping`` /
     ``logits_soft_cap`` set: ``tanh(logits / cap) * cap``, whose ``tanh`` keeps its output for the backward)."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(getattr(model, "config", None))
     return any(getattr(text, k, None) not in (None, 0, 0.0) for k in ("final_logit_softcapping", "logits_soft_cap"))
 
 
-def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
-    """The mixture-of-experts sizes of :class:`ModelDims` from the (text) config; empty for a dense model."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+def _moe_sizes(model, blocks: list) -> dict[str, int]:  # noqa: ANN001
+    """The mixture-of-experts sizes of :class:`ModelDims` from the (text) config, and ``blocks`` (the MLP blocks,
+    :func:`_mlp_blocks`) for a shared MLP no config key names; empty for a dense model."""
+    text = text_config(getattr(model, "config", None))
     experts = next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
                     if isinstance(getattr(text, k, None), int)), 0)  # fmt: skip
     top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_topk")  # Aria: moe_num_experts, moe_topk
@@ -1018,18 +1017,18 @@ def _moe_sizes(model) -> dict[str, int]:  # noqa: ANN001
     if not shared and isinstance(count, int):  # shared experts of the routed experts' width (Aria's fused into one)
         shared = count * width
     if not shared:  # a shared MLP no config key names (HunYuan-MoE's shared_mlp, of the dense width): read off the block
-        shared = _shared_mlp_width(model, getattr(text, "hidden_size", 0) or 0)
+        shared = _shared_mlp_width(blocks, getattr(text, "hidden_size", 0) or 0)
     return {"experts": experts, "top_k": top_k, "expert_intermediate": width, "shared_intermediate": shared,
             "experts_impl": "grouped_mm" if impl == "grouped_mm" else "eager"}  # fmt: skip
 
 
-def _shared_mlp_width(model, hidden: int) -> int:  # noqa: ANN001
+def _shared_mlp_width(blocks: list, hidden: int) -> int:
     """The total width of the shared experts a MoE block holds as a child named ``shared...`` (HunYuan-MoE's
     ``shared_mlp``), from their parameters (a gated MLP's ``3 h I_s``; a one-output gate such as Qwen2-MoE's
-    ``shared_expert_gate`` is not one); 0 where no MLP block has one."""
+    ``shared_expert_gate`` is not one); 0 where none of ``blocks`` has one."""
     if hidden <= 0:
         return 0
-    for block in _mlp_blocks(model):  # the first block that holds one (a model's first layers may be dense)
+    for block in blocks:  # the first block that holds one (a model's first layers may be dense)
         params = sum(p.numel() for name, child in block.named_children() if name.startswith("shared")
                      for p in child.parameters() if p.dim() == 2 and min(p.shape) > 1)  # fmt: skip
         if params:
@@ -1324,11 +1323,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     mlp = _mlp_moments(d)
     saved_mlp, fwd_mlp, bwd_mlp = (0.0, 0.0, 0.0) if tile else (mlp.saved / tp, mlp.forward / tp, mlp.backward / tp)
     router = mlp.router
-    # one tile in backward: its four recomputed intermediates and two of their gradients, [T, I / tp] each, and
-    # the MLP's three weight gradients twice: the tile's own (``got`` in automodel.models.tiled_mlp), 3 h I / tp,
-    # beside their running sum over the tiles done (``sums``, which becomes the layer's gradient). The gradients
+    # one tile in backward: its recomputed intermediates and their gradients, and the MLP block's weight gradients
+    # twice: the tile's own (``got`` in automodel.models.tiled_mlp), W / tp (ModelDims.mlp_weights: 3 h I for a gated
+    # MLP), beside their running sum over the tiles done (``sums``, which becomes the layer's gradient). The gradients
     # term counts the layer's gradient as its FSDP2 shard (1 / fsdp of it), but the sum is whole until the
-    # layer's reduce-scatter: 3 h I / tp (1 - 1 / fsdp) more (a snapshot of scripts/bench_plan_cases.py's tiled
+    # layer's reduce-scatter: W / tp (1 - 1 / fsdp) more (a snapshot of scripts/bench_plan_cases.py's tiled
     # case at fsdp 2 holds both copies whole; scripts/bench_memory.py's wide rows run at fsdp 1)
     # the tile's tensors are the MLP's per-token moments (_mlp_moments: a plain MLP's measured activation, a gated
     # one's, a mixture of experts' routed copies and router) over its tokens; its weight gradients are the whole
