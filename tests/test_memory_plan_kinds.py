@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -806,3 +807,63 @@ def test_a_fused_qkv_projection_with_rope_keeps_its_output_per_layer():
     on, off = (_plan(dataclasses.replace(d, fused_qkv=f)) for f in (True, False))
     extra = on.phases["backward"]["activations"] - off.phases["backward"]["activations"]
     assert extra == pytest.approx(d.layers * SEQ * (q + kv) * 4)
+
+
+def _looped_step_peaks(name: str, ac: bool, **overrides) -> tuple[float, float, Any]:
+    """``(measured, planned, dims)``: the tracked step peak of one 1024-token row of the family's tiny config with
+    ``overrides`` (fp32, the chunked loss), and the plan's peak over the forward, the loss and the backward."""
+    from automodel.models.block_call import apply_activation_checkpointing
+    from automodel.training.step import forward_loss_sum
+    from scripts.live_tensors import AllocationTracker
+    from tests.family_matrix import cycled
+
+    seq, config = 1024, family_by_name(name).build_config()
+    for key, value in dict(max_position_embeddings=seq, use_cache=False, **overrides).items():
+        setattr(config, key, value)
+    if len(getattr(config, "layer_types", None) or ()) not in (0, config.num_hidden_layers):
+        config.layer_types = cycled(config.layer_types, config.num_hidden_layers)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    if ac:
+        apply_activation_checkpointing(model)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        (forward_loss_sum(model, {"input_ids": ids}, labels, 256) / seq).backward()
+
+    step()
+    gc.collect()
+    tracker = AllocationTracker()
+    with tracker:
+        step()
+    d = model_dims(model)
+    plan = plan_memory(d, RunShape(local_batch=1, seq=seq, chunk_tokens=256, activation_checkpointing=ac))
+    phases = ("forward", "loss", "recompute" if ac else "backward")
+    return tracker.peak, max(sum(plan.phases[p].values()) for p in phases), d
+
+
+@pytest.mark.parametrize(
+    ("name", "fewer", "more"),
+    [("dory", dict(n_recurrent_loops=1), dict(n_recurrent_loops=3)),
+     ("hrm_text", dict(L_bp_cycles=[1]), dict(L_bp_cycles=[3]))],
+    ids=["dory", "hrm"],
+)  # fmt: skip
+def test_a_looped_model_is_planned_per_layer_call(name, fewer, more):
+    """A looped model's layers run more than once a forward (``ModelDims.layer_calls``): Dory's recurrent slice
+    ``n_recurrent_loops`` times, HRM's L stack once per cycle with autograd (``L_bp_cycles``). Each call saves its
+    layer's activations again, or, checkpointed, its input, and each pass keeps one more hidden state between the
+    passes (``loop_restarts``). Two more passes (4 more layer calls) must grow the plan as they grow the measured
+    peak: with checkpointing within 5% (the kept inputs), without it within -15% / +10% (Dory's nGPT layer keeps
+    tensors the plan's per-layer term does not hold: its output gate, sub-norm and interpolations; -13% measured).
+    The plan counted every layer once: it grew by nothing, and Dory's row read -54%."""
+    base = dict(num_hidden_layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2) if name == "dory" else {}
+    for ac, low in ((True, -0.05), (False, -0.15)):
+        m1, p1, d1 = _looped_step_peaks(name, ac, **base, **fewer)
+        m3, p3, d3 = _looped_step_peaks(name, ac, **base, **more)
+        assert d3.calls - d1.calls == 4 and d3.loop_restarts - d1.loop_restarts == 2, (d1, d3)
+        grown, planned = m3 - m1, p3 - p1
+        assert low <= (planned - grown) / grown <= 0.10, (ac, grown / 2**20, planned / 2**20)
+        if name == "hrm_text" and ac:  # its layer's own terms are planned: the whole row too
+            assert -0.05 <= (p3 - m3) / m3 <= 0.10, (m3 / 2**20, p3 / 2**20)

@@ -284,14 +284,15 @@ def _shape_lines(plan: _Plan, model: Any, dims: Any, out: list[str]) -> None:
     if isinstance(group, int) and group > 1:  # model.checkpoint_group_layers: each group's first layer's input
         from automodel.models.checkpoint_groups import group_starts
 
-        kept = group_starts(dims.layers, group)
-        out.append(f"layer inputs kept for backward: {kept} of {dims.layers} x {_gib(per_layer_act)} (checkpoint "
+        kept = group_starts(dims.calls, group)
+        out.append(f"layer inputs kept for backward: {kept} of {dims.calls} x {_gib(per_layer_act)} (checkpoint "
                    f"groups of {group}: each group's first; the others rebuilt in the backward by one more forward of "
-                   f"{dims.layers - kept} layers)")  # fmt: skip
+                   f"{dims.calls - kept} layers)")  # fmt: skip
         return
     out.append(
-        f"layer inputs kept for backward: {dims.layers} x {_gib(per_layer_act)}"
+        f"layer inputs kept for backward: {dims.calls} x {_gib(per_layer_act)}"
         + (" (activation checkpointing: only these)" if cfg.model.activation_checkpointing else "")
+        + (f" (a looped model: {dims.layers} layers called {dims.calls} times)" if dims.layer_calls else "")
     )
 
 

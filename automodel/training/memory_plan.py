@@ -65,7 +65,10 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   output projection's input gradient and SDPA's dq, dk, dv besides (``2 q`` + K/V as saved; eager's moment, before
   dq and dk, ``q`` + V's): the step's peak where q is wide next to the MLP (the 4 / 2 heads of 320 of
   ``scripts/bench_memory.py --structures only``); under CP the method's workspace counts them.
-  and, at the MLP's backward, the MLP's gradients. With checkpoint groups of ``k`` (``model.checkpoint_group_layers``,
+  A looped model (Dory, Inkling2-loop, HRM: :mod:`automodel.models.layer_calls`) runs some layers more than once a
+  forward: ``L`` above is then its layer calls with autograd (:attr:`ModelDims.calls`; each saves its layer's
+  activations, or checkpointed its input), and each pass beyond the first keeps one more ``h c`` between the passes
+  (:attr:`ModelDims.loop_restarts`). With checkpoint groups of ``k`` (``model.checkpoint_group_layers``,
   :mod:`automodel.models.checkpoint_groups`) only each group's first input is kept, ``ceil(L / k)``; a group's
   backward holds its ``k`` inputs (the others rebuilt): ``ceil(L / k) + k - 1`` at the backward's moments, or
   offloaded ``k + 1`` (with the previous group's prefetched) and ``ceil(L / k)`` on the host (:func:`_kept_inputs`).
@@ -146,6 +149,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from automodel.distributed.cp.profile import text_config
+from automodel.models.layer_calls import layer_calls
 
 # the names transformers gives per-head (or whole-projection) query and key norms (ModelDims.qk_norm)
 from automodel.models.tiled_mlp import QK_NORM_NAMES as _QK_NORM_NAMES
@@ -334,6 +338,25 @@ class ModelDims:
     #: ``Wqkv``) and RoPE replaces q and k: v, a view of that output, keeps all of it alive where the kernel saves v
     #: (``q + kv`` more per token and layer; :func:`_fused_qkv`)
     fused_qkv: bool = False
+    #: decoder-layer calls per forward that autograd records, where a looped model runs some layers more than once
+    #: (Dory's recurrent slice, Inkling2-loop's loop, HRM's cycles: :mod:`automodel.models.layer_calls`); each saves
+    #: its layer's activations (checkpointed: its input) again. 0: each of the ``layers`` once (:attr:`calls`)
+    layer_calls: int = 0
+    #: calls under ``torch.no_grad`` (HRM's early L cycles): a forward's FLOPs, nothing saved
+    no_grad_layer_calls: int = 0
+    #: parameters the repeated calls multiply again: over the layers, ``(grad calls - 1) x`` the layer's parameters
+    #: (the step estimate's ``6 N`` and the recompute's ``2 N_layers`` count them once more per call)
+    looped_params: int = 0
+    #: over the layers, ``no_grad calls x`` the layer's parameters (``2 N`` each: a forward)
+    no_grad_params: int = 0
+    #: a looped model's passes with autograd beyond the first: each keeps one more ``[N, h]`` outside the layers
+    #: (:attr:`automodel.models.layer_calls.LayerCalls.restarts`)
+    loop_restarts: int = 0
+
+    @property
+    def calls(self) -> int:
+        """Decoder-layer forwards per model forward that save activations: :attr:`layer_calls` or :attr:`layers`."""
+        return self.layer_calls or self.layers
 
     @property
     def matmul_params(self) -> int:
@@ -588,7 +611,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     embed = 0.0 if r.activation_offloaded else h * c
     rope = 2 * d.head_dim * c
     final = _final_saved(d, r)
-    always = 24 + rope
+    always = 24 + rope + d.loop_restarts * h * c  # a looped model's hidden states kept between its passes
     s2 = 0.0
     if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
         extent = (d.heads, r.seq, r.seq * (1 + d.compressed_keys))  # DeepSeek-V4's compressed entries widen the keys
@@ -607,15 +630,15 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always))
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f)
     layer = h * c + body + s2 / max(n, 1)
-    before = n * ((d.layers - 1) * layer + always)
-    saved = n * (d.layers * layer + final + always)
+    before = n * ((d.calls - 1) * layer + always)
+    saved = n * (d.calls * layer + final + always)
     fwd_m = before + n * (body + 2 * h * c) + tile_fwd + s2
     fwd_a = before + n * (body + h * c) + s2
     bwd_m = before + n * (body + h * c + post_grads) + tile_bwd + s2
     bwd_a = before + n * (body_in_attn_bwd + h * c + attn_grads) + s2
-    note = f"{d.layers} layers x {_fmt(n * layer)}{tiled}"
+    note = f"{_layer_count(d)} x {_fmt(n * layer)}{tiled}"
     del embed
-    fwd_f, bwd_f = _final_norm_moments(d, r, n * (d.layers * layer + always))
+    fwd_f, bwd_f = _final_norm_moments(d, r, n * (d.calls * layer + always))
     return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f)
 
 
@@ -651,8 +674,10 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     mlp.pop("intermediate", None)
     kinds = _layer_kinds(model, c)
     blocks = _mlp_blocks(model)  # the MLP blocks the tiled MLP finds: their parameters, a shared MLP no key names
+    loops = _layer_call_fields(model, layers)
     return ModelDims(
-        layers=c.num_hidden_layers,
+        # a looped model's layers are its modules (HRM's num_hidden_layers counts its cache slots, one per call)
+        layers=len(layers) if loops else c.num_hidden_layers,
         hidden=c.hidden_size,
         intermediate=inter or 4 * c.hidden_size,
         heads=heads,
@@ -682,9 +707,26 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         **kinds,
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         fused_qkv=_fused_qkv(model, layers, heads * head_dim, kv * head_dim),
+        **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
     )
+
+
+def _layer_call_fields(model, layers: list) -> dict[str, int]:  # noqa: ANN001
+    """The looped-call fields of :class:`ModelDims` (``layer_calls``, ``no_grad_layer_calls``, ``looped_params``,
+    ``no_grad_params``, ``loop_restarts``) from :func:`automodel.models.layer_calls.layer_calls`; empty where each layer runs once."""
+    calls = layer_calls(text_config(getattr(model, "config", None)), len(layers))
+    if calls is None:
+        return {}
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return {
+        "layer_calls": calls.total,
+        "no_grad_layer_calls": calls.total_no_grad,
+        "looped_params": sum((g - 1) * n for g, n in zip(calls.grad, sizes)),
+        "no_grad_params": sum(g * n for g, n in zip(calls.no_grad, sizes)),
+        "loop_restarts": calls.restarts,
+    }
 
 
 def _eager_scores(layers: list) -> tuple[Any, Any] | None:
@@ -772,6 +814,13 @@ def _attn_output_copy(model, own_code_layers: int) -> bool:  # noqa: ANN001
     return any(p.get("partial_rotary_factor") is not None for p in per_type)
 
 
+def _layer_count(d: ModelDims) -> str:
+    """``"32 layers"``, or for a looped model ``"56 layer calls (36 layers, some run again)"``."""
+    if not d.layer_calls:
+        return f"{d.layers} layers"
+    return f"{d.layer_calls} layer calls ({d.layers} layers, some run again)"
+
+
 def _kept_inputs(d: ModelDims, r: RunShape) -> tuple[int, int]:
     """``(at the layers' moments, at the loss)``: how many ``[N, h]`` layer inputs are on the device under checkpointing.
 
@@ -782,11 +831,11 @@ def _kept_inputs(d: ModelDims, r: RunShape) -> tuple[int, int]:
     hold the kept ones (offloaded: 2)."""
     from automodel.models.checkpoint_groups import group_starts
 
-    k = min(r.group, max(d.layers, 1))
-    starts = group_starts(d.layers, k)
+    k = min(r.group, max(d.calls, 1))
+    starts = group_starts(d.calls, k)
     if r.activation_offloaded:
-        return min(k + 1, d.layers), min(2, d.layers)
-    return min(starts + k - 1, d.layers), starts
+        return min(k + 1, d.calls), min(2, d.calls)
+    return min(starts + k - 1, d.calls), starts
 
 
 def _kept_inputs_note(d: ModelDims, r: RunShape) -> str:
@@ -795,13 +844,13 @@ def _kept_inputs_note(d: ModelDims, r: RunShape) -> str:
 
     during, _ = _kept_inputs(d, r)
     if r.group > 1:
-        starts = group_starts(d.layers, r.group)
+        starts = group_starts(d.calls, r.group)
         where = "offloaded" if r.activation_offloaded else "kept"
-        return (f"checkpoint groups of {r.group}: {starts} of {d.layers} layer inputs {where}, {during} on the device "
+        return (f"checkpoint groups of {r.group}: {starts} of {d.calls} layer inputs {where}, {during} on the device "
                 f"in a group's backward (the others rebuilt)")  # fmt: skip
     if r.activation_offloaded:
-        return f"{min(2, d.layers)} of {d.layers} layer inputs on the device (the others on the host)"
-    return f"{d.layers} layer inputs kept"
+        return f"{min(2, d.calls)} of {d.calls} layer inputs on the device (the others on the host)"
+    return f"{d.calls} layer inputs kept" + (f" ({_layer_count(d)})" if d.layer_calls else "")
 
 
 def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
@@ -1366,7 +1415,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     embed = 0.0 if r.activation_offloaded or (norm_tile and not r.activation_checkpointing) else h * c / s
     rope = 2 * d.head_dim * c if d.heads else 0
     final = _final_saved(d, r)  # freed once backward has passed the final norm
-    always = 24 + rope
+    always = 24 + rope + d.loop_restarts * h * c / s  # a looped model's hidden states kept between its passes
     s2 = building = in_flight = returned = 0.0
     if d.alibi_layers and r.cp > 1:
         # ALiBi layers hand q, k, v to the method (cp/layers/alibi.py): the halo kernel recomputes its blocks (no
@@ -1421,8 +1470,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always))
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n)
-    before = n * ((d.layers - 1) * layer + embed + always) + (d.layers - 1) * (s2 + copy_avg)  # the layers before the last
-    saved = n * (d.layers * layer + embed + final + always) + d.layers * (s2 + copy_avg) + tile_bytes
+    before = n * ((d.calls - 1) * layer + embed + always) + (d.calls - 1) * (s2 + copy_avg)  # the layers before the last
+    saved = n * (d.calls * layer + embed + final + always) + d.calls * (s2 + copy_avg) + tile_bytes
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max
     fwd_a = before + n * body_attn + s2 + building + copy_max
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
@@ -1430,7 +1479,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
     bwd_a = before + n * (body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
     bwd_n = before + n * _layer_norm_moment(d, r, attn, lse, saved_mlp) + s2 + copy_max
-    note = f"{d.layers} layers x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
+    note = f"{_layer_count(d)} x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
     fwd_f, bwd_f = _final_norm_moments(d, r, before + n * layer + s2 + copy_avg)
@@ -1501,7 +1550,7 @@ def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
         from automodel.models.checkpoint_groups import group_starts
 
         per = r.local_tokens * d.hidden * d.layer_input_copies * r.compute_bytes / r.stream_split
-        n = group_starts(d.layers, r.group)
+        n = group_starts(d.calls, r.group)
         groups = f" (checkpoint groups of {r.group})" if r.group > 1 else ""
         out.append(MemoryTerm("offloaded activations", n * per, f"{n} layer inputs of {_fmt(per)}{groups}"))
     shard = 1 / r.fsdp

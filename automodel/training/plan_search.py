@@ -534,17 +534,17 @@ def technique_seconds(d: ModelDims, r: RunShape, spec: GPUSpec, gpu_type: str, c
         # the backward recomputes each tile's forward but the attention core: the q/k/v and output projections and
         # the MLP (which then runs in the layer's tiles: the tiled MLP's own recompute does not add to it)
         q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-        flops = 2 * (d.hidden * (2 * q + 2 * kv) + d.mlp_matrices * d.hidden * d.intermediate) * d.layers * n
+        flops = 2 * (d.hidden * (2 * q + 2 * kv) + d.mlp_matrices * d.hidden * d.intermediate) * d.calls * n
         out["tiled layer"] = flops / (spec.bf16_tflops * 1e12 * GEMM_PEAK_FRACTION)
     elif r.tiled_mlp:
-        flops = 2 * d.mlp_matrices * d.hidden * d.intermediate * d.layers * n / r.tp
+        flops = 2 * d.mlp_matrices * d.hidden * d.intermediate * d.calls * n / r.tp
         out["tiled MLP"] = flops / (spec.bf16_tflops * 1e12 * GEMM_PEAK_FRACTION)
         if r.tp == 1:  # the norms in tiles (automodel.models.tiled_mlp.tile_layer_norms, tile_final_norms)
-            norms = d.layers * d.layer_norms * d.layer_norm_tiles + d.final_norm_tiles
+            norms = d.calls * d.layer_norms * d.layer_norm_tiles + d.final_norm_tiles
             norm_bytes = NORM_FORWARD_BYTES * d.hidden * norms * n * r.compute_bytes / 2
             out["tiled MLP"] += norm_bytes / (spec.hbm_gb_s * 1e9 * HBM_FRACTION)
     if r.activation_offloaded:
-        copy = 2 * d.layers * n * d.hidden * r.compute_bytes / r.stream_split / link
+        copy = 2 * d.calls * n * d.hidden * r.compute_bytes / r.stream_split / link
         out["activation offload"] = max(0.0, copy - compute_s)
     if r.offload:
         shard = d.local_trainable(r.tp) / r.fsdp

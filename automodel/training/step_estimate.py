@@ -12,7 +12,9 @@ Per optimizer step and per rank (BF16 compute, the recipe's settings: no Float8,
   halves them (``2 S d``), backward is twice the forward. Activation checkpointing recomputes each
   decoder layer's forward once: ``+ 2 N_layers`` (the LM head is not recomputed) and ``+ 2 L S d``; checkpoint
   groups of ``k`` (``model.checkpoint_group_layers``) run ``L - ceil(L / k)`` layer forwards once more
-  (:func:`replayed_layers`: their matrix products, attention and CP exchange). A
+  (:func:`replayed_layers`: their matrix products, attention and CP exchange). A looped model
+  (:attr:`ModelDims.layer_calls`: Dory, Inkling2-loop, HRM) counts ``L`` as its layer calls and its repeated
+  layers' parameters once more per call; its calls under ``no_grad`` add a forward (``2 N``, ``2 S d``). A
   rank does ``1 / (cp tp)`` of a row's attention (head-tail chunks balance the causal work; TP splits
   heads) and ``1 / tp`` of the matrix products of its ``rows * S / cp`` tokens.
 - **compute time**: matrix products at the achieved throughput of their GEMM shapes
@@ -88,8 +90,13 @@ _ELEMENTWISE_BACKWARD = 2.0
 def flops_per_token(d: ModelDims, seq: int, activation_checkpointing: bool) -> tuple[float, float]:
     """``(matrix-product FLOPs, causal-attention FLOPs)`` per token of a row of ``seq`` tokens, forward and
     backward together (see the module docstring): ``6 N [+ 2 N_layers]`` and ``(6 [+ 2]) L S d``."""
-    mm = 6.0 * d.matmul_params + (2.0 * d.layer_matmul_params if activation_checkpointing else 0.0)
-    attn = (8.0 if activation_checkpointing else 6.0) * d.layers * seq * d.heads * d.head_dim
+    # a looped model (ModelDims.layer_calls) multiplies its repeated layers' parameters again per call, and runs its
+    # calls under no_grad forward only (2 N, 2 S d per call)
+    looped = d.layer_matmul_params + d.looped_params
+    mm = 6.0 * (d.matmul_params + d.looped_params) + (2.0 * looped if activation_checkpointing else 0.0)
+    mm += 2.0 * d.no_grad_params
+    calls = (8.0 if activation_checkpointing else 6.0) * d.calls + 2.0 * d.no_grad_layer_calls
+    attn = calls * seq * d.heads * d.head_dim
     return mm, attn
 
 
@@ -125,7 +132,7 @@ def _layer_gemms(d: ModelDims, tokens: int, tp: int) -> list[tuple[float, float,
 def matmul_efficiency(d: ModelDims, tokens: int, tp: int, spec: GPUSpec, c: int = 2) -> float:
     """FLOP-weighted achieved fraction of the peak over one layer's GEMMs and the LM head, for ``tokens``
     per rank per micro-batch (the backward's two GEMMs per projection have the same three sizes)."""
-    gemms = [*_layer_gemms(d, tokens, tp) * d.layers, (tokens, d.hidden, d.vocab / tp)]
+    gemms = [*_layer_gemms(d, tokens, tp) * d.calls, (tokens, d.hidden, d.vocab / tp)]
     flops = sum(2.0 * m * k * n for m, k, n in gemms)
     seconds = sum(_gemm_time(m, k, n, c, spec) for m, k, n in gemms)
     return flops / (spec.bf16_tflops * 1e12) / seconds
@@ -149,7 +156,7 @@ def memory_bound_bytes(d: ModelDims, r: RunShape) -> dict[str, float]:
     stream = (2 * NORM_FORWARD_BYTES + 12) * d.hidden / r.stream_split
     sharded = (20 * (q + kv) + 4 * q + 10 * d.intermediate) / r.tp
     passes = 1 + _ELEMENTWISE_BACKWARD + (1 if r.activation_checkpointing else 0)
-    layers = r.local_tokens * d.layers * (stream + sharded) * c * passes
+    layers = r.local_tokens * d.calls * (stream + sharded) * c * passes
     vocab = d.vocab / r.tp if r.loss_parallel else d.vocab
     loss = r.local_tokens * 32 * vocab
     optimizer = 8 * r.master_bytes * d.local_trainable(r.tp) / max(1, r.fsdp)
@@ -202,7 +209,7 @@ def comm_terms(d: ModelDims, r: RunShape, sizes: dict[str, int], node: int) -> l
     n_tok = r.local_tokens
     if tp > 1:
         per_layer = 4 + (2 if r.activation_checkpointing else 0)
-        b = r.grad_acc * d.layers * per_layer * 2 * (tp - 1) / tp * n_tok * d.hidden * r.compute_bytes
+        b = r.grad_acc * d.calls * per_layer * 2 * (tp - 1) / tp * n_tok * d.hidden * r.compute_bytes
         out.append(CommTerm(f"tensor parallel over {tp}", b, _span_inside_node(tp, node),
                             f"{per_layer} all-reduces of [N, h] per layer (2 forward, 2 backward"
                             + (", 2 recomputed" if r.activation_checkpointing else "") + "); not overlapped"))  # fmt: skip
@@ -215,7 +222,7 @@ def comm_terms(d: ModelDims, r: RunShape, sizes: dict[str, int], node: int) -> l
         ac = r.activation_checkpointing
         replay = replayed_layers(d, r)  # checkpoint groups: these layers' forwards, and their exchange, once more
         for t, across in cost.items():
-            b = r.grad_acc * (d.layers * (t.bytes + (t.forward_bytes if ac else 0.0)) + replay * t.forward_bytes)
+            b = r.grad_acc * (d.calls * (t.bytes + (t.forward_bytes if ac else 0.0)) + replay * t.forward_bytes)
             hidden = [f"{share:.0%} of the {what} attention" for share, what in
                       ((t.forward_overlap, "forward"), (t.backward_overlap, "backward")) if share > 0]  # fmt: skip
             again = (", again recomputed" if ac else "") + (f" (and in {replay} rebuilt layer forwards)" if replay else "")
@@ -272,7 +279,7 @@ def estimate_step(
     if head_groups(r) > 1:  # headwise Ulysses: the backward recomputes each head group's attention forward
         attn *= (passes + 1) / passes
         passes += 1
-    replay = replayed_layers(d, r) / max(1, d.layers)  # checkpoint groups: members' inputs rebuilt by a forward
+    replay = replayed_layers(d, r) / max(1, d.calls)  # checkpoint groups: members' inputs rebuilt by a forward
     if replay:
         mm += replay * 2.0 * d.layer_matmul_params * rank_tokens / tp
         attn *= (passes + replay) / passes
@@ -284,11 +291,11 @@ def estimate_step(
         matmul_flops=mm, attention_flops=attn, matmul_eff=eff, matmul_s=mm / (peak * eff),
         attention_s=attention_seconds(attn, r.attention_kernel, spec, r.activation_checkpointing), memory_bytes=per_step,
         memory_s=sum(per_step.values()) / (spec.hbm_gb_s * 1e9 * HBM_FRACTION),
-        host_s=r.grad_acc * d.layers * HOST_S_PER_LAYER * (4 / 3 if r.activation_checkpointing else 1.0),
+        host_s=r.grad_acc * d.calls * HOST_S_PER_LAYER * (4 / 3 if r.activation_checkpointing else 1.0),
         tokens_per_step=global_rows * r.seq, world=world,
     )  # fmt: skip
     # one layer's forward attention per micro-batch: backward is twice it, a recomputed forward once more
-    forward_attention_s = est.attention_s / (r.grad_acc * max(1, d.layers) * passes)
+    forward_attention_s = est.attention_s / (r.grad_acc * max(1, d.calls) * passes)
     for t in comm_terms(d, r, sizes, node):
         bw = (spec.intra_node_gb_s if t.intra_node else spec.inter_node_gb_s(node)) * 1e9 * LINK_FRACTION
         seconds = t.bytes / bw
@@ -301,7 +308,7 @@ def estimate_step(
             # a rebuilt layer forward (checkpoint groups) exchanges as a recomputed forward does
             forward_once = (t.exchange.exposed_seconds(bw, forward_attention_s, True)
                             - t.exchange.exposed_seconds(bw, forward_attention_s, False))  # fmt: skip
-            exposed = r.grad_acc * (d.layers * per_layer + replayed_layers(d, r) * forward_once)
+            exposed = r.grad_acc * (d.calls * per_layer + replayed_layers(d, r) * forward_once)
             est.exposed_s += exposed
         else:
             exposed = seconds
@@ -320,7 +327,7 @@ def replayed_layers(d: ModelDims, r: RunShape) -> int:
         return 0
     from automodel.models.checkpoint_groups import group_starts
 
-    return d.layers - group_starts(d.layers, r.group)
+    return d.calls - group_starts(d.calls, r.group)
 
 
 def head_groups(r: RunShape) -> int:
