@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from automodel.training.chunked_loss import chunked_linear_cross_entropy_sum
 from automodel.training.cpu_memory import MMAP_ENV
+from automodel.training.logit_transform import LogitTransform, chunkable_transform
 from automodel.training.loss import token_cross_entropy_sum
 from tests.dist_harness import REPO_ROOT
 
@@ -57,6 +58,88 @@ def test_equals_plain_loss_and_gradients(dtype, tol, chunk, bias):
     for got, ref in zip(grads, ref_grads):
         assert got.dtype == ref.dtype and got.shape == ref.shape
         assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
+
+
+TRANSFORMS = [
+    LogitTransform(softcap=30.0),  # Gemma 2
+    LogitTransform(softcap=2.0),  # a cap the logits reach: tanh far from linear
+    LogitTransform(scale=0.0625),  # Cohere
+    LogitTransform(divisor=8.0),  # Granite
+    LogitTransform(scale=3.0, divisor=0.5, softcap=4.0),
+]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("chunk", [8, 1000])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=[t.describe() for t in TRANSFORMS])
+def test_a_final_logit_transform_equals_the_plain_loss_of_the_transformed_logits(dtype, tol, chunk, bias, transform):
+    """With a model's final transform (a soft-cap, a scale, a divisor) the chunked loss and every gradient equal the
+    plain loss of ``transform(F.linear(h, w, b))`` differentiated by autograd, and differ from the untransformed loss
+    (what using the plain head would train)."""
+    h, w, b, y = _inputs(dtype, bias=bias)
+    h = h * 4.0  # logits of a few units: a cap of 2 bends them
+
+    def plain(h, w, *rest):
+        *bb, y = rest
+        return token_cross_entropy_sum(transform.reference(F.linear(h, w, bb[0] if bb else None)), y)
+
+    def chunked(h, w, *rest):
+        *bb, y = rest
+        return chunked_linear_cross_entropy_sum(h, w, y, chunk, bias=bb[0] if bb else None, transform=transform)
+
+    ref_loss, ref_grads = _grads(plain, h, w, b, y)
+    loss, grads = _grads(chunked, h, w, b, y)
+    assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
+    for got, ref in zip(grads, ref_grads):
+        assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
+    untransformed, _ = _grads(_plain, h, w, b, y)
+    assert abs(untransformed.item() - ref_loss.item()) > 1e-3 * abs(ref_loss.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_soft_cap_costs_the_chunked_loss_no_more_memory(dtype):
+    """The soft-cap's backward keeps its ``tanh`` ``[n, V]`` while the softmax is made in place of the transformed
+    logits: the tracked peak of a forward and backward (1024 tokens, chunks of 256, vocabulary 4096) is the
+    untransformed one's (9.25 MiB fp32, 9.13 bf16: what the plan's chunked term counts)."""
+    from scripts.live_tensors import AllocationTracker
+
+    peaks = []
+    for transform in (LogitTransform(), LogitTransform(softcap=30.0)):
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(1024, 64, generator=g).to(dtype).requires_grad_()
+        w = torch.randn(4096, 64, generator=g).to(dtype).requires_grad_()
+        y = torch.randint(0, 4096, (1024,), generator=g)
+        tracker = AllocationTracker()
+        with tracker:
+            chunked_linear_cross_entropy_sum(h, w, y, 256, transform=transform).backward()
+        peaks.append(tracker.peak)
+    assert peaks[1] <= peaks[0] * 1.01, [p / 2**20 for p in peaks]
+
+
+def test_logit_transforms_describe_and_refuse_what_they_cannot_compute():
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    assert LogitTransform(softcap=30.0).describe() == "30 * tanh(z / 30)"
+    assert LogitTransform(scale=0.0625).describe() == "z * 0.0625" and LogitTransform().identity
+
+    def model(bias=False, **config):  # noqa: ANN202
+        head = nn.Linear(4, 8, bias=bias)
+        return SimpleNamespace(config=SimpleNamespace(**config), get_output_embeddings=lambda: head,
+                               get_decoder=lambda: None)  # fmt: skip
+
+    assert chunkable_transform(model(final_logit_softcapping=30.0)) == (LogitTransform(softcap=30.0), "")
+    assert chunkable_transform(model(logits_soft_cap=15)) == (LogitTransform(softcap=15.0), "")
+    assert chunkable_transform(model(logit_scale=0.5, logits_scaling=2)) == (LogitTransform(0.5, 2.0), "")
+    # MiniCPM3: its width scale states the divisor (logits_scaling); without it the width keys are refused
+    assert chunkable_transform(model(logits_scaling=0.25, dim_model_base=256)) == (LogitTransform(divisor=0.25), "")
+    assert chunkable_transform(model(dim_model_base=256))[1] == "dim_model_base=256"
+    assert chunkable_transform(model(logits_scaling=1.0, dim_model_base=64)) == (LogitTransform(), "")
+    assert "with a biased LM head" in chunkable_transform(model(bias=True, logit_scale=0.5))[1]
+    assert chunkable_transform(model(bias=True)) == (LogitTransform(), "")
+    assert chunkable_transform(model(final_logit_softcapping=0.0))[1] == "softcap=0.0"
 
 
 def test_tied_weight_gets_both_gradients():

@@ -266,8 +266,10 @@ class ModelDims:
     #: the tiled MLP runs every one of those norms in token tiles too
     #: (:func:`automodel.models.tiled_mlp.tile_layer_norms` finds each of the first layer's): :func:`_layer_norm_tile`
     layer_norm_tiles: bool = True
-    #: a final transform of the LM head's output (``"final_logit_softcapping=30.0"``; "" none): the chunked loss
-    #: cannot compute it, so ``loss.chunk_tokens: auto`` plans and runs the plain loss
+    #: a final transform of the LM head's output that the chunked loss cannot compute (``"a prediction head before its
+    #: output Linear"``; "" none: no transform, or one it computes per chunk, a soft-cap or a scale:
+    #: :func:`automodel.training.logit_transform.chunkable_transform`): ``loss.chunk_tokens: auto`` then plans and runs
+    #: the plain loss
     logit_transform: str = ""
     #: the logits are soft-capped after the LM head (``final_logit_softcapping``: Gemma 2 / 3, NanoChat): the plain
     #: loss's ``tanh`` keeps its ``[N, V]`` output, in the compute dtype, for its backward (:func:`_plain_logits`)
@@ -649,7 +651,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     once per model), the parameter counts from its parameters."""
     from automodel.distributed.cp.guard import cached_profile
     from automodel.models.parallelize import decoder_layers
-    from automodel.training.step import logit_transform_of
+    from automodel.training.logit_transform import chunkable_transform
 
     c = cached_profile(model)
     heads = c.num_attention_heads or 0  # 0: a model without attention (Mamba, RWKV, xLSTM): no attention terms
@@ -698,7 +700,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
         **_norm_fields(model, layers, c.hidden_size, head_dim),
         qk_norm=any(name.rsplit(".", 1)[-1] in _QK_NORM_NAMES for layer in layers[:1] for name, _ in layer.named_modules()),
-        logit_transform=logit_transform_of(model),
+        logit_transform=chunkable_transform(model)[1],
         logit_softcap=_logit_softcap(model),
         mlp_params=_mlp_params(blocks),
         attn_softcapping=any(layer.softcap for layer in c.layers if layer.is_attention),
@@ -1884,8 +1886,9 @@ def _release_runs_cudnn_packed_calls(version: str) -> bool:
                                              max_q=None) is None  # fmt: skip
 
 
-def _local_changes(r: RunShape) -> list[tuple[str, dict, str]]:
-    """Changes on the same ranks and sizes, cheapest first: (config overrides, RunShape fields, price)."""
+def _local_changes(r: RunShape, chunkable: bool = True) -> list[tuple[str, dict, str]]:
+    """Changes on the same ranks and sizes, cheapest first: (config overrides, RunShape fields, price).
+    ``chunkable``: the model's loss can be chunked (no final transform the chunked loss refuses)."""
     chunk = {"chunk_tokens": DEFAULT_CHUNK_TOKENS}
     ac = {"activation_checkpointing": True}
     out = []
@@ -1895,11 +1898,12 @@ def _local_changes(r: RunShape) -> list[tuple[str, dict, str]]:
     if r.tp > 1 and not r.loss_parallel:
         out.append(("distributed.enable_loss_parallel=true", {"loss_parallel": True},
                     "none: the loss runs on each rank's vocabulary shard"))  # fmt: skip
-    if r.chunk_tokens is None and r.tp == 1:  # the chunked loss does not compose with TP (config rules)
+    chunk_open = chunkable and r.chunk_tokens is None and r.tp == 1  # not with TP (config rules)
+    if chunk_open:
         out.append((f"loss.chunk_tokens={DEFAULT_CHUNK_TOKENS}", chunk, "one more LM-head matmul per token"))
     if not r.activation_checkpointing:
         out.append(("model.activation_checkpointing=true", ac, "one more forward of every layer (~+30% time)"))
-    if r.chunk_tokens is None and r.tp == 1 and not r.activation_checkpointing:
+    if chunk_open and not r.activation_checkpointing:
         out.append((f"loss.chunk_tokens={DEFAULT_CHUNK_TOKENS} model.activation_checkpointing=true", chunk | ac,
                     "both recomputations"))  # fmt: skip
     return out
@@ -1912,7 +1916,8 @@ def _changes(d: ModelDims, r: RunShape, world: int) -> list[tuple[str, RunShape,
     plan; tp up to 8) ``tp_size x factor`` with loss parallel and the plain loss, each alone and with
     the local changes still open for it.
     """
-    out = [(keys, dataclasses.replace(r, **kw), price) for keys, kw, price in _local_changes(r)]
+    chunkable = not d.logit_transform
+    out = [(keys, dataclasses.replace(r, **kw), price) for keys, kw, price in _local_changes(r, chunkable)]
     factor = 2
     while r.cp * factor <= 64 or r.tp * factor <= 8:
         for dim in ("cp", "tp"):
@@ -1934,7 +1939,7 @@ def _changes(d: ModelDims, r: RunShape, world: int) -> list[tuple[str, RunShape,
                 price = f"{world * factor} ranks instead of {world}" + price
             shape = dataclasses.replace(r, **kw)
             out.append((keys, shape, price))
-            for more, kw2, more_price in _local_changes(shape):
+            for more, kw2, more_price in _local_changes(shape, chunkable):
                 out.append((f"{keys} {more}", dataclasses.replace(shape, **kw2), f"{price}; {more_price}"))
         factor *= 2
     return out
@@ -2044,8 +2049,8 @@ def loss_auto_choice(d: ModelDims, r: RunShape) -> tuple[int | None, str]:
         return None, (f"loss.chunk_tokens auto: off (tp_size {r.tp}: the chunked loss does not compose with tensor "
                       "parallelism; distributed.enable_loss_parallel shards the logits instead)")  # fmt: skip
     if d.logit_transform:
-        return None, (f"loss.chunk_tokens auto: off (the plain loss): the model's logits are not its LM head of the "
-                      f"final hidden states ({d.logit_transform}), which the chunked loss computes")  # fmt: skip
+        return None, (f"loss.chunk_tokens auto: off (the plain loss): the model's logits are a final transform of its "
+                      f"LM head's output that the chunked loss does not compute ({d.logit_transform})")  # fmt: skip
     plain = plan_memory(d, dataclasses.replace(r, chunk_tokens=None))
     loss, peak = plain.terms["logits and loss"].bytes, plain.step_peak_bytes
     share = loss / peak if peak > 0 else 0.0

@@ -275,6 +275,8 @@ class PlanSearch:
         self.node = min(gpus, self.gpus_per_node)
         self.positions = positions or ModelPositions(None, False)
         self.techniques = techniques if techniques is not None else all_techniques()
+        if dims.logit_transform:  # a final logit transform the chunked loss refuses: the plain loss only
+            self.techniques = [t for t in self.techniques if not t.chunked_loss]
 
     def past_positions(self, tokens: int) -> bool:
         """Whether a row of ``tokens`` is past the model's positions (``max_position_embeddings``)."""

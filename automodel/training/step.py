@@ -30,6 +30,7 @@ from torch import nn
 
 from automodel.distributed.cp.profile import text_config
 from automodel.training.chunked_loss import chunked_linear_cross_entropy_sum
+from automodel.training.logit_transform import IDENTITY, LogitTransform, chunkable_transform
 from automodel.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
 __all__ = [
@@ -100,9 +101,9 @@ def base_decoder(model: nn.Module) -> nn.Module | None:
     return decoder
 
 
-#: the models :func:`check_model_for_chunked_loss` passed: :func:`forward_loss_sum` reads their logit transform once,
-#: there, not per micro-batch
-_CHUNKED_LOSS_CHECKED: weakref.WeakSet = weakref.WeakSet()
+#: the models :func:`check_model_for_chunked_loss` passed, with the final transform of their logits the probe
+#: confirmed: :func:`forward_loss_sum` reads it here, not per micro-batch
+_CHUNKED_LOSS_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_model_for_chunked_loss(model: nn.Module) -> None:
@@ -111,13 +112,14 @@ def check_model_for_chunked_loss(model: nn.Module) -> None:
 
     Needs a base model whose first output is the final hidden states (:func:`base_decoder`: transformers'
     ``get_decoder()`` where it names one), ``get_output_embeddings()`` (the LM head, a ``Linear``) and a
-    ``logits_to_keep`` argument, and the model's logits must be that head applied to those hidden states and nothing
-    else (nor a transform its config names: :func:`logit_transform_of`, which the planner and
-    :func:`forward_loss_sum` read): a probe
-    (:func:`logits_are_head_of_hidden`) runs the model once on a few tokens and refuses a final transform
-    (Gemma 2's logit soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``, MiniCPM's width
-    scaling, ModernBERT-decoder's prediction head), which the chunked loss would leave out. Does not modify
-    ``model`` (its train/eval mode and the RNG state are restored).
+    ``logits_to_keep`` argument, and the model's logits must be that head applied to those hidden states, or the
+    final transform its config names that the chunked loss computes too
+    (:func:`automodel.training.logit_transform.chunkable_transform`: Gemma 2's logit soft-capping, Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``, MiniCPM3's hidden-state divisor), and nothing else: a probe
+    (:func:`logits_are_head_of_hidden`) runs the model once on a few tokens and compares. A transform the chunked loss
+    does not compute (ModernBERT-decoder's prediction head, a width scale without ``logits_scaling``) or logits that
+    differ from the named transform are refused, naming it. Records the transform for :func:`forward_loss_sum`. Does
+    not modify ``model`` (its train/eval mode and the RNG state are restored).
     """
     import inspect
 
@@ -131,17 +133,18 @@ def check_model_for_chunked_loss(model: nn.Module) -> None:
             f"(get_decoder) and a logits_to_keep argument; {name} lacks one (head={type(head).__name__}, "
             f"decoder={type(decoder).__name__}, logits_to_keep={takes_keep}); set loss.chunk_tokens=null"
         )
-    why = logits_are_head_of_hidden(model)
-    named = logit_transform_of(model)
-    if why is None and named:  # the probe saw no change, but the plan and forward_loss_sum go by the named transform
-        why = f"its config or structure names a final transform ({named}) that the probe did not show"
+    transform, refused = chunkable_transform(model)
+    why = f"a final transform the chunked loss does not compute ({refused})" if refused else None
+    if why is None:
+        why = logits_are_head_of_hidden(model, transform=transform)
     if why is not None:
         raise ValueError(
-            f"loss.chunk_tokens computes the logits as the LM head of the base model's final hidden states, but "
-            f"{name}'s logits are not that: {why}; the chunked loss would train another loss; set "
+            "loss.chunk_tokens computes the logits as the LM head of the base model's final hidden states"
+            + ("" if transform.identity else f" and their transform {transform.describe()}")
+            + f", but {name}'s logits are not that: {why}; the chunked loss would train another loss; set "
             f"loss.chunk_tokens=null (or auto, which keeps the plain loss for this model)"
         )
-    _CHUNKED_LOSS_CHECKED.add(model)
+    _CHUNKED_LOSS_CHECKED[model] = transform
 
 
 #: config attributes of known final transforms between the LM head and the logits, named in the probe's reason
@@ -151,8 +154,9 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale"
 
 def logit_transform_of(model: nn.Module) -> str:
     """The final transform a causal LM applies to its LM head's output, read from its structure and config
-    (meta tensors are fine): ``"final_logit_softcapping=30.0"``, ``"a prediction head"`` or ``""`` for none known.
-    What the planner reads before a model exists; the run's check is the probe (:func:`logits_are_head_of_hidden`)."""
+    (meta tensors are fine): ``"final_logit_softcapping=30.0"``, ``"a prediction head"`` or ``""`` for none known: the
+    words for it. Which of them the chunked loss computes: :func:`automodel.training.logit_transform.chunkable_transform`;
+    the run's check is the probe (:func:`logits_are_head_of_hidden`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if head is not None and decoder is head:
@@ -167,9 +171,9 @@ class _NotHidden(Exception):
     pass
 
 
-def logits_are_head_of_hidden(model: nn.Module, n_tokens: int = 8) -> str | None:
-    """``None`` when ``model(input_ids).logits`` equals its LM head (``get_output_embeddings()``) applied to its base
-    model's (:func:`base_decoder`) first output, else the reason.
+def logits_are_head_of_hidden(model: nn.Module, n_tokens: int = 8, transform: LogitTransform = IDENTITY) -> str | None:
+    """``None`` when ``model(input_ids).logits`` equals ``transform`` of its LM head (``get_output_embeddings()``)
+    applied to its base model's (:func:`base_decoder`) first output, else the reason.
 
     The probe runs the model once under ``torch.no_grad`` in eval mode on ``n_tokens`` token ids, with the base
     model's output hidden states ``[1, n, H]`` scaled so that the head's logits reach about 100 in magnitude: a
@@ -214,7 +218,7 @@ def logits_are_head_of_hidden(model: nn.Module, n_tokens: int = 8) -> str | None
     if "hidden" not in seen:
         return f"its base model ({type(decoder).__name__}) did not run in the model's forward"
     with torch.no_grad():
-        expected = nn.functional.linear(seen["hidden"], head.weight, head.bias).float()
+        expected = transform.reference(nn.functional.linear(seen["hidden"], head.weight, head.bias).float())
     logits = logits.float()
     if logits.shape != expected.shape:
         return f"its logits {tuple(logits.shape)} are not the head's {tuple(expected.shape)}"
@@ -223,7 +227,8 @@ def logits_are_head_of_hidden(model: nn.Module, n_tokens: int = 8) -> str | None
     if err <= tol:
         return None
     named = logit_transform_of(model)
-    return (f"they differ from the head of the hidden states by {err:.2g} of their largest value (a final transform"
+    what = "the head of the hidden states" if transform.identity else f"{transform.describe()} of the head's output z"
+    return (f"they differ from {what} by {err:.2g} of their largest value (a final transform"
             + (f": {named}" if named else ", e.g. soft-capping, a logit scale or a prediction head") + ")")
 
 
@@ -235,9 +240,9 @@ def forward_loss_sum(
     ``chunk_tokens=None``: the model's logits ``[B, S, V]`` and :func:`token_cross_entropy_sum`.
     Otherwise the model is asked for no logits (``logits_to_keep`` empty), its final hidden states
     ``[B, S, H]`` are taken from the base model's output (:func:`base_decoder`), and the LM head and the loss run
-    ``chunk_tokens`` tokens at a time; a model with a known final transform of its logits
-    (:func:`logit_transform_of`: soft-capping, a logit scale, a prediction head) raises ``ValueError``, read once per
-    model where :func:`check_model_for_chunked_loss` passed it (the recipe probes every model first). The head's weight
+    ``chunk_tokens`` tokens at a time, with the final transform of the logits that
+    :func:`check_model_for_chunked_loss` confirmed for ``model`` (the recipe probes every model first); a model not
+    checked whose config names a transform raises ``ValueError`` (check it first). The head's weight
     is read after the forward: under FSDP2 the root's parameters are still unsharded then (gathered once per
     micro-batch, not per chunk).
     """
@@ -246,12 +251,16 @@ def forward_loss_sum(
         # loss parallel (TP): the logits were a vocabulary-sharded DTensor and the CE sum is a replicated
         # 0-dim DTensor; its local value is the full sum (differentiable back into the sharded logits)
         return ce.to_local() if hasattr(ce, "to_local") else ce
-    transform = "" if model in _CHUNKED_LOSS_CHECKED else logit_transform_of(model)
-    if transform:  # the run's check (check_model_for_chunked_loss) probes; a caller of this function alone gets this
-        raise ValueError(
-            f"loss.chunk_tokens={chunk_tokens}: {type(model).__name__}'s logits are not its LM head of its final "
-            f"hidden states ({transform}); the chunked loss would train another loss; set loss.chunk_tokens=null"
-        )
+    transform = _CHUNKED_LOSS_CHECKED.get(model)
+    if transform is None:  # the run's check (check_model_for_chunked_loss) probes; a caller of this function alone:
+        named = logit_transform_of(model)
+        if named:
+            raise ValueError(
+                f"loss.chunk_tokens={chunk_tokens}: {type(model).__name__}'s logits are not its LM head of its final "
+                f"hidden states ({named}); call automodel.training.step.check_model_for_chunked_loss(model) first "
+                f"(it probes the model for a transform the chunked loss computes too), or set loss.chunk_tokens=null"
+            )
+        transform = IDENTITY
     captured: list[torch.Tensor] = []
 
     def keep_hidden(module: nn.Module, args: Any, output: Any) -> None:
@@ -263,7 +272,8 @@ def forward_loss_sum(
     finally:
         handle.remove()
     head = model.get_output_embeddings()
-    return chunked_linear_cross_entropy_sum(captured[-1], head.weight, labels, chunk_tokens, bias=head.bias)
+    return chunked_linear_cross_entropy_sum(captured[-1], head.weight, labels, chunk_tokens, bias=head.bias,
+                                            transform=transform)  # fmt: skip
 
 
 def run_micro_batch(
