@@ -48,7 +48,8 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   so the output projection's input is a view of it) and, where the output is head-major (eager, layers in their own
   code, a partial RoPE's concatenated q: :attr:`ModelDims.attn_output_copy`) and under CP, its transposed copy (h
   more: :func:`_output_copies`; with head groups only the copy, and no LSE), the residual (h), and
-  gate, up, silu(gate), silu(gate) * up (4 I); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
+  gate, up, silu(gate), silu(gate) * up (4 I; a gated block that saves more, what it saves, counted on the meta device:
+  :attr:`ModelDims.mlp_saved_extra`); measured within 10% on CPU (see docs/recipe.md, "Memory plan"); plus
   ``(h + 3 h) c`` outside the layers (embedding output, final norm), the ids/labels/positions (24 B) and
   RoPE's cos and sin (``2 head_dim c``). Per-head q/k norms (Qwen3, Gemma 3) save their input and normalized
   output: ``2 (h + kv) c`` more per layer; each hidden-size norm beyond two (Gemma's four) ``2 h c``. In bf16 / fp16
@@ -327,6 +328,11 @@ class ModelDims:
     #: a plain MLP's ``(saved, forward peak, backward peak)`` per token in ``[N, I]`` units, measured with its own
     #: activation (:func:`automodel.training.mlp_memory.plain_mlp_moments`: GELU 2, 2, 3.1; the tanh formula 5, 5, 7.1)
     mlp_moments: tuple[float, float, float] = GATED_MLP_MOMENTS
+    #: ``(fp32, bf16 / fp16)``: ``[N, I]`` units a gated dense MLP block saves beyond the ``4 I`` of
+    #: :data:`GATED_MLP_MOMENTS`, measured on the meta device (:func:`automodel.training.mlp_memory.dense_mlp_saved`):
+    #: Beam's and BitNet's SwiGLU in fp32 in a bf16 model, Dory's and BitNet's norm over ``I``; 0 where it saves
+    #: ``4 I`` or less (a smaller count is not taken: the moments' peaks are not measured)
+    mlp_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: bytes of the model's buffers of 1 MiB or more (GPT-Neo's ``[P, P]`` boolean causal or local-window mask in every
     #: attention layer, ``P = max_position_embeddings``): whole on every rank, FSDP2 does not shard buffers
     buffer_bytes: int = 0
@@ -593,7 +599,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     body = (q + repeated + 2 * kv + kernel_out + q) * c + lse  # the attention core's saved tensors
     # at the attention's backward the post part's backward is done: its saved attention output (q) is freed
     body_in_attn_bwd = body - q * c
-    mlp = _mlp_moments(d)
+    mlp = _mlp_moments(d, c)
     stream = (2 * d.layer_norms + 1) * h + (2 * (h + kv) if d.qk_norm else 0)
     if c < 4:  # a tile's norms' fp32 copies in bf16 / fp16 (_activation_terms)
         stream += d.norm_half_extra * h + (d.qk_norm_half_extra * (q + kv) if d.qk_norm else 0.0)
@@ -783,10 +789,12 @@ def _widest_head(profile) -> int:  # noqa: ANN001 - a ModelProfile
 
 
 def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
-    """The dense MLP's fields of :class:`ModelDims` (``intermediate``, ``mlp_gated``, ``mlp_moments``) from the first
-    decoder layer's modules (:func:`automodel.training.mlp_memory.mlp_shape`); empty when they are not read (no layer,
-    experts, a structure it does not know: the config's width and the gated count stay)."""
-    from automodel.training.mlp_memory import mlp_shape
+    """The dense MLP's fields of :class:`ModelDims` (``intermediate``, ``mlp_gated``, ``mlp_moments``,
+    ``mlp_saved_extra``) from the first decoder layer's modules (:func:`automodel.training.mlp_memory.mlp_shape`; a
+    gated block's saved tensors measured on the meta device, :func:`~automodel.training.mlp_memory.dense_mlp_saved`);
+    empty when they are not read (no layer, experts, a structure it does not know: the config's width and the gated
+    count stay)."""
+    from automodel.training.mlp_memory import dense_mlp_of, dense_mlp_saved, mlp_shape
 
     if layer is None:
         return {}
@@ -794,7 +802,11 @@ def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
     shape = mlp_shape(layer, hidden, text)
     if shape is None:
         return {}
-    return {"intermediate": shape.width, "mlp_gated": shape.gated, "mlp_moments": shape.moments}
+    out = {"intermediate": shape.width, "mlp_gated": shape.gated, "mlp_moments": shape.moments}
+    saved = dense_mlp_saved(dense_mlp_of(layer), hidden) if shape.gated else None
+    if saved is not None:
+        out["mlp_saved_extra"] = tuple(round(max(0.0, s / shape.width - GATED_MLP_MOMENTS[0]), 2) for s in saved)
+    return out
 
 
 def _attn_output_copy(model, own_code_layers: int) -> bool:  # noqa: ANN001
@@ -1371,7 +1383,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         attn_bwd = (q + kv_saved / 2 if r.attn == "eager" else 2 * q + kv_saved) / tp * c
     lse = 0.0 if grouped else d.heads * 4 / tp  # the kernel's fp32 log-sum-exp
     tile = _mlp_tile(d, r)
-    mlp = _mlp_moments(d)
+    mlp = _mlp_moments(d, c)
     saved_mlp, fwd_mlp, bwd_mlp = (0.0, 0.0, 0.0) if tile else (mlp.saved / tp, mlp.forward / tp, mlp.backward / tp)
     router = mlp.router
     # one tile in backward: its recomputed intermediates and their gradients, and the MLP block's weight gradients
@@ -1499,13 +1511,16 @@ class _MLPMoments:
     router: float
 
 
-def _mlp_moments(d: ModelDims) -> _MLPMoments:
+def _mlp_moments(d: ModelDims, c: float = 4) -> _MLPMoments:
     """The MLP's saved tensors and its peaks (:class:`_MLPMoments`), per token, elements in the compute dtype.
 
     Dense (gate, up, silu(gate), silu(gate) * up saved: ``4 I``): the forward peaks with gate, silu(gate) and up
     in flight (``3 I``); in the backward the down projection has freed the product (its input) and the product's
     backward holds its incoming gradient and both of its own beside gate, silu(gate) and up: ``6 I`` (a probe of
-    one checkpointed MLP with the live-tensor tracker: 6.0 ``[N, I]`` plus the ``[N, h]`` gradients).
+    one checkpointed MLP with the live-tensor tracker: 6.0 ``[N, I]`` plus the ``[N, h]`` gradients). A gated block
+    that saves more than ``4 I`` (measured on the meta device: :attr:`ModelDims.mlp_saved_extra`; ``c``: the compute
+    dtype's bytes, which of its two figures) adds the excess to all three: it is made in the forward and kept to
+    the backward.
 
     Mixture of experts, ``torch._grouped_mm`` (transformers' ``grouped_mm`` experts, the default of 5.17 and
     5.25): each of a token's ``k`` routed copies saves its gathered input (``h``), the fused gate/up output
@@ -1525,7 +1540,10 @@ def _mlp_moments(d: ModelDims) -> _MLPMoments:
         i = d.intermediate
         # fc1 -> act -> fc2: what its activation saves and holds, measured (ModelDims.mlp_moments)
         saved, forward, backward = d.mlp_moments if d.mlp_matrices == 2 else GATED_MLP_MOMENTS
-        return _MLPMoments(saved * i, forward * i, backward * i, 0.0)
+        # a gated block that saves more (an fp32 SwiGLU, a norm over I: ModelDims.mlp_saved_extra), kept through its
+        # forward and its backward
+        extra = d.mlp_saved_extra[0 if c >= 4 else 1] if d.mlp_matrices == 3 else 0.0
+        return _MLPMoments((saved + extra) * i, (forward + extra) * i, (backward + extra) * i, 0.0)
     k, ie, sh, h = d.top_k, d.expert_intermediate, d.shared_intermediate, d.hidden
     saved = k * (2 * h + 4 * ie) + 4 * sh
     router = 4 * d.experts + 16 * k

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MLPShape", "mlp_shape", "plain_mlp_moments"]
+__all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_saved", "mlp_shape", "plain_mlp_moments"]
 
 #: the names transformers' decoder layers give their MLP
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "feedforward", "mlp_block")
@@ -75,7 +75,7 @@ def mlp_shape(layer: torch.nn.Module, hidden: int, config: Any = None) -> MLPSha
     has no child named as an MLP (``mlp``, ``feed_forward``, ...) with the matrices of one: the planner then keeps
     the config's width and the gated count (the larger). ``config``: the model's text config (its activation name,
     where the MLP applies it as a function)."""
-    mlp = next((getattr(layer, n) for n in _MLP_NAMES if isinstance(getattr(layer, n, None), torch.nn.Module)), None)
+    mlp = dense_mlp_of(layer)
     if mlp is None:
         return None
     mats = [m for m in (_matrix(x) for x in mlp.children()) if m is not None]
@@ -95,6 +95,71 @@ def mlp_shape(layer: torch.nn.Module, hidden: int, config: Any = None) -> MLPSha
         moments = plain_mlp_moments(act)
         return MLPShape(False, width, moments) if moments is not None else None
     return None
+
+
+def dense_mlp_of(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The child of a decoder ``layer`` named as its MLP (``mlp``, ``feed_forward``, ...), or ``None``."""
+    return next((getattr(layer, n) for n in _MLP_NAMES if isinstance(getattr(layer, n, None), torch.nn.Module)), None)
+
+
+class _Forward(torch.nn.Module):
+    """Calls its child's ``forward`` itself: not ``__call__``, which the tiled MLP replaces (its tiles save only their
+    input), so the probe measures the MLP whole whether or not it is tiled."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> Any:  # noqa: ANN401
+        return self.mlp.forward(x)
+
+
+def dense_mlp_saved(mlp: torch.nn.Module, hidden: int) -> tuple[float, float] | None:
+    """``(fp32, bf16)``: the elements per token that the MLP block ``mlp`` saves for its backward beyond its input
+    ``[B, S, hidden]`` (a gated MLP: gate, up, ``act(gate)`` and the product, ``4 I``; Beam's and BitNet's fp32
+    SwiGLU or their norm over ``I`` more), in its compute dtype's elements.
+
+    Measured by one forward of 64 tokens on the meta device (shapes and dtypes only: no data, no kernel, no memory),
+    with every parameter and buffer replaced by a meta tensor of its shape in the dtype, trainable where the model's
+    is (``torch.func.functional_call``:
+    the model itself, real or meta, tiled or not, FSDP2's sharded or not, is not touched) and autograd's saved tensors
+    counted once per storage (views of one tensor once), the parameters and the input left out. ``None`` where the
+    block cannot run on the meta device."""
+    base = getattr(type(mlp), "_automodel_untiled_class", type(mlp))
+    key = (base, hidden, tuple((n, tuple(p.shape)) for n, p in mlp.named_parameters()))
+    if key not in _SAVED_CACHE:
+        _SAVED_CACHE[key] = None
+        try:
+            _SAVED_CACHE[key] = tuple(_saved_on_meta(mlp, hidden, dtype) for dtype in (torch.float32, torch.bfloat16))
+        except Exception:  # noqa: BLE001 - a block that cannot run on the meta device: the planner's count stays
+            pass
+    return _SAVED_CACHE[key]
+
+
+def _saved_on_meta(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype) -> float:
+    tokens = 64
+    wrapper = _Forward(mlp)
+    # trainable as the model's (a frozen weight under LoRA keeps no input for its gradient)
+    params = {f"mlp.{n}": torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=p.requires_grad)
+              for n, p in mlp.named_parameters(remove_duplicate=False)}  # fmt: skip
+    params |= {f"mlp.{n}": torch.empty(b.shape, dtype=b.dtype if not b.is_floating_point() else dtype, device="meta")
+               for n, b in mlp.named_buffers(remove_duplicate=False)}  # fmt: skip
+    x = torch.empty(1, tokens, hidden, dtype=dtype, device="meta", requires_grad=True)
+    skip = {t.untyped_storage()._cdata for t in (*params.values(), x)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in skip:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.func.functional_call(wrapper, params, (x,))
+    return sum(saved.values()) / tokens / torch.finfo(dtype).bits * 8
+
+
+_SAVED_CACHE: dict[tuple, tuple[float, float] | None] = {}
 
 
 class _LiveBytes(TorchDispatchMode):
