@@ -52,10 +52,12 @@ class LogitTransform:
 
     def describe(self) -> str:
         """``"cap 30 * tanh(z / 30)"``, ``"z * 0.0625"``, ``"z / 8"``; ``"z"`` for the identity."""
-        z = "z" + (f" * {self.scale:g}" if self.scale != 1.0 else "") + (f" / {self.divisor:g}" if self.divisor != 1.0 else "")
+        z = "z" + (f" * {self.scale:g}" if self.scale != 1.0 else "")
+        z += f" / {self.divisor:g}" if self.divisor != 1.0 else ""
         if self.softcap is None:
             return z
-        return f"{self.softcap:g} * tanh(({z}) / {self.softcap:g})" if z != "z" else f"{self.softcap:g} * tanh(z / {self.softcap:g})"
+        cap = f"{self.softcap:g}"
+        return f"{cap} * tanh(({z}) / {cap})" if z != "z" else f"{cap} * tanh(z / {cap})"
 
     def apply_(self, logits: torch.Tensor, keep_tanh: bool = False) -> torch.Tensor | None:
         """Transform ``logits`` ``[N, V]`` (fp32 / fp64) in place. ``keep_tanh``: return the soft-cap's ``tanh``
@@ -114,7 +116,8 @@ def chunkable_transform(model: Any) -> tuple[LogitTransform, str]:
     divisor = _number(getattr(config, "logits_scaling", None))
     refused = []
     if divisor is None:  # MiniCPM3's logits_scaling states what its width keys make (1 where they cancel)
-        refused += [f"{k}={getattr(config, k)}" for k in WIDTH_KEYS if _number(getattr(config, k, None)) not in (None, 1.0)]
+        refused += [f"{k}={getattr(config, k)}" for k in WIDTH_KEYS
+                    if _number(getattr(config, k, None)) not in (None, 1.0)]  # fmt: skip
     for name, value in (("softcap", softcap), ("logit_scale", scale), ("logits_scaling", divisor)):
         if value is not None and (not math.isfinite(value) or value == 0.0):
             refused.append(f"{name}={value}")

@@ -723,7 +723,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
 
 def _layer_call_fields(model, layers: list) -> dict[str, int]:  # noqa: ANN001
     """The looped-call fields of :class:`ModelDims` (``layer_calls``, ``no_grad_layer_calls``, ``looped_params``,
-    ``no_grad_params``, ``loop_restarts``) from :func:`automodel.models.layer_calls.layer_calls`; empty where each layer runs once."""
+    ``no_grad_params``, ``loop_restarts``) from :func:`automodel.models.layer_calls.layer_calls`; empty where each
+    layer runs once."""
     calls = layer_calls(text_config(getattr(model, "config", None)), len(layers))
     if calls is None:
         return {}
@@ -864,7 +865,7 @@ def _kept_inputs_note(d: ModelDims, r: RunShape) -> str:
                 f"in a group's backward (the others rebuilt)")  # fmt: skip
     if r.activation_offloaded:
         return f"{min(2, d.calls)} of {d.calls} layer inputs on the device (the others on the host)"
-    return f"{d.calls} layer inputs kept" + (f" ({_layer_count(d)})" if d.layer_calls else "")
+    return f"{d.calls} layer inputs kept" + (f" (one per call: {d.layers} layers, some run again)" if d.layer_calls else "")
 
 
 def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
