@@ -17,6 +17,7 @@ which rows that explains.
 
     python scripts/bench_plan_families.py                         # every family, fp32, 2048 tokens
     python scripts/bench_plan_families.py --dtype bfloat16 --families gemma2,llama
+    python scripts/bench_plan_families.py --families gemma2,cohere --chunk-transformed   # their soft-cap / scale chunked
     python scripts/bench_plan_families.py --moe-block             # one grouped_mm MoE block's peaks against the plan's
 
 ``--moe-block`` measures one Qwen3-MoE block (transformers' ``grouped_mm`` experts, 4096 tokens, fp32) at several
@@ -46,17 +47,23 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx
 
 
 def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int, dtype: str,
-                  settings: tuple[tuple[bool, bool], ...] = SETTINGS, sizes: dict[str, int] | None = None) -> list[dict]:  # fmt: skip
+                  settings: tuple[tuple[bool, bool], ...] = SETTINGS, sizes: dict[str, int] | None = None,
+                  chunk_transformed: bool = False) -> list[dict]:  # fmt: skip
     """One process: each family of ``names`` with each of ``settings`` (:data:`SETTINGS`: activation checkpointing,
     tiled MLP): the tracked peak of the second step and the plan's step peak, MiB (or the error that stopped the
     row). ``sizes``: config attributes set on each family's tiny config where it has them (``hidden_size=256``: the
-    widths of a real model's proportions, where the tiny configs' hidden 64 lets fixed terms weigh more)."""
+    widths of a real model's proportions, where the tiny configs' hidden 64 lets fixed terms weigh more).
+    ``chunk_transformed``: a model whose logits are a transform of its head's output that the chunked loss computes
+    (a soft-cap, a scale: :mod:`automodel.training.logit_transform`) runs the chunked loss too, once the run's probe
+    (``check_model_for_chunked_loss``) confirms it; by default it runs the plain loss, as the audits before 2026-12-07
+    did (the chunked loss refused it then)."""
     from transformers import AutoModelForCausalLM
 
     from automodel.models.block_call import apply_activation_checkpointing
     from automodel.models.tiled_mlp import apply_tiled_mlp
+    from automodel.training.logit_transform import chunkable_transform
     from automodel.training.memory_plan import RunShape, model_dims, plan_memory
-    from automodel.training.step import logit_transform_of
+    from automodel.training.step import check_model_for_chunked_loss, logit_transform_of
     from tests.family_matrix import family_by_name
 
     torch.set_num_threads(1)
@@ -91,9 +98,13 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
                 if ac:
                     apply_activation_checkpointing(model)
                 opt = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
-                # a model whose logits are transformed after the head (Gemma 2's soft-cap) runs the plain loss, as
-                # the recipe's loss.chunk_tokens: auto resolves it
+                # a model whose logits are transformed after the head (Gemma 2's soft-cap) runs the plain loss, as the
+                # audits before the chunked loss computed the transform; with chunk_transformed the chunked loss
+                # where it computes the transform (the probe confirms it)
                 loss_chunk = None if logit_transform_of(model) else chunk
+                if chunk_transformed and loss_chunk is None and not chunkable_transform(model)[1]:
+                    check_model_for_chunked_loss(model)
+                    loss_chunk = chunk
 
                 def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, inputs: dict = inputs,
                          labels: torch.Tensor = labels, loss_chunk: int | None = loss_chunk) -> torch.Tensor:  # fmt: skip
@@ -172,6 +183,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--sizes", default="", help="config sizes to set where a family has them, e.g. "
                         "hidden_size=256,intermediate_size=768,num_attention_heads=8,num_key_value_heads=4,head_dim=32")
+    parser.add_argument("--chunk-transformed", action="store_true", help="the chunked loss for models whose logit "
+                        "transform (a soft-cap, a scale) it computes; default: the plain loss for them")
     parser.add_argument("--moe-block", action="store_true", help="only the MoE block rows (see the module docstring)")
     args = parser.parse_args()
     if args.moe_block:
@@ -186,7 +199,8 @@ def main() -> int:
     under = errors = 0
     for i in range(0, len(names), 10):  # ten families a process: a crash loses few rows
         rows = run_on_ranks("scripts.bench_plan_families:family_worker", 1, args.timeout, names=names[i : i + 10],
-                            seq=args.seq, chunk=256, dtype=args.dtype, sizes=sizes)[0]  # fmt: skip
+                            seq=args.seq, chunk=256, dtype=args.dtype, sizes=sizes,
+                            chunk_transformed=args.chunk_transformed)[0]  # fmt: skip
         for r in rows:
             head = f"| {r['family']} | {'on' if r['ac'] else 'off'} | {'on' if r['tiled'] else 'off'} |"
             if "error" in r:
