@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from automodel.distributed.cp.profile import text_config
 from automodel.models.layer_calls import LayerCalls, layer_calls
 from automodel.models.parallelize import decoder_layers
-from tests.family_matrix import FAMILIES, cycled, family_by_name
+from tests.family_matrix import FAMILIES, cycled, family_or_skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,13 +69,14 @@ def test_every_family_calls_its_layers_as_declared():
         if counted[0] != (1,) * len(counted[0]) or any(counted[1]):
             looped.append(fam.name)
     assert not wrong, wrong
-    # the rows that loop as they stand: Dory's overlapping slices, HRM's cycles (the check above can fail)
-    assert sorted(looped) == ["dory", "hrm_text"], looped
+    # the rows that loop as they stand: Dory's overlapping slices, HRM's cycles (the check above can fail), where the
+    # installed transformers has them
+    assert sorted(looped) == sorted({"dory", "hrm_text"} & {f.name for f in FAMILIES}), looped
 
 
 @pytest.mark.parametrize("name,overrides", LOOPED, ids=[name for name, _ in LOOPED])
 def test_looped_configs_call_their_layers_as_declared(name, overrides):
-    fam = family_by_name(name)
+    fam = family_or_skip(name)
     config = fam.build_config()
     config.use_cache = False
     for key, value in overrides.items():
@@ -119,7 +120,7 @@ def test_the_step_estimate_counts_a_looped_model_as_its_unrolled_copy():
     from automodel.training.step_estimate import flops_per_token
 
     def dims(name: str, **overrides):  # noqa: ANN202
-        config = family_by_name(name).build_config()
+        config = family_or_skip(name).build_config()
         for key, value in overrides.items():
             setattr(config, key, value)
         if len(getattr(config, "layer_types", None) or ()) not in (0, config.num_hidden_layers):

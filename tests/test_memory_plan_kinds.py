@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from automodel.distributed.cp.layers.gathered_state import GatheredState
 from automodel.training.memory_plan import RunShape, model_dims, plan_memory
-from tests.family_matrix import WINDOW, family_by_name
+from tests.family_matrix import WINDOW, family_by_name, family_or_skip
 
 SEQ = 4096  # global row
 N = SEQ // 2  # local tokens at cp 2
@@ -823,7 +823,7 @@ def _looped_step_peaks(name: str, ac: bool, **overrides) -> tuple[float, float, 
     from automodel.models.block_call import apply_activation_checkpointing
     from tests.family_matrix import cycled
 
-    seq, config = 1024, family_by_name(name).build_config()
+    seq, config = 1024, family_or_skip(name).build_config()
     for key, value in dict(max_position_embeddings=seq, use_cache=False, **overrides).items():
         setattr(config, key, value)
     if len(getattr(config, "layer_types", None) or ()) not in (0, config.num_hidden_layers):
@@ -878,7 +878,7 @@ def test_a_gated_mlp_block_is_planned_at_what_it_saves(name):
     from automodel.training.mlp_memory import _SAVED_CACHE, dense_mlp_of, dense_mlp_saved
 
     for dtype, c, which in ((torch.float32, 4, 0), (torch.bfloat16, 2, 1)):
-        model = family_by_name(name).build_model(0).to(dtype)
+        model = family_or_skip(name).build_model(0).to(dtype)
         mlp, hidden = dense_mlp_of(decoder_layers(model)[0]), model.config.hidden_size
         x = torch.randn(1, 64, hidden, dtype=dtype, requires_grad=True)
         skip = {t.untyped_storage().data_ptr() for t in (x, *mlp.parameters())}
