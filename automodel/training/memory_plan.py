@@ -346,6 +346,10 @@ class ModelDims:
     #: ``Wqkv``) and RoPE replaces q and k: v, a view of that output, keeps all of it alive where the kernel saves v
     #: (``q + kv`` more per token and layer; :func:`_fused_qkv`)
     fused_qkv: bool = False
+    #: ``[N, q]`` units an attention output gate saves per layer (:func:`_attn_output_gate`): ``out * sigmoid(g)`` with
+    #: ``g = gate_proj(x)`` of ``q`` (AFMoE, Beam, HRM, Dory, Muse) keeps the sigmoid's output and the product, 2; a
+    #: gate per head (LFM3's ``g_proj``) the product and ``heads / q``; 0: no gate found
+    attn_output_gate: float = 0.0
     #: decoder-layer calls per forward that autograd records, where a looped model runs some layers more than once
     #: (Dory's recurrent slice, Inkling2-loop's loop, HRM's cycles: :mod:`automodel.models.layer_calls`); each saves
     #: its layer's activations (checkpointed: its input) again. 0: each of the ``layers`` once (:attr:`calls`)
@@ -715,10 +719,35 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         **kinds,
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         fused_qkv=_fused_qkv(model, layers, heads * head_dim, kv * head_dim),
+        attn_output_gate=_attn_output_gate(layers, c.hidden_size, heads * head_dim, heads),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
     )
+
+
+#: the names an attention module gives the projection of its output gate (``out * sigmoid(gate_proj(x))``)
+_OUTPUT_GATE_NAMES = ("gate_proj", "g_proj")
+
+
+def _attn_output_gate(layers: list, hidden: int, q: int, heads: int) -> float:
+    """:attr:`ModelDims.attn_output_gate` from the first decoder layer: an attention module (its class named like
+    ``...Attention``) holding a ``Linear`` named as a gate (:data:`_OUTPUT_GATE_NAMES`) from the hidden size to the
+    query width (2: the sigmoid's output and the gated product, each ``[N, q]``) or to one value per head (1 +
+    ``heads / q``); 0 otherwise. Qwen3-Next's gate, a half of its ``q_proj``, is not read this way."""
+    import torch
+
+    for module in (layers[0].modules() if layers and q else ()):
+        if not type(module).__name__.endswith("Attention"):
+            continue
+        for name in _OUTPUT_GATE_NAMES:
+            gate = getattr(module, name, None)
+            if isinstance(gate, torch.nn.Linear) and gate.in_features == hidden:
+                if gate.out_features == q:
+                    return 2.0
+                if gate.out_features == heads:
+                    return 1.0 + heads / q
+    return 0.0
 
 
 def _layer_call_fields(model, layers: list) -> dict[str, int]:  # noqa: ANN001
@@ -1371,7 +1400,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # copies are saved and the view is freed): q + kv beyond the v counted (Phi-3 bf16 without checkpointing was
     # planned 6% under at hidden 256: the [N, q + 2 kv] qkv_proj output of every layer alive)
     fused = (q + kv) * (1 - share) if d.fused_qkv else 0.0
-    attn = (q + kv_saved + _output_copies(d, r) * q + qk + fused) / tp if d.heads else 0.0
+    # an output gate (out * sigmoid(gate_proj(x)): AFMoE, Beam, HRM, Dory, Muse): the sigmoid's output and the gated
+    # product, which the output projection saves in place of the kernel's output (kept too, by the product)
+    gate = d.attn_output_gate * q
+    attn = (q + kv_saved + _output_copies(d, r) * q + qk + fused + gate) / tp if d.heads else 0.0
     # without CP (and without head groups) the attention's backward holds the output projection's input gradient and
     # SDPA's dq, dk, dv (K and V at the width the kernel was given them) beside the saved tensors: 2 q + kv_saved,
     # the step's peak where q is wide next to the MLP (the 4 / 2 heads of 320: 40 MiB at 2048 tokens, one
