@@ -28,13 +28,17 @@ import torch
 
 from automodel.distributed.cp.profile import text_config
 
-__all__ = ["IDENTITY", "LogitTransform", "chunkable_transform"]
+__all__ = ["IDENTITY", "LogitTransform", "chunkable_transform", "named_transform"]
 
 #: config attributes of a soft-cap of the logits
 SOFTCAP_KEYS = ("final_logit_softcapping", "logits_soft_cap")
 #: config attributes of a width scale the chunked loss does not compute (MiniCPM 1 / 2 style), unless
 #: ``logits_scaling`` states the divisor they make (MiniCPM3)
 WIDTH_KEYS = ("dim_model_base", "scale_width")
+#: every config attribute of a known final transform, in the order :func:`named_transform` names them
+TRANSFORM_KEYS = (*SOFTCAP_KEYS, "logit_scale", "logits_scaling", *WIDTH_KEYS)
+#: the words for ModernBERT-decoder's structure: ``get_decoder()`` is the output Linear, after a prediction head
+PREDICTION_HEAD = "a prediction head before its output Linear"
 
 
 @dataclass(frozen=True)
@@ -100,17 +104,32 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def _head_and_config(model: Any) -> tuple[Any, Any, bool]:
+    """``(LM head, text config, whether a prediction head precedes the output Linear)`` of ``model``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    config = getattr(model, "config", None)
+    return head, text_config(config) if config is not None else None, head is not None and decoder is head
+
+
+def named_transform(model: Any) -> str:
+    """Every final transform ``model``'s structure and (text) config name, in words (meta tensors are fine):
+    ``"final_logit_softcapping=30.0"``, :data:`PREDICTION_HEAD`, or ``""`` where none is named."""
+    _, config, prediction_head = _head_and_config(model)
+    if prediction_head:
+        return PREDICTION_HEAD
+    named = (k for k in TRANSFORM_KEYS if getattr(config, k, None) not in (None, 1, 1.0))
+    return ", ".join(f"{k}={getattr(config, k)}" for k in named)
+
+
 def chunkable_transform(model: Any) -> tuple[LogitTransform, str]:
     """``(transform, refused)``: the final transform of ``model``'s logits the chunked loss computes (:data:`IDENTITY`
     where its config names none), and what it names that the chunked loss cannot compute (``""``: nothing).
 
     Reads the structure and the (text) config only; the probe of the run's check confirms it on the model."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if head is not None and decoder is head:
-        return IDENTITY, "a prediction head before its output Linear"
-    config = getattr(model, "config", None)
-    config = text_config(config) if config is not None else None
+    head, config, prediction_head = _head_and_config(model)
+    if prediction_head:
+        return IDENTITY, PREDICTION_HEAD
     softcap = next((v for k in SOFTCAP_KEYS if (v := _number(getattr(config, k, None))) is not None), None)
     scale = _number(getattr(config, "logit_scale", None))
     divisor = _number(getattr(config, "logits_scaling", None))

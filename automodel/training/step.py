@@ -28,9 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel.distributed.cp.profile import text_config
 from automodel.training.chunked_loss import chunked_linear_cross_entropy_sum
-from automodel.training.logit_transform import IDENTITY, LogitTransform, chunkable_transform
+from automodel.training.logit_transform import IDENTITY, LogitTransform, chunkable_transform, named_transform
 from automodel.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
 __all__ = [
@@ -147,24 +146,13 @@ def check_model_for_chunked_loss(model: nn.Module) -> None:
     _CHUNKED_LOSS_CHECKED[model] = transform
 
 
-#: config attributes of known final transforms between the LM head and the logits, named in the probe's reason
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling", "dim_model_base",
-                     "scale_width")  # fmt: skip
-
-
 def logit_transform_of(model: nn.Module) -> str:
-    """The final transform a causal LM applies to its LM head's output, read from its structure and config
-    (meta tensors are fine): ``"final_logit_softcapping=30.0"``, ``"a prediction head"`` or ``""`` for none known: the
-    words for it. Which of them the chunked loss computes: :func:`automodel.training.logit_transform.chunkable_transform`;
-    the run's check is the probe (:func:`logits_are_head_of_hidden`)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if head is not None and decoder is head:
-        return "a prediction head before its output Linear"
-    config = getattr(model, "config", None)
-    config = text_config(config) if config is not None else None
-    named = [f"{k}={getattr(config, k)}" for k in _LOGIT_TRANSFORMS if getattr(config, k, None) not in (None, 1, 1.0)]
-    return ", ".join(named)
+    """The final transform a causal LM applies to its LM head's output, in words, read from its structure and config
+    (meta tensors are fine): ``"final_logit_softcapping=30.0"``, ``"a prediction head"`` or ``""`` for none known
+    (:func:`automodel.training.logit_transform.named_transform`). Which of them the chunked loss computes:
+    :func:`~automodel.training.logit_transform.chunkable_transform`; the run's check is the probe
+    (:func:`logits_are_head_of_hidden`)."""
+    return named_transform(model)
 
 
 class _NotHidden(Exception):
