@@ -305,8 +305,14 @@ class ModelDims:
     #: them, one ``[heads, S, S]`` in the compute dtype beside the next layer's attention in the forward
     keeps_returned_probs: bool = False
     #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
-    #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; 1 elsewhere
+    #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
+    #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
     layer_input_copies: int = 1
+    #: ``(fp32, bf16)``: ``[N, h]`` units per token and layer call that a hyper-connected layer's residual structure
+    #: saves beyond a plain pre-norm layer's (its norms and residual add, which the stream term counts): its ``K``
+    #: input streams, which its norm keeps, and its mixing (:func:`automodel.training.residual_memory.residual_saved`,
+    #: measured on the meta device: DeepSeek-V4's real layer ~18 in fp32, ~47 in bf16); 0 where the layer has one stream
+    residual_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
     #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
     #: sinks through a log-sum-exp keep the masked scores too); ``None``: not measured, the formula
@@ -695,6 +701,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     blocks = _mlp_blocks(model)  # the MLP blocks the tiled MLP finds: their parameters, a shared MLP no key names
     loops = _layer_call_fields(model, layers)
     attention = _first_attention_layer(layers, c)  # a hybrid's first layers may be linear attention or convolutions
+    norms = _norm_fields(model, layers, attention, c.hidden_size, head_dim)
+    layer_norms = _layer_norms(layers[0], c.hidden_size) if layers else 2
     return ModelDims(
         # a looped model's layers are its modules (HRM's num_hidden_layers counts its cache slots, one per call)
         layers=len(layers) if loops else c.num_hidden_layers,
@@ -715,8 +723,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         ),
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
         lookup_params=_lookup_params(model),
-        layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
-        **_norm_fields(model, layers, attention, c.hidden_size, head_dim),
+        layer_norms=layer_norms,
+        **norms,
         qk_norm=attention is not None and any(n.rsplit(".", 1)[-1] in _QK_NORM_NAMES for n, _ in attention.named_modules()),
         logit_transform=chunkable_transform(model)[1],
         logit_softcap=_logit_softcap(model),
@@ -728,6 +736,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         fused_qkv=_fused_qkv(model, attention, heads * head_dim, kv * head_dim),
         **_attn_output_gate(attention, c.hidden_size, heads * head_dim, heads),
+        residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"], layer_norms,
+                                                   norms.get("norm_half_extra", 0.0)),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
@@ -736,6 +746,34 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
 
 #: the names an attention module gives the projection of its output gate (``out * sigmoid(gate_proj(x))``)
 _OUTPUT_GATE_NAMES = ("gate_proj", "g_proj")
+
+
+#: config keys naming how many ``[N, h]`` hidden states a decoder layer takes (:attr:`ModelDims.layer_input_copies`):
+#: Gemma 3n's AltUp predictions, DeepSeek-V4's / HY-V4's and Qwen4-Exp's hyper-connection streams
+_LAYER_INPUT_COPIES_KEYS = ("altup_num_inputs", "hc_mult", "hc_count")
+
+
+def _layer_input_copies(text) -> int:  # noqa: ANN001
+    """:attr:`ModelDims.layer_input_copies` from the (text) config: the largest of :data:`_LAYER_INPUT_COPIES_KEYS`
+    it sets, else 1."""
+    return max([1] + [v for v in (getattr(text, k, None) for k in _LAYER_INPUT_COPIES_KEYS) if isinstance(v, int)])
+
+
+def _residual_saved_extra(model, layers: list, streams: int, norms: int, half: float) -> tuple[float, float]:  # noqa: ANN001
+    """:attr:`ModelDims.residual_saved_extra`: for a layer of several residual streams (hyper-connections), what its
+    residual structure saves (:func:`~automodel.training.residual_memory.residual_saved`, its input's ``K`` streams
+    included) beyond a plain pre-norm layer's (the input norm keeps the layer's input, every further norm its own:
+    ``layer_norms - 1``, and their fp32 copies in bf16: ``norm_half_extra``, which the stream term counts); 0 for one
+    stream, and where the probe cannot run the layer (counted as one stream then)."""
+    from automodel.training.residual_memory import residual_saved
+
+    if streams <= 1 or not layers:
+        return (0.0, 0.0)
+    text = text_config(getattr(model, "config", None))
+    measured = residual_saved(layers[0], text, streams)
+    if measured is None:
+        return (0.0, 0.0)
+    return tuple(max(0.0, m + streams - norms - extra) for m, extra in zip(measured, (0.0, half)))
 
 
 def _first_attention_layer(layers: list, profile) -> Any:  # noqa: ANN001
@@ -958,7 +996,7 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
             "compressed_keys": compressed, "index_mask_layers": _index_mask_layers(model, profile),
             "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
             "keeps_returned_probs": profile.model_type == "bloom",
-            "layer_input_copies": max(1, int(getattr(text, "altup_num_inputs", 1) or 1)),
+            "layer_input_copies": _layer_input_copies(text),
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
@@ -1408,6 +1446,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         stream = 2 * d.layer_norms * h / s
     else:
         stream = (2 * d.layer_norms + 1) * h / s + ((d.norm_half_extra * h / s) if half else 0.0)
+    stream += d.residual_saved_extra[1 if half else 0] * h / s  # hyper-connections' streams and mixing
     gathered = 2 * h if r.sequence_parallel and tp > 1 else 0
     # per head, split over TP: q after RoPE, K and V as the kernel saves them, the attention output and, where one is
     # made, its transposed copy (_output_copies); per-head q/k norms (Qwen3, Gemma 3) save their input and normalized

@@ -1,0 +1,114 @@
+"""The memory planner's view of a decoder layer's residual structure where it is wider than one ``[N, h]`` stream:
+hyper-connections (DeepSeek-V4's and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``).
+
+A hyper-connected layer takes ``K`` residual streams (``[B, S, K, h]`` or ``[B, S, K h]``). Before its attention and
+its MLP it normalizes the streams, computes mixing weights from them (in fp32 in DeepSeek-V4 and HY-V4) and collapses
+them into the block's ``[B, S, h]`` input; after the block it expands the output back into ``K`` streams and mixes
+them with the residual ones. Every step keeps a ``[N, K h]`` tensor or its fp32 copy for the backward: with its
+attention and MLP left out, a layer of DeepSeek-V4's real size (hidden 4096, 4 streams) saves about 16 ``[N, h]`` per
+token in fp32 beyond its input and 49 in bf16 (its mixing runs in fp32), where a Llama layer saves 1 (its second
+norm's input) and 4 in bf16 (:attr:`automodel.training.memory_plan.ModelDims.residual_saved_extra`).
+
+:func:`residual_saved` measures it: a fresh copy of the layer's class is built on the meta device (no memory, the
+model untouched), its attention, linear mixer, MLP and per-layer embedding replaced by stubs that return a fresh
+tensor and save nothing, and one forward of 64 tokens runs under saved-tensor hooks; with its output alive, the storages autograd still
+keeps are counted, once each, less the parameters and the input.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["residual_saved"]
+
+#: the children a decoder layer's forward calls for its attention, mixer, MLP and per-layer inputs: stubbed
+_BLOCK_NAMES = ("self_attn", "attention", "attn", "linear_attn", "mixer", "mlp", "feed_forward", "ffn", "ple")
+#: the stub of these blocks returns ``(output, None)`` (transformers' attention modules; HY-V4's three values and a
+#: linear mixer's output alone are tried next), the others' their output
+_TUPLE_NAMES = ("self_attn", "attention", "attn")
+#: the attention stub's outputs tried in turn: ``(output, None)``, ``(output, None, None)``, the output alone
+_ATTENTION_RETURNS = (2, 3, 0)
+
+_CACHE: dict[tuple, tuple[float, float] | None] = {}
+
+
+class _Stub(torch.nn.Module):
+    """A block that saves nothing: a fresh leaf of its input's shape that requires grad, as its output, alone or
+    followed by ``values - 1`` Nones."""
+
+    def __init__(self, values: int) -> None:
+        super().__init__()
+        self.values = values
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        x = args[0] if args else kwargs["hidden_states"]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device, requires_grad=True)
+        return (out, *[None] * (self.values - 1)) if self.values else out
+
+
+def _model_class(layer: torch.nn.Module) -> type:
+    """The transformers class of ``layer`` (FSDP2 and the tiled MLP subclass it)."""
+    for cls in type(layer).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls
+    return type(layer)
+
+
+def residual_saved(layer: torch.nn.Module, config: Any, streams: int) -> tuple[float, float] | None:  # noqa: ANN401
+    """``(fp32, bf16)``: the ``[N, h]`` units per token (in the compute dtype's elements) that the decoder layer
+    ``layer`` (built from ``config``, its model's text config) saves for its backward beyond its input, its
+    attention, mixer and MLP left out: its norms, residual adds and, with ``streams > 1``, its hyper-connections.
+    ``None`` where the layer's class cannot be built or run so on the meta device (the planner then counts its norms
+    and residual alone)."""
+    cls = _model_class(layer)
+    key = (cls, streams, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+    if key not in _CACHE:
+        _CACHE[key] = None
+        try:
+            _CACHE[key] = tuple(_saved_on_meta(cls, config, streams, dtype) for dtype in (torch.float32, torch.bfloat16))
+        except Exception:  # noqa: BLE001 - a layer that cannot run on the meta device: the planner's count stays
+            pass
+    return _CACHE[key]
+
+
+def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype) -> float:  # noqa: ANN401
+    tokens, h = 64, config.hidden_size
+    with torch.device("meta"):
+        layer = cls(config, 0).to(dtype)
+    if getattr(layer, "ple", None) is not None:  # Qwen4-Exp's per-layer embedding needs its ids: left out
+        layer.ple = None
+    layouts = ((1, tokens, streams, h), (1, tokens, streams * h)) if streams > 1 else ((1, tokens, h),)
+    errors = []
+    for values in _ATTENTION_RETURNS:
+        for name in _BLOCK_NAMES:
+            if isinstance(getattr(layer, name, None), torch.nn.Module):
+                setattr(layer, name, _Stub(values if name in _TUPLE_NAMES else 0))
+        # the storages left with the stubs in place (a dropped block's freed storage may be a saved tensor's next)
+        skip = {t.untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
+        for shape in layouts:
+            x = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+            packed: list[weakref.ref] = []
+
+            def pack(t: torch.Tensor, packed: list = packed) -> torch.Tensor:
+                packed.append(weakref.ref(t))  # the graph holds t while the node that saved it lives
+                return t
+
+            try:
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = layer(x, position_embeddings=None, attention_mask=None)
+            except Exception as e:  # noqa: BLE001 - the next stream layout or attention outputs
+                errors.append(e)
+                continue
+            # what the graph still holds with the output alive (a branch the output does not need is freed, as in a
+            # real step), once per storage, the parameters and the input left out
+            gc.collect()  # a saved tensor and its node hold each other: a freed branch waits for the collector
+            skip_now = skip | {x.untyped_storage()._cdata}
+            alive = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (r() for r in packed)
+                     if t is not None and t.untyped_storage()._cdata not in skip_now}  # fmt: skip
+            del out
+            return sum(alive.values()) / tokens / h / torch.finfo(dtype).bits * 8
+    raise errors[-1]
