@@ -10,9 +10,10 @@ token in fp32 beyond its input and 49 in bf16 (its mixing runs in fp32), where a
 norm's input) and 4 in bf16 (:attr:`automodel.training.memory_plan.ModelDims.residual_saved_extra`).
 
 :func:`residual_saved` measures it: a fresh copy of the layer's class is built on the meta device (no memory, the
-model untouched), its attention, linear mixer, MLP and per-layer embedding replaced by stubs that return a fresh
-tensor and save nothing, and one forward of 64 tokens runs under saved-tensor hooks; with its output alive, the storages autograd still
-keeps are counted, once each, less the parameters and the input.
+model untouched), its attention, linear mixer and MLP replaced by stubs that return a fresh tensor and save nothing
+(Qwen4-Exp's per-layer embedding, which needs its ids, left out), and one forward of 64 tokens runs under saved-tensor
+hooks; with its output alive, the storages autograd still keeps are counted, once each, less the parameters and the
+input.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 
 __all__ = ["residual_saved"]
 
-#: the children a decoder layer's forward calls for its attention, mixer, MLP and per-layer inputs: stubbed
-_BLOCK_NAMES = ("self_attn", "attention", "attn", "linear_attn", "mixer", "mlp", "feed_forward", "ffn", "ple")
+#: the children a decoder layer's forward calls for its attention, mixer and MLP: stubbed
+_BLOCK_NAMES = ("self_attn", "attention", "attn", "linear_attn", "mixer", "mlp", "feed_forward", "ffn")
 #: the stub of these blocks returns ``(output, None)`` (transformers' attention modules; HY-V4's three values and a
 #: linear mixer's output alone are tried next), the others' their output
 _TUPLE_NAMES = ("self_attn", "attention", "attn")
