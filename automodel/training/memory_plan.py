@@ -1088,7 +1088,7 @@ def _norm_fields(model, layers: list, attention, hidden: int, head_dim: int) -> 
     # the per-head q/k norms: their weight's size is the width they normalize over (a head, or OLMo 2's whole q); a
     # parameter-free one (NanoChat's) normalizes each head
     qk: dict[Any, int] = {}
-    for name, m in (attention or layers[0]).named_modules():
+    for name, m in attention.named_modules():
         weight = getattr(m, "weight", None)
         if name.rsplit(".", 1)[-1] not in _QK_NORM_NAMES:
             continue

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from automodel.training.saved_storage import saved_storage_bytes
+
 __all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_saved", "mlp_shape", "plain_mlp_moments"]
 
 #: the names transformers' decoder layers give their MLP
@@ -145,18 +147,8 @@ def _saved_on_meta(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype) -> flo
     params |= {f"mlp.{n}": torch.empty(b.shape, dtype=b.dtype if not b.is_floating_point() else dtype, device="meta")
                for n, b in mlp.named_buffers(remove_duplicate=False)}  # fmt: skip
     x = torch.empty(1, tokens, hidden, dtype=dtype, device="meta", requires_grad=True)
-    skip = {t.untyped_storage()._cdata for t in (*params.values(), x)}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in skip:
-            saved[storage._cdata] = storage.nbytes()
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.func.functional_call(wrapper, params, (x,))
-    return sum(saved.values()) / tokens / torch.finfo(dtype).bits * 8
+    saved = saved_storage_bytes(lambda: torch.func.functional_call(wrapper, params, (x,)), (*params.values(), x))
+    return saved / tokens / torch.finfo(dtype).bits * 8
 
 
 _SAVED_CACHE: dict[tuple, tuple[float, float] | None] = {}

@@ -18,11 +18,11 @@ input.
 
 from __future__ import annotations
 
-import gc
-import weakref
 from typing import Any
 
 import torch
+
+from automodel.training.saved_storage import saved_storage_bytes
 
 __all__ = ["residual_saved"]
 
@@ -88,28 +88,14 @@ def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype) -> 
         for name in _BLOCK_NAMES:
             if isinstance(getattr(layer, name, None), torch.nn.Module):
                 setattr(layer, name, _Stub(values if name in _TUPLE_NAMES else 0))
-        # the storages left with the stubs in place (a dropped block's freed storage may be a saved tensor's next)
-        skip = {t.untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
         for shape in layouts:
             x = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
-            packed: list[weakref.ref] = []
-
-            def pack(t: torch.Tensor, packed: list = packed) -> torch.Tensor:
-                packed.append(weakref.ref(t))  # the graph holds t while the node that saved it lives
-                return t
-
             try:
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = layer(x, position_embeddings=None, attention_mask=None)
+                # the parameters left with the stubs in place (a dropped block's are freed) and the input aside
+                saved = saved_storage_bytes(lambda x=x: layer(x, position_embeddings=None, attention_mask=None),
+                                            (*layer.parameters(), *layer.buffers(), x))  # fmt: skip
             except Exception as e:  # noqa: BLE001 - the next stream layout or attention outputs
                 errors.append(e)
                 continue
-            # what the graph still holds with the output alive (a branch the output does not need is freed, as in a
-            # real step), once per storage, the parameters and the input left out
-            gc.collect()  # a saved tensor and its node hold each other: a freed branch waits for the collector
-            skip_now = skip | {x.untyped_storage()._cdata}
-            alive = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (r() for r in packed)
-                     if t is not None and t.untyped_storage()._cdata not in skip_now}  # fmt: skip
-            del out
-            return sum(alive.values()) / tokens / h / torch.finfo(dtype).bits * 8
+            return saved / tokens / h / torch.finfo(dtype).bits * 8
     raise errors[-1]
