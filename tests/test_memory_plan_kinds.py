@@ -985,16 +985,29 @@ def test_hyper_connected_layers_keep_their_streams_and_mixing():
     """DeepSeek-V4 (``hc_mult``), HY-V4 and Qwen4-Exp (``hc_count``) pass ``K`` residual streams from layer to layer
     and mix them around the attention and the MLP: checkpointing keeps ``K [N, h]`` per layer
     (``layer_input_copies``), and each layer's residual structure saves what the meta-device probe counts
-    (``residual_memory.residual_saved``, its attention and MLP stubbed out). The probe equals a real CPU forward's
-    count of the storages autograd keeps, is the same on every call (a stubbed block's freed parameters are not taken
-    for the layer's), and is 0 for a model of one stream. Measured (scripts/bench_plan_families.py's rows, fp32, hidden
-    64, 2048 tokens, no checkpointing / checkpointing / both with the tiled MLP / the tiled MLP alone): DeepSeek-V4
-    -8% / -7% / -7% / -7% -> +3% / -5% / -5% / +5%; Qwen4-Exp -39% / -37% / -46% / -43% -> -6% / -0% / -9% / -6%."""
-    import weakref
+    (``residual_memory.residual_saved``, its attention and MLP stubbed out, less a plain pre-norm layer of its norms:
+    the stream term's part). The probe equals what a real CPU forward without hooks keeps alive (every tensor it made,
+    with its output alive, less the output, the parameters and the input), is the same on every call (a stubbed
+    block's freed parameters are not taken for the layer's), and is 0 for a model of one stream. Measured
+    (scripts/bench_plan_families.py's rows, fp32, hidden 64, 2048 tokens, no checkpointing / checkpointing / both
+    with the tiled MLP / the tiled MLP alone): DeepSeek-V4 -8% / -7% / -7% / -7% -> +3% / -5% / -5% / +5%; Qwen4-Exp
+    -39% / -37% / -46% / -43% -> -5% / -0% / -8% / -5%."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from automodel.models.parallelize import decoder_layers
+    from automodel.models.tiled_mlp import is_hidden_norm
     from automodel.training import residual_memory
     from automodel.training.residual_memory import _BLOCK_NAMES, _TUPLE_NAMES, _model_class, _Stub
+
+    class Made(TorchDispatchMode):  # every tensor an op makes, weakly
+        def __init__(self) -> None:
+            super().__init__()
+            self.made: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            self.made += [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            return out
 
     for name, streams in (("deepseek_v4", 4), ("hy_v4", 4), ("qwen4_exp_text", 4)):
         fam = family_or_skip(name)
@@ -1006,9 +1019,14 @@ def test_hyper_connected_layers_keep_their_streams_and_mixing():
         cls = _model_class(decoder_layers(model)[0])
         probed = residual_memory._saved_on_meta(cls, config, streams, torch.float32)
         assert residual_memory._saved_on_meta(cls, config, streams, torch.float32) == probed
-        # the same layer on the CPU, its attention and MLP stubbed as the probe's
+        assert d.residual_saved_extra[0] == pytest.approx(probed + streams - 1)
+        # the same layer on the CPU, its attention and MLP stubbed as the probe's, run without hooks
         torch.manual_seed(0)
         layer = cls(config, 0)
+        norms = [m for _, m in layer.named_children() if is_hidden_norm(m, config.hidden_size, held_by_layer=True)]
+        with torch.device("meta"):
+            plain = residual_memory._plain_saved_on_meta([type(n)(config.hidden_size) for n in norms], 64,
+                                                         config.hidden_size, torch.float32)  # fmt: skip
         for block in _BLOCK_NAMES:
             if isinstance(getattr(layer, block, None), torch.nn.Module):
                 setattr(layer, block, _Stub(3 if name == "hy_v4" and block in _TUPLE_NAMES else
@@ -1017,19 +1035,14 @@ def test_hyper_connected_layers_keep_their_streams_and_mixing():
             layer.ple = None
         shape = (1, 64, streams * config.hidden_size) if name == "qwen4_exp_text" else (1, 64, streams, config.hidden_size)
         x = torch.randn(shape, requires_grad=True)
-        packed: list = []
-
-        def pack(t: torch.Tensor, packed: list = packed) -> torch.Tensor:
-            packed.append(weakref.ref(t))
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        made = Made()
+        with made:
             out = layer(x, position_embeddings=None, attention_mask=None)
-        gc.collect()
-        skip = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), x)}
-        alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (r() for r in packed)
-                 if t is not None and t.untyped_storage().data_ptr() not in skip}  # fmt: skip
-        assert probed == pytest.approx(sum(alive.values()) / 64 / config.hidden_size / 4), name
+        kept = {t.untyped_storage()._cdata for t in (*layer.parameters(), x, *torch.utils._pytree.tree_leaves(out))
+                if isinstance(t, torch.Tensor)}  # fmt: skip
+        alive = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in (r() for r in made.made)
+                 if t is not None and t.untyped_storage()._cdata not in kept}  # fmt: skip
+        assert probed == pytest.approx((sum(alive.values()) - plain) / 64 / config.hidden_size / 4), name
         del out
     for name in ("llama", "gemma3n_text", "qwen3_next"):
         assert _dims(name).residual_saved_extra == (0.0, 0.0), name
@@ -1062,3 +1075,28 @@ def test_a_hyper_connected_model_is_planned_as_measured():
     plan = plan_memory(model_dims(model), shape)
     planned = max(sum(plan.phases[p].values()) for p in ("forward", "loss", "backward"))
     assert -0.05 <= (planned - measured) / measured <= 0.10, (planned / 2**20, measured / 2**20)
+
+
+
+def test_saved_storage_counts_what_the_graph_keeps():
+    """``saved_storage.saved_storage_bytes``: the distinct storages a forward's graph keeps, less the excluded ones.
+    A branch the output does not need is freed as in a real step, also where it saves its output (the hook keeps a
+    detached alias: the tensor itself would make the output and its node a cycle nothing frees); two saved views of
+    one storage are one storage."""
+    from automodel.training.saved_storage import saved_storage_bytes
+
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def forward():
+        y = x @ w  # saves x and w: excluded
+        z = y.sigmoid()  # saves its output: [8, 16] fp32
+        (y * 2).exp()  # saves its output, dropped at once: a branch the returned tensor does not need
+        return (z * z[:, :8].repeat(1, 2)).sum()  # saves z (one storage) and the repeated copy: [8, 16] fp32
+
+    assert saved_storage_bytes(forward, (x, w)) == 2 * 8 * 16 * 4
+    assert saved_storage_bytes(forward) == 2 * 8 * 16 * 4 + (8 * 16 + 16 * 16) * 4  # x and w counted
+    with torch.device("meta"):  # the planner's probes run on the meta device
+        xm, wm = torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+    x, w = xm, wm
+    assert saved_storage_bytes(forward, (x, w)) == 2 * 8 * 16 * 4

@@ -311,7 +311,7 @@ class ModelDims:
     #: ``(fp32, bf16)``: ``[N, h]`` units per token and layer call that a hyper-connected layer's residual structure
     #: saves beyond a plain pre-norm layer's (its norms and residual add, which the stream term counts): its ``K``
     #: input streams, which its norm keeps, and its mixing (:func:`automodel.training.residual_memory.residual_saved`,
-    #: measured on the meta device: DeepSeek-V4's real layer ~18 in fp32, ~47 in bf16); 0 where the layer has one stream
+    #: measured on the meta device: DeepSeek-V4's real layer ~18 in fp32, ~48 in bf16); 0 where the layer has one stream
     residual_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
     #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
@@ -736,8 +736,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         fused_qkv=_fused_qkv(model, attention, heads * head_dim, kv * head_dim),
         **_attn_output_gate(attention, c.hidden_size, heads * head_dim, heads),
-        residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"], layer_norms,
-                                                   norms.get("norm_half_extra", 0.0)),
+        residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"]),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
@@ -759,12 +758,12 @@ def _layer_input_copies(text) -> int:  # noqa: ANN001
     return max([1] + [v for v in (getattr(text, k, None) for k in _LAYER_INPUT_COPIES_KEYS) if isinstance(v, int)])
 
 
-def _residual_saved_extra(model, layers: list, streams: int, norms: int, half: float) -> tuple[float, float]:  # noqa: ANN001
+def _residual_saved_extra(model, layers: list, streams: int) -> tuple[float, float]:  # noqa: ANN001
     """:attr:`ModelDims.residual_saved_extra`: for a layer of several residual streams (hyper-connections), what its
-    residual structure saves (:func:`~automodel.training.residual_memory.residual_saved`, its input's ``K`` streams
-    included) beyond a plain pre-norm layer's (the input norm keeps the layer's input, every further norm its own:
-    ``layer_norms - 1``, and their fp32 copies in bf16: ``norm_half_extra``, which the stream term counts); 0 for one
-    stream, and where the probe cannot run the layer (counted as one stream then)."""
+    residual structure saves beyond a plain pre-norm layer of its norms
+    (:func:`~automodel.training.residual_memory.residual_saved`: what the stream term counts is subtracted there) and
+    its input's ``K - 1`` further streams; 0 for one stream, and where the probe cannot run the layer (counted as one
+    stream then)."""
     from automodel.training.residual_memory import residual_saved
 
     if streams <= 1 or not layers:
@@ -773,7 +772,7 @@ def _residual_saved_extra(model, layers: list, streams: int, norms: int, half: f
     measured = residual_saved(layers[0], text, streams)
     if measured is None:
         return (0.0, 0.0)
-    return tuple(max(0.0, m + streams - norms - extra) for m, extra in zip(measured, (0.0, half)))
+    return tuple(max(0.0, m + streams - 1) for m in measured)
 
 
 def _first_attention_layer(layers: list, profile) -> Any:  # noqa: ANN001

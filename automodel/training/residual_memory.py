@@ -5,15 +5,19 @@ A hyper-connected layer takes ``K`` residual streams (``[B, S, K, h]`` or ``[B, 
 its MLP it normalizes the streams, computes mixing weights from them (in fp32 in DeepSeek-V4 and HY-V4) and collapses
 them into the block's ``[B, S, h]`` input; after the block it expands the output back into ``K`` streams and mixes
 them with the residual ones. Every step keeps a ``[N, K h]`` tensor or its fp32 copy for the backward: with its
-attention and MLP left out, a layer of DeepSeek-V4's real size (hidden 4096, 4 streams) saves about 16 ``[N, h]`` per
-token in fp32 beyond its input and 49 in bf16 (its mixing runs in fp32), where a Llama layer saves 1 (its second
-norm's input) and 4 in bf16 (:attr:`automodel.training.memory_plan.ModelDims.residual_saved_extra`).
+attention and MLP left out, a layer of DeepSeek-V4's real size (hidden 4096, 4 streams) saves about 18 ``[N, h]`` per
+token in fp32 and 48 in bf16 (its mixing runs in fp32) beyond a plain pre-norm layer of its two norms, which saves 3
+(Llama's: the first norm's normalized input, the second's input and normalized input) and 6 in bf16 (their fp32
+copies), its input's 3 further streams included
+(:attr:`automodel.training.memory_plan.ModelDims.residual_saved_extra`).
 
 :func:`residual_saved` measures it: a fresh copy of the layer's class is built on the meta device (no memory, the
-model untouched), its attention, linear mixer and MLP replaced by stubs that return a fresh tensor and save nothing
-(Qwen4-Exp's per-layer embedding, which needs its ids, left out), and one forward of 64 tokens runs under saved-tensor
-hooks; with its output alive, the storages autograd still keeps are counted, once each, less the parameters and the
-input.
+model untouched), its attention, linear mixer and MLP replaced by stubs that return a copy of their input and save
+nothing (Qwen4-Exp's per-layer embedding, which needs its ids, left out), and one forward of 64 tokens runs under
+saved-tensor hooks; with its output alive, the storages autograd still keeps are counted, once each, less the
+parameters and the input, and less what a plain pre-norm layer of the layer's hidden-size norms keeps so (the part the
+planner's stream term counts). A stub that ignored its input would leave the norm before it out of the graph: its
+saved tensors freed, and the subtraction wrong by them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import torch
 
+from automodel.models.tiled_mlp import is_hidden_norm
 from automodel.training.saved_storage import saved_storage_bytes
 
 __all__ = ["residual_saved"]
@@ -47,7 +52,7 @@ class _Stub(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
         x = args[0] if args else kwargs["hidden_states"]
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device, requires_grad=True)
+        out = x.clone()  # of its input (a clone saves nothing): what fed the block stays in the graph, as in the layer
         return (out, *[None] * (self.values - 1)) if self.values else out
 
 
@@ -62,9 +67,10 @@ def _model_class(layer: torch.nn.Module) -> type:
 def residual_saved(layer: torch.nn.Module, config: Any, streams: int) -> tuple[float, float] | None:  # noqa: ANN401
     """``(fp32, bf16)``: the ``[N, h]`` units per token (in the compute dtype's elements) that the decoder layer
     ``layer`` (built from ``config``, its model's text config) saves for its backward beyond its input, its
-    attention, mixer and MLP left out: its norms, residual adds and, with ``streams > 1``, its hyper-connections.
-    ``None`` where the layer's class cannot be built or run so on the meta device (the planner then counts its norms
-    and residual alone)."""
+    attention, mixer and MLP left out (its norms, residual adds and, with ``streams > 1``, its hyper-connections),
+    less what a plain pre-norm layer of as many norms of its norm class saves so (:func:`_plain_saved_on_meta`: the
+    part the planner's stream term counts). ``None`` where the layer's class cannot be built or run so on the meta
+    device (the planner then counts its norms and residual alone)."""
     cls = _model_class(layer)
     key = (cls, streams, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
     if key not in _CACHE:
@@ -82,6 +88,7 @@ def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype) -> 
         layer = cls(config, 0).to(dtype)
     if getattr(layer, "ple", None) is not None:  # Qwen4-Exp's per-layer embedding needs its ids: left out
         layer.ple = None
+    norms = [m for _, m in layer.named_children() if is_hidden_norm(m, h, held_by_layer=True)]
     layouts = ((1, tokens, streams, h), (1, tokens, streams * h)) if streams > 1 else ((1, tokens, h),)
     errors = []
     for values in _ATTENTION_RETURNS:
@@ -97,5 +104,20 @@ def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype) -> 
             except Exception as e:  # noqa: BLE001 - the next stream layout or attention outputs
                 errors.append(e)
                 continue
-            return saved / tokens / h / torch.finfo(dtype).bits * 8
+            return (saved - _plain_saved_on_meta(norms, tokens, h, dtype)) / tokens / h / torch.finfo(dtype).bits * 8
     raise errors[-1]
+
+
+def _plain_saved_on_meta(norms: list[torch.nn.Module], tokens: int, h: int, dtype: torch.dtype) -> int:
+    """Bytes that a plain pre-norm layer with ``norms`` (meta-device modules, in order) saves beyond its input, its
+    blocks left out: ``x = x + block(norm(x))`` for each norm, the block a :class:`_Stub` (of Llama's two RMSNorms:
+    3 ``[N, h]`` in fp32, 6 in bf16, whose norms keep fp32 copies)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for norm in norms:
+            x = x + _Stub(0)(norm(x))
+        return x
+
+    x = torch.empty((1, tokens, h), dtype=dtype, device="meta", requires_grad=True)
+    params = [p for norm in norms for p in (*norm.parameters(), *norm.buffers())]
+    return saved_storage_bytes(lambda: forward(x), (*params, x))
