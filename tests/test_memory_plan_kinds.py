@@ -1100,3 +1100,41 @@ def test_saved_storage_counts_what_the_graph_keeps():
         xm, wm = torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
     x, w = xm, wm
     assert saved_storage_bytes(forward, (x, w)) == 2 * 8 * 16 * 4
+
+
+def test_a_learned_relative_position_bias_is_planned_per_layer():
+    """Inkling 1, 2 and 2-loop build a learned relative-position bias ``[B, heads, S, S]`` in every layer
+    (``ModelDims.position_bias_heads``; Inkling 2 its int64 ``[S, S]`` distance tables once per forward, one per
+    attention kind: ``position_bias_tables``), refused by every CP method. Without CP each layer keeps the bias's
+    gather index and mask (9 bytes per ``S^2``), under ``sdpa`` the folded ``[B, heads, S, S]`` mask too; the plan
+    counted none of it (fp32, 1024 tokens: Inkling eager -28% / -19% (checkpointing), Inkling 2 -43% / -48%, Inkling's
+    sdpa on the CPU -84% / -87%). Measured here: Inkling under eager, fp32, 512 tokens, no checkpointing, against
+    the tracked step peak."""
+    from automodel.training.layer_kind_memory import position_bias_bytes
+
+    ink, ink2, llama = _dims("inkling_text"), _dims("inkling2_text"), _dims("llama")
+    assert ink.position_bias_heads == (4,) * ink.layers and ink.position_bias_tables == 0
+    assert ink2.position_bias_heads == (4,) * ink2.layers and ink2.position_bias_tables == 2
+    assert _dims("inkling2_loop_text").position_bias_tables == 2 and llama.position_bias_heads == ()
+    s, c = 1024, 4
+    for attn, kept, flight in (("sdpa", 4 * s * s * c + 9 * s * s, 2 * 4 * s * s * c), ("eager", 9 * s * s, 4 * s * s * c)):
+        shape = RunShape(local_batch=1, seq=s, attn=attn)
+        assert position_bias_bytes(ink, shape) == (kept, kept, flight, flight, 0.0)
+        assert position_bias_bytes(ink2, shape)[4] == 2 * 8 * s * s
+        assert position_bias_bytes(ink, dataclasses.replace(shape, cp=2)) == (0.0,) * 5  # refused under CP
+        # every layer keeps its part without checkpointing; the tables are held to the backward with it
+        plain = dataclasses.replace(ink2, position_bias_heads=(), position_bias_tables=0)
+        for ac in (False, True):
+            grown, base = (plan_memory(x, dataclasses.replace(shape, activation_checkpointing=ac))
+                           for x in (ink2, plain))  # fmt: skip
+            added = grown.terms["activations"].bytes - base.terms["activations"].bytes
+            assert added >= (2 * 8 * s * s if ac else ink2.calls * kept), (attn, ac, added)
+    config = family_or_skip("inkling_text").build_config()
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    seq = 512
+    measured = _tracked_step_peak(model.train(), config.vocab_size, seq, None)
+    plan = plan_memory(model_dims(model), RunShape(local_batch=1, seq=seq, chunk_tokens=None, attn="eager"))
+    planned = max(sum(plan.phases[p].values()) for p in ("forward", "loss", "backward"))
+    assert -0.05 <= (planned - measured) / measured <= 0.10, (planned / 2**20, measured / 2**20)

@@ -20,9 +20,11 @@ milliseconds per attention class, cached.
 
 A module whose file has no ``eager_attention_forward``, or whose function cannot run on the probe (it reads a weight
 it would have to compute with, a CUDA-only op), is not measured: the planner keeps its formula. The probe hands the
-function q, k and v in the compute dtype and no keyword tensors: a module that casts them up first (DeepSeek-V4's
-fp32 norms) is read by the planner (``memory_plan._attention_in_fp32``: the fp32 figures in bf16); one that passes a
-bias or sinks by keyword (Inkling2's ``position_bias``) is measured without them.
+function q, k and v in the compute dtype and, of the keyword tensors, per-token sinks only (Inkling 2's ``sinks``,
+``[B, heads, S, 1]``, made by its ``sink_proj``): a module that casts them up first (DeepSeek-V4's fp32 norms) is
+read by the planner (``memory_plan._attention_in_fp32``: the fp32 figures in bf16); a bias passed by keyword
+(Inkling's ``position_bias``) is measured without it and planned apart
+(:func:`automodel.training.layer_kind_memory.position_bias_bytes`).
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ def _one_call(fn: Any, attention: torch.nn.Module, dtype: torch.dtype, s: int) -
     params = inspect.signature(fn).parameters
     if "softcap" in params:  # Gemma 2's module passes its attn_logit_softcapping
         kwargs["softcap"] = getattr(attention, "attn_logit_softcapping", None)
+    if "sinks" in params and isinstance(getattr(attention, "sink_proj", None), torch.nn.Module):
+        kwargs["sinks"] = ramp(heads, 1, 0)  # Inkling 2's per-token sinks: [B, heads, S, 1], an extra logit per query
     mode = _LiveBytes()
     with mode:
         out, weights = fn(probe, q, k, v, mask, **kwargs)

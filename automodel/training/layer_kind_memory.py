@@ -23,6 +23,7 @@ imports it), counted where the tensor is really built, measured by ``scripts/ben
     each block of 256 queries against the keys it may see, ``n (block + W)`` bytes for a window ``W``; a full
     prefix (ALiBi) ``n (S + block) / 2`` (the blocks' last queries sit on average half-way along the row).
 * :func:`sdpa_mask_copy`: without CP, the float copy of a boolean mask SDPA makes per call and keeps per layer.
+* :func:`position_bias_bytes`: without CP, a learned relative-position bias ``[B, heads, S, S]`` per layer (Inkling).
 * :func:`alibi_workspace`: one ALiBi layer on the halo kernel (:mod:`~automodel.distributed.cp.layers.alibi`, ring,
   thd, thd_docs, usp): its last query block scores every key of the row in exact math, ``[B, Hq, block, S]`` fp32
   three times (scores plus bias, the masked copy, the softmax), the block's K and V repeated to the query heads
@@ -41,7 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["HALO_BLOCK", "alibi_saved_per_layer", "alibi_workspace", "gathered_workspace", "mask_bytes",
-           "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
+           "position_bias_bytes", "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
 
 #: queries per block of the halo kernel (``masked_attention.DEFAULT_BLOCK``)
 HALO_BLOCK = 256
@@ -131,6 +132,38 @@ def sdpa_mask_copy(d: Any, r: Any) -> tuple[float, float]:
         return one, one
     masked = sum(count for limit, count in d.attention_kinds if 0 < limit < n)
     return one * masked / d.layers, one if masked else 0.0
+
+
+def position_bias_bytes(d: Any, r: Any) -> tuple[float, float, float, float, float]:
+    """A learned relative-position bias built per layer call (Inkling 1, 2 and 2-loop: each query's states over the
+    key distances, gathered into ``[B, heads, S, S]`` in the compute dtype; :attr:`ModelDims.position_bias_heads`),
+    bytes per rank: ``(kept per layer call on average, kept by the largest layer, in flight at a layer's attention in
+    the forward, in its backward, the model's distance tables)``; zeros without such layers and under CP (every method
+    refuses them).
+
+    Each layer keeps its bias's int64 ``[1, 1, S, S]`` gather index and the boolean mask of the distances outside the
+    extent (``masked_fill``'s): 9 bytes per ``S^2``. Under ``sdpa`` transformers folds the bias and the attention mask
+    into one float ``[B, heads, S, S]`` mask (``create_position_bias_mask``), which the kernel keeps for its backward
+    and whose gradient it returns (the memory-efficient and cuDNN kernels on a GPU; CPU's SDPA runs a bias that
+    needs a gradient on its math kernel, which also keeps the ``[B, heads, S, S]`` probabilities: measured one such
+    more per layer than planned); the forward holds the bias beside the folded mask, the backward the mask's
+    gradient beside the bias's. Under ``eager`` the bias is added to the scores and freed with the layer's forward:
+    one ``[B, heads, S, S]`` beside the eager scores at the layer's attention, forward and backward. A model that
+    builds its query-key distances once per forward (Inkling 2: an int64 ``[S, S]`` per attention kind,
+    :attr:`ModelDims.position_bias_tables`) holds them through its forward, and under checkpointing to the end of the
+    backward (each layer's recomputation is handed them)."""
+    heads = getattr(d, "position_bias_heads", ())
+    if not heads or r.cp > 1:
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    b, c, n = r.local_batch, r.compute_bytes, _row(r)
+    squares = n * n
+    index = 9 * squares
+    largest = max(heads)
+    tables = 8 * squares * getattr(d, "position_bias_tables", 0)
+    if r.attn == "eager":
+        return index * len(heads) / d.layers, index, b * largest * squares * c, b * largest * squares * c, tables
+    kept = [b * h * squares * c + index for h in heads]
+    return sum(kept) / d.layers, max(kept), 2 * b * largest * squares * c, 2 * b * largest * squares * c, tables
 
 
 def alibi_workspace(d: Any, r: Any) -> float:

@@ -162,6 +162,7 @@ from automodel.training.layer_kind_memory import (
     alibi_workspace,
     gathered_workspace,
     mask_bytes,
+    position_bias_bytes,
     sdpa_mask_copy,
 )
 from automodel.training.norm_memory import RMS_NORM_PEAKS, NormPeaks
@@ -304,6 +305,13 @@ class ModelDims:
     #: ``outputs = block(...)``, its own eager code returns them): under checkpointing, where nothing else keeps
     #: them, one ``[heads, S, S]`` in the compute dtype beside the next layer's attention in the forward
     keeps_returned_probs: bool = False
+    #: the query heads of each decoder layer whose attention builds a learned relative-position bias ``[B, heads, S,
+    #: S]`` per call (Inkling 1, 2 and 2-loop: each query's states over the key distances up to ``rel_extent``,
+    #: gathered; :func:`.layer_kind_memory.position_bias_bytes`); empty elsewhere
+    position_bias_heads: tuple[int, ...] = ()
+    #: int64 ``[S, S]`` query-key distance tables the model builds once per forward for those layers (Inkling 2: one
+    #: per attention kind, ``get_relative_distance`` in its text model's forward); Inkling builds them per layer
+    position_bias_tables: int = 0
     #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
     #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
     #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
@@ -994,9 +1002,45 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
     return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
             "compressed_keys": compressed, "index_mask_layers": _index_mask_layers(model, profile),
             "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
-            "keeps_returned_probs": profile.model_type == "bloom",
+            "keeps_returned_probs": profile.model_type == "bloom", "position_bias_heads": _position_bias_heads(model),
+            "position_bias_tables": _position_bias_tables(model),
             "layer_input_copies": _layer_input_copies(text),
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
+
+
+def _position_bias_heads(model) -> tuple[int, ...]:  # noqa: ANN001
+    """:attr:`ModelDims.position_bias_heads`: per decoder layer whose attention module holds a learned
+    relative-position bias (a child with a ``rel_extent`` and a ``proj`` parameter of ``rel_extent`` columns: Inkling's
+    ``InklingRelativeLogits``, Inkling 2's ``Inkling2RelativePositionBias``), that attention's query heads."""
+    import torch
+
+    from automodel.models.parallelize import decoder_layers
+
+    heads = []
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            found = [child for child in module.children() if isinstance(getattr(child, "rel_extent", None), int)
+                     and isinstance(getattr(child, "proj", None), torch.Tensor)
+                     and child.proj.shape[-1] == child.rel_extent]  # fmt: skip
+            if found and isinstance(getattr(module, "num_heads", None), int):
+                heads.append(module.num_heads)
+                break
+    return tuple(heads)
+
+
+def _position_bias_tables(model) -> int:  # noqa: ANN001
+    """:attr:`ModelDims.position_bias_tables`: the ``get_relative_distance(`` calls in the forward of the module that
+    holds the decoder layers (Inkling 2's text model: one per attention kind)."""
+    from automodel.distributed.cp.profile import _forward_source
+    from automodel.models.parallelize import decoder_layers
+
+    layers = decoder_layers(model)
+    if not layers:
+        return 0
+    for module in model.modules():
+        if any(child is layers[0] for child in getattr(module, "layers", ())):
+            return _forward_source(type(module)).count("get_relative_distance(")
+    return 0
 
 
 def _index_mask_layers(model, profile) -> int:  # noqa: ANN001
@@ -1562,30 +1606,40 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # SDPA given a boolean mask keeps a float copy of it per layer for its backward (layer_kind_memory.sdpa_mask_copy):
     # the layers' average in what they keep, the largest for the layer in flight
     copy_avg, copy_max = sdpa_mask_copy(d, r)
+    # a learned relative-position bias per layer (Inkling): what each layer keeps of it beside the masks' copies, and
+    # the bias (its folded mask, their gradients) in flight at the layer's attention
+    # (and the distance tables the model builds once per forward: held through it, under checkpointing to the end)
+    bias_avg, bias_max, bias_fwd, bias_bwd, tables = position_bias_bytes(d, r)
+    copy_avg, copy_max = copy_avg + bias_avg, copy_max + bias_max
+    building += bias_fwd
+    in_flight += bias_bwd
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
+    if bias_max:  # an S^2 term the layer count does not show
+        tiled += f"; a learned position bias per layer: {_fmt(bias_max)} kept, {_fmt(bias_bwd)} in flight"
     tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
         kept, kept_at_loss = (x * h * c * d.layer_input_copies / s for x in _kept_inputs(d, r))
-        saved = n * (kept_at_loss + final + always)
+        saved = n * (kept_at_loss + final + always) + tables
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
-        fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd
-        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max + returned
+        fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd + tables
+        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max + returned + tables
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
         bwd_a = n * (kept + always + body_attn_bwd + grads + attn_bwd) + s2 + copy_max + in_flight
         bwd_n = n * (kept + always + _layer_norm_moment(d, r, attn, lse, saved_mlp)) + s2 + copy_max
+        bwd_m, bwd_a, bwd_n = bwd_m + tables, bwd_a + tables, bwd_n + tables
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always))
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n)
     before = n * ((d.calls - 1) * layer + embed + always) + (d.calls - 1) * (s2 + copy_avg)  # the layers before the last
     saved = n * (d.calls * layer + embed + final + always) + d.calls * (s2 + copy_avg) + tile_bytes
-    fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max
-    fwd_a = before + n * body_attn + s2 + building + copy_max
+    fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max + tables
+    fwd_a = before + n * body_attn + s2 + building + copy_max + tables
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
