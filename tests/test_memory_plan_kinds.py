@@ -1112,6 +1112,8 @@ def test_a_learned_relative_position_bias_is_planned_per_layer():
     the tracked step peak."""
     from automodel.training.layer_kind_memory import position_bias_bytes
 
+    for name in ("inkling_text", "inkling2_text", "inkling2_loop_text"):
+        family_or_skip(name)  # (not in every supported transformers)
     ink, ink2, llama = _dims("inkling_text"), _dims("inkling2_text"), _dims("llama")
     assert ink.position_bias_heads == (4,) * ink.layers and ink.position_bias_tables == 0
     assert ink2.position_bias_heads == (4,) * ink2.layers and ink2.position_bias_tables == 2
