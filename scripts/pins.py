@@ -39,12 +39,14 @@ def public(version: str) -> str:
 
 
 def installed() -> dict[str, str]:
-    """``{canonical name: public version}`` of every distribution this interpreter sees, but SKIP."""
+    """``{canonical name: public version}`` of every distribution this interpreter sees, but SKIP: the one it imports
+    where several are installed (the first on ``sys.path``: a venv's own before the system's, which a venv made with
+    ``--system-site-packages`` on a GPU host also sees)."""
     found: dict[str, str] = {}
     for dist in md.distributions():
         name = dist.metadata["Name"]
         if name and canonical(name) not in SKIP:
-            found[canonical(name)] = public(dist.version)
+            found.setdefault(canonical(name), public(dist.version))
     return found
 
 

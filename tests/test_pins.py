@@ -98,3 +98,15 @@ def test_update_pins_refuses_write_with_a_subset():
                              text=True, timeout=60, env={**os.environ, "AUTOMODEL_PINS_CACHE": "/nonexistent"})
         assert run.returncode == 2 and message in run.stderr, (run.returncode, run.stderr)
 
+
+
+def test_installed_reads_the_distribution_the_interpreter_imports(tmp_path, monkeypatch):
+    """A venv made with ``--system-site-packages`` (setup.sh on a host whose Python has torch) sees the system's older
+    copies of packages it pinned after its own: the first on ``sys.path`` is the one imported, and the one reported."""
+    for where, version in (("venv", "2.0"), ("system", "1.0")):
+        info = tmp_path / where / f"pin_probe_pkg-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: pin-probe-pkg\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "system"))
+    monkeypatch.syspath_prepend(str(tmp_path / "venv"))  # first on sys.path
+    assert pins_py.installed()[pins_py.canonical("pin-probe-pkg")] == "2.0"
