@@ -751,9 +751,10 @@ def _tracked_step_peak(model, vocab: int, seq: int, chunk: int | None) -> int:  
      ("nanochat", torch.bfloat16, None, False, True, 16384, "loss"),
      ("nanochat", torch.bfloat16, None, True, True, 128, "recompute"),
      ("mixtral", torch.bfloat16, 256, True, True, 128, "recompute"), ("phi3", torch.bfloat16, 256, False, False, 128, "backward"),
-     ("glm4", torch.bfloat16, 256, False, True, 128, "recompute")],
+     ("glm4", torch.bfloat16, 256, False, True, 128, "recompute"),
+     ("minimax_m3_vl_text", torch.bfloat16, 256, False, False, 128, "backward")],
     ids=["chunked-bf16", "chunked-fp32", "softcap-bf16", "norms-tiled-bf16", "moe-tiled-bf16", "fused-qkv-bf16",
-         "post-mlp-norm-bf16"],
+         "post-mlp-norm-bf16", "experts-gate-bf16"],
 )  # fmt: skip
 def test_cp1_terms_planned_as_measured_at_hidden_256(name, dtype, chunk, tiled, ac, vocab, peak):
     """A training step (forward, loss, backward; with checkpointing but Phi-3's) against the plan, hidden 256:
@@ -772,7 +773,10 @@ def test_cp1_terms_planned_as_measured_at_hidden_256(name, dtype, chunk, tiled, 
       every layer (``ModelDims.fused_qkv``; at 2048 tokens 63.5 MiB measured, 59.5 planned before, 62.5 now);
     - GLM-4 with checkpointing (vocabulary 128): its post_mlp_layernorm's backward comes while the MLP's saved
       tensors are alive (``_layer_norm_moment``; 2048 tokens: 42.9 MiB measured, 39.4 planned before, 46.5 now; at
-      1024 tokens the old plan's MLP moment was within 5%, so this row runs 2048).
+      1024 tokens the old plan's MLP moment was within 5%, so this row runs 2048);
+    - MiniMax-M3 without checkpointing (vocabulary 128): its experts' clamped, sigmoid-gated activation keeps 7
+      ``[k N, I_e]`` per routed copy where SiLU's keeps 4 (``ModelDims.experts_gate_extra``; at 2048 tokens, hidden
+      256: -24.5% before, -0.5% now).
     Each within -5% / +10% of the tracked peak."""
     from automodel.models.block_call import apply_activation_checkpointing
     from automodel.models.tiled_mlp import apply_tiled_mlp
@@ -1140,3 +1144,31 @@ def test_a_learned_relative_position_bias_is_planned_per_layer():
     plan = plan_memory(model_dims(model), RunShape(local_batch=1, seq=seq, chunk_tokens=None, attn="eager"))
     planned = max(sum(plan.phases[p].values()) for p in ("forward", "loss", "backward"))
     assert -0.05 <= (planned - measured) / measured <= 0.10, (planned / 2**20, measured / 2**20)
+
+
+def test_the_experts_gate_is_measured_against_silus():
+    """The experts' gate between their gate/up and down projections (transformers' ``_apply_gate``, which its
+    ``grouped_mm`` and eager expert loops call) is measured on the meta device: SiLU's default keeps 4 ``[k N, I_e]``
+    per routed copy (the gate/up output, ``act(gate)``, the product), the plan's count; MiniMax-M3's clamps and
+    sigmoid keep 7, GPT-OSS's 7; ungated experts (Nemotron-H's ``act(up)``) are not probed. The excess is in every MoE
+    moment: saved, forward and backward."""
+    from automodel.training.memory_plan import _mlp_moments
+    from automodel.training.mlp_memory import DEFAULT_EXPERTS_GATE_SAVED, experts_gate_saved
+
+    def experts(name: str):
+        fam = family_or_skip(name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(fam.build_config(), attn_implementation=fam.attn_implementation())
+        return next(m for m in model.modules() if callable(getattr(type(m), "_apply_gate", None)))
+
+    assert experts_gate_saved(experts("mixtral"), 32) == (DEFAULT_EXPERTS_GATE_SAVED,) * 2 == (4.0, 4.0)
+    assert experts_gate_saved(experts("minimax_m3_vl_text"), 32) == (7.0, 7.0)
+    assert experts_gate_saved(experts("nemotron_h"), 32) is None
+    assert _dims("mixtral").experts_gate_extra == (0.0, 0.0) and _dims("nemotron_h").experts_gate_extra == (0.0, 0.0)
+    d = _dims("minimax_m3_vl_text")
+    assert d.experts_gate_extra == (3.0, 3.0) and _dims("gpt_oss").experts_gate_extra == (3.0, 3.0)
+    plain = dataclasses.replace(d, experts_gate_extra=(0.0, 0.0))
+    grown, base = _mlp_moments(d, 2), _mlp_moments(plain, 2)
+    extra = d.top_k * d.expert_intermediate * 3
+    moved = (grown.saved - base.saved, grown.forward - base.forward, grown.backward - base.backward)
+    assert moved == pytest.approx((extra,) * 3)

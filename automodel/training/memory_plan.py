@@ -240,6 +240,10 @@ class ModelDims:
     #: how transformers runs the routed experts (``config._experts_implementation``): ``"grouped_mm"`` (one
     #: ``torch._grouped_mm`` over the tokens sorted by expert, transformers >= 5.2x) or ``"eager"`` (the expert loop)
     experts_impl: str = "eager"
+    #: ``(fp32, bf16)``: ``[k N, I_e]`` units per routed copy that the experts' gate keeps beyond SiLU's
+    #: ``act(gate) * up`` (:func:`automodel.training.mlp_memory.experts_gate_saved`, measured on the meta device:
+    #: MiniMax-M3's clamped, sigmoid-gated activation 3); 0 elsewhere
+    experts_gate_extra: tuple[float, float] = (0.0, 0.0)
     #: per-head query/key norms (Qwen3, Gemma 3, OLMo 2: ``q_norm`` / ``k_norm``): they save their input and
     #: normalized output, ``2 (h + kv)`` more per token and layer
     qk_norm: bool = False
@@ -1218,7 +1222,22 @@ def _moe_sizes(model, blocks: list) -> dict[str, int]:  # noqa: ANN001
     if not shared:  # a shared MLP no config key names (HunYuan-MoE's shared_mlp, of the dense width): read off the block
         shared = _shared_mlp_width(blocks, getattr(text, "hidden_size", 0) or 0)
     return {"experts": experts, "top_k": top_k, "expert_intermediate": width, "shared_intermediate": shared,
-            "experts_impl": "grouped_mm" if impl == "grouped_mm" else "eager"}  # fmt: skip
+            "experts_impl": "grouped_mm" if impl == "grouped_mm" else "eager",
+            "experts_gate_extra": _experts_gate_extra(blocks, width)}  # fmt: skip
+
+
+def _experts_gate_extra(blocks: list, width: int) -> tuple[float, float]:
+    """:attr:`ModelDims.experts_gate_extra`: the first MLP block's experts (a child whose class has transformers'
+    ``_apply_gate``) measured on the meta device (:func:`~automodel.training.mlp_memory.experts_gate_saved`), less
+    SiLU's count; 0 where none is found or the probe cannot run it."""
+    from automodel.training.mlp_memory import DEFAULT_EXPERTS_GATE_SAVED, experts_gate_saved
+
+    experts = next((m for block in blocks[:1] for m in block.modules() if callable(getattr(type(m), "_apply_gate", None))),
+                   None)  # fmt: skip
+    saved = experts_gate_saved(experts, width) if experts is not None else None
+    if saved is None:
+        return (0.0, 0.0)
+    return tuple(round(max(0.0, x - DEFAULT_EXPERTS_GATE_SAVED), 2) for x in saved)
 
 
 def _shared_mlp_width(blocks: list, hidden: int) -> int:
@@ -1697,11 +1716,14 @@ def _mlp_moments(d: ModelDims, c: float = 4) -> _MLPMoments:
         extra = d.mlp_saved_extra[0 if c >= 4 else 1] if d.mlp_matrices == 3 else 0.0
         return _MLPMoments((saved + extra) * i, (forward + extra) * i, (backward + extra) * i, 0.0)
     k, ie, sh, h = d.top_k, d.expert_intermediate, d.shared_intermediate, d.hidden
-    saved = k * (2 * h + 4 * ie) + 4 * sh
+    # a gate that keeps more than SiLU's (ModelDims.experts_gate_extra: MiniMax-M3's clamps and sigmoid), from the
+    # forward to the backward: in every moment
+    gate = k * ie * d.experts_gate_extra[0 if c >= 4 else 1]
+    saved = k * (2 * h + 4 * ie) + 4 * sh + gate
     router = 4 * d.experts + 16 * k
     if d.experts_impl == "grouped_mm":
-        forward = k * (MOE_GROUPED_FORWARD[0] * h + MOE_GROUPED_FORWARD[1] * ie) + 4 * sh
-        backward = max(k * (MOE_GROUPED_BACKWARD[0] * h + MOE_GROUPED_BACKWARD[1] * ie) + 4 * sh, saved + 2 * sh)
+        forward = k * (MOE_GROUPED_FORWARD[0] * h + MOE_GROUPED_FORWARD[1] * ie) + 4 * sh + gate
+        backward = max(k * (MOE_GROUPED_BACKWARD[0] * h + MOE_GROUPED_BACKWARD[1] * ie) + 4 * sh + gate, saved + 2 * sh)
     else:
         forward, backward = saved, saved + 2 * (k * ie + sh)
     return _MLPMoments(saved, forward, backward, router)

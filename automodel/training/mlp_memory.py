@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from automodel.training.saved_storage import saved_storage_bytes
 
-__all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_saved", "mlp_shape", "plain_mlp_moments"]
+__all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_saved", "experts_gate_saved", "mlp_shape", "plain_mlp_moments"]
 
 #: the names transformers' decoder layers give their MLP
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "feedforward", "mlp_block")
@@ -152,6 +152,48 @@ def _saved_on_meta(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype) -> flo
 
 
 _SAVED_CACHE: dict[tuple, tuple[float, float] | None] = {}
+
+
+#: what the default experts' gate (``act_fn(gate) * up`` over the ``[T, 2 I_e]`` gate/up output) and the down
+#: projection keep per routed copy, in ``I_e`` units: the gate/up output (both halves are views of it), ``act(gate)``
+#: and the product (the down projection's input)
+DEFAULT_EXPERTS_GATE_SAVED = 4.0
+
+
+def experts_gate_saved(experts: torch.nn.Module, width: int) -> tuple[float, float] | None:
+    """``(fp32, bf16)``: the ``[k N, I_e]`` units per routed copy that a mixture's experts keep between their gate/up
+    and down projections (``width`` = ``I_e``): the gate/up output where the gate keeps it, what the gate's activation
+    saves (``_apply_gate``, the method transformers' ``grouped_mm`` and eager expert loops call), and its output,
+    which the down projection saves. SiLU's default: :data:`DEFAULT_EXPERTS_GATE_SAVED`; MiniMax-M3's clamped,
+    sigmoid-gated ``(up + 1) * gate * sigmoid(alpha gate)``: 7.
+
+    Measured on the meta device: the experts' own ``_apply_gate`` (its scalar settings read off ``experts``) on a
+    ``[64, 2 I_e]`` input that requires grad, followed by a product with a ``[I_e, 1]`` weight for the down
+    projection, its saved storages counted (:func:`saved_storage_bytes`). ``None`` where the experts have no
+    ``_apply_gate`` or it cannot run there."""
+    fn = getattr(type(experts), "_apply_gate", None)
+    if not callable(fn) or width < 1 or getattr(experts, "has_gate", True) is False:  # ungated: act(up) alone
+        return None
+    key = (type(experts), width, _state_key(experts))
+    if key not in _GATE_CACHE:
+        _GATE_CACHE[key] = None
+        try:
+            _GATE_CACHE[key] = tuple(_gate_saved_on_meta(fn, experts, width, dtype)
+                                     for dtype in (torch.float32, torch.bfloat16))  # fmt: skip
+        except Exception:  # noqa: BLE001 - a gate that cannot run on the meta device: the planner's count stays
+            pass
+    return _GATE_CACHE[key]
+
+
+def _gate_saved_on_meta(fn: Any, experts: torch.nn.Module, width: int, dtype: torch.dtype) -> float:  # noqa: ANN401
+    tokens = 64
+    x = torch.empty(tokens, 2 * width, dtype=dtype, device="meta", requires_grad=True)
+    w = torch.empty(width, 1, dtype=dtype, device="meta", requires_grad=True)
+    saved = saved_storage_bytes(lambda: fn(experts, x) @ w, (w,))
+    return saved / tokens / width / torch.finfo(dtype).bits * 8
+
+
+_GATE_CACHE: dict[tuple, tuple[float, float] | None] = {}
 
 
 class _LiveBytes(TorchDispatchMode):
