@@ -752,9 +752,10 @@ def _tracked_step_peak(model, vocab: int, seq: int, chunk: int | None) -> int:  
      ("nanochat", torch.bfloat16, None, True, True, 128, "recompute"),
      ("mixtral", torch.bfloat16, 256, True, True, 128, "recompute"), ("phi3", torch.bfloat16, 256, False, False, 128, "backward"),
      ("glm4", torch.bfloat16, 256, False, True, 128, "recompute"),
-     ("minimax_m3_vl_text", torch.bfloat16, 256, False, False, 128, "backward")],
+     ("minimax_m3_vl_text", torch.bfloat16, 256, False, False, 128, "backward"),
+     ("bitnet", torch.bfloat16, 256, False, True, 128, "recompute")],
     ids=["chunked-bf16", "chunked-fp32", "softcap-bf16", "norms-tiled-bf16", "moe-tiled-bf16", "fused-qkv-bf16",
-         "post-mlp-norm-bf16", "experts-gate-bf16"],
+         "post-mlp-norm-bf16", "experts-gate-bf16", "mlp-norm-backward-bf16"],
 )  # fmt: skip
 def test_cp1_terms_planned_as_measured_at_hidden_256(name, dtype, chunk, tiled, ac, vocab, peak):
     """A training step (forward, loss, backward; with checkpointing but Phi-3's) against the plan, hidden 256:
@@ -776,7 +777,10 @@ def test_cp1_terms_planned_as_measured_at_hidden_256(name, dtype, chunk, tiled, 
       1024 tokens the old plan's MLP moment was within 5%, so this row runs 2048);
     - MiniMax-M3 without checkpointing (vocabulary 128): its experts' clamped, sigmoid-gated activation keeps 7
       ``[k N, I_e]`` per routed copy where SiLU's keeps 4 (``ModelDims.experts_gate_extra``; at 2048 tokens, hidden
-      256: -24.5% before, -0.5% now).
+      256: -24.5% before, -0.5% now);
+    - BitNet with checkpointing (vocabulary 128): its MLP's norm over ``I`` (``ffn_sub_norm``) runs its backward in
+      fp32, 6 ``[N, I]`` (bf16 units) above what it saves more at the recomputed MLP's backward
+      (``ModelDims.mlp_peak_extra``; at 2048 tokens -27.8% before, +0.2% now).
     Each within -5% / +10% of the tracked peak."""
     from automodel.models.block_call import apply_activation_checkpointing
     from automodel.models.tiled_mlp import apply_tiled_mlp
@@ -1172,3 +1176,30 @@ def test_the_experts_gate_is_measured_against_silus():
     extra = d.top_k * d.expert_intermediate * 3
     moved = (grown.saved - base.saved, grown.forward - base.forward, grown.backward - base.backward)
     assert moved == pytest.approx((extra,) * 3)
+
+
+def test_a_gated_mlps_peaks_are_measured_against_swiglus():
+    """``mlp_memory.dense_mlp_peaks``: a gated block's forward and backward peaks against Llama's SwiGLU of the same
+    widths, beyond what it saves more, measured on the meta device at two lengths (the weights' gradients cancel):
+    0 for Llama's own MLP, BitNet's fp32 norm over ``I`` 6 ``[N, I]`` at its backward in bf16 (1 in fp32), and the
+    plan's MLP forward and backward moments grow by them."""
+    from automodel.models.parallelize import decoder_layers
+    from automodel.training.memory_plan import _mlp_moments
+    from automodel.training.mlp_memory import dense_mlp_of, dense_mlp_peaks
+
+    def mlp(name: str):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(family_by_name(name).build_config())
+        return dense_mlp_of(decoder_layers(model)[0]), model.config.hidden_size, model.config.intermediate_size
+
+    assert dense_mlp_peaks(*mlp("llama")) == ((0.0, 0.0), (0.0, 0.0))
+    (f32_fwd, f32_bwd), (bf16_fwd, bf16_bwd) = dense_mlp_peaks(*mlp("bitnet"))
+    assert f32_fwd == 0.0 and f32_bwd == pytest.approx(1.0, abs=0.05)
+    assert bf16_bwd == pytest.approx(6.0, abs=0.05) and bf16_fwd == pytest.approx(2.5, abs=0.05)
+    d = _dims("bitnet")
+    assert d.mlp_peak_extra == dense_mlp_peaks(*mlp("bitnet")) and _dims("llama").mlp_peak_extra == ((0.0, 0.0),) * 2
+    plain = dataclasses.replace(d, mlp_peak_extra=((0.0, 0.0), (0.0, 0.0)))
+    grown, base = _mlp_moments(d, 2), _mlp_moments(plain, 2)
+    assert grown.saved == base.saved
+    assert (grown.forward - base.forward, grown.backward - base.backward) == pytest.approx(
+        (bf16_fwd * d.intermediate, bf16_bwd * d.intermediate))

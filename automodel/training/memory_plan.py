@@ -351,6 +351,11 @@ class ModelDims:
     #: Beam's and BitNet's SwiGLU in fp32 in a bf16 model, Dory's and BitNet's norm over ``I``; 0 where it saves
     #: ``4 I`` or less (a smaller count is not taken: the moments' peaks are not measured)
     mlp_saved_extra: tuple[float, float] = (0.0, 0.0)
+    #: ``((forward, backward) fp32, (forward, backward) bf16)``: how much higher a gated block's forward and backward
+    #: peaks are than Llama's SwiGLU's beyond ``mlp_saved_extra``, ``[N, I]`` units
+    #: (:func:`automodel.training.mlp_memory.dense_mlp_peaks`, measured on the meta device: BitNet's fp32 norm over
+    #: ``I`` 6 at its backward in bf16); 0 elsewhere
+    mlp_peak_extra: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
     #: bytes of the model's buffers of 1 MiB or more (GPT-Neo's ``[P, P]`` boolean causal or local-window mask in every
     #: attention layer, ``P = max_position_embeddings``): whole on every rank, FSDP2 does not shard buffers
     buffer_bytes: int = 0
@@ -897,7 +902,7 @@ def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
     gated block's saved tensors measured on the meta device, :func:`~automodel.training.mlp_memory.dense_mlp_saved`);
     empty when they are not read (no layer, experts, a structure it does not know: the config's width and the gated
     count stay)."""
-    from automodel.training.mlp_memory import dense_mlp_of, dense_mlp_saved, mlp_shape
+    from automodel.training.mlp_memory import dense_mlp_of, dense_mlp_peaks, dense_mlp_saved, mlp_shape
 
     if layer is None:
         return {}
@@ -909,6 +914,9 @@ def _mlp_fields(model, layer, hidden: int) -> dict[str, Any]:  # noqa: ANN001
     saved = dense_mlp_saved(dense_mlp_of(layer), hidden) if shape.gated else None
     if saved is not None:
         out["mlp_saved_extra"] = tuple(round(max(0.0, s / shape.width - GATED_MLP_MOMENTS[0]), 2) for s in saved)
+    peaks = dense_mlp_peaks(dense_mlp_of(layer), hidden, shape.width) if shape.gated else None
+    if peaks is not None:
+        out["mlp_peak_extra"] = peaks
     return out
 
 
@@ -1714,7 +1722,9 @@ def _mlp_moments(d: ModelDims, c: float = 4) -> _MLPMoments:
         # a gated block that saves more (an fp32 SwiGLU, a norm over I: ModelDims.mlp_saved_extra), kept through its
         # forward and its backward
         extra = d.mlp_saved_extra[0 if c >= 4 else 1] if d.mlp_matrices == 3 else 0.0
-        return _MLPMoments((saved + extra) * i, (forward + extra) * i, (backward + extra) * i, 0.0)
+        # and one whose peaks are higher than SwiGLU's beyond that (BitNet's norm over I, its backward in fp32)
+        f_x, b_x = d.mlp_peak_extra[0 if c >= 4 else 1] if d.mlp_matrices == 3 else (0.0, 0.0)
+        return _MLPMoments((saved + extra) * i, (forward + extra + f_x) * i, (backward + extra + b_x) * i, 0.0)
     k, ie, sh, h = d.top_k, d.expert_intermediate, d.shared_intermediate, d.hidden
     # a gate that keeps more than SiLU's (ModelDims.experts_gate_extra: MiniMax-M3's clamps and sigmoid), from the
     # forward to the backward: in every moment

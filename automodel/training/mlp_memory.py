@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from automodel.training.saved_storage import saved_storage_bytes
 
-__all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_saved", "experts_gate_saved", "mlp_shape", "plain_mlp_moments"]
+__all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_peaks", "dense_mlp_saved", "experts_gate_saved", "mlp_shape",
+           "plain_mlp_moments"]
 
 #: the names transformers' decoder layers give their MLP
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "feedforward", "mlp_block")
@@ -153,6 +154,85 @@ def _saved_on_meta(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype) -> flo
 
 _SAVED_CACHE: dict[tuple, tuple[float, float] | None] = {}
 
+
+#: the two lengths of :func:`dense_mlp_peaks`' probe: long enough that the weights and their gradients (a constant,
+#: which the difference cancels) do not decide where the peaks fall; on the meta device they cost nothing
+_PEAK_TOKENS = (4096, 8192)
+
+
+class _SwiGLU(torch.nn.Module):
+    """The gated MLP the planner's constants describe (Llama's: ``down(silu(gate(x)) * up(x))``)."""
+
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, width, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, width, bias=False)
+        self.down_proj = torch.nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def dense_mlp_peaks(mlp: torch.nn.Module, hidden: int, width: int) -> tuple[tuple[float, float], ...] | None:
+    """``((forward, backward) in fp32, (forward, backward) in bf16)``: how much higher the gated MLP block ``mlp``'s
+    forward and backward peaks are than Llama's SwiGLU of the same widths (``hidden``, ``width`` = ``I``), beyond what
+    it saves more (:func:`dense_mlp_saved`, which the planner adds to every moment), in ``[N, I]`` units of the
+    compute dtype; 0 where not higher. BitNet's norm over ``I`` (``ffn_sub_norm``) computes its backward in fp32: 6
+    more at its backward's peak in bf16 than it saves more (its checkpointed step was planned 28% under).
+
+    Measured on the meta device (no memory, no compute) with :class:`_LiveBytes`: one forward and backward at 4096
+    and 8192 tokens, per token the difference (the weights' gradients, a constant, cancel), for the block (its
+    parameters replaced as in :func:`dense_mlp_saved`) and for :class:`_SwiGLU`. ``None`` where it cannot run
+    there."""
+    base = getattr(type(mlp), "_automodel_untiled_class", type(mlp))
+    key = (base, hidden, width, tuple((n, tuple(p.shape)) for n, p in mlp.named_parameters()))
+    if key not in _PEAK_CACHE:
+        _PEAK_CACHE[key] = None
+        try:
+            out = []
+            for dtype in (torch.float32, torch.bfloat16):
+                own, plain = (_per_token_moments(m, hidden, dtype) for m in (mlp, _meta_swiglu(hidden, width)))
+                saved = own[0] - plain[0]
+                out.append(tuple(round(max(0.0, (o - p - saved) / width), 2) for o, p in zip(own[1:], plain[1:])))
+            _PEAK_CACHE[key] = tuple(out)
+        except Exception:  # noqa: BLE001 - a block that cannot run on the meta device: the planner's count stays
+            pass
+    return _PEAK_CACHE[key]
+
+
+def _meta_swiglu(hidden: int, width: int) -> torch.nn.Module:
+    with torch.device("meta"):
+        return _SwiGLU(hidden, width)
+
+
+def _per_token_moments(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """``(saved, forward peak, backward peak)`` elements of the compute dtype per token of one call of ``mlp`` on the
+    meta device: the difference between :data:`_PEAK_TOKENS`' two lengths."""
+    a, b = (_moments_on_meta(mlp, hidden, dtype, n) for n in _PEAK_TOKENS)
+    size = torch.finfo(dtype).bits // 8
+    return tuple((y - x) / (_PEAK_TOKENS[1] - _PEAK_TOKENS[0]) / size for x, y in zip(a, b))  # type: ignore[return-value]
+
+
+def _moments_on_meta(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype, tokens: int) -> tuple[int, int, int]:
+    wrapper = _Forward(mlp)
+    params = {f"mlp.{n}": torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=p.requires_grad)
+              for n, p in mlp.named_parameters(remove_duplicate=False)}  # fmt: skip
+    params |= {f"mlp.{n}": torch.empty(b.shape, dtype=b.dtype if not b.is_floating_point() else dtype, device="meta")
+               for n, b in mlp.named_buffers(remove_duplicate=False)}  # fmt: skip
+    x = torch.empty(1, tokens, hidden, dtype=dtype, device="meta", requires_grad=True)
+    mode = _LiveBytes()
+    with torch.enable_grad(), mode:
+        out = torch.func.functional_call(wrapper, params, (x,))
+        forward = mode.peak
+        saved = mode.current - out.untyped_storage().nbytes()
+        grad = torch.ones_like(out)
+        start = mode.peak = mode.current
+        out.backward(grad)
+        backward = mode.peak - start + saved  # the saved tensors are alive when the backward begins
+    return saved, forward, backward
+
+
+_PEAK_CACHE: dict[tuple, tuple[tuple[float, float], ...] | None] = {}
 
 #: what the default experts' gate (``act_fn(gate) * up`` over the ``[T, 2 I_e]`` gate/up output) and the down
 #: projection keep per routed copy, in ``I_e`` units: the gate/up output (both halves are views of it), ``act(gate)``
