@@ -81,7 +81,9 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
                 config = fam.build_config()
                 config.use_cache = False  # as the recipe's loader sets it: training builds no KV cache
                 for key, value in (sizes or {}).items():
-                    if isinstance(getattr(config, key, None), int):
+                    # a size the config derives (Falcon's head_dim: a property without a setter) follows the others
+                    settable = not isinstance(getattr(type(config), key, None), property) or getattr(type(config), key).fset
+                    if isinstance(getattr(config, key, None), int) and settable:
                         setattr(config, key, value)
                 for key in POSITION_KEYS:
                     if isinstance(getattr(config, key, None), int) and getattr(config, key) < seq:
