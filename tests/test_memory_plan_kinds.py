@@ -753,9 +753,10 @@ def _tracked_step_peak(model, vocab: int, seq: int, chunk: int | None) -> int:  
      ("mixtral", torch.bfloat16, 256, True, True, 128, "recompute"), ("phi3", torch.bfloat16, 256, False, False, 128, "backward"),
      ("glm4", torch.bfloat16, 256, False, True, 128, "recompute"),
      ("minimax_m3_vl_text", torch.bfloat16, 256, False, False, 128, "backward"),
-     ("bitnet", torch.bfloat16, 256, False, True, 128, "recompute")],
+     ("bitnet", torch.bfloat16, 256, False, True, 128, "recompute"),
+     ("diffllama", torch.bfloat16, 256, False, False, 128, "backward")],
     ids=["chunked-bf16", "chunked-fp32", "softcap-bf16", "norms-tiled-bf16", "moe-tiled-bf16", "fused-qkv-bf16",
-         "post-mlp-norm-bf16", "experts-gate-bf16", "mlp-norm-backward-bf16"],
+         "post-mlp-norm-bf16", "experts-gate-bf16", "mlp-norm-backward-bf16", "two-kernel-calls-bf16"],
 )  # fmt: skip
 def test_cp1_terms_planned_as_measured_at_hidden_256(name, dtype, chunk, tiled, ac, vocab, peak):
     """A training step (forward, loss, backward; with checkpointing but Phi-3's) against the plan, hidden 256:
@@ -780,7 +781,10 @@ def test_cp1_terms_planned_as_measured_at_hidden_256(name, dtype, chunk, tiled, 
       256: -24.5% before, -0.5% now);
     - BitNet with checkpointing (vocabulary 128): its MLP's norm over ``I`` (``ffn_sub_norm``) runs its backward in
       fp32, 6 ``[N, I]`` (bf16 units) above what it saves more at the recomputed MLP's backward
-      (``ModelDims.mlp_peak_extra``; at 2048 tokens -27.8% before, +0.2% now).
+      (``ModelDims.mlp_peak_extra``; at 2048 tokens -27.8% before, +0.2% now);
+    - DiffLlama without checkpointing (vocabulary 128): two kernel calls per layer on the halves of V, their outputs'
+      concatenation, difference and group norm (``ModelDims.attention_saved_extra``; at 2048 tokens -19.7% before,
+      -4.1% now).
     Each within -5% / +10% of the tracked peak."""
     from automodel.models.block_call import apply_activation_checkpointing
     from automodel.models.tiled_mlp import apply_tiled_mlp
@@ -1203,3 +1207,26 @@ def test_a_gated_mlps_peaks_are_measured_against_swiglus():
     assert grown.saved == base.saved
     assert (grown.forward - base.forward, grown.backward - base.backward) == pytest.approx(
         (bf16_fwd * d.intermediate, bf16_bwd * d.intermediate))
+
+
+def test_an_attention_that_calls_its_kernel_twice_is_measured_against_llamas():
+    """``attention_memory.attention_saved_extra``: an attention module whose forward calls its attention function more
+    than once (DiffLlama's differential attention: two calls on the halves of V) is run on the meta device with a
+    kernel that keeps what a fused kernel keeps, beside ``LlamaAttention`` of its widths; the difference in ``q``
+    units goes into every layer's attention term. One call (Llama, Qwen3: their q/k norms are the plan's own terms)
+    is not probed."""
+    from automodel.models.parallelize import decoder_layers
+    from automodel.training.attention_memory import attention_calls
+
+    def attention(name: str):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(family_by_name(name).build_config())
+        return decoder_layers(model)[0].self_attn
+
+    assert [attention_calls(attention(n)) for n in ("diffllama", "llama", "qwen3")] == [2, 1, 1]
+    d = _dims("diffllama")
+    assert d.attention_saved_extra == (4.59, 5.69)  # fp32, bf16 (its group norm keeps an fp32 copy in bf16)
+    assert _dims("llama").attention_saved_extra == _dims("qwen3").attention_saved_extra == (0.0, 0.0)
+    plain = dataclasses.replace(d, attention_saved_extra=(0.0, 0.0))
+    grown, base = (_plan(x).terms["activations"].bytes for x in (d, plain))
+    assert grown - base == pytest.approx(d.calls * SEQ * 4.59 * d.heads * d.head_dim * 4)

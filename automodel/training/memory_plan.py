@@ -325,6 +325,11 @@ class ModelDims:
     #: input streams, which its norm keeps, and its mixing (:func:`automodel.training.residual_memory.residual_saved`,
     #: measured on the meta device: DeepSeek-V4's real layer ~18 in fp32, ~48 in bf16); 0 where the layer has one stream
     residual_saved_extra: tuple[float, float] = (0.0, 0.0)
+    #: ``(fp32, bf16)``: ``q`` units (``heads x head_dim``) per token and layer that an attention module calling its
+    #: kernel more than once keeps beyond a Llama attention's (DiffLlama's two calls on the halves of V, their outputs'
+    #: concatenation, difference and group norm: ~4.6 in fp32, ~5.7 in bf16;
+    #: :func:`automodel.training.attention_memory.attention_saved_extra`); 0 elsewhere
+    attention_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
     #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
     #: sinks through a log-sum-exp keep the masked scores too); ``None``: not measured, the formula
@@ -754,6 +759,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         fused_qkv=_fused_qkv(model, attention, heads * head_dim, kv * head_dim),
         **_attn_output_gate(attention, c.hidden_size, heads * head_dim, heads),
         residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"]),
+        attention_saved_extra=_attention_saved_extra(model, layers, attention, c.hidden_size, heads, kv, head_dim),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
@@ -790,6 +796,28 @@ def _residual_saved_extra(model, layers: list, streams: int) -> tuple[float, flo
     if measured is None:
         return (0.0, 0.0)
     return tuple(max(0.0, m + streams - 1) for m in measured)
+
+
+#: the names a decoder layer gives its attention module
+_ATTENTION_NAMES = ("self_attn", "attention", "attn")
+
+
+def _attention_saved_extra(model, layers: list, layer, hidden: int, heads: int, kv: int, head_dim: int) -> tuple[float, float]:  # noqa: ANN001, E501
+    """:attr:`ModelDims.attention_saved_extra`: for an attention module that calls its kernel more than once
+    (DiffLlama), what it keeps beyond a Llama attention of its widths
+    (:func:`~automodel.training.attention_memory.attention_saved_extra`); 0 elsewhere and where it cannot be probed."""
+    import torch
+
+    from automodel.training.attention_memory import attention_saved_extra
+
+    module = next((getattr(layer, n) for n in _ATTENTION_NAMES if isinstance(getattr(layer, n, None), torch.nn.Module)),
+                  None) if layer is not None and heads else None  # fmt: skip
+    if module is None:
+        return (0.0, 0.0)
+    index = next((i for i, x in enumerate(layers) if x is layer), 0)
+    text = text_config(getattr(model, "config", None))
+    measured = attention_saved_extra(module, text, index, hidden, heads, kv, head_dim)
+    return measured if measured is not None else (0.0, 0.0)
 
 
 def _first_attention_layer(layers: list, profile) -> Any:  # noqa: ANN001
@@ -1539,6 +1567,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # made by q_proj beside the query (Qwen3-Next, Qwen3.5) keeps the whole [N, 2 q] projection in fp32, where the q
     # norm saves its input view (ModelDims.query_gate)
     gate = d.attn_output_gate * q + (q if d.query_gate and d.qk_norm and not half else 0.0)
+    # an attention module that calls its kernel more than once (DiffLlama): what it keeps beyond one call's terms
+    gate += d.attention_saved_extra[1 if half else 0] * q
     attn = (q + kv_saved + _output_copies(d, r) * q + qk + fused + gate) / tp if d.heads else 0.0
     # without CP (and without head groups) the attention's backward holds the output projection's input gradient and
     # SDPA's dq, dk, dv (K and V at the width the kernel was given them) beside the saved tensors: 2 q + kv_saved,

@@ -1,0 +1,121 @@
+"""The memory planner's view of an attention module that calls its kernel more than once a forward: what it keeps for
+its backward beyond a Llama attention of the same heads, measured on the meta device.
+
+The planner's attention terms describe one kernel call per layer (q, K and V as the kernel saves them, its output and
+log-sum-exp, the output projection's input). DiffLlama's differential attention calls the kernel twice, on the two
+halves of V (each repeated to the KV heads), and combines the two outputs: their concatenation, the difference, a
+group norm over ``2 d``, before its output projection. Its step was planned 14% to 39% under its measured peak
+(hidden 256, bf16: ``scripts/bench_plan_families.py``).
+
+:func:`attention_saved_extra` measures it: a fresh copy of the module's class is built on the meta device (no memory,
+the model untouched) with its attention function replaced by :func:`_kernel_stub`, a kernel that keeps what a fused
+kernel keeps (q, K, V, the output and its fp32 log-sum-exp) and computes nothing; one forward of 64 tokens runs under
+saved-tensor hooks (:func:`~automodel.training.saved_storage.saved_storage_bytes`), and the same for transformers'
+``LlamaAttention`` of the module's widths. The difference, per token in ``q`` units (``heads x head_dim`` of the
+compute dtype), is what the planner adds to every layer's attention term
+(:attr:`automodel.training.memory_plan.ModelDims.attention_saved_extra`). Only a module whose ``forward`` calls its
+attention function more than once is probed (read off its source): the planner's terms for one call are measured
+against the real kernels family by family (``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+
+from automodel.training.saved_storage import saved_storage_bytes
+
+__all__ = ["attention_calls", "attention_saved_extra"]
+
+#: the name the probe's kernel is registered under in transformers' ``AttentionInterface``
+_PROBE_NAME = "automodel_memory_probe"
+_TOKENS = 64
+_CACHE: dict[tuple, tuple[float, float] | None] = {}
+
+
+def attention_calls(attention: torch.nn.Module) -> int:
+    """How many times ``attention``'s ``forward`` calls its attention function (``attention_interface(`` in its
+    source; 1 where it cannot be read)."""
+    try:
+        source = inspect.getsource(type(attention).forward)
+    except (OSError, TypeError):
+        return 1
+    return max(1, source.count("attention_interface("))
+
+
+class _Kernel(torch.autograd.Function):
+    """Keeps q, k, v, the output ``[B, H, S, d_v]`` and the fp32 log-sum-exp ``[B, H, S]`` for its backward, as the
+    fused kernels do; computes nothing (the probe runs on the meta device)."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
+        batch, heads, seq, _ = query.shape
+        out = query.new_empty(batch, heads, seq, value.shape[-1])
+        lse = query.new_empty(batch, heads, seq, dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN401
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+
+def _kernel_stub(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:  # noqa: ANN401
+    """An attention function of transformers' signature: ``[B, S, H, d_v]`` out of ``[B, H, S, d]`` q, k, v."""
+    return _Kernel.apply(query, key, value).transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_PROBE_NAME, _kernel_stub)
+
+
+def attention_saved_extra(attention: torch.nn.Module, config: Any, layer_idx: int, hidden: int, heads: int,
+                          kv_heads: int, head_dim: int) -> tuple[float, float] | None:  # noqa: ANN401
+    """``(fp32, bf16)``: ``q`` units per token (``heads x head_dim`` elements of the compute dtype) that the attention
+    module ``attention`` (of the decoder layer ``layer_idx``, built from ``config``) keeps for its backward beyond
+    ``LlamaAttention`` of its widths, both with :func:`_kernel_stub` (the module docstring); 0 where its forward
+    calls its attention function once; ``None`` where the probe cannot build or run it on the meta device."""
+    if attention_calls(attention) <= 1:
+        return (0.0, 0.0)
+    cls = type(attention)
+    key = (cls, hidden, heads, kv_heads, head_dim, layer_idx)
+    if key not in _CACHE:
+        _CACHE[key] = None
+        try:
+            _register()
+            _CACHE[key] = tuple(_extra_on_meta(cls, config, layer_idx, hidden, heads, kv_heads, head_dim, dtype)
+                                for dtype in (torch.float32, torch.bfloat16))  # fmt: skip
+        except Exception:  # noqa: BLE001 - a module the probe cannot run: the planner's terms stay
+            pass
+    return _CACHE[key]
+
+
+def _extra_on_meta(cls: type, config: Any, layer_idx: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> float:  # noqa: ANN401
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    own = copy.copy(config)
+    own._attn_implementation = _PROBE_NAME
+    llama = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                        attention_bias=False)  # fmt: skip
+    llama._attn_implementation = _PROBE_NAME
+    saved = [_saved(module_cls, cfg, layer_idx, hidden, head_dim, dtype)
+             for module_cls, cfg in ((cls, own), (LlamaAttention, llama))]  # fmt: skip
+    return round((saved[0] - saved[1]) / _TOKENS / (heads * head_dim) / torch.finfo(dtype).bits * 8, 2)
+
+
+def _saved(cls: type, config: Any, layer_idx: int, hidden: int, head_dim: int, dtype: torch.dtype) -> int:  # noqa: ANN401
+    with torch.device("meta"):
+        module = cls(config, layer_idx).to(dtype)
+    x = torch.empty(1, _TOKENS, hidden, dtype=dtype, device="meta", requires_grad=True)
+    rope = tuple(torch.empty(1, _TOKENS, head_dim, dtype=dtype, device="meta") for _ in range(2))
+    return saved_storage_bytes(lambda: module(x, position_embeddings=rope, attention_mask=None)[0],
+                               (*module.parameters(), *module.buffers(), x, *rope))  # fmt: skip
