@@ -1158,7 +1158,7 @@ def test_the_experts_gate_is_measured_against_silus():
     """The experts' gate between their gate/up and down projections (transformers' ``_apply_gate``, which its
     ``grouped_mm`` and eager expert loops call) is measured on the meta device: SiLU's default keeps 4 ``[k N, I_e]``
     per routed copy (the gate/up output, ``act(gate)``, the product), the plan's count; MiniMax-M3's clamps and
-    sigmoid keep 7, GPT-OSS's 7; ungated experts (Nemotron-H's ``act(up)``) are not probed. The excess is in every MoE
+    sigmoid keep 7, GPT-OSS's 7, Beam's fp32 SwiGLU 7 in bf16 (read off its first MoE block); ungated experts (Nemotron-H's ``act(up)``) are not probed. The excess is in every MoE
     moment: saved, forward and backward."""
     from automodel.training.memory_plan import _mlp_moments
     from automodel.training.mlp_memory import DEFAULT_EXPERTS_GATE_SAVED, experts_gate_saved
@@ -1175,6 +1175,8 @@ def test_the_experts_gate_is_measured_against_silus():
     assert _dims("mixtral").experts_gate_extra == (0.0, 0.0) and _dims("nemotron_h").experts_gate_extra == (0.0, 0.0)
     d = _dims("minimax_m3_vl_text")
     assert d.experts_gate_extra == (3.0, 3.0) and _dims("gpt_oss").experts_gate_extra == (3.0, 3.0)
+    # Beam's first layer is dense (its experts come later); its gate computes in fp32: 3 more in bf16 only
+    assert family_or_skip("beam") and _dims("beam").experts_gate_extra == (0.0, 3.0)
     plain = dataclasses.replace(d, experts_gate_extra=(0.0, 0.0))
     grown, base = _mlp_moments(d, 2), _mlp_moments(plain, 2)
     extra = d.top_k * d.expert_intermediate * 3

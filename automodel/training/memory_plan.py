@@ -1263,13 +1263,13 @@ def _moe_sizes(model, blocks: list) -> dict[str, int]:  # noqa: ANN001
 
 
 def _experts_gate_extra(blocks: list, width: int) -> tuple[float, float]:
-    """:attr:`ModelDims.experts_gate_extra`: the first MLP block's experts (a child whose class has transformers'
-    ``_apply_gate``) measured on the meta device (:func:`~automodel.training.mlp_memory.experts_gate_saved`), less
+    """:attr:`ModelDims.experts_gate_extra`: the first MLP block's experts that has them (a child whose class has
+    transformers' ``_apply_gate``) measured on the meta device (:func:`~automodel.training.mlp_memory.experts_gate_saved`), less
     SiLU's count; 0 where none is found or the probe cannot run it."""
     from automodel.training.mlp_memory import DEFAULT_EXPERTS_GATE_SAVED, experts_gate_saved
 
-    experts = next((m for block in blocks[:1] for m in block.modules() if callable(getattr(type(m), "_apply_gate", None))),
-                   None)  # fmt: skip
+    experts = next((m for block in blocks for m in block.modules() if callable(getattr(type(m), "_apply_gate", None))),
+                   None)  # fmt: skip (the first block may be dense: Beam's, DeepSeek's first layers)
     saved = experts_gate_saved(experts, width) if experts is not None else None
     if saved is None:
         return (0.0, 0.0)
