@@ -182,7 +182,8 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--tolerance", type=float, default=0.05, help="an under-count past this fails the row")
     parser.add_argument("--over", type=float, default=0.15, help="an over-count past this is marked")
-    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds for each process of ten families; a "
+                        "process past it (or one that dies) prints its families as not run and the run goes on")
     parser.add_argument("--sizes", default="", help="config sizes to set where a family has them, e.g. "
                         "hidden_size=256,intermediate_size=768,num_attention_heads=8,num_key_value_heads=4,head_dim=32")
     parser.add_argument("--chunk-transformed", action="store_true", help="the chunked loss for models whose logit "
@@ -200,9 +201,15 @@ def main() -> int:
     print("|---|---|---|---:|---:|---:|---|---|")
     under = errors = 0
     for i in range(0, len(names), 10):  # ten families a process: a crash loses few rows
-        rows = run_on_ranks("scripts.bench_plan_families:family_worker", 1, args.timeout, names=names[i : i + 10],
-                            seq=args.seq, chunk=256, dtype=args.dtype, sizes=sizes,
-                            chunk_transformed=args.chunk_transformed)[0]  # fmt: skip
+        batch = names[i : i + 10]
+        try:
+            rows = run_on_ranks("scripts.bench_plan_families:family_worker", 1, args.timeout, names=batch,
+                                seq=args.seq, chunk=256, dtype=args.dtype, sizes=sizes,
+                                chunk_transformed=args.chunk_transformed)[0]  # fmt: skip
+        except RuntimeError as e:  # a timed-out or dead process: its families are not run, the others are
+            why = str(e).splitlines()[1] if len(str(e).splitlines()) > 1 else str(e)
+            rows = [{"family": n, "ac": ac, "tiled": tiled, "error": f"their process failed ({why[:120]})"}
+                    for n in batch for ac, tiled in SETTINGS]  # fmt: skip
         for r in rows:
             head = f"| {r['family']} | {'on' if r['ac'] else 'off'} | {'on' if r['tiled'] else 'off'} |"
             if "error" in r:
