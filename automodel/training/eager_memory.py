@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from automodel.training.mlp_memory import _LiveBytes, _state_key  # the live-bytes mode, the probe cache's key
+# the probe cache's key; the live-bytes count of a forward and its backward
+from automodel.training.mlp_memory import _state_key, live_moments
 
 __all__ = ["EagerScores", "eager_function", "eager_scores"]
 
@@ -119,17 +120,8 @@ def _one_call(fn: Any, attention: torch.nn.Module, dtype: torch.dtype, s: int) -
         kwargs["softcap"] = getattr(attention, "attn_logit_softcapping", None)
     if "sinks" in params and isinstance(getattr(attention, "sink_proj", None), torch.nn.Module):
         kwargs["sinks"] = ramp(heads, 1, 0)  # Inkling 2's per-token sinks: [B, heads, S, 1], an extra logit per query
-    mode = _LiveBytes()
-    with mode:
-        out, weights = fn(probe, q, k, v, mask, **kwargs)
-        del weights  # what the backward keeps stays alive through the graph
-        forward = mode.peak
-        saved = mode.current - out.untyped_storage().nbytes()
-        grad = torch.ones_like(out)
-        start = mode.peak = mode.current
-        out.backward(grad)
-        backward = mode.peak - start + saved  # the saved tensors are alive when the backward begins
-    return saved, forward, backward
+    # the returned weights dropped: what the backward keeps stays alive through the graph
+    return live_moments(lambda: fn(probe, q, k, v, mask, **kwargs)[0])
 
 
 def _measure(fn: Any, attention: torch.nn.Module, dtype: torch.dtype) -> EagerScores:  # noqa: ANN401

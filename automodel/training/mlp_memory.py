@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from automodel.training.saved_storage import saved_storage_bytes
 
-__all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_peaks", "dense_mlp_saved", "experts_gate_saved", "mlp_shape",
-           "plain_mlp_moments"]
+__all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_peaks", "dense_mlp_saved", "experts_gate_saved", "live_moments",
+           "mlp_shape", "plain_mlp_moments"]
 
 #: the names transformers' decoder layers give their MLP
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "feedforward", "mlp_block")
@@ -139,14 +140,36 @@ def dense_mlp_saved(mlp: torch.nn.Module, hidden: int) -> tuple[float, float] | 
     return _SAVED_CACHE[key]
 
 
-def _saved_on_meta(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype) -> float:
-    tokens = 64
-    wrapper = _Forward(mlp)
-    # trainable as the model's (a frozen weight under LoRA keeps no input for its gradient)
+def _meta_params(mlp: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``mlp``'s parameters and buffers as meta tensors in ``dtype`` (integer buffers keep theirs), keyed for
+    :class:`_Forward`: trainable as the model's (a frozen weight under LoRA keeps no input for its gradient)."""
     params = {f"mlp.{n}": torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=p.requires_grad)
               for n, p in mlp.named_parameters(remove_duplicate=False)}  # fmt: skip
     params |= {f"mlp.{n}": torch.empty(b.shape, dtype=b.dtype if not b.is_floating_point() else dtype, device="meta")
                for n, b in mlp.named_buffers(remove_duplicate=False)}  # fmt: skip
+    return params
+
+
+def live_moments(forward: Callable[[], torch.Tensor]) -> tuple[int, int, int]:
+    """``(saved, forward peak, backward peak)`` bytes of the storages ops make while ``forward()`` runs and then the
+    backward of its output (a gradient of ones, made outside the count), by :class:`_LiveBytes`: what is alive when
+    the forward has returned less its output, the most alive at once during it, and during the backward with the
+    saved tensors (alive when it begins) counted. The inputs are made by the caller, outside the count."""
+    mode = _LiveBytes()
+    with torch.enable_grad(), mode:
+        out = forward()
+        peak = mode.peak
+        saved = mode.current - out.untyped_storage().nbytes()
+        grad = torch.ones_like(out)
+        start = mode.peak = mode.current
+        out.backward(grad)
+        backward = mode.peak - start + saved
+    return saved, peak, backward
+
+
+def _saved_on_meta(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype) -> float:
+    tokens = 64
+    wrapper, params = _Forward(mlp), _meta_params(mlp, dtype)
     x = torch.empty(1, tokens, hidden, dtype=dtype, device="meta", requires_grad=True)
     saved = saved_storage_bytes(lambda: torch.func.functional_call(wrapper, params, (x,)), (*params.values(), x))
     return saved / tokens / torch.finfo(dtype).bits * 8
@@ -214,22 +237,9 @@ def _per_token_moments(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype) ->
 
 
 def _moments_on_meta(mlp: torch.nn.Module, hidden: int, dtype: torch.dtype, tokens: int) -> tuple[int, int, int]:
-    wrapper = _Forward(mlp)
-    params = {f"mlp.{n}": torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=p.requires_grad)
-              for n, p in mlp.named_parameters(remove_duplicate=False)}  # fmt: skip
-    params |= {f"mlp.{n}": torch.empty(b.shape, dtype=b.dtype if not b.is_floating_point() else dtype, device="meta")
-               for n, b in mlp.named_buffers(remove_duplicate=False)}  # fmt: skip
+    wrapper, params = _Forward(mlp), _meta_params(mlp, dtype)
     x = torch.empty(1, tokens, hidden, dtype=dtype, device="meta", requires_grad=True)
-    mode = _LiveBytes()
-    with torch.enable_grad(), mode:
-        out = torch.func.functional_call(wrapper, params, (x,))
-        forward = mode.peak
-        saved = mode.current - out.untyped_storage().nbytes()
-        grad = torch.ones_like(out)
-        start = mode.peak = mode.current
-        out.backward(grad)
-        backward = mode.peak - start + saved  # the saved tensors are alive when the backward begins
-    return saved, forward, backward
+    return live_moments(lambda: torch.func.functional_call(wrapper, params, (x,)))
 
 
 _PEAK_CACHE: dict[tuple, tuple[tuple[float, float], ...] | None] = {}
