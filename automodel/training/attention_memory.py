@@ -21,14 +21,13 @@ against the real kernels family by family (``docs/benchmarks.md``).
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import torch
 
 from automodel.training.saved_storage import saved_storage_bytes
 
-__all__ = ["attention_calls", "attention_saved_extra"]
+__all__ = ["ATTENTION_NAMES", "attention_calls", "attention_module", "attention_saved_extra"]
 
 #: the name the probe's kernel is registered under in transformers' ``AttentionInterface``
 _PROBE_NAME = "automodel_memory_probe"
@@ -36,14 +35,22 @@ _TOKENS = 64
 _CACHE: dict[tuple, tuple[float, float] | None] = {}
 
 
+#: the names transformers' decoder layers give their attention module
+ATTENTION_NAMES = ("self_attn", "attention", "attn")
+
+
+def attention_module(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The child of a decoder ``layer`` named as its attention (:data:`ATTENTION_NAMES`), or ``None``."""
+    return next((getattr(layer, n) for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), torch.nn.Module)),
+                None)  # fmt: skip
+
+
 def attention_calls(attention: torch.nn.Module) -> int:
     """How many times ``attention``'s ``forward`` calls its attention function (``attention_interface(`` in its
     source; 1 where it cannot be read)."""
-    try:
-        source = inspect.getsource(type(attention).forward)
-    except (OSError, TypeError):
-        return 1
-    return max(1, source.count("attention_interface("))
+    from automodel.distributed.cp.profile import _forward_source
+
+    return max(1, _forward_source(type(attention)).count("attention_interface("))
 
 
 class _Kernel(torch.autograd.Function):

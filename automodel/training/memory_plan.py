@@ -723,8 +723,6 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     blocks = _mlp_blocks(model)  # the MLP blocks the tiled MLP finds: their parameters, a shared MLP no key names
     loops = _layer_call_fields(model, layers)
     attention = _first_attention_layer(layers, c)  # a hybrid's first layers may be linear attention or convolutions
-    norms = _norm_fields(model, layers, attention, c.hidden_size, head_dim)
-    layer_norms = _layer_norms(layers[0], c.hidden_size) if layers else 2
     return ModelDims(
         # a looped model's layers are its modules (HRM's num_hidden_layers counts its cache slots, one per call)
         layers=len(layers) if loops else c.num_hidden_layers,
@@ -745,8 +743,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         ),
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
         lookup_params=_lookup_params(model),
-        layer_norms=layer_norms,
-        **norms,
+        layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
+        **_norm_fields(model, layers, attention, c.hidden_size, head_dim),
         qk_norm=attention is not None and any(n.rsplit(".", 1)[-1] in _QK_NORM_NAMES for n, _ in attention.named_modules()),
         logit_transform=chunkable_transform(model)[1],
         logit_softcap=_logit_softcap(model),
@@ -760,6 +758,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         **_attn_output_gate(attention, c.hidden_size, heads * head_dim, heads),
         residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"]),
         attention_saved_extra=_attention_saved_extra(model, layers, attention, c.hidden_size, heads, kv, head_dim),
+        position_bias_heads=_position_bias_heads(layers),
+        position_bias_tables=_position_bias_tables(model, layers),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
@@ -798,20 +798,13 @@ def _residual_saved_extra(model, layers: list, streams: int) -> tuple[float, flo
     return tuple(max(0.0, m + streams - 1) for m in measured)
 
 
-#: the names a decoder layer gives its attention module
-_ATTENTION_NAMES = ("self_attn", "attention", "attn")
-
-
 def _attention_saved_extra(model, layers: list, layer, hidden: int, heads: int, kv: int, head_dim: int) -> tuple[float, float]:  # noqa: ANN001, E501
     """:attr:`ModelDims.attention_saved_extra`: for an attention module that calls its kernel more than once
     (DiffLlama), what it keeps beyond a Llama attention of its widths
     (:func:`~automodel.training.attention_memory.attention_saved_extra`); 0 elsewhere and where it cannot be probed."""
-    import torch
+    from automodel.training.attention_memory import attention_module, attention_saved_extra
 
-    from automodel.training.attention_memory import attention_saved_extra
-
-    module = next((getattr(layer, n) for n in _ATTENTION_NAMES if isinstance(getattr(layer, n, None), torch.nn.Module)),
-                  None) if layer is not None and heads else None  # fmt: skip
+    module = attention_module(layer) if layer is not None and heads else None
     if module is None:
         return (0.0, 0.0)
     index = next((i for i, x in enumerate(layers) if x is layer), 0)
@@ -1042,22 +1035,19 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
     return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
             "compressed_keys": compressed, "index_mask_layers": _index_mask_layers(model, profile),
             "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
-            "keeps_returned_probs": profile.model_type == "bloom", "position_bias_heads": _position_bias_heads(model),
-            "position_bias_tables": _position_bias_tables(model),
+            "keeps_returned_probs": profile.model_type == "bloom",
             "layer_input_copies": _layer_input_copies(text),
             "gathered": tuple((count, state) for state, count in gathered.items())}  # fmt: skip
 
 
-def _position_bias_heads(model) -> tuple[int, ...]:  # noqa: ANN001
+def _position_bias_heads(layers: list) -> tuple[int, ...]:
     """:attr:`ModelDims.position_bias_heads`: per decoder layer whose attention module holds a learned
     relative-position bias (a child with a ``rel_extent`` and a ``proj`` parameter of ``rel_extent`` columns: Inkling's
     ``InklingRelativeLogits``, Inkling 2's ``Inkling2RelativePositionBias``), that attention's query heads."""
     import torch
 
-    from automodel.models.parallelize import decoder_layers
-
     heads = []
-    for layer in decoder_layers(model):
+    for layer in layers:
         for module in layer.modules():
             found = [child for child in module.children() if isinstance(getattr(child, "rel_extent", None), int)
                      and isinstance(getattr(child, "proj", None), torch.Tensor)
@@ -1068,13 +1058,11 @@ def _position_bias_heads(model) -> tuple[int, ...]:  # noqa: ANN001
     return tuple(heads)
 
 
-def _position_bias_tables(model) -> int:  # noqa: ANN001
+def _position_bias_tables(model, layers: list) -> int:  # noqa: ANN001
     """:attr:`ModelDims.position_bias_tables`: the ``get_relative_distance(`` calls in the forward of the module that
-    holds the decoder layers (Inkling 2's text model: one per attention kind)."""
+    holds the decoder ``layers`` (Inkling 2's text model: one per attention kind)."""
     from automodel.distributed.cp.profile import _forward_source
-    from automodel.models.parallelize import decoder_layers
 
-    layers = decoder_layers(model)
     if not layers:
         return 0
     for module in model.modules():

@@ -27,15 +27,16 @@ from typing import Any
 import torch
 
 from automodel.models.tiled_mlp import is_hidden_norm
+from automodel.training.attention_memory import ATTENTION_NAMES
 from automodel.training.saved_storage import saved_storage_bytes
 
 __all__ = ["residual_saved"]
 
-#: the children a decoder layer's forward calls for its attention, mixer and MLP: stubbed
-_BLOCK_NAMES = ("self_attn", "attention", "attn", "linear_attn", "mixer", "mlp", "feed_forward", "ffn")
 #: the stub of these blocks returns ``(output, None)`` (transformers' attention modules; HY-V4's three values and a
 #: linear mixer's output alone are tried next), the others' their output
-_TUPLE_NAMES = ("self_attn", "attention", "attn")
+_TUPLE_NAMES = ATTENTION_NAMES
+#: the children a decoder layer's forward calls for its attention, mixer and MLP: stubbed
+_BLOCK_NAMES = (*ATTENTION_NAMES, "linear_attn", "mixer", "mlp", "feed_forward", "ffn")
 #: the attention stub's outputs tried in turn: ``(output, None)``, ``(output, None, None)``, the output alone
 _ATTENTION_RETURNS = (2, 3, 0)
 
