@@ -1232,3 +1232,58 @@ def test_an_attention_that_calls_its_kernel_twice_is_measured_against_llamas():
     plain = dataclasses.replace(d, attention_saved_extra=(0.0, 0.0))
     grown, base = (_plan(x).terms["activations"].bytes for x in (d, plain))
     assert grown - base == pytest.approx(d.calls * SEQ * 4.59 * d.heads * d.head_dim * 4)
+
+
+def test_zaya_fp32_residual_stream_and_convolutional_attention_are_measured():
+    """ZAYA keeps its residual stream in fp32 whatever the model's dtype (``residual_fp32``: read off the dtype of
+    the first layer's input in a meta-device run of a fresh bf16 copy of its text model), scales the residual and the
+    blocks' outputs in fp32 around each block (``residual_saved_extra``, the layer probe given an fp32 input), and
+    mixes q and k with a convolution over the tokens before its kernel (``attention_saved_extra``: the attention probe
+    runs a module holding a ``Conv1d``, as Inkling's short convolutions of k and v, less the q/k norms the plan counts
+    itself). In bf16 checkpointing keeps its layer inputs in fp32: twice the bytes of a compute-dtype input; in fp32
+    nothing changes. Measured (``scripts/bench_plan_families.py``, bf16, hidden 256, 2048 tokens; no checkpointing /
+    checkpointing / both with the tiled MLP / the tiled MLP alone): -34.6% / -33.6% / -47.5% / -52.8% before, -3.8% /
+    -2.2% / +6.6% / +3.2% with these terms and the tiled MLP's own width (the next test)."""
+    d, llama = _dims("zaya"), _dims("llama")
+    assert d.residual_fp32 and not llama.residual_fp32 and not _dims("qwen3").residual_fp32
+    # the two residual scalings keep (hidden + bias) and (residual + bias): 4 [N, h] in fp32; in bf16 the scaled
+    # hidden states in bf16 and the fp32 residual's (2 units each) beside the fp32 copies its casts make
+    assert d.residual_saved_extra == (4.0, 6.0) and llama.residual_saved_extra == (0.0, 0.0)
+    # q and k (q + kv channels) padded, convolved twice and added to their residual paths, its own q/k norm: ~5.4 q
+    assert d.attention_saved_extra[0] == d.attention_saved_extra[1] and 5.0 < d.attention_saved_extra[0] < 6.0
+    inkling = _dims("inkling_text")  # its k and v short convolutions' outputs, kv = q / 2 each: ~1 q beyond its norms
+    assert inkling.qk_norm and 0.9 < inkling.attention_saved_extra[0] < 1.2, inkling.attention_saved_extra
+    plain = dataclasses.replace(d, residual_fp32=False)
+    for size in (2, 4):
+        kw = dict(activation_checkpointing=True, compute_bytes=size, master_bytes=size, reduce_bytes=size)
+        grown, base = (_plan(x, **kw).by_moment["recompute"]["attention"]["activations"] for x in (d, plain))
+        # every layer input kept in fp32: (4 - c) bytes more per element in bf16 (the final norm's input too)
+        assert grown - base == (d.calls * SEQ * d.hidden * (4 - size) if size < 4 else 0), (size, grown - base)
+
+
+def test_the_plan_tiles_the_mlp_as_the_model_does():
+    """The tiled MLP cuts its tiles by the model's MLP width (``tiled_mlp.mlp_intermediate_width``: a mixture's
+    ``top_k`` routed and shared experts, ``4 h`` where the config names none) and runs an MLP no wider than ``h`` as
+    one tile; the plan tiles by the same width (``ModelDims.tile_width``). Before, the plan used the dense
+    ``intermediate_size`` (``4 h`` where absent): ZAYA's top-1 experts, no wider than ``h``, ran the whole row as one
+    tile while the plan counted tiles of ``h`` tokens (its tiled rows -10% / -12% under after the fp32-residual fix),
+    and a model whose routed width exceeds ``h`` while its dense width does not (DeepSeek-V4, JetMoE) was planned
+    untiled."""
+    from automodel.models.tiled_mlp import apply_tiled_mlp, tile_counts
+    from automodel.training.memory_plan import _mlp_tile
+
+    seq = 256
+    for name in ("zaya", "deepseek_v4", "jetmoe", "llama"):
+        fam = family_or_skip(name)
+        config = fam.build_config()
+        config.use_cache = False
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=fam.attn_implementation()).train()
+        apply_tiled_mlp(model, True)
+        ids = torch.randint(0, min(config.vocab_size, 100), (1, seq), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            model(input_ids=ids)
+        ran = max(c.max_tile_tokens for c in tile_counts(model))
+        planned = _mlp_tile(model_dims(model), RunShape(local_batch=1, seq=seq, tiled_mlp=True))
+        assert planned == ran, (name, planned, ran)
+    assert _mlp_tile(_dims("zaya"), RunShape(local_batch=1, seq=seq, tiled_mlp=True)) == seq  # one tile

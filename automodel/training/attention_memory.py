@@ -1,5 +1,5 @@
-"""The memory planner's view of an attention module that calls its kernel more than once a forward: what it keeps for
-its backward beyond a Llama attention of the same heads, measured on the meta device.
+"""The memory planner's view of an attention module that calls its kernel more than once a forward, or convolves its
+projections: what it keeps for its backward beyond a Llama attention of the same heads, measured on the meta device.
 
 The planner's attention terms describe one kernel call per layer (q, K and V as the kernel saves them, its output and
 log-sum-exp, the output projection's input). DiffLlama's differential attention calls the kernel twice, on the two
@@ -14,8 +14,11 @@ saved-tensor hooks (:func:`~automodel.training.saved_storage.saved_storage_bytes
 ``LlamaAttention`` of the module's widths. The difference, per token in ``q`` units (``heads x head_dim`` of the
 compute dtype), is what the planner adds to every layer's attention term
 (:attr:`automodel.training.memory_plan.ModelDims.attention_saved_extra`). Only a module whose ``forward`` calls its
-attention function more than once is probed (read off its source): the planner's terms for one call are measured
-against the real kernels family by family (``docs/benchmarks.md``).
+attention function more than once (read off its source), or that convolves its projections over the tokens (ZAYA's
+compressed convolutional attention: 5.4 ``q`` per token more, its step planned 33% to 53% under; Inkling's short
+convolutions of k and v: 1) is probed (:func:`probed`): the planner's terms for one plain call are measured against
+the real kernels family by family (``docs/benchmarks.md``). Per-head q/k norms, which the planner counts itself, are
+subtracted by the caller where it counts them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from automodel.training.saved_storage import saved_storage_bytes
 
-__all__ = ["ATTENTION_NAMES", "attention_calls", "attention_module", "attention_saved_extra"]
+__all__ = ["ATTENTION_NAMES", "attention_calls", "attention_module", "attention_saved_extra", "probed"]
 
 #: the name the probe's kernel is registered under in transformers' ``AttentionInterface``
 _PROBE_NAME = "automodel_memory_probe"
@@ -51,6 +54,14 @@ def attention_calls(attention: torch.nn.Module) -> int:
     from automodel.distributed.cp.profile import _forward_source
 
     return max(1, _forward_source(type(attention)).count("attention_interface("))
+
+
+def probed(attention: torch.nn.Module) -> bool:
+    """Whether the planner measures ``attention`` on the meta device (:func:`attention_saved_extra`): its forward
+    calls its attention function more than once (DiffLlama), or it convolves its projections over the tokens before
+    the kernel (a ``Conv1d`` among its modules: ZAYA's compressed convolutional attention mixes q and k so, Inkling
+    shortly convolves k and v), whose outputs the planner's one-call terms do not count."""
+    return attention_calls(attention) > 1 or any(isinstance(m, torch.nn.Conv1d) for m in attention.modules())
 
 
 class _Kernel(torch.autograd.Function):
@@ -88,8 +99,9 @@ def attention_saved_extra(attention: torch.nn.Module, config: Any, layer_idx: in
     """``(fp32, bf16)``: ``q`` units per token (``heads x head_dim`` elements of the compute dtype) that the attention
     module ``attention`` (of the decoder layer ``layer_idx``, built from ``config``) keeps for its backward beyond
     ``LlamaAttention`` of its widths, both with :func:`_kernel_stub` (the module docstring); 0 where its forward
-    calls its attention function once; ``None`` where the probe cannot build or run it on the meta device."""
-    if attention_calls(attention) <= 1:
+    calls its attention function once and holds no convolution (:func:`probed`); ``None`` where the probe cannot
+    build or run it on the meta device."""
+    if not probed(attention):
         return (0.0, 0.0)
     cls = type(attention)
     key = (cls, hidden, heads, kv_heads, head_dim, layer_idx)

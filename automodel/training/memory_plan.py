@@ -154,7 +154,7 @@ from automodel.models.layer_calls import layer_calls
 
 # the names transformers gives per-head (or whole-projection) query and key norms (ModelDims.qk_norm)
 from automodel.models.tiled_mlp import QK_NORM_NAMES as _QK_NORM_NAMES
-from automodel.models.tiled_mlp import is_hidden_norm
+from automodel.models.tiled_mlp import is_hidden_norm, mlp_intermediate_width
 from automodel.training.layer_kind_memory import (
     HALO_BLOCK,
     alibi_mask_build,
@@ -237,6 +237,10 @@ class ModelDims:
     top_k: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    #: the per-token MLP width the tiled MLP cuts its tiles by (:func:`automodel.models.tiled_mlp.mlp_intermediate_width`:
+    #: a mixture's ``top_k`` experts and shared experts where wider than the dense MLP, ``4 h`` where the config names
+    #: none); an MLP no wider than ``h`` runs as one tile. 0: ``intermediate`` (a ModelDims built by hand)
+    tile_width: int = 0
     #: how transformers runs the routed experts (``config._experts_implementation``): ``"grouped_mm"`` (one
     #: ``torch._grouped_mm`` over the tokens sorted by expert, transformers >= 5.2x) or ``"eager"`` (the expert loop)
     experts_impl: str = "eager"
@@ -320,15 +324,22 @@ class ModelDims:
     #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
     #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
     layer_input_copies: int = 1
+    #: the model hands its decoder layers their hidden states in fp32 whatever its dtype (ZAYA's ``residual_in_fp32``
+    #: residual stream; :func:`automodel.training.residual_memory.residual_fp32`, measured on the meta device): in a
+    #: bf16 run checkpointing keeps, and activation offload moves, fp32 layer inputs (:func:`_layer_input_bytes`)
+    residual_fp32: bool = False
     #: ``(fp32, bf16)``: ``[N, h]`` units per token and layer call that a hyper-connected layer's residual structure
     #: saves beyond a plain pre-norm layer's (its norms and residual add, which the stream term counts): its ``K``
     #: input streams, which its norm keeps, and its mixing (:func:`automodel.training.residual_memory.residual_saved`,
-    #: measured on the meta device: DeepSeek-V4's real layer ~18 in fp32, ~48 in bf16); 0 where the layer has one stream
+    #: measured on the meta device: DeepSeek-V4's real layer ~18 in fp32, ~48 in bf16); for an fp32 residual stream
+    #: (``residual_fp32``) its fp32 scalings and casts (ZAYA: 4 in fp32, 6 in bf16); 0 for one compute-dtype stream
     residual_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: ``(fp32, bf16)``: ``q`` units (``heads x head_dim``) per token and layer that an attention module calling its
     #: kernel more than once keeps beyond a Llama attention's (DiffLlama's two calls on the halves of V, their outputs'
-    #: concatenation, difference and group norm: ~4.6 in fp32, ~5.7 in bf16;
-    #: :func:`automodel.training.attention_memory.attention_saved_extra`); 0 elsewhere
+    #: concatenation, difference and group norm: ~4.6 in fp32, ~5.7 in bf16), or one that convolves its projections
+    #: (ZAYA's convolutional q/k mixing: ~5.4; Inkling's short convolutions of k and v: ~1.1), less its q/k norms'
+    #: terms, which the attention term counts (:func:`automodel.training.attention_memory.attention_saved_extra`);
+    #: 0 elsewhere
     attention_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: ``(fp32, bf16)`` bytes per ``[heads, S_q, S_k]`` score that the model's own eager attention function keeps and
     #: holds at its peaks (:func:`automodel.training.eager_memory.eager_scores`, measured on the CPU: Granite-SWA's
@@ -595,7 +606,7 @@ def _mlp_tile(d: ModelDims, r: RunShape) -> int | None:
         return None
     from automodel.models.tiled_mlp import resolve_tile_tokens
 
-    tile = resolve_tile_tokens(r.tiled_mlp, d.hidden, max(d.intermediate // r.tp, 1), r.local_tokens)
+    tile = resolve_tile_tokens(r.tiled_mlp, d.hidden, max((d.tile_width or d.intermediate) // r.tp, 1), r.local_tokens)
     return None if tile is None else min(tile, max(r.local_tokens, 1))
 
 
@@ -666,7 +677,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
         s2 = r.local_batch * heads_local * s_q * s_k * _eager_moments(d, c)[0]
     tiled = f"; layer tiled end to end, {t} tokens per tile ({_fmt(tile_bwd)} per tile in backward)"
     if r.activation_checkpointing:
-        kept, kept_at_loss = (x * h * c * d.layer_input_copies for x in _kept_inputs(d, r))
+        kept, kept_at_loss = (x * _layer_input_bytes(d, c) for x in _kept_inputs(d, r))
         saved = n * (kept_at_loss + final + always)
         fwd_m = n * (kept_at_loss + always + body + h * c) + tile_fwd + s2
         fwd_a = n * (kept_at_loss + always + body) + s2
@@ -697,6 +708,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     from automodel.distributed.cp.guard import cached_profile
     from automodel.models.parallelize import decoder_layers
     from automodel.training.logit_transform import chunkable_transform
+    from automodel.training.residual_memory import residual_fp32
 
     c = cached_profile(model)
     heads = c.num_attention_heads or 0  # 0: a model without attention (Mamba, RWKV, xLSTM): no attention terms
@@ -723,6 +735,13 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
     blocks = _mlp_blocks(model)  # the MLP blocks the tiled MLP finds: their parameters, a shared MLP no key names
     loops = _layer_call_fields(model, layers)
     attention = _first_attention_layer(layers, c)  # a hybrid's first layers may be linear attention or convolutions
+    fp32_stream = residual_fp32(model, layers)
+    norms = _norm_fields(model, layers, attention, c.hidden_size, head_dim)
+    qk_norm = attention is not None and any(n.rsplit(".", 1)[-1] in _QK_NORM_NAMES for n, _ in attention.named_modules())
+    # the q/k norms' share of a probed attention's extra, which the attention term counts itself (2 (q + kv), and
+    # their fp32 copies in bf16), in q units
+    qk_share = ((2 * (heads + kv) / heads, (2 + norms["qk_norm_half_extra"]) * (heads + kv) / heads)
+                if qk_norm and heads else (0.0, 0.0))  # fmt: skip
     return ModelDims(
         # a looped model's layers are its modules (HRM's num_hidden_layers counts its cache slots, one per call)
         layers=len(layers) if loops else c.num_hidden_layers,
@@ -744,8 +763,8 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         tp_root_params=sum(p.numel() for p in tp_unique if id(p) not in in_layers),
         lookup_params=_lookup_params(model),
         layer_norms=_layer_norms(layers[0], c.hidden_size) if layers else 2,
-        **_norm_fields(model, layers, attention, c.hidden_size, head_dim),
-        qk_norm=attention is not None and any(n.rsplit(".", 1)[-1] in _QK_NORM_NAMES for n, _ in attention.named_modules()),
+        **norms,
+        qk_norm=qk_norm,
         logit_transform=chunkable_transform(model)[1],
         logit_softcap=_logit_softcap(model),
         mlp_params=_mlp_params(blocks),
@@ -756,8 +775,11 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         fused_qkv=_fused_qkv(model, attention, heads * head_dim, kv * head_dim),
         **_attn_output_gate(attention, c.hidden_size, heads * head_dim, heads),
-        residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"]),
-        attention_saved_extra=_attention_saved_extra(model, layers, attention, c.hidden_size, heads, kv, head_dim),
+        tile_width=mlp_intermediate_width(getattr(model, "config", None)) or 4 * c.hidden_size,
+        residual_fp32=fp32_stream,
+        residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"], fp32_stream),
+        attention_saved_extra=_attention_saved_extra(model, layers, attention, c.hidden_size, heads, kv, head_dim,
+                                                     qk_share),  # fmt: skip
         position_bias_heads=_position_bias_heads(layers),
         position_bias_tables=_position_bias_tables(model, layers),
         **loops,
@@ -781,27 +803,29 @@ def _layer_input_copies(text) -> int:  # noqa: ANN001
     return max([1] + [v for v in (getattr(text, k, None) for k in _LAYER_INPUT_COPIES_KEYS) if isinstance(v, int)])
 
 
-def _residual_saved_extra(model, layers: list, streams: int) -> tuple[float, float]:  # noqa: ANN001
-    """:attr:`ModelDims.residual_saved_extra`: for a layer of several residual streams (hyper-connections), what its
-    residual structure saves beyond a plain pre-norm layer of its norms
+def _residual_saved_extra(model, layers: list, streams: int, fp32_stream: bool) -> tuple[float, float]:  # noqa: ANN001
+    """:attr:`ModelDims.residual_saved_extra`: for a layer of several residual streams (hyper-connections) or of an
+    fp32 residual stream (ZAYA), what its residual structure saves beyond a plain pre-norm layer of its norms
     (:func:`~automodel.training.residual_memory.residual_saved`: what the stream term counts is subtracted there) and
-    its input's ``K - 1`` further streams; 0 for one stream, and where the probe cannot run the layer (counted as one
-    stream then)."""
+    its input's ``K - 1`` further streams; 0 for one stream of the compute dtype, and where the probe cannot run the
+    layer (counted as one stream then)."""
     from automodel.training.residual_memory import residual_saved
 
-    if streams <= 1 or not layers:
+    if (streams <= 1 and not fp32_stream) or not layers:
         return (0.0, 0.0)
     text = text_config(getattr(model, "config", None))
-    measured = residual_saved(layers[0], text, streams)
+    measured = residual_saved(layers[0], text, streams, fp32_stream)
     if measured is None:
         return (0.0, 0.0)
     return tuple(max(0.0, m + streams - 1) for m in measured)
 
 
-def _attention_saved_extra(model, layers: list, layer, hidden: int, heads: int, kv: int, head_dim: int) -> tuple[float, float]:  # noqa: ANN001, E501
+def _attention_saved_extra(model, layers: list, layer, hidden: int, heads: int, kv: int, head_dim: int,  # noqa: ANN001
+                           qk_share: tuple[float, float]) -> tuple[float, float]:
     """:attr:`ModelDims.attention_saved_extra`: for an attention module that calls its kernel more than once
-    (DiffLlama), what it keeps beyond a Llama attention of its widths
-    (:func:`~automodel.training.attention_memory.attention_saved_extra`); 0 elsewhere and where it cannot be probed."""
+    (DiffLlama) or convolves its projections (ZAYA, Inkling), what it keeps beyond a Llama attention of its widths
+    (:func:`~automodel.training.attention_memory.attention_saved_extra`), less ``qk_share`` (``(fp32, bf16)``, ``q``
+    units: what the attention term counts for its q/k norms); 0 elsewhere and where it cannot be probed."""
     from automodel.training.attention_memory import attention_module, attention_saved_extra
 
     module = attention_module(layer) if layer is not None and heads else None
@@ -810,7 +834,9 @@ def _attention_saved_extra(model, layers: list, layer, hidden: int, heads: int, 
     index = next((i for i, x in enumerate(layers) if x is layer), 0)
     text = text_config(getattr(model, "config", None))
     measured = attention_saved_extra(module, text, index, hidden, heads, kv, head_dim)
-    return measured if measured is not None else (0.0, 0.0)
+    if measured is None or not any(measured):
+        return (0.0, 0.0)
+    return tuple(round(max(0.0, m - share), 2) for m, share in zip(measured, qk_share))
 
 
 def _first_attention_layer(layers: list, profile) -> Any:  # noqa: ANN001
@@ -965,6 +991,13 @@ def _layer_count(d: ModelDims) -> str:
     if not d.layer_calls:
         return f"{d.layers} layers"
     return f"{d.layer_calls} layer calls ({d.layers} layers, some run again)"
+
+
+def _layer_input_bytes(d: ModelDims, compute_bytes: int) -> float:
+    """Bytes per token of one decoder layer's input (what checkpointing keeps and activation offload moves per layer):
+    its ``layer_input_copies`` ``[N, h]`` hidden states in the compute dtype, or in fp32 where the model keeps its
+    residual stream so (:attr:`ModelDims.residual_fp32`)."""
+    return d.hidden * d.layer_input_copies * (max(compute_bytes, 4) if d.residual_fp32 else compute_bytes)
 
 
 def _kept_inputs(d: ModelDims, r: RunShape) -> tuple[int, int]:
@@ -1664,7 +1697,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
-        kept, kept_at_loss = (x * h * c * d.layer_input_copies / s for x in _kept_inputs(d, r))
+        kept, kept_at_loss = (x * _layer_input_bytes(d, c) / s for x in _kept_inputs(d, r))
         saved = n * (kept_at_loss + final + always) + tables
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
@@ -1771,7 +1804,7 @@ def host_bytes(d: ModelDims, r: RunShape) -> list[MemoryTerm]:
     if r.activation_offloaded:
         from automodel.models.checkpoint_groups import group_starts
 
-        per = r.local_tokens * d.hidden * d.layer_input_copies * r.compute_bytes / r.stream_split
+        per = r.local_tokens * _layer_input_bytes(d, r.compute_bytes) / r.stream_split
         n = group_starts(d.calls, r.group)
         groups = f" (checkpoint groups of {r.group})" if r.group > 1 else ""
         out.append(MemoryTerm("offloaded activations", n * per, f"{n} layer inputs of {_fmt(per)}{groups}"))

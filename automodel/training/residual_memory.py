@@ -1,5 +1,6 @@
-"""The memory planner's view of a decoder layer's residual structure where it is wider than one ``[N, h]`` stream:
-hyper-connections (DeepSeek-V4's and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``).
+"""The memory planner's view of a decoder layer's residual structure where it is wider than one ``[N, h]`` stream of
+the compute dtype: hyper-connections (DeepSeek-V4's and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``), and a
+residual stream kept in fp32 in a bf16 model (ZAYA's ``residual_in_fp32``: :func:`residual_fp32`).
 
 A hyper-connected layer takes ``K`` residual streams (``[B, S, K, h]`` or ``[B, S, K h]``). Before its attention and
 its MLP it normalizes the streams, computes mixing weights from them (in fp32 in DeepSeek-V4 and HY-V4) and collapses
@@ -18,6 +19,11 @@ saved-tensor hooks; with its output alive, the storages autograd still keeps are
 parameters and the input, and less what a plain pre-norm layer of the layer's hidden-size norms keeps so (the part the
 planner's stream term counts). A stub that ignored its input would leave the norm before it out of the graph: its
 saved tensors freed, and the subtraction wrong by them.
+
+ZAYA's layer takes its input in fp32 and scales the residual and each block's output in fp32 around the block
+(``ZayaResidualScaling``): the probe gives it an fp32 input, as its model does, and counts 4 ``[N, h]`` per token in
+fp32 and 6 in bf16 beyond a plain layer's; checkpointing keeps its layer inputs in fp32
+(:attr:`automodel.training.memory_plan.ModelDims.residual_fp32`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from automodel.models.tiled_mlp import is_hidden_norm
 from automodel.training.attention_memory import ATTENTION_NAMES
 from automodel.training.saved_storage import saved_storage_bytes
 
-__all__ = ["residual_saved"]
+__all__ = ["residual_fp32", "residual_saved"]
 
 #: the stub of these blocks returns ``(output, None)`` (transformers' attention modules; HY-V4's three values and a
 #: linear mixer's output alone are tried next), the others' their output
@@ -39,6 +45,8 @@ _TUPLE_NAMES = ATTENTION_NAMES
 _BLOCK_NAMES = (*ATTENTION_NAMES, "linear_attn", "mixer", "mlp", "feed_forward", "ffn")
 #: the attention stub's outputs tried in turn: ``(output, None)``, ``(output, None, None)``, the output alone
 _ATTENTION_RETURNS = (2, 3, 0)
+#: the MLP and mixer stubs' outputs tried in turn: the output alone, ``(output, None)``
+_MLP_RETURNS = (0, 2)
 
 _CACHE: dict[tuple, tuple[float, float] | None] = {}
 
@@ -65,25 +73,28 @@ def _model_class(layer: torch.nn.Module) -> type:
     return type(layer)
 
 
-def residual_saved(layer: torch.nn.Module, config: Any, streams: int) -> tuple[float, float] | None:  # noqa: ANN401
+def residual_saved(layer: torch.nn.Module, config: Any, streams: int,  # noqa: ANN401
+                   fp32_stream: bool = False) -> tuple[float, float] | None:
     """``(fp32, bf16)``: the ``[N, h]`` units per token (in the compute dtype's elements) that the decoder layer
     ``layer`` (built from ``config``, its model's text config) saves for its backward beyond its input, its
     attention, mixer and MLP left out (its norms, residual adds and, with ``streams > 1``, its hyper-connections),
     less what a plain pre-norm layer of as many norms of its norm class saves so (:func:`_plain_saved_on_meta`: the
-    part the planner's stream term counts). ``None`` where the layer's class cannot be built or run so on the meta
-    device (the planner then counts its norms and residual alone)."""
+    part the planner's stream term counts). With ``fp32_stream`` the layer is given its input in fp32 whatever the
+    compute dtype, as its model hands it (:func:`residual_fp32`: ZAYA). ``None`` where the layer's class cannot be
+    built or run so on the meta device (the planner then counts its norms and residual alone)."""
     cls = _model_class(layer)
-    key = (cls, streams, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+    key = (cls, streams, fp32_stream, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
     if key not in _CACHE:
         _CACHE[key] = None
         try:
-            _CACHE[key] = tuple(_saved_on_meta(cls, config, streams, dtype) for dtype in (torch.float32, torch.bfloat16))
+            _CACHE[key] = tuple(_saved_on_meta(cls, config, streams, dtype, fp32_stream)
+                                for dtype in (torch.float32, torch.bfloat16))  # fmt: skip
         except Exception:  # noqa: BLE001 - a layer that cannot run on the meta device: the planner's count stays
             pass
     return _CACHE[key]
 
 
-def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype) -> float:  # noqa: ANN401
+def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype, fp32_stream: bool = False) -> float:  # noqa: ANN401
     tokens, h = 64, config.hidden_size
     with torch.device("meta"):
         layer = cls(config, 0).to(dtype)
@@ -92,12 +103,14 @@ def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype) -> 
     norms = [m for _, m in layer.named_children() if is_hidden_norm(m, h, held_by_layer=True)]
     layouts = ((1, tokens, streams, h), (1, tokens, streams * h)) if streams > 1 else ((1, tokens, h),)
     errors = []
-    for values in _ATTENTION_RETURNS:
+    # the attention's outputs, then the MLP's: the output alone or followed by a None (ZAYA's MLP returns its router
+    # state beside its output)
+    for values, mlp_values in ((v, m) for m in _MLP_RETURNS for v in _ATTENTION_RETURNS):
         for name in _BLOCK_NAMES:
             if isinstance(getattr(layer, name, None), torch.nn.Module):
-                setattr(layer, name, _Stub(values if name in _TUPLE_NAMES else 0))
+                setattr(layer, name, _Stub(values if name in _TUPLE_NAMES else mlp_values))
         for shape in layouts:
-            x = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+            x = torch.empty(shape, dtype=torch.float32 if fp32_stream else dtype, device="meta", requires_grad=True)
             try:
                 # the parameters left with the stubs in place (a dropped block's are freed) and the input aside
                 saved = saved_storage_bytes(lambda x=x: layer(x, position_embeddings=None, attention_mask=None),
@@ -122,3 +135,66 @@ def _plain_saved_on_meta(norms: list[torch.nn.Module], tokens: int, h: int, dtyp
     x = torch.empty((1, tokens, h), dtype=dtype, device="meta", requires_grad=True)
     params = [p for norm in norms for p in (*norm.parameters(), *norm.buffers())]
     return saved_storage_bytes(lambda: forward(x), (*params, x))
+
+
+class _LayerInput(Exception):  # noqa: N818 - a signal, not an error: the first layer's input was seen
+    pass
+
+
+_FP32_CACHE: dict[tuple, bool] = {}
+
+
+def residual_fp32(model: torch.nn.Module, layers: list[torch.nn.Module]) -> bool:
+    """Whether ``model`` hands its decoder layers (``layers``, from
+    :func:`automodel.models.block_call.decoder_layers`) their hidden states in fp32 whatever its dtype: ZAYA keeps its
+    residual stream in fp32 (``residual_in_fp32``), so checkpointing keeps, and activation offload moves, fp32 layer
+    inputs in a bf16 run, and every residual add and scale runs in fp32.
+
+    Measured, not read off a config key: a fresh copy of the layers' owner (the text model) is built from its config
+    on the meta device in bf16 (no memory, the model untouched) and run on 16 token ids up to its first layer, whose
+    input's dtype is read. ``False`` where the owner cannot be built or run so (the compute dtype, as before)."""
+    owner, attr = _layers_owner(model, layers)
+    config = getattr(owner, "config", None)
+    if owner is None or config is None:
+        return False
+    cls = _model_class(owner)
+    key = (cls, config.hidden_size, getattr(config, "num_hidden_layers", None))
+    if key not in _FP32_CACHE:
+        _FP32_CACHE[key] = False
+        seen: list[torch.dtype] = []
+
+        def first_input(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs.get("hidden_states")
+            seen.append(x.dtype)
+            raise _LayerInput
+
+        try:
+            with torch.device("meta"):
+                fresh = cls(config).to(torch.bfloat16)
+            getattr(fresh, attr)[0].register_forward_pre_hook(first_input, with_kwargs=True)
+        except Exception:  # noqa: BLE001 - an owner that cannot be built on the meta device: the compute dtype
+            return False
+        ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+        # with its cache (without one transformers' mask reads the position ids for packed rows: a value the meta
+        # device does not have), then without (a hybrid's cache that the mask cannot read)
+        for use_cache in (True, False):
+            try:
+                fresh(input_ids=ids, use_cache=use_cache)
+            except _LayerInput:
+                _FP32_CACHE[key] = seen[0] == torch.float32
+                break
+            except Exception:  # noqa: BLE001 - an owner that cannot run on the meta device: the compute dtype
+                continue
+    return _FP32_CACHE[key]
+
+
+def _layers_owner(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[torch.nn.Module | None, str]:
+    """The module whose ``ModuleList`` child holds ``layers[0]`` (the text model: ``model.model``, a VLM's
+    ``language_model``) and that child's name; ``(None, "")`` where there is none."""
+    if not layers:
+        return None, ""
+    for module in model.modules():
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.ModuleList) and len(child) and child[0] is layers[0]:
+                return module, name
+    return None, ""
