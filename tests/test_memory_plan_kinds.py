@@ -1056,7 +1056,7 @@ def test_hyper_connected_layers_keep_their_streams_and_mixing():
                  if t is not None and t.untyped_storage()._cdata not in kept}  # fmt: skip
         assert probed == pytest.approx((sum(alive.values()) - plain) / 64 / config.hidden_size / 4), name
         del out
-    for name in ("llama", "gemma3n_text", "qwen3_next"):
+    for name in ("llama", "qwen3_next"):  # one stream (Gemma 3n's stacked predictions: the next test)
         assert _dims(name).residual_saved_extra == (0.0, 0.0), name
     assert _dims("gemma3n_text").layer_input_copies == family_by_name("gemma3n_text").build_config().altup_num_inputs
     assert _dims("llama").layer_input_copies == 1
@@ -1287,3 +1287,26 @@ def test_the_plan_tiles_the_mlp_as_the_model_does():
         planned = _mlp_tile(model_dims(model), RunShape(local_batch=1, seq=seq, tiled_mlp=True))
         assert planned == ran, (name, planned, ran)
     assert _mlp_tile(_dims("zaya"), RunShape(local_batch=1, seq=seq, tiled_mlp=True)) == seq  # one tile
+
+
+def test_gemma3n_altup_layer_probed_with_its_predictions_stacked_first():
+    """Gemma 3n hands each layer its AltUp predictions stacked first (``[K, B, S, h]``) and gates a per-layer input
+    into them: the layer probe tries that layout and passes the per-layer input (``[B, S, hidden_size_per_layer_input]``)
+    where the layer's forward takes one. Before, every layout failed on the meta device and the layer's AltUp, Laurel
+    and gate tensors went uncounted (bf16 at hidden 256: -21.5% / -15.9% / -18.3% / -15.0%; now +7.1% / -9.4% / +9.1% /
+    +35.3%, the tiled MLP alone over)."""
+    from automodel.models.parallelize import decoder_layers
+    from automodel.training import residual_memory
+
+    fam = family_or_skip("gemma3n_text")
+    config = fam.build_config().get_text_config()
+    d = _dims("gemma3n_text")
+    streams = config.altup_num_inputs
+    assert d.layer_input_copies == streams and streams > 1
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(fam.build_config(), attn_implementation=fam.attn_implementation())
+    cls = residual_memory._model_class(decoder_layers(model)[0])
+    probed = [residual_memory._saved_on_meta(cls, config, streams, dtype) for dtype in (torch.float32, torch.bfloat16)]
+    assert d.residual_saved_extra == pytest.approx(tuple(p + streams - 1 for p in probed))
+    # its predictions, corrections, Laurel block and per-layer gate: more than ten [N, h] beyond a plain layer's norms
+    assert min(probed) > 10, probed

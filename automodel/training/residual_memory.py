@@ -28,6 +28,7 @@ fp32 and 6 in bf16 beyond a plain layer's; checkpointing keeps its layer inputs 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -101,7 +102,15 @@ def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype, fp3
     if getattr(layer, "ple", None) is not None:  # Qwen4-Exp's per-layer embedding needs its ids: left out
         layer.ple = None
     norms = [m for _, m in layer.named_children() if is_hidden_norm(m, h, held_by_layer=True)]
-    layouts = ((1, tokens, streams, h), (1, tokens, streams * h)) if streams > 1 else ((1, tokens, h),)
+    # several streams: token-major (hyper-connections: [B, S, K, h] or [B, S, K h]) or stacked first (Gemma 3n's
+    # AltUp predictions: [K, B, S, h])
+    layouts = (((1, tokens, streams, h), (1, tokens, streams * h), (streams, 1, tokens, h)) if streams > 1
+               else ((1, tokens, h),))  # fmt: skip
+    extra: dict[str, torch.Tensor] = {}
+    width = getattr(config, "hidden_size_per_layer_input", None)
+    if isinstance(width, int) and "per_layer_input" in inspect.signature(cls.forward).parameters:
+        # Gemma 3n's per-layer input, which its layer's gate multiplies (Qwen4-Exp's is built from ids: left out above)
+        extra["per_layer_input"] = torch.empty(1, tokens, width, dtype=dtype, device="meta")
     errors = []
     # the attention's outputs, then the MLP's: the output alone or followed by a None (ZAYA's MLP returns its router
     # state beside its output)
@@ -113,8 +122,8 @@ def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype, fp3
             x = torch.empty(shape, dtype=torch.float32 if fp32_stream else dtype, device="meta", requires_grad=True)
             try:
                 # the parameters left with the stubs in place (a dropped block's are freed) and the input aside
-                saved = saved_storage_bytes(lambda x=x: layer(x, position_embeddings=None, attention_mask=None),
-                                            (*layer.parameters(), *layer.buffers(), x))  # fmt: skip
+                saved = saved_storage_bytes(lambda x=x: layer(x, position_embeddings=None, attention_mask=None, **extra),
+                                            (*layer.parameters(), *layer.buffers(), x, *extra.values()))  # fmt: skip
             except Exception as e:  # noqa: BLE001 - the next stream layout or attention outputs
                 errors.append(e)
                 continue
