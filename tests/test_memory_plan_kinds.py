@@ -1310,3 +1310,60 @@ def test_gemma3n_altup_layer_probed_with_its_predictions_stacked_first():
     assert d.residual_saved_extra == pytest.approx(tuple(p + streams - 1 for p in probed))
     # its predictions, corrections, Laurel block and per-layer gate: more than ten [N, h] beyond a plain layer's norms
     assert min(probed) > 10, probed
+
+
+def test_doge_dynamic_mask_is_planned_per_layer():
+    """Doge's attention builds a dynamic mask from its value states per layer (``prepare_dynamic_mask``: a float
+    ``[B, kv, S, S]`` from the broadcast ``dt`` states, the attention mask filled in, the keys outside each query's
+    top ``keep_window_size`` masked, repeated to the query heads) and hands it to the kernel with its gradient. The
+    plan counted none of it (hidden 256, bf16: -85% to -92% once the MLP was planned dense; before, 64 routed copies
+    of the MLP had hidden it). Now: the booleans its ``masked_fill`` calls keep per layer, the build in the forward,
+    under ``sdpa`` the repeated mask the kernel keeps and its gradient with two reductions in the backward (what the
+    memory-efficient kernel does on a GPU: not measured here, CPU's math kernel keeps more); under ``eager`` the mask
+    is built before the scores and its gradient is theirs. Eager, measured on the CPU (bf16 / fp32, hidden 256, 2048
+    tokens, with and without checkpointing): within +0.3% to +2.1%; below, the tracked step within 5%."""
+    from automodel.training.layer_kind_memory import dynamic_mask_bytes
+
+    fam = family_by_name("doge")
+    config = fam.build_config()
+    d = _dims("doge")
+    assert (d.dynamic_mask_layers, d.dynamic_mask_window) == (d.layers, config.keep_window_size)
+    assert _dims("llama").dynamic_mask_layers == 0
+    seq, b, c = 64, 1, 2
+    r = RunShape(local_batch=b, seq=seq, compute_bytes=c, attn="sdpa")
+    sq, kv, h = seq * seq, d.kv_heads, d.heads
+    assert seq > d.dynamic_mask_window  # the window's boolean mask too
+    kept = sq * (1 + kv) + sq * h * c
+    assert dynamic_mask_bytes(d, r) == (kept, kept, 3 * sq * kv * c + kv * seq * d.dynamic_mask_window * (8 + c),
+                                        sq * h * c + 2 * sq * kv * c)  # fmt: skip
+    assert dynamic_mask_bytes(d, dataclasses.replace(r, cp=2)) == (0.0, 0.0, 0.0, 0.0)
+    eager = dynamic_mask_bytes(d, dataclasses.replace(r, attn="eager"))
+    assert eager[1] == sq * (1 + kv) and eager[3] == 0.0
+    seq = 1024
+    config.max_position_embeddings = seq
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.bfloat16).train()
+    measured = _tracked_step_peak(model, config.vocab_size, seq, 256)
+    shape = RunShape(local_batch=1, seq=seq, chunk_tokens=256, attn="eager", compute_bytes=2, master_bytes=2,
+                     reduce_bytes=2)  # fmt: skip
+    plan = plan_memory(model_dims(model), shape)
+    planned = max(sum(plan.phases[p].values()) for p in ("forward", "loss", "backward"))
+    assert -0.05 <= (planned - measured) / measured <= 0.05, (planned / 2**20, measured / 2**20)
+
+
+def test_doge_dense_mlp_is_planned_dense():
+    """Doge's config names its retrieval experts (``num_experts`` 16384, ``num_experts_per_tok`` 64) whether or not it
+    builds them: with ``is_moe=False`` (its default, and the only form CP runs) every layer's MLP is a dense gated
+    MLP of ``intermediate_size``. The plan counted 64 routed copies of it per token (+313% without checkpointing at
+    hidden 256, bf16) and the tiled MLP cut its tiles by ``64 I``; both now read the MLP the model builds."""
+    from transformers import DogeConfig
+
+    from automodel.models.tiled_mlp import mlp_intermediate_width
+
+    d = _dims("doge")
+    config = family_by_name("doge").build_config()
+    assert config.is_moe is False and config.num_experts_per_tok > 1
+    assert (d.experts, d.top_k, d.tile_width) == (0, 0, config.intermediate_size) and d.mlp_matrices == 3
+    moe = DogeConfig(is_moe=True, hidden_size=64, intermediate_size=128)
+    assert mlp_intermediate_width(moe) == moe.num_experts_per_tok * 128
+    assert mlp_intermediate_width(DogeConfig(is_moe=False, hidden_size=64, intermediate_size=128)) == 128

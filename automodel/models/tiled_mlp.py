@@ -192,7 +192,8 @@ def mlp_intermediate_width(config: Any) -> int | None:
 
     Dense: ``intermediate_size`` (``ffn_dim``, ``n_inner``, ...). MoE: ``num_experts_per_tok *
     moe_intermediate_size`` plus the shared experts (``n_shared_experts * moe_intermediate_size`` or
-    ``shared_expert_intermediate_size``). A model with dense and MoE layers (DeepSeek-V3) gets the larger.
+    ``shared_expert_intermediate_size``). A model with dense and MoE layers (DeepSeek-V3) gets the larger. A config
+    with ``is_moe=False`` (Doge's default: its experts' sizes named, a dense MLP built) is dense.
     ``None`` when the config names none of these (``true`` then assumes ``4 * hidden``).
     """
     from automodel.distributed.cp.profile import text_config
@@ -200,6 +201,8 @@ def mlp_intermediate_width(config: Any) -> int | None:
     text = text_config(config)
     dense = _first_int(text, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")
     top_k = _first_int(text, "num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")
+    if getattr(text, "is_moe", None) is False:  # Doge: experts named, a dense MLP run (config.is_moe=False)
+        top_k = None
     widths = [dense] if dense else []
     if top_k:
         expert = _first_int(text, "moe_intermediate_size", "expert_intermediate_size") or dense

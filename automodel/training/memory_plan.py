@@ -160,6 +160,7 @@ from automodel.training.layer_kind_memory import (
     alibi_mask_build,
     alibi_saved_per_layer,
     alibi_workspace,
+    dynamic_mask_bytes,
     gathered_workspace,
     mask_bytes,
     position_bias_bytes,
@@ -320,6 +321,12 @@ class ModelDims:
     #: int64 ``[S, S]`` query-key distance tables the model builds once per forward for those layers (Inkling 2: one
     #: per attention kind, ``get_relative_distance`` in its text model's forward); Inkling builds them per layer
     position_bias_tables: int = 0
+    #: decoder layers whose attention builds a dynamic mask from its value states and hands it to the kernel with its
+    #: gradient (Doge's ``prepare_dynamic_mask``: a float ``[B, kv, S, S]`` repeated to the query heads;
+    #: :func:`.layer_kind_memory.dynamic_mask_bytes`), and their ``keep_window_size`` (a longer row keeps the keys
+    #: outside each query's top ``W`` as a boolean mask too); 0 elsewhere
+    dynamic_mask_layers: int = 0
+    dynamic_mask_window: int = 0
     #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
     #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
     #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
@@ -782,6 +789,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
                                                      qk_share),  # fmt: skip
         position_bias_heads=_position_bias_heads(layers),
         position_bias_tables=_position_bias_tables(model, layers),
+        **_dynamic_mask_fields(layers),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
@@ -1091,6 +1099,20 @@ def _position_bias_heads(layers: list) -> tuple[int, ...]:
     return tuple(heads)
 
 
+def _dynamic_mask_fields(layers: list) -> dict[str, int]:
+    """:attr:`ModelDims.dynamic_mask_layers` and ``dynamic_mask_window``: the decoder layers whose attention module
+    builds a dynamic mask (a ``prepare_dynamic_mask`` method: Doge's ``DogeAttention``), and its
+    ``keep_window_size``."""
+    from automodel.training.attention_memory import attention_module
+
+    found = [m for m in (attention_module(layer) for layer in layers)
+             if m is not None and callable(getattr(m, "prepare_dynamic_mask", None))]  # fmt: skip
+    if not found:
+        return {}
+    window = getattr(found[0], "keep_window_size", 0)
+    return {"dynamic_mask_layers": len(found), "dynamic_mask_window": window if isinstance(window, int) else 0}
+
+
 def _position_bias_tables(model, layers: list) -> int:  # noqa: ANN001
     """:attr:`ModelDims.position_bias_tables`: the ``get_relative_distance(`` calls in the forward of the module that
     holds the decoder ``layers`` (Inkling 2's text model: one per attention kind)."""
@@ -1254,6 +1276,8 @@ def _moe_sizes(model, blocks: list) -> dict[str, int]:  # noqa: ANN001
     """The mixture-of-experts sizes of :class:`ModelDims` from the (text) config, and ``blocks`` (the MLP blocks,
     :func:`_mlp_blocks`) for a shared MLP no config key names; empty for a dense model."""
     text = text_config(getattr(model, "config", None))
+    if getattr(text, "is_moe", None) is False:  # Doge names its retrieval experts' sizes but runs a dense MLP unless set
+        return {}
     experts = next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
                     if isinstance(getattr(text, k, None), int)), 0)  # fmt: skip
     top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_topk")  # Aria: moe_num_experts, moe_topk
@@ -1690,6 +1714,12 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     bias_avg, bias_max, bias_fwd, bias_bwd, tables = position_bias_bytes(d, r)
     copy_avg, copy_max = copy_avg + bias_avg, copy_max + bias_max
     building += bias_fwd
+    # a dynamic mask per layer that needs its gradient (Doge): kept beside the layer, built and differentiated at
+    # its attention
+    dyn_avg, dyn_max, dyn_fwd, dyn_bwd = dynamic_mask_bytes(d, r)
+    copy_avg, copy_max = copy_avg + dyn_avg, copy_max + dyn_max
+    building = max(building, dyn_fwd) if r.attn == "eager" else building + dyn_fwd  # eager: before the scores
+    in_flight += dyn_bwd
     in_flight += bias_bwd
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if bias_max:  # an S^2 term the layer count does not show
