@@ -249,6 +249,11 @@ class ModelDims:
     #: ``act(gate) * up`` (:func:`automodel.training.mlp_memory.experts_gate_saved`, measured on the meta device:
     #: MiniMax-M3's clamped, sigmoid-gated activation 3); 0 elsewhere
     experts_gate_extra: tuple[float, float] = (0.0, 0.0)
+    #: ``(fp32 run, bf16 run)``: bytes per token and MoE layer that the router keeps beyond the router term's
+    #: ``4 E + 16 k`` (:func:`automodel.training.mlp_memory.router_saved`, measured on the meta device): a router that
+    #: scores in fp32 (DeepSeek-V3's, GLM-4-MoE's, Solar Open's) keeps an fp32 copy of its ``[N, h]`` input in a bf16
+    #: run, ``4 h``; 0 elsewhere
+    router_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: per-head query/key norms (Qwen3, Gemma 3, OLMo 2: ``q_norm`` / ``k_norm``): they save their input and
     #: normalized output, ``2 (h + kv)`` more per token and layer
     qk_norm: bool = False
@@ -1304,7 +1309,20 @@ def _moe_sizes(model, blocks: list) -> dict[str, int]:  # noqa: ANN001
         shared = _shared_mlp_width(blocks, getattr(text, "hidden_size", 0) or 0)
     return {"experts": experts, "top_k": top_k, "expert_intermediate": width, "shared_intermediate": shared,
             "experts_impl": "grouped_mm" if impl == "grouped_mm" else "eager",
-            "experts_gate_extra": _experts_gate_extra(blocks, width)}  # fmt: skip
+            "experts_gate_extra": _experts_gate_extra(blocks, width),
+            "router_saved_extra": _router_saved_extra(blocks, getattr(text, "hidden_size", 0) or 0, experts, top_k)}  # fmt: skip
+
+
+def _router_saved_extra(blocks: list, hidden: int, experts: int, top_k: int) -> tuple[float, float]:
+    """:attr:`ModelDims.router_saved_extra`: the first MoE block's router measured on the meta device
+    (:func:`~automodel.training.mlp_memory.router_saved`), less what the router term counts (``4 E + 16 k`` bytes per
+    token); 0 where no block has a router the probe can run."""
+    from automodel.training.mlp_memory import router_saved
+
+    saved = next((x for x in (router_saved(block, hidden) for block in blocks) if x is not None), None) if hidden else None
+    if saved is None:
+        return (0.0, 0.0)
+    return tuple(round(max(0.0, x - 4 * experts - 16 * top_k), 2) for x in saved)
 
 
 def _experts_gate_extra(blocks: list, width: int) -> tuple[float, float]:
@@ -1629,7 +1647,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     tile = _mlp_tile(d, r)
     mlp = _mlp_moments(d, c)
     saved_mlp, fwd_mlp, bwd_mlp = (0.0, 0.0, 0.0) if tile else (mlp.saved / tp, mlp.forward / tp, mlp.backward / tp)
-    router = mlp.router
+    # the router runs inside the tiled MLP's Function with the experts (kept per tile, not per layer: tile_bytes)
+    router = 0.0 if tile else mlp.router
     # one tile in backward: its recomputed intermediates and their gradients, and the MLP block's weight gradients
     # twice: the tile's own (``got`` in automodel.models.tiled_mlp), W / tp (ModelDims.mlp_weights: 3 h I for a gated
     # MLP), beside their running sum over the tiles done (``sums``, which becomes the layer's gradient). The gradients
@@ -1794,7 +1813,8 @@ def _mlp_moments(d: ModelDims, c: float = 4) -> _MLPMoments:
     (``scripts/bench_plan_families.py``). Shared experts are a dense MLP of their width (``4 I_s`` saved, ``6 I_s`` at their
     backward). The expert loop (``experts_implementation="eager"``) is planned at its bound: everything saved,
     plus ``2 (k I_e + I_s)`` gradients. The router keeps its fp32 probabilities over the ``E`` experts and the
-    top-k weights and indices (``4 E + 16 k`` bytes).
+    top-k weights and indices (``4 E + 16 k`` bytes), and what a router scoring in fp32 keeps beyond them
+    (:attr:`ModelDims.router_saved_extra`: its input's fp32 copy in bf16, ``4 h``).
     """
     if not d.experts:
         i = d.intermediate
@@ -1811,7 +1831,9 @@ def _mlp_moments(d: ModelDims, c: float = 4) -> _MLPMoments:
     # forward to the backward: in every moment
     gate = k * ie * d.experts_gate_extra[0 if c >= 4 else 1]
     saved = k * (2 * h + 4 * ie) + 4 * sh + gate
-    router = 4 * d.experts + 16 * k
+    # the router's fp32 probabilities, top-k weights and indices, and what a router scoring in fp32 keeps more (its
+    # input's fp32 copy in bf16: ModelDims.router_saved_extra)
+    router = 4 * d.experts + 16 * k + d.router_saved_extra[0 if c >= 4 else 1]
     if d.experts_impl == "grouped_mm":
         forward = k * (MOE_GROUPED_FORWARD[0] * h + MOE_GROUPED_FORWARD[1] * ie) + 4 * sh + gate
         backward = max(k * (MOE_GROUPED_BACKWARD[0] * h + MOE_GROUPED_BACKWARD[1] * ie) + 4 * sh + gate, saved + 2 * sh)

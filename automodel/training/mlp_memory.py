@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from automodel.training.saved_storage import saved_storage_bytes
 
 __all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_peaks", "dense_mlp_saved", "experts_gate_saved", "live_moments",
-           "mlp_shape", "plain_mlp_moments"]
+           "mlp_shape", "plain_mlp_moments", "router_saved"]
 
 #: the names transformers' decoder layers give their MLP
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "feedforward", "mlp_block")
@@ -284,6 +284,48 @@ def _gate_saved_on_meta(fn: Any, experts: torch.nn.Module, width: int, dtype: to
 
 
 _GATE_CACHE: dict[tuple, tuple[float, float] | None] = {}
+
+#: the names a mixture-of-experts block gives its router
+_ROUTER_NAMES = ("gate", "router")
+#: the two lengths of :func:`router_saved`'s probe: their difference cancels what does not grow with the tokens (a
+#: router that casts its weight to fp32 keeps that copy)
+_ROUTER_TOKENS = (64, 128)
+
+
+def router_saved(block: torch.nn.Module, hidden: int) -> tuple[float, float] | None:
+    """``(fp32 run, bf16 run)``: bytes per token that the router of the mixture-of-experts ``block`` (its child named
+    ``gate`` or ``router`` holding an ``[E, hidden]`` weight) keeps for its backward beyond its input. A router that
+    scores in fp32 (``F.linear(x.float(), w.float())``: DeepSeek-V3's, Solar Open's, GLM-4-MoE's) keeps an fp32 copy
+    of its ``[N, h]`` input in a bf16 run, ``4 h`` bytes per token, beside its fp32 scores over the experts.
+
+    Measured on the meta device as :func:`dense_mlp_saved` (the router's parameters and buffers replaced by meta
+    tensors, the model untouched) at two lengths, whose difference per token is returned. ``None`` where the block has
+    no such router or it cannot run on the meta device."""
+    router = next((m for m in (getattr(block, n, None) for n in _ROUTER_NAMES) if isinstance(m, torch.nn.Module)
+                   and any(p.dim() == 2 and p.shape[-1] == hidden for p in m.parameters(recurse=False))), None)  # fmt: skip
+    if router is None:
+        return None
+    key = (type(router), hidden, tuple((n, tuple(p.shape)) for n, p in router.named_parameters()), _state_key(router))
+    if key not in _ROUTER_CACHE:
+        _ROUTER_CACHE[key] = None
+        try:
+            _ROUTER_CACHE[key] = tuple(_router_on_meta(router, hidden, dtype) for dtype in (torch.float32, torch.bfloat16))
+        except Exception:  # noqa: BLE001 - a router that cannot run on the meta device: the planner's count stays
+            pass
+    return _ROUTER_CACHE[key]
+
+
+def _router_on_meta(router: torch.nn.Module, hidden: int, dtype: torch.dtype) -> float:
+    wrapper, params = _Forward(router), _meta_params(router, dtype)
+    saved = []
+    for tokens in _ROUTER_TOKENS:
+        x = torch.empty(1, tokens, hidden, dtype=dtype, device="meta", requires_grad=True)
+        saved.append(saved_storage_bytes(lambda x=x: torch.func.functional_call(wrapper, params, (x,)),
+                                         (*params.values(), x)))  # fmt: skip
+    return (saved[1] - saved[0]) / (_ROUTER_TOKENS[1] - _ROUTER_TOKENS[0])
+
+
+_ROUTER_CACHE: dict[tuple, tuple[float, float] | None] = {}
 
 
 class _LiveBytes(TorchDispatchMode):
