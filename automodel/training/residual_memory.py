@@ -28,6 +28,7 @@ fp32 and 6 in bf16 beyond a plain layer's; checkpointing keeps its layer inputs 
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -178,8 +179,8 @@ def residual_fp32(model: torch.nn.Module, layers: list[torch.nn.Module]) -> bool
             raise _LayerInput
 
         try:
-            with torch.device("meta"):
-                fresh = cls(config).to(torch.bfloat16)
+            with torch.device("meta"):  # a copy of the config: building a model may set attributes on it
+                fresh = cls(copy.deepcopy(config)).to(torch.bfloat16)
             getattr(fresh, attr)[0].register_forward_pre_hook(first_input, with_kwargs=True)
         except Exception:  # noqa: BLE001 - an owner that cannot be built on the meta device: the compute dtype
             return False
