@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from automodel.training.saved_storage import saved_storage_bytes
+from automodel.training.saved_storage import probe_pair, saved_storage_bytes
 
 __all__ = ["ATTENTION_NAMES", "attention_calls", "attention_module", "attention_saved_extra", "probed"]
 
@@ -105,15 +105,8 @@ def attention_saved_extra(attention: torch.nn.Module, config: Any, layer_idx: in
         return (0.0, 0.0)
     cls = type(attention)
     key = (cls, hidden, heads, kv_heads, head_dim, layer_idx)
-    if key not in _CACHE:
-        _CACHE[key] = None
-        try:
-            _register()
-            _CACHE[key] = tuple(_extra_on_meta(cls, config, layer_idx, hidden, heads, kv_heads, head_dim, dtype)
-                                for dtype in (torch.float32, torch.bfloat16))  # fmt: skip
-        except Exception:  # noqa: BLE001 - a module the probe cannot run: the planner's terms stay
-            pass
-    return _CACHE[key]
+    return probe_pair(_CACHE, key, lambda dtype: _extra_on_meta(cls, config, layer_idx, hidden, heads, kv_heads,
+                                                                head_dim, dtype))  # fmt: skip
 
 
 def _extra_on_meta(cls: type, config: Any, layer_idx: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -121,6 +114,7 @@ def _extra_on_meta(cls: type, config: Any, layer_idx: int, hidden: int, heads: i
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
+    _register()
     own = copy.copy(config)
     own._attn_implementation = _PROBE_NAME
     llama = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,

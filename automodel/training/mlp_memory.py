@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from automodel.training.saved_storage import saved_storage_bytes
+from automodel.training.saved_storage import probe_pair, saved_storage_bytes
 
 __all__ = ["MLPShape", "dense_mlp_of", "dense_mlp_peaks", "dense_mlp_saved", "experts_gate_saved", "live_moments",
            "mlp_shape", "plain_mlp_moments", "router_saved"]
@@ -131,13 +131,7 @@ def dense_mlp_saved(mlp: torch.nn.Module, hidden: int) -> tuple[float, float] | 
     block cannot run on the meta device."""
     base = getattr(type(mlp), "_automodel_untiled_class", type(mlp))
     key = (base, hidden, tuple((n, tuple(p.shape)) for n, p in mlp.named_parameters()))
-    if key not in _SAVED_CACHE:
-        _SAVED_CACHE[key] = None
-        try:
-            _SAVED_CACHE[key] = tuple(_saved_on_meta(mlp, hidden, dtype) for dtype in (torch.float32, torch.bfloat16))
-        except Exception:  # noqa: BLE001 - a block that cannot run on the meta device: the planner's count stays
-            pass
-    return _SAVED_CACHE[key]
+    return probe_pair(_SAVED_CACHE, key, lambda dtype: _saved_on_meta(mlp, hidden, dtype))
 
 
 def _meta_params(mlp: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -265,14 +259,7 @@ def experts_gate_saved(experts: torch.nn.Module, width: int) -> tuple[float, flo
     if not callable(fn) or width < 1 or getattr(experts, "has_gate", True) is False:  # ungated: act(up) alone
         return None
     key = (type(experts), width, _state_key(experts))
-    if key not in _GATE_CACHE:
-        _GATE_CACHE[key] = None
-        try:
-            _GATE_CACHE[key] = tuple(_gate_saved_on_meta(fn, experts, width, dtype)
-                                     for dtype in (torch.float32, torch.bfloat16))  # fmt: skip
-        except Exception:  # noqa: BLE001 - a gate that cannot run on the meta device: the planner's count stays
-            pass
-    return _GATE_CACHE[key]
+    return probe_pair(_GATE_CACHE, key, lambda dtype: _gate_saved_on_meta(fn, experts, width, dtype))
 
 
 def _gate_saved_on_meta(fn: Any, experts: torch.nn.Module, width: int, dtype: torch.dtype) -> float:  # noqa: ANN401
@@ -306,13 +293,7 @@ def router_saved(block: torch.nn.Module, hidden: int) -> tuple[float, float] | N
     if router is None:
         return None
     key = (type(router), hidden, tuple((n, tuple(p.shape)) for n, p in router.named_parameters()), _state_key(router))
-    if key not in _ROUTER_CACHE:
-        _ROUTER_CACHE[key] = None
-        try:
-            _ROUTER_CACHE[key] = tuple(_router_on_meta(router, hidden, dtype) for dtype in (torch.float32, torch.bfloat16))
-        except Exception:  # noqa: BLE001 - a router that cannot run on the meta device: the planner's count stays
-            pass
-    return _ROUTER_CACHE[key]
+    return probe_pair(_ROUTER_CACHE, key, lambda dtype: _router_on_meta(router, hidden, dtype))
 
 
 def _router_on_meta(router: torch.nn.Module, hidden: int, dtype: torch.dtype) -> float:

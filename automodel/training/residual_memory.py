@@ -36,7 +36,7 @@ import torch
 
 from automodel.models.tiled_mlp import is_hidden_norm
 from automodel.training.attention_memory import ATTENTION_NAMES
-from automodel.training.saved_storage import saved_storage_bytes
+from automodel.training.saved_storage import probe_pair, saved_storage_bytes
 
 __all__ = ["residual_fp32", "residual_saved"]
 
@@ -86,14 +86,7 @@ def residual_saved(layer: torch.nn.Module, config: Any, streams: int,  # noqa: A
     built or run so on the meta device (the planner then counts its norms and residual alone)."""
     cls = _model_class(layer)
     key = (cls, streams, fp32_stream, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
-    if key not in _CACHE:
-        _CACHE[key] = None
-        try:
-            _CACHE[key] = tuple(_saved_on_meta(cls, config, streams, dtype, fp32_stream)
-                                for dtype in (torch.float32, torch.bfloat16))  # fmt: skip
-        except Exception:  # noqa: BLE001 - a layer that cannot run on the meta device: the planner's count stays
-            pass
-    return _CACHE[key]
+    return probe_pair(_CACHE, key, lambda dtype: _saved_on_meta(cls, config, streams, dtype, fp32_stream))
 
 
 def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype, fp32_stream: bool = False) -> float:  # noqa: ANN401

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["saved_storage_bytes"]
+__all__ = ["probe_pair", "saved_storage_bytes"]
 
 
 def saved_storage_bytes(forward: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -34,3 +34,15 @@ def saved_storage_bytes(forward: Callable[[], Any], exclude: Iterable[torch.Tens
              if t is not None and t.untyped_storage()._cdata not in skip}  # fmt: skip
     del out
     return sum(alive.values())
+
+
+def probe_pair(cache: dict, key: tuple, probe: Callable[[torch.dtype], float]) -> tuple[float, float] | None:
+    """``(probe(fp32), probe(bf16))``, kept in ``cache`` under ``key``; ``None`` (kept too) where the probe raises: a
+    module that cannot be built or run on the meta device leaves the planner's own count."""
+    if key not in cache:
+        cache[key] = None
+        try:
+            cache[key] = tuple(probe(dtype) for dtype in (torch.float32, torch.bfloat16))
+        except Exception:  # noqa: BLE001 - any failure of a probe: the planner's count stays
+            pass
+    return cache[key]
