@@ -51,6 +51,7 @@ __all__ = [
     "block_call",
     "block_calls",
     "decoder_layers",
+    "layers_owner",
     "outermost_blocks",
 ]
 
@@ -179,6 +180,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             f"no single ModuleList of its config's num_hidden_layers layers; cannot wrap it layer by layer"
         )
     return layers
+
+
+def layers_owner(model: nn.Module, layers: list[nn.Module]) -> tuple[nn.Module | None, str]:
+    """The module whose ``ModuleList`` child holds ``layers[0]`` (from :func:`decoder_layers`: the text model,
+    ``model.model`` or a VLM's ``language_model``) and that child's name; ``(None, "")`` where there is none."""
+    if not layers:
+        return None, ""
+    for module in model.modules():
+        for name, child in module.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) and child[0] is layers[0]:
+                return module, name
+    return None, ""
 
 
 def _stack_of_layers(model: nn.Module) -> list[nn.Module]:

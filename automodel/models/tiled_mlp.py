@@ -83,6 +83,7 @@ __all__ = [
     "NORM_TILE_WIDTH",
     "PROBE_TOKENS",
     "apply_tiled_mlp",
+    "builds_experts",
     "check_tiled_mlp_for_model",
     "check_tiled_mlp_for_model_config",
     "find_final_norms",
@@ -92,6 +93,7 @@ __all__ = [
     "is_tiled",
     "layer_tile_scope",
     "mlp_intermediate_width",
+    "mlp_tile_width",
     "remove_tiled_mlp",
     "resolve_tile_tokens",
     "tile_counts",
@@ -187,6 +189,20 @@ def hidden_size(config: Any) -> int | None:
     return _first_int(text_config(config), "hidden_size", "n_embd", "d_model")
 
 
+def builds_experts(config: Any) -> bool:
+    """``False`` where the (text) config names experts' sizes but says the model builds a dense MLP
+    (``is_moe=False``: Doge's default); ``True`` elsewhere."""
+    return getattr(config, "is_moe", None) is not False
+
+
+def mlp_tile_width(config: Any) -> int | None:
+    """The per-token MLP width :func:`apply_tiled_mlp` cuts its tiles by with ``tiled_mlp=true``:
+    :func:`mlp_intermediate_width`, or ``4 x hidden`` where the config names none; ``None`` without a hidden size."""
+    hidden = hidden_size(config) if config is not None else None
+    width = mlp_intermediate_width(config) if config is not None else None
+    return width or (4 * hidden if hidden else None)
+
+
 def mlp_intermediate_width(config: Any) -> int | None:
     """The widest per-token MLP intermediate of the model (the whole MLP, before any TP split).
 
@@ -201,7 +217,7 @@ def mlp_intermediate_width(config: Any) -> int | None:
     text = text_config(config)
     dense = _first_int(text, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")
     top_k = _first_int(text, "num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")
-    if getattr(text, "is_moe", None) is False:  # Doge: experts named, a dense MLP run (config.is_moe=False)
+    if not builds_experts(text):  # Doge: experts named, a dense MLP run (config.is_moe=False)
         top_k = None
     widths = [dense] if dense else []
     if top_k:
@@ -935,7 +951,7 @@ def apply_tiled_mlp(
     hidden = (hidden_size(config) if config is not None else None) or 1
     width = mlp_intermediate_width(config) if config is not None else None
     if tiled_mlp is True and width is None:
-        width = 4 * hidden
+        width = mlp_tile_width(config) or 4 * hidden
         logger.info(
             "model.tiled_mlp=true: the config names no MLP width; tiles assume 4 x hidden = %d", width
         )

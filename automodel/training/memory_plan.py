@@ -154,7 +154,7 @@ from automodel.models.layer_calls import layer_calls
 
 # the names transformers gives per-head (or whole-projection) query and key norms (ModelDims.qk_norm)
 from automodel.models.tiled_mlp import QK_NORM_NAMES as _QK_NORM_NAMES
-from automodel.models.tiled_mlp import is_hidden_norm, mlp_intermediate_width
+from automodel.models.tiled_mlp import builds_experts, is_hidden_norm, mlp_tile_width
 from automodel.training.layer_kind_memory import (
     HALO_BLOCK,
     alibi_mask_build,
@@ -787,7 +787,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         attn_output_copy=_attn_output_copy(model, kinds["own_code_layers"]),
         fused_qkv=_fused_qkv(model, attention, heads * head_dim, kv * head_dim),
         **_attn_output_gate(attention, c.hidden_size, heads * head_dim, heads),
-        tile_width=mlp_intermediate_width(getattr(model, "config", None)) or 4 * c.hidden_size,
+        tile_width=mlp_tile_width(getattr(model, "config", None)) or 0,
         residual_fp32=fp32_stream,
         residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"], fp32_stream),
         attention_saved_extra=_attention_saved_extra(model, layers, attention, c.hidden_size, heads, kv, head_dim,
@@ -1122,13 +1122,10 @@ def _position_bias_tables(model, layers: list) -> int:  # noqa: ANN001
     """:attr:`ModelDims.position_bias_tables`: the ``get_relative_distance(`` calls in the forward of the module that
     holds the decoder ``layers`` (Inkling 2's text model: one per attention kind)."""
     from automodel.distributed.cp.profile import _forward_source
+    from automodel.models.block_call import layers_owner
 
-    if not layers:
-        return 0
-    for module in model.modules():
-        if any(child is layers[0] for child in getattr(module, "layers", ())):
-            return _forward_source(type(module)).count("get_relative_distance(")
-    return 0
+    owner, _ = layers_owner(model, layers)
+    return _forward_source(type(owner)).count("get_relative_distance(") if owner is not None else 0
 
 
 def _index_mask_layers(model, profile) -> int:  # noqa: ANN001
@@ -1281,7 +1278,7 @@ def _moe_sizes(model, blocks: list) -> dict[str, int]:  # noqa: ANN001
     """The mixture-of-experts sizes of :class:`ModelDims` from the (text) config, and ``blocks`` (the MLP blocks,
     :func:`_mlp_blocks`) for a shared MLP no config key names; empty for a dense model."""
     text = text_config(getattr(model, "config", None))
-    if getattr(text, "is_moe", None) is False:  # Doge names its retrieval experts' sizes but runs a dense MLP unless set
+    if not builds_experts(text):  # Doge names its retrieval experts' sizes but runs a dense MLP unless is_moe is set
         return {}
     experts = next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
                     if isinstance(getattr(text, k, None), int)), 0)  # fmt: skip
@@ -1322,7 +1319,13 @@ def _router_saved_extra(blocks: list, hidden: int, experts: int, top_k: int) -> 
     saved = next((x for x in (router_saved(block, hidden) for block in blocks) if x is not None), None) if hidden else None
     if saved is None:
         return (0.0, 0.0)
-    return tuple(round(max(0.0, x - 4 * experts - 16 * top_k), 2) for x in saved)
+    return tuple(round(max(0.0, x - _router_term(experts, top_k)), 2) for x in saved)
+
+
+def _router_term(experts: int, top_k: int) -> int:
+    """Bytes per token the router term counts: the fp32 probabilities over the ``E`` experts and the top-k weights and
+    indices, ``4 E + 16 k``."""
+    return 4 * experts + 16 * top_k
 
 
 def _experts_gate_extra(blocks: list, width: int) -> tuple[float, float]:
@@ -1630,7 +1633,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # made by q_proj beside the query (Qwen3-Next, Qwen3.5) keeps the whole [N, 2 q] projection in fp32, where the q
     # norm saves its input view (ModelDims.query_gate)
     gate = d.attn_output_gate * q + (q if d.query_gate and d.qk_norm and not half else 0.0)
-    # an attention module that calls its kernel more than once (DiffLlama): what it keeps beyond one call's terms
+    # an attention module that calls its kernel more than once (DiffLlama) or convolves its projections (ZAYA,
+    # Inkling): what it keeps beyond one plain call's terms
     gate += d.attention_saved_extra[1 if half else 0] * q
     attn = (q + kv_saved + _output_copies(d, r) * q + qk + fused + gate) / tp if d.heads else 0.0
     # without CP (and without head groups) the attention's backward holds the output projection's input gradient and
@@ -1733,13 +1737,13 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     bias_avg, bias_max, bias_fwd, bias_bwd, tables = position_bias_bytes(d, r)
     copy_avg, copy_max = copy_avg + bias_avg, copy_max + bias_max
     building += bias_fwd
+    in_flight += bias_bwd
     # a dynamic mask per layer that needs its gradient (Doge): kept beside the layer, built and differentiated at
     # its attention
     dyn_avg, dyn_max, dyn_fwd, dyn_bwd = dynamic_mask_bytes(d, r)
     copy_avg, copy_max = copy_avg + dyn_avg, copy_max + dyn_max
     building = max(building, dyn_fwd) if r.attn == "eager" else building + dyn_fwd  # eager: before the scores
     in_flight += dyn_bwd
-    in_flight += bias_bwd
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if bias_max:  # an S^2 term the layer count does not show
         tiled += f"; a learned position bias per layer: {_fmt(bias_max)} kept, {_fmt(bias_bwd)} in flight"
@@ -1833,7 +1837,7 @@ def _mlp_moments(d: ModelDims, c: float = 4) -> _MLPMoments:
     saved = k * (2 * h + 4 * ie) + 4 * sh + gate
     # the router's fp32 probabilities, top-k weights and indices, and what a router scoring in fp32 keeps more (its
     # input's fp32 copy in bf16: ModelDims.router_saved_extra)
-    router = 4 * d.experts + 16 * k + d.router_saved_extra[0 if c >= 4 else 1]
+    router = _router_term(d.experts, k) + d.router_saved_extra[0 if c >= 4 else 1]
     if d.experts_impl == "grouped_mm":
         forward = k * (MOE_GROUPED_FORWARD[0] * h + MOE_GROUPED_FORWARD[1] * ie) + 4 * sh + gate
         backward = max(k * (MOE_GROUPED_BACKWARD[0] * h + MOE_GROUPED_BACKWARD[1] * ie) + 4 * sh + gate, saved + 2 * sh)

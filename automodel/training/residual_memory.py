@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from automodel.models.block_call import layers_owner
 from automodel.models.tiled_mlp import is_hidden_norm
 from automodel.training.attention_memory import ATTENTION_NAMES
 from automodel.training.saved_storage import probe_pair, saved_storage_bytes
@@ -156,7 +157,7 @@ def residual_fp32(model: torch.nn.Module, layers: list[torch.nn.Module]) -> bool
     Measured, not read off a config key: a fresh copy of the layers' owner (the text model) is built from its config
     on the meta device in bf16 (no memory, the model untouched) and run on 16 token ids up to its first layer, whose
     input's dtype is read. ``False`` where the owner cannot be built or run so (the compute dtype, as before)."""
-    owner, attr = _layers_owner(model, layers)
+    owner, attr = layers_owner(model, layers)
     config = getattr(owner, "config", None)
     if owner is None or config is None:
         return False
@@ -189,15 +190,3 @@ def residual_fp32(model: torch.nn.Module, layers: list[torch.nn.Module]) -> bool
             except Exception:  # noqa: BLE001 - an owner that cannot run on the meta device: the compute dtype
                 continue
     return _FP32_CACHE[key]
-
-
-def _layers_owner(model: torch.nn.Module, layers: list[torch.nn.Module]) -> tuple[torch.nn.Module | None, str]:
-    """The module whose ``ModuleList`` child holds ``layers[0]`` (the text model: ``model.model``, a VLM's
-    ``language_model``) and that child's name; ``(None, "")`` where there is none."""
-    if not layers:
-        return None, ""
-    for module in model.modules():
-        for name, child in module.named_children():
-            if isinstance(child, torch.nn.ModuleList) and len(child) and child[0] is layers[0]:
-                return module, name
-    return None, ""
