@@ -1234,6 +1234,39 @@ def test_an_attention_that_calls_its_kernel_twice_is_measured_against_llamas():
     assert grown - base == pytest.approx(d.calls * SEQ * 4.59 * d.heads * d.head_dim * 4)
 
 
+def test_jetmoe_mixture_of_attention_heads_is_measured_on_the_cpu(monkeypatch):
+    """JetMoE's attention (a decoder layer's ``self_attention``) routes each token's queries through ``k`` of its
+    experts (mixture of attention heads: parameters that stack matrices, ``attention_memory.routes_heads``), keeping a
+    gathered copy of its input per expert, the experts' outputs before their gates, and K and V repeated to the ``k``
+    groups of heads. Its router reads values (``expert_size.tolist()``), so the probe that fails on the meta device runs
+    on the CPU with zero weights; a module too large for that keeps the plan's own count. Measured
+    (``scripts/bench_plan_families.py``, bf16, hidden 256, 2048 tokens; no techniques / the tiled MLP alone; it refuses
+    checkpointing): -14.3% / -36.8% before, +0.1% / -8.0% with the term."""
+    from automodel.models.parallelize import decoder_layers
+    from automodel.training import attention_memory
+
+    with torch.device("meta"):
+        models = {n: AutoModelForCausalLM.from_config(family_by_name(n).build_config())
+                  for n in ("jetmoe", "llama", "kimi_linear", "zaya")}  # fmt: skip
+    found = {n: attention_memory.attention_module(decoder_layers(m)[0]) for n, m in models.items()}
+    assert type(found["jetmoe"]).__name__ == "JetMoeAttention"
+    # kimi_linear's first layer is linear attention, its A_log of shape (1, 1, heads, 1); ZAYA's Conv1d weights: not
+    # routed experts
+    assert [attention_memory.routes_heads(a) for a in found.values()] == [True, False, False, False]
+    d = _dims("jetmoe")
+    assert d.attention_saved_extra == (8.25, 8.47)
+    plain = dataclasses.replace(d, attention_saved_extra=(0.0, 0.0))
+    grown, base = (_plan(x).terms["activations"].bytes for x in (d, plain))
+    assert grown - base == pytest.approx(d.calls * SEQ * 8.25 * d.heads * d.head_dim * 4)
+    # no CPU copy of a module over the bound: the plan's own count stays
+    monkeypatch.setattr(attention_memory, "_CPU_PROBE_BYTES", 0)
+    attention_memory._CACHE.clear()
+    try:
+        assert _dims("jetmoe").attention_saved_extra == (0.0, 0.0)
+    finally:
+        attention_memory._CACHE.clear()
+
+
 def test_zaya_fp32_residual_stream_and_convolutional_attention_are_measured():
     """ZAYA keeps its residual stream in fp32 whatever the model's dtype (``residual_fp32``: read off the dtype of
     the first layer's input in a meta-device run of a fresh bf16 copy of its text model), scales the residual and the

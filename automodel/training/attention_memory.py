@@ -1,5 +1,6 @@
-"""The memory planner's view of an attention module that calls its kernel more than once a forward, or convolves its
-projections: what it keeps for its backward beyond a Llama attention of the same heads, measured on the meta device.
+"""The memory planner's view of an attention module that calls its kernel more than once a forward, convolves its
+projections or routes its heads through experts: what it keeps for its backward beyond a Llama attention of the same
+heads, measured on the meta device (on the CPU where its forward reads values).
 
 The planner's attention terms describe one kernel call per layer (q, K and V as the kernel saves them, its output and
 log-sum-exp, the output projection's input). DiffLlama's differential attention calls the kernel twice, on the two
@@ -16,8 +17,10 @@ compute dtype), is what the planner adds to every layer's attention term
 (:attr:`automodel.training.memory_plan.ModelDims.attention_saved_extra`). Only a module whose ``forward`` calls its
 attention function more than once (read off its source), or that convolves its projections over the tokens (ZAYA's
 compressed convolutional attention: 5.4 ``q`` per token more, its step planned 33% to 53% under; Inkling's short
-convolutions of k and v: 1) is probed (:func:`probed`): the planner's terms for one plain call are measured against
-the real kernels family by family (``docs/benchmarks.md``). Per-head q/k norms, which the planner counts itself, are
+convolutions of k and v: 1), or that routes its heads through experts (JetMoE's mixture of attention heads: 8.5 ``q``
+per token more, its step planned 14% to 37% under; its router reads values, so it runs on the CPU with zero weights)
+is probed (:func:`probed`): the planner's terms for one plain call are measured against the real kernels family by
+family (``docs/benchmarks.md``). Per-head q/k norms, which the planner counts itself, are
 subtracted by the caller where it counts them.
 """
 
@@ -30,7 +33,7 @@ import torch
 
 from automodel.training.saved_storage import probe_pair, saved_storage_bytes
 
-__all__ = ["ATTENTION_NAMES", "attention_calls", "attention_module", "attention_saved_extra", "probed"]
+__all__ = ["ATTENTION_NAMES", "attention_calls", "attention_module", "attention_saved_extra", "probed", "routes_heads"]
 
 #: the name the probe's kernel is registered under in transformers' ``AttentionInterface``
 _PROBE_NAME = "automodel_memory_probe"
@@ -38,8 +41,8 @@ _TOKENS = 64
 _CACHE: dict[tuple, tuple[float, float] | None] = {}
 
 
-#: the names transformers' decoder layers give their attention module
-ATTENTION_NAMES = ("self_attn", "attention", "attn")
+#: the names transformers' decoder layers give their attention module (``self_attention``: Falcon, Bloom, JetMoE)
+ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 
 
 def attention_module(layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -56,12 +59,23 @@ def attention_calls(attention: torch.nn.Module) -> int:
     return max(1, _forward_source(type(attention)).count("attention_interface("))
 
 
+def routes_heads(attention: torch.nn.Module) -> bool:
+    """Whether ``attention`` projects through routed experts: a parameter that stacks matrices (3-D, every size
+    above 1) outside a convolution. JetMoE's mixture of attention heads (MoA) keeps per token a gathered copy of
+    its input for each of its ``k`` query experts, their outputs before the gate, and K and V repeated to the ``k``
+    groups of query heads."""
+    conv = {id(m.weight) for m in attention.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)}
+    return any(p.ndim == 3 and min(p.shape) > 1 and id(p) not in conv for p in attention.parameters())
+
+
 def probed(attention: torch.nn.Module) -> bool:
-    """Whether the planner measures ``attention`` on the meta device (:func:`attention_saved_extra`): its forward
-    calls its attention function more than once (DiffLlama), or it convolves its projections over the tokens before
-    the kernel (a ``Conv1d`` among its modules: ZAYA's compressed convolutional attention mixes q and k so, Inkling
-    shortly convolves k and v), whose outputs the planner's one-call terms do not count."""
-    return attention_calls(attention) > 1 or any(isinstance(m, torch.nn.Conv1d) for m in attention.modules())
+    """Whether the planner measures ``attention`` (:func:`attention_saved_extra`): its forward calls its attention
+    function more than once (DiffLlama), it convolves its projections over the tokens before the kernel (a
+    ``Conv1d`` among its modules: ZAYA's compressed convolutional attention mixes q and k so, Inkling shortly
+    convolves k and v), or it routes its heads through experts (:func:`routes_heads`: JetMoE), whose tensors the
+    planner's one-call terms do not count."""
+    return (attention_calls(attention) > 1 or any(isinstance(m, torch.nn.Conv1d) for m in attention.modules())
+            or routes_heads(attention))  # fmt: skip
 
 
 class _Kernel(torch.autograd.Function):
@@ -126,9 +140,31 @@ def _extra_on_meta(cls: type, config: Any, layer_idx: int, hidden: int, heads: i
 
 
 def _saved(cls: type, config: Any, layer_idx: int, hidden: int, head_dim: int, dtype: torch.dtype) -> int:  # noqa: ANN401
+    """Bytes ``cls(config, layer_idx)`` in ``dtype`` keeps for its backward of :data:`_TOKENS` tokens: on the meta
+    device, or, where its forward reads values (a router's ``.tolist()``: JetMoE's expert sizes), on the CPU with
+    zero weights and input (every token routed alike; what it keeps does not depend on the values), where its
+    parameters take at most :data:`_CPU_PROBE_BYTES`."""
     with torch.device("meta"):
         module = cls(config, layer_idx).to(dtype)
-    x = torch.empty(1, _TOKENS, hidden, dtype=dtype, device="meta", requires_grad=True)
-    rope = tuple(torch.empty(1, _TOKENS, head_dim, dtype=dtype, device="meta") for _ in range(2))
+    try:
+        return _saved_on(module, "meta", hidden, head_dim, dtype)
+    except (NotImplementedError, RuntimeError) as err:
+        size = sum(p.numel() * p.element_size() for p in module.parameters())
+        if "meta" not in str(err) or size > _CPU_PROBE_BYTES:
+            raise
+    module = module.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            tensor.zero_()
+    return _saved_on(module, "cpu", hidden, head_dim, dtype)
+
+
+#: the most parameter bytes :func:`_saved` materializes on the CPU for a module that cannot run on the meta device
+_CPU_PROBE_BYTES = 2**30
+
+
+def _saved_on(module: torch.nn.Module, device: str, hidden: int, head_dim: int, dtype: torch.dtype) -> int:
+    x = torch.zeros(1, _TOKENS, hidden, dtype=dtype, device=device, requires_grad=True)
+    rope = tuple(torch.zeros(1, _TOKENS, head_dim, dtype=dtype, device=device) for _ in range(2))
     return saved_storage_bytes(lambda: module(x, position_embeddings=rope, attention_mask=None)[0],
                                (*module.parameters(), *module.buffers(), x, *rope))  # fmt: skip

@@ -349,7 +349,8 @@ class ModelDims:
     #: ``(fp32, bf16)``: ``q`` units (``heads x head_dim``) per token and layer that an attention module calling its
     #: kernel more than once keeps beyond a Llama attention's (DiffLlama's two calls on the halves of V, their outputs'
     #: concatenation, difference and group norm: ~4.6 in fp32, ~5.7 in bf16), or one that convolves its projections
-    #: (ZAYA's convolutional q/k mixing: ~5.4; Inkling's short convolutions of k and v: ~1.1), less its q/k norms'
+    #: (ZAYA's convolutional q/k mixing: ~5.4; Inkling's short convolutions of k and v: ~1.1), or one that routes its
+    #: heads through experts (JetMoE: its experts' gathered inputs and outputs, K and V repeated: ~8.5), less its q/k norms'
     #: terms, which the attention term counts (:func:`automodel.training.attention_memory.attention_saved_extra`);
     #: 0 elsewhere
     attention_saved_extra: tuple[float, float] = (0.0, 0.0)
@@ -836,7 +837,8 @@ def _residual_saved_extra(model, layers: list, streams: int, fp32_stream: bool) 
 def _attention_saved_extra(model, layers: list, layer, hidden: int, heads: int, kv: int, head_dim: int,  # noqa: ANN001
                            qk_share: tuple[float, float]) -> tuple[float, float]:
     """:attr:`ModelDims.attention_saved_extra`: for an attention module that calls its kernel more than once
-    (DiffLlama) or convolves its projections (ZAYA, Inkling), what it keeps beyond a Llama attention of its widths
+    (DiffLlama), convolves its projections (ZAYA, Inkling) or routes its heads through experts (JetMoE), what it
+    keeps beyond a Llama attention of its widths
     (:func:`~automodel.training.attention_memory.attention_saved_extra`), less ``qk_share`` (``(fp32, bf16)``, ``q``
     units: what the attention term counts for its q/k norms); 0 elsewhere and where it cannot be probed."""
     from automodel.training.attention_memory import attention_module, attention_saved_extra
@@ -1633,8 +1635,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # made by q_proj beside the query (Qwen3-Next, Qwen3.5) keeps the whole [N, 2 q] projection in fp32, where the q
     # norm saves its input view (ModelDims.query_gate)
     gate = d.attn_output_gate * q + (q if d.query_gate and d.qk_norm and not half else 0.0)
-    # an attention module that calls its kernel more than once (DiffLlama) or convolves its projections (ZAYA,
-    # Inkling): what it keeps beyond one plain call's terms
+    # an attention module that calls its kernel more than once (DiffLlama), convolves its projections (ZAYA,
+    # Inkling) or routes its heads through experts (JetMoE): what it keeps beyond one plain call's terms
     gate += d.attention_saved_extra[1 if half else 0] * q
     attn = (q + kv_saved + _output_copies(d, r) * q + qk + fused + gate) / tp if d.heads else 0.0
     # without CP (and without head groups) the attention's backward holds the output projection's input gradient and
