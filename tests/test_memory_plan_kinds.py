@@ -1267,6 +1267,48 @@ def test_jetmoe_mixture_of_attention_heads_is_measured_on_the_cpu(monkeypatch):
         attention_memory._CACHE.clear()
 
 
+def test_kolibri_chunked_indexer_selection_and_pools_are_planned():
+    """Kolibri-1.1's indexed layers select their keys with a weightless reference indexer (no gradient): per call the
+    pool of candidate keys and the selection (``[B, q, k]`` booleans), while it finds each query's first and last
+    visible keys a flipped copy of the mask and its int32 copy (7 bytes per element), then fp32 score chunks of at
+    most ``max_scores`` scores with a dozen temporaries (18 bytes per score); under checkpointing every pool a later
+    layer is handed stays with that layer's checkpoint to the end of the backward. Unplanned, its steps read -7% /
+    -33% / -55% / -27% (bf16, hidden 256, 2048 tokens; no techniques / checkpointing / both with the tiled MLP / the
+    tiled MLP alone); planned, +6.1% / +6.3% / +8.4% / +3.1%; six indexed layers of four pools at 4096 tokens with
+    chunks of 2^20 scores, -3.7% / +2.5% (no techniques / checkpointing)."""
+    from automodel.training.layer_kind_memory import INDEXER_CHUNK_BYTES, INDEXER_SPAN_BYTES, indexer_bytes
+
+    d = _dims("kolibri1_1")
+    config = family_by_name("kolibri1_1").build_config()
+    indexed = config.layer_types.count("indexed_attention")
+    # the tiny config's one indexed layer is its last: the pool it builds is handed to no later layer
+    assert (d.indexer_layers, d.indexer_chunk, d.indexer_pools) == (indexed, 2**26, 0) == (1, 2**26, 0)
+    six = _dims("kolibri1_1", num_hidden_layers=6, layer_types=["indexed_attention"] * 6, index_layers=[0, 2, 3, 5],
+                kv_source_layers=list(range(6)))  # fmt: skip
+    assert (six.indexer_layers, six.indexer_pools) == (6, 3)  # layer 5's pool: none after it
+    assert _dims("llama").indexer_layers == _dims("deepseek_v32").indexer_layers == 0  # DSA's indexer has weights
+    span = SEQ * SEQ
+    short = RunShape(local_batch=1, seq=SEQ)
+    # a row of 4096 keys: chunks of 2^26 // 4096 = 16384 queries, the whole row; the chunk's 18 bytes dominate
+    assert indexer_bytes(six, short) == (2 * span + INDEXER_CHUNK_BYTES * span, 0.0)
+    # checkpointing keeps the three handed-on pools; eager also keeps the visible keys of its float mask
+    assert indexer_bytes(six, dataclasses.replace(short, activation_checkpointing=True))[1] == 3 * span
+    assert indexer_bytes(six, dataclasses.replace(short, attn="eager"))[0] == (3 + INDEXER_CHUNK_BYTES) * span
+    # 128K keys: chunks of 512 queries; the first / last visible key search over the whole [S, S] is the peak
+    long = RunShape(local_batch=1, seq=131072)
+    assert indexer_bytes(six, long)[0] == INDEXER_SPAN_BYTES * 131072**2 > 2 * 131072**2 + 18 * 512 * 131072
+    # under CP the rank's queries against the whole row's keys (the K/V gather)
+    cp = indexer_bytes(six, RunShape(local_batch=1, seq=SEQ, cp=2))[0]
+    assert cp == 2 * N * SEQ + INDEXER_CHUNK_BYTES * N * SEQ
+    # the plan's step: the selection at the attention moment, forward and recomputation
+    plain = dataclasses.replace(six, indexer_layers=0, indexer_chunk=0, indexer_pools=0)
+    for ac in (False, True):
+        grown, base = (_plan(x, activation_checkpointing=ac) for x in (six, plain))
+        assert grown.step_peak_bytes - base.step_peak_bytes >= 0.5 * indexer_bytes(six, short)[0], ac
+        phase = "recompute" if ac else "forward"
+        assert grown.by_moment[phase]["attention"]["activations"] > base.by_moment[phase]["attention"]["activations"]
+
+
 def test_zaya_fp32_residual_stream_and_convolutional_attention_are_measured():
     """ZAYA keeps its residual stream in fp32 whatever the model's dtype (``residual_fp32``: read off the dtype of
     the first layer's input in a meta-device run of a fresh bf16 copy of its text model), scales the residual and the

@@ -25,6 +25,8 @@ imports it), counted where the tensor is really built, measured by ``scripts/ben
 * :func:`sdpa_mask_copy`: without CP, the float copy of a boolean mask SDPA makes per call and keeps per layer.
 * :func:`position_bias_bytes`: without CP, a learned relative-position bias ``[B, heads, S, S]`` per layer (Inkling).
 * :func:`dynamic_mask_bytes`: without CP, a dynamic mask ``[B, heads, S, S]`` per layer that needs its gradient (Doge).
+* :func:`indexer_bytes`: a chunked indexer's selection of keys (Kolibri-1.1): ``[B, q, k]`` booleans and int32
+  copies, fp32 score chunks.
 * :func:`alibi_workspace`: one ALiBi layer on the halo kernel (:mod:`~automodel.distributed.cp.layers.alibi`, ring,
   thd, thd_docs, usp): its last query block scores every key of the row in exact math, ``[B, Hq, block, S]`` fp32
   three times (scores plus bias, the masked copy, the softmax), the block's K and V repeated to the query heads
@@ -42,8 +44,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HALO_BLOCK", "alibi_saved_per_layer", "alibi_workspace", "gathered_workspace", "mask_bytes",
-           "position_bias_bytes", "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
+__all__ = ["HALO_BLOCK", "alibi_saved_per_layer", "alibi_workspace", "dynamic_mask_bytes", "gathered_workspace",
+           "indexer_bytes", "mask_bytes", "position_bias_bytes", "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
 
 #: queries per block of the halo kernel (``masked_attention.DEFAULT_BLOCK``)
 HALO_BLOCK = 256
@@ -205,6 +207,40 @@ def dynamic_mask_bytes(d: Any, r: Any) -> tuple[float, float, float, float]:
         return bools * layers / d.layers, bools, max(build, squares * (kv + heads) * c), 0.0
     kept = bools + repeated
     return kept * layers / d.layers, kept, max(build, squares * kv * c), repeated + 2 * squares * kv * c
+
+
+#: bytes per ``[B, q, k]`` element while a chunked indexer finds each query's first and last visible keys (its pool
+#: and the selection it fills, booleans; the flipped mask and its int32 copy): 7; and beside the pool and the selection,
+#: per score of a chunk: the fp32 scores, their masked copy, the int32 ranks of the ties and six boolean masks: 18
+INDEXER_SPAN_BYTES, INDEXER_CHUNK_BYTES = 7, 18
+
+
+def indexer_bytes(d: Any, r: Any) -> tuple[float, float]:
+    """``(at an indexed layer's attention, kept under checkpointing)``, bytes per rank, for a model whose indexed
+    layers select their keys with a chunked reference indexer (:attr:`ModelDims.indexer_layers`: Kolibri-1.1's
+    ``Kolibri1_1Indexer``, no gradient); zeros elsewhere.
+
+    Per indexed layer and call (forward, and the recomputation under checkpointing) it holds, over the rank's ``q``
+    queries and the row's ``k`` keys (under CP its keys are all-gathered: ``k`` the whole row): the pool of
+    candidate keys and the selection it fills (``[B, q, k]`` booleans each), while it finds each query's first and
+    last visible keys a flipped copy of the mask and its int32 copy (:data:`INDEXER_SPAN_BYTES`: 7 bytes per
+    element), then per chunk of at most ``max_scores`` scores (whole queries) the fp32 scores, their masked copy,
+    the int32 ranks of ties and six boolean masks (:data:`INDEXER_CHUNK_BYTES`: 18 bytes per score); under
+    ``eager`` the mask's visible keys besides. Measured with ``scripts/bench_plan_families.py`` and a live-tensor
+    snapshot (bf16, 2048 tokens: 79 MiB at the selection's peak, 2 + 18 bytes per element). Without checkpointing
+    the pool lives through the forward only (counted in the layer's call); under checkpointing each layer's
+    recomputation is handed the pool it ran with, so every pool the model built (:attr:`ModelDims.indexer_pools`)
+    is kept to the end of the backward. At 128K tokens without CP one ``[S, S]`` boolean is 16 GiB: the plan says so
+    rather than the model running out."""
+    if not getattr(d, "indexer_layers", 0):
+        return 0.0, 0.0
+    b, q = r.local_batch, _row(r)
+    k = r.seq if r.cp > 1 else q
+    span = b * q * k
+    rows = min(q, max(1, d.indexer_chunk // k)) if d.indexer_chunk else q
+    call = max(INDEXER_SPAN_BYTES * span, 2 * span + INDEXER_CHUNK_BYTES * rows * k)
+    call += span if r.attn == "eager" else 0.0  # the float mask's visible keys, a boolean copy
+    return call, (d.indexer_pools * span if r.activation_checkpointing else 0.0)
 
 
 def alibi_workspace(d: Any, r: Any) -> float:

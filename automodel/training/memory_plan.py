@@ -162,6 +162,7 @@ from automodel.training.layer_kind_memory import (
     alibi_workspace,
     dynamic_mask_bytes,
     gathered_workspace,
+    indexer_bytes,
     mask_bytes,
     position_bias_bytes,
     sdpa_mask_copy,
@@ -332,6 +333,14 @@ class ModelDims:
     #: outside each query's top ``W`` as a boolean mask too); 0 elsewhere
     dynamic_mask_layers: int = 0
     dynamic_mask_window: int = 0
+    #: layers whose attention selects its keys with a weightless indexer that scores ``[queries, keys]`` in fp32
+    #: chunks of at most ``indexer_chunk`` scores (Kolibri-1.1's ``Kolibri1_1Indexer``, a reference implementation,
+    #: ``max_scores``), and how many of them build a pool of candidate keys that later layers are handed (``[B, S, S]``
+    #: booleans the model passes along its layers, ``is_pool_source``, not the last layer):
+    #: :func:`.layer_kind_memory.indexer_bytes`; 0 elsewhere
+    indexer_layers: int = 0
+    indexer_chunk: int = 0
+    indexer_pools: int = 0
     #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
     #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
     #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
@@ -796,6 +805,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         position_bias_heads=_position_bias_heads(layers),
         position_bias_tables=_position_bias_tables(model, layers),
         **_dynamic_mask_fields(layers),
+        **_indexer_fields(layers),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
@@ -1118,6 +1128,22 @@ def _dynamic_mask_fields(layers: list) -> dict[str, int]:
         return {}
     window = getattr(found[0], "keep_window_size", 0)
     return {"dynamic_mask_layers": len(found), "dynamic_mask_window": window if isinstance(window, int) else 0}
+
+
+def _indexer_fields(layers: list) -> dict[str, int]:
+    """:attr:`ModelDims.indexer_layers`, ``indexer_chunk`` and ``indexer_pools``: the decoder layers whose attention
+    module holds a weightless ``indexer`` that bounds its score chunks (an int ``max_scores``: Kolibri-1.1's), the
+    largest bound, and those of them that build a new pool of candidate keys (``is_pool_source``) for later layers."""
+    from automodel.training.attention_memory import attention_module
+
+    found = [(at, i) for at, i in enumerate(getattr(attention_module(layer), "indexer", None) for layer in layers)
+             if isinstance(getattr(i, "max_scores", None), int) and callable(getattr(i, "parameters", None))
+             and not any(True for _ in i.parameters())]  # fmt: skip
+    if not found:
+        return {}
+    # a pool the last layer builds is handed to no later layer
+    return {"indexer_layers": len(found), "indexer_chunk": max(i.max_scores for _, i in found),
+            "indexer_pools": sum(1 for at, i in found if getattr(i, "is_pool_source", False) and at < len(layers) - 1)}  # fmt: skip
 
 
 def _position_bias_tables(model, layers: list) -> int:  # noqa: ANN001
@@ -1746,6 +1772,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     copy_avg, copy_max = copy_avg + dyn_avg, copy_max + dyn_max
     building = max(building, dyn_fwd) if r.attn == "eager" else building + dyn_fwd  # eager: before the scores
     in_flight += dyn_bwd
+    # a chunked indexer (Kolibri-1.1): its selection at an indexed layer's attention in the forward (and in its
+    # recomputation), and under checkpointing the pools of candidate keys the layers' recomputations are handed
+    indexer, pools = indexer_bytes(d, r)
+    tables += pools
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if bias_max:  # an S^2 term the layer count does not show
         tiled += f"; a learned position bias per layer: {_fmt(bias_max)} kept, {_fmt(bias_bwd)} in flight"
@@ -1758,11 +1788,16 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd + tables
         fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max + returned + tables
+        # an indexed layer's selection comes before its kernel (and SDPA's float copy of its mask)
+        fwd_a = max(fwd_a, n * (kept_at_loss + always + h * c / s + body_attn) + indexer + tables)
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
         bwd_a = n * (kept + always + body_attn_bwd + grads + attn_bwd) + s2 + copy_max + in_flight
+        # the recomputed forward of an indexed layer selects its keys again before its kernel runs (and before SDPA
+        # makes its mask's float copy)
+        bwd_a = max(bwd_a, n * (kept + always + body_attn_bwd + grads) + indexer)
         bwd_n = n * (kept + always + _layer_norm_moment(d, r, attn, lse, saved_mlp)) + s2 + copy_max
         bwd_m, bwd_a, bwd_n = bwd_m + tables, bwd_a + tables, bwd_n + tables
         note = _kept_inputs_note(d, r)
@@ -1773,6 +1808,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     saved = n * (d.calls * layer + embed + final + always) + d.calls * (s2 + copy_avg) + tile_bytes
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max + tables
     fwd_a = before + n * body_attn + s2 + building + copy_max + tables
+    fwd_a = max(fwd_a, before + n * body_attn + indexer + tables)  # an indexed layer's selection, before its kernel
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
