@@ -21,8 +21,10 @@ milliseconds per attention class, cached.
 A module whose file has no ``eager_attention_forward``, or whose function cannot run on the probe (it reads a weight
 it would have to compute with, a CUDA-only op), is not measured: the planner keeps its formula. The probe hands the
 function q, k and v in the compute dtype and, of the keyword tensors, per-token sinks only (Inkling 2's ``sinks``,
-``[B, heads, S, 1]``, made by its ``sink_proj``): a module that casts them up first (DeepSeek-V4's fp32 norms) is
-read by the planner (``memory_plan._attention_in_fp32``: the fp32 figures in bf16); a bias passed by keyword
+``[B, heads, S, 1]``, made by its ``sink_proj``); the module's own small tensors in the compute dtype, but those a
+lower-precision model pins to fp32 (DeepSeek-V4's ``sinks``, which promote its scores to fp32); a module that may
+cast q and k up first (fp32 norms) is read by the planner (``memory_plan._attention_in_fp32``: the larger of the
+fp32 and bf16 figures in bf16); a bias passed by keyword
 (Inkling's ``position_bias``) is measured without it and planned apart
 (:func:`automodel.training.layer_kind_memory.position_bias_bytes`).
 """
@@ -76,6 +78,7 @@ class _Probe:
     def __init__(self, attention: torch.nn.Module, dtype: torch.dtype) -> None:
         self._attention = attention
         self._dtype = dtype
+        self._pinned = _pins_fp32(attention)
         self.training = True
 
     def __getattr__(self, name: str) -> Any:  # noqa: ANN401
@@ -85,8 +88,19 @@ class _Probe:
                 raise RuntimeError(f"the eager function reads {name} {tuple(value.shape)}")
             # values from a fixed ramp (meta tensors have none; the caller's generator stays untouched)
             ramp = torch.linspace(-1.0, 1.0, value.numel(), device="cpu").reshape(value.shape)
-            return ramp.to(self._dtype if value.is_floating_point() else value.dtype)
+            if not value.is_floating_point():
+                return ramp.to(value.dtype)
+            # a tensor the model pins to fp32 in a lower-precision model (DeepSeek-V4's sinks) stays fp32: the scores
+            # it joins are promoted to fp32
+            return ramp.to(torch.float32 if self._pinned and value.dtype == torch.float32 else self._dtype)
         return value
+
+
+def _pins_fp32(attention: torch.nn.Module) -> bool:
+    """Whether ``attention``'s largest parameter is in a lower precision than fp32 (a model built in bf16 / fp16,
+    where an fp32 tensor of the module is one the model pins: ``_keep_in_fp32_modules_strict``)."""
+    params = list(attention.parameters())
+    return bool(params) and max(params, key=lambda p: p.numel()).dtype in (torch.bfloat16, torch.float16)
 
 
 def _heads(attention: torch.nn.Module) -> tuple[int, int, int, int]:
@@ -139,7 +153,7 @@ def eager_scores(attention: torch.nn.Module) -> tuple[EagerScores, EagerScores] 
     fn = eager_function(attention)
     if fn is None:
         return None
-    key = (type(attention), _state_key(attention))
+    key = (type(attention), _state_key(attention), _pins_fp32(attention))
     if key not in _CACHE:
         try:
             with torch.device("cpu"), torch.enable_grad():  # whatever the caller's context (a meta-device model_dims)

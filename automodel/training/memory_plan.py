@@ -932,18 +932,27 @@ def _eager_scores(layers: list) -> tuple[Any, Any] | None:
             seen.add(cls)
             measured = eager_scores(module)
             if measured is not None:
-                found.append((measured[0], measured[0]) if _attention_in_fp32(module) else measured)
+                # an attention that may hand its function fp32 scores in a bf16 model: the larger of the two counts
+                found.append((measured[0], _larger(*measured)) if _attention_in_fp32(module) else measured)
     if not found:
         return None
     return tuple(EagerScores(*(max(getattr(f[i], k) for f in found) for k in ("saved", "forward", "backward")))
                  for i in (0, 1))  # fmt: skip
 
 
+def _larger(a, b):  # noqa: ANN001, ANN202 - two EagerScores
+    """Field by field, the larger of two :class:`~automodel.training.eager_memory.EagerScores`."""
+    return type(a)(*(max(x, y) for x, y in zip((a.saved, a.forward, a.backward), (b.saved, b.forward, b.backward))))
+
+
 def _attention_in_fp32(attention) -> bool:  # noqa: ANN001
-    """Whether ``attention`` hands its eager function fp32 queries and keys whatever the model's dtype: it holds norms
-    with fp32 weights while its largest weight is in a lower precision (DeepSeek-V4 pins its ``q_a_norm`` and
-    ``kv_norm`` to fp32: its bf16 run holds fp32 scores, planned -50% at cp 1 with bf16 figures). Read off the
-    parameters' dtypes, which a meta model built in the run's dtype carries."""
+    """Whether ``attention`` may hand its eager function fp32 scores whatever the model's dtype: it holds norms with
+    fp32 weights while its largest weight is in a lower precision (DeepSeek-V4 pins its ``q_a_norm`` and ``kv_norm``
+    to fp32: its bf16 run holds fp32 scores, planned -50% at cp 1 with bf16 figures; in transformers 5.21-5.25 its
+    norms cast back to bf16 and its scores turn fp32 where they meet its fp32 sinks, which the probe keeps in fp32
+    since: 6 bytes kept per score, the fp32 probabilities and their bf16 cast, where the fp32 figures said 4). Where
+    so, the planner takes the larger of the fp32 and the bf16 figures. Read off the parameters' dtypes, which a meta
+    model built in the run's dtype carries."""
     import torch
 
     params = list(attention.parameters())
