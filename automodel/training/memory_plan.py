@@ -878,9 +878,10 @@ def _attn_output_gate(layer, hidden: int, q: int, heads: int) -> dict[str, Any]:
     (its class named like ``...Attention``):
     - a ``Linear`` named as a gate (:data:`_OUTPUT_GATE_NAMES`) from the hidden size to the query width (2: the
       sigmoid's output and the gated product, each ``[N, q]``) or to one value per head (1 + ``heads / q``);
-    - else a ``q_proj`` of ``2 q`` outputs beside ``k_proj`` and ``v_proj`` (Qwen3-Next, Qwen3.5, Qwen4-Exp: each
-      head's query and gate, split after the projection): 2, and ``query_gate``. MLA's modules, whose query head is
-      wider than its value head, have no ``k_proj`` and are not read as gated;
+    - else a ``q_proj`` (or ``q_gate_proj``: MiniCPM5-MoE) of ``2 q`` outputs beside ``k_proj`` and ``v_proj``
+      (Qwen3-Next, Qwen3.5, Qwen4-Exp: each head's query and gate, split after the projection): 2, and
+      ``query_gate``. MLA's modules, whose query head is wider than its value head, have no ``k_proj`` and are not
+      read as gated (AXK2's ``q_gate_proj`` of MLA widths neither);
     - 0 otherwise."""
     import torch
 
@@ -894,9 +895,10 @@ def _attn_output_gate(layer, hidden: int, q: int, heads: int) -> dict[str, Any]:
                     return {"attn_output_gate": 2.0}
                 if gate.out_features == heads:
                     return {"attn_output_gate": 1.0 + heads / q}
-        proj = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-        if all(isinstance(p, torch.nn.Linear) for p in proj) and proj[0].out_features == 2 * q:
-            return {"attn_output_gate": 2.0, "query_gate": True}
+        for query in ("q_proj", "q_gate_proj"):
+            proj = [getattr(module, name, None) for name in (query, "k_proj", "v_proj")]
+            if all(isinstance(p, torch.nn.Linear) for p in proj) and proj[0].out_features == 2 * q:
+                return {"attn_output_gate": 2.0, "query_gate": True}
     return {"attn_output_gate": 0.0}
 
 
