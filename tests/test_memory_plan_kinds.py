@@ -1320,6 +1320,43 @@ def test_kolibri_chunked_indexer_selection_and_pools_are_planned():
         assert grown.by_moment[phase]["attention"]["activations"] > base.by_moment[phase]["attention"]["activations"]
 
 
+def test_minimax_lightning_attention_layers_are_measured():
+    """MiniMax's linear-attention layers hold ``MiniMaxLightningAttention`` where a layer holds its attention: it calls
+    no attention function and has no kernel package to run in place of its torch code (transformers' block loop runs
+    on every device), so it is measured on the meta device against ``LlamaAttention`` of its widths: per block its
+    ``[heads, b, b]`` scores, decayed q and k, and the ``[heads, d, d]`` state before and after the block, ~11 ``q``
+    per token. The plan adds it to each such layer (the layers' average in what they keep, one layer in flight).
+    Kimi Linear's delta rule (fla's kernels where installed) is not read. Measured (``scripts/bench_plan_families.py``,
+    bf16, hidden 256, 2048 tokens; no techniques / checkpointing / both with the tiled MLP / the tiled MLP alone):
+    MiniMax -10.5% / -7.4% / -13.7% / -23.0% -> +6.6% / +10.5% / +16.8% / +16.7%, its flagship pattern (7 linear
+    layers of 8) -17.6% / -5.8% / -0.0% / -40.2% -> +2.9% / +6.1% / -0.0% / +15.1%."""
+    from automodel.models.parallelize import decoder_layers
+    from automodel.training.attention_memory import attention_module, calls_attention_function, torch_only
+
+    flagship = _dims("minimax@flagship")
+    config = family_by_name("minimax@flagship").build_config()
+    assert flagship.mixer_layers == config.layer_types.count("linear_attention") == 7
+    fp32, bf16 = flagship.mixer_saved_extra
+    assert 9 < fp32 < 13 and 9 < bf16 < 14, flagship.mixer_saved_extra
+    assert _dims("minimax").mixer_layers == 1
+    for name in ("llama", "kimi_linear", "qwen3_next", "jamba"):
+        assert _dims(name).mixer_layers == 0, name
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(family_by_name("kimi_linear").build_config())
+    mixers = [m for m in (attention_module(layer) for layer in decoder_layers(model)) if m is not None]
+    kimi = next(m for m in mixers if not calls_attention_function(m))
+    assert not torch_only(kimi)  # its modeling file names fla's kernels
+    n, q = SEQ, flagship.heads * flagship.head_dim
+    plain = dataclasses.replace(flagship, mixer_layers=0, mixer_saved_extra=(0.0, 0.0))
+    for ac in (False, True):
+        grown, base = (_plan(x, activation_checkpointing=ac) for x in (flagship, plain))
+        delta = grown.terms["activations"].bytes - base.terms["activations"].bytes
+        kept = n * fp32 * q * 4  # one layer's, fp32
+        # without checkpointing every linear layer keeps it (the layers' average, 7 of 8, for the seven layers before
+        # the one in flight, counted whole); with it the one recomputed layer
+        assert delta == pytest.approx(kept * (1 if ac else 7 * 7 / 8 + 1)), (ac, delta / kept)
+
+
 def test_zaya_fp32_residual_stream_and_convolutional_attention_are_measured():
     """ZAYA keeps its residual stream in fp32 whatever the model's dtype (``residual_fp32``: read off the dtype of
     the first layer's input in a meta-device run of a fresh bf16 copy of its text model), scales the residual and the

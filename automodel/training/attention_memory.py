@@ -33,7 +33,8 @@ import torch
 
 from automodel.training.saved_storage import probe_pair, saved_storage_bytes
 
-__all__ = ["ATTENTION_NAMES", "attention_calls", "attention_module", "attention_saved_extra", "probed", "routes_heads"]
+__all__ = ["ATTENTION_NAMES", "attention_calls", "attention_module", "attention_saved_extra", "calls_attention_function",
+           "mixer_saved_extra", "probed", "routes_heads", "torch_only"]
 
 #: the name the probe's kernel is registered under in transformers' ``AttentionInterface``
 _PROBE_NAME = "automodel_memory_probe"
@@ -57,6 +58,51 @@ def attention_calls(attention: torch.nn.Module) -> int:
     from automodel.distributed.cp.profile import _forward_source
 
     return max(1, _forward_source(type(attention)).count("attention_interface("))
+
+
+def calls_attention_function(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s ``forward`` calls an attention function (``attention_interface(`` in its source); a mixer
+    held where a layer holds its attention that mixes the tokens in its own code does not (MiniMax's lightning
+    attention)."""
+    from automodel.distributed.cp.profile import _forward_source
+
+    return "attention_interface(" in _forward_source(type(module))
+
+
+#: what a modeling file names where a CUDA kernel package may run its token mixing in place of its torch code (fla,
+#: causal-conv1d, mamba-ssm, hub kernels)
+_KERNEL_MARKS = ("use_kernel_func_from_hub_with_fallback(", "is_fast_path_available", "lazy_load_kernel(")
+
+
+def torch_only(mixer: torch.nn.Module) -> bool:
+    """Whether ``mixer``'s modeling file names no kernel package that would run its token mixing in place of its
+    torch code (:data:`_KERNEL_MARKS`): what the CPU runs is then what every device runs (MiniMax's lightning
+    attention; Kimi Linear's and Qwen3-Next's delta rules run fla's kernels where fla is installed)."""
+    import inspect
+    import sys
+
+    try:
+        source = inspect.getsource(sys.modules[type(mixer).__module__])
+    except (KeyError, OSError, TypeError):
+        return False
+    return not any(mark in source for mark in _KERNEL_MARKS)
+
+
+def mixer_saved_extra(mixer: torch.nn.Module, config: Any, layer_idx: int, hidden: int, heads: int, kv_heads: int,
+                      head_dim: int) -> tuple[float, float] | None:  # noqa: ANN401
+    """``(fp32, bf16)``: ``q`` units per token that a linear-attention mixer held where its decoder layer holds the
+    attention (``mixer``, of the layer ``layer_idx``, built from ``config``; MiniMax's ``MiniMaxLightningAttention``
+    in its ``linear_attention`` layers, transformers' torch implementation on every device) keeps for its backward
+    beyond ``LlamaAttention`` of its widths, whose terms the planner counts for every layer. Its blocks keep per block
+    their ``[heads, b, b]`` scores, decayed q and k, and the ``[heads, d, d]`` state before and after the block;
+    measured at eight blocks of its ``block_size`` (and at least :data:`_TOKENS` tokens), on the meta device;
+    ``None`` where it cannot run there."""
+    block = getattr(mixer, "block_size", None)
+    tokens = max(_TOKENS, 8 * block) if isinstance(block, int) and block > 0 else _TOKENS
+    cls = type(mixer)
+    key = (cls, hidden, heads, kv_heads, head_dim, layer_idx, tokens)
+    return probe_pair(_CACHE, key, lambda dtype: _extra_on_meta(cls, config, layer_idx, hidden, heads, kv_heads,
+                                                                head_dim, dtype, tokens))  # fmt: skip
 
 
 def routes_heads(attention: torch.nn.Module) -> bool:
@@ -124,7 +170,7 @@ def attention_saved_extra(attention: torch.nn.Module, config: Any, layer_idx: in
 
 
 def _extra_on_meta(cls: type, config: Any, layer_idx: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> float:  # noqa: ANN401
+                   dtype: torch.dtype, tokens: int = _TOKENS) -> float:  # noqa: ANN401
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -134,12 +180,13 @@ def _extra_on_meta(cls: type, config: Any, layer_idx: int, hidden: int, heads: i
     llama = LlamaConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                         attention_bias=False)  # fmt: skip
     llama._attn_implementation = _PROBE_NAME
-    saved = [_saved(module_cls, cfg, layer_idx, hidden, head_dim, dtype)
+    saved = [_saved(module_cls, cfg, layer_idx, hidden, head_dim, dtype, tokens)
              for module_cls, cfg in ((cls, own), (LlamaAttention, llama))]  # fmt: skip
-    return round((saved[0] - saved[1]) / _TOKENS / (heads * head_dim) / torch.finfo(dtype).bits * 8, 2)
+    return round((saved[0] - saved[1]) / tokens / (heads * head_dim) / torch.finfo(dtype).bits * 8, 2)
 
 
-def _saved(cls: type, config: Any, layer_idx: int, hidden: int, head_dim: int, dtype: torch.dtype) -> int:  # noqa: ANN401
+def _saved(cls: type, config: Any, layer_idx: int, hidden: int, head_dim: int, dtype: torch.dtype,
+           tokens: int = _TOKENS) -> int:  # noqa: ANN401
     """Bytes ``cls(config, layer_idx)`` in ``dtype`` keeps for its backward of :data:`_TOKENS` tokens: on the meta
     device, or, where its forward reads values (a router's ``.tolist()``: JetMoE's expert sizes), on the CPU with
     zero weights and input (every token routed alike; what it keeps does not depend on the values), where its
@@ -147,7 +194,7 @@ def _saved(cls: type, config: Any, layer_idx: int, hidden: int, head_dim: int, d
     with torch.device("meta"):
         module = cls(config, layer_idx).to(dtype)
     try:
-        return _saved_on(module, "meta", hidden, head_dim, dtype)
+        return _saved_on(module, "meta", hidden, head_dim, dtype, tokens)
     except (NotImplementedError, RuntimeError) as err:
         size = sum(p.numel() * p.element_size() for p in module.parameters())
         if "meta" not in str(err) or size > _CPU_PROBE_BYTES:
@@ -156,15 +203,16 @@ def _saved(cls: type, config: Any, layer_idx: int, hidden: int, head_dim: int, d
     with torch.no_grad():
         for tensor in (*module.parameters(), *module.buffers()):
             tensor.zero_()
-    return _saved_on(module, "cpu", hidden, head_dim, dtype)
+    return _saved_on(module, "cpu", hidden, head_dim, dtype, tokens)
 
 
 #: the most parameter bytes :func:`_saved` materializes on the CPU for a module that cannot run on the meta device
 _CPU_PROBE_BYTES = 2**30
 
 
-def _saved_on(module: torch.nn.Module, device: str, hidden: int, head_dim: int, dtype: torch.dtype) -> int:
-    x = torch.zeros(1, _TOKENS, hidden, dtype=dtype, device=device, requires_grad=True)
-    rope = tuple(torch.zeros(1, _TOKENS, head_dim, dtype=dtype, device=device) for _ in range(2))
+def _saved_on(module: torch.nn.Module, device: str, hidden: int, head_dim: int, dtype: torch.dtype,
+              tokens: int = _TOKENS) -> int:
+    x = torch.zeros(1, tokens, hidden, dtype=dtype, device=device, requires_grad=True)
+    rope = tuple(torch.zeros(1, tokens, head_dim, dtype=dtype, device=device) for _ in range(2))
     return saved_storage_bytes(lambda: module(x, position_embeddings=rope, attention_mask=None)[0],
                                (*module.parameters(), *module.buffers(), x, *rope))  # fmt: skip

@@ -341,6 +341,12 @@ class ModelDims:
     indexer_layers: int = 0
     indexer_chunk: int = 0
     indexer_pools: int = 0
+    #: linear-attention layers whose mixer sits where a layer holds its attention and mixes the tokens in its own code
+    #: (MiniMax's lightning attention, transformers' torch implementation on every device), and ``(fp32, bf16)``: the
+    #: ``q`` units per token each keeps beyond the attention terms the plan counts for every layer
+    #: (:func:`automodel.training.attention_memory.mixer_saved_extra`); 0 elsewhere
+    mixer_layers: int = 0
+    mixer_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
     #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
     #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
@@ -806,6 +812,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         position_bias_tables=_position_bias_tables(model, layers),
         **_dynamic_mask_fields(layers),
         **_indexer_fields(layers),
+        **_mixer_fields(model, layers, c, c.hidden_size, heads, kv, head_dim),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
@@ -1139,6 +1146,35 @@ def _dynamic_mask_fields(layers: list) -> dict[str, int]:
         return {}
     window = getattr(found[0], "keep_window_size", 0)
     return {"dynamic_mask_layers": len(found), "dynamic_mask_window": window if isinstance(window, int) else 0}
+
+
+def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int, head_dim: int) -> dict[str, Any]:  # noqa: ANN001
+    """:attr:`ModelDims.mixer_layers` and ``mixer_saved_extra``: the layers the profile marks as linear mixers whose
+    mixer is found where a layer holds its attention, calls no attention function and has no kernel package to run
+    instead of its torch code (MiniMax's lightning attention: ``attention_memory.torch_only``), and what the first of
+    them keeps per token beyond the plan's attention terms; empty where there are none or the probe cannot run them.
+    Kimi Linear's and Bailing-hybrid's delta rules (fla's kernels where installed; their torch fallback keeps
+    ~600 ``q`` per token at 64 tokens), Qwen3-Next's ``linear_attn`` and the Mamba mixers are not read here."""
+    from automodel.distributed.cp.profile import LINEAR
+    from automodel.training.attention_memory import (
+        attention_module,
+        calls_attention_function,
+        mixer_saved_extra,
+        torch_only,
+    )
+
+    if not heads:
+        return {}
+    found = [(i, m) for i, (layer, spec) in enumerate(zip(layers, profile.layers))
+             if spec.kind == LINEAR and (m := attention_module(layer)) is not None and not calls_attention_function(m)
+             and torch_only(m)]  # fmt: skip
+    if not found:
+        return {}
+    index, mixer = found[0]
+    measured = mixer_saved_extra(mixer, text_config(getattr(model, "config", None)), index, hidden, heads, kv, head_dim)
+    if measured is None or not any(m > 0 for m in measured):
+        return {}
+    return {"mixer_layers": len(found), "mixer_saved_extra": tuple(round(max(0.0, m), 2) for m in measured)}
 
 
 def _indexer_fields(layers: list) -> dict[str, int]:
@@ -1783,6 +1819,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     copy_avg, copy_max = copy_avg + dyn_avg, copy_max + dyn_max
     building = max(building, dyn_fwd) if r.attn == "eager" else building + dyn_fwd  # eager: before the scores
     in_flight += dyn_bwd
+    # a linear-attention mixer in the attention's place (MiniMax's lightning attention): what it keeps beyond the
+    # attention terms, in its layers (the layers' average in what they keep, one such layer in flight)
+    if d.mixer_layers and d.heads:
+        mixer = n * d.mixer_saved_extra[1 if half else 0] * q * c / tp
+        copy_avg, copy_max = copy_avg + mixer * d.mixer_layers / d.layers, copy_max + mixer
     # a chunked indexer (Kolibri-1.1): its selection at an indexed layer's attention in the forward (and in its
     # recomputation), and under checkpointing the pools of candidate keys the layers' recomputations are handed
     indexer, pools = indexer_bytes(d, r)
