@@ -187,7 +187,7 @@ def _extra_on_meta(cls: type, config: Any, layer_idx: int, hidden: int, heads: i
 
 def _saved(cls: type, config: Any, layer_idx: int, hidden: int, head_dim: int, dtype: torch.dtype,
            tokens: int = _TOKENS) -> int:  # noqa: ANN401
-    """Bytes ``cls(config, layer_idx)`` in ``dtype`` keeps for its backward of :data:`_TOKENS` tokens: on the meta
+    """Bytes ``cls(config, layer_idx)`` in ``dtype`` keeps for its backward of ``tokens`` tokens: on the meta
     device, or, where its forward reads values (a router's ``.tolist()``: JetMoE's expert sizes), on the CPU with
     zero weights and input (every token routed alike; what it keeps does not depend on the values), where its
     parameters take at most :data:`_CPU_PROBE_BYTES`."""

@@ -1821,9 +1821,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     in_flight += dyn_bwd
     # a linear-attention mixer in the attention's place (MiniMax's lightning attention): what it keeps beyond the
     # attention terms, in its layers (the layers' average in what they keep, one such layer in flight)
-    if d.mixer_layers and d.heads:
-        mixer = n * d.mixer_saved_extra[1 if half else 0] * q * c / tp
-        copy_avg, copy_max = copy_avg + mixer * d.mixer_layers / d.layers, copy_max + mixer
+    mixer = n * d.mixer_saved_extra[1 if half else 0] * q * c / tp if d.mixer_layers and d.heads else 0.0
+    copy_avg, copy_max = copy_avg + mixer * d.mixer_layers / max(1, d.layers), copy_max + mixer
     # a chunked indexer (Kolibri-1.1): its selection at an indexed layer's attention in the forward (and in its
     # recomputation), and under checkpointing the pools of candidate keys the layers' recomputations are handed
     indexer, pools = indexer_bytes(d, r)
@@ -1831,6 +1830,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     tiled = f"; MLP tiled, {tile} tokens per tile ({_fmt(tile_bytes)} per tile in backward)" if tile else ""
     if bias_max:  # an S^2 term the layer count does not show
         tiled += f"; a learned position bias per layer: {_fmt(bias_max)} kept, {_fmt(bias_bwd)} in flight"
+    if indexer:  # S^2 terms too
+        tiled += f"; the indexer's key selection: {_fmt(indexer)} at an indexed layer's attention"
+        tiled += f", {_fmt(pools)} of pools of candidate keys kept" if pools else ""
+    if mixer:
+        tiled += f"; {d.mixer_layers} linear-attention layers keep {_fmt(mixer)} more each"
     tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
