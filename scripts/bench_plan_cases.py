@@ -217,6 +217,34 @@ DSA = [
     "loss.chunk_tokens=256",
 ]
 
+# Kolibri-1.1-like: five indexed layers (three pool sources, K/V shared among the first three), its chunked reference
+# indexer over the rank's queries and the gathered row's keys
+KOLIBRI = [
+    "model.config._target_=transformers.Kolibri1_1Config",
+    "model.config.hidden_size=128",
+    "model.config.num_hidden_layers=5",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=2",
+    "~model.config.intermediate_size",
+    "~model.config.rope_theta",
+    "+model.config.head_dim=32",
+    "+model.config.layer_types=[indexed_attention,indexed_attention,indexed_attention,indexed_attention,indexed_attention]",
+    "+model.config.num_experts=4",
+    "+model.config.num_experts_per_tok=2",
+    "+model.config.moe_intermediate_size=64",
+    "+model.config.shared_expert_intermediate_size=64",
+    "+model.config.mlp_only_intermediate_size=384",
+    "+model.config.index_topk=16",
+    "+model.config.index_pool_size=64",
+    "+model.config.index_compression=4",
+    "+model.config.index_num_heads=2",
+    "+model.config.index_num_local_tokens=8",
+    "+model.config.index_num_sink_tokens=2",
+    "distributed.cp_method=ring",
+    "model.activation_checkpointing=true",
+    "loss.chunk_tokens=256",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -245,6 +273,8 @@ CASES = [
     Case("gpt_neo_ring", "GPT-Neo-like global + local (window 256) layers, ring, checkpointing", tuple(GPT_NEO)),
     Case("gpt_neo_ulysses", "the GPT-Neo-like case under ulysses", (*GPT_NEO, "distributed.cp_method=ulysses")),
     Case("dsa_ring", "DeepSeek-V3.2-like sparse attention (DSA), ring, checkpointing", tuple(DSA)),
+    Case("kolibri_ring", "Kolibri-1.1-like indexed layers (chunked reference indexer), ring, checkpointing",
+         tuple(KOLIBRI)),
 ]  # fmt: skip
 
 

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HALO_BLOCK", "alibi_saved_per_layer", "alibi_workspace", "dynamic_mask_bytes", "gathered_workspace",
-           "indexer_bytes", "mask_bytes", "position_bias_bytes", "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
+__all__ = ["HALO_BLOCK", "alibi_saved_per_layer", "alibi_workspace", "dynamic_mask_bytes", "gathered_state_bytes",
+           "gathered_workspace", "indexer_bytes", "mask_bytes", "position_bias_bytes", "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
 
 #: queries per block of the halo kernel (``masked_attention.DEFAULT_BLOCK``)
 HALO_BLOCK = 256
@@ -274,6 +274,16 @@ def alibi_mask_build(d: Any, r: Any) -> float:
     return 2 * r.local_batch * r.seq * r.seq
 
 
+def gathered_state_bytes(d: Any, r: Any) -> float:
+    """Under CP, the largest gathered-state layer's gathered row (``width`` per token, the whole row) and its mask
+    planes, bytes per rank: what an indexed layer's key selection reads before its kernel runs; 0 without CP."""
+    if r.cp <= 1:
+        return 0.0
+    n = _row(r)
+    return max((r.local_batch * (r.seq * state.width * r.compute_bytes + state.mask_planes * n * r.seq)
+                for _, state in d.gathered), default=0.0)  # fmt: skip
+
+
 def gathered_workspace(d: Any, r: Any) -> tuple[float, float]:
     """``(forward, backward)``: the largest gathered-state layer's bytes at its attention moment, per rank."""
     fwd = bwd = 0.0
@@ -281,6 +291,7 @@ def gathered_workspace(d: Any, r: Any) -> tuple[float, float]:
         return fwd, bwd
     n = _row(r)
     for _, state in d.gathered:
-        fwd = max(fwd, state.forward_bytes(r.local_batch, n, r.seq, r.compute_bytes, r.tp))
-        bwd = max(bwd, state.backward_bytes(r.local_batch, n, r.seq, r.compute_bytes, r.tp))
+        eager = r.attn == "eager"
+        fwd = max(fwd, state.forward_bytes(r.local_batch, n, r.seq, r.compute_bytes, r.tp, eager))
+        bwd = max(bwd, state.backward_bytes(r.local_batch, n, r.seq, r.compute_bytes, r.tp, eager))
     return fwd, bwd

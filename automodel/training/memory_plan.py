@@ -161,6 +161,7 @@ from automodel.training.layer_kind_memory import (
     alibi_saved_per_layer,
     alibi_workspace,
     dynamic_mask_bytes,
+    gathered_state_bytes,
     gathered_workspace,
     indexer_bytes,
     mask_bytes,
@@ -335,8 +336,8 @@ class ModelDims:
     dynamic_mask_window: int = 0
     #: layers whose attention selects its keys with a weightless indexer that scores ``[queries, keys]`` in fp32
     #: chunks of at most ``indexer_chunk`` scores (Kolibri-1.1's ``Kolibri1_1Indexer``, a reference implementation,
-    #: ``max_scores``), and how many of them build a pool of candidate keys that later layers are handed (``[B, S, S]``
-    #: booleans the model passes along its layers, ``is_pool_source``, not the last layer):
+    #: ``max_scores``), and how many of them build a pool of candidate keys that a later layer is handed (``[B, S, S]``
+    #: booleans the model passes along its layers up to the next ``is_pool_source``, which starts from none):
     #: :func:`.layer_kind_memory.indexer_bytes`; 0 elsewhere
     indexer_layers: int = 0
     indexer_chunk: int = 0
@@ -1180,7 +1181,8 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
 def _indexer_fields(layers: list) -> dict[str, int]:
     """:attr:`ModelDims.indexer_layers`, ``indexer_chunk`` and ``indexer_pools``: the decoder layers whose attention
     module holds a weightless ``indexer`` that bounds its score chunks (an int ``max_scores``: Kolibri-1.1's), the
-    largest bound, and those of them that build a new pool of candidate keys (``is_pool_source``) for later layers."""
+    largest bound, and those of them that build a new pool of candidate keys (``is_pool_source``) that the next layer
+    is handed."""
     from automodel.training.attention_memory import attention_module
 
     found = [(at, i) for at, i in enumerate(getattr(attention_module(layer), "indexer", None) for layer in layers)
@@ -1188,9 +1190,12 @@ def _indexer_fields(layers: list) -> dict[str, int]:
              and not any(True for _ in i.parameters())]  # fmt: skip
     if not found:
         return {}
-    # a pool the last layer builds is handed to no later layer
+    # the model hands a pool to every layer up to the next source (which starts from none): a checkpointed layer
+    # keeps the pool it was handed, so a pool counts where the layer after its source is not a source itself
+    sources = {at for at, i in found if getattr(i, "is_pool_source", False)}
+    handed = sum(1 for at in sources if at + 1 < len(layers) and at + 1 not in sources)
     return {"indexer_layers": len(found), "indexer_chunk": max(i.max_scores for _, i in found),
-            "indexer_pools": sum(1 for at, i in found if getattr(i, "is_pool_source", False) and at < len(layers) - 1)}  # fmt: skip
+            "indexer_pools": handed}
 
 
 def _position_bias_tables(model, layers: list) -> int:  # noqa: ANN001
@@ -1495,6 +1500,10 @@ class _Activations:
     #: while backward runs through one of the layer's hidden-size norms (its fp32 temporaries; the MLP's tensors
     #: freed): :func:`_layer_norm_moment`; 0 where the layer runs in tiles (its norms per tile)
     bwd_norm: float = 0.0
+    #: while an indexed layer's chunked indexer selects its keys, before its kernel (Kolibri-1.1:
+    #: :func:`.layer_kind_memory.indexer_bytes`), in the forward / in the recomputed layer; 0 without one
+    fwd_index: float = 0.0
+    bwd_index: float = 0.0
 
 
 def _eager_moments(d: ModelDims, c: int) -> tuple[float, float, float]:
@@ -1845,7 +1854,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd + tables
         fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max + returned + tables
         # an indexed layer's selection comes before its kernel (and SDPA's float copy of its mask)
-        fwd_a = max(fwd_a, n * (kept_at_loss + always + h * c / s + body_attn) + indexer + tables)
+        fwd_i = n * (kept_at_loss + always + h * c / s + body_attn) + indexer + tables if indexer else 0.0
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
@@ -1853,18 +1862,18 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         bwd_a = n * (kept + always + body_attn_bwd + grads + attn_bwd) + s2 + copy_max + in_flight
         # the recomputed forward of an indexed layer selects its keys again before its kernel runs (and before SDPA
         # makes its mask's float copy)
-        bwd_a = max(bwd_a, n * (kept + always + body_attn_bwd + grads) + indexer)
+        bwd_i = n * (kept + always + body_attn_bwd + grads) + indexer + tables if indexer else 0.0
         bwd_n = n * (kept + always + _layer_norm_moment(d, r, attn, lse, saved_mlp)) + s2 + copy_max
         bwd_m, bwd_a, bwd_n = bwd_m + tables, bwd_a + tables, bwd_n + tables
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always))
-        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n)
+        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n, fwd_i, bwd_i)
     before = n * ((d.calls - 1) * layer + embed + always) + (d.calls - 1) * (s2 + copy_avg)  # the layers before the last
     saved = n * (d.calls * layer + embed + final + always) + d.calls * (s2 + copy_avg) + tile_bytes
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max + tables
     fwd_a = before + n * body_attn + s2 + building + copy_max + tables
-    fwd_a = max(fwd_a, before + n * body_attn + indexer + tables)  # an indexed layer's selection, before its kernel
+    fwd_i = before + n * body_attn + indexer + tables if indexer else 0.0  # an indexed layer's selection
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
@@ -1874,7 +1883,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
     fwd_f, bwd_f = _final_norm_moments(d, r, before + n * layer + s2 + copy_avg)
-    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n)
+    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n, fwd_index=fwd_i)
 
 
 @dataclass(frozen=True)
@@ -2090,6 +2099,7 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     grads, grads_note = _gradient_bytes(d, r)
     acts = _activation_terms(d, r)
     attn, attn_bwd, attn_note = _attention_workspace(d, r)
+    attn_state = gathered_state_bytes(d, r)  # the gathered K/V an indexed layer's selection reads (under CP)
     masks, masks_note = mask_bytes(d, r)
     loss, loss_note = _loss_term(d, r)
     comm, comm_note = _comm_buffers(d, r)
@@ -2108,6 +2118,9 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         "final norm": {"gradients": earlier_grads, "activations": acts.fwd_final, "attention masks": masks,
                        "communication buffers": comm_fwd},
     }  # fmt: skip
+    if acts.fwd_index:  # an indexed layer's key selection, before its kernel: the gathered state, no score blocks
+        forward["indexer"] = {"gradients": earlier_grads, "activations": acts.fwd_index, "attention masks": masks,
+                              "attention workspace": attn_state, "communication buffers": comm_fwd}  # fmt: skip
     # backward through a layer (with checkpointing: the recomputed one; without: the last, the first reached): its
     # MLP's backward, without the CP workspace (backward reaches the attention after the MLP), or its attention's
     # with the workspace and the kernel's backward buffers; the gradients written so far (_grads_in_backward)
@@ -2126,11 +2139,14 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         "final norm": {"gradients": max(earlier_grads, _head_grads(d, r)), "activations": acts.bwd_final,
                        "attention masks": masks, "communication buffers": comm},
     }  # fmt: skip
+    if acts.bwd_index:  # the recomputed indexed layer's key selection
+        backward["indexer"] = {"gradients": grads_bwd, "activations": acts.bwd_index, "attention masks": masks,
+                               "attention workspace": attn_state, "communication buffers": comm}  # fmt: skip
     bwd_name = "recompute" if r.activation_checkpointing else "backward"
     by_moment = {"forward": forward, bwd_name: backward}
     moments = {phase: max(alts, key=lambda m: sum(alts[m].values())) for phase, alts in by_moment.items()}
     act_peak = max(acts.saved, acts.fwd_mlp, acts.fwd_attn, acts.bwd_mlp, acts.bwd_attn, acts.fwd_final, acts.bwd_final,
-                   acts.bwd_norm)
+                   acts.bwd_norm, acts.fwd_index, acts.bwd_index)
     terms = {
         "gradients": MemoryTerm("gradients", grads, grads_note),
         "activations": MemoryTerm("activations", act_peak, acts.note),

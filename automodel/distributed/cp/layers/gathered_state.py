@@ -38,6 +38,9 @@ class GatheredState:
         bias_planes: ``[B, n, T]`` planes in the compute dtype the layer builds and keeps to its backward (Doge's
             dynamic mask ``[B, Hkv, n, T]``: ``Hkv`` planes, from learned weights, so autograd keeps it), each
             with a boolean twin (the keys dropped beyond the top-k) in the forward.
+        own_kernel: the score blocks are the CP kernel's own, under every attention implementation; ``False``: the
+            layer runs the class's attention function (Kolibri-1.1), whose scores exist under ``eager`` only (SDPA's
+            fused kernels hold none).
     """
 
     width: int
@@ -48,27 +51,33 @@ class GatheredState:
     mask_planes: int = 0
     index_slots: int = 0
     bias_planes: int = 0
+    own_kernel: bool = True
 
-    def forward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1) -> float:
-        """Bytes one layer's forward holds at its peak: ``batch`` rows of ``local`` queries over ``total`` tokens."""
-        block, heads = min(self.block, local), self.heads / tp
+    def forward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1,
+                      eager: bool = False) -> float:  # fmt: skip
+        """Bytes one layer's forward holds at its peak: ``batch`` rows of ``local`` queries over ``total`` tokens
+        (``eager``: the run's attention implementation, for a layer that runs the class's own, :attr:`own_kernel`)."""
+        scores = self.own_kernel or eager
+        block, heads = min(self.block, local), (self.heads / tp if scores else 0.0)
         return batch * (
             total * (self.width + self.expanded / tp) * compute_bytes
             + 2 * heads * block * total * 4
-            + block * total  # the negated mask of the block
+            + (block * total if scores else 0)  # the negated mask of the block
             + self.mask_planes * local * total
             + 2 * local * min(self.index_slots, total) * 8
             + self.bias_planes * local * total * (compute_bytes + 1)
         )
 
-    def backward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1) -> float:
+    def backward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1,
+                       eager: bool = False) -> float:  # fmt: skip
         """Bytes one layer's backward holds at its peak (a block's recomputed scores and their gradients)."""
-        block, heads = min(self.block, local), self.heads / tp
+        scores = self.own_kernel or eager
+        block, heads = min(self.block, local), (self.heads / tp if scores else 0.0)
         planes = 1 if self.mask_planes else 0
         return batch * (
             total * (self.width + (self.expanded + self.expanded_grad) / tp) * compute_bytes
             + 3 * heads * block * total * 4
-            + block * total
+            + (block * total if scores else 0)
             + planes * local * total
             + self.bias_planes * local * total * compute_bytes
         )
@@ -137,8 +146,11 @@ def _compressed(layer: Any, config: Any) -> GatheredState | None:
 def _kv_gather(layer: Any, config: Any) -> GatheredState | None:
     """Qwen4-Exp's QSA and Kolibri-1.1 (``qsa.py``, ``kolibri_sparse.py``): K and V (and QSA's raw indexer keys)
     gathered and repeated to the query heads, the class's own selection as two ``[B, n, T]`` planes (the visible
-    keys, the selected ones); Kolibri runs the class's own attention over all its local queries at once (no query
-    blocks), QSA the blocked kernel."""
+    keys, the selected ones); Kolibri runs the class's own attention function over all its local queries at once
+    (no query blocks; scores under ``eager`` only: under ``sdpa`` a live-tensor snapshot of
+    ``scripts/bench_plan_cases.py``'s ``kolibri_ring`` holds none, and its indexer's selection is the layer's peak,
+    ``layer_kind_memory.indexer_bytes``, which counts its pool and selection: one plane here, the method's layout
+    mask), QSA the blocked kernel."""
     widths = getattr(layer, "sparse_widths", None)
     if not widths:
         return None
@@ -147,9 +159,10 @@ def _kv_gather(layer: Any, config: Any) -> GatheredState | None:
 
     heads = _int(config, "num_attention_heads")
     dim = _head_dim(layer, config)
-    block = QUERY_BLOCK if layer.mixer in QSA_ATTENTION else 1 << 62  # min(block, n): every local query
+    qsa = layer.mixer in QSA_ATTENTION
+    block = QUERY_BLOCK if qsa else 1 << 62  # min(block, n): every local query
     return GatheredState(width=sum(widths), expanded=2 * heads * dim, expanded_grad=2 * heads * dim, heads=heads,
-                         block=block, mask_planes=2)  # fmt: skip
+                         block=block, mask_planes=2 if qsa else 1, own_kernel=qsa)  # fmt: skip
 
 
 def _sparse(layer: Any, config: Any) -> GatheredState | None:
