@@ -1367,6 +1367,22 @@ def test_minimax_lightning_attention_layers_are_measured():
         assert delta == pytest.approx(kept * (1 if ac else 7 * 7 / 8 + 1)), (ac, delta / kept)
 
 
+def test_the_plan_names_linear_mixers_it_does_not_measure():
+    """Linear-mixer layers the planner does not measure are named in the activations' note, so that a plan is not
+    read as covering them: those whose modeling file names a kernel package (fla, causal-conv1d, mamba-ssm), planned as
+    those kernels run, while transformers' torch fallback, which runs where the package is missing, keeps more (CPU
+    step peaks up to 84% above the plan); and those whose torch code runs on every device (RecurrentGemma's RG-LRU,
+    xLSTM, RWKV). MiniMax's lightning layers are measured (the test above) and Llama has none."""
+    shape = RunShape(local_batch=1, seq=1024, activation_checkpointing=True)
+    for name, packaged, torch_code in (("qwen3_next", 3, 0), ("mamba", 2, 0), ("recurrent_gemma", 0, 2),
+                                       ("minimax@flagship", 0, 0), ("llama", 0, 0)):  # fmt: skip
+        family_or_skip(name)
+        d = _dims(name)
+        assert (d.kernel_mixer_layers, d.torch_mixer_layers) == (packaged, torch_code), name
+        note = plan_memory(d, shape).terms["activations"].note
+        assert ("torch fallback" in note) == bool(packaged) and ("on every device" in note) == bool(torch_code), note
+
+
 def test_zaya_fp32_residual_stream_and_convolutional_attention_are_measured():
     """ZAYA keeps its residual stream in fp32 whatever the model's dtype (``residual_fp32``: read off the dtype of
     the first layer's input in a meta-device run of a fresh bf16 copy of its text model), scales the residual and the

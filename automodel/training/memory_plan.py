@@ -348,6 +348,13 @@ class ModelDims:
     #: (:func:`automodel.training.attention_memory.mixer_saved_extra`); 0 elsewhere
     mixer_layers: int = 0
     mixer_saved_extra: tuple[float, float] = (0.0, 0.0)
+    #: linear-mixer layers whose modeling file names a kernel package that runs their token mixing on a GPU (fla,
+    #: causal-conv1d, mamba-ssm: Qwen3-Next, Kimi Linear, Mamba, ...): planned with their heads' attention terms; where
+    #: the package is missing transformers runs its torch fallback, which keeps more (the plan's note says so)
+    kernel_mixer_layers: int = 0
+    #: linear-mixer layers whose torch code runs on every device but that are not measured (RecurrentGemma's RG-LRU,
+    #: xLSTM's mLSTM: not held where a layer holds its attention): planned with their heads' attention terms (noted)
+    torch_mixer_layers: int = 0
     #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
     #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
     #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
@@ -1155,7 +1162,9 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
     instead of its torch code (MiniMax's lightning attention: ``attention_memory.torch_only``), and what the first of
     them keeps per token beyond the plan's attention terms; empty where there are none or the probe cannot run them.
     Kimi Linear's and Bailing-hybrid's delta rules (fla's kernels where installed; their torch fallback keeps
-    ~600 ``q`` per token at 64 tokens), Qwen3-Next's ``linear_attn`` and the Mamba mixers are not read here."""
+    ~600 ``q`` per token at 64 tokens), Qwen3-Next's ``linear_attn`` and the Mamba mixers are not read here: they
+    are counted in :attr:`ModelDims.kernel_mixer_layers` (the linear layers whose mixer's modeling file names a
+    kernel package), which the plan's note names."""
     from automodel.distributed.cp.profile import LINEAR
     from automodel.training.attention_memory import (
         attention_module,
@@ -1164,18 +1173,22 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
         torch_only,
     )
 
-    if not heads:
-        return {}
+    linear = [(layer, spec) for layer, spec in zip(layers, profile.layers) if spec.kind == LINEAR]
+    mixers = [next((m for m in layer.modules() if type(m).__name__ == spec.mixer), None) for layer, spec in linear]
+    packaged = sum(1 for m in mixers if m is not None and not torch_only(m))
     found = [(i, m) for i, (layer, spec) in enumerate(zip(layers, profile.layers))
-             if spec.kind == LINEAR and (m := attention_module(layer)) is not None and not calls_attention_function(m)
-             and torch_only(m)]  # fmt: skip
-    if not found:
-        return {}
-    index, mixer = found[0]
-    measured = mixer_saved_extra(mixer, text_config(getattr(model, "config", None)), index, hidden, heads, kv, head_dim)
-    if measured is None or not any(m > 0 for m in measured):
-        return {}
-    return {"mixer_layers": len(found), "mixer_saved_extra": tuple(round(max(0.0, m), 2) for m in measured)}
+             if heads and spec.kind == LINEAR and (m := attention_module(layer)) is not None
+             and not calls_attention_function(m) and torch_only(m)]  # fmt: skip
+    measured = None
+    if found:
+        index, mixer = found[0]
+        measured = mixer_saved_extra(mixer, text_config(getattr(model, "config", None)), index, hidden, heads, kv,
+                                     head_dim)  # fmt: skip
+    counted = len(found) if measured is not None and any(m > 0 for m in measured) else 0
+    out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": len(linear) - packaged - counted}
+    if counted:
+        out.update(mixer_layers=counted, mixer_saved_extra=tuple(round(max(0.0, m), 2) for m in measured))
+    return out
 
 
 def _indexer_fields(layers: list) -> dict[str, int]:
@@ -1844,6 +1857,14 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         tiled += f", {_fmt(pools)} of pools of candidate keys kept" if pools else ""
     if mixer:
         tiled += f"; {d.mixer_layers} linear-attention layers keep {_fmt(mixer)} more each"
+    if d.kernel_mixer_layers:
+        tiled += (f"; {d.kernel_mixer_layers} linear-mixer layers planned with their heads' attention terms, as their "
+                  "CUDA kernels (fla, causal-conv1d, mamba-ssm) run them, not measured on a GPU; without those "
+                  "packages transformers runs its torch fallback, which keeps more (CPU step peaks up to 84% above "
+                  "this plan: docs/benchmarks.md)")
+    if d.torch_mixer_layers:
+        tiled += (f"; {d.torch_mixer_layers} linear-mixer layers (torch code on every device) planned with their "
+                  "heads' attention terms, not measured")
     tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
