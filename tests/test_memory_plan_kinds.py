@@ -1374,13 +1374,51 @@ def test_the_plan_names_linear_mixers_it_does_not_measure():
     step peaks up to 84% above the plan); and those whose torch code runs on every device (RecurrentGemma's RG-LRU,
     xLSTM, RWKV). MiniMax's lightning layers are measured (the test above) and Llama has none."""
     shape = RunShape(local_batch=1, seq=1024, activation_checkpointing=True)
+    # ZAYA's linear-mixer layers are its compressed convolutional attention, inside the attention the attention probe
+    # measures; Kimi Linear's delta rule sits where its layers hold attention, beside its measured MLA layers
     for name, packaged, torch_code in (("qwen3_next", 3, 0), ("mamba", 2, 0), ("recurrent_gemma", 0, 2),
-                                       ("minimax@flagship", 0, 0), ("llama", 0, 0)):  # fmt: skip
+                                       ("minimax@flagship", 0, 0), ("llama", 0, 0), ("zaya", 0, 0),
+                                       ("kimi_linear", 4, 0)):  # fmt: skip
         family_or_skip(name)
         d = _dims(name)
         assert (d.kernel_mixer_layers, d.torch_mixer_layers) == (packaged, torch_code), name
         note = plan_memory(d, shape).terms["activations"].note
         assert ("torch fallback" in note) == bool(packaged) and ("on every device" in note) == bool(torch_code), note
+
+
+def test_an_expert_loop_over_stacked_weights_holds_three_gradient_copies():
+    """An expert loop that indexes its stacked weights per expert (``experts_implementation="eager"``; JetMoE's
+    ``self.weight[i]``, DBRX's ``w1.view(...)[expert_idx]``) makes each expert's gradient full-size and the autograd
+    engine sums them out of place: three copies of the weight's gradient at once (the probe below), two beyond the
+    one the plan counts, at the MLP's backward (and per tile). grouped_mm and Llama 4's bmm compute the gradient at
+    once. Measured (``scripts/bench_plan_families.py`` / a live-tensor snapshot, bf16, hidden 256, 2048 tokens):
+    JetMoE +0.1% / -8.0% -> +5.4% / +2.7% (no techniques / the tiled MLP alone), Mixtral with eager experts
+    +1.9% / -10.3% / -12.3% / +22.3% -> +8.2% / +5.5% / +3.3% / +33.9% (no techniques / both / the tiled MLP alone /
+    checkpointing alone)."""
+    from scripts.live_tensors import AllocationTracker
+
+    weight = torch.nn.Parameter(torch.randn(8, 64, 32))
+    x = torch.randn(8 * 16, 32)
+
+    def loop() -> torch.Tensor:
+        return torch.cat([torch.nn.functional.linear(x[e * 16:(e + 1) * 16], weight[e]) for e in range(8)]).sum()
+
+    tracker = AllocationTracker()
+    with tracker:
+        loop().backward()
+    assert tracker.peak >= 3 * weight.numel() * 4
+    assert _dims("jetmoe").expert_loop_param == 4 * 2 * 64 * 64  # input_linear [E, 2 I, h] of the tiny config
+    assert _dims("dbrx").expert_loop_param > 0
+    assert _dims("mixtral").expert_loop_param == 0 == _dims("llama4_text").expert_loop_param  # grouped_mm; bmm
+    config = family_by_name("mixtral").build_config()
+    with torch.device("meta"):
+        eager = model_dims(AutoModelForCausalLM.from_config(config, experts_implementation="eager"))
+    assert eager.expert_loop_param == config.num_local_experts * 2 * config.intermediate_size * config.hidden_size
+    plain = dataclasses.replace(eager, expert_loop_param=0)
+    for tiled in (False, 512):
+        grown, base = (_plan(x, tiled_mlp=tiled, activation_checkpointing=True) for x in (eager, plain))
+        assert grown.by_moment["recompute"]["MLP"]["activations"] - base.by_moment["recompute"]["MLP"]["activations"] \
+            == 2 * eager.expert_loop_param * 4, tiled
 
 
 def test_zaya_fp32_residual_stream_and_convolutional_attention_are_measured():

@@ -352,6 +352,13 @@ class ModelDims:
     #: causal-conv1d, mamba-ssm: Qwen3-Next, Kimi Linear, Mamba, ...): planned with their heads' attention terms; where
     #: the package is missing transformers runs its torch fallback, which keeps more (the plan's note says so)
     kernel_mixer_layers: int = 0
+    #: elements of the largest parameter of an MoE block whose expert loop indexes its stacked weights per expert
+    #: (``self.gate_up_proj[expert_idx]`` under ``experts_implementation="eager"``; JetMoE's ``self.weight[i]``, DBRX's
+    #: ``w1.view(...)[expert_idx]``): the backward makes each expert's gradient full-size (``select_backward``) and the
+    #: autograd engine sums them out of place, so three copies of the weight's gradient exist at once, two beyond the
+    #: one the plan counts (a probe of one stacked weight: 3.0 x its bytes); 0 elsewhere (grouped_mm's and Llama 4's
+    #: bmm compute the whole gradient at once)
+    expert_loop_param: int = 0
     #: linear-mixer layers whose torch code runs on every device but that are not measured (RecurrentGemma's RG-LRU,
     #: xLSTM's mLSTM: not held where a layer holds its attention): planned with their heads' attention terms (noted)
     torch_mixer_layers: int = 0
@@ -804,6 +811,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         logit_transform=chunkable_transform(model)[1],
         logit_softcap=_logit_softcap(model),
         mlp_params=_mlp_params(blocks),
+        expert_loop_param=_expert_loop_param(blocks),
         attn_softcapping=any(layer.softcap for layer in c.layers if layer.is_attention),
         eager_scores=None if kinds["own_code_layers"] else _eager_scores(layers),
         **_moe_sizes(model, blocks),
@@ -820,7 +828,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         position_bias_tables=_position_bias_tables(model, layers),
         **_dynamic_mask_fields(layers),
         **_indexer_fields(layers),
-        **_mixer_fields(model, layers, c, c.hidden_size, heads, kv, head_dim),
+        **_mixer_fields(model, layers, c, c.hidden_size, heads, kv, head_dim, attention),
         **loops,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers() if b.numel() * b.element_size() >= 2**20),
         **mlp,
@@ -1156,7 +1164,8 @@ def _dynamic_mask_fields(layers: list) -> dict[str, int]:
     return {"dynamic_mask_layers": len(found), "dynamic_mask_window": window if isinstance(window, int) else 0}
 
 
-def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int, head_dim: int) -> dict[str, Any]:  # noqa: ANN001
+def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int, head_dim: int,  # noqa: ANN001
+                  first_attention=None) -> dict[str, Any]:  # noqa: ANN001
     """:attr:`ModelDims.mixer_layers` and ``mixer_saved_extra``: the layers the profile marks as linear mixers whose
     mixer is found where a layer holds its attention, calls no attention function and has no kernel package to run
     instead of its torch code (MiniMax's lightning attention: ``attention_memory.torch_only``), and what the first of
@@ -1170,11 +1179,22 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
         attention_module,
         calls_attention_function,
         mixer_saved_extra,
+        probed,
         torch_only,
     )
 
+    # the attention class the attention probe measures (ModelDims.attention_saved_extra: the first attention layer's)
+    measured_cls = type(attention_module(first_attention)) if first_attention is not None else None
+
+    def unmeasured(layer, spec):  # noqa: ANN001, ANN202 - the layer's mixer, unless the attention probe covers it
+        mixer = next((m for m in layer.modules() if type(m).__name__ == spec.mixer), None)
+        attention = attention_module(layer)
+        inside = (attention is not None and type(attention) is measured_cls and probed(attention)
+                  and any(m is mixer for m in attention.modules()))  # fmt: skip
+        return None if inside else mixer  # ZAYA's CCA projection: inside its probed attention
+
     linear = [(layer, spec) for layer, spec in zip(layers, profile.layers) if spec.kind == LINEAR]
-    mixers = [next((m for m in layer.modules() if type(m).__name__ == spec.mixer), None) for layer, spec in linear]
+    mixers = [unmeasured(layer, spec) for layer, spec in linear]
     packaged = sum(1 for m in mixers if m is not None and not torch_only(m))
     found = [(i, m) for i, (layer, spec) in enumerate(zip(layers, profile.layers))
              if heads and spec.kind == LINEAR and (m := attention_module(layer)) is not None
@@ -1185,7 +1205,8 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
         measured = mixer_saved_extra(mixer, text_config(getattr(model, "config", None)), index, hidden, heads, kv,
                                      head_dim)  # fmt: skip
     counted = len(found) if measured is not None and any(m > 0 for m in measured) else 0
-    out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": len(linear) - packaged - counted}
+    unread = sum(1 for m in mixers if m is not None) - packaged - counted
+    out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": unread}
     if counted:
         out.update(mixer_layers=counted, mixer_saved_extra=tuple(round(max(0.0, m), 2) for m in measured))
     return out
@@ -1340,6 +1361,30 @@ def _mlp_blocks(model) -> list:  # noqa: ANN001
 def _mlp_params(blocks: list) -> int:
     """The largest of ``blocks``' (:func:`_mlp_blocks`) trainable parameters (0: none)."""
     return max((sum(p.numel() for p in m.parameters() if p.requires_grad) for m in blocks), default=0)
+
+
+#: a parameter indexed per expert in a forward's source: ``self.<name>[<index>]``, or of a view of it
+_PER_EXPERT_INDEX = r"self\.[\w.]+(?:\.view\([^()]*\))?\[\s*(?:expert_idx|expert_id|expert|idx|i|e)\s*\]"
+
+
+def _expert_loop_param(blocks: list) -> int:
+    """:attr:`ModelDims.expert_loop_param`: the largest parameter (elements) of a block among ``blocks`` one of whose
+    modules indexes its parameters per expert in its ``forward`` (:data:`_PER_EXPERT_INDEX`, read off the source) and
+    runs that loop (its experts' implementation is not ``grouped_mm``: the config's ``_experts_implementation``,
+    which transformers' decorated experts dispatch on); 0 where none does."""
+    import re
+
+    from automodel.distributed.cp.profile import _forward_source
+
+    found = 0
+    for block in blocks:
+        loops = [m for m in block.modules() if re.search(_PER_EXPERT_INDEX, _forward_source(type(m)))
+                 and any(p.ndim >= 2 for p in m.parameters())]  # fmt: skip
+        impl = getattr(getattr(loops[0], "config", None), "_experts_implementation", None) if loops else None
+        impl = impl.get("", impl) if isinstance(impl, dict) else impl
+        if loops and impl != "grouped_mm":
+            found = max(found, max(p.numel() for m in loops for p in m.parameters()))
+    return found
 
 
 #: attribute names of a projection that makes q, k and v at once (:func:`_fused_qkv`)
@@ -1766,6 +1811,9 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     widened = weights * (4 - c) if c < 4 and tile and tile < n else 0.0
     tile_bytes = ((mlp.backward * tile / tp + weights + unsharded_sum) * c + mlp.router * tile + widened) if tile else 0.0
     tile_fwd = (mlp.forward * tile / tp * c + mlp.router * tile) if tile else 0.0  # e.g. gate, silu(gate) and up
+    # an expert loop that indexes its stacked weights per expert: the experts' full-size gradients summed out of
+    # place, two copies of the largest weight's gradient beyond the one counted, at the MLP's backward (per tile too)
+    loop_grads = 2 * d.expert_loop_param * c / tp
     # per token, in the compute dtype: the layer but its MLP; the whole layer as the forward saves it
     body = (stream + gathered + attn) * c + lse
     # at the layer's attention (its forward; its backward, the MLP's and the post-attention norm's backward done) the
@@ -1880,6 +1928,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
         bwd_m = n * (kept + always + body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
+        bwd_m += loop_grads
         bwd_a = n * (kept + always + body_attn_bwd + grads + attn_bwd) + s2 + copy_max + in_flight
         # the recomputed forward of an indexed layer selects its keys again before its kernel runs (and before SDPA
         # makes its mask's float copy)
@@ -1897,7 +1946,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     fwd_i = before + n * body_attn + indexer + tables if indexer else 0.0  # an indexed layer's selection
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
-    bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max
+    bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max + loop_grads
     bwd_a = before + n * (body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
     bwd_n = before + n * _layer_norm_moment(d, r, attn, lse, saved_mlp) + s2 + copy_max
     note = f"{_layer_count(d)} x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
