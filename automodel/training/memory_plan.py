@@ -1905,14 +1905,16 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         tiled += f", {_fmt(pools)} of pools of candidate keys kept" if pools else ""
     if mixer:
         tiled += f"; {d.mixer_layers} linear-attention layers keep {_fmt(mixer)} more each"
+    # linear mixers the plan does not measure: counted as attention layers of the model's heads (a model without
+    # attention heads counts no term for them)
+    as_what = "with the attention terms of the model's heads" if d.heads else "with no term of their own"
     if d.kernel_mixer_layers:
-        tiled += (f"; {d.kernel_mixer_layers} linear-mixer layers planned with their heads' attention terms, as their "
-                  "CUDA kernels (fla, causal-conv1d, mamba-ssm) run them, not measured on a GPU; without those "
-                  "packages transformers runs its torch fallback, which keeps more (CPU step peaks up to 84% above "
-                  "this plan: docs/benchmarks.md)")
+        tiled += (f"; {d.kernel_mixer_layers} linear-mixer layers planned {as_what}, not measured: their CUDA kernels "
+                  "(fla, causal-conv1d, mamba-ssm) run them on a GPU; without those packages transformers runs its "
+                  "torch fallback, which keeps more (CPU step peaks up to 84% above this plan: docs/benchmarks.md)")
     if d.torch_mixer_layers:
-        tiled += (f"; {d.torch_mixer_layers} linear-mixer layers (torch code on every device) planned with their "
-                  "heads' attention terms, not measured")
+        tiled += (f"; {d.torch_mixer_layers} linear-mixer layers (torch code on every device) planned {as_what}, "
+                  "not measured")
     tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
