@@ -27,6 +27,7 @@ subtracted by the caller where it counts them.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -52,21 +53,24 @@ def attention_module(layer: torch.nn.Module) -> torch.nn.Module | None:
                 None)  # fmt: skip
 
 
+def _interface_calls(module: torch.nn.Module) -> int:
+    """``attention_interface(`` in the source of ``module``'s ``forward`` (0 where it cannot be read)."""
+    from automodel.distributed.cp.profile import _forward_source
+
+    return _forward_source(type(module)).count("attention_interface(")
+
+
 def attention_calls(attention: torch.nn.Module) -> int:
     """How many times ``attention``'s ``forward`` calls its attention function (``attention_interface(`` in its
     source; 1 where it cannot be read)."""
-    from automodel.distributed.cp.profile import _forward_source
-
-    return max(1, _forward_source(type(attention)).count("attention_interface("))
+    return max(1, _interface_calls(attention))
 
 
 def calls_attention_function(module: torch.nn.Module) -> bool:
     """Whether ``module``'s ``forward`` calls an attention function (``attention_interface(`` in its source); a mixer
     held where a layer holds its attention that mixes the tokens in its own code does not (MiniMax's lightning
     attention)."""
-    from automodel.distributed.cp.profile import _forward_source
-
-    return "attention_interface(" in _forward_source(type(module))
+    return _interface_calls(module) > 0
 
 
 #: what a modeling file names where a CUDA kernel package may run its token mixing in place of its torch code (fla,
@@ -78,11 +82,17 @@ def torch_only(mixer: torch.nn.Module) -> bool:
     """Whether ``mixer``'s modeling file names no kernel package that would run its token mixing in place of its
     torch code (:data:`_KERNEL_MARKS`): what the CPU runs is then what every device runs (MiniMax's lightning
     attention; Kimi Linear's and Qwen3-Next's delta rules run fla's kernels where fla is installed)."""
+    return _names_no_kernel(type(mixer).__module__)
+
+
+@functools.cache
+def _names_no_kernel(module_name: str) -> bool:
+    """:func:`torch_only` per modeling file, read once (a model asks for each of its linear layers)."""
     import inspect
     import sys
 
     try:
-        source = inspect.getsource(sys.modules[type(mixer).__module__])
+        source = inspect.getsource(sys.modules[module_name])
     except (KeyError, OSError, TypeError):
         return False
     return not any(mark in source for mark in _KERNEL_MARKS)
@@ -99,10 +109,7 @@ def mixer_saved_extra(mixer: torch.nn.Module, config: Any, layer_idx: int, hidde
     ``None`` where it cannot run there."""
     block = getattr(mixer, "block_size", None)
     tokens = max(_TOKENS, 8 * block) if isinstance(block, int) and block > 0 else _TOKENS
-    cls = type(mixer)
-    key = (cls, hidden, heads, kv_heads, head_dim, layer_idx, tokens)
-    return probe_pair(_CACHE, key, lambda dtype: _extra_on_meta(cls, config, layer_idx, hidden, heads, kv_heads,
-                                                                head_dim, dtype, tokens))  # fmt: skip
+    return _measured(type(mixer), config, layer_idx, hidden, heads, kv_heads, head_dim, tokens)
 
 
 def routes_heads(attention: torch.nn.Module) -> bool:
@@ -163,10 +170,15 @@ def attention_saved_extra(attention: torch.nn.Module, config: Any, layer_idx: in
     build or run it on the meta device."""
     if not probed(attention):
         return (0.0, 0.0)
-    cls = type(attention)
-    key = (cls, hidden, heads, kv_heads, head_dim, layer_idx)
+    return _measured(type(attention), config, layer_idx, hidden, heads, kv_heads, head_dim, _TOKENS)
+
+
+def _measured(cls: type, config: Any, layer_idx: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+              tokens: int) -> tuple[float, float] | None:  # noqa: ANN401
+    """``(fp32, bf16)`` of :func:`_extra_on_meta` at ``tokens`` tokens, cached per class, widths and layer."""
+    key = (cls, hidden, heads, kv_heads, head_dim, layer_idx, tokens)
     return probe_pair(_CACHE, key, lambda dtype: _extra_on_meta(cls, config, layer_idx, hidden, heads, kv_heads,
-                                                                head_dim, dtype))  # fmt: skip
+                                                                head_dim, dtype, tokens))  # fmt: skip
 
 
 def _extra_on_meta(cls: type, config: Any, layer_idx: int, hidden: int, heads: int, kv_heads: int, head_dim: int,

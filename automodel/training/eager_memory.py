@@ -41,7 +41,7 @@ import torch
 # the probe cache's key; the live-bytes count of a forward and its backward
 from automodel.training.mlp_memory import _state_key, live_moments
 
-__all__ = ["EagerScores", "eager_function", "eager_scores"]
+__all__ = ["EagerScores", "eager_function", "eager_scores", "pins_fp32"]
 
 #: the probe's two lengths (the second twice the first: the ``S^2`` part is ``m(2S) - 2 m(S)``)
 _LENGTHS = (32, 64)
@@ -78,7 +78,7 @@ class _Probe:
     def __init__(self, attention: torch.nn.Module, dtype: torch.dtype) -> None:
         self._attention = attention
         self._dtype = dtype
-        self._pinned = _pins_fp32(attention)
+        self._pinned = pins_fp32(attention)
         self.training = True
 
     def __getattr__(self, name: str) -> Any:  # noqa: ANN401
@@ -96,11 +96,11 @@ class _Probe:
         return value
 
 
-def _pins_fp32(attention: torch.nn.Module) -> bool:
-    """Whether ``attention``'s largest parameter is in a lower precision than fp32 (a model built in bf16 / fp16,
-    where an fp32 tensor of the module is one the model pins: ``_keep_in_fp32_modules_strict``)."""
-    params = list(attention.parameters())
-    return bool(params) and max(params, key=lambda p: p.numel()).dtype in (torch.bfloat16, torch.float16)
+def pins_fp32(module: torch.nn.Module) -> bool:
+    """Whether an fp32 tensor of ``module`` is one its model pins to fp32 (``_keep_in_fp32_modules_strict``): its
+    largest parameter is of another dtype (a model built in bf16 / fp16)."""
+    params = list(module.parameters())
+    return bool(params) and max(params, key=lambda p: p.numel()).dtype != torch.float32
 
 
 def _heads(attention: torch.nn.Module) -> tuple[int, int, int, int]:
@@ -153,7 +153,7 @@ def eager_scores(attention: torch.nn.Module) -> tuple[EagerScores, EagerScores] 
     fn = eager_function(attention)
     if fn is None:
         return None
-    key = (type(attention), _state_key(attention), _pins_fp32(attention))
+    key = (type(attention), _state_key(attention), pins_fp32(attention))
     if key not in _CACHE:
         try:
             with torch.device("cpu"), torch.enable_grad():  # whatever the caller's context (a meta-device model_dims)

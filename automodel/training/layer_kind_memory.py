@@ -280,8 +280,7 @@ def gathered_state_bytes(d: Any, r: Any) -> float:
     if r.cp <= 1:
         return 0.0
     n = _row(r)
-    return max((r.local_batch * (r.seq * state.width * r.compute_bytes + state.mask_planes * n * r.seq)
-                for _, state in d.gathered), default=0.0)  # fmt: skip
+    return max((state.row_bytes(r.local_batch, n, r.seq, r.compute_bytes) for _, state in d.gathered), default=0.0)
 
 
 def gathered_workspace(d: Any, r: Any) -> tuple[float, float]:

@@ -946,7 +946,7 @@ def _eager_scores(layers: list) -> tuple[Any, Any] | None:
     """:attr:`ModelDims.eager_scores`: over the decoder layers' attention classes (one module per class: the first
     named like ``...Attention`` whose modeling file has an eager function), the most each keeps and holds per score;
     ``None`` where none is measured."""
-    from automodel.training.eager_memory import EagerScores, eager_function, eager_scores
+    from automodel.training.eager_memory import eager_function, eager_scores
 
     found, seen = [], set()
     for layer in layers:
@@ -961,13 +961,12 @@ def _eager_scores(layers: list) -> tuple[Any, Any] | None:
                 found.append((measured[0], _larger(*measured)) if _attention_in_fp32(module) else measured)
     if not found:
         return None
-    return tuple(EagerScores(*(max(getattr(f[i], k) for f in found) for k in ("saved", "forward", "backward")))
-                 for i in (0, 1))  # fmt: skip
+    return tuple(_larger(*(f[i] for f in found)) for i in (0, 1))
 
 
-def _larger(a, b):  # noqa: ANN001, ANN202 - two EagerScores
-    """Field by field, the larger of two :class:`~automodel.training.eager_memory.EagerScores`."""
-    return type(a)(*(max(x, y) for x, y in zip((a.saved, a.forward, a.backward), (b.saved, b.forward, b.backward))))
+def _larger(*scores):  # noqa: ANN002, ANN202 - EagerScores
+    """Field by field, the largest of :class:`~automodel.training.eager_memory.EagerScores`."""
+    return type(scores[0])(*(max(getattr(x, k) for x in scores) for k in ("saved", "forward", "backward")))
 
 
 def _attention_in_fp32(attention) -> bool:  # noqa: ANN001
@@ -980,11 +979,11 @@ def _attention_in_fp32(attention) -> bool:  # noqa: ANN001
     model built in the run's dtype carries."""
     import torch
 
-    params = list(attention.parameters())
-    if not params or max(params, key=lambda p: p.numel()).dtype == torch.float32:
-        return False
-    return any("norm" in type(m).__name__.lower() and getattr(getattr(m, "weight", None), "dtype", None) == torch.float32
-               for m in attention.modules())  # fmt: skip
+    from automodel.training.eager_memory import pins_fp32
+
+    return pins_fp32(attention) and any(
+        "norm" in type(m).__name__.lower() and getattr(getattr(m, "weight", None), "dtype", None) == torch.float32
+        for m in attention.modules())  # fmt: skip
 
 
 def _widest_head(profile) -> int:  # noqa: ANN001 - a ModelProfile
@@ -1186,19 +1185,19 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
     # the attention class the attention probe measures (ModelDims.attention_saved_extra: the first attention layer's)
     measured_cls = type(attention_module(first_attention)) if first_attention is not None else None
 
-    def unmeasured(layer, spec):  # noqa: ANN001, ANN202 - the layer's mixer, unless the attention probe covers it
+    mixers, found = [], []  # each linear layer's mixer (unless the attention probe covers it); the probeable ones
+    for index, (layer, spec) in enumerate(zip(layers, profile.layers)):
+        if spec.kind != LINEAR:
+            continue
         mixer = next((m for m in layer.modules() if type(m).__name__ == spec.mixer), None)
         attention = attention_module(layer)
-        inside = (attention is not None and type(attention) is measured_cls and probed(attention)
-                  and any(m is mixer for m in attention.modules()))  # fmt: skip
-        return None if inside else mixer  # ZAYA's CCA projection: inside its probed attention
-
-    linear = [(layer, spec) for layer, spec in zip(layers, profile.layers) if spec.kind == LINEAR]
-    mixers = [unmeasured(layer, spec) for layer, spec in linear]
+        if attention is not None and type(attention) is measured_cls and probed(attention) \
+                and any(m is mixer for m in attention.modules()):  # fmt: skip
+            mixer = None  # ZAYA's CCA projection: inside its probed attention
+        mixers.append(mixer)
+        if heads and attention is not None and not calls_attention_function(attention) and torch_only(attention):
+            found.append((index, attention))
     packaged = sum(1 for m in mixers if m is not None and not torch_only(m))
-    found = [(i, m) for i, (layer, spec) in enumerate(zip(layers, profile.layers))
-             if heads and spec.kind == LINEAR and (m := attention_module(layer)) is not None
-             and not calls_attention_function(m) and torch_only(m)]  # fmt: skip
     measured = None
     if found:
         index, mixer = found[0]
@@ -1923,9 +1922,10 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # forward, in the last layer (not saved: checkpointed): its MLP's input and the residual, and the MLP's
         # intermediates in flight; or its attention's tensors
         fwd_m = n * (kept_at_loss + always + 2 * h * c / s + fwd_mlp * c + router) + tile_fwd + tables
-        fwd_a = n * (kept_at_loss + always + h * c / s + body_attn) + s2 + building + copy_max + returned + tables
+        at_attn = n * (kept_at_loss + always + h * c / s + body_attn) + tables
+        fwd_a = at_attn + s2 + building + copy_max + returned
         # an indexed layer's selection comes before its kernel (and SDPA's float copy of its mask)
-        fwd_i = n * (kept_at_loss + always + h * c / s + body_attn) + indexer + tables if indexer else 0.0
+        fwd_i = at_attn + indexer if indexer else 0.0
         # backward recomputes one layer at a time (the final norm's and the LM head's saved tensors are freed by
         # then): the MLP's backward holds the recomputed attention's tensors, what is left of the MLP's and its
         # gradients (_mlp_moments); the attention's backward the attention's tensors and the eager kernel's S^2
@@ -1944,8 +1944,9 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     before = n * ((d.calls - 1) * layer + embed + always) + (d.calls - 1) * (s2 + copy_avg)  # the layers before the last
     saved = n * (d.calls * layer + embed + final + always) + d.calls * (s2 + copy_avg) + tile_bytes
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max + tables
-    fwd_a = before + n * body_attn + s2 + building + copy_max + tables
-    fwd_i = before + n * body_attn + indexer + tables if indexer else 0.0  # an indexed layer's selection
+    at_attn = before + n * body_attn + tables
+    fwd_a = at_attn + s2 + building + copy_max
+    fwd_i = at_attn + indexer if indexer else 0.0  # an indexed layer's selection, before its kernel
     # backward through the last layer (the final norm's saved tensors freed): its MLP's moment (the MLP's saved
     # tensors replaced by what is left and its gradients), then its attention's (the MLP's freed)
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max + loop_grads

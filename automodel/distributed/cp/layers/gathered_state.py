@@ -53,17 +53,21 @@ class GatheredState:
     bias_planes: int = 0
     own_kernel: bool = True
 
+    def row_bytes(self, batch: int, local: int, total: int, compute_bytes: int) -> float:
+        """Bytes of the gathered row (``width`` per token of ``total``) and of the mask planes over ``local``
+        queries: what the layer holds before its kernel's own tensors."""
+        return batch * (total * self.width * compute_bytes + self.mask_planes * local * total)
+
     def forward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1,
                       eager: bool = False) -> float:  # fmt: skip
         """Bytes one layer's forward holds at its peak: ``batch`` rows of ``local`` queries over ``total`` tokens
         (``eager``: the run's attention implementation, for a layer that runs the class's own, :attr:`own_kernel`)."""
         scores = self.own_kernel or eager
         block, heads = min(self.block, local), (self.heads / tp if scores else 0.0)
-        return batch * (
-            total * (self.width + self.expanded / tp) * compute_bytes
+        return self.row_bytes(batch, local, total, compute_bytes) + batch * (
+            total * self.expanded / tp * compute_bytes
             + 2 * heads * block * total * 4
             + (block * total if scores else 0)  # the negated mask of the block
-            + self.mask_planes * local * total
             + 2 * local * min(self.index_slots, total) * 8
             + self.bias_planes * local * total * (compute_bytes + 1)
         )
