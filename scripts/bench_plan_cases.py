@@ -411,8 +411,10 @@ def case_worker(rank: int, world: int, cases: list[dict], out_root: str, seq_len
     torch.set_num_threads(1)
     results = []
     for case in cases:
-        argv = ["--config", "configs/cp.yaml", *BASE, f"data.seq_len={seq_len}",
-                f"model.config.max_position_embeddings={seq_len}", *case["overrides"],
+        # a case of its own config file (scripts/bench_plan_families_cp.py) has its position table set there
+        config = case.get("config", "configs/cp.yaml")
+        positions = [] if "config" in case else [f"model.config.max_position_embeddings={seq_len}"]
+        argv = ["--config", config, *BASE, f"data.seq_len={seq_len}", *positions, *case["overrides"],
                 f"recipe.output_dir={Path(out_root) / case['name']}"]  # fmt: skip
         cpu0 = time.process_time()
         try:

@@ -46,6 +46,21 @@ SETTINGS = ((False, False), (True, False), (True, True), (False, True))
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx")
 
 
+def sized_config(fam, sizes: dict[str, int] | None, seq: int):  # noqa: ANN001, ANN201 - a Family, its config
+    """``fam``'s tiny config with ``sizes`` set where the config has them (integer attributes it can set) and its
+    position tables (:data:`POSITION_KEYS`) raised to ``seq`` tokens where shorter."""
+    config = fam.build_config()
+    for key, value in (sizes or {}).items():
+        # a size the config derives (Falcon's head_dim: a property without a setter) follows the others
+        settable = not isinstance(getattr(type(config), key, None), property) or getattr(type(config), key).fset
+        if isinstance(getattr(config, key, None), int) and settable:
+            setattr(config, key, value)
+    for key in POSITION_KEYS:
+        if isinstance(getattr(config, key, None), int) and getattr(config, key) < seq:
+            setattr(config, key, seq)
+    return config
+
+
 def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int, dtype: str,
                   settings: tuple[tuple[bool, bool], ...] = SETTINGS, sizes: dict[str, int] | None = None,
                   chunk_transformed: bool = False) -> list[dict]:  # fmt: skip
@@ -78,16 +93,8 @@ def family_worker(rank: int, world: int, names: list[str], seq: int, chunk: int,
                 out.append(row)
                 continue
             try:
-                config = fam.build_config()
+                config = sized_config(fam, sizes, seq)
                 config.use_cache = False  # as the recipe's loader sets it: training builds no KV cache
-                for key, value in (sizes or {}).items():
-                    # a size the config derives (Falcon's head_dim: a property without a setter) follows the others
-                    settable = not isinstance(getattr(type(config), key, None), property) or getattr(type(config), key).fset
-                    if isinstance(getattr(config, key, None), int) and settable:
-                        setattr(config, key, value)
-                for key in POSITION_KEYS:
-                    if isinstance(getattr(config, key, None), int) and getattr(config, key) < seq:
-                        setattr(config, key, seq)
                 ids = torch.randint(0, min(config.vocab_size, 1000), (1, seq), generator=torch.Generator().manual_seed(1))
                 inputs = {"input_ids": ids, "position_ids": torch.arange(seq).unsqueeze(0)}
                 labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)

@@ -22,11 +22,12 @@ from automodel.training.dry_run import dry_run_report
 from tests.family_matrix import FAMILIES, family_by_name
 
 
-def family_config(fam, directory) -> str:
-    """A recipe config (a YAML file in ``directory``) whose ``model.config`` is ``fam``'s tiny config: the keys
-    that differ from the class's defaults and that the class's ``__init__`` takes (the typecheck refuses others),
-    with the vocabulary of the shipped tokenizer (1024 ids; the per-layer embedding of Gemma 3n / 4 too)."""
-    config = fam.build_config()
+def family_config(fam, directory, config=None) -> str:
+    """A recipe config (a YAML file in ``directory``) whose ``model.config`` is ``fam``'s tiny config (or ``config``,
+    one built from it with other sizes: scripts/bench_plan_families_cp.py): the keys that differ from the class's
+    defaults and that the class's ``__init__`` takes (the typecheck refuses others), with the vocabulary of the
+    shipped tokenizer (1024 ids; the per-layer embedding of Gemma 3n / 4 too)."""
+    config = fam.build_config() if config is None else config
     accepted = _accepted_keys(type(config))[0]
     node = {k: v for k, v in config.to_diff_dict().items()
             if k not in ("model_type", "transformers_version") and (accepted is None or k in accepted)}  # fmt: skip
