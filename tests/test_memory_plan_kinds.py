@@ -99,9 +99,12 @@ def test_alibi_score_blocks_on_the_halo_kernel_replace_the_eager_s2_term():
     expected = 3 * h * BLOCK * SEQ * 4 + SEQ * (2 * h * d + 4 * h * d + h) * 4
     assert plan.terms["attention workspace"].bytes == expected
     assert plan.by_moment["forward"]["attention"]["attention workspace"] == expected
-    # the halo kernel saves no [heads, S_q, S_k] probabilities: no S^2 activation term (eager Llama has one)
+    # the halo kernel saves no [heads, S_q, S_k] probabilities: no S^2 activation term; nor does ring's path of an
+    # eager Llama (torch's ring), whose own eager function runs under Ulysses (the inner kernel) and without CP
     llama = plan_memory(_dims("llama"), shape)
-    assert "S^2" not in plan.terms["activations"].note and "S^2" in llama.terms["activations"].note
+    assert "S^2" not in plan.terms["activations"].note and "S^2" not in llama.terms["activations"].note
+    for kw in ({"cp_method": "ulysses"}, {"cp": 1}):
+        assert "S^2" in plan_memory(_dims("llama"), dataclasses.replace(shape, **kw)).terms["activations"].note, kw
     assert llama.terms["attention workspace"].bytes != expected  # ring's own workspace, no ALiBi blocks
     # Ulysses hands SDPA the bias as a float [1, H / cp, S, S] mask, which SDPA saves per layer
     uly = plan_memory(bloom, dataclasses.replace(shape, cp_method="ulysses"))
@@ -138,19 +141,21 @@ def test_dsa_declares_its_gathered_state_and_the_planner_counts_it():
 
 
 def test_doge_dynamic_mask_is_planned_per_kv_head_over_the_gathered_row():
-    """Doge's kernel (dynamic_mask.py) keeps a [B, Hkv, n, T] mask in the compute dtype to its backward (A and dt_proj
-    learn through it), O(S^2 / cp) per layer: the plan counts it, not only the gathered K and V."""
+    """Doge's kernel (dynamic_mask.py) builds a [B, Hkv, n, T] mask in the compute dtype, which the model repeats to the
+    query heads and the blocks keep to the backward (A and dt_proj learn through it), O(S^2 / cp) per layer, with its
+    gradient in the backward: the plan counts them, not only the gathered K and V."""
     doge = _dims("doge")
     fam = family_by_name("doge").build_config()
     (count, state), = doge.gathered
     kv, heads, dim = fam.num_key_value_heads, fam.num_attention_heads, fam.hidden_size // fam.num_attention_heads
     assert count == fam.num_hidden_layers
     assert state == GatheredState(width=2 * kv * dim, expanded=2 * heads * dim, expanded_grad=2 * heads * dim,
-                                  heads=heads, block=BLOCK, mask_planes=1, bias_planes=kv)  # fmt: skip
+                                  heads=heads, block=BLOCK, mask_planes=1, bias_planes=kv, bias_heads=heads)  # fmt: skip
     plan = _plan(doge, cp=2)
     fwd = plan.by_moment["forward"]["attention"]["attention workspace"]
     bwd = plan.by_moment["backward"]["attention"]["attention workspace"]
-    assert fwd >= kv * N * SEQ * (4 + 1) and bwd >= kv * N * SEQ * 4  # the mask and its top-k twin; the kept mask
+    # the repeated mask and the top-k twin; in the backward the repeated mask and its gradient
+    assert fwd >= (heads * 4 + kv) * N * SEQ and bwd >= 2 * heads * N * SEQ * 4
 
 
 @pytest.mark.parametrize("name", ["deepseek_v4", "qwen4_exp_text", "kolibri1_1"])
@@ -1574,3 +1579,112 @@ def test_a_router_scoring_in_fp32_keeps_its_input_in_fp32():
     assert grown - base == pytest.approx(d.calls * SEQ * d.router_saved_extra[1])  # every layer keeps it
     grown, base = (_plan(x, tiled_mlp=True, **kw).by_moment["backward"]["MLP"]["activations"] for x in (d, plain))
     assert 0 < grown - base <= SEQ * d.router_saved_extra[1] / 2  # one tile's
+
+
+def test_eager_scores_are_planned_only_where_the_models_eager_function_runs():
+    """An eager model's own attention function keeps its ``[heads, S_q, S_k]`` scores without CP and under Ulysses
+    (its inner kernel, over the whole row for ``H / cp`` heads). Ring routes an eager model's layers to torch's ring
+    or the halo kernel, and thd, thd_docs and usp (and Ulysses on packed rows) run their block kernels: no eager
+    scores. The plan counted the rank's ``[heads, n, S]`` scores under every method; Gemma 2 under ring read +146%
+    (``scripts/bench_plan_families_cp.py``, hidden 256, 2048 tokens, cp 2)."""
+    d = _dims("gemma2")
+    n_scores = d.heads * N * SEQ
+
+    def activations(attn: str, **kw) -> float:
+        return _plan(d, attn=attn, cp=2, **kw).terms["activations"].bytes
+
+    for method in ("ring", "thd", "thd_docs"):
+        assert activations("eager", cp_method=method) == activations("sdpa", cp_method=method), method
+    assert activations("eager", cp_method="ulysses", packed=True) == activations("sdpa", cp_method="ulysses", packed=True)
+    # Ulysses' inner kernel is the model's eager function: its scores over the whole row for H / cp heads, per layer
+    ulysses = activations("eager", cp_method="ulysses") - activations("sdpa", cp_method="ulysses")
+    assert ulysses >= (d.heads // 2) * SEQ * SEQ * 4 >= n_scores
+    assert _plan(d, attn="eager").terms["activations"].bytes > _plan(d, attn="sdpa").terms["activations"].bytes
+
+
+def test_softcapped_and_sink_layers_on_the_halo_kernel_are_planned():
+    """Ring (and thd, thd_docs, usp) runs soft-capped and sink layers on the halo kernel, full-prefix layers too, whose
+    blocks a CPU runs in exact math: a block of 256 queries against every key it may see, in fp32, three (Gemma 2's
+    soft-cap) or four (gpt-oss' sinks) score blocks at the forward's peak and six or five at the backward's, beside
+    the keys and values with the halo. Unplanned (once the eager scores ring never keeps were not counted), Gemma 2
+    under ring read -55%; planned, +10.7%; gpt-oss +15.9% (``scripts/bench_plan_families_cp.py``, hidden 256, 2048
+    tokens, cp 2, with the live tensors of a snapshot)."""
+    from automodel.training.layer_kind_memory import halo_math_workspace
+
+    gemma2, gpt_oss = _dims("gemma2"), _dims("gpt_oss")
+    full = sum(1 for t in family_by_name("gemma2").build_config().layer_types if t == "full_attention")
+    assert {(limit, fwd, bwd) for limit, _, fwd, bwd in gemma2.halo_math} == {(0, 3, 6), (WINDOW, 3, 6)}
+    assert dict((limit, count) for limit, count, _, _ in gemma2.halo_math)[0] == full
+    assert {(fwd, bwd) for _, _, fwd, bwd in gpt_oss.halo_math} == {(4, 5)}
+    assert _dims("llama").halo_math == _dims("gemma3_text").halo_math == ()
+    ring = RunShape(local_batch=1, seq=SEQ, cp=2)
+    d = gemma2
+    buffers = 6 * SEQ * d.kv_heads * d.head_dim * 4  # the full prefix: every key of the row
+    scores = d.heads * BLOCK * SEQ * 4
+    assert halo_math_workspace(d, ring) == (buffers + 3 * scores, buffers + 6 * scores)
+    # a CUDA device runs the blocks in FlexAttention: the buffers only; Ulysses runs no halo kernel
+    assert halo_math_workspace(d, dataclasses.replace(ring, attention_kernel="flash")) == (buffers, buffers)
+    assert halo_math_workspace(d, dataclasses.replace(ring, cp_method="ulysses")) == (0.0, 0.0)
+    assert halo_math_workspace(d, RunShape(local_batch=1, seq=SEQ)) == (0.0, 0.0)
+    plan = _plan(d, cp=2, attn="eager")
+    assert plan.terms["attention workspace"].bytes >= buffers + 6 * scores
+    assert "halo kernel" in plan.terms["attention workspace"].note
+
+
+def test_doge_under_cp_keeps_its_repeated_mask_and_makes_its_gradient_once():
+    """Doge under CP hands its blocked attention the dynamic mask repeated to the query heads (the model's
+    ``repeat_kv``: ``[B, Hq, n, T]`` in the compute dtype), which the blocks keep for the backward, where its gradient
+    is made too. Each block's slice of the mask once made a whole ``[B, Hq, n, T]`` of zeros around its block's
+    gradient, and their sum two more: four mask-sized tensors at the backward's peak (ring cp 2, hidden 256, 8 / 4
+    heads, 2048 tokens: 300 MiB measured against 120 planned, -60%). The kernel splits the mask into its blocks now,
+    and the gradient is made once from theirs (187 MiB); the plan counts the copy and its gradient (+11%). The
+    kernel's output and gradients are the plain softmax's (fp64)."""
+    from automodel.distributed.cp.layers.dynamic_mask import QUERY_BLOCK, dynamic_mask_attention
+    from scripts.live_tensors import AllocationTracker
+
+    config = family_by_name("doge").build_config()
+    ((_, state),) = _dims("doge").gathered
+    assert (state.bias_planes, state.bias_heads) == (config.num_key_value_heads, config.num_attention_heads)
+    n, total, c = 1024, 2048, 4
+    with_grad = state.backward_bytes(1, n, total, c) - dataclasses.replace(state, bias_heads=0).backward_bytes(1, n, total, c)
+    assert with_grad == (2 * state.bias_heads * c + state.bias_planes - state.bias_planes * c) * n * total - (
+        state.heads * min(state.block, n) * total * 4)  # fmt: skip
+    # the kernel: four query heads over two KV heads, four blocks of queries
+    hq, hkv, dim, t = 4, 2, 8, 4 * QUERY_BLOCK
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, hq, t, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, hkv, t, dim, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.randn(1, hq, t, t, generator=g, dtype=torch.float64).tril().requires_grad_()
+    out, _ = dynamic_mask_attention(torch.nn.Module(), q, k, v, mask, scaling=0.3)
+    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    ref = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.3 + mask, -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(out, (q, k, v, mask), grad_out)
+    want = torch.autograd.grad(ref.transpose(1, 2), (q, k, v, mask), grad_out)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # the backward's peak beyond what exists: the mask's gradient and one block's scores, not a mask per block
+    out, _ = dynamic_mask_attention(torch.nn.Module(), q, k, v, mask, scaling=0.3)
+    tracker = AllocationTracker()
+    with tracker:
+        torch.autograd.grad(out, (q, k, v, mask), grad_out)
+    mask_bytes = mask.numel() * 8
+    assert tracker.peak < 2.5 * mask_bytes, tracker.peak / mask_bytes
+
+
+def test_the_plan_says_chained_linear_mixer_cores_keep_their_tensors_under_checkpointing():
+    """Ring, thd, thd_docs and usp run a linear mixer's core in the state chain, which keeps each layer's saved
+    tensors through the step outside activation checkpointing; the plan does not count them and its activations
+    note says so (OLMo-Hybrid under ring cp 2 with checkpointing: -38% on the CPU, Ulysses -4%)."""
+    d = _dims("olmo_hybrid")
+    layers = d.kernel_mixer_layers + d.torch_mixer_layers + d.mixer_layers
+    assert layers > 0
+
+    def note(**kw) -> str:
+        return _plan(d, activation_checkpointing=kw.pop("ac", True), **kw).terms["activations"].note
+
+    for method in ("ring", "thd", "thd_docs"):
+        assert f"under {method} the {layers} linear-mixer layers' cores run in the state chain" in note(cp=2, cp_method=method)
+    assert "state chain" not in note(cp=2, cp_method="ulysses")
+    assert "state chain" not in note(cp=2, ac=False) and "state chain" not in note()
+    assert "state chain" not in _plan(_dims("llama"), cp=2, activation_checkpointing=True).terms["activations"].note

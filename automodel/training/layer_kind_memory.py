@@ -45,7 +45,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["HALO_BLOCK", "alibi_saved_per_layer", "alibi_workspace", "dynamic_mask_bytes", "gathered_state_bytes",
-           "gathered_workspace", "indexer_bytes", "mask_bytes", "position_bias_bytes", "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
+           "gathered_workspace", "halo_math_scores", "halo_math_workspace", "indexer_bytes", "mask_bytes", "position_bias_bytes", "runs_halo_alibi", "sdpa_mask_copy"]  # fmt: skip
 
 #: queries per block of the halo kernel (``masked_attention.DEFAULT_BLOCK``)
 HALO_BLOCK = 256
@@ -253,6 +253,48 @@ def alibi_workspace(d: Any, r: Any) -> float:
     acc = 8 if c == 8 else 4
     scores = 3 * b * hq * block * s * acc
     return scores + b * s * (2 * hq * dim + 2 * hkv * dim + 2 * hkv * dim + hq) * c
+
+
+def halo_math_workspace(d: Any, r: Any) -> tuple[float, float]:
+    """``(forward, backward)``: one soft-capped or sink layer on the halo kernel (``ModelDims.halo_math``: a CP
+    method that runs it, ring, thd, thd_docs, usp), bytes per rank; ``(0, 0)`` elsewhere. The kernel gathers the
+    rank's keys and values with the halo (the rows exchanged, the halo received, the two buffers and a query block's
+    selected copies: ``6 B Hkv D c`` per key row, the whole row for a full prefix, else the rank's tokens and the
+    window); it runs each block of :data:`HALO_BLOCK` queries against the keys it may see (the row's for a full
+    prefix, the block and the window else). A CPU runs such blocks in exact math (``blocks.resolve_backend``: its
+    flash kernel takes neither soft-capping nor sinks), ``[B, Hq, block, m]`` fp32 scores (fp64 in fp64), as many at
+    once as :func:`halo_math_scores` counts. A CUDA device runs them in FlexAttention, whose blocks are not counted. A
+    transient at the layer's attention, forward and recomputation alike. Measured
+    (``scripts/bench_plan_families_cp.py``, hidden 256, 2048 tokens, ring cp 2): Gemma 2's six
+    ``[1, 4, 2, 256, 2048]`` fp32 at the backward's peak, 96 of the step's 121 MiB; gpt-oss's five."""
+    if not d.halo_math or r.cp <= 1 or not r.method.runs_halo_kernel():
+        return 0.0, 0.0
+    from automodel.distributed.cp.attention_kernels import CPU_KERNEL
+
+    b, c, s, n, tp = r.local_batch, r.compute_bytes, r.seq, _row(r), r.tp
+    block = min(HALO_BLOCK, n)
+    hq, hkv, dim = d.heads / tp, max(1, d.kv_heads // tp), d.head_dim
+    acc = 8 if c == 8 else 4
+    cpu = getattr(r, "attention_kernel", CPU_KERNEL) == CPU_KERNEL
+    fwd = bwd = 0.0
+    for limit, count, fwd_scores, bwd_scores in d.halo_math:
+        if not count:
+            continue
+        keys = s if not limit else min(s, block + limit)
+        rows = s if not limit else min(s, n + limit)
+        buffers = 6 * b * rows * hkv * dim * c
+        scores = b * hq * block * keys * acc if cpu else 0.0
+        fwd, bwd = max(fwd, buffers + fwd_scores * scores), max(bwd, buffers + bwd_scores * scores)
+    return fwd, bwd
+
+
+def halo_math_scores(softcap: bool, sinks: bool) -> tuple[int, int]:
+    """``(forward, backward)``: the score blocks an exact-math halo block (``blocks._math_forward`` /
+    ``_math_backward``) holds at once at its forward's and its backward's peak. Soft-capping: the scores, their tanh
+    and the capped copy (3); in the backward the recomputed scores, tanh, capped and masked copies, ``s - lse`` and
+    its exp (6). Sinks: the masked scores, their copy with the sink column, ``s - lse`` and its exp (4); in the
+    backward five (live-tensor snapshots, ``scripts/bench_plan_families_cp.py --snapshots``: Gemma 2, gpt-oss)."""
+    return (4 if sinks else 3), (6 if softcap else 5)
 
 
 def alibi_saved_per_layer(d: Any, r: Any) -> float:

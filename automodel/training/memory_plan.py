@@ -163,6 +163,8 @@ from automodel.training.layer_kind_memory import (
     dynamic_mask_bytes,
     gathered_state_bytes,
     gathered_workspace,
+    halo_math_scores,
+    halo_math_workspace,
     indexer_bytes,
     mask_bytes,
     position_bias_bytes,
@@ -304,6 +306,11 @@ class ModelDims:
     forced_mask_heads: int = 0
     #: layers that add ALiBi's bias in their own code (BLOOM, MPT, Falcon with ``alibi=True``)
     alibi_layers: int = 0
+    #: ``(limit, layers, forward scores, backward scores)`` of the attention layers a CP method that runs the halo
+    #: kernel gives it for their soft-capped scores or sinks (Gemma 2, gpt-oss), whose blocks a CPU runs in exact math
+    #: (limit 0: the full prefix, else the window or chunk), with the score blocks such a block holds at its forward's
+    #: and its backward's peak: :func:`automodel.training.layer_kind_memory.halo_math_workspace`
+    halo_math: tuple[tuple[int, int, int, int], ...] = ()
     #: the eager attention caps its scores (``tanh(scores / cap) * cap``: Gemma 2's and VaultGemma's
     #: ``attn_logit_softcapping``; the profile's ``LayerSpec.softcap``, which the CP methods read too) and keeps the
     #: tanh's output for its backward: in fp32 one more ``[heads, S_q, S_k]``
@@ -714,7 +721,7 @@ def _tiled_layer_terms(d: ModelDims, r: RunShape, tile: int) -> _Activations:
     final = _final_saved(d, r)
     always = 24 + rope + d.loop_restarts * h * c  # a looped model's hidden states kept between its passes
     s2 = 0.0
-    if r.attn == "eager" and not (d.own_code_layers and r.cp > 1):
+    if _keeps_eager_scores(d, r):
         extent = (d.heads, r.seq, r.seq * (1 + d.compressed_keys))  # DeepSeek-V4's compressed entries widen the keys
         heads_local, s_q, s_k = _method(r).attention_extent(d, r) if r.cp > 1 else extent
         s2 = r.local_batch * heads_local * s_q * s_k * _eager_moments(d, c)[0]
@@ -1114,6 +1121,12 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
     if unused is not None:
         kinds.setdefault(unused, 0)
     alibi = sum(1 for layer in profile.layers if layer.alibi)
+    halo_math: dict[tuple[int, int, int], int] = {}
+    for layer in profile.layers:  # a layer a gathered-state kernel runs (DeepSeek-V4's sinks) is not on the halo kernel
+        if layer.is_attention and not layer.alibi and (layer.softcap or layer.sinks) and gathered_state(layer, text) is None:
+            limit = (layer.window or 0) if layer.kind == SLIDING else (layer.chunk or 0) if layer.kind == CHUNKED else 0
+            key = (limit, *halo_math_scores(bool(layer.softcap), layer.sinks))
+            halo_math[key] = halo_math.get(key, 0) + 1
     own = sum(1 for layer in profile.layers if layer.is_attention and getattr(layer, "own_code", False))
     heads = profile.num_attention_heads or 0
     forced = 0
@@ -1125,6 +1138,7 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
     compressed = max((1 / rates[t] for t in types if isinstance(rates, dict) and rates.get(t)), default=0.0)
     return {"attention_kinds": tuple(sorted(kinds.items())), "forced_mask_heads": forced, "alibi_layers": alibi,
             "compressed_keys": compressed, "index_mask_layers": _index_mask_layers(model, profile),
+            "halo_math": tuple(sorted((k[0], n, k[1], k[2]) for k, n in halo_math.items())),
             "own_code_layers": own, "single_mask": profile.model_type == "gpt_neo",
             "keeps_returned_probs": profile.model_type == "bloom",
             "layer_input_copies": _layer_input_copies(text),
@@ -1677,6 +1691,37 @@ def _final_norm_tile(d: ModelDims, r: RunShape) -> int | None:
     return _norm_tile(d, r, setting, d.final_norm_tiles)
 
 
+def _chained_mixers_note(d: ModelDims, r: RunShape) -> str:
+    """What the activations' note says of linear-mixer layers whose cores a CP method chains across its ranks under
+    activation checkpointing (``linear_support.CHAINED_METHODS``): the chain keeps each such layer's inner graph
+    through the step, outside checkpointing, and the plan does not count it. Measured on the CPU with transformers'
+    torch Gated DeltaNet (``scripts/bench_plan_families_cp.py``, hidden 256, 2048 tokens, cp 2, checkpointing):
+    OLMo-Hybrid -40% and Qwen3-Next -30% under ring, -4% and +7% under Ulysses, whose head-sharded cores are
+    recomputed; what fla's CUDA kernels keep there is not measured."""
+    from automodel.distributed.cp.layers.linear_support import CHAINED_METHODS
+
+    layers = d.kernel_mixer_layers + d.torch_mixer_layers + d.mixer_layers
+    if not layers or r.cp <= 1 or not r.activation_checkpointing or r.cp_method not in CHAINED_METHODS:
+        return ""
+    return (f"; under {r.cp_method} the {layers} linear-mixer layers' cores run in the state chain, which keeps each "
+            "one's saved tensors through the step (checkpointing does not recompute them): not counted")
+
+
+def _keeps_eager_scores(d: ModelDims, r: RunShape) -> bool:
+    """Whether the model's own eager attention function runs and keeps its ``[heads, S_q, S_k]`` scores: ``eager``
+    without CP, and under CP only where the method hands the model's attention function its extent (Ulysses' inner
+    kernel on unpacked rows: :attr:`RunShape.kernel_path` ``"sdpa"``). Elsewhere the method's kernels run an eager
+    model's layers and keep no scores: ring routes them to torch's ring or the halo kernel
+    (``distributed/cp/ring/router.py``), thd, thd_docs and usp run their block kernels, as Ulysses does per document
+    on packed rows, and layers in their own code (GPT-Neo) hand q, k, v to the method. Measured
+    (``scripts/bench_plan_families_cp.py``, Gemma 2 at hidden 256, 2048 tokens, ring cp 2): the eager scores planned
+    for ring's extent (8 heads x 1024 x 2048 fp32, twice: the probabilities and the soft-cap's tanh) put the plan at
+    +146% of the step's peak."""
+    if r.attn != "eager":
+        return False
+    return r.cp <= 1 or (r.kernel_path == "sdpa" and not d.own_code_layers)
+
+
 def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
     """The share of the layers whose attention saves K and V repeated to the query heads (``2 q`` per token in place
     of the KV heads' ``2 kv``).
@@ -1848,7 +1893,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         # holds two boolean [B, S, S] masks while it builds it
         s2 = alibi_saved_per_layer(d, r)
         building = alibi_mask_build(d, r)
-    elif r.attn == "eager" and not (d.own_code_layers and r.cp > 1):  # own-code layers hand q, k, v to the method
+    elif _keeps_eager_scores(d, r):
         # what it keeps per [heads, S_q, S_k] score and layer (the fp32 probabilities and their cast to the compute
         # dtype in transformers' common function) and, at the layer's attention (its forward, its backward), what is
         # in flight beside it: the scores and their masked copy, the probabilities' gradient and the scores'
@@ -1914,6 +1959,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     if d.torch_mixer_layers:
         tiled += (f"; {d.torch_mixer_layers} linear-mixer layers (torch code on every device) planned {as_what}, "
                   "not measured")
+    tiled += _chained_mixers_note(d, r)
     tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
@@ -2061,6 +2107,7 @@ def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
         return 0.0, 0.0, "no CP"
     alibi = alibi_workspace(d, r)
     g_fwd, g_bwd = gathered_workspace(d, r)
+    h_fwd, h_bwd = halo_math_workspace(d, r)
     own = sum(count for count, _ in d.gathered) + (d.alibi_layers if alibi else 0)
     kinds: list[tuple[float, float, str]] = []
     if own < d.layers:
@@ -2072,6 +2119,10 @@ def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
     if g_fwd or g_bwd:
         kinds.append((g_fwd, g_bwd, "gathered state: the row's gathered and expanded state, a query block's scores "
                       "against it, the [B, n, T] masks and top-k slots"))  # fmt: skip
+    if h_fwd or h_bwd:
+        kinds.append((h_fwd, h_bwd, "soft-capped or sink layers on the halo kernel: a query block's exact-math fp32 "
+                      "scores against its keys (3 in forward, 6 in backward on a CPU) and the keys and values with "
+                      "the halo"))  # fmt: skip
     if not kinds:
         return 0.0, 0.0, "none"
     fwd, bwd = max(k[0] for k in kinds), max(k[1] for k in kinds)

@@ -38,6 +38,9 @@ class GatheredState:
         bias_planes: ``[B, n, T]`` planes in the compute dtype the layer builds and keeps to its backward (Doge's
             dynamic mask ``[B, Hkv, n, T]``: ``Hkv`` planes, from learned weights, so autograd keeps it), each
             with a boolean twin (the keys dropped beyond the top-k) in the forward.
+        bias_heads: ``[B, n, T]`` planes of that mask repeated to the query heads by the model (Doge's ``repeat_kv``),
+            compute dtype, which the blocked attention keeps for its backward; in the backward their gradient too,
+            made once from the blocks' (``dynamic_mask.dynamic_mask_attention`` splits the mask into its blocks).
         own_kernel: the score blocks are the CP kernel's own, under every attention implementation; ``False``: the
             layer runs the class's attention function (Kolibri-1.1), whose scores exist under ``eager`` only (SDPA's
             fused kernels hold none).
@@ -51,6 +54,7 @@ class GatheredState:
     mask_planes: int = 0
     index_slots: int = 0
     bias_planes: int = 0
+    bias_heads: int = 0
     own_kernel: bool = True
 
     def row_bytes(self, batch: int, local: int, total: int, compute_bytes: int) -> float:
@@ -69,7 +73,7 @@ class GatheredState:
             + 2 * heads * block * total * 4
             + (block * total if scores else 0)  # the negated mask of the block
             + 2 * local * min(self.index_slots, total) * 8
-            + self.bias_planes * local * total * (compute_bytes + 1)
+            + self._bias_planes(compute_bytes, backward=False) * local * total
         )
 
     def backward_bytes(self, batch: int, local: int, total: int, compute_bytes: int, tp: int = 1,
@@ -80,11 +84,19 @@ class GatheredState:
         planes = 1 if self.mask_planes else 0
         return batch * (
             total * (self.width + (self.expanded + self.expanded_grad) / tp) * compute_bytes
-            + 3 * heads * block * total * 4
+            + (2 if self.bias_heads else 3) * heads * block * total * 4  # the scores' gradient is the mask's block
             + (block * total if scores else 0)
             + planes * local * total
-            + self.bias_planes * local * total * compute_bytes
+            + self._bias_planes(compute_bytes, backward=True) * local * total
         )
+
+    def _bias_planes(self, compute_bytes: int, backward: bool) -> float:
+        """Bytes per ``(query, token)`` of the bias mask at the layer's attention: the mask (compute dtype) and its
+        boolean twin; where the model repeats it to the query heads (:attr:`bias_heads`), the repeated copy instead
+        of the mask (freed once repeated) and, in the backward, the copy's gradient besides."""
+        if not self.bias_heads:
+            return self.bias_planes * (compute_bytes + (0 if backward else 1))
+        return self.bias_heads * compute_bytes * (2 if backward else 1) + self.bias_planes
 
 
 def _dsa(layer: Any, config: Any) -> GatheredState | None:
@@ -119,8 +131,11 @@ def _head_dim(layer: Any, config: Any) -> int:
 
 def _dynamic_mask(layer: Any, config: Any) -> GatheredState | None:
     """Doge (``dynamic_mask.py``): K and V gathered (``2 * Hkv * D`` per token) and repeated to the query heads for
-    the blocked attention, the dynamic mask ``[B, Hkv, n, T]`` in the compute dtype (kept for the backward: ``A`` and
-    ``dt_proj`` learn through it) with its boolean top-k twin, blocks of ``QUERY_BLOCK`` queries, one mask plane."""
+    the blocked attention, the dynamic mask ``[B, Hkv, n, T]`` in the compute dtype with its boolean top-k twin, the
+    model's copy of it repeated to the query heads (kept for the backward: ``A`` and ``dt_proj`` learn through it; its
+    gradient in the backward), blocks of ``QUERY_BLOCK`` queries, one mask plane. Measured
+    (``scripts/bench_plan_families_cp.py``, hidden 256, 8 / 4 heads, 2048 tokens, ring cp 2): the repeated mask and
+    its gradient, 64 MiB each, at the backward's peak."""
     widths = getattr(layer, "sparse_widths", None)
     if not widths:
         return None
@@ -130,7 +145,7 @@ def _dynamic_mask(layer: Any, config: Any) -> GatheredState | None:
     kv = kv or heads
     dim = _head_dim(layer, config)
     return GatheredState(width=sum(widths), expanded=2 * heads * dim, expanded_grad=2 * heads * dim, heads=heads,
-                         block=QUERY_BLOCK, mask_planes=1, bias_planes=kv)  # fmt: skip
+                         block=QUERY_BLOCK, mask_planes=1, bias_planes=kv, bias_heads=heads)  # fmt: skip
 
 
 def _compressed(layer: Any, config: Any) -> GatheredState | None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GATED_DELTANET_MIXERS", "LINEAR_METHODS", "MAMBA2_MIXERS", "STATE_MIXERS", "linear_mixer_problem"]
+__all__ = ["CHAINED_METHODS", "GATED_DELTANET_MIXERS", "LINEAR_METHODS", "MAMBA2_MIXERS", "STATE_MIXERS", "linear_mixer_problem"]
 
 #: mixer class name -> how its projections are laid out (``"qkvz"``: Qwen3-Next's interleaved
 #: ``in_proj_qkvz`` / ``in_proj_ba``; ``"split"``: Qwen3.5's ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``;
@@ -75,6 +75,12 @@ LINEAR_METHODS = {
     "thd_docs": "whole documents locally from zeros; a split document's state chained among the ranks of its span",
     "usp": "head-sharded over the Ulysses sub-group, the state chained across the ring sub-group",
 }
+
+
+#: the methods whose linear-mixer cores run in the state chain (``state_chain.ChainedCore``), which keeps every
+#: layer's inner autograd graph outside activation checkpointing (a recomputation cannot stop half-way through the
+#: chain on one rank): thd_docs for the documents it splits, usp across its ring sub-group
+CHAINED_METHODS = ("thd", "ring", "thd_docs", "usp")
 
 
 def linear_mixer_problem(method: str, layer: Any) -> str | None:
