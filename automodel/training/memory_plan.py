@@ -369,6 +369,10 @@ class ModelDims:
     #: linear-mixer layers whose torch code runs on every device but that are not measured (RecurrentGemma's RG-LRU,
     #: xLSTM's mLSTM: not held where a layer holds its attention): planned with their heads' attention terms (noted)
     torch_mixer_layers: int = 0
+    #: linear-mixer layers whose mixer the CP methods run (``linear_support.STATE_MIXERS``, ZAYA's convolutional
+    #: attention included): those ring, thd, thd_docs and usp chain across their ranks (the plan's note says what that
+    #: keeps under checkpointing)
+    chained_mixer_layers: int = 0
     #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
     #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
     #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
@@ -1186,7 +1190,8 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
     Kimi Linear's and Bailing-hybrid's delta rules (fla's kernels where installed; their torch fallback keeps
     ~600 ``q`` per token at 64 tokens), Qwen3-Next's ``linear_attn`` and the Mamba mixers are not read here: they
     are counted in :attr:`ModelDims.kernel_mixer_layers` (the linear layers whose mixer's modeling file names a
-    kernel package), which the plan's note names."""
+    kernel package), which the plan's note names; :attr:`ModelDims.chained_mixer_layers` counts every linear layer
+    whose mixer the CP methods run (``linear_support.STATE_MIXERS``)."""
     from automodel.distributed.cp.profile import LINEAR
     from automodel.training.attention_memory import (
         attention_module,
@@ -1219,7 +1224,10 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
                                      head_dim)  # fmt: skip
     counted = len(found) if measured is not None and any(m > 0 for m in measured) else 0
     unread = sum(1 for m in mixers if m is not None) - packaged - counted
-    out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": unread}
+    from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
+
+    chained = sum(1 for spec in profile.layers if spec.kind == LINEAR and spec.mixer in STATE_MIXERS)
+    out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": unread, "chained_mixer_layers": chained}
     if counted:
         out.update(mixer_layers=counted, mixer_saved_extra=tuple(round(max(0.0, m), 2) for m in measured))
     return out
@@ -1696,11 +1704,12 @@ def _chained_mixers_note(d: ModelDims, r: RunShape) -> str:
     activation checkpointing (``linear_support.CHAINED_METHODS``): the chain keeps each such layer's inner graph
     through the step, outside checkpointing, and the plan does not count it. Measured on the CPU with transformers'
     torch Gated DeltaNet (``scripts/bench_plan_families_cp.py``, hidden 256, 2048 tokens, cp 2, checkpointing):
-    OLMo-Hybrid -40% and Qwen3-Next -30% under ring, -4% and +7% under Ulysses, whose head-sharded cores are
-    recomputed; what fla's CUDA kernels keep there is not measured."""
+    OLMo-Hybrid -38% and Qwen3-Next -30% under ring, -4% and +7% under Ulysses, whose head-sharded cores are
+    recomputed; ZAYA's convolutional attention -20% under ring; what fla's CUDA kernels keep there is not
+    measured."""
     from automodel.distributed.cp.layers.linear_support import CHAINED_METHODS
 
-    layers = d.kernel_mixer_layers + d.torch_mixer_layers + d.mixer_layers
+    layers = d.chained_mixer_layers
     if not layers or r.cp <= 1 or not r.activation_checkpointing or r.cp_method not in CHAINED_METHODS:
         return ""
     return (f"; under {r.cp_method} the {layers} linear-mixer layers' cores run in the state chain, which keeps each "
@@ -1713,13 +1722,21 @@ def _keeps_eager_scores(d: ModelDims, r: RunShape) -> bool:
     kernel on unpacked rows: :attr:`RunShape.kernel_path` ``"sdpa"``). Elsewhere the method's kernels run an eager
     model's layers and keep no scores: ring routes them to torch's ring or the halo kernel
     (``distributed/cp/ring/router.py``), thd, thd_docs and usp run their block kernels, as Ulysses does per document
-    on packed rows, and layers in their own code (GPT-Neo) hand q, k, v to the method. Measured
-    (``scripts/bench_plan_families_cp.py``, Gemma 2 at hidden 256, 2048 tokens, ring cp 2): the eager scores planned
-    for ring's extent (8 heads x 1024 x 2048 fp32, twice: the probabilities and the soft-cap's tanh) put the plan at
-    +146% of the step's peak."""
+    on packed rows, layers in their own code (GPT-Neo) hand q, k, v to the method, and a gathered-state kernel's
+    layers keep its own score blocks under every method. Measured (``scripts/bench_plan_families_cp.py``, hidden 256,
+    2048 tokens, cp 2): the eager scores planned for ring's extent (8 heads x 1024 x 2048 fp32, twice: the
+    probabilities and the soft-cap's tanh) put Gemma 2's plan at +146% of the step's peak; Ulysses' whole-row scores
+    put DeepSeek-V4's and HY-V4's at +205% and +238%."""
     if r.attn != "eager":
         return False
-    return r.cp <= 1 or (r.kernel_path == "sdpa" and not d.own_code_layers)
+    if r.cp <= 1:
+        return True
+    # layers a gathered-state kernel runs (DeepSeek-V4, HY-V4, DSA, Doge) keep its score blocks, not the model's
+    # eager scores, under every method: where every attention layer is one, none (Kolibri-1.1's run the class's own
+    # attention function: theirs are eager scores)
+    attention = sum(n for _, n in d.attention_kinds)
+    own_kernel = sum(n for n, state in d.gathered if state.own_kernel)
+    return r.kernel_path == "sdpa" and not d.own_code_layers and own_kernel < attention
 
 
 def _repeated_kv_share(d: ModelDims, r: RunShape) -> float:
