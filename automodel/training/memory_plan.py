@@ -1192,6 +1192,7 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
     are counted in :attr:`ModelDims.kernel_mixer_layers` (the linear layers whose mixer's modeling file names a
     kernel package), which the plan's note names; :attr:`ModelDims.chained_mixer_layers` counts every linear layer
     whose mixer the CP methods run (``linear_support.STATE_MIXERS``)."""
+    from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
     from automodel.distributed.cp.profile import LINEAR
     from automodel.training.attention_memory import (
         attention_module,
@@ -1224,8 +1225,6 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
                                      head_dim)  # fmt: skip
     counted = len(found) if measured is not None and any(m > 0 for m in measured) else 0
     unread = sum(1 for m in mixers if m is not None) - packaged - counted
-    from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
-
     chained = sum(1 for spec in profile.layers if spec.kind == LINEAR and spec.mixer in STATE_MIXERS)
     out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": unread, "chained_mixer_layers": chained}
     if counted:
@@ -2138,8 +2137,8 @@ def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
                       "against it, the [B, n, T] masks and top-k slots"))  # fmt: skip
     if h_fwd or h_bwd:
         kinds.append((h_fwd, h_bwd, "soft-capped or sink layers on the halo kernel: a query block's exact-math fp32 "
-                      "scores against its keys (3 in forward, 6 in backward on a CPU) and the keys and values with "
-                      "the halo"))  # fmt: skip
+                      "scores against its keys (three to six at once on a CPU) and the keys and values with the "
+                      "halo"))  # fmt: skip
     if not kinds:
         return 0.0, 0.0, "none"
     fwd, bwd = max(k[0] for k in kinds), max(k[1] for k in kinds)

@@ -138,7 +138,7 @@ def dynamic_mask_attention(
         # split, not a slice per block: the mask's gradient (it learns through A and dt_proj) is then made once, from
         # the blocks' gradients, where each slice's backward made a whole [B, Hq, n, T] of zeros around its block and
         # the sum of those took two more (a live-tensor snapshot of Doge at ring cp 2: four mask-sized tensors at the
-        # backward's peak, three now)
+        # backward's peak, the kept mask among them; two now, the kept mask and its gradient's blocks)
         blocks = zip(query.split(QUERY_BLOCK, dim=2), attention_mask.split(QUERY_BLOCK, dim=2))
         out = torch.cat([checkpoint(_block, q, key, value, m, scale, use_reentrant=False) for q, m in blocks], dim=2)
     return out.transpose(1, 2).contiguous(), None
