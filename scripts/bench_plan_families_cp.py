@@ -24,6 +24,11 @@ peak holds tensors a GPU run does not make (the cp=1 audit's notes in docs/bench
     PYTHONPATH=. nice python scripts/bench_plan_families_cp.py                 # every family, ring and ulysses
     PYTHONPATH=. nice python scripts/bench_plan_families_cp.py --families llama,gemma2 --methods ring
     PYTHONPATH=. nice python scripts/bench_plan_families_cp.py --sizes hidden_size=256,intermediate_size=768
+
+Some configs do not take every size: MLA's head sizes, Falcon's multi-query heads and the validators of Bamba,
+dots3 and Qwen4-Exp make those models fail (or fail the chunked loss's probe) at sizes their tiny configs do not
+have; run them without ``--sizes``. The first audit's rows and what they changed: docs/benchmarks.md, "Every family
+under CP".
 """
 
 from __future__ import annotations
