@@ -1113,6 +1113,7 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
     text = text_config(getattr(model, "config", None))
     kinds: dict[int, int] = {}
     gathered: dict[Any, int] = {}
+    halo_math: dict[tuple[int, int, int], int] = {}
     for layer in profile.layers:
         if not layer.is_attention:
             continue
@@ -1121,16 +1122,13 @@ def _layer_kinds(model, profile) -> dict[str, Any]:  # noqa: ANN001
         state = gathered_state(layer, text)
         if state is not None:
             gathered[state] = gathered.get(state, 0) + 1
+        elif not layer.alibi and (layer.softcap or layer.sinks):  # a gathered-state kernel's layer (DeepSeek-V4's
+            key = (limit, *halo_math_scores(bool(layer.softcap), layer.sinks))  # sinks) is not on the halo kernel
+            halo_math[key] = halo_math.get(key, 0) + 1
     unused = _unused_window_mask(model, text, kinds)
     if unused is not None:
         kinds.setdefault(unused, 0)
     alibi = sum(1 for layer in profile.layers if layer.alibi)
-    halo_math: dict[tuple[int, int, int], int] = {}
-    for layer in profile.layers:  # a layer a gathered-state kernel runs (DeepSeek-V4's sinks) is not on the halo kernel
-        if layer.is_attention and not layer.alibi and (layer.softcap or layer.sinks) and gathered_state(layer, text) is None:
-            limit = (layer.window or 0) if layer.kind == SLIDING else (layer.chunk or 0) if layer.kind == CHUNKED else 0
-            key = (limit, *halo_math_scores(bool(layer.softcap), layer.sinks))
-            halo_math[key] = halo_math.get(key, 0) + 1
     own = sum(1 for layer in profile.layers if layer.is_attention and getattr(layer, "own_code", False))
     heads = profile.num_attention_heads or 0
     forced = 0
