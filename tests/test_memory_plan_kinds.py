@@ -1374,10 +1374,10 @@ def test_minimax_lightning_attention_layers_are_measured():
 
 def test_the_plan_names_linear_mixers_it_does_not_measure():
     """Linear-mixer layers the planner does not measure are named in the activations' note, so that a plan is not
-    read as covering them: those whose modeling file names a kernel package (fla, causal-conv1d, mamba-ssm), planned as
-    those kernels run, while transformers' torch fallback, which runs where the package is missing, keeps more (CPU
-    step peaks up to 84% above the plan); and those whose torch code runs on every device (RecurrentGemma's RG-LRU,
-    xLSTM, RWKV). MiniMax's lightning layers are measured (the test above) and Llama has none."""
+    read as covering them: on a GPU where their kernel package is installed (fla, causal-conv1d, mamba-ssm), those
+    whose modeling file names it, planned with attention terms while those kernels run them. Where transformers' torch
+    code runs them (on the CPU, where the package is missing, and for the torch-only RG-LRU, xLSTM and RWKV on every
+    device) their cores are measured. MiniMax's lightning layers are measured (the test above) and Llama has none."""
     shape = RunShape(local_batch=1, seq=1024, activation_checkpointing=True)
     # ZAYA's linear-mixer layers are its compressed convolutional attention, inside the attention the attention probe
     # measures; Kimi Linear's delta rule sits where its layers hold attention, beside its measured MLA layers
@@ -1387,8 +1387,14 @@ def test_the_plan_names_linear_mixers_it_does_not_measure():
         family_or_skip(name)
         d = _dims(name)
         assert (d.kernel_mixer_layers, d.torch_mixer_layers) == (packaged, torch_code), name
+        # where their torch code runs (the CPU, every device for the torch-only ones) they are measured
+        # (test_linear_mixer_cores_outside_the_chain_are_counted_where_their_torch_code_runs) and said so
         note = plan_memory(d, shape).terms["activations"].note
-        assert ("torch fallback" in note) == bool(packaged) and ("on every device" in note) == bool(torch_code), note
+        assert "not measured" not in note and ("transformers' torch code" in note) == bool(packaged or torch_code), note
+        # on a GPU where their kernel package is installed (fla, mamba-ssm) they are not: the note names them
+        gpu = dataclasses.replace(shape, attention_kernel="flash")
+        note = plan_memory(dataclasses.replace(d, gpu_torch_core_layers=torch_code), gpu).terms["activations"].note
+        assert ("torch fallback" in note) == bool(packaged) and ("not measured" in note) == bool(packaged), note
 
 
 def test_an_expert_loop_over_stacked_weights_holds_three_gradient_copies():
@@ -1672,24 +1678,117 @@ def test_doge_under_cp_keeps_its_repeated_mask_and_makes_its_gradient_once():
     assert tracker.peak < 2.5 * mask_bytes, tracker.peak / mask_bytes
 
 
-def test_the_plan_says_chained_linear_mixer_cores_keep_their_tensors_under_checkpointing():
+_CORE_FIELDS = ("chain_kept_per_token", "chain_kept_per_row", "core_saved_per_token", "core_forward_per_token",
+                "core_backward_per_token")
+
+
+def _unmeasured(d):
+    """``d`` as if its linear-mixer cores could not be measured (the plan's terms without them)."""
+    return dataclasses.replace(d, **{name: (0.0, 0.0) for name in _CORE_FIELDS})
+
+
+def _activations_added(d, phase: str, **kw) -> dict[str, float]:
+    """Per moment of ``phase``, the activation bytes the plan adds for ``d``'s measured linear-mixer cores."""
+    got, without = (_plan(x, **kw).by_moment[phase] for x in (d, _unmeasured(d)))
+    return {m: got[m]["activations"] - without[m]["activations"] for m in got}
+
+
+def test_the_plan_counts_what_the_chain_keeps_under_checkpointing():
     """Ring, thd, thd_docs and usp run a linear mixer's core in the state chain, which keeps each layer's saved
-    tensors through the step outside activation checkpointing; the plan does not count them and its activations
-    note says so (OLMo-Hybrid under ring cp 2 with checkpointing: -38% on the CPU, Ulysses -4%; ZAYA -20%)."""
+    tensors, inputs, outputs and states through the step outside activation checkpointing, a recomputed layer's
+    chain once more in its backward, and a little more in flight at its mixer; the plan counts them from the
+    meta-device measurement (``ModelDims.chain_*``) and says so. Uncounted, OLMo-Hybrid under ring cp 2 with
+    checkpointing read -38% (hidden 256, 2048 tokens) and -84% at its tiny size; counted, +9% at its tiny size
+    (scripts/bench_plan_families_cp.py). Ulysses recomputes its head-sharded cores: no chain there."""
     d = _dims("olmo_hybrid")
     layers = d.chained_mixer_layers
     assert layers == d.kernel_mixer_layers > 0
+    assert d.chain_kept_per_token[0] > d.chain_kept_per_token[1] > 0
     # ZAYA's convolutional attention is chained too (its projection's conv state), though its attention probe measures it
     assert _dims("zaya").chained_mixer_layers == _dims("zaya").layers and _dims("zaya").kernel_mixer_layers == 0
-
-    def note(**kw) -> str:
-        return _plan(d, activation_checkpointing=kw.pop("ac", True), **kw).terms["activations"].note
-
+    n = SEQ // 2
+    saved, fwd, bwd = (n * x[0] for x in (d.core_saved_per_token, d.core_forward_per_token, d.core_backward_per_token))
     for method in ("ring", "thd", "thd_docs"):
-        assert f"under {method} the {layers} linear-mixer layers' cores run in the state chain" in note(cp=2, cp_method=method)
-    assert "state chain" not in note(cp=2, cp_method="ulysses")
-    assert "state chain" not in note(cp=2, ac=False) and "state chain" not in note()
+        kw = dict(cp=2, cp_method=method, activation_checkpointing=True)
+        kept = n * d.chain_kept_per_token[0] + d.chain_kept_per_row[0]
+        # every chain from the last chained layer's forward on, what a core holds beyond what it saves at a layer's
+        # mixer (the whole row's: the chain's pieces are shorter); the recomputed layer's chain once more
+        again = kept / layers
+        assert _activations_added(d, "forward", **kw) == pytest.approx(
+            {"MLP": kept, "attention": kept + fwd - saved, "final norm": kept})
+        assert _activations_added(d, "recompute", **kw) == pytest.approx(
+            {"MLP": kept + again, "norm": kept + again, "attention": kept + again + max(fwd, bwd) - saved,
+             "final norm": kept})
+        note = _plan(d, **kw).terms["activations"].note
+        assert f"under {method} the {layers} linear-mixer layers' cores run in the state chain, which keeps " in note
+        assert "checkpointing does not recompute them" in note and "not counted" not in note
+        # what is counted is transformers' torch code, not the CUDA kernels: said once, in place of the kernel note
+        assert "measured with transformers' torch code" in note and "torch fallback" not in note
+        assert "not counted" in _plan(_unmeasured(d), **kw).terms["activations"].note
+    # bf16: the bf16 figures
+    kw = dict(cp=2, cp_method="ring", activation_checkpointing=True, compute_bytes=2)
+    assert _activations_added(d, "forward", **kw)["MLP"] == pytest.approx(
+        n * d.chain_kept_per_token[1] + d.chain_kept_per_row[1])
+    # without checkpointing the chain keeps the same (as autograd would), with no recomputation
+    kept = n * d.chain_kept_per_token[0] + d.chain_kept_per_row[0]
+    assert _activations_added(d, "backward", cp=2, cp_method="ring")["MLP"] == pytest.approx(kept)
+    # Ulysses and one process: no chain (their cores as autograd saves them: the next test)
+    for kw in (dict(cp=2, cp_method="ulysses", activation_checkpointing=True), {}):
+        assert "state chain" not in _plan(d, **kw).terms["activations"].note
     assert "state chain" not in _plan(_dims("llama"), cp=2, activation_checkpointing=True).terms["activations"].note
+
+
+def test_linear_mixer_cores_outside_the_chain_are_counted_where_their_torch_code_runs(monkeypatch):
+    """Outside the chain (one process, Ulysses) a linear-mixer layer's core keeps what autograd saves and holds more at
+    its peaks: with checkpointing the layer in flight (its forward at its mixer; in its recomputed backward what it
+    saved, and at its mixer its backward's peak), without every such layer keeps what it saved. Where transformers'
+    torch code runs them (on the CPU; on a GPU where their kernel package is not installed here, or none exists), the
+    plan counts them from the meta-device measurement (``ModelDims.core_*``); planned as attention layers of the
+    model's heads, Kimi Linear and Bailing-hybrid read -93% to -98% under Ulysses at cp 2 and Jamba -37%."""
+    import importlib.util
+
+    from automodel.training.chain_memory import torch_code_on_gpu
+
+    d = _dims("kimi_linear")
+    assert d.core_layers == d.gpu_torch_core_layers == d.chained_mixer_layers == d.kernel_mixer_layers > 0
+
+    def per(tokens: int) -> tuple[float, float, float]:
+        return tuple(tokens * x[0] for x in (d.core_saved_per_token, d.core_forward_per_token, d.core_backward_per_token))
+
+    saved, fwd, bwd = per(SEQ)
+    assert bwd > saved > 0 and fwd > 0
+    ckpt = dict(activation_checkpointing=True)
+    # the layer in flight's core: its forward at its mixer; in its recomputed backward what it saved, at its mixer
+    # the larger of its recomputed forward's peak and its backward's
+    assert _activations_added(d, "forward", **ckpt) == pytest.approx({"MLP": 0.0, "attention": fwd, "final norm": 0.0})
+    assert _activations_added(d, "recompute", **ckpt) == pytest.approx(
+        {"MLP": saved, "attention": max(fwd, bwd), "norm": saved, "final norm": 0.0})
+    # Ulysses: the head shard's cores on the whole row hold the rank's share (half the row's at cp 2)
+    assert _activations_added(d, "recompute", cp=2, cp_method="ulysses", **ckpt)["attention"] == pytest.approx(
+        max(per(N)[1:]))
+    # without checkpointing every such layer keeps what it saved, the last one more in flight at its mixer
+    every = saved * d.core_layers
+    assert _activations_added(d, "backward") == pytest.approx(
+        {"MLP": every, "attention": every + bwd - saved, "norm": every, "final norm": every})
+    note = _plan(d, **ckpt).terms["activations"].note
+    assert "the recomputed linear-mixer layer's core, transformers' torch code on the CPU" in note
+    assert "torch fallback" not in note  # said by the kernel note only where not counted
+    # a GPU run counts them only where their kernel package is missing here: with fla installed, fla's kernels run
+    # them, which the plan does not measure (the kernel note says so)
+    mixer = next(m for m in AutoModelForCausalLM.from_config(family_by_name("kimi_linear").build_config()).modules()
+                 if type(m).__name__ == "KimiLinearDeltaAttention")  # fmt: skip
+    assert torch_code_on_gpu(mixer)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else real(name, *a))
+    assert not torch_code_on_gpu(mixer)
+    gpu = dict(activation_checkpointing=True, attention_kernel="flash")
+    with_fla = dataclasses.replace(d, gpu_torch_core_layers=0)
+    assert not any(_activations_added(with_fla, "recompute", **gpu).values())
+    assert "torch fallback" in _plan(with_fla, **gpu).terms["activations"].note
+    assert _activations_added(d, "recompute", **gpu)["attention"] == pytest.approx(max(fwd, bwd))
+    # MiniMax's lightning layers are measured by their own probe (ModelDims.mixer_saved_extra), ZAYA's CCA by its
+    # attention's: not counted twice
+    assert _dims("minimax").core_layers == 0 and _dims("zaya").core_layers == 0
 
 
 def test_ring_rotates_kv_at_the_query_heads_where_transformers_repeated_them():

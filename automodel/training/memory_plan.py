@@ -356,8 +356,9 @@ class ModelDims:
     mixer_layers: int = 0
     mixer_saved_extra: tuple[float, float] = (0.0, 0.0)
     #: linear-mixer layers whose modeling file names a kernel package that runs their token mixing on a GPU (fla,
-    #: causal-conv1d, mamba-ssm: Qwen3-Next, Kimi Linear, Mamba, ...): planned with their heads' attention terms; where
-    #: the package is missing transformers runs its torch fallback, which keeps more (the plan's note says so)
+    #: causal-conv1d, mamba-ssm: Qwen3-Next, Kimi Linear, Mamba, ...). Where their torch code runs (the CPU, a GPU
+    #: without the package here) and under the state chain their cores are measured (``core_*``, ``chain_*``); on a GPU
+    #: where the package runs them they are planned with their heads' attention terms, and the plan's note says so
     kernel_mixer_layers: int = 0
     #: elements of the largest parameter of an MoE block whose expert loop indexes its stacked weights per expert
     #: (``self.gate_up_proj[expert_idx]`` under ``experts_implementation="eager"``; JetMoE's ``self.weight[i]``, DBRX's
@@ -366,13 +367,32 @@ class ModelDims:
     #: one the plan counts (a probe of one stacked weight: 3.0 x its bytes); 0 elsewhere (grouped_mm's and Llama 4's
     #: bmm compute the whole gradient at once)
     expert_loop_param: int = 0
-    #: linear-mixer layers whose torch code runs on every device but that are not measured (RecurrentGemma's RG-LRU,
-    #: xLSTM's mLSTM: not held where a layer holds its attention): planned with their heads' attention terms (noted)
+    #: linear-mixer layers whose torch code runs on every device, not held where a layer holds its attention
+    #: (RecurrentGemma's RG-LRU, xLSTM's mLSTM): measured with the other cores (``core_*``, ``chain_*``) where they have
+    #: a CP kernel; otherwise planned with their heads' attention terms (noted)
     torch_mixer_layers: int = 0
     #: linear-mixer layers whose mixer the CP methods run (``linear_support.STATE_MIXERS``, ZAYA's convolutional
-    #: attention included): those ring, thd, thd_docs and usp chain across their ranks (the plan's note says what that
-    #: keeps under checkpointing)
+    #: attention included): those ring, thd, thd_docs and usp chain across their ranks (what that keeps:
+    #: ``chain_kept_per_token``)
     chained_mixer_layers: int = 0
+    #: ``(fp32, bf16)`` bytes per token of a rank's row, and per row, that the state chain keeps through the step of
+    #: all the chained layers together (:func:`automodel.training.chain_memory.chain_kept`: measured on the meta
+    #: device); 0 where there are none or they cannot be measured (the plan's note then says they are not counted)
+    chain_kept_per_token: tuple[float, float] = (0.0, 0.0)
+    chain_kept_per_row: tuple[float, float] = (0.0, 0.0)
+    #: ``(fp32, bf16)`` bytes per token one linear-mixer layer's core saves run on a whole row outside the chain (its
+    #: inputs not included), and the most it holds in its forward (its output included) and its backward (what it
+    #: saved included): the classes' largest, the same measurement
+    core_saved_per_token: tuple[float, float] = (0.0, 0.0)
+    core_forward_per_token: tuple[float, float] = (0.0, 0.0)
+    core_backward_per_token: tuple[float, float] = (0.0, 0.0)
+    #: of the chained layers, those whose cores the plan counts outside the chain too (one process, Ulysses) from
+    #: ``core_*_per_token``, where their torch code runs: on a CPU every one
+    #: (``core_layers``: all but ZAYA's CCA, inside its probed attention, and MiniMax's measured lightning layers), on a
+    #: GPU those whose kernel package is not installed here or that have none (``gpu_torch_core_layers``:
+    #: :func:`automodel.training.chain_memory.torch_code_on_gpu`)
+    core_layers: int = 0
+    gpu_torch_core_layers: int = 0
     #: ``[N, h]`` hidden states a decoder layer takes (what checkpointing keeps and offload moves per layer): Gemma
     #: 3n's AltUp passes its ``altup_num_inputs`` predictions stacked, ``[K, B, S, h]``; hyper-connections (DeepSeek-V4's
     #: and HY-V4's ``hc_mult``, Qwen4-Exp's ``hc_count``) pass that many residual streams, ``[B, S, K, h]``; 1 elsewhere
@@ -1188,8 +1208,10 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
     Kimi Linear's and Bailing-hybrid's delta rules (fla's kernels where installed; their torch fallback keeps
     ~600 ``q`` per token at 64 tokens), Qwen3-Next's ``linear_attn`` and the Mamba mixers are not read here: they
     are counted in :attr:`ModelDims.kernel_mixer_layers` (the linear layers whose mixer's modeling file names a
-    kernel package), which the plan's note names; :attr:`ModelDims.chained_mixer_layers` counts every linear layer
-    whose mixer the CP methods run (``linear_support.STATE_MIXERS``)."""
+    kernel package); :attr:`ModelDims.chained_mixer_layers` counts every linear layer whose mixer the CP methods run
+    (``linear_support.STATE_MIXERS``), and their cores are measured through their CP kernels
+    (:func:`automodel.training.chain_memory.chain_kept`: ``chain_*`` and ``core_*``, ``core_layers`` and
+    ``gpu_torch_core_layers``)."""
     from automodel.distributed.cp.layers.linear_support import STATE_MIXERS
     from automodel.distributed.cp.profile import LINEAR
     from automodel.training.attention_memory import (
@@ -1199,6 +1221,7 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
         probed,
         torch_only,
     )
+    from automodel.training.chain_memory import chain_kept, torch_code_on_gpu
 
     # the attention class the attention probe measures (ModelDims.attention_saved_extra: the first attention layer's)
     measured_cls = type(attention_module(first_attention)) if first_attention is not None else None
@@ -1223,8 +1246,22 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
                                      head_dim)  # fmt: skip
     counted = len(found) if measured is not None and any(m > 0 for m in measured) else 0
     unread = sum(1 for m in mixers if m is not None) - packaged - counted
-    chained = sum(1 for spec in profile.layers if spec.kind == LINEAR and spec.mixer in STATE_MIXERS)
+    chained_layers = [(index, next((m for m in layer.modules() if type(m).__name__ == spec.mixer), None))
+                      for index, (layer, spec) in enumerate(zip(layers, profile.layers))
+                      if spec.kind == LINEAR and spec.mixer in STATE_MIXERS]  # fmt: skip
+    chained = len(chained_layers)
     out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": unread, "chained_mixer_layers": chained}
+    kept = chain_kept(chained_layers, hidden) if all(m is not None for _, m in chained_layers) else None
+    if kept is not None:
+        # outside the chain, the same cores' tensors where their torch code runs: all but those another probe
+        # measures (ZAYA's CCA inside its probed attention, MiniMax's lightning layers)
+        probe_mixer = dict(zip((i for i, spec in enumerate(profile.layers) if spec.kind == LINEAR), mixers))
+        measured_at = {i for i, _ in found} if counted else set()
+        own = [m for i, m in chained_layers if probe_mixer.get(i) is not None and i not in measured_at]
+        out.update(chain_kept_per_token=kept.per_token, chain_kept_per_row=kept.per_row,
+                   core_saved_per_token=kept.saved, core_forward_per_token=kept.forward,
+                   core_backward_per_token=kept.backward, core_layers=len(own),
+                   gpu_torch_core_layers=sum(1 for m in own if torch_code_on_gpu(m)))  # fmt: skip
     if counted:
         out.update(mixer_layers=counted, mixer_saved_extra=tuple(round(max(0.0, m), 2) for m in measured))
     return out
@@ -1696,21 +1733,89 @@ def _final_norm_tile(d: ModelDims, r: RunShape) -> int | None:
     return _norm_tile(d, r, setting, d.final_norm_tiles)
 
 
-def _chained_mixers_note(d: ModelDims, r: RunShape) -> str:
-    """What the activations' note says of linear-mixer layers whose cores a CP method chains across its ranks under
-    activation checkpointing (``linear_support.CHAINED_METHODS``): the chain keeps each such layer's inner graph
-    through the step, outside checkpointing, and the plan does not count it. Measured on the CPU with transformers'
-    torch Gated DeltaNet (``scripts/bench_plan_families_cp.py``, hidden 256, 2048 tokens, cp 2, checkpointing):
-    OLMo-Hybrid -38% and Qwen3-Next -30% under ring, -4% and +7% under Ulysses, whose head-sharded cores are
-    recomputed; ZAYA's convolutional attention -20% under ring; what fla's CUDA kernels keep there is not
-    measured."""
+@dataclass(frozen=True)
+class _CoreTerms:
+    """What linear-mixer cores add to the activations, bytes per rank (:func:`_linear_cores`): ``held`` from the
+    layers' forwards on at every later moment, ``forward`` at a layer's mixer in its forward (the layer in flight),
+    ``backward`` at a recomputed (without checkpointing: the last) layer's MLP and norm backward moments,
+    ``at_mixer`` at its mixer's backward (the attention moment); ``note`` for the activations' note."""
+
+    held: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    at_mixer: float = 0.0
+    note: str = ""
+
+
+def _linear_cores(d: ModelDims, r: RunShape) -> _CoreTerms:
+    """What the plan counts of linear-mixer cores, from the meta-device measurement (``ModelDims.chain_*`` and
+    ``core_*``: :func:`automodel.training.chain_memory.chain_kept`).
+
+    - **In the state chain** (cp > 1 under ``linear_support.CHAINED_METHODS``: ring, thd, thd_docs, usp): every chained
+      layer keeps its core's graph, inputs, outputs and states from its forward to its backward, outside activation
+      checkpointing (``state_chain``); a recomputed layer runs its chain once more, whose graph lives through its
+      backward (a snapshot of OLMo-Hybrid under ring: four copies of each chunk tensor of its three chained layers at
+      the backward's peak); and the chain holds more in flight in its forward and its backward, at most what the core
+      holds beyond its saved tensors on the whole row (the chain's pieces are shorter). Counted for
+      every chained layer: transformers' torch code is what is measured, which keeps more than fla's and mamba-ssm's
+      CUDA kernels where those run them. Uncounted, OLMo-Hybrid's step was planned 38% and Qwen3-Next's 30% under
+      their measured peaks under ring (``scripts/bench_plan_families_cp.py``, hidden 256, 2048 tokens, cp 2).
+    - **Outside it** (one process, Ulysses' head shard: the rank's share of the heads on the whole row, the same bytes
+      per rank): a core saves what autograd saves, and holds more at its forward's and backward's peaks; with
+      checkpointing only the layer in flight, without every such layer keeps what it saved. Counted where the cores'
+      torch code runs: on the CPU every layer of :attr:`ModelDims.core_layers`, on a GPU those of
+      ``gpu_torch_core_layers`` (no kernel package installed here, or none exists). Planned as attention layers of the
+      model's heads, transformers' torch fallbacks read far under: Kimi Linear and Bailing-hybrid -93% to -98% under
+      Ulysses at cp 2, Jamba -37%.
+
+    The core is counted beside the attention terms the plan's layer terms give every layer, which stand for a
+    linear layer's projections, gates and norms around its core (subtracting them as if they were the core put Mamba2
+    layers 5% to 12% under: Falcon-H1, Bamba, Nemotron-H under Ulysses). Nothing where the cores were not measured (the
+    notes then name the layers)."""
+    from automodel.distributed.cp.attention_kernels import CPU_KERNEL
     from automodel.distributed.cp.layers.linear_support import CHAINED_METHODS
 
-    layers = d.chained_mixer_layers
-    if not layers or r.cp <= 1 or not r.activation_checkpointing or r.cp_method not in CHAINED_METHODS:
-        return ""
-    return (f"; under {r.cp_method} the {layers} linear-mixer layers' cores run in the state chain, which keeps each "
-            "one's saved tensors through the step (checkpointing does not recompute them): not counted")
+    chained = d.chained_mixer_layers
+    if not chained or not any(d.chain_kept_per_token):
+        if chained and r.cp > 1 and r.activation_checkpointing and r.cp_method in CHAINED_METHODS:
+            return _CoreTerms(note=f"; under {r.cp_method} the {chained} linear-mixer layers' cores run in the state "
+                                   "chain, which keeps each one's saved tensors through the step (checkpointing does not "
+                                   "recompute them): not counted")  # fmt: skip
+        return _CoreTerms()
+    at = 1 if r.compute_bytes < 4 else 0
+    n = r.local_tokens
+    plural = "s" if chained > 1 else ""
+    if r.cp > 1 and r.cp_method in CHAINED_METHODS:
+        kept = n * d.chain_kept_per_token[at] + r.local_batch * d.chain_kept_per_row[at]
+        # in flight beyond what it keeps, at most the whole row's core's (the chain's pieces are shorter)
+        saved = n * d.core_saved_per_token[at]
+        forward, backward = n * d.core_forward_per_token[at] - saved, n * d.core_backward_per_token[at] - saved
+        again = kept / chained if r.activation_checkpointing else 0.0
+        note = (f"; under {r.cp_method} the {chained} linear-mixer layer{plural}' cores run in the state chain, which "
+                f"keeps {_fmt(kept)} through the step"
+                + (" (checkpointing does not recompute them), and a recomputed layer's chain once more in its backward"
+                   if again else "")
+                + "; measured with transformers' torch code, which keeps more than fla's and mamba-ssm's CUDA kernels "
+                  "where those run them")  # fmt: skip
+        # a recomputed layer's backward holds its chain's recomputed forward first, then its backward
+        return _CoreTerms(kept, forward, again, again + max(forward, backward), note)
+    cpu = r.attention_kernel == CPU_KERNEL
+    layers = d.core_layers if cpu else d.gpu_torch_core_layers
+    if not layers:
+        return _CoreTerms()
+    saved, forward, backward = (n * x[at] for x in (d.core_saved_per_token, d.core_forward_per_token,
+                                                     d.core_backward_per_token))  # fmt: skip
+    where = "on the CPU" if cpu else "on a GPU here (no kernel package of theirs installed, or none exists)"
+    plural = "s" if layers > 1 else ""
+    if r.activation_checkpointing:
+        note = (f"; the recomputed linear-mixer layer's core, transformers' torch code {where}: "
+                f"{_fmt(max(forward, backward))} at its peak (measured on the meta device)")
+        # the recomputed layer's backward phase holds its core's recomputed forward first (Falcon-H1's Mamba2 under
+        # Ulysses peaks there: the padded chunks beside the head shard's inputs), then its backward
+        return _CoreTerms(0.0, forward, saved, max(forward, backward), note)
+    note = (f"; {layers} linear-mixer layer{plural}' cores, transformers' torch code {where}: {_fmt(saved * layers)} "
+            "kept (measured on the meta device)")
+    return _CoreTerms(layers * saved, forward - saved, 0.0, backward - saved, note)
 
 
 def _keeps_eager_scores(d: ModelDims, r: RunShape) -> bool:
@@ -1947,9 +2052,14 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     copy_avg, copy_max = copy_avg + dyn_avg, copy_max + dyn_max
     building = max(building, dyn_fwd) if r.attn == "eager" else building + dyn_fwd  # eager: before the scores
     in_flight += dyn_bwd
+    # linear-mixer cores (_linear_cores): what the state chain keeps through the step, or outside it what a core
+    # saves and holds at its peaks where its torch code runs
+    cores = _linear_cores(d, r)
+    chained = cores.held if r.activation_checkpointing else 0.0
     # a linear-attention mixer in the attention's place (MiniMax's lightning attention): what it keeps beyond the
-    # attention terms, in its layers (the layers' average in what they keep, one such layer in flight)
-    mixer = n * d.mixer_saved_extra[1 if half else 0] * q * c / tp if d.mixer_layers and d.heads else 0.0
+    # attention terms, in its layers (the layers' average in what they keep, one such layer in flight); where the chain
+    # runs it, the chain's count is what its layers keep
+    mixer = n * d.mixer_saved_extra[1 if half else 0] * q * c / tp if d.mixer_layers and d.heads and not cores.note else 0.0
     copy_avg, copy_max = copy_avg + mixer * d.mixer_layers / max(1, d.layers), copy_max + mixer
     # a chunked indexer (Kolibri-1.1): its selection at an indexed layer's attention in the forward (and in its
     # recomputation), and under checkpointing the pools of candidate keys the layers' recomputations are handed
@@ -1966,14 +2076,15 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # linear mixers the plan does not measure: counted as attention layers of the model's heads (a model without
     # attention heads counts no term for them)
     as_what = "with the attention terms of the model's heads" if d.heads else "with no term of their own"
-    if d.kernel_mixer_layers:
+    if d.kernel_mixer_layers and not cores.note:  # counted: their note says what was measured
         tiled += (f"; {d.kernel_mixer_layers} linear-mixer layers planned {as_what}, not measured: their CUDA kernels "
                   "(fla, causal-conv1d, mamba-ssm) run them on a GPU; without those packages transformers runs its "
                   "torch fallback, which keeps more (CPU step peaks up to 84% above this plan: docs/benchmarks.md)")
-    if d.torch_mixer_layers:
+    if d.torch_mixer_layers and not cores.note:
         tiled += (f"; {d.torch_mixer_layers} linear-mixer layers (torch code on every device) planned {as_what}, "
                   "not measured")
-    tiled += _chained_mixers_note(d, r)
+    tiled += cores.note
+    tables += chained  # held from the chained layers' forwards to their backwards, like the tables
     tiled += f"; the layers' norms in tiles of {norm_tile} tokens" if norm_tile else ""
     if r.activation_checkpointing:
         # only each layer's input is kept (the embedding output is the first); offloaded, two on the device
@@ -1997,12 +2108,20 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         bwd_i = n * (kept + always + body_attn_bwd + grads) + indexer + tables if indexer else 0.0
         bwd_n = n * (kept + always + _layer_norm_moment(d, r, attn, lse, saved_mlp)) + s2 + copy_max
         bwd_m, bwd_a, bwd_n = bwd_m + tables, bwd_a + tables, bwd_n + tables
+        # the recomputed layer's core (_linear_cores: in the chain its graph once more), at its mixer's backward with
+        # what it holds in flight; the layer in flight's core in the forward
+        fwd_a += cores.forward
+        bwd_m, bwd_a, bwd_n = bwd_m + cores.backward, bwd_a + cores.at_mixer, bwd_n + cores.backward
+        bwd_i += cores.backward if bwd_i else 0.0
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
-        fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always))
+        fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always) + chained)  # every chain kept then
         return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n, fwd_i, bwd_i)
     before = n * ((d.calls - 1) * layer + embed + always) + (d.calls - 1) * (s2 + copy_avg)  # the layers before the last
     saved = n * (d.calls * layer + embed + final + always) + d.calls * (s2 + copy_avg) + tile_bytes
+    # every linear-mixer core (chained, or whose torch code runs) keeps its tensors beside its layer's
+    # (_linear_cores), the last layer's included from its forward on
+    before, saved = before + cores.held, saved + cores.held
     fwd_m = before + n * (body + fwd_mlp * c + router) + s2 + tile_fwd + copy_max + tables
     at_attn = before + n * body_attn + tables
     fwd_a = at_attn + s2 + building + copy_max
@@ -2012,6 +2131,8 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max + loop_grads
     bwd_a = before + n * (body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
     bwd_n = before + n * _layer_norm_moment(d, r, attn, lse, saved_mlp) + s2 + copy_max
+    # the last layer's core in flight beyond what it keeps (_linear_cores), at its mixer
+    fwd_a, bwd_a = fwd_a + cores.forward, bwd_a + cores.at_mixer
     note = f"{_layer_count(d)} x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")

@@ -24,6 +24,7 @@ wait for a message forever).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ __all__ = [
     "run_chain",
     "run_documents",
     "chain_bytes_per_rank",
+    "kept_bytes",
     "state_message_bytes",
 ]
 
@@ -327,7 +329,46 @@ def _pack(t: torch.Tensor) -> torch.Tensor:
     would be a reference cycle through the C++ graph that no garbage collection frees, and every step's inner graphs
     would stay alive (a live-tensor count of OLMo-Hybrid under ring cp 2 grew by 18 of the delta rule's chunk
     tensors per step)."""
-    return t.detach()
+    alias = t.detach()
+    if _KEPT is not None:  # kept_bytes is counting
+        _KEPT.append(weakref.ref(alias))
+    return alias
+
+
+#: weak references to what :func:`_pack` keeps while :func:`kept_bytes` counts (``None``: not counting)
+_KEPT: list[weakref.ref] | None = None
+
+
+def kept_bytes(kernel: MixerKernel, mixer: torch.nn.Module, seq: dict[str, torch.Tensor]) -> int:
+    """Bytes one rank's :class:`ChainedCore` keeps from its forward to its backward for ``seq`` (the core's inputs
+    ``[B, n, H_i, d_i]`` of one row, ``n`` even): the distinct storages of its inner graph's saved tensors, its
+    inputs, the pieces' outputs and the states, less ``mixer``'s parameters and buffers. The row runs as two equal
+    chunks on this rank, each started from a state (a zero-length first piece hands the second its zeros), as every
+    rank but the first holds its two head-tail chunks of a row (the first starts its head chunk from nothing, which
+    some cores keep less for: Jamba's Mamba keeps its start-state terms per chunk started from a state). No messages:
+    run it on the meta device, where nothing is computed.
+    Activation checkpointing does not recompute these (module docstring), so every chained layer keeps them through
+    the step; the memory planner counts them (:mod:`automodel.training.chain_memory`). Nothing is mutated."""
+    global _KEPT
+    n = next(iter(seq.values())).shape[1]
+    if n % 2:
+        raise ValueError(f"kept_bytes runs a row as two equal chunks, got {n} tokens")
+    leaves = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in seq.items()}
+    params = kernel.core_params(mixer, None)
+    chain = Chain(None, 0, [[(0, 0, 0), (0, 0, n // 2), (0, n // 2, n // 2)]])
+    _KEPT = []
+    try:
+        out = run_chain(kernel, mixer, params, leaves, chain)
+        ctx = out.grad_fn
+        kept = [r() for r in _KEPT] + list(ctx.leaves) + [o for _, _, o in ctx.outputs]
+        for *_, inits, finals, _outs in ctx.steps:
+            kept += [t for st in (*inits, *finals) if st is not None for t in st]
+        skip = {t.untyped_storage()._cdata for t in (*mixer.parameters(), *mixer.buffers())}
+        alive = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in kept
+                 if t is not None and t.untyped_storage()._cdata not in skip}  # fmt: skip
+        return sum(alive.values())
+    finally:
+        _KEPT = None
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
