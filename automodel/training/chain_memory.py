@@ -20,9 +20,9 @@ grows with the tokens and what does not):
 
 - :func:`~automodel.distributed.cp.layers.state_chain.kept_bytes` runs the chain on it and counts the distinct
   storages its backward holds;
-- :func:`~automodel.training.mlp_memory.live_moments` counts what the core run on the whole row from nothing
-  (``state_chain.run_documents``, as one process and Ulysses run it) saves and holds at its forward's and its
-  backward's peaks.
+- :func:`~automodel.training.mlp_memory.live_moments` counts what the core saves and holds at its forward's and its
+  backward's peaks run as one of two Ulysses ranks runs it (``state_chain.run_documents`` on the whole row for half
+  the heads, the inputs the all-to-all hands it made in the forward); one process runs the same bytes per token.
 
 The core is the model module's own function on this machine: transformers' torch code, or the kernel package's (fla,
 mamba-ssm) where it is installed and takes the device; on the meta device the packages decline, so the torch code is
@@ -63,8 +63,8 @@ class ChainKept:
         per_row: the same per row, whatever its length (the states at the pieces' ends).
         layers: the chained layers measured (every one: a class that cannot run on the meta device makes the
             whole measurement ``None``).
-        saved: bytes per token one layer's core saves run on the whole row from nothing outside the chain, its inputs
-            not included (the classes' largest).
+        saved: bytes per token (of the rank's share of the row) one layer's core saves outside the chain, run as one
+            of two Ulysses ranks runs it, its inputs included where it saves them (the classes' largest).
         forward: bytes per token at that core's forward's peak, its output included.
         backward: bytes per token at that core's backward's peak, what it saved included. What the chain holds in
             flight beyond what it keeps is bounded by the whole row's ``forward - saved`` and ``backward - saved``

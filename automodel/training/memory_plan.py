@@ -380,9 +380,10 @@ class ModelDims:
     #: device); 0 where there are none or they cannot be measured (the plan's note then says they are not counted)
     chain_kept_per_token: tuple[float, float] = (0.0, 0.0)
     chain_kept_per_row: tuple[float, float] = (0.0, 0.0)
-    #: ``(fp32, bf16)`` bytes per token one linear-mixer layer's core saves run on a whole row outside the chain (its
-    #: inputs not included), and the most it holds in its forward (its output included) and its backward (what it
-    #: saved included): the classes' largest, the same measurement
+    #: ``(fp32, bf16)`` bytes per token one linear-mixer layer's core saves outside the chain (run as one of two Ulysses
+    #: ranks runs it: the whole row for half the heads, per token of the rank's share), and the most it holds in its
+    #: forward (its output included) and its backward (what it saved included): the classes' largest, the same
+    #: measurement
     core_saved_per_token: tuple[float, float] = (0.0, 0.0)
     core_forward_per_token: tuple[float, float] = (0.0, 0.0)
     core_backward_per_token: tuple[float, float] = (0.0, 0.0)
