@@ -1228,15 +1228,18 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
     measured_cls = type(attention_module(first_attention)) if first_attention is not None else None
 
     mixers, found = [], []  # each linear layer's mixer (unless the attention probe covers it); the probeable ones
+    # each layer whose mixer the CP methods run: (index, its mixer, whether another probe measures its core)
+    chained_layers: list[tuple[int, Any, bool]] = []
     for index, (layer, spec) in enumerate(zip(layers, profile.layers)):
         if spec.kind != LINEAR:
             continue
         mixer = next((m for m in layer.modules() if type(m).__name__ == spec.mixer), None)
         attention = attention_module(layer)
-        if attention is not None and type(attention) is measured_cls and probed(attention) \
-                and any(m is mixer for m in attention.modules()):  # fmt: skip
-            mixer = None  # ZAYA's CCA projection: inside its probed attention
-        mixers.append(mixer)
+        inside = attention is not None and type(attention) is measured_cls and probed(attention) \
+            and any(m is mixer for m in attention.modules())  # fmt: skip
+        if spec.mixer in STATE_MIXERS:
+            chained_layers.append((index, mixer, inside))
+        mixers.append(None if inside else mixer)  # ZAYA's CCA projection: inside its probed attention
         if heads and attention is not None and not calls_attention_function(attention) and torch_only(attention):
             found.append((index, attention))
     packaged = sum(1 for m in mixers if m is not None and not torch_only(m))
@@ -1247,18 +1250,15 @@ def _mixer_fields(model, layers: list, profile, hidden: int, heads: int, kv: int
                                      head_dim)  # fmt: skip
     counted = len(found) if measured is not None and any(m > 0 for m in measured) else 0
     unread = sum(1 for m in mixers if m is not None) - packaged - counted
-    chained_layers = [(index, next((m for m in layer.modules() if type(m).__name__ == spec.mixer), None))
-                      for index, (layer, spec) in enumerate(zip(layers, profile.layers))
-                      if spec.kind == LINEAR and spec.mixer in STATE_MIXERS]  # fmt: skip
-    chained = len(chained_layers)
-    out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": unread, "chained_mixer_layers": chained}
-    kept = chain_kept(chained_layers, hidden) if all(m is not None for _, m in chained_layers) else None
+    out: dict[str, Any] = {"kernel_mixer_layers": packaged, "torch_mixer_layers": unread,
+                           "chained_mixer_layers": len(chained_layers)}  # fmt: skip
+    found_mixers = all(m is not None for _, m, _ in chained_layers)
+    kept = chain_kept([(i, m) for i, m, _ in chained_layers], hidden) if found_mixers else None
     if kept is not None:
         # outside the chain, the same cores' tensors where their torch code runs: all but those another probe
         # measures (ZAYA's CCA inside its probed attention, MiniMax's lightning layers)
-        probe_mixer = dict(zip((i for i, spec in enumerate(profile.layers) if spec.kind == LINEAR), mixers))
         measured_at = {i for i, _ in found} if counted else set()
-        own = [m for i, m in chained_layers if probe_mixer.get(i) is not None and i not in measured_at]
+        own = [m for i, m, inside in chained_layers if not inside and i not in measured_at]
         out.update(chain_kept_per_token=kept.per_token, chain_kept_per_row=kept.per_row,
                    core_saved_per_token=kept.saved, core_forward_per_token=kept.forward,
                    core_backward_per_token=kept.backward, core_layers=len(own),
@@ -1785,8 +1785,8 @@ def _linear_cores(d: ModelDims, r: RunShape) -> _CoreTerms:
         return _CoreTerms()
     at = 1 if r.compute_bytes < 4 else 0
     n = r.local_tokens
-    plural = "s" if chained > 1 else ""
     if r.cp > 1 and r.cp_method in CHAINED_METHODS:
+        plural = "s" if chained > 1 else ""
         kept = n * d.chain_kept_per_token[at] + r.local_batch * d.chain_kept_per_row[at]
         # in flight beyond what it keeps, at most the whole row's core's (the chain's pieces are shorter)
         saved = n * d.core_saved_per_token[at]
