@@ -350,6 +350,39 @@ def test_thd_workspace_is_the_whole_rows_kv_gathered_per_layer():
     assert thd4.bytes > ring4.bytes and "all-gathered per layer" in thd4.note
 
 
+def test_workspaces_count_the_query_heads_width_not_the_hidden_size():
+    """The all-to-all gradients (Ulysses, usp) and the fp32 output partials (thd, thd_docs, usp) are ``[N, heads x
+    head_dim]``: the hidden size only where ``head_dim = hidden / heads``. Qwen3-30B-A3B's 32 heads of 128 on a hidden
+    size of 2048, Gemma 4's 512-wide heads: counted at the hidden size, Gemma 4's tiny config read 12% under its
+    measured peak under Ulysses at cp 2 (scripts/bench_plan_families_cp.py)."""
+    c, n, seq = 2, 2048, 4096
+    wide, narrow = _dims(head_dim=64), _dims(head_dim=16)  # 2 heads (1 KV head) on a hidden size of 32
+    assert (wide.heads * wide.head_dim, narrow.heads * narrow.head_dim, wide.hidden) == (128, 32, 32)
+
+    def workspace(d, method: str, **kw) -> float:
+        shape = RunShape(local_batch=1, seq=seq, cp=2, cp_method=method, compute_bytes=c, **kw)
+        return shape.method.attention_workspace(d, shape)[0]
+
+    for d in (wide, narrow):
+        q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+        # the full-row gradients of the output and q, and of k and v (1 KV head replicated to cp 2: 2 kv)
+        assert workspace(d, "ulysses") == (2 * q + 2 * 2 * kv) * c * n
+        # two head groups: one group's gradients, and the local q, k, v gradients of the group done
+        assert workspace(d, "ulysses", head_chunks=2) == (2 * q + 4 * kv) * c * n / 2 + (q + 4 * kv) * c * n / 2
+        # thd: the whole row's K/V and dK/dV (8 kv per row token), and the fp32 output and LSE of the rank's queries
+        partials = n * (q + d.heads) * 4
+        assert workspace(d, "thd") == 8 * kv * c * seq + partials
+        # thd_docs: the rank's K/V and the borrowed chunks (at most the rest of the row), doubled in the backward
+        assert workspace(d, "thd_docs") == 2 * 2 * kv * c * (n + 2 * (seq - n)) + partials
+        # usp, 2 x ring 2: K/V of the row for the rank's Ulysses share of the KV heads (1 KV head replicated to 2, so
+        # one), gathered and its gradient; the all-to-alls of the output, q, k and v (kv' = 2 kv), forward and backward
+        usp = RunShape(local_batch=1, seq=seq, cp=4, cp_method="usp", cp_options=(("ulysses_size", 2),),
+                       compute_bytes=c)  # fmt: skip
+        n4 = seq // 4
+        assert usp.method.attention_workspace(d, usp)[0] == (
+            8 * kv * c * seq + n4 * (q + d.heads) * 4 + 2 * (2 * q + 2 * 2 * kv) * c * n4)
+
+
 def test_dry_run_describes_the_thd_exchange_and_the_layer_kinds(capsys):
     from recipes.finetune import main
 

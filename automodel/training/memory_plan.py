@@ -98,9 +98,10 @@ vocab, ``c`` compute-dtype bytes, ``tp`` = ``distributed.tp_size``):
   (``2 (q + heads) 4``), in the backward the fp32 dq accumulator (``q 4``), dK/dV in fp32 three times (``6 kv 4``)
   and two ring steps' kernel gradients (``2 (q + 2 kv) c``); measured on CPU with the ring's own allocations counted
   (``scripts/live_tensors.tracked_inside``). Ulysses: the backward's full-row gradients of the
-  output, q, k and v around their all-to-alls (``(2 h + 2 kv') c``, ``kv'`` the kv heads sent; the received
-  q, k, v and output the kernel saves are activations), ``/ G`` with ``distributed.ulysses_head_chunks=G``
-  plus the groups' local q, k, v gradients waiting to be stacked (``(G-1)/G (h + 2 kv') c``); at the
+  output, q, k and v around their all-to-alls (``(2 q + 2 kv') c``, ``q`` = heads x head_dim, ``kv'`` the kv heads
+  sent; the received q, k, v and output the kernel saves are activations), ``/ G`` with
+  ``distributed.ulysses_head_chunks=G`` plus the groups' local q, k, v gradients waiting to be stacked
+  (``(G-1)/G (q + 2 kv') c``); at the
   attention's moments (forward and backward), not beside the MLP's. ``eager`` attention saves
   its ``[heads, S_q, S_k]`` probabilities per layer, the fp32 softmax and (2-byte compute) its cast (an S² term of
   ``4 + c`` bytes per score; shown under activations), and holds two fp32 score tensors more at the layer's attention

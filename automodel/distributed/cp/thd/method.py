@@ -54,7 +54,7 @@ class ThdMethod(GatheredKVMethod):
         row_tokens = r.local_batch * r.seq  # every rank sees the K/V of the whole row
         fwd = 4 * kv * c * row_tokens
         bwd = 8 * kv * c * row_tokens
-        partial = r.local_tokens * (d.hidden / tp + d.heads / tp) * 4
+        partial = r.local_tokens * (d.heads * d.head_dim / tp + d.heads / tp) * 4  # fp32 output ([N, heads x D]), LSE
         from automodel.distributed.cp.block_sets import packed_call_bytes  # torch: imported only to plan
 
         # cuDNN: the prefix and diagonal blocks in packed-row calls (block_sets), their copies at the backward

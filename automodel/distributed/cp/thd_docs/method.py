@@ -173,7 +173,7 @@ class ThdDocsMethod(AttentionSwitchingMethod):
         local = r.local_tokens
         borrowed = r.local_batch * r.seq - local  # worst case: every document split over every rank
         fwd = 2 * kv * c * (local + 2 * borrowed)
-        partial = local * (d.hidden / tp + d.heads / tp) * 4
+        partial = local * (d.heads * d.head_dim / tp + d.heads / tp) * 4  # fp32 output ([N, heads x D]) and LSE
         from automodel.distributed.cp.block_sets import packed_call_bytes  # torch: imported only to plan
 
         # cuDNN: the prefix and diagonal blocks in packed-row calls (block_sets) on a key stream of the local and the

@@ -94,18 +94,21 @@ class UlyssesMethod(AttentionSwitchingMethod):
     def attention_workspace(self, d: Any, r: Any) -> tuple[float, str]:
         """What the attention's backward holds beyond the layer's activations (which count the received q, k, v
         and output the kernel saves): the full-row gradients of the output, q, k and v for the rank's heads before
-        their all-to-alls, ``(2 h + 2 kv') c n`` (``kv'``: KV heads replicated up to ``cp``). With head chunks ``G``
-        those of one group (``/ G``), and the local q, k, v gradients of the groups done, waiting to be stacked
-        (up to ``(G-1)/G (h + 2 kv') c n``, :func:`~automodel.distributed.cp.head_chunks.run_head_groups`).
-        Measured on CPU at cp 2 (``scripts/bench_memory.py --headwise only``)."""
+        their all-to-alls, ``(2 q + 2 kv') c n`` (``q``: the query heads' width, ``heads x head_dim``, which is the
+        hidden size only where ``head_dim = hidden / heads``; ``kv'``: KV heads replicated up to ``cp``). With head
+        chunks ``G`` those of one group (``/ G``), and the local q, k, v gradients of the groups done, waiting to be
+        stacked (up to ``(G-1)/G (q + 2 kv') c n``, :func:`~automodel.distributed.cp.head_chunks.run_head_groups`).
+        Measured on CPU at cp 2 (``scripts/bench_memory.py --headwise only``). Counted at the hidden size, Gemma 4's
+        512-wide full-attention heads (2048 query channels on a hidden size of 64) read 12% under at cp 2
+        (``scripts/bench_plan_families_cp.py``), and Qwen3-30B-A3B's 4096 query channels on 2048 would be half."""
         n, c, tp, g = r.local_tokens, r.compute_bytes, r.tp, _chunks(r)
-        h = d.hidden / tp
+        q = d.heads * d.head_dim / tp
         kv_local = max(1, d.kv_heads // tp)
         kv_sent = kv_local * (r.cp // math.gcd(kv_local, r.cp)) * d.head_dim
-        grads = (2 * h + 2 * kv_sent) * c * n
+        grads = (2 * q + 2 * kv_sent) * c * n
         if g == 1:
             return grads, "ulysses: the full-row gradients of the output, q, k and v around their all-to-alls"
-        waiting = (g - 1) / g * (h + 2 * kv_sent) * c * n
+        waiting = (g - 1) / g * (q + 2 * kv_sent) * c * n
         return grads / g + waiting, (
             f"ulysses, 1 of {g} head groups at a time: the group's full-row gradients of the output, q, k and v "
             "around their all-to-alls, and the local q, k, v gradients of the groups done"

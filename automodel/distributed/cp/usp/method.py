@@ -186,13 +186,14 @@ class UspMethod(GatheredKVMethod):
         # cuDNN: thd's prefix and diagonal blocks in packed-row calls (block_sets), their copies at the backward
         gather += packed_call_bytes(kv_heads * d.head_dim, d.heads / tp / u * d.head_dim, row_tokens, u * n, c,
                                     getattr(r, "attention_kernel", ""), getattr(r, "cudnn_packed_blocks", True))  # fmt: skip
-        partial = r.local_tokens * (d.hidden / tp + d.heads / tp) * 4
+        q = d.heads * d.head_dim / tp  # the query heads' width (the hidden size only where head_dim = h / heads)
+        partial = r.local_tokens * (q + d.heads / tp) * 4
         kv_sent = kv_local * (u // math.gcd(kv_local, u)) * d.head_dim
-        a2a = 2 * (2 * d.hidden / tp + 2 * kv_sent) * c * n
+        a2a = 2 * (2 * q + 2 * kv_sent) * c * n
         what = f"ulysses {u} x ring" if self.ulysses_size else "ulysses x ring (upper bound: ulysses_size 1)"
         g = _chunks(r)
         if g > 1:  # one head group's buffers at a time; the local q, k, v gradient the groups' are stacked into
-            stacked = (d.hidden / tp + 2 * kv_sent) * c * n
+            stacked = (q + 2 * kv_sent) * c * n
             return (gather + partial + a2a) / g + stacked, (
                 f"usp ({what}), 1 of {g} head groups at a time: all-to-all buffers of q, k, v and the output; K/V "
                 "of the whole row for its heads all-gathered, dK/dV before the reduce-scatter; the q, k, v gradient "
