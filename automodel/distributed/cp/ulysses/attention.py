@@ -292,9 +292,15 @@ class UlyssesContext:
             elif self.chunk_origin == "position":  # chunk = position_ids // chunk within a document
                 start = (index - self.position_ids.cpu()).to(device)
 
+            # [B, S] int64: the first index of each query's chunk. (kv - s) // c == (q - s) // c holds exactly where
+            # lo <= kv < lo + c, lo = s + (q - s) // c * c: two [B, 1, S, S] bool comparisons, where the division of
+            # the [B, 1, S, S] key offsets made int64 copies of the whole mask (8 bytes per score: 32 MiB at 2048
+            # tokens, 128 GiB at 128K, on every rank)
+            lo = start + (index.to(device) - start).div(chunk, rounding_mode="floor") * chunk
+
             def same_chunk(batch_idx, head_idx, q_idx, kv_idx):
-                first = start[batch_idx, q_idx]
-                return (kv_idx - first) // chunk == (q_idx - first) // chunk
+                first = lo[batch_idx, q_idx]
+                return (kv_idx >= first) & (kv_idx < first + chunk)
 
             mask_fn = and_masks(same_chunk, mask_fn)
             plain = False
