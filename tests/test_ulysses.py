@@ -144,17 +144,21 @@ def test_chunks_of_a_row_packed_by_restarts_match_the_installed_transformers_cp1
     assert (other - expected).abs().max() > 1e-4  # the two rules differ on this row
 
 
+@pytest.mark.parametrize("blocks", [1, 16])
 @pytest.mark.parametrize("origin", ["document", "row", "position"])
 @pytest.mark.parametrize("docs", [False, True])
-def test_chunk_masks_are_the_chunk_rule_without_whole_mask_integers(origin, docs):
+def test_chunk_masks_are_the_chunk_rule_without_whole_mask_integers(docs, origin, blocks, monkeypatch):
     """The whole row's attention-chunk mask (Llama 4's chunked layers) is, for every origin of the chunks (each
     document's start, the row's, the position ids' restarts) and with or without documents, exactly the rule
-    ``(kv - s) // c == (q - s) // c`` (``s``: the query's origin) with the causal and document masks; and building it
-    makes no ``[B, 1, S, S]`` integer tensor: the key offsets' division made int64 copies of the whole mask (8 bytes
-    per score: -57% of a Llama 4 step's peak at 2048 tokens under Ulysses at cp 4, 128 GiB at 128K tokens)."""
+    ``(kv - s) // c == (q - s) // c`` (``s``: the query's origin) with the causal and document masks; building it
+    makes no ``[B, 1, S, S]`` integer tensor (the key offsets' division made int64 copies of the whole mask, 16 to 17
+    bytes per score at once: -57% of a Llama 4 step's peak at 2048 tokens under Ulysses at cp 4), and in blocks of
+    query rows (``MASK_BLOCK_SCORES``) little more than the mask itself."""
+    from automodel.distributed.cp.ulysses import attention
     from scripts.live_tensors import AllocationTracker
 
     b, s, c = 2, 256, 24
+    monkeypatch.setattr(attention, "MASK_BLOCK_SCORES", b * s * s // blocks)
     pos = torch.cat([torch.arange(100), torch.arange(13, 13 + 90), torch.arange(66)]).expand(b, -1).clone()
     ids = torch.tensor([0] * 100 + [1] * 90 + [2] * 66).expand(b, -1).clone()
     ids[1] = torch.tensor([0] * 37 + [1] * 219)
@@ -164,7 +168,8 @@ def test_chunk_masks_are_the_chunk_rule_without_whole_mask_integers(origin, docs
     with AllocationTracker() as tracker:
         mask = ctx.global_mask(is_causal=True, sliding_window=None, dtype=torch.float32, device=torch.device("cpu"),
                                chunk=c)  # fmt: skip
-    assert tracker.peak < 5 * b * s * s, tracker.peak  # a few bools per score (int64 offsets: 16 to 17 bytes)
+    # one call: a few bools per score at once; 16 blocks: the mask and one block's (one bool per score)
+    assert tracker.peak < (5 if blocks == 1 else 1.5) * b * s * s, tracker.peak
     index = torch.arange(s)
     start = {"document": index - ctx.document_positions(), "row": torch.zeros(b, s, dtype=torch.long),
              "position": index - pos}[origin]  # fmt: skip
@@ -175,6 +180,33 @@ def test_chunk_masks_are_the_chunk_rule_without_whole_mask_integers(origin, docs
         if docs:
             want &= ids[row][:, None] == ids[row][None, :]
         assert torch.equal(mask[row, 0], want), (origin, docs, row)
+
+
+@pytest.mark.parametrize("inner", ["sdpa", "eager"])
+def test_masks_built_in_blocks_of_query_rows_are_the_whole_builds(inner, monkeypatch):
+    """A sliding window's and a chunk's whole-row masks, with and without documents and padding, built in blocks of
+    query rows equal the one-call build exactly (eager's float masks too); a mask the same for every row stays one
+    ``[1, 1, S, S]`` storage expanded over the batch."""
+    from automodel.distributed.cp.ulysses import attention
+
+    b, s = 3, 96
+    pos = torch.arange(s).expand(b, -1)
+    ids = torch.tensor([0] * 40 + [1] * 56).expand(b, -1).clone()
+    ids[2] = 0
+    pad = torch.ones(b, s, dtype=torch.bool)
+    pad[1, 90:] = False
+    for docs, padding in ((None, None), (ids, None), (None, pad), (ids, pad)):
+        for window, chunk in ((7, None), (None, 10), (9, 16)):
+            masks = []
+            for scores in (b * s * s, b * s * 5):  # one block, then blocks of 5 rows (the last one short)
+                monkeypatch.setattr(attention, "MASK_BLOCK_SCORES", scores)
+                ctx = UlyssesContext(group=None, world_size=1, rank=0, inner_attn=inner, position_ids=pos,
+                                     document_ids=docs, padding_mask=padding)  # fmt: skip
+                masks.append(ctx.global_mask(is_causal=True, sliding_window=window, dtype=torch.float32,
+                                             device=torch.device("cpu"), chunk=chunk))  # fmt: skip
+            assert masks[0].shape == (b, 1, s, s) and torch.equal(masks[0], masks[1]), (docs, padding, window, chunk)
+            if inner == "sdpa" and docs is None and padding is None and chunk is None:  # chunks index [B, S] starts
+                assert masks[1].stride(0) == 0 and masks[1].untyped_storage().nbytes() == s * s
 
 
 def test_cu_seqlens_boundaries_cp1():

@@ -36,6 +36,7 @@ heads its query heads use; gradients of the copies are summed back by autograd.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -80,6 +81,10 @@ ULYSSES_ATTN_NAME = "ulysses"
 INNER_ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention")
 #: Keys of a packed batch that describe document boundaries; consumed by the context, not sharded.
 _PACKING_KEYS = ("seq_lens_padded", "seq_lens", "cu_seqlens")
+#: A whole-row ``sdpa`` / ``eager`` mask is built in blocks of query rows of about this many scores, each written into
+#: the one ``[B, 1, S, S]`` result: the mask functions' comparisons and their ``&`` make ``[B, 1, q, S]`` bools per
+#: block, not per row (built in one call, 3 to 4 bytes per score at once: 48 GiB beside a 16 GiB mask at 128K tokens)
+MASK_BLOCK_SCORES = 2**26
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -313,11 +318,10 @@ class UlyssesContext:
             mask_fn = and_masks(same_document, mask_fn)
             plain = False
         padding = None if self.padding_mask is None else self.padding_mask.to(device)
-        return ALL_MASK_ATTENTION_FUNCTIONS[self.inner_attn](
+        build = functools.partial(
+            ALL_MASK_ATTENTION_FUNCTIONS[self.inner_attn],
             batch_size=self.batch_size,
-            q_length=self.seq_len,
             kv_length=self.seq_len,
-            q_offset=0,
             kv_offset=0,
             mask_function=mask_fn,
             attention_mask=padding,
@@ -328,6 +332,20 @@ class UlyssesContext:
             use_vmap=False,
             device=device,
         )
+        s = self.seq_len
+        rows = max(1, MASK_BLOCK_SCORES // (self.batch_size * s))
+        if plain or self.inner_attn == "flex_attention" or rows >= s:  # a BlockMask, or the whole row in one block
+            return build(q_length=s, q_offset=0)
+        # the skips are off for a mask that is not plain: every block is a [B, 1, q, S] tensor (bool, or eager's
+        # float); one the same for every row (no documents, no padding) is a view expanded over the batch, kept so
+        mask, shared = None, False
+        for first in range(0, s, rows):
+            block = build(q_length=min(rows, s - first), q_offset=first)
+            if mask is None:
+                shared = block.size(0) > 1 and block.stride(0) == 0
+                mask = block.new_empty(1 if shared else block.size(0), 1, s, s)
+            mask[:, :, first : first + block.size(2)] = block[:1] if shared else block
+        return mask.expand(self.batch_size, -1, -1, -1) if shared else mask
 
 
 def current_ulysses_context() -> UlyssesContext | None:
