@@ -56,6 +56,12 @@ def _row(r: Any) -> int:
     return max(1, r.local_tokens // max(1, r.local_batch))
 
 
+def _halo(d: Any, r: Any) -> tuple[int, int, int]:
+    """``(heads, kv heads, query tokens per row)`` the method's halo kernel sees on a rank
+    (:meth:`~automodel.distributed.cp.CPMethod.halo_extent`)."""
+    return r.method.halo_extent(d, r)
+
+
 def runs_halo_alibi(d: Any, r: Any) -> bool:
     """Whether the run's ALiBi layers go through the halo kernel (a CP method whose layers run it)."""
     return bool(d.alibi_layers) and r.cp > 1 and r.method.runs_halo_kernel()
@@ -96,13 +102,14 @@ def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
                 total += b * s * s * (c if eager else 1)
                 parts.append(f"the method's [{b}, 1, {s}, {s}] mask" + (f" (window {limit})" if limit else ""))
     if r.cp > 1 and r.method.runs_halo_kernel():
-        block = min(HALO_BLOCK, n)
+        q = _halo(d, r)[2]  # the queries it sees (usp: its Ulysses sub-group's)
+        block = min(HALO_BLOCK, q)
         for limit, count in d.attention_kinds:
             if 0 < limit < s and count:  # a mask kind no layer has (ModelDims.attention_kinds) runs no halo kernel
-                total += n * min(s, block + limit)
+                total += q * min(s, block + limit)
                 parts.append(f"halo block masks (window {limit})")
         if d.alibi_layers:
-            total += n * (s + block) / 2
+            total += q * (s + block) / 2
             parts.append("halo block masks (ALiBi, the full prefix)")
     return total, "; ".join(parts) if parts else "none built on this path"
 
@@ -247,9 +254,9 @@ def alibi_workspace(d: Any, r: Any) -> float:
     """One ALiBi layer's transient on the halo kernel (the module docstring), bytes per rank; 0 elsewhere."""
     if not runs_halo_alibi(d, r):
         return 0.0
-    b, c, s, tp = r.local_batch, r.compute_bytes, r.seq, r.tp
-    block = min(HALO_BLOCK, _row(r))
-    hq, hkv, dim = d.heads / tp, max(1, d.kv_heads // tp), d.head_dim
+    b, c, s = r.local_batch, r.compute_bytes, r.seq
+    hq, hkv, q = _halo(d, r)
+    block, dim = min(HALO_BLOCK, q), d.head_dim
     acc = 8 if c == 8 else 4
     scores = 3 * b * hq * block * s * acc
     return scores + b * s * (2 * hq * dim + 2 * hkv * dim + 2 * hkv * dim + hq) * c
@@ -271,9 +278,9 @@ def halo_math_workspace(d: Any, r: Any) -> tuple[float, float]:
         return 0.0, 0.0
     from automodel.distributed.cp.attention_kernels import CPU_KERNEL
 
-    b, c, s, n, tp = r.local_batch, r.compute_bytes, r.seq, _row(r), r.tp
-    block = min(HALO_BLOCK, n)
-    hq, hkv, dim = d.heads / tp, max(1, d.kv_heads // tp), d.head_dim
+    b, c, s = r.local_batch, r.compute_bytes, r.seq
+    hq, hkv, n = _halo(d, r)
+    block, dim = min(HALO_BLOCK, n), d.head_dim
     acc = 8 if c == 8 else 4
     cpu = getattr(r, "attention_kernel", CPU_KERNEL) == CPU_KERNEL
     fwd = bwd = 0.0

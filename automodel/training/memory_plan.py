@@ -2251,8 +2251,9 @@ def _attention_workspace(d: ModelDims, r: RunShape) -> tuple[float, float, str]:
         b, note = _method(r).attention_workspace(d, r)
         kinds.append((b, b, note))
     if alibi:
-        kinds.append((alibi, alibi, f"ALiBi on the halo kernel: a block's [{r.local_batch}, {d.heads // r.tp}, "
-                      f"{min(HALO_BLOCK, r.local_tokens // r.local_batch)}, {r.seq}] fp32 scores x3 and the row's K/V"))  # fmt: skip
+        heads, _, queries = _method(r).halo_extent(d, r)
+        kinds.append((alibi, alibi, f"ALiBi on the halo kernel: a block's [{r.local_batch}, {heads}, "
+                      f"{min(HALO_BLOCK, queries)}, {r.seq}] fp32 scores x3 and the row's K/V"))  # fmt: skip
     if g_fwd or g_bwd:
         kinds.append((g_fwd, g_bwd, "gathered state: the row's gathered and expanded state, a query block's scores "
                       "against it, the [B, n, T] masks and top-k slots"))  # fmt: skip

@@ -317,6 +317,15 @@ class CPMethod:
         score blocks). Default yes."""
         return True
 
+    def halo_extent(self, d: Any, r: Any) -> tuple[int, int, int]:
+        """``(heads, kv heads, query tokens per row)`` the halo kernel sees on a rank (the memory planner's halo block
+        masks, ALiBi's and the exact-math layers' score blocks and K/V buffers): those of one kernel call
+        (:meth:`kernel_call_tokens`). Default: the rank's tokens, all heads ``/ tp``; usp: ``H / U`` heads for ``U``
+        ranks' tokens, the ring sub-group's share (planned at the whole CP group's, Gemma 2's and gpt-oss' score
+        blocks read +60% to +82% at cp 4, ``scripts/bench_plan_families_cp.py --cp 4``)."""
+        heads, kv_heads, q_tokens, _ = self.kernel_call_tokens(d, r)
+        return heads, kv_heads, q_tokens
+
     def saves_repeated_kv(self, packed: bool, head_dim: int = 0) -> bool:
         """Whether a grouped-query layer's saved activations hold K/V repeated to the query heads (the memory
         planner's ``2 h`` per token). Default no: the block kernels (``blocks._BlockedAttention``, the document
