@@ -145,3 +145,16 @@ def test_ring_with_both_offloads_equals_the_run_without_cp4_fp64(cp4):
         assert check["loss_diff"] == 0.0 and check["grads_equal"], check
         assert check["loss_rel"] <= SDPA_TOL["float64"] and check["grad_rel_max"] <= 10 * SDPA_TOL["float64"], check
         assert check["unpacked"] == 2 and check["optimizer_equal"], check
+
+
+def test_a_parameter_some_ranks_do_not_reach_gets_their_zero_gradient(cp2, cp4):
+    """``all_reduce_gradients`` sums a gradient that one rank has (the others' zeros) and leaves a parameter that no
+    rank reached without one, as one process does (an optimizer then skips it); at cp 4 ZAYA's CCA under Ulysses
+    gives every rank a gradient for every parameter (its last rank's heads read no conv weight: a zero gradient,
+    where none made FSDP2's reduce-scatter sizes differ across ranks) and the single process's gradients."""
+    for results in (cp2, cp4):
+        for res in results:
+            assert {k: res["unread"][k] for k in ("every", "one", "none")} == {"every": True, "one": True, "none": True}
+    for res in cp4:
+        assert res["unread"]["zaya_without"] == [[], [], [], []]
+    assert cp4[0]["unread"]["zaya"] == "exact"

@@ -33,8 +33,11 @@ def broadcast_parameters(model: nn.Module, group: dist.ProcessGroup | None) -> N
 def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Sum every parameter's ``.grad`` over ``group`` in place (one flat all-reduce per dtype).
 
-    Parameters without a gradient on this rank are skipped; every rank must have gradients for the
-    same parameters (true for a data-parallel step: the same model and loss on every rank).
+    A parameter without a gradient on this rank but with one on another (a CP rank whose tokens or heads do not
+    reach it: an expert none of its tokens chose, a head shard that reads none of a weight's rows) gets a zero
+    gradient first, so every rank all-reduces the same tensors: the ranks agree on which parameters have one with a
+    small all-reduce of flags. A parameter without a gradient on every rank keeps none (as one process leaves it).
+    Mutates every ``p.grad`` (``None`` -> zeros where another rank has one).
 
     Raises:
         TypeError: a gradient is a ``DTensor`` (the model is sharded: FSDP2 reduces it itself).
@@ -43,10 +46,18 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None) -> N
         return
     from torch.distributed.tensor import DTensor
 
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return
+    # on the parameters' device (NCCL takes no host tensors): 1 per parameter with a gradient here, summed
+    flags = torch.tensor([float(p.grad is not None) for _, p in params], device=params[0][1].device)
+    dist.all_reduce(flags, group=group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for name, p in model.named_parameters():
-        if p.grad is None:
+    for (name, p), flag in zip(params, flags.tolist()):
+        if flag == 0:
             continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
         if isinstance(p.grad, DTensor):
             raise TypeError(
                 f"parameter {name} has a DTensor gradient: the model is sharded (FSDP2/TP), whose hooks reduce "

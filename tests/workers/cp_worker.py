@@ -326,6 +326,45 @@ def offload_checks(mesh, rank: int, world: int, dtype: torch.dtype) -> dict:
     }
 
 
+def unread_checks(mesh, rank: int, world_size: int) -> dict:
+    """Parameters a rank's share does not reach. ``all_reduce_gradients`` (``fsdp.enabled=false``) with a parameter
+    that has a gradient on one rank only and one that has none anywhere; at cp 4, ZAYA's CCA under Ulysses, whose
+    last rank holds only delayed-value heads and reads none of the conv weights: every rank must have a gradient for
+    every parameter (FSDP2 reduce-scatters what a rank has: a size mismatch, or a hang on NCCL), and the summed
+    gradients are the single process's."""
+    from automodel.distributed.replicate import all_reduce_gradients
+
+    group = mesh["cp"].get_group()
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(3, 2) for name in ("every", "one", "none")})
+    x = torch.full((1, 3), float(rank + 1))
+    loss = model["every"](x).sum() + (model["one"](x).sum() if rank == 1 else 0.0)
+    loss.backward()
+    all_reduce_gradients(model, group)
+    total = sum(range(1, world_size + 1))
+    out = {
+        "every": torch.equal(model["every"].weight.grad, torch.full((2, 3), float(total))),
+        "one": torch.equal(model["one"].weight.grad, torch.full((2, 3), 2.0)),  # rank 1's x, here on every rank
+        "none": model["none"].weight.grad is None and model["none"].bias.grad is None,
+    }
+    if world_size != 4:
+        return out
+    from tests.family_matrix import family_by_name
+    from tests.workers.family_matrix_worker import _reduce_grads, compare, make_row, reference, run_method
+
+    base = family_by_name("zaya").build_model()
+    row = make_row()
+    model = copy.deepcopy(base)
+    local = run_method("ulysses", model, row, mesh)
+    without = [n for n, q in model.named_parameters() if q.requires_grad and q.grad is None]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, without, group=group)
+    loss, grads, _ = _reduce_grads(model, local, group)
+    out["zaya_without"] = everyone
+    out["zaya"] = compare(*reference(copy.deepcopy(base), row), loss, grads)["status"]
+    return out
+
+
 def main(
     rank: int,
     world_size: int,
@@ -345,4 +384,5 @@ def main(
         "model": model_checks(mesh, rank, world_size, families=model_families, dtypes=dtypes),
         "buffers": buffer_checks(mesh, rank, world_size),
         "mesh": mesh_checks(rank, world_size),
+        "unread": unread_checks(mesh, rank, world_size),
     }

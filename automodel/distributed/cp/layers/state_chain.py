@@ -40,6 +40,7 @@ __all__ = [
     "ChainedCore",
     "head_shard",
     "head_unshard",
+    "join_unread",
     "row_segments",
     "run_chain",
     "run_documents",
@@ -104,6 +105,30 @@ def _piece(seq: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torc
     return {k: v[:, start:end] for k, v in seq.items()}
 
 
+class _JoinUnread(torch.autograd.Function):
+    """``out`` unchanged, with a zero gradient for each of ``unread`` (:func:`join_unread`)."""
+
+    @staticmethod
+    def forward(ctx, out, *unread):  # type: ignore[override]
+        ctx.like = [(t.shape, t.dtype, t.device) for t in unread]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like))
+
+
+def join_unread(out: torch.Tensor, params: dict) -> torch.Tensor:
+    """``out`` (the core's output, unchanged) joined to every empty parameter slice of ``params``
+    (:meth:`MixerKernel.core_params` of a head shard that holds none of a parameter's rows: ZAYA's CCA rank whose
+    heads are all delayed values reads no conv weight), so that the parameter gets a zero gradient on this rank,
+    not none. Every rank must have gradients for the same parameters: FSDP2 reduce-scatters the gradients a rank
+    has, so one rank without them sent a smaller buffer (ZAYA under Ulysses at cp 4: a collective size mismatch on
+    gloo; on NCCL a hang or a garbled sum)."""
+    unread = [t for t in params.values() if isinstance(t, torch.Tensor) and t.requires_grad and t.numel() == 0]
+    return _JoinUnread.apply(out, *unread) if unread else out
+
+
 def run_documents(
     kernel: MixerKernel,
     mixer: torch.nn.Module,
@@ -119,14 +144,15 @@ def run_documents(
     bsz, n = any_t.shape[:2]
     if documents is None or isinstance(documents, list):
         spans = documents if documents is not None else [(0, n)]
-        return torch.cat([kernel.core(mixer, params, _piece(seq, s, e), None, shard)[0] for s, e in spans if e > s],
-                         dim=1)
+        out = torch.cat([kernel.core(mixer, params, _piece(seq, s, e), None, shard)[0] for s, e in spans if e > s],
+                        dim=1)
+        return join_unread(out, params)
     rows = []
     for i in range(bsz):
         row = {k: v[i : i + 1] for k, v in seq.items()}
         rows.append(torch.cat([kernel.core(mixer, params, _piece(row, s, e), None, shard)[0]
                                for s, e in row_segments(documents, i, n)], dim=1))
-    return torch.cat(rows, dim=0)
+    return join_unread(torch.cat(rows, dim=0), params)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -174,7 +200,7 @@ def run_chain(
     seq_names, param_names = list(seq), [k for k, v in params.items() if v is not None]
     tensors = [seq[k] for k in seq_names] + [params[k] for k in param_names]
     spec = _Spec(kernel, mixer, params, seq_names, param_names, chain, shard, local or [])
-    return ChainedCore.apply(spec, *tensors)
+    return join_unread(ChainedCore.apply(spec, *tensors), params)
 
 
 @dataclass
