@@ -6,9 +6,10 @@
 second for every family of ``tests/family_matrix.py``: each family's tiny config (with ``--sizes`` set where it has
 them, its position table raised to the row) is written as a recipe config (``tests/test_plan_families.py``'s
 ``family_config``: ``configs/cp.yaml`` with the family's ``model.config`` and attention implementation) and trained by
-:class:`automodel.training.trainer.FinetuneTrainer` on 2 gloo ranks at cp=2 (FSDP2 over both) with each CP method of
-``--methods``, activation checkpointing (``--no-checkpointing``: without), ``loss.chunk_tokens=256``, fp32, one row
-of ``--seq-len`` tokens per step, for 3 steps. Steps 2 and 3 are measured on each rank exactly as
+:class:`automodel.training.trainer.FinetuneTrainer` on 2 gloo ranks at cp=2 (FSDP2 over both; ``--cp 4``: 4 ranks,
+with usp as 2 x 2, ``--ulysses-size``) with each CP method of ``--methods``, activation checkpointing
+(``--no-checkpointing``: without), ``loss.chunk_tokens=256``, fp32, one row of ``--seq-len`` tokens per step, for 3
+steps. Steps 2 and 3 are measured on each rank exactly as
 :func:`scripts.bench_plan_cases.case_worker` measures its cases (the live tensor storages a step creates: a device
 allocator's view) and set beside the planner's step peak for the same validated config with torch's CPU kernels.
 
@@ -24,6 +25,7 @@ peak holds tensors a GPU run does not make (the cp=1 audit's notes in docs/bench
     PYTHONPATH=. nice python scripts/bench_plan_families_cp.py                 # every family, ring and ulysses
     PYTHONPATH=. nice python scripts/bench_plan_families_cp.py --families llama,gemma2 --methods ring
     PYTHONPATH=. nice python scripts/bench_plan_families_cp.py --sizes hidden_size=256,intermediate_size=768
+    PYTHONPATH=. nice python scripts/bench_plan_families_cp.py --cp 4 --methods ring,ulysses,usp --families llama4_text
 
 Some configs do not take every size: MLA's head sizes, Falcon's multi-query heads and the validators of Bamba,
 dots3 and Qwen4-Exp make those models fail (or fail the chunked loss's probe) at sizes their tiny configs do not
@@ -80,7 +82,9 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default="", help="comma-separated names (default: every family)")
-    parser.add_argument("--methods", default="ring,ulysses", help="comma-separated CP methods at cp=2")
+    parser.add_argument("--methods", default="ring,ulysses", help="comma-separated CP methods at --cp")
+    parser.add_argument("--cp", type=int, default=2, help="distributed.cp_size: one gloo rank each (2, or 4 for usp)")
+    parser.add_argument("--ulysses-size", type=int, default=2, help="usp's distributed.ulysses_size (cp 4: 2 x ring 2)")
     parser.add_argument("--seq-len", type=int, default=2048, help="data.seq_len: global tokens of the one row")
     parser.add_argument("--sizes", default="", help="config sizes to set where a family has them, e.g. "
                         "hidden_size=256,intermediate_size=768,num_attention_heads=8,num_key_value_heads=4,head_dim=32")
@@ -97,10 +101,14 @@ def main() -> int:
     methods = [m for m in args.methods.split(",") if m]
     sizes = {k: int(v) for k, v in (kv.split("=") for kv in args.sizes.split(",") if kv)}
     ac = not args.no_checkpointing
-    common = [f"model.activation_checkpointing={str(ac).lower()}", "loss.chunk_tokens=256", "distributed.cp_size=2"]
-    print(f"Plan against the tracked step peak at cp=2 through the recipe (2 gloo ranks, FSDP2 over both, fp32, "
+    common = [f"model.activation_checkpointing={str(ac).lower()}", "loss.chunk_tokens=256",
+              f"distributed.cp_size={args.cp}"]
+    if "usp" in methods and args.cp <= args.ulysses_size:
+        parser.error(f"usp needs --cp above --ulysses-size (got {args.cp} and {args.ulysses_size}): e.g. --cp 4")
+    print(f"Plan against the tracked step peak at cp={args.cp} through the recipe ({args.cp} gloo ranks, FSDP2 over "
+          f"all, fp32, "
           f"{args.seq_len} tokens, loss.chunk_tokens=256, checkpointing {'on' if ac else 'off'}"
-          f"{'; ' + args.sizes if sizes else ''}); MiB, the larger of 2 ranks x steps 2-3\n")  # fmt: skip
+          f"{'; ' + args.sizes if sizes else ''}); MiB, the largest of {args.cp} ranks x steps 2-3\n")  # fmt: skip
     print("| family | method | planned | measured | error | forward+loss planned / measured | backward planned / "
           "measured | optimizer planned / measured | |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
@@ -115,9 +123,11 @@ def main() -> int:
         for start in range(0, len(runnable), args.group):
             group = runnable[start : start + args.group]
             cases = [{"name": f"{n.replace('@', '_')}-{m}", "config": configs[n],
-                      "overrides": [*common, f"distributed.cp_method={m}"]} for n in group for m in methods]  # fmt: skip
+                      "overrides": [*common, f"distributed.cp_method={m}",
+                                    *([f"distributed.ulysses_size={args.ulysses_size}"] if m == "usp" else [])]}
+                     for n in group for m in methods]  # fmt: skip
             try:
-                per_rank = run_on_ranks("scripts.bench_plan_cases:case_worker", 2, args.timeout, cases=cases,
+                per_rank = run_on_ranks("scripts.bench_plan_cases:case_worker", args.cp, args.timeout, cases=cases,
                                         out_root=str(Path(root) / "runs"), seq_len=args.seq_len,
                                         snapshots=str(Path(args.snapshots).resolve()) if args.snapshots else None)
             except RuntimeError as e:  # the launch died or timed out: its rows are not run
