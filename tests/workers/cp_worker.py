@@ -359,7 +359,8 @@ def unread_checks(mesh, rank: int, world_size: int) -> dict:
     without = [n for n, q in model.named_parameters() if q.requires_grad and q.grad is None]
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, without, group=group)
-    loss, grads, _ = _reduce_grads(model, local, group)
+    loss, grads, partial = _reduce_grads(model, local, group)
+    out["zaya_partial"] = partial
     out["zaya_without"] = everyone
     out["zaya"] = compare(*reference(copy.deepcopy(base), row), loss, grads)["status"]
     return out

@@ -159,12 +159,13 @@ def run_method(method: str, model: torch.nn.Module, row: dict, mesh) -> torch.Te
     raise KeyError(method)
 
 
-def _reduce_grads(model: torch.nn.Module, loss: torch.Tensor, group) -> tuple[float, dict, set[str]]:
+def _reduce_grads(model: torch.nn.Module, loss: torch.Tensor, group) -> tuple[float, dict, list[str]]:
     """SUM the loss and every parameter's gradient over the CP group (one flat all-reduce).
 
-    A rank without a gradient for a parameter (e.g. an expert none of its tokens chose) contributes
-    zeros, so the collective is the same on every rank; the returned set names the parameters that
-    had a gradient on at least one rank.
+    A rank without a gradient for a parameter contributes zeros, so the collective is the same on every rank; the
+    returned list names the parameters that had a gradient on some ranks only. The recipe cannot train those: FSDP2
+    reduce-scatters the gradients each rank has, so the ranks' buffers differ (ZAYA's CCA under Ulysses at cp 4 did,
+    before its last rank's unread conv weights were given a zero gradient).
     """
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     flags = torch.tensor([float(p.grad is not None) for _, p in params] + [0.0])
@@ -177,7 +178,8 @@ def _reduce_grads(model: torch.nn.Module, loss: torch.Tensor, group) -> tuple[fl
         if flag > 0:
             grads[name] = flat[at : at + p.numel()].view_as(p).to(p.dtype)
         at += p.numel()
-    return flat[-1].item(), grads, {n for (n, _), f in zip(params, flags.tolist()) if f > 0}
+    world = dist.get_world_size(group)
+    return flat[-1].item(), grads, [n for (n, _), f in zip(params, flags.tolist()) if 0 < f < world]
 
 
 def compare(ref_loss: float, ref_grads: dict, loss: float, grads: dict) -> dict:
@@ -222,8 +224,11 @@ def run_cell(method: str, base: torch.nn.Module, row: dict, mesh, ref_loss: floa
     try:
         model = copy.deepcopy(base)
         loss = run_method(method, model, row, mesh)
-        total, grads, _ = _reduce_grads(model, loss, mesh["cp"].get_group())
-        if not compares:
+        total, grads, partial = _reduce_grads(model, loss, mesh["cp"].get_group())
+        if partial:  # the same on every rank of the group (from the all-reduced flags)
+            out = {"status": "crash", "detail": f"{len(partial)} parameters have a gradient on some ranks only "
+                                                f"(FSDP2's reduce-scatter sizes differ across ranks), e.g. {partial[0]}"}
+        elif not compares:
             out = {"status": "ran", "detail": "compared on the group's first rank"}
         else:
             if ref_loss is None:
