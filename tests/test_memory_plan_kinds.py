@@ -1294,8 +1294,11 @@ def test_kolibri_chunked_indexer_selection_and_pools_are_planned():
     4096 tokens with chunks of 2^20 scores, -3.7% / -6.3% (no techniques / checkpointing: the recomputed layer's
     fresh pool beside the two kept, all three in a live-tensor snapshot; the rest the sliding mask this all-indexed
     config builds for no layer). Under ring CP (``scripts/bench_plan_cases.py
-    --cases kolibri_ring``: five indexed layers, the rank's queries against the gathered keys) +5.1%; the kernel's
-    score blocks are counted under ``eager`` only (SDPA holds none; they read +107% before, hiding the indexer)."""
+    --cases kolibri_ring``: five indexed layers, the rank's queries against the gathered keys) +5.1%. Under CP its
+    layers call the blocked QSA kernel (their ``_ConfigView``'s attention function) under every attention
+    implementation: its ``[B, H, 256, T]`` fp32 score blocks, three at the recomputed layer's backward (planned as the
+    class's own SDPA call, without them, the tiny config read -18% / -16% / -18% at cp 4 under ring / Ulysses / usp,
+    ``scripts/bench_plan_families_cp.py --cp 4``; +3% / +4% / +4% with them)."""
     from automodel.training.layer_kind_memory import INDEXER_CHUNK_BYTES, INDEXER_SPAN_BYTES, indexer_bytes
 
     d = _dims("kolibri1_1")
@@ -1324,6 +1327,10 @@ def test_kolibri_chunked_indexer_selection_and_pools_are_planned():
     assert cp == 2 * N * SEQ + INDEXER_CHUNK_BYTES * N * SEQ
     # the plan's step: the selection is a moment of its own (before the kernel), in the forward and, under
     # checkpointing, in the recomputation; the other moments hold the kept pools only
+    ((_, state),) = d.gathered
+    assert state.own_kernel and state.block == BLOCK and state.mask_planes == 1  # the layout's: the indexer's own apart
+    ring = _plan(d, cp=2, activation_checkpointing=True).by_moment["recompute"]["attention"]["attention workspace"]
+    assert ring >= 3 * config.num_attention_heads * BLOCK * SEQ * 4
     plain = dataclasses.replace(six, indexer_layers=0, indexer_chunk=0, indexer_pools=0)
     for ac in (False, True):
         grown, base = (_plan(x, activation_checkpointing=ac) for x in (six, plain))

@@ -165,11 +165,12 @@ def _compressed(layer: Any, config: Any) -> GatheredState | None:
 def _kv_gather(layer: Any, config: Any) -> GatheredState | None:
     """Qwen4-Exp's QSA and Kolibri-1.1 (``qsa.py``, ``kolibri_sparse.py``): K and V (and QSA's raw indexer keys)
     gathered and repeated to the query heads, the class's own selection as two ``[B, n, T]`` planes (the visible
-    keys, the selected ones); Kolibri runs the class's own attention function over all its local queries at once
-    (no query blocks; scores under ``eager`` only: under ``sdpa`` a live-tensor snapshot of
-    ``scripts/bench_plan_cases.py``'s ``kolibri_ring`` holds none, and its indexer's selection is the layer's peak,
-    ``layer_kind_memory.indexer_bytes``, which counts its pool and selection: one plane here, the method's layout
-    mask), QSA the blocked kernel."""
+    keys, the selected ones; Kolibri's one, the method's layout mask: its indexer's pool and selection are
+    ``layer_kind_memory.indexer_bytes``). Both classes then call the attention function their ``_ConfigView`` names,
+    the blocked QSA kernel (``sparse_attention.qsa_attention``): ``QUERY_BLOCK`` queries at a time against the row,
+    under every attention implementation. Planned as the class's own SDPA call (no score blocks), Kolibri-1.1's
+    tiny config read 15% to 18% under at cp 4 (``scripts/bench_plan_families_cp.py --cp 4``: three ``[1, 4, 256,
+    2048]`` fp32 blocks at the recomputed layer's backward)."""
     widths = getattr(layer, "sparse_widths", None)
     if not widths:
         return None
@@ -178,10 +179,9 @@ def _kv_gather(layer: Any, config: Any) -> GatheredState | None:
 
     heads = _int(config, "num_attention_heads")
     dim = _head_dim(layer, config)
-    qsa = layer.mixer in QSA_ATTENTION
-    block = QUERY_BLOCK if qsa else 1 << 62  # min(block, n): every local query
+    planes = 2 if layer.mixer in QSA_ATTENTION else 1
     return GatheredState(width=sum(widths), expanded=2 * heads * dim, expanded_grad=2 * heads * dim, heads=heads,
-                         block=block, mask_planes=2 if qsa else 1, own_kernel=qsa)  # fmt: skip
+                         block=QUERY_BLOCK, mask_planes=planes)  # fmt: skip
 
 
 def _sparse(layer: Any, config: Any) -> GatheredState | None:
