@@ -5,7 +5,7 @@ Launches tests/workers/family_matrix_worker.py on 4 local gloo ranks (CPU), the 
 tests/test_family_matrix.py: every row of tests/family_matrix.py (transformers' default config of each family
 scaled down in sizes only, keeping its layer pattern, plus a ``<family>@flagship`` row where the released
 flagship's pattern differs), each CP method (ring, ulysses, thd,
-thd_docs at cp=2; usp at cp=4 = 2 x 2) against one process, on one document per row and on packed rows
+thd_docs at cp=2; usp at cp=4 = 2 x 2, and Ulysses again at cp=4) against one process, on one document per row and on packed rows
 (three documents against each alone, every method that takes them), and the method ``cp_method: auto``
 picks. Writes the table with the counts per column and exits 1 when any cell is wrong or crashes
 (printing those cells); 0 when every cell is exact or refused.
@@ -48,7 +48,8 @@ WORKER = "tests.workers.family_matrix_worker:main"
 
 
 def run_matrix(families: list[str] | None = None, timeout: float = 600.0) -> dict:
-    """Rank 0's result of one launch of the matrix worker (4 gloo ranks: pairs at cp=2, then usp at cp=4)."""
+    """Rank 0's result of one launch of the matrix worker (4 gloo ranks: pairs at cp=2, then usp and Ulysses at
+    cp=4)."""
     return run_distributed(WORKER, world_size=4, timeout=timeout, families=families)[0]
 
 

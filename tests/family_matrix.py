@@ -37,6 +37,11 @@ DOC_LENGTHS = (20, 28, 16)  # a packed row: three documents (sum SEQ), each cros
 #: methods that have no configuration at cp=2 run in a launch of their own at cp=USP_CP, with these options
 CP4_METHODS = {"usp": {"ulysses_size": 2}}
 USP_CP = 4
+#: a column of a cp=2 method run again at cp=USP_CP ("<method>@4"): Ulysses with more ranks than the tiny configs'
+#: 2 KV heads (their copies per rank) and a head shard per rank of 4 (ZAYA's CCA: a rank whose heads read no conv
+#: weight), paths 2 ranks never take
+AT_CP4 = f"@{USP_CP}"
+CP4_REPEATS = ("ulysses",)
 PACKED = " packed"  # a packed column is "<method> packed"
 AUTO_COLUMNS = ("auto", "auto packed")
 #: packed rows at cp_size=1 through the recipe's path (bind_cp_method at cp_size 1, run_micro_batch) against each
@@ -47,7 +52,9 @@ __all__ = [
     "AUTO_COLUMNS",
     "CP1_PACKED",
     "CP",
+    "AT_CP4",
     "CP4_METHODS",
+    "CP4_REPEATS",
     "DOC_LENGTHS",
     "ABSENT",
     "FAMILIES",
@@ -802,8 +809,14 @@ def columns() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
     packers = [name for name, m in cp_methods().items() if m.supports_packed]
     main = METHODS + tuple(m + PACKED for m in packers if m not in CP4_METHODS) + (CP1_PACKED,) + AUTO_COLUMNS
-    cp4 = tuple(CP4_METHODS) + tuple(m + PACKED for m in packers if m in CP4_METHODS)
+    cp4 = (tuple(CP4_METHODS) + tuple(m + AT_CP4 for m in CP4_REPEATS)
+           + tuple(m + PACKED for m in packers if m in CP4_METHODS))  # fmt: skip
     return main, cp4
+
+
+def column_method(column: str) -> str:
+    """The CP method a column runs: its name without `` packed`` and the cp=4 mark (``"ulysses@4"``: ulysses)."""
+    return column.removesuffix(PACKED).removesuffix(AT_CP4)
 
 
 def table_columns() -> tuple[str, ...]:
@@ -879,6 +892,8 @@ def cell_text(cell: dict) -> str:
 def column_title(column: str) -> str:
     """A column's header: the method, ``packed`` for packed rows, and the CP size where it is not :data:`CP`."""
     method = column[: -len(PACKED)] if column.endswith(PACKED) else column
+    if method.endswith(AT_CP4):
+        return method.removesuffix(AT_CP4) + f" (cp={USP_CP})"
     return column + (f" (cp={USP_CP})" if method in CP4_METHODS else "")
 
 
@@ -955,7 +970,8 @@ def render_markdown(result: dict) -> str:
         f"{SEQ} tokens trains one step at cp={CP} (pairs of gloo processes on CPU) with each CP method's own-loop API",
         "([own_loop.md](own_loop.md), [ulysses.md](ulysses.md), [thd.md](thd.md); `thd_docs` splits the",
         f"row's one document over both ranks; usp at cp={USP_CP} = ulysses_size 2 x ring 2 on 4 processes, through",
-        "`context_parallel`), and the loss and gradients are compared with the same step in one process. The",
+        f"`context_parallel`; Ulysses again at cp={USP_CP}, where each rank holds one of 4 query heads and a copy of",
+        "one of 2 KV heads), and the loss and gradients are compared with the same step in one process. The",
         f"*packed* columns train the same row as three documents ({' + '.join(map(str, DOC_LENGTHS))} tokens, "
         "`seq_lens`, through",
         "`context_parallel`) under every method that takes packed rows, against each document run alone in one",

@@ -2,7 +2,7 @@
 
 A launched group of 4 gloo ranks runs the matrix (tests/workers/family_matrix_worker.py): two
 pairs share out the families for the methods at cp=2 (unpacked and packed rows) and the ``auto`` columns,
-then all 4 run usp (2 x 2, unpacked and packed); the tests below assert on rank 0's result. CI runs the
+then all 4 run usp (2 x 2, unpacked and packed) and Ulysses again (``ulysses@4``); the tests below assert on rank 0's result. CI runs the
 families of :data:`CI_FAMILIES` (every layer kind, both attention implementations, every column: unpacked,
 packed and cp=1 packed rows, ``auto``; test_ci_subset_covers_every_layer_kind holds it) in one launch; the
 whole matrix is a second launch behind the ``slow`` marker (``bash scripts/test.sh -m slow``: the other
@@ -21,6 +21,7 @@ import pytest
 from tests.dist_harness import REPO_ROOT, run_distributed
 from tests.family_matrix import (
     ABSENT,
+    AT_CP4,
     AUTO_COLUMNS,
     CP1_PACKED,
     DOC_PATH,
@@ -30,6 +31,7 @@ from tests.family_matrix import (
     REGENERATE,
     UNBUILDABLE,
     absent_reason,
+    column_method,
     render_markdown,
     table_columns,
     table_section,
@@ -134,6 +136,7 @@ def test_every_family_ran_every_method_on_every_rank(any_matrix, request):
     for name, cells in result["cells"].items():
         assert tuple(cells) == table_columns(), name
     assert "usp" in table_columns() and "thd_docs packed" in table_columns() and "ring packed" not in table_columns()
+    assert "ulysses@4" in table_columns() and column_method("ulysses@4") == column_method("ulysses packed") == "ulysses"
     statuses = [{(f, m): c["status"] for f, cs in r["cells"].items() for m, c in cs.items()} for r in matrix]
     assert all(s == statuses[0] for s in statuses), "the ranks recorded different outcomes"
 
@@ -172,7 +175,7 @@ def test_exact_or_refused(request, family, method):
         assert "at CP size 1" in cell["detail"] and "mixed together" in cell["detail"], cell["detail"]
     elif cell["status"] == "refused":
         message = cell["detail"]
-        name = method.removesuffix(PACKED)
+        name = column_method(method)
         assert message and (name in message.lower() or "cp_method" in message), (
             f"{family} / {method}: the refusal does not name the method: {message!r}"
         )
@@ -212,7 +215,7 @@ def test_auto_picks_an_exact_method_whenever_one_exists(any_matrix, column):
     for family, cells in any_matrix[0]["cells"].items():
         auto = cells[column]
         same_rows = [c for c, cell in cells.items() if c not in AUTO_COLUMNS + (CP1_PACKED,) and c.endswith(PACKED) == packed
-                     and "usp" not in c and cell["status"] == "exact"]  # fmt: skip (usp: not a candidate at cp=2)
+                     and "usp" not in c and AT_CP4 not in c and cell["status"] == "exact"]  # fmt: skip (cp=4 columns: not candidates at cp=2)
         if same_rows and auto["status"] != "exact":
             problems.append(f"{family}: auto {auto.get('picked', 'refused')} is {auto['status']}; exact: {same_rows}")
         if not same_rows and auto["status"] != "refused":

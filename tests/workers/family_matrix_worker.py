@@ -6,7 +6,7 @@ parameter's gradient), then run each column's CP method on a deep copy through i
 "Use CP in your own loop", docs/ulysses.md, docs/thd.md; ``context_parallel`` for usp and for packed
 rows): forward on this rank's tokens, loss = sum CE of the local tokens / the global label count,
 backward, gradients and loss SUM-all-reduced over the CP group. The group has 2 ranks (cp=2), or 4 for the
-methods of ``CP4_METHODS`` (usp 2 x 2). A packed column (``"<method> packed"``) trains one row of three
+methods of ``CP4_METHODS`` (usp 2 x 2) and of ``CP4_REPEATS`` (Ulysses again, column ``"ulysses@4"``). A packed column (``"<method> packed"``) trains one row of three
 documents (``DOC_LENGTHS``) against each document run alone in one process; the references are computed
 only when a cell runs. The ``auto`` columns name the method ``cp_method: auto`` picks for the model
 (:func:`automodel.distributed.cp.choose_cp_method`) with that column's outcome.
@@ -46,6 +46,7 @@ from tests.family_matrix import (
     PACKED,
     SEQ,
     VOCAB,
+    column_method,
     columns,
 )
 
@@ -366,7 +367,7 @@ def _refusals(profile, columns: tuple[str, ...], cp_size: int) -> dict[str, dict
 
     out = {}
     for column in columns:
-        method = column.removesuffix(PACKED)
+        method = column_method(column)
         options = CP4_METHODS.get(method, {})
         try:
             check_model_config_for_cp(get_cp_method(method).configured(_Options(cp_size, options)), profile, cp_size)
@@ -436,7 +437,7 @@ def _run_families(fams: list, columns: tuple[str, ...], ranks: list[int], agree_
             elif column == CP1_PACKED:  # one process: the group's first rank computes it, the others wait
                 local = run_cp1_packed_cell(pristine, packed_row, lambda: ref(True)) if first else {"one_rank": True}
             else:
-                method = column.removesuffix(PACKED)
+                method = column_method(column)
                 given = refs.get(packed, (None, None))
                 local = run_cell(method, pristine, packed_row if packed else row, mesh, *given,
                                  ref=lambda packed=packed: ref(packed), compares=first)  # fmt: skip
