@@ -56,12 +56,6 @@ def _row(r: Any) -> int:
     return max(1, r.local_tokens // max(1, r.local_batch))
 
 
-def _halo(d: Any, r: Any) -> tuple[int, int, int]:
-    """``(heads, kv heads, query tokens per row)`` the method's halo kernel sees on a rank
-    (:meth:`~automodel.distributed.cp.CPMethod.halo_extent`)."""
-    return r.method.halo_extent(d, r)
-
-
 def runs_halo_alibi(d: Any, r: Any) -> bool:
     """Whether the run's ALiBi layers go through the halo kernel (a CP method whose layers run it)."""
     return bool(d.alibi_layers) and r.cp > 1 and r.method.runs_halo_kernel()
@@ -102,7 +96,7 @@ def mask_bytes(d: Any, r: Any) -> tuple[float, str]:
                 total += b * s * s * (c if eager else 1)
                 parts.append(f"the method's [{b}, 1, {s}, {s}] mask" + (f" (window {limit})" if limit else ""))
     if r.cp > 1 and r.method.runs_halo_kernel():
-        q = _halo(d, r)[2]  # the queries it sees (usp: its Ulysses sub-group's)
+        q = r.method.halo_extent(d, r)[2]  # the queries it sees (usp: its Ulysses sub-group's)
         block = min(HALO_BLOCK, q)
         for limit, count in d.attention_kinds:
             if 0 < limit < s and count:  # a mask kind no layer has (ModelDims.attention_kinds) runs no halo kernel
@@ -255,7 +249,7 @@ def alibi_workspace(d: Any, r: Any) -> float:
     if not runs_halo_alibi(d, r):
         return 0.0
     b, c, s = r.local_batch, r.compute_bytes, r.seq
-    hq, hkv, q = _halo(d, r)
+    hq, hkv, q = r.method.halo_extent(d, r)
     block, dim = min(HALO_BLOCK, q), d.head_dim
     acc = 8 if c == 8 else 4
     scores = 3 * b * hq * block * s * acc
@@ -279,7 +273,7 @@ def halo_math_workspace(d: Any, r: Any) -> tuple[float, float]:
     from automodel.distributed.cp.attention_kernels import CPU_KERNEL
 
     b, c, s = r.local_batch, r.compute_bytes, r.seq
-    hq, hkv, n = _halo(d, r)
+    hq, hkv, n = r.method.halo_extent(d, r)
     block, dim = min(HALO_BLOCK, n), d.head_dim
     acc = 8 if c == 8 else 4
     cpu = getattr(r, "attention_kernel", CPU_KERNEL) == CPU_KERNEL

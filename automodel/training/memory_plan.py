@@ -1740,13 +1740,15 @@ class _CoreTerms:
     """What linear-mixer cores add to the activations, bytes per rank (:func:`_linear_cores`): ``held`` from the
     layers' forwards on at every later moment, ``forward`` at a layer's mixer in its forward (the layer in flight),
     ``backward`` at a recomputed (without checkpointing: the last) layer's MLP and norm backward moments,
-    ``at_mixer`` at its mixer's backward (the attention moment); ``note`` for the activations' note."""
+    ``at_mixer`` at its mixer's backward (the attention moment); ``note`` for the activations' note; ``measured``:
+    the cores are counted from their measurement (the mixer terms and notes that stood for them are then left out)."""
 
     held: float = 0.0
     forward: float = 0.0
     backward: float = 0.0
     at_mixer: float = 0.0
     note: str = ""
+    measured: bool = False
 
 
 def _linear_cores(d: ModelDims, r: RunShape) -> _CoreTerms:
@@ -1800,7 +1802,7 @@ def _linear_cores(d: ModelDims, r: RunShape) -> _CoreTerms:
                 + "; measured with transformers' torch code, which keeps more than fla's and mamba-ssm's CUDA kernels "
                   "where those run them")  # fmt: skip
         # a recomputed layer's backward holds its chain's recomputed forward first, then its backward
-        return _CoreTerms(kept, forward, again, again + max(forward, backward), note)
+        return _CoreTerms(kept, forward, again, again + max(forward, backward), note, measured=True)
     cpu = r.attention_kernel == CPU_KERNEL
     layers = d.core_layers if cpu else d.gpu_torch_core_layers
     if not layers:
@@ -1814,10 +1816,10 @@ def _linear_cores(d: ModelDims, r: RunShape) -> _CoreTerms:
                 f"{_fmt(max(forward, backward))} at its peak (measured on the meta device)")
         # the recomputed layer's backward phase holds its core's recomputed forward first (Falcon-H1's Mamba2 under
         # Ulysses peaks there: the padded chunks beside the head shard's inputs), then its backward
-        return _CoreTerms(0.0, forward, saved, max(forward, backward), note)
+        return _CoreTerms(0.0, forward, saved, max(forward, backward), note, measured=True)
     note = (f"; {layers} linear-mixer layer{plural}' cores, transformers' torch code {where}: {_fmt(saved * layers)} "
             "kept (measured on the meta device)")
-    return _CoreTerms(layers * saved, forward - saved, 0.0, backward - saved, note)
+    return _CoreTerms(layers * saved, forward - saved, 0.0, backward - saved, note, measured=True)
 
 
 def _keeps_eager_scores(d: ModelDims, r: RunShape) -> bool:
@@ -2061,7 +2063,7 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # a linear-attention mixer in the attention's place (MiniMax's lightning attention): what it keeps beyond the
     # attention terms, in its layers (the layers' average in what they keep, one such layer in flight); where the chain
     # runs it, the chain's count is what its layers keep
-    mixer = n * d.mixer_saved_extra[1 if half else 0] * q * c / tp if d.mixer_layers and d.heads and not cores.note else 0.0
+    mixer = n * d.mixer_saved_extra[1 if half else 0] * q * c / tp if d.mixer_layers and d.heads and not cores.measured else 0.0
     copy_avg, copy_max = copy_avg + mixer * d.mixer_layers / max(1, d.layers), copy_max + mixer
     # a chunked indexer (Kolibri-1.1): its selection at an indexed layer's attention in the forward (and in its
     # recomputation), and under checkpointing the pools of candidate keys the layers' recomputations are handed
@@ -2078,11 +2080,11 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # linear mixers the plan does not measure: counted as attention layers of the model's heads (a model without
     # attention heads counts no term for them)
     as_what = "with the attention terms of the model's heads" if d.heads else "with no term of their own"
-    if d.kernel_mixer_layers and not cores.note:  # counted: their note says what was measured
+    if d.kernel_mixer_layers and not cores.measured:  # counted: their note says what was measured
         tiled += (f"; {d.kernel_mixer_layers} linear-mixer layers planned {as_what}, not measured: their CUDA kernels "
                   "(fla, causal-conv1d, mamba-ssm) run them on a GPU; without those packages transformers runs its "
                   "torch fallback, which keeps more (CPU step peaks up to 84% above this plan: docs/benchmarks.md)")
-    if d.torch_mixer_layers and not cores.note:
+    if d.torch_mixer_layers and not cores.measured:
         tiled += (f"; {d.torch_mixer_layers} linear-mixer layers (torch code on every device) planned {as_what}, "
                   "not measured")
     tiled += cores.note

@@ -146,13 +146,14 @@ def run_documents(
         spans = documents if documents is not None else [(0, n)]
         out = torch.cat([kernel.core(mixer, params, _piece(seq, s, e), None, shard)[0] for s, e in spans if e > s],
                         dim=1)
-        return join_unread(out, params)
-    rows = []
-    for i in range(bsz):
-        row = {k: v[i : i + 1] for k, v in seq.items()}
-        rows.append(torch.cat([kernel.core(mixer, params, _piece(row, s, e), None, shard)[0]
-                               for s, e in row_segments(documents, i, n)], dim=1))
-    return join_unread(torch.cat(rows, dim=0), params)
+    else:
+        rows = []
+        for i in range(bsz):
+            row = {k: v[i : i + 1] for k, v in seq.items()}
+            rows.append(torch.cat([kernel.core(mixer, params, _piece(row, s, e), None, shard)[0]
+                                   for s, e in row_segments(documents, i, n)], dim=1))
+        out = torch.cat(rows, dim=0)
+    return join_unread(out, params)
 
 
 # ---------------------------------------------------------------------------------------------------------
