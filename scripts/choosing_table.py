@@ -25,7 +25,7 @@ import argparse
 import dataclasses
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,10 +104,16 @@ def read_matrix(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def _matrix_column(method: str, packed: bool, titles: set[str]) -> str | None:
-    """The matrix column that proves ``method`` (``usp (cp=4)``, ``thd packed``, ...)."""
+def _matrix_column(method: str, packed: bool, titles: Iterable[str]) -> str | None:
+    """The matrix column that proves ``method``: the one titled with its name alone (``ulysses``, ``thd packed``),
+    else the first in sorted order of those that add a size (``usp (cp=4)``). ``ulysses`` has both: its cp 2 column
+    proves the method, while ``ulysses (cp=4)`` also refuses the tiny rows whose heads 4 ranks cannot split. The
+    order of ``titles`` does not matter (a set's order changes with the process's string hash seed)."""
     name = method + (" packed" if packed else "")
-    return next((t for t in titles if t == name or t.startswith(name + " (")), None)
+    titles = sorted(titles)
+    if name in titles:
+        return name
+    return next((t for t in titles if t.startswith(name + " (")), None)
 
 
 # ---------------------------------------------------------------------------------------------- profiles

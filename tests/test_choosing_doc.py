@@ -75,3 +75,15 @@ def test_the_rules_of_thumb_on_the_page_hold(chooser):
     assert dsa[0].pick == "ring" and dsa[2].pick == "usp (ulysses_size=8)"  # across nodes: the big gather inside
     doge = rows["doge"]  # K and V gathered whatever the method (as DSA's latents): the same picks
     assert doge[0].exact == every and doge[0].pick == "ring" and doge[2].pick == "usp (ulysses_size=8)"
+
+
+def test_the_column_that_proves_a_method_does_not_depend_on_the_order_of_the_titles():
+    from scripts.choosing_table import _matrix_column
+
+    titles = ["ring", "ulysses", "usp (cp=4)", "ulysses (cp=4)", "ulysses packed", "usp packed (cp=4)"]
+    for order in (titles, titles[::-1], sorted(titles)):
+        assert _matrix_column("ulysses", False, order) == "ulysses"  # cp 2 proves it; cp 4 may refuse tiny heads
+        assert _matrix_column("usp", False, order) == "usp (cp=4)"
+        assert _matrix_column("usp", True, order) == "usp packed (cp=4)"
+        assert _matrix_column("ulysses", True, order) == "ulysses packed"
+        assert _matrix_column("thd", False, order) is None
