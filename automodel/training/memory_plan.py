@@ -25,7 +25,10 @@ prediction against measurement. Two figures, reported separately because they ar
     and the attention's (the MLP's tensors freed; the CP attention workspace and the attention kernel's backward
     buffers); and two norms' backward moments: one of the layer's hidden-size norms, the MLP's tensors freed
     (:func:`_layer_norm_moment`: the recomputed layer's peak where the MLP is tiled), and the final norm's, before
-    any layer's (without checkpointing every layer's saved tensors beside it: :func:`_final_norm_moments`);
+    any layer's (without checkpointing every layer's saved tensors beside it: :func:`_final_norm_moments`); for a
+    layer of several residual streams (Gemma 3n's AltUp, hyper-connections) its residual structure's backward,
+    first in the layer's, with every tensor the layer saved alive (``residual streams``:
+    :attr:`ModelDims.residual_backward_extra`);
   - ``optimizer``: all gradients and the optimizer's temporaries (FSDP2 has freed its buffers by then).
 
 Terms (bytes per rank; ``N`` = local tokens of one micro-batch = ``local_batch_size * seq / cp``, the
@@ -409,6 +412,13 @@ class ModelDims:
     #: measured on the meta device: DeepSeek-V4's real layer ~18 in fp32, ~48 in bf16); for an fp32 residual stream
     #: (``residual_fp32``) its fp32 scalings and casts (ZAYA: 4 in fp32, 6 in bf16); 0 for one compute-dtype stream
     residual_saved_extra: tuple[float, float] = (0.0, 0.0)
+    #: ``((untiled, norms tiled) in fp32, (the same) in bf16)``: ``[N, h]`` units per token that such a layer's
+    #: residual structure's backward holds beyond what the layer saved and the two gradients every layer counts: its
+    #: ``K`` streams' gradients and its residual structure's backward (Gemma 3n's AltUp correction: ``[K, N, h]``
+    #: gradients of its product, innovation and predictions at once), with its norms' fp32 temporaries where they run
+    #: whole (:func:`automodel.training.residual_memory.residual_backward_extra`, measured on the meta device); the
+    #: moment ``bwd_residual`` of :func:`_activation_terms`, first in the layer's backward; 0 for a plain layer
+    residual_backward_extra: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
     #: ``(fp32, bf16)``: ``q`` units (``heads x head_dim``) per token and layer that an attention module calling its
     #: kernel more than once keeps beyond a Llama attention's (DiffLlama's two calls on the halves of V, their outputs'
     #: concatenation, difference and group norm: ~4.6 in fp32, ~5.7 in bf16), or one that convolves its projections
@@ -854,7 +864,7 @@ def model_dims(model) -> ModelDims:  # noqa: ANN001 (an HF PreTrainedModel, poss
         **_attn_output_gate(attention, c.hidden_size, heads * head_dim, heads),
         tile_width=mlp_tile_width(getattr(model, "config", None)) or 0,
         residual_fp32=fp32_stream,
-        residual_saved_extra=_residual_saved_extra(model, layers, kinds["layer_input_copies"], fp32_stream),
+        **_residual_extras(model, layers, kinds["layer_input_copies"], fp32_stream),
         attention_saved_extra=_attention_saved_extra(model, layers, attention, c.hidden_size, heads, kv, head_dim,
                                                      qk_share),  # fmt: skip
         position_bias_heads=_position_bias_heads(layers),
@@ -883,21 +893,27 @@ def _layer_input_copies(text) -> int:  # noqa: ANN001
     return max([1] + [v for v in (getattr(text, k, None) for k in _LAYER_INPUT_COPIES_KEYS) if isinstance(v, int)])
 
 
-def _residual_saved_extra(model, layers: list, streams: int, fp32_stream: bool) -> tuple[float, float]:  # noqa: ANN001
-    """:attr:`ModelDims.residual_saved_extra`: for a layer of several residual streams (hyper-connections) or of an
-    fp32 residual stream (ZAYA), what its residual structure saves beyond a plain pre-norm layer of its norms
+def _residual_extras(model, layers: list, streams: int, fp32_stream: bool) -> dict[str, tuple]:  # noqa: ANN001
+    """:attr:`ModelDims.residual_saved_extra` and :attr:`ModelDims.residual_backward_extra`: for a layer of several
+    residual streams (hyper-connections, Gemma 3n's AltUp) or of an fp32 residual stream (ZAYA), what its residual
+    structure saves beyond a plain pre-norm layer of its norms
     (:func:`~automodel.training.residual_memory.residual_saved`: what the stream term counts is subtracted there) and
-    its input's ``K - 1`` further streams; 0 for one stream of the compute dtype, and where the probe cannot run the
-    layer (counted as one stream then)."""
-    from automodel.training.residual_memory import residual_saved
+    its input's ``K - 1`` further streams, and how much higher its backward peak is beyond that
+    (:func:`~automodel.training.residual_memory.residual_backward_extra`); 0 for one stream of the compute dtype, and
+    where the probe cannot run the layer (counted as one stream then)."""
+    from automodel.training.residual_memory import residual_backward_extra, residual_saved
 
     if (streams <= 1 and not fp32_stream) or not layers:
-        return (0.0, 0.0)
+        return {}
     text = text_config(getattr(model, "config", None))
-    measured = residual_saved(layers[0], text, streams, fp32_stream)
-    if measured is None:
-        return (0.0, 0.0)
-    return tuple(max(0.0, m + streams - 1) for m in measured)
+    out = {}
+    saved = residual_saved(layers[0], text, streams, fp32_stream)
+    if saved is not None:
+        out["residual_saved_extra"] = tuple(max(0.0, m + streams - 1) for m in saved)
+        backward = residual_backward_extra(layers[0], text, streams, fp32_stream)
+        if backward is not None:
+            out["residual_backward_extra"] = backward
+    return out
 
 
 def _attention_saved_extra(model, layers: list, layer, hidden: int, heads: int, kv: int, head_dim: int,  # noqa: ANN001
@@ -1619,6 +1635,10 @@ class _Activations:
     #: :func:`.layer_kind_memory.indexer_bytes`), in the forward / in the recomputed layer; 0 without one
     fwd_index: float = 0.0
     bwd_index: float = 0.0
+    #: while backward runs through the residual structure of a layer of several streams, first in its backward, with
+    #: every tensor the layer saved alive (Gemma 3n's AltUp correction: ModelDims.residual_backward_extra); 0 for a
+    #: plain layer
+    bwd_residual: float = 0.0
 
 
 def _eager_moments(d: ModelDims, c: int) -> tuple[float, float, float]:
@@ -1724,7 +1744,8 @@ def _layer_norm_moment(d: ModelDims, r: RunShape, attn: float, lse: float, mlp_s
     saved = 0.0 if tile else d.layer_norm_saved[0 if c >= 4 else 1]
     before = ((saved + 1) * others + (1 if d.layer_norms >= 3 else 0)) * h / s
     after_mlp = mlp_saved if d.layer_norms >= 4 else 0.0
-    return (before + gathered + attn + after_mlp) * c + lse + (backward + 1) * h * c / s
+    streams = d.layer_input_copies  # the residual streams' gradient (K [N, h] for a layer of K streams)
+    return (before + gathered + attn + after_mlp) * c + lse + (backward + streams) * h * c / s
 
 
 def _final_norm_tile(d: ModelDims, r: RunShape) -> int | None:
@@ -1993,7 +2014,13 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     # --tiled-layer only, the untiled ring row, 79.1 -> 75.1 MiB with the norms tiled)
     body_attn_bwd = body_attn - (h * c / s if norm_tile and r.activation_checkpointing else 0.0)
     layer = body + saved_mlp * c + router
-    grads = 2 * h * c / s  # the gradients at the layer's output and input
+    # the gradients at the layer's output and input; a layer of K streams (Gemma 3n's AltUp, hyper-connections) holds
+    # its streams' gradient, K [N, h], through its backward (its first step and its residual structure's last read them)
+    grads = (1 + d.layer_input_copies) * h * c / s
+    # and its residual structure's backward, which runs first, with every tensor the layer saved alive, holds more
+    # (ModelDims.residual_backward_extra: Gemma 3n's AltUp correction, [K, N, h] gradients of its product, innovation
+    # and predictions at once): a moment of its own
+    wider = d.residual_backward_extra[1 if half else 0][1 if norm_tile else 0] * h * c / s
     # a norm after the MLP (Gemma 2/3's post_feedforward_layernorm, of four norms per layer) has run its backward and
     # freed its input and normalized copy by the time backward reaches the MLP: 2 h fewer at the MLP's backward
     post_mlp_norm = (1 if norm_tile else 2) * h * c / s if d.layer_norms >= 4 else 0.0  # tiled: its input alone
@@ -2117,10 +2144,13 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
         fwd_a += cores.forward
         bwd_m, bwd_a, bwd_n = bwd_m + cores.backward, bwd_a + cores.at_mixer, bwd_n + cores.backward
         bwd_i += cores.backward if bwd_i else 0.0
+        # the recomputed layer's residual structure's backward: all it saved, its output's gradients and what its
+        # backward holds more (0 for a plain layer, whose MLP moment is higher)
+        bwd_r = n * (kept + always + layer + 2 * h * c / s + wider) + s2 + copy_max + tables if wider else 0.0
         note = _kept_inputs_note(d, r)
         note += f"; one layer recomputed in backward: {_fmt(bwd_m - n * (kept + always))} (its MLP's backward){tiled}"
         fwd_f, bwd_f = _final_norm_moments(d, r, n * (kept_at_loss + always) + chained)  # every chain kept then
-        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n, fwd_i, bwd_i)
+        return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n, fwd_i, bwd_i, bwd_r)
     before = n * ((d.calls - 1) * layer + embed + always) + (d.calls - 1) * (s2 + copy_avg)  # the layers before the last
     saved = n * (d.calls * layer + embed + final + always) + d.calls * (s2 + copy_avg) + tile_bytes
     # every linear-mixer core (chained, or whose torch code runs) keeps its tensors beside its layer's
@@ -2135,13 +2165,16 @@ def _activation_terms(d: ModelDims, r: RunShape) -> _Activations:
     bwd_m = before + n * (body - post_mlp_norm + bwd_mlp * c + router + grads) + s2 + tile_bytes + copy_max + loop_grads
     bwd_a = before + n * (body_attn + grads + attn_bwd) + s2 + copy_max + in_flight
     bwd_n = before + n * _layer_norm_moment(d, r, attn, lse, saved_mlp) + s2 + copy_max
+    # the last layer's residual structure's backward, every tensor it saved alive (0 for a plain layer)
+    bwd_r = before + n * (layer + 2 * h * c / s + wider) + s2 + copy_max if wider else 0.0
     # the last layer's core in flight beyond what it keeps (_linear_cores), at its mixer
     fwd_a, bwd_a = fwd_a + cores.forward, bwd_a + cores.at_mixer
     note = f"{_layer_count(d)} x {_fmt(n * layer + s2)}" + (" (an S^2 term per layer: eager's probabilities or ALiBi's bias mask)" if s2 else "") + tiled
     if tp > 1:
         note += f"; heads and MLP /tp {tp}, residual stream " + ("/tp (sequence parallel)" if s > 1 else "whole")
     fwd_f, bwd_f = _final_norm_moments(d, r, before + n * layer + s2 + copy_avg)
-    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n, fwd_index=fwd_i)
+    return _Activations(saved, fwd_m, fwd_a, bwd_m, bwd_a, note, fwd_f, bwd_f, bwd_n, fwd_index=fwd_i,
+                        bwd_residual=bwd_r)
 
 
 @dataclass(frozen=True)
@@ -2403,6 +2436,9 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
         "final norm": {"gradients": max(earlier_grads, _head_grads(d, r)), "activations": acts.bwd_final,
                        "attention masks": masks, "communication buffers": comm},
     }  # fmt: skip
+    if acts.bwd_residual:  # a layer of several streams: its residual structure's backward, before its MLP's
+        backward["residual streams"] = {"gradients": grads_bwd, "activations": acts.bwd_residual,
+                                        "attention masks": masks, "communication buffers": comm}  # fmt: skip
     if acts.bwd_index:  # the recomputed indexed layer's key selection
         backward["indexer"] = {"gradients": grads_bwd, "activations": acts.bwd_index, "attention masks": masks,
                                "attention workspace": attn_state, "communication buffers": comm}  # fmt: skip
@@ -2410,7 +2446,7 @@ def plan_memory(d: ModelDims, r: RunShape) -> MemoryPlan:
     by_moment = {"forward": forward, bwd_name: backward}
     moments = {phase: max(alts, key=lambda m: sum(alts[m].values())) for phase, alts in by_moment.items()}
     act_peak = max(acts.saved, acts.fwd_mlp, acts.fwd_attn, acts.bwd_mlp, acts.bwd_attn, acts.fwd_final, acts.bwd_final,
-                   acts.bwd_norm, acts.fwd_index, acts.bwd_index)
+                   acts.bwd_norm, acts.fwd_index, acts.bwd_index, acts.bwd_residual)
     terms = {
         "gradients": MemoryTerm("gradients", grads, grads_note),
         "activations": MemoryTerm("activations", act_peak, acts.note),

@@ -144,11 +144,12 @@ def _meta_params(mlp: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Te
     return params
 
 
-def live_moments(forward: Callable[[], torch.Tensor]) -> tuple[int, int, int]:
+def live_moments(forward: Callable[[], torch.Tensor], output_grad: bool = False) -> tuple[int, int, int]:
     """``(saved, forward peak, backward peak)`` bytes of the storages ops make while ``forward()`` runs and then the
-    backward of its output (a gradient of ones, made outside the count), by :class:`_LiveBytes`: what is alive when
-    the forward has returned less its output, the most alive at once during it, and during the backward with the
-    saved tensors (alive when it begins) counted. The inputs are made by the caller, outside the count."""
+    backward of its output (a gradient of ones), by :class:`_LiveBytes`: what is alive when the forward has returned
+    less its output, the most alive at once during it, and during the backward with the saved tensors (alive when it
+    begins) counted, and with ``output_grad`` the output's gradient too (the default leaves it out of the count). The
+    inputs are made by the caller, outside the count."""
     mode = _LiveBytes()
     with torch.enable_grad(), mode:
         out = forward()
@@ -157,7 +158,7 @@ def live_moments(forward: Callable[[], torch.Tensor]) -> tuple[int, int, int]:
         grad = torch.ones_like(out)
         start = mode.peak = mode.current
         out.backward(grad)
-        backward = mode.peak - start + saved
+        backward = mode.peak - start + saved + (grad.untyped_storage().nbytes() if output_grad else 0)
     return saved, peak, backward
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,9 +38,10 @@ import torch
 from automodel.models.block_call import layers_owner
 from automodel.models.tiled_mlp import is_hidden_norm
 from automodel.training.attention_memory import ATTENTION_NAMES
+from automodel.training.mlp_memory import live_moments
 from automodel.training.saved_storage import probe_pair, saved_storage_bytes
 
-__all__ = ["residual_fp32", "residual_saved"]
+__all__ = ["residual_backward_extra", "residual_fp32", "residual_saved"]
 
 #: the stub of these blocks returns ``(output, None)`` (transformers' attention modules; HY-V4's three values and a
 #: linear mixer's output alone are tried next), the others' their output
@@ -90,8 +92,81 @@ def residual_saved(layer: torch.nn.Module, config: Any, streams: int,  # noqa: A
     return probe_pair(_CACHE, key, lambda dtype: _saved_on_meta(cls, config, streams, dtype, fp32_stream))
 
 
+def residual_backward_extra(layer: torch.nn.Module, config: Any, streams: int,  # noqa: ANN401
+                            fp32_stream: bool = False) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """``((untiled, norms tiled) in fp32, (untiled, norms tiled) in bf16)``: what the backward of the decoder layer
+    ``layer``'s residual structure holds beyond what it saved, in ``[N, h]`` units per token of the compute dtype's
+    elements, its attention, mixer and MLP stubbed as in :func:`residual_saved` (0 where not more):
+
+    * untiled: the most it holds at once beyond its saved tensors, less the two ``[N, h]`` gradients (its output's and
+      its input's) the planner counts for any layer: the gradients of its ``K`` streams, what its residual structure's
+      backward makes and its norms' backward temporaries (fp32 in bf16). Gemma 3n's AltUp correction (``correct``:
+      the innovation repeated to ``K`` streams times their coefficients, plus the predictions) holds ``[K, N, h]``
+      gradients of its product, its innovation and the predictions at once, first in the layer's backward, with
+      every tensor the layer saved alive: its checkpointed layer was planned 9.4% under in bf16 at hidden 256 (6.0 in
+      fp32, 9.9 in bf16 at the tiny config's ``K = 2``);
+    * norms tiled (the tiled MLP's norms, whose fp32 temporaries are one tile's): how much higher its backward's
+      peak is than a plain pre-norm layer's of as many norms (:func:`_plain_forward`), beyond what it saves more
+      (:func:`residual_saved`, which the planner counts at every moment): the norms' temporaries cancel.
+
+    Measured on the meta device (no memory, no compute) by :func:`automodel.training.mlp_memory.live_moments` with
+    the output's gradient counted, at :data:`_PEAK_TOKENS`' two lengths: per token the difference (the parameters'
+    gradients, a constant, cancel). ``None`` where the layer cannot be run so."""
+    cls = _model_class(layer)
+    key = (cls, streams, fp32_stream, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+    return probe_pair(_BACKWARD_CACHE, key, lambda dtype: _on_meta(cls, config, streams, dtype, fp32_stream, _backward_extra))
+
+
+#: the two lengths of :func:`residual_backward_extra`'s probe (on the meta device they cost nothing)
+_PEAK_TOKENS = (256, 512)
+
+_BACKWARD_CACHE: dict[tuple, tuple[float, float] | None] = {}
+
+#: ``run(tokens)`` -> ``(input, further inputs, the layer's forward on them)``, all made on the meta device
+_Run = Callable[[int], tuple[torch.Tensor, dict[str, torch.Tensor], Callable[[], Any]]]
+
+
 def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype, fp32_stream: bool = False) -> float:  # noqa: ANN401
-    tokens, h = 64, config.hidden_size
+    return _on_meta(cls, config, streams, dtype, fp32_stream, _saved_extra)
+
+
+def _saved_extra(layer: torch.nn.Module, norms: list[torch.nn.Module], run: _Run, h: int, dtype: torch.dtype) -> float:
+    """:func:`residual_saved`'s figure for one stubbed layer: what it saves beyond the plain layer, per token."""
+    tokens = 64
+    x, extra, call = run(tokens)
+    # the parameters left with the stubs in place (a dropped block's are freed) and the input aside
+    saved = saved_storage_bytes(call, (*layer.parameters(), *layer.buffers(), x, *extra.values()))
+    return (saved - _plain_saved_on_meta(norms, tokens, h, dtype)) / tokens / h / torch.finfo(dtype).bits * 8
+
+
+def _backward_extra(layer: torch.nn.Module, norms: list[torch.nn.Module], run: _Run, h: int,
+                    dtype: torch.dtype) -> tuple[float, float]:
+    """:func:`residual_backward_extra`'s figures for one stubbed layer, per token: the most its backward holds beyond
+    what it saved, less the two ``[N, h]`` gradients (its output's and its input's) the planner counts for any layer;
+    and how much higher its backward's peak is than the plain layer's, beyond what it saves more (where its norms run
+    in tiles: their fp32 temporaries, which the first figure holds, are not made so)."""
+    held, higher = [], []
+    for tokens in _PEAK_TOKENS:
+        _, _, call = run(tokens)
+        saved, _, backward = live_moments(lambda call=call: _first(call()), output_grad=True)
+        plain = torch.empty((1, tokens, h), dtype=dtype, device="meta", requires_grad=True)
+        plain_saved, _, plain_backward = live_moments(lambda plain=plain: _plain_forward(norms, plain), output_grad=True)
+        held.append(backward - saved)
+        higher.append((backward - plain_backward) - (saved - plain_saved))
+    unit = h * (torch.finfo(dtype).bits // 8) * (_PEAK_TOKENS[1] - _PEAK_TOKENS[0])
+    return round(max(0.0, (held[1] - held[0]) / unit - 2), 2), round(max(0.0, (higher[1] - higher[0]) / unit), 2)
+
+
+def _first(out: Any) -> torch.Tensor:  # noqa: ANN401
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype, fp32_stream: bool,  # noqa: ANN401
+             measure: Callable[[torch.nn.Module, list[torch.nn.Module], _Run, int, torch.dtype], Any]) -> Any:
+    """``measure(layer, norms, run, h, dtype)`` for a fresh copy of the layer class ``cls`` built on the meta device
+    with its blocks stubbed (:class:`_Stub`), its hidden-size norms and ``run``, on the first of the stubs' outputs and
+    the input layouts that runs; raises the last error where none does."""
+    h = config.hidden_size
     with torch.device("meta"):
         layer = cls(config, 0).to(dtype)
     if getattr(layer, "ple", None) is not None:  # Qwen4-Exp's per-layer embedding needs its ids: left out
@@ -99,13 +174,12 @@ def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype, fp3
     norms = [m for _, m in layer.named_children() if is_hidden_norm(m, h, held_by_layer=True)]
     # several streams: token-major (hyper-connections: [B, S, K, h] or [B, S, K h]) or stacked first (Gemma 3n's
     # AltUp predictions: [K, B, S, h])
-    layouts = (((1, tokens, streams, h), (1, tokens, streams * h), (streams, 1, tokens, h)) if streams > 1
-               else ((1, tokens, h),))  # fmt: skip
-    extra: dict[str, torch.Tensor] = {}
+    layouts: tuple[Callable[[int], tuple[int, ...]], ...] = (
+        (lambda t: (1, t, streams, h), lambda t: (1, t, streams * h), lambda t: (streams, 1, t, h)) if streams > 1
+        else (lambda t: (1, t, h),))  # fmt: skip
     width = getattr(config, "hidden_size_per_layer_input", None)
-    if isinstance(width, int) and "per_layer_input" in inspect.signature(cls.forward).parameters:
-        # Gemma 3n's per-layer input, which its layer's gate multiplies (Qwen4-Exp's is built from ids: left out above)
-        extra["per_layer_input"] = torch.empty(1, tokens, width, dtype=dtype, device="meta")
+    # Gemma 3n's per-layer input, which its layer's gate multiplies (Qwen4-Exp's is built from ids: left out above)
+    per_layer = isinstance(width, int) and "per_layer_input" in inspect.signature(cls.forward).parameters
     errors = []
     # the attention's outputs, then the MLP's: the output alone or followed by a None (ZAYA's MLP returns its router
     # state beside its output)
@@ -113,32 +187,34 @@ def _saved_on_meta(cls: type, config: Any, streams: int, dtype: torch.dtype, fp3
         for name in _BLOCK_NAMES:
             if isinstance(getattr(layer, name, None), torch.nn.Module):
                 setattr(layer, name, _Stub(values if name in _TUPLE_NAMES else mlp_values))
-        for shape in layouts:
-            x = torch.empty(shape, dtype=torch.float32 if fp32_stream else dtype, device="meta", requires_grad=True)
+        for layout in layouts:
+
+            def run(tokens: int, layout: Callable[[int], tuple[int, ...]] = layout) -> tuple:
+                x = torch.empty(layout(tokens), dtype=torch.float32 if fp32_stream else dtype, device="meta", requires_grad=True)
+                extra = {"per_layer_input": torch.empty(1, tokens, width, dtype=dtype, device="meta")} if per_layer else {}
+                return x, extra, lambda: layer(x, position_embeddings=None, attention_mask=None, **extra)
+
             try:
-                # the parameters left with the stubs in place (a dropped block's are freed) and the input aside
-                saved = saved_storage_bytes(lambda x=x: layer(x, position_embeddings=None, attention_mask=None, **extra),
-                                            (*layer.parameters(), *layer.buffers(), x, *extra.values()))  # fmt: skip
+                return measure(layer, norms, run, h, dtype)
             except Exception as e:  # noqa: BLE001 - the next stream layout or attention outputs
                 errors.append(e)
-                continue
-            return (saved - _plain_saved_on_meta(norms, tokens, h, dtype)) / tokens / h / torch.finfo(dtype).bits * 8
     raise errors[-1]
+
+
+def _plain_forward(norms: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """``x = x + block(norm(x))`` for each norm, the block a :class:`_Stub`: a plain pre-norm layer, blocks left out."""
+    for norm in norms:
+        x = x + _Stub(0)(norm(x))
+    return x
 
 
 def _plain_saved_on_meta(norms: list[torch.nn.Module], tokens: int, h: int, dtype: torch.dtype) -> int:
     """Bytes that a plain pre-norm layer with ``norms`` (meta-device modules, in order) saves beyond its input, its
-    blocks left out: ``x = x + block(norm(x))`` for each norm, the block a :class:`_Stub` (of Llama's two RMSNorms:
-    3 ``[N, h]`` in fp32, 6 in bf16, whose norms keep fp32 copies)."""
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        for norm in norms:
-            x = x + _Stub(0)(norm(x))
-        return x
-
+    blocks left out (:func:`_plain_forward`; of Llama's two RMSNorms: 3 ``[N, h]`` in fp32, 6 in bf16, whose norms
+    keep fp32 copies)."""
     x = torch.empty((1, tokens, h), dtype=dtype, device="meta", requires_grad=True)
     params = [p for norm in norms for p in (*norm.parameters(), *norm.buffers())]
-    return saved_storage_bytes(lambda: forward(x), (*params, x))
+    return saved_storage_bytes(lambda: _plain_forward(norms, x), (*params, x))
 
 
 class _LayerInput(Exception):  # noqa: N818 - a signal, not an error: the first layer's input was seen
