@@ -17,6 +17,7 @@ xdist=()
 if [ "$workers" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then
   xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
+source "$root/scripts/hash_seed.sh"  # PYTHONHASHSEED: drawn unless given, exported, printed
 set +e
 pins="${AUTOMODEL_PINS:-$root/constraints.txt}"
 [ "$pins" = none ] && pins=""

@@ -57,6 +57,7 @@ echo "[pins] what moved against constraints.txt:"
 
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+source "$root/scripts/hash_seed.sh"  # PYTHONHASHSEED: drawn unless given, exported, printed
 start=$SECONDS
 set +e
 "$py" -m ruff check automodel recipes scripts tests examples && \

@@ -110,3 +110,18 @@ def test_installed_reads_the_distribution_the_interpreter_imports(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path / "system"))
     monkeypatch.syspath_prepend(str(tmp_path / "venv"))  # first on sys.path
     assert pins_py.installed()[pins_py.canonical("pin-probe-pkg")] == "2.0"
+
+
+def test_the_suite_runs_under_the_hash_seed_it_printed():
+    """scripts/test.sh draws ``PYTHONHASHSEED`` unless it is given, exports it and prints it: the order of every set, and
+    any choice made by iterating one, repeats under the printed seed. This worker (an interpreter of its own) and a
+    child process hash a string alike, so both run under it (a process without the variable draws its own)."""
+    import sys
+
+    if not os.environ.get("AUTOMODEL_REQUIRE_EXTRAS"):
+        pytest.skip("scripts/test.sh sets the seed; a bare pytest run keeps Python's own draw")
+    seed = os.environ.get("PYTHONHASHSEED", "")
+    assert seed.isdigit() and 0 < int(seed) <= 4294967295, seed
+    child = subprocess.run([sys.executable, "-c", "print(hash('automodel'))"], capture_output=True, text=True,
+                           env=dict(os.environ), check=True, timeout=60)  # fmt: skip
+    assert int(child.stdout) == hash("automodel")
