@@ -88,7 +88,7 @@ def residual_saved(layer: torch.nn.Module, config: Any, streams: int,  # noqa: A
     compute dtype, as its model hands it (:func:`residual_fp32`: ZAYA). ``None`` where the layer's class cannot be
     built or run so on the meta device (the planner then counts its norms and residual alone)."""
     cls = _model_class(layer)
-    key = (cls, streams, fp32_stream, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+    key = _probe_key(cls, layer, config, streams, fp32_stream)
     return probe_pair(_CACHE, key, lambda dtype: _saved_on_meta(cls, config, streams, dtype, fp32_stream))
 
 
@@ -113,8 +113,13 @@ def residual_backward_extra(layer: torch.nn.Module, config: Any, streams: int,  
     the output's gradient counted, at :data:`_PEAK_TOKENS`' two lengths: per token the difference (the parameters'
     gradients, a constant, cancel). ``None`` where the layer cannot be run so."""
     cls = _model_class(layer)
-    key = (cls, streams, fp32_stream, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+    key = _probe_key(cls, layer, config, streams, fp32_stream)
     return probe_pair(_BACKWARD_CACHE, key, lambda dtype: _on_meta(cls, config, streams, dtype, fp32_stream, _backward_extra))
+
+
+def _probe_key(cls: type, layer: torch.nn.Module, config: Any, streams: int, fp32_stream: bool) -> tuple:  # noqa: ANN401
+    """What a probe of the stubbed layer depends on: its class, streams, input dtype, width and parameter shapes."""
+    return (cls, streams, fp32_stream, config.hidden_size, tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
 
 
 #: the two lengths of :func:`residual_backward_extra`'s probe (on the meta device they cost nothing)
